@@ -1,0 +1,501 @@
+//! The nftables intermediate representation: the complete desired ruleset of the `nodelb` table as
+//! plain data with stable names, plus its rendering in `nft` syntax (for golden tests, humans and the
+//! `nft -f` benchmark). The planner produces it, the `nft` module encodes it into netlink, and the
+//! tracer evaluates it. Expressions sit at the level of nft statements (`ip saddr 192.0.2.0/24`), not
+//! registers: lowering to kernel expressions is the encoder's job.
+
+use std::collections::BTreeMap;
+use std::fmt::{self, Write as _};
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+
+/// The one table nodelb owns. `inet` so one table serves IPv4 and IPv6.
+pub const TABLE_NAME: &str = "nodelb";
+
+/// Address family of a packet (`meta nfproto`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+pub enum Family {
+    Ipv4,
+    Ipv6,
+}
+
+impl Family {
+    pub const ALL: [Family; 2] = [Family::Ipv4, Family::Ipv6];
+
+    pub fn of(addr: &IpAddr) -> Family {
+        match addr {
+            IpAddr::V4(_) => Family::Ipv4,
+            IpAddr::V6(_) => Family::Ipv6,
+        }
+    }
+
+    /// `ipv4` / `ipv6`, as nft writes it and as set names use it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Ipv4 => "ipv4",
+            Family::Ipv6 => "ipv6",
+        }
+    }
+
+    /// NFPROTO_* value.
+    pub fn nfproto(self) -> u8 {
+        match self {
+            Family::Ipv4 => 2,
+            Family::Ipv6 => 10,
+        }
+    }
+}
+
+impl fmt::Display for Family {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Transport protocol of a service port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+    Sctp,
+}
+
+impl Protocol {
+    /// IPPROTO_* value.
+    pub fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => 6,
+            Protocol::Udp => 17,
+            Protocol::Sctp => 132,
+        }
+    }
+
+    pub fn from_number(n: u8) -> Option<Protocol> {
+        match n {
+            6 => Some(Protocol::Tcp),
+            17 => Some(Protocol::Udp),
+            132 => Some(Protocol::Sctp),
+            _ => None,
+        }
+    }
+
+    /// Lower-case name as nft writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+            Protocol::Sctp => "sctp",
+        }
+    }
+
+    /// Kubernetes spelling (`TCP`).
+    pub fn k8s_name(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
+        }
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.k8s_name())
+    }
+}
+
+/// Netfilter hooks used by base chains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Hook {
+    Prerouting,
+    Input,
+    Forward,
+    Output,
+    Postrouting,
+}
+
+impl Hook {
+    /// NF_INET_* hook number.
+    pub fn number(self) -> u32 {
+        match self {
+            Hook::Prerouting => 0,
+            Hook::Input => 1,
+            Hook::Forward => 2,
+            Hook::Output => 3,
+            Hook::Postrouting => 4,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Hook::Prerouting => "prerouting",
+            Hook::Input => "input",
+            Hook::Forward => "forward",
+            Hook::Output => "output",
+            Hook::Postrouting => "postrouting",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ChainType {
+    Filter,
+    Nat,
+}
+
+impl ChainType {
+    pub fn name(self) -> &'static str {
+        match self {
+            ChainType::Filter => "filter",
+            ChainType::Nat => "nat",
+        }
+    }
+}
+
+/// Well-known priorities (include/uapi/linux/netfilter_ipv4.h).
+pub mod priority {
+    pub const DSTNAT: i32 = -100;
+    pub const FILTER: i32 = 0;
+    pub const SRCNAT: i32 = 100;
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BaseChain {
+    pub chain_type: ChainType,
+    pub hook: Hook,
+    pub priority: i32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Chain {
+    pub name: String,
+    /// `None` for regular chains reached by jump/goto/vmap.
+    pub base: Option<BaseChain>,
+    pub rules: Vec<Rule>,
+    pub comment: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Rule {
+    pub exprs: Vec<Expr>,
+    pub comment: Option<String>,
+}
+
+impl Rule {
+    pub fn new(exprs: Vec<Expr>) -> Rule {
+        Rule { exprs, comment: None }
+    }
+
+    pub fn with_comment(mut self, comment: impl Into<String>) -> Rule {
+        self.comment = Some(comment.into());
+        self
+    }
+}
+
+/// A verdict, as a rule's final statement or as the data of a verdict map element.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Verdict {
+    Accept,
+    Drop,
+    Return,
+    Jump(String),
+    Goto(String),
+}
+
+/// Conntrack states (`ct state`), as the bits the kernel uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum CtState {
+    Invalid,
+    Established,
+    Related,
+    New,
+}
+
+impl CtState {
+    /// NF_CT_STATE_*_BIT.
+    pub fn bit(self) -> u32 {
+        match self {
+            CtState::Invalid => 1,
+            CtState::Established => 1 << 1,
+            CtState::Related => 1 << 2,
+            CtState::New => 1 << 3,
+        }
+    }
+}
+
+/// One statement of a rule. Matches stop evaluation of the rule when they do not match;
+/// statements act; a verdict ends the rule.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Expr {
+    /// `meta nfproto ipv4`
+    NfProto(Family),
+    /// `meta l4proto tcp`
+    L4Proto(Protocol),
+    /// `fib daddr type local`
+    FibDaddrLocal,
+    /// `ip saddr 192.0.2.0/24` (family implied by the prefix); `negate` gives `!=`.
+    SaddrInPrefix { prefix: IpNet, negate: bool },
+    /// `ip daddr 127.0.0.0/8`; `negate` gives `!=`.
+    DaddrInPrefix { prefix: IpNet, negate: bool },
+    /// `ct state new` (any of the listed states)
+    CtState(Vec<CtState>),
+    /// `ct status dnat`
+    CtStatusDnat,
+    /// `meta mark & bit == bit`
+    MarkHas(u32),
+    /// `meta mark set mark | bit`
+    MarkSet(u32),
+    /// `meta mark set mark ^ bit` (clears a bit known to be set)
+    MarkXor(u32),
+    /// `counter` (packets and bytes; read back for metrics)
+    Counter,
+    /// `meta l4proto . th dport vmap @map`
+    L4ProtoDportVmap { map: String },
+    /// `meta l4proto . ct original proto-dst vmap @map`
+    L4ProtoCtOrigDportVmap { map: String },
+    /// `<family> saddr . meta l4proto . th sport @set` (packet comes from one of these endpoints)
+    SaddrL4ProtoSportInSet { family: Family, set: String },
+    /// `numgen random mod N vmap { 0 : goto a, 1 : goto b, ... }` (N = targets.len())
+    NumgenRandomVmap { targets: Vec<Verdict> },
+    /// `dnat ip to 10.0.0.1:8080`
+    Dnat { addr: IpAddr, port: u16 },
+    /// `masquerade`
+    Masquerade,
+    /// `reject with tcp reset`
+    RejectTcpReset,
+    /// `reject` (icmpx port-unreachable)
+    RejectIcmpPortUnreachable,
+    /// A verdict statement.
+    Verdict(Verdict),
+}
+
+/// One part of a set key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum KeyType {
+    /// `inet_proto` (1 byte, padded to 4 in concatenations)
+    InetProto,
+    /// `inet_service` (2 bytes big endian, padded to 4)
+    InetService,
+    /// `ipv4_addr`
+    Ipv4Addr,
+    /// `ipv6_addr`
+    Ipv6Addr,
+}
+
+impl KeyType {
+    pub fn name(self) -> &'static str {
+        match self {
+            KeyType::InetProto => "inet_proto",
+            KeyType::InetService => "inet_service",
+            KeyType::Ipv4Addr => "ipv4_addr",
+            KeyType::Ipv6Addr => "ipv6_addr",
+        }
+    }
+}
+
+/// One part of a set element key; matches a [`KeyType`] position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum KeyPart {
+    Proto(Protocol),
+    Port(u16),
+    Addr(IpAddr),
+}
+
+pub type Key = Vec<KeyPart>;
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Set {
+    pub name: String,
+    pub key: Vec<KeyType>,
+    /// `true` for a verdict map (`: verdict`), `false` for a plain set.
+    pub verdict_map: bool,
+    /// Element key → verdict (always `None` for plain sets).
+    pub elements: BTreeMap<Key, Option<Verdict>>,
+    pub comment: Option<String>,
+}
+
+/// The complete desired content of the `nodelb` table.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Ruleset {
+    pub chains: BTreeMap<String, Chain>,
+    pub sets: BTreeMap<String, Set>,
+}
+
+impl Ruleset {
+    pub fn add_chain(&mut self, chain: Chain) {
+        self.chains.insert(chain.name.clone(), chain);
+    }
+
+    pub fn add_set(&mut self, set: Set) {
+        self.sets.insert(set.name.clone(), set);
+    }
+
+    /// Renders the ruleset in `nft` syntax, loadable with `nft -f` (base chains first, then
+    /// regular chains, each group sorted by name, so the output is stable for golden tests).
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(out, "table inet {TABLE_NAME} {{");
+        for set in self.sets.values() {
+            render_set(&mut out, set);
+        }
+        let base = self.chains.values().filter(|c| c.base.is_some());
+        let regular = self.chains.values().filter(|c| c.base.is_none());
+        for chain in base.chain(regular) {
+            render_chain(&mut out, chain);
+        }
+        out.push_str("}\n");
+        out
+    }
+}
+
+fn render_set(out: &mut String, set: &Set) {
+    let kind = if set.verdict_map { "map" } else { "set" };
+    let key: Vec<&str> = set.key.iter().map(|k| k.name()).collect();
+    let _ = writeln!(out, "\t{kind} {} {{", set.name);
+    if set.verdict_map {
+        let _ = writeln!(out, "\t\ttype {} : verdict", key.join(" . "));
+    } else {
+        let _ = writeln!(out, "\t\ttype {}", key.join(" . "));
+    }
+    if let Some(c) = &set.comment {
+        let _ = writeln!(out, "\t\tcomment {}", quote(c));
+    }
+    if !set.elements.is_empty() {
+        let elems: Vec<String> = set
+            .elements
+            .iter()
+            .map(|(k, v)| match v {
+                Some(v) => format!("{} : {}", render_key(k), render_verdict(v)),
+                None => render_key(k),
+            })
+            .collect();
+        let _ = writeln!(out, "\t\telements = {{ {} }}", elems.join(",\n\t\t\t     "));
+    }
+    out.push_str("\t}\n");
+}
+
+fn render_chain(out: &mut String, chain: &Chain) {
+    let _ = writeln!(out, "\tchain {} {{", chain.name);
+    if let Some(c) = &chain.comment {
+        let _ = writeln!(out, "\t\tcomment {}", quote(c));
+    }
+    if let Some(b) = &chain.base {
+        let _ = writeln!(
+            out,
+            "\t\ttype {} hook {} priority {}; policy accept;",
+            b.chain_type.name(),
+            b.hook.name(),
+            b.priority
+        );
+    }
+    for rule in &chain.rules {
+        let _ = writeln!(out, "\t\t{}", render_rule(rule));
+    }
+    out.push_str("\t}\n");
+}
+
+fn quote(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "'"))
+}
+
+pub fn render_key(key: &Key) -> String {
+    let parts: Vec<String> = key
+        .iter()
+        .map(|p| match p {
+            KeyPart::Proto(p) => p.name().to_string(),
+            KeyPart::Port(n) => n.to_string(),
+            KeyPart::Addr(a) => a.to_string(),
+        })
+        .collect();
+    parts.join(" . ")
+}
+
+pub fn render_verdict(v: &Verdict) -> String {
+    match v {
+        Verdict::Accept => "accept".into(),
+        Verdict::Drop => "drop".into(),
+        Verdict::Return => "return".into(),
+        Verdict::Jump(c) => format!("jump {c}"),
+        Verdict::Goto(c) => format!("goto {c}"),
+    }
+}
+
+fn prefix_family_word(p: &IpNet) -> &'static str {
+    match p {
+        IpNet::V4(_) => "ip",
+        IpNet::V6(_) => "ip6",
+    }
+}
+
+pub fn render_rule(rule: &Rule) -> String {
+    let mut parts: Vec<String> = rule.exprs.iter().map(render_expr).collect();
+    if let Some(c) = &rule.comment {
+        parts.push(format!("comment {}", quote(c)));
+    }
+    parts.join(" ")
+}
+
+pub fn render_expr(e: &Expr) -> String {
+    match e {
+        Expr::NfProto(f) => format!("meta nfproto {}", f.name()),
+        Expr::L4Proto(p) => format!("meta l4proto {}", p.name()),
+        Expr::FibDaddrLocal => "fib daddr type local".into(),
+        Expr::SaddrInPrefix { prefix, negate } => format!(
+            "{} saddr {}{}",
+            prefix_family_word(prefix),
+            if *negate { "!= " } else { "" },
+            prefix.trunc()
+        ),
+        Expr::DaddrInPrefix { prefix, negate } => format!(
+            "{} daddr {}{}",
+            prefix_family_word(prefix),
+            if *negate { "!= " } else { "" },
+            prefix.trunc()
+        ),
+        Expr::CtState(states) => {
+            let names: Vec<&str> = states
+                .iter()
+                .map(|s| match s {
+                    CtState::Invalid => "invalid",
+                    CtState::Established => "established",
+                    CtState::Related => "related",
+                    CtState::New => "new",
+                })
+                .collect();
+            format!("ct state {}", names.join(","))
+        }
+        Expr::CtStatusDnat => "ct status dnat".into(),
+        Expr::MarkHas(bit) => format!("meta mark & {bit:#010x} == {bit:#010x}"),
+        Expr::MarkSet(bit) => format!("meta mark set meta mark | {bit:#010x}"),
+        Expr::MarkXor(bit) => format!("meta mark set meta mark ^ {bit:#010x}"),
+        Expr::Counter => "counter".into(),
+        Expr::L4ProtoDportVmap { map } => format!("meta l4proto . th dport vmap @{map}"),
+        Expr::L4ProtoCtOrigDportVmap { map } => {
+            format!("meta l4proto . ct original proto-dst vmap @{map}")
+        }
+        Expr::SaddrL4ProtoSportInSet { family, set } => {
+            let word = match family {
+                Family::Ipv4 => "ip",
+                Family::Ipv6 => "ip6",
+            };
+            format!("{word} saddr . meta l4proto . th sport @{set}")
+        }
+        Expr::NumgenRandomVmap { targets } => {
+            let elems: Vec<String> = targets
+                .iter()
+                .enumerate()
+                .map(|(i, v)| format!("{i} : {}", render_verdict(v)))
+                .collect();
+            format!("numgen random mod {} vmap {{ {} }}", targets.len(), elems.join(", "))
+        }
+        Expr::Dnat { addr, port } => match addr {
+            IpAddr::V4(a) => format!("dnat ip to {a}:{port}"),
+            IpAddr::V6(a) => format!("dnat ip6 to [{a}]:{port}"),
+        },
+        Expr::Masquerade => "masquerade".into(),
+        Expr::RejectTcpReset => "reject with tcp reset".into(),
+        Expr::RejectIcmpPortUnreachable => "reject".into(),
+        Expr::Verdict(v) => render_verdict(v),
+    }
+}
