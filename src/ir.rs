@@ -499,3 +499,51 @@ pub fn render_expr(e: &Expr) -> String {
         Expr::Verdict(v) => render_verdict(v),
     }
 }
+
+/// One step of a netlink transaction against the `nodelb` table. The planner emits a list of these
+/// (a full replace or a diff); the `nft` module encodes the whole list as ONE batch, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    /// Create the table if missing (no-op if present).
+    AddTable,
+    /// Delete the table and everything in it.
+    DeleteTable,
+    /// Create a chain (its `rules` are ignored here; they come as [`Change::AddRule`]).
+    AddChain(Chain),
+    /// Remove every rule of a chain.
+    FlushChain(String),
+    /// Delete an (empty, unreferenced) chain.
+    DeleteChain(String),
+    /// Append a rule to a chain.
+    AddRule { chain: String, rule: Rule },
+    /// Create a set or map (its `elements` are ignored here; they come as [`Change::AddElements`]).
+    AddSet(Set),
+    DeleteSet(String),
+    AddElements { set: String, elements: Vec<(Key, Option<Verdict>)> },
+    DeleteElements { set: String, keys: Vec<Key> },
+}
+
+impl Ruleset {
+    /// The changes that replace whatever the kernel holds with exactly `self`, atomically:
+    /// create-if-missing, delete, then build everything. Chains come before sets (map elements
+    /// point at chains) and sets before rules (rules look up sets).
+    pub fn full_replace(&self) -> Vec<Change> {
+        let mut changes = vec![Change::AddTable, Change::DeleteTable, Change::AddTable];
+        changes.extend(self.chains.values().map(|c| Change::AddChain(c.clone())));
+        for set in self.sets.values() {
+            changes.push(Change::AddSet(set.clone()));
+            if !set.elements.is_empty() {
+                changes.push(Change::AddElements {
+                    set: set.name.clone(),
+                    elements: set.elements.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+                });
+            }
+        }
+        for chain in self.chains.values() {
+            for rule in &chain.rules {
+                changes.push(Change::AddRule { chain: chain.name.clone(), rule: rule.clone() });
+            }
+        }
+        changes
+    }
+}
