@@ -1,0 +1,4 @@
+//! Shared support for integration tests (each test binary includes it with `mod common;`).
+#![allow(dead_code)]
+
+pub mod netns;
