@@ -6,3 +6,5 @@
 
 pub mod ir;
 pub mod model;
+pub mod plan;
+pub mod trace;

@@ -1,0 +1,581 @@
+//! The planner: validated services + their node ports + node facts: the complete desired ruleset
+//! of the `nodelb` table (pure, no I/O), and the diff between two rulesets as a list of
+//! [`Change`]s so that a small change is a small netlink batch.
+//!
+//! Layout (see docs/design.md for why each piece sits where it does):
+//!
+//! ```text
+//! filter-prerouting  filter  prerouting -110  ct state new, local daddr: vmap @firewall-ports-<fam>
+//! filter-output      filter  output     -110  same, for node-originated traffic
+//! nat-prerouting     nat     prerouting -100  local daddr: vmap @service-ports-<fam> (goto svc chain)
+//! nat-output         nat     output     -100  same, for node-originated traffic
+//! nat-postrouting    nat     postrouting 100  masquerade what a svc chain marked
+//! filter-forward     filter  forward       0  drop invalid from our endpoints; count+accept our flows
+//! svc<4|6>-…         per service port & family: counter, mark for masquerade, numgen: ep chains
+//! ep<4|6>-…          per endpoint: dnat
+//! fw<4|6>-…          per service port & family with source ranges: allowed saddr: continue, else drop
+//! fwd<4|6>-…         per service port & family: counter accept (per-service traffic counters)
+//! no-endpoints       reject (TCP reset / ICMP port unreachable)
+//! ```
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+
+use crate::ir::{
+    BaseChain, Chain, ChainType, Change, CtState, Expr, Family, Hook, Key, KeyPart, KeyType,
+    Protocol, Rule, Ruleset, Set, Verdict, priority,
+};
+use crate::model::{Endpoint, LbPort, LbService, PortId, TrafficPolicy};
+
+/// Default packet-mark bit meaning "masquerade this connection's first packet in postrouting".
+/// Same bit and meaning as kube-proxy's masquerade mark, so the two agree if both see it.
+pub const DEFAULT_MASQUERADE_MARK: u32 = 0x4000;
+
+pub const CHAIN_FILTER_PREROUTING: &str = "filter-prerouting";
+pub const CHAIN_FILTER_OUTPUT: &str = "filter-output";
+pub const CHAIN_FILTER_FORWARD: &str = "filter-forward";
+pub const CHAIN_NAT_PREROUTING: &str = "nat-prerouting";
+pub const CHAIN_NAT_OUTPUT: &str = "nat-output";
+pub const CHAIN_NAT_POSTROUTING: &str = "nat-postrouting";
+pub const CHAIN_NO_ENDPOINTS: &str = "no-endpoints";
+
+/// Longest chain name we generate (the kernel allows 256 bytes).
+const MAX_CHAIN_NAME: usize = 200;
+
+/// What the planner needs to know about this node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeFacts {
+    /// Node name, to tell local endpoints (`externalTrafficPolicy: Local`) from remote ones.
+    pub node_name: String,
+    /// Families this node may program (forwarding enabled). Others get no rules at all.
+    pub families: BTreeSet<Family>,
+    pub masquerade_mark: u32,
+}
+
+/// One service to program, with the node ports allocated to its ports (a port without an
+/// allocation is not programmed).
+#[derive(Debug, Clone)]
+pub struct ServicePlan<'a> {
+    pub service: &'a LbService,
+    pub node_ports: &'a BTreeMap<PortId, u16>,
+}
+
+/// Names of the per-family sets and maps.
+pub fn service_ports_map(f: Family) -> String {
+    format!("service-ports-{}", f.name())
+}
+pub fn firewall_ports_map(f: Family) -> String {
+    format!("firewall-ports-{}", f.name())
+}
+pub fn forward_ports_map(f: Family) -> String {
+    format!("forward-ports-{}", f.name())
+}
+pub fn endpoints_set(f: Family) -> String {
+    format!("endpoints-{}", f.name())
+}
+
+fn fam_digit(f: Family) -> char {
+    match f {
+        Family::Ipv4 => '4',
+        Family::Ipv6 => '6',
+    }
+}
+
+/// FNV-1a, 64 bit: stable across runs and versions (unlike `DefaultHasher`).
+pub fn fnv1a(data: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in data {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// Keeps characters nft accepts in an unquoted identifier (`[a-zA-Z0-9/\-_.]`).
+fn sanitize(s: &str) -> String {
+    s.chars()
+        .map(|c| if c.is_ascii_alphanumeric() || "/-_.".contains(c) { c } else { '.' })
+        .collect()
+}
+
+/// `<kind><4|6>-<hash>-<readable suffix>`: the hash makes it unique and stable, the suffix makes
+/// `nft list ruleset` readable. Truncated to a safe length (the hash keeps it unique).
+fn chain_name(kind: &str, family: Family, identity: &str) -> String {
+    let hash = fnv1a(format!("{kind}|{}|{identity}", family.name()).as_bytes());
+    let mut name = format!("{kind}{}-{:08x}-{}", fam_digit(family), hash as u32, sanitize(identity));
+    if name.len() > MAX_CHAIN_NAME {
+        name.truncate(MAX_CHAIN_NAME);
+    }
+    name
+}
+
+fn port_identity(svc: &LbService, port: &LbPort) -> String {
+    format!(
+        "{}/{}/{}/{}",
+        svc.key.namespace,
+        svc.key.name,
+        port.id.protocol.name(),
+        port.id.port
+    )
+}
+
+pub fn service_chain(f: Family, svc: &LbService, port: &LbPort) -> String {
+    chain_name("svc", f, &port_identity(svc, port))
+}
+pub fn firewall_chain(f: Family, svc: &LbService, port: &LbPort) -> String {
+    chain_name("fw", f, &port_identity(svc, port))
+}
+pub fn forward_chain(f: Family, svc: &LbService, port: &LbPort) -> String {
+    chain_name("fwd", f, &port_identity(svc, port))
+}
+pub fn endpoint_chain(f: Family, svc: &LbService, port: &LbPort, ep: &Endpoint) -> String {
+    let addr = match ep.addr {
+        IpAddr::V4(a) => a.to_string(),
+        IpAddr::V6(a) => a.to_string().replace(':', "."),
+    };
+    chain_name("ep", f, &format!("{}__{addr}/{}", port_identity(svc, port), ep.port))
+}
+
+/// The endpoints a service port uses on this node for one family: ready ones; if none is ready,
+/// the serving-and-terminating ones (graceful termination, as kube-proxy does); with
+/// `externalTrafficPolicy: Local` only those on this node.
+pub fn usable_endpoints<'a>(
+    svc: &LbService,
+    port: &'a LbPort,
+    family: Family,
+    node_name: &str,
+) -> Vec<&'a Endpoint> {
+    let candidates: Vec<&Endpoint> = port
+        .endpoints
+        .iter()
+        .filter(|e| Family::of(&e.addr) == family)
+        .filter(|e| {
+            svc.traffic_policy == TrafficPolicy::Cluster || e.node_name.as_deref() == Some(node_name)
+        })
+        .collect();
+    let ready: Vec<&Endpoint> = candidates.iter().copied().filter(|e| e.ready).collect();
+    if !ready.is_empty() {
+        return ready;
+    }
+    candidates.into_iter().filter(|e| e.serving && e.terminating).collect()
+}
+
+fn loopback(f: Family) -> IpNet {
+    match f {
+        Family::Ipv4 => "127.0.0.0/8".parse().expect("literal"),
+        Family::Ipv6 => "::1/128".parse().expect("literal"),
+    }
+}
+
+/// The per-family dispatch rule: local, non-loopback destination: verdict map lookup.
+fn dispatch_rule(f: Family, pre: Vec<Expr>, map: String) -> Rule {
+    let mut exprs = pre;
+    exprs.push(Expr::NfProto(f));
+    exprs.push(Expr::DaddrInPrefix { prefix: loopback(f), negate: true });
+    exprs.push(Expr::FibDaddrLocal);
+    exprs.push(Expr::L4ProtoDportVmap { map });
+    Rule::new(exprs)
+}
+
+fn base(name: &str, chain_type: ChainType, hook: Hook, priority: i32, rules: Vec<Rule>) -> Chain {
+    Chain {
+        name: name.to_string(),
+        base: Some(BaseChain { chain_type, hook, priority }),
+        rules,
+        comment: None,
+    }
+}
+
+fn regular(name: String, comment: Option<String>, rules: Vec<Rule>) -> Chain {
+    Chain { name, base: None, rules, comment }
+}
+
+fn port_map(name: String, comment: &str) -> Set {
+    Set {
+        name,
+        key: vec![KeyType::InetProto, KeyType::InetService],
+        verdict_map: true,
+        elements: BTreeMap::new(),
+        comment: Some(comment.to_string()),
+    }
+}
+
+/// The complete desired ruleset. Families not in `node.families` get their sets but no elements,
+/// so nothing of that family is served.
+pub fn plan(services: &[ServicePlan<'_>], node: &NodeFacts) -> Ruleset {
+    let mut rs = Ruleset::default();
+
+    // Skeleton: always present, so the table's shape does not depend on the services.
+    for f in Family::ALL {
+        rs.add_set(port_map(service_ports_map(f), "protocol . node port: service chain (DNAT)"));
+        rs.add_set(port_map(
+            firewall_ports_map(f),
+            "protocol . node port: source-range check / no-endpoint reject",
+        ));
+        rs.add_set(port_map(forward_ports_map(f), "protocol . node port: per-service counters"));
+        let addr = match f {
+            Family::Ipv4 => KeyType::Ipv4Addr,
+            Family::Ipv6 => KeyType::Ipv6Addr,
+        };
+        rs.add_set(Set {
+            name: endpoints_set(f),
+            key: vec![addr, KeyType::InetProto, KeyType::InetService],
+            verdict_map: false,
+            elements: BTreeMap::new(),
+            comment: Some("endpoint address . protocol . port of every programmed endpoint".into()),
+        });
+    }
+    let new_state = || vec![Expr::CtState(vec![CtState::New])];
+    let filter_dispatch: Vec<Rule> =
+        Family::ALL.iter().map(|&f| dispatch_rule(f, new_state(), firewall_ports_map(f))).collect();
+    let nat_dispatch: Vec<Rule> =
+        Family::ALL.iter().map(|&f| dispatch_rule(f, vec![], service_ports_map(f))).collect();
+    rs.add_chain(base(
+        CHAIN_FILTER_PREROUTING,
+        ChainType::Filter,
+        Hook::Prerouting,
+        priority::DSTNAT - 10,
+        filter_dispatch.clone(),
+    ));
+    rs.add_chain(base(
+        CHAIN_FILTER_OUTPUT,
+        ChainType::Filter,
+        Hook::Output,
+        priority::DSTNAT - 10,
+        filter_dispatch,
+    ));
+    rs.add_chain(base(
+        CHAIN_NAT_PREROUTING,
+        ChainType::Nat,
+        Hook::Prerouting,
+        priority::DSTNAT,
+        nat_dispatch.clone(),
+    ));
+    rs.add_chain(base(CHAIN_NAT_OUTPUT, ChainType::Nat, Hook::Output, priority::DSTNAT, nat_dispatch));
+    let mark = node.masquerade_mark;
+    rs.add_chain(base(
+        CHAIN_NAT_POSTROUTING,
+        ChainType::Nat,
+        Hook::Postrouting,
+        priority::SRCNAT,
+        vec![Rule::new(vec![Expr::MarkHas(mark), Expr::MarkXor(mark), Expr::Masquerade])],
+    ));
+    let mut forward_rules = Vec::new();
+    for f in Family::ALL {
+        forward_rules.push(Rule::new(vec![
+            Expr::NfProto(f),
+            Expr::CtState(vec![CtState::Invalid]),
+            Expr::SaddrL4ProtoSportInSet { family: f, set: endpoints_set(f) },
+            Expr::Counter,
+            Expr::Verdict(Verdict::Drop),
+        ]));
+    }
+    for f in Family::ALL {
+        forward_rules.push(Rule::new(vec![
+            Expr::NfProto(f),
+            Expr::CtStatusDnat,
+            Expr::L4ProtoCtOrigDportVmap { map: forward_ports_map(f) },
+        ]));
+    }
+    rs.add_chain(base(
+        CHAIN_FILTER_FORWARD,
+        ChainType::Filter,
+        Hook::Forward,
+        priority::FILTER,
+        forward_rules,
+    ));
+    rs.add_chain(regular(
+        CHAIN_NO_ENDPOINTS.to_string(),
+        Some("service port has no usable endpoint: refuse, never black-hole".into()),
+        vec![
+            Rule::new(vec![Expr::L4Proto(Protocol::Tcp), Expr::RejectTcpReset]),
+            Rule::new(vec![Expr::RejectIcmpPortUnreachable]),
+        ],
+    ));
+
+    for sp in services {
+        for port in &sp.service.ports {
+            let Some(&node_port) = sp.node_ports.get(&port.id) else { continue };
+            for &f in &sp.service.families {
+                if node.families.contains(&f) {
+                    plan_port(&mut rs, sp.service, port, node_port, f, node);
+                }
+            }
+        }
+    }
+    rs
+}
+
+fn plan_port(
+    rs: &mut Ruleset,
+    svc: &LbService,
+    port: &LbPort,
+    node_port: u16,
+    f: Family,
+    node: &NodeFacts,
+) {
+    let key: Key = vec![KeyPart::Proto(port.id.protocol), KeyPart::Port(node_port)];
+    let label = format!("{} {}: node port {node_port}", svc.key, port.id);
+    let endpoints = usable_endpoints(svc, port, f, &node.node_name);
+
+    // Source ranges and the no-endpoint reject run in filter-prerouting, before any DNAT.
+    let ranges: Vec<&IpNet> = svc.source_ranges.iter().filter(|r| Family::of(&r.addr()) == f).collect();
+    let after_allowed =
+        if endpoints.is_empty() { Verdict::Goto(CHAIN_NO_ENDPOINTS.into()) } else { Verdict::Return };
+    if !svc.source_ranges.is_empty() {
+        // Ranges of the other family only ⇒ nobody of this family is allowed: fail closed.
+        let fw = firewall_chain(f, svc, port);
+        let mut rules: Vec<Rule> = ranges
+            .iter()
+            .map(|r| {
+                Rule::new(vec![
+                    Expr::SaddrInPrefix { prefix: **r, negate: false },
+                    Expr::Verdict(after_allowed.clone()),
+                ])
+            })
+            .collect();
+        rules.push(Rule::new(vec![Expr::Counter, Expr::Verdict(Verdict::Drop)]));
+        rs.add_chain(regular(fw.clone(), Some(format!("{label}: source ranges")), rules));
+        insert_element(rs, &firewall_ports_map(f), key.clone(), Verdict::Goto(fw));
+    } else if endpoints.is_empty() {
+        insert_element(rs, &firewall_ports_map(f), key.clone(), Verdict::Goto(CHAIN_NO_ENDPOINTS.into()));
+    }
+    if endpoints.is_empty() {
+        return;
+    }
+
+    let mut targets = Vec::with_capacity(endpoints.len());
+    for ep in &endpoints {
+        let name = endpoint_chain(f, svc, port, ep);
+        rs.add_chain(regular(
+            name.clone(),
+            None,
+            vec![Rule::new(vec![Expr::Dnat { addr: ep.addr, port: ep.port }])],
+        ));
+        targets.push(Verdict::Goto(name));
+        if let Some(set) = rs.sets.get_mut(&endpoints_set(f)) {
+            set.elements.insert(
+                vec![KeyPart::Addr(ep.addr), KeyPart::Proto(port.id.protocol), KeyPart::Port(ep.port)],
+                None,
+            );
+        }
+    }
+    let mut rules = vec![];
+    let mut first = vec![Expr::Counter];
+    if svc.traffic_policy == TrafficPolicy::Cluster {
+        first.push(Expr::MarkSet(node.masquerade_mark));
+    }
+    rules.push(Rule::new(first));
+    if targets.len() == 1 {
+        rules.push(Rule::new(vec![Expr::Verdict(targets.remove(0))]));
+    } else {
+        rules.push(Rule::new(vec![Expr::NumgenRandomVmap { targets }]));
+    }
+    let svc_chain = service_chain(f, svc, port);
+    rs.add_chain(regular(svc_chain.clone(), Some(label.clone()), rules));
+    insert_element(rs, &service_ports_map(f), key.clone(), Verdict::Goto(svc_chain));
+
+    let fwd = forward_chain(f, svc, port);
+    rs.add_chain(regular(
+        fwd.clone(),
+        Some(format!("{label}: forwarded traffic")),
+        vec![Rule::new(vec![Expr::Counter, Expr::Verdict(Verdict::Accept)])],
+    ));
+    insert_element(rs, &forward_ports_map(f), key, Verdict::Goto(fwd));
+}
+
+fn insert_element(rs: &mut Ruleset, set: &str, key: Key, verdict: Verdict) {
+    if let Some(set) = rs.sets.get_mut(set) {
+        set.elements.insert(key, Some(verdict));
+    }
+}
+
+/// Changes that turn the kernel state `old` (as we last programmed and verified it) into `new`.
+/// Falls back to [`Ruleset::full_replace`] when a base chain or a set's type changes, which an
+/// incremental update cannot express. Order within the batch:
+/// new chains: new sets: rules of new/changed chains: element removals: element additions →
+/// flush then delete removed chains: delete removed sets (references are gone before deletions).
+pub fn diff(old: &Ruleset, new: &Ruleset) -> Vec<Change> {
+    let structural = old.chains.iter().any(|(name, c)| {
+        new.chains.get(name).is_some_and(|n| n.base != c.base)
+    }) || old.sets.iter().any(|(name, s)| {
+        new.sets.get(name).is_some_and(|n| n.key != s.key || n.verdict_map != s.verdict_map)
+    });
+    if structural {
+        return new.full_replace();
+    }
+
+    let mut changes = Vec::new();
+    for (name, chain) in &new.chains {
+        if !old.chains.contains_key(name) {
+            changes.push(Change::AddChain(chain.clone()));
+        }
+    }
+    for (name, set) in &new.sets {
+        if !old.sets.contains_key(name) {
+            changes.push(Change::AddSet(set.clone()));
+        }
+    }
+    for (name, chain) in &new.chains {
+        match old.chains.get(name) {
+            Some(o) if o.rules == chain.rules => {}
+            Some(_) => {
+                changes.push(Change::FlushChain(name.clone()));
+                push_rules(&mut changes, chain);
+            }
+            None => push_rules(&mut changes, chain),
+        }
+    }
+    let empty = BTreeMap::new();
+    for (name, set) in &new.sets {
+        let old_elems = old.sets.get(name).map(|s| &s.elements).unwrap_or(&empty);
+        let removed: Vec<Key> = old_elems
+            .iter()
+            .filter(|(k, v)| set.elements.get(*k) != Some(*v))
+            .map(|(k, _)| k.clone())
+            .collect();
+        if !removed.is_empty() {
+            changes.push(Change::DeleteElements { set: name.clone(), keys: removed });
+        }
+    }
+    for (name, set) in &new.sets {
+        let old_elems = old.sets.get(name).map(|s| &s.elements).unwrap_or(&empty);
+        let added: Vec<(Key, Option<Verdict>)> = set
+            .elements
+            .iter()
+            .filter(|(k, v)| old_elems.get(*k) != Some(*v))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        if !added.is_empty() {
+            changes.push(Change::AddElements { set: name.clone(), elements: added });
+        }
+    }
+    let gone: Vec<&String> = old.chains.keys().filter(|n| !new.chains.contains_key(*n)).collect();
+    for name in &gone {
+        if !old.chains[*name].rules.is_empty() {
+            changes.push(Change::FlushChain((*name).clone()));
+        }
+    }
+    for name in gone {
+        changes.push(Change::DeleteChain(name.clone()));
+    }
+    for name in old.sets.keys().filter(|n| !new.sets.contains_key(*n)) {
+        changes.push(Change::DeleteSet(name.clone()));
+    }
+    changes
+}
+
+fn push_rules(changes: &mut Vec<Change>, chain: &Chain) {
+    for rule in &chain.rules {
+        changes.push(Change::AddRule { chain: chain.name.clone(), rule: rule.clone() });
+    }
+}
+
+/// Applies changes to an in-memory ruleset the way the kernel would (a model for tests: a diff
+/// applied to `old` must give exactly `new`). Returns an error naming the first change the kernel
+/// would refuse (missing object, object still referenced, duplicate).
+pub fn simulate(start: &Ruleset, changes: &[Change]) -> Result<Ruleset, String> {
+    let mut rs = start.clone();
+    let mut exists = true;
+    for change in changes {
+        match change {
+            Change::AddTable => exists = true,
+            Change::DeleteTable => {
+                if !exists {
+                    return Err("delete table: no such table".into());
+                }
+                rs = Ruleset::default();
+                exists = false;
+            }
+            _ if !exists => return Err(format!("{change:?}: no table")),
+            Change::AddChain(c) => {
+                rs.chains.entry(c.name.clone()).or_insert_with(|| Chain { rules: vec![], ..c.clone() });
+            }
+            Change::FlushChain(n) => {
+                rs.chains.get_mut(n).ok_or(format!("flush chain {n}: missing"))?.rules.clear();
+            }
+            Change::DeleteChain(n) => {
+                let c = rs.chains.get(n).ok_or(format!("delete chain {n}: missing"))?;
+                if !c.rules.is_empty() {
+                    return Err(format!("delete chain {n}: not empty"));
+                }
+                if references(&rs, n) {
+                    return Err(format!("delete chain {n}: still referenced"));
+                }
+                rs.chains.remove(n);
+            }
+            Change::AddRule { chain, rule } => {
+                for target in rule_targets(rule) {
+                    if !rs.chains.contains_key(target) {
+                        return Err(format!("add rule to {chain}: jump to missing chain {target}"));
+                    }
+                }
+                rs.chains.get_mut(chain).ok_or(format!("add rule: chain {chain} missing"))?.rules.push(rule.clone());
+            }
+            Change::AddSet(s) => {
+                rs.sets.entry(s.name.clone()).or_insert_with(|| Set { elements: BTreeMap::new(), ..s.clone() });
+            }
+            Change::DeleteSet(n) => {
+                rs.sets.remove(n).ok_or(format!("delete set {n}: missing"))?;
+            }
+            Change::AddElements { set, elements } => {
+                let s = rs.sets.get_mut(set).ok_or(format!("add elements: set {set} missing"))?;
+                for (k, v) in elements {
+                    if s.elements.contains_key(k) {
+                        return Err(format!("add element to {set}: {k:?} exists"));
+                    }
+                    s.elements.insert(k.clone(), v.clone());
+                }
+                let targets: Vec<String> = elements
+                    .iter()
+                    .filter_map(|(_, v)| match v {
+                        Some(Verdict::Goto(c) | Verdict::Jump(c)) => Some(c.clone()),
+                        _ => None,
+                    })
+                    .collect();
+                for t in targets {
+                    if !rs.chains.contains_key(&t) {
+                        return Err(format!("add element to {set}: missing chain {t}"));
+                    }
+                }
+            }
+            Change::DeleteElements { set, keys } => {
+                let s = rs.sets.get_mut(set).ok_or(format!("delete elements: set {set} missing"))?;
+                for k in keys {
+                    s.elements.remove(k).ok_or(format!("delete element from {set}: {k:?} missing"))?;
+                }
+            }
+        }
+    }
+    if !exists {
+        return Err("table deleted at the end".into());
+    }
+    Ok(rs)
+}
+
+fn rule_targets(rule: &Rule) -> Vec<&String> {
+    let mut out = vec![];
+    for e in &rule.exprs {
+        match e {
+            Expr::Verdict(Verdict::Goto(c) | Verdict::Jump(c)) => out.push(c),
+            Expr::NumgenRandomVmap { targets } => {
+                for t in targets {
+                    if let Verdict::Goto(c) | Verdict::Jump(c) = t {
+                        out.push(c);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+fn references(rs: &Ruleset, chain: &str) -> bool {
+    rs.chains.values().any(|c| c.rules.iter().any(|r| rule_targets(r).iter().any(|t| *t == chain)))
+        || rs.sets.values().any(|s| {
+            s.elements.values().any(|v| matches!(v, Some(Verdict::Goto(c) | Verdict::Jump(c)) if c == chain))
+        })
+}

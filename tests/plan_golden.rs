@@ -1,0 +1,264 @@
+//! The planner, table-driven: golden rulesets (tests/golden/*.nft; `UPDATE_GOLDEN=1` rewrites
+//! them, review the diff), a packet tracer over the IR, and diff ≡ full replace.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+
+use nodelb::ir::{Change, CtState, Family, Protocol, Ruleset};
+use nodelb::model::{Endpoint, LbPort, LbService, PortId, PortRequest, ServiceKey, TrafficPolicy};
+use nodelb::plan::{self, NodeFacts, ServicePlan};
+use nodelb::trace::{self, Env, Origin, Packet};
+
+const NODE: &str = "node-1";
+const NODE_V4: &str = "203.0.113.1";
+const NODE_V6: &str = "2001:db8:1::1";
+
+fn ep(addr: &str, port: u16, node: &str, ready: bool) -> Endpoint {
+    Endpoint {
+        addr: addr.parse().unwrap(),
+        port,
+        node_name: Some(node.into()),
+        ready,
+        serving: ready,
+        terminating: false,
+    }
+}
+
+fn svc(name: &str, ports: Vec<(u16, Protocol, Vec<Endpoint>)>) -> LbService {
+    LbService {
+        key: ServiceKey { namespace: "default".into(), name: name.into() },
+        uid: None,
+        created: None,
+        ports: ports
+            .into_iter()
+            .map(|(port, protocol, endpoints)| LbPort {
+                id: PortId { port, protocol },
+                name: String::new(),
+                endpoints,
+            })
+            .collect(),
+        families: vec![Family::Ipv4],
+        source_ranges: vec![],
+        traffic_policy: TrafficPolicy::Cluster,
+        port_request: PortRequest::Auto,
+        previous_allocation: BTreeMap::new(),
+    }
+}
+
+fn two_backends() -> Vec<Endpoint> {
+    vec![ep("198.51.100.11", 8080, NODE, true), ep("198.51.100.12", 8080, "node-2", true)]
+}
+
+fn node(families: &[Family]) -> NodeFacts {
+    NodeFacts {
+        node_name: NODE.into(),
+        families: families.iter().copied().collect::<BTreeSet<_>>(),
+        masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
+    }
+}
+
+/// A named scenario: services with their node ports.
+struct Scenario {
+    name: &'static str,
+    services: Vec<(LbService, BTreeMap<PortId, u16>)>,
+    node: NodeFacts,
+}
+
+fn ports(svc: &LbService, first: u16) -> BTreeMap<PortId, u16> {
+    svc.ports.iter().enumerate().map(|(i, p)| (p.id, first + i as u16)).collect()
+}
+
+fn scenarios() -> Vec<Scenario> {
+    let web = svc("web", vec![(80, Protocol::Tcp, two_backends())]);
+    let mut local = svc("local", vec![(80, Protocol::Tcp, two_backends())]);
+    local.traffic_policy = TrafficPolicy::Local;
+    let mut ranged = svc("ranged", vec![(443, Protocol::Tcp, two_backends())]);
+    ranged.source_ranges = vec!["203.0.113.0/25".parse().unwrap(), "2001:db8:1::/64".parse().unwrap()];
+    ranged.families = vec![Family::Ipv4, Family::Ipv6];
+    let empty = svc("empty", vec![(80, Protocol::Tcp, vec![ep("198.51.100.13", 80, NODE, false)])]);
+    let dns = svc(
+        "dns",
+        vec![
+            (53, Protocol::Udp, vec![ep("198.51.100.11", 5353, NODE, true)]),
+            (53, Protocol::Tcp, vec![ep("198.51.100.11", 5353, NODE, true)]),
+        ],
+    );
+    let mut dual = svc(
+        "dual",
+        vec![(80, Protocol::Tcp, vec![ep("198.51.100.11", 8080, NODE, true), ep("2001:db8:2::11", 8080, NODE, true)])],
+    );
+    dual.families = vec![Family::Ipv4, Family::Ipv6];
+    let all = [Family::Ipv4, Family::Ipv6];
+    vec![
+        Scenario { name: "empty", services: vec![], node: node(&all) },
+        Scenario { name: "web", services: vec![(web.clone(), ports(&web, 20001))], node: node(&all) },
+        Scenario { name: "local", services: vec![(local.clone(), ports(&local, 20002))], node: node(&all) },
+        Scenario { name: "ranged", services: vec![(ranged.clone(), ports(&ranged, 20003))], node: node(&all) },
+        Scenario { name: "no_endpoints", services: vec![(empty.clone(), ports(&empty, 20004))], node: node(&all) },
+        Scenario { name: "dns", services: vec![(dns.clone(), BTreeMap::from([(dns.ports[0].id, 20053), (dns.ports[1].id, 20053)]))], node: node(&all) },
+        Scenario { name: "dual_stack", services: vec![(dual.clone(), ports(&dual, 20006))], node: node(&all) },
+        Scenario { name: "dual_stack_v4_forwarding_off", services: vec![(dual.clone(), ports(&dual, 20006))], node: node(&[Family::Ipv6]) },
+        Scenario {
+            name: "mixed",
+            services: vec![
+                (web.clone(), ports(&web, 20001)),
+                (local.clone(), ports(&local, 20002)),
+                (ranged.clone(), ports(&ranged, 20003)),
+                (empty.clone(), ports(&empty, 20004)),
+            ],
+            node: node(&all),
+        },
+    ]
+}
+
+fn plan_of(s: &Scenario) -> Ruleset {
+    let plans: Vec<ServicePlan<'_>> =
+        s.services.iter().map(|(svc, p)| ServicePlan { service: svc, node_ports: p }).collect();
+    plan::plan(&plans, &s.node)
+}
+
+#[test]
+fn golden_rulesets() {
+    let update = std::env::var("UPDATE_GOLDEN").as_deref() == Ok("1");
+    let mut failures = vec![];
+    for s in scenarios() {
+        let rendered = plan_of(&s).render();
+        let path = format!("{}/tests/golden/{}.nft", env!("CARGO_MANIFEST_DIR"), s.name);
+        if update {
+            std::fs::write(&path, &rendered).unwrap();
+            continue;
+        }
+        let want = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e} (UPDATE_GOLDEN=1 creates it)"));
+        if want != rendered {
+            failures.push(format!("--- {path}\n+++ planned\n{rendered}"));
+        }
+    }
+    assert!(failures.is_empty(), "golden mismatch (UPDATE_GOLDEN=1 to accept):\n{}", failures.join("\n"));
+}
+
+fn packet(proto: Protocol, from: &str, to: &str, dport: u16) -> Packet {
+    Packet {
+        protocol: proto,
+        saddr: from.parse().unwrap(),
+        sport: 40000,
+        daddr: to.parse().unwrap(),
+        dport,
+        origin: Origin::Network,
+        ct_state: CtState::New,
+    }
+}
+
+#[test]
+fn tracer_table() {
+    let by_name: BTreeMap<&str, Ruleset> = scenarios().iter().map(|s| (s.name, plan_of(s))).collect();
+    let env = |numgen| Env {
+        local_addrs: vec![NODE_V4.parse().unwrap(), NODE_V6.parse().unwrap(), "198.51.100.1".parse().unwrap()],
+        numgen,
+    };
+    let from_node = |mut p: Packet| {
+        p.origin = Origin::Node;
+        p.saddr = NODE_V4.parse().unwrap();
+        p
+    };
+    let established = |mut p: Packet| {
+        p.ct_state = CtState::Established;
+        p
+    };
+    #[rustfmt::skip]
+    let cases: Vec<(&str, &str, Packet, u32, &str)> = vec![
+        ("cluster picks endpoint 0", "web", packet(Protocol::Tcp, "203.0.113.7", NODE_V4, 20001), 0, "DNAT 198.51.100.11:8080, masquerade"),
+        ("cluster picks endpoint 1", "web", packet(Protocol::Tcp, "203.0.113.7", NODE_V4, 20001), 1, "DNAT 198.51.100.12:8080, masquerade"),
+        ("other port untouched", "web", packet(Protocol::Tcp, "203.0.113.7", NODE_V4, 20002), 0, "untouched"),
+        ("udp on a tcp port untouched", "web", packet(Protocol::Udp, "203.0.113.7", NODE_V4, 20001), 0, "untouched"),
+        ("not a local address: routed untouched", "web", packet(Protocol::Tcp, "203.0.113.7", "198.51.100.99", 20001), 0, "untouched"),
+        ("loopback is not served", "web", Packet { saddr: "127.0.0.1".parse().unwrap(), ..from_node(packet(Protocol::Tcp, "127.0.0.1", "127.0.0.1", 20001)) }, 0, "untouched"),
+        ("node itself", "web", from_node(packet(Protocol::Tcp, NODE_V4, NODE_V4, 20001)), 1, "DNAT 198.51.100.12:8080, masquerade"),
+        ("established: nat chains skipped", "web", established(packet(Protocol::Tcp, "203.0.113.7", NODE_V4, 20001)), 0, "untouched"),
+        ("local keeps client ip, local endpoint only", "local", packet(Protocol::Tcp, "203.0.113.7", NODE_V4, 20002), 1, "DNAT 198.51.100.11:8080"),
+        ("in range", "ranged", packet(Protocol::Tcp, "203.0.113.7", NODE_V4, 20003), 0, "DNAT 198.51.100.11:8080, masquerade"),
+        ("out of range", "ranged", packet(Protocol::Tcp, "203.0.113.200", NODE_V4, 20003), 0, "drop in fw4-"),
+        ("v6 in range", "ranged", packet(Protocol::Tcp, "2001:db8:1::7", NODE_V6, 20003), 0, "reject (tcp reset) in no-endpoints"),
+        ("v6 out of range", "ranged", packet(Protocol::Tcp, "2001:db8:9::7", NODE_V6, 20003), 0, "drop in fw6-"),
+        ("no ready endpoint: tcp reset", "no_endpoints", packet(Protocol::Tcp, "203.0.113.7", NODE_V4, 20004), 0, "reject (tcp reset) in no-endpoints"),
+        ("no ready endpoint: udp icmp", "no_endpoints", packet(Protocol::Udp, "203.0.113.7", NODE_V4, 20004), 0, "untouched"),
+        ("udp 53 shares node port with tcp 53", "dns", packet(Protocol::Udp, "203.0.113.7", NODE_V4, 20053), 0, "DNAT 198.51.100.11:5353, masquerade"),
+        ("tcp 53", "dns", packet(Protocol::Tcp, "203.0.113.7", NODE_V4, 20053), 0, "DNAT 198.51.100.11:5353, masquerade"),
+        ("dual v4 to v4 endpoint", "dual_stack", packet(Protocol::Tcp, "203.0.113.7", NODE_V4, 20006), 0, "DNAT 198.51.100.11:8080, masquerade"),
+        ("dual v6 to v6 endpoint", "dual_stack", packet(Protocol::Tcp, "2001:db8:1::7", NODE_V6, 20006), 0, "DNAT [2001:db8:2::11]:8080, masquerade"),
+        ("v4 forwarding off: v4 untouched", "dual_stack_v4_forwarding_off", packet(Protocol::Tcp, "203.0.113.7", NODE_V4, 20006), 0, "untouched"),
+        ("v4 forwarding off: v6 served", "dual_stack_v4_forwarding_off", packet(Protocol::Tcp, "2001:db8:1::7", NODE_V6, 20006), 0, "DNAT [2001:db8:2::11]:8080, masquerade"),
+        ("mixed: each port its own service", "mixed", packet(Protocol::Tcp, "203.0.113.200", NODE_V4, 20002), 0, "DNAT 198.51.100.11:8080"),
+    ];
+    let mut failures = vec![];
+    for (desc, scenario, pkt, numgen, want) in cases {
+        let t = trace::trace(&by_name[scenario], &pkt, &env(numgen));
+        let got = t.outcome.to_string();
+        if !got.starts_with(want) {
+            failures.push(format!("{desc}: want {want:?}, got {got:?} via {:?}", t.chains));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn no_endpoint_udp_port_is_rejected_with_icmp() {
+    let udp = svc("udp", vec![(53, Protocol::Udp, vec![ep("198.51.100.13", 53, NODE, false)])]);
+    let p = ports(&udp, 20053);
+    let rs = plan::plan(&[ServicePlan { service: &udp, node_ports: &p }], &node(&[Family::Ipv4]));
+    let env = Env { local_addrs: vec![NODE_V4.parse().unwrap()], numgen: 0 };
+    let t = trace::trace(&rs, &packet(Protocol::Udp, "203.0.113.7", NODE_V4, 20053), &env);
+    assert!(
+        matches!(t.outcome, trace::Outcome::Rejected { tcp_reset: false, .. }),
+        "udp to a port without endpoints: {:?} via {:?}",
+        t.outcome,
+        t.chains
+    );
+}
+
+#[test]
+fn diff_between_any_two_scenarios_equals_full_replace() {
+    let all: Vec<(&str, Ruleset)> = scenarios().iter().map(|s| (s.name, plan_of(s))).collect();
+    for (a_name, a) in &all {
+        let from_nothing = plan::simulate(&Ruleset::default(), &a.full_replace());
+        assert_eq!(from_nothing.as_ref(), Ok(a), "full replace of {a_name}");
+        for (b_name, b) in &all {
+            let changes = plan::diff(a, b);
+            let got = plan::simulate(a, &changes).unwrap_or_else(|e| panic!("{a_name} → {b_name}: {e}"));
+            assert_eq!(&got, b, "{a_name} → {b_name}");
+            if a_name == b_name {
+                assert!(changes.is_empty(), "{a_name} → itself must be a no-op: {changes:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn one_endpoint_added_is_a_small_batch() {
+    let mut web = svc("web", vec![(80, Protocol::Tcp, two_backends())]);
+    let p = ports(&web, 20001);
+    let n = node(&[Family::Ipv4, Family::Ipv6]);
+    let before = plan::plan(&[ServicePlan { service: &web, node_ports: &p }], &n);
+    web.ports[0].endpoints.push(ep("198.51.100.13", 8080, NODE, true));
+    let after = plan::plan(&[ServicePlan { service: &web, node_ports: &p }], &n);
+    let changes = plan::diff(&before, &after);
+    // new endpoint chain + its rule, svc chain flush + 2 rules, 1 endpoint-set element
+    assert!(changes.len() <= 7, "{changes:#?}");
+    assert!(!changes.iter().any(|c| matches!(c, Change::DeleteTable | Change::DeleteChain(_))), "{changes:#?}");
+}
+
+#[test]
+fn chain_names_are_stable_and_bounded() {
+    let long = "x".repeat(253);
+    let mut s = svc(&long, vec![(80, Protocol::Tcp, two_backends())]);
+    s.key.namespace = "n".repeat(63);
+    let p = ports(&s, 20001);
+    let rs = plan::plan(&[ServicePlan { service: &s, node_ports: &p }], &node(&[Family::Ipv4]));
+    for name in rs.chains.keys() {
+        assert!(name.len() <= 200, "{name}");
+    }
+    let again = plan::plan(&[ServicePlan { service: &s, node_ports: &p }], &node(&[Family::Ipv4]));
+    assert_eq!(rs, again);
+    let svc_chain = plan::service_chain(Family::Ipv4, &s, &s.ports[0]);
+    let _: IpAddr = "198.51.100.11".parse().unwrap();
+    assert!(svc_chain.starts_with("svc4-"), "{svc_chain}");
+}
