@@ -1,19 +1,19 @@
-//! The planner: validated services + their node ports + node facts: the complete desired ruleset
+//! The planner: validated services + their node ports + node facts → the complete desired ruleset
 //! of the `nodelb` table (pure, no I/O), and the diff between two rulesets as a list of
 //! [`Change`]s so that a small change is a small netlink batch.
 //!
 //! Layout (see docs/design.md for why each piece sits where it does):
 //!
 //! ```text
-//! filter-prerouting  filter  prerouting -110  ct state new, local daddr: vmap @firewall-ports-<fam>
+//! filter-prerouting  filter  prerouting -110  ct state new, local daddr → vmap @firewall-ports-<fam>
 //! filter-output      filter  output     -110  same, for node-originated traffic
-//! nat-prerouting     nat     prerouting -100  local daddr: vmap @service-ports-<fam> (goto svc chain)
+//! nat-prerouting     nat     prerouting -100  local daddr → vmap @service-ports-<fam> (goto svc chain)
 //! nat-output         nat     output     -100  same, for node-originated traffic
 //! nat-postrouting    nat     postrouting 100  masquerade what a svc chain marked
 //! filter-forward     filter  forward       0  drop invalid from our endpoints; count+accept our flows
-//! svc<4|6>-…         per service port & family: counter, mark for masquerade, numgen: ep chains
+//! svc<4|6>-…         per service port & family: counter, mark for masquerade, numgen → ep chains
 //! ep<4|6>-…          per endpoint: dnat
-//! fw<4|6>-…          per service port & family with source ranges: allowed saddr: continue, else drop
+//! fw<4|6>-…          per service port & family with source ranges: allowed saddr → continue, else drop
 //! fwd<4|6>-…         per service port & family: counter accept (per-service traffic counters)
 //! no-endpoints       reject (TCP reset / ICMP port unreachable)
 //! ```
@@ -395,8 +395,8 @@ fn insert_element(rs: &mut Ruleset, set: &str, key: Key, verdict: Verdict) {
 /// Changes that turn the kernel state `old` (as we last programmed and verified it) into `new`.
 /// Falls back to [`Ruleset::full_replace`] when a base chain or a set's type changes, which an
 /// incremental update cannot express. Order within the batch:
-/// new chains: new sets: rules of new/changed chains: element removals: element additions →
-/// flush then delete removed chains: delete removed sets (references are gone before deletions).
+/// new chains → new sets → rules of new/changed chains → element removals → element additions →
+/// flush then delete removed chains → delete removed sets (references are gone before deletions).
 pub fn diff(old: &Ruleset, new: &Ruleset) -> Vec<Change> {
     let structural = old.chains.iter().any(|(name, c)| {
         new.chains.get(name).is_some_and(|n| n.base != c.base)
