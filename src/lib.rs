@@ -7,4 +7,5 @@
 pub mod ir;
 pub mod model;
 pub mod plan;
+pub mod sysctl;
 pub mod trace;
