@@ -7,5 +7,6 @@
 pub mod ir;
 pub mod model;
 pub mod plan;
+pub mod status;
 pub mod sysctl;
 pub mod trace;

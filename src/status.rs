@@ -1,0 +1,112 @@
+//! What the agent reports about itself: per-Service state (programmed, waiting for endpoints,
+//! refused and why), forwarding per family, the last sync. Shared between the sync loop (writer)
+//! and the HTTP server (reader); serialised as the `/status` JSON that `nodelb status` prints.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, RwLock};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ServiceState {
+    /// Rules are in the kernel and at least one endpoint is usable on this node.
+    Programmed,
+    /// Rules are in the kernel but no endpoint is usable: clients are refused.
+    NoEndpoints,
+    /// Not programmed at all (invalid input, no allocation); `reason` says why.
+    Refused,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PortStatus {
+    pub port: u16,
+    pub protocol: String,
+    /// Allocated node port; `None` when allocation failed for this port.
+    pub node_port: Option<u16>,
+    /// Endpoints usable on this node (all families served).
+    pub endpoints: usize,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub problem: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ServiceStatus {
+    pub namespace: String,
+    pub name: String,
+    pub state: ServiceState,
+    pub reason: Option<String>,
+    pub ports: Vec<PortStatus>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FamilyStatus {
+    /// The forwarding sysctl is on.
+    pub forwarding: bool,
+    /// Rules for this family are programmed.
+    pub programmed: bool,
+    /// Why not, in plain words.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SyncStatus {
+    pub ok: bool,
+    /// "full" or "incremental".
+    pub kind: String,
+    pub changes: usize,
+    pub duration_ms: f64,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub error: Option<String>,
+    /// Seconds since the Unix epoch.
+    pub at: u64,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Status {
+    pub node_name: String,
+    pub services: Vec<ServiceStatus>,
+    pub families: BTreeMap<String, FamilyStatus>,
+    /// Problems reading the manifests (file, document, message), or other input problems.
+    pub problems: Vec<String>,
+    pub last_sync: Option<SyncStatus>,
+    /// The source has been read completely at least once.
+    pub source_synced: bool,
+    #[serde(skip)]
+    pub last_tick: Option<Instant>,
+}
+
+impl Status {
+    /// `Ok` when the agent can serve: source read, last sync good, forwarding usable for at
+    /// least one family the Services need. Otherwise the reason in plain words.
+    pub fn readiness(&self) -> Result<(), String> {
+        if !self.source_synced {
+            return Err("desired state not read yet (manifests not loaded)".into());
+        }
+        match &self.last_sync {
+            None => return Err("no sync has completed yet".into()),
+            Some(s) if !s.ok => {
+                return Err(format!(
+                    "last sync failed: {}",
+                    s.error.as_deref().unwrap_or("unknown error")
+                ));
+            }
+            Some(_) => {}
+        }
+        if !self.families.is_empty() && !self.families.values().any(|f| f.programmed) {
+            let reasons: Vec<String> =
+                self.families.values().filter_map(|f| f.reason.clone()).collect();
+            return Err(format!("no address family can be served: {}", reasons.join("; ")));
+        }
+        Ok(())
+    }
+}
+
+pub type SharedStatus = Arc<RwLock<Status>>;
