@@ -1,1 +1,21 @@
-fn main() {}
+use clap::Parser;
+use nodelb::cli::{Cli, Command, LogFormat};
+use nodelb::commands;
+use tracing_subscriber::EnvFilter;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let filter = EnvFilter::try_from_env("NODELB_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+    match cli.command {
+        Command::Run(args) => commands::run(args).await,
+        Command::Plan(args) => commands::plan(args),
+        Command::Cleanup => commands::cleanup(),
+        Command::Status(args) => commands::status(args),
+    }
+}

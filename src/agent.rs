@@ -1,0 +1,326 @@
+//! The sync loop of `nodelb run`: watch the source, check the forwarding sysctls, compute the
+//! desired state, and program the kernel in one netlink batch per sync. Owns the policy around the
+//! batch: the first sync replaces whatever is there atomically (so a restart never drops traffic),
+//! later syncs are diffs, a failed batch forces a full resync with backoff, and a kernel that no
+//! longer matches what we programmed (someone deleted or edited our table) is repaired.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tracing::{debug, error, info, warn};
+
+use crate::alloc::{Allocations, PortRange};
+use crate::desired::{self, Desired, Inputs};
+use crate::ir::{Family, Ruleset};
+use crate::manifests::{self, DirWatcher, Manifests};
+use crate::model::ModelOptions;
+use crate::nft::{self, NftClient};
+use crate::plan::{self, NodeFacts};
+use crate::state::StateFile;
+use crate::status::{FamilyStatus, SharedStatus, SyncStatus};
+use crate::sysctl::{Sysctls, forwarding_sysctl};
+
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    pub manifests: PathBuf,
+    pub state_file: PathBuf,
+    pub node_name: String,
+    pub port_range: PortRange,
+    pub resync_period: Duration,
+    pub enable_forwarding: bool,
+    pub masquerade_mark: u32,
+    pub model: ModelOptions,
+    pub sysctls: Sysctls,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error(transparent)]
+    Nft(#[from] nft::NftError),
+    #[error(transparent)]
+    Manifests(#[from] manifests::ManifestError),
+    #[error(transparent)]
+    State(#[from] crate::state::StateError),
+}
+
+const MIN_BACKOFF: Duration = Duration::from_millis(200);
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+const SYSCTL_PERIOD: Duration = Duration::from_secs(1);
+
+struct Agent {
+    cfg: AgentConfig,
+    status: SharedStatus,
+    nft: NftClient,
+    state: StateFile,
+    allocations: Allocations,
+    /// What we last programmed and saw the kernel accept; `None` forces a full replace.
+    applied: Option<Ruleset>,
+    /// Ruleset generation right after our last batch; a different value means someone else
+    /// committed a transaction in this netns since, so we verify our table.
+    generation: Option<u32>,
+    families: BTreeMap<Family, bool>,
+    /// Last logged message per refused Service / problem, to log once per change.
+    logged: BTreeSet<String>,
+    backoff: Duration,
+}
+
+/// Runs until `shutdown` resolves. Errors only for things that make serving impossible from the
+/// start (netlink unavailable, state file unreadable); everything else is retried and reported.
+pub async fn run(
+    cfg: AgentConfig,
+    status: SharedStatus,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), AgentError> {
+    let state = StateFile::new(cfg.state_file.clone());
+    let allocations = state.load()?;
+    let nft = NftClient::new()?;
+    let mut watcher = DirWatcher::new(&cfg.manifests)?;
+    {
+        let mut st = status.write().unwrap_or_else(|e| e.into_inner());
+        st.node_name = cfg.node_name.clone();
+    }
+    let mut agent = Agent {
+        cfg,
+        status,
+        nft,
+        state,
+        allocations,
+        applied: None,
+        generation: None,
+        families: BTreeMap::new(),
+        logged: BTreeSet::new(),
+        backoff: MIN_BACKOFF,
+    };
+    info!(manifests = %agent.cfg.manifests.display(), node = %agent.cfg.node_name, "nodelb agent starting");
+
+    tokio::pin!(shutdown);
+    let mut resync = tokio::time::interval(agent.cfg.resync_period);
+    let mut sysctl_tick = tokio::time::interval(SYSCTL_PERIOD);
+    let mut dirty = true;
+    let mut verify = false;
+    let mut retry_at: Option<tokio::time::Instant> = None;
+    loop {
+        agent.tick();
+        if agent.check_forwarding() {
+            dirty = true;
+        }
+        let due = retry_at.is_none_or(|t| tokio::time::Instant::now() >= t);
+        if (dirty || verify) && due {
+            match agent.sync(verify).await {
+                Ok(()) => {
+                    retry_at = None;
+                    agent.backoff = MIN_BACKOFF;
+                }
+                Err(e) => {
+                    error!(error = %e, retry_in = ?agent.backoff, "sync failed; next attempt is a full resync");
+                    agent.applied = None;
+                    retry_at = Some(tokio::time::Instant::now() + agent.backoff);
+                    agent.backoff = (agent.backoff * 2).min(MAX_BACKOFF);
+                }
+            }
+            dirty = retry_at.is_some();
+            verify = false;
+        }
+        let retry_sleep = async {
+            match retry_at {
+                Some(t) => tokio::time::sleep_until(t).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = &mut shutdown => {
+                info!("shutting down; rules stay in the kernel (use `nodelb cleanup` to remove them)");
+                return Ok(());
+            }
+            _ = watcher.changed() => { debug!("manifests changed"); dirty = true; }
+            _ = resync.tick() => { verify = true; }
+            _ = sysctl_tick.tick() => {}
+            _ = retry_sleep => {}
+        }
+    }
+}
+
+impl Agent {
+    fn tick(&self) {
+        let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
+        st.last_tick = Some(Instant::now());
+    }
+
+    /// Reads the forwarding sysctls (switching them on if allowed); logs once per change.
+    /// Returns true when the set of usable families changed.
+    fn check_forwarding(&mut self) -> bool {
+        let mut changed = false;
+        for f in Family::ALL {
+            let name = forwarding_sysctl(f);
+            let mut on = self.cfg.sysctls.forwarding(f);
+            if matches!(on, Ok(false)) && self.cfg.enable_forwarding {
+                match self.cfg.sysctls.enable_forwarding(f) {
+                    Ok(()) => {
+                        info!(sysctl = name, "forwarding was off; switched it on (--enable-forwarding)");
+                        on = Ok(true);
+                    }
+                    Err(e) => warn!(error = %e, "could not switch forwarding on"),
+                }
+            }
+            let (enabled, reason) = match on {
+                Ok(true) => (true, None),
+                Ok(false) => (
+                    false,
+                    Some(format!(
+                        "{name} is 0: {f} traffic cannot be forwarded, so {f} is not programmed on this node; \
+                         fix with `sysctl -w {name}=1` or run with --enable-forwarding"
+                    )),
+                ),
+                Err(e) => (false, Some(format!("{e}; {f} is not programmed"))),
+            };
+            if self.families.get(&f) != Some(&enabled) {
+                changed = true;
+                match &reason {
+                    None => info!(sysctl = name, family = %f, "forwarding on: {f} is served"),
+                    Some(r) => warn!(sysctl = name, family = %f, "{r}"),
+                }
+                self.families.insert(f, enabled);
+            }
+            let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
+            let entry = st.families.entry(f.name().to_string()).or_insert_with(FamilyStatus::default);
+            entry.forwarding = enabled;
+            entry.programmed = enabled && self.applied.is_some();
+            entry.reason = reason;
+        }
+        changed
+    }
+
+    fn node_facts(&self) -> NodeFacts {
+        NodeFacts {
+            node_name: self.cfg.node_name.clone(),
+            families: self.families.iter().filter(|(_, on)| **on).map(|(f, _)| *f).collect(),
+            masquerade_mark: self.cfg.masquerade_mark,
+        }
+    }
+
+    async fn sync(&mut self, verify: bool) -> Result<(), AgentError> {
+        let started = Instant::now();
+        let loaded = manifests::load_dir(&self.cfg.manifests);
+        let loaded: Manifests = match loaded {
+            Ok(m) => m,
+            Err(e) => {
+                // Never program from a view we could not read: keep the kernel as it is.
+                self.set_problems(vec![e.to_string()]);
+                return Err(e.into());
+            }
+        };
+        let problems: Vec<String> = loaded.problems.iter().map(|p| p.to_string()).collect();
+        for p in &problems {
+            self.log_once(p, || warn!(problem = %p, "manifest problem"));
+        }
+        let node = self.node_facts();
+        let desired: Desired = desired::compute(&Inputs {
+            services: &loaded.services,
+            slices: &loaded.slices,
+            previous: &self.allocations,
+            range: &self.cfg.port_range,
+            model: &self.cfg.model,
+            node: &node,
+        });
+        self.report_refusals(&desired);
+        if desired.allocations != self.allocations {
+            self.state.save(&desired.allocations)?;
+            self.allocations = desired.allocations.clone();
+        }
+
+        let (changes, kind) = match &self.applied {
+            None => (desired.ruleset.full_replace(), "full"),
+            Some(applied) => {
+                let needs_check = verify && self.generation_changed()?;
+                if needs_check && self.tampered(applied)? {
+                    (desired.ruleset.full_replace(), "full")
+                } else {
+                    (plan::diff(applied, &desired.ruleset), "incremental")
+                }
+            }
+        };
+        let count = changes.len();
+        let result = if changes.is_empty() { Ok(()) } else { self.nft.apply(&changes).map(|_| ()) };
+        let ok = result.is_ok();
+        let sync = SyncStatus {
+            ok,
+            kind: kind.to_string(),
+            changes: count,
+            duration_ms: started.elapsed().as_secs_f64() * 1000.0,
+            error: result.as_ref().err().map(|e| e.to_string()),
+            at: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        };
+        if ok {
+            if count > 0 {
+                info!(kind, changes = count, ms = sync.duration_ms, "synced");
+            }
+            self.applied = Some(desired.ruleset.clone());
+            self.generation = Some(self.nft.generation()?);
+        }
+        {
+            let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
+            st.services = desired.services.clone();
+            st.problems = problems;
+            st.problems.extend(desired.warnings.iter().cloned());
+            st.source_synced = true;
+            st.last_sync = Some(sync);
+            for (name, fam) in st.families.iter_mut() {
+                let served = node.families.iter().any(|f| f.name() == name);
+                fam.programmed = ok && served;
+            }
+        }
+        result.map_err(AgentError::from)
+    }
+
+    fn generation_changed(&mut self) -> Result<bool, AgentError> {
+        let now = self.nft.generation()?;
+        Ok(self.generation != Some(now))
+    }
+
+    /// Compares the kernel's table with what we programmed; logs each difference.
+    fn tampered(&mut self, applied: &Ruleset) -> Result<bool, AgentError> {
+        let table = self.nft.read_table()?;
+        let diffs = nft::verify(applied, table.as_ref());
+        if diffs.is_empty() {
+            // Someone else's transaction (another table): remember the new generation.
+            self.generation = Some(self.nft.generation()?);
+            return Ok(false);
+        }
+        for d in diffs.iter().take(20) {
+            warn!(difference = %d, "table inet nodelb was changed behind our back; repairing");
+        }
+        if diffs.len() > 20 {
+            warn!(more = diffs.len() - 20, "further differences not shown");
+        }
+        Ok(true)
+    }
+
+    fn report_refusals(&mut self, desired: &Desired) {
+        let current: BTreeSet<String> = desired
+            .refusals
+            .iter()
+            .map(|r| r.to_string())
+            .chain(desired.alloc_problems.iter().map(|p| p.to_string()))
+            .collect();
+        for msg in &current {
+            if !self.logged.contains(msg) {
+                warn!(refusal = %msg, "service not (fully) programmed");
+            }
+        }
+        // Forget messages that no longer apply, so a recurrence is logged again.
+        self.logged.retain(|m| current.contains(m) || !m.starts_with("Service "));
+        self.logged.extend(current);
+    }
+
+    fn log_once(&mut self, key: &str, log: impl FnOnce()) {
+        if self.logged.insert(key.to_string()) {
+            log();
+        }
+    }
+
+    fn set_problems(&self, problems: Vec<String>) {
+        let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
+        st.problems = problems;
+    }
+}

@@ -1,0 +1,130 @@
+//! Command-line interface (clap). Every flag of `run` also reads an environment variable, so the
+//! DaemonSet can configure it either way.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+use crate::alloc::PortRange;
+
+#[derive(Debug, Parser)]
+#[command(name = "nodelb", version, about = "Node agent for Kubernetes LoadBalancer Services (nftables over netlink)")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+    /// Log format.
+    #[arg(long, global = true, value_enum, default_value = "text", env = "NODELB_LOG_FORMAT")]
+    pub log_format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Program this node and keep it programmed.
+    Run(RunArgs),
+    /// Print the ruleset the agent would program for a manifests directory, and exit.
+    Plan(PlanArgs),
+    /// Remove everything nodelb created in this network namespace (table inet nodelb).
+    Cleanup,
+    /// Show the agent's Services, their node ports and why anything was refused.
+    Status(StatusArgs),
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct CommonArgs {
+    /// Directory of Service + EndpointSlice manifests (YAML/JSON) to serve (the embedded
+    /// default, without a cluster).
+    #[arg(long, env = "NODELB_MANIFESTS")]
+    pub manifests: PathBuf,
+    /// This node's name: endpoints with this `nodeName` are local (externalTrafficPolicy: Local).
+    /// Defaults to $NODE_NAME, else the host name.
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
+    /// Node ports are allocated from this range (inclusive). The default overlaps neither the
+    /// NodePort range (30000-32767) nor the ephemeral range (32768-60999).
+    #[arg(long, default_value = "20000-29999", env = "NODELB_PORT_RANGE")]
+    pub port_range: PortRange,
+    /// spec.loadBalancerClass served by this agent (Services without a class are served too,
+    /// unless --ignore-unclassed).
+    #[arg(long, default_value = crate::model::DEFAULT_LB_CLASS, env = "NODELB_LOAD_BALANCER_CLASS")]
+    pub load_balancer_class: String,
+    /// Do not serve Services that have no spec.loadBalancerClass.
+    #[arg(long, env = "NODELB_IGNORE_UNCLASSED")]
+    pub ignore_unclassed: bool,
+    /// Packet-mark bit that tells postrouting to masquerade (same meaning as kube-proxy's 0x4000).
+    #[arg(long, default_value = "0x4000", value_parser = parse_mark, env = "NODELB_MASQUERADE_MARK")]
+    pub masquerade_mark: u32,
+    /// State file keeping port allocations across restarts (manifests mode).
+    #[arg(long, default_value = "/var/lib/nodelb/state.json", env = "NODELB_STATE_FILE")]
+    pub state_file: PathBuf,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub common: CommonArgs,
+    /// How often the kernel is checked against what we programmed (and repaired).
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration, env = "NODELB_RESYNC_PERIOD")]
+    pub resync_period: Duration,
+    /// Address of the HTTP endpoints (/status, /healthz, /readyz).
+    #[arg(long, default_value = "0.0.0.0:9470", env = "NODELB_HTTP_ADDR")]
+    pub http_addr: SocketAddr,
+    /// Switch net.ipv4.ip_forward / net.ipv6.conf.all.forwarding on when they are off, instead
+    /// of leaving that family unserved.
+    #[arg(long, env = "NODELB_ENABLE_FORWARDING")]
+    pub enable_forwarding: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    pub common: CommonArgs,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct StatusArgs {
+    /// Address of a running agent's HTTP endpoint.
+    #[arg(long, default_value = "127.0.0.1:9470", env = "NODELB_HTTP_ADDR")]
+    pub http_addr: SocketAddr,
+    /// Print the raw JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_mark(s: &str) -> Result<u32, String> {
+    let v = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u32::from_str_radix(hex, 16),
+        None => s.parse(),
+    }
+    .map_err(|e| format!("invalid mark {s:?}: {e}"))?;
+    if v.count_ones() != 1 {
+        return Err(format!("mark {s:?} must be a single bit (e.g. 0x4000)"));
+    }
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mark_must_be_one_bit() {
+        assert_eq!(parse_mark("0x4000"), Ok(0x4000));
+        assert_eq!(parse_mark("16384"), Ok(0x4000));
+        assert!(parse_mark("0x6000").unwrap_err().contains("single bit"));
+        assert!(parse_mark("zz").unwrap_err().contains("\"zz\""));
+    }
+
+    #[test]
+    fn cli_parses() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+}

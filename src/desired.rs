@@ -1,0 +1,145 @@
+//! From a snapshot of the desired state (Services + EndpointSlices) to everything the node should
+//! do: validated services, port allocations, the ruleset, and a status line per Service. Pure: the
+//! agent loop feeds it and applies the result.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+
+use crate::alloc::{self, AllocProblem, Allocations, PortRange};
+use crate::ir::{Family, Ruleset};
+use crate::model::{self, LbService, ModelOptions, Refusal, ServiceKey};
+use crate::plan::{self, NodeFacts, ServicePlan};
+use crate::status::{PortStatus, ServiceState, ServiceStatus};
+
+/// Everything computed from one snapshot.
+#[derive(Debug, Clone)]
+pub struct Desired {
+    pub ruleset: Ruleset,
+    pub allocations: Allocations,
+    pub services: Vec<ServiceStatus>,
+    pub refusals: Vec<Refusal>,
+    pub alloc_problems: Vec<AllocProblem>,
+    /// Non-fatal input problems (e.g. a bad endpoint address skipped).
+    pub warnings: Vec<String>,
+}
+
+pub struct Inputs<'a> {
+    pub services: &'a [Service],
+    pub slices: &'a [EndpointSlice],
+    pub previous: &'a Allocations,
+    pub range: &'a PortRange,
+    pub model: &'a ModelOptions,
+    pub node: &'a NodeFacts,
+}
+
+pub fn compute(inputs: &Inputs<'_>) -> Desired {
+    let out = model::build(inputs.services, inputs.slices, inputs.model);
+    let result = alloc::allocate(inputs.range, &out.services, inputs.previous);
+    let mut allocations = result.allocations;
+    keep_refused_allocations(&mut allocations, inputs.previous, &out.refused);
+
+    let empty = BTreeMap::new();
+    let plans: Vec<ServicePlan<'_>> = out
+        .services
+        .iter()
+        .map(|s| ServicePlan { service: s, node_ports: allocations.get(&s.key).unwrap_or(&empty) })
+        .collect();
+    let ruleset = plan::plan(&plans, inputs.node);
+
+    let mut services: Vec<ServiceStatus> = out
+        .services
+        .iter()
+        .map(|s| service_status(s, allocations.get(&s.key).unwrap_or(&empty), &result.problems, inputs.node))
+        .collect();
+    for r in &out.refused {
+        services.push(ServiceStatus {
+            namespace: r.service().namespace.clone(),
+            name: r.service().name.clone(),
+            state: ServiceState::Refused,
+            reason: Some(r.to_string()),
+            ports: vec![],
+        });
+    }
+    services.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    Desired {
+        ruleset,
+        allocations,
+        services,
+        refusals: out.refused,
+        alloc_problems: result.problems,
+        warnings: out.warnings,
+    }
+}
+
+/// A Service refused for bad input keeps its ports (when nobody else took them meanwhile), so
+/// fixing the input brings it back on the same ports instead of new ones.
+fn keep_refused_allocations(allocations: &mut Allocations, previous: &Allocations, refused: &[Refusal]) {
+    let used: BTreeSet<u16> = allocations.values().flat_map(|p| p.values().copied()).collect();
+    let refused_keys: BTreeSet<&ServiceKey> = refused.iter().map(|r| r.service()).collect();
+    for key in refused_keys {
+        if allocations.contains_key(key) {
+            continue;
+        }
+        if let Some(ports) = previous.get(key)
+            && ports.values().all(|p| !used.contains(p))
+        {
+            allocations.insert(key.clone(), ports.clone());
+        }
+    }
+}
+
+fn service_status(
+    svc: &LbService,
+    node_ports: &BTreeMap<model::PortId, u16>,
+    problems: &[AllocProblem],
+    node: &NodeFacts,
+) -> ServiceStatus {
+    let mut ports = Vec::new();
+    let mut any_endpoints = false;
+    let mut any_allocated = false;
+    for port in &svc.ports {
+        let node_port = node_ports.get(&port.id).copied();
+        any_allocated |= node_port.is_some();
+        let endpoints: usize = svc
+            .families
+            .iter()
+            .filter(|f| node.families.contains(f))
+            .map(|&f| plan::usable_endpoints(svc, port, f, &node.node_name).len())
+            .sum();
+        any_endpoints |= endpoints > 0 && node_port.is_some();
+        let problem = problems
+            .iter()
+            .find(|p| p.service() == &svc.key && p.port() == port.id)
+            .map(|p| p.to_string());
+        ports.push(PortStatus {
+            port: port.id.port,
+            protocol: port.id.protocol.k8s_name().to_string(),
+            node_port,
+            endpoints,
+            problem,
+        });
+    }
+    let served: Vec<Family> = svc.families.iter().copied().filter(|f| node.families.contains(f)).collect();
+    let (state, reason) = if !any_allocated {
+        (ServiceState::Refused, Some("no node port could be allocated".to_string()))
+    } else if served.is_empty() {
+        let fams: Vec<&str> = svc.families.iter().map(|f| f.name()).collect();
+        (
+            ServiceState::Refused,
+            Some(format!("forwarding is off on this node for its families ({})", fams.join(", "))),
+        )
+    } else if any_endpoints {
+        (ServiceState::Programmed, None)
+    } else {
+        (ServiceState::NoEndpoints, Some("no ready endpoint usable on this node".to_string()))
+    };
+    ServiceStatus {
+        namespace: svc.key.namespace.clone(),
+        name: svc.key.name.clone(),
+        state,
+        reason,
+        ports,
+    }
+}
