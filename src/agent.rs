@@ -11,6 +11,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tracing::{debug, error, info, warn};
 
 use crate::alloc::{Allocations, PortRange};
+use crate::conntrack::{self, ConntrackClient};
 use crate::desired::{self, Desired, Inputs};
 use crate::ir::{Family, Ruleset};
 use crate::manifests::{self, DirWatcher, Manifests};
@@ -255,6 +256,7 @@ impl Agent {
             if count > 0 {
                 info!(kind, changes = count, ms = sync.duration_ms, "synced");
             }
+            self.flush_stale_udp(&desired.ruleset);
             self.applied = Some(desired.ruleset.clone());
             self.generation = Some(self.nft.generation()?);
         }
@@ -271,6 +273,22 @@ impl Agent {
             }
         }
         result.map_err(AgentError::from)
+    }
+
+    /// UDP endpoints that left a node port since the last batch: delete their conntrack entries
+    /// so clients that keep their source port are re-balanced instead of black-holed.
+    fn flush_stale_udp(&mut self, desired: &Ruleset) {
+        let Some(applied) = &self.applied else { return };
+        let before = conntrack::udp_backends(applied);
+        let after = conntrack::udp_backends(desired);
+        let gone: BTreeSet<_> = before.difference(&after).copied().collect();
+        if gone.is_empty() {
+            return;
+        }
+        match ConntrackClient::new().and_then(|mut ct| ct.delete_stale_udp(&gone)) {
+            Ok(n) => debug!(entries = n, backends = gone.len(), "deleted stale UDP conntrack entries"),
+            Err(e) => warn!(error = %e, "could not delete stale UDP conntrack entries"),
+        }
     }
 
     fn generation_changed(&mut self) -> Result<bool, AgentError> {
