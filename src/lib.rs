@@ -6,3 +6,4 @@
 
 pub mod ir;
 pub mod model;
+pub mod nft;
