@@ -11,7 +11,7 @@
 
 mod client;
 mod consts;
-mod decode;
+pub(crate) mod decode;
 pub mod encode;
 mod nla;
 mod verify;
