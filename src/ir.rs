@@ -14,7 +14,9 @@ use ipnet::IpNet;
 pub const TABLE_NAME: &str = "nodelb";
 
 /// Address family of a packet (`meta nfproto`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 pub enum Family {
     Ipv4,
     Ipv6,
@@ -54,7 +56,9 @@ impl fmt::Display for Family {
 }
 
 /// Transport protocol of a service port.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 pub enum Protocol {
     Tcp,
     Udp,
@@ -184,7 +188,10 @@ pub struct Rule {
 
 impl Rule {
     pub fn new(exprs: Vec<Expr>) -> Rule {
-        Rule { exprs, comment: None }
+        Rule {
+            exprs,
+            comment: None,
+        }
     }
 
     pub fn with_comment(mut self, comment: impl Into<String>) -> Rule {
@@ -331,17 +338,17 @@ impl Ruleset {
         self.sets.insert(set.name.clone(), set);
     }
 
-    /// Renders the ruleset in `nft` syntax, loadable with `nft -f` (base chains first, then
-    /// regular chains, each group sorted by name, so the output is stable for golden tests).
+    /// Renders the ruleset in `nft` syntax, loadable with `nft -f` (sets, then chains sorted by
+    /// name, so the output is stable for golden tests). Chains come in the order
+    /// [`Ruleset::full_replace`] creates them, because `nft list` prints chains in creation order:
+    /// `nft -f` of this text and a netlink full replace then list identically.
     pub fn render(&self) -> String {
         let mut out = String::new();
         let _ = writeln!(out, "table inet {TABLE_NAME} {{");
         for set in self.sets.values() {
             render_set(&mut out, set);
         }
-        let base = self.chains.values().filter(|c| c.base.is_some());
-        let regular = self.chains.values().filter(|c| c.base.is_none());
-        for chain in base.chain(regular) {
+        for chain in self.chains.values() {
             render_chain(&mut out, chain);
         }
         out.push_str("}\n");
@@ -472,7 +479,12 @@ pub fn render_expr(e: &Expr) -> String {
         Expr::Counter => "counter".into(),
         Expr::L4ProtoDportVmap { map } => format!("meta l4proto . th dport vmap @{map}"),
         Expr::L4ProtoCtOrigDportVmap { map } => {
-            format!("meta l4proto . ct original proto-dst vmap @{map}")
+            // nft 1.0.6 rejects `ct original proto-dst` in a concatenation until the transport
+            // protocol is known; the set match gives it that context (and matches every protocol a
+            // service port can have). The encoder lowers the same set lookup.
+            format!(
+                "meta l4proto {{ tcp, udp, sctp }} meta l4proto . ct original proto-dst vmap @{map}"
+            )
         }
         Expr::SaddrL4ProtoSportInSet { family, set } => {
             let word = match family {
@@ -487,7 +499,11 @@ pub fn render_expr(e: &Expr) -> String {
                 .enumerate()
                 .map(|(i, v)| format!("{i} : {}", render_verdict(v)))
                 .collect();
-            format!("numgen random mod {} vmap {{ {} }}", targets.len(), elems.join(", "))
+            format!(
+                "numgen random mod {} vmap {{ {} }}",
+                targets.len(),
+                elems.join(", ")
+            )
         }
         Expr::Dnat { addr, port } => match addr {
             IpAddr::V4(a) => format!("dnat ip to {a}:{port}"),
@@ -515,12 +531,21 @@ pub enum Change {
     /// Delete an (empty, unreferenced) chain.
     DeleteChain(String),
     /// Append a rule to a chain.
-    AddRule { chain: String, rule: Rule },
+    AddRule {
+        chain: String,
+        rule: Rule,
+    },
     /// Create a set or map (its `elements` are ignored here; they come as [`Change::AddElements`]).
     AddSet(Set),
     DeleteSet(String),
-    AddElements { set: String, elements: Vec<(Key, Option<Verdict>)> },
-    DeleteElements { set: String, keys: Vec<Key> },
+    AddElements {
+        set: String,
+        elements: Vec<(Key, Option<Verdict>)>,
+    },
+    DeleteElements {
+        set: String,
+        keys: Vec<Key>,
+    },
 }
 
 impl Ruleset {
@@ -535,13 +560,20 @@ impl Ruleset {
             if !set.elements.is_empty() {
                 changes.push(Change::AddElements {
                     set: set.name.clone(),
-                    elements: set.elements.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+                    elements: set
+                        .elements
+                        .iter()
+                        .map(|(k, v)| (k.clone(), v.clone()))
+                        .collect(),
                 });
             }
         }
         for chain in self.chains.values() {
             for rule in &chain.rules {
-                changes.push(Change::AddRule { chain: chain.name.clone(), rule: rule.clone() });
+                changes.push(Change::AddRule {
+                    chain: chain.name.clone(),
+                    rule: rule.clone(),
+                });
             }
         }
         changes

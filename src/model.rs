@@ -21,7 +21,9 @@ pub const ANNOTATION_ALLOCATED: &str = "nodelb.io/allocated-ports";
 pub const ANNOTATION_IGNORE: &str = "nodelb.io/ignore";
 
 /// `namespace/name` of a Service.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 pub struct ServiceKey {
     pub namespace: String,
     pub name: String,
@@ -35,7 +37,9 @@ impl fmt::Display for ServiceKey {
 
 /// Identity of one service port: its `port` number and protocol (`80/TCP`). Unique within a
 /// Service by Kubernetes validation, and the key of allocations.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 pub struct PortId {
     pub port: u16,
     pub protocol: Protocol,
@@ -111,11 +115,24 @@ pub struct LbService {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize)]
 pub enum Refusal {
     #[error("Service {service}: invalid loadBalancerSourceRanges entry {value:?}: {reason}")]
-    InvalidSourceRange { service: ServiceKey, value: String, reason: String },
+    InvalidSourceRange {
+        service: ServiceKey,
+        value: String,
+        reason: String,
+    },
     #[error("Service {service}: invalid annotation {annotation}={value:?}: {reason}")]
-    InvalidAnnotation { service: ServiceKey, annotation: String, value: String, reason: String },
+    InvalidAnnotation {
+        service: ServiceKey,
+        annotation: String,
+        value: String,
+        reason: String,
+    },
     #[error("Service {service}: port {port:?}: {reason}")]
-    InvalidPort { service: ServiceKey, port: String, reason: String },
+    InvalidPort {
+        service: ServiceKey,
+        port: String,
+        reason: String,
+    },
     #[error("Service {service}: invalid spec.ipFamilies entry {value:?}")]
     InvalidIpFamily { service: ServiceKey, value: String },
     #[error("Service {service}: invalid externalTrafficPolicy {value:?}")]

@@ -1,0 +1,397 @@
+//! Socket I/O: one NETLINK_NETFILTER socket, opened in the network namespace of the thread that
+//! creates the client. Batches go out in a single `sendmsg`; replies are matched by sequence number.
+
+use std::os::fd::AsFd;
+use std::time::Duration;
+
+use netlink_sys::{Socket, protocols::NETLINK_NETFILTER};
+use nix::sys::socket::{setsockopt, sockopt};
+use nix::sys::time::TimeVal;
+
+use super::consts::*;
+use super::encode::{self, Encoded, describe, msg_type};
+use super::nla::{Writer, messages};
+use super::{ApplyStats, KernelTable, NftError, decode};
+use crate::ir::{self, Change};
+
+/// Receive buffer for one datagram; dumps never send more than this in one.
+const RECV_BUF: usize = 1 << 20;
+/// Socket receive buffer: large, so error replies of a big failing batch all fit.
+const SO_RCVBUF_BYTES: usize = 32 << 20;
+/// A kernel that does not answer within this is treated as an error (never hang forever).
+const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+
+pub struct NftClient {
+    sock: Socket,
+    seq: u32,
+    buf: Vec<u8>,
+    sndbuf: usize,
+}
+
+fn io(context: &str) -> impl FnOnce(std::io::Error) -> NftError + '_ {
+    move |source| NftError::Io {
+        context: context.to_string(),
+        source,
+    }
+}
+
+fn errno_io(context: &str, e: nix::errno::Errno) -> NftError {
+    NftError::Io {
+        context: context.to_string(),
+        source: std::io::Error::from_raw_os_error(e as i32),
+    }
+}
+
+fn strerror(errno: i32) -> String {
+    nix::errno::Errno::from_raw(errno).desc().to_string()
+}
+
+/// An owned reply message.
+struct Reply {
+    ty: u16,
+    seq: u32,
+    payload: Vec<u8>,
+}
+
+impl NftClient {
+    pub fn new() -> Result<NftClient, NftError> {
+        let mut sock =
+            Socket::new(NETLINK_NETFILTER).map_err(io("open NETLINK_NETFILTER socket"))?;
+        sock.bind_auto().map_err(io("bind netlink socket"))?;
+        // The *FORCE variants ignore net.core.rmem_max but need CAP_NET_ADMIN, which programming
+        // nftables needs anyway; fall back to the capped option otherwise.
+        if setsockopt(&sock.as_fd(), sockopt::RcvBufForce, &SO_RCVBUF_BYTES).is_err() {
+            let _ = setsockopt(&sock.as_fd(), sockopt::RcvBuf, &SO_RCVBUF_BYTES);
+        }
+        let tv = TimeVal::new(REPLY_TIMEOUT.as_secs() as i64, 0);
+        setsockopt(&sock.as_fd(), sockopt::ReceiveTimeout, &tv)
+            .map_err(|e| errno_io("set SO_RCVTIMEO", e))?;
+        // Seed sequence numbers from the clock so replies to an earlier client's requests are
+        // never mistaken for ours.
+        let seq = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs() as u32)
+            .unwrap_or(1);
+        Ok(NftClient {
+            sock,
+            seq,
+            buf: Vec::with_capacity(RECV_BUF),
+            sndbuf: 0,
+        })
+    }
+
+    fn next_seq(&mut self, n: u32) -> u32 {
+        let s = self.seq;
+        self.seq = self.seq.wrapping_add(n);
+        s
+    }
+
+    fn ensure_sndbuf(&mut self, len: usize) -> Result<(), NftError> {
+        // Netlink refuses a datagram larger than the send buffer, and a batch must be one datagram
+        // (the kernel parses one skb as the whole transaction).
+        let want = len + (64 << 10);
+        if want <= self.sndbuf {
+            return Ok(());
+        }
+        if setsockopt(&self.sock.as_fd(), sockopt::SndBufForce, &want).is_err() {
+            setsockopt(&self.sock.as_fd(), sockopt::SndBuf, &want)
+                .map_err(|e| errno_io("set SO_SNDBUF", e))?;
+        }
+        self.sndbuf = want;
+        Ok(())
+    }
+
+    fn send(&mut self, bytes: &[u8], what: &str) -> Result<(), NftError> {
+        self.ensure_sndbuf(bytes.len())?;
+        let n = self.sock.send(bytes, 0).map_err(io(what))?;
+        if n != bytes.len() {
+            return Err(NftError::Io {
+                context: what.to_string(),
+                source: std::io::Error::other(format!("sent {n} of {} bytes", bytes.len())),
+            });
+        }
+        Ok(())
+    }
+
+    /// Receives one datagram and returns its messages.
+    fn recv(&mut self, what: &str) -> Result<Vec<Reply>, NftError> {
+        self.buf.clear();
+        self.buf.reserve(RECV_BUF);
+        let n = self
+            .sock
+            .recv(&mut self.buf, libc_msg_trunc())
+            .map_err(|e| {
+                let ctx = if e.raw_os_error() == Some(nix::errno::Errno::ENOBUFS as i32) {
+                    format!("{what}: replies were lost (receive buffer overflow)")
+                } else {
+                    format!("{what}: receive")
+                };
+                NftError::Io {
+                    context: ctx,
+                    source: e,
+                }
+            })?;
+        if n > self.buf.len() {
+            return Err(NftError::Malformed(format!(
+                "{what}: datagram of {n} bytes truncated"
+            )));
+        }
+        Ok(messages(&self.buf)?
+            .into_iter()
+            .map(|m| Reply {
+                ty: m.ty,
+                seq: m.seq,
+                payload: m.payload.to_vec(),
+            })
+            .collect())
+    }
+
+    /// Sends `changes` as one atomic batch. On error nothing was applied.
+    pub fn apply(&mut self, changes: &[Change]) -> Result<ApplyStats, NftError> {
+        if changes.is_empty() {
+            return Ok(ApplyStats::default());
+        }
+        let first = self.seq;
+        let enc = encode::encode_batch(changes, first)?;
+        self.seq = enc.last_seq().wrapping_add(1);
+        let stats = ApplyStats {
+            messages: enc.msg_change.len() + 2,
+            bytes: enc.bytes.len(),
+        };
+        self.send(&enc.bytes, "send batch")?;
+        // Batch messages carry no NLM_F_ACK: the kernel answers only failures (each with the failing
+        // message's sequence number). A GETGEN sent right after is answered only once the batch has
+        // been fully processed, so its reply marks the end of the batch's replies.
+        let sentinel = self.next_seq(1);
+        self.send(&gen_request(sentinel), "send generation request")?;
+        let mut errors: Vec<(u32, i32)> = Vec::new();
+        'outer: loop {
+            for r in self.recv("batch replies")? {
+                if r.seq == sentinel {
+                    break 'outer;
+                }
+                if r.ty == NLMSG_ERROR && (first..=enc.last_seq()).contains(&r.seq) {
+                    let errno = error_code(&r.payload)?;
+                    if errno != 0 {
+                        errors.push((r.seq, errno));
+                    }
+                }
+            }
+        }
+        if errors.is_empty() {
+            return Ok(stats);
+        }
+        errors.sort();
+        let (seq, errno) = errors[0];
+        Err(kernel_error(&enc, changes, seq, errno, errors.len() - 1))
+    }
+
+    /// Sends a request and collects the replies with its sequence number until the dump ends (or the
+    /// single reply of a non-dump request arrives). An error reply becomes `NftError::Request`.
+    fn request(
+        &mut self,
+        msg: u8,
+        dump: bool,
+        what: &str,
+        attrs: impl FnOnce(&mut Writer),
+    ) -> Result<Vec<Vec<u8>>, NftError> {
+        let seq = self.next_seq(1);
+        let mut w = Writer::new();
+        let flags = NLM_F_REQUEST | if dump { NLM_F_DUMP } else { NLM_F_ACK };
+        w.begin_msg(msg_type(msg), flags, seq, NFPROTO_INET, 0);
+        attrs(&mut w);
+        w.end_msg();
+        self.send(&w.buf, what)?;
+        let mut out = Vec::new();
+        loop {
+            for r in self.recv(what)? {
+                if r.seq != seq {
+                    continue;
+                }
+                match r.ty {
+                    NLMSG_DONE => return Ok(out),
+                    NLMSG_ERROR => {
+                        let errno = error_code(&r.payload)?;
+                        if errno == 0 {
+                            return Ok(out); // the ACK of a non-dump request
+                        }
+                        return Err(NftError::Request {
+                            what: what.to_string(),
+                            errno,
+                            reason: strerror(errno),
+                        });
+                    }
+                    _ => out.push(r.payload),
+                }
+            }
+        }
+    }
+
+    /// The ruleset generation id of this namespace.
+    pub fn generation(&mut self) -> Result<u32, NftError> {
+        let seq = self.next_seq(1);
+        self.send(&gen_request(seq), "get generation")?;
+        loop {
+            for r in self.recv("get generation")? {
+                if r.seq != seq {
+                    continue;
+                }
+                if r.ty == NLMSG_ERROR {
+                    let errno = error_code(&r.payload)?;
+                    return Err(NftError::Request {
+                        what: "get generation".into(),
+                        errno,
+                        reason: strerror(errno),
+                    });
+                }
+                return decode::gen_id(&r.payload);
+            }
+        }
+    }
+
+    /// Reads table inet nodelb back; `None` if it does not exist. Retries when the ruleset changes
+    /// while reading (generation differs before and after), so the result is one consistent view.
+    pub fn read_table(&mut self) -> Result<Option<KernelTable>, NftError> {
+        let mut last = None;
+        for _ in 0..5 {
+            let before = self.generation()?;
+            let t = self.read_table_once()?;
+            if self.generation()? == before {
+                return Ok(t);
+            }
+            last = Some(t);
+        }
+        // Still changing after several attempts: return the last read, it is at worst stale.
+        Ok(last.flatten())
+    }
+
+    fn read_table_once(&mut self) -> Result<Option<KernelTable>, NftError> {
+        let name = ir::TABLE_NAME;
+        match self.request(NFT_MSG_GETTABLE, false, "get table", |w| {
+            w.put_str(NFTA_TABLE_NAME, name)
+        }) {
+            Ok(_) => {}
+            Err(NftError::Request { errno, .. }) if errno == nix::errno::Errno::ENOENT as i32 => {
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        }
+        let mut t = KernelTable::default();
+        for p in self.request(NFT_MSG_GETCHAIN, true, "list chains", |w| {
+            w.put_str(NFTA_CHAIN_TABLE, name)
+        })? {
+            if decode::table_of(&p)? == name {
+                let c = decode::chain(&p)?;
+                t.chains.insert(c.name.clone(), c);
+            }
+        }
+        for p in self.request(NFT_MSG_GETRULE, true, "list rules", |w| {
+            w.put_str(NFTA_RULE_TABLE, name)
+        })? {
+            if decode::table_of(&p)? != name {
+                continue;
+            }
+            let (chain, rule) = decode::rule(&p)?;
+            match t.chains.get_mut(&chain) {
+                Some(c) => c.rules.push(rule),
+                None => t
+                    .problems
+                    .push(format!("rule {} in unknown chain {chain}", rule.handle)),
+            }
+        }
+        let mut sets = Vec::new();
+        for p in self.request(NFT_MSG_GETSET, true, "list sets", |w| {
+            w.put_str(NFTA_SET_TABLE, name)
+        })? {
+            if decode::table_of(&p)? != name {
+                continue;
+            }
+            let s = decode::set(&p)?;
+            if s.flags & NFT_SET_ANONYMOUS != 0 {
+                t.anonymous_sets += 1;
+            } else {
+                sets.push(s);
+            }
+        }
+        for mut s in sets {
+            let what = format!("list elements of {}", s.name);
+            let set_name = s.name.clone();
+            let replies = self.request(NFT_MSG_GETSETELEM, true, &what, |w| {
+                w.put_str(NFTA_SET_ELEM_LIST_TABLE, name);
+                w.put_str(NFTA_SET_ELEM_LIST_SET, &set_name);
+            })?;
+            for p in replies {
+                for (k, v) in decode::elements(&p)? {
+                    match s.key.as_deref().and_then(|types| decode::key(types, &k)) {
+                        Some(key) => {
+                            s.elements.insert(key, v);
+                        }
+                        None => t.problems.push(format!(
+                            "set {}: element key {} cannot be decoded",
+                            s.name,
+                            hex(&k)
+                        )),
+                    }
+                }
+            }
+            t.sets.insert(s.name.clone(), s);
+        }
+        Ok(Some(t))
+    }
+
+    /// Deletes table inet nodelb (and nothing else). Returns whether it existed.
+    pub fn delete_table(&mut self) -> Result<bool, NftError> {
+        match self.apply(&[Change::DeleteTable]) {
+            Ok(_) => Ok(true),
+            Err(NftError::Kernel { errno, .. }) if errno == nix::errno::Errno::ENOENT as i32 => {
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+fn libc_msg_trunc() -> i32 {
+    nix::sys::socket::MsgFlags::MSG_TRUNC.bits()
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn gen_request(seq: u32) -> Vec<u8> {
+    let mut w = Writer::new();
+    w.begin_msg(
+        msg_type(NFT_MSG_GETGEN),
+        NLM_F_REQUEST,
+        seq,
+        NFPROTO_UNSPEC,
+        0,
+    );
+    w.end_msg();
+    w.buf
+}
+
+/// The (negative) errno of an NLMSG_ERROR payload, made positive (0 = ACK).
+fn error_code(payload: &[u8]) -> Result<i32, NftError> {
+    let b: [u8; 4] = payload
+        .get(..4)
+        .and_then(|s| s.try_into().ok())
+        .ok_or_else(|| NftError::Malformed("short NLMSG_ERROR".into()))?;
+    Ok(-i32::from_ne_bytes(b))
+}
+
+fn kernel_error(enc: &Encoded, changes: &[Change], seq: u32, errno: i32, more: usize) -> NftError {
+    let index = enc.change_of(seq);
+    let change = match index.and_then(|i| changes.get(i)) {
+        Some(c) => describe(c),
+        None => "commit batch".to_string(),
+    };
+    NftError::Kernel {
+        index,
+        change,
+        errno,
+        reason: strerror(errno),
+        more,
+    }
+}

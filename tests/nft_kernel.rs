@@ -1,0 +1,618 @@
+//! The netlink edge against a real kernel: every test programs nf_tables inside namespaces it
+//! creates, and proves the result with nft itself (`nft -f` of `Ruleset::render()` in a second
+//! namespace must list exactly the same table).
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::Write as _;
+use std::net::IpAddr;
+
+use common::netns::NetNs;
+use nodelb::ir::{
+    self, BaseChain, Chain, ChainType, Change, CtState, Expr, Family, Hook, KeyPart, KeyType,
+    Protocol, Rule, Ruleset, Set, Verdict,
+};
+use nodelb::nft::{NftClient, NftError, verify};
+
+type V = Verdict;
+type S = CtState;
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().expect("test address")
+}
+
+fn base(name: &str, t: ChainType, hook: Hook, priority: i32, rules: Vec<Rule>) -> Chain {
+    Chain {
+        name: name.into(),
+        base: Some(BaseChain {
+            chain_type: t,
+            hook,
+            priority,
+        }),
+        rules,
+        comment: None,
+    }
+}
+
+fn regular(name: &str, rules: Vec<Rule>) -> Chain {
+    Chain {
+        name: name.into(),
+        base: None,
+        rules,
+        comment: None,
+    }
+}
+
+fn goto(c: &str) -> Verdict {
+    Verdict::Goto(c.into())
+}
+
+fn r(exprs: Vec<Expr>) -> Rule {
+    Rule::new(exprs)
+}
+
+/// A ruleset using every `Expr` variant and every set key shape, valid for the kernel's hook rules
+/// (dnat only reached from nat prerouting/output, masquerade only in postrouting).
+fn full_ruleset() -> Ruleset {
+    use Expr::*;
+    let mut rs = Ruleset::default();
+    let pp = |p: Protocol, port: u16| vec![KeyPart::Proto(p), KeyPart::Port(port)];
+    rs.add_set(Set {
+        name: "service-ports".into(),
+        key: vec![KeyType::InetProto, KeyType::InetService],
+        verdict_map: true,
+        elements: BTreeMap::from([
+            (pp(Protocol::Tcp, 20001), Some(goto("svc-a"))),
+            (pp(Protocol::Udp, 20002), Some(V::Jump("svc-b".into()))),
+            (pp(Protocol::Sctp, 20003), Some(V::Drop)),
+        ]),
+        comment: Some("node ports".into()),
+    });
+    rs.add_set(Set {
+        name: "service-ports-ct".into(),
+        key: vec![KeyType::InetProto, KeyType::InetService],
+        verdict_map: true,
+        elements: BTreeMap::from([(pp(Protocol::Tcp, 20001), Some(V::Accept))]),
+        comment: None,
+    });
+    rs.add_set(Set {
+        name: "endpoints-ipv4".into(),
+        key: vec![KeyType::Ipv4Addr, KeyType::InetProto, KeyType::InetService],
+        verdict_map: false,
+        elements: BTreeMap::from([
+            (
+                vec![
+                    KeyPart::Addr(ip("192.0.2.10")),
+                    KeyPart::Proto(Protocol::Tcp),
+                    KeyPart::Port(8080),
+                ],
+                None,
+            ),
+            (
+                vec![
+                    KeyPart::Addr(ip("192.0.2.11")),
+                    KeyPart::Proto(Protocol::Udp),
+                    KeyPart::Port(53),
+                ],
+                None,
+            ),
+        ]),
+        comment: None,
+    });
+    rs.add_set(Set {
+        name: "endpoints-ipv6".into(),
+        key: vec![KeyType::Ipv6Addr, KeyType::InetProto, KeyType::InetService],
+        verdict_map: false,
+        elements: BTreeMap::from([(
+            vec![
+                KeyPart::Addr(ip("2001:db8::10")),
+                KeyPart::Proto(Protocol::Tcp),
+                KeyPart::Port(8080),
+            ],
+            None,
+        )]),
+        comment: Some("v6 endpoints".into()),
+    });
+    let dport_vmap = || L4ProtoDportVmap {
+        map: "service-ports".into(),
+    };
+    rs.add_chain(base(
+        "nat-prerouting",
+        ChainType::Nat,
+        Hook::Prerouting,
+        ir::priority::DSTNAT,
+        vec![
+            r(vec![NfProto(Family::Ipv4), FibDaddrLocal, dport_vmap()]),
+            r(vec![FibDaddrLocal, dport_vmap()]),
+        ],
+    ));
+    rs.add_chain(base(
+        "nat-output",
+        ChainType::Nat,
+        Hook::Output,
+        ir::priority::DSTNAT,
+        vec![r(vec![FibDaddrLocal, dport_vmap()]).with_comment("node-originated")],
+    ));
+    rs.add_chain(base(
+        "nat-postrouting",
+        ChainType::Nat,
+        Hook::Postrouting,
+        ir::priority::SRCNAT,
+        vec![
+            r(vec![
+                MarkHas(0x4000),
+                MarkXor(0x4000),
+                CtStatusDnat,
+                Masquerade,
+            ]),
+            r(vec![
+                SaddrL4ProtoSportInSet {
+                    family: Family::Ipv4,
+                    set: "endpoints-ipv4".into(),
+                },
+                Counter,
+            ]),
+            r(vec![
+                SaddrL4ProtoSportInSet {
+                    family: Family::Ipv6,
+                    set: "endpoints-ipv6".into(),
+                },
+                Counter,
+            ]),
+        ],
+    ));
+    rs.add_chain(base(
+        "filter-prerouting",
+        ChainType::Filter,
+        Hook::Prerouting,
+        -110,
+        vec![
+            r(vec![
+                SaddrInPrefix {
+                    prefix: "198.51.100.0/24".parse().expect("cidr"),
+                    negate: true,
+                },
+                L4ProtoCtOrigDportVmap {
+                    map: "service-ports-ct".into(),
+                },
+            ]),
+            r(vec![
+                SaddrInPrefix {
+                    prefix: "203.0.113.128/25".parse().expect("cidr"),
+                    negate: false,
+                },
+                MarkSet(0x4000),
+            ]),
+            r(vec![
+                NfProto(Family::Ipv6),
+                DaddrInPrefix {
+                    prefix: "2001:db8:8000::/33".parse().expect("cidr"),
+                    negate: false,
+                },
+                SaddrInPrefix {
+                    prefix: "2001:db8::/32".parse().expect("cidr"),
+                    negate: true,
+                },
+                Verdict(V::Return),
+            ]),
+            r(vec![
+                DaddrInPrefix {
+                    prefix: "192.0.2.7/32".parse().expect("cidr"),
+                    negate: false,
+                },
+                Counter,
+            ])
+            .with_comment("a host"),
+        ],
+    ));
+    rs.add_chain(base(
+        "filter-forward",
+        ChainType::Filter,
+        Hook::Forward,
+        ir::priority::FILTER,
+        vec![
+            r(vec![CtState(vec![S::Invalid]), Verdict(V::Drop)]),
+            r(vec![
+                CtState(vec![S::Established, S::Related]),
+                Counter,
+                Verdict(V::Accept),
+            ]),
+            r(vec![
+                CtState(vec![S::New]),
+                CtStatusDnat,
+                Verdict(V::Jump("no-endpoints".into())),
+            ]),
+        ],
+    ));
+    let mut svc_a = regular(
+        "svc-a",
+        vec![
+            r(vec![
+                SaddrInPrefix {
+                    prefix: "192.0.2.0/24".parse().expect("cidr"),
+                    negate: false,
+                },
+                Counter,
+            ])
+            .with_comment("service a"),
+            r(vec![NumgenRandomVmap {
+                targets: vec![goto("ep-a-0"), goto("ep-a-1"), goto("ep-a-2")],
+            }]),
+        ],
+    );
+    svc_a.comment = Some("default/a:http".into());
+    rs.add_chain(svc_a);
+    rs.add_chain(regular(
+        "svc-b",
+        vec![r(vec![NumgenRandomVmap {
+            targets: vec![goto("ep-b-0")],
+        }])],
+    ));
+    rs.add_chain(regular(
+        "ep-a-0",
+        vec![r(vec![
+            L4Proto(Protocol::Tcp),
+            Dnat {
+                addr: ip("192.0.2.10"),
+                port: 8080,
+            },
+        ])],
+    ));
+    rs.add_chain(regular(
+        "ep-a-1",
+        vec![r(vec![
+            L4Proto(Protocol::Tcp),
+            Dnat {
+                addr: ip("192.0.2.11"),
+                port: 8080,
+            },
+        ])],
+    ));
+    rs.add_chain(regular(
+        "ep-a-2",
+        vec![r(vec![
+            L4Proto(Protocol::Tcp),
+            Dnat {
+                addr: ip("2001:db8::10"),
+                port: 8080,
+            },
+        ])],
+    ));
+    rs.add_chain(regular(
+        "ep-b-0",
+        vec![r(vec![
+            L4Proto(Protocol::Udp),
+            Dnat {
+                addr: ip("2001:db8::11"),
+                port: 53,
+            },
+        ])],
+    ));
+    rs.add_chain(regular(
+        "no-endpoints",
+        vec![
+            r(vec![RejectTcpReset]),
+            r(vec![L4Proto(Protocol::Tcp), RejectTcpReset]),
+            r(vec![RejectIcmpPortUnreachable]),
+        ],
+    ));
+    rs
+}
+
+fn apply_in(ns: &NetNs, changes: Vec<Change>) -> Result<nodelb::nft::ApplyStats, NftError> {
+    ns.run(move || NftClient::new()?.apply(&changes))
+}
+
+fn read_in(ns: &NetNs) -> Option<nodelb::nft::KernelTable> {
+    ns.run(|| NftClient::new().and_then(|mut c| c.read_table()))
+        .expect("read_table")
+}
+
+fn list(ns: &NetNs) -> String {
+    ns.exec_ok("nft", &["list", "table", "inet", "nodelb"])
+}
+
+/// Loads `text` with `nft -f` inside `ns`.
+fn nft_load(ns: &NetNs, text: &str) {
+    let mut f = tempfile::NamedTempFile::new().expect("temp file");
+    f.write_all(text.as_bytes()).expect("write ruleset");
+    let path = f.path().to_str().expect("utf8 path").to_string();
+    ns.exec_ok("nft", &["-f", &path]);
+}
+
+/// The render of `rs` loaded by nft in a fresh namespace, listed.
+fn nft_reference(rs: &Ruleset) -> String {
+    let b = NetNs::new("nft-ref");
+    nft_load(&b, &rs.render());
+    list(&b)
+}
+
+#[test]
+fn encoder_matches_nft_for_every_expression() {
+    require_root!();
+    let rs = full_ruleset();
+    let a = NetNs::new("nft-eq");
+    let stats = apply_in(&a, rs.full_replace()).expect("apply");
+    assert!(stats.messages > 10 && stats.bytes > 1000, "{stats:?}");
+    let ours = list(&a);
+    let reference = nft_reference(&rs);
+    assert_eq!(
+        ours, reference,
+        "nft lists our table differently from its own load of render()"
+    );
+    // Applying the same full replace again is idempotent.
+    apply_in(&a, rs.full_replace()).expect("re-apply");
+    assert_eq!(list(&a), reference);
+    assert_eq!(verify(&rs, read_in(&a).as_ref()), Vec::<String>::new());
+}
+
+#[test]
+fn diff_after_full_replace_matches_nft() {
+    require_root!();
+    let rs1 = full_ruleset();
+    let a = NetNs::new("nft-diff");
+    apply_in(&a, rs1.full_replace()).expect("apply");
+
+    let mut rs2 = rs1.clone();
+    // svc-a loses endpoint ep-a-2 and gains a comment-less counter rule.
+    let svc_a = rs2.chains.get_mut("svc-a").expect("svc-a");
+    svc_a.rules = vec![
+        r(vec![Expr::Counter]),
+        r(vec![Expr::NumgenRandomVmap {
+            targets: vec![goto("ep-a-0"), goto("ep-a-1")],
+        }]),
+    ];
+    rs2.chains.remove("ep-a-2");
+    let ports = rs2.sets.get_mut("service-ports").expect("map");
+    let gone = vec![KeyPart::Proto(Protocol::Udp), KeyPart::Port(20002)];
+    let new = vec![KeyPart::Proto(Protocol::Tcp), KeyPart::Port(20004)];
+    ports.elements.remove(&gone);
+    ports.elements.insert(new.clone(), Some(goto("svc-b")));
+
+    let mut changes = vec![Change::FlushChain("svc-a".into())];
+    changes.extend(
+        rs2.chains["svc-a"]
+            .rules
+            .iter()
+            .map(|rule| Change::AddRule {
+                chain: "svc-a".into(),
+                rule: rule.clone(),
+            }),
+    );
+    changes.push(Change::DeleteElements {
+        set: "service-ports".into(),
+        keys: vec![gone],
+    });
+    changes.push(Change::AddElements {
+        set: "service-ports".into(),
+        elements: vec![(new, Some(goto("svc-b")))],
+    });
+    changes.push(Change::DeleteChain("ep-a-2".into()));
+    apply_in(&a, changes).expect("apply diff");
+
+    assert_eq!(list(&a), nft_reference(&rs2));
+    assert_eq!(verify(&rs2, read_in(&a).as_ref()), Vec::<String>::new());
+}
+
+#[test]
+fn failing_batch_changes_nothing_and_names_the_change() {
+    require_root!();
+    let rs = full_ruleset();
+    let a = NetNs::new("nft-atomic");
+    apply_in(&a, rs.full_replace()).expect("apply");
+    let before = a.exec_ok("nft", &["list", "ruleset"]);
+    let gen_before = a
+        .run(|| NftClient::new().and_then(|mut c| c.generation()))
+        .expect("gen");
+
+    let mut changes = rs.full_replace();
+    changes.push(Change::AddChain(regular("fresh", vec![])));
+    changes.push(Change::AddRule {
+        chain: "fresh".into(),
+        rule: r(vec![Expr::Verdict(Verdict::Jump("missing".into()))]),
+    });
+    let n = changes.len();
+    let err = apply_in(&a, changes).expect_err("jump to a missing chain must fail");
+    let text = err.to_string();
+    assert!(
+        text.contains("add rule to chain fresh `jump missing`"),
+        "{text}"
+    );
+    assert!(text.contains("No such file or directory"), "{text}");
+    match err {
+        NftError::Kernel { index, errno, .. } => {
+            assert_eq!(index, Some(n - 1));
+            assert_eq!(errno, 2);
+        }
+        other => panic!("unexpected error {other:?}"),
+    }
+    assert_eq!(a.exec_ok("nft", &["list", "ruleset"]), before);
+    let gen_after = a
+        .run(|| NftClient::new().and_then(|mut c| c.generation()))
+        .expect("gen");
+    assert_eq!(gen_before, gen_after, "a failed batch must not commit");
+}
+
+#[test]
+fn big_batch_is_one_transaction() {
+    require_root!();
+    const N: usize = 10_000;
+    let mut rs = Ruleset::default();
+    let mut elements = BTreeMap::new();
+    for i in 0..N {
+        let name = format!("svc-{i:05}");
+        rs.add_chain(regular(
+            &name,
+            vec![r(vec![Expr::Counter, Expr::Verdict(Verdict::Accept)])],
+        ));
+        elements.insert(
+            vec![
+                KeyPart::Proto(if i % 2 == 0 {
+                    Protocol::Tcp
+                } else {
+                    Protocol::Udp
+                }),
+                KeyPart::Port(10_000 + i as u16),
+            ],
+            Some(goto(&name)),
+        );
+    }
+    rs.add_set(Set {
+        name: "service-ports".into(),
+        key: vec![KeyType::InetProto, KeyType::InetService],
+        verdict_map: true,
+        elements,
+        comment: None,
+    });
+    rs.add_chain(base(
+        "nat-prerouting",
+        ChainType::Nat,
+        Hook::Prerouting,
+        -100,
+        vec![r(vec![
+            Expr::FibDaddrLocal,
+            Expr::L4ProtoDportVmap {
+                map: "service-ports".into(),
+            },
+        ])],
+    ));
+    let a = NetNs::new("nft-big");
+    let changes = rs.full_replace();
+    let started = std::time::Instant::now();
+    let stats = apply_in(&a, changes).expect("big apply");
+    eprintln!("big batch: {stats:?} in {:?}", started.elapsed());
+    let t = read_in(&a).expect("table");
+    assert_eq!(t.chains.len(), N + 1);
+    assert_eq!(t.sets["service-ports"].elements.len(), N);
+    assert_eq!(verify(&rs, Some(&t)), Vec::<String>::new());
+}
+
+fn counter_ruleset() -> Ruleset {
+    let mut rs = Ruleset::default();
+    rs.add_chain(base(
+        "filter-output",
+        ChainType::Filter,
+        Hook::Output,
+        0,
+        vec![
+            r(vec![
+                Expr::L4Proto(Protocol::Udp),
+                Expr::DaddrInPrefix {
+                    prefix: "127.0.0.0/8".parse().expect("cidr"),
+                    negate: false,
+                },
+                Expr::Counter,
+            ])
+            .with_comment("loopback udp"),
+        ],
+    ));
+    rs.add_chain(regular(
+        "svc-x",
+        vec![r(vec![Expr::Verdict(Verdict::Accept)])],
+    ));
+    rs.add_set(Set {
+        name: "service-ports".into(),
+        key: vec![KeyType::InetProto, KeyType::InetService],
+        verdict_map: true,
+        elements: BTreeMap::from([
+            (
+                vec![KeyPart::Proto(Protocol::Tcp), KeyPart::Port(20001)],
+                Some(goto("svc-x")),
+            ),
+            (
+                vec![KeyPart::Proto(Protocol::Udp), KeyPart::Port(20001)],
+                Some(goto("svc-x")),
+            ),
+        ]),
+        comment: None,
+    });
+    rs
+}
+
+#[test]
+fn read_table_and_verify_notice_drift_and_count_packets() {
+    require_root!();
+    let rs = counter_ruleset();
+    let a = NetNs::new("nft-verify");
+    apply_in(&a, rs.full_replace()).expect("apply");
+    let t = read_in(&a).expect("table");
+    assert_eq!(verify(&rs, Some(&t)), Vec::<String>::new());
+    let rule = &t.chains["filter-output"].rules[0];
+    assert_eq!(rule.comment.as_deref(), Some("loopback udp"));
+    assert_eq!(rule.counter.map(|c| c.packets), Some(0));
+
+    // Packets through the counter rule: UDP datagrams to loopback from inside the namespace.
+    a.run(|| {
+        let s = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        for _ in 0..5 {
+            s.send_to(b"hello", "127.0.0.1:9").expect("send");
+        }
+    });
+    let t = read_in(&a).expect("table");
+    let c = t.chains["filter-output"].rules[0].counter.expect("counter");
+    assert_eq!(c.packets, 5);
+    assert_eq!(c.bytes, 5 * (20 + 8 + 5));
+    let listed = list(&a);
+    assert!(
+        listed.contains(&format!("counter packets {} bytes {}", c.packets, c.bytes)),
+        "{listed}"
+    );
+    assert_eq!(t.counters().count(), 1);
+
+    // A hand-added rule is foreign.
+    a.exec_ok("nft", &["add", "rule", "inet", "nodelb", "svc-x", "accept"]);
+    let d = verify(&rs, read_in(&a).as_ref());
+    assert_eq!(
+        d,
+        vec!["chain svc-x: rule 1 is not ours (foreign rule)".to_string()]
+    );
+
+    // A deleted element is missing.
+    apply_in(&a, rs.full_replace()).expect("repair");
+    a.exec_ok(
+        "nft",
+        &[
+            "delete",
+            "element",
+            "inet",
+            "nodelb",
+            "service-ports",
+            "{ udp . 20001 }",
+        ],
+    );
+    let d = verify(&rs, read_in(&a).as_ref());
+    assert_eq!(
+        d,
+        vec!["map service-ports: element udp . 20001 missing".to_string()]
+    );
+
+    // A deleted table is reported.
+    a.exec_ok("nft", &["delete", "table", "inet", "nodelb"]);
+    assert!(read_in(&a).is_none());
+    assert_eq!(
+        verify(&rs, None),
+        vec!["table inet nodelb is missing".to_string()]
+    );
+}
+
+#[test]
+fn delete_table_removes_only_ours_and_generation_moves() {
+    require_root!();
+    let a = NetNs::new("nft-cleanup");
+    a.exec_ok("nft", &["add", "table", "inet", "other"]);
+    a.exec_ok("nft", &["add", "chain", "inet", "other", "c"]);
+    let (g0, g1, existed, again) = a.run(|| {
+        let mut c = NftClient::new().expect("client");
+        let g0 = c.generation().expect("gen");
+        c.apply(&counter_ruleset().full_replace()).expect("apply");
+        let g1 = c.generation().expect("gen");
+        let existed = c.delete_table().expect("delete");
+        let again = c.delete_table().expect("delete again");
+        (g0, g1, existed, again)
+    });
+    assert_ne!(g0, g1);
+    assert!(existed);
+    assert!(!again);
+    let rest = a.exec_ok("nft", &["list", "tables"]);
+    assert_eq!(rest.trim(), "table inet other");
+}
