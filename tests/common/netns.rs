@@ -110,11 +110,7 @@ impl Drop for NetNs {
 
 pub fn run_ok(program: &str, args: &[&str]) -> String {
     let out = Command::new(program).args(args).output().unwrap_or_else(|e| panic!("spawn {program}: {e}"));
-    assert!(
-        out.status.success(),
-        "{program} {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{program} {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
