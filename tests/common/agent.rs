@@ -249,15 +249,36 @@ pub fn nft(ns: &NetNs, args: &[&str]) -> String {
     ns.exec_ok("nft", args)
 }
 
-/// A ruleset listing with counter values and handles blanked and whitespace normalised, for comparing
-/// listings taken at different times.
+/// A ruleset listing with counter values and handles blanked, whitespace normalised and the items of
+/// set/map element lists sorted (hash sets list in no fixed order), for comparing listings taken at
+/// different times or from re-created tables.
 pub fn normalize_ruleset(listing: &str) -> String {
-    let mut out = String::new();
+    // Join multi-line `elements = { … }` blocks into one line first.
+    let mut lines: Vec<String> = Vec::new();
+    let mut open: Option<String> = None;
     for line in listing.lines() {
         let line = match line.find("# handle") {
             Some(i) => &line[..i],
             None => line,
         };
+        match open.as_mut() {
+            Some(acc) => {
+                acc.push(' ');
+                acc.push_str(line.trim());
+                if line.contains('}') {
+                    lines.push(open.take().unwrap());
+                }
+            }
+            None if line.contains('{') && !line.contains('}') && line.contains("elements") => {
+                open = Some(line.trim().to_string());
+            }
+            None => lines.push(line.to_string()),
+        }
+    }
+    lines.extend(open);
+    let mut out = String::new();
+    for line in lines {
+        let line = sort_brace_items(&line);
         let mut words: Vec<&str> = line.split_whitespace().collect();
         for i in 1..words.len() {
             if matches!(words[i - 1], "packets" | "bytes") && words[i].chars().all(|c| c.is_ascii_digit()) {
@@ -269,6 +290,31 @@ pub fn normalize_ruleset(listing: &str) -> String {
             out.push('\n');
         }
     }
+    out
+}
+
+/// Sorts the comma-separated items of every innermost `{ … }` on one line.
+fn sort_brace_items(line: &str) -> String {
+    let mut out = String::new();
+    let mut rest = line;
+    while let Some(close) = rest.find('}') {
+        match rest[..close].rfind('{') {
+            Some(open) => {
+                let mut items: Vec<String> = rest[open + 1..close]
+                    .split(',')
+                    .map(|s| s.split_whitespace().collect::<Vec<_>>().join(" "))
+                    .collect();
+                items.sort();
+                out.push_str(&rest[..open]);
+                out.push_str("{ ");
+                out.push_str(&items.join(", "));
+                out.push_str(" }");
+            }
+            None => out.push_str(&rest[..=close]),
+        }
+        rest = &rest[close + 1..];
+    }
+    out.push_str(rest);
     out
 }
 

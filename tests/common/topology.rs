@@ -15,8 +15,8 @@
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -385,25 +385,23 @@ pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
 /// until stopped. Collects every result.
 pub struct ClientLoop {
     stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<Vec<Result<String, ClientError>>>>,
+    results: Arc<Mutex<Vec<Result<String, ClientError>>>>,
+    thread: Option<JoinHandle<()>>,
 }
 
 impl ClientLoop {
     /// HTTP GETs to `addr:port` every `interval`, each with `timeout`.
     pub fn http(ns: &NetNs, addr: IpAddr, port: u16, interval: Duration, timeout: Duration) -> ClientLoop {
-        Self::start(
-            ns,
-            move || {
-                http_request_here(addr, port, "/", timeout).and_then(|r| {
-                    if r.status == 200 {
-                        Ok(r.body)
-                    } else {
-                        Err(ClientError::Other(format!("HTTP {}", r.status)))
-                    }
-                })
-            },
-            interval,
-        )
+        let one = move || {
+            let r = http_request_here(addr, port, "/", timeout)?;
+            if r.status == 200 { Ok(r.body) } else { Err(ClientError::Other(format!("HTTP {}", r.status))) }
+        };
+        Self::start(ns, one, interval)
+    }
+
+    /// UDP requests to `addr:port` every `interval`, each from a fresh socket, with `timeout`.
+    pub fn udp(ns: &NetNs, addr: IpAddr, port: u16, interval: Duration, timeout: Duration) -> ClientLoop {
+        Self::start(ns, move || udp_request_here(addr, port, b"ping", timeout), interval)
     }
 
     fn start(
@@ -412,27 +410,35 @@ impl ClientLoop {
         interval: Duration,
     ) -> ClientLoop {
         let stop = Arc::new(AtomicBool::new(false));
+        let results = Arc::new(Mutex::new(Vec::new()));
         let path = format!("/run/netns/{}", ns.name);
-        let s = stop.clone();
+        let (s, res) = (stop.clone(), results.clone());
         let thread = std::thread::spawn(move || {
             let f = std::fs::File::open(&path).expect("open netns");
             nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-            let mut results = Vec::new();
             // Bounded: at most 10 minutes' worth, whatever the caller does.
             let hard_stop = Instant::now() + Duration::from_secs(600);
             while !s.load(Ordering::SeqCst) && Instant::now() < hard_stop {
-                results.push(one());
+                let r = one();
+                res.lock().unwrap().push(r);
                 std::thread::sleep(interval);
             }
-            results
         });
-        ClientLoop { stop, thread: Some(thread) }
+        ClientLoop { stop, results, thread: Some(thread) }
+    }
+
+    /// The results so far, in order.
+    pub fn snapshot(&self) -> Vec<Result<String, ClientError>> {
+        self.results.lock().unwrap().clone()
     }
 
     /// Stops the loop and returns every result, in order.
     pub fn stop(mut self) -> Vec<Result<String, ClientError>> {
         self.stop.store(true, Ordering::SeqCst);
-        self.thread.take().unwrap().join().expect("client loop panicked")
+        if let Some(t) = self.thread.take() {
+            t.join().expect("client loop panicked");
+        }
+        self.snapshot()
     }
 }
 
