@@ -184,7 +184,16 @@ impl Agent {
 
     /// Waits until `/readyz` answers 200; panics with the agent's log otherwise.
     pub fn wait_ready(&mut self, timeout: Duration) {
-        let ok = wait_until(timeout, || matches!(self.readyz(), Some((200, _))));
+        let mut exited = None;
+        let ok = wait_until(timeout, || {
+            if let Some(c) = self.child.as_mut() {
+                exited = c.try_wait().ok().flatten();
+            }
+            exited.is_some() || matches!(self.readyz(), Some((200, _)))
+        });
+        if let Some(status) = exited {
+            panic!("agent exited ({status}) before becoming ready");
+        }
         if !ok {
             panic!(
                 "agent not ready within {timeout:?} (running: {}), last /readyz: {:?}",
