@@ -15,8 +15,8 @@ use common::agent::{
 };
 use common::manifest::{EndpointSpec, PortSpec, ServiceSpec, render_all};
 use common::topology::{
-    ClientError, ClientLoop, NODE_BACKEND_V4, NODE_BACKEND_V6, NODE_V4, NODE_V6, Topology, backend_v4,
-    backend_v6, http_get, parse_answer, udp_request, wait_until,
+    ClientError, ClientLoop, NODE_BACKEND_V4, NODE_BACKEND_V6, NODE_V4, NODE_V6, Servers, Topology,
+    backend_v4, backend_v6, http_get, parse_answer, udp_request, wait_until,
 };
 
 /// Per-request timeout where an answer is expected.
@@ -186,6 +186,11 @@ fn no_ready_endpoint_is_refused_not_dropped() {
         .port(PortSpec::udp(53, Some(20053)))
         .endpoint(EndpointSpec::local(backend_v4(0)).not_ready());
     let noslice = ServiceSpec::new("noslice").port(PortSpec::tcp(80, Some(20081))).without_slices();
+    // Decoys listening on the node itself on the same ports: a request the agent does not reject
+    // would reach them, so a refusal can only come from the agent's rules.
+    let _decoy1 = Servers::start(&topo.node, "decoy", 20080, 20053);
+    let _decoy2 = Servers::start(&topo.node, "decoy", 20081, 20054);
+    assert!(http_get(c, v4(NODE_V4), 20080, T).is_ok_and(|b| b.contains("decoy")), "decoy control");
     let agent = start(&topo, &[("svc.yaml", render_all(&[&notready, &noslice]))], &[]);
     agent.wait_state("default/notready", "no-endpoints", CHANGE);
     agent.wait_state("default/noslice", "no-endpoints", CHANGE);

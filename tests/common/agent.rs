@@ -12,7 +12,10 @@ use serde_json::Value;
 use super::netns::NetNs;
 use super::topology::{ClientError, HttpResponse, NODE_NAME, wait_until};
 
-pub const BIN: &str = env!("CARGO_BIN_EXE_nodelb");
+/// The binary under test: `NODELB_TEST_BIN` if set (e.g. a release build), else the crate's own.
+pub fn bin() -> String {
+    std::env::var("NODELB_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_nodelb").to_string())
+}
 /// `--http-addr` inside the node namespace (each namespace has its own loopback).
 pub const HTTP_PORT: u16 = 9470;
 
@@ -62,7 +65,7 @@ impl Agent {
         let mut l = &log;
         let _ = writeln!(l, "===== test harness: agent start #{} =====", self.starts);
         let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &self.ns_name, BIN, "run"])
+        cmd.args(["netns", "exec", &self.ns_name, &bin(), "run"])
             .arg("--manifests")
             .arg(self.manifests.path())
             .arg("--state-file")
@@ -238,9 +241,7 @@ impl NetNsRef {
 
 /// Runs `nodelb <args>` inside `ns` and returns its output.
 pub fn nodelb(ns: &NetNs, args: &[&str]) -> Output {
-    let mut full = vec![BIN];
-    full.extend_from_slice(args);
-    ns.exec(full[0], &full[1..])
+    ns.exec(&bin(), args)
 }
 
 /// `nft list table inet nodelb` in `ns`; `None` when the table does not exist.
