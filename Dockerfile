@@ -12,8 +12,8 @@ RUN cargo build --release --locked \
 # glibc + libgcc, no shell, no package manager.
 FROM gcr.io/distroless/cc-debian12:nonroot
 COPY --from=build /out/nodelb /usr/local/bin/nodelb
-# Non-root: grant CAP_NET_ADMIN to the container (securityContext.capabilities.add: [NET_ADMIN]) and, in
-# Kubernetes, allowPrivilegeEscalation is not needed because the binary carries no file capabilities;
-# run as root instead (runAsUser: 0) where the runtime cannot give ambient capabilities to a non-root user.
+# Default user is non-root (for `nodelb status`, `--help`). The agent itself needs CAP_NET_ADMIN in its
+# effective set, which a non-root process does not get from `capabilities.add` (no ambient capabilities):
+# run the DaemonSet with runAsUser: 0, capabilities drop [ALL] add [NET_ADMIN], readOnlyRootFilesystem.
 USER nonroot:nonroot
 ENTRYPOINT ["/usr/local/bin/nodelb", "run"]
