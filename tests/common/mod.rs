@@ -1,4 +1,7 @@
 //! Shared support for integration tests (each test binary includes it with `mod common;`).
 #![allow(dead_code)]
 
+pub mod agent;
+pub mod manifest;
 pub mod netns;
+pub mod topology;

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Runs the whole test suite, including the root tests on the real kernel (network namespaces).
+# Run as root: `sudo scripts/test.sh`. Extra arguments go to the test runner (e.g. a test name filter).
+#
+# NODELB_REQUIRE_ROOT_TESTS=1 (set by .ci/run) turns a root test's skip into a failure.
+# Fails when a test namespace (nlb-*) or a table `inet nodelb` is left in the host namespace.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '==> %s\n' "$*" >&2; }
+
+if [[ $(id -u) -ne 0 ]]; then
+    if [[ ${NODELB_REQUIRE_ROOT_TESTS:-} == 1 ]]; then
+        echo "scripts/test.sh: must run as root (NODELB_REQUIRE_ROOT_TESTS=1)" >&2
+        exit 1
+    fi
+    echo "scripts/test.sh: not root: the root tests will be skipped (use sudo to run them)" >&2
+fi
+
+# What the root tests run: ip (iproute2), nft, sysctl (procps), ping, conntrack.
+need=()
+command -v ip >/dev/null || need+=(iproute2)
+command -v nft >/dev/null || need+=(nftables)
+command -v sysctl >/dev/null || need+=(procps)
+command -v ping >/dev/null || need+=(iputils-ping)
+command -v conntrack >/dev/null || need+=(conntrack)
+if ((${#need[@]})); then
+    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+        log "installing ${need[*]}"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+    else
+        echo "scripts/test.sh: missing ${need[*]} (install them, or run as root on Debian)" >&2
+        exit 1
+    fi
+fi
+
+list_test_netns() { { ip netns list 2>/dev/null || true; } | awk '{print $1}' | grep '^nlb-' | sort || true; }
+host_has_table() { command -v nft >/dev/null && nft list table inet nodelb >/dev/null 2>&1; }
+
+netns_before=$(list_test_netns)
+table_before=no
+if [[ $(id -u) -eq 0 ]] && host_has_table; then table_before=yes; fi
+
+status=0
+if command -v cargo-nextest >/dev/null || cargo nextest --version >/dev/null 2>&1; then
+    log "cargo nextest run --workspace $*"
+    cargo nextest run --workspace --no-fail-fast "$@" || status=$?
+    # nextest does not run doctests.
+    if [[ $# -eq 0 ]]; then
+        log "cargo test --doc"
+        cargo test --workspace --doc || status=$?
+    fi
+else
+    log "cargo test --workspace $*"
+    cargo test --workspace --no-fail-fast "$@" || status=$?
+fi
+
+# Nothing may be left behind in the host namespace.
+if [[ $(id -u) -eq 0 ]]; then
+    sleep 0.5
+    leftover=$(comm -13 <(echo "$netns_before") <(list_test_netns) | grep . || true)
+    if [[ -n $leftover ]]; then
+        echo "scripts/test.sh: FAIL: test network namespaces left behind:" >&2
+        echo "$leftover" >&2
+        status=1
+    fi
+    if host_has_table; then
+        echo "scripts/test.sh: FAIL: table inet nodelb exists in the host namespace (before the run: $table_before)" >&2
+        status=1
+    fi
+fi
+
+if [[ $status -ne 0 ]]; then
+    log "tests FAILED (exit $status)"
+else
+    log "tests passed"
+fi
+exit "$status"

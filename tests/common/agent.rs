@@ -1,0 +1,342 @@
+//! The agent under test, run as `ip netns exec <node> nodelb run …` with its manifests and state file
+//! in temporary directories. Killed (SIGKILL + wait) on drop; its log is printed when the test fails.
+
+use std::fs::File;
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::netns::NetNs;
+use super::topology::{ClientError, HttpResponse, NODE_NAME, wait_until};
+
+/// The binary under test: `NODELB_TEST_BIN` if set (e.g. a release build), else the crate's own.
+pub fn bin() -> String {
+    std::env::var("NODELB_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_nodelb").to_string())
+}
+/// `--http-addr` inside the node namespace (each namespace has its own loopback).
+pub const HTTP_PORT: u16 = 9470;
+
+pub struct Agent {
+    ns_name: String,
+    ns_path: String,
+    pub manifests: tempfile::TempDir,
+    pub state_dir: tempfile::TempDir,
+    pub extra_args: Vec<String>,
+    child: Option<Child>,
+    starts: usize,
+}
+
+impl Agent {
+    /// Writes `files` (name, content) into a fresh manifests directory and starts the agent in `node`
+    /// with `--resync-period 1s`, `--node-name node-1`, `--http-addr 127.0.0.1:9470` plus `extra`.
+    pub fn start(node: &NetNs, files: &[(&str, String)], extra: &[&str]) -> Agent {
+        let manifests = tempfile::Builder::new().prefix("nodelb-manifests-").tempdir().unwrap();
+        for (name, content) in files {
+            std::fs::write(manifests.path().join(name), content).unwrap();
+        }
+        let mut a = Agent {
+            ns_name: node.name.clone(),
+            ns_path: format!("/run/netns/{}", node.name),
+            manifests,
+            state_dir: tempfile::Builder::new().prefix("nodelb-state-").tempdir().unwrap(),
+            extra_args: extra.iter().map(|s| s.to_string()).collect(),
+            child: None,
+            starts: 0,
+        };
+        a.spawn();
+        a
+    }
+
+    pub fn state_file(&self) -> PathBuf {
+        self.state_dir.path().join("state.json")
+    }
+
+    pub fn log_file(&self) -> PathBuf {
+        self.state_dir.path().join("agent.log")
+    }
+
+    fn spawn(&mut self) {
+        self.starts += 1;
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.log_file()).unwrap();
+        use std::io::Write;
+        let mut l = &log;
+        let _ = writeln!(l, "===== test harness: agent start #{} =====", self.starts);
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &self.ns_name, &bin(), "run"])
+            .arg("--manifests")
+            .arg(self.manifests.path())
+            .arg("--state-file")
+            .arg(self.state_file())
+            .args(["--node-name", NODE_NAME, "--http-addr", &format!("127.0.0.1:{HTTP_PORT}")]);
+        if !self.extra_args.iter().any(|a| a == "--resync-period") {
+            cmd.args(["--resync-period", "1s"]);
+        }
+        cmd.args(&self.extra_args);
+        if std::env::var_os("RUST_LOG").is_none() {
+            cmd.env("RUST_LOG", "info,nodelb=debug");
+        }
+        cmd.stdin(Stdio::null()).stdout(log.try_clone().unwrap()).stderr(log);
+        self.child = Some(cmd.spawn().expect("spawn nodelb run"));
+    }
+
+    /// SIGKILL (no chance to clean up) and reap. The kernel keeps whatever the agent programmed.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait up to `timeout` for exit (then SIGKILL). Returns the exit status if it exited.
+    pub fn terminate(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let mut c = self.child.take()?;
+        let pid = nix::unistd::Pid::from_raw(c.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let mut status = None;
+        wait_until(timeout, || {
+            status = c.try_wait().ok().flatten();
+            status.is_some()
+        });
+        if status.is_none() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        status
+    }
+
+    /// Kills (SIGKILL) the running agent, if any, and starts it again with the same manifests, state
+    /// file and flags.
+    pub fn restart(&mut self) {
+        self.kill9();
+        self.spawn();
+    }
+
+    /// Still running?
+    pub fn is_running(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(c) => c.try_wait().ok().flatten().is_none(),
+            None => false,
+        }
+    }
+
+    pub fn write_manifest(&self, name: &str, content: &str) {
+        // Write then rename, so the agent never reads a half-written file.
+        let tmp = self.manifests.path().join(format!(".{name}.tmp"));
+        std::fs::write(&tmp, content).unwrap();
+        std::fs::rename(&tmp, self.manifests.path().join(name)).unwrap();
+    }
+
+    pub fn remove_manifest(&self, name: &str) {
+        std::fs::remove_file(self.manifests.path().join(name)).unwrap();
+    }
+
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(self.log_file()).unwrap_or_default()
+    }
+
+    /// `GET path` on the agent's HTTP server (inside the node namespace).
+    pub fn http(&self, path: &str) -> Result<HttpResponse, ClientError> {
+        let ns = NetNsRef(self.ns_path.clone());
+        let path = path.to_string();
+        ns.run(move || {
+            super::topology::http_request_here(
+                IpAddr::V4(Ipv4Addr::LOCALHOST),
+                HTTP_PORT,
+                &path,
+                Duration::from_secs(2),
+            )
+        })
+    }
+
+    /// `GET /status` parsed, or `None` when the agent does not answer (yet).
+    pub fn status(&self) -> Option<Value> {
+        let r = self.http("/status").ok()?;
+        if r.status != 200 {
+            return None;
+        }
+        serde_json::from_str(&r.body).ok()
+    }
+
+    /// The `/status` entry of `namespace/name`.
+    pub fn service_status(&self, key: &str) -> Option<Value> {
+        let (ns, name) = key.split_once('/').unwrap();
+        let st = self.status()?;
+        st["services"].as_array()?.iter().find(|s| s["namespace"] == ns && s["name"] == name).cloned()
+    }
+
+    /// The `state` of `namespace/name` in `/status`.
+    pub fn service_state(&self, key: &str) -> Option<String> {
+        Some(self.service_status(key)?["state"].as_str()?.to_string())
+    }
+
+    /// The allocated node port of `namespace/name` port `port`/`protocol`, from `/status`.
+    pub fn node_port(&self, key: &str, port: u16, protocol: &str) -> Option<u16> {
+        let s = self.service_status(key)?;
+        s["ports"].as_array()?.iter().find(|p| p["port"] == port && p["protocol"] == protocol)?["nodePort"]
+            .as_u64()
+            .map(|p| p as u16)
+    }
+
+    /// `GET /readyz` status code and body.
+    pub fn readyz(&self) -> Option<(u16, String)> {
+        self.http("/readyz").ok().map(|r| (r.status, r.body))
+    }
+
+    /// Waits until `/readyz` answers 200; panics with the agent's log otherwise.
+    pub fn wait_ready(&mut self, timeout: Duration) {
+        let mut exited = None;
+        let ok = wait_until(timeout, || {
+            if let Some(c) = self.child.as_mut() {
+                exited = c.try_wait().ok().flatten();
+            }
+            exited.is_some() || matches!(self.readyz(), Some((200, _)))
+        });
+        if let Some(status) = exited {
+            panic!("agent exited ({status}) before becoming ready");
+        }
+        if !ok {
+            panic!(
+                "agent not ready within {timeout:?} (running: {}), last /readyz: {:?}",
+                self.is_running(),
+                self.readyz()
+            );
+        }
+    }
+
+    /// Waits until `namespace/name` has `state` in `/status`.
+    pub fn wait_state(&self, key: &str, state: &str, timeout: Duration) {
+        let ok = wait_until(timeout, || self.service_state(key).as_deref() == Some(state));
+        assert!(ok, "{key} not {state:?} within {timeout:?}; /status: {:?}", self.status());
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.kill9();
+        if std::thread::panicking() {
+            eprintln!("===== nodelb agent log ({}) =====\n{}", self.log_file().display(), self.logs());
+            eprintln!("===== end of agent log =====");
+        }
+    }
+}
+
+/// A namespace by path, for running closures there without holding a `NetNs` (which would delete it).
+struct NetNsRef(String);
+
+impl NetNsRef {
+    fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let path = self.0.clone();
+        std::thread::spawn(move || {
+            let file = File::open(&path).unwrap_or_else(|e| panic!("open {path}: {e}"));
+            nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+            f()
+        })
+        .join()
+        .unwrap_or_else(|e| std::panic::resume_unwind(e))
+    }
+}
+
+/// Runs `nodelb <args>` inside `ns` and returns its output.
+pub fn nodelb(ns: &NetNs, args: &[&str]) -> Output {
+    ns.exec(&bin(), args)
+}
+
+/// `nft list table inet nodelb` in `ns`; `None` when the table does not exist.
+pub fn nft_list(ns: &NetNs) -> Option<String> {
+    nft_list_table(ns, "inet", "nodelb")
+}
+
+pub fn nft_list_table(ns: &NetNs, family: &str, table: &str) -> Option<String> {
+    let out = ns.exec("nft", &["list", "table", family, table]);
+    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// `nft <args>` in `ns`, panicking on failure.
+pub fn nft(ns: &NetNs, args: &[&str]) -> String {
+    ns.exec_ok("nft", args)
+}
+
+/// A ruleset listing with counter values and handles blanked, whitespace normalised and the items of
+/// set/map element lists sorted (hash sets list in no fixed order), for comparing listings taken at
+/// different times or from re-created tables.
+pub fn normalize_ruleset(listing: &str) -> String {
+    // Join multi-line `elements = { … }` blocks into one line first.
+    let mut lines: Vec<String> = Vec::new();
+    let mut open: Option<String> = None;
+    for line in listing.lines() {
+        let line = match line.find("# handle") {
+            Some(i) => &line[..i],
+            None => line,
+        };
+        match open.as_mut() {
+            Some(acc) => {
+                acc.push(' ');
+                acc.push_str(line.trim());
+                if line.contains('}') {
+                    lines.push(open.take().unwrap());
+                }
+            }
+            None if line.contains('{') && !line.contains('}') && line.contains("elements") => {
+                open = Some(line.trim().to_string());
+            }
+            None => lines.push(line.to_string()),
+        }
+    }
+    lines.extend(open);
+    let mut out = String::new();
+    for line in lines {
+        let line = sort_brace_items(&line);
+        let mut words: Vec<&str> = line.split_whitespace().collect();
+        for i in 1..words.len() {
+            if matches!(words[i - 1], "packets" | "bytes") && words[i].chars().all(|c| c.is_ascii_digit()) {
+                words[i] = "N";
+            }
+        }
+        if !words.is_empty() {
+            out.push_str(&words.join(" "));
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// Sorts the comma-separated items of every innermost `{ … }` on one line.
+fn sort_brace_items(line: &str) -> String {
+    let mut out = String::new();
+    let mut rest = line;
+    while let Some(close) = rest.find('}') {
+        match rest[..close].rfind('{') {
+            Some(open) => {
+                let mut items: Vec<String> = rest[open + 1..close]
+                    .split(',')
+                    .map(|s| s.split_whitespace().collect::<Vec<_>>().join(" "))
+                    .collect();
+                items.sort();
+                out.push_str(&rest[..open]);
+                out.push_str("{ ");
+                out.push_str(&items.join(", "));
+                out.push_str(" }");
+            }
+            None => out.push_str(&rest[..=close]),
+        }
+        rest = &rest[close + 1..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The names of the chains in a `nft list table` listing.
+pub fn chain_names(listing: &str) -> Vec<String> {
+    listing
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("chain ")?.strip_suffix(" {").map(|s| s.trim().to_string()))
+        .collect()
+}
+
+/// Reads a sysctl inside `ns` (e.g. `net.ipv4.ip_forward`).
+pub fn sysctl_get(ns: &NetNs, key: &str) -> String {
+    ns.exec_ok("sysctl", &["-n", key]).trim().to_string()
+}

@@ -1,0 +1,494 @@
+//! End-to-end dataplane tests: the real `nodelb run` binary programs a node namespace, and real packets
+//! go client namespace → node → backend namespaces. See `tests/common/topology.rs` for the addresses.
+//!
+//! Every test builds its own namespaces (deleted on drop, also on panic) and its own agent (SIGKILLed
+//! on drop; its log is printed when the test fails). Node ports are requested through the
+//! `nodelb.io/ports` annotation so they are known in advance, except where allocation is the point.
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use common::agent::{
+    Agent, chain_names, nft, nft_list, nft_list_table, nodelb, normalize_ruleset, sysctl_get,
+};
+use common::manifest::{EndpointSpec, PortSpec, ServiceSpec, render_all};
+use common::topology::{
+    ClientError, ClientLoop, NODE_BACKEND_V4, NODE_BACKEND_V6, NODE_V4, NODE_V6, Servers, Topology,
+    backend_v4, backend_v6, http_get, parse_answer, udp_request, wait_until,
+};
+
+/// Per-request timeout where an answer is expected.
+const T: Duration = Duration::from_secs(2);
+/// Per-request timeout where no answer is expected (keeps the suite fast).
+const SHORT: Duration = Duration::from_millis(700);
+/// Agent start to `/readyz` 200.
+const READY: Duration = Duration::from_secs(15);
+/// Upper bound for a manifest change / repair to show up (the contract is ~1 s).
+const CHANGE: Duration = Duration::from_secs(5);
+
+fn v4(a: std::net::Ipv4Addr) -> IpAddr {
+    IpAddr::V4(a)
+}
+fn v6(a: std::net::Ipv6Addr) -> IpAddr {
+    IpAddr::V6(a)
+}
+
+/// `default/<name>`, `80/TCP` on node port `np`, endpoints be1 and be2 on this node.
+fn web(name: &str, np: u16, backends: usize) -> ServiceSpec {
+    ServiceSpec::new(name)
+        .port(PortSpec::tcp(80, Some(np)))
+        .endpoints((0..backends).map(|j| EndpointSpec::local(backend_v4(j))))
+}
+
+fn start(topo: &Topology, files: &[(&str, String)], extra: &[&str]) -> Agent {
+    let mut agent = Agent::start(&topo.node, files, extra);
+    agent.wait_ready(READY);
+    agent
+}
+
+/// `n` GETs; the answers as (backend, peer), panicking on any failure.
+fn get_n(ns: &common::netns::NetNs, addr: IpAddr, port: u16, n: usize) -> Vec<(String, SocketAddr)> {
+    (0..n)
+        .map(|i| {
+            let body =
+                http_get(ns, addr, port, T).unwrap_or_else(|e| panic!("request {i} to {addr}:{port}: {e:?}"));
+            parse_answer(&body).unwrap_or_else(|| panic!("bad answer {body:?}"))
+        })
+        .collect()
+}
+
+fn backends(answers: &[(String, SocketAddr)]) -> BTreeMap<String, usize> {
+    let mut m = BTreeMap::new();
+    for (b, _) in answers {
+        *m.entry(b.clone()).or_insert(0) += 1;
+    }
+    m
+}
+
+fn failures(results: &[Result<String, ClientError>]) -> Vec<(usize, ClientError)> {
+    results.iter().enumerate().filter_map(|(i, r)| r.as_ref().err().map(|e| (i, e.clone()))).collect()
+}
+
+fn answer_backend(r: &Result<String, ClientError>) -> Option<String> {
+    r.as_ref().ok().and_then(|b| parse_answer(b)).map(|(b, _)| b)
+}
+
+#[test]
+fn tcp_reaches_both_endpoints() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let c = topo.client(0);
+    // Negative control: nothing answers on the node port before the agent runs.
+    assert!(http_get(c, v4(NODE_V4), 20080, SHORT).is_err());
+
+    let agent = start(&topo, &[("web.yaml", web("web", 20080, 2).render())], &[]);
+    agent.wait_state("default/web", "programmed", CHANGE);
+    let st = agent.service_status("default/web").unwrap();
+    assert_eq!(st["ports"][0]["nodePort"], 20080, "{st}");
+    assert_eq!(st["ports"][0]["endpoints"], 2, "{st}");
+
+    let answers = get_n(c, v4(NODE_V4), 20080, 60);
+    let seen = backends(&answers);
+    assert_eq!(seen.keys().cloned().collect::<Vec<_>>(), ["be1", "be2"], "{seen:?}");
+    // Cluster policy: the backend sees the node (masquerade), on its backend-side address.
+    assert!(answers.iter().all(|(_, p)| p.ip() == v4(NODE_BACKEND_V4)), "{answers:?}");
+}
+
+#[test]
+fn udp_request_response_through_the_node() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let c = topo.client(0);
+    let dns = ServiceSpec::new("dns")
+        .port(PortSpec::udp(53, Some(20053)))
+        .endpoints([EndpointSpec::local(backend_v4(0)), EndpointSpec::local(backend_v4(1))]);
+    assert!(udp_request(c, v4(NODE_V4), 20053, b"q", SHORT).is_err(), "negative control");
+
+    let agent = start(&topo, &[("dns.yaml", dns.render())], &[]);
+    agent.wait_state("default/dns", "programmed", CHANGE);
+    let mut seen = BTreeSet::new();
+    for i in 0..30 {
+        let body =
+            udp_request(c, v4(NODE_V4), 20053, b"q", T).unwrap_or_else(|e| panic!("UDP request {i}: {e:?}"));
+        let (b, peer) = parse_answer(&body).expect("answer format");
+        assert_eq!(peer.ip(), v4(NODE_BACKEND_V4));
+        seen.insert(b);
+    }
+    assert_eq!(seen.len(), 2, "each request is a new flow, both endpoints should answer: {seen:?}");
+}
+
+#[test]
+fn source_ranges_are_enforced_and_invalid_ones_fail_closed() {
+    require_root!();
+    let topo = Topology::new(2, 1);
+    let (c0, c1) = (topo.client(0), topo.client(1));
+    let inside = format!("{}/32", topo.clients[0].v4);
+    let allowed = web("allowed", 20080, 1).source_range(&inside);
+    let bad = web("bad", 20081, 1).source_range("203.0.113.300/24");
+    let open = web("open", 20082, 1);
+    let agent = start(&topo, &[("svc.yaml", render_all(&[&allowed, &bad, &open]))], &[]);
+    agent.wait_state("default/allowed", "programmed", CHANGE);
+    agent.wait_state("default/open", "programmed", CHANGE);
+    agent.wait_state("default/bad", "refused", CHANGE);
+
+    let st = agent.service_status("default/bad").unwrap();
+    let reason = st["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("203.0.113.300/24"), "refusal must name the bad value: {st}");
+
+    // Inside the range: served. Outside: not served — while the same client reaches an open service.
+    get_n(c0, v4(NODE_V4), 20080, 5);
+    let r = http_get(c1, v4(NODE_V4), 20080, SHORT);
+    assert!(r.is_err(), "client outside the source range was served: {r:?}");
+    get_n(c1, v4(NODE_V4), 20082, 5);
+    get_n(c0, v4(NODE_V4), 20082, 5);
+    // The invalid service is not programmed at all (fail closed), for either client.
+    for c in [c0, c1] {
+        let r = http_get(c, v4(NODE_V4), 20081, SHORT);
+        assert!(r.is_err(), "service with an invalid source range answered: {r:?}");
+    }
+    let listing = nft_list(&topo.node).expect("table inet nodelb");
+    assert!(!listing.contains("20081"), "port of the refused service is in the ruleset:\n{listing}");
+}
+
+#[test]
+fn local_policy_keeps_client_address_cluster_masquerades() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let c = topo.client(0);
+    let eps = [EndpointSpec::local(backend_v4(0)), EndpointSpec::remote(backend_v4(1), "node-2")];
+    let local =
+        ServiceSpec::new("local").port(PortSpec::tcp(80, Some(20081))).endpoints(eps.clone()).local_policy();
+    let cluster = ServiceSpec::new("cluster").port(PortSpec::tcp(80, Some(20082))).endpoints(eps);
+    let agent = start(&topo, &[("svc.yaml", render_all(&[&local, &cluster]))], &[]);
+    agent.wait_state("default/local", "programmed", CHANGE);
+    agent.wait_state("default/cluster", "programmed", CHANGE);
+
+    let client_ip = v4(topo.clients[0].v4);
+    let answers = get_n(c, v4(NODE_V4), 20081, 20);
+    for (b, peer) in &answers {
+        assert_eq!(b, "be1", "Local policy must use only the endpoint on this node");
+        assert_eq!(peer.ip(), client_ip, "Local policy must keep the client address");
+    }
+    let answers = get_n(c, v4(NODE_V4), 20082, 40);
+    assert!(answers.iter().all(|(_, p)| p.ip() == v4(NODE_BACKEND_V4)), "Cluster masquerades: {answers:?}");
+    assert_eq!(backends(&answers).len(), 2, "Cluster uses every ready endpoint: {answers:?}");
+}
+
+#[test]
+fn no_ready_endpoint_is_refused_not_dropped() {
+    require_root!();
+    let topo = Topology::new(1, 1);
+    let c = topo.client(0);
+    let notready = ServiceSpec::new("notready")
+        .port(PortSpec::tcp(80, Some(20080)))
+        .port(PortSpec::udp(53, Some(20053)))
+        .endpoint(EndpointSpec::local(backend_v4(0)).not_ready());
+    let noslice = ServiceSpec::new("noslice").port(PortSpec::tcp(80, Some(20081))).without_slices();
+    // Decoys listening on the node itself on the same ports: a request the agent does not reject
+    // would reach them, so a refusal can only come from the agent's rules.
+    let _decoy1 = Servers::start(&topo.node, "decoy", 20080, 20053);
+    let _decoy2 = Servers::start(&topo.node, "decoy", 20081, 20054);
+    assert!(http_get(c, v4(NODE_V4), 20080, T).is_ok_and(|b| b.contains("decoy")), "decoy control");
+    let agent = start(&topo, &[("svc.yaml", render_all(&[&notready, &noslice]))], &[]);
+    agent.wait_state("default/notready", "no-endpoints", CHANGE);
+    agent.wait_state("default/noslice", "no-endpoints", CHANGE);
+    // The port must be handled by our rules (not merely closed on the node): the table knows it.
+    let listing = nft_list(&topo.node).expect("table inet nodelb");
+    assert!(
+        listing.contains("20080") && listing.contains("20081"),
+        "no-endpoint ports not programmed:\n{listing}"
+    );
+
+    for port in [20080, 20081] {
+        let t0 = Instant::now();
+        let r = http_get(c, v4(NODE_V4), port, Duration::from_secs(3));
+        assert_eq!(r, Err(ClientError::Refused), "port {port}");
+        assert!(t0.elapsed() < Duration::from_secs(2), "refusal took {:?}", t0.elapsed());
+    }
+    let r = udp_request(c, v4(NODE_V4), 20053, b"q", Duration::from_secs(3));
+    assert_eq!(r, Err(ClientError::Refused), "UDP without endpoints");
+
+    // Once the endpoint is ready, the same port serves.
+    let ready = ServiceSpec { endpoints: vec![EndpointSpec::local(backend_v4(0))], ..notready };
+    agent.write_manifest("svc.yaml", &render_all(&[&ready, &noslice]));
+    assert!(wait_until(CHANGE, || http_get(c, v4(NODE_V4), 20080, SHORT).is_ok()), "endpoint became ready");
+}
+
+#[test]
+fn node_reaches_its_own_address_and_port() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    assert!(http_get(&topo.node, v4(NODE_V4), 20080, SHORT).is_err(), "negative control");
+    let agent = start(&topo, &[("web.yaml", web("web", 20080, 2).render())], &[]);
+    agent.wait_state("default/web", "programmed", CHANGE);
+    for addr in [NODE_V4, NODE_BACKEND_V4] {
+        let answers = get_n(&topo.node, v4(addr), 20080, 20);
+        assert_eq!(backends(&answers).len(), 2, "from the node to {addr}: {answers:?}");
+    }
+}
+
+#[test]
+fn ipv6_tcp_through_the_node() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let c = topo.client(0);
+    let dual =
+        web("dual", 20080, 2).dual_stack().endpoints((0..2).map(|j| EndpointSpec::local(backend_v6(j))));
+    let only6 = ServiceSpec::new("only6")
+        .port(PortSpec::tcp(80, Some(20081)))
+        .ipv6_only()
+        .endpoints((0..2).map(|j| EndpointSpec::local(backend_v6(j))));
+    assert!(http_get(c, v6(NODE_V6), 20080, SHORT).is_err(), "negative control");
+    let agent = start(&topo, &[("svc.yaml", render_all(&[&dual, &only6]))], &[]);
+    agent.wait_state("default/dual", "programmed", CHANGE);
+    agent.wait_state("default/only6", "programmed", CHANGE);
+
+    let answers = get_n(c, v6(NODE_V6), 20080, 40);
+    assert_eq!(backends(&answers).len(), 2, "{answers:?}");
+    assert!(answers.iter().all(|(_, p)| p.ip() == v6(NODE_BACKEND_V6)), "IPv6 masquerade: {answers:?}");
+    let answers4 = get_n(c, v4(NODE_V4), 20080, 10);
+    assert!(answers4.iter().all(|(_, p)| p.ip() == v4(NODE_BACKEND_V4)));
+
+    get_n(c, v6(NODE_V6), 20081, 5);
+    let r = http_get(c, v4(NODE_V4), 20081, SHORT);
+    assert!(r.is_err(), "an IPv6-only service answered on IPv4: {r:?}");
+}
+
+#[test]
+fn endpoint_changes_apply_without_failures() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let c = topo.client(0);
+    let agent = start(&topo, &[("web.yaml", web("web", 20080, 1).render())], &[]);
+    agent.wait_state("default/web", "programmed", CHANGE);
+
+    let lp = ClientLoop::http(c, v4(NODE_V4), 20080, Duration::from_millis(20), T);
+    assert!(wait_until(CHANGE, || lp.snapshot().len() >= 10), "client loop made no progress");
+    // Add be2.
+    let t0 = Instant::now();
+    agent.write_manifest("web.yaml", &web("web", 20080, 2).render());
+    let has_be2 =
+        |rs: &[Result<String, ClientError>]| rs.iter().any(|r| answer_backend(r).as_deref() == Some("be2"));
+    assert!(wait_until(CHANGE, || has_be2(&lp.snapshot())), "new endpoint be2 never used");
+    let took = t0.elapsed();
+    std::thread::sleep(Duration::from_millis(500));
+    let results = lp.stop();
+    assert!(
+        failures(&results).is_empty(),
+        "requests failed while an endpoint was added: {:?}",
+        failures(&results)
+    );
+    let before_change = results.iter().take_while(|r| answer_backend(r).as_deref() != Some("be2")).count();
+    let after: BTreeSet<_> = results[before_change..].iter().filter_map(answer_backend).collect();
+    assert_eq!(after.len(), 2, "after the change both endpoints serve: {after:?}");
+    eprintln!("endpoint addition live after {took:?}");
+
+    // Remove be1: once the agent reports one endpoint, only be2 answers.
+    let only_be2 = ServiceSpec::new("web")
+        .port(PortSpec::tcp(80, Some(20080)))
+        .endpoint(EndpointSpec::local(backend_v4(1)));
+    agent.write_manifest("web.yaml", &only_be2.render());
+    let one = || agent.service_status("default/web").is_some_and(|s| s["ports"][0]["endpoints"] == 1);
+    assert!(wait_until(CHANGE, one), "endpoint removal not reported: {:?}", agent.status());
+    let answers = get_n(c, v4(NODE_V4), 20080, 20);
+    assert!(answers.iter().all(|(b, _)| b == "be2"), "removed endpoint still used: {answers:?}");
+}
+
+#[test]
+fn sigkill_and_restart_keep_rules_ports_and_traffic() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let c = topo.client(0);
+    // No requested ports: the agent allocates, and must keep the allocation across the restart.
+    let web = ServiceSpec::new("web")
+        .port(PortSpec::tcp(80, None))
+        .endpoints((0..2).map(|j| EndpointSpec::local(backend_v4(j))));
+    let dns =
+        ServiceSpec::new("dns").port(PortSpec::udp(53, None)).endpoint(EndpointSpec::local(backend_v4(0)));
+    let mut agent = start(&topo, &[("svc.yaml", render_all(&[&web, &dns]))], &[]);
+    agent.wait_state("default/web", "programmed", CHANGE);
+    agent.wait_state("default/dns", "programmed", CHANGE);
+    let port = agent.node_port("default/web", 80, "TCP").expect("allocated TCP port");
+    let udp_port = agent.node_port("default/dns", 53, "UDP").expect("allocated UDP port");
+    assert!((20000..=29999).contains(&port) && (20000..=29999).contains(&udp_port));
+    let state_before: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(agent.state_file()).expect("state file written"))
+            .unwrap();
+    assert_eq!(state_before["allocations"]["default/web"]["80/TCP"], port, "{state_before}");
+    let rules_before = normalize_ruleset(&nft_list(&topo.node).expect("table"));
+
+    let lp = ClientLoop::http(c, v4(NODE_V4), port, Duration::from_millis(20), T);
+    let lpu = ClientLoop::udp(c, v4(NODE_V4), udp_port, Duration::from_millis(50), T);
+    std::thread::sleep(Duration::from_millis(300));
+    agent.kill9();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(nft_list(&topo.node).is_some(), "the table must survive the agent's death");
+    agent.restart();
+    agent.wait_ready(READY);
+    std::thread::sleep(Duration::from_millis(1500)); // at least one resync after the restart
+    let (results, udp_results) = (lp.stop(), lpu.stop());
+    assert!(results.len() > 20, "client loop too slow: {}", results.len());
+    assert!(
+        failures(&results).is_empty(),
+        "TCP requests failed across the restart: {:?}",
+        failures(&results)
+    );
+    assert!(
+        failures(&udp_results).is_empty(),
+        "UDP requests failed across the restart: {:?}",
+        failures(&udp_results)
+    );
+
+    assert_eq!(agent.node_port("default/web", 80, "TCP"), Some(port), "TCP port changed across the restart");
+    assert_eq!(
+        agent.node_port("default/dns", 53, "UDP"),
+        Some(udp_port),
+        "UDP port changed across the restart"
+    );
+    let state_after: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(agent.state_file()).unwrap()).unwrap();
+    assert_eq!(state_after["allocations"], state_before["allocations"]);
+    let rules_after = normalize_ruleset(&nft_list(&topo.node).expect("table"));
+    assert_eq!(rules_after, rules_before, "ruleset after restart differs from before");
+}
+
+#[test]
+fn tampering_is_repaired_within_the_resync_period() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let c = topo.client(0);
+    let agent = start(&topo, &[("web.yaml", web("web", 20080, 2).render())], &["--resync-period", "1s"]);
+    agent.wait_state("default/web", "programmed", CHANGE);
+    let listing = nft_list(&topo.node).expect("table");
+    let before = normalize_ruleset(&listing);
+    let chains = chain_names(&listing);
+    assert!(!chains.is_empty(), "no chains in\n{listing}");
+    let repaired = || nft_list(&topo.node).is_some_and(|l| normalize_ruleset(&l) == before);
+
+    // 1. The whole table deleted by hand.
+    nft(&topo.node, &["delete", "table", "inet", "nodelb"]);
+    assert!(http_get(c, v4(NODE_V4), 20080, SHORT).is_err(), "table deleted, yet served");
+    assert!(wait_until(CHANGE, repaired), "deleted table not restored:\n{:?}", nft_list(&topo.node));
+    get_n(c, v4(NODE_V4), 20080, 5);
+
+    // 2. A foreign rule added to each of our chains.
+    for chain in &chains {
+        nft(
+            &topo.node,
+            &["add", "rule", "inet", "nodelb", chain, "meta", "mark", "0x1234", "counter", "accept"],
+        );
+    }
+    let tampered = nft_list(&topo.node).unwrap();
+    assert!(tampered.contains("0x00001234"), "tampering did not take:\n{tampered}");
+    assert!(wait_until(CHANGE, repaired), "foreign rules not removed:\n{:?}", nft_list(&topo.node));
+
+    // 3. One of our chains flushed.
+    let victim = chains.last().unwrap();
+    nft(&topo.node, &["flush", "chain", "inet", "nodelb", victim]);
+    assert_ne!(normalize_ruleset(&nft_list(&topo.node).unwrap()), before, "flush changed nothing");
+    assert!(wait_until(CHANGE, repaired), "flushed chain {victim} not restored:\n{:?}", nft_list(&topo.node));
+    get_n(c, v4(NODE_V4), 20080, 5);
+}
+
+#[test]
+fn cleanup_removes_only_nodelb_objects() {
+    require_root!();
+    let topo = Topology::new(1, 1);
+    let c = topo.client(0);
+    nft(&topo.node, &["add table inet other"]);
+    nft(&topo.node, &["add chain inet other input { type filter hook input priority 10; policy accept; }"]);
+    nft(&topo.node, &["add rule inet other input tcp dport 9 counter accept"]);
+    let foreign_before = nft_list_table(&topo.node, "inet", "other").unwrap();
+
+    let mut agent = start(&topo, &[("web.yaml", web("web", 20080, 1).render())], &[]);
+    agent.wait_state("default/web", "programmed", CHANGE);
+    get_n(c, v4(NODE_V4), 20080, 3);
+    agent.kill9();
+    // The rules outlive the agent (restarts never drop traffic)…
+    get_n(c, v4(NODE_V4), 20080, 3);
+
+    // …until `nodelb cleanup`.
+    let out = nodelb(&topo.node, &["cleanup"]);
+    assert!(out.status.success(), "nodelb cleanup failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(nft_list(&topo.node).is_none(), "table inet nodelb still there");
+    let ruleset = nft(&topo.node, &["list", "ruleset"]);
+    assert!(!ruleset.contains("nodelb"), "nodelb objects left:\n{ruleset}");
+    let tables = nft(&topo.node, &["list", "tables"]);
+    assert_eq!(tables.trim(), "table inet other", "tables after cleanup");
+    let foreign_after = nft_list_table(&topo.node, "inet", "other").unwrap();
+    assert_eq!(
+        normalize_ruleset(&foreign_after),
+        normalize_ruleset(&foreign_before),
+        "foreign table touched"
+    );
+    assert!(http_get(c, v4(NODE_V4), 20080, SHORT).is_err(), "still served after cleanup");
+
+    // Cleaning a clean node is fine.
+    let out = nodelb(&topo.node, &["cleanup"]);
+    assert!(out.status.success(), "second cleanup failed: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn forwarding_off_leaves_the_family_unprogrammed_until_turned_on() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let c = topo.client(0);
+    topo.node.sysctl("net.ipv4.ip_forward", "0");
+    let svc = web("web", 20080, 2).dual_stack().endpoints((0..2).map(|j| EndpointSpec::local(backend_v6(j))));
+    let agent = Agent::start(&topo.node, &[("web.yaml", svc.render())], &[]);
+
+    let v6_programmed = || agent.status().is_some_and(|s| s["families"]["ipv6"]["programmed"] == true);
+    assert!(wait_until(READY, v6_programmed), "IPv6 never programmed: {:?}", agent.status());
+    let st = agent.status().unwrap();
+    assert_eq!(st["families"]["ipv4"]["forwarding"], false, "{st}");
+    assert_eq!(st["families"]["ipv4"]["programmed"], false, "{st}");
+    assert_eq!(st["families"]["ipv6"]["forwarding"], true, "{st}");
+    let (code, body) = agent.readyz().expect("/readyz answers");
+    assert_eq!(code, 503, "/readyz with IPv4 forwarding off: {body}");
+    assert!(body.contains("net.ipv4.ip_forward"), "/readyz must name the sysctl: {body:?}");
+    assert!(
+        wait_until(CHANGE, || agent.logs().contains("net.ipv4.ip_forward")),
+        "the log must name net.ipv4.ip_forward"
+    );
+    assert_eq!(
+        sysctl_get(&topo.node, "net.ipv4.ip_forward"),
+        "0",
+        "agent changed the sysctl without the flag"
+    );
+
+    let listing = nft_list(&topo.node).expect("table for IPv6");
+    assert!(!listing.contains("198.51.100."), "IPv4 endpoints programmed with forwarding off:\n{listing}");
+    assert!(listing.contains("2001:db8:2::11"), "IPv6 endpoints missing:\n{listing}");
+    get_n(c, v6(NODE_V6), 20080, 5);
+    assert!(http_get(c, v4(NODE_V4), 20080, SHORT).is_err(), "IPv4 served with forwarding off");
+
+    topo.node.sysctl("net.ipv4.ip_forward", "1");
+    assert!(
+        wait_until(CHANGE, || http_get(c, v4(NODE_V4), 20080, SHORT).is_ok()),
+        "IPv4 not served after forwarding came back on"
+    );
+    assert!(
+        wait_until(CHANGE, || matches!(agent.readyz(), Some((200, _)))),
+        "not ready: {:?}",
+        agent.readyz()
+    );
+    assert_eq!(agent.status().unwrap()["families"]["ipv4"]["programmed"], true);
+    get_n(c, v4(NODE_V4), 20080, 5);
+}
+
+#[test]
+fn enable_forwarding_flag_turns_forwarding_on() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let c = topo.client(0);
+    topo.node.sysctl("net.ipv4.ip_forward", "0");
+    topo.node.sysctl("net.ipv6.conf.all.forwarding", "0");
+    let svc = web("web", 20080, 2).dual_stack().endpoints((0..2).map(|j| EndpointSpec::local(backend_v6(j))));
+    let _agent = start(&topo, &[("web.yaml", svc.render())], &["--enable-forwarding"]);
+    assert_eq!(sysctl_get(&topo.node, "net.ipv4.ip_forward"), "1");
+    assert_eq!(sysctl_get(&topo.node, "net.ipv6.conf.all.forwarding"), "1");
+    assert!(wait_until(CHANGE, || http_get(c, v4(NODE_V4), 20080, SHORT).is_ok()), "IPv4 not served");
+    assert!(wait_until(CHANGE, || http_get(c, v6(NODE_V6), 20080, SHORT).is_ok()), "IPv6 not served");
+}
