@@ -352,7 +352,8 @@ fn plan_port(
         rs.add_chain(regular(
             name.clone(),
             None,
-            vec![Rule::new(vec![Expr::Dnat { addr: ep.addr, port: ep.port }])],
+            // nft needs the transport protocol known before a DNAT with a port.
+            vec![Rule::new(vec![Expr::L4Proto(port.id.protocol), Expr::Dnat { addr: ep.addr, port: ep.port }])],
         ));
         targets.push(Verdict::Goto(name));
         if let Some(set) = rs.sets.get_mut(&endpoints_set(f)) {

@@ -5,3 +5,4 @@ pub mod agent;
 pub mod manifest;
 pub mod netns;
 pub mod topology;
+pub mod scenarios;

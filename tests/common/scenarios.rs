@@ -1,0 +1,116 @@
+//! Planner scenarios shared by the golden tests (pure) and the kernel equivalence test.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use nodelb::ir::{Family, Protocol, Ruleset};
+use nodelb::model::{Endpoint, LbPort, LbService, PortId, PortRequest, ServiceKey, TrafficPolicy};
+use nodelb::plan::{self, NodeFacts, ServicePlan};
+
+pub const NODE: &str = "node-1";
+pub const NODE_V4: &str = "203.0.113.1";
+pub const NODE_V6: &str = "2001:db8:1::1";
+
+pub fn ep(addr: &str, port: u16, node: &str, ready: bool) -> Endpoint {
+    Endpoint {
+        addr: addr.parse().unwrap(),
+        port,
+        node_name: Some(node.into()),
+        ready,
+        serving: ready,
+        terminating: false,
+    }
+}
+
+pub fn svc(name: &str, ports: Vec<(u16, Protocol, Vec<Endpoint>)>) -> LbService {
+    LbService {
+        key: ServiceKey { namespace: "default".into(), name: name.into() },
+        uid: None,
+        created: None,
+        ports: ports
+            .into_iter()
+            .map(|(port, protocol, endpoints)| LbPort {
+                id: PortId { port, protocol },
+                name: String::new(),
+                endpoints,
+            })
+            .collect(),
+        families: vec![Family::Ipv4],
+        source_ranges: vec![],
+        traffic_policy: TrafficPolicy::Cluster,
+        port_request: PortRequest::Auto,
+        previous_allocation: BTreeMap::new(),
+    }
+}
+
+pub fn two_backends() -> Vec<Endpoint> {
+    vec![ep("198.51.100.11", 8080, NODE, true), ep("198.51.100.12", 8080, "node-2", true)]
+}
+
+pub fn node(families: &[Family]) -> NodeFacts {
+    NodeFacts {
+        node_name: NODE.into(),
+        families: families.iter().copied().collect::<BTreeSet<_>>(),
+        masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
+    }
+}
+
+/// A named scenario: services with their node ports.
+pub struct Scenario {
+    pub name: &'static str,
+    pub services: Vec<(LbService, BTreeMap<PortId, u16>)>,
+    pub node: NodeFacts,
+}
+
+pub fn ports(svc: &LbService, first: u16) -> BTreeMap<PortId, u16> {
+    svc.ports.iter().enumerate().map(|(i, p)| (p.id, first + i as u16)).collect()
+}
+
+pub fn scenarios() -> Vec<Scenario> {
+    let web = svc("web", vec![(80, Protocol::Tcp, two_backends())]);
+    let mut local = svc("local", vec![(80, Protocol::Tcp, two_backends())]);
+    local.traffic_policy = TrafficPolicy::Local;
+    let mut ranged = svc("ranged", vec![(443, Protocol::Tcp, two_backends())]);
+    ranged.source_ranges = vec!["203.0.113.0/25".parse().unwrap(), "2001:db8:1::/64".parse().unwrap()];
+    ranged.families = vec![Family::Ipv4, Family::Ipv6];
+    let empty = svc("empty", vec![(80, Protocol::Tcp, vec![ep("198.51.100.13", 80, NODE, false)])]);
+    let dns = svc(
+        "dns",
+        vec![
+            (53, Protocol::Udp, vec![ep("198.51.100.11", 5353, NODE, true)]),
+            (53, Protocol::Tcp, vec![ep("198.51.100.11", 5353, NODE, true)]),
+        ],
+    );
+    let mut dual = svc(
+        "dual",
+        vec![(80, Protocol::Tcp, vec![ep("198.51.100.11", 8080, NODE, true), ep("2001:db8:2::11", 8080, NODE, true)])],
+    );
+    dual.families = vec![Family::Ipv4, Family::Ipv6];
+    let all = [Family::Ipv4, Family::Ipv6];
+    vec![
+        Scenario { name: "empty", services: vec![], node: node(&all) },
+        Scenario { name: "web", services: vec![(web.clone(), ports(&web, 20001))], node: node(&all) },
+        Scenario { name: "local", services: vec![(local.clone(), ports(&local, 20002))], node: node(&all) },
+        Scenario { name: "ranged", services: vec![(ranged.clone(), ports(&ranged, 20003))], node: node(&all) },
+        Scenario { name: "no_endpoints", services: vec![(empty.clone(), ports(&empty, 20004))], node: node(&all) },
+        Scenario { name: "dns", services: vec![(dns.clone(), BTreeMap::from([(dns.ports[0].id, 20053), (dns.ports[1].id, 20053)]))], node: node(&all) },
+        Scenario { name: "dual_stack", services: vec![(dual.clone(), ports(&dual, 20006))], node: node(&all) },
+        Scenario { name: "dual_stack_v4_forwarding_off", services: vec![(dual.clone(), ports(&dual, 20006))], node: node(&[Family::Ipv6]) },
+        Scenario {
+            name: "mixed",
+            services: vec![
+                (web.clone(), ports(&web, 20001)),
+                (local.clone(), ports(&local, 20002)),
+                (ranged.clone(), ports(&ranged, 20003)),
+                (empty.clone(), ports(&empty, 20004)),
+            ],
+            node: node(&all),
+        },
+    ]
+}
+
+pub fn plan_of(s: &Scenario) -> Ruleset {
+    let plans: Vec<ServicePlan<'_>> =
+        s.services.iter().map(|(svc, p)| ServicePlan { service: svc, node_ports: p }).collect();
+    plan::plan(&plans, &s.node)
+}
+
