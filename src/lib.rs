@@ -4,5 +4,8 @@
 //! Flow: observe (`source`) → validate (`model`) → allocate (`alloc`) → plan (`plan`, pure) →
 //! encode and apply (`nft`). Only the edges do I/O.
 
+pub mod alloc;
 pub mod ir;
+pub mod manifests;
 pub mod model;
+pub mod state;
