@@ -4,10 +4,19 @@
 //! Flow: observe (`manifests`) → validate (`model`) → allocate (`alloc`) → plan (`plan`, pure) →
 //! encode and apply (`nft`). Only the edges do I/O.
 
+pub mod agent;
+pub mod alloc;
+pub mod cli;
+pub mod commands;
+pub mod conntrack;
+pub mod desired;
+pub mod http;
 pub mod ir;
+pub mod manifests;
 pub mod model;
 pub mod nft;
 pub mod plan;
+pub mod state;
 pub mod status;
 pub mod sysctl;
 pub mod trace;

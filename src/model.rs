@@ -1,12 +1,53 @@
 //! Kubernetes facts (Service, EndpointSlice) → validated, typed load-balancer services.
 //! Pure: no I/O. Every rejection is a [`Refusal`] value that names the object and the offending
 //! value; nothing in here panics on any input.
+//!
+//! [`build`] owns three decisions: which Services are ours, whether they are valid, and which
+//! endpoints back each service port.
+//!
+//! **Which Services.** `spec.type: LoadBalancer` whose `spec.loadBalancerClass` is ours, or unset
+//! (unless [`ModelOptions::ignore_unclassed`]), and that is not opted out with
+//! `nodelb.io/ignore: "true"`. Anything else is silently not ours: it is neither served nor refused.
+//!
+//! **Validation** (any failure refuses the whole Service; a half-programmed Service is worse than a
+//! clearly refused one):
+//! - ports: protocol `TCP`/`UDP`/`SCTP` (unset means TCP, as in the API), number 1–65535, no
+//!   duplicate `port/protocol`, no duplicate names (endpoint resolution goes by name), at least one.
+//! - `spec.ipFamilies`: `IPv4`/`IPv6`, deduplicated in spec order. Unset: the families of
+//!   `clusterIPs` (or `clusterIP`), else `[IPv4]`.
+//! - `externalTrafficPolicy`: unset/`Cluster`/legacy `Global` → Cluster, `Local` → Local.
+//! - `loadBalancerSourceRanges`: each entry a CIDR, or a plain address taken as /32 or /128.
+//!   Host bits set (`10.0.0.1/8`) are accepted and truncated to the network (`10.0.0.0/8`),
+//!   exactly what Kubernetes' own validation (Go `net.ParseCIDR`) does, so we enforce what the
+//!   API server accepted. Any other bad entry fails closed. When the field is empty the legacy
+//!   annotation `service.beta.kubernetes.io/load-balancer-source-ranges` is honoured, like
+//!   kube-proxy does. Ranges are sorted and deduplicated.
+//! - `nodelb.io/ports`: `service`, or a list `80/TCP=20080,53/UDP=20053`. The protocol may be
+//!   omitted (`53=20053`), then the entry applies to every service port with that number. Unknown
+//!   service port, bad syntax, node port 0 or >65535, an entry given twice, or two service ports
+//!   of the same protocol asking for the same node port ⇒ refusal naming annotation and value.
+//! - `nodelb.io/allocated-ports` is machine-written, so a bad entry never refuses the Service: the
+//!   bad entry is dropped with a [`ModelWarning`] and the good entries are kept (stability). Entries
+//!   for ports the Service no longer has are dropped silently (the port was removed).
+//!
+//! **Endpoints.** An EndpointSlice belongs to the Service named by its `kubernetes.io/service-name`
+//! label in the same namespace. Only `addressType` IPv4/IPv6 (FQDN slices are skipped). A service
+//! port takes its target port from the slice port with the same name (unnamed ↔ unnamed/empty)
+//! and protocol, which is how named targetPorts resolve; a slice without that port contributes
+//! nothing to it. Conditions: ready nil ⇒ true, serving nil ⇒ ready, terminating nil ⇒ false.
+//! All endpoints are kept whatever their conditions (the planner chooses ready ones, or
+//! serving-terminating ones as a fallback). Endpoints of a family the Service does not have are
+//! dropped. The same address:port from several slices (slice churn) is kept once, with the best
+//! conditions. Unparsable or wrong-family addresses are skipped with a [`ModelWarning`].
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
+use std::str::FromStr;
 
 use ipnet::IpNet;
+use k8s_openapi::api::core::v1::{Service, ServicePort};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use crate::ir::{Family, Protocol};
 
@@ -19,6 +60,11 @@ pub const ANNOTATION_PORTS: &str = "nodelb.io/ports";
 pub const ANNOTATION_ALLOCATED: &str = "nodelb.io/allocated-ports";
 /// Annotation opting a Service out (`"true"`).
 pub const ANNOTATION_IGNORE: &str = "nodelb.io/ignore";
+/// Legacy source-range annotation, honoured when `spec.loadBalancerSourceRanges` is empty.
+pub const ANNOTATION_LEGACY_SOURCE_RANGES: &str =
+    "service.beta.kubernetes.io/load-balancer-source-ranges";
+/// Label linking an EndpointSlice to its Service.
+pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 
 /// `namespace/name` of a Service.
 #[derive(
@@ -151,5 +197,1519 @@ impl Refusal {
             | Refusal::InvalidTrafficPolicy { service, .. }
             | Refusal::Invalid { service, .. } => service,
         }
+    }
+}
+
+/// A value that does not parse as a [`ServiceKey`], [`PortId`] or [`Protocol`]; the message says why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ParseError(pub String);
+
+impl FromStr for ServiceKey {
+    type Err = ParseError;
+
+    /// `namespace/name`, both non-empty.
+    fn from_str(s: &str) -> Result<Self, ParseError> {
+        match s.split_once('/') {
+            Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
+                Ok(ServiceKey {
+                    namespace: ns.to_string(),
+                    name: name.to_string(),
+                })
+            }
+            _ => Err(ParseError(format!("{s:?} is not namespace/name"))),
+        }
+    }
+}
+
+/// Parses a protocol the way annotations write it: `TCP`, `udp`, … (case-insensitive).
+pub fn parse_protocol(s: &str) -> Result<Protocol, ParseError> {
+    match s.to_ascii_uppercase().as_str() {
+        "TCP" => Ok(Protocol::Tcp),
+        "UDP" => Ok(Protocol::Udp),
+        "SCTP" => Ok(Protocol::Sctp),
+        _ => Err(ParseError(format!(
+            "unknown protocol {s:?} (want TCP, UDP or SCTP)"
+        ))),
+    }
+}
+
+/// Parses a port number 1–65535.
+fn parse_port_number(s: &str) -> Result<u16, ParseError> {
+    match s.trim().parse::<u32>() {
+        Ok(n) if (1..=65535).contains(&n) => Ok(n as u16),
+        Ok(n) => Err(ParseError(format!("port {n} is out of range 1-65535"))),
+        Err(_) => Err(ParseError(format!("{:?} is not a port number", s.trim()))),
+    }
+}
+
+impl FromStr for PortId {
+    type Err = ParseError;
+
+    /// `80/TCP` (protocol case-insensitive).
+    fn from_str(s: &str) -> Result<Self, ParseError> {
+        let (port, proto) = s
+            .split_once('/')
+            .ok_or_else(|| ParseError(format!("{s:?} is not PORT/PROTOCOL")))?;
+        Ok(PortId {
+            port: parse_port_number(port)?,
+            protocol: parse_protocol(proto.trim())?,
+        })
+    }
+}
+
+/// One entry of a port annotation: service port (protocol optional) → node port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct PortMapEntry {
+    port: u16,
+    protocol: Option<Protocol>,
+    node_port: u16,
+}
+
+/// Parses one `80/TCP=20080` (or `80=20080`) entry.
+fn parse_port_map_entry(item: &str) -> Result<PortMapEntry, ParseError> {
+    let (lhs, rhs) = item
+        .split_once('=')
+        .ok_or_else(|| ParseError(format!("entry {item:?} is not PORT/PROTOCOL=NODEPORT")))?;
+    let lhs = lhs.trim();
+    let (port, protocol) = match lhs.split_once('/') {
+        Some((p, proto)) => (parse_port_number(p)?, Some(parse_protocol(proto.trim())?)),
+        None => (parse_port_number(lhs)?, None),
+    };
+    let node_port =
+        parse_port_number(rhs).map_err(|e| ParseError(format!("entry {item:?}: node {e}")))?;
+    Ok(PortMapEntry {
+        port,
+        protocol,
+        node_port,
+    })
+}
+
+/// Formats an allocation the way [`ANNOTATION_ALLOCATED`] and [`ANNOTATION_PORTS`] write it:
+/// `53/UDP=20002,80/TCP=20001` (sorted by port, then protocol).
+pub fn format_port_map(map: &BTreeMap<PortId, u16>) -> String {
+    let items: Vec<String> = map
+        .iter()
+        .map(|(id, node)| format!("{id}={node}"))
+        .collect();
+    items.join(",")
+}
+
+/// Options of [`build`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelOptions {
+    /// The `spec.loadBalancerClass` we serve.
+    pub lb_class: String,
+    /// Do not serve Services whose `loadBalancerClass` is unset.
+    pub ignore_unclassed: bool,
+}
+
+impl Default for ModelOptions {
+    fn default() -> Self {
+        ModelOptions {
+            lb_class: DEFAULT_LB_CLASS.to_string(),
+            ignore_unclassed: false,
+        }
+    }
+}
+
+/// A problem worth logging that does not refuse the Service (a skipped endpoint address, a
+/// dropped entry of the machine-written allocation annotation).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ModelWarning {
+    pub service: ServiceKey,
+    pub message: String,
+}
+
+impl fmt::Display for ModelWarning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Service {}: {}", self.service, self.message)
+    }
+}
+
+/// Result of [`build`]: the Services we serve (sorted by key), the ones we refuse (sorted by key),
+/// and warnings.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ModelOutput {
+    pub services: Vec<LbService>,
+    pub refused: Vec<Refusal>,
+    pub warnings: Vec<ModelWarning>,
+}
+
+/// Is this Service ours (type, class, opt-out)? Not a validation: a `false` is silent.
+pub fn is_ours(svc: &Service, opts: &ModelOptions) -> bool {
+    let Some(spec) = svc.spec.as_ref() else {
+        return false;
+    };
+    if spec.type_.as_deref() != Some("LoadBalancer") {
+        return false;
+    }
+    let class_ok = match spec.load_balancer_class.as_deref() {
+        None | Some("") => !opts.ignore_unclassed,
+        Some(class) => class == opts.lb_class,
+    };
+    let ignored = svc
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(ANNOTATION_IGNORE))
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"));
+    class_ok && !ignored
+}
+
+/// Namespace of an object, `default` when unset (manifests often omit it).
+fn namespace_of(ns: &Option<String>) -> String {
+    match ns.as_deref() {
+        None | Some("") => "default".to_string(),
+        Some(ns) => ns.to_string(),
+    }
+}
+
+/// Key of a Service object.
+pub fn service_key(svc: &Service) -> ServiceKey {
+    ServiceKey {
+        namespace: namespace_of(&svc.metadata.namespace),
+        name: svc.metadata.name.clone().unwrap_or_default(),
+    }
+}
+
+/// Validates and types the Services that are ours and resolves their endpoints. Pure and
+/// deterministic: the output does not depend on the order of the inputs (except that of two
+/// objects with the same key, the first is used and the second refused).
+pub fn build(services: &[Service], slices: &[EndpointSlice], opts: &ModelOptions) -> ModelOutput {
+    let mut out = ModelOutput::default();
+    let slices_by_service = index_slices(slices);
+    let mut seen = BTreeSet::new();
+    for svc in services.iter().filter(|s| is_ours(s, opts)) {
+        let key = service_key(svc);
+        if !seen.insert(key.clone()) {
+            out.refused.push(Refusal::Invalid {
+                service: key,
+                reason: "duplicate Service object".to_string(),
+            });
+            continue;
+        }
+        let no_slices = Vec::new();
+        let svc_slices = slices_by_service.get(&key).unwrap_or(&no_slices);
+        match build_one(svc, key, svc_slices, &mut out.warnings) {
+            Ok(lb) => out.services.push(lb),
+            Err(refusal) => out.refused.push(refusal),
+        }
+    }
+    out.services.sort_by(|a, b| a.key.cmp(&b.key));
+    out.refused.sort_by(|a, b| a.service().cmp(b.service()));
+    out.warnings.sort_by(|a, b| a.service.cmp(&b.service));
+    out
+}
+
+/// EndpointSlices grouped by the Service they belong to. Slices without the label are not part of
+/// any Service.
+fn index_slices(slices: &[EndpointSlice]) -> BTreeMap<ServiceKey, Vec<&EndpointSlice>> {
+    let mut map: BTreeMap<ServiceKey, Vec<&EndpointSlice>> = BTreeMap::new();
+    for slice in slices {
+        let Some(name) = slice
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(LABEL_SERVICE_NAME))
+        else {
+            continue;
+        };
+        if name.is_empty() {
+            continue;
+        }
+        let key = ServiceKey {
+            namespace: namespace_of(&slice.metadata.namespace),
+            name: name.clone(),
+        };
+        map.entry(key).or_default().push(slice);
+    }
+    map
+}
+
+fn build_one(
+    svc: &Service,
+    key: ServiceKey,
+    slices: &[&EndpointSlice],
+    warnings: &mut Vec<ModelWarning>,
+) -> Result<LbService, Refusal> {
+    if key.name.is_empty() {
+        return Err(Refusal::Invalid {
+            service: key,
+            reason: "metadata.name is empty".to_string(),
+        });
+    }
+    let Some(spec) = svc.spec.as_ref() else {
+        // Unreachable through is_ours, but never panic.
+        return Err(Refusal::Invalid {
+            service: key,
+            reason: "no spec".to_string(),
+        });
+    };
+    let annotations = svc.metadata.annotations.clone().unwrap_or_default();
+
+    let ports = validate_ports(&key, spec.ports.as_deref().unwrap_or(&[]))?;
+    let families = ip_families(&key, spec)?;
+    let traffic_policy = match spec.external_traffic_policy.as_deref() {
+        None | Some("") | Some("Cluster") | Some("Global") => TrafficPolicy::Cluster,
+        Some("Local") => TrafficPolicy::Local,
+        Some(other) => {
+            return Err(Refusal::InvalidTrafficPolicy {
+                service: key,
+                value: other.to_string(),
+            });
+        }
+    };
+    let source_ranges = source_ranges(
+        &key,
+        spec.load_balancer_source_ranges.as_deref(),
+        &annotations,
+    )?;
+    let ids: Vec<PortId> = ports.iter().map(|(id, _)| *id).collect();
+    let port_request = match annotations.get(ANNOTATION_PORTS) {
+        None => PortRequest::Auto,
+        Some(value) => parse_port_request(&key, value, &ids)?,
+    };
+    let previous_allocation = match annotations.get(ANNOTATION_ALLOCATED) {
+        None => BTreeMap::new(),
+        Some(value) => parse_previous_allocation(&key, value, &ids, warnings),
+    };
+
+    let lb_ports = ports
+        .into_iter()
+        .map(|(id, name)| {
+            let endpoints = resolve_endpoints(&key, id, &name, slices, &families, warnings);
+            LbPort {
+                id,
+                name,
+                endpoints,
+            }
+        })
+        .collect();
+
+    Ok(LbService {
+        created: svc
+            .metadata
+            .creation_timestamp
+            .as_ref()
+            .map(|t| t.0.to_string()),
+        uid: svc.metadata.uid.clone(),
+        key,
+        ports: lb_ports,
+        families,
+        source_ranges,
+        traffic_policy,
+        port_request,
+        previous_allocation,
+    })
+}
+
+/// Validated `(id, name)` of each service port, in spec order.
+fn validate_ports(
+    key: &ServiceKey,
+    ports: &[ServicePort],
+) -> Result<Vec<(PortId, String)>, Refusal> {
+    if ports.is_empty() {
+        return Err(Refusal::Invalid {
+            service: key.clone(),
+            reason: "spec.ports is empty".to_string(),
+        });
+    }
+    let mut out: Vec<(PortId, String)> = Vec::with_capacity(ports.len());
+    for p in ports {
+        let name = p.name.clone().unwrap_or_default();
+        let shown = if name.is_empty() {
+            p.port.to_string()
+        } else {
+            format!("{name} ({})", p.port)
+        };
+        let bad = |reason: String| Refusal::InvalidPort {
+            service: key.clone(),
+            port: shown.clone(),
+            reason,
+        };
+        let protocol = match p.protocol.as_deref() {
+            None | Some("") => Protocol::Tcp,
+            Some("TCP") => Protocol::Tcp,
+            Some("UDP") => Protocol::Udp,
+            Some("SCTP") => Protocol::Sctp,
+            Some(other) => return Err(bad(format!("unsupported protocol {other:?}"))),
+        };
+        let port = match u16::try_from(p.port) {
+            Ok(n) if n != 0 => n,
+            _ => {
+                return Err(bad(format!(
+                    "port number {} is out of range 1-65535",
+                    p.port
+                )));
+            }
+        };
+        let id = PortId { port, protocol };
+        if out.iter().any(|(other, _)| *other == id) {
+            return Err(bad(format!("duplicate port {id}")));
+        }
+        if out.iter().any(|(_, other)| *other == name) {
+            let what = if name.is_empty() {
+                "more than one unnamed port".to_string()
+            } else {
+                format!("duplicate port name {name:?}")
+            };
+            return Err(bad(what));
+        }
+        out.push((id, name));
+    }
+    Ok(out)
+}
+
+fn ip_families(
+    key: &ServiceKey,
+    spec: &k8s_openapi::api::core::v1::ServiceSpec,
+) -> Result<Vec<Family>, Refusal> {
+    let mut families = Vec::new();
+    let declared = spec.ip_families.as_deref().unwrap_or(&[]);
+    for value in declared {
+        let family = match value.as_str() {
+            "IPv4" => Family::Ipv4,
+            "IPv6" => Family::Ipv6,
+            other => {
+                return Err(Refusal::InvalidIpFamily {
+                    service: key.clone(),
+                    value: other.to_string(),
+                });
+            }
+        };
+        if !families.contains(&family) {
+            families.push(family);
+        }
+    }
+    if families.is_empty() {
+        // Older API servers (or hand-written manifests) leave ipFamilies unset; the cluster IPs
+        // still say which families the Service has. "None" (headless) and garbage are skipped.
+        let ips = spec
+            .cluster_ips
+            .clone()
+            .unwrap_or_default()
+            .into_iter()
+            .chain(spec.cluster_ip.clone());
+        for ip in ips.filter_map(|ip| ip.parse::<IpAddr>().ok()) {
+            let family = Family::of(&ip);
+            if !families.contains(&family) {
+                families.push(family);
+            }
+        }
+    }
+    if families.is_empty() {
+        families.push(Family::Ipv4);
+    }
+    Ok(families)
+}
+
+/// One source range: a CIDR (host bits truncated) or a plain address.
+pub fn parse_source_range(value: &str) -> Result<IpNet, String> {
+    let v = value.trim();
+    if v.is_empty() {
+        return Err("empty entry".to_string());
+    }
+    if let Ok(net) = v.parse::<IpNet>() {
+        return Ok(net.trunc());
+    }
+    if let Ok(addr) = v.parse::<IpAddr>() {
+        return Ok(IpNet::from(addr));
+    }
+    Err("not a CIDR (like 192.0.2.0/24 or 2001:db8::/32) or an IP address".to_string())
+}
+
+fn source_ranges(
+    key: &ServiceKey,
+    spec_ranges: Option<&[String]>,
+    annotations: &BTreeMap<String, String>,
+) -> Result<Vec<IpNet>, Refusal> {
+    let spec_ranges = spec_ranges.unwrap_or(&[]);
+    let mut out = Vec::new();
+    if !spec_ranges.is_empty() {
+        for value in spec_ranges {
+            let net = parse_source_range(value).map_err(|reason| Refusal::InvalidSourceRange {
+                service: key.clone(),
+                value: value.clone(),
+                reason,
+            })?;
+            out.push(net);
+        }
+    } else if let Some(value) = annotations.get(ANNOTATION_LEGACY_SOURCE_RANGES) {
+        // Comma-separated; empty items (a trailing comma) are not ranges and are skipped.
+        for item in value.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let net = parse_source_range(item).map_err(|reason| Refusal::InvalidAnnotation {
+                service: key.clone(),
+                annotation: ANNOTATION_LEGACY_SOURCE_RANGES.to_string(),
+                value: value.clone(),
+                reason: format!("entry {item:?}: {reason}"),
+            })?;
+            out.push(net);
+        }
+    }
+    out.sort();
+    out.dedup();
+    Ok(out)
+}
+
+/// Matches an annotation entry against the service ports; `None` when it names no service port.
+fn entry_targets(entry: &PortMapEntry, ids: &[PortId]) -> Vec<PortId> {
+    ids.iter()
+        .filter(|id| id.port == entry.port && entry.protocol.is_none_or(|p| p == id.protocol))
+        .copied()
+        .collect()
+}
+
+fn parse_port_request(
+    key: &ServiceKey,
+    value: &str,
+    ids: &[PortId],
+) -> Result<PortRequest, Refusal> {
+    let bad = |reason: String| Refusal::InvalidAnnotation {
+        service: key.clone(),
+        annotation: ANNOTATION_PORTS.to_string(),
+        value: value.to_string(),
+        reason,
+    };
+    let trimmed = value.trim();
+    if trimmed.is_empty() {
+        return Ok(PortRequest::Auto);
+    }
+    if trimmed.eq_ignore_ascii_case("service") {
+        return Ok(PortRequest::ServicePorts);
+    }
+    let mut map = BTreeMap::new();
+    for item in trimmed.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let entry = parse_port_map_entry(item).map_err(|e| bad(e.0))?;
+        let targets = entry_targets(&entry, ids);
+        if targets.is_empty() {
+            let known: Vec<String> = ids.iter().map(PortId::to_string).collect();
+            return Err(bad(format!(
+                "entry {item:?} names no port of the Service (ports: {})",
+                known.join(", ")
+            )));
+        }
+        for id in targets {
+            if map.insert(id, entry.node_port).is_some() {
+                return Err(bad(format!("port {id} is given more than once")));
+            }
+        }
+    }
+    // One node port carries one service port per protocol; two would be ambiguous.
+    let mut used = BTreeMap::new();
+    for (id, node) in &map {
+        if let Some(other) = used.insert((*node, id.protocol), *id) {
+            return Err(bad(format!(
+                "ports {other} and {id} both ask for node port {node}/{}",
+                id.protocol
+            )));
+        }
+    }
+    Ok(PortRequest::Explicit(map))
+}
+
+fn parse_previous_allocation(
+    key: &ServiceKey,
+    value: &str,
+    ids: &[PortId],
+    warnings: &mut Vec<ModelWarning>,
+) -> BTreeMap<PortId, u16> {
+    let mut map = BTreeMap::new();
+    for item in value.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let entry = match parse_port_map_entry(item) {
+            Ok(entry) => entry,
+            Err(e) => {
+                warnings.push(ModelWarning {
+                    service: key.clone(),
+                    message: format!(
+                        "ignoring entry of annotation {ANNOTATION_ALLOCATED}={value:?}: {e}"
+                    ),
+                });
+                continue;
+            }
+        };
+        for id in entry_targets(&entry, ids) {
+            map.entry(id).or_insert(entry.node_port);
+        }
+    }
+    map
+}
+
+/// Endpoints of one service port from the Service's slices: sorted, one per address:port (with
+/// the best conditions when slices disagree).
+fn resolve_endpoints(
+    key: &ServiceKey,
+    id: PortId,
+    name: &str,
+    slices: &[&EndpointSlice],
+    families: &[Family],
+    warnings: &mut Vec<ModelWarning>,
+) -> Vec<Endpoint> {
+    let mut best: BTreeMap<(IpAddr, u16), Endpoint> = BTreeMap::new();
+    for slice in slices {
+        let family = match slice.address_type.as_str() {
+            "IPv4" => Family::Ipv4,
+            "IPv6" => Family::Ipv6,
+            _ => continue, // FQDN (or unknown): nothing we can DNAT to.
+        };
+        if !families.contains(&family) {
+            continue;
+        }
+        let slice_name = slice.metadata.name.as_deref().unwrap_or("<unnamed>");
+        let target_ports: Vec<u16> = slice
+            .ports
+            .as_deref()
+            .unwrap_or(&[])
+            .iter()
+            .filter(|p| p.name.as_deref().unwrap_or("") == name)
+            .filter(|p| match p.protocol.as_deref() {
+                None | Some("") => id.protocol == Protocol::Tcp,
+                Some(proto) => parse_protocol(proto).is_ok_and(|p| p == id.protocol),
+            })
+            // A nil port means "all ports" in the API; we cannot DNAT to that, so skip it.
+            .filter_map(|p| {
+                p.port
+                    .and_then(|n| u16::try_from(n).ok())
+                    .filter(|n| *n != 0)
+            })
+            .collect();
+        if target_ports.is_empty() {
+            continue;
+        }
+        for ep in slice.endpoints.iter().flatten() {
+            let cond = ep.conditions.as_ref();
+            let ready = cond.and_then(|c| c.ready).unwrap_or(true);
+            let serving = cond.and_then(|c| c.serving).unwrap_or(ready);
+            let terminating = cond.and_then(|c| c.terminating).unwrap_or(false);
+            for text in &ep.addresses {
+                let addr = match text.parse::<IpAddr>() {
+                    Ok(addr) if Family::of(&addr) == family => addr,
+                    Ok(_) => {
+                        warnings.push(ModelWarning {
+                            service: key.clone(),
+                            message: format!("EndpointSlice {slice_name}: address {text:?} is not {family}; skipped"),
+                        });
+                        continue;
+                    }
+                    Err(_) => {
+                        warnings.push(ModelWarning {
+                            service: key.clone(),
+                            message: format!(
+                                "EndpointSlice {slice_name}: bad address {text:?}; skipped"
+                            ),
+                        });
+                        continue;
+                    }
+                };
+                for port in &target_ports {
+                    let candidate = Endpoint {
+                        addr,
+                        port: *port,
+                        node_name: ep.node_name.clone(),
+                        ready,
+                        serving,
+                        terminating,
+                    };
+                    let rank = |e: &Endpoint| (e.ready, e.serving, !e.terminating);
+                    match best.get(&(addr, *port)) {
+                        Some(existing) if rank(existing) >= rank(&candidate) => {}
+                        _ => {
+                            best.insert((addr, *port), candidate);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    best.into_values().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{Value, json};
+
+    type Mutate = Box<dyn Fn(&mut Value)>;
+
+    fn svc_with(name: &str, f: impl FnOnce(&mut Value)) -> Service {
+        let mut v = json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "namespace": "default", "annotations": {}},
+            "spec": {"type": "LoadBalancer", "ports": [{"port": 80, "protocol": "TCP", "targetPort": 8080}]}
+        });
+        f(&mut v);
+        serde_json::from_value(v).expect("test Service")
+    }
+
+    fn slice(name: &str, service: &str, v: Value) -> EndpointSlice {
+        let mut base = json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": name, "namespace": "default", "labels": {LABEL_SERVICE_NAME: service}},
+            "addressType": "IPv4", "endpoints": [], "ports": []
+        });
+        if let (Some(b), Some(o)) = (base.as_object_mut(), v.as_object()) {
+            for (k, val) in o {
+                b.insert(k.clone(), val.clone());
+            }
+        }
+        serde_json::from_value(base).expect("test EndpointSlice")
+    }
+
+    fn key(name: &str) -> ServiceKey {
+        ServiceKey {
+            namespace: "default".into(),
+            name: name.into(),
+        }
+    }
+
+    fn tcp(port: u16) -> PortId {
+        PortId {
+            port,
+            protocol: Protocol::Tcp,
+        }
+    }
+
+    fn udp(port: u16) -> PortId {
+        PortId {
+            port,
+            protocol: Protocol::Udp,
+        }
+    }
+
+    fn one(svc: Service) -> Result<LbService, Refusal> {
+        let out = build(&[svc], &[], &ModelOptions::default());
+        match (
+            out.services.into_iter().next(),
+            out.refused.into_iter().next(),
+        ) {
+            (Some(s), None) => Ok(s),
+            (None, Some(r)) => Err(r),
+            other => panic!("expected exactly one result, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn selection() {
+        let cases: Vec<(&str, Mutate, ModelOptions, bool)> = vec![
+            (
+                "plain LoadBalancer",
+                Box::new(|_| {}),
+                ModelOptions::default(),
+                true,
+            ),
+            (
+                "ClusterIP",
+                Box::new(|v| v["spec"]["type"] = json!("ClusterIP")),
+                ModelOptions::default(),
+                false,
+            ),
+            (
+                "NodePort",
+                Box::new(|v| v["spec"]["type"] = json!("NodePort")),
+                ModelOptions::default(),
+                false,
+            ),
+            (
+                "no type",
+                Box::new(|v| v["spec"]["type"] = Value::Null),
+                ModelOptions::default(),
+                false,
+            ),
+            (
+                "our class",
+                Box::new(|v| v["spec"]["loadBalancerClass"] = json!(DEFAULT_LB_CLASS)),
+                ModelOptions::default(),
+                true,
+            ),
+            (
+                "other class",
+                Box::new(|v| v["spec"]["loadBalancerClass"] = json!("metallb.io/metallb")),
+                ModelOptions::default(),
+                false,
+            ),
+            (
+                "unclassed ignored by flag",
+                Box::new(|_| {}),
+                ModelOptions {
+                    ignore_unclassed: true,
+                    ..ModelOptions::default()
+                },
+                false,
+            ),
+            (
+                "our class with ignore_unclassed",
+                Box::new(|v| v["spec"]["loadBalancerClass"] = json!("x/y")),
+                ModelOptions {
+                    lb_class: "x/y".into(),
+                    ignore_unclassed: true,
+                },
+                true,
+            ),
+            (
+                "opted out",
+                Box::new(|v| v["metadata"]["annotations"][ANNOTATION_IGNORE] = json!("true")),
+                ModelOptions::default(),
+                false,
+            ),
+            (
+                "ignore=false",
+                Box::new(|v| v["metadata"]["annotations"][ANNOTATION_IGNORE] = json!("false")),
+                ModelOptions::default(),
+                true,
+            ),
+            (
+                "not ours even when invalid",
+                Box::new(|v| {
+                    v["spec"]["type"] = json!("ClusterIP");
+                    v["spec"]["loadBalancerSourceRanges"] = json!(["nope"]);
+                }),
+                ModelOptions::default(),
+                false,
+            ),
+        ];
+        for (name, f, opts, ours) in cases {
+            let out = build(&[svc_with("web", f)], &[], &opts);
+            assert_eq!(out.services.len(), usize::from(ours), "{name}");
+            assert!(out.refused.is_empty(), "{name}: {:?}", out.refused);
+        }
+    }
+
+    #[test]
+    fn refusals() {
+        // (case, mutation, expected Refusal variant name, substring of its Display)
+        type Case = (
+            &'static str,
+            Box<dyn Fn(&mut Value)>,
+            &'static str,
+            &'static str,
+        );
+        let cases: Vec<Case> = vec![
+            (
+                "no ports",
+                Box::new(|v| v["spec"]["ports"] = json!([])),
+                "Invalid",
+                "spec.ports is empty",
+            ),
+            (
+                "bad protocol",
+                Box::new(|v| v["spec"]["ports"][0]["protocol"] = json!("ICMP")),
+                "InvalidPort",
+                "\"ICMP\"",
+            ),
+            (
+                "port 0",
+                Box::new(|v| v["spec"]["ports"][0]["port"] = json!(0)),
+                "InvalidPort",
+                "port number 0",
+            ),
+            (
+                "port 70000",
+                Box::new(|v| v["spec"]["ports"][0]["port"] = json!(70000)),
+                "InvalidPort",
+                "70000",
+            ),
+            (
+                "negative port",
+                Box::new(|v| v["spec"]["ports"][0]["port"] = json!(-1)),
+                "InvalidPort",
+                "-1",
+            ),
+            (
+                "duplicate port",
+                Box::new(
+                    |v| v["spec"]["ports"] = json!([{"name": "a", "port": 80}, {"name": "b", "port": 80, "protocol": "TCP"}]),
+                ),
+                "InvalidPort",
+                "duplicate port 80/TCP",
+            ),
+            (
+                "duplicate name",
+                Box::new(|v| {
+                    v["spec"]["ports"] =
+                        json!([{"name": "a", "port": 80}, {"name": "a", "port": 81}])
+                }),
+                "InvalidPort",
+                "duplicate port name",
+            ),
+            (
+                "two unnamed",
+                Box::new(|v| v["spec"]["ports"] = json!([{"port": 80}, {"port": 81}])),
+                "InvalidPort",
+                "more than one unnamed",
+            ),
+            (
+                "bad ip family",
+                Box::new(|v| v["spec"]["ipFamilies"] = json!(["IPv4", "IPv5"])),
+                "InvalidIpFamily",
+                "\"IPv5\"",
+            ),
+            (
+                "bad traffic policy",
+                Box::new(|v| v["spec"]["externalTrafficPolicy"] = json!("Nearby")),
+                "InvalidTrafficPolicy",
+                "\"Nearby\"",
+            ),
+            (
+                "bad source range",
+                Box::new(|v| {
+                    v["spec"]["loadBalancerSourceRanges"] = json!(["10.0.0.0/8", "10.0.0.0/33"])
+                }),
+                "InvalidSourceRange",
+                "\"10.0.0.0/33\"",
+            ),
+            (
+                "garbage source range",
+                Box::new(|v| v["spec"]["loadBalancerSourceRanges"] = json!(["office"])),
+                "InvalidSourceRange",
+                "\"office\"",
+            ),
+            (
+                "empty source range",
+                Box::new(|v| v["spec"]["loadBalancerSourceRanges"] = json!([""])),
+                "InvalidSourceRange",
+                "empty entry",
+            ),
+            (
+                "bad legacy source range annotation",
+                Box::new(|v| {
+                    v["metadata"]["annotations"][ANNOTATION_LEGACY_SOURCE_RANGES] =
+                        json!("10.0.0.0/8,x")
+                }),
+                "InvalidAnnotation",
+                "entry \"x\"",
+            ),
+            (
+                "ports annotation syntax",
+                Box::new(|v| {
+                    v["metadata"]["annotations"][ANNOTATION_PORTS] = json!("80/TCP:20080")
+                }),
+                "InvalidAnnotation",
+                "nodelb.io/ports=\"80/TCP:20080\"",
+            ),
+            (
+                "ports annotation unknown service port",
+                Box::new(|v| {
+                    v["metadata"]["annotations"][ANNOTATION_PORTS] = json!("443/TCP=20443")
+                }),
+                "InvalidAnnotation",
+                "names no port of the Service",
+            ),
+            (
+                "ports annotation wrong protocol",
+                Box::new(|v| {
+                    v["metadata"]["annotations"][ANNOTATION_PORTS] = json!("80/UDP=20080")
+                }),
+                "InvalidAnnotation",
+                "names no port",
+            ),
+            (
+                "ports annotation node port 0",
+                Box::new(|v| v["metadata"]["annotations"][ANNOTATION_PORTS] = json!("80/TCP=0")),
+                "InvalidAnnotation",
+                "out of range",
+            ),
+            (
+                "ports annotation node port too big",
+                Box::new(|v| {
+                    v["metadata"]["annotations"][ANNOTATION_PORTS] = json!("80/TCP=65536")
+                }),
+                "InvalidAnnotation",
+                "out of range",
+            ),
+            (
+                "ports annotation bad protocol",
+                Box::new(|v| {
+                    v["metadata"]["annotations"][ANNOTATION_PORTS] = json!("80/XYZ=20080")
+                }),
+                "InvalidAnnotation",
+                "unknown protocol",
+            ),
+            (
+                "ports annotation twice",
+                Box::new(|v| {
+                    v["metadata"]["annotations"][ANNOTATION_PORTS] = json!("80/TCP=20080,80=20081")
+                }),
+                "InvalidAnnotation",
+                "more than once",
+            ),
+            (
+                "ports annotation same node port twice",
+                Box::new(|v| {
+                    v["spec"]["ports"] =
+                        json!([{"name": "a", "port": 80}, {"name": "b", "port": 81}]);
+                    v["metadata"]["annotations"][ANNOTATION_PORTS] =
+                        json!("80/TCP=20080,81/TCP=20080");
+                }),
+                "InvalidAnnotation",
+                "both ask for node port 20080/TCP",
+            ),
+            (
+                "no name",
+                Box::new(|v| v["metadata"]["name"] = json!("")),
+                "Invalid",
+                "metadata.name is empty",
+            ),
+        ];
+        for (name, f, variant, needle) in cases {
+            let refusal = match one(svc_with("web", f)) {
+                Err(r) => r,
+                Ok(s) => panic!("{name}: expected refusal, got {s:?}"),
+            };
+            let debug = format!("{refusal:?}");
+            assert!(
+                debug.starts_with(&format!("{variant} ")),
+                "{name}: wrong variant: {debug}"
+            );
+            let text = refusal.to_string();
+            assert!(text.contains(needle), "{name}: {text:?} lacks {needle:?}");
+            assert!(
+                text.contains("Service default/"),
+                "{name}: {text:?} does not name the Service"
+            );
+        }
+    }
+
+    #[test]
+    fn accepted_values() {
+        let s = one(svc_with("web", |v| {
+            v["spec"]["ports"] = json!([
+                {"name": "dns", "port": 53, "protocol": "UDP"},
+                {"name": "dns-tcp", "port": 53},
+                {"name": "sctp", "port": 9, "protocol": "SCTP"}
+            ]);
+            v["spec"]["ipFamilies"] = json!(["IPv6", "IPv4", "IPv6"]);
+            v["spec"]["externalTrafficPolicy"] = json!("Local");
+            v["spec"]["loadBalancerSourceRanges"] = json!([
+                "10.1.2.3/8",
+                " 192.0.2.7 ",
+                "2001:db8::1",
+                "10.0.0.0/8",
+                "2001:db8:1::5/48"
+            ]);
+            v["metadata"]["creationTimestamp"] = json!("2024-05-06T07:08:09Z");
+            v["metadata"]["uid"] = json!("u-1");
+        }))
+        .expect("valid");
+        assert_eq!(
+            s.ports.iter().map(|p| p.id).collect::<Vec<_>>(),
+            vec![
+                udp(53),
+                tcp(53),
+                PortId {
+                    port: 9,
+                    protocol: Protocol::Sctp
+                }
+            ]
+        );
+        assert_eq!(s.families, vec![Family::Ipv6, Family::Ipv4]);
+        assert_eq!(s.traffic_policy, TrafficPolicy::Local);
+        let ranges: Vec<String> = s.source_ranges.iter().map(|n| n.to_string()).collect();
+        assert_eq!(
+            ranges,
+            vec![
+                "10.0.0.0/8",
+                "192.0.2.7/32",
+                "2001:db8::1/128",
+                "2001:db8:1::/48"
+            ]
+        );
+        assert_eq!(s.created.as_deref(), Some("2024-05-06T07:08:09Z"));
+        assert_eq!(s.uid.as_deref(), Some("u-1"));
+        assert_eq!(s.port_request, PortRequest::Auto);
+    }
+
+    #[test]
+    fn families_and_policy_defaults() {
+        let cases: Vec<(&str, Mutate, Vec<Family>, TrafficPolicy)> = vec![
+            (
+                "defaults",
+                Box::new(|_| {}),
+                vec![Family::Ipv4],
+                TrafficPolicy::Cluster,
+            ),
+            (
+                "clusterIPs v6",
+                Box::new(|v| v["spec"]["clusterIPs"] = json!(["fd00::10"])),
+                vec![Family::Ipv6],
+                TrafficPolicy::Cluster,
+            ),
+            (
+                "clusterIPs dual",
+                Box::new(|v| v["spec"]["clusterIPs"] = json!(["fd00::10", "10.96.0.10"])),
+                vec![Family::Ipv6, Family::Ipv4],
+                TrafficPolicy::Cluster,
+            ),
+            (
+                "clusterIP only",
+                Box::new(|v| v["spec"]["clusterIP"] = json!("fd00::1")),
+                vec![Family::Ipv6],
+                TrafficPolicy::Cluster,
+            ),
+            (
+                "headless clusterIP",
+                Box::new(|v| v["spec"]["clusterIP"] = json!("None")),
+                vec![Family::Ipv4],
+                TrafficPolicy::Cluster,
+            ),
+            (
+                "ipFamilies wins over clusterIPs",
+                Box::new(|v| {
+                    v["spec"]["ipFamilies"] = json!(["IPv4"]);
+                    v["spec"]["clusterIPs"] = json!(["fd00::10"]);
+                }),
+                vec![Family::Ipv4],
+                TrafficPolicy::Cluster,
+            ),
+            (
+                "Global is Cluster",
+                Box::new(|v| v["spec"]["externalTrafficPolicy"] = json!("Global")),
+                vec![Family::Ipv4],
+                TrafficPolicy::Cluster,
+            ),
+            (
+                "empty policy",
+                Box::new(|v| v["spec"]["externalTrafficPolicy"] = json!("")),
+                vec![Family::Ipv4],
+                TrafficPolicy::Cluster,
+            ),
+        ];
+        for (name, f, families, policy) in cases {
+            let s = one(svc_with("web", f)).unwrap_or_else(|r| panic!("{name}: {r}"));
+            assert_eq!(s.families, families, "{name}");
+            assert_eq!(s.traffic_policy, policy, "{name}");
+        }
+    }
+
+    #[test]
+    fn source_range_legacy_annotation() {
+        let s = one(svc_with("web", |v| {
+            v["metadata"]["annotations"][ANNOTATION_LEGACY_SOURCE_RANGES] =
+                json!("192.0.2.0/24, 198.51.100.0/24,")
+        }))
+        .expect("valid");
+        assert_eq!(s.source_ranges.len(), 2);
+        // The spec field wins over the annotation.
+        let s = one(svc_with("web", |v| {
+            v["metadata"]["annotations"][ANNOTATION_LEGACY_SOURCE_RANGES] = json!("garbage");
+            v["spec"]["loadBalancerSourceRanges"] = json!(["192.0.2.0/24"]);
+        }))
+        .expect("valid");
+        assert_eq!(
+            s.source_ranges,
+            vec!["192.0.2.0/24".parse::<IpNet>().expect("net")]
+        );
+    }
+
+    #[test]
+    fn port_requests() {
+        let two = |v: &mut Value| {
+            v["spec"]["ports"] = json!([
+                {"name": "http", "port": 80},
+                {"name": "dns", "port": 53, "protocol": "UDP"},
+                {"name": "dns-tcp", "port": 53, "protocol": "TCP"}
+            ])
+        };
+        let cases: Vec<(&str, &str, PortRequest)> = vec![
+            ("service", "service", PortRequest::ServicePorts),
+            ("Service upper", " Service ", PortRequest::ServicePorts),
+            ("empty", "", PortRequest::Auto),
+            (
+                "explicit",
+                "80/TCP=20080",
+                PortRequest::Explicit(BTreeMap::from([(tcp(80), 20080)])),
+            ),
+            (
+                "no protocol covers both",
+                "53=20053, 80/tcp=20080,",
+                PortRequest::Explicit(BTreeMap::from([
+                    (tcp(53), 20053),
+                    (udp(53), 20053),
+                    (tcp(80), 20080),
+                ])),
+            ),
+            (
+                "same node port, different protocol",
+                "53/UDP=20053,80/TCP=20053",
+                PortRequest::Explicit(BTreeMap::from([(udp(53), 20053), (tcp(80), 20053)])),
+            ),
+        ];
+        for (name, value, want) in cases {
+            let s = one(svc_with("web", |v| {
+                two(v);
+                v["metadata"]["annotations"][ANNOTATION_PORTS] = json!(value);
+            }))
+            .unwrap_or_else(|r| panic!("{name}: {r}"));
+            assert_eq!(s.port_request, want, "{name}");
+        }
+    }
+
+    #[test]
+    fn previous_allocation_annotation() {
+        let svc = svc_with("web", |v| {
+            v["spec"]["ports"] = json!([{"name": "http", "port": 80}, {"name": "dns", "port": 53, "protocol": "UDP"}]);
+            v["metadata"]["annotations"][ANNOTATION_ALLOCATED] =
+                json!("80/TCP=20001,53/UDP=x,443/TCP=20002,bogus");
+        });
+        let out = build(&[svc], &[], &ModelOptions::default());
+        assert!(out.refused.is_empty());
+        assert_eq!(
+            out.services[0].previous_allocation,
+            BTreeMap::from([(tcp(80), 20001)])
+        );
+        assert_eq!(out.warnings.len(), 2, "{:?}", out.warnings);
+        assert!(
+            out.warnings[0]
+                .to_string()
+                .contains("nodelb.io/allocated-ports")
+        );
+    }
+
+    #[test]
+    fn duplicate_service_objects() {
+        let out = build(
+            &[svc_with("web", |_| {}), svc_with("web", |_| {})],
+            &[],
+            &ModelOptions::default(),
+        );
+        assert_eq!(out.services.len(), 1);
+        assert_eq!(out.refused.len(), 1);
+    }
+
+    #[test]
+    fn parse_keys() {
+        assert_eq!("a/b".parse::<ServiceKey>(), Ok(key_ns("a", "b")));
+        for bad in ["", "a", "/b", "a/", "a/b/c"] {
+            assert!(bad.parse::<ServiceKey>().is_err(), "{bad}");
+        }
+        assert_eq!("80/tcp".parse::<PortId>(), Ok(tcp(80)));
+        for bad in ["80", "0/TCP", "80/ICMP", "x/TCP", "65536/UDP"] {
+            assert!(bad.parse::<PortId>().is_err(), "{bad}");
+        }
+        let map = BTreeMap::from([(tcp(80), 20001), (udp(53), 20002)]);
+        assert_eq!(format_port_map(&map), "53/UDP=20002,80/TCP=20001");
+    }
+
+    fn key_ns(ns: &str, name: &str) -> ServiceKey {
+        ServiceKey {
+            namespace: ns.into(),
+            name: name.into(),
+        }
+    }
+
+    fn ep(addr: &str, port: u16, ready: bool, serving: bool, terminating: bool) -> Endpoint {
+        Endpoint {
+            addr: addr.parse().expect("addr"),
+            port,
+            node_name: Some("node-1".into()),
+            ready,
+            serving,
+            terminating,
+        }
+    }
+
+    fn endpoints_of(
+        svc: Service,
+        slices: &[EndpointSlice],
+    ) -> (BTreeMap<PortId, Vec<Endpoint>>, Vec<ModelWarning>) {
+        let out = build(&[svc], slices, &ModelOptions::default());
+        assert!(out.refused.is_empty(), "{:?}", out.refused);
+        let s = &out.services[0];
+        (
+            s.ports
+                .iter()
+                .map(|p| (p.id, p.endpoints.clone()))
+                .collect(),
+            out.warnings,
+        )
+    }
+
+    #[test]
+    fn endpoint_resolution() {
+        let node = json!("node-1");
+        let multi = |v: &mut Value| {
+            v["spec"]["ports"] = json!([
+                {"name": "http", "port": 80, "targetPort": "web"},
+                {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 5353}
+            ]);
+        };
+        type Case = (
+            &'static str,
+            Box<dyn Fn(&mut Value)>,
+            Vec<EndpointSlice>,
+            Vec<(PortId, Vec<Endpoint>)>,
+        );
+        let cases: Vec<Case> = vec![
+            (
+                "single unnamed port",
+                Box::new(|_| {}),
+                vec![slice(
+                    "web-1",
+                    "web",
+                    json!({
+                        "ports": [{"port": 8080, "protocol": "TCP"}],
+                        "endpoints": [
+                            {"addresses": ["198.51.100.12"], "nodeName": node},
+                            {"addresses": ["198.51.100.11"], "nodeName": node, "conditions": {"ready": true}}
+                        ]
+                    }),
+                )],
+                vec![(
+                    tcp(80),
+                    vec![
+                        ep("198.51.100.11", 8080, true, true, false),
+                        ep("198.51.100.12", 8080, true, true, false),
+                    ],
+                )],
+            ),
+            (
+                "unnamed with empty name and nil protocol",
+                Box::new(|_| {}),
+                vec![slice(
+                    "web-1",
+                    "web",
+                    json!({
+                        "ports": [{"name": "", "port": 8080}],
+                        "endpoints": [{"addresses": ["198.51.100.11"], "nodeName": node}]
+                    }),
+                )],
+                vec![(tcp(80), vec![ep("198.51.100.11", 8080, true, true, false)])],
+            ),
+            (
+                "named ports resolve by name and protocol",
+                Box::new(multi),
+                vec![slice(
+                    "web-1",
+                    "web",
+                    json!({
+                        "ports": [{"name": "http", "port": 8081, "protocol": "TCP"}, {"name": "dns", "port": 5353, "protocol": "UDP"},
+                                  {"name": "dns", "port": 9999, "protocol": "TCP"}],
+                        "endpoints": [{"addresses": ["198.51.100.11"], "nodeName": node}]
+                    }),
+                )],
+                vec![
+                    (udp(53), vec![ep("198.51.100.11", 5353, true, true, false)]),
+                    (tcp(80), vec![ep("198.51.100.11", 8081, true, true, false)]),
+                ],
+            ),
+            (
+                "multiple slices, duplicates merged with best conditions",
+                Box::new(|_| {}),
+                vec![
+                    slice(
+                        "web-1",
+                        "web",
+                        json!({
+                            "ports": [{"port": 8080}],
+                            "endpoints": [{"addresses": ["198.51.100.11"], "nodeName": node, "conditions": {"ready": false}},
+                                          {"addresses": ["198.51.100.13"], "nodeName": node}]
+                        }),
+                    ),
+                    slice(
+                        "web-2",
+                        "web",
+                        json!({
+                            "ports": [{"port": 8080}],
+                            "endpoints": [{"addresses": ["198.51.100.11"], "nodeName": node, "conditions": {"ready": true}}]
+                        }),
+                    ),
+                    // Same address, different target port (during a rollout): a different endpoint.
+                    slice(
+                        "web-3",
+                        "web",
+                        json!({
+                            "ports": [{"port": 9090}],
+                            "endpoints": [{"addresses": ["198.51.100.11"], "nodeName": node}]
+                        }),
+                    ),
+                ],
+                vec![(
+                    tcp(80),
+                    vec![
+                        ep("198.51.100.11", 8080, true, true, false),
+                        ep("198.51.100.11", 9090, true, true, false),
+                        ep("198.51.100.13", 8080, true, true, false),
+                    ],
+                )],
+            ),
+            (
+                "dual-stack slices on a dual-stack Service",
+                Box::new(|v| v["spec"]["ipFamilies"] = json!(["IPv4", "IPv6"])),
+                vec![
+                    slice(
+                        "web-v4",
+                        "web",
+                        json!({"ports": [{"port": 8080}], "endpoints": [{"addresses": ["198.51.100.11"], "nodeName": node}]}),
+                    ),
+                    slice(
+                        "web-v6",
+                        "web",
+                        json!({"addressType": "IPv6", "ports": [{"port": 8080}], "endpoints": [{"addresses": ["2001:db8::11"], "nodeName": node}]}),
+                    ),
+                ],
+                vec![(
+                    tcp(80),
+                    vec![
+                        ep("198.51.100.11", 8080, true, true, false),
+                        ep("2001:db8::11", 8080, true, true, false),
+                    ],
+                )],
+            ),
+            (
+                "v6 slice of a v4-only Service and FQDN slices are dropped",
+                Box::new(|_| {}),
+                vec![
+                    slice(
+                        "web-v6",
+                        "web",
+                        json!({"addressType": "IPv6", "ports": [{"port": 8080}], "endpoints": [{"addresses": ["2001:db8::11"]}]}),
+                    ),
+                    slice(
+                        "web-fqdn",
+                        "web",
+                        json!({"addressType": "FQDN", "ports": [{"port": 8080}], "endpoints": [{"addresses": ["example.com"]}]}),
+                    ),
+                ],
+                vec![(tcp(80), vec![])],
+            ),
+            (
+                "conditions defaults",
+                Box::new(|_| {}),
+                vec![slice(
+                    "web-1",
+                    "web",
+                    json!({
+                        "ports": [{"port": 8080}],
+                        "endpoints": [
+                            {"addresses": ["198.51.100.1"], "nodeName": node, "conditions": {}},
+                            {"addresses": ["198.51.100.2"], "nodeName": node, "conditions": {"ready": false}},
+                            {"addresses": ["198.51.100.3"], "nodeName": node, "conditions": {"ready": false, "serving": true, "terminating": true}},
+                            {"addresses": ["198.51.100.4"], "nodeName": node, "conditions": {"ready": true, "serving": false}}
+                        ]
+                    }),
+                )],
+                vec![(
+                    tcp(80),
+                    vec![
+                        ep("198.51.100.1", 8080, true, true, false),
+                        ep("198.51.100.2", 8080, false, false, false),
+                        ep("198.51.100.3", 8080, false, true, true),
+                        ep("198.51.100.4", 8080, true, false, false),
+                    ],
+                )],
+            ),
+            (
+                "slices of other Services, namespaces, unlabeled, nil or wrong ports do not count",
+                Box::new(|_| {}),
+                vec![
+                    slice(
+                        "other",
+                        "other",
+                        json!({"ports": [{"port": 1}], "endpoints": [{"addresses": ["198.51.100.1"]}]}),
+                    ),
+                    {
+                        let mut s = slice(
+                            "ns",
+                            "web",
+                            json!({"ports": [{"port": 2}], "endpoints": [{"addresses": ["198.51.100.2"]}]}),
+                        );
+                        s.metadata.namespace = Some("kube-system".into());
+                        s
+                    },
+                    {
+                        let mut s = slice(
+                            "nolabel",
+                            "web",
+                            json!({"ports": [{"port": 3}], "endpoints": [{"addresses": ["198.51.100.3"]}]}),
+                        );
+                        s.metadata.labels = None;
+                        s
+                    },
+                    slice(
+                        "nilport",
+                        "web",
+                        json!({"ports": [{}], "endpoints": [{"addresses": ["198.51.100.4"]}]}),
+                    ),
+                    slice(
+                        "noports",
+                        "web",
+                        json!({"endpoints": [{"addresses": ["198.51.100.5"]}]}),
+                    ),
+                    slice(
+                        "udp",
+                        "web",
+                        json!({"ports": [{"port": 6, "protocol": "UDP"}], "endpoints": [{"addresses": ["198.51.100.6"]}]}),
+                    ),
+                    slice(
+                        "named",
+                        "web",
+                        json!({"ports": [{"name": "x", "port": 7}], "endpoints": [{"addresses": ["198.51.100.7"]}]}),
+                    ),
+                ],
+                vec![(tcp(80), vec![])],
+            ),
+        ];
+        for (name, f, slices, want) in cases {
+            let (got, warnings) = endpoints_of(svc_with("web", f), &slices);
+            assert_eq!(got, want.into_iter().collect::<BTreeMap<_, _>>(), "{name}");
+            assert!(warnings.is_empty(), "{name}: {warnings:?}");
+        }
+    }
+
+    #[test]
+    fn bad_endpoint_addresses_are_warnings() {
+        let slices = vec![slice(
+            "web-1",
+            "web",
+            json!({
+                "ports": [{"port": 8080}],
+                "endpoints": [{"addresses": ["198.51.100.300", "2001:db8::1", "198.51.100.1"]}]
+            }),
+        )];
+        let (got, warnings) = endpoints_of(svc_with("web", |_| {}), &slices);
+        assert_eq!(got[&tcp(80)].len(), 1);
+        assert_eq!(warnings.len(), 2, "{warnings:?}");
+        assert!(
+            warnings
+                .iter()
+                .all(|w| w.to_string().contains("EndpointSlice web-1"))
+        );
+    }
+
+    #[test]
+    fn output_is_sorted_and_order_independent() {
+        let a = svc_with("a", |_| {});
+        let b = svc_with("b", |v| v["spec"]["externalTrafficPolicy"] = json!("bad"));
+        let c = svc_with("c", |_| {});
+        let x = build(
+            &[c.clone(), b.clone(), a.clone()],
+            &[],
+            &ModelOptions::default(),
+        );
+        let y = build(&[a, b, c], &[], &ModelOptions::default());
+        assert_eq!(x, y);
+        assert_eq!(
+            x.services.iter().map(|s| s.key.clone()).collect::<Vec<_>>(),
+            vec![key("a"), key("c")]
+        );
+    }
+
+    #[test]
+    fn never_panics_on_empty_objects() {
+        let svc = Service::default();
+        let out = build(
+            &[svc],
+            &[EndpointSlice::default()],
+            &ModelOptions::default(),
+        );
+        assert!(out.services.is_empty() && out.refused.is_empty());
+        let svc = Service {
+            spec: Some(k8s_openapi::api::core::v1::ServiceSpec {
+                type_: Some("LoadBalancer".into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let out = build(&[svc], &[], &ModelOptions::default());
+        assert_eq!(out.refused.len(), 1);
     }
 }

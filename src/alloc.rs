@@ -1,0 +1,857 @@
+//! The node-port allocator: pure, deterministic, over the whole set of known Services.
+//!
+//! It owns which node port each service port gets. Decisions:
+//! - **Unit of uniqueness.** A node port *number* belongs to at most one Service, whatever the
+//!   protocol, as Kubernetes' NodePort allocator does (so `20001/TCP` and `20001/UDP` never go to
+//!   two Services; users can reason about "port 20001 is web's"). Within one Service the number may
+//!   carry one service port per protocol, so `53/TCP` and `53/UDP` share one number: a new
+//!   allocation for a port whose sibling (same service port number, other protocol) already has a
+//!   number reuses that number.
+//! - **Age wins.** Services are processed oldest first (`created`, then key; a Service without a
+//!   parsable timestamp counts as the youngest), so of two claims on one number the older Service
+//!   keeps it. This is also how duplicates from a split brain or a human edit are repaired.
+//! - **Claims before new ports.** First every Service's explicit requests and previous
+//!   allocations are settled (oldest first); only then are new ports handed out (oldest first,
+//!   lowest free number in the range). A new port therefore never takes a number another Service
+//!   still holds, however young that Service is.
+//! - **Explicit requests** (`nodelb.io/ports`: a number, or `service` = the service port's own
+//!   number) may lie outside the range. If the number is held by an older Service the request is
+//!   a [`AllocProblem::Conflict`] and that service port gets no port at all: silently serving it
+//!   on another port would surprise whoever asked for a specific one.
+//! - **Previous allocations** — the Service's own `nodelb.io/allocated-ports` annotation first
+//!   (it is what the cluster sees), then `previous` (the state file) — are kept when still in the
+//!   range and not taken by an older Service; otherwise the port is allocated anew. A range change
+//!   therefore moves ports that fall outside it (explicit requests excepted).
+//! - **Release.** Only Services in `services` get allocations; everything else in `previous` is
+//!   released simply by not being carried over.
+//!
+//! Explicit requests are not checked against the Kubernetes NodePort or ephemeral ranges or
+//! against ports used by host processes: that is the requester's business.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::str::FromStr;
+
+use crate::ir::Protocol;
+use crate::model::{LbService, PortId, PortRequest, ServiceKey};
+
+/// The Kubernetes NodePort range (default service-node-port-range).
+pub const NODEPORT_RANGE: (u16, u16) = (30000, 32767);
+/// The Linux default ephemeral (local) port range, `net.ipv4.ip_local_port_range`.
+pub const EPHEMERAL_RANGE: (u16, u16) = (32768, 60999);
+
+/// Inclusive range of node ports handed out automatically.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+pub struct PortRange {
+    pub first: u16,
+    pub last: u16,
+}
+
+impl Default for PortRange {
+    /// 20000–29999: overlaps neither the NodePort range nor the ephemeral range.
+    fn default() -> Self {
+        PortRange {
+            first: 20000,
+            last: 29999,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RangeError {
+    #[error("port range {0:?} is not FIRST-LAST (like 20000-29999)")]
+    Syntax(String),
+    #[error("port range {0:?}: {1:?} is not a port number 1-65535")]
+    Number(String, String),
+    #[error("port range {0:?}: first port is greater than last")]
+    Reversed(String),
+}
+
+impl PortRange {
+    /// A range `first..=last`; both non-zero, `first <= last`.
+    pub fn new(first: u16, last: u16) -> Result<PortRange, RangeError> {
+        let shown = format!("{first}-{last}");
+        if first == 0 {
+            return Err(RangeError::Number(shown, "0".to_string()));
+        }
+        if first > last {
+            return Err(RangeError::Reversed(shown));
+        }
+        Ok(PortRange { first, last })
+    }
+
+    pub fn contains(&self, port: u16) -> bool {
+        (self.first..=self.last).contains(&port)
+    }
+
+    /// Number of ports in the range.
+    pub fn len(&self) -> usize {
+        usize::from(self.last) - usize::from(self.first) + 1
+    }
+
+    /// Never true for a range built through [`PortRange::new`] or `FromStr`.
+    pub fn is_empty(&self) -> bool {
+        self.first > self.last
+    }
+
+    /// Human-readable warnings when the range overlaps ranges other software hands out (the
+    /// Kubernetes NodePort range, the Linux ephemeral range) or privileged ports. Not an error:
+    /// an operator may have moved those ranges, but they should hear about it.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let overlaps = |(a, b): (u16, u16)| self.first <= b && a <= self.last;
+        if overlaps(NODEPORT_RANGE) {
+            out.push(format!(
+                "port range {self} overlaps the Kubernetes NodePort range {}-{}",
+                NODEPORT_RANGE.0, NODEPORT_RANGE.1
+            ));
+        }
+        if overlaps(EPHEMERAL_RANGE) {
+            out.push(format!(
+                "port range {self} overlaps the Linux ephemeral port range {}-{} (net.ipv4.ip_local_port_range)",
+                EPHEMERAL_RANGE.0, EPHEMERAL_RANGE.1
+            ));
+        }
+        if self.first < 1024 {
+            out.push(format!(
+                "port range {self} includes privileged ports below 1024"
+            ));
+        }
+        out
+    }
+}
+
+impl fmt::Display for PortRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{}", self.first, self.last)
+    }
+}
+
+impl FromStr for PortRange {
+    type Err = RangeError;
+
+    fn from_str(s: &str) -> Result<PortRange, RangeError> {
+        let (a, b) = s
+            .trim()
+            .split_once('-')
+            .ok_or_else(|| RangeError::Syntax(s.to_string()))?;
+        let num = |t: &str| match t.trim().parse::<u16>() {
+            Ok(n) if n != 0 => Ok(n),
+            _ => Err(RangeError::Number(s.to_string(), t.trim().to_string())),
+        };
+        let (first, last) = (num(a)?, num(b)?);
+        if first > last {
+            return Err(RangeError::Reversed(s.to_string()));
+        }
+        Ok(PortRange { first, last })
+    }
+}
+
+/// Node port per service port, per Service.
+pub type Allocations = BTreeMap<ServiceKey, BTreeMap<PortId, u16>>;
+
+/// Why a service port got no node port. Each is a Warning Event and a Service condition.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize)]
+pub enum AllocProblem {
+    #[error(
+        "Service {service}: port {port} asks for node port {wanted}, which Service {holder} holds"
+    )]
+    Conflict {
+        service: ServiceKey,
+        port: PortId,
+        wanted: u16,
+        holder: ServiceKey,
+    },
+    #[error("Service {service}: port {port}: no free node port left in range {range}")]
+    Exhausted {
+        service: ServiceKey,
+        port: PortId,
+        range: PortRange,
+    },
+}
+
+impl AllocProblem {
+    pub fn service(&self) -> &ServiceKey {
+        match self {
+            AllocProblem::Conflict { service, .. } | AllocProblem::Exhausted { service, .. } => {
+                service
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AllocationResult {
+    /// Only Services with at least one allocated port appear.
+    pub allocations: Allocations,
+    /// In processing order (oldest Service first).
+    pub problems: Vec<AllocProblem>,
+}
+
+impl AllocationResult {
+    /// How many numbers of `range` are in use (for the free-ports metric).
+    pub fn used_in(&self, range: &PortRange) -> usize {
+        let numbers: BTreeSet<u16> = self
+            .allocations
+            .values()
+            .flat_map(|m| m.values().copied())
+            .collect();
+        numbers.into_iter().filter(|n| range.contains(*n)).count()
+    }
+}
+
+/// Who holds each number, and for which protocols.
+#[derive(Default)]
+struct Table {
+    owners: BTreeMap<u16, (ServiceKey, BTreeSet<Protocol>)>,
+}
+
+impl Table {
+    /// Takes `number` for `proto` on behalf of `key`, or returns the holder that prevents it.
+    fn claim(&mut self, number: u16, proto: Protocol, key: &ServiceKey) -> Result<(), ServiceKey> {
+        match self.owners.get_mut(&number) {
+            None => {
+                self.owners
+                    .insert(number, (key.clone(), BTreeSet::from([proto])));
+                Ok(())
+            }
+            Some((owner, protos)) if owner == key && !protos.contains(&proto) => {
+                protos.insert(proto);
+                Ok(())
+            }
+            Some((owner, _)) => Err(owner.clone()),
+        }
+    }
+
+    fn is_free(&self, number: u16) -> bool {
+        !self.owners.contains_key(&number)
+    }
+}
+
+/// Age order key: parsed creation time (None = youngest), then key.
+fn age_order(services: &[LbService]) -> Vec<&LbService> {
+    let mut ordered: Vec<&LbService> = services.iter().collect();
+    let ts = |s: &LbService| {
+        s.created
+            .as_deref()
+            .and_then(|c| c.parse::<k8s_openapi::jiff::Timestamp>().ok())
+    };
+    ordered.sort_by(|a, b| match (ts(a), ts(b)) {
+        (Some(x), Some(y)) => x.cmp(&y).then_with(|| a.key.cmp(&b.key)),
+        (Some(_), None) => std::cmp::Ordering::Less,
+        (None, Some(_)) => std::cmp::Ordering::Greater,
+        (None, None) => a.key.cmp(&b.key),
+    });
+    // Two objects with one key cannot both be served (the model refuses the second); keep the
+    // allocator total anyway.
+    let mut seen = BTreeSet::new();
+    ordered.retain(|s| seen.insert(s.key.clone()));
+    ordered
+}
+
+fn explicit_request(svc: &LbService, id: PortId) -> Option<u16> {
+    match &svc.port_request {
+        PortRequest::Auto => None,
+        PortRequest::ServicePorts => Some(id.port),
+        PortRequest::Explicit(map) => map.get(&id).copied(),
+    }
+}
+
+/// Allocates node ports for `services`, keeping `previous` (the state file) where possible.
+/// See the module documentation for the rules.
+pub fn allocate(
+    range: &PortRange,
+    services: &[LbService],
+    previous: &Allocations,
+) -> AllocationResult {
+    let ordered = age_order(services);
+    let mut table = Table::default();
+    let mut result = AllocationResult::default();
+    // Service ports that are settled: allocated, or refused by a conflict.
+    let mut settled: BTreeSet<(ServiceKey, PortId)> = BTreeSet::new();
+
+    // Phase 1: explicit requests and previous allocations, oldest Service first. Within a Service
+    // explicit requests go first, so a stale previous number of another port of the same Service
+    // cannot block what the user asks for now.
+    for svc in &ordered {
+        for port in &svc.ports {
+            let Some(wanted) = explicit_request(svc, port.id) else {
+                continue;
+            };
+            settled.insert((svc.key.clone(), port.id));
+            match table.claim(wanted, port.id.protocol, &svc.key) {
+                Ok(()) => {
+                    result
+                        .allocations
+                        .entry(svc.key.clone())
+                        .or_default()
+                        .insert(port.id, wanted);
+                }
+                Err(holder) => result.problems.push(AllocProblem::Conflict {
+                    service: svc.key.clone(),
+                    port: port.id,
+                    wanted,
+                    holder,
+                }),
+            }
+        }
+        let from_state = previous.get(&svc.key);
+        for port in &svc.ports {
+            if settled.contains(&(svc.key.clone(), port.id)) {
+                continue;
+            }
+            let candidates = [
+                svc.previous_allocation.get(&port.id),
+                from_state.and_then(|m| m.get(&port.id)),
+            ];
+            for number in candidates.into_iter().flatten().copied() {
+                if range.contains(number) && table.claim(number, port.id.protocol, &svc.key).is_ok()
+                {
+                    result
+                        .allocations
+                        .entry(svc.key.clone())
+                        .or_default()
+                        .insert(port.id, number);
+                    settled.insert((svc.key.clone(), port.id));
+                    break;
+                }
+            }
+        }
+    }
+
+    // Phase 2: new ports, oldest Service first, lowest free number. Numbers are only ever taken
+    // in this phase, so the lowest free number never goes down: one cursor suffices.
+    let mut cursor = Some(range.first);
+    for svc in &ordered {
+        for port in &svc.ports {
+            if settled.contains(&(svc.key.clone(), port.id)) {
+                continue;
+            }
+            let sibling = result.allocations.get(&svc.key).and_then(|m| {
+                m.iter()
+                    .find(|(id, _)| id.port == port.id.port && id.protocol != port.id.protocol)
+                    .map(|(_, n)| *n)
+            });
+            if let Some(number) = sibling
+                && range.contains(number)
+                && table.claim(number, port.id.protocol, &svc.key).is_ok()
+            {
+                result
+                    .allocations
+                    .entry(svc.key.clone())
+                    .or_default()
+                    .insert(port.id, number);
+                continue;
+            }
+            while let Some(n) = cursor {
+                if n > range.last || table.is_free(n) {
+                    break;
+                }
+                cursor = n.checked_add(1);
+            }
+            match cursor.filter(|n| *n <= range.last) {
+                Some(number) if table.claim(number, port.id.protocol, &svc.key).is_ok() => {
+                    result
+                        .allocations
+                        .entry(svc.key.clone())
+                        .or_default()
+                        .insert(port.id, number);
+                }
+                _ => result.problems.push(AllocProblem::Exhausted {
+                    service: svc.key.clone(),
+                    port: port.id,
+                    range: *range,
+                }),
+            }
+        }
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::Family;
+    use crate::model::{LbPort, TrafficPolicy};
+
+    fn key(name: &str) -> ServiceKey {
+        ServiceKey {
+            namespace: "default".into(),
+            name: name.into(),
+        }
+    }
+
+    fn tcp(port: u16) -> PortId {
+        PortId {
+            port,
+            protocol: Protocol::Tcp,
+        }
+    }
+
+    fn udp(port: u16) -> PortId {
+        PortId {
+            port,
+            protocol: Protocol::Udp,
+        }
+    }
+
+    /// A Service created at second `age` of 2024-01-01 (None: no timestamp) with `ports`.
+    fn svc(name: &str, age: Option<u32>, ports: &[PortId]) -> LbService {
+        LbService {
+            key: key(name),
+            uid: None,
+            created: age.map(|s| format!("2024-01-01T00:{:02}:{:02}Z", s / 60, s % 60)),
+            ports: ports
+                .iter()
+                .map(|id| LbPort {
+                    id: *id,
+                    name: String::new(),
+                    endpoints: vec![],
+                })
+                .collect(),
+            families: vec![Family::Ipv4],
+            source_ranges: vec![],
+            traffic_policy: TrafficPolicy::Cluster,
+            port_request: PortRequest::Auto,
+            previous_allocation: BTreeMap::new(),
+        }
+    }
+
+    fn explicit(mut s: LbService, req: &[(PortId, u16)]) -> LbService {
+        s.port_request = PortRequest::Explicit(req.iter().copied().collect());
+        s
+    }
+
+    fn annotated(mut s: LbService, prev: &[(PortId, u16)]) -> LbService {
+        s.previous_allocation = prev.iter().copied().collect();
+        s
+    }
+
+    fn allocs(entries: &[(&str, &[(PortId, u16)])]) -> Allocations {
+        entries
+            .iter()
+            .map(|(n, m)| (key(n), m.iter().copied().collect()))
+            .collect()
+    }
+
+    fn small() -> PortRange {
+        PortRange {
+            first: 20000,
+            last: 20009,
+        }
+    }
+
+    struct Case {
+        name: &'static str,
+        range: PortRange,
+        services: Vec<LbService>,
+        previous: Allocations,
+        want: Allocations,
+        problems: Vec<AllocProblem>,
+    }
+
+    #[test]
+    fn table() {
+        let cases = vec![
+            Case {
+                name: "new ports, oldest first, lowest free",
+                range: small(),
+                services: vec![
+                    svc("b", Some(1), &[tcp(80)]),
+                    svc("a", Some(2), &[tcp(80), tcp(443)]),
+                ],
+                previous: Allocations::new(),
+                want: allocs(&[
+                    ("b", &[(tcp(80), 20000)]),
+                    ("a", &[(tcp(80), 20001), (tcp(443), 20002)]),
+                ]),
+                problems: vec![],
+            },
+            Case {
+                name: "no timestamp counts as youngest, then key order",
+                range: small(),
+                services: vec![
+                    svc("a", None, &[tcp(80)]),
+                    svc("c", None, &[tcp(80)]),
+                    svc("b", Some(9), &[tcp(80)]),
+                ],
+                previous: Allocations::new(),
+                want: allocs(&[
+                    ("b", &[(tcp(80), 20000)]),
+                    ("a", &[(tcp(80), 20001)]),
+                    ("c", &[(tcp(80), 20002)]),
+                ]),
+                problems: vec![],
+            },
+            Case {
+                name: "previous kept, new Service fills the gap",
+                range: small(),
+                services: vec![
+                    svc("old", Some(1), &[tcp(80)]),
+                    svc("new", Some(2), &[tcp(80)]),
+                ],
+                previous: allocs(&[("old", &[(tcp(80), 20003)])]),
+                want: allocs(&[("old", &[(tcp(80), 20003)]), ("new", &[(tcp(80), 20000)])]),
+                problems: vec![],
+            },
+            Case {
+                name: "a new port of an older Service never takes a younger Service's number",
+                range: small(),
+                services: vec![
+                    svc("old", Some(1), &[tcp(80), tcp(443)]),
+                    svc("young", Some(2), &[tcp(80)]),
+                ],
+                previous: allocs(&[("old", &[(tcp(80), 20001)]), ("young", &[(tcp(80), 20000)])]),
+                want: allocs(&[
+                    ("old", &[(tcp(80), 20001), (tcp(443), 20002)]),
+                    ("young", &[(tcp(80), 20000)]),
+                ]),
+                problems: vec![],
+            },
+            Case {
+                name: "release: a gone Service's port is free again",
+                range: small(),
+                services: vec![svc("new", Some(5), &[tcp(80)])],
+                previous: allocs(&[("gone", &[(tcp(80), 20000)])]),
+                want: allocs(&[("new", &[(tcp(80), 20000)])]),
+                problems: vec![],
+            },
+            Case {
+                name: "release of a removed port",
+                range: small(),
+                services: vec![svc("web", Some(1), &[tcp(80)])],
+                previous: allocs(&[("web", &[(tcp(80), 20004), (tcp(443), 20005)])]),
+                want: allocs(&[("web", &[(tcp(80), 20004)])]),
+                problems: vec![],
+            },
+            Case {
+                name: "duplicate in previous (split brain): older keeps it, younger moves",
+                range: small(),
+                services: vec![
+                    annotated(svc("young", Some(2), &[tcp(80)]), &[(tcp(80), 20005)]),
+                    annotated(svc("old", Some(1), &[tcp(80)]), &[(tcp(80), 20005)]),
+                ],
+                previous: Allocations::new(),
+                want: allocs(&[("old", &[(tcp(80), 20005)]), ("young", &[(tcp(80), 20000)])]),
+                problems: vec![],
+            },
+            Case {
+                name: "explicit conflict: older wins, younger gets nothing and a Conflict",
+                range: small(),
+                services: vec![
+                    explicit(
+                        svc("young", Some(2), &[tcp(80), tcp(81)]),
+                        &[(tcp(80), 8080)],
+                    ),
+                    explicit(svc("old", Some(1), &[tcp(80)]), &[(tcp(80), 8080)]),
+                ],
+                previous: Allocations::new(),
+                want: allocs(&[("old", &[(tcp(80), 8080)]), ("young", &[(tcp(81), 20000)])]),
+                problems: vec![AllocProblem::Conflict {
+                    service: key("young"),
+                    port: tcp(80),
+                    wanted: 8080,
+                    holder: key("old"),
+                }],
+            },
+            Case {
+                name: "explicit request for a number an older Service holds from before",
+                range: small(),
+                services: vec![
+                    svc("old", Some(1), &[tcp(80)]),
+                    explicit(svc("young", Some(2), &[tcp(80)]), &[(tcp(80), 20000)]),
+                ],
+                previous: allocs(&[("old", &[(tcp(80), 20000)])]),
+                want: allocs(&[("old", &[(tcp(80), 20000)])]),
+                problems: vec![AllocProblem::Conflict {
+                    service: key("young"),
+                    port: tcp(80),
+                    wanted: 20000,
+                    holder: key("old"),
+                }],
+            },
+            Case {
+                name: "older explicit request takes a younger Service's previous number",
+                range: small(),
+                services: vec![
+                    explicit(svc("old", Some(1), &[tcp(80)]), &[(tcp(80), 20000)]),
+                    svc("young", Some(2), &[tcp(80)]),
+                ],
+                previous: allocs(&[("young", &[(tcp(80), 20000)])]),
+                want: allocs(&[("old", &[(tcp(80), 20000)]), ("young", &[(tcp(80), 20001)])]),
+                problems: vec![],
+            },
+            Case {
+                name: "a number is one Service's for every protocol",
+                range: small(),
+                services: vec![
+                    svc("tcp", Some(1), &[tcp(80)]),
+                    svc("udp", Some(2), &[udp(53)]),
+                ],
+                previous: allocs(&[("tcp", &[(tcp(80), 20001)]), ("udp", &[(udp(53), 20001)])]),
+                want: allocs(&[("tcp", &[(tcp(80), 20001)]), ("udp", &[(udp(53), 20000)])]),
+                problems: vec![],
+            },
+            Case {
+                name: "53/TCP and 53/UDP of one Service share a new number",
+                range: small(),
+                services: vec![svc("dns", Some(1), &[udp(53), tcp(53), tcp(80)])],
+                previous: Allocations::new(),
+                want: allocs(&[(
+                    "dns",
+                    &[(tcp(53), 20000), (udp(53), 20000), (tcp(80), 20001)],
+                )]),
+                problems: vec![],
+            },
+            Case {
+                name: "sibling keeps its own previous number",
+                range: small(),
+                services: vec![svc("dns", Some(1), &[udp(53), tcp(53)])],
+                previous: allocs(&[("dns", &[(tcp(53), 20003), (udp(53), 20007)])]),
+                want: allocs(&[("dns", &[(tcp(53), 20003), (udp(53), 20007)])]),
+                problems: vec![],
+            },
+            Case {
+                name: "exhaustion",
+                range: PortRange {
+                    first: 20000,
+                    last: 20001,
+                },
+                services: vec![
+                    svc("a", Some(1), &[tcp(80), tcp(81)]),
+                    svc("b", Some(2), &[tcp(80)]),
+                ],
+                previous: Allocations::new(),
+                want: allocs(&[("a", &[(tcp(80), 20000), (tcp(81), 20001)])]),
+                problems: vec![AllocProblem::Exhausted {
+                    service: key("b"),
+                    port: tcp(80),
+                    range: PortRange {
+                        first: 20000,
+                        last: 20001,
+                    },
+                }],
+            },
+            Case {
+                name: "exhaustion at the top of the port space does not overflow",
+                range: PortRange {
+                    first: 65535,
+                    last: 65535,
+                },
+                services: vec![svc("a", Some(1), &[tcp(80), tcp(81)])],
+                previous: Allocations::new(),
+                want: allocs(&[("a", &[(tcp(80), 65535)])]),
+                problems: vec![AllocProblem::Exhausted {
+                    service: key("a"),
+                    port: tcp(81),
+                    range: PortRange {
+                        first: 65535,
+                        last: 65535,
+                    },
+                }],
+            },
+            Case {
+                name: "service-ports request (klipper-lb), outside the range",
+                range: small(),
+                services: vec![{
+                    let mut s = svc("dns", Some(1), &[udp(53), tcp(53), tcp(80)]);
+                    s.port_request = PortRequest::ServicePorts;
+                    s
+                }],
+                previous: Allocations::new(),
+                want: allocs(&[("dns", &[(tcp(53), 53), (udp(53), 53), (tcp(80), 80)])]),
+                problems: vec![],
+            },
+            Case {
+                name: "service-ports conflict names the holder",
+                range: small(),
+                services: vec![
+                    {
+                        let mut s = svc("a", Some(1), &[tcp(80)]);
+                        s.port_request = PortRequest::ServicePorts;
+                        s
+                    },
+                    {
+                        let mut s = svc("b", Some(2), &[tcp(80), udp(80)]);
+                        s.port_request = PortRequest::ServicePorts;
+                        s
+                    },
+                ],
+                previous: Allocations::new(),
+                want: allocs(&[("a", &[(tcp(80), 80)])]),
+                problems: vec![
+                    AllocProblem::Conflict {
+                        service: key("b"),
+                        port: tcp(80),
+                        wanted: 80,
+                        holder: key("a"),
+                    },
+                    AllocProblem::Conflict {
+                        service: key("b"),
+                        port: udp(80),
+                        wanted: 80,
+                        holder: key("a"),
+                    },
+                ],
+            },
+            Case {
+                name: "explicit outside the range; unlisted ports auto",
+                range: small(),
+                services: vec![explicit(
+                    svc("web", Some(1), &[tcp(80), tcp(443)]),
+                    &[(tcp(443), 8443)],
+                )],
+                previous: Allocations::new(),
+                want: allocs(&[("web", &[(tcp(80), 20000), (tcp(443), 8443)])]),
+                problems: vec![],
+            },
+            Case {
+                name: "explicit request beats a stale previous number of another port of the same Service",
+                range: small(),
+                services: vec![explicit(
+                    svc("web", Some(1), &[tcp(80), tcp(81)]),
+                    &[(tcp(81), 20000)],
+                )],
+                previous: allocs(&[("web", &[(tcp(80), 20000)])]),
+                want: allocs(&[("web", &[(tcp(80), 20001), (tcp(81), 20000)])]),
+                problems: vec![],
+            },
+            Case {
+                name: "range change: previous outside the new range moves, explicit stays",
+                range: PortRange {
+                    first: 21000,
+                    last: 21009,
+                },
+                services: vec![
+                    svc("a", Some(1), &[tcp(80)]),
+                    explicit(svc("b", Some(2), &[tcp(80)]), &[(tcp(80), 20005)]),
+                    svc("c", Some(3), &[tcp(80)]),
+                ],
+                previous: allocs(&[
+                    ("a", &[(tcp(80), 20001)]),
+                    ("b", &[(tcp(80), 20005)]),
+                    ("c", &[(tcp(80), 21004)]),
+                ]),
+                want: allocs(&[
+                    ("a", &[(tcp(80), 21000)]),
+                    ("b", &[(tcp(80), 20005)]),
+                    ("c", &[(tcp(80), 21004)]),
+                ]),
+                problems: vec![],
+            },
+            Case {
+                name: "annotation wins over the state file; state file is the fallback",
+                range: small(),
+                services: vec![
+                    annotated(svc("a", Some(1), &[tcp(80), tcp(81)]), &[(tcp(80), 20007)]),
+                    svc("b", Some(2), &[tcp(80)]),
+                ],
+                previous: allocs(&[
+                    ("a", &[(tcp(80), 20002), (tcp(81), 20003)]),
+                    ("b", &[(tcp(80), 20007)]),
+                ]),
+                want: allocs(&[
+                    ("a", &[(tcp(80), 20007), (tcp(81), 20003)]),
+                    ("b", &[(tcp(80), 20000)]),
+                ]),
+                problems: vec![],
+            },
+            Case {
+                name: "annotation taken by an older Service: state file number used instead",
+                range: small(),
+                services: vec![
+                    annotated(svc("old", Some(1), &[tcp(80)]), &[(tcp(80), 20001)]),
+                    annotated(svc("young", Some(2), &[tcp(80)]), &[(tcp(80), 20001)]),
+                ],
+                previous: allocs(&[("young", &[(tcp(80), 20006)])]),
+                want: allocs(&[("old", &[(tcp(80), 20001)]), ("young", &[(tcp(80), 20006)])]),
+                problems: vec![],
+            },
+        ];
+        for case in cases {
+            let got = allocate(&case.range, &case.services, &case.previous);
+            assert_eq!(got.allocations, case.want, "{}", case.name);
+            assert_eq!(got.problems, case.problems, "{}", case.name);
+            // Invariant: no number is held by two Services.
+            let mut holders: BTreeMap<u16, ServiceKey> = BTreeMap::new();
+            for (k, m) in &got.allocations {
+                for n in m.values() {
+                    if let Some(other) = holders.insert(*n, k.clone()) {
+                        assert_eq!(&other, k, "{}: {n} double-allocated", case.name);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn stable_across_reordering_and_restart() {
+        let services = vec![
+            svc("a", Some(3), &[tcp(80), udp(53)]),
+            svc("b", Some(1), &[tcp(80)]),
+            svc("c", None, &[tcp(443)]),
+            explicit(svc("d", Some(2), &[tcp(80)]), &[(tcp(80), 8080)]),
+        ];
+        let first = allocate(&small(), &services, &Allocations::new());
+        let mut reversed = services.clone();
+        reversed.reverse();
+        assert_eq!(allocate(&small(), &reversed, &Allocations::new()), first);
+        // Restart with the state file: identical. Then a Service goes away: the others keep theirs.
+        assert_eq!(allocate(&small(), &reversed, &first.allocations), first);
+        let without_b: Vec<LbService> = services
+            .iter()
+            .filter(|s| s.key != key("b"))
+            .cloned()
+            .collect();
+        let after = allocate(&small(), &without_b, &first.allocations);
+        for (k, m) in &after.allocations {
+            assert_eq!(Some(m), first.allocations.get(k), "{k} moved");
+        }
+        assert!(!after.allocations.contains_key(&key("b")));
+        assert_eq!(after.used_in(&small()), first.used_in(&small()) - 1);
+    }
+
+    #[test]
+    fn ranges() {
+        assert_eq!("20000-29999".parse::<PortRange>(), Ok(PortRange::default()));
+        assert_eq!(
+            " 1 - 2 ".parse::<PortRange>(),
+            Ok(PortRange { first: 1, last: 2 })
+        );
+        for bad in ["", "20000", "0-10", "10-0", "5-4", "a-b", "1-70000", "-5"] {
+            assert!(bad.parse::<PortRange>().is_err(), "{bad}");
+        }
+        assert!(PortRange::new(5, 4).is_err());
+        assert!(PortRange::new(0, 4).is_err());
+        assert_eq!(PortRange::default().len(), 10000);
+        assert!(PortRange::default().warnings().is_empty());
+        assert_eq!(
+            PortRange {
+                first: 29000,
+                last: 33000
+            }
+            .warnings()
+            .len(),
+            2
+        );
+        assert_eq!(
+            PortRange {
+                first: 80,
+                last: 90
+            }
+            .warnings()
+            .len(),
+            1
+        );
+        let p = AllocProblem::Conflict {
+            service: key("b"),
+            port: tcp(80),
+            wanted: 80,
+            holder: key("a"),
+        };
+        assert_eq!(
+            p.to_string(),
+            "Service default/b: port 80/TCP asks for node port 80, which Service default/a holds"
+        );
+    }
+}

@@ -1,0 +1,1 @@
+//! The manifests directory (placeholder).

@@ -1,0 +1,333 @@
+//! The state file: the allocator's memory across restarts when no Kubernetes API holds it
+//! (`nodelb run --manifests DIR`), and a second source of stable ports otherwise.
+//!
+//! Format (JSON, so a human can read and fix it):
+//! `{"version":1,"allocations":{"default/web":{"80/TCP":20001}}}`.
+//! Decisions:
+//! - A missing file is an empty allocation (first start). A file that exists but cannot be read
+//!   or parsed is an error naming the file: silently starting from scratch would move every
+//!   port, so the caller decides (refuse to start, or log and continue).
+//! - Unknown top-level fields are ignored (forward compatibility); an unknown `version` is an
+//!   error (we cannot know what it means).
+//! - [`StateFile::save`] is atomic: a temporary file in the same directory, written, fsynced,
+//!   renamed over the target, then the directory fsynced, so a crash leaves the old or the new
+//!   file, never a torn one. The directory is created when missing.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{self, Write as _};
+use std::path::{Path, PathBuf};
+
+use crate::alloc::Allocations;
+use crate::model::{PortId, ServiceKey};
+
+pub const STATE_VERSION: u32 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("state file {path}: cannot read: {source}")]
+    Read { path: PathBuf, source: io::Error },
+    #[error("state file {path}: not valid JSON of the expected shape: {source}")]
+    Parse {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error(
+        "state file {path}: unsupported version {version} (this nodelb understands {STATE_VERSION})"
+    )]
+    Version { path: PathBuf, version: u32 },
+    #[error("state file {path}: bad entry {entry:?}: {reason}")]
+    Entry {
+        path: PathBuf,
+        entry: String,
+        reason: String,
+    },
+    #[error("state file {path}: cannot write: {source}")]
+    Write { path: PathBuf, source: io::Error },
+}
+
+/// On-disk shape; keys are the human spellings `namespace/name` and `80/TCP`.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct OnDisk {
+    version: u32,
+    #[serde(default)]
+    allocations: BTreeMap<String, BTreeMap<String, u32>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateFile {
+    path: PathBuf,
+}
+
+impl StateFile {
+    pub fn new(path: impl Into<PathBuf>) -> StateFile {
+        StateFile { path: path.into() }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The saved allocations; empty when the file does not exist.
+    pub fn load(&self) -> Result<Allocations, StateError> {
+        let text = match fs::read_to_string(&self.path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Allocations::new()),
+            Err(source) => {
+                return Err(StateError::Read {
+                    path: self.path.clone(),
+                    source,
+                });
+            }
+        };
+        let disk: OnDisk = serde_json::from_str(&text).map_err(|source| StateError::Parse {
+            path: self.path.clone(),
+            source,
+        })?;
+        if disk.version != STATE_VERSION {
+            return Err(StateError::Version {
+                path: self.path.clone(),
+                version: disk.version,
+            });
+        }
+        let mut out = Allocations::new();
+        for (service, ports) in disk.allocations {
+            let bad = |entry: String, reason: String| StateError::Entry {
+                path: self.path.clone(),
+                entry,
+                reason,
+            };
+            let key: ServiceKey = service
+                .parse()
+                .map_err(|e: crate::model::ParseError| bad(service.clone(), e.0))?;
+            let mut map = BTreeMap::new();
+            for (port, node) in ports {
+                let entry = format!("{service}: {port}");
+                let id: PortId = port
+                    .parse()
+                    .map_err(|e: crate::model::ParseError| bad(entry.clone(), e.0))?;
+                let node = u16::try_from(node)
+                    .ok()
+                    .filter(|n| *n != 0)
+                    .ok_or_else(|| {
+                        bad(
+                            entry.clone(),
+                            format!("node port {node} is out of range 1-65535"),
+                        )
+                    })?;
+                // "80/tcp" and "80/TCP" are one port; two spellings would be a hand edit gone wrong.
+                if map.insert(id, node).is_some() {
+                    return Err(bad(entry, "port listed twice".to_string()));
+                }
+            }
+            if out.insert(key, map).is_some() {
+                return Err(bad(service, "Service listed twice".to_string()));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Replaces the file atomically with `allocations`.
+    pub fn save(&self, allocations: &Allocations) -> Result<(), StateError> {
+        let disk = OnDisk {
+            version: STATE_VERSION,
+            allocations: allocations
+                .iter()
+                .map(|(k, m)| {
+                    (
+                        k.to_string(),
+                        m.iter()
+                            .map(|(id, n)| (id.to_string(), u32::from(*n)))
+                            .collect(),
+                    )
+                })
+                .collect(),
+        };
+        let mut text = serde_json::to_string_pretty(&disk).map_err(|e| StateError::Write {
+            path: self.path.clone(),
+            source: io::Error::other(e),
+        })?;
+        text.push('\n');
+        self.write_atomically(text.as_bytes())
+            .map_err(|source| StateError::Write {
+                path: self.path.clone(),
+                source,
+            })
+    }
+
+    fn write_atomically(&self, bytes: &[u8]) -> io::Result<()> {
+        let dir = match self.path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let file_name = self
+            .path
+            .file_name()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
+        fs::create_dir_all(&dir)?;
+        // Hidden, pid-suffixed: never picked up as a manifest, never shared by two processes.
+        let mut tmp_name = std::ffi::OsString::from(".");
+        tmp_name.push(file_name);
+        tmp_name.push(format!(".tmp.{}", std::process::id()));
+        let tmp = dir.join(tmp_name);
+        let result = (|| {
+            let mut f = fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&tmp)?;
+            f.write_all(bytes)?;
+            f.sync_all()?;
+            drop(f);
+            fs::rename(&tmp, &self.path)?;
+            // The rename is durable only once the directory entry is.
+            fs::File::open(&dir)?.sync_all()
+        })();
+        if result.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::Protocol;
+
+    fn sample() -> Allocations {
+        let mut a = Allocations::new();
+        a.insert(
+            ServiceKey {
+                namespace: "default".into(),
+                name: "web".into(),
+            },
+            BTreeMap::from([(
+                PortId {
+                    port: 80,
+                    protocol: Protocol::Tcp,
+                },
+                20001,
+            )]),
+        );
+        a.insert(
+            ServiceKey {
+                namespace: "kube-system".into(),
+                name: "dns".into(),
+            },
+            BTreeMap::from([
+                (
+                    PortId {
+                        port: 53,
+                        protocol: Protocol::Udp,
+                    },
+                    20002,
+                ),
+                (
+                    PortId {
+                        port: 53,
+                        protocol: Protocol::Tcp,
+                    },
+                    20002,
+                ),
+            ]),
+        );
+        a
+    }
+
+    #[test]
+    fn missing_file_is_empty() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let st = StateFile::new(dir.path().join("state.json"));
+        assert_eq!(st.load().expect("load"), Allocations::new());
+    }
+
+    #[test]
+    fn roundtrip_and_format() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("sub/dir/state.json");
+        let st = StateFile::new(&path);
+        st.save(&sample()).expect("save");
+        assert_eq!(st.load().expect("load"), sample());
+        let v: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(&path).expect("read")).expect("json");
+        assert_eq!(v["version"], 1);
+        assert_eq!(v["allocations"]["default/web"]["80/TCP"], 20001);
+        assert_eq!(v["allocations"]["kube-system/dns"]["53/UDP"], 20002);
+        // Overwrite with less: nothing of the old content survives, no temp files left behind.
+        st.save(&Allocations::new()).expect("save");
+        assert_eq!(st.load().expect("load"), Allocations::new());
+        let names: Vec<_> = fs::read_dir(path.parent().expect("parent"))
+            .expect("readdir")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("state.json")]);
+    }
+
+    #[test]
+    fn accepts_the_documented_example() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("state.json");
+        fs::write(
+            &path,
+            r#"{"version":1,"allocations":{"default/web":{"80/TCP":20001}},"future":true}"#,
+        )
+        .expect("write");
+        let got = StateFile::new(&path).load().expect("load");
+        assert_eq!(got.len(), 1);
+    }
+
+    #[test]
+    fn corrupt_files_name_the_file() {
+        let cases = [
+            ("truncated", "{\"version\":1,\"allocations\":{"),
+            ("not json", "hello"),
+            ("empty", ""),
+            ("no version", "{\"allocations\":{}}"),
+            ("future version", "{\"version\":2,\"allocations\":{}}"),
+            (
+                "bad key",
+                "{\"version\":1,\"allocations\":{\"web\":{\"80/TCP\":20001}}}",
+            ),
+            (
+                "bad port id",
+                "{\"version\":1,\"allocations\":{\"default/web\":{\"80/ICMP\":20001}}}",
+            ),
+            (
+                "node port 0",
+                "{\"version\":1,\"allocations\":{\"default/web\":{\"80/TCP\":0}}}",
+            ),
+            (
+                "node port big",
+                "{\"version\":1,\"allocations\":{\"default/web\":{\"80/TCP\":70000}}}",
+            ),
+            (
+                "negative",
+                "{\"version\":1,\"allocations\":{\"default/web\":{\"80/TCP\":-1}}}",
+            ),
+            (
+                "two spellings",
+                "{\"version\":1,\"allocations\":{\"default/web\":{\"80/TCP\":1,\"80/tcp\":2}}}",
+            ),
+        ];
+        let dir = tempfile::tempdir().expect("tempdir");
+        for (name, text) in cases {
+            let path = dir.path().join("state.json");
+            fs::write(&path, text).expect("write");
+            let err = StateFile::new(&path).load().expect_err(name);
+            assert!(
+                err.to_string().contains(&path.display().to_string()),
+                "{name}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn unreadable_is_an_error() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // A directory where the file should be.
+        let st = StateFile::new(dir.path());
+        assert!(matches!(st.load(), Err(StateError::Read { .. })));
+        assert!(matches!(st.save(&sample()), Err(StateError::Write { .. })));
+    }
+}
