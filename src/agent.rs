@@ -230,7 +230,8 @@ impl Agent {
             self.allocations = desired.allocations.clone();
         }
 
-        let (changes, kind) = match &self.applied {
+        let applied = self.applied.take();
+        let (changes, kind) = match &applied {
             None => (desired.ruleset.full_replace(), "full"),
             Some(applied) => {
                 let needs_check = verify && self.generation_changed()?;
@@ -241,6 +242,7 @@ impl Agent {
                 }
             }
         };
+        self.applied = applied;
         let count = changes.len();
         let result = if changes.is_empty() { Ok(()) } else { self.nft.apply(&changes).map(|_| ()) };
         let ok = result.is_ok();

@@ -10,7 +10,11 @@ use clap::{Parser, Subcommand, ValueEnum};
 use crate::alloc::PortRange;
 
 #[derive(Debug, Parser)]
-#[command(name = "nodelb", version, about = "Node agent for Kubernetes LoadBalancer Services (nftables over netlink)")]
+#[command(
+    name = "nodelb",
+    version,
+    about = "Node agent for Kubernetes LoadBalancer Services (nftables over netlink)"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,

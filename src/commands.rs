@@ -30,10 +30,7 @@ fn node_name(common: &CommonArgs) -> String {
 }
 
 fn model_options(common: &CommonArgs) -> ModelOptions {
-    ModelOptions {
-        lb_class: common.load_balancer_class.clone(),
-        ignore_unclassed: common.ignore_unclassed,
-    }
+    ModelOptions { lb_class: common.load_balancer_class.clone(), ignore_unclassed: common.ignore_unclassed }
 }
 
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
@@ -116,8 +113,9 @@ pub fn cleanup() -> anyhow::Result<()> {
 }
 
 pub fn status(args: StatusArgs) -> anyhow::Result<()> {
-    let body = http_get(args.http_addr, "/status")
-        .with_context(|| format!("cannot reach the agent at {} (is `nodelb run` running?)", args.http_addr))?;
+    let body = http_get(args.http_addr, "/status").with_context(|| {
+        format!("cannot reach the agent at {} (is `nodelb run` running?)", args.http_addr)
+    })?;
     if args.json {
         println!("{body}");
         return Ok(());
@@ -141,7 +139,8 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
                 None => format!("{}/{}->none", p.port, p.protocol),
             })
             .collect();
-        let state = serde_json::to_value(s.state).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default();
+        let state =
+            serde_json::to_value(s.state).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default();
         println!(
             "{:<40} {:<13} {:<30} {}",
             format!("{}/{}", s.namespace, s.name),

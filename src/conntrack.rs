@@ -13,7 +13,9 @@ use netlink_packet_core::{
 use netlink_packet_netfilter::conntrack::{
     ConntrackAttribute, ConntrackMessage, IPTuple, ProtoTuple, Protocol as CtProtocol, Status, Tuple,
 };
-use netlink_packet_netfilter::{NetfilterHeader, NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily};
+use netlink_packet_netfilter::{
+    NetfilterHeader, NetfilterMessage, NetfilterMessageInner, NetfilterProtoFamily,
+};
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 
 use crate::ir::{Expr, Protocol, Ruleset, Verdict};
@@ -182,7 +184,9 @@ impl ConntrackClient {
             )
             .map_err(|source| ConntrackError::Kernel { op: "delete", source })?;
         match self.receive("delete", seq, |_| {}) {
-            Err(ConntrackError::Kernel { source, .. }) if source.raw_os_error() == Some(libc_enoent()) => Ok(()),
+            Err(ConntrackError::Kernel { source, .. }) if source.raw_os_error() == Some(libc_enoent()) => {
+                Ok(())
+            }
             other => other,
         }
     }

@@ -69,7 +69,7 @@ pub fn compute(inputs: &Inputs<'_>) -> Desired {
         services,
         refusals: out.refused,
         alloc_problems: result.problems,
-        warnings: out.warnings,
+        warnings: out.warnings.iter().map(|w| w.to_string()).collect(),
     }
 }
 
@@ -109,10 +109,8 @@ fn service_status(
             .map(|&f| plan::usable_endpoints(svc, port, f, &node.node_name).len())
             .sum();
         any_endpoints |= endpoints > 0 && node_port.is_some();
-        let problem = problems
-            .iter()
-            .find(|p| p.service() == &svc.key && p.port() == port.id)
-            .map(|p| p.to_string());
+        let problem =
+            problems.iter().find(|p| p.service() == &svc.key && p.port() == port.id).map(|p| p.to_string());
         ports.push(PortStatus {
             port: port.id.port,
             protocol: port.id.protocol.k8s_name().to_string(),
@@ -135,11 +133,5 @@ fn service_status(
     } else {
         (ServiceState::NoEndpoints, Some("no ready endpoint usable on this node".to_string()))
     };
-    ServiceStatus {
-        namespace: svc.key.namespace.clone(),
-        name: svc.key.name.clone(),
-        state,
-        reason,
-        ports,
-    }
+    ServiceStatus { namespace: svc.key.namespace.clone(), name: svc.key.name.clone(), state, reason, ports }
 }

@@ -14,9 +14,7 @@ use ipnet::IpNet;
 pub const TABLE_NAME: &str = "nodelb";
 
 /// Address family of a packet (`meta nfproto`).
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Family {
     Ipv4,
     Ipv6,
@@ -56,9 +54,7 @@ impl fmt::Display for Family {
 }
 
 /// Transport protocol of a service port.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Protocol {
     Tcp,
     Udp,
@@ -188,10 +184,7 @@ pub struct Rule {
 
 impl Rule {
     pub fn new(exprs: Vec<Expr>) -> Rule {
-        Rule {
-            exprs,
-            comment: None,
-        }
+        Rule { exprs, comment: None }
     }
 
     pub fn with_comment(mut self, comment: impl Into<String>) -> Rule {
@@ -482,9 +475,7 @@ pub fn render_expr(e: &Expr) -> String {
             // nft 1.0.6 rejects `ct original proto-dst` in a concatenation until the transport
             // protocol is known; the set match gives it that context (and matches every protocol a
             // service port can have). The encoder lowers the same set lookup.
-            format!(
-                "meta l4proto {{ tcp, udp, sctp }} meta l4proto . ct original proto-dst vmap @{map}"
-            )
+            format!("meta l4proto {{ tcp, udp, sctp }} meta l4proto . ct original proto-dst vmap @{map}")
         }
         Expr::SaddrL4ProtoSportInSet { family, set } => {
             let word = match family {
@@ -494,16 +485,9 @@ pub fn render_expr(e: &Expr) -> String {
             format!("{word} saddr . meta l4proto . th sport @{set}")
         }
         Expr::NumgenRandomVmap { targets } => {
-            let elems: Vec<String> = targets
-                .iter()
-                .enumerate()
-                .map(|(i, v)| format!("{i} : {}", render_verdict(v)))
-                .collect();
-            format!(
-                "numgen random mod {} vmap {{ {} }}",
-                targets.len(),
-                elems.join(", ")
-            )
+            let elems: Vec<String> =
+                targets.iter().enumerate().map(|(i, v)| format!("{i} : {}", render_verdict(v))).collect();
+            format!("numgen random mod {} vmap {{ {} }}", targets.len(), elems.join(", "))
         }
         Expr::Dnat { addr, port } => match addr {
             IpAddr::V4(a) => format!("dnat ip to {a}:{port}"),
@@ -560,20 +544,13 @@ impl Ruleset {
             if !set.elements.is_empty() {
                 changes.push(Change::AddElements {
                     set: set.name.clone(),
-                    elements: set
-                        .elements
-                        .iter()
-                        .map(|(k, v)| (k.clone(), v.clone()))
-                        .collect(),
+                    elements: set.elements.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
                 });
             }
         }
         for chain in self.chains.values() {
             for rule in &chain.rules {
-                changes.push(Change::AddRule {
-                    chain: chain.name.clone(),
-                    rule: rule.clone(),
-                });
+                changes.push(Change::AddRule { chain: chain.name.clone(), rule: rule.clone() });
             }
         }
         changes

@@ -24,8 +24,8 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 
 use crate::ir::{
-    BaseChain, Chain, ChainType, Change, CtState, Expr, Family, Hook, Key, KeyPart, KeyType,
-    Protocol, Rule, Ruleset, Set, Verdict, priority,
+    BaseChain, Chain, ChainType, Change, CtState, Expr, Family, Hook, Key, KeyPart, KeyType, Protocol, Rule,
+    Ruleset, Set, Verdict, priority,
 };
 use crate::model::{Endpoint, LbPort, LbService, PortId, TrafficPolicy};
 
@@ -95,9 +95,7 @@ pub fn fnv1a(data: &[u8]) -> u64 {
 
 /// Keeps characters nft accepts in an unquoted identifier (`[a-zA-Z0-9/\-_.]`).
 fn sanitize(s: &str) -> String {
-    s.chars()
-        .map(|c| if c.is_ascii_alphanumeric() || "/-_.".contains(c) { c } else { '.' })
-        .collect()
+    s.chars().map(|c| if c.is_ascii_alphanumeric() || "/-_.".contains(c) { c } else { '.' }).collect()
 }
 
 /// `<kind><4|6>-<hash>-<readable suffix>`: the hash makes it unique and stable, the suffix makes
@@ -112,13 +110,7 @@ fn chain_name(kind: &str, family: Family, identity: &str) -> String {
 }
 
 fn port_identity(svc: &LbService, port: &LbPort) -> String {
-    format!(
-        "{}/{}/{}/{}",
-        svc.key.namespace,
-        svc.key.name,
-        port.id.protocol.name(),
-        port.id.port
-    )
+    format!("{}/{}/{}/{}", svc.key.namespace, svc.key.name, port.id.protocol.name(), port.id.port)
 }
 
 pub fn service_chain(f: Family, svc: &LbService, port: &LbPort) -> String {
@@ -151,9 +143,7 @@ pub fn usable_endpoints<'a>(
         .endpoints
         .iter()
         .filter(|e| Family::of(&e.addr) == family)
-        .filter(|e| {
-            svc.traffic_policy == TrafficPolicy::Cluster || e.node_name.as_deref() == Some(node_name)
-        })
+        .filter(|e| svc.traffic_policy == TrafficPolicy::Cluster || e.node_name.as_deref() == Some(node_name))
         .collect();
     let ready: Vec<&Endpoint> = candidates.iter().copied().filter(|e| e.ready).collect();
     if !ready.is_empty() {
@@ -308,14 +298,7 @@ pub fn plan(services: &[ServicePlan<'_>], node: &NodeFacts) -> Ruleset {
     rs
 }
 
-fn plan_port(
-    rs: &mut Ruleset,
-    svc: &LbService,
-    port: &LbPort,
-    node_port: u16,
-    f: Family,
-    node: &NodeFacts,
-) {
+fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f: Family, node: &NodeFacts) {
     let key: Key = vec![KeyPart::Proto(port.id.protocol), KeyPart::Port(node_port)];
     let label = format!("{} {}: node port {node_port}", svc.key, port.id);
     let endpoints = usable_endpoints(svc, port, f, &node.node_name);
@@ -353,7 +336,10 @@ fn plan_port(
             name.clone(),
             None,
             // nft needs the transport protocol known before a DNAT with a port.
-            vec![Rule::new(vec![Expr::L4Proto(port.id.protocol), Expr::Dnat { addr: ep.addr, port: ep.port }])],
+            vec![Rule::new(vec![
+                Expr::L4Proto(port.id.protocol),
+                Expr::Dnat { addr: ep.addr, port: ep.port },
+            ])],
         ));
         targets.push(Verdict::Goto(name));
         if let Some(set) = rs.sets.get_mut(&endpoints_set(f)) {
@@ -399,11 +385,11 @@ fn insert_element(rs: &mut Ruleset, set: &str, key: Key, verdict: Verdict) {
 /// new chains → new sets → rules of new/changed chains → element removals → element additions →
 /// flush then delete removed chains → delete removed sets (references are gone before deletions).
 pub fn diff(old: &Ruleset, new: &Ruleset) -> Vec<Change> {
-    let structural = old.chains.iter().any(|(name, c)| {
-        new.chains.get(name).is_some_and(|n| n.base != c.base)
-    }) || old.sets.iter().any(|(name, s)| {
-        new.sets.get(name).is_some_and(|n| n.key != s.key || n.verdict_map != s.verdict_map)
-    });
+    let structural =
+        old.chains.iter().any(|(name, c)| new.chains.get(name).is_some_and(|n| n.base != c.base))
+            || old.sets.iter().any(|(name, s)| {
+                new.sets.get(name).is_some_and(|n| n.key != s.key || n.verdict_map != s.verdict_map)
+            });
     if structural {
         return new.full_replace();
     }
@@ -513,10 +499,16 @@ pub fn simulate(start: &Ruleset, changes: &[Change]) -> Result<Ruleset, String> 
                         return Err(format!("add rule to {chain}: jump to missing chain {target}"));
                     }
                 }
-                rs.chains.get_mut(chain).ok_or(format!("add rule: chain {chain} missing"))?.rules.push(rule.clone());
+                rs.chains
+                    .get_mut(chain)
+                    .ok_or(format!("add rule: chain {chain} missing"))?
+                    .rules
+                    .push(rule.clone());
             }
             Change::AddSet(s) => {
-                rs.sets.entry(s.name.clone()).or_insert_with(|| Set { elements: BTreeMap::new(), ..s.clone() });
+                rs.sets
+                    .entry(s.name.clone())
+                    .or_insert_with(|| Set { elements: BTreeMap::new(), ..s.clone() });
             }
             Change::DeleteSet(n) => {
                 rs.sets.remove(n).ok_or(format!("delete set {n}: missing"))?;

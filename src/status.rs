@@ -93,16 +93,12 @@ impl Status {
         match &self.last_sync {
             None => return Err("no sync has completed yet".into()),
             Some(s) if !s.ok => {
-                return Err(format!(
-                    "last sync failed: {}",
-                    s.error.as_deref().unwrap_or("unknown error")
-                ));
+                return Err(format!("last sync failed: {}", s.error.as_deref().unwrap_or("unknown error")));
             }
             Some(_) => {}
         }
         if !self.families.is_empty() && !self.families.values().any(|f| f.programmed) {
-            let reasons: Vec<String> =
-                self.families.values().filter_map(|f| f.reason.clone()).collect();
+            let reasons: Vec<String> = self.families.values().filter_map(|f| f.reason.clone()).collect();
             return Err(format!("no address family can be served: {}", reasons.join("; ")));
         }
         Ok(())

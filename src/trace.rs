@@ -94,8 +94,7 @@ enum ChainEnd {
 
 /// Traces the first packet (or a later one, per `ct_state`) of a connection through the ruleset.
 pub fn trace(rs: &Ruleset, pkt: &Packet, env: &Env) -> Trace {
-    let mut st =
-        State { pkt, env, mark: 0, dnat: None, masquerade: false, visited: Vec::new() };
+    let mut st = State { pkt, env, mark: 0, dnat: None, masquerade: false, visited: Vec::new() };
     let first_hook = match pkt.origin {
         Origin::Network => Hook::Prerouting,
         Origin::Node => Hook::Output,
@@ -231,7 +230,8 @@ fn run_rule(rs: &Ruleset, rule: &crate::ir::Rule, st: &mut State<'_>) -> RuleEnd
                 }
             }
             Expr::SaddrL4ProtoSportInSet { set, .. } => {
-                let key = vec![KeyPart::Addr(pkt.saddr), KeyPart::Proto(pkt.protocol), KeyPart::Port(pkt.sport)];
+                let key =
+                    vec![KeyPart::Addr(pkt.saddr), KeyPart::Proto(pkt.protocol), KeyPart::Port(pkt.sport)];
                 rs.sets.get(set).is_some_and(|s| s.elements.contains_key(&key))
             }
             Expr::NumgenRandomVmap { targets } => {

@@ -9,8 +9,8 @@ use std::net::IpAddr;
 
 use common::netns::NetNs;
 use nodelb::ir::{
-    self, BaseChain, Chain, ChainType, Change, CtState, Expr, Family, Hook, KeyPart, KeyType,
-    Protocol, Rule, Ruleset, Set, Verdict,
+    self, BaseChain, Chain, ChainType, Change, CtState, Expr, Family, Hook, KeyPart, KeyType, Protocol, Rule,
+    Ruleset, Set, Verdict,
 };
 use nodelb::nft::{NftClient, NftError, verify};
 
@@ -22,25 +22,11 @@ fn ip(s: &str) -> IpAddr {
 }
 
 fn base(name: &str, t: ChainType, hook: Hook, priority: i32, rules: Vec<Rule>) -> Chain {
-    Chain {
-        name: name.into(),
-        base: Some(BaseChain {
-            chain_type: t,
-            hook,
-            priority,
-        }),
-        rules,
-        comment: None,
-    }
+    Chain { name: name.into(), base: Some(BaseChain { chain_type: t, hook, priority }), rules, comment: None }
 }
 
 fn regular(name: &str, rules: Vec<Rule>) -> Chain {
-    Chain {
-        name: name.into(),
-        base: None,
-        rules,
-        comment: None,
-    }
+    Chain { name: name.into(), base: None, rules, comment: None }
 }
 
 fn goto(c: &str) -> Verdict {
@@ -80,22 +66,8 @@ fn full_ruleset() -> Ruleset {
         key: vec![KeyType::Ipv4Addr, KeyType::InetProto, KeyType::InetService],
         verdict_map: false,
         elements: BTreeMap::from([
-            (
-                vec![
-                    KeyPart::Addr(ip("192.0.2.10")),
-                    KeyPart::Proto(Protocol::Tcp),
-                    KeyPart::Port(8080),
-                ],
-                None,
-            ),
-            (
-                vec![
-                    KeyPart::Addr(ip("192.0.2.11")),
-                    KeyPart::Proto(Protocol::Udp),
-                    KeyPart::Port(53),
-                ],
-                None,
-            ),
+            (vec![KeyPart::Addr(ip("192.0.2.10")), KeyPart::Proto(Protocol::Tcp), KeyPart::Port(8080)], None),
+            (vec![KeyPart::Addr(ip("192.0.2.11")), KeyPart::Proto(Protocol::Udp), KeyPart::Port(53)], None),
         ]),
         comment: None,
     });
@@ -104,18 +76,12 @@ fn full_ruleset() -> Ruleset {
         key: vec![KeyType::Ipv6Addr, KeyType::InetProto, KeyType::InetService],
         verdict_map: false,
         elements: BTreeMap::from([(
-            vec![
-                KeyPart::Addr(ip("2001:db8::10")),
-                KeyPart::Proto(Protocol::Tcp),
-                KeyPart::Port(8080),
-            ],
+            vec![KeyPart::Addr(ip("2001:db8::10")), KeyPart::Proto(Protocol::Tcp), KeyPart::Port(8080)],
             None,
         )]),
         comment: Some("v6 endpoints".into()),
     });
-    let dport_vmap = || L4ProtoDportVmap {
-        map: "service-ports".into(),
-    };
+    let dport_vmap = || L4ProtoDportVmap { map: "service-ports".into() };
     rs.add_chain(base(
         "nat-prerouting",
         ChainType::Nat,
@@ -139,26 +105,9 @@ fn full_ruleset() -> Ruleset {
         Hook::Postrouting,
         ir::priority::SRCNAT,
         vec![
-            r(vec![
-                MarkHas(0x4000),
-                MarkXor(0x4000),
-                CtStatusDnat,
-                Masquerade,
-            ]),
-            r(vec![
-                SaddrL4ProtoSportInSet {
-                    family: Family::Ipv4,
-                    set: "endpoints-ipv4".into(),
-                },
-                Counter,
-            ]),
-            r(vec![
-                SaddrL4ProtoSportInSet {
-                    family: Family::Ipv6,
-                    set: "endpoints-ipv6".into(),
-                },
-                Counter,
-            ]),
+            r(vec![MarkHas(0x4000), MarkXor(0x4000), CtStatusDnat, Masquerade]),
+            r(vec![SaddrL4ProtoSportInSet { family: Family::Ipv4, set: "endpoints-ipv4".into() }, Counter]),
+            r(vec![SaddrL4ProtoSportInSet { family: Family::Ipv6, set: "endpoints-ipv6".into() }, Counter]),
         ],
     ));
     rs.add_chain(base(
@@ -168,41 +117,21 @@ fn full_ruleset() -> Ruleset {
         -110,
         vec![
             r(vec![
-                SaddrInPrefix {
-                    prefix: "198.51.100.0/24".parse().expect("cidr"),
-                    negate: true,
-                },
-                L4ProtoCtOrigDportVmap {
-                    map: "service-ports-ct".into(),
-                },
+                SaddrInPrefix { prefix: "198.51.100.0/24".parse().expect("cidr"), negate: true },
+                L4ProtoCtOrigDportVmap { map: "service-ports-ct".into() },
             ]),
             r(vec![
-                SaddrInPrefix {
-                    prefix: "203.0.113.128/25".parse().expect("cidr"),
-                    negate: false,
-                },
+                SaddrInPrefix { prefix: "203.0.113.128/25".parse().expect("cidr"), negate: false },
                 MarkSet(0x4000),
             ]),
             r(vec![
                 NfProto(Family::Ipv6),
-                DaddrInPrefix {
-                    prefix: "2001:db8:8000::/33".parse().expect("cidr"),
-                    negate: false,
-                },
-                SaddrInPrefix {
-                    prefix: "2001:db8::/32".parse().expect("cidr"),
-                    negate: true,
-                },
+                DaddrInPrefix { prefix: "2001:db8:8000::/33".parse().expect("cidr"), negate: false },
+                SaddrInPrefix { prefix: "2001:db8::/32".parse().expect("cidr"), negate: true },
                 Verdict(V::Return),
             ]),
-            r(vec![
-                DaddrInPrefix {
-                    prefix: "192.0.2.7/32".parse().expect("cidr"),
-                    negate: false,
-                },
-                Counter,
-            ])
-            .with_comment("a host"),
+            r(vec![DaddrInPrefix { prefix: "192.0.2.7/32".parse().expect("cidr"), negate: false }, Counter])
+                .with_comment("a host"),
         ],
     ));
     rs.add_chain(base(
@@ -212,81 +141,36 @@ fn full_ruleset() -> Ruleset {
         ir::priority::FILTER,
         vec![
             r(vec![CtState(vec![S::Invalid]), Verdict(V::Drop)]),
-            r(vec![
-                CtState(vec![S::Established, S::Related]),
-                Counter,
-                Verdict(V::Accept),
-            ]),
-            r(vec![
-                CtState(vec![S::New]),
-                CtStatusDnat,
-                Verdict(V::Jump("no-endpoints".into())),
-            ]),
+            r(vec![CtState(vec![S::Established, S::Related]), Counter, Verdict(V::Accept)]),
+            r(vec![CtState(vec![S::New]), CtStatusDnat, Verdict(V::Jump("no-endpoints".into()))]),
         ],
     ));
     let mut svc_a = regular(
         "svc-a",
         vec![
-            r(vec![
-                SaddrInPrefix {
-                    prefix: "192.0.2.0/24".parse().expect("cidr"),
-                    negate: false,
-                },
-                Counter,
-            ])
-            .with_comment("service a"),
-            r(vec![NumgenRandomVmap {
-                targets: vec![goto("ep-a-0"), goto("ep-a-1"), goto("ep-a-2")],
-            }]),
+            r(vec![SaddrInPrefix { prefix: "192.0.2.0/24".parse().expect("cidr"), negate: false }, Counter])
+                .with_comment("service a"),
+            r(vec![NumgenRandomVmap { targets: vec![goto("ep-a-0"), goto("ep-a-1"), goto("ep-a-2")] }]),
         ],
     );
     svc_a.comment = Some("default/a:http".into());
     rs.add_chain(svc_a);
-    rs.add_chain(regular(
-        "svc-b",
-        vec![r(vec![NumgenRandomVmap {
-            targets: vec![goto("ep-b-0")],
-        }])],
-    ));
+    rs.add_chain(regular("svc-b", vec![r(vec![NumgenRandomVmap { targets: vec![goto("ep-b-0")] }])]));
     rs.add_chain(regular(
         "ep-a-0",
-        vec![r(vec![
-            L4Proto(Protocol::Tcp),
-            Dnat {
-                addr: ip("192.0.2.10"),
-                port: 8080,
-            },
-        ])],
+        vec![r(vec![L4Proto(Protocol::Tcp), Dnat { addr: ip("192.0.2.10"), port: 8080 }])],
     ));
     rs.add_chain(regular(
         "ep-a-1",
-        vec![r(vec![
-            L4Proto(Protocol::Tcp),
-            Dnat {
-                addr: ip("192.0.2.11"),
-                port: 8080,
-            },
-        ])],
+        vec![r(vec![L4Proto(Protocol::Tcp), Dnat { addr: ip("192.0.2.11"), port: 8080 }])],
     ));
     rs.add_chain(regular(
         "ep-a-2",
-        vec![r(vec![
-            L4Proto(Protocol::Tcp),
-            Dnat {
-                addr: ip("2001:db8::10"),
-                port: 8080,
-            },
-        ])],
+        vec![r(vec![L4Proto(Protocol::Tcp), Dnat { addr: ip("2001:db8::10"), port: 8080 }])],
     ));
     rs.add_chain(regular(
         "ep-b-0",
-        vec![r(vec![
-            L4Proto(Protocol::Udp),
-            Dnat {
-                addr: ip("2001:db8::11"),
-                port: 53,
-            },
-        ])],
+        vec![r(vec![L4Proto(Protocol::Udp), Dnat { addr: ip("2001:db8::11"), port: 53 }])],
     ));
     rs.add_chain(regular(
         "no-endpoints",
@@ -304,8 +188,7 @@ fn apply_in(ns: &NetNs, changes: Vec<Change>) -> Result<nodelb::nft::ApplyStats,
 }
 
 fn read_in(ns: &NetNs) -> Option<nodelb::nft::KernelTable> {
-    ns.run(|| NftClient::new().and_then(|mut c| c.read_table()))
-        .expect("read_table")
+    ns.run(|| NftClient::new().and_then(|mut c| c.read_table())).expect("read_table")
 }
 
 fn list(ns: &NetNs) -> String {
@@ -336,10 +219,7 @@ fn encoder_matches_nft_for_every_expression() {
     assert!(stats.messages > 10 && stats.bytes > 1000, "{stats:?}");
     let ours = list(&a);
     let reference = nft_reference(&rs);
-    assert_eq!(
-        ours, reference,
-        "nft lists our table differently from its own load of render()"
-    );
+    assert_eq!(ours, reference, "nft lists our table differently from its own load of render()");
     // Applying the same full replace again is idempotent.
     apply_in(&a, rs.full_replace()).expect("re-apply");
     assert_eq!(list(&a), reference);
@@ -358,9 +238,7 @@ fn diff_after_full_replace_matches_nft() {
     let svc_a = rs2.chains.get_mut("svc-a").expect("svc-a");
     svc_a.rules = vec![
         r(vec![Expr::Counter]),
-        r(vec![Expr::NumgenRandomVmap {
-            targets: vec![goto("ep-a-0"), goto("ep-a-1")],
-        }]),
+        r(vec![Expr::NumgenRandomVmap { targets: vec![goto("ep-a-0"), goto("ep-a-1")] }]),
     ];
     rs2.chains.remove("ep-a-2");
     let ports = rs2.sets.get_mut("service-ports").expect("map");
@@ -374,15 +252,9 @@ fn diff_after_full_replace_matches_nft() {
         rs2.chains["svc-a"]
             .rules
             .iter()
-            .map(|rule| Change::AddRule {
-                chain: "svc-a".into(),
-                rule: rule.clone(),
-            }),
+            .map(|rule| Change::AddRule { chain: "svc-a".into(), rule: rule.clone() }),
     );
-    changes.push(Change::DeleteElements {
-        set: "service-ports".into(),
-        keys: vec![gone],
-    });
+    changes.push(Change::DeleteElements { set: "service-ports".into(), keys: vec![gone] });
     changes.push(Change::AddElements {
         set: "service-ports".into(),
         elements: vec![(new, Some(goto("svc-b")))],
@@ -401,9 +273,7 @@ fn failing_batch_changes_nothing_and_names_the_change() {
     let a = NetNs::new("nft-atomic");
     apply_in(&a, rs.full_replace()).expect("apply");
     let before = a.exec_ok("nft", &["list", "ruleset"]);
-    let gen_before = a
-        .run(|| NftClient::new().and_then(|mut c| c.generation()))
-        .expect("gen");
+    let gen_before = a.run(|| NftClient::new().and_then(|mut c| c.generation())).expect("gen");
 
     let mut changes = rs.full_replace();
     changes.push(Change::AddChain(regular("fresh", vec![])));
@@ -414,10 +284,7 @@ fn failing_batch_changes_nothing_and_names_the_change() {
     let n = changes.len();
     let err = apply_in(&a, changes).expect_err("jump to a missing chain must fail");
     let text = err.to_string();
-    assert!(
-        text.contains("add rule to chain fresh `jump missing`"),
-        "{text}"
-    );
+    assert!(text.contains("add rule to chain fresh `jump missing`"), "{text}");
     assert!(text.contains("No such file or directory"), "{text}");
     match err {
         NftError::Kernel { index, errno, .. } => {
@@ -427,9 +294,7 @@ fn failing_batch_changes_nothing_and_names_the_change() {
         other => panic!("unexpected error {other:?}"),
     }
     assert_eq!(a.exec_ok("nft", &["list", "ruleset"]), before);
-    let gen_after = a
-        .run(|| NftClient::new().and_then(|mut c| c.generation()))
-        .expect("gen");
+    let gen_after = a.run(|| NftClient::new().and_then(|mut c| c.generation())).expect("gen");
     assert_eq!(gen_before, gen_after, "a failed batch must not commit");
 }
 
@@ -441,17 +306,10 @@ fn big_batch_is_one_transaction() {
     let mut elements = BTreeMap::new();
     for i in 0..N {
         let name = format!("svc-{i:05}");
-        rs.add_chain(regular(
-            &name,
-            vec![r(vec![Expr::Counter, Expr::Verdict(Verdict::Accept)])],
-        ));
+        rs.add_chain(regular(&name, vec![r(vec![Expr::Counter, Expr::Verdict(Verdict::Accept)])]));
         elements.insert(
             vec![
-                KeyPart::Proto(if i % 2 == 0 {
-                    Protocol::Tcp
-                } else {
-                    Protocol::Udp
-                }),
+                KeyPart::Proto(if i % 2 == 0 { Protocol::Tcp } else { Protocol::Udp }),
                 KeyPart::Port(10_000 + i as u16),
             ],
             Some(goto(&name)),
@@ -469,12 +327,7 @@ fn big_batch_is_one_transaction() {
         ChainType::Nat,
         Hook::Prerouting,
         -100,
-        vec![r(vec![
-            Expr::FibDaddrLocal,
-            Expr::L4ProtoDportVmap {
-                map: "service-ports".into(),
-            },
-        ])],
+        vec![r(vec![Expr::FibDaddrLocal, Expr::L4ProtoDportVmap { map: "service-ports".into() }])],
     ));
     let a = NetNs::new("nft-big");
     let changes = rs.full_replace();
@@ -497,32 +350,20 @@ fn counter_ruleset() -> Ruleset {
         vec![
             r(vec![
                 Expr::L4Proto(Protocol::Udp),
-                Expr::DaddrInPrefix {
-                    prefix: "127.0.0.0/8".parse().expect("cidr"),
-                    negate: false,
-                },
+                Expr::DaddrInPrefix { prefix: "127.0.0.0/8".parse().expect("cidr"), negate: false },
                 Expr::Counter,
             ])
             .with_comment("loopback udp"),
         ],
     ));
-    rs.add_chain(regular(
-        "svc-x",
-        vec![r(vec![Expr::Verdict(Verdict::Accept)])],
-    ));
+    rs.add_chain(regular("svc-x", vec![r(vec![Expr::Verdict(Verdict::Accept)])]));
     rs.add_set(Set {
         name: "service-ports".into(),
         key: vec![KeyType::InetProto, KeyType::InetService],
         verdict_map: true,
         elements: BTreeMap::from([
-            (
-                vec![KeyPart::Proto(Protocol::Tcp), KeyPart::Port(20001)],
-                Some(goto("svc-x")),
-            ),
-            (
-                vec![KeyPart::Proto(Protocol::Udp), KeyPart::Port(20001)],
-                Some(goto("svc-x")),
-            ),
+            (vec![KeyPart::Proto(Protocol::Tcp), KeyPart::Port(20001)], Some(goto("svc-x"))),
+            (vec![KeyPart::Proto(Protocol::Udp), KeyPart::Port(20001)], Some(goto("svc-x"))),
         ]),
         comment: None,
     });
@@ -553,46 +394,24 @@ fn read_table_and_verify_notice_drift_and_count_packets() {
     assert_eq!(c.packets, 5);
     assert_eq!(c.bytes, 5 * (20 + 8 + 5));
     let listed = list(&a);
-    assert!(
-        listed.contains(&format!("counter packets {} bytes {}", c.packets, c.bytes)),
-        "{listed}"
-    );
+    assert!(listed.contains(&format!("counter packets {} bytes {}", c.packets, c.bytes)), "{listed}");
     assert_eq!(t.counters().count(), 1);
 
     // A hand-added rule is foreign.
     a.exec_ok("nft", &["add", "rule", "inet", "nodelb", "svc-x", "accept"]);
     let d = verify(&rs, read_in(&a).as_ref());
-    assert_eq!(
-        d,
-        vec!["chain svc-x: rule 1 is not ours (foreign rule)".to_string()]
-    );
+    assert_eq!(d, vec!["chain svc-x: rule 1 is not ours (foreign rule)".to_string()]);
 
     // A deleted element is missing.
     apply_in(&a, rs.full_replace()).expect("repair");
-    a.exec_ok(
-        "nft",
-        &[
-            "delete",
-            "element",
-            "inet",
-            "nodelb",
-            "service-ports",
-            "{ udp . 20001 }",
-        ],
-    );
+    a.exec_ok("nft", &["delete", "element", "inet", "nodelb", "service-ports", "{ udp . 20001 }"]);
     let d = verify(&rs, read_in(&a).as_ref());
-    assert_eq!(
-        d,
-        vec!["map service-ports: element udp . 20001 missing".to_string()]
-    );
+    assert_eq!(d, vec!["map service-ports: element udp . 20001 missing".to_string()]);
 
     // A deleted table is reported.
     a.exec_ok("nft", &["delete", "table", "inet", "nodelb"]);
     assert!(read_in(&a).is_none());
-    assert_eq!(
-        verify(&rs, None),
-        vec!["table inet nodelb is missing".to_string()]
-    );
+    assert_eq!(verify(&rs, None), vec!["table inet nodelb is missing".to_string()]);
 }
 
 #[test]

@@ -23,7 +23,8 @@ fn golden_rulesets() {
             std::fs::write(&path, &rendered).unwrap();
             continue;
         }
-        let want = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e} (UPDATE_GOLDEN=1 creates it)"));
+        let want = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{path}: {e} (UPDATE_GOLDEN=1 creates it)"));
         if want != rendered {
             failures.push(format!("--- {path}\n+++ planned\n{rendered}"));
         }
@@ -47,7 +48,11 @@ fn packet(proto: Protocol, from: &str, to: &str, dport: u16) -> Packet {
 fn tracer_table() {
     let by_name: BTreeMap<&str, Ruleset> = scenarios().iter().map(|s| (s.name, plan_of(s))).collect();
     let env = |numgen| Env {
-        local_addrs: vec![NODE_V4.parse().unwrap(), NODE_V6.parse().unwrap(), "198.51.100.1".parse().unwrap()],
+        local_addrs: vec![
+            NODE_V4.parse().unwrap(),
+            NODE_V6.parse().unwrap(),
+            "198.51.100.1".parse().unwrap(),
+        ],
         numgen,
     };
     let from_node = |mut p: Packet| {
@@ -138,7 +143,10 @@ fn one_endpoint_added_is_a_small_batch() {
     let changes = plan::diff(&before, &after);
     // new endpoint chain + its rule, svc chain flush + 2 rules, 1 endpoint-set element
     assert!(changes.len() <= 7, "{changes:#?}");
-    assert!(!changes.iter().any(|c| matches!(c, Change::DeleteTable | Change::DeleteChain(_))), "{changes:#?}");
+    assert!(
+        !changes.iter().any(|c| matches!(c, Change::DeleteTable | Change::DeleteChain(_))),
+        "{changes:#?}"
+    );
 }
 
 #[test]

@@ -29,17 +29,11 @@ pub struct NftClient {
 }
 
 fn io(context: &str) -> impl FnOnce(std::io::Error) -> NftError + '_ {
-    move |source| NftError::Io {
-        context: context.to_string(),
-        source,
-    }
+    move |source| NftError::Io { context: context.to_string(), source }
 }
 
 fn errno_io(context: &str, e: nix::errno::Errno) -> NftError {
-    NftError::Io {
-        context: context.to_string(),
-        source: std::io::Error::from_raw_os_error(e as i32),
-    }
+    NftError::Io { context: context.to_string(), source: std::io::Error::from_raw_os_error(e as i32) }
 }
 
 fn strerror(errno: i32) -> String {
@@ -55,8 +49,7 @@ struct Reply {
 
 impl NftClient {
     pub fn new() -> Result<NftClient, NftError> {
-        let mut sock =
-            Socket::new(NETLINK_NETFILTER).map_err(io("open NETLINK_NETFILTER socket"))?;
+        let mut sock = Socket::new(NETLINK_NETFILTER).map_err(io("open NETLINK_NETFILTER socket"))?;
         sock.bind_auto().map_err(io("bind netlink socket"))?;
         // The *FORCE variants ignore net.core.rmem_max but need CAP_NET_ADMIN, which programming
         // nftables needs anyway; fall back to the capped option otherwise.
@@ -72,12 +65,7 @@ impl NftClient {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs() as u32)
             .unwrap_or(1);
-        Ok(NftClient {
-            sock,
-            seq,
-            buf: Vec::with_capacity(RECV_BUF),
-            sndbuf: 0,
-        })
+        Ok(NftClient { sock, seq, buf: Vec::with_capacity(RECV_BUF), sndbuf: 0 })
     }
 
     fn next_seq(&mut self, n: u32) -> u32 {
@@ -117,32 +105,20 @@ impl NftClient {
     fn recv(&mut self, what: &str) -> Result<Vec<Reply>, NftError> {
         self.buf.clear();
         self.buf.reserve(RECV_BUF);
-        let n = self
-            .sock
-            .recv(&mut self.buf, libc_msg_trunc())
-            .map_err(|e| {
-                let ctx = if e.raw_os_error() == Some(nix::errno::Errno::ENOBUFS as i32) {
-                    format!("{what}: replies were lost (receive buffer overflow)")
-                } else {
-                    format!("{what}: receive")
-                };
-                NftError::Io {
-                    context: ctx,
-                    source: e,
-                }
-            })?;
+        let n = self.sock.recv(&mut self.buf, libc_msg_trunc()).map_err(|e| {
+            let ctx = if e.raw_os_error() == Some(nix::errno::Errno::ENOBUFS as i32) {
+                format!("{what}: replies were lost (receive buffer overflow)")
+            } else {
+                format!("{what}: receive")
+            };
+            NftError::Io { context: ctx, source: e }
+        })?;
         if n > self.buf.len() {
-            return Err(NftError::Malformed(format!(
-                "{what}: datagram of {n} bytes truncated"
-            )));
+            return Err(NftError::Malformed(format!("{what}: datagram of {n} bytes truncated")));
         }
         Ok(messages(&self.buf)?
             .into_iter()
-            .map(|m| Reply {
-                ty: m.ty,
-                seq: m.seq,
-                payload: m.payload.to_vec(),
-            })
+            .map(|m| Reply { ty: m.ty, seq: m.seq, payload: m.payload.to_vec() })
             .collect())
     }
 
@@ -154,10 +130,7 @@ impl NftClient {
         let first = self.seq;
         let enc = encode::encode_batch(changes, first)?;
         self.seq = enc.last_seq().wrapping_add(1);
-        let stats = ApplyStats {
-            messages: enc.msg_change.len() + 2,
-            bytes: enc.bytes.len(),
-        };
+        let stats = ApplyStats { messages: enc.msg_change.len() + 2, bytes: enc.bytes.len() };
         self.send(&enc.bytes, "send batch")?;
         // Batch messages carry no NLM_F_ACK: the kernel answers only failures (each with the failing
         // message's sequence number). A GETGEN sent right after is answered only once the batch has
@@ -267,9 +240,7 @@ impl NftClient {
 
     fn read_table_once(&mut self) -> Result<Option<KernelTable>, NftError> {
         let name = ir::TABLE_NAME;
-        match self.request(NFT_MSG_GETTABLE, false, "get table", |w| {
-            w.put_str(NFTA_TABLE_NAME, name)
-        }) {
+        match self.request(NFT_MSG_GETTABLE, false, "get table", |w| w.put_str(NFTA_TABLE_NAME, name)) {
             Ok(_) => {}
             Err(NftError::Request { errno, .. }) if errno == nix::errno::Errno::ENOENT as i32 => {
                 return Ok(None);
@@ -277,32 +248,24 @@ impl NftClient {
             Err(e) => return Err(e),
         }
         let mut t = KernelTable::default();
-        for p in self.request(NFT_MSG_GETCHAIN, true, "list chains", |w| {
-            w.put_str(NFTA_CHAIN_TABLE, name)
-        })? {
+        for p in self.request(NFT_MSG_GETCHAIN, true, "list chains", |w| w.put_str(NFTA_CHAIN_TABLE, name))? {
             if decode::table_of(&p)? == name {
                 let c = decode::chain(&p)?;
                 t.chains.insert(c.name.clone(), c);
             }
         }
-        for p in self.request(NFT_MSG_GETRULE, true, "list rules", |w| {
-            w.put_str(NFTA_RULE_TABLE, name)
-        })? {
+        for p in self.request(NFT_MSG_GETRULE, true, "list rules", |w| w.put_str(NFTA_RULE_TABLE, name))? {
             if decode::table_of(&p)? != name {
                 continue;
             }
             let (chain, rule) = decode::rule(&p)?;
             match t.chains.get_mut(&chain) {
                 Some(c) => c.rules.push(rule),
-                None => t
-                    .problems
-                    .push(format!("rule {} in unknown chain {chain}", rule.handle)),
+                None => t.problems.push(format!("rule {} in unknown chain {chain}", rule.handle)),
             }
         }
         let mut sets = Vec::new();
-        for p in self.request(NFT_MSG_GETSET, true, "list sets", |w| {
-            w.put_str(NFTA_SET_TABLE, name)
-        })? {
+        for p in self.request(NFT_MSG_GETSET, true, "list sets", |w| w.put_str(NFTA_SET_TABLE, name))? {
             if decode::table_of(&p)? != name {
                 continue;
             }
@@ -343,9 +306,7 @@ impl NftClient {
     pub fn delete_table(&mut self) -> Result<bool, NftError> {
         match self.apply(&[Change::DeleteTable]) {
             Ok(_) => Ok(true),
-            Err(NftError::Kernel { errno, .. }) if errno == nix::errno::Errno::ENOENT as i32 => {
-                Ok(false)
-            }
+            Err(NftError::Kernel { errno, .. }) if errno == nix::errno::Errno::ENOENT as i32 => Ok(false),
             Err(e) => Err(e),
         }
     }
@@ -361,13 +322,7 @@ fn hex(b: &[u8]) -> String {
 
 fn gen_request(seq: u32) -> Vec<u8> {
     let mut w = Writer::new();
-    w.begin_msg(
-        msg_type(NFT_MSG_GETGEN),
-        NLM_F_REQUEST,
-        seq,
-        NFPROTO_UNSPEC,
-        0,
-    );
+    w.begin_msg(msg_type(NFT_MSG_GETGEN), NLM_F_REQUEST, seq, NFPROTO_UNSPEC, 0);
     w.end_msg();
     w.buf
 }
@@ -387,11 +342,5 @@ fn kernel_error(enc: &Encoded, changes: &[Change], seq: u32, errno: i32, more: u
         Some(c) => describe(c),
         None => "commit batch".to_string(),
     };
-    NftError::Kernel {
-        index,
-        change,
-        errno,
-        reason: strerror(errno),
-        more,
-    }
+    NftError::Kernel { index, change, errno, reason: strerror(errno), more }
 }

@@ -13,9 +13,7 @@ use crate::ir::{Key, KeyPart, KeyType, Protocol, Verdict};
 const NFGENMSG_LEN: usize = 4;
 
 fn body(payload: &[u8]) -> Result<&[u8], NftError> {
-    payload
-        .get(NFGENMSG_LEN..)
-        .ok_or_else(|| NftError::Malformed("message shorter than nfgenmsg".into()))
+    payload.get(NFGENMSG_LEN..).ok_or_else(|| NftError::Malformed("message shorter than nfgenmsg".into()))
 }
 
 fn need<'a>(t: &[Option<&'a [u8]>], ty: u16, what: &str) -> Result<&'a [u8], NftError> {
@@ -31,10 +29,7 @@ pub fn table_of(payload: &[u8]) -> Result<String, NftError> {
 pub fn chain(payload: &[u8]) -> Result<KernelChain, NftError> {
     let t = table(body(payload)?)?;
     let name = as_str(need(&t, NFTA_CHAIN_NAME, "chain")?);
-    let handle = get(&t, NFTA_CHAIN_HANDLE)
-        .map(as_u64)
-        .transpose()?
-        .unwrap_or(0);
+    let handle = get(&t, NFTA_CHAIN_HANDLE).map(as_u64).transpose()?.unwrap_or(0);
     let base = match get(&t, NFTA_CHAIN_HOOK) {
         None => None,
         Some(h) => {
@@ -47,31 +42,19 @@ pub fn chain(payload: &[u8]) -> Result<KernelChain, NftError> {
             })
         }
     };
-    let comment =
-        get(&t, NFTA_CHAIN_USERDATA).and_then(|u| udata_comment(u, NFTNL_UDATA_CHAIN_COMMENT));
-    Ok(KernelChain {
-        name,
-        handle,
-        base,
-        comment,
-        rules: Vec::new(),
-    })
+    let comment = get(&t, NFTA_CHAIN_USERDATA).and_then(|u| udata_comment(u, NFTNL_UDATA_CHAIN_COMMENT));
+    Ok(KernelChain { name, handle, base, comment, rules: Vec::new() })
 }
 
 fn udata_comment(u: &[u8], ty: u8) -> Option<String> {
-    udata_iter(u)
-        .find(|(t, _)| *t == ty)
-        .map(|(_, v)| as_str(v))
+    udata_iter(u).find(|(t, _)| *t == ty).map(|(_, v)| as_str(v))
 }
 
 /// Returns the chain name and the rule.
 pub fn rule(payload: &[u8]) -> Result<(String, KernelRule), NftError> {
     let t = table(body(payload)?)?;
     let chain = as_str(need(&t, NFTA_RULE_CHAIN, "rule")?);
-    let handle = get(&t, NFTA_RULE_HANDLE)
-        .map(as_u64)
-        .transpose()?
-        .unwrap_or(0);
+    let handle = get(&t, NFTA_RULE_HANDLE).map(as_u64).transpose()?.unwrap_or(0);
     let mut comment = None;
     let mut fingerprint = None;
     if let Some(u) = get(&t, NFTA_RULE_USERDATA) {
@@ -93,29 +76,14 @@ pub fn rule(payload: &[u8]) -> Result<(String, KernelRule), NftError> {
             if name == "counter" && counter.is_none() {
                 let dt = table(get(&et, NFTA_EXPR_DATA).unwrap_or(&[]))?;
                 counter = Some(Counter {
-                    packets: get(&dt, NFTA_COUNTER_PACKETS)
-                        .map(as_u64)
-                        .transpose()?
-                        .unwrap_or(0),
-                    bytes: get(&dt, NFTA_COUNTER_BYTES)
-                        .map(as_u64)
-                        .transpose()?
-                        .unwrap_or(0),
+                    packets: get(&dt, NFTA_COUNTER_PACKETS).map(as_u64).transpose()?.unwrap_or(0),
+                    bytes: get(&dt, NFTA_COUNTER_BYTES).map(as_u64).transpose()?.unwrap_or(0),
                 });
             }
             exprs.push(name);
         }
     }
-    Ok((
-        chain,
-        KernelRule {
-            handle,
-            comment,
-            fingerprint,
-            counter,
-            exprs,
-        },
-    ))
+    Ok((chain, KernelRule { handle, comment, fingerprint, counter, exprs }))
 }
 
 /// Splits a (possibly concatenated) key type id into nodelb key types.
@@ -139,21 +107,11 @@ pub fn key_types(id: u32) -> Option<Vec<KeyType>> {
 pub fn set(payload: &[u8]) -> Result<KernelSet, NftError> {
     let t = table(body(payload)?)?;
     let name = as_str(need(&t, NFTA_SET_NAME, "set")?);
-    let flags = get(&t, NFTA_SET_FLAGS)
-        .map(as_u32)
-        .transpose()?
-        .unwrap_or(0);
-    let key_type_id = get(&t, NFTA_SET_KEY_TYPE)
-        .map(as_u32)
-        .transpose()?
-        .unwrap_or(0);
-    let key_len = get(&t, NFTA_SET_KEY_LEN)
-        .map(as_u32)
-        .transpose()?
-        .unwrap_or(0);
+    let flags = get(&t, NFTA_SET_FLAGS).map(as_u32).transpose()?.unwrap_or(0);
+    let key_type_id = get(&t, NFTA_SET_KEY_TYPE).map(as_u32).transpose()?.unwrap_or(0);
+    let key_len = get(&t, NFTA_SET_KEY_LEN).map(as_u32).transpose()?.unwrap_or(0);
     let data_type = get(&t, NFTA_SET_DATA_TYPE).map(as_u32).transpose()?;
-    let comment =
-        get(&t, NFTA_SET_USERDATA).and_then(|u| udata_comment(u, NFTNL_UDATA_SET_COMMENT));
+    let comment = get(&t, NFTA_SET_USERDATA).and_then(|u| udata_comment(u, NFTNL_UDATA_SET_COMMENT));
     Ok(KernelSet {
         name,
         flags,

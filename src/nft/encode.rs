@@ -63,11 +63,7 @@ pub fn describe(change: &Change) -> String {
         Change::AddRule { chain, rule } => {
             format!("add rule to chain {chain} `{}`", ir::render_rule(rule))
         }
-        Change::AddSet(s) => format!(
-            "add {} {}",
-            if s.verdict_map { "map" } else { "set" },
-            s.name
-        ),
+        Change::AddSet(s) => format!("add {} {}", if s.verdict_map { "map" } else { "set" }, s.name),
         Change::DeleteSet(s) => format!("delete set {s}"),
         Change::AddElements { set, elements } => {
             format!("add {} element(s) to {set}", elements.len())
@@ -109,19 +105,9 @@ pub fn encode_batch(changes: &[Change], first_seq: u32) -> Result<Encoded, NftEr
         })?;
     }
     e.seq += 1;
-    e.w.begin_msg(
-        NFNL_MSG_BATCH_END,
-        NLM_F_REQUEST,
-        e.seq,
-        NFPROTO_UNSPEC,
-        u16::from(NFNL_SUBSYS_NFTABLES),
-    );
+    e.w.begin_msg(NFNL_MSG_BATCH_END, NLM_F_REQUEST, e.seq, NFPROTO_UNSPEC, u16::from(NFNL_SUBSYS_NFTABLES));
     e.w.end_msg();
-    Ok(Encoded {
-        bytes: e.w.buf,
-        first_seq,
-        msg_change: e.msg_change,
-    })
+    Ok(Encoded { bytes: e.w.buf, first_seq, msg_change: e.msg_change })
 }
 
 struct Enc {
@@ -152,13 +138,7 @@ impl Enc {
     fn begin(&mut self, msg: u8, flags: u16) {
         self.seq += 1;
         self.msg_change.push(self.change);
-        self.w.begin_msg(
-            msg_type(msg),
-            NLM_F_REQUEST | flags,
-            self.seq,
-            NFPROTO_INET,
-            0,
-        );
+        self.w.begin_msg(msg_type(msg), NLM_F_REQUEST | flags, self.seq, NFPROTO_INET, 0);
     }
 
     fn change(&mut self, change: &Change) -> Result<(), NftError> {
@@ -260,10 +240,7 @@ impl Enc {
         self.begin(NFT_MSG_NEWSET, NLM_F_CREATE);
         self.w.put_str(NFTA_SET_TABLE, ir::TABLE_NAME);
         self.w.put_str(NFTA_SET_NAME, &set.name);
-        self.w.put_u32(
-            NFTA_SET_FLAGS,
-            if set.verdict_map { NFT_SET_MAP } else { 0 },
-        );
+        self.w.put_u32(NFTA_SET_FLAGS, if set.verdict_map { NFT_SET_MAP } else { 0 });
         self.w.put_u32(NFTA_SET_KEY_TYPE, key_type_id(&set.key));
         self.w.put_u32(NFTA_SET_KEY_LEN, key_len as u32);
         if set.verdict_map {
@@ -274,11 +251,7 @@ impl Enc {
         // Mirror the user data nft 1.0.6 writes for a `type a . b` set so `nft list` reads it back
         // the same way (byte order of key/data, and for concatenations the empty typeof marker).
         let mut u = Vec::new();
-        udata_put(
-            &mut u,
-            NFTNL_UDATA_SET_KEYBYTEORDER,
-            &key_byteorder(&set.key).to_ne_bytes(),
-        );
+        udata_put(&mut u, NFTNL_UDATA_SET_KEYBYTEORDER, &key_byteorder(&set.key).to_ne_bytes());
         if set.verdict_map {
             udata_put(&mut u, NFTNL_UDATA_SET_DATABYTEORDER, &0u32.to_ne_bytes());
         }
@@ -316,24 +289,11 @@ impl Enc {
         self.w.end_nest(d);
         self.w.put(NFTA_SET_USERDATA, &s.udata);
         self.w.end_msg();
-        self.elements(
-            NFT_MSG_NEWSETELEM,
-            NLM_F_CREATE,
-            s.name,
-            Some(s.id),
-            &s.elements,
-        );
+        self.elements(NFT_MSG_NEWSETELEM, NLM_F_CREATE, s.name, Some(s.id), &s.elements);
     }
 
     /// NEWSETELEM/DELSETELEM messages for `elements`, split so no attribute exceeds 64 KiB.
-    fn elements(
-        &mut self,
-        msg: u8,
-        flags: u16,
-        set: &str,
-        id: Option<u32>,
-        elements: &[RawElement],
-    ) {
+    fn elements(&mut self, msg: u8, flags: u16, set: &str, id: Option<u32>, elements: &[RawElement]) {
         let mut rest = elements;
         while !rest.is_empty() {
             self.begin(msg, flags);
@@ -367,12 +327,7 @@ impl Enc {
     }
 
     fn rule(&mut self, chain: &str, rule: &Rule) -> Result<(), NftError> {
-        let mut l = Lower {
-            w: Writer::new(),
-            nfproto: None,
-            l4proto: None,
-            anon: Vec::new(),
-        };
+        let mut l = Lower { w: Writer::new(), nfproto: None, l4proto: None, anon: Vec::new() };
         for expr in &rule.exprs {
             l.expr(expr, &mut *self)?;
         }
@@ -410,20 +365,14 @@ pub fn rule_udata(rule: &Rule) -> Result<Vec<u8>, NftError> {
     if let Some(c) = &rule.comment {
         udata_put(&mut u, NFTNL_UDATA_RULE_COMMENT, &comment_bytes(c)?);
     }
-    udata_put(
-        &mut u,
-        NODELB_UDATA_RULE_FINGERPRINT,
-        &fingerprint(rule).to_be_bytes(),
-    );
+    udata_put(&mut u, NODELB_UDATA_RULE_FINGERPRINT, &fingerprint(rule).to_be_bytes());
     Ok(u)
 }
 
 fn comment_bytes(c: &str) -> Result<Vec<u8>, NftError> {
     // nft limits comments to 128 bytes (NFT_USERDATA_MAXLEN is larger; nft's own check is 128).
     if c.len() > 128 || c.contains('\0') {
-        return Err(NftError::Encode(format!(
-            "comment {c:?} is longer than 128 bytes or has a NUL"
-        )));
+        return Err(NftError::Encode(format!("comment {c:?} is longer than 128 bytes or has a NUL")));
     }
     let mut v = c.as_bytes().to_vec();
     v.push(0);
@@ -450,8 +399,7 @@ pub fn type_id(t: KeyType) -> u32 {
 
 /// nft's id of a (possibly concatenated) key type: component ids in 6-bit chunks, first one highest.
 pub fn key_type_id(key: &[KeyType]) -> u32 {
-    key.iter()
-        .fold(0, |acc, t| (acc << TYPE_BITS) | type_id(*t))
+    key.iter().fold(0, |acc, t| (acc << TYPE_BITS) | type_id(*t))
 }
 
 /// Byte order nft records for a key: host order (1) for a lone inet_proto (an integer), otherwise
@@ -472,11 +420,7 @@ fn raw_len(t: KeyType) -> usize {
 /// Bytes a key part takes: its own size, rounded up to 4 inside a concatenation (each part starts
 /// a new 32-bit register).
 pub fn part_len(t: KeyType, concat: bool) -> usize {
-    if concat {
-        raw_len(t).div_ceil(4) * 4
-    } else {
-        raw_len(t)
-    }
+    if concat { raw_len(t).div_ceil(4) * 4 } else { raw_len(t) }
 }
 
 /// Encodes an element key. `types` is the key layout (checked against the parts).
@@ -526,11 +470,7 @@ fn put_verdict(w: &mut Writer, v: &Verdict) {
 /// The register number nft uses for a 32-bit slot: the legacy 128-bit register when the slot starts
 /// one (compatibility with old kernels), else the 32-bit register (`netlink_put_register`).
 pub fn reg(slot: u32) -> u32 {
-    if slot.is_multiple_of(4) {
-        NFT_REG_1 + slot / 4
-    } else {
-        NFT_REG32_00 + slot
-    }
+    if slot.is_multiple_of(4) { NFT_REG_1 + slot / 4 } else { NFT_REG32_00 + slot }
 }
 
 /// Lowers one rule's expressions, tracking what nft tracks to decide implicit dependencies: the
@@ -640,16 +580,8 @@ impl Lower {
 
     fn prefix(&mut self, prefix: &IpNet, negate: bool, daddr: bool) {
         let (family, offset, addr): (Family, u32, Vec<u8>) = match prefix.trunc() {
-            IpNet::V4(n) => (
-                Family::Ipv4,
-                if daddr { 16 } else { 12 },
-                n.addr().octets().to_vec(),
-            ),
-            IpNet::V6(n) => (
-                Family::Ipv6,
-                if daddr { 24 } else { 8 },
-                n.addr().octets().to_vec(),
-            ),
+            IpNet::V4(n) => (Family::Ipv4, if daddr { 16 } else { 12 }, n.addr().octets().to_vec()),
+            IpNet::V6(n) => (Family::Ipv6, if daddr { 24 } else { 8 }, n.addr().octets().to_vec()),
         };
         self.need_nfproto(family);
         let bits = usize::from(prefix.prefix_len());
@@ -737,11 +669,7 @@ impl Lower {
                 // in front and we lower that set lookup too, so both agree.
                 let id = enc.alloc_set_id();
                 let mut udata = Vec::new();
-                udata_put(
-                    &mut udata,
-                    NFTNL_UDATA_SET_KEYBYTEORDER,
-                    &1u32.to_ne_bytes(),
-                );
+                udata_put(&mut udata, NFTNL_UDATA_SET_KEYBYTEORDER, &1u32.to_ne_bytes());
                 let mut t = Vec::new();
                 udata_put(&mut t, 0, &EXPR_META.to_ne_bytes());
                 let mut m = Vec::new();
@@ -786,25 +714,13 @@ impl Lower {
                 }
                 let id = enc.alloc_set_id();
                 let mut udata = Vec::new();
-                udata_put(
-                    &mut udata,
-                    NFTNL_UDATA_SET_KEYBYTEORDER,
-                    &1u32.to_ne_bytes(),
-                );
-                udata_put(
-                    &mut udata,
-                    NFTNL_UDATA_SET_DATABYTEORDER,
-                    &0u32.to_ne_bytes(),
-                );
+                udata_put(&mut udata, NFTNL_UDATA_SET_KEYBYTEORDER, &1u32.to_ne_bytes());
+                udata_put(&mut udata, NFTNL_UDATA_SET_DATABYTEORDER, &0u32.to_ne_bytes());
                 let mut t = Vec::new();
                 udata_put(&mut t, 0, &EXPR_VERDICT.to_ne_bytes());
                 udata_put(&mut t, 1, &[]);
                 udata_put(&mut udata, NFTNL_UDATA_SET_DATA_TYPEOF, &t);
-                udata_put(
-                    &mut udata,
-                    NFTNL_UDATA_SET_DATA_INTERVAL,
-                    &0u32.to_ne_bytes(),
-                );
+                udata_put(&mut udata, NFTNL_UDATA_SET_DATA_INTERVAL, &0u32.to_ne_bytes());
                 self.anon.push(AnonSet {
                     id,
                     name: "__map%d",
@@ -882,10 +798,7 @@ mod tests {
     use crate::nft::nla::messages;
 
     fn unhex(s: &str) -> Vec<u8> {
-        (0..s.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
-            .collect()
+        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex")).collect()
     }
 
     /// (message type, payload) of every message between BATCH_BEGIN and BATCH_END.
@@ -898,10 +811,7 @@ mod tests {
         for (i, m) in msgs.iter().enumerate() {
             assert_eq!(m.seq, 100 + i as u32);
         }
-        msgs[1..msgs.len() - 1]
-            .iter()
-            .map(|m| (m.ty, m.payload.to_vec()))
-            .collect()
+        msgs[1..msgs.len() - 1].iter().map(|m| (m.ty, m.payload.to_vec())).collect()
     }
 
     fn svc_ports() -> Set {
@@ -915,10 +825,7 @@ mod tests {
     }
 
     fn rule_payload(chain: &str, exprs: Vec<Expr>) -> Vec<u8> {
-        let m = encode(&[Change::AddRule {
-            chain: chain.into(),
-            rule: Rule::new(exprs),
-        }]);
+        let m = encode(&[Change::AddRule { chain: chain.into(), rule: Rule::new(exprs) }]);
         assert_eq!(m.len(), 1);
         assert_eq!(m[0].0, msg_type(NFT_MSG_NEWRULE));
         m[0].1.clone()
@@ -967,9 +874,7 @@ mod tests {
                 rule: Rule::new(vec![
                     Expr::NfProto(Family::Ipv4),
                     Expr::FibDaddrLocal,
-                    Expr::L4ProtoDportVmap {
-                        map: "svc-ports".into(),
-                    },
+                    Expr::L4ProtoDportVmap { map: "svc-ports".into() },
                 ]),
             },
         ]);
@@ -983,19 +888,13 @@ mod tests {
     fn prefix_ct_flags_counter_and_comment_match_nft() {
         let rule = Rule::new(vec![
             Expr::L4Proto(Protocol::Tcp),
-            Expr::SaddrInPrefix {
-                prefix: "192.0.2.0/24".parse().expect("cidr"),
-                negate: true,
-            },
+            Expr::SaddrInPrefix { prefix: "192.0.2.0/24".parse().expect("cidr"), negate: true },
             Expr::CtState(vec![CtState::Established, CtState::Related]),
             Expr::CtStatusDnat,
             Expr::Counter,
         ])
         .with_comment("hello");
-        let m = encode(&[Change::AddRule {
-            chain: "svc-a".into(),
-            rule: rule.clone(),
-        }]);
+        let m = encode(&[Change::AddRule { chain: "svc-a".into(), rule: rule.clone() }]);
         let nft = "010000000b0001006e6f64656c6200000a0002007376632d610000003802048024000180090001006d6574610000000014000280080002000000001008000100000000012c00018008000100636d700020000280080001000000000108000200000000000c000380050001000600000024000180090001006d6574610000000014000280080002000000000f08000100000000012c00018008000100636d700020000280080001000000000108000200000000000c0003800500010002000000340001800c0001007061796c6f6164002400028008000100000000010800020000000001080003000000000c08000400000000032c00018008000100636d700020000280080001000000000108000200000000010c00038007000100c00002002000018007000100637400001400028008000200000000000800010000000001440001800c0001006269747769736500340002800800010000000001080002000000000108000300000000040c00048008000100060000000c00058008000100000000002c00018008000100636d700020000280080001000000000108000200000000010c00038008000100000000002000018007000100637400001400028008000200000000020800010000000001440001800c0001006269747769736500340002800800010000000001080002000000000108000300000000040c00048008000100200000000c00058008000100000000002c00018008000100636d700020000280080001000000000108000200000000010c0003800800010000000000140001800c000100636f756e74657200040002800c000700000668656c6c6f00";
         // Everything up to the user data is identical; the user data starts with nft's comment
         // TLV and continues with our fingerprint TLV.
@@ -1007,22 +906,13 @@ mod tests {
         udata.extend_from_slice(&[NODELB_UDATA_RULE_FINGERPRINT, 8]);
         udata.extend_from_slice(&fingerprint(&rule).to_be_bytes());
         // (then padding to 4 bytes)
-        assert_eq!(
-            hex(&m[0].1[udata_at + 4..udata_at + 4 + udata.len()]),
-            hex(&udata)
-        );
+        assert_eq!(hex(&m[0].1[udata_at + 4..udata_at + 4 + udata.len()]), hex(&udata));
     }
 
     #[test]
     fn mark_operations_match_nft() {
-        let ours = rule_payload(
-            "svc-a",
-            vec![
-                Expr::MarkHas(0x4000),
-                Expr::MarkSet(0x4000),
-                Expr::MarkXor(0x4000),
-            ],
-        );
+        let ours =
+            rule_payload("svc-a", vec![Expr::MarkHas(0x4000), Expr::MarkSet(0x4000), Expr::MarkXor(0x4000)]);
         assert_rule_prefix(
             &ours,
             "010000000b0001006e6f64656c6200000a0002007376632d61000000c801048024000180090001006d6574610000000014000280080002000000000308000100000000014c0001800c00010062697477697365003c00028008000100000000010800020000000001080006000000000008000300000000040c00048008000100004000000c00058008000100000000002c00018008000100636d700020000280080001000000000108000200000000000c000380080001000040000024000180090001006d6574610000000014000280080002000000000308000100000000014c0001800c00010062697477697365003c00028008000100000000010800020000000001080006000000000008000300000000040c00048008000100ffbfffff0c000580080001000040000024000180090001006d65746100000000140002800800020000000003080003000000000124000180090001006d6574610000000014000280080002000000000308000100000000014c0001800c00010062697477697365003c00028008000100000000010800020000000001080006000000000008000300000000040c00048008000100ffffffff0c000580080001000040000024000180090001006d657461000000001400028008000200000000030800030000000001",
@@ -1034,14 +924,8 @@ mod tests {
         let ours = rule_payload(
             "post",
             vec![
-                Expr::SaddrInPrefix {
-                    prefix: "2001:db8::/33".parse().expect("cidr"),
-                    negate: false,
-                },
-                Expr::DaddrInPrefix {
-                    prefix: "2001:db8::1/128".parse().expect("cidr"),
-                    negate: false,
-                },
+                Expr::SaddrInPrefix { prefix: "2001:db8::/33".parse().expect("cidr"), negate: false },
+                Expr::DaddrInPrefix { prefix: "2001:db8::1/128".parse().expect("cidr"), negate: false },
                 Expr::Verdict(Verdict::Accept),
             ],
         );
@@ -1057,10 +941,7 @@ mod tests {
             "ep1",
             vec![
                 Expr::L4Proto(Protocol::Tcp),
-                Expr::Dnat {
-                    addr: "192.0.2.1".parse().expect("ip"),
-                    port: 8080,
-                },
+                Expr::Dnat { addr: "192.0.2.1".parse().expect("ip"), port: 8080 },
             ],
         );
         assert_rule_prefix(
@@ -1090,14 +971,8 @@ mod tests {
         ];
         let b = key_bytes(Some(&[Ipv6Addr, InetProto, InetService]), &k).expect("key");
         assert_eq!(b.len(), 24);
-        assert_eq!(
-            crate::nft::decode::key(&[Ipv6Addr, InetProto, InetService], &b),
-            Some(k)
-        );
-        assert_eq!(
-            crate::nft::decode::key_types(0x830d),
-            Some(vec![Ipv6Addr, InetProto, InetService])
-        );
+        assert_eq!(crate::nft::decode::key(&[Ipv6Addr, InetProto, InetService], &b), Some(k));
+        assert_eq!(crate::nft::decode::key_types(0x830d), Some(vec![Ipv6Addr, InetProto, InetService]));
         // A key that does not fit the set is an error, not a panic.
         assert!(key_bytes(Some(&[Ipv4Addr]), &vec![KeyPart::Port(1)]).is_err());
     }
@@ -1105,17 +980,9 @@ mod tests {
     #[test]
     fn big_element_lists_are_split_under_the_attribute_limit() {
         let elements: Vec<_> = (0..5000u16)
-            .map(|p| {
-                (
-                    vec![KeyPart::Proto(Protocol::Tcp), KeyPart::Port(p)],
-                    Some(Verdict::Accept),
-                )
-            })
+            .map(|p| (vec![KeyPart::Proto(Protocol::Tcp), KeyPart::Port(p)], Some(Verdict::Accept)))
             .collect();
-        let m = encode(&[Change::AddElements {
-            set: "m".into(),
-            elements,
-        }]);
+        let m = encode(&[Change::AddElements { set: "m".into(), elements }]);
         assert!(m.len() > 1);
         assert!(m.iter().all(|(_, p)| p.len() < 65535));
     }

@@ -33,26 +33,13 @@ pub enum NftError {
     /// The kernel rejected the batch; nothing of it was applied. `change` describes the first
     /// failing change (index `index` in the list passed to `apply`).
     #[error("{change}: {reason}{}", if *.more > 0 { format!(" (and {} more error(s))", .more) } else { String::new() })]
-    Kernel {
-        index: Option<usize>,
-        change: String,
-        errno: i32,
-        reason: String,
-        more: usize,
-    },
+    Kernel { index: Option<usize>, change: String, errno: i32, reason: String, more: usize },
     /// A netlink request outside a batch failed.
     #[error("{what}: {reason}")]
-    Request {
-        what: String,
-        errno: i32,
-        reason: String,
-    },
+    Request { what: String, errno: i32, reason: String },
     /// Socket-level failure (open, send, receive, timeout, lost replies).
     #[error("{context}: {source}")]
-    Io {
-        context: String,
-        source: std::io::Error,
-    },
+    Io { context: String, source: std::io::Error },
     /// The kernel sent something we could not parse.
     #[error("malformed netlink reply: {0}")]
     Malformed(String),
@@ -134,10 +121,7 @@ impl KernelTable {
     /// `(chain, rule index, counter)` for every rule with a counter, e.g. for metrics.
     pub fn counters(&self) -> impl Iterator<Item = (&str, usize, Counter)> {
         self.chains.values().flat_map(|c| {
-            c.rules
-                .iter()
-                .enumerate()
-                .filter_map(move |(i, r)| r.counter.map(|k| (c.name.as_str(), i, k)))
+            c.rules.iter().enumerate().filter_map(move |(i, r)| r.counter.map(|k| (c.name.as_str(), i, k)))
         })
     }
 }

@@ -70,8 +70,7 @@ impl Writer {
     pub fn begin_nest(&mut self, ty: u16) -> usize {
         let start = self.buf.len();
         self.buf.extend_from_slice(&0u16.to_ne_bytes());
-        self.buf
-            .extend_from_slice(&(ty | NLA_F_NESTED).to_ne_bytes());
+        self.buf.extend_from_slice(&(ty | NLA_F_NESTED).to_ne_bytes());
         start
     }
 
@@ -95,10 +94,7 @@ pub fn messages(mut data: &[u8]) -> Result<Vec<Msg<'_>>, NftError> {
     while data.len() >= NLMSG_HDRLEN {
         let len = u32::from_ne_bytes([data[0], data[1], data[2], data[3]]) as usize;
         if len < NLMSG_HDRLEN || len > data.len() {
-            return Err(NftError::Malformed(format!(
-                "netlink message length {len} of {} bytes",
-                data.len()
-            )));
+            return Err(NftError::Malformed(format!("netlink message length {len} of {} bytes", data.len())));
         }
         out.push(Msg {
             ty: u16::from_ne_bytes([data[4], data[5]]),
@@ -130,9 +126,7 @@ impl<'a> Iterator for Attrs<'a> {
         let ty = u16::from_ne_bytes([self.data[2], self.data[3]]) & NLA_TYPE_MASK;
         if len < 4 || len > self.data.len() {
             self.data = &[];
-            return Some(Err(NftError::Malformed(format!(
-                "attribute type {ty} length {len}"
-            ))));
+            return Some(Err(NftError::Malformed(format!("attribute type {ty} length {len}"))));
         }
         let value = &self.data[4..len];
         self.data = &self.data[align4(len).min(self.data.len())..];
@@ -164,16 +158,14 @@ pub fn as_str(v: &[u8]) -> String {
 }
 
 pub fn as_u32(v: &[u8]) -> Result<u32, NftError> {
-    let b: [u8; 4] = v
-        .try_into()
-        .map_err(|_| NftError::Malformed(format!("u32 attribute of {} bytes", v.len())))?;
+    let b: [u8; 4] =
+        v.try_into().map_err(|_| NftError::Malformed(format!("u32 attribute of {} bytes", v.len())))?;
     Ok(u32::from_be_bytes(b))
 }
 
 pub fn as_u64(v: &[u8]) -> Result<u64, NftError> {
-    let b: [u8; 8] = v
-        .try_into()
-        .map_err(|_| NftError::Malformed(format!("u64 attribute of {} bytes", v.len())))?;
+    let b: [u8; 8] =
+        v.try_into().map_err(|_| NftError::Malformed(format!("u64 attribute of {} bytes", v.len())))?;
     Ok(u64::from_be_bytes(b))
 }
 

@@ -39,19 +39,12 @@ pub fn verify(expected: &Ruleset, actual: Option<&KernelTable>) -> Vec<String> {
                     out.push(format!("chain {name}: policy is not accept"));
                 }
             }
-            (Some(_), None) => out.push(format!(
-                "chain {name}: is a regular chain, expected a base chain"
-            )),
-            (None, Some(_)) => out.push(format!(
-                "chain {name}: is a base chain, expected a regular chain"
-            )),
+            (Some(_), None) => out.push(format!("chain {name}: is a regular chain, expected a base chain")),
+            (None, Some(_)) => out.push(format!("chain {name}: is a base chain, expected a regular chain")),
         }
         for (i, want) in chain.rules.iter().enumerate() {
             match k.rules.get(i) {
-                None => out.push(format!(
-                    "chain {name}: rule {i} `{}` missing",
-                    ir::render_rule(want)
-                )),
+                None => out.push(format!("chain {name}: rule {i} `{}` missing", ir::render_rule(want))),
                 Some(r) => match r.fingerprint {
                     None => out.push(format!("chain {name}: rule {i} is not ours (foreign rule)")),
                     Some(f) if f != fingerprint(want) => out.push(format!(
@@ -87,10 +80,7 @@ pub fn verify(expected: &Ruleset, actual: Option<&KernelTable>) -> Vec<String> {
         }
         for (key, v) in &set.elements {
             match k.elements.get(key) {
-                None => out.push(format!(
-                    "{kind} {name}: element {} missing",
-                    ir::render_key(key)
-                )),
+                None => out.push(format!("{kind} {name}: element {} missing", ir::render_key(key))),
                 Some(kv) if kv != v => out.push(format!(
                     "{kind} {name}: element {} maps to {}, expected {}",
                     ir::render_key(key),
@@ -102,19 +92,13 @@ pub fn verify(expected: &Ruleset, actual: Option<&KernelTable>) -> Vec<String> {
         }
         for key in k.elements.keys() {
             if !set.elements.contains_key(key) {
-                out.push(format!(
-                    "{kind} {name}: element {} is unexpected",
-                    ir::render_key(key)
-                ));
+                out.push(format!("{kind} {name}: element {} is unexpected", ir::render_key(key)));
             }
         }
     }
     for (name, s) in &actual.sets {
         if !expected.sets.contains_key(name) {
-            out.push(format!(
-                "{} {name} is unexpected",
-                if s.verdict_map { "map" } else { "set" }
-            ));
+            out.push(format!("{} {name} is unexpected", if s.verdict_map { "map" } else { "set" }));
         }
     }
     out

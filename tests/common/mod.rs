@@ -4,5 +4,5 @@
 pub mod agent;
 pub mod manifest;
 pub mod netns;
-pub mod topology;
 pub mod scenarios;
+pub mod topology;

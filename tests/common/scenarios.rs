@@ -82,7 +82,11 @@ pub fn scenarios() -> Vec<Scenario> {
     );
     let mut dual = svc(
         "dual",
-        vec![(80, Protocol::Tcp, vec![ep("198.51.100.11", 8080, NODE, true), ep("2001:db8:2::11", 8080, NODE, true)])],
+        vec![(
+            80,
+            Protocol::Tcp,
+            vec![ep("198.51.100.11", 8080, NODE, true), ep("2001:db8:2::11", 8080, NODE, true)],
+        )],
     );
     dual.families = vec![Family::Ipv4, Family::Ipv6];
     let all = [Family::Ipv4, Family::Ipv6];
@@ -90,11 +94,34 @@ pub fn scenarios() -> Vec<Scenario> {
         Scenario { name: "empty", services: vec![], node: node(&all) },
         Scenario { name: "web", services: vec![(web.clone(), ports(&web, 20001))], node: node(&all) },
         Scenario { name: "local", services: vec![(local.clone(), ports(&local, 20002))], node: node(&all) },
-        Scenario { name: "ranged", services: vec![(ranged.clone(), ports(&ranged, 20003))], node: node(&all) },
-        Scenario { name: "no_endpoints", services: vec![(empty.clone(), ports(&empty, 20004))], node: node(&all) },
-        Scenario { name: "dns", services: vec![(dns.clone(), BTreeMap::from([(dns.ports[0].id, 20053), (dns.ports[1].id, 20053)]))], node: node(&all) },
-        Scenario { name: "dual_stack", services: vec![(dual.clone(), ports(&dual, 20006))], node: node(&all) },
-        Scenario { name: "dual_stack_v4_forwarding_off", services: vec![(dual.clone(), ports(&dual, 20006))], node: node(&[Family::Ipv6]) },
+        Scenario {
+            name: "ranged",
+            services: vec![(ranged.clone(), ports(&ranged, 20003))],
+            node: node(&all),
+        },
+        Scenario {
+            name: "no_endpoints",
+            services: vec![(empty.clone(), ports(&empty, 20004))],
+            node: node(&all),
+        },
+        Scenario {
+            name: "dns",
+            services: vec![(
+                dns.clone(),
+                BTreeMap::from([(dns.ports[0].id, 20053), (dns.ports[1].id, 20053)]),
+            )],
+            node: node(&all),
+        },
+        Scenario {
+            name: "dual_stack",
+            services: vec![(dual.clone(), ports(&dual, 20006))],
+            node: node(&all),
+        },
+        Scenario {
+            name: "dual_stack_v4_forwarding_off",
+            services: vec![(dual.clone(), ports(&dual, 20006))],
+            node: node(&[Family::Ipv6]),
+        },
         Scenario {
             name: "mixed",
             services: vec![
@@ -113,4 +140,3 @@ pub fn plan_of(s: &Scenario) -> Ruleset {
         s.services.iter().map(|(svc, p)| ServicePlan { service: svc, node_ports: p }).collect();
     plan::plan(&plans, &s.node)
 }
-
