@@ -14,9 +14,7 @@ use ipnet::IpNet;
 pub const TABLE_NAME: &str = "nodelb";
 
 /// Address family of a packet (`meta nfproto`).
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Family {
     Ipv4,
     Ipv6,
@@ -56,9 +54,7 @@ impl fmt::Display for Family {
 }
 
 /// Transport protocol of a service port.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Protocol {
     Tcp,
     Udp,
@@ -188,10 +184,7 @@ pub struct Rule {
 
 impl Rule {
     pub fn new(exprs: Vec<Expr>) -> Rule {
-        Rule {
-            exprs,
-            comment: None,
-        }
+        Rule { exprs, comment: None }
     }
 
     pub fn with_comment(mut self, comment: impl Into<String>) -> Rule {
@@ -494,11 +487,7 @@ pub fn render_expr(e: &Expr) -> String {
                 .enumerate()
                 .map(|(i, v)| format!("{i} : {}", render_verdict(v)))
                 .collect();
-            format!(
-                "numgen random mod {} vmap {{ {} }}",
-                targets.len(),
-                elems.join(", ")
-            )
+            format!("numgen random mod {} vmap {{ {} }}", targets.len(), elems.join(", "))
         }
         Expr::Dnat { addr, port } => match addr {
             IpAddr::V4(a) => format!("dnat ip to {a}:{port}"),
@@ -526,21 +515,12 @@ pub enum Change {
     /// Delete an (empty, unreferenced) chain.
     DeleteChain(String),
     /// Append a rule to a chain.
-    AddRule {
-        chain: String,
-        rule: Rule,
-    },
+    AddRule { chain: String, rule: Rule },
     /// Create a set or map (its `elements` are ignored here; they come as [`Change::AddElements`]).
     AddSet(Set),
     DeleteSet(String),
-    AddElements {
-        set: String,
-        elements: Vec<(Key, Option<Verdict>)>,
-    },
-    DeleteElements {
-        set: String,
-        keys: Vec<Key>,
-    },
+    AddElements { set: String, elements: Vec<(Key, Option<Verdict>)> },
+    DeleteElements { set: String, keys: Vec<Key> },
 }
 
 impl Ruleset {
@@ -555,20 +535,13 @@ impl Ruleset {
             if !set.elements.is_empty() {
                 changes.push(Change::AddElements {
                     set: set.name.clone(),
-                    elements: set
-                        .elements
-                        .iter()
-                        .map(|(k, v)| (k.clone(), v.clone()))
-                        .collect(),
+                    elements: set.elements.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
                 });
             }
         }
         for chain in self.chains.values() {
             for rule in &chain.rules {
-                changes.push(Change::AddRule {
-                    chain: chain.name.clone(),
-                    rule: rule.clone(),
-                });
+                changes.push(Change::AddRule { chain: chain.name.clone(), rule: rule.clone() });
             }
         }
         changes

@@ -55,10 +55,7 @@ impl NetNs {
     pub fn exec(&self, program: &str, args: &[&str]) -> Output {
         let mut full = vec!["netns", "exec", self.name.as_str(), program];
         full.extend_from_slice(args);
-        Command::new("ip")
-            .args(&full)
-            .output()
-            .expect("spawn ip netns exec")
+        Command::new("ip").args(&full).output().expect("spawn ip netns exec")
     }
 
     /// Like [`NetNs::exec`] but panics with stderr when the command fails; returns stdout.
@@ -107,17 +104,12 @@ fn enter(path: &str) {
 
 impl Drop for NetNs {
     fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .output();
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).output();
     }
 }
 
 pub fn run_ok(program: &str, args: &[&str]) -> String {
-    let out = Command::new(program)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+    let out = Command::new(program).args(args).output().unwrap_or_else(|e| panic!("spawn {program}: {e}"));
     assert!(
         out.status.success(),
         "{program} {args:?} failed: {}",
@@ -129,9 +121,7 @@ pub fn run_ok(program: &str, args: &[&str]) -> String {
 /// Connects two namespaces with a veth pair `a_if` (in `a`) ↔ `b_if` (in `b`), both up.
 pub fn veth(a: &NetNs, a_if: &str, b: &NetNs, b_if: &str) {
     // Create inside `a` so no interface ever appears in the host namespace.
-    a.ip(&[
-        "link", "add", a_if, "type", "veth", "peer", "name", b_if, "netns", &b.name,
-    ]);
+    a.ip(&["link", "add", a_if, "type", "veth", "peer", "name", b_if, "netns", &b.name]);
     a.ip(&["link", "set", a_if, "up"]);
     b.ip(&["link", "set", b_if, "up"]);
 }
