@@ -50,10 +50,7 @@ pub struct PortRange {
 impl Default for PortRange {
     /// 20000–29999: overlaps neither the NodePort range nor the ephemeral range.
     fn default() -> Self {
-        PortRange {
-            first: 20000,
-            last: 29999,
-        }
+        PortRange { first: 20000, last: 29999 }
     }
 }
 
@@ -113,9 +110,7 @@ impl PortRange {
             ));
         }
         if self.first < 1024 {
-            out.push(format!(
-                "port range {self} includes privileged ports below 1024"
-            ));
+            out.push(format!("port range {self} includes privileged ports below 1024"));
         }
         out
     }
@@ -131,10 +126,7 @@ impl FromStr for PortRange {
     type Err = RangeError;
 
     fn from_str(s: &str) -> Result<PortRange, RangeError> {
-        let (a, b) = s
-            .trim()
-            .split_once('-')
-            .ok_or_else(|| RangeError::Syntax(s.to_string()))?;
+        let (a, b) = s.trim().split_once('-').ok_or_else(|| RangeError::Syntax(s.to_string()))?;
         let num = |t: &str| match t.trim().parse::<u16>() {
             Ok(n) if n != 0 => Ok(n),
             _ => Err(RangeError::Number(s.to_string(), t.trim().to_string())),
@@ -153,29 +145,16 @@ pub type Allocations = BTreeMap<ServiceKey, BTreeMap<PortId, u16>>;
 /// Why a service port got no node port. Each is a Warning Event and a Service condition.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize)]
 pub enum AllocProblem {
-    #[error(
-        "Service {service}: port {port} asks for node port {wanted}, which Service {holder} holds"
-    )]
-    Conflict {
-        service: ServiceKey,
-        port: PortId,
-        wanted: u16,
-        holder: ServiceKey,
-    },
+    #[error("Service {service}: port {port} asks for node port {wanted}, which Service {holder} holds")]
+    Conflict { service: ServiceKey, port: PortId, wanted: u16, holder: ServiceKey },
     #[error("Service {service}: port {port}: no free node port left in range {range}")]
-    Exhausted {
-        service: ServiceKey,
-        port: PortId,
-        range: PortRange,
-    },
+    Exhausted { service: ServiceKey, port: PortId, range: PortRange },
 }
 
 impl AllocProblem {
     pub fn service(&self) -> &ServiceKey {
         match self {
-            AllocProblem::Conflict { service, .. } | AllocProblem::Exhausted { service, .. } => {
-                service
-            }
+            AllocProblem::Conflict { service, .. } | AllocProblem::Exhausted { service, .. } => service,
         }
     }
 }
@@ -191,11 +170,7 @@ pub struct AllocationResult {
 impl AllocationResult {
     /// How many numbers of `range` are in use (for the free-ports metric).
     pub fn used_in(&self, range: &PortRange) -> usize {
-        let numbers: BTreeSet<u16> = self
-            .allocations
-            .values()
-            .flat_map(|m| m.values().copied())
-            .collect();
+        let numbers: BTreeSet<u16> = self.allocations.values().flat_map(|m| m.values().copied()).collect();
         numbers.into_iter().filter(|n| range.contains(*n)).count()
     }
 }
@@ -211,8 +186,7 @@ impl Table {
     fn claim(&mut self, number: u16, proto: Protocol, key: &ServiceKey) -> Result<(), ServiceKey> {
         match self.owners.get_mut(&number) {
             None => {
-                self.owners
-                    .insert(number, (key.clone(), BTreeSet::from([proto])));
+                self.owners.insert(number, (key.clone(), BTreeSet::from([proto])));
                 Ok(())
             }
             Some((owner, protos)) if owner == key && !protos.contains(&proto) => {
@@ -231,11 +205,8 @@ impl Table {
 /// Age order key: parsed creation time (None = youngest), then key.
 fn age_order(services: &[LbService]) -> Vec<&LbService> {
     let mut ordered: Vec<&LbService> = services.iter().collect();
-    let ts = |s: &LbService| {
-        s.created
-            .as_deref()
-            .and_then(|c| c.parse::<k8s_openapi::jiff::Timestamp>().ok())
-    };
+    let ts =
+        |s: &LbService| s.created.as_deref().and_then(|c| c.parse::<k8s_openapi::jiff::Timestamp>().ok());
     ordered.sort_by(|a, b| match (ts(a), ts(b)) {
         (Some(x), Some(y)) => x.cmp(&y).then_with(|| a.key.cmp(&b.key)),
         (Some(_), None) => std::cmp::Ordering::Less,
@@ -259,11 +230,7 @@ fn explicit_request(svc: &LbService, id: PortId) -> Option<u16> {
 
 /// Allocates node ports for `services`, keeping `previous` (the state file) where possible.
 /// See the module documentation for the rules.
-pub fn allocate(
-    range: &PortRange,
-    services: &[LbService],
-    previous: &Allocations,
-) -> AllocationResult {
+pub fn allocate(range: &PortRange, services: &[LbService], previous: &Allocations) -> AllocationResult {
     let ordered = age_order(services);
     let mut table = Table::default();
     let mut result = AllocationResult::default();
@@ -281,11 +248,7 @@ pub fn allocate(
             settled.insert((svc.key.clone(), port.id));
             match table.claim(wanted, port.id.protocol, &svc.key) {
                 Ok(()) => {
-                    result
-                        .allocations
-                        .entry(svc.key.clone())
-                        .or_default()
-                        .insert(port.id, wanted);
+                    result.allocations.entry(svc.key.clone()).or_default().insert(port.id, wanted);
                 }
                 Err(holder) => result.problems.push(AllocProblem::Conflict {
                     service: svc.key.clone(),
@@ -300,18 +263,11 @@ pub fn allocate(
             if settled.contains(&(svc.key.clone(), port.id)) {
                 continue;
             }
-            let candidates = [
-                svc.previous_allocation.get(&port.id),
-                from_state.and_then(|m| m.get(&port.id)),
-            ];
+            let candidates =
+                [svc.previous_allocation.get(&port.id), from_state.and_then(|m| m.get(&port.id))];
             for number in candidates.into_iter().flatten().copied() {
-                if range.contains(number) && table.claim(number, port.id.protocol, &svc.key).is_ok()
-                {
-                    result
-                        .allocations
-                        .entry(svc.key.clone())
-                        .or_default()
-                        .insert(port.id, number);
+                if range.contains(number) && table.claim(number, port.id.protocol, &svc.key).is_ok() {
+                    result.allocations.entry(svc.key.clone()).or_default().insert(port.id, number);
                     settled.insert((svc.key.clone(), port.id));
                     break;
                 }
@@ -336,11 +292,7 @@ pub fn allocate(
                 && range.contains(number)
                 && table.claim(number, port.id.protocol, &svc.key).is_ok()
             {
-                result
-                    .allocations
-                    .entry(svc.key.clone())
-                    .or_default()
-                    .insert(port.id, number);
+                result.allocations.entry(svc.key.clone()).or_default().insert(port.id, number);
                 continue;
             }
             while let Some(n) = cursor {
@@ -351,11 +303,7 @@ pub fn allocate(
             }
             match cursor.filter(|n| *n <= range.last) {
                 Some(number) if table.claim(number, port.id.protocol, &svc.key).is_ok() => {
-                    result
-                        .allocations
-                        .entry(svc.key.clone())
-                        .or_default()
-                        .insert(port.id, number);
+                    result.allocations.entry(svc.key.clone()).or_default().insert(port.id, number);
                 }
                 _ => result.problems.push(AllocProblem::Exhausted {
                     service: svc.key.clone(),
@@ -375,24 +323,15 @@ mod tests {
     use crate::model::{LbPort, TrafficPolicy};
 
     fn key(name: &str) -> ServiceKey {
-        ServiceKey {
-            namespace: "default".into(),
-            name: name.into(),
-        }
+        ServiceKey { namespace: "default".into(), name: name.into() }
     }
 
     fn tcp(port: u16) -> PortId {
-        PortId {
-            port,
-            protocol: Protocol::Tcp,
-        }
+        PortId { port, protocol: Protocol::Tcp }
     }
 
     fn udp(port: u16) -> PortId {
-        PortId {
-            port,
-            protocol: Protocol::Udp,
-        }
+        PortId { port, protocol: Protocol::Udp }
     }
 
     /// A Service created at second `age` of 2024-01-01 (None: no timestamp) with `ports`.
@@ -403,11 +342,7 @@ mod tests {
             created: age.map(|s| format!("2024-01-01T00:{:02}:{:02}Z", s / 60, s % 60)),
             ports: ports
                 .iter()
-                .map(|id| LbPort {
-                    id: *id,
-                    name: String::new(),
-                    endpoints: vec![],
-                })
+                .map(|id| LbPort { id: *id, name: String::new(), endpoints: vec![] })
                 .collect(),
             families: vec![Family::Ipv4],
             source_ranges: vec![],
@@ -428,17 +363,11 @@ mod tests {
     }
 
     fn allocs(entries: &[(&str, &[(PortId, u16)])]) -> Allocations {
-        entries
-            .iter()
-            .map(|(n, m)| (key(n), m.iter().copied().collect()))
-            .collect()
+        entries.iter().map(|(n, m)| (key(n), m.iter().copied().collect())).collect()
     }
 
     fn small() -> PortRange {
-        PortRange {
-            first: 20000,
-            last: 20009,
-        }
+        PortRange { first: 20000, last: 20009 }
     }
 
     struct Case {
@@ -456,15 +385,9 @@ mod tests {
             Case {
                 name: "new ports, oldest first, lowest free",
                 range: small(),
-                services: vec![
-                    svc("b", Some(1), &[tcp(80)]),
-                    svc("a", Some(2), &[tcp(80), tcp(443)]),
-                ],
+                services: vec![svc("b", Some(1), &[tcp(80)]), svc("a", Some(2), &[tcp(80), tcp(443)])],
                 previous: Allocations::new(),
-                want: allocs(&[
-                    ("b", &[(tcp(80), 20000)]),
-                    ("a", &[(tcp(80), 20001), (tcp(443), 20002)]),
-                ]),
+                want: allocs(&[("b", &[(tcp(80), 20000)]), ("a", &[(tcp(80), 20001), (tcp(443), 20002)])]),
                 problems: vec![],
             },
             Case {
@@ -486,10 +409,7 @@ mod tests {
             Case {
                 name: "previous kept, new Service fills the gap",
                 range: small(),
-                services: vec![
-                    svc("old", Some(1), &[tcp(80)]),
-                    svc("new", Some(2), &[tcp(80)]),
-                ],
+                services: vec![svc("old", Some(1), &[tcp(80)]), svc("new", Some(2), &[tcp(80)])],
                 previous: allocs(&[("old", &[(tcp(80), 20003)])]),
                 want: allocs(&[("old", &[(tcp(80), 20003)]), ("new", &[(tcp(80), 20000)])]),
                 problems: vec![],
@@ -497,10 +417,7 @@ mod tests {
             Case {
                 name: "a new port of an older Service never takes a younger Service's number",
                 range: small(),
-                services: vec![
-                    svc("old", Some(1), &[tcp(80), tcp(443)]),
-                    svc("young", Some(2), &[tcp(80)]),
-                ],
+                services: vec![svc("old", Some(1), &[tcp(80), tcp(443)]), svc("young", Some(2), &[tcp(80)])],
                 previous: allocs(&[("old", &[(tcp(80), 20001)]), ("young", &[(tcp(80), 20000)])]),
                 want: allocs(&[
                     ("old", &[(tcp(80), 20001), (tcp(443), 20002)]),
@@ -539,10 +456,7 @@ mod tests {
                 name: "explicit conflict: older wins, younger gets nothing and a Conflict",
                 range: small(),
                 services: vec![
-                    explicit(
-                        svc("young", Some(2), &[tcp(80), tcp(81)]),
-                        &[(tcp(80), 8080)],
-                    ),
+                    explicit(svc("young", Some(2), &[tcp(80), tcp(81)]), &[(tcp(80), 8080)]),
                     explicit(svc("old", Some(1), &[tcp(80)]), &[(tcp(80), 8080)]),
                 ],
                 previous: Allocations::new(),
@@ -584,10 +498,7 @@ mod tests {
             Case {
                 name: "a number is one Service's for every protocol",
                 range: small(),
-                services: vec![
-                    svc("tcp", Some(1), &[tcp(80)]),
-                    svc("udp", Some(2), &[udp(53)]),
-                ],
+                services: vec![svc("tcp", Some(1), &[tcp(80)]), svc("udp", Some(2), &[udp(53)])],
                 previous: allocs(&[("tcp", &[(tcp(80), 20001)]), ("udp", &[(udp(53), 20001)])]),
                 want: allocs(&[("tcp", &[(tcp(80), 20001)]), ("udp", &[(udp(53), 20000)])]),
                 problems: vec![],
@@ -597,10 +508,7 @@ mod tests {
                 range: small(),
                 services: vec![svc("dns", Some(1), &[udp(53), tcp(53), tcp(80)])],
                 previous: Allocations::new(),
-                want: allocs(&[(
-                    "dns",
-                    &[(tcp(53), 20000), (udp(53), 20000), (tcp(80), 20001)],
-                )]),
+                want: allocs(&[("dns", &[(tcp(53), 20000), (udp(53), 20000), (tcp(80), 20001)])]),
                 problems: vec![],
             },
             Case {
@@ -613,41 +521,26 @@ mod tests {
             },
             Case {
                 name: "exhaustion",
-                range: PortRange {
-                    first: 20000,
-                    last: 20001,
-                },
-                services: vec![
-                    svc("a", Some(1), &[tcp(80), tcp(81)]),
-                    svc("b", Some(2), &[tcp(80)]),
-                ],
+                range: PortRange { first: 20000, last: 20001 },
+                services: vec![svc("a", Some(1), &[tcp(80), tcp(81)]), svc("b", Some(2), &[tcp(80)])],
                 previous: Allocations::new(),
                 want: allocs(&[("a", &[(tcp(80), 20000), (tcp(81), 20001)])]),
                 problems: vec![AllocProblem::Exhausted {
                     service: key("b"),
                     port: tcp(80),
-                    range: PortRange {
-                        first: 20000,
-                        last: 20001,
-                    },
+                    range: PortRange { first: 20000, last: 20001 },
                 }],
             },
             Case {
                 name: "exhaustion at the top of the port space does not overflow",
-                range: PortRange {
-                    first: 65535,
-                    last: 65535,
-                },
+                range: PortRange { first: 65535, last: 65535 },
                 services: vec![svc("a", Some(1), &[tcp(80), tcp(81)])],
                 previous: Allocations::new(),
                 want: allocs(&[("a", &[(tcp(80), 65535)])]),
                 problems: vec![AllocProblem::Exhausted {
                     service: key("a"),
                     port: tcp(81),
-                    range: PortRange {
-                        first: 65535,
-                        last: 65535,
-                    },
+                    range: PortRange { first: 65535, last: 65535 },
                 }],
             },
             Case {
@@ -680,27 +573,14 @@ mod tests {
                 previous: Allocations::new(),
                 want: allocs(&[("a", &[(tcp(80), 80)])]),
                 problems: vec![
-                    AllocProblem::Conflict {
-                        service: key("b"),
-                        port: tcp(80),
-                        wanted: 80,
-                        holder: key("a"),
-                    },
-                    AllocProblem::Conflict {
-                        service: key("b"),
-                        port: udp(80),
-                        wanted: 80,
-                        holder: key("a"),
-                    },
+                    AllocProblem::Conflict { service: key("b"), port: tcp(80), wanted: 80, holder: key("a") },
+                    AllocProblem::Conflict { service: key("b"), port: udp(80), wanted: 80, holder: key("a") },
                 ],
             },
             Case {
                 name: "explicit outside the range; unlisted ports auto",
                 range: small(),
-                services: vec![explicit(
-                    svc("web", Some(1), &[tcp(80), tcp(443)]),
-                    &[(tcp(443), 8443)],
-                )],
+                services: vec![explicit(svc("web", Some(1), &[tcp(80), tcp(443)]), &[(tcp(443), 8443)])],
                 previous: Allocations::new(),
                 want: allocs(&[("web", &[(tcp(80), 20000), (tcp(443), 8443)])]),
                 problems: vec![],
@@ -708,20 +588,14 @@ mod tests {
             Case {
                 name: "explicit request beats a stale previous number of another port of the same Service",
                 range: small(),
-                services: vec![explicit(
-                    svc("web", Some(1), &[tcp(80), tcp(81)]),
-                    &[(tcp(81), 20000)],
-                )],
+                services: vec![explicit(svc("web", Some(1), &[tcp(80), tcp(81)]), &[(tcp(81), 20000)])],
                 previous: allocs(&[("web", &[(tcp(80), 20000)])]),
                 want: allocs(&[("web", &[(tcp(80), 20001), (tcp(81), 20000)])]),
                 problems: vec![],
             },
             Case {
                 name: "range change: previous outside the new range moves, explicit stays",
-                range: PortRange {
-                    first: 21000,
-                    last: 21009,
-                },
+                range: PortRange { first: 21000, last: 21009 },
                 services: vec![
                     svc("a", Some(1), &[tcp(80)]),
                     explicit(svc("b", Some(2), &[tcp(80)]), &[(tcp(80), 20005)]),
@@ -746,14 +620,8 @@ mod tests {
                     annotated(svc("a", Some(1), &[tcp(80), tcp(81)]), &[(tcp(80), 20007)]),
                     svc("b", Some(2), &[tcp(80)]),
                 ],
-                previous: allocs(&[
-                    ("a", &[(tcp(80), 20002), (tcp(81), 20003)]),
-                    ("b", &[(tcp(80), 20007)]),
-                ]),
-                want: allocs(&[
-                    ("a", &[(tcp(80), 20007), (tcp(81), 20003)]),
-                    ("b", &[(tcp(80), 20000)]),
-                ]),
+                previous: allocs(&[("a", &[(tcp(80), 20002), (tcp(81), 20003)]), ("b", &[(tcp(80), 20007)])]),
+                want: allocs(&[("a", &[(tcp(80), 20007), (tcp(81), 20003)]), ("b", &[(tcp(80), 20000)])]),
                 problems: vec![],
             },
             Case {
@@ -798,11 +666,7 @@ mod tests {
         assert_eq!(allocate(&small(), &reversed, &Allocations::new()), first);
         // Restart with the state file: identical. Then a Service goes away: the others keep theirs.
         assert_eq!(allocate(&small(), &reversed, &first.allocations), first);
-        let without_b: Vec<LbService> = services
-            .iter()
-            .filter(|s| s.key != key("b"))
-            .cloned()
-            .collect();
+        let without_b: Vec<LbService> = services.iter().filter(|s| s.key != key("b")).cloned().collect();
         let after = allocate(&small(), &without_b, &first.allocations);
         for (k, m) in &after.allocations {
             assert_eq!(Some(m), first.allocations.get(k), "{k} moved");
@@ -814,10 +678,7 @@ mod tests {
     #[test]
     fn ranges() {
         assert_eq!("20000-29999".parse::<PortRange>(), Ok(PortRange::default()));
-        assert_eq!(
-            " 1 - 2 ".parse::<PortRange>(),
-            Ok(PortRange { first: 1, last: 2 })
-        );
+        assert_eq!(" 1 - 2 ".parse::<PortRange>(), Ok(PortRange { first: 1, last: 2 }));
         for bad in ["", "20000", "0-10", "10-0", "5-4", "a-b", "1-70000", "-5"] {
             assert!(bad.parse::<PortRange>().is_err(), "{bad}");
         }
@@ -825,30 +686,9 @@ mod tests {
         assert!(PortRange::new(0, 4).is_err());
         assert_eq!(PortRange::default().len(), 10000);
         assert!(PortRange::default().warnings().is_empty());
-        assert_eq!(
-            PortRange {
-                first: 29000,
-                last: 33000
-            }
-            .warnings()
-            .len(),
-            2
-        );
-        assert_eq!(
-            PortRange {
-                first: 80,
-                last: 90
-            }
-            .warnings()
-            .len(),
-            1
-        );
-        let p = AllocProblem::Conflict {
-            service: key("b"),
-            port: tcp(80),
-            wanted: 80,
-            holder: key("a"),
-        };
+        assert_eq!(PortRange { first: 29000, last: 33000 }.warnings().len(), 2);
+        assert_eq!(PortRange { first: 80, last: 90 }.warnings().len(), 1);
+        let p = AllocProblem::Conflict { service: key("b"), port: tcp(80), wanted: 80, holder: key("a") };
         assert_eq!(
             p.to_string(),
             "Service default/b: port 80/TCP asks for node port 80, which Service default/a holds"

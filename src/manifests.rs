@@ -110,18 +110,12 @@ impl fmt::Display for IgnoredObject {
 }
 
 fn is_manifest_name(name: &str) -> bool {
-    !name.starts_with('.')
-        && [".yaml", ".yml", ".json"]
-            .iter()
-            .any(|ext| name.ends_with(ext))
+    !name.starts_with('.') && [".yaml", ".yml", ".json"].iter().any(|ext| name.ends_with(ext))
 }
 
 /// Reads every manifest file in `dir`. Fails only when `dir` itself cannot be read.
 pub fn load_dir(dir: &Path) -> Result<Manifests, ManifestError> {
-    let read_err = |source| ManifestError::ReadDir {
-        path: dir.to_path_buf(),
-        source,
-    };
+    let read_err = |source| ManifestError::ReadDir { path: dir.to_path_buf(), source };
     let mut names = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(read_err)? {
         let entry = entry.map_err(read_err)?;
@@ -168,12 +162,7 @@ struct Origin<'a> {
 
 impl Loader {
     fn problem(&mut self, file: &Path, document: usize, line: Option<usize>, message: String) {
-        self.out.problems.push(ManifestProblem {
-            file: file.to_path_buf(),
-            document,
-            line,
-            message,
-        });
+        self.out.problems.push(ManifestProblem { file: file.to_path_buf(), document, line, message });
     }
 
     fn json_file(&mut self, file: &Path, text: &str) {
@@ -181,11 +170,7 @@ impl Loader {
             Ok(v) => v,
             Err(e) => return self.problem(file, 1, Some(e.line()), e.to_string()),
         };
-        let origin = Origin {
-            file,
-            document: 1,
-            prefix: String::new(),
-        };
+        let origin = Origin { file, document: 1, prefix: String::new() };
         // Typed re-parse from the text gives line numbers in errors.
         self.object(
             &origin,
@@ -212,21 +197,12 @@ impl Loader {
                 Ok(v) => v,
                 Err(e) => {
                     document += 1;
-                    self.problem(
-                        file,
-                        document,
-                        e.location().map(|l| l.line()),
-                        e.to_string(),
-                    );
+                    self.problem(file, document, e.location().map(|l| l.line()), e.to_string());
                     continue;
                 }
             };
             document += 1;
-            let origin = Origin {
-                file,
-                document,
-                prefix: String::new(),
-            };
+            let origin = Origin { file, document, prefix: String::new() };
             let line = |e: &serde_yaml::Error| e.location().map(|l| l.line());
             self.object(
                 &origin,
@@ -258,16 +234,8 @@ impl Loader {
             );
             return self.problem(origin.file, origin.document, None, msg);
         };
-        let api_version = map
-            .get("apiVersion")
-            .and_then(Value::as_str)
-            .unwrap_or("")
-            .to_string();
-        let kind = map
-            .get("kind")
-            .and_then(Value::as_str)
-            .unwrap_or("")
-            .to_string();
+        let api_version = map.get("apiVersion").and_then(Value::as_str).unwrap_or("").to_string();
+        let kind = map.get("kind").and_then(Value::as_str).unwrap_or("").to_string();
         if kind.is_empty() {
             let msg = format!("{}object has no kind", origin.prefix);
             return self.problem(origin.file, origin.document, None, msg);
@@ -279,10 +247,7 @@ impl Loader {
             ("Service", "v1") => Kind::Service,
             ("EndpointSlice", "discovery.k8s.io/v1") => Kind::Slice,
             ("Service" | "EndpointSlice", other) => {
-                let msg = format!(
-                    "{}{kind} with unsupported apiVersion {other:?}",
-                    origin.prefix
-                );
+                let msg = format!("{}{kind} with unsupported apiVersion {other:?}", origin.prefix);
                 return self.problem(origin.file, origin.document, None, msg);
             }
             _ => {
@@ -304,10 +269,12 @@ impl Loader {
         let typed = match reparse {
             Some(reparse) => reparse(typed_kind),
             None => match typed_kind {
-                Kind::Service => serde_json::from_value::<Service>(value.clone())
-                    .map(|v| Typed::Service(Box::new(v))),
-                Kind::Slice => serde_json::from_value::<EndpointSlice>(value.clone())
-                    .map(|v| Typed::Slice(Box::new(v))),
+                Kind::Service => {
+                    serde_json::from_value::<Service>(value.clone()).map(|v| Typed::Service(Box::new(v)))
+                }
+                Kind::Slice => {
+                    serde_json::from_value::<EndpointSlice>(value.clone()).map(|v| Typed::Slice(Box::new(v)))
+                }
             }
             .map_err(|e| (None, e.to_string())),
         };
@@ -370,14 +337,8 @@ impl Loader {
             self.problem(origin.file, origin.document, None, msg);
             return false;
         };
-        if !self
-            .seen
-            .insert((kind.to_string(), namespace.clone(), name.clone()))
-        {
-            let msg = format!(
-                "{}duplicate {kind} {namespace}/{name}; the first one is used",
-                origin.prefix
-            );
+        if !self.seen.insert((kind.to_string(), namespace.clone(), name.clone())) {
+            let msg = format!("{}duplicate {kind} {namespace}/{name}; the first one is used", origin.prefix);
             self.problem(origin.file, origin.document, None, msg);
             return false;
         }
@@ -412,8 +373,7 @@ fn split_documents(text: &str) -> Vec<(usize, String)> {
         let marker = if bare == "---" || bare == "..." {
             Some("")
         } else {
-            bare.strip_prefix("---")
-                .filter(|r| r.starts_with([' ', '\t']))
+            bare.strip_prefix("---").filter(|r| r.starts_with([' ', '\t']))
         };
         match marker {
             Some(rest) => {
@@ -459,28 +419,19 @@ impl AsRawFd for InotifyFd {
 impl DirWatcher {
     /// Starts watching `dir`, which must exist. Needs a Tokio runtime with I/O and time enabled.
     pub fn new(dir: &Path) -> Result<DirWatcher, ManifestError> {
-        let watch_err = |source: io::Error| ManifestError::Watch {
-            path: dir.to_path_buf(),
-            source,
-        };
+        let watch_err = |source: io::Error| ManifestError::Watch { path: dir.to_path_buf(), source };
         if tokio::runtime::Handle::try_current().is_err() {
             // Registering would panic.
             return Err(watch_err(io::Error::other("not inside a Tokio runtime")));
         }
-        let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)
-            .map_err(|e| watch_err(e.into()))?;
-        let wd = inotify
-            .add_watch(dir, watch_mask())
-            .map_err(|e| watch_err(e.into()))?;
+        let inotify =
+            Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC).map_err(|e| watch_err(e.into()))?;
+        let wd = inotify.add_watch(dir, watch_mask()).map_err(|e| watch_err(e.into()))?;
         // SAFETY: InotifyFd owns the descriptor (an OwnedFd inside nix's Inotify) for its whole
         // life and always returns that same descriptor; the AsyncFd owns the InotifyFd.
         let fd = unsafe { AsyncFd::register_with_interest(InotifyFd(inotify), Interest::READABLE) }
             .map_err(|e| watch_err(e.into()))?;
-        Ok(DirWatcher {
-            dir: dir.to_path_buf(),
-            fd,
-            watch: Some(wd),
-        })
+        Ok(DirWatcher { dir: dir.to_path_buf(), fd, watch: Some(wd) })
     }
 
     /// Waits until something in DIR changed, then for the burst to settle (see
@@ -491,9 +442,7 @@ impl DirWatcher {
             let touched = if self.watch.is_some() {
                 self.read_events().await?
             } else {
-                tokio::time::timeout(IDLE_TICK, self.read_events())
-                    .await
-                    .unwrap_or(Ok(false))?
+                tokio::time::timeout(IDLE_TICK, self.read_events()).await.unwrap_or(Ok(false))?
             };
             let reattached = self.reattach();
             if touched || reattached {
@@ -534,10 +483,7 @@ impl DirWatcher {
     /// Reads at least one batch of events; `true` when any was about DIR's content.
     async fn read_events(&mut self) -> Result<bool, ManifestError> {
         let dir = self.dir.clone();
-        let err = |source: io::Error| ManifestError::Watch {
-            path: dir.clone(),
-            source,
-        };
+        let err = |source: io::Error| ManifestError::Watch { path: dir.clone(), source };
         loop {
             let mut guard = self.fd.readable().await.map_err(err)?;
             match guard.try_io(|inner| inner.get_ref().0.read_events().map_err(io::Error::from)) {
@@ -620,34 +566,22 @@ mod tests {
         let dir = dir_with(&[("a.yaml", &text)]);
         let m = load_dir(dir.path()).expect("load");
         assert!(m.problems.is_empty(), "{:?}", m.problems);
-        assert_eq!(
-            names(&m),
-            (
-                vec!["default/web".to_string()],
-                vec!["prod/web-1".to_string()]
-            )
-        );
+        assert_eq!(names(&m), (vec!["default/web".to_string()], vec!["prod/web-1".to_string()]));
     }
 
     #[test]
     fn problems_are_per_document_with_file_lines() {
         let bad_syntax = "apiVersion: v1\nkind: Service\nmetadata: {name: [oops\n";
-        let bad_type = "apiVersion: v1\nkind: Service\nmetadata:\n  name: typed\nspec:\n  ports:\n  - port: eighty\n";
+        let bad_type =
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: typed\nspec:\n  ports:\n  - port: eighty\n";
         let text = format!("{SVC}---\n{bad_syntax}---\n{bad_type}---\n{SLICE}");
         let dir = dir_with(&[("m.yaml", &text)]);
         let m = load_dir(dir.path()).expect("load");
         assert_eq!(names(&m).0, vec!["default/web".to_string()]);
-        assert_eq!(
-            names(&m).1,
-            vec!["prod/web-1".to_string()],
-            "a bad document does not stop the next"
-        );
+        assert_eq!(names(&m).1, vec!["prod/web-1".to_string()], "a bad document does not stop the next");
         assert_eq!(m.problems.len(), 2, "{:?}", m.problems);
         let p = &m.problems[0];
-        assert_eq!(
-            (p.document, p.file.file_name().and_then(|f| f.to_str())),
-            (2, Some("m.yaml"))
-        );
+        assert_eq!((p.document, p.file.file_name().and_then(|f| f.to_str())), (2, Some("m.yaml")));
         // The broken flow sequence starts on line 12 of the file; libyaml notices it at or after.
         assert!(p.line.is_some_and(|l| (12..=13).contains(&l)), "{p}");
         let p = &m.problems[1];
@@ -655,29 +589,17 @@ mod tests {
         assert_eq!(p.line, Some(20), "{p}");
         assert!(p.message.contains("invalid Service"), "{p}");
         let shown = p.to_string();
-        assert!(
-            shown.contains("m.yaml document 3 (line 20): invalid Service"),
-            "{shown}"
-        );
+        assert!(shown.contains("m.yaml document 3 (line 20): invalid Service"), "{shown}");
     }
 
     #[test]
     fn kinds_and_versions() {
         let files = [
-            (
-                "a.yaml",
-                "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: cfg\n",
-            ),
-            (
-                "b.yaml",
-                "apiVersion: v1beta1\nkind: Service\nmetadata:\n  name: old\n",
-            ),
+            ("a.yaml", "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: cfg\n"),
+            ("b.yaml", "apiVersion: v1beta1\nkind: Service\nmetadata:\n  name: old\n"),
             ("c.yaml", "apiVersion: v1\nmetadata:\n  name: nokind\n"),
             ("d.yaml", "- just\n- a list\n"),
-            (
-                "e.yaml",
-                "apiVersion: v1\nkind: Service\nmetadata:\n  namespace: x\nspec: {}\n",
-            ),
+            ("e.yaml", "apiVersion: v1\nkind: Service\nmetadata:\n  namespace: x\nspec: {}\n"),
             ("f.yaml", SVC),
             ("g.yaml", SVC), // duplicate of f.yaml
         ];
@@ -701,51 +623,32 @@ mod tests {
             ("g.yaml", "duplicate Service default/web"),
         ];
         for ((file, needle), msg) in expect.iter().zip(&msgs) {
-            assert!(
-                msg.contains(file) && msg.contains(needle),
-                "{msg} lacks {file}/{needle}"
-            );
+            assert!(msg.contains(file) && msg.contains(needle), "{msg} lacks {file}/{needle}");
         }
     }
 
     #[test]
     fn json_and_lists() {
         let json = r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"j","namespace":"ns"},"spec":{"ports":[{"port":53,"protocol":"UDP"}]}}"#;
-        let bad_json = "{\n  \"apiVersion\": \"v1\",\n  \"kind\": \"Service\",\n  \"metadata\": {\"name\": 5}\n}\n";
+        let bad_json =
+            "{\n  \"apiVersion\": \"v1\",\n  \"kind\": \"Service\",\n  \"metadata\": {\"name\": 5}\n}\n";
         let list = format!(
             "apiVersion: v1\nkind: List\nitems:\n- {}\n- apiVersion: v1\n  kind: Secret\n  metadata: {{name: s}}\n- apiVersion: v1\n  kind: Service\n  metadata: {{name: bad}}\n  spec: {{ports: [{{port: x}}]}}\n",
-            serde_json::to_string(&serde_yaml::from_str::<Value>(SLICE).expect("slice"))
-                .expect("json")
+            serde_json::to_string(&serde_yaml::from_str::<Value>(SLICE).expect("slice")).expect("json")
         );
         let svc_list = "apiVersion: v1\nkind: ServiceList\nitems:\n- metadata: {name: from-list}\n  spec: {type: LoadBalancer, ports: [{port: 1}]}\n";
-        let dir = dir_with(&[
-            ("j.json", json),
-            ("k.json", bad_json),
-            ("l.yml", &list),
-            ("s.yaml", svc_list),
-        ]);
+        let dir = dir_with(&[("j.json", json), ("k.json", bad_json), ("l.yml", &list), ("s.yaml", svc_list)]);
         let m = load_dir(dir.path()).expect("load");
         assert_eq!(
             names(&m),
-            (
-                vec!["ns/j".to_string(), "default/from-list".to_string()],
-                vec!["prod/web-1".to_string()]
-            )
+            (vec!["ns/j".to_string(), "default/from-list".to_string()], vec!["prod/web-1".to_string()])
         );
         assert_eq!(m.ignored.len(), 1);
         assert_eq!(m.ignored[0].kind, "Secret");
         let msgs: Vec<String> = m.problems.iter().map(ToString::to_string).collect();
         assert_eq!(msgs.len(), 2, "{msgs:?}");
-        assert!(
-            msgs[0].contains("k.json document 1 (line 4)"),
-            "{}",
-            msgs[0]
-        );
-        assert!(
-            msgs[1].contains("l.yml document 1: items[2]: invalid Service"),
-            "{}",
-            msgs[1]
-        );
+        assert!(msgs[0].contains("k.json document 1 (line 4)"), "{}", msgs[0]);
+        assert!(msgs[1].contains("l.yml document 1: items[2]: invalid Service"), "{}", msgs[1]);
     }
 
     #[test]
@@ -762,26 +665,12 @@ mod tests {
         fs::create_dir(dir.path().join("..2024_01_01")).expect("mkdir");
         fs::write(dir.path().join("..2024_01_01/web.yaml"), SVC).expect("write");
         std::os::unix::fs::symlink("..2024_01_01", dir.path().join("..data")).expect("symlink");
-        std::os::unix::fs::symlink("..data/web.yaml", dir.path().join("web.yaml"))
-            .expect("symlink");
-        std::os::unix::fs::symlink("nowhere.yaml", dir.path().join("dangling.yaml"))
-            .expect("symlink");
+        std::os::unix::fs::symlink("..data/web.yaml", dir.path().join("web.yaml")).expect("symlink");
+        std::os::unix::fs::symlink("nowhere.yaml", dir.path().join("dangling.yaml")).expect("symlink");
         let m = load_dir(dir.path()).expect("load");
-        assert_eq!(
-            names(&m),
-            (
-                vec!["default/web".to_string()],
-                vec!["prod/web-1".to_string()]
-            )
-        );
+        assert_eq!(names(&m), (vec!["default/web".to_string()], vec!["prod/web-1".to_string()]));
         assert_eq!(m.problems.len(), 1, "{:?}", m.problems);
-        assert!(
-            m.problems[0]
-                .to_string()
-                .contains("dangling.yaml: cannot read"),
-            "{}",
-            m.problems[0]
-        );
+        assert!(m.problems[0].to_string().contains("dangling.yaml: cannot read"), "{}", m.problems[0]);
     }
 
     #[test]
@@ -795,10 +684,7 @@ mod tests {
     fn split_keeps_lines() {
         let docs = split_documents("a: 1\n--- # c\nb: 2\n--- {c: 3}\n...\n");
         let docs: Vec<(usize, &str)> = docs.iter().map(|(l, t)| (*l, t.as_str())).collect();
-        assert_eq!(
-            docs,
-            vec![(0, "a: 1\n"), (2, "b: 2\n"), (3, "    {c: 3}\n"), (5, "\n")]
-        );
+        assert_eq!(docs, vec![(0, "a: 1\n"), (2, "b: 2\n"), (3, "    {c: 3}\n"), (5, "\n")]);
     }
 
     /// Waits for one notification, failing after `limit`.
@@ -834,11 +720,7 @@ mod tests {
         let fast = Instant::now();
         fs::write(d.join("web.yaml"), SLICE).expect("write");
         expect_change(&mut w, "modify", limit).await;
-        assert!(
-            fast.elapsed() < Duration::from_millis(1000),
-            "slow: {:?}",
-            fast.elapsed()
-        );
+        assert!(fast.elapsed() < Duration::from_millis(1000), "slow: {:?}", fast.elapsed());
 
         // Editor style: write a temp file, rename over.
         fs::write(d.join(".web.yaml.swp"), SVC).expect("write");

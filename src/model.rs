@@ -61,15 +61,12 @@ pub const ANNOTATION_ALLOCATED: &str = "nodelb.io/allocated-ports";
 /// Annotation opting a Service out (`"true"`).
 pub const ANNOTATION_IGNORE: &str = "nodelb.io/ignore";
 /// Legacy source-range annotation, honoured when `spec.loadBalancerSourceRanges` is empty.
-pub const ANNOTATION_LEGACY_SOURCE_RANGES: &str =
-    "service.beta.kubernetes.io/load-balancer-source-ranges";
+pub const ANNOTATION_LEGACY_SOURCE_RANGES: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
 /// Label linking an EndpointSlice to its Service.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 
 /// `namespace/name` of a Service.
-#[derive(
-    Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
 pub struct ServiceKey {
     pub namespace: String,
     pub name: String,
@@ -83,9 +80,7 @@ impl fmt::Display for ServiceKey {
 
 /// Identity of one service port: its `port` number and protocol (`80/TCP`). Unique within a
 /// Service by Kubernetes validation, and the key of allocations.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
 pub struct PortId {
     pub port: u16,
     pub protocol: Protocol,
@@ -161,24 +156,11 @@ pub struct LbService {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize)]
 pub enum Refusal {
     #[error("Service {service}: invalid loadBalancerSourceRanges entry {value:?}: {reason}")]
-    InvalidSourceRange {
-        service: ServiceKey,
-        value: String,
-        reason: String,
-    },
+    InvalidSourceRange { service: ServiceKey, value: String, reason: String },
     #[error("Service {service}: invalid annotation {annotation}={value:?}: {reason}")]
-    InvalidAnnotation {
-        service: ServiceKey,
-        annotation: String,
-        value: String,
-        reason: String,
-    },
+    InvalidAnnotation { service: ServiceKey, annotation: String, value: String, reason: String },
     #[error("Service {service}: port {port:?}: {reason}")]
-    InvalidPort {
-        service: ServiceKey,
-        port: String,
-        reason: String,
-    },
+    InvalidPort { service: ServiceKey, port: String, reason: String },
     #[error("Service {service}: invalid spec.ipFamilies entry {value:?}")]
     InvalidIpFamily { service: ServiceKey, value: String },
     #[error("Service {service}: invalid externalTrafficPolicy {value:?}")]
@@ -212,10 +194,7 @@ impl FromStr for ServiceKey {
     fn from_str(s: &str) -> Result<Self, ParseError> {
         match s.split_once('/') {
             Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
-                Ok(ServiceKey {
-                    namespace: ns.to_string(),
-                    name: name.to_string(),
-                })
+                Ok(ServiceKey { namespace: ns.to_string(), name: name.to_string() })
             }
             _ => Err(ParseError(format!("{s:?} is not namespace/name"))),
         }
@@ -228,9 +207,7 @@ pub fn parse_protocol(s: &str) -> Result<Protocol, ParseError> {
         "TCP" => Ok(Protocol::Tcp),
         "UDP" => Ok(Protocol::Udp),
         "SCTP" => Ok(Protocol::Sctp),
-        _ => Err(ParseError(format!(
-            "unknown protocol {s:?} (want TCP, UDP or SCTP)"
-        ))),
+        _ => Err(ParseError(format!("unknown protocol {s:?} (want TCP, UDP or SCTP)"))),
     }
 }
 
@@ -248,13 +225,9 @@ impl FromStr for PortId {
 
     /// `80/TCP` (protocol case-insensitive).
     fn from_str(s: &str) -> Result<Self, ParseError> {
-        let (port, proto) = s
-            .split_once('/')
-            .ok_or_else(|| ParseError(format!("{s:?} is not PORT/PROTOCOL")))?;
-        Ok(PortId {
-            port: parse_port_number(port)?,
-            protocol: parse_protocol(proto.trim())?,
-        })
+        let (port, proto) =
+            s.split_once('/').ok_or_else(|| ParseError(format!("{s:?} is not PORT/PROTOCOL")))?;
+        Ok(PortId { port: parse_port_number(port)?, protocol: parse_protocol(proto.trim())? })
     }
 }
 
@@ -276,22 +249,14 @@ fn parse_port_map_entry(item: &str) -> Result<PortMapEntry, ParseError> {
         Some((p, proto)) => (parse_port_number(p)?, Some(parse_protocol(proto.trim())?)),
         None => (parse_port_number(lhs)?, None),
     };
-    let node_port =
-        parse_port_number(rhs).map_err(|e| ParseError(format!("entry {item:?}: node {e}")))?;
-    Ok(PortMapEntry {
-        port,
-        protocol,
-        node_port,
-    })
+    let node_port = parse_port_number(rhs).map_err(|e| ParseError(format!("entry {item:?}: node {e}")))?;
+    Ok(PortMapEntry { port, protocol, node_port })
 }
 
 /// Formats an allocation the way [`ANNOTATION_ALLOCATED`] and [`ANNOTATION_PORTS`] write it:
 /// `53/UDP=20002,80/TCP=20001` (sorted by port, then protocol).
 pub fn format_port_map(map: &BTreeMap<PortId, u16>) -> String {
-    let items: Vec<String> = map
-        .iter()
-        .map(|(id, node)| format!("{id}={node}"))
-        .collect();
+    let items: Vec<String> = map.iter().map(|(id, node)| format!("{id}={node}")).collect();
     items.join(",")
 }
 
@@ -306,10 +271,7 @@ pub struct ModelOptions {
 
 impl Default for ModelOptions {
     fn default() -> Self {
-        ModelOptions {
-            lb_class: DEFAULT_LB_CLASS.to_string(),
-            ignore_unclassed: false,
-        }
+        ModelOptions { lb_class: DEFAULT_LB_CLASS.to_string(), ignore_unclassed: false }
     }
 }
 
@@ -383,10 +345,8 @@ pub fn build(services: &[Service], slices: &[EndpointSlice], opts: &ModelOptions
     for svc in services.iter().filter(|s| is_ours(s, opts)) {
         let key = service_key(svc);
         if !seen.insert(key.clone()) {
-            out.refused.push(Refusal::Invalid {
-                service: key,
-                reason: "duplicate Service object".to_string(),
-            });
+            out.refused
+                .push(Refusal::Invalid { service: key, reason: "duplicate Service object".to_string() });
             continue;
         }
         let no_slices = Vec::new();
@@ -407,21 +367,13 @@ pub fn build(services: &[Service], slices: &[EndpointSlice], opts: &ModelOptions
 fn index_slices(slices: &[EndpointSlice]) -> BTreeMap<ServiceKey, Vec<&EndpointSlice>> {
     let mut map: BTreeMap<ServiceKey, Vec<&EndpointSlice>> = BTreeMap::new();
     for slice in slices {
-        let Some(name) = slice
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|l| l.get(LABEL_SERVICE_NAME))
-        else {
+        let Some(name) = slice.metadata.labels.as_ref().and_then(|l| l.get(LABEL_SERVICE_NAME)) else {
             continue;
         };
         if name.is_empty() {
             continue;
         }
-        let key = ServiceKey {
-            namespace: namespace_of(&slice.metadata.namespace),
-            name: name.clone(),
-        };
+        let key = ServiceKey { namespace: namespace_of(&slice.metadata.namespace), name: name.clone() };
         map.entry(key).or_default().push(slice);
     }
     map
@@ -434,17 +386,11 @@ fn build_one(
     warnings: &mut Vec<ModelWarning>,
 ) -> Result<LbService, Refusal> {
     if key.name.is_empty() {
-        return Err(Refusal::Invalid {
-            service: key,
-            reason: "metadata.name is empty".to_string(),
-        });
+        return Err(Refusal::Invalid { service: key, reason: "metadata.name is empty".to_string() });
     }
     let Some(spec) = svc.spec.as_ref() else {
         // Unreachable through is_ours, but never panic.
-        return Err(Refusal::Invalid {
-            service: key,
-            reason: "no spec".to_string(),
-        });
+        return Err(Refusal::Invalid { service: key, reason: "no spec".to_string() });
     };
     let annotations = svc.metadata.annotations.clone().unwrap_or_default();
 
@@ -454,17 +400,10 @@ fn build_one(
         None | Some("") | Some("Cluster") | Some("Global") => TrafficPolicy::Cluster,
         Some("Local") => TrafficPolicy::Local,
         Some(other) => {
-            return Err(Refusal::InvalidTrafficPolicy {
-                service: key,
-                value: other.to_string(),
-            });
+            return Err(Refusal::InvalidTrafficPolicy { service: key, value: other.to_string() });
         }
     };
-    let source_ranges = source_ranges(
-        &key,
-        spec.load_balancer_source_ranges.as_deref(),
-        &annotations,
-    )?;
+    let source_ranges = source_ranges(&key, spec.load_balancer_source_ranges.as_deref(), &annotations)?;
     let ids: Vec<PortId> = ports.iter().map(|(id, _)| *id).collect();
     let port_request = match annotations.get(ANNOTATION_PORTS) {
         None => PortRequest::Auto,
@@ -479,20 +418,12 @@ fn build_one(
         .into_iter()
         .map(|(id, name)| {
             let endpoints = resolve_endpoints(&key, id, &name, slices, &families, warnings);
-            LbPort {
-                id,
-                name,
-                endpoints,
-            }
+            LbPort { id, name, endpoints }
         })
         .collect();
 
     Ok(LbService {
-        created: svc
-            .metadata
-            .creation_timestamp
-            .as_ref()
-            .map(|t| t.0.to_string()),
+        created: svc.metadata.creation_timestamp.as_ref().map(|t| t.0.to_string()),
         uid: svc.metadata.uid.clone(),
         key,
         ports: lb_ports,
@@ -505,29 +436,15 @@ fn build_one(
 }
 
 /// Validated `(id, name)` of each service port, in spec order.
-fn validate_ports(
-    key: &ServiceKey,
-    ports: &[ServicePort],
-) -> Result<Vec<(PortId, String)>, Refusal> {
+fn validate_ports(key: &ServiceKey, ports: &[ServicePort]) -> Result<Vec<(PortId, String)>, Refusal> {
     if ports.is_empty() {
-        return Err(Refusal::Invalid {
-            service: key.clone(),
-            reason: "spec.ports is empty".to_string(),
-        });
+        return Err(Refusal::Invalid { service: key.clone(), reason: "spec.ports is empty".to_string() });
     }
     let mut out: Vec<(PortId, String)> = Vec::with_capacity(ports.len());
     for p in ports {
         let name = p.name.clone().unwrap_or_default();
-        let shown = if name.is_empty() {
-            p.port.to_string()
-        } else {
-            format!("{name} ({})", p.port)
-        };
-        let bad = |reason: String| Refusal::InvalidPort {
-            service: key.clone(),
-            port: shown.clone(),
-            reason,
-        };
+        let shown = if name.is_empty() { p.port.to_string() } else { format!("{name} ({})", p.port) };
+        let bad = |reason: String| Refusal::InvalidPort { service: key.clone(), port: shown.clone(), reason };
         let protocol = match p.protocol.as_deref() {
             None | Some("") => Protocol::Tcp,
             Some("TCP") => Protocol::Tcp,
@@ -538,10 +455,7 @@ fn validate_ports(
         let port = match u16::try_from(p.port) {
             Ok(n) if n != 0 => n,
             _ => {
-                return Err(bad(format!(
-                    "port number {} is out of range 1-65535",
-                    p.port
-                )));
+                return Err(bad(format!("port number {} is out of range 1-65535", p.port)));
             }
         };
         let id = PortId { port, protocol };
@@ -572,10 +486,7 @@ fn ip_families(
             "IPv4" => Family::Ipv4,
             "IPv6" => Family::Ipv6,
             other => {
-                return Err(Refusal::InvalidIpFamily {
-                    service: key.clone(),
-                    value: other.to_string(),
-                });
+                return Err(Refusal::InvalidIpFamily { service: key.clone(), value: other.to_string() });
             }
         };
         if !families.contains(&family) {
@@ -585,12 +496,7 @@ fn ip_families(
     if families.is_empty() {
         // Older API servers (or hand-written manifests) leave ipFamilies unset; the cluster IPs
         // still say which families the Service has. "None" (headless) and garbage are skipped.
-        let ips = spec
-            .cluster_ips
-            .clone()
-            .unwrap_or_default()
-            .into_iter()
-            .chain(spec.cluster_ip.clone());
+        let ips = spec.cluster_ips.clone().unwrap_or_default().into_iter().chain(spec.cluster_ip.clone());
         for ip in ips.filter_map(|ip| ip.parse::<IpAddr>().ok()) {
             let family = Family::of(&ip);
             if !families.contains(&family) {
@@ -660,11 +566,7 @@ fn entry_targets(entry: &PortMapEntry, ids: &[PortId]) -> Vec<PortId> {
         .collect()
 }
 
-fn parse_port_request(
-    key: &ServiceKey,
-    value: &str,
-    ids: &[PortId],
-) -> Result<PortRequest, Refusal> {
+fn parse_port_request(key: &ServiceKey, value: &str, ids: &[PortId]) -> Result<PortRequest, Refusal> {
     let bad = |reason: String| Refusal::InvalidAnnotation {
         service: key.clone(),
         annotation: ANNOTATION_PORTS.to_string(),
@@ -699,10 +601,7 @@ fn parse_port_request(
     let mut used = BTreeMap::new();
     for (id, node) in &map {
         if let Some(other) = used.insert((*node, id.protocol), *id) {
-            return Err(bad(format!(
-                "ports {other} and {id} both ask for node port {node}/{}",
-                id.protocol
-            )));
+            return Err(bad(format!("ports {other} and {id} both ask for node port {node}/{}", id.protocol)));
         }
     }
     Ok(PortRequest::Explicit(map))
@@ -721,9 +620,7 @@ fn parse_previous_allocation(
             Err(e) => {
                 warnings.push(ModelWarning {
                     service: key.clone(),
-                    message: format!(
-                        "ignoring entry of annotation {ANNOTATION_ALLOCATED}={value:?}: {e}"
-                    ),
+                    message: format!("ignoring entry of annotation {ANNOTATION_ALLOCATED}={value:?}: {e}"),
                 });
                 continue;
             }
@@ -767,11 +664,7 @@ fn resolve_endpoints(
                 Some(proto) => parse_protocol(proto).is_ok_and(|p| p == id.protocol),
             })
             // A nil port means "all ports" in the API; we cannot DNAT to that, so skip it.
-            .filter_map(|p| {
-                p.port
-                    .and_then(|n| u16::try_from(n).ok())
-                    .filter(|n| *n != 0)
-            })
+            .filter_map(|p| p.port.and_then(|n| u16::try_from(n).ok()).filter(|n| *n != 0))
             .collect();
         if target_ports.is_empty() {
             continue;
@@ -787,16 +680,16 @@ fn resolve_endpoints(
                     Ok(_) => {
                         warnings.push(ModelWarning {
                             service: key.clone(),
-                            message: format!("EndpointSlice {slice_name}: address {text:?} is not {family}; skipped"),
+                            message: format!(
+                                "EndpointSlice {slice_name}: address {text:?} is not {family}; skipped"
+                            ),
                         });
                         continue;
                     }
                     Err(_) => {
                         warnings.push(ModelWarning {
                             service: key.clone(),
-                            message: format!(
-                                "EndpointSlice {slice_name}: bad address {text:?}; skipped"
-                            ),
+                            message: format!("EndpointSlice {slice_name}: bad address {text:?}; skipped"),
                         });
                         continue;
                     }
@@ -856,32 +749,20 @@ mod tests {
     }
 
     fn key(name: &str) -> ServiceKey {
-        ServiceKey {
-            namespace: "default".into(),
-            name: name.into(),
-        }
+        ServiceKey { namespace: "default".into(), name: name.into() }
     }
 
     fn tcp(port: u16) -> PortId {
-        PortId {
-            port,
-            protocol: Protocol::Tcp,
-        }
+        PortId { port, protocol: Protocol::Tcp }
     }
 
     fn udp(port: u16) -> PortId {
-        PortId {
-            port,
-            protocol: Protocol::Udp,
-        }
+        PortId { port, protocol: Protocol::Udp }
     }
 
     fn one(svc: Service) -> Result<LbService, Refusal> {
         let out = build(&[svc], &[], &ModelOptions::default());
-        match (
-            out.services.into_iter().next(),
-            out.refused.into_iter().next(),
-        ) {
+        match (out.services.into_iter().next(), out.refused.into_iter().next()) {
             (Some(s), None) => Ok(s),
             (None, Some(r)) => Err(r),
             other => panic!("expected exactly one result, got {other:?}"),
@@ -891,30 +772,15 @@ mod tests {
     #[test]
     fn selection() {
         let cases: Vec<(&str, Mutate, ModelOptions, bool)> = vec![
-            (
-                "plain LoadBalancer",
-                Box::new(|_| {}),
-                ModelOptions::default(),
-                true,
-            ),
+            ("plain LoadBalancer", Box::new(|_| {}), ModelOptions::default(), true),
             (
                 "ClusterIP",
                 Box::new(|v| v["spec"]["type"] = json!("ClusterIP")),
                 ModelOptions::default(),
                 false,
             ),
-            (
-                "NodePort",
-                Box::new(|v| v["spec"]["type"] = json!("NodePort")),
-                ModelOptions::default(),
-                false,
-            ),
-            (
-                "no type",
-                Box::new(|v| v["spec"]["type"] = Value::Null),
-                ModelOptions::default(),
-                false,
-            ),
+            ("NodePort", Box::new(|v| v["spec"]["type"] = json!("NodePort")), ModelOptions::default(), false),
+            ("no type", Box::new(|v| v["spec"]["type"] = Value::Null), ModelOptions::default(), false),
             (
                 "our class",
                 Box::new(|v| v["spec"]["loadBalancerClass"] = json!(DEFAULT_LB_CLASS)),
@@ -930,19 +796,13 @@ mod tests {
             (
                 "unclassed ignored by flag",
                 Box::new(|_| {}),
-                ModelOptions {
-                    ignore_unclassed: true,
-                    ..ModelOptions::default()
-                },
+                ModelOptions { ignore_unclassed: true, ..ModelOptions::default() },
                 false,
             ),
             (
                 "our class with ignore_unclassed",
                 Box::new(|v| v["spec"]["loadBalancerClass"] = json!("x/y")),
-                ModelOptions {
-                    lb_class: "x/y".into(),
-                    ignore_unclassed: true,
-                },
+                ModelOptions { lb_class: "x/y".into(), ignore_unclassed: true },
                 true,
             ),
             (
@@ -977,19 +837,9 @@ mod tests {
     #[test]
     fn refusals() {
         // (case, mutation, expected Refusal variant name, substring of its Display)
-        type Case = (
-            &'static str,
-            Box<dyn Fn(&mut Value)>,
-            &'static str,
-            &'static str,
-        );
+        type Case = (&'static str, Box<dyn Fn(&mut Value)>, &'static str, &'static str);
         let cases: Vec<Case> = vec![
-            (
-                "no ports",
-                Box::new(|v| v["spec"]["ports"] = json!([])),
-                "Invalid",
-                "spec.ports is empty",
-            ),
+            ("no ports", Box::new(|v| v["spec"]["ports"] = json!([])), "Invalid", "spec.ports is empty"),
             (
                 "bad protocol",
                 Box::new(|v| v["spec"]["ports"][0]["protocol"] = json!("ICMP")),
@@ -1008,25 +858,20 @@ mod tests {
                 "InvalidPort",
                 "70000",
             ),
-            (
-                "negative port",
-                Box::new(|v| v["spec"]["ports"][0]["port"] = json!(-1)),
-                "InvalidPort",
-                "-1",
-            ),
+            ("negative port", Box::new(|v| v["spec"]["ports"][0]["port"] = json!(-1)), "InvalidPort", "-1"),
             (
                 "duplicate port",
-                Box::new(
-                    |v| v["spec"]["ports"] = json!([{"name": "a", "port": 80}, {"name": "b", "port": 80, "protocol": "TCP"}]),
-                ),
+                Box::new(|v| {
+                    v["spec"]["ports"] =
+                        json!([{"name": "a", "port": 80}, {"name": "b", "port": 80, "protocol": "TCP"}])
+                }),
                 "InvalidPort",
                 "duplicate port 80/TCP",
             ),
             (
                 "duplicate name",
                 Box::new(|v| {
-                    v["spec"]["ports"] =
-                        json!([{"name": "a", "port": 80}, {"name": "a", "port": 81}])
+                    v["spec"]["ports"] = json!([{"name": "a", "port": 80}, {"name": "a", "port": 81}])
                 }),
                 "InvalidPort",
                 "duplicate port name",
@@ -1051,9 +896,7 @@ mod tests {
             ),
             (
                 "bad source range",
-                Box::new(|v| {
-                    v["spec"]["loadBalancerSourceRanges"] = json!(["10.0.0.0/8", "10.0.0.0/33"])
-                }),
+                Box::new(|v| v["spec"]["loadBalancerSourceRanges"] = json!(["10.0.0.0/8", "10.0.0.0/33"])),
                 "InvalidSourceRange",
                 "\"10.0.0.0/33\"",
             ),
@@ -1072,33 +915,26 @@ mod tests {
             (
                 "bad legacy source range annotation",
                 Box::new(|v| {
-                    v["metadata"]["annotations"][ANNOTATION_LEGACY_SOURCE_RANGES] =
-                        json!("10.0.0.0/8,x")
+                    v["metadata"]["annotations"][ANNOTATION_LEGACY_SOURCE_RANGES] = json!("10.0.0.0/8,x")
                 }),
                 "InvalidAnnotation",
                 "entry \"x\"",
             ),
             (
                 "ports annotation syntax",
-                Box::new(|v| {
-                    v["metadata"]["annotations"][ANNOTATION_PORTS] = json!("80/TCP:20080")
-                }),
+                Box::new(|v| v["metadata"]["annotations"][ANNOTATION_PORTS] = json!("80/TCP:20080")),
                 "InvalidAnnotation",
                 "nodelb.io/ports=\"80/TCP:20080\"",
             ),
             (
                 "ports annotation unknown service port",
-                Box::new(|v| {
-                    v["metadata"]["annotations"][ANNOTATION_PORTS] = json!("443/TCP=20443")
-                }),
+                Box::new(|v| v["metadata"]["annotations"][ANNOTATION_PORTS] = json!("443/TCP=20443")),
                 "InvalidAnnotation",
                 "names no port of the Service",
             ),
             (
                 "ports annotation wrong protocol",
-                Box::new(|v| {
-                    v["metadata"]["annotations"][ANNOTATION_PORTS] = json!("80/UDP=20080")
-                }),
+                Box::new(|v| v["metadata"]["annotations"][ANNOTATION_PORTS] = json!("80/UDP=20080")),
                 "InvalidAnnotation",
                 "names no port",
             ),
@@ -1110,45 +946,32 @@ mod tests {
             ),
             (
                 "ports annotation node port too big",
-                Box::new(|v| {
-                    v["metadata"]["annotations"][ANNOTATION_PORTS] = json!("80/TCP=65536")
-                }),
+                Box::new(|v| v["metadata"]["annotations"][ANNOTATION_PORTS] = json!("80/TCP=65536")),
                 "InvalidAnnotation",
                 "out of range",
             ),
             (
                 "ports annotation bad protocol",
-                Box::new(|v| {
-                    v["metadata"]["annotations"][ANNOTATION_PORTS] = json!("80/XYZ=20080")
-                }),
+                Box::new(|v| v["metadata"]["annotations"][ANNOTATION_PORTS] = json!("80/XYZ=20080")),
                 "InvalidAnnotation",
                 "unknown protocol",
             ),
             (
                 "ports annotation twice",
-                Box::new(|v| {
-                    v["metadata"]["annotations"][ANNOTATION_PORTS] = json!("80/TCP=20080,80=20081")
-                }),
+                Box::new(|v| v["metadata"]["annotations"][ANNOTATION_PORTS] = json!("80/TCP=20080,80=20081")),
                 "InvalidAnnotation",
                 "more than once",
             ),
             (
                 "ports annotation same node port twice",
                 Box::new(|v| {
-                    v["spec"]["ports"] =
-                        json!([{"name": "a", "port": 80}, {"name": "b", "port": 81}]);
-                    v["metadata"]["annotations"][ANNOTATION_PORTS] =
-                        json!("80/TCP=20080,81/TCP=20080");
+                    v["spec"]["ports"] = json!([{"name": "a", "port": 80}, {"name": "b", "port": 81}]);
+                    v["metadata"]["annotations"][ANNOTATION_PORTS] = json!("80/TCP=20080,81/TCP=20080");
                 }),
                 "InvalidAnnotation",
                 "both ask for node port 20080/TCP",
             ),
-            (
-                "no name",
-                Box::new(|v| v["metadata"]["name"] = json!("")),
-                "Invalid",
-                "metadata.name is empty",
-            ),
+            ("no name", Box::new(|v| v["metadata"]["name"] = json!("")), "Invalid", "metadata.name is empty"),
         ];
         for (name, f, variant, needle) in cases {
             let refusal = match one(svc_with("web", f)) {
@@ -1156,16 +979,10 @@ mod tests {
                 Ok(s) => panic!("{name}: expected refusal, got {s:?}"),
             };
             let debug = format!("{refusal:?}");
-            assert!(
-                debug.starts_with(&format!("{variant} ")),
-                "{name}: wrong variant: {debug}"
-            );
+            assert!(debug.starts_with(&format!("{variant} ")), "{name}: wrong variant: {debug}");
             let text = refusal.to_string();
             assert!(text.contains(needle), "{name}: {text:?} lacks {needle:?}");
-            assert!(
-                text.contains("Service default/"),
-                "{name}: {text:?} does not name the Service"
-            );
+            assert!(text.contains("Service default/"), "{name}: {text:?} does not name the Service");
         }
     }
 
@@ -1179,40 +996,20 @@ mod tests {
             ]);
             v["spec"]["ipFamilies"] = json!(["IPv6", "IPv4", "IPv6"]);
             v["spec"]["externalTrafficPolicy"] = json!("Local");
-            v["spec"]["loadBalancerSourceRanges"] = json!([
-                "10.1.2.3/8",
-                " 192.0.2.7 ",
-                "2001:db8::1",
-                "10.0.0.0/8",
-                "2001:db8:1::5/48"
-            ]);
+            v["spec"]["loadBalancerSourceRanges"] =
+                json!(["10.1.2.3/8", " 192.0.2.7 ", "2001:db8::1", "10.0.0.0/8", "2001:db8:1::5/48"]);
             v["metadata"]["creationTimestamp"] = json!("2024-05-06T07:08:09Z");
             v["metadata"]["uid"] = json!("u-1");
         }))
         .expect("valid");
         assert_eq!(
             s.ports.iter().map(|p| p.id).collect::<Vec<_>>(),
-            vec![
-                udp(53),
-                tcp(53),
-                PortId {
-                    port: 9,
-                    protocol: Protocol::Sctp
-                }
-            ]
+            vec![udp(53), tcp(53), PortId { port: 9, protocol: Protocol::Sctp }]
         );
         assert_eq!(s.families, vec![Family::Ipv6, Family::Ipv4]);
         assert_eq!(s.traffic_policy, TrafficPolicy::Local);
         let ranges: Vec<String> = s.source_ranges.iter().map(|n| n.to_string()).collect();
-        assert_eq!(
-            ranges,
-            vec![
-                "10.0.0.0/8",
-                "192.0.2.7/32",
-                "2001:db8::1/128",
-                "2001:db8:1::/48"
-            ]
-        );
+        assert_eq!(ranges, vec!["10.0.0.0/8", "192.0.2.7/32", "2001:db8::1/128", "2001:db8:1::/48"]);
         assert_eq!(s.created.as_deref(), Some("2024-05-06T07:08:09Z"));
         assert_eq!(s.uid.as_deref(), Some("u-1"));
         assert_eq!(s.port_request, PortRequest::Auto);
@@ -1221,12 +1018,7 @@ mod tests {
     #[test]
     fn families_and_policy_defaults() {
         let cases: Vec<(&str, Mutate, Vec<Family>, TrafficPolicy)> = vec![
-            (
-                "defaults",
-                Box::new(|_| {}),
-                vec![Family::Ipv4],
-                TrafficPolicy::Cluster,
-            ),
+            ("defaults", Box::new(|_| {}), vec![Family::Ipv4], TrafficPolicy::Cluster),
             (
                 "clusterIPs v6",
                 Box::new(|v| v["spec"]["clusterIPs"] = json!(["fd00::10"])),
@@ -1294,10 +1086,7 @@ mod tests {
             v["spec"]["loadBalancerSourceRanges"] = json!(["192.0.2.0/24"]);
         }))
         .expect("valid");
-        assert_eq!(
-            s.source_ranges,
-            vec!["192.0.2.0/24".parse::<IpNet>().expect("net")]
-        );
+        assert_eq!(s.source_ranges, vec!["192.0.2.0/24".parse::<IpNet>().expect("net")]);
     }
 
     #[test]
@@ -1313,19 +1102,11 @@ mod tests {
             ("service", "service", PortRequest::ServicePorts),
             ("Service upper", " Service ", PortRequest::ServicePorts),
             ("empty", "", PortRequest::Auto),
-            (
-                "explicit",
-                "80/TCP=20080",
-                PortRequest::Explicit(BTreeMap::from([(tcp(80), 20080)])),
-            ),
+            ("explicit", "80/TCP=20080", PortRequest::Explicit(BTreeMap::from([(tcp(80), 20080)]))),
             (
                 "no protocol covers both",
                 "53=20053, 80/tcp=20080,",
-                PortRequest::Explicit(BTreeMap::from([
-                    (tcp(53), 20053),
-                    (udp(53), 20053),
-                    (tcp(80), 20080),
-                ])),
+                PortRequest::Explicit(BTreeMap::from([(tcp(53), 20053), (udp(53), 20053), (tcp(80), 20080)])),
             ),
             (
                 "same node port, different protocol",
@@ -1346,31 +1127,21 @@ mod tests {
     #[test]
     fn previous_allocation_annotation() {
         let svc = svc_with("web", |v| {
-            v["spec"]["ports"] = json!([{"name": "http", "port": 80}, {"name": "dns", "port": 53, "protocol": "UDP"}]);
+            v["spec"]["ports"] =
+                json!([{"name": "http", "port": 80}, {"name": "dns", "port": 53, "protocol": "UDP"}]);
             v["metadata"]["annotations"][ANNOTATION_ALLOCATED] =
                 json!("80/TCP=20001,53/UDP=x,443/TCP=20002,bogus");
         });
         let out = build(&[svc], &[], &ModelOptions::default());
         assert!(out.refused.is_empty());
-        assert_eq!(
-            out.services[0].previous_allocation,
-            BTreeMap::from([(tcp(80), 20001)])
-        );
+        assert_eq!(out.services[0].previous_allocation, BTreeMap::from([(tcp(80), 20001)]));
         assert_eq!(out.warnings.len(), 2, "{:?}", out.warnings);
-        assert!(
-            out.warnings[0]
-                .to_string()
-                .contains("nodelb.io/allocated-ports")
-        );
+        assert!(out.warnings[0].to_string().contains("nodelb.io/allocated-ports"));
     }
 
     #[test]
     fn duplicate_service_objects() {
-        let out = build(
-            &[svc_with("web", |_| {}), svc_with("web", |_| {})],
-            &[],
-            &ModelOptions::default(),
-        );
+        let out = build(&[svc_with("web", |_| {}), svc_with("web", |_| {})], &[], &ModelOptions::default());
         assert_eq!(out.services.len(), 1);
         assert_eq!(out.refused.len(), 1);
     }
@@ -1390,10 +1161,7 @@ mod tests {
     }
 
     fn key_ns(ns: &str, name: &str) -> ServiceKey {
-        ServiceKey {
-            namespace: ns.into(),
-            name: name.into(),
-        }
+        ServiceKey { namespace: ns.into(), name: name.into() }
     }
 
     fn ep(addr: &str, port: u16, ready: bool, serving: bool, terminating: bool) -> Endpoint {
@@ -1414,13 +1182,7 @@ mod tests {
         let out = build(&[svc], slices, &ModelOptions::default());
         assert!(out.refused.is_empty(), "{:?}", out.refused);
         let s = &out.services[0];
-        (
-            s.ports
-                .iter()
-                .map(|p| (p.id, p.endpoints.clone()))
-                .collect(),
-            out.warnings,
-        )
+        (s.ports.iter().map(|p| (p.id, p.endpoints.clone())).collect(), out.warnings)
     }
 
     #[test]
@@ -1432,12 +1194,7 @@ mod tests {
                 {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 5353}
             ]);
         };
-        type Case = (
-            &'static str,
-            Box<dyn Fn(&mut Value)>,
-            Vec<EndpointSlice>,
-            Vec<(PortId, Vec<Endpoint>)>,
-        );
+        type Case = (&'static str, Box<dyn Fn(&mut Value)>, Vec<EndpointSlice>, Vec<(PortId, Vec<Endpoint>)>);
         let cases: Vec<Case> = vec![
             (
                 "single unnamed port",
@@ -1629,11 +1386,7 @@ mod tests {
                         "web",
                         json!({"ports": [{}], "endpoints": [{"addresses": ["198.51.100.4"]}]}),
                     ),
-                    slice(
-                        "noports",
-                        "web",
-                        json!({"endpoints": [{"addresses": ["198.51.100.5"]}]}),
-                    ),
+                    slice("noports", "web", json!({"endpoints": [{"addresses": ["198.51.100.5"]}]})),
                     slice(
                         "udp",
                         "web",
@@ -1668,11 +1421,7 @@ mod tests {
         let (got, warnings) = endpoints_of(svc_with("web", |_| {}), &slices);
         assert_eq!(got[&tcp(80)].len(), 1);
         assert_eq!(warnings.len(), 2, "{warnings:?}");
-        assert!(
-            warnings
-                .iter()
-                .all(|w| w.to_string().contains("EndpointSlice web-1"))
-        );
+        assert!(warnings.iter().all(|w| w.to_string().contains("EndpointSlice web-1")));
     }
 
     #[test]
@@ -1680,27 +1429,16 @@ mod tests {
         let a = svc_with("a", |_| {});
         let b = svc_with("b", |v| v["spec"]["externalTrafficPolicy"] = json!("bad"));
         let c = svc_with("c", |_| {});
-        let x = build(
-            &[c.clone(), b.clone(), a.clone()],
-            &[],
-            &ModelOptions::default(),
-        );
+        let x = build(&[c.clone(), b.clone(), a.clone()], &[], &ModelOptions::default());
         let y = build(&[a, b, c], &[], &ModelOptions::default());
         assert_eq!(x, y);
-        assert_eq!(
-            x.services.iter().map(|s| s.key.clone()).collect::<Vec<_>>(),
-            vec![key("a"), key("c")]
-        );
+        assert_eq!(x.services.iter().map(|s| s.key.clone()).collect::<Vec<_>>(), vec![key("a"), key("c")]);
     }
 
     #[test]
     fn never_panics_on_empty_objects() {
         let svc = Service::default();
-        let out = build(
-            &[svc],
-            &[EndpointSlice::default()],
-            &ModelOptions::default(),
-        );
+        let out = build(&[svc], &[EndpointSlice::default()], &ModelOptions::default());
         assert!(out.services.is_empty() && out.refused.is_empty());
         let svc = Service {
             spec: Some(k8s_openapi::api::core::v1::ServiceSpec {

@@ -28,20 +28,11 @@ pub enum StateError {
     #[error("state file {path}: cannot read: {source}")]
     Read { path: PathBuf, source: io::Error },
     #[error("state file {path}: not valid JSON of the expected shape: {source}")]
-    Parse {
-        path: PathBuf,
-        source: serde_json::Error,
-    },
-    #[error(
-        "state file {path}: unsupported version {version} (this nodelb understands {STATE_VERSION})"
-    )]
+    Parse { path: PathBuf, source: serde_json::Error },
+    #[error("state file {path}: unsupported version {version} (this nodelb understands {STATE_VERSION})")]
     Version { path: PathBuf, version: u32 },
     #[error("state file {path}: bad entry {entry:?}: {reason}")]
-    Entry {
-        path: PathBuf,
-        entry: String,
-        reason: String,
-    },
+    Entry { path: PathBuf, entry: String, reason: String },
     #[error("state file {path}: cannot write: {source}")]
     Write { path: PathBuf, source: io::Error },
 }
@@ -74,47 +65,29 @@ impl StateFile {
             Ok(text) => text,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Allocations::new()),
             Err(source) => {
-                return Err(StateError::Read {
-                    path: self.path.clone(),
-                    source,
-                });
+                return Err(StateError::Read { path: self.path.clone(), source });
             }
         };
-        let disk: OnDisk = serde_json::from_str(&text).map_err(|source| StateError::Parse {
-            path: self.path.clone(),
-            source,
-        })?;
+        let disk: OnDisk = serde_json::from_str(&text)
+            .map_err(|source| StateError::Parse { path: self.path.clone(), source })?;
         if disk.version != STATE_VERSION {
-            return Err(StateError::Version {
-                path: self.path.clone(),
-                version: disk.version,
-            });
+            return Err(StateError::Version { path: self.path.clone(), version: disk.version });
         }
         let mut out = Allocations::new();
         for (service, ports) in disk.allocations {
-            let bad = |entry: String, reason: String| StateError::Entry {
-                path: self.path.clone(),
-                entry,
-                reason,
-            };
-            let key: ServiceKey = service
-                .parse()
-                .map_err(|e: crate::model::ParseError| bad(service.clone(), e.0))?;
+            let bad =
+                |entry: String, reason: String| StateError::Entry { path: self.path.clone(), entry, reason };
+            let key: ServiceKey =
+                service.parse().map_err(|e: crate::model::ParseError| bad(service.clone(), e.0))?;
             let mut map = BTreeMap::new();
             for (port, node) in ports {
                 let entry = format!("{service}: {port}");
-                let id: PortId = port
-                    .parse()
-                    .map_err(|e: crate::model::ParseError| bad(entry.clone(), e.0))?;
+                let id: PortId =
+                    port.parse().map_err(|e: crate::model::ParseError| bad(entry.clone(), e.0))?;
                 let node = u16::try_from(node)
                     .ok()
                     .filter(|n| *n != 0)
-                    .ok_or_else(|| {
-                        bad(
-                            entry.clone(),
-                            format!("node port {node} is out of range 1-65535"),
-                        )
-                    })?;
+                    .ok_or_else(|| bad(entry.clone(), format!("node port {node} is out of range 1-65535")))?;
                 // "80/tcp" and "80/TCP" are one port; two spellings would be a hand edit gone wrong.
                 if map.insert(id, node).is_some() {
                     return Err(bad(entry, "port listed twice".to_string()));
@@ -134,25 +107,15 @@ impl StateFile {
             allocations: allocations
                 .iter()
                 .map(|(k, m)| {
-                    (
-                        k.to_string(),
-                        m.iter()
-                            .map(|(id, n)| (id.to_string(), u32::from(*n)))
-                            .collect(),
-                    )
+                    (k.to_string(), m.iter().map(|(id, n)| (id.to_string(), u32::from(*n))).collect())
                 })
                 .collect(),
         };
-        let mut text = serde_json::to_string_pretty(&disk).map_err(|e| StateError::Write {
-            path: self.path.clone(),
-            source: io::Error::other(e),
-        })?;
+        let mut text = serde_json::to_string_pretty(&disk)
+            .map_err(|e| StateError::Write { path: self.path.clone(), source: io::Error::other(e) })?;
         text.push('\n');
         self.write_atomically(text.as_bytes())
-            .map_err(|source| StateError::Write {
-                path: self.path.clone(),
-                source,
-            })
+            .map_err(|source| StateError::Write { path: self.path.clone(), source })
     }
 
     fn write_atomically(&self, bytes: &[u8]) -> io::Result<()> {
@@ -171,11 +134,7 @@ impl StateFile {
         tmp_name.push(format!(".tmp.{}", std::process::id()));
         let tmp = dir.join(tmp_name);
         let result = (|| {
-            let mut f = fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .open(&tmp)?;
+            let mut f = fs::OpenOptions::new().write(true).create(true).truncate(true).open(&tmp)?;
             f.write_all(bytes)?;
             f.sync_all()?;
             drop(f);
@@ -198,38 +157,14 @@ mod tests {
     fn sample() -> Allocations {
         let mut a = Allocations::new();
         a.insert(
-            ServiceKey {
-                namespace: "default".into(),
-                name: "web".into(),
-            },
-            BTreeMap::from([(
-                PortId {
-                    port: 80,
-                    protocol: Protocol::Tcp,
-                },
-                20001,
-            )]),
+            ServiceKey { namespace: "default".into(), name: "web".into() },
+            BTreeMap::from([(PortId { port: 80, protocol: Protocol::Tcp }, 20001)]),
         );
         a.insert(
-            ServiceKey {
-                namespace: "kube-system".into(),
-                name: "dns".into(),
-            },
+            ServiceKey { namespace: "kube-system".into(), name: "dns".into() },
             BTreeMap::from([
-                (
-                    PortId {
-                        port: 53,
-                        protocol: Protocol::Udp,
-                    },
-                    20002,
-                ),
-                (
-                    PortId {
-                        port: 53,
-                        protocol: Protocol::Tcp,
-                    },
-                    20002,
-                ),
+                (PortId { port: 53, protocol: Protocol::Udp }, 20002),
+                (PortId { port: 53, protocol: Protocol::Tcp }, 20002),
             ]),
         );
         a
@@ -268,11 +203,8 @@ mod tests {
     fn accepts_the_documented_example() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("state.json");
-        fs::write(
-            &path,
-            r#"{"version":1,"allocations":{"default/web":{"80/TCP":20001}},"future":true}"#,
-        )
-        .expect("write");
+        fs::write(&path, r#"{"version":1,"allocations":{"default/web":{"80/TCP":20001}},"future":true}"#)
+            .expect("write");
         let got = StateFile::new(&path).load().expect("load");
         assert_eq!(got.len(), 1);
     }
@@ -285,26 +217,11 @@ mod tests {
             ("empty", ""),
             ("no version", "{\"allocations\":{}}"),
             ("future version", "{\"version\":2,\"allocations\":{}}"),
-            (
-                "bad key",
-                "{\"version\":1,\"allocations\":{\"web\":{\"80/TCP\":20001}}}",
-            ),
-            (
-                "bad port id",
-                "{\"version\":1,\"allocations\":{\"default/web\":{\"80/ICMP\":20001}}}",
-            ),
-            (
-                "node port 0",
-                "{\"version\":1,\"allocations\":{\"default/web\":{\"80/TCP\":0}}}",
-            ),
-            (
-                "node port big",
-                "{\"version\":1,\"allocations\":{\"default/web\":{\"80/TCP\":70000}}}",
-            ),
-            (
-                "negative",
-                "{\"version\":1,\"allocations\":{\"default/web\":{\"80/TCP\":-1}}}",
-            ),
+            ("bad key", "{\"version\":1,\"allocations\":{\"web\":{\"80/TCP\":20001}}}"),
+            ("bad port id", "{\"version\":1,\"allocations\":{\"default/web\":{\"80/ICMP\":20001}}}"),
+            ("node port 0", "{\"version\":1,\"allocations\":{\"default/web\":{\"80/TCP\":0}}}"),
+            ("node port big", "{\"version\":1,\"allocations\":{\"default/web\":{\"80/TCP\":70000}}}"),
+            ("negative", "{\"version\":1,\"allocations\":{\"default/web\":{\"80/TCP\":-1}}}"),
             (
                 "two spellings",
                 "{\"version\":1,\"allocations\":{\"default/web\":{\"80/TCP\":1,\"80/tcp\":2}}}",
@@ -315,10 +232,7 @@ mod tests {
             let path = dir.path().join("state.json");
             fs::write(&path, text).expect("write");
             let err = StateFile::new(&path).load().expect_err(name);
-            assert!(
-                err.to_string().contains(&path.display().to_string()),
-                "{name}: {err}"
-            );
+            assert!(err.to_string().contains(&path.display().to_string()), "{name}: {err}");
         }
     }
 

@@ -18,25 +18,11 @@ fn examples_are_valid() {
     assert_eq!(keys, vec!["default/dns", "default/web"]);
     for s in &out.services {
         assert_eq!(s.ports.len(), 1);
-        let eps: Vec<String> = s.ports[0]
-            .endpoints
-            .iter()
-            .map(|e| format!("{}:{}", e.addr, e.port))
-            .collect();
+        let eps: Vec<String> =
+            s.ports[0].endpoints.iter().map(|e| format!("{}:{}", e.addr, e.port)).collect();
         let port = if s.key.name == "web" { 8080 } else { 5353 };
-        assert_eq!(
-            eps,
-            vec![
-                format!("198.51.100.11:{port}"),
-                format!("198.51.100.12:{port}")
-            ]
-        );
-        assert!(
-            s.ports[0]
-                .endpoints
-                .iter()
-                .all(|e| e.ready && e.node_name.as_deref() == Some("node-1"))
-        );
+        assert_eq!(eps, vec![format!("198.51.100.11:{port}"), format!("198.51.100.12:{port}")]);
+        assert!(s.ports[0].endpoints.iter().all(|e| e.ready && e.node_name.as_deref() == Some("node-1")));
     }
     let alloc = allocate(&PortRange::default(), &out.services, &Allocations::new());
     assert!(alloc.problems.is_empty());
