@@ -1,1 +1,785 @@
-//! The manifests directory (placeholder).
+//! The manifests directory: the cluster-less source of desired state (`nodelb run --manifests DIR`).
+//!
+//! It owns reading Service and EndpointSlice objects from files, and noticing when they change.
+//! Decisions:
+//! - Files: every `*.yaml`, `*.yml` and `*.json` directly in DIR (no recursion), sorted by name;
+//!   hidden files are skipped, which also skips Kubernetes ConfigMap volume internals (`..data`,
+//!   `..2024_…`) while following the visible symlinks into them. Symlinks are followed.
+//! - YAML files may hold several documents (`---`). Each document is parsed on its own, so a
+//!   syntax error in one does not hide the others; documents are numbered from 1 counting only
+//!   non-empty ones (what a human counts), and line numbers are those of the file.
+//! - `kind: List` (and `ServiceList`/`EndpointSliceList`, as `kubectl get -o yaml` writes them)
+//!   contribute their items.
+//! - `v1 Service` and `discovery.k8s.io/v1 EndpointSlice` are parsed into k8s-openapi types. Other
+//!   kinds are not errors but are reported in [`Manifests::ignored`] so the caller can log them;
+//!   a Service or EndpointSlice of another apiVersion is a problem (almost surely a mistake).
+//! - Objects without a namespace get `default`; an object without a name is a problem. The
+//!   same kind/namespace/name twice is a problem; the first one (in file order) is kept.
+//! - Only an unreadable DIR is an error ([`ManifestError`]); everything else is a
+//!   [`ManifestProblem`] and does not stop the other files.
+//!
+//! [`DirWatcher`] watches DIR itself with inotify (not the files: editors and ConfigMap updates
+//! replace files by rename, which a per-file watch would lose). Any event in DIR, hidden names
+//! included (ConfigMap updates are a rename of `..data_tmp` over `..data`), schedules one
+//! notification; bursts are coalesced: it fires [`DEBOUNCE_QUIET`] after the last event and at
+//! most [`DEBOUNCE_MAX`] after the first. It is a plain async fn over a non-blocking inotify fd
+//! (no thread). If DIR is deleted or moved away, the watcher reports the
+//! change and re-attaches when a directory appears at the path again.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::io;
+use std::os::fd::{AsFd as _, AsRawFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, WatchDescriptor};
+use serde_json::Value;
+use tokio::io::Interest;
+use tokio::io::unix::AsyncFd;
+
+/// Quiet time after the last event before notifying.
+pub const DEBOUNCE_QUIET: Duration = Duration::from_millis(50);
+/// Longest delay between the first event of a burst and the notification.
+pub const DEBOUNCE_MAX: Duration = Duration::from_millis(150);
+/// How often a watcher that lost DIR looks for it again.
+const IDLE_TICK: Duration = Duration::from_millis(250);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestError {
+    #[error("manifests directory {path}: cannot read: {source}")]
+    ReadDir { path: PathBuf, source: io::Error },
+    #[error("manifests directory {path}: cannot watch: {source}")]
+    Watch { path: PathBuf, source: io::Error },
+}
+
+/// Everything read from DIR.
+#[derive(Debug, Clone, Default)]
+pub struct Manifests {
+    pub services: Vec<Service>,
+    pub slices: Vec<EndpointSlice>,
+    /// Documents that could not be used.
+    pub problems: Vec<ManifestProblem>,
+    /// Objects of kinds nodelb does not use.
+    pub ignored: Vec<IgnoredObject>,
+}
+
+/// A file or document that could not be used. `document` is 1-based; 0 means the whole file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ManifestProblem {
+    pub file: PathBuf,
+    pub document: usize,
+    pub line: Option<usize>,
+    pub message: String,
+}
+
+impl fmt::Display for ManifestProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.file.display())?;
+        if self.document > 0 {
+            write!(f, " document {}", self.document)?;
+        }
+        if let Some(line) = self.line {
+            write!(f, " (line {line})")?;
+        }
+        write!(f, ": {}", self.message)
+    }
+}
+
+/// An object of a kind nodelb does not use.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IgnoredObject {
+    pub file: PathBuf,
+    pub document: usize,
+    pub api_version: String,
+    pub kind: String,
+    pub name: Option<String>,
+}
+
+impl fmt::Display for IgnoredObject {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ignored kind {} ({})", self.kind, self.api_version)?;
+        if let Some(name) = &self.name {
+            write!(f, " {name:?}")?;
+        }
+        write!(f, " in {} document {}", self.file.display(), self.document)
+    }
+}
+
+fn is_manifest_name(name: &str) -> bool {
+    !name.starts_with('.') && [".yaml", ".yml", ".json"].iter().any(|ext| name.ends_with(ext))
+}
+
+/// Reads every manifest file in `dir`. Fails only when `dir` itself cannot be read.
+pub fn load_dir(dir: &Path) -> Result<Manifests, ManifestError> {
+    let read_err = |source| ManifestError::ReadDir { path: dir.to_path_buf(), source };
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(read_err)? {
+        let entry = entry.map_err(read_err)?;
+        // Names that are not UTF-8 cannot end in ".yaml" as far as we are concerned.
+        if let Some(name) = entry.file_name().to_str().filter(|n| is_manifest_name(n)) {
+            names.push(name.to_string());
+        }
+    }
+    names.sort();
+    let mut loader = Loader::default();
+    for name in names {
+        let path = dir.join(&name);
+        // metadata() follows symlinks: ConfigMap files are symlinks into `..data/`.
+        match std::fs::metadata(&path) {
+            Ok(m) if m.is_file() => {}
+            Ok(_) => continue, // a directory called x.yaml: not a manifest
+            Err(e) => {
+                loader.problem(&path, 0, None, format!("cannot read: {e}"));
+                continue;
+            }
+        }
+        match std::fs::read_to_string(&path) {
+            Ok(text) if name.ends_with(".json") => loader.json_file(&path, &text),
+            Ok(text) => loader.yaml_file(&path, &text),
+            Err(e) => loader.problem(&path, 0, None, format!("cannot read: {e}")),
+        }
+    }
+    Ok(loader.out)
+}
+
+#[derive(Default)]
+struct Loader {
+    out: Manifests,
+    seen: BTreeSet<(String, String, String)>,
+}
+
+/// Where a value came from, for messages.
+struct Origin<'a> {
+    file: &'a Path,
+    document: usize,
+    /// `items[3]: ` inside a List.
+    prefix: String,
+}
+
+impl Loader {
+    fn problem(&mut self, file: &Path, document: usize, line: Option<usize>, message: String) {
+        self.out.problems.push(ManifestProblem { file: file.to_path_buf(), document, line, message });
+    }
+
+    fn json_file(&mut self, file: &Path, text: &str) {
+        let value: Value = match serde_json::from_str(text) {
+            Ok(v) => v,
+            Err(e) => return self.problem(file, 1, Some(e.line()), e.to_string()),
+        };
+        let origin = Origin { file, document: 1, prefix: String::new() };
+        // Typed re-parse from the text gives line numbers in errors.
+        self.object(
+            &origin,
+            value,
+            Some(&|kind| match kind {
+                Kind::Service => serde_json::from_str::<Service>(text)
+                    .map(|v| Typed::Service(Box::new(v)))
+                    .map_err(|e| (Some(e.line()), e.to_string())),
+                Kind::Slice => serde_json::from_str::<EndpointSlice>(text)
+                    .map(|v| Typed::Slice(Box::new(v)))
+                    .map_err(|e| (Some(e.line()), e.to_string())),
+            }),
+        );
+    }
+
+    fn yaml_file(&mut self, file: &Path, text: &str) {
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+        let mut document = 0;
+        for (first_line, body) in split_documents(text) {
+            // Padding with the lines before the document makes serde_yaml report file lines.
+            let padded = format!("{}{}", "\n".repeat(first_line), body);
+            let value: Value = match serde_yaml::from_str(&padded) {
+                Ok(Value::Null) => continue, // empty or comments only: not a document
+                Ok(v) => v,
+                Err(e) => {
+                    document += 1;
+                    self.problem(file, document, e.location().map(|l| l.line()), e.to_string());
+                    continue;
+                }
+            };
+            document += 1;
+            let origin = Origin { file, document, prefix: String::new() };
+            let line = |e: &serde_yaml::Error| e.location().map(|l| l.line());
+            self.object(
+                &origin,
+                value,
+                Some(&|kind| match kind {
+                    Kind::Service => serde_yaml::from_str::<Service>(&padded)
+                        .map(|v| Typed::Service(Box::new(v)))
+                        .map_err(|e| (line(&e), e.to_string())),
+                    Kind::Slice => serde_yaml::from_str::<EndpointSlice>(&padded)
+                        .map(|v| Typed::Slice(Box::new(v)))
+                        .map_err(|e| (line(&e), e.to_string())),
+                }),
+            );
+        }
+    }
+
+    /// One top-level object or List item. `reparse` re-reads the document's own text into the
+    /// typed object (for line numbers); List items are converted from the value.
+    fn object(&mut self, origin: &Origin<'_>, value: Value, reparse: Option<&Reparse<'_>>) {
+        let Value::Object(map) = &value else {
+            let what = match &value {
+                Value::Array(_) => "a list",
+                Value::String(_) => "a string",
+                _ => "a scalar",
+            };
+            let msg = format!(
+                "{}expected a Kubernetes object (a mapping with apiVersion and kind), found {what}",
+                origin.prefix
+            );
+            return self.problem(origin.file, origin.document, None, msg);
+        };
+        let api_version = map.get("apiVersion").and_then(Value::as_str).unwrap_or("").to_string();
+        let kind = map.get("kind").and_then(Value::as_str).unwrap_or("").to_string();
+        if kind.is_empty() {
+            let msg = format!("{}object has no kind", origin.prefix);
+            return self.problem(origin.file, origin.document, None, msg);
+        }
+        let typed_kind = match (kind.as_str(), api_version.as_str()) {
+            ("List" | "ServiceList" | "EndpointSliceList", _) => {
+                return self.list(origin, &kind, map.get("items"));
+            }
+            ("Service", "v1") => Kind::Service,
+            ("EndpointSlice", "discovery.k8s.io/v1") => Kind::Slice,
+            ("Service" | "EndpointSlice", other) => {
+                let msg = format!("{}{kind} with unsupported apiVersion {other:?}", origin.prefix);
+                return self.problem(origin.file, origin.document, None, msg);
+            }
+            _ => {
+                let name = map
+                    .get("metadata")
+                    .and_then(|m| m.get("name"))
+                    .and_then(Value::as_str)
+                    .map(str::to_string);
+                self.out.ignored.push(IgnoredObject {
+                    file: origin.file.to_path_buf(),
+                    document: origin.document,
+                    api_version,
+                    kind,
+                    name,
+                });
+                return;
+            }
+        };
+        let typed = match reparse {
+            Some(reparse) => reparse(typed_kind),
+            None => match typed_kind {
+                Kind::Service => {
+                    serde_json::from_value::<Service>(value.clone()).map(|v| Typed::Service(Box::new(v)))
+                }
+                Kind::Slice => {
+                    serde_json::from_value::<EndpointSlice>(value.clone()).map(|v| Typed::Slice(Box::new(v)))
+                }
+            }
+            .map_err(|e| (None, e.to_string())),
+        };
+        match typed {
+            Ok(Typed::Service(mut svc)) => {
+                if self.admit(origin, "Service", &mut svc.metadata) {
+                    self.out.services.push(*svc);
+                }
+            }
+            Ok(Typed::Slice(mut slice)) => {
+                if self.admit(origin, "EndpointSlice", &mut slice.metadata) {
+                    self.out.slices.push(*slice);
+                }
+            }
+            Err((line, message)) => {
+                let msg = format!("{}invalid {kind}: {message}", origin.prefix);
+                self.problem(origin.file, origin.document, line, msg);
+            }
+        }
+    }
+
+    fn list(&mut self, origin: &Origin<'_>, list_kind: &str, items: Option<&Value>) {
+        let items = match items {
+            None | Some(Value::Null) => return,
+            Some(Value::Array(items)) => items,
+            Some(_) => {
+                let msg = format!("{}{list_kind}: items is not a list", origin.prefix);
+                return self.problem(origin.file, origin.document, None, msg);
+            }
+        };
+        // Typed lists leave out apiVersion/kind of their items.
+        let implied = match list_kind {
+            "ServiceList" => Some(("v1", "Service")),
+            "EndpointSliceList" => Some(("discovery.k8s.io/v1", "EndpointSlice")),
+            _ => None,
+        };
+        for (i, item) in items.iter().enumerate() {
+            let mut item = item.clone();
+            if let (Some((api, kind)), Value::Object(m)) = (implied, &mut item) {
+                m.entry("apiVersion").or_insert_with(|| Value::from(api));
+                m.entry("kind").or_insert_with(|| Value::from(kind));
+            }
+            let inner = Origin {
+                file: origin.file,
+                document: origin.document,
+                prefix: format!("{}items[{i}]: ", origin.prefix),
+            };
+            self.object(&inner, item, None);
+        }
+    }
+
+    /// Defaults the namespace, checks the name and duplicates.
+    fn admit(&mut self, origin: &Origin<'_>, kind: &str, meta: &mut ObjectMeta) -> bool {
+        if meta.namespace.as_deref().is_none_or(str::is_empty) {
+            meta.namespace = Some("default".to_string());
+        }
+        let namespace = meta.namespace.clone().unwrap_or_default();
+        let Some(name) = meta.name.clone().filter(|n| !n.is_empty()) else {
+            let msg = format!("{}{kind} has no metadata.name", origin.prefix);
+            self.problem(origin.file, origin.document, None, msg);
+            return false;
+        };
+        if !self.seen.insert((kind.to_string(), namespace.clone(), name.clone())) {
+            let msg = format!("{}duplicate {kind} {namespace}/{name}; the first one is used", origin.prefix);
+            self.problem(origin.file, origin.document, None, msg);
+            return false;
+        }
+        true
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Service,
+    Slice,
+}
+
+/// Boxed: a Service is twice the size of an EndpointSlice.
+enum Typed {
+    Service(Box<Service>),
+    Slice(Box<EndpointSlice>),
+}
+
+/// Re-reads a document's own text as the given kind; errors carry a line when known.
+type Reparse<'a> = dyn Fn(Kind) -> Result<Typed, (Option<usize>, String)> + 'a;
+
+/// Splits YAML text at document markers (`---` and `...` at column 0, which YAML forbids inside
+/// content) into `(index of the first line, text)`. Content after `--- ` on the marker line
+/// belongs to the new document and keeps its column.
+fn split_documents(text: &str) -> Vec<(usize, String)> {
+    let mut docs = Vec::new();
+    let mut start = 0;
+    let mut body = String::new();
+    for (i, line) in text.split('\n').enumerate() {
+        let bare = line.trim_end_matches('\r');
+        let marker = if bare == "---" || bare == "..." {
+            Some("")
+        } else {
+            bare.strip_prefix("---").filter(|r| r.starts_with([' ', '\t']))
+        };
+        match marker {
+            Some(rest) => {
+                docs.push((start, std::mem::take(&mut body)));
+                start = i;
+                if rest.trim().is_empty() || rest.trim_start().starts_with('#') {
+                    start = i + 1;
+                } else {
+                    body.push_str("   ");
+                    body.push_str(rest);
+                    body.push('\n');
+                }
+            }
+            None => {
+                body.push_str(line);
+                body.push('\n');
+            }
+        }
+    }
+    docs.push((start, body));
+    docs
+}
+
+/// Watches a manifests directory; see the module documentation. Create it *before* the first
+/// [`load_dir`], so that a change in between is not lost. Events that happen while nobody waits
+/// in [`DirWatcher::changed`] queue in the kernel and make the next call return promptly.
+pub struct DirWatcher {
+    dir: PathBuf,
+    fd: AsyncFd<InotifyFd>,
+    /// `None` while DIR is gone (deleted or moved away).
+    watch: Option<WatchDescriptor>,
+}
+
+/// `AsyncFd` wants `AsRawFd`, which nix's `Inotify` only offers as `AsFd`.
+struct InotifyFd(Inotify);
+
+impl AsRawFd for InotifyFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_fd().as_raw_fd()
+    }
+}
+
+impl DirWatcher {
+    /// Starts watching `dir`, which must exist. Needs a Tokio runtime with I/O and time enabled.
+    pub fn new(dir: &Path) -> Result<DirWatcher, ManifestError> {
+        let watch_err = |source: io::Error| ManifestError::Watch { path: dir.to_path_buf(), source };
+        if tokio::runtime::Handle::try_current().is_err() {
+            // Registering would panic.
+            return Err(watch_err(io::Error::other("not inside a Tokio runtime")));
+        }
+        let inotify =
+            Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC).map_err(|e| watch_err(e.into()))?;
+        let wd = inotify.add_watch(dir, watch_mask()).map_err(|e| watch_err(e.into()))?;
+        // SAFETY: InotifyFd owns the descriptor (an OwnedFd inside nix's Inotify) for its whole
+        // life and always returns that same descriptor; the AsyncFd owns the InotifyFd.
+        let fd = unsafe { AsyncFd::register_with_interest(InotifyFd(inotify), Interest::READABLE) }
+            .map_err(|e| watch_err(e.into()))?;
+        Ok(DirWatcher { dir: dir.to_path_buf(), fd, watch: Some(wd) })
+    }
+
+    /// Waits until something in DIR changed, then for the burst to settle (see
+    /// [`DEBOUNCE_QUIET`], [`DEBOUNCE_MAX`]). An error means inotify itself failed.
+    pub async fn changed(&mut self) -> Result<(), ManifestError> {
+        // Wait for the first event. While DIR is gone, wake up regularly to re-attach.
+        loop {
+            let touched = if self.watch.is_some() {
+                self.read_events().await?
+            } else {
+                tokio::time::timeout(IDLE_TICK, self.read_events()).await.unwrap_or(Ok(false))?
+            };
+            let reattached = self.reattach();
+            if touched || reattached {
+                break;
+            }
+        }
+        let first = Instant::now();
+        let mut last = first;
+        loop {
+            let deadline = (last + DEBOUNCE_QUIET).min(first + DEBOUNCE_MAX);
+            match tokio::time::timeout_at(deadline.into(), self.read_events()).await {
+                Err(_elapsed) => break,
+                Ok(result) => {
+                    result?;
+                    self.reattach();
+                    last = Instant::now();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Tries to watch DIR again when it was lost; `true` when it is back.
+    fn reattach(&mut self) -> bool {
+        if self.watch.is_some() {
+            return false;
+        }
+        match self.fd.get_ref().0.add_watch(&self.dir, watch_mask()) {
+            Ok(wd) => {
+                // DIR is back (or replaced): its content may be entirely new.
+                self.watch = Some(wd);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Reads at least one batch of events; `true` when any was about DIR's content.
+    async fn read_events(&mut self) -> Result<bool, ManifestError> {
+        let dir = self.dir.clone();
+        let err = |source: io::Error| ManifestError::Watch { path: dir.clone(), source };
+        loop {
+            let mut guard = self.fd.readable().await.map_err(err)?;
+            match guard.try_io(|inner| inner.get_ref().0.read_events().map_err(io::Error::from)) {
+                Ok(Ok(events)) => {
+                    for ev in &events {
+                        // Only events of the current watch count: after a re-attach, the
+                        // IN_IGNORED of the old watch arrives late and must not drop the new one.
+                        let ours = self.watch == Some(ev.wd);
+                        // The watch ends on delete; on a move it would follow the inode, but we
+                        // care about the path.
+                        let lost = ev.mask.intersects(
+                            AddWatchFlags::IN_IGNORED
+                                | AddWatchFlags::IN_DELETE_SELF
+                                | AddWatchFlags::IN_MOVE_SELF,
+                        );
+                        if ours
+                            && lost
+                            && let Some(wd) = self.watch.take()
+                        {
+                            // Already gone after a delete; needed after a move.
+                            let _ = self.fd.get_ref().0.rm_watch(wd);
+                        }
+                    }
+                    return Ok(!events.is_empty());
+                }
+                Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Ok(Err(e)) => return Err(err(e)),
+                Err(_would_block) => continue,
+            }
+        }
+    }
+}
+
+fn watch_mask() -> AddWatchFlags {
+    AddWatchFlags::IN_CREATE
+        | AddWatchFlags::IN_CLOSE_WRITE
+        | AddWatchFlags::IN_MODIFY
+        | AddWatchFlags::IN_ATTRIB
+        | AddWatchFlags::IN_DELETE
+        | AddWatchFlags::IN_MOVED_FROM
+        | AddWatchFlags::IN_MOVED_TO
+        | AddWatchFlags::IN_DELETE_SELF
+        | AddWatchFlags::IN_MOVE_SELF
+        | AddWatchFlags::IN_ONLYDIR
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs;
+
+    const SVC: &str = "apiVersion: v1\nkind: Service\nmetadata:\n  name: web\nspec:\n  type: LoadBalancer\n  ports:\n  - port: 80\n";
+    const SLICE: &str = "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-1\n  namespace: prod\n  labels:\n    kubernetes.io/service-name: web\naddressType: IPv4\nendpoints:\n- addresses: [198.51.100.11]\nports:\n- port: 8080\n";
+
+    fn dir_with(files: &[(&str, &str)]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for (name, text) in files {
+            fs::write(dir.path().join(name), text).expect("write");
+        }
+        dir
+    }
+
+    fn names(m: &Manifests) -> (Vec<String>, Vec<String>) {
+        let key = |meta: &ObjectMeta| {
+            format!(
+                "{}/{}",
+                meta.namespace.clone().unwrap_or_default(),
+                meta.name.clone().unwrap_or_default()
+            )
+        };
+        (
+            m.services.iter().map(|s| key(&s.metadata)).collect(),
+            m.slices.iter().map(|s| key(&s.metadata)).collect(),
+        )
+    }
+
+    #[test]
+    fn multi_document_and_defaults() {
+        let text = format!("# leading comment\n---\n{SVC}---\n# only a comment\n---\n{SLICE}...\n");
+        let dir = dir_with(&[("a.yaml", &text)]);
+        let m = load_dir(dir.path()).expect("load");
+        assert!(m.problems.is_empty(), "{:?}", m.problems);
+        assert_eq!(names(&m), (vec!["default/web".to_string()], vec!["prod/web-1".to_string()]));
+    }
+
+    #[test]
+    fn problems_are_per_document_with_file_lines() {
+        let bad_syntax = "apiVersion: v1\nkind: Service\nmetadata: {name: [oops\n";
+        let bad_type =
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: typed\nspec:\n  ports:\n  - port: eighty\n";
+        let text = format!("{SVC}---\n{bad_syntax}---\n{bad_type}---\n{SLICE}");
+        let dir = dir_with(&[("m.yaml", &text)]);
+        let m = load_dir(dir.path()).expect("load");
+        assert_eq!(names(&m).0, vec!["default/web".to_string()]);
+        assert_eq!(names(&m).1, vec!["prod/web-1".to_string()], "a bad document does not stop the next");
+        assert_eq!(m.problems.len(), 2, "{:?}", m.problems);
+        let p = &m.problems[0];
+        assert_eq!((p.document, p.file.file_name().and_then(|f| f.to_str())), (2, Some("m.yaml")));
+        // The broken flow sequence starts on line 12 of the file; libyaml notices it at or after.
+        assert!(p.line.is_some_and(|l| (12..=13).contains(&l)), "{p}");
+        let p = &m.problems[1];
+        assert_eq!(p.document, 3);
+        assert_eq!(p.line, Some(20), "{p}");
+        assert!(p.message.contains("invalid Service"), "{p}");
+        let shown = p.to_string();
+        assert!(shown.contains("m.yaml document 3 (line 20): invalid Service"), "{shown}");
+    }
+
+    #[test]
+    fn kinds_and_versions() {
+        let files = [
+            ("a.yaml", "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: cfg\n"),
+            ("b.yaml", "apiVersion: v1beta1\nkind: Service\nmetadata:\n  name: old\n"),
+            ("c.yaml", "apiVersion: v1\nmetadata:\n  name: nokind\n"),
+            ("d.yaml", "- just\n- a list\n"),
+            ("e.yaml", "apiVersion: v1\nkind: Service\nmetadata:\n  namespace: x\nspec: {}\n"),
+            ("f.yaml", SVC),
+            ("g.yaml", SVC), // duplicate of f.yaml
+        ];
+        let dir = dir_with(&files);
+        let m = load_dir(dir.path()).expect("load");
+        assert_eq!(m.services.len(), 1);
+        assert_eq!(m.ignored.len(), 1);
+        let ignored = m.ignored[0].to_string();
+        assert!(
+            ignored.starts_with("ignored kind ConfigMap (v1) \"cfg\" in ")
+                && ignored.ends_with("a.yaml document 1"),
+            "{ignored}"
+        );
+        let msgs: Vec<String> = m.problems.iter().map(ToString::to_string).collect();
+        assert_eq!(msgs.len(), 5, "{msgs:?}");
+        let expect = [
+            ("b.yaml", "unsupported apiVersion \"v1beta1\""),
+            ("c.yaml", "no kind"),
+            ("d.yaml", "found a list"),
+            ("e.yaml", "no metadata.name"),
+            ("g.yaml", "duplicate Service default/web"),
+        ];
+        for ((file, needle), msg) in expect.iter().zip(&msgs) {
+            assert!(msg.contains(file) && msg.contains(needle), "{msg} lacks {file}/{needle}");
+        }
+    }
+
+    #[test]
+    fn json_and_lists() {
+        let json = r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"j","namespace":"ns"},"spec":{"ports":[{"port":53,"protocol":"UDP"}]}}"#;
+        let bad_json =
+            "{\n  \"apiVersion\": \"v1\",\n  \"kind\": \"Service\",\n  \"metadata\": {\"name\": 5}\n}\n";
+        let list = format!(
+            "apiVersion: v1\nkind: List\nitems:\n- {}\n- apiVersion: v1\n  kind: Secret\n  metadata: {{name: s}}\n- apiVersion: v1\n  kind: Service\n  metadata: {{name: bad}}\n  spec: {{ports: [{{port: x}}]}}\n",
+            serde_json::to_string(&serde_yaml::from_str::<Value>(SLICE).expect("slice")).expect("json")
+        );
+        let svc_list = "apiVersion: v1\nkind: ServiceList\nitems:\n- metadata: {name: from-list}\n  spec: {type: LoadBalancer, ports: [{port: 1}]}\n";
+        let dir = dir_with(&[("j.json", json), ("k.json", bad_json), ("l.yml", &list), ("s.yaml", svc_list)]);
+        let m = load_dir(dir.path()).expect("load");
+        assert_eq!(
+            names(&m),
+            (vec!["ns/j".to_string(), "default/from-list".to_string()], vec!["prod/web-1".to_string()])
+        );
+        assert_eq!(m.ignored.len(), 1);
+        assert_eq!(m.ignored[0].kind, "Secret");
+        let msgs: Vec<String> = m.problems.iter().map(ToString::to_string).collect();
+        assert_eq!(msgs.len(), 2, "{msgs:?}");
+        assert!(msgs[0].contains("k.json document 1 (line 4)"), "{}", msgs[0]);
+        assert!(msgs[1].contains("l.yml document 1: items[2]: invalid Service"), "{}", msgs[1]);
+    }
+
+    #[test]
+    fn file_selection() {
+        let dir = dir_with(&[
+            (".hidden.yaml", SVC),
+            ("notes.txt", "hello"),
+            ("web.yaml.bak", SVC),
+            ("z.yaml", SLICE),
+        ]);
+        fs::create_dir(dir.path().join("sub.yaml")).expect("mkdir");
+        fs::write(dir.path().join("sub.yaml/x.yaml"), SVC).expect("write");
+        // ConfigMap volume layout: visible symlinks into a hidden, timestamped directory.
+        fs::create_dir(dir.path().join("..2024_01_01")).expect("mkdir");
+        fs::write(dir.path().join("..2024_01_01/web.yaml"), SVC).expect("write");
+        std::os::unix::fs::symlink("..2024_01_01", dir.path().join("..data")).expect("symlink");
+        std::os::unix::fs::symlink("..data/web.yaml", dir.path().join("web.yaml")).expect("symlink");
+        std::os::unix::fs::symlink("nowhere.yaml", dir.path().join("dangling.yaml")).expect("symlink");
+        let m = load_dir(dir.path()).expect("load");
+        assert_eq!(names(&m), (vec!["default/web".to_string()], vec!["prod/web-1".to_string()]));
+        assert_eq!(m.problems.len(), 1, "{:?}", m.problems);
+        assert!(m.problems[0].to_string().contains("dangling.yaml: cannot read"), "{}", m.problems[0]);
+    }
+
+    #[test]
+    fn missing_dir_is_an_error() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let err = load_dir(&dir.path().join("nope")).expect_err("missing");
+        assert!(err.to_string().contains("nope"), "{err}");
+    }
+
+    #[test]
+    fn split_keeps_lines() {
+        let docs = split_documents("a: 1\n--- # c\nb: 2\n--- {c: 3}\n...\n");
+        let docs: Vec<(usize, &str)> = docs.iter().map(|(l, t)| (*l, t.as_str())).collect();
+        assert_eq!(docs, vec![(0, "a: 1\n"), (2, "b: 2\n"), (3, "    {c: 3}\n"), (5, "\n")]);
+    }
+
+    /// Waits for one notification, failing after `limit`.
+    async fn expect_change(w: &mut DirWatcher, what: &str, limit: Duration) {
+        let started = Instant::now();
+        match tokio::time::timeout(limit, w.changed()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => panic!("{what}: {e}"),
+            Err(_) => panic!("{what}: no notification within {limit:?}"),
+        }
+        assert!(started.elapsed() < limit, "{what}");
+    }
+
+    async fn expect_quiet(w: &mut DirWatcher, what: &str) {
+        if let Ok(r) = tokio::time::timeout(Duration::from_millis(400), w.changed()).await {
+            panic!("{what}: unexpected notification {r:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn watcher_sees_changes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let d = dir.path();
+        let mut w = DirWatcher::new(d).expect("watch");
+        expect_quiet(&mut w, "nothing happened").await;
+        // Generous limit for loaded CI machines; the design target is ~200 ms.
+        let limit = Duration::from_secs(2);
+
+        fs::write(d.join("web.yaml"), SVC).expect("write");
+        expect_change(&mut w, "create", limit).await;
+        expect_quiet(&mut w, "after create").await;
+
+        let fast = Instant::now();
+        fs::write(d.join("web.yaml"), SLICE).expect("write");
+        expect_change(&mut w, "modify", limit).await;
+        assert!(fast.elapsed() < Duration::from_millis(1000), "slow: {:?}", fast.elapsed());
+
+        // Editor style: write a temp file, rename over.
+        fs::write(d.join(".web.yaml.swp"), SVC).expect("write");
+        fs::rename(d.join(".web.yaml.swp"), d.join("web.yaml")).expect("rename");
+        expect_change(&mut w, "rename over", limit).await;
+
+        fs::rename(d.join("web.yaml"), d.join("web2.yaml")).expect("rename");
+        expect_change(&mut w, "rename", limit).await;
+
+        fs::remove_file(d.join("web2.yaml")).expect("rm");
+        expect_change(&mut w, "delete", limit).await;
+
+        // A burst is one notification.
+        for i in 0..30 {
+            fs::write(d.join(format!("f{}.yaml", i % 3)), format!("# {i}\n")).expect("write");
+        }
+        expect_change(&mut w, "burst", limit).await;
+        expect_quiet(&mut w, "after burst").await;
+    }
+
+    #[tokio::test]
+    async fn watcher_sees_configmap_swaps() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let d = dir.path();
+        fs::create_dir(d.join("..v1")).expect("mkdir");
+        fs::write(d.join("..v1/web.yaml"), SVC).expect("write");
+        std::os::unix::fs::symlink("..v1", d.join("..data")).expect("symlink");
+        std::os::unix::fs::symlink("..data/web.yaml", d.join("web.yaml")).expect("symlink");
+        let mut w = DirWatcher::new(d).expect("watch");
+        // What the kubelet does on a ConfigMap update.
+        fs::create_dir(d.join("..v2")).expect("mkdir");
+        fs::write(d.join("..v2/web.yaml"), SLICE).expect("write");
+        std::os::unix::fs::symlink("..v2", d.join("..data_tmp")).expect("symlink");
+        fs::rename(d.join("..data_tmp"), d.join("..data")).expect("rename");
+        fs::remove_dir_all(d.join("..v1")).expect("rm");
+        expect_change(&mut w, "configmap swap", Duration::from_secs(2)).await;
+        let m = load_dir(d).expect("load");
+        assert_eq!(m.slices.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn watcher_survives_dir_replacement() {
+        let parent = tempfile::tempdir().expect("tempdir");
+        let d = parent.path().join("manifests");
+        fs::create_dir(&d).expect("mkdir");
+        let mut w = DirWatcher::new(&d).expect("watch");
+        fs::remove_dir(&d).expect("rmdir");
+        expect_change(&mut w, "dir deleted", Duration::from_secs(2)).await;
+        fs::create_dir(&d).expect("mkdir");
+        expect_change(&mut w, "dir recreated", Duration::from_secs(2)).await;
+        fs::write(d.join("web.yaml"), SVC).expect("write");
+        expect_change(&mut w, "file in recreated dir", Duration::from_secs(2)).await;
+        // Moved away and another directory put in its place.
+        fs::rename(&d, parent.path().join("old")).expect("mv");
+        fs::create_dir(&d).expect("mkdir");
+        expect_change(&mut w, "dir moved", Duration::from_secs(2)).await;
+        fs::write(d.join("x.yaml"), SVC).expect("write");
+        expect_change(&mut w, "file in new dir", Duration::from_secs(2)).await;
+        fs::write(parent.path().join("old/y.yaml"), SVC).expect("write");
+        expect_quiet(&mut w, "old dir is not watched").await;
+    }
+}
