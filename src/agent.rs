@@ -265,6 +265,7 @@ impl Agent {
         {
             let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
             st.services = desired.services.clone();
+            st.needed_families = desired.needed_families.iter().map(|f| f.name().to_string()).collect();
             st.problems = problems;
             st.problems.extend(desired.warnings.iter().cloned());
             st.source_synced = true;

@@ -155,8 +155,10 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
     for p in &st.problems {
         println!("problem: {p}");
     }
-    if let Err(r) = st.readiness() {
-        println!("NOT READY: {r}");
+    match st.readiness() {
+        Ok(None) => println!("READY"),
+        Ok(Some(note)) => println!("READY ({note})"),
+        Err(r) => println!("NOT READY: {r}"),
     }
     Ok(())
 }

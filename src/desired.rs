@@ -19,6 +19,8 @@ pub struct Desired {
     pub ruleset: Ruleset,
     pub allocations: Allocations,
     pub services: Vec<ServiceStatus>,
+    /// Families the valid Services ask for.
+    pub needed_families: BTreeSet<Family>,
     pub refusals: Vec<Refusal>,
     pub alloc_problems: Vec<AllocProblem>,
     /// Non-fatal input problems (e.g. a bad endpoint address skipped).
@@ -63,8 +65,10 @@ pub fn compute(inputs: &Inputs<'_>) -> Desired {
         });
     }
     services.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    let needed_families = out.services.iter().flat_map(|s| s.families.iter().copied()).collect();
     Desired {
         ruleset,
+        needed_families,
         allocations,
         services,
         refusals: out.refused,

@@ -53,7 +53,8 @@ async fn healthz(State(app): State<AppState>) -> impl IntoResponse {
 async fn readyz(State(app): State<AppState>) -> impl IntoResponse {
     let st = app.status.read().unwrap_or_else(|e| e.into_inner());
     match st.readiness() {
-        Ok(()) => (StatusCode::OK, "ready\n".to_string()),
+        Ok(None) => (StatusCode::OK, "ready\n".to_string()),
+        Ok(Some(note)) => (StatusCode::OK, format!("ready ({note})\n")),
         Err(reason) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {reason}\n")),
     }
 }

@@ -74,6 +74,8 @@ pub struct Status {
     pub node_name: String,
     pub services: Vec<ServiceStatus>,
     pub families: BTreeMap<String, FamilyStatus>,
+    /// Families the served Services ask for (`spec.ipFamilies`), e.g. `["ipv4", "ipv6"]`.
+    pub needed_families: Vec<String>,
     /// Problems reading the manifests (file, document, message), or other input problems.
     pub problems: Vec<String>,
     pub last_sync: Option<SyncStatus>,
@@ -84,9 +86,11 @@ pub struct Status {
 }
 
 impl Status {
-    /// `Ok` when the agent can serve: source read, last sync good, forwarding usable for at
-    /// least one family the Services need. Otherwise the reason in plain words.
-    pub fn readiness(&self) -> Result<(), String> {
+    /// `Ok(None)` when the agent can serve everything; `Ok(Some(note))` when it serves but a
+    /// family some Service needs is not served (degraded); `Err(reason)` when it cannot serve:
+    /// source not read, last sync failed, or none of the families the Services need is usable.
+    /// Reasons are plain words naming the sysctl or the error.
+    pub fn readiness(&self) -> Result<Option<String>, String> {
         if !self.source_synced {
             return Err("desired state not read yet (manifests not loaded)".into());
         }
@@ -97,11 +101,20 @@ impl Status {
             }
             Some(_) => {}
         }
-        if !self.families.is_empty() && !self.families.values().any(|f| f.programmed) {
-            let reasons: Vec<String> = self.families.values().filter_map(|f| f.reason.clone()).collect();
-            return Err(format!("no address family can be served: {}", reasons.join("; ")));
+        let unserved: Vec<&FamilyStatus> = self
+            .needed_families
+            .iter()
+            .filter_map(|f| self.families.get(f))
+            .filter(|f| !f.programmed)
+            .collect();
+        let reasons = || unserved.iter().filter_map(|f| f.reason.clone()).collect::<Vec<_>>().join("; ");
+        if unserved.is_empty() {
+            Ok(None)
+        } else if unserved.len() == self.needed_families.len() {
+            Err(format!("no address family the Services need can be served: {}", reasons()))
+        } else {
+            Ok(Some(format!("degraded: {}", reasons())))
         }
-        Ok(())
     }
 }
 

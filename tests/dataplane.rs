@@ -445,9 +445,13 @@ fn forwarding_off_leaves_the_family_unprogrammed_until_turned_on() {
     assert_eq!(st["families"]["ipv4"]["forwarding"], false, "{st}");
     assert_eq!(st["families"]["ipv4"]["programmed"], false, "{st}");
     assert_eq!(st["families"]["ipv6"]["forwarding"], true, "{st}");
+    // IPv6 still serves this dual-stack Service: ready, but degraded, naming the sysctl.
     let (code, body) = agent.readyz().expect("/readyz answers");
-    assert_eq!(code, 503, "/readyz with IPv4 forwarding off: {body}");
-    assert!(body.contains("net.ipv4.ip_forward"), "/readyz must name the sysctl: {body:?}");
+    assert_eq!(code, 200, "/readyz with IPv6 still usable: {body}");
+    assert!(
+        body.contains("degraded") && body.contains("net.ipv4.ip_forward"),
+        "/readyz must name the sysctl: {body:?}"
+    );
     assert!(
         wait_until(CHANGE, || agent.logs().contains("net.ipv4.ip_forward")),
         "the log must name net.ipv4.ip_forward"
@@ -476,6 +480,18 @@ fn forwarding_off_leaves_the_family_unprogrammed_until_turned_on() {
     );
     assert_eq!(agent.status().unwrap()["families"]["ipv4"]["programmed"], true);
     get_n(c, v4(NODE_V4), 20080, 5);
+
+    // IPv6 off while the only Services need IPv6... here: IPv4-only Service and IPv4 off → not ready.
+    let v4_only = web("web", 20080, 2);
+    agent.write_manifest("web.yaml", &v4_only.render());
+    topo.node.sysctl("net.ipv4.ip_forward", "0");
+    assert!(
+        wait_until(CHANGE, || matches!(agent.readyz(), Some((503, b)) if b.contains("net.ipv4.ip_forward"))),
+        "IPv4-only Service with IPv4 forwarding off must be not ready, naming the sysctl: {:?}",
+        agent.readyz()
+    );
+    topo.node.sysctl("net.ipv4.ip_forward", "1");
+    assert!(wait_until(CHANGE, || matches!(agent.readyz(), Some((200, _)))), "{:?}", agent.readyz());
 }
 
 #[test]
