@@ -19,7 +19,7 @@ use crate::model::ModelOptions;
 use crate::nft::{self, NftClient};
 use crate::plan::{self, NodeFacts};
 use crate::state::StateFile;
-use crate::status::{FamilyStatus, SharedStatus, SyncStatus};
+use crate::status::{SharedStatus, SyncStatus};
 use crate::sysctl::{Sysctls, forwarding_sysctl};
 
 #[derive(Debug, Clone)]
@@ -184,7 +184,7 @@ impl Agent {
                 self.families.insert(f, enabled);
             }
             let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
-            let entry = st.families.entry(f.name().to_string()).or_insert_with(FamilyStatus::default);
+            let entry = st.families.entry(f.name().to_string()).or_default();
             entry.forwarding = enabled;
             entry.programmed = enabled && self.applied.is_some();
             entry.reason = reason;

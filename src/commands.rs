@@ -38,7 +38,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         manifests: args.common.manifests.clone(),
         state_file: args.common.state_file.clone(),
         node_name: node_name(&args.common),
-        port_range: args.common.port_range.clone(),
+        port_range: args.common.port_range,
         resync_period: args.resync_period,
         enable_forwarding: args.enable_forwarding,
         masquerade_mark: args.common.masquerade_mark,

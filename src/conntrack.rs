@@ -107,12 +107,17 @@ impl ConntrackClient {
         Ok(ConntrackClient { socket, seq: 1 })
     }
 
-    fn send(&mut self, msg: ConntrackMessage, flags: u16) -> Result<u32, std::io::Error> {
+    fn send(
+        &mut self,
+        family: NetfilterProtoFamily,
+        msg: ConntrackMessage,
+        flags: u16,
+    ) -> Result<u32, std::io::Error> {
         self.seq = self.seq.wrapping_add(1);
         let mut header = NetlinkHeader::default();
         header.flags = flags;
         header.sequence_number = self.seq;
-        let inner = NetfilterMessage::new(NetfilterHeader::new(NetfilterProtoFamily::Unspec, 0, 0), msg);
+        let inner = NetfilterMessage::new(NetfilterHeader::new(family, 0, 0), msg);
         let mut nl = NetlinkMessage::new(header, NetlinkPayload::InnerMessage(inner));
         nl.finalize();
         let mut buf = vec![0u8; nl.buffer_len()];
@@ -164,7 +169,7 @@ impl ConntrackClient {
     /// Every conntrack entry of this network namespace (both families).
     pub fn flows(&mut self) -> Result<Vec<Flow>, ConntrackError> {
         let seq = self
-            .send(ConntrackMessage::Get(vec![]), NLM_F_REQUEST | NLM_F_DUMP)
+            .send(NetfilterProtoFamily::Unspec, ConntrackMessage::Get(vec![]), NLM_F_REQUEST | NLM_F_DUMP)
             .map_err(|source| ConntrackError::Kernel { op: "dump", source })?;
         let mut flows = vec![];
         self.receive("dump", seq, |ct| {
@@ -179,6 +184,11 @@ impl ConntrackClient {
     pub fn delete(&mut self, flow: &Flow) -> Result<(), ConntrackError> {
         let seq = self
             .send(
+                // The kernel parses the tuple by the message's family: it must be the flow's own.
+                match flow.orig_src {
+                    Some(IpAddr::V6(_)) => NetfilterProtoFamily::IPv6,
+                    _ => NetfilterProtoFamily::IPv4,
+                },
                 ConntrackMessage::Delete(vec![ConntrackAttribute::CtaTupleOrig(flow.orig_tuple.clone())]),
                 NLM_F_REQUEST | NLM_F_ACK,
             )

@@ -119,6 +119,65 @@ fn udp_request_response_through_the_node() {
     assert_eq!(seen.len(), 2, "each request is a new flow, both endpoints should answer: {seen:?}");
 }
 
+/// A UDP client that keeps its source port must not stay stuck on an endpoint that left the
+/// Service: the agent deletes the stale conntrack entry, so the next datagram is balanced anew.
+/// (The old backend keeps running, so without the cleanup the answer would still come from it.)
+#[test]
+fn udp_flow_moves_off_a_removed_endpoint() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let c = topo.client(0);
+    let only = |j: usize| {
+        ServiceSpec::new("dns")
+            .port(PortSpec::udp(53, Some(20053)))
+            .endpoint(EndpointSpec::local(backend_v4(j)))
+    };
+    let agent = start(&topo, &[("dns.yaml", only(0).render())], &[]);
+    agent.wait_state("default/dns", "programmed", CHANGE);
+
+    // One socket, one source port, for the whole test.
+    let (ask_tx, ask_rx) = std::sync::mpsc::channel::<()>();
+    let (ans_tx, ans_rx) = std::sync::mpsc::channel::<Result<String, String>>();
+    let client_ns = c.name.clone();
+    let worker = std::thread::spawn(move || {
+        let f = std::fs::File::open(format!("/run/netns/{client_ns}")).unwrap();
+        nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+        let s = std::net::UdpSocket::bind("0.0.0.0:40053").unwrap();
+        s.connect((NODE_V4, 20053)).unwrap();
+        s.set_read_timeout(Some(T)).unwrap();
+        for () in ask_rx {
+            let mut buf = [0u8; 2048];
+            let r = s.send(b"q").and_then(|_| s.recv(&mut buf));
+            let _ = ans_tx
+                .send(r.map(|n| String::from_utf8_lossy(&buf[..n]).into_owned()).map_err(|e| e.to_string()));
+        }
+    });
+    let ask = || {
+        ask_tx.send(()).unwrap();
+        let body = ans_rx.recv().unwrap().expect("UDP answer");
+        parse_answer(&body).expect("answer format").0
+    };
+    assert_eq!(ask(), "be1");
+    assert_eq!(ask(), "be1", "same flow, same endpoint");
+    let ct = topo.node.exec_ok("conntrack", &["-L", "-p", "udp", "--orig-port-dst", "20053"]);
+    assert!(ct.contains(&backend_v4(0).to_string()), "conntrack entry to be1 expected:\n{ct}");
+
+    agent.write_manifest("dns.yaml", &only(1).render());
+    assert!(
+        wait_until(CHANGE, || !topo
+            .node
+            .exec_ok("nft", &["list", "table", "inet", "nodelb"])
+            .contains(&backend_v4(0).to_string())),
+        "be1 never left the ruleset"
+    );
+    assert!(
+        wait_until(CHANGE, || ask() == "be2"),
+        "the client's UDP flow still goes to the removed endpoint be1 (stale conntrack entry)"
+    );
+    drop(ask_tx);
+    worker.join().unwrap();
+}
+
 #[test]
 fn source_ranges_are_enforced_and_invalid_ones_fail_closed() {
     require_root!();
