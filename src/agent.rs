@@ -64,6 +64,8 @@ struct Agent {
     /// Last logged message per refused Service / problem, to log once per change.
     logged: BTreeSet<String>,
     backoff: Duration,
+    /// Last good content per manifest file (a broken file keeps serving what it served).
+    last_good: manifests::LastGood,
 }
 
 /// Runs until `shutdown` resolves. Errors only for things that make serving impossible from the
@@ -92,6 +94,7 @@ pub async fn run(
         families: BTreeMap::new(),
         logged: BTreeSet::new(),
         backoff: MIN_BACKOFF,
+        last_good: manifests::LastGood::default(),
     };
     info!(manifests = %agent.cfg.manifests.display(), node = %agent.cfg.node_name, "nodelb agent starting");
 
@@ -204,7 +207,7 @@ impl Agent {
         let started = Instant::now();
         let loaded = manifests::load_dir(&self.cfg.manifests);
         let loaded: Manifests = match loaded {
-            Ok(m) => m,
+            Ok(m) => self.last_good.apply(m),
             Err(e) => {
                 // Never program from a view we could not read: keep the kernel as it is.
                 self.set_problems(vec![e.to_string()]);

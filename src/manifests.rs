@@ -26,7 +26,7 @@
 //! (no thread). If DIR is deleted or moved away, the watcher reports the
 //! change and re-attaches when a directory appears at the path again.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::io;
 use std::os::fd::{AsFd as _, AsRawFd, RawFd};
@@ -65,6 +65,57 @@ pub struct Manifests {
     pub problems: Vec<ManifestProblem>,
     /// Objects of kinds nodelb does not use.
     pub ignored: Vec<IgnoredObject>,
+    /// Per file: the objects it contributed and whether it had a problem.
+    pub files: BTreeMap<PathBuf, FileObjects>,
+}
+
+/// What one file contributed to a [`Manifests`].
+#[derive(Debug, Clone, Default)]
+pub struct FileObjects {
+    pub services: Vec<Service>,
+    pub slices: Vec<EndpointSlice>,
+    pub had_problem: bool,
+}
+
+/// The last good content of each manifest file, so that a file being edited (or broken) does not
+/// make its Services vanish, release their ports and reprogram the node half-way.
+#[derive(Debug, Clone, Default)]
+pub struct LastGood {
+    files: BTreeMap<PathBuf, FileObjects>,
+}
+
+impl LastGood {
+    /// Replaces the objects of every file that has a problem with that file's last good content
+    /// (when there is one), and remembers the content of every good file. Deleted files are
+    /// forgotten: deleting a file is how a user removes its objects.
+    pub fn apply(&mut self, mut m: Manifests) -> Manifests {
+        self.files.retain(|path, _| m.files.contains_key(path));
+        let mut services = Vec::new();
+        let mut slices = Vec::new();
+        for (path, objs) in &m.files {
+            if !objs.had_problem {
+                self.files.insert(path.clone(), objs.clone());
+                services.extend(objs.services.iter().cloned());
+                slices.extend(objs.slices.iter().cloned());
+            } else if let Some(good) = self.files.get(path) {
+                m.problems.push(ManifestProblem {
+                    file: path.clone(),
+                    document: 0,
+                    line: None,
+                    message: "keeping the last good version of this file until it is fixed".into(),
+                });
+                services.extend(good.services.iter().cloned());
+                slices.extend(good.slices.iter().cloned());
+            } else {
+                // Never read good: serve what could be read of it.
+                services.extend(objs.services.iter().cloned());
+                slices.extend(objs.slices.iter().cloned());
+            }
+        }
+        m.services = services;
+        m.slices = slices;
+        m
+    }
 }
 
 /// A file or document that could not be used. `document` is 1-based; 0 means the whole file.
@@ -134,14 +185,22 @@ pub fn load_dir(dir: &Path) -> Result<Manifests, ManifestError> {
             Ok(_) => continue, // a directory called x.yaml: not a manifest
             Err(e) => {
                 loader.problem(&path, 0, None, format!("cannot read: {e}"));
+                loader.out.files.insert(path, FileObjects { had_problem: true, ..Default::default() });
                 continue;
             }
         }
+        let before = (loader.out.services.len(), loader.out.slices.len(), loader.out.problems.len());
         match std::fs::read_to_string(&path) {
             Ok(text) if name.ends_with(".json") => loader.json_file(&path, &text),
             Ok(text) => loader.yaml_file(&path, &text),
             Err(e) => loader.problem(&path, 0, None, format!("cannot read: {e}")),
         }
+        let objs = FileObjects {
+            services: loader.out.services[before.0..].to_vec(),
+            slices: loader.out.slices[before.1..].to_vec(),
+            had_problem: loader.out.problems.len() > before.2,
+        };
+        loader.out.files.insert(path, objs);
     }
     Ok(loader.out)
 }
@@ -558,6 +617,38 @@ mod tests {
             m.services.iter().map(|s| key(&s.metadata)).collect(),
             m.slices.iter().map(|s| key(&s.metadata)).collect(),
         )
+    }
+
+    #[test]
+    fn a_broken_file_keeps_its_last_good_content_and_a_deleted_one_goes() {
+        let dir = dir_with(&[("web.yaml", SVC), ("slice.yaml", SLICE)]);
+        let mut last = LastGood::default();
+        let m = last.apply(load_dir(dir.path()).expect("load"));
+        assert_eq!(names(&m).0, vec!["default/web".to_string()]);
+
+        // Half-edited: the Service stays as it was, and the problem says so.
+        fs::write(dir.path().join("web.yaml"), "apiVersion: v1\nkind: Service\nmetadata: {name: [oops\n")
+            .unwrap();
+        let m = last.apply(load_dir(dir.path()).expect("load"));
+        assert_eq!(names(&m).0, vec!["default/web".to_string()], "{:?}", m.problems);
+        assert!(m.problems.iter().any(|p| p.message.contains("last good")), "{:?}", m.problems);
+        assert_eq!(names(&m).1, vec!["prod/web-1".to_string()]);
+
+        // Fixed with another name: the new content wins.
+        fs::write(dir.path().join("web.yaml"), SVC.replace("name: web", "name: web2")).unwrap();
+        let m = last.apply(load_dir(dir.path()).expect("load"));
+        assert_eq!(names(&m).0, vec!["default/web2".to_string()]);
+
+        // Deleted: gone, even though it was good before.
+        fs::remove_file(dir.path().join("web.yaml")).unwrap();
+        let m = last.apply(load_dir(dir.path()).expect("load"));
+        assert!(names(&m).0.is_empty());
+
+        // A file that was never good serves what could be read of it.
+        let bad_second = format!("{SVC}---\nkind: Service\nmetadata: {{name: [oops\n");
+        fs::write(dir.path().join("new.yaml"), bad_second).unwrap();
+        let m = last.apply(load_dir(dir.path()).expect("load"));
+        assert_eq!(names(&m).0, vec!["default/web".to_string()]);
     }
 
     #[test]
