@@ -217,10 +217,14 @@ echo "default/web 80/TCP is at $NODE_IP:$WEB_PORT"
 
 step "curl http://$NODE_IP:$WEB_PORT/ from $CLIENT, 10 times"
 seen=()
-for n in $(seq 1 10); do
+# Random balancing: after 10 requests, go on (up to 30) only until both backends have answered.
+for n in $(seq 1 30); do
     body=$(in_ns "$CLIENT" curl -fsS --max-time 2 "http://$NODE_IP:$WEB_PORT/") || die "request $n failed"
     echo "  $n: $body"
     seen+=("$(sed -n 's/.*backend=\([^ ]*\).*/\1/p' <<<"$body")")
+    if ((n >= 10)) && printf '%s\n' "${seen[@]}" | grep -qx be1 && printf '%s\n' "${seen[@]}" | grep -qx be2; then
+        break
+    fi
 done
 for be in be1 be2; do
     printf '%s\n' "${seen[@]}" | grep -qx "$be" || die "backend $be never answered"
