@@ -325,37 +325,27 @@ pub fn allocate(range: &PortRange, services: &[LbService], previous: &Allocation
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ir::Family;
-    use crate::model::{LbPort, TrafficPolicy};
+    use crate::model::LbPort;
 
     fn key(name: &str) -> ServiceKey {
-        ServiceKey { namespace: "default".into(), name: name.into() }
+        ServiceKey::new("default", name)
     }
 
     fn tcp(port: u16) -> PortId {
-        PortId { port, protocol: Protocol::Tcp }
+        PortId::tcp(port)
     }
 
     fn udp(port: u16) -> PortId {
-        PortId { port, protocol: Protocol::Udp }
+        PortId::udp(port)
     }
 
     /// A Service created at second `age` of 2024-01-01 (None: no timestamp) with `ports`.
     fn svc(name: &str, age: Option<u32>, ports: &[PortId]) -> LbService {
-        LbService {
-            key: key(name),
-            uid: None,
-            created: age.map(|s| format!("2024-01-01T00:{:02}:{:02}Z", s / 60, s % 60)),
-            ports: ports
-                .iter()
-                .map(|id| LbPort { id: *id, name: String::new(), endpoints: vec![] })
-                .collect(),
-            families: vec![Family::Ipv4],
-            source_ranges: vec![],
-            traffic_policy: TrafficPolicy::Cluster,
-            port_request: PortRequest::Auto,
-            previous_allocation: BTreeMap::new(),
-        }
+        let ports =
+            ports.iter().map(|id| LbPort { id: *id, name: String::new(), endpoints: vec![] }).collect();
+        let mut s = LbService::with_defaults(key(name), ports);
+        s.created = age.map(|s| format!("2024-01-01T00:{:02}:{:02}Z", s / 60, s % 60));
+        s
     }
 
     fn explicit(mut s: LbService, req: &[(PortId, u16)]) -> LbService {

@@ -152,6 +152,40 @@ pub struct LbService {
     pub previous_allocation: BTreeMap<PortId, u16>,
 }
 
+impl ServiceKey {
+    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> ServiceKey {
+        ServiceKey { namespace: namespace.into(), name: name.into() }
+    }
+}
+
+impl PortId {
+    pub fn tcp(port: u16) -> PortId {
+        PortId { port, protocol: Protocol::Tcp }
+    }
+
+    pub fn udp(port: u16) -> PortId {
+        PortId { port, protocol: Protocol::Udp }
+    }
+}
+
+impl LbService {
+    /// A Service with the API defaults (IPv4, Cluster policy, no source ranges, ports allocated
+    /// automatically), for callers that then set what differs.
+    pub fn with_defaults(key: ServiceKey, ports: Vec<LbPort>) -> LbService {
+        LbService {
+            key,
+            uid: None,
+            created: None,
+            ports,
+            families: vec![Family::Ipv4],
+            source_ranges: vec![],
+            traffic_policy: TrafficPolicy::Cluster,
+            port_request: PortRequest::Auto,
+            previous_allocation: BTreeMap::new(),
+        }
+    }
+}
+
 /// Why a Service (or a document) is not programmed. Each names the object and the bad value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize)]
 pub enum Refusal {
@@ -749,15 +783,15 @@ mod tests {
     }
 
     fn key(name: &str) -> ServiceKey {
-        ServiceKey { namespace: "default".into(), name: name.into() }
+        ServiceKey::new("default", name)
     }
 
     fn tcp(port: u16) -> PortId {
-        PortId { port, protocol: Protocol::Tcp }
+        PortId::tcp(port)
     }
 
     fn udp(port: u16) -> PortId {
-        PortId { port, protocol: Protocol::Udp }
+        PortId::udp(port)
     }
 
     fn one(svc: Service) -> Result<LbService, Refusal> {

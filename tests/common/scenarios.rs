@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use nodelb::ir::{Family, Protocol, Ruleset};
-use nodelb::model::{Endpoint, LbPort, LbService, PortId, PortRequest, ServiceKey, TrafficPolicy};
+use nodelb::model::{Endpoint, LbPort, LbService, PortId, ServiceKey, TrafficPolicy};
 use nodelb::plan::{self, NodeFacts, ServicePlan};
 
 pub const NODE: &str = "node-1";
@@ -22,24 +22,15 @@ pub fn ep(addr: &str, port: u16, node: &str, ready: bool) -> Endpoint {
 }
 
 pub fn svc(name: &str, ports: Vec<(u16, Protocol, Vec<Endpoint>)>) -> LbService {
-    LbService {
-        key: ServiceKey { namespace: "default".into(), name: name.into() },
-        uid: None,
-        created: None,
-        ports: ports
-            .into_iter()
-            .map(|(port, protocol, endpoints)| LbPort {
-                id: PortId { port, protocol },
-                name: String::new(),
-                endpoints,
-            })
-            .collect(),
-        families: vec![Family::Ipv4],
-        source_ranges: vec![],
-        traffic_policy: TrafficPolicy::Cluster,
-        port_request: PortRequest::Auto,
-        previous_allocation: BTreeMap::new(),
-    }
+    let ports = ports
+        .into_iter()
+        .map(|(port, protocol, endpoints)| LbPort {
+            id: PortId { port, protocol },
+            name: String::new(),
+            endpoints,
+        })
+        .collect();
+    LbService::with_defaults(ServiceKey::new("default", name), ports)
 }
 
 pub fn two_backends() -> Vec<Endpoint> {
