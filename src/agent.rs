@@ -6,6 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tracing::{debug, error, info, warn};
@@ -13,13 +14,14 @@ use tracing::{debug, error, info, warn};
 use crate::alloc::{Allocations, PortRange};
 use crate::conntrack::{self, ConntrackClient};
 use crate::desired::{self, Desired, Inputs};
-use crate::ir::{Family, Ruleset};
+use crate::ir::{Change, Family, Ruleset};
 use crate::manifests::{self, DirWatcher, Manifests};
+use crate::metrics::Metrics;
 use crate::model::ModelOptions;
 use crate::nft::{self, NftClient};
 use crate::plan::{self, NodeFacts};
 use crate::state::StateFile;
-use crate::status::{SharedStatus, SyncStatus};
+use crate::status::{ServiceState, SharedStatus, SyncStatus};
 use crate::sysctl::{Sysctls, forwarding_sysctl};
 
 #[derive(Debug, Clone)]
@@ -51,6 +53,7 @@ const SYSCTL_PERIOD: Duration = Duration::from_secs(1);
 
 struct Agent {
     cfg: AgentConfig,
+    metrics: Arc<Metrics>,
     status: SharedStatus,
     nft: NftClient,
     state: StateFile,
@@ -73,6 +76,7 @@ struct Agent {
 pub async fn run(
     cfg: AgentConfig,
     status: SharedStatus,
+    metrics: Arc<Metrics>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), AgentError> {
     let state = StateFile::new(cfg.state_file.clone());
@@ -85,6 +89,7 @@ pub async fn run(
     }
     let mut agent = Agent {
         cfg,
+        metrics,
         status,
         nft,
         state,
@@ -189,6 +194,7 @@ impl Agent {
             let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
             let entry = st.families.entry(f.name().to_string()).or_default();
             entry.forwarding = enabled;
+            self.metrics.forwarding.with_label_values(&[f.name()]).set(i64::from(enabled));
             entry.programmed = enabled && self.applied.is_some();
             entry.reason = reason;
         }
@@ -203,7 +209,21 @@ impl Agent {
         }
     }
 
+    /// One sync, with its outcome counted in the metrics.
     async fn sync(&mut self, verify: bool) -> Result<(), AgentError> {
+        let result = self.sync_once(verify).await;
+        if let Err(e) = &result {
+            let reason = match e {
+                AgentError::Nft(_) => "netlink",
+                AgentError::Manifests(_) => "manifests",
+                AgentError::State(_) => "state_file",
+            };
+            self.metrics.sync_failures.with_label_values(&[reason]).inc();
+        }
+        result
+    }
+
+    async fn sync_once(&mut self, verify: bool) -> Result<(), AgentError> {
         let started = Instant::now();
         let loaded = manifests::load_dir(&self.cfg.manifests);
         let loaded: Manifests = match loaded {
@@ -239,6 +259,7 @@ impl Agent {
             Some(applied) => {
                 let needs_check = verify && self.generation_changed()?;
                 if needs_check && self.tampered(applied)? {
+                    self.metrics.repairs.inc();
                     (desired.ruleset.full_replace(), "full")
                 } else {
                     (plan::diff(applied, &desired.ruleset), "incremental")
@@ -247,8 +268,29 @@ impl Agent {
         };
         self.applied = applied;
         let count = changes.len();
-        let result = if changes.is_empty() { Ok(()) } else { self.nft.apply(&changes).map(|_| ()) };
+        // Counters of chains this batch flushes or deletes restart at zero: read them first and
+        // fold them into the exported totals once the batch is in.
+        let resetting = resetting_chains(&changes, &self.metrics_index_union(&desired));
+        let before = if resetting.is_empty() { None } else { self.nft.read_table().ok().flatten() };
+        let result = if changes.is_empty() {
+            Ok(())
+        } else {
+            self.nft.apply(&changes).map(|stats| self.metrics.batch_messages.observe(stats.messages as f64))
+        };
         let ok = result.is_ok();
+        self.metrics.syncs.with_label_values(&[kind, if ok { "success" } else { "error" }]).inc();
+        self.metrics.sync_duration.with_label_values(&[kind]).observe(started.elapsed().as_secs_f64());
+        if ok {
+            let mut counters = self.metrics.counters.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(table) = &before {
+                counters.fold(table, &resetting, &desired.counter_index);
+            }
+            counters.set_index(desired.counter_index.clone());
+            self.metrics
+                .last_success
+                .set(SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0));
+        }
+        self.update_gauges(&desired, &node, ok, problems.len());
         let sync = SyncStatus {
             ok,
             kind: kind.to_string(),
@@ -279,6 +321,36 @@ impl Agent {
             }
         }
         result.map_err(AgentError::from)
+    }
+
+    /// Chains whose counters the metrics follow, now or in the previous sync.
+    fn metrics_index_union(&self, desired: &Desired) -> BTreeSet<String> {
+        let counters = self.metrics.counters.lock().unwrap_or_else(|e| e.into_inner());
+        counters.index.keys().chain(desired.counter_index.keys()).cloned().collect()
+    }
+
+    fn update_gauges(&self, desired: &Desired, node: &NodeFacts, ok: bool, manifest_problems: usize) {
+        let m = &self.metrics;
+        m.services.reset();
+        for s in &desired.services {
+            let state = match s.state {
+                ServiceState::Programmed => "programmed",
+                ServiceState::NoEndpoints => "no-endpoints",
+                ServiceState::Refused => "refused",
+            };
+            m.services.with_label_values(&[state, s.reason_code.as_deref().unwrap_or("")]).inc();
+        }
+        let ports = desired.services.iter().flat_map(|s| s.ports.iter());
+        m.service_ports.set(ports.clone().filter(|p| p.node_port.is_some()).count() as i64);
+        m.endpoints.set(ports.map(|p| p.endpoints as i64).sum());
+        let numbers: BTreeSet<u16> = desired.allocations.values().flat_map(|p| p.values().copied()).collect();
+        m.allocations.set(numbers.len() as i64);
+        let in_range = numbers.iter().filter(|n| self.cfg.port_range.contains(**n)).count();
+        m.free_ports.set(self.cfg.port_range.len().saturating_sub(in_range) as i64);
+        m.manifest_problems.set(manifest_problems as i64);
+        for f in Family::ALL {
+            m.family_served.with_label_values(&[f.name()]).set(i64::from(ok && node.families.contains(&f)));
+        }
     }
 
     /// UDP endpoints that left a node port since the last batch: delete their conntrack entries
@@ -347,4 +419,18 @@ impl Agent {
         let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
         st.problems = problems;
     }
+}
+
+/// Chains (among `tracked`) whose rules, and so counters, this batch removes.
+fn resetting_chains(changes: &[Change], tracked: &BTreeSet<String>) -> BTreeSet<String> {
+    if changes.iter().any(|c| matches!(c, Change::DeleteTable)) {
+        return tracked.clone();
+    }
+    changes
+        .iter()
+        .filter_map(|c| match c {
+            Change::FlushChain(n) | Change::DeleteChain(n) if tracked.contains(n) => Some(n.clone()),
+            _ => None,
+        })
+        .collect()
 }

@@ -77,13 +77,17 @@ pub struct RunArgs {
     /// How often the kernel is checked against what we programmed (and repaired).
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration, env = "NODELB_RESYNC_PERIOD")]
     pub resync_period: Duration,
-    /// Address of the HTTP endpoints (/status, /healthz, /readyz).
+    /// Address of the HTTP endpoints (/metrics, /status, /healthz, /readyz).
     #[arg(long, default_value = "0.0.0.0:9470", env = "NODELB_HTTP_ADDR")]
     pub http_addr: SocketAddr,
     /// Switch net.ipv4.ip_forward / net.ipv6.conf.all.forwarding on when they are off, instead
     /// of leaving that family unserved.
     #[arg(long, env = "NODELB_ENABLE_FORWARDING")]
     pub enable_forwarding: bool,
+    /// Export per-Service-port traffic series (read from the kernel's rule counters at scrape
+    /// time). Turn off on clusters with very many Services to bound /metrics cardinality.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, env = "NODELB_PER_SERVICE_METRICS")]
+    pub per_service_metrics: bool,
 }
 
 #[derive(Debug, clap::Args)]

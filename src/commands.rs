@@ -13,6 +13,7 @@ use crate::agent::{self, AgentConfig};
 use crate::cli::{CommonArgs, PlanArgs, RunArgs, StatusArgs};
 use crate::desired::{self, Inputs};
 use crate::ir::Family;
+use crate::metrics::Metrics;
 use crate::model::ModelOptions;
 use crate::nft::NftClient;
 use crate::plan::NodeFacts;
@@ -46,18 +47,19 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         sysctls: Sysctls::default(),
     };
     let status: SharedStatus = Arc::new(RwLock::new(Status::default()));
+    let metrics = Arc::new(Metrics::new(args.per_service_metrics)?);
     let stuck_after = (args.resync_period * 3).max(Duration::from_secs(30));
     let listener = tokio::net::TcpListener::bind(args.http_addr)
         .await
         .with_context(|| format!("cannot listen on --http-addr {}", args.http_addr))?;
-    info!(addr = %args.http_addr, "serving /status, /healthz, /readyz");
-    let router = crate::http::router(status.clone(), stuck_after);
+    info!(addr = %args.http_addr, "serving /metrics, /status, /healthz, /readyz");
+    let router = crate::http::router(status.clone(), metrics.clone(), stuck_after);
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, router).await {
             error!(error = %e, "HTTP server failed");
         }
     });
-    agent::run(cfg, status, shutdown_signal()).await?;
+    agent::run(cfg, status, metrics, shutdown_signal()).await?;
     Ok(())
 }
 

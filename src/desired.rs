@@ -9,6 +9,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use crate::alloc::{self, AllocProblem, Allocations, PortRange};
 use crate::ir::{Family, Ruleset};
+use crate::metrics::{CounterKind, SeriesKey};
 use crate::model::{self, LbService, ModelOptions, Refusal, ServiceKey};
 use crate::plan::{self, NodeFacts, ServicePlan};
 use crate::status::{PortStatus, ServiceState, ServiceStatus};
@@ -23,6 +24,8 @@ pub struct Desired {
     pub needed_families: BTreeSet<Family>,
     pub refusals: Vec<Refusal>,
     pub alloc_problems: Vec<AllocProblem>,
+    /// Chain name → the per-Service-port series its counter belongs to (for `/metrics`).
+    pub counter_index: BTreeMap<String, (SeriesKey, CounterKind)>,
     /// Non-fatal input problems (e.g. a bad endpoint address skipped).
     pub warnings: Vec<String>,
 }
@@ -60,15 +63,18 @@ pub fn compute(inputs: &Inputs<'_>) -> Desired {
             namespace: r.service().namespace.clone(),
             name: r.service().name.clone(),
             state: ServiceState::Refused,
+            reason_code: Some(r.code().to_string()),
             reason: Some(r.to_string()),
             ports: vec![],
         });
     }
     services.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    let counter_index = counter_index(&out.services, &ruleset);
     let needed_families = out.services.iter().flat_map(|s| s.families.iter().copied()).collect();
     Desired {
         ruleset,
         needed_families,
+        counter_index,
         allocations,
         services,
         refusals: out.refused,
@@ -137,5 +143,40 @@ fn service_status(
     } else {
         (ServiceState::NoEndpoints, Some("no ready endpoint usable on this node".to_string()))
     };
-    ServiceStatus { namespace: svc.key.namespace.clone(), name: svc.key.name.clone(), state, reason, ports }
+    let reason_code = match (&state, &reason) {
+        (ServiceState::Refused, Some(r)) if r.starts_with("forwarding") => Some("forwarding_off"),
+        (ServiceState::Refused, _) => Some("no_allocation"),
+        (ServiceState::NoEndpoints, _) => Some("no_endpoints"),
+        (ServiceState::Programmed, _) => None,
+    };
+    ServiceStatus {
+        namespace: svc.key.namespace.clone(),
+        name: svc.key.name.clone(),
+        state,
+        reason_code: reason_code.map(String::from),
+        reason,
+        ports,
+    }
+}
+
+/// The counter-carrying chains of each served Service port that the ruleset contains.
+fn counter_index(services: &[LbService], ruleset: &Ruleset) -> BTreeMap<String, (SeriesKey, CounterKind)> {
+    let mut index = BTreeMap::new();
+    for svc in services {
+        for port in &svc.ports {
+            let key = SeriesKey { service: svc.key.clone(), port: port.id };
+            for f in Family::ALL {
+                for (chain, kind) in [
+                    (plan::service_chain(f, svc, port), CounterKind::Connections),
+                    (plan::forward_chain(f, svc, port), CounterKind::Traffic),
+                    (plan::firewall_chain(f, svc, port), CounterKind::Refused),
+                ] {
+                    if ruleset.chains.contains_key(&chain) {
+                        index.insert(chain, (key.clone(), kind));
+                    }
+                }
+            }
+        }
+    }
+    index
 }

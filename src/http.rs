@@ -1,36 +1,47 @@
-//! The agent's HTTP endpoints: `/status` (JSON, what `nodelb status` prints), `/healthz` (the
-//! loop is alive), `/readyz` (the node can serve; the body says why not).
+//! The agent's HTTP endpoints: `/metrics` (Prometheus text), `/status` (JSON, what
+//! `nodelb status` prints), `/healthz` (the loop is alive), `/readyz` (the node can serve; the
+//! body says why not).
 
-use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Json};
 use axum::routing::get;
 
+use crate::metrics::Metrics;
 use crate::status::SharedStatus;
 
 #[derive(Clone)]
 struct AppState {
     status: SharedStatus,
+    metrics: Arc<Metrics>,
     /// The loop is considered stuck when it has not ticked for this long.
     stuck_after: Duration,
 }
 
-pub fn router(status: SharedStatus, stuck_after: Duration) -> Router {
+pub fn router(status: SharedStatus, metrics: Arc<Metrics>, stuck_after: Duration) -> Router {
     Router::new()
+        .route("/metrics", get(metrics_text))
         .route("/status", get(status_json))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .with_state(AppState { status, stuck_after })
+        .with_state(AppState { status, metrics, stuck_after })
 }
 
-/// Serves until the listener fails. Binding errors are returned so `main` can report the address.
-pub async fn serve(addr: SocketAddr, status: SharedStatus, stuck_after: Duration) -> std::io::Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
-    axum::serve(listener, router(status, stuck_after)).await
+async fn metrics_text(State(app): State<AppState>) -> impl IntoResponse {
+    // Gathering reads the kernel's counters over netlink: keep it off the async workers.
+    let metrics = app.metrics.clone();
+    match tokio::task::spawn_blocking(move || metrics.render()).await {
+        Ok(text) => (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            [(header::CONTENT_TYPE, "text/plain")],
+            format!("metrics collection failed: {e}\n"),
+        ),
+    }
 }
 
 async fn status_json(State(app): State<AppState>) -> impl IntoResponse {

@@ -13,6 +13,7 @@ pub mod desired;
 pub mod http;
 pub mod ir;
 pub mod manifests;
+pub mod metrics;
 pub mod model;
 pub mod nft;
 pub mod plan;

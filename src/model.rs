@@ -204,6 +204,18 @@ pub enum Refusal {
 }
 
 impl Refusal {
+    /// Short machine-readable reason, for metric labels.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Refusal::InvalidSourceRange { .. } => "invalid_source_range",
+            Refusal::InvalidAnnotation { .. } => "invalid_annotation",
+            Refusal::InvalidPort { .. } => "invalid_port",
+            Refusal::InvalidIpFamily { .. } => "invalid_ip_family",
+            Refusal::InvalidTrafficPolicy { .. } => "invalid_traffic_policy",
+            Refusal::Invalid { .. } => "invalid",
+        }
+    }
+
     pub fn service(&self) -> &ServiceKey {
         match self {
             Refusal::InvalidSourceRange { service, .. }

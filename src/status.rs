@@ -38,6 +38,10 @@ pub struct ServiceStatus {
     pub namespace: String,
     pub name: String,
     pub state: ServiceState,
+    /// Short machine-readable reason (`invalid_source_range`, `no_endpoints`, ...), the
+    /// `reason` label of `nodelb_services`.
+    #[serde(default)]
+    pub reason_code: Option<String>,
     pub reason: Option<String>,
     pub ports: Vec<PortStatus>,
 }
