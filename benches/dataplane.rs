@@ -77,8 +77,8 @@ fn config() -> Config {
         Config {
             quick,
             sizes: vec![1, 100, 1_000],
-            reps: 3,
-            conns: 1_000,
+            reps: 5,
+            conns: 600,
             warmup: 100,
             iperf_secs: 2,
             per_command_max: 1_000,
@@ -586,6 +586,8 @@ const VARIANTS: [&str; 4] = ["direct", "nodelb", "klipper-nft", "klipper-legacy"
 struct Results {
     /// (N, variant) → pooled connection samples.
     conn: BTreeMap<(usize, &'static str), ConnSamples>,
+    /// (N, variant) → per repetition (p50 of the variant, p50 of direct on the same topology).
+    rep_p50: BTreeMap<(usize, &'static str), Vec<(f64, f64)>>,
     /// (N, variant) → iperf3 bits/s, one per repetition.
     tput: BTreeMap<(usize, &'static str), Vec<f64>>,
     /// (N, operation) → milliseconds, one per repetition.
@@ -598,6 +600,18 @@ struct Results {
 }
 
 impl Results {
+    /// Median, min and max over repetitions of (variant p50 / direct p50 on the same topology).
+    fn ratio(&self, n: usize, v: &'static str) -> (f64, f64, f64) {
+        let q: Vec<f64> =
+            self.rep_p50.get(&(n, v)).map(|x| x.iter().map(|(a, d)| a / d).collect()).unwrap_or_default();
+        (median(&q), percentile(&q, 0.0), percentile(&q, 1.0))
+    }
+    /// Median over repetitions of (variant p50 − direct p50 on the same topology), µs.
+    fn over_direct(&self, n: usize, v: &'static str) -> f64 {
+        let q: Vec<f64> =
+            self.rep_p50.get(&(n, v)).map(|x| x.iter().map(|(a, d)| a - d).collect()).unwrap_or_default();
+        median(&q)
+    }
     fn prog(&mut self, n: usize, op: &str, d: Duration) {
         self.prog.entry((n, op.to_string())).or_default().push(d.as_secs_f64() * 1e3);
     }
@@ -649,10 +663,12 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
     let target_direct = SocketAddr::new(IpAddr::V4(backend_v4(0)), HTTP_PORT);
     let target_lb = SocketAddr::new(IpAddr::V4(NODE_V4), TARGET_NODE_PORT);
     let tput_now = rep == 0 || !cfg.quick;
+    let rep_no = rep;
+    let mut rep: BTreeMap<&'static str, ConnSamples> = BTreeMap::new();
 
     // (a) direct, no rules at all in the node.
     let s = connects(b.client(), target_direct, cfg.warmup, cfg.conns);
-    r.conn.entry((n, "direct")).or_default().extend(s);
+    rep.entry("direct").or_default().extend(s);
     if tput_now && let Some(bps) = iperf(b.client(), backend_v4(0), IPERF_PORT, cfg.iperf_secs) {
         r.tput.entry((n, "direct")).or_default().push(bps);
     }
@@ -667,7 +683,7 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
     }
     flush_conntrack(b.node());
     let s = connects(b.client(), target_lb, cfg.warmup, cfg.conns);
-    r.conn.entry((n, "nodelb")).or_default().extend(s);
+    rep.entry("nodelb").or_default().extend(s);
     if tput_now && let Some(bps) = iperf(b.client(), NODE_V4, IPERF_NODE_PORT, cfg.iperf_secs) {
         r.tput.entry((n, "nodelb")).or_default().push(bps);
     }
@@ -696,7 +712,7 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
     // Direct again, between nodelb and klipper (pooled with the first).
     flush_conntrack(b.node());
     let s = connects(b.client(), target_direct, cfg.warmup, cfg.conns);
-    r.conn.entry((n, "direct")).or_default().extend(s);
+    rep.entry("direct").or_default().extend(s);
 
     // (c) klipper-lb rules, iptables-nft then iptables-legacy (legacy last: its tables stay
     // registered in the namespace once created; the topology is thrown away after).
@@ -707,7 +723,7 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
         if variant == "klipper-legacy" && !r.legacy {
             continue;
         }
-        if rep == 0 && n <= cfg.per_command_max {
+        if rep_no == 0 && n <= cfg.per_command_max {
             let t = Instant::now();
             let mut ok = true;
             for s in &svcs {
@@ -754,11 +770,16 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
         flush_conntrack(b.node());
         let s = connects(b.client(), target_lb, cfg.warmup, cfg.conns);
         let variant: &'static str = if variant == "klipper-nft" { "klipper-nft" } else { "klipper-legacy" };
-        r.conn.entry((n, variant)).or_default().extend(s);
+        rep.entry(variant).or_default().extend(s);
         if tput_now && let Some(bps) = iperf(b.client(), NODE_V4, IPERF_NODE_PORT, cfg.iperf_secs) {
             r.tput.entry((n, variant)).or_default().push(bps);
         }
         flush_iptables(b.node(), ipt);
+    }
+    let direct = rep.get("direct").map(|s| s.p(0.5)).unwrap_or(f64::NAN);
+    for (v, s) in rep {
+        r.rep_p50.entry((n, v)).or_default().push((s.p(0.5), direct));
+        r.conn.entry((n, v)).or_default().extend(s);
     }
 }
 
@@ -917,23 +938,27 @@ fn report(cfg: &Config, r: &Results) -> String {
     let _ = writeln!(w, "### 1. Per-connection cost (connect + request + response + close, sequential)\n");
     let _ = writeln!(
         w,
-        "Latencies in µs over all repetitions; ratio = p50 / p50 of the direct route at the same N \
-         (measured on the same topology, in the same repetition).\n"
+        "p50/p99 in µs over all connections of all repetitions; conn/s = connections / wall time of the \
+         loop. The ratio and the difference to the direct route are computed per repetition (each \
+         repetition builds a fresh topology and measures every variant on it) and then the median over \
+         repetitions is shown, with the range across repetitions.\n"
     );
-    let _ = writeln!(w, "| N | variant | p50 µs | p99 µs | conn/s | p50 ratio | p50 − direct µs | errors |");
+    let _ = writeln!(
+        w,
+        "| N | variant | p50 µs | p99 µs | conn/s | p50 ratio to direct (range) | p50 − direct µs | errors |"
+    );
     let _ = writeln!(w, "|---:|---|---:|---:|---:|---:|---:|---:|");
     for &n in &cfg.sizes {
-        let direct = r.conn.get(&(n, "direct")).map(|s| s.p(0.5)).unwrap_or(f64::NAN);
         for v in VARIANTS {
             let Some(s) = r.conn.get(&(n, v)) else { continue };
+            let (q, lo, hi) = r.ratio(n, v);
             let _ = writeln!(
                 w,
-                "| {n} | {v} | {} | {} | {:.0} | {:.2} | {:+.1} | {} |",
+                "| {n} | {v} | {} | {} | {:.0} | {q:.2} ({lo:.2}–{hi:.2}) | {:+.1} | {} |",
                 fmt_us(s.p(0.5)),
                 fmt_us(s.p(0.99)),
                 s.rate(),
-                s.p(0.5) / direct,
-                s.p(0.5) - direct,
+                r.over_direct(n, v),
                 s.errors
             );
         }
@@ -1171,13 +1196,10 @@ fn svg(cfg: &Config, r: &Results) -> String {
     let xmax = lx(*ns.iter().max().unwrap_or(&1)).max(1.0);
     let mut ymax: f64 = 1.5;
     for &n in ns {
-        let d = r.conn.get(&(n, "direct")).map(|s| s.p(0.5)).unwrap_or(f64::NAN);
         for v in VARIANTS {
-            if let Some(s) = r.conn.get(&(n, v)) {
-                let q = s.p(0.5) / d;
-                if q.is_finite() {
-                    ymax = ymax.max(q);
-                }
+            let (_, _, q) = r.ratio(n, v);
+            if q.is_finite() {
+                ymax = ymax.max(q);
             }
         }
     }
@@ -1229,8 +1251,7 @@ fn svg(cfg: &Config, r: &Results) -> String {
         let pts: Vec<String> = ns
             .iter()
             .filter_map(|&n| {
-                let d = r.conn.get(&(n, "direct"))?.p(0.5);
-                let q = r.conn.get(&(n, *v))?.p(0.5) / d;
+                let (q, _, _) = r.ratio(n, v);
                 q.is_finite().then(|| format!("{:.1},{:.1}", px(lx(n)), py(q)))
             })
             .collect();
@@ -1292,8 +1313,8 @@ fn main() {
                 );
                 run_rep(&cfg, n, rep, &mut r);
             }
-            let d = r.conn.get(&(n, "direct")).map(|s| s.p(0.5)).unwrap_or(f64::NAN);
             for v in VARIANTS {
+                let d = r.ratio(n, v).0;
                 if let Some(s) = r.conn.get(&(n, v)) {
                     eprintln!(
                         "    {v:>15}: p50 {:>8.1} µs ({:.2}×)  p99 {:>8.1} µs",
