@@ -888,7 +888,7 @@ fn run_agent(cfg: &Config, n: usize, footprint: bool, reaction: bool, r: &mut Re
         });
     }
 
-    if reaction {
+    if reaction && cfg.reaction_changes > 0 {
         let addr = SocketAddr::new(IpAddr::V4(NODE_V4), REACTION_NODE_PORT);
         let (mut add_ms, mut remove_ms, mut timeouts) = (Vec::new(), Vec::new(), 0);
         for k in 0..cfg.reaction_changes / 2 {
@@ -1099,8 +1099,7 @@ fn report(cfg: &Config, r: &Results) -> String {
     let nmax = *cfg.sizes.iter().max().unwrap_or(&1);
     let nmin = *cfg.sizes.iter().min().unwrap_or(&1);
     let p50 = |n: usize, v: &'static str| r.conn.get(&(n, v)).map(|s| s.p(0.5)).unwrap_or(f64::NAN);
-    let over: Vec<(usize, f64)> =
-        cfg.sizes.iter().map(|&n| (n, p50(n, "nodelb") - p50(n, "direct"))).collect();
+    let over: Vec<(usize, f64)> = cfg.sizes.iter().map(|&n| (n, r.over_direct(n, "nodelb"))).collect();
     let worst = over.iter().cloned().fold((0, f64::MIN), |a, b| if b.1 > a.1 { b } else { a });
     let verdict = |ok: bool| if ok { "met" } else { "**missed**" };
     let _ = writeln!(
@@ -1316,12 +1315,7 @@ fn main() {
             for v in VARIANTS {
                 let d = r.ratio(n, v).0;
                 if let Some(s) = r.conn.get(&(n, v)) {
-                    eprintln!(
-                        "    {v:>15}: p50 {:>8.1} µs ({:.2}×)  p99 {:>8.1} µs",
-                        s.p(0.5),
-                        d,
-                        s.p(0.99)
-                    );
+                    eprintln!("    {v:>15}: p50 {:>8.1} µs ({:.2}×)  p99 {:>8.1} µs", s.p(0.5), d, s.p(0.99));
                 }
             }
         }
