@@ -114,6 +114,11 @@ impl Agent {
         self.spawn();
     }
 
+    /// The agent's process id (`ip netns exec` execs the binary, so this is nodelb itself).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
     /// Still running?
     pub fn is_running(&mut self) -> bool {
         match self.child.as_mut() {

@@ -1,0 +1,1346 @@
+//! nodelb versus the klipper-lb way, side by side in one run (issue 5). A benchmark, not a test: it
+//! prints (and writes as Markdown) a comparison, every number next to the direct route measured in the
+//! same run, and never fails on a number.
+//!
+//! ```text
+//! sudo scripts/bench.sh --quick       # N = 1, 100, 1,000; a few minutes
+//! sudo scripts/bench.sh               # N up to 10,000
+//! cargo bench --bench dataplane -- --quick --out FILE.md --svg FILE.svg
+//! ```
+//!
+//! Everything happens in network namespaces this process creates (client → node → backend, from
+//! `tests/common`), with documentation addresses only; they are deleted on exit, on panic and on
+//! Ctrl-C/SIGTERM. The host namespace is never touched.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use common::agent::Agent;
+use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
+use common::netns::NetNs;
+use common::scenarios::{ep, node as node_facts, svc};
+use common::topology::{NODE_V4, Topology, backend_v4};
+use nodelb::ir::{Family, Protocol, Ruleset};
+use nodelb::model::{LbService, PortId};
+use nodelb::nft::NftClient;
+use nodelb::plan::{self, ServicePlan};
+
+/// Port of the fast HTTP server in the backend namespace.
+const HTTP_PORT: u16 = 8080;
+/// Port of the iperf3 server in the backend namespace.
+const IPERF_PORT: u16 = 5201;
+/// Node port of the worst-placed Service (the target of every connect measurement).
+const TARGET_NODE_PORT: u16 = 20000;
+/// Node port of the extra Service that forwards to iperf3.
+const IPERF_NODE_PORT: u16 = 19999;
+/// Node port the reaction benchmark adds and removes (requested by annotation).
+const REACTION_NODE_PORT: u16 = 29990;
+
+// ---------------------------------------------------------------------------------------------
+// Configuration
+
+struct Config {
+    quick: bool,
+    sizes: Vec<usize>,
+    reps: usize,
+    conns: usize,
+    warmup: usize,
+    iperf_secs: u32,
+    /// Largest N at which the klipper rules are also programmed one command per rule.
+    per_command_max: usize,
+    reaction_n: usize,
+    reaction_changes: usize,
+    footprint_n: usize,
+    footprint_endpoints: usize,
+    out: Option<String>,
+    svg: Option<String>,
+    svg_link: String,
+}
+
+fn config() -> Config {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let value = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
+    let svg = value("--svg");
+    let svg_link =
+        value("--svg-link").or_else(|| svg.as_deref().map(|s| s.rsplit('/').next().unwrap_or(s).to_string()));
+    let mut c = if quick {
+        Config {
+            quick,
+            sizes: vec![1, 100, 1_000],
+            reps: 5,
+            conns: 600,
+            warmup: 100,
+            iperf_secs: 2,
+            per_command_max: 1_000,
+            reaction_n: 1_000,
+            reaction_changes: 100,
+            footprint_n: 1_000,
+            footprint_endpoints: 5,
+            out: None,
+            svg: None,
+            svg_link: String::new(),
+        }
+    } else {
+        Config {
+            quick,
+            sizes: vec![1, 100, 1_000, 10_000],
+            reps: 5,
+            conns: 3_000,
+            warmup: 300,
+            iperf_secs: 5,
+            per_command_max: 1_000,
+            reaction_n: 1_000,
+            reaction_changes: 100,
+            footprint_n: 10_000,
+            footprint_endpoints: 5,
+            out: None,
+            svg: None,
+            svg_link: String::new(),
+        }
+    };
+    if let Some(s) = value("--sizes") {
+        c.sizes = s.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+    }
+    if let Some(r) = value("--reps").and_then(|r| r.parse().ok()) {
+        c.reps = r;
+    }
+    if let Some(n) = value("--agent-n").and_then(|r| r.parse().ok()) {
+        c.reaction_n = n;
+        c.footprint_n = n;
+    }
+    if let Some(n) = value("--changes").and_then(|r| r.parse().ok()) {
+        c.reaction_changes = n;
+    }
+    c.out = value("--out");
+    c.svg = svg;
+    c.svg_link = svg_link.unwrap_or_default();
+    c
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cleanup on Ctrl-C / SIGTERM: namespaces are named `nlb-<tag>-<pid>-<n>` (tests/common/netns.rs).
+
+static CHILDREN: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+
+fn register_child(pid: u32) {
+    CHILDREN.lock().unwrap().push(pid);
+}
+
+fn unregister_child(pid: u32) {
+    CHILDREN.lock().unwrap().retain(|p| *p != pid);
+}
+
+fn kill_children() {
+    for pid in CHILDREN.lock().unwrap().drain(..) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::SIGKILL);
+    }
+}
+
+/// Deletes every namespace this process created (by name), whatever state it is in.
+fn delete_own_namespaces() {
+    let tag = format!("-{}-", std::process::id());
+    if let Ok(dir) = std::fs::read_dir("/run/netns") {
+        for e in dir.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with("nlb-") && name.contains(&tag) {
+                let _ = Command::new("ip").args(["netns", "del", &name]).output();
+            }
+        }
+    }
+}
+
+/// Blocks SIGINT/SIGTERM in every thread and handles them on one thread: kill our children, delete
+/// our namespaces, exit 130. Must run before any other thread is spawned.
+fn install_signal_cleanup() {
+    use nix::sys::signal::{SigSet, Signal};
+    let mut set = SigSet::empty();
+    set.add(Signal::SIGINT);
+    set.add(Signal::SIGTERM);
+    set.thread_block().expect("block signals");
+    std::thread::spawn(move || {
+        if let Ok(sig) = set.wait() {
+            eprintln!("\n{sig:?}: cleaning up namespaces and children");
+            kill_children();
+            delete_own_namespaces();
+            std::process::exit(130);
+        }
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Running things inside a namespace
+
+/// Runs `f` on a thread that joined `ns` (a process it spawns is born in that namespace too).
+fn in_ns<T: Send + 'static>(ns: &NetNs, f: impl FnOnce() -> T + Send + 'static) -> T {
+    ns.run(f)
+}
+
+/// Runs a command from a thread in `ns` (no `ip netns exec` in between: only the command is timed).
+fn run_in(ns: &NetNs, program: &str, args: &[String]) -> Result<Duration, String> {
+    let (program, args) = (program.to_string(), args.to_vec());
+    in_ns(ns, move || {
+        let t = Instant::now();
+        let out = Command::new(&program).args(&args).stdin(Stdio::null()).output();
+        let d = t.elapsed();
+        match out {
+            Ok(o) if o.status.success() => Ok(d),
+            Ok(o) => Err(format!("{program} {args:?}: {}", String::from_utf8_lossy(&o.stderr).trim())),
+            Err(e) => Err(format!("{program}: {e}")),
+        }
+    })
+}
+
+/// Runs `program` with `stdin` as its standard input from a thread in `ns`; the time it took.
+fn run_in_stdin(ns: &NetNs, program: &str, args: &[&str], stdin: String) -> Result<Duration, String> {
+    let program = program.to_string();
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    in_ns(ns, move || {
+        let t = Instant::now();
+        let mut child = Command::new(&program)
+            .args(&args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("{program}: {e}"))?;
+        child.stdin.take().unwrap().write_all(stdin.as_bytes()).map_err(|e| e.to_string())?;
+        let out = child.wait_with_output().map_err(|e| e.to_string())?;
+        let d = t.elapsed();
+        if out.status.success() {
+            Ok(d)
+        } else {
+            Err(format!("{program}: {}", String::from_utf8_lossy(&out.stderr).trim()))
+        }
+    })
+}
+
+fn have(program: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {program}")])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// `conntrack -F` in the node namespace, so one variant's NAT bindings never serve the next.
+fn flush_conntrack(node: &NetNs) {
+    let _ = node.exec("conntrack", &["-F"]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A fast backend: one thread, accepts and answers inline (the tests' server spawns a thread per
+// connection, which would dominate the numbers).
+
+struct FastServer {
+    stop: Arc<AtomicBool>,
+    ns_path: String,
+    addr: SocketAddr,
+    thread: Option<JoinHandle<()>>,
+}
+
+const RESPONSE: &[u8] = b"HTTP/1.0 200 OK\r\nContent-Length: 3\r\nConnection: close\r\n\r\nok\n";
+
+impl FastServer {
+    fn start(ns: &NetNs, addr: Ipv4Addr, port: u16) -> FastServer {
+        let listener = in_ns(ns, move || TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).expect("bind"));
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut buf = [0u8; 2048];
+            for conn in listener.incoming() {
+                if s.load(Ordering::SeqCst) {
+                    break;
+                }
+                let Ok(mut c) = conn else { continue };
+                let _ = c.set_nodelay(true);
+                let _ = c.set_read_timeout(Some(Duration::from_secs(1)));
+                let mut got = Vec::new();
+                while !got.windows(4).any(|w| w == b"\r\n\r\n") && got.len() < 8192 {
+                    match c.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = c.write_all(RESPONSE);
+            }
+        });
+        FastServer {
+            stop,
+            ns_path: format!("/run/netns/{}", ns.name),
+            addr: SocketAddr::new(IpAddr::V4(addr), port),
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for FastServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        // Wake the blocking accept with a connection from inside the backend namespace.
+        let (path, addr) = (self.ns_path.clone(), self.addr);
+        let _ = std::thread::spawn(move || {
+            if let Ok(f) = std::fs::File::open(&path)
+                && nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).is_ok()
+            {
+                let _ = TcpStream::connect_timeout(&addr, Duration::from_millis(200));
+            }
+        })
+        .join();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A child process (iperf3 server) killed on drop.
+struct ChildGuard(std::process::Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        unregister_child(self.0.id());
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn_in(ns: &NetNs, program: &str, args: &[&str]) -> ChildGuard {
+    let program = program.to_string();
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    let child = in_ns(ns, move || {
+        Command::new(&program)
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn")
+    });
+    register_child(child.id());
+    ChildGuard(child)
+}
+
+/// The bench topology: one client, the node, one backend with the fast server and iperf3.
+struct Bench {
+    iperf: Option<ChildGuard>,
+    server: Option<FastServer>,
+    topo: Topology,
+}
+
+impl Bench {
+    fn new(with_iperf: bool) -> Bench {
+        let mut topo = Topology::new(1, 1);
+        topo.stop_backend(0); // free port 8080 for the fast server
+        let server = FastServer::start(&topo.backends[0].ns, backend_v4(0), HTTP_PORT);
+        let iperf = with_iperf
+            .then(|| spawn_in(&topo.backends[0].ns, "iperf3", &["-s", "-p", &IPERF_PORT.to_string()]));
+        std::thread::sleep(Duration::from_millis(200));
+        Bench { iperf, server: Some(server), topo }
+    }
+    fn node(&self) -> &NetNs {
+        &self.topo.node
+    }
+    fn client(&self) -> &NetNs {
+        self.topo.client(0)
+    }
+}
+
+impl Drop for Bench {
+    fn drop(&mut self) {
+        self.iperf.take();
+        self.server.take();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Measurements from the client namespace
+
+#[derive(Debug, Clone, Default)]
+struct ConnSamples {
+    /// Microseconds per connection (connect + request + response + close).
+    us: Vec<f64>,
+    errors: usize,
+    /// Wall time of the measured loop.
+    wall: Duration,
+}
+
+impl ConnSamples {
+    fn extend(&mut self, o: ConnSamples) {
+        self.us.extend(o.us);
+        self.errors += o.errors;
+        self.wall += o.wall;
+    }
+    fn p(&self, q: f64) -> f64 {
+        percentile(&self.us, q)
+    }
+    fn rate(&self) -> f64 {
+        if self.wall.is_zero() { 0.0 } else { self.us.len() as f64 / self.wall.as_secs_f64() }
+    }
+}
+
+fn percentile(v: &[f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let i = ((s.len() - 1) as f64 * q).round() as usize;
+    s[i]
+}
+
+fn median(v: &[f64]) -> f64 {
+    percentile(v, 0.5)
+}
+
+fn one_request(addr: SocketAddr) -> Result<(), String> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(1))).map_err(|e| e.to_string())?;
+    s.set_nodelay(true).map_err(|e| e.to_string())?;
+    s.write_all(b"GET / HTTP/1.0\r\n\r\n").map_err(|e| e.to_string())?;
+    let mut buf = [0u8; 256];
+    let mut n = 0;
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    if n != RESPONSE.len() {
+        return Err(format!("short answer ({n} bytes)"));
+    }
+    Ok(())
+}
+
+/// Sequential connections from the client namespace: `warmup` unmeasured, then `n` measured.
+fn connects(client: &NetNs, addr: SocketAddr, warmup: usize, n: usize) -> ConnSamples {
+    in_ns(client, move || {
+        let mut errors = 0;
+        for _ in 0..warmup {
+            if one_request(addr).is_err() {
+                errors += 1;
+            }
+        }
+        if errors == warmup && warmup > 0 {
+            eprintln!("    !! every warm-up connection to {addr} failed");
+            return ConnSamples { errors, ..Default::default() };
+        }
+        let mut us = Vec::with_capacity(n);
+        let mut errors = 0;
+        let start = Instant::now();
+        for _ in 0..n {
+            let t = Instant::now();
+            match one_request(addr) {
+                Ok(()) => us.push(t.elapsed().as_secs_f64() * 1e6),
+                Err(_) => errors += 1,
+            }
+        }
+        ConnSamples { us, errors, wall: start.elapsed() }
+    })
+}
+
+/// One iperf3 TCP stream from the client namespace; bits per second received.
+fn iperf(client: &NetNs, addr: Ipv4Addr, port: u16, secs: u32) -> Option<f64> {
+    let out = client.exec(
+        "timeout",
+        &[
+            &format!("{}", secs + 15),
+            "iperf3",
+            "-c",
+            &addr.to_string(),
+            "-p",
+            &port.to_string(),
+            "-t",
+            &secs.to_string(),
+            "-J",
+        ],
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    let bps = v["end"]["sum_received"]["bits_per_second"].as_f64();
+    if bps.is_none() {
+        eprintln!("    !! iperf3 to {addr}:{port}: {}", v["error"]);
+    }
+    bps
+}
+
+// ---------------------------------------------------------------------------------------------
+// The Services: the same set for nodelb and for the klipper rules
+
+#[derive(Debug, Clone)]
+struct BenchSvc {
+    name: String,
+    node_port: u16,
+    dest: Ipv4Addr,
+    dest_port: u16,
+}
+
+/// `n` Services: the target (→ the real backend), then fillers (→ unused addresses, each with its
+/// own target port, as distinct Services have), plus the iperf Service (not counted in `n`). The
+/// list is in the order klipper-lb would have added them: iperf and the target first, so that with
+/// its `-I` (insert at the top) their rules end up at the bottom, walked last.
+fn bench_services(n: usize) -> Vec<BenchSvc> {
+    let mut v = vec![
+        BenchSvc {
+            name: "iperf".into(),
+            node_port: IPERF_NODE_PORT,
+            dest: backend_v4(0),
+            dest_port: IPERF_PORT,
+        },
+        BenchSvc {
+            name: "target".into(),
+            node_port: TARGET_NODE_PORT,
+            dest: backend_v4(0),
+            dest_port: HTTP_PORT,
+        },
+    ];
+    for i in 1..n {
+        v.push(filler(i));
+    }
+    v
+}
+
+fn filler(i: usize) -> BenchSvc {
+    BenchSvc {
+        name: format!("fill-{i}"),
+        node_port: 20000 + i as u16,
+        dest: Ipv4Addr::new(198, 51, 100, 100 + (i % 150) as u8),
+        dest_port: 10000 + i as u16,
+    }
+}
+
+fn nodelb_ruleset(svcs: &[BenchSvc]) -> Ruleset {
+    let lb: Vec<(LbService, BTreeMap<PortId, u16>)> = svcs
+        .iter()
+        .map(|s| {
+            let l = svc(
+                &s.name,
+                vec![(80, Protocol::Tcp, vec![ep(&s.dest.to_string(), s.dest_port, "node-1", true)])],
+            );
+            let ports = BTreeMap::from([(l.ports[0].id, s.node_port)]);
+            (l, ports)
+        })
+        .collect();
+    let plans: Vec<ServicePlan<'_>> =
+        lb.iter().map(|(s, p)| ServicePlan { service: s, node_ports: p }).collect();
+    plan::plan(&plans, &node_facts(&[Family::Ipv4]))
+}
+
+/// klipper-lb's entry script (k3s-io/klipper-lb `entry`, `start_proxy`) for one IPv4 Service with
+/// the default `SRC_RANGES=0.0.0.0/0`, as iptables argument lists, in the order it runs them.
+fn klipper_commands(s: &BenchSvc) -> Vec<Vec<String>> {
+    let (p, dp, sp, d) = ("tcp", s.dest_port.to_string(), s.node_port.to_string(), s.dest.to_string());
+    let w = |x: &str| x.split_whitespace().map(str::to_string).collect::<Vec<_>>();
+    vec![
+        w(&format!("-t filter -I FORWARD -s 0.0.0.0/0 -p {p} --dport {dp} -j ACCEPT")),
+        w(&format!("-t filter -A FORWARD -d {d}/32 -p {p} --dport {dp} -j DROP")),
+        w(&format!("-t nat -I PREROUTING -p {p} --dport {sp} -j DNAT --to {d}:{dp}")),
+        w(&format!("-t nat -I POSTROUTING -d {d}/32 -p {p} -j MASQUERADE")),
+    ]
+}
+
+/// The same rules as `iptables-restore` input, in the order the commands leave them.
+fn klipper_restore(svcs: &[BenchSvc]) -> String {
+    let mut accept = Vec::new();
+    let mut drop = Vec::new();
+    let mut dnat = Vec::new();
+    let mut masq = Vec::new();
+    for s in svcs {
+        let (dp, sp, d) = (s.dest_port, s.node_port, s.dest);
+        accept.push(format!("-A FORWARD -s 0.0.0.0/0 -p tcp -m tcp --dport {dp} -j ACCEPT"));
+        drop.push(format!("-A FORWARD -d {d}/32 -p tcp -m tcp --dport {dp} -j DROP"));
+        dnat.push(format!("-A PREROUTING -p tcp -m tcp --dport {sp} -j DNAT --to-destination {d}:{dp}"));
+        masq.push(format!("-A POSTROUTING -d {d}/32 -p tcp -j MASQUERADE"));
+    }
+    // `-I` puts the latest first; `-A` the latest last.
+    accept.reverse();
+    dnat.reverse();
+    masq.reverse();
+    let mut out = String::from("*filter\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n");
+    for l in accept.iter().chain(&drop) {
+        out.push_str(l);
+        out.push('\n');
+    }
+    out.push_str("COMMIT\n*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n");
+    for l in dnat.iter().chain(&masq) {
+        out.push_str(l);
+        out.push('\n');
+    }
+    out.push_str("COMMIT\n");
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// Results
+
+const VARIANTS: [&str; 4] = ["direct", "nodelb", "klipper-nft", "klipper-legacy"];
+
+#[derive(Default)]
+struct Results {
+    /// (N, variant) → pooled connection samples.
+    conn: BTreeMap<(usize, &'static str), ConnSamples>,
+    /// (N, variant) → per repetition (p50 of the variant, p50 of direct on the same topology).
+    rep_p50: BTreeMap<(usize, &'static str), Vec<(f64, f64)>>,
+    /// (N, variant) → iperf3 bits/s, one per repetition.
+    tput: BTreeMap<(usize, &'static str), Vec<f64>>,
+    /// (N, operation) → milliseconds, one per repetition.
+    prog: BTreeMap<(usize, String), Vec<f64>>,
+    /// Notes on what could not be measured.
+    notes: Vec<String>,
+    reaction: Option<Reaction>,
+    footprint: Option<Footprint>,
+    legacy: bool,
+}
+
+impl Results {
+    /// Median, min and max over repetitions of (variant p50 / direct p50 on the same topology).
+    fn ratio(&self, n: usize, v: &'static str) -> (f64, f64, f64) {
+        let q: Vec<f64> =
+            self.rep_p50.get(&(n, v)).map(|x| x.iter().map(|(a, d)| a / d).collect()).unwrap_or_default();
+        (median(&q), percentile(&q, 0.0), percentile(&q, 1.0))
+    }
+    /// Median over repetitions of (variant p50 − direct p50 on the same topology), µs.
+    fn over_direct(&self, n: usize, v: &'static str) -> f64 {
+        let q: Vec<f64> =
+            self.rep_p50.get(&(n, v)).map(|x| x.iter().map(|(a, d)| a - d).collect()).unwrap_or_default();
+        median(&q)
+    }
+    fn prog(&mut self, n: usize, op: &str, d: Duration) {
+        self.prog.entry((n, op.to_string())).or_default().push(d.as_secs_f64() * 1e3);
+    }
+    fn note(&mut self, s: String) {
+        eprintln!("    note: {s}");
+        if !self.notes.contains(&s) {
+            self.notes.push(s);
+        }
+    }
+}
+
+struct Reaction {
+    n: usize,
+    add_ms: Vec<f64>,
+    remove_ms: Vec<f64>,
+    timeouts: usize,
+}
+
+struct Footprint {
+    n: usize,
+    endpoints: usize,
+    ready_s: f64,
+    rss_mib: f64,
+    hwm_mib: f64,
+    cpu_total_s: f64,
+    cpu_steady_pct: f64,
+    steady_window_s: f64,
+}
+
+// ---------------------------------------------------------------------------------------------
+// One repetition at one N: all variants, side by side, on a fresh topology
+
+fn nodelb_apply(node: &NetNs, changes: Vec<nodelb::ir::Change>) -> Result<Duration, String> {
+    in_ns(node, move || {
+        let mut c = NftClient::new().map_err(|e| e.to_string())?;
+        let t = Instant::now();
+        c.apply(&changes).map_err(|e| e.to_string())?;
+        Ok(t.elapsed())
+    })
+}
+
+fn nodelb_delete(node: &NetNs) {
+    let _ = in_ns(node, || NftClient::new().map(|mut c| c.delete_table()));
+}
+
+fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
+    let b = Bench::new(true);
+    let svcs = bench_services(n);
+    let target_direct = SocketAddr::new(IpAddr::V4(backend_v4(0)), HTTP_PORT);
+    let target_lb = SocketAddr::new(IpAddr::V4(NODE_V4), TARGET_NODE_PORT);
+    let tput_now = rep == 0 || !cfg.quick;
+    let rep_no = rep;
+    let mut rep: BTreeMap<&'static str, ConnSamples> = BTreeMap::new();
+
+    // (a) direct, no rules at all in the node.
+    let s = connects(b.client(), target_direct, cfg.warmup, cfg.conns);
+    rep.entry("direct").or_default().extend(s);
+    if tput_now && let Some(bps) = iperf(b.client(), backend_v4(0), IPERF_PORT, cfg.iperf_secs) {
+        r.tput.entry((n, "direct")).or_default().push(bps);
+    }
+
+    // (b) nodelb: plan, one netlink batch, measure; then diff add/remove one; nft -f of render().
+    let t = Instant::now();
+    let rs = nodelb_ruleset(&svcs);
+    r.prog(n, "nodelb plan (pure)", t.elapsed());
+    match nodelb_apply(b.node(), rs.full_replace()) {
+        Ok(d) => r.prog(n, "nodelb full sync (1 batch)", d),
+        Err(e) => r.note(format!("nodelb apply at N={n}: {e}")),
+    }
+    flush_conntrack(b.node());
+    let s = connects(b.client(), target_lb, cfg.warmup, cfg.conns);
+    rep.entry("nodelb").or_default().extend(s);
+    if tput_now && let Some(bps) = iperf(b.client(), NODE_V4, IPERF_NODE_PORT, cfg.iperf_secs) {
+        r.tput.entry((n, "nodelb")).or_default().push(bps);
+    }
+    let mut plus = svcs.clone();
+    plus.push(filler(n + 1));
+    let rs_plus = nodelb_ruleset(&plus);
+    let t = Instant::now();
+    let add = plan::diff(&rs, &rs_plus);
+    let remove = plan::diff(&rs_plus, &rs);
+    r.prog(n, "nodelb plan + diff (pure, both)", t.elapsed());
+    match nodelb_apply(b.node(), add) {
+        Ok(d) => r.prog(n, "nodelb add one Service (diff)", d),
+        Err(e) => r.note(format!("nodelb add one at N={n}: {e}")),
+    }
+    match nodelb_apply(b.node(), remove) {
+        Ok(d) => r.prog(n, "nodelb remove one Service (diff)", d),
+        Err(e) => r.note(format!("nodelb remove one at N={n}: {e}")),
+    }
+    nodelb_delete(b.node());
+    match run_in_stdin(b.node(), "nft", &["-f", "-"], rs.render()) {
+        Ok(d) => r.prog(n, "nft -f of render() (same ruleset)", d),
+        Err(e) => r.note(format!("nft -f at N={n}: {e}")),
+    }
+    nodelb_delete(b.node());
+
+    // Direct again, between nodelb and klipper (pooled with the first).
+    flush_conntrack(b.node());
+    let s = connects(b.client(), target_direct, cfg.warmup, cfg.conns);
+    rep.entry("direct").or_default().extend(s);
+
+    // (c) klipper-lb rules, iptables-nft then iptables-legacy (legacy last: its tables stay
+    // registered in the namespace once created; the topology is thrown away after).
+    for (variant, ipt, restore) in [
+        ("klipper-nft", "iptables-nft", "iptables-nft-restore"),
+        ("klipper-legacy", "iptables-legacy", "iptables-legacy-restore"),
+    ] {
+        if variant == "klipper-legacy" && !r.legacy {
+            continue;
+        }
+        if rep_no == 0 && n <= cfg.per_command_max {
+            let t = Instant::now();
+            let mut ok = true;
+            for s in &svcs {
+                for cmd in klipper_commands(s) {
+                    if let Err(e) = run_in(b.node(), ipt, &cmd) {
+                        r.note(format!("{variant} per-command at N={n}: {e}"));
+                        ok = false;
+                        break;
+                    }
+                }
+            }
+            if ok {
+                r.prog(n, &format!("{variant}: per-Service commands (4 per Service)"), t.elapsed());
+            }
+            flush_iptables(b.node(), ipt);
+        }
+        match run_in_stdin(b.node(), restore, &[], klipper_restore(&svcs)) {
+            Ok(d) => r.prog(n, &format!("{variant}: iptables-restore"), d),
+            Err(e) => {
+                r.note(format!("{variant} restore at N={n}: {e}"));
+                continue;
+            }
+        }
+        // Add one Service at N (its 4 commands), then remove it (the same rules with -D).
+        let extra = filler(n + 1);
+        let t = Instant::now();
+        let added = klipper_commands(&extra).iter().all(|c| run_in(b.node(), ipt, c).is_ok());
+        if added {
+            r.prog(n, &format!("{variant}: add one Service (4 commands)"), t.elapsed());
+            let t = Instant::now();
+            let removed = klipper_commands(&extra).iter().all(|c| {
+                let mut d = c.clone();
+                for a in d.iter_mut() {
+                    if a == "-I" || a == "-A" {
+                        *a = "-D".into();
+                    }
+                }
+                run_in(b.node(), ipt, &d).is_ok()
+            });
+            if removed {
+                r.prog(n, &format!("{variant}: remove one Service (4 commands)"), t.elapsed());
+            }
+        }
+        flush_conntrack(b.node());
+        let s = connects(b.client(), target_lb, cfg.warmup, cfg.conns);
+        let variant: &'static str = if variant == "klipper-nft" { "klipper-nft" } else { "klipper-legacy" };
+        rep.entry(variant).or_default().extend(s);
+        if tput_now && let Some(bps) = iperf(b.client(), NODE_V4, IPERF_NODE_PORT, cfg.iperf_secs) {
+            r.tput.entry((n, variant)).or_default().push(bps);
+        }
+        flush_iptables(b.node(), ipt);
+    }
+    let direct = rep.get("direct").map(|s| s.p(0.5)).unwrap_or(f64::NAN);
+    for (v, s) in rep {
+        r.rep_p50.entry((n, v)).or_default().push((s.p(0.5), direct));
+        r.conn.entry((n, v)).or_default().extend(s);
+    }
+}
+
+fn flush_iptables(node: &NetNs, ipt: &str) {
+    for t in ["filter", "nat"] {
+        let _ = node.exec(ipt, &["-t", t, "-F"]);
+    }
+    if ipt == "iptables-nft" {
+        // Remove the tables themselves, so their hooks are gone too.
+        let _ = node.exec("nft", &["delete", "table", "ip", "filter"]);
+        let _ = node.exec("nft", &["delete", "table", "ip", "nat"]);
+    }
+    flush_conntrack(node);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The real agent: reaction time and footprint
+
+fn agent_manifests(n: usize, endpoints: usize) -> Vec<(String, String)> {
+    let mut files = Vec::new();
+    let per_file = 500;
+    let mut cur = String::new();
+    for i in 0..n {
+        let mut s = ServiceSpec::new(&format!("svc-{i}")).port(PortSpec::tcp(80, None));
+        for e in 0..endpoints {
+            // Unused documentation addresses (no namespace answers there).
+            let a = Ipv4Addr::new(198, 51, 100, 100 + ((i * endpoints + e) % 150) as u8);
+            s = s.endpoint(EndpointSpec::local(a));
+        }
+        cur.push_str(&s.render());
+        if (i + 1) % per_file == 0 || i + 1 == n {
+            files.push((format!("svc-{:05}.yaml", files.len()), std::mem::take(&mut cur)));
+        }
+    }
+    files
+}
+
+fn proc_status_kib(pid: u32, key: &str) -> Option<f64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = s.lines().find(|l| l.starts_with(key))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// utime + stime of a process, in seconds.
+fn proc_cpu_s(pid: u32) -> Option<f64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &s[s.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let (u, st): (f64, f64) = (f.get(11)?.parse().ok()?, f.get(12)?.parse().ok()?);
+    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).ok().flatten().unwrap_or(100) as f64;
+    Some((u + st) / hz)
+}
+
+/// Polls a connection to `addr` every millisecond until it succeeds (`want_ok`) or is refused.
+fn poll_live(client: &NetNs, addr: SocketAddr, want_ok: bool, timeout: Duration) -> Option<Duration> {
+    let start = Instant::now();
+    in_ns(client, move || {
+        while start.elapsed() < timeout {
+            let ok = match TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+                Ok(mut s) => {
+                    let _ = s.write_all(b"GET / HTTP/1.0\r\n\r\n");
+                    let mut b = Vec::new();
+                    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+                    s.read_to_end(&mut b).is_ok() && b.starts_with(b"HTTP/1.0 200")
+                }
+                Err(_) => false,
+            };
+            if ok == want_ok {
+                return Some(start.elapsed());
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        None
+    })
+}
+
+fn run_agent(cfg: &Config, n: usize, footprint: bool, reaction: bool, r: &mut Results) {
+    let b = Bench::new(false);
+    let files = agent_manifests(n, cfg.footprint_endpoints);
+    let refs: Vec<(&str, String)> = files.iter().map(|(a, b)| (a.as_str(), b.clone())).collect();
+    let t0 = Instant::now();
+    let mut agent = Agent::start(b.node(), &refs, &["--resync-period", "10s"]);
+    if let Some(pid) = agent.pid() {
+        register_child(pid);
+    }
+    agent.wait_ready(Duration::from_secs(300));
+    let ready_s = t0.elapsed().as_secs_f64();
+    let pid = agent.pid().expect("agent pid");
+    eprintln!("  agent ready with {n} Services in {ready_s:.2}s");
+
+    if footprint {
+        std::thread::sleep(Duration::from_secs(2));
+        let window = if cfg.quick { 10.0 } else { 30.0 };
+        let c0 = proc_cpu_s(pid).unwrap_or(f64::NAN);
+        std::thread::sleep(Duration::from_secs_f64(window));
+        let c1 = proc_cpu_s(pid).unwrap_or(f64::NAN);
+        r.footprint = Some(Footprint {
+            n,
+            endpoints: cfg.footprint_endpoints,
+            ready_s,
+            rss_mib: proc_status_kib(pid, "VmRSS:").unwrap_or(f64::NAN) / 1024.0,
+            hwm_mib: proc_status_kib(pid, "VmHWM:").unwrap_or(f64::NAN) / 1024.0,
+            cpu_total_s: c1,
+            cpu_steady_pct: (c1 - c0) / window * 100.0,
+            steady_window_s: window,
+        });
+    }
+
+    if reaction && cfg.reaction_changes > 0 {
+        let addr = SocketAddr::new(IpAddr::V4(NODE_V4), REACTION_NODE_PORT);
+        let (mut add_ms, mut remove_ms, mut timeouts) = (Vec::new(), Vec::new(), 0);
+        for k in 0..cfg.reaction_changes / 2 {
+            let s = ServiceSpec::new(&format!("react-{k}"))
+                .port(PortSpec::tcp(80, Some(REACTION_NODE_PORT)))
+                .endpoint(EndpointSpec::local(backend_v4(0)));
+            agent.write_manifest("react.yaml", &s.render());
+            match poll_live(b.client(), addr, true, Duration::from_secs(5)) {
+                Some(d) => add_ms.push(d.as_secs_f64() * 1e3),
+                None => timeouts += 1,
+            }
+            agent.remove_manifest("react.yaml");
+            match poll_live(b.client(), addr, false, Duration::from_secs(5)) {
+                Some(d) => remove_ms.push(d.as_secs_f64() * 1e3),
+                None => timeouts += 1,
+            }
+        }
+        r.reaction = Some(Reaction { n, add_ms, remove_ms, timeouts });
+    }
+    unregister_child(pid);
+    agent.kill9();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Report
+
+fn fmt_us(x: f64) -> String {
+    if x.is_nan() { "–".into() } else { format!("{x:.1}") }
+}
+
+fn report(cfg: &Config, r: &Results) -> String {
+    let mut o = String::new();
+    let w = &mut o;
+    use std::fmt::Write as _;
+    let _ = writeln!(
+        w,
+        "Mode: **{}** — N = {:?}, {} repetitions × {} connections per variant and N (after {} warm-up), \
+         iperf3 {} s per run.\n",
+        if cfg.quick { "quick" } else { "full" },
+        cfg.sizes,
+        cfg.reps,
+        cfg.conns,
+        cfg.warmup,
+        cfg.iperf_secs
+    );
+
+    let _ = writeln!(w, "### 1. Per-connection cost (connect + request + response + close, sequential)\n");
+    let _ = writeln!(
+        w,
+        "p50/p99 in µs over all connections of all repetitions; conn/s = connections / wall time of the \
+         loop. The ratio and the difference to the direct route are computed per repetition (each \
+         repetition builds a fresh topology and measures every variant on it) and then the median over \
+         repetitions is shown, with the range across repetitions.\n"
+    );
+    let _ = writeln!(
+        w,
+        "| N | variant | p50 µs | p99 µs | conn/s | p50 ratio to direct (range) | p50 − direct µs | errors |"
+    );
+    let _ = writeln!(w, "|---:|---|---:|---:|---:|---:|---:|---:|");
+    for &n in &cfg.sizes {
+        for v in VARIANTS {
+            let Some(s) = r.conn.get(&(n, v)) else { continue };
+            let (q, lo, hi) = r.ratio(n, v);
+            let _ = writeln!(
+                w,
+                "| {n} | {v} | {} | {} | {:.0} | {q:.2} ({lo:.2}–{hi:.2}) | {:+.1} | {} |",
+                fmt_us(s.p(0.5)),
+                fmt_us(s.p(0.99)),
+                s.rate(),
+                r.over_direct(n, v),
+                s.errors
+            );
+        }
+    }
+    if !cfg.svg_link.is_empty() {
+        let _ = writeln!(w, "\n![connect p50 ratio to direct vs N]({})\n", cfg.svg_link);
+    }
+
+    let _ = writeln!(w, "\n### 2. Throughput (one TCP stream, iperf3, client → node → backend)\n");
+    let _ = writeln!(w, "| N | variant | Gbit/s (median) | ratio to direct |");
+    let _ = writeln!(w, "|---:|---|---:|---:|");
+    for &n in &cfg.sizes {
+        let direct = r.tput.get(&(n, "direct")).map(|v| median(v)).unwrap_or(f64::NAN);
+        for v in VARIANTS {
+            let Some(x) = r.tput.get(&(n, v)) else { continue };
+            let m = median(x);
+            let _ = writeln!(w, "| {n} | {v} | {:.2} | {:.2} |", m / 1e9, m / direct);
+        }
+    }
+
+    let _ =
+        writeln!(w, "\n### 3. Programming time (ms, median over repetitions; N Services + 1 for iperf)\n");
+    let ops: Vec<String> = {
+        let mut ops: Vec<String> = Vec::new();
+        for (_, op) in r.prog.keys() {
+            if !ops.contains(op) {
+                ops.push(op.clone());
+            }
+        }
+        let order = |s: &str| {
+            let k = ["nodelb", "nft -f", "klipper-nft", "klipper-legacy"];
+            k.iter().position(|p| s.starts_with(p)).unwrap_or(9)
+        };
+        ops.sort_by_key(|s| (order(s), s.clone()));
+        ops
+    };
+    let _ = write!(w, "| operation |");
+    for n in &cfg.sizes {
+        let _ = write!(w, " N = {n} |");
+    }
+    let _ = write!(w, "\n|---|");
+    for _ in &cfg.sizes {
+        let _ = write!(w, "---:|");
+    }
+    let _ = writeln!(w);
+    for op in &ops {
+        let _ = write!(w, "| {op} |");
+        for &n in &cfg.sizes {
+            match r.prog.get(&(n, op.clone())) {
+                Some(v) => {
+                    let _ = write!(w, " {:.2} |", median(v));
+                }
+                None => {
+                    let _ = write!(w, " – |");
+                }
+            }
+        }
+        let _ = writeln!(w);
+    }
+    let _ = write!(w, "| nodelb full sync / nft -f |");
+    for &n in &cfg.sizes {
+        let a = r.prog.get(&(n, "nodelb full sync (1 batch)".into())).map(|v| median(v));
+        let b = r.prog.get(&(n, "nft -f of render() (same ruleset)".into())).map(|v| median(v));
+        match (a, b) {
+            (Some(a), Some(b)) => {
+                let _ = write!(w, " {:.2}× |", a / b);
+            }
+            _ => {
+                let _ = write!(w, " – |");
+            }
+        }
+    }
+    let _ = writeln!(w);
+    let _ = writeln!(
+        w,
+        "\nPer-Service commands are timed once (first repetition) and only up to N = {}; each is a \
+         separate `iptables` process, as klipper-lb runs them.",
+        cfg.per_command_max
+    );
+
+    let _ = writeln!(
+        w,
+        "\n### 4. Reaction time (manifest change → connection through the node succeeds / is refused)\n"
+    );
+    match &r.reaction {
+        Some(x) => {
+            let _ =
+                writeln!(w, "Agent with N = {} Services; 1 ms polling by connection from the client.\n", x.n);
+            let _ = writeln!(w, "| change | count | p50 ms | p99 ms | max ms |");
+            let _ = writeln!(w, "|---|---:|---:|---:|---:|");
+            let all: Vec<f64> = x.add_ms.iter().chain(&x.remove_ms).copied().collect();
+            for (name, v) in [
+                ("add Service (file written)", &x.add_ms),
+                ("remove Service (file deleted)", &x.remove_ms),
+                ("all", &all),
+            ] {
+                let _ = writeln!(
+                    w,
+                    "| {name} | {} | {:.1} | {:.1} | {:.1} |",
+                    v.len(),
+                    percentile(v, 0.5),
+                    percentile(v, 0.99),
+                    percentile(v, 1.0)
+                );
+            }
+            if x.timeouts > 0 {
+                let _ = writeln!(w, "\n{} changes were not live within 5 s.", x.timeouts);
+            }
+        }
+        None => {
+            let _ = writeln!(w, "not measured");
+        }
+    }
+
+    let _ = writeln!(w, "\n### 5. Footprint (the agent, `nodelb run --manifests`, steady state)\n");
+    match &r.footprint {
+        Some(f) => {
+            let _ = writeln!(
+                w,
+                "| Services | endpoints each | start → ready s | RSS MiB | peak RSS MiB | CPU s since start | steady CPU % ({:.0} s window) |",
+                f.steady_window_s
+            );
+            let _ = writeln!(w, "|---:|---:|---:|---:|---:|---:|---:|");
+            let _ = writeln!(
+                w,
+                "| {} | {} | {:.2} | {:.1} | {:.1} | {:.2} | {:.2} |",
+                f.n, f.endpoints, f.ready_s, f.rss_mib, f.hwm_mib, f.cpu_total_s, f.cpu_steady_pct
+            );
+        }
+        None => {
+            let _ = writeln!(w, "not measured");
+        }
+    }
+
+    let _ = writeln!(w, "\n### Targets (issue 5)\n");
+    let _ = writeln!(w, "| target | measured | verdict |");
+    let _ = writeln!(w, "|---|---|---|");
+    let nmax = *cfg.sizes.iter().max().unwrap_or(&1);
+    let nmin = *cfg.sizes.iter().min().unwrap_or(&1);
+    let p50 = |n: usize, v: &'static str| r.conn.get(&(n, v)).map(|s| s.p(0.5)).unwrap_or(f64::NAN);
+    let over: Vec<(usize, f64)> = cfg.sizes.iter().map(|&n| (n, r.over_direct(n, "nodelb"))).collect();
+    let worst = over.iter().cloned().fold((0, f64::MIN), |a, b| if b.1 > a.1 { b } else { a });
+    let verdict = |ok: bool| if ok { "met" } else { "**missed**" };
+    let _ = writeln!(
+        w,
+        "| connect p50 ≤ direct + 15 µs at every N | worst {:+.1} µs (N = {}) | {} |",
+        worst.1,
+        worst.0,
+        verdict(worst.1 <= 15.0)
+    );
+    let flat = p50(nmax, "nodelb") / p50(nmin, "nodelb");
+    let _ = writeln!(
+        w,
+        "| flat in N: p50 at N = {nmax} within 10% of N = {nmin} | {:+.1}% | {} |",
+        (flat - 1.0) * 100.0,
+        verdict(flat <= 1.10)
+    );
+    let tmin = cfg
+        .sizes
+        .iter()
+        .filter_map(|&n| {
+            let d = median(r.tput.get(&(n, "direct"))?);
+            Some(median(r.tput.get(&(n, "nodelb"))?) / d)
+        })
+        .fold(f64::INFINITY, f64::min);
+    let _ = writeln!(w, "| throughput ≥ 0.85× direct | worst {tmin:.2}× | {} |", verdict(tmin >= 0.85));
+    let full =
+        r.prog.get(&(nmax, "nodelb full sync (1 batch)".into())).map(|v| median(v)).unwrap_or(f64::NAN);
+    let nftf = r
+        .prog
+        .get(&(nmax, "nft -f of render() (same ruleset)".into()))
+        .map(|v| median(v))
+        .unwrap_or(f64::NAN);
+    let at = if nmax >= 10_000 { String::new() } else { format!(" (only N = {nmax} measured in this mode)") };
+    let _ = writeln!(
+        w,
+        "| full sync of 10,000 ≤ 200 ms | {full:.1} ms at N = {nmax}{at} | {} |",
+        verdict(full <= 200.0)
+    );
+    let _ = writeln!(
+        w,
+        "| full sync ≤ 0.25× `nft -f` | {:.2}× at N = {nmax} | {} |",
+        full / nftf,
+        verdict(full / nftf <= 0.25)
+    );
+    let add =
+        r.prog.get(&(nmax, "nodelb add one Service (diff)".into())).map(|v| median(v)).unwrap_or(f64::NAN);
+    let rem =
+        r.prog.get(&(nmax, "nodelb remove one Service (diff)".into())).map(|v| median(v)).unwrap_or(f64::NAN);
+    let _ = writeln!(
+        w,
+        "| add / remove one at 10,000 ≤ 5 ms | {add:.2} / {rem:.2} ms at N = {nmax}{at} | {} |",
+        verdict(add <= 5.0 && rem <= 5.0)
+    );
+    if let Some(x) = &r.reaction {
+        let all: Vec<f64> = x.add_ms.iter().chain(&x.remove_ms).copied().collect();
+        let p = percentile(&all, 0.5);
+        let _ = writeln!(
+            w,
+            "| change → rule live p50 ≤ 100 ms | {p:.1} ms (N = {}) | {} |",
+            x.n,
+            verdict(p <= 100.0)
+        );
+    }
+    if let Some(f) = &r.footprint {
+        let _ = writeln!(
+            w,
+            "| RSS ≤ 64 MiB at 10,000 Services | {:.1} MiB at N = {} | {} |",
+            f.rss_mib,
+            f.n,
+            verdict(f.rss_mib <= 64.0)
+        );
+    }
+    if !r.legacy {
+        let _ = writeln!(
+            w,
+            "\niptables-legacy does not work in a network namespace on this kernel: not measured."
+        );
+    }
+    if !r.notes.is_empty() {
+        let _ = writeln!(w, "\nNotes from the run:\n");
+        for n in &r.notes {
+            let _ = writeln!(w, "- {n}");
+        }
+    }
+    o
+}
+
+/// A line chart of the connect p50 ratio to direct vs N (log scale), as a standalone SVG.
+fn svg(cfg: &Config, r: &Results) -> String {
+    let (w, h, l, rt, t, b) = (640.0, 400.0, 60.0, 150.0, 30.0, 50.0);
+    let ns = &cfg.sizes;
+    let lx = |n: usize| (n.max(1) as f64).log10();
+    let xmax = lx(*ns.iter().max().unwrap_or(&1)).max(1.0);
+    let mut ymax: f64 = 1.5;
+    for &n in ns {
+        for v in VARIANTS {
+            let (_, _, q) = r.ratio(n, v);
+            if q.is_finite() {
+                ymax = ymax.max(q);
+            }
+        }
+    }
+    let ymax = (ymax * 1.1).ceil();
+    let px = |x: f64| l + x / xmax * (w - l - rt);
+    let py = |y: f64| t + (1.0 - y / ymax) * (h - t - b);
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    );
+    s += &format!(
+        "<text x=\"{}\" y=\"18\" text-anchor=\"middle\" font-size=\"14\">connect p50 / direct p50 vs number of Services</text>\n",
+        (l + w - rt) / 2.0
+    );
+    // Axes and grid.
+    let steps = 5;
+    for i in 0..=steps {
+        let y = ymax * i as f64 / steps as f64;
+        s += &format!(
+            "<line x1=\"{l}\" x2=\"{}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"#ddd\"/><text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{y:.1}×</text>\n",
+            w - rt,
+            py(y),
+            py(y),
+            l - 6.0,
+            py(y) + 4.0
+        );
+    }
+    for &n in ns {
+        s += &format!(
+            "<line x1=\"{:.1}\" x2=\"{:.1}\" y1=\"{t}\" y2=\"{}\" stroke=\"#eee\"/><text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{n}</text>\n",
+            px(lx(n)),
+            px(lx(n)),
+            h - b,
+            px(lx(n)),
+            h - b + 16.0
+        );
+    }
+    s += &format!(
+        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">Services (N, log scale)</text>\n",
+        (l + w - rt) / 2.0,
+        h - 12.0
+    );
+    let colors = [
+        ("direct", "#888"),
+        ("nodelb", "#1f77b4"),
+        ("klipper-nft", "#d62728"),
+        ("klipper-legacy", "#ff7f0e"),
+    ];
+    for (i, (v, c)) in colors.iter().enumerate() {
+        let pts: Vec<String> = ns
+            .iter()
+            .filter_map(|&n| {
+                let (q, _, _) = r.ratio(n, v);
+                q.is_finite().then(|| format!("{:.1},{:.1}", px(lx(n)), py(q)))
+            })
+            .collect();
+        if pts.is_empty() {
+            continue;
+        }
+        s += &format!(
+            "<polyline fill=\"none\" stroke=\"{c}\" stroke-width=\"2\" points=\"{}\"/>\n",
+            pts.join(" ")
+        );
+        for p in &pts {
+            let (x, y) = p.split_once(',').unwrap();
+            s += &format!("<circle cx=\"{x}\" cy=\"{y}\" r=\"3\" fill=\"{c}\"/>\n");
+        }
+        let ly = t + 20.0 + i as f64 * 20.0;
+        s += &format!(
+            "<line x1=\"{}\" x2=\"{}\" y1=\"{ly}\" y2=\"{ly}\" stroke=\"{c}\" stroke-width=\"2\"/><text x=\"{}\" y=\"{}\">{v}</text>\n",
+            w - rt + 10.0,
+            w - rt + 30.0,
+            w - rt + 35.0,
+            ly + 4.0
+        );
+    }
+    s += "</svg>\n";
+    s
+}
+
+// ---------------------------------------------------------------------------------------------
+
+fn main() {
+    let cfg = config();
+    if !nix::unistd::Uid::effective().is_root() {
+        eprintln!(
+            "dataplane bench: needs root (network namespaces); run `sudo scripts/bench.sh`. Nothing measured."
+        );
+        return;
+    }
+    for tool in ["ip", "nft", "iptables-nft", "iptables-nft-restore", "iperf3", "timeout"] {
+        if !have(tool) {
+            eprintln!("dataplane bench: `{tool}` missing (scripts/bench.sh installs it). Nothing measured.");
+            return;
+        }
+    }
+    install_signal_cleanup();
+    let result = std::panic::catch_unwind(|| {
+        let legacy = have("iptables-legacy") && {
+            let ns = NetNs::new("probe");
+            ns.exec("iptables-legacy", &["-t", "nat", "-L", "-n"]).status.success()
+        };
+        let mut r = Results { legacy, ..Default::default() };
+        let t = Instant::now();
+        for &n in &cfg.sizes {
+            for rep in 0..cfg.reps {
+                eprintln!(
+                    "[{:>6.1}s] N = {n}: repetition {}/{}",
+                    t.elapsed().as_secs_f64(),
+                    rep + 1,
+                    cfg.reps
+                );
+                run_rep(&cfg, n, rep, &mut r);
+            }
+            for v in VARIANTS {
+                let d = r.ratio(n, v).0;
+                if let Some(s) = r.conn.get(&(n, v)) {
+                    eprintln!("    {v:>15}: p50 {:>8.1} µs ({:.2}×)  p99 {:>8.1} µs", s.p(0.5), d, s.p(0.99));
+                }
+            }
+        }
+        let same = cfg.footprint_n == cfg.reaction_n;
+        eprintln!("[{:>6.1}s] agent: reaction time at N = {}", t.elapsed().as_secs_f64(), cfg.reaction_n);
+        run_agent(&cfg, cfg.reaction_n, same, true, &mut r);
+        if !same {
+            eprintln!("[{:>6.1}s] agent: footprint at N = {}", t.elapsed().as_secs_f64(), cfg.footprint_n);
+            run_agent(&cfg, cfg.footprint_n, true, false, &mut r);
+        }
+        eprintln!("[{:>6.1}s] done", t.elapsed().as_secs_f64());
+        r
+    });
+    kill_children();
+    delete_own_namespaces();
+    let r = match result {
+        Ok(r) => r,
+        Err(e) => std::panic::resume_unwind(e),
+    };
+    let md = report(&cfg, &r);
+    println!("{md}");
+    if let Some(p) = &cfg.out {
+        std::fs::write(p, &md).expect("write --out");
+    }
+    if let Some(p) = &cfg.svg {
+        std::fs::write(p, svg(&cfg, &r)).expect("write --svg");
+    }
+}
