@@ -464,6 +464,10 @@ pub struct DirWatcher {
     fd: AsyncFd<InotifyFd>,
     /// `None` while DIR is gone (deleted or moved away).
     watch: Option<WatchDescriptor>,
+    /// (first, last) event of a burst not yet reported. Kept here, not in `changed()`'s locals,
+    /// so that `changed()` is cancel-safe: the agent awaits it inside `select!`, and a cancelled
+    /// call must not lose events it already read from the inotify descriptor.
+    pending: Option<(Instant, Instant)>,
 }
 
 /// `AsyncFd` wants `AsRawFd`, which nix's `Inotify` only offers as `AsFd`.
@@ -490,38 +494,47 @@ impl DirWatcher {
         // life and always returns that same descriptor; the AsyncFd owns the InotifyFd.
         let fd = unsafe { AsyncFd::register_with_interest(InotifyFd(inotify), Interest::READABLE) }
             .map_err(|e| watch_err(e.into()))?;
-        Ok(DirWatcher { dir: dir.to_path_buf(), fd, watch: Some(wd) })
+        Ok(DirWatcher { dir: dir.to_path_buf(), fd, watch: Some(wd), pending: None })
     }
 
     /// Waits until something in DIR changed, then for the burst to settle (see
-    /// [`DEBOUNCE_QUIET`], [`DEBOUNCE_MAX`]). An error means inotify itself failed.
+    /// [`DEBOUNCE_QUIET`], [`DEBOUNCE_MAX`]). Cancel-safe: a call dropped part-way (in a
+    /// `select!`) leaves the burst pending, and the next call finishes it. An error means inotify
+    /// itself failed.
     pub async fn changed(&mut self) -> Result<(), ManifestError> {
         // Wait for the first event. While DIR is gone, wake up regularly to re-attach.
-        loop {
-            let touched = if self.watch.is_some() {
-                self.read_events().await?
+        while self.pending.is_none() {
+            if self.watch.is_some() {
+                self.read_events().await?;
             } else {
-                tokio::time::timeout(IDLE_TICK, self.read_events()).await.unwrap_or(Ok(false))?
-            };
-            let reattached = self.reattach();
-            if touched || reattached {
-                break;
+                tokio::time::timeout(IDLE_TICK, self.read_events()).await.unwrap_or(Ok(()))?;
+            }
+            if self.reattach() {
+                self.note_event();
             }
         }
-        let first = Instant::now();
-        let mut last = first;
-        loop {
+        while let Some((first, last)) = self.pending {
             let deadline = (last + DEBOUNCE_QUIET).min(first + DEBOUNCE_MAX);
             match tokio::time::timeout_at(deadline.into(), self.read_events()).await {
                 Err(_elapsed) => break,
                 Ok(result) => {
                     result?;
-                    self.reattach();
-                    last = Instant::now();
+                    if self.reattach() {
+                        self.note_event();
+                    }
                 }
             }
         }
+        self.pending = None;
         Ok(())
+    }
+
+    fn note_event(&mut self) {
+        let now = Instant::now();
+        self.pending = Some(match self.pending {
+            Some((first, _)) => (first, now),
+            None => (now, now),
+        });
     }
 
     /// Tries to watch DIR again when it was lost; `true` when it is back.
@@ -539,8 +552,9 @@ impl DirWatcher {
         }
     }
 
-    /// Reads at least one batch of events; `true` when any was about DIR's content.
-    async fn read_events(&mut self) -> Result<bool, ManifestError> {
+    /// Reads at least one batch of events and records them in `pending` before returning (no
+    /// await between reading and recording, so a cancellation cannot lose them).
+    async fn read_events(&mut self) -> Result<(), ManifestError> {
         let dir = self.dir.clone();
         let err = |source: io::Error| ManifestError::Watch { path: dir.clone(), source };
         loop {
@@ -566,7 +580,10 @@ impl DirWatcher {
                             let _ = self.fd.get_ref().0.rm_watch(wd);
                         }
                     }
-                    return Ok(!events.is_empty());
+                    if !events.is_empty() {
+                        self.note_event();
+                    }
+                    return Ok(());
                 }
                 Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Ok(Err(e)) => return Err(err(e)),
@@ -793,6 +810,21 @@ mod tests {
         if let Ok(r) = tokio::time::timeout(Duration::from_millis(400), w.changed()).await {
             panic!("{what}: unexpected notification {r:?}");
         }
+    }
+
+    /// The agent awaits `changed()` in a `select!`: a call cancelled after it read the events
+    /// must not lose them (found by the benchmark: changes waited for the next resync).
+    #[tokio::test]
+    async fn watcher_is_cancel_safe() {
+        let dir = dir_with(&[]);
+        let mut w = DirWatcher::new(dir.path()).expect("watch");
+        fs::write(dir.path().join("a.yaml"), SVC).unwrap();
+        // Let the events arrive, then cancel the call during its debounce wait.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let cancelled = tokio::time::timeout(Duration::from_millis(10), w.changed()).await;
+        assert!(cancelled.is_err(), "the debounce should still be running after 10 ms");
+        expect_change(&mut w, "change read by a cancelled call", Duration::from_secs(1)).await;
+        expect_quiet(&mut w, "nothing more").await;
     }
 
     #[tokio::test]
