@@ -166,6 +166,42 @@ fn is_manifest_name(name: &str) -> bool {
 
 /// Reads every manifest file in `dir`. Fails only when `dir` itself cannot be read.
 pub fn load_dir(dir: &Path) -> Result<Manifests, ManifestError> {
+    load_dir_cached(dir, &mut ManifestCache::default())
+}
+
+/// What identifies a file's content without reading it: a changed stamp means "parse again".
+/// `metadata()` follows symlinks, so a ConfigMap `..data` swap (new target inode) is noticed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct FileStamp {
+    len: u64,
+    dev: u64,
+    ino: u64,
+    mtime_ns: i128,
+    ctime_ns: i128,
+}
+
+impl FileStamp {
+    fn of(m: &std::fs::Metadata) -> FileStamp {
+        use std::os::unix::fs::MetadataExt as _;
+        FileStamp {
+            len: m.len(),
+            dev: m.dev(),
+            ino: m.ino(),
+            mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
+            ctime_ns: i128::from(m.ctime()) * 1_000_000_000 + i128::from(m.ctime_nsec()),
+        }
+    }
+}
+
+/// Parsed files by path and stamp, so a change to one file of a large directory re-parses that
+/// file only (the benchmark measured ~650 ms per sync at 1,000 Services without it).
+#[derive(Debug, Default)]
+pub struct ManifestCache {
+    files: BTreeMap<PathBuf, (FileStamp, Manifests)>,
+}
+
+/// [`load_dir`] that re-parses only files whose stamp changed since the last call with `cache`.
+pub fn load_dir_cached(dir: &Path, cache: &mut ManifestCache) -> Result<Manifests, ManifestError> {
     let read_err = |source| ManifestError::ReadDir { path: dir.to_path_buf(), source };
     let mut names = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(read_err)? {
@@ -176,33 +212,96 @@ pub fn load_dir(dir: &Path) -> Result<Manifests, ManifestError> {
         }
     }
     names.sort();
-    let mut loader = Loader::default();
+    let mut out = Manifests::default();
+    let mut seen: BTreeMap<(&'static str, String, String), PathBuf> = BTreeMap::new();
+    let mut fresh = BTreeMap::new();
     for name in names {
         let path = dir.join(&name);
         // metadata() follows symlinks: ConfigMap files are symlinks into `..data/`.
-        match std::fs::metadata(&path) {
-            Ok(m) if m.is_file() => {}
+        let file = match std::fs::metadata(&path) {
+            Ok(m) if m.is_file() => {
+                let stamp = FileStamp::of(&m);
+                match cache.files.remove(&path) {
+                    Some((old, parsed)) if old == stamp => (stamp, parsed),
+                    _ => (stamp, parse_file(&path, &name)),
+                }
+            }
             Ok(_) => continue, // a directory called x.yaml: not a manifest
             Err(e) => {
+                let mut loader = Loader::default();
                 loader.problem(&path, 0, None, format!("cannot read: {e}"));
-                loader.out.files.insert(path, FileObjects { had_problem: true, ..Default::default() });
-                continue;
+                let stamp = FileStamp { len: 0, dev: 0, ino: 0, mtime_ns: -1, ctime_ns: -1 };
+                (stamp, loader.out)
+            }
+        };
+        merge_file(&mut out, &mut seen, &path, &file.1);
+        fresh.insert(path, file);
+    }
+    // Files gone from DIR leave the cache too.
+    cache.files = fresh;
+    Ok(out)
+}
+
+/// Parses one file on its own (duplicates within it are found here; across files by merge_file).
+fn parse_file(path: &Path, name: &str) -> Manifests {
+    let mut loader = Loader::default();
+    match std::fs::read_to_string(path) {
+        Ok(text) if name.ends_with(".json") => loader.json_file(path, &text),
+        Ok(text) => loader.yaml_file(path, &text),
+        Err(e) => loader.problem(path, 0, None, format!("cannot read: {e}")),
+    }
+    loader.out
+}
+
+/// Adds one file's objects to `out`, dropping objects an earlier file already defined.
+fn merge_file(
+    out: &mut Manifests,
+    seen: &mut BTreeMap<(&'static str, String, String), PathBuf>,
+    path: &Path,
+    file: &Manifests,
+) {
+    let mut objs = FileObjects { had_problem: !file.problems.is_empty(), ..Default::default() };
+    out.problems.extend(file.problems.iter().cloned());
+    out.ignored.extend(file.ignored.iter().cloned());
+    let mut admit = |kind: &'static str, meta: &ObjectMeta, problems: &mut Vec<ManifestProblem>| {
+        let ns = meta.namespace.clone().unwrap_or_default();
+        let name = meta.name.clone().unwrap_or_default();
+        match seen.get(&(kind, ns.clone(), name.clone())) {
+            Some(first) => {
+                problems.push(ManifestProblem {
+                    file: path.to_path_buf(),
+                    document: 0,
+                    line: None,
+                    message: format!(
+                        "duplicate {kind} {ns}/{name} (first defined in {}); the first one is used",
+                        first.display()
+                    ),
+                });
+                false
+            }
+            None => {
+                seen.insert((kind, ns, name), path.to_path_buf());
+                true
             }
         }
-        let before = (loader.out.services.len(), loader.out.slices.len(), loader.out.problems.len());
-        match std::fs::read_to_string(&path) {
-            Ok(text) if name.ends_with(".json") => loader.json_file(&path, &text),
-            Ok(text) => loader.yaml_file(&path, &text),
-            Err(e) => loader.problem(&path, 0, None, format!("cannot read: {e}")),
+    };
+    for svc in &file.services {
+        if admit("Service", &svc.metadata, &mut out.problems) {
+            objs.services.push(svc.clone());
+        } else {
+            objs.had_problem = true;
         }
-        let objs = FileObjects {
-            services: loader.out.services[before.0..].to_vec(),
-            slices: loader.out.slices[before.1..].to_vec(),
-            had_problem: loader.out.problems.len() > before.2,
-        };
-        loader.out.files.insert(path, objs);
     }
-    Ok(loader.out)
+    for slice in &file.slices {
+        if admit("EndpointSlice", &slice.metadata, &mut out.problems) {
+            objs.slices.push(slice.clone());
+        } else {
+            objs.had_problem = true;
+        }
+    }
+    out.services.extend(objs.services.iter().cloned());
+    out.slices.extend(objs.slices.iter().cloned());
+    out.files.insert(path.to_path_buf(), objs);
 }
 
 #[derive(Default)]
@@ -810,6 +909,40 @@ mod tests {
         if let Ok(r) = tokio::time::timeout(Duration::from_millis(400), w.changed()).await {
             panic!("{what}: unexpected notification {r:?}");
         }
+    }
+
+    #[test]
+    fn cached_loading_equals_fresh_loading_across_edits() {
+        let dir = dir_with(&[("a.yaml", SVC), ("b.yaml", SLICE)]);
+        let mut cache = ManifestCache::default();
+        let check = |cache: &mut ManifestCache, what: &str| {
+            let cached = load_dir_cached(dir.path(), cache).expect("cached");
+            let fresh = load_dir(dir.path()).expect("fresh");
+            assert_eq!(names(&cached), names(&fresh), "{what}");
+            let p = |m: &Manifests| m.problems.iter().map(|p| p.to_string()).collect::<Vec<_>>();
+            assert_eq!(p(&cached), p(&fresh), "{what}");
+            cached
+        };
+        check(&mut cache, "first load");
+        fs::write(dir.path().join("a.yaml"), SVC.replace("name: web", "name: web2")).unwrap();
+        let m = check(&mut cache, "modified");
+        assert_eq!(names(&m).0, vec!["default/web2".to_string()]);
+        // The same Service in a second file: a duplicate across files, the first file wins.
+        fs::write(dir.path().join("c.yaml"), SVC.replace("name: web", "name: web2")).unwrap();
+        let m = check(&mut cache, "duplicate across files");
+        assert_eq!(names(&m).0, vec!["default/web2".to_string()]);
+        assert!(
+            m.problems.iter().any(|p| p.message.contains("duplicate Service default/web2")),
+            "{:?}",
+            m.problems
+        );
+        fs::rename(dir.path().join("a.yaml"), dir.path().join("z.yaml")).unwrap();
+        check(&mut cache, "renamed");
+        fs::remove_file(dir.path().join("z.yaml")).unwrap();
+        fs::remove_file(dir.path().join("c.yaml")).unwrap();
+        let m = check(&mut cache, "deleted");
+        assert!(names(&m).0.is_empty());
+        assert_eq!(cache.files.len(), 1, "deleted files leave the cache");
     }
 
     /// The agent awaits `changed()` in a `select!`: a call cancelled after it read the events
