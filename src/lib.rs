@@ -12,6 +12,7 @@ pub mod conntrack;
 pub mod desired;
 pub mod http;
 pub mod ir;
+pub mod k8s;
 pub mod manifests;
 pub mod metrics;
 pub mod model;
