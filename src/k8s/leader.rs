@@ -94,7 +94,8 @@ mod tests {
         let t0 = Instant::now();
         let s = |n: u64| t0 + Duration::from_secs(n);
         // (name, record, observed since, last renew, now, want)
-        let cases: Vec<(&str, Option<LeaseRecord>, Instant, Option<Instant>, Instant, Decision)> = vec![
+        type Case = (&'static str, Option<LeaseRecord>, Instant, Option<Instant>, Instant, Decision);
+        let cases: Vec<Case> = vec![
             ("absent: create", None, t0, None, s(1), Decision::Create),
             (
                 "ours, fresh: wait for lease/3",

@@ -163,7 +163,8 @@ mod tests {
 
     #[test]
     fn address_selection() {
-        let cases: Vec<(&str, Vec<(&str, &str)>, Vec<&str>, Vec<&str>)> = vec![
+        type Case = (&'static str, Vec<(&'static str, &'static str)>, Vec<&'static str>, Vec<&'static str>);
+        let cases: Vec<Case> = vec![
             ("internal only", vec![("InternalIP", "10.0.0.1"), ("Hostname", "n1")], vec![], vec!["10.0.0.1"]),
             (
                 "external wins over internal",

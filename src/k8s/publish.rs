@@ -143,7 +143,10 @@ pub struct Round<'a> {
     pub now: Timestamp,
 }
 
-fn normalise(ingress: &[LoadBalancerIngress]) -> Vec<(Option<String>, Option<String>, Vec<(i32, String)>)> {
+/// (ip, ipMode, sorted ports) of one ingress entry, for comparisons.
+type IngressKey = (Option<String>, Option<String>, Vec<(i32, String)>);
+
+fn normalise(ingress: &[LoadBalancerIngress]) -> Vec<IngressKey> {
     let mut v: Vec<_> = ingress
         .iter()
         .map(|i| {
@@ -397,7 +400,8 @@ mod tests {
         let ports = BTreeMap::from([(PortId::tcp(80), 20001)]);
         let eps =
             vec![ep("198.51.100.1", "b", true), ep("2001:db8::1", "a", true), ep("198.51.100.2", "a", false)];
-        let cases: Vec<(&str, LbService, BTreeMap<PortId, u16>, Vec<&str>)> = vec![
+        type Case = (&'static str, LbService, BTreeMap<PortId, u16>, Vec<&'static str>);
+        let cases: Vec<Case> = vec![
             (
                 "v4 cluster",
                 lb(&[V4], TrafficPolicy::Cluster, vec![]),
@@ -456,7 +460,9 @@ mod tests {
             value: "10.0.0.0/33".into(),
             reason: "bad".into(),
         };
-        let cases: Vec<(&str, Vec<&AllocProblem>, Option<&Refusal>, bool, &str, &str)> = vec![
+        type Case<'a> =
+            (&'static str, Vec<&'a AllocProblem>, Option<&'a Refusal>, bool, &'static str, &'static str);
+        let cases: Vec<Case> = vec![
             ("allocated", vec![], None, true, "Allocated", "80/TCP=20001"),
             ("conflict", vec![&conflict], None, false, "PortConflict", "holds"),
             ("exhausted", vec![&exhausted], None, false, "RangeExhausted", "no free node port"),
