@@ -4,9 +4,15 @@
 use std::collections::BTreeMap;
 
 /// Remembers the last message recorded per (object, reason).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Deduper<K: Ord + Clone> {
     last: BTreeMap<(K, &'static str), String>,
+}
+
+impl<K: Ord + Clone> Default for Deduper<K> {
+    fn default() -> Self {
+        Deduper { last: BTreeMap::new() }
+    }
 }
 
 impl<K: Ord + Clone> Deduper<K> {

@@ -5,8 +5,11 @@
 //! that talk to the API server are [`source`] (reflectors), [`controller`] (leader election, node
 //! Lease, writes, Events). See docs/design.md, "Kubernetes mode".
 
+pub mod controller;
 pub mod dupes;
 pub mod events;
+pub mod lastgood;
 pub mod leader;
 pub mod nodes;
 pub mod publish;
+pub mod source;

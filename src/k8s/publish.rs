@@ -243,7 +243,8 @@ pub fn plan_writes(round: &Round<'_>) -> Vec<ServiceWrite> {
             }
             let problems: Vec<&AllocProblem> =
                 round.problems.iter().filter(|p| p.service() == &key).collect();
-            let wanted = condition_for(ports, &problems, None);
+            // A Service served from its last valid spec still reports why its edit was refused.
+            let wanted = condition_for(ports, &problems, refused.get(&key).copied());
             let conditions = merge_condition(&cur_conditions, Some(&wanted), generation, round.now);
             let ingress = ingress_for(lb, ports, round.serving);
             if conditions.is_some() || normalise(&ingress) != normalise(&cur_ingress) {
@@ -262,6 +263,41 @@ pub fn plan_writes(round: &Round<'_>) -> Vec<ServiceWrite> {
     }
     out.sort_by(|a, b| a.key.cmp(&b.key));
     out
+}
+
+/// Stand-ins for refused Services that carry an allocation: they keep holding their numbers
+/// (as explicit requests, so they never get new ones), so fixing the input brings them back on the
+/// same ports and nobody else is handed those ports meanwhile.
+pub fn reserved(services: &[Service], refused: &[Refusal]) -> Vec<LbService> {
+    let refused: BTreeSet<&ServiceKey> = refused.iter().map(|r| r.service()).collect();
+    services
+        .iter()
+        .filter(|s| refused.contains(&model::service_key(s)))
+        .filter_map(|s| {
+            let value = annotation_of(s)?;
+            let map: BTreeMap<PortId, u16> = value
+                .split(',')
+                .filter_map(|item| {
+                    let (id, n) = item.trim().split_once('=')?;
+                    Some((
+                        id.trim().parse::<PortId>().ok()?,
+                        n.trim().parse::<u16>().ok().filter(|n| *n != 0)?,
+                    ))
+                })
+                .collect();
+            if map.is_empty() {
+                return None;
+            }
+            let ports = map
+                .keys()
+                .map(|id| model::LbPort { id: *id, name: String::new(), endpoints: vec![] })
+                .collect();
+            let mut lb = LbService::with_defaults(model::service_key(s), ports);
+            lb.created = s.metadata.creation_timestamp.as_ref().map(|t| t.0.to_string());
+            lb.port_request = model::PortRequest::Explicit(map);
+            Some(lb)
+        })
+        .collect()
 }
 
 /// An Event the leader wants recorded on a Service (deduplicated by [`super::events::Deduper`]).
@@ -618,6 +654,24 @@ mod tests {
         let st = w2[0].status.as_ref().unwrap();
         assert_eq!(ips(&st.ingress), vec!["10.0.0.1", "10.0.0.2"]);
         assert_eq!(st.conditions, world.services[0].status.as_ref().unwrap().conditions.clone().unwrap());
+    }
+
+    #[test]
+    fn refused_services_keep_holding_their_ports() {
+        let services = vec![
+            service("broken", |v| {
+                v["metadata"]["annotations"] = json!({ANNOTATION_ALLOCATED: "80/TCP=20000"});
+                v["spec"]["loadBalancerSourceRanges"] = json!(["nope"]);
+            }),
+            service("new", |v| v["metadata"]["creationTimestamp"] = json!("2024-06-01T00:00:00Z")),
+        ];
+        let opts = ModelOptions::default();
+        let out = model::build(&services, &[], &opts);
+        let stubs = reserved(&services, &out.refused);
+        assert_eq!(stubs.len(), 1);
+        let all: Vec<LbService> = out.services.iter().cloned().chain(stubs).collect();
+        let r = crate::alloc::allocate(&Default::default(), &all, &Allocations::new());
+        assert_eq!(r.allocations[&ServiceKey::new("default", "new")][&PortId::tcp(80)], 20001);
     }
 
     #[test]
