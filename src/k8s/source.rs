@@ -153,6 +153,8 @@ where
         let mut failing = false;
         while let Some(item) = stream.next().await {
             match item {
+                // A retry starts with `Init` before its list request: only data means recovery.
+                Ok(watcher::Event::Init) => {}
                 Ok(ev) => {
                     if failing {
                         info!(kind, "watch recovered");
@@ -161,8 +163,8 @@ where
                     if matches!(ev, watcher::Event::InitDone) && !synced[index].swap(true, Ordering::AcqRel) {
                         info!(kind, "initial list complete");
                     }
-                    // Init events only fill the buffer; the store changes on InitDone.
-                    if !matches!(ev, watcher::Event::Init | watcher::Event::InitApply(_)) {
+                    // InitApply only fills the relist buffer; the store changes on InitDone.
+                    if !matches!(ev, watcher::Event::InitApply(_)) {
                         tx.send_modify(|n| *n = n.wrapping_add(1));
                     }
                 }
