@@ -13,21 +13,23 @@ use tracing::{debug, error, info, warn};
 
 use crate::alloc::{Allocations, PortRange};
 use crate::conntrack::{self, ConntrackClient};
-use crate::desired::{self, Desired, Inputs};
+use crate::desired::{self, AllocationMode, Desired, Inputs};
 use crate::ir::{Change, Family, Ruleset};
-use crate::manifests::{self, DirWatcher, Manifests};
+use crate::manifests;
 use crate::metrics::Metrics;
 use crate::model::ModelOptions;
 use crate::nft::{self, NftClient};
 use crate::plan::{self, NodeFacts};
+use crate::source::Source;
 use crate::state::StateFile;
 use crate::status::{ServiceState, SharedStatus, SyncStatus};
 use crate::sysctl::{Sysctls, forwarding_sysctl};
 
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
-    pub manifests: PathBuf,
-    pub state_file: PathBuf,
+    /// Where allocations are kept across restarts (manifests mode); `None` in Kubernetes mode,
+    /// where they live on the Services.
+    pub state_file: Option<PathBuf>,
     pub node_name: String,
     pub port_range: PortRange,
     pub resync_period: Duration,
@@ -56,7 +58,8 @@ struct Agent {
     metrics: Arc<Metrics>,
     status: SharedStatus,
     nft: NftClient,
-    state: StateFile,
+    source: Source,
+    state: Option<StateFile>,
     allocations: Allocations,
     /// What we last programmed and saw the kernel accept; `None` forces a full replace.
     applied: Option<Ruleset>,
@@ -67,22 +70,26 @@ struct Agent {
     /// Last logged message per refused Service / problem, to log once per change.
     logged: BTreeSet<String>,
     backoff: Duration,
-    /// Last good content per manifest file (a broken file keeps serving what it served).
-    last_good: manifests::LastGood,
+    /// Source fingerprint and node facts of the last successful sync: the same again (a relist
+    /// that brought nothing new) means nothing to recompute.
+    last_input: Option<(u64, NodeFacts)>,
 }
 
 /// Runs until `shutdown` resolves. Errors only for things that make serving impossible from the
 /// start (netlink unavailable, state file unreadable); everything else is retried and reported.
 pub async fn run(
     cfg: AgentConfig,
+    source: Source,
     status: SharedStatus,
     metrics: Arc<Metrics>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), AgentError> {
-    let state = StateFile::new(cfg.state_file.clone());
-    let allocations = state.load()?;
+    let state = cfg.state_file.clone().map(StateFile::new);
+    let allocations = match &state {
+        Some(s) => s.load()?,
+        None => Default::default(),
+    };
     let nft = NftClient::new()?;
-    let mut watcher = DirWatcher::new(&cfg.manifests)?;
     {
         let mut st = status.write().unwrap_or_else(|e| e.into_inner());
         st.node_name = cfg.node_name.clone();
@@ -92,6 +99,7 @@ pub async fn run(
         metrics,
         status,
         nft,
+        source,
         state,
         allocations,
         applied: None,
@@ -99,9 +107,9 @@ pub async fn run(
         families: BTreeMap::new(),
         logged: BTreeSet::new(),
         backoff: MIN_BACKOFF,
-        last_good: manifests::LastGood::default(),
+        last_input: None,
     };
-    info!(manifests = %agent.cfg.manifests.display(), node = %agent.cfg.node_name, "nodelb agent starting");
+    info!(source = %agent.source.describe(), node = %agent.cfg.node_name, "nodelb agent starting");
 
     tokio::pin!(shutdown);
     let mut resync = tokio::time::interval(agent.cfg.resync_period);
@@ -142,7 +150,7 @@ pub async fn run(
                 info!("shutting down; rules stay in the kernel (use `nodelb cleanup` to remove them)");
                 return Ok(());
             }
-            _ = watcher.changed() => { debug!("manifests changed"); dirty = true; }
+            _ = agent.source.changed() => { debug!("source changed"); dirty = true; }
             _ = resync.tick() => { verify = true; }
             _ = sysctl_tick.tick() => {}
             _ = retry_sleep => {}
@@ -225,21 +233,34 @@ impl Agent {
 
     async fn sync_once(&mut self, verify: bool) -> Result<(), AgentError> {
         let started = Instant::now();
-        let loaded = manifests::load_dir(&self.cfg.manifests);
-        let loaded: Manifests = match loaded {
-            Ok(m) => self.last_good.apply(m),
+        let loaded = match self.source.snapshot(&self.cfg.model) {
+            Ok(Some(snapshot)) => snapshot,
+            Ok(None) => {
+                // Never program from a partial view: the old rules stay until the caches are complete.
+                debug!("source not complete yet; waiting");
+                return Ok(());
+            }
             Err(e) => {
                 // Never program from a view we could not read: keep the kernel as it is.
                 self.set_problems(vec![e.to_string()]);
                 return Err(e.into());
             }
         };
-        let problems: Vec<String> = loaded.problems.iter().map(|p| p.to_string()).collect();
-        for p in &problems {
-            self.log_once(p, || warn!(problem = %p, "manifest problem"));
-        }
         let node = self.node_facts();
+        if let (Some(fp), Some((last_fp, last_node))) = (loaded.fingerprint, &self.last_input)
+            && fp == *last_fp
+            && node == *last_node
+            && self.applied.is_some()
+            && !verify
+        {
+            return Ok(());
+        }
+        let problems: Vec<String> = loaded.problems.clone();
+        for p in &problems {
+            self.log_once(p, || warn!(problem = %p, "input problem"));
+        }
         let desired: Desired = desired::compute(&Inputs {
+            mode: self.source.mode(),
             services: &loaded.services,
             slices: &loaded.slices,
             previous: &self.allocations,
@@ -249,7 +270,11 @@ impl Agent {
         });
         self.report_refusals(&desired);
         if desired.allocations != self.allocations {
-            self.state.save(&desired.allocations)?;
+            if let Some(state) = &self.state
+                && self.source.mode() == AllocationMode::Allocate
+            {
+                state.save(&desired.allocations)?;
+            }
             self.allocations = desired.allocations.clone();
         }
 
@@ -306,6 +331,7 @@ impl Agent {
             self.flush_stale_udp(&desired.ruleset);
             self.applied = Some(desired.ruleset.clone());
             self.generation = Some(self.nft.generation()?);
+            self.last_input = loaded.fingerprint.map(|fp| (fp, node.clone()));
         }
         {
             let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());

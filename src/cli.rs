@@ -43,12 +43,12 @@ pub enum Command {
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct CommonArgs {
-    /// Directory of Service + EndpointSlice manifests (YAML/JSON) to serve (the embedded
-    /// default, without a cluster).
+    /// Directory of Service + EndpointSlice manifests (YAML/JSON) to serve, without a cluster.
+    /// Without it, `run` is in Kubernetes mode (in-cluster config, KUBECONFIG or --kubeconfig).
     #[arg(long, env = "NODELB_MANIFESTS")]
-    pub manifests: PathBuf,
+    pub manifests: Option<PathBuf>,
     /// This node's name: endpoints with this `nodeName` are local (externalTrafficPolicy: Local).
-    /// Defaults to $NODE_NAME, else the host name.
+    /// Defaults to $NODE_NAME, else the host name (manifests mode); required in Kubernetes mode.
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,
     /// Node ports are allocated from this range (inclusive). The default overlaps neither the
@@ -88,6 +88,26 @@ pub struct RunArgs {
     /// time). Turn off on clusters with very many Services to bound /metrics cardinality.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, env = "NODELB_PER_SERVICE_METRICS")]
     pub per_service_metrics: bool,
+    #[command(flatten)]
+    pub kube: KubeArgs,
+}
+
+/// Kubernetes mode (`run` without `--manifests`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct KubeArgs {
+    /// Kubeconfig file to use instead of the in-cluster config / $KUBECONFIG / ~/.kube/config.
+    #[arg(long, env = "NODELB_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Namespace of the agent: the leader Lease `nodelb-leader` and the per-node Leases live here.
+    #[arg(long, default_value = "nodelb-system", env = "POD_NAMESPACE")]
+    pub namespace: String,
+    /// Duration of the leader and node Leases (renewed every third of it).
+    #[arg(long, default_value = "15s", value_parser = humantime::parse_duration, env = "NODELB_LEASE_DURATION")]
+    pub lease_duration: Duration,
+    /// Only node addresses in these CIDRs are published in Service status (comma-separated;
+    /// like kube-proxy's --nodeport-addresses). Default: all ExternalIP / InternalIP addresses.
+    #[arg(long, value_delimiter = ',', env = "NODELB_NODE_ADDRESSES")]
+    pub node_addresses: Vec<ipnet::IpNet>,
 }
 
 #[derive(Debug, clap::Args)]

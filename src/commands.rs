@@ -10,13 +10,16 @@ use anyhow::{Context, bail};
 use tracing::{error, info};
 
 use crate::agent::{self, AgentConfig};
-use crate::cli::{CommonArgs, PlanArgs, RunArgs, StatusArgs};
+use crate::cli::{CommonArgs, KubeArgs, PlanArgs, RunArgs, StatusArgs};
 use crate::desired::{self, Inputs};
 use crate::ir::Family;
+use crate::k8s::controller::{self, ControllerConfig};
+use crate::k8s::source::KubeSource;
 use crate::metrics::Metrics;
 use crate::model::ModelOptions;
 use crate::nft::NftClient;
 use crate::plan::NodeFacts;
+use crate::source::Source;
 use crate::state::StateFile;
 use crate::status::{SharedStatus, Status};
 use crate::sysctl::Sysctls;
@@ -35,9 +38,14 @@ fn model_options(common: &CommonArgs) -> ModelOptions {
 }
 
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let kube_mode = args.common.manifests.is_none();
+    if kube_mode && args.common.node_name.is_none() {
+        bail!(
+            "Kubernetes mode (no --manifests) needs --node-name or NODE_NAME (the downward API's spec.nodeName)"
+        );
+    }
     let cfg = AgentConfig {
-        manifests: args.common.manifests.clone(),
-        state_file: args.common.state_file.clone(),
+        state_file: if kube_mode { None } else { Some(args.common.state_file.clone()) },
         node_name: node_name(&args.common),
         port_range: args.common.port_range,
         resync_period: args.resync_period,
@@ -59,8 +67,46 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             error!(error = %e, "HTTP server failed");
         }
     });
-    agent::run(cfg, status, metrics, shutdown_signal()).await?;
+    let source = match &args.common.manifests {
+        Some(dir) => Source::manifests(dir.clone())?,
+        None => {
+            let client = kube_client(&args.kube).await?;
+            if args.kube.lease_duration < Duration::from_secs(3) {
+                bail!("--lease-duration {:?} is too short (at least 3s)", args.kube.lease_duration);
+            }
+            let kube = KubeSource::start(client.clone(), &args.kube.namespace);
+            let ccfg = ControllerConfig {
+                node_name: cfg.node_name.clone(),
+                namespace: args.kube.namespace.clone(),
+                lease_duration: args.kube.lease_duration,
+                node_addresses: args.kube.node_addresses.clone(),
+                port_range: cfg.port_range,
+                model: cfg.model.clone(),
+            };
+            info!(namespace = %ccfg.namespace, node = %ccfg.node_name, "Kubernetes mode");
+            controller::spawn(client, kube.clone(), ccfg, status.clone(), metrics.clone());
+            Source::kube(kube)
+        }
+    };
+    agent::run(cfg, source, status, metrics, shutdown_signal()).await?;
     Ok(())
+}
+
+/// A client from --kubeconfig, else the in-cluster config or $KUBECONFIG (`Config::infer`).
+async fn kube_client(args: &KubeArgs) -> anyhow::Result<kube::Client> {
+    let config = match &args.kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("cannot read --kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                .await
+                .with_context(|| format!("invalid kubeconfig {}", path.display()))?
+        }
+        None => kube::Config::infer()
+            .await
+            .context("no Kubernetes configuration (not in a cluster, no KUBECONFIG); use --manifests DIR without a cluster")?,
+    };
+    kube::Client::try_from(config).context("cannot build a Kubernetes client")
 }
 
 async fn shutdown_signal() {
@@ -76,7 +122,10 @@ async fn shutdown_signal() {
 }
 
 pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
-    let loaded = crate::manifests::load_dir(&args.common.manifests)?;
+    let Some(dir) = &args.common.manifests else {
+        bail!("plan needs --manifests DIR");
+    };
+    let loaded = crate::manifests::load_dir(dir)?;
     for p in &loaded.problems {
         eprintln!("problem: {p}");
     }
@@ -87,6 +136,7 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
         masquerade_mark: args.common.masquerade_mark,
     };
     let desired = desired::compute(&Inputs {
+        mode: desired::AllocationMode::Allocate,
         services: &loaded.services,
         slices: &loaded.slices,
         previous: &previous,

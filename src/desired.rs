@@ -30,7 +30,19 @@ pub struct Desired {
     pub warnings: Vec<String>,
 }
 
+/// Where the node ports come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AllocationMode {
+    /// Manifests mode: this agent allocates (keeping `previous`, the state file).
+    Allocate,
+    /// Kubernetes mode: the allocation written on each Service by the leader
+    /// (`nodelb.io/allocated-ports`), duplicates settled (older Service keeps the port); this
+    /// agent never computes one itself, so every node agrees.
+    Annotated,
+}
+
 pub struct Inputs<'a> {
+    pub mode: AllocationMode,
     pub services: &'a [Service],
     pub slices: &'a [EndpointSlice],
     pub previous: &'a Allocations,
@@ -41,9 +53,19 @@ pub struct Inputs<'a> {
 
 pub fn compute(inputs: &Inputs<'_>) -> Desired {
     let out = model::build(inputs.services, inputs.slices, inputs.model);
-    let result = alloc::allocate(inputs.range, &out.services, inputs.previous);
-    let mut allocations = result.allocations;
-    keep_refused_allocations(&mut allocations, inputs.previous, &out.refused);
+    let (allocations, alloc_problems, duplicates) = match inputs.mode {
+        AllocationMode::Allocate => {
+            let result = alloc::allocate(inputs.range, &out.services, inputs.previous);
+            let mut allocations = result.allocations;
+            keep_refused_allocations(&mut allocations, inputs.previous, &out.refused);
+            (allocations, result.problems, vec![])
+        }
+        AllocationMode::Annotated => {
+            let (allocations, duplicates) = crate::k8s::dupes::settle(&out.services);
+            (allocations, vec![], duplicates)
+        }
+    };
+    let result = alloc::AllocationResult { allocations: BTreeMap::new(), problems: alloc_problems };
 
     let empty = BTreeMap::new();
     let plans: Vec<ServicePlan<'_>> = out
@@ -69,6 +91,14 @@ pub fn compute(inputs: &Inputs<'_>) -> Desired {
         });
     }
     services.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    if inputs.mode == AllocationMode::Annotated {
+        for s in services.iter_mut().filter(|s| s.reason_code.as_deref() == Some("no_allocation")) {
+            s.reason = Some(format!(
+                "no node port on the Service yet ({} is written by the leader)",
+                model::ANNOTATION_ALLOCATED
+            ));
+        }
+    }
     let counter_index = counter_index(&out.services, &ruleset);
     let needed_families = out.services.iter().flat_map(|s| s.families.iter().copied()).collect();
     Desired {
@@ -79,7 +109,12 @@ pub fn compute(inputs: &Inputs<'_>) -> Desired {
         services,
         refusals: out.refused,
         alloc_problems: result.problems,
-        warnings: out.warnings.iter().map(|w| w.to_string()).collect(),
+        warnings: out
+            .warnings
+            .iter()
+            .map(|w| w.to_string())
+            .chain(duplicates.iter().map(|d| format!("duplicate {d}")))
+            .collect(),
     }
 }
 

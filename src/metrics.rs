@@ -113,6 +113,9 @@ pub struct Metrics {
     pub forwarding: IntGaugeVec,
     pub family_served: IntGaugeVec,
     pub manifest_problems: IntGauge,
+    /// 1 while this agent holds the leader Lease (Kubernetes mode).
+    pub leader: IntGauge,
+    pub leader_transitions: IntCounter,
     pub counters: SharedCounters,
 }
 
@@ -189,6 +192,14 @@ impl Metrics {
             "nodelb_manifest_problems",
             "Manifest files or documents that could not be used (manifests mode).",
         )?;
+        let leader = IntGauge::new(
+            "nodelb_leader",
+            "1 while this agent is the leader (allocates node ports, writes Service status); Kubernetes mode.",
+        )?;
+        let leader_transitions = IntCounter::new(
+            "nodelb_leader_transitions_total",
+            "Times this agent became or stopped being the leader.",
+        )?;
         let build_info = IntGaugeVec::new(
             Opts::new("nodelb_build_info", "Build of the running agent (value is always 1)."),
             &["version", "git_commit"],
@@ -222,6 +233,8 @@ impl Metrics {
         registry.register(Box::new(forwarding.clone()))?;
         registry.register(Box::new(family_served.clone()))?;
         registry.register(Box::new(manifest_problems.clone()))?;
+        registry.register(Box::new(leader.clone()))?;
+        registry.register(Box::new(leader_transitions.clone()))?;
         registry.register(Box::new(build_info))?;
         registry.register(Box::new(prometheus::process_collector::ProcessCollector::for_self()))?;
         let counters: SharedCounters = Arc::default();
@@ -244,6 +257,8 @@ impl Metrics {
             forwarding,
             family_served,
             manifest_problems,
+            leader,
+            leader_transitions,
             counters,
         })
     }

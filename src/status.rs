@@ -96,7 +96,9 @@ impl Status {
     /// Reasons are plain words naming the sysctl or the error.
     pub fn readiness(&self) -> Result<Option<String>, String> {
         if !self.source_synced {
-            return Err("desired state not read yet (manifests not loaded)".into());
+            return Err(
+                "desired state not read yet (manifests not loaded, or Kubernetes caches not synced)".into()
+            );
         }
         match &self.last_sync {
             None => return Err("no sync has completed yet".into()),

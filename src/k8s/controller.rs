@@ -1,0 +1,453 @@
+//! The API-writing edge of Kubernetes mode, three tasks:
+//! - **leader election** on Lease `nodelb-leader` ([`super::leader`] decides; every write is a
+//!   replace carrying the resourceVersion read, so a 409 means someone else won);
+//! - **node Lease** `nodelb-node-<node>`, renewed every `lease/3` with the families this node
+//!   serves ([`super::nodes`]), and a Warning Event on the Node when forwarding is off;
+//! - **allocator + status writer**, leader only and only once the caches are complete:
+//!   [`crate::alloc::allocate`] with the annotations as previous allocations, then
+//!   [`super::publish::plan_writes`] → merge patches with a `metadata.resourceVersion`
+//!   precondition (409 ⇒ retried on the next round), Events deduplicated per change.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use ipnet::IpNet;
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::api::core::v1::{Node, ObjectReference, Service};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::{Api, Client, Resource};
+use serde_json::json;
+use tracing::{debug, info, warn};
+
+use crate::alloc::{self, Allocations, PortRange};
+use crate::ir::Family;
+use crate::metrics::Metrics;
+use crate::model::{self, ANNOTATION_ALLOCATED, ModelOptions, ServiceKey};
+use crate::status::SharedStatus;
+
+use super::dupes;
+use super::events::Deduper;
+use super::lastgood::LastGoodServices;
+use super::leader::{self, Decision, LeaseRecord, Observed};
+use super::nodes::{self, ANNOTATION_FAMILIES, LABEL_NODE_LEASE};
+use super::publish::{self, Round, ServiceWrite};
+use super::source::KubeSource;
+
+/// Name of the leader-election Lease in the agent namespace.
+pub const LEADER_LEASE: &str = "nodelb-leader";
+/// `reportingController` of our Events.
+pub const CONTROLLER_NAME: &str = "nodelb.io/nodelb";
+
+#[derive(Debug, Clone)]
+pub struct ControllerConfig {
+    pub node_name: String,
+    /// Agent namespace (Leases).
+    pub namespace: String,
+    pub lease_duration: Duration,
+    /// `--node-addresses`: status addresses restricted to these (empty: all).
+    pub node_addresses: Vec<IpNet>,
+    pub port_range: PortRange,
+    pub model: ModelOptions,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerError {
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+}
+
+/// Whether this agent currently leads (read by the metrics and the allocator).
+#[derive(Debug, Default)]
+pub struct Leadership(AtomicBool);
+
+impl Leadership {
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+/// Starts the three tasks. They run for the life of the runtime and never fail: every error is
+/// logged and retried.
+pub fn spawn(
+    client: Client,
+    source: KubeSource,
+    cfg: ControllerConfig,
+    status: SharedStatus,
+    metrics: Arc<Metrics>,
+) -> Arc<Leadership> {
+    let leadership = Arc::new(Leadership::default());
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter { controller: CONTROLLER_NAME.into(), instance: Some(cfg.node_name.clone()) },
+    );
+    tokio::spawn(elect(client.clone(), cfg.clone(), leadership.clone(), metrics));
+    tokio::spawn(node_lease(client.clone(), cfg.clone(), status, source.clone(), recorder.clone()));
+    tokio::spawn(allocate_loop(client, source, cfg, leadership.clone(), recorder));
+    leadership
+}
+
+fn record_of(lease: &Lease) -> LeaseRecord {
+    let spec = lease.spec.clone().unwrap_or_default();
+    LeaseRecord {
+        holder: spec.holder_identity,
+        duration: Duration::from_secs(spec.lease_duration_seconds.unwrap_or(15).max(1) as u64),
+        transitions: spec.lease_transitions.unwrap_or(0),
+        resource_version: lease.metadata.resource_version.clone(),
+    }
+}
+
+fn is_conflict(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 409)
+}
+
+async fn elect(client: Client, cfg: ControllerConfig, leadership: Arc<Leadership>, metrics: Arc<Metrics>) {
+    let api: Api<Lease> = Api::namespaced(client, &cfg.namespace);
+    let me = cfg.node_name.clone();
+    let retry = (cfg.lease_duration / 3).max(Duration::from_millis(500));
+    let secs = cfg.lease_duration.as_secs().max(1) as i32;
+    let mut observed: Option<Observed> = None;
+    let mut last_renew: Option<Instant> = None;
+    loop {
+        let now = Instant::now();
+        let mut sleep_until = now + retry;
+        match api.get_opt(LEADER_LEASE).await {
+            Err(e) => warn!(error = %e, "leader election: cannot read Lease {LEADER_LEASE}; retrying"),
+            Ok(current) => {
+                let obs = leader::observe(observed.as_ref(), current.as_ref().map(record_of), now);
+                let started = Instant::now();
+                let stamp = Some(MicroTime(Timestamp::now()));
+                let result = match leader::decide(&me, &obs, last_renew, now) {
+                    Decision::Wait(t) => {
+                        sleep_until = t.min(sleep_until);
+                        None
+                    }
+                    Decision::Create => {
+                        let lease = Lease {
+                            metadata: ObjectMeta { name: Some(LEADER_LEASE.into()), ..Default::default() },
+                            spec: Some(LeaseSpec {
+                                holder_identity: Some(me.clone()),
+                                lease_duration_seconds: Some(secs),
+                                acquire_time: stamp.clone(),
+                                renew_time: stamp,
+                                lease_transitions: Some(0),
+                                ..Default::default()
+                            }),
+                        };
+                        Some(api.create(&PostParams::default(), &lease).await)
+                    }
+                    d @ (Decision::Acquire | Decision::Renew) => {
+                        // `current` is Some here; its resourceVersion is the precondition.
+                        let mut lease = current.clone().unwrap_or_default();
+                        let spec = lease.spec.get_or_insert_default();
+                        if d == Decision::Acquire {
+                            spec.holder_identity = Some(me.clone());
+                            spec.acquire_time = stamp.clone();
+                            spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + 1);
+                        }
+                        spec.lease_duration_seconds = Some(secs);
+                        spec.renew_time = stamp;
+                        Some(api.replace(LEADER_LEASE, &PostParams::default(), &lease).await)
+                    }
+                };
+                observed = Some(match result {
+                    None => obs,
+                    Some(Ok(lease)) => {
+                        last_renew = Some(started);
+                        sleep_until = Instant::now() + retry;
+                        leader::observe(None, Some(record_of(&lease)), Instant::now())
+                    }
+                    Some(Err(e)) => {
+                        if is_conflict(&e) {
+                            debug!("leader election: Lease changed under us (409); re-reading");
+                        } else {
+                            warn!(error = %e, "leader election: write failed; retrying");
+                        }
+                        sleep_until = Instant::now() + Duration::from_millis(200).min(retry);
+                        obs
+                    }
+                });
+            }
+        }
+        let leading =
+            observed.as_ref().is_some_and(|o| leader::is_leader(&me, o, last_renew, Instant::now()));
+        if leading != leadership.get() {
+            leadership.0.store(leading, Ordering::Release);
+            metrics.leader.set(i64::from(leading));
+            metrics.leader_transitions.inc();
+            if leading {
+                info!(
+                    lease = LEADER_LEASE,
+                    "became leader: allocating node ports and writing Service status"
+                );
+            } else {
+                warn!(lease = LEADER_LEASE, "no longer leader");
+            }
+        }
+        // Wake in time to notice the renew deadline passing.
+        let deadline = last_renew.map(|t| t + cfg.lease_duration * 2 / 3).filter(|_| leading);
+        let wake = deadline
+            .map_or(sleep_until, |d| d.min(sleep_until))
+            .max(Instant::now() + Duration::from_millis(50));
+        tokio::time::sleep_until(wake.into()).await;
+    }
+}
+
+/// Families this node serves right now: none unless ready; else those programmed.
+fn served_families(status: &SharedStatus) -> (std::collections::BTreeSet<Family>, Vec<(Family, String)>) {
+    let st = status.read().unwrap_or_else(|e| e.into_inner());
+    let mut off = Vec::new();
+    for f in Family::ALL {
+        if let Some(fs) = st.families.get(f.name())
+            && !fs.forwarding
+        {
+            off.push((f, fs.reason.clone().unwrap_or_else(|| format!("forwarding is off for {f}"))));
+        }
+    }
+    if st.readiness().is_err() {
+        return (Default::default(), off);
+    }
+    let served = Family::ALL
+        .into_iter()
+        .filter(|f| st.families.get(f.name()).is_some_and(|fs| fs.programmed))
+        .collect();
+    (served, off)
+}
+
+async fn node_lease(
+    client: Client,
+    cfg: ControllerConfig,
+    status: SharedStatus,
+    source: KubeSource,
+    recorder: Recorder,
+) {
+    let api: Api<Lease> = Api::namespaced(client, &cfg.namespace);
+    let name = nodes::node_lease_name(&cfg.node_name);
+    let period = (cfg.lease_duration / 3).max(Duration::from_millis(500));
+    let secs = cfg.lease_duration.as_secs().max(1) as i32;
+    let mut node_events: Deduper<String> = Deduper::default();
+    let mut tick = tokio::time::interval(period);
+    let mut last_families = None;
+    loop {
+        tick.tick().await;
+        let (families, off) = served_families(&status);
+        let value = nodes::format_families(&families);
+        if last_families.as_ref() != Some(&value) {
+            info!(lease = %name, families = %value, "node Lease: serving families");
+            last_families = Some(value.clone());
+        }
+        let stamp = Some(MicroTime(Timestamp::now()));
+        let result = match api.get_opt(&name).await {
+            Ok(None) => {
+                let lease = Lease {
+                    metadata: ObjectMeta {
+                        name: Some(name.clone()),
+                        labels: Some([(LABEL_NODE_LEASE.to_string(), "true".to_string())].into()),
+                        annotations: Some([(ANNOTATION_FAMILIES.to_string(), value)].into()),
+                        ..Default::default()
+                    },
+                    spec: Some(LeaseSpec {
+                        holder_identity: Some(cfg.node_name.clone()),
+                        lease_duration_seconds: Some(secs),
+                        acquire_time: stamp.clone(),
+                        renew_time: stamp,
+                        ..Default::default()
+                    }),
+                };
+                api.create(&PostParams::default(), &lease).await.map(|_| ())
+            }
+            Ok(Some(mut lease)) => {
+                lease
+                    .metadata
+                    .annotations
+                    .get_or_insert_default()
+                    .insert(ANNOTATION_FAMILIES.to_string(), value);
+                lease
+                    .metadata
+                    .labels
+                    .get_or_insert_default()
+                    .insert(LABEL_NODE_LEASE.to_string(), "true".into());
+                let spec = lease.spec.get_or_insert_default();
+                spec.holder_identity = Some(cfg.node_name.clone());
+                spec.lease_duration_seconds = Some(secs);
+                spec.renew_time = stamp;
+                api.replace(&name, &PostParams::default(), &lease).await.map(|_| ())
+            }
+            Err(e) => Err(e),
+        };
+        if let Err(e) = result {
+            if is_conflict(&e) {
+                debug!(lease = %name, "node Lease changed under us (409); next tick");
+            } else {
+                warn!(lease = %name, error = %e, "cannot renew node Lease; retrying");
+            }
+        }
+        // Forwarding off: a Warning Event on our Node, once per change.
+        let events: Vec<(String, String)> =
+            off.iter().map(|(f, r)| (f.name().to_string(), r.clone())).collect();
+        let fresh = node_events.fresh(&events, |(f, r)| (f.clone(), "ForwardingDisabled", r.clone()));
+        if !fresh.is_empty()
+            && let Some(node) = source
+                .snapshot()
+                .nodes
+                .into_iter()
+                .find(|n| n.metadata.name.as_deref() == Some(&cfg.node_name))
+        {
+            let reference = node_ref(&node);
+            for (_, reason) in fresh {
+                publish_event(&recorder, &reference, true, "ForwardingDisabled", reason).await;
+            }
+        }
+    }
+}
+
+fn node_ref(node: &Node) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Node".into()),
+        name: node.metadata.name.clone(),
+        uid: node.metadata.uid.clone(),
+        ..Default::default()
+    }
+}
+
+async fn publish_event(
+    recorder: &Recorder,
+    reference: &ObjectReference,
+    warning: bool,
+    reason: &str,
+    note: &str,
+) {
+    let ev = Event {
+        type_: if warning { EventType::Warning } else { EventType::Normal },
+        reason: reason.to_string(),
+        note: Some(note.chars().take(1000).collect()),
+        action: "Reconcile".to_string(),
+        secondary: None,
+    };
+    if let Err(e) = recorder.publish(&ev, reference).await {
+        warn!(error = %e, reason, "cannot record Event");
+    }
+}
+
+/// The leader's work, whenever the caches change (coalesced) and every couple of seconds (node
+/// Leases expire with time, not with an event).
+async fn allocate_loop(
+    client: Client,
+    mut source: KubeSource,
+    cfg: ControllerConfig,
+    leadership: Arc<Leadership>,
+    recorder: Recorder,
+) {
+    let mut last_good = LastGoodServices::default();
+    let mut deduper: Deduper<ServiceKey> = Deduper::default();
+    let mut was_leader = false;
+    loop {
+        tokio::select! {
+            _ = source.changed() => {}
+            _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+        }
+        let leading = leadership.get();
+        if leading && !was_leader {
+            // A new term: re-announce the current state.
+            deduper = Deduper::default();
+        }
+        was_leader = leading;
+        if !leading || !source.complete() {
+            continue;
+        }
+        let mut again = true;
+        while again && leadership.get() {
+            again = round(&client, &source, &cfg, &mut last_good, &mut deduper, &recorder).await;
+            if again {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// One allocation + status round; `true` when a write met a stale resourceVersion.
+async fn round(
+    client: &Client,
+    source: &KubeSource,
+    cfg: &ControllerConfig,
+    last_good: &mut LastGoodServices,
+    deduper: &mut Deduper<ServiceKey>,
+    recorder: &Recorder,
+) -> bool {
+    let snap = source.snapshot();
+    let subst = last_good.apply(&snap.services, &cfg.model);
+    let out = model::build(&subst.services, &snap.slices, &cfg.model);
+    let (_, duplicates) = dupes::settle(&out.services);
+    let stubs = publish::reserved(&snap.services, &out.refused);
+    let all: Vec<model::LbService> = out.services.iter().cloned().chain(stubs).collect();
+    let result = alloc::allocate(&cfg.port_range, &all, &Allocations::new());
+    let valid: std::collections::BTreeSet<&ServiceKey> = out.services.iter().map(|s| &s.key).collect();
+    let allocations: Allocations =
+        result.allocations.into_iter().filter(|(k, _)| valid.contains(k)).collect();
+    let problems: Vec<alloc::AllocProblem> =
+        result.problems.into_iter().filter(|p| valid.contains(p.service())).collect();
+    let refused: Vec<model::Refusal> = out.refused.iter().cloned().chain(subst.masked).collect();
+    let serving = nodes::serving_nodes(&snap.nodes, &snap.leases, Timestamp::now(), &cfg.node_addresses);
+    let round = Round {
+        services: &snap.services,
+        model: &cfg.model,
+        valid: &out.services,
+        refused: &refused,
+        allocations: &allocations,
+        problems: &problems,
+        serving: &serving,
+        now: Timestamp::now(),
+    };
+    let writes = publish::plan_writes(&round);
+    let mut stale = false;
+    for w in &writes {
+        match write(client, w).await {
+            Ok(()) => {}
+            Err(e) if is_conflict(&e) => {
+                debug!(service = %w.key, "Service changed since read (409); retrying on the next round");
+                stale = true;
+            }
+            Err(e) => warn!(service = %w.key, error = %e, "cannot update Service"),
+        }
+    }
+    if !writes.is_empty() {
+        info!(services = writes.len(), "published allocations and status");
+    }
+    let events = publish::service_events(&round, &duplicates);
+    let fresh = deduper.fresh(&events, |e| (e.service.clone(), e.reason, e.message.clone()));
+    for e in fresh {
+        let Some(svc) = snap.services.iter().find(|s| model::service_key(s) == e.service) else { continue };
+        publish_event(recorder, &svc.object_ref(&()), e.warning, e.reason, &e.message).await;
+    }
+    stale
+}
+
+/// Annotation first (merge patch, resourceVersion precondition), then status through the status
+/// subresource with the resourceVersion the first patch returned.
+async fn write(client: &Client, w: &ServiceWrite) -> Result<(), kube::Error> {
+    let api: Api<Service> = Api::namespaced(client.clone(), &w.key.namespace);
+    let params = PatchParams::default();
+    let mut rv = w.resource_version.clone();
+    if let Some(value) = &w.annotation {
+        let patch =
+            json!({"metadata": {"resourceVersion": rv, "annotations": {ANNOTATION_ALLOCATED: value}}});
+        let svc = api.patch(&w.key.name, &params, &Patch::Merge(&patch)).await?;
+        rv = svc.metadata.resource_version;
+        match value {
+            Some(v) => info!(service = %w.key, ports = %v, "allocated node ports"),
+            None => info!(service = %w.key, "released node ports (no longer ours)"),
+        }
+    }
+    if let Some(st) = &w.status {
+        let patch = json!({
+            "metadata": {"resourceVersion": rv},
+            "status": {"loadBalancer": {"ingress": st.ingress}, "conditions": st.conditions}
+        });
+        api.patch_status(&w.key.name, &params, &Patch::Merge(&patch)).await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,212 @@
+//! Duplicate node ports in the allocation annotations (a human edit, two leaders for a moment):
+//! found and settled deterministically. Pure.
+//!
+//! The unit is the node port *number* (as in [`crate::alloc`]): it belongs to one Service for all
+//! protocols, and one Service may use it once per protocol. Of two Services whose
+//! `nodelb.io/allocated-ports` name one number, the **older** keeps it (creationTimestamp, then
+//! namespace/name; a Service without a timestamp counts as the youngest), exactly the order the
+//! allocator uses, so the allocator's next run reallocates the loser and nobody else moves. Until
+//! then every node programs only the keeper (two elements with one key would fail the batch).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::alloc::Allocations;
+use crate::ir::Protocol;
+use crate::model::{LbService, PortId, ServiceKey};
+
+/// One service port that lost its annotated node port to an older claim.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Duplicate {
+    pub node_port: u16,
+    /// The Service that keeps the number.
+    pub keeper: ServiceKey,
+    /// The Service (may be the keeper itself, for a number given twice to one protocol) and
+    /// port that lose it.
+    pub loser: ServiceKey,
+    pub loser_port: PortId,
+}
+
+impl std::fmt::Display for Duplicate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "node port {} is annotated on Service {} and on Service {} (port {}); {} keeps it (older)",
+            self.node_port, self.keeper, self.loser, self.loser_port, self.keeper
+        )
+    }
+}
+
+fn timestamp(s: &LbService) -> Option<k8s_openapi::jiff::Timestamp> {
+    s.created.as_deref().and_then(|c| c.parse().ok())
+}
+
+/// Services oldest first (the allocator's order).
+pub fn age_order(services: &[LbService]) -> Vec<&LbService> {
+    let mut ordered: Vec<&LbService> = services.iter().collect();
+    ordered.sort_by(|a, b| match (timestamp(a), timestamp(b)) {
+        (Some(x), Some(y)) => x.cmp(&y).then_with(|| a.key.cmp(&b.key)),
+        (Some(_), None) => std::cmp::Ordering::Less,
+        (None, Some(_)) => std::cmp::Ordering::Greater,
+        (None, None) => a.key.cmp(&b.key),
+    });
+    ordered
+}
+
+/// The annotated allocations with every duplicate settled, and the duplicates found (sorted).
+pub fn settle(services: &[LbService]) -> (Allocations, Vec<Duplicate>) {
+    let mut owners: BTreeMap<u16, (ServiceKey, BTreeSet<Protocol>)> = BTreeMap::new();
+    let mut kept = Allocations::new();
+    let mut dups = Vec::new();
+    for svc in age_order(services) {
+        for (port, number) in &svc.previous_allocation {
+            match owners.get_mut(number) {
+                None => {
+                    owners.insert(*number, (svc.key.clone(), BTreeSet::from([port.protocol])));
+                }
+                Some((owner, protos)) if *owner == svc.key && !protos.contains(&port.protocol) => {
+                    protos.insert(port.protocol);
+                }
+                Some((owner, _)) => {
+                    dups.push(Duplicate {
+                        node_port: *number,
+                        keeper: owner.clone(),
+                        loser: svc.key.clone(),
+                        loser_port: *port,
+                    });
+                    continue;
+                }
+            }
+            kept.entry(svc.key.clone()).or_default().insert(*port, *number);
+        }
+    }
+    dups.sort();
+    (kept, dups)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::LbPort;
+
+    fn svc(name: &str, age: Option<u32>, ann: &[(PortId, u16)]) -> LbService {
+        let ports =
+            ann.iter().map(|(id, _)| LbPort { id: *id, name: String::new(), endpoints: vec![] }).collect();
+        let mut s = LbService::with_defaults(ServiceKey::new("default", name), ports);
+        s.created = age.map(|a| format!("2024-01-01T00:00:{a:02}Z"));
+        s.previous_allocation = ann.iter().copied().collect();
+        s
+    }
+
+    fn key(n: &str) -> ServiceKey {
+        ServiceKey::new("default", n)
+    }
+
+    #[test]
+    fn table() {
+        let tcp = PortId::tcp;
+        let udp = PortId::udp;
+        struct Case {
+            name: &'static str,
+            services: Vec<LbService>,
+            kept: Vec<(&'static str, Vec<(PortId, u16)>)>,
+            dups: Vec<(u16, &'static str, &'static str, PortId)>,
+        }
+        let cases = vec![
+            Case {
+                name: "no duplicates",
+                services: vec![
+                    svc("a", Some(1), &[(tcp(80), 20001)]),
+                    svc("b", Some(2), &[(tcp(80), 20002)]),
+                ],
+                kept: vec![("a", vec![(tcp(80), 20001)]), ("b", vec![(tcp(80), 20002)])],
+                dups: vec![],
+            },
+            Case {
+                name: "older keeps it, whatever the input order",
+                services: vec![
+                    svc("young", Some(9), &[(tcp(80), 20001)]),
+                    svc("old", Some(1), &[(tcp(80), 20001)]),
+                ],
+                kept: vec![("old", vec![(tcp(80), 20001)])],
+                dups: vec![(20001, "old", "young", tcp(80))],
+            },
+            Case {
+                name: "same age: namespace/name decides",
+                services: vec![
+                    svc("b", Some(1), &[(tcp(80), 20001)]),
+                    svc("a", Some(1), &[(tcp(80), 20001)]),
+                ],
+                kept: vec![("a", vec![(tcp(80), 20001)])],
+                dups: vec![(20001, "a", "b", tcp(80))],
+            },
+            Case {
+                name: "no timestamp counts as youngest",
+                services: vec![svc("a", None, &[(tcp(80), 20001)]), svc("z", Some(5), &[(tcp(80), 20001)])],
+                kept: vec![("z", vec![(tcp(80), 20001)])],
+                dups: vec![(20001, "z", "a", tcp(80))],
+            },
+            Case {
+                name: "a number is a Service's for every protocol",
+                services: vec![
+                    svc("a", Some(1), &[(tcp(53), 20001)]),
+                    svc("b", Some(2), &[(udp(53), 20001)]),
+                ],
+                kept: vec![("a", vec![(tcp(53), 20001)])],
+                dups: vec![(20001, "a", "b", udp(53))],
+            },
+            Case {
+                name: "one Service, one number, two protocols is fine",
+                services: vec![svc("dns", Some(1), &[(tcp(53), 20053), (udp(53), 20053)])],
+                kept: vec![("dns", vec![(tcp(53), 20053), (udp(53), 20053)])],
+                dups: vec![],
+            },
+            Case {
+                name: "one Service, one number twice for one protocol",
+                services: vec![svc("a", Some(1), &[(tcp(80), 20001), (tcp(443), 20001)])],
+                kept: vec![("a", vec![(tcp(80), 20001)])],
+                dups: vec![(20001, "a", "a", tcp(443))],
+            },
+            Case {
+                name: "loser keeps its other ports",
+                services: vec![
+                    svc("a", Some(1), &[(tcp(80), 20001)]),
+                    svc("b", Some(2), &[(tcp(80), 20001), (tcp(443), 20002)]),
+                ],
+                kept: vec![("a", vec![(tcp(80), 20001)]), ("b", vec![(tcp(443), 20002)])],
+                dups: vec![(20001, "a", "b", tcp(80))],
+            },
+        ];
+        for c in cases {
+            let (kept, dups) = settle(&c.services);
+            let want: Allocations =
+                c.kept.into_iter().map(|(n, m)| (key(n), m.into_iter().collect())).collect();
+            assert_eq!(kept, want, "{}", c.name);
+            let want: Vec<Duplicate> = c
+                .dups
+                .into_iter()
+                .map(|(node_port, k, l, p)| Duplicate {
+                    node_port,
+                    keeper: key(k),
+                    loser: key(l),
+                    loser_port: p,
+                })
+                .collect();
+            assert_eq!(dups, want, "{}", c.name);
+        }
+    }
+
+    #[test]
+    fn allocator_reallocates_the_loser_only() {
+        // The leader runs the allocator with the annotations as previous allocations: the keeper
+        // stays, the loser moves, nobody else does.
+        let services = vec![
+            svc("old", Some(1), &[(PortId::tcp(80), 20001)]),
+            svc("young", Some(2), &[(PortId::tcp(80), 20001)]),
+            svc("other", Some(3), &[(PortId::tcp(80), 20000)]),
+        ];
+        let r = crate::alloc::allocate(&crate::alloc::PortRange::default(), &services, &Allocations::new());
+        assert_eq!(r.allocations[&key("old")][&PortId::tcp(80)], 20001);
+        assert_eq!(r.allocations[&key("other")][&PortId::tcp(80)], 20000);
+        assert_eq!(r.allocations[&key("young")][&PortId::tcp(80)], 20002);
+    }
+}

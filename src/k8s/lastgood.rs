@@ -1,0 +1,115 @@
+//! Per-Service "last good" (Kubernetes mode): a Service edited into something invalid (bad
+//! annotation, bad CIDR) keeps serving its last valid spec instead of being half-applied or
+//! dropped; the refusal is still reported (Warning Event, condition). A Service never seen valid
+//! is simply not programmed (fail closed). Same idea as the manifests mode's per-file last good.
+//! Pure.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::Service;
+
+use crate::model::{self, ANNOTATION_ALLOCATED, ModelOptions, Refusal, ServiceKey};
+
+#[derive(Debug, Default)]
+pub struct LastGoodServices {
+    /// Last valid object per key (same uid required to reuse it: a re-created Service is new).
+    good: BTreeMap<ServiceKey, Service>,
+}
+
+/// The Services to use, and the refusals that a last good version is masking.
+#[derive(Debug, Default)]
+pub struct Substituted {
+    pub services: Vec<Service>,
+    pub masked: Vec<Refusal>,
+}
+
+impl LastGoodServices {
+    pub fn apply(&mut self, services: &[Service], opts: &ModelOptions) -> Substituted {
+        let mut out = Substituted::default();
+        let mut seen = BTreeMap::new();
+        for svc in services {
+            let key = model::service_key(svc);
+            if !model::is_ours(svc, opts) {
+                out.services.push(svc.clone());
+                continue;
+            }
+            let check = model::build(std::slice::from_ref(svc), &[], opts);
+            match check.refused.into_iter().next() {
+                None => {
+                    seen.insert(key, svc.clone());
+                    out.services.push(svc.clone());
+                }
+                Some(refusal) => match self.good.get(&key).filter(|g| g.metadata.uid == svc.metadata.uid) {
+                    Some(good) => {
+                        let mut kept = good.clone();
+                        // The allocation is the leader's, not part of the user's spec: current wins.
+                        let current =
+                            svc.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION_ALLOCATED));
+                        let ann = kept.metadata.annotations.get_or_insert_default();
+                        match current {
+                            Some(v) => ann.insert(ANNOTATION_ALLOCATED.to_string(), v.clone()),
+                            None => ann.remove(ANNOTATION_ALLOCATED),
+                        };
+                        kept.metadata.resource_version = svc.metadata.resource_version.clone();
+                        kept.status = svc.status.clone();
+                        seen.insert(key, good.clone());
+                        out.services.push(kept);
+                        out.masked.push(refusal);
+                    }
+                    None => out.services.push(svc.clone()),
+                },
+            }
+        }
+        self.good = seen;
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn svc(uid: &str, ranges: &[&str], allocated: Option<&str>) -> Service {
+        let mut v = json!({
+            "metadata": {"name": "web", "namespace": "default", "uid": uid, "annotations": {}},
+            "spec": {"type": "LoadBalancer", "ports": [{"port": 80}], "loadBalancerSourceRanges": ranges}
+        });
+        if let Some(a) = allocated {
+            v["metadata"]["annotations"][ANNOTATION_ALLOCATED] = json!(a);
+        }
+        serde_json::from_value(v).unwrap()
+    }
+
+    fn ranges(s: &Service) -> Vec<String> {
+        s.spec.as_ref().unwrap().load_balancer_source_ranges.clone().unwrap()
+    }
+
+    #[test]
+    fn table() {
+        let opts = ModelOptions::default();
+        let mut lg = LastGoodServices::default();
+        // Never valid: passed through (the model refuses it: fail closed), nothing masked.
+        let out = lg.apply(&[svc("u1", &["bad"], None)], &opts);
+        assert_eq!((ranges(&out.services[0]), out.masked.len()), (vec!["bad".to_string()], 0));
+        // Valid: remembered.
+        let out = lg.apply(&[svc("u1", &["10.0.0.0/8"], Some("80/TCP=20001"))], &opts);
+        assert!(out.masked.is_empty());
+        // Broken edit: the last good spec is used, with the current allocation; refusal reported.
+        let out = lg.apply(&[svc("u1", &["10.0.0.0/33"], Some("80/TCP=20002"))], &opts);
+        assert_eq!(ranges(&out.services[0]), vec!["10.0.0.0/8"]);
+        assert_eq!(out.masked.len(), 1);
+        assert!(out.masked[0].to_string().contains("10.0.0.0/33"));
+        let ann = out.services[0].metadata.annotations.as_ref().unwrap();
+        assert_eq!(ann[ANNOTATION_ALLOCATED], "80/TCP=20002");
+        // Still broken: still masked (the memory survives rounds).
+        assert_eq!(lg.apply(&[svc("u1", &["10.0.0.0/33"], None)], &opts).masked.len(), 1);
+        // Re-created (new uid) while broken: not the same Service, fail closed.
+        let out = lg.apply(&[svc("u2", &["10.0.0.0/33"], None)], &opts);
+        assert!(out.masked.is_empty());
+        assert_eq!(ranges(&out.services[0]), vec!["10.0.0.0/33"]);
+        // Deleted: forgotten.
+        lg.apply(&[], &opts);
+        assert!(lg.good.is_empty());
+    }
+}

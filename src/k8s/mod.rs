@@ -1,0 +1,15 @@
+//! Kubernetes mode: watch Services, EndpointSlices, Nodes (and our Leases), let one leader
+//! allocate node ports and publish status, and keep a per-node Lease saying what this node serves.
+//!
+//! Pure decisions live in [`dupes`], [`nodes`], [`publish`], [`leader`], [`events`]; the edges
+//! that talk to the API server are [`source`] (reflectors), [`controller`] (leader election, node
+//! Lease, writes, Events). See docs/design.md, "Kubernetes mode".
+
+pub mod controller;
+pub mod dupes;
+pub mod events;
+pub mod lastgood;
+pub mod leader;
+pub mod nodes;
+pub mod publish;
+pub mod source;

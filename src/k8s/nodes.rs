@@ -1,0 +1,265 @@
+//! Which nodes can serve, and at which addresses. Pure.
+//!
+//! **Addresses.** Per node and per family: the node's `ExternalIP` addresses of that family when it
+//! has any, else its `InternalIP` addresses of that family (so a node with a public IPv4 and only
+//! an internal IPv6 publishes both). `--node-addresses CIDR,…` restricts them further. Nodes
+//! labelled `node.kubernetes.io/exclude-from-external-load-balancers` or being deleted are never
+//! listed.
+//!
+//! **Serving.** Every agent keeps a per-node Lease `nodelb-node-<node>` in the agent namespace,
+//! renewed while the agent runs, with the families it currently serves in the annotation
+//! `nodelb.io/families` (`ipv4,ipv6`; empty while it is not ready: caches not synced, last sync
+//! failed, or forwarding off for that family). A node serves a family iff its lease is fresh
+//! (`renewTime + leaseDurationSeconds` is in the future) and lists the family. Freshness compares
+//! wall clocks of two machines, like the node lifecycle controller's use of kubelet Leases: nodes
+//! are expected to run NTP.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+
+use crate::ir::Family;
+
+/// Prefix of the per-node Lease names (`nodelb-node-<node>`).
+pub const NODE_LEASE_PREFIX: &str = "nodelb-node-";
+/// Annotation on a node Lease: the families the agent serves, comma-separated (`ipv4,ipv6`).
+pub const ANNOTATION_FAMILIES: &str = "nodelb.io/families";
+/// Label on node Leases, so the leader can watch only them.
+pub const LABEL_NODE_LEASE: &str = "nodelb.io/node-lease";
+/// Nodes with this label are never listed in a Service's status (the Kubernetes convention).
+pub const LABEL_EXCLUDE_LB: &str = "node.kubernetes.io/exclude-from-external-load-balancers";
+
+pub fn node_lease_name(node: &str) -> String {
+    format!("{NODE_LEASE_PREFIX}{node}")
+}
+
+/// Status addresses of a node (see the module docs), sorted, restricted to `allowed` when not empty.
+pub fn node_addresses(node: &Node, allowed: &[IpNet]) -> Vec<IpAddr> {
+    let addrs = node.status.as_ref().and_then(|s| s.addresses.as_ref());
+    let of = |kind: &str, f: Family| -> Vec<IpAddr> {
+        addrs
+            .into_iter()
+            .flatten()
+            .filter(|a| a.type_ == kind)
+            .filter_map(|a| a.address.trim().parse::<IpAddr>().ok())
+            .filter(|ip| Family::of(ip) == f)
+            .filter(|ip| allowed.is_empty() || allowed.iter().any(|n| n.contains(ip)))
+            .collect()
+    };
+    let mut out = Vec::new();
+    for f in Family::ALL {
+        let external = of("ExternalIP", f);
+        out.extend(if external.is_empty() { of("InternalIP", f) } else { external });
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Families a per-node Lease says its agent serves, `None` when the lease is not fresh at `now`.
+pub fn lease_families(lease: &Lease, now: Timestamp) -> Option<BTreeSet<Family>> {
+    let spec = lease.spec.as_ref()?;
+    let renewed = spec.renew_time.as_ref()?.0;
+    let duration = SignedDuration::from_secs(i64::from(spec.lease_duration_seconds?.max(0)));
+    if renewed + duration <= now {
+        return None;
+    }
+    let value = lease.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION_FAMILIES))?;
+    Some(
+        value
+            .split(',')
+            .filter_map(|f| match f.trim().to_ascii_lowercase().as_str() {
+                "ipv4" => Some(Family::Ipv4),
+                "ipv6" => Some(Family::Ipv6),
+                _ => None,
+            })
+            .collect(),
+    )
+}
+
+/// Formats families for [`ANNOTATION_FAMILIES`].
+pub fn format_families(families: &BTreeSet<Family>) -> String {
+    families.iter().map(|f| f.name()).collect::<Vec<_>>().join(",")
+}
+
+/// A node whose agent serves at least one family, with its status addresses of those families.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServingNode {
+    pub name: String,
+    pub families: BTreeSet<Family>,
+    /// Only addresses of served families.
+    pub addresses: Vec<IpAddr>,
+}
+
+/// The nodes that can serve, by name: existing, not excluded, not being deleted, with a fresh
+/// lease listing at least one family, and with an address of such a family.
+pub fn serving_nodes(
+    nodes: &[Node],
+    leases: &[Lease],
+    now: Timestamp,
+    allowed: &[IpNet],
+) -> BTreeMap<String, ServingNode> {
+    let by_node: BTreeMap<&str, &Lease> = leases
+        .iter()
+        .filter_map(|l| {
+            let name = l.metadata.name.as_deref()?.strip_prefix(NODE_LEASE_PREFIX)?;
+            Some((name, l))
+        })
+        .collect();
+    let mut out = BTreeMap::new();
+    for node in nodes {
+        let Some(name) = node.metadata.name.as_deref() else { continue };
+        if node.metadata.deletion_timestamp.is_some()
+            || node.metadata.labels.as_ref().is_some_and(|l| l.contains_key(LABEL_EXCLUDE_LB))
+        {
+            continue;
+        }
+        let Some(families) = by_node.get(name).and_then(|l| lease_families(l, now)) else { continue };
+        let addresses: Vec<IpAddr> =
+            node_addresses(node, allowed).into_iter().filter(|a| families.contains(&Family::of(a))).collect();
+        if addresses.is_empty() {
+            continue;
+        }
+        out.insert(name.to_string(), ServingNode { name: name.to_string(), families, addresses });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+    use serde_json::json;
+
+    fn node(name: &str, addrs: &[(&str, &str)]) -> Node {
+        let addrs: Vec<_> = addrs.iter().map(|(t, a)| json!({"type": t, "address": a})).collect();
+        serde_json::from_value(json!({"metadata": {"name": name}, "status": {"addresses": addrs}})).unwrap()
+    }
+
+    fn t(s: i64) -> Timestamp {
+        Timestamp::from_second(1_700_000_000 + s).unwrap()
+    }
+
+    fn lease(node: &str, renewed: i64, duration: i32, families: Option<&str>) -> Lease {
+        let mut l: Lease = serde_json::from_value(json!({
+            "metadata": {"name": node_lease_name(node)},
+            "spec": {"holderIdentity": node, "leaseDurationSeconds": duration}
+        }))
+        .unwrap();
+        l.spec.as_mut().unwrap().renew_time = Some(MicroTime(t(renewed)));
+        if let Some(f) = families {
+            l.metadata.annotations = Some([(ANNOTATION_FAMILIES.to_string(), f.to_string())].into());
+        }
+        l
+    }
+
+    fn ips(v: &[&str]) -> Vec<IpAddr> {
+        v.iter().map(|s| s.parse().unwrap()).collect()
+    }
+
+    #[test]
+    fn address_selection() {
+        type Case = (&'static str, Vec<(&'static str, &'static str)>, Vec<&'static str>, Vec<&'static str>);
+        let cases: Vec<Case> = vec![
+            ("internal only", vec![("InternalIP", "10.0.0.1"), ("Hostname", "n1")], vec![], vec!["10.0.0.1"]),
+            (
+                "external wins over internal",
+                vec![("InternalIP", "10.0.0.1"), ("ExternalIP", "203.0.113.1")],
+                vec![],
+                vec!["203.0.113.1"],
+            ),
+            (
+                "per family: external v4, internal v6",
+                vec![("InternalIP", "10.0.0.1"), ("ExternalIP", "203.0.113.1"), ("InternalIP", "fd00::1")],
+                vec![],
+                vec!["203.0.113.1", "fd00::1"],
+            ),
+            (
+                "several externals, sorted and deduplicated",
+                vec![
+                    ("ExternalIP", "203.0.113.2"),
+                    ("ExternalIP", "203.0.113.1"),
+                    ("ExternalIP", "203.0.113.2"),
+                ],
+                vec![],
+                vec!["203.0.113.1", "203.0.113.2"],
+            ),
+            (
+                "garbage skipped",
+                vec![("InternalIP", "nope"), ("InternalIP", " 10.0.0.2 ")],
+                vec![],
+                vec!["10.0.0.2"],
+            ),
+            (
+                "restricted by --node-addresses",
+                vec![("InternalIP", "10.0.0.1"), ("InternalIP", "192.168.1.1")],
+                vec!["192.168.0.0/16"],
+                vec!["192.168.1.1"],
+            ),
+            (
+                "restriction applies before the external/internal choice",
+                vec![("InternalIP", "10.0.0.1"), ("ExternalIP", "203.0.113.1")],
+                vec!["10.0.0.0/8"],
+                vec!["10.0.0.1"],
+            ),
+            ("no status", vec![], vec![], vec![]),
+        ];
+        for (name, addrs, allowed, want) in cases {
+            let allowed: Vec<IpNet> = allowed.iter().map(|s| s.parse().unwrap()).collect();
+            assert_eq!(node_addresses(&node("n", &addrs), &allowed), ips(&want), "{name}");
+        }
+    }
+
+    #[test]
+    fn lease_freshness() {
+        let v4: BTreeSet<Family> = [Family::Ipv4].into();
+        let both: BTreeSet<Family> = Family::ALL.into_iter().collect();
+        let cases: Vec<(&str, Lease, i64, Option<BTreeSet<Family>>)> = vec![
+            ("fresh", lease("n", 0, 15, Some("ipv4")), 10, Some(v4.clone())),
+            ("expired at exactly the deadline", lease("n", 0, 15, Some("ipv4")), 15, None),
+            ("expired", lease("n", 0, 15, Some("ipv4")), 60, None),
+            ("both families", lease("n", 0, 15, Some("ipv4, IPv6")), 1, Some(both)),
+            ("not ready: empty list", lease("n", 0, 15, Some("")), 1, Some(BTreeSet::new())),
+            ("no annotation", lease("n", 0, 15, None), 1, None),
+            ("renewed in the future (skew) is fresh", lease("n", 5, 15, Some("ipv4")), 0, Some(v4)),
+        ];
+        for (name, l, now, want) in cases {
+            assert_eq!(lease_families(&l, t(now)), want, "{name}");
+        }
+        let mut no_spec = lease("n", 0, 15, Some("ipv4"));
+        no_spec.spec = None;
+        assert_eq!(lease_families(&no_spec, t(1)), None);
+    }
+
+    #[test]
+    fn which_nodes_serve() {
+        let nodes = vec![
+            node("a", &[("InternalIP", "10.0.0.1"), ("InternalIP", "fd00::1")]),
+            node("b", &[("InternalIP", "10.0.0.2")]),
+            node("c", &[("InternalIP", "10.0.0.3")]),
+            node("d", &[("InternalIP", "10.0.0.4")]),
+            node("e", &[("InternalIP", "fd00::5")]),
+            {
+                let mut n = node("x", &[("InternalIP", "10.0.0.9")]);
+                n.metadata.labels = Some([(LABEL_EXCLUDE_LB.to_string(), String::new())].into());
+                n
+            },
+        ];
+        let leases = vec![
+            lease("a", 0, 15, Some("ipv4")), // v6 not served: only its v4 address
+            lease("b", 0, 15, Some("ipv4")),
+            lease("c", -30, 15, Some("ipv4")),   // stale
+            lease("d", 0, 15, Some("")),         // not ready
+            lease("e", 0, 15, Some("ipv4")),     // serves v4 but has only a v6 address
+            lease("x", 0, 15, Some("ipv4")),     // excluded
+            lease("ghost", 0, 15, Some("ipv4")), // no Node
+        ];
+        let got = serving_nodes(&nodes, &leases, t(1), &[]);
+        assert_eq!(got.keys().cloned().collect::<Vec<_>>(), vec!["a", "b"]);
+        assert_eq!(got["a"].addresses, ips(&["10.0.0.1"]));
+    }
+}

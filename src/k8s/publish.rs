@@ -1,0 +1,697 @@
+//! What the leader writes on Services: the allocation annotation, `status.loadBalancer.ingress`
+//! and the `nodelb.io/Allocated` condition, and only where something changed. Pure: the edge
+//! turns each [`ServiceWrite`] into patches with a resourceVersion precondition.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::api::core::v1::{LoadBalancerIngress, PortStatus, Service};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+
+use crate::alloc::{AllocProblem, Allocations};
+use crate::ir::Family;
+use crate::model::{
+    self, ANNOTATION_ALLOCATED, LbService, ModelOptions, PortId, Refusal, ServiceKey, TrafficPolicy,
+};
+use crate::plan;
+
+use super::dupes::Duplicate;
+use super::nodes::ServingNode;
+
+/// Condition type on Services we serve (also the marker that the status is ours).
+pub const CONDITION_ALLOCATED: &str = "nodelb.io/Allocated";
+/// `ipMode` of our ingress entries: traffic reaches the node address (kube-proxy must not
+/// short-circuit node-IP:service-port to the ClusterIP).
+pub const IP_MODE_PROXY: &str = "Proxy";
+
+/// The condition we want on a Service (without times).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WantedCondition {
+    pub status: bool,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+/// Allocation state of one Service, from the allocator's result or the model's refusal.
+pub fn condition_for(
+    ports: &BTreeMap<PortId, u16>,
+    problems: &[&AllocProblem],
+    refusal: Option<&Refusal>,
+) -> WantedCondition {
+    if let Some(r) = refusal {
+        return WantedCondition {
+            status: false,
+            reason: "InvalidInput",
+            message: format!("{r}; the Service keeps what it had until this is fixed"),
+        };
+    }
+    let msgs = || problems.iter().map(|p| p.to_string()).collect::<Vec<_>>().join("; ");
+    if problems.iter().any(|p| matches!(p, AllocProblem::Conflict { .. })) {
+        return WantedCondition { status: false, reason: "PortConflict", message: msgs() };
+    }
+    if !problems.is_empty() {
+        return WantedCondition { status: false, reason: "RangeExhausted", message: msgs() };
+    }
+    WantedCondition {
+        status: true,
+        reason: "Allocated",
+        message: format!("node ports {}", model::format_port_map(ports)),
+    }
+}
+
+/// The ingress entries of a Service: every address of every node that serves one of its
+/// families (with `Local` policy: only nodes with a usable local endpoint for that family), one
+/// entry per address, `ipMode: Proxy`, `ports` = the allocated node ports. No allocated port: none.
+pub fn ingress_for(
+    svc: &LbService,
+    node_ports: &BTreeMap<PortId, u16>,
+    serving: &BTreeMap<String, ServingNode>,
+) -> Vec<LoadBalancerIngress> {
+    if node_ports.is_empty() {
+        return vec![];
+    }
+    let mut ports: Vec<(u16, &'static str)> =
+        node_ports.iter().map(|(id, n)| (*n, id.protocol.k8s_name())).collect();
+    ports.sort();
+    ports.dedup();
+    let mut addrs = BTreeSet::new();
+    for node in serving.values() {
+        let families: Vec<Family> = svc
+            .families
+            .iter()
+            .copied()
+            .filter(|f| node.families.contains(f))
+            .filter(|f| {
+                svc.traffic_policy == TrafficPolicy::Cluster
+                    || svc.ports.iter().any(|p| {
+                        node_ports.contains_key(&p.id)
+                            && plan::usable_endpoints(svc, p, *f, &node.name).iter().any(|e| e.ready)
+                    })
+            })
+            .collect();
+        addrs.extend(node.addresses.iter().filter(|a| families.contains(&Family::of(a))).copied());
+    }
+    addrs
+        .into_iter()
+        .map(|ip| LoadBalancerIngress {
+            ip: Some(ip.to_string()),
+            ip_mode: Some(IP_MODE_PROXY.to_string()),
+            ports: Some(
+                ports
+                    .iter()
+                    .map(|(n, proto)| PortStatus {
+                        port: i32::from(*n),
+                        protocol: proto.to_string(),
+                        error: None,
+                    })
+                    .collect(),
+            ),
+            hostname: None,
+        })
+        .collect()
+}
+
+/// A Service's status as we want it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StatusWrite {
+    pub ingress: Vec<LoadBalancerIngress>,
+    /// The full list (other controllers' conditions kept as they are).
+    pub conditions: Vec<Condition>,
+}
+
+/// What to write on one Service. `resource_version` is the precondition of every write.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServiceWrite {
+    pub key: ServiceKey,
+    pub resource_version: Option<String>,
+    /// New value of [`ANNOTATION_ALLOCATED`]: `Some(None)` removes it; `None` leaves it.
+    pub annotation: Option<Option<String>>,
+    pub status: Option<StatusWrite>,
+}
+
+/// Everything the leader decided for one round.
+pub struct Round<'a> {
+    pub services: &'a [Service],
+    pub model: &'a ModelOptions,
+    /// Valid Services we serve (after last-good substitution).
+    pub valid: &'a [LbService],
+    /// Services refused for invalid input (left as they were, condition says why).
+    pub refused: &'a [Refusal],
+    pub allocations: &'a Allocations,
+    pub problems: &'a [AllocProblem],
+    pub serving: &'a BTreeMap<String, ServingNode>,
+    pub now: Timestamp,
+}
+
+/// (ip, ipMode, sorted ports) of one ingress entry, for comparisons.
+type IngressKey = (Option<String>, Option<String>, Vec<(i32, String)>);
+
+fn normalise(ingress: &[LoadBalancerIngress]) -> Vec<IngressKey> {
+    let mut v: Vec<_> = ingress
+        .iter()
+        .map(|i| {
+            let mut ports: Vec<(i32, String)> =
+                i.ports.iter().flatten().map(|p| (p.port, p.protocol.clone())).collect();
+            ports.sort();
+            (i.ip.clone(), i.ip_mode.clone(), ports)
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// `conditions` with ours set to `wanted` (transition time kept when the status did not change);
+/// `None` when nothing changes.
+fn merge_condition(
+    current: &[Condition],
+    wanted: Option<&WantedCondition>,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> Option<Vec<Condition>> {
+    let ours = current.iter().find(|c| c.type_ == CONDITION_ALLOCATED);
+    let mut out: Vec<Condition> =
+        current.iter().filter(|c| c.type_ != CONDITION_ALLOCATED).cloned().collect();
+    match wanted {
+        None => {
+            ours?;
+        }
+        Some(w) => {
+            let status = if w.status { "True" } else { "False" };
+            if let Some(c) = ours
+                && c.status == status
+                && c.reason == w.reason
+                && c.message == w.message
+                && c.observed_generation == generation
+            {
+                return None;
+            }
+            let since = match ours {
+                Some(c) if c.status == status => c.last_transition_time.clone(),
+                _ => Time(now),
+            };
+            out.push(Condition {
+                type_: CONDITION_ALLOCATED.to_string(),
+                status: status.to_string(),
+                reason: w.reason.to_string(),
+                message: w.message.clone(),
+                observed_generation: generation,
+                last_transition_time: since,
+            });
+        }
+    }
+    Some(out)
+}
+
+fn annotation_of(svc: &Service) -> Option<&String> {
+    svc.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION_ALLOCATED))
+}
+
+/// The writes of one round, sorted by Service key. Services we serve get their annotation,
+/// ingress and condition; refused ones only the condition (their annotation and ingress stay);
+/// Services that are no longer ours but carry our marks get them removed.
+pub fn plan_writes(round: &Round<'_>) -> Vec<ServiceWrite> {
+    let valid: BTreeMap<&ServiceKey, &LbService> = round.valid.iter().map(|s| (&s.key, s)).collect();
+    let refused: BTreeMap<&ServiceKey, &Refusal> = round.refused.iter().map(|r| (r.service(), r)).collect();
+    let empty = BTreeMap::new();
+    let mut out = Vec::new();
+    for svc in round.services {
+        let key = model::service_key(svc);
+        let rv = svc.metadata.resource_version.clone();
+        let generation = svc.metadata.generation;
+        let status = svc.status.as_ref();
+        let cur_ingress =
+            status.and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.clone()).unwrap_or_default();
+        let cur_conditions = status.and_then(|s| s.conditions.clone()).unwrap_or_default();
+        let has_our_condition = cur_conditions.iter().any(|c| c.type_ == CONDITION_ALLOCATED);
+        let mut write =
+            ServiceWrite { key: key.clone(), resource_version: rv, annotation: None, status: None };
+        if !model::is_ours(svc, round.model) {
+            if annotation_of(svc).is_some() {
+                write.annotation = Some(None);
+            }
+            if has_our_condition {
+                let conditions =
+                    merge_condition(&cur_conditions, None, generation, round.now).unwrap_or_default();
+                write.status = Some(StatusWrite { ingress: vec![], conditions });
+            }
+        } else if let Some(lb) = valid.get(&key) {
+            let ports = round.allocations.get(&key).unwrap_or(&empty);
+            let value = model::format_port_map(ports);
+            let wanted_annotation = if value.is_empty() { None } else { Some(value) };
+            if annotation_of(svc) != wanted_annotation.as_ref() {
+                write.annotation = Some(wanted_annotation);
+            }
+            let problems: Vec<&AllocProblem> =
+                round.problems.iter().filter(|p| p.service() == &key).collect();
+            // A Service served from its last valid spec still reports why its edit was refused.
+            let wanted = condition_for(ports, &problems, refused.get(&key).copied());
+            let conditions = merge_condition(&cur_conditions, Some(&wanted), generation, round.now);
+            let ingress = ingress_for(lb, ports, round.serving);
+            if conditions.is_some() || normalise(&ingress) != normalise(&cur_ingress) {
+                write.status =
+                    Some(StatusWrite { ingress, conditions: conditions.unwrap_or(cur_conditions) });
+            }
+        } else if let Some(r) = refused.get(&key) {
+            let wanted = condition_for(&empty, &[], Some(r));
+            if let Some(conditions) = merge_condition(&cur_conditions, Some(&wanted), generation, round.now) {
+                write.status = Some(StatusWrite { ingress: cur_ingress, conditions });
+            }
+        }
+        if write.annotation.is_some() || write.status.is_some() {
+            out.push(write);
+        }
+    }
+    out.sort_by(|a, b| a.key.cmp(&b.key));
+    out
+}
+
+/// Stand-ins for refused Services that carry an allocation: they keep holding their numbers
+/// (as explicit requests, so they never get new ones), so fixing the input brings them back on the
+/// same ports and nobody else is handed those ports meanwhile.
+pub fn reserved(services: &[Service], refused: &[Refusal]) -> Vec<LbService> {
+    let refused: BTreeSet<&ServiceKey> = refused.iter().map(|r| r.service()).collect();
+    services
+        .iter()
+        .filter(|s| refused.contains(&model::service_key(s)))
+        .filter_map(|s| {
+            let value = annotation_of(s)?;
+            let map: BTreeMap<PortId, u16> = value
+                .split(',')
+                .filter_map(|item| {
+                    let (id, n) = item.trim().split_once('=')?;
+                    Some((
+                        id.trim().parse::<PortId>().ok()?,
+                        n.trim().parse::<u16>().ok().filter(|n| *n != 0)?,
+                    ))
+                })
+                .collect();
+            if map.is_empty() {
+                return None;
+            }
+            let ports = map
+                .keys()
+                .map(|id| model::LbPort { id: *id, name: String::new(), endpoints: vec![] })
+                .collect();
+            let mut lb = LbService::with_defaults(model::service_key(s), ports);
+            lb.created = s.metadata.creation_timestamp.as_ref().map(|t| t.0.to_string());
+            lb.port_request = model::PortRequest::Explicit(map);
+            Some(lb)
+        })
+        .collect()
+}
+
+/// An Event the leader wants recorded on a Service (deduplicated by [`super::events::Deduper`]).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ServiceEvent {
+    pub service: ServiceKey,
+    pub warning: bool,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+/// The Events describing a round's state; the deduper turns them into "once per change".
+pub fn service_events(round: &Round<'_>, duplicates: &[Duplicate]) -> Vec<ServiceEvent> {
+    let mut out = Vec::new();
+    for svc in round.valid {
+        let ports = round.allocations.get(&svc.key);
+        if let Some(ports) = ports.filter(|p| !p.is_empty()) {
+            out.push(ServiceEvent {
+                service: svc.key.clone(),
+                warning: false,
+                reason: "NodePortsAllocated",
+                message: format!("node ports {}", model::format_port_map(ports)),
+            });
+            if ingress_for(svc, ports, round.serving).is_empty() {
+                let no_node =
+                    !round.serving.values().any(|n| svc.families.iter().any(|f| n.families.contains(f)));
+                if no_node {
+                    let fams: Vec<&str> = svc.families.iter().map(|f| f.name()).collect();
+                    out.push(ServiceEvent {
+                        service: svc.key.clone(),
+                        warning: true,
+                        reason: "NoServingNode",
+                        message: format!(
+                            "no node can serve this Service's families ({}): no agent is ready for them",
+                            fams.join(", ")
+                        ),
+                    });
+                }
+            }
+        }
+    }
+    for p in round.problems {
+        let reason = match p {
+            AllocProblem::Conflict { .. } => "NodePortConflict",
+            AllocProblem::Exhausted { .. } => "NodePortRangeExhausted",
+        };
+        out.push(ServiceEvent {
+            service: p.service().clone(),
+            warning: true,
+            reason,
+            message: p.to_string(),
+        });
+    }
+    for r in round.refused {
+        out.push(ServiceEvent {
+            service: r.service().clone(),
+            warning: true,
+            reason: "InvalidInput",
+            message: r.to_string(),
+        });
+    }
+    for d in duplicates {
+        for svc in [&d.keeper, &d.loser] {
+            out.push(ServiceEvent {
+                service: svc.clone(),
+                warning: true,
+                reason: "DuplicateNodePort",
+                message: format!("{d}; the other is reallocated"),
+            });
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Endpoint, LbPort};
+    use serde_json::json;
+
+    fn t(s: i64) -> Timestamp {
+        Timestamp::from_second(1_700_000_000 + s).unwrap()
+    }
+
+    fn serving(nodes: &[(&str, &[Family], &[&str])]) -> BTreeMap<String, ServingNode> {
+        nodes
+            .iter()
+            .map(|(n, f, a)| {
+                (
+                    n.to_string(),
+                    ServingNode {
+                        name: n.to_string(),
+                        families: f.iter().copied().collect(),
+                        addresses: a.iter().map(|s| s.parse().unwrap()).collect(),
+                    },
+                )
+            })
+            .collect()
+    }
+
+    fn ep(addr: &str, node: &str, ready: bool) -> Endpoint {
+        Endpoint {
+            addr: addr.parse().unwrap(),
+            port: 8080,
+            node_name: Some(node.into()),
+            ready,
+            serving: ready,
+            terminating: false,
+        }
+    }
+
+    fn lb(families: &[Family], policy: TrafficPolicy, endpoints: Vec<Endpoint>) -> LbService {
+        let mut s = LbService::with_defaults(
+            ServiceKey::new("default", "web"),
+            vec![LbPort { id: PortId::tcp(80), name: String::new(), endpoints }],
+        );
+        s.families = families.to_vec();
+        s.traffic_policy = policy;
+        s
+    }
+
+    fn ips(ing: &[LoadBalancerIngress]) -> Vec<String> {
+        ing.iter().map(|i| i.ip.clone().unwrap()).collect()
+    }
+
+    #[test]
+    fn ingress_table() {
+        use Family::{Ipv4 as V4, Ipv6 as V6};
+        let nodes = serving(&[
+            ("a", &[V4, V6], &["10.0.0.1", "fd00::1"]),
+            ("b", &[V4], &["10.0.0.2"]),
+            ("c", &[V6], &["fd00::3"]),
+        ]);
+        let ports = BTreeMap::from([(PortId::tcp(80), 20001)]);
+        let eps =
+            vec![ep("198.51.100.1", "b", true), ep("2001:db8::1", "a", true), ep("198.51.100.2", "a", false)];
+        type Case = (&'static str, LbService, BTreeMap<PortId, u16>, Vec<&'static str>);
+        let cases: Vec<Case> = vec![
+            (
+                "v4 cluster",
+                lb(&[V4], TrafficPolicy::Cluster, vec![]),
+                ports.clone(),
+                vec!["10.0.0.1", "10.0.0.2"],
+            ),
+            (
+                "v6 cluster",
+                lb(&[V6], TrafficPolicy::Cluster, vec![]),
+                ports.clone(),
+                vec!["fd00::1", "fd00::3"],
+            ),
+            (
+                "dual stack",
+                lb(&[V4, V6], TrafficPolicy::Cluster, vec![]),
+                ports.clone(),
+                vec!["10.0.0.1", "10.0.0.2", "fd00::1", "fd00::3"],
+            ),
+            (
+                "local: only nodes with a ready local endpoint of the family",
+                lb(&[V4, V6], TrafficPolicy::Local, eps.clone()),
+                ports.clone(),
+                vec!["10.0.0.2", "fd00::1"],
+            ),
+            ("local without endpoints", lb(&[V4], TrafficPolicy::Local, vec![]), ports.clone(), vec![]),
+            ("no allocation, no ingress", lb(&[V4], TrafficPolicy::Cluster, vec![]), BTreeMap::new(), vec![]),
+        ];
+        for (name, svc, ports, want) in cases {
+            let got = ingress_for(&svc, &ports, &nodes);
+            assert_eq!(ips(&got), want, "{name}");
+            for i in &got {
+                assert_eq!(i.ip_mode.as_deref(), Some("Proxy"), "{name}");
+                assert_eq!(i.ports.as_ref().unwrap()[0].port, 20001, "{name}");
+                assert_eq!(i.ports.as_ref().unwrap()[0].protocol, "TCP", "{name}");
+            }
+        }
+    }
+
+    #[test]
+    fn conditions_table() {
+        let key = ServiceKey::new("default", "web");
+        let ports = BTreeMap::from([(PortId::tcp(80), 20001)]);
+        let conflict = AllocProblem::Conflict {
+            service: key.clone(),
+            port: PortId::tcp(443),
+            wanted: 20001,
+            holder: ServiceKey::new("default", "old"),
+        };
+        let exhausted = AllocProblem::Exhausted {
+            service: key.clone(),
+            port: PortId::tcp(443),
+            range: Default::default(),
+        };
+        let refusal = Refusal::InvalidSourceRange {
+            service: key.clone(),
+            value: "10.0.0.0/33".into(),
+            reason: "bad".into(),
+        };
+        type Case<'a> =
+            (&'static str, Vec<&'a AllocProblem>, Option<&'a Refusal>, bool, &'static str, &'static str);
+        let cases: Vec<Case> = vec![
+            ("allocated", vec![], None, true, "Allocated", "80/TCP=20001"),
+            ("conflict", vec![&conflict], None, false, "PortConflict", "holds"),
+            ("exhausted", vec![&exhausted], None, false, "RangeExhausted", "no free node port"),
+            (
+                "conflict wins over exhausted",
+                vec![&exhausted, &conflict],
+                None,
+                false,
+                "PortConflict",
+                "holds",
+            ),
+            ("invalid input names the value", vec![], Some(&refusal), false, "InvalidInput", "10.0.0.0/33"),
+        ];
+        for (name, problems, refusal, status, reason, msg) in cases {
+            let c = condition_for(&ports, &problems, refusal);
+            assert_eq!((c.status, c.reason), (status, reason), "{name}");
+            assert!(c.message.contains(msg), "{name}: {}", c.message);
+        }
+    }
+
+    fn service(name: &str, f: impl FnOnce(&mut serde_json::Value)) -> Service {
+        let mut v = json!({
+            "metadata": {"name": name, "namespace": "default", "resourceVersion": "7", "generation": 1,
+                         "creationTimestamp": "2024-01-01T00:00:00Z"},
+            "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]},
+            "status": {}
+        });
+        f(&mut v);
+        serde_json::from_value(v).unwrap()
+    }
+
+    struct World {
+        services: Vec<Service>,
+    }
+
+    impl World {
+        fn writes(&self, serving_nodes: &BTreeMap<String, ServingNode>) -> Vec<ServiceWrite> {
+            let opts = ModelOptions::default();
+            let out = model::build(&self.services, &[], &opts);
+            let result = crate::alloc::allocate(&Default::default(), &out.services, &Allocations::new());
+            plan_writes(&Round {
+                services: &self.services,
+                model: &opts,
+                valid: &out.services,
+                refused: &out.refused,
+                allocations: &result.allocations,
+                problems: &result.problems,
+                serving: serving_nodes,
+                now: t(0),
+            })
+        }
+    }
+
+    /// Applies writes the way the API server would (for convergence checks).
+    fn apply(services: &mut [Service], writes: &[ServiceWrite]) {
+        for w in writes {
+            let svc = services.iter_mut().find(|s| model::service_key(s) == w.key).unwrap();
+            if let Some(a) = &w.annotation {
+                let ann = svc.metadata.annotations.get_or_insert_default();
+                match a {
+                    Some(v) => ann.insert(ANNOTATION_ALLOCATED.into(), v.clone()),
+                    None => ann.remove(ANNOTATION_ALLOCATED),
+                };
+            }
+            if let Some(s) = &w.status {
+                let st = svc.status.get_or_insert_default();
+                st.load_balancer.get_or_insert_default().ingress = Some(s.ingress.clone());
+                st.conditions = Some(s.conditions.clone());
+            }
+        }
+    }
+
+    #[test]
+    fn writes_table() {
+        let nodes = serving(&[("a", &[Family::Ipv4], &["10.0.0.1"])]);
+        type Case = (&'static str, Vec<Service>, Vec<(&'static str, Option<Option<&'static str>>, bool)>);
+        let cases: Vec<Case> = vec![
+            (
+                "new Service: annotation + status",
+                vec![service("web", |_| {})],
+                vec![("web", Some(Some("80/TCP=20000")), true)],
+            ),
+            (
+                "annotated already: only status",
+                vec![service("web", |v| {
+                    v["metadata"]["annotations"] = json!({ANNOTATION_ALLOCATED: "80/TCP=20005"})
+                })],
+                vec![("web", None, true)],
+            ),
+            ("not ours, untouched", vec![service("web", |v| v["spec"]["type"] = json!("ClusterIP"))], vec![]),
+            (
+                "opted out: our annotation and condition removed, ingress cleared",
+                vec![service("web", |v| {
+                    v["metadata"]["annotations"] =
+                        json!({ANNOTATION_ALLOCATED: "80/TCP=20005", "nodelb.io/ignore": "true"});
+                    v["status"] = json!({"loadBalancer": {"ingress": [{"ip": "10.0.0.1"}]},
+                        "conditions": [{"type": CONDITION_ALLOCATED, "status": "True", "reason": "Allocated", "message": "", "lastTransitionTime": "2024-01-01T00:00:00Z"}]});
+                })],
+                vec![("web", Some(None), true)],
+            ),
+            (
+                "other class, no marks of ours: untouched",
+                vec![service("web", |v| {
+                    v["spec"]["loadBalancerClass"] = json!("other.io/lb");
+                    v["status"] = json!({"loadBalancer": {"ingress": [{"ip": "192.0.2.1"}]}});
+                })],
+                vec![],
+            ),
+            (
+                "refused: only the condition, annotation kept",
+                vec![service("web", |v| {
+                    v["metadata"]["annotations"] = json!({ANNOTATION_ALLOCATED: "80/TCP=20005"});
+                    v["spec"]["loadBalancerSourceRanges"] = json!(["10.0.0.0/33"]);
+                })],
+                vec![("web", None, true)],
+            ),
+        ];
+        for (name, services, want) in cases {
+            let mut world = World { services };
+            let writes = world.writes(&nodes);
+            let got: Vec<(&str, Option<Option<&str>>, bool)> = writes
+                .iter()
+                .map(|w| {
+                    let name: &str = world
+                        .services
+                        .iter()
+                        .map(|s| s.metadata.name.as_deref().unwrap())
+                        .find(|n| *n == w.key.name)
+                        .unwrap();
+                    (name, w.annotation.as_ref().map(|a| a.as_deref()), w.status.is_some())
+                })
+                .collect();
+            assert_eq!(got, want, "{name}");
+            for w in &writes {
+                assert_eq!(w.resource_version.as_deref(), Some("7"), "{name}: precondition");
+            }
+            // Converges: once applied, nothing more to write.
+            apply(&mut world.services, &writes);
+            assert_eq!(world.writes(&nodes), vec![], "{name}: second round");
+        }
+    }
+
+    #[test]
+    fn transition_time_kept_while_status_unchanged() {
+        let nodes = serving(&[("a", &[Family::Ipv4], &["10.0.0.1"])]);
+        let mut world = World { services: vec![service("web", |_| {})] };
+        let w = world.writes(&nodes);
+        apply(&mut world.services, &w);
+        // A node joins: ingress changes, the condition does not.
+        let nodes2 = serving(&[("a", &[Family::Ipv4], &["10.0.0.1"]), ("b", &[Family::Ipv4], &["10.0.0.2"])]);
+        let w2 = world.writes(&nodes2);
+        assert_eq!(w2.len(), 1);
+        let st = w2[0].status.as_ref().unwrap();
+        assert_eq!(ips(&st.ingress), vec!["10.0.0.1", "10.0.0.2"]);
+        assert_eq!(st.conditions, world.services[0].status.as_ref().unwrap().conditions.clone().unwrap());
+    }
+
+    #[test]
+    fn refused_services_keep_holding_their_ports() {
+        let services = vec![
+            service("broken", |v| {
+                v["metadata"]["annotations"] = json!({ANNOTATION_ALLOCATED: "80/TCP=20000"});
+                v["spec"]["loadBalancerSourceRanges"] = json!(["nope"]);
+            }),
+            service("new", |v| v["metadata"]["creationTimestamp"] = json!("2024-06-01T00:00:00Z")),
+        ];
+        let opts = ModelOptions::default();
+        let out = model::build(&services, &[], &opts);
+        let stubs = reserved(&services, &out.refused);
+        assert_eq!(stubs.len(), 1);
+        let all: Vec<LbService> = out.services.iter().cloned().chain(stubs).collect();
+        let r = crate::alloc::allocate(&Default::default(), &all, &Allocations::new());
+        assert_eq!(r.allocations[&ServiceKey::new("default", "new")][&PortId::tcp(80)], 20001);
+    }
+
+    #[test]
+    fn events_for_a_round() {
+        let services = vec![service("web", |_| {})];
+        let opts = ModelOptions::default();
+        let out = model::build(&services, &[], &opts);
+        let result = crate::alloc::allocate(&Default::default(), &out.services, &Allocations::new());
+        let none = BTreeMap::new();
+        let round = Round {
+            services: &services,
+            model: &opts,
+            valid: &out.services,
+            refused: &out.refused,
+            allocations: &result.allocations,
+            problems: &result.problems,
+            serving: &none,
+            now: t(0),
+        };
+        let reasons: Vec<&str> = service_events(&round, &[]).iter().map(|e| e.reason).collect();
+        assert_eq!(reasons, vec!["NodePortsAllocated", "NoServingNode"]);
+    }
+}

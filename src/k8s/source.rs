@@ -1,0 +1,183 @@
+//! The Kubernetes source of desired state: kube-runtime reflectors over Services and
+//! EndpointSlices (all namespaces), Nodes, and our Leases (agent namespace). Watch errors (API
+//! down, 410 Gone → relist, disconnects) are logged and retried with kube's default backoff, never
+//! fatal; a relist replaces a store atomically on `InitDone`, so the stores always hold a complete
+//! view once each has finished its first list.
+
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client, Resource};
+use tokio::sync::watch;
+use tracing::{debug, info, warn};
+
+use super::nodes::LABEL_NODE_LEASE;
+
+/// Quiet time that ends a burst of changes, and the longest a burst may delay a sync.
+pub const DEBOUNCE_QUIET: Duration = Duration::from_millis(50);
+pub const DEBOUNCE_MAX: Duration = Duration::from_millis(250);
+
+/// Everything the caches hold right now.
+#[derive(Debug, Clone, Default)]
+pub struct KubeSnapshot {
+    pub services: Vec<Service>,
+    pub slices: Vec<EndpointSlice>,
+    pub nodes: Vec<Node>,
+    pub leases: Vec<Lease>,
+}
+
+impl KubeSnapshot {
+    /// Changes whenever an object is added, removed or modified (uid + resourceVersion of every
+    /// object). A relist that brings nothing new keeps it, so nothing is recomputed.
+    pub fn fingerprint(&self) -> u64 {
+        fn keys<K: Resource>(objs: &[K]) -> Vec<(Option<&str>, Option<&str>)> {
+            let mut v: Vec<_> = objs
+                .iter()
+                .map(|o| (o.meta().uid.as_deref(), o.meta().resource_version.as_deref()))
+                .collect();
+            v.sort();
+            v
+        }
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        keys(&self.services).hash(&mut h);
+        keys(&self.slices).hash(&mut h);
+        keys(&self.nodes).hash(&mut h);
+        keys(&self.leases).hash(&mut h);
+        h.finish()
+    }
+}
+
+/// Handle on the running reflectors. Cheap to clone; every clone has its own change cursor.
+#[derive(Clone)]
+pub struct KubeSource {
+    services: Store<Service>,
+    slices: Store<EndpointSlice>,
+    nodes: Store<Node>,
+    leases: Store<Lease>,
+    synced: Arc<[AtomicBool; 4]>,
+    changes: watch::Receiver<u64>,
+}
+
+impl KubeSource {
+    /// Starts the four reflectors on the current Tokio runtime.
+    pub fn start(client: Client, namespace: &str) -> KubeSource {
+        let (tx, changes) = watch::channel(0u64);
+        let tx = Arc::new(tx);
+        let synced: Arc<[AtomicBool; 4]> = Arc::new(Default::default());
+        let services =
+            spawn_reflector(Api::all(client.clone()), watcher::Config::default(), 0, "Service", &synced, &tx);
+        let slices = spawn_reflector(
+            Api::all(client.clone()),
+            watcher::Config::default(),
+            1,
+            "EndpointSlice",
+            &synced,
+            &tx,
+        );
+        let nodes =
+            spawn_reflector(Api::all(client.clone()), watcher::Config::default(), 2, "Node", &synced, &tx);
+        let leases = spawn_reflector(
+            Api::namespaced(client, namespace),
+            watcher::Config::default().labels(LABEL_NODE_LEASE),
+            3,
+            "Lease",
+            &synced,
+            &tx,
+        );
+        KubeSource { services, slices, nodes, leases, synced, changes }
+    }
+
+    /// Every cache has completed its initial list (never program from a partial view).
+    pub fn complete(&self) -> bool {
+        self.synced.iter().all(|s| s.load(Ordering::Acquire))
+    }
+
+    pub fn snapshot(&self) -> KubeSnapshot {
+        fn all<K: Clone + kube::runtime::reflector::Lookup>(s: &Store<K>) -> Vec<K>
+        where
+            K::DynamicType: Eq + std::hash::Hash + Clone,
+        {
+            s.state().iter().map(|o| (**o).clone()).collect()
+        }
+        KubeSnapshot {
+            services: all(&self.services),
+            slices: all(&self.slices),
+            nodes: all(&self.nodes),
+            leases: all(&self.leases),
+        }
+    }
+
+    /// Waits for a change, then for the burst to settle (`DEBOUNCE_QUIET`, at most `DEBOUNCE_MAX`).
+    /// Never returns if the reflectors are gone (they live as long as the runtime).
+    pub async fn changed(&mut self) {
+        if self.changes.changed().await.is_err() {
+            return std::future::pending().await;
+        }
+        let first = Instant::now();
+        loop {
+            let deadline = (Instant::now() + DEBOUNCE_QUIET).min(first + DEBOUNCE_MAX);
+            match tokio::time::timeout_at(deadline.into(), self.changes.changed()).await {
+                Ok(Ok(())) => continue,
+                Ok(Err(_)) | Err(_) => break,
+            }
+        }
+    }
+}
+
+fn spawn_reflector<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    index: usize,
+    kind: &'static str,
+    synced: &Arc<[AtomicBool; 4]>,
+    tx: &Arc<watch::Sender<u64>>,
+) -> Store<K>
+where
+    K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Default + Send + Sync,
+{
+    let (reader, writer) = reflector::store();
+    let stream = reflector::reflector(writer, watcher(api, config).default_backoff());
+    let synced = synced.clone();
+    let tx = tx.clone();
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        let mut failing = false;
+        while let Some(item) = stream.next().await {
+            match item {
+                // A retry starts with `Init` before its list request: only data means recovery.
+                Ok(watcher::Event::Init) => {}
+                Ok(ev) => {
+                    if failing {
+                        info!(kind, "watch recovered");
+                        failing = false;
+                    }
+                    if matches!(ev, watcher::Event::InitDone) && !synced[index].swap(true, Ordering::AcqRel) {
+                        info!(kind, "initial list complete");
+                    }
+                    // InitApply only fills the relist buffer; the store changes on InitDone.
+                    if !matches!(ev, watcher::Event::InitApply(_)) {
+                        tx.send_modify(|n| *n = n.wrapping_add(1));
+                    }
+                }
+                Err(e) => {
+                    if !failing {
+                        warn!(kind, error = %e, "watch failed; retrying with backoff (the caches keep their last view)");
+                        failing = true;
+                    } else {
+                        debug!(kind, error = %e, "watch still failing");
+                    }
+                }
+            }
+        }
+    });
+    reader
+}
