@@ -10,7 +10,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use crate::desired::AllocationMode;
 use crate::k8s::lastgood::LastGoodServices;
 use crate::k8s::source::KubeSource;
-use crate::manifests::{self, DirWatcher, LastGood, ManifestError};
+use crate::manifests::{self, DirWatcher, LastGood, ManifestCache, ManifestError};
 use crate::model::ModelOptions;
 
 /// What the agent programs from.
@@ -25,7 +25,7 @@ pub struct Snapshot {
 }
 
 pub enum Source {
-    Manifests { dir: PathBuf, watcher: DirWatcher, last_good: LastGood },
+    Manifests { dir: PathBuf, watcher: DirWatcher, last_good: LastGood, cache: ManifestCache },
     Kube { source: KubeSource, last_good: LastGoodServices },
 }
 
@@ -33,7 +33,12 @@ impl Source {
     /// Watches DIR (the watch starts before the first read, so no change is lost).
     pub fn manifests(dir: PathBuf) -> Result<Source, ManifestError> {
         let watcher = DirWatcher::new(&dir)?;
-        Ok(Source::Manifests { dir, watcher, last_good: LastGood::default() })
+        Ok(Source::Manifests {
+            dir,
+            watcher,
+            last_good: LastGood::default(),
+            cache: ManifestCache::default(),
+        })
     }
 
     pub fn kube(source: KubeSource) -> Source {
@@ -58,8 +63,9 @@ impl Source {
     /// means it could not be read at all (keep the kernel as it is).
     pub fn snapshot(&mut self, opts: &ModelOptions) -> Result<Option<Snapshot>, ManifestError> {
         match self {
-            Source::Manifests { dir, last_good, .. } => {
-                let loaded = last_good.apply(manifests::load_dir(dir)?);
+            Source::Manifests { dir, last_good, cache, .. } => {
+                // Only files whose stamp changed are parsed again.
+                let loaded = last_good.apply(manifests::load_dir_cached(dir, cache)?);
                 Ok(Some(Snapshot {
                     services: loaded.services,
                     slices: loaded.slices,
