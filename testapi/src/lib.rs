@@ -31,7 +31,8 @@
 //! - PATCH: `application/merge-patch+json` (RFC 7386), `application/json-patch+json` (RFC 6902; a
 //!   failed `test` or a bad path → 422 `Invalid`), `application/strategic-merge-patch+json`,
 //!   `application/apply-patch+yaml` (server-side apply; requires `fieldManager` → 400 otherwise; creates
-//!   the object when it does not exist, 201). Unknown patch type → 415.
+//!   the object when it does not exist, 201; field ownership and conflicts as simplified below).
+//!   Unknown patch type → 415.
 //! - DELETE: Services answer with the deleted object, other types with a `Status` of `Success`
 //!   (`details.name/kind/uid`), like their real registries; `DeleteOptions.preconditions` (uid,
 //!   resourceVersion) → 409; objects with `metadata.finalizers` only get `deletionTimestamp` and go when
@@ -60,9 +61,14 @@
 //!   is stored (only names are validated). No protobuf, no CBOR, no table output, no `deletecollection`.
 //! - Strategic merge patch is applied as a JSON merge patch: lists are replaced, not merged by their patch
 //!   merge key, and `$patch`/`$retainKeys` directives are not understood.
-//! - Server-side apply merges the applied configuration into the object (JSON merge patch semantics);
-//!   there is no field ownership: no conflicts between managers, `force` is accepted and has no effect,
-//!   fields a manager stops applying are not removed, `metadata.managedFields` is not maintained.
+//! - Server-side apply keeps `metadata.managedFields` (FieldsV1, `Apply`/`Update` entries, `subresource:
+//!   status`) with simplified ownership: leaf fields only, lists atomic (no list-map keys), and of
+//!   `metadata` only labels/annotations/finalizers/ownerReferences. Applying a value that differs from
+//!   one another manager owns is 409 `Conflict` ("Apply failed with N conflict(s): conflict with \"m\"
+//!   …") unless `force=true`, which takes the field over; equal values are shared; fields an applier
+//!   stops applying and nobody else owns are removed; other writes (PUT/PATCH) take ownership of what
+//!   they change, under `fieldManager` or the user agent's first `/`-segment. Applied configurations are
+//!   merged in with JSON-merge semantics (no schema-aware list merging).
 //! - core/v1 `events` and `events.k8s.io/v1` `events` are two separate stores (the real server stores one
 //!   resource and converts between the two shapes).
 //! - PUT to a missing object is 404 (no create-on-update). A list `resourceVersion` newer than the
@@ -89,6 +95,7 @@
 
 mod discovery;
 mod error;
+mod fields;
 mod patch;
 pub mod resources;
 mod selector;
@@ -110,7 +117,7 @@ pub use error::ApiError;
 
 use resources::{RESOURCES, find_by_kind};
 use server::{FailRule, Shared};
-use store::{Part, Store, meta_str};
+use store::{Part, Store, Write, meta_str};
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -321,7 +328,7 @@ impl TestApiServer {
         } else {
             String::new()
         };
-        self.shared.store.create(res, &ns, obj, Part::All, false)
+        self.shared.store.create(res, &ns, obj, &Write::new(Part::All, "testapi"))
     }
 
     /// Create or replace `obj` unconditionally, `status` included (a `resourceVersion` in `obj`, if any,
@@ -338,13 +345,13 @@ impl TestApiServer {
             String::new()
         };
         let name = meta_str(&obj, "name").to_string();
-        match self.shared.store.update(res, &ns, &name, obj.clone(), Part::All, false) {
+        match self.shared.store.update(res, &ns, &name, obj.clone(), &Write::new(Part::All, "testapi")) {
             Err(e) if e.code == 404 && e.reason == "NotFound" => {
                 let mut obj = obj;
                 if let Some(m) = obj.get_mut("metadata").and_then(Value::as_object_mut) {
                     m.remove("resourceVersion");
                 }
-                self.shared.store.create(res, &ns, obj, Part::All, false)
+                self.shared.store.create(res, &ns, obj, &Write::new(Part::All, "testapi"))
             }
             r => r,
         }

@@ -45,14 +45,8 @@ pub(crate) fn apply(kind: PatchKind, current: Option<&Value>, body: &[u8]) -> Re
                     "invalid object type: apiVersion and kind must be set in an apply patch",
                 ));
             }
-            match current {
-                None => Ok(PatchOutcome::Create(applied)),
-                Some(cur) => {
-                    let mut out = cur.clone();
-                    json_patch::merge(&mut out, &applied);
-                    Ok(PatchOutcome::Update(out))
-                }
-            }
+            let _ = current;
+            Ok(PatchOutcome::Apply(applied))
         }
         PatchKind::Merge | PatchKind::Strategic => {
             let p: Value = serde_json::from_slice(body).map_err(decode_err)?;

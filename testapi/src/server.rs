@@ -16,10 +16,11 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::task::AbortHandle;
 
 use crate::error::ApiError;
+use crate::fields::Op;
 use crate::patch::{self, PatchKind};
 use crate::resources::{RESOURCES, find};
 use crate::selector::{FieldSelector, LabelSelector};
-use crate::store::{Filter, Part, Store, WatchStart, watch_event};
+use crate::store::{Filter, Part, Store, WatchStart, Write, watch_event};
 use crate::{RequestRecord, lock};
 
 type FailMatcher = Box<dyn Fn(&Method, &str) -> bool + Send + Sync>;
@@ -275,6 +276,16 @@ async fn route(shared: &Arc<Shared>, req: Request<Incoming>) -> Result<Response<
     let ns = t.ns.clone().unwrap_or_default();
     let dry_run = q.get("dryRun").is_some_and(|d| d == "All");
     let part = if t.sub.is_some() { Part::Status } else { Part::Main };
+    // Default field manager: the user agent up to its first '/', as the real server does.
+    let ua = req.headers().get(header::USER_AGENT).and_then(|v| v.to_str().ok()).unwrap_or("unknown");
+    let manager = q
+        .get("fieldManager")
+        .filter(|m| !m.is_empty())
+        .cloned()
+        .unwrap_or_else(|| ua.split('/').next().unwrap_or("unknown").to_string());
+    let mut w = Write::new(part, &manager);
+    w.dry_run = dry_run;
+    w.force = q.get("force").is_some_and(|f| f == "true");
     let method = req.method().clone();
     match (method, &t.name) {
         (Method::GET, Some(name)) => Ok(json_response(200, &store.get(t.res, &ns, name)?)),
@@ -318,12 +329,12 @@ async fn route(shared: &Arc<Shared>, req: Request<Incoming>) -> Result<Response<
         (Method::POST, None) if t.ns.is_some() || !rt.namespaced => {
             let (ct, body) = read_body(req).await?;
             let obj = json_body(ct.as_deref(), &body)?;
-            Ok(json_response(201, &store.create(t.res, &ns, obj, Part::Main, dry_run)?))
+            Ok(json_response(201, &store.create(t.res, &ns, obj, &w)?))
         }
         (Method::PUT, Some(name)) => {
             let (ct, body) = read_body(req).await?;
             let obj = json_body(ct.as_deref(), &body)?;
-            Ok(json_response(200, &store.update(t.res, &ns, name, obj, part, dry_run)?))
+            Ok(json_response(200, &store.update(t.res, &ns, name, obj, &w)?))
         }
         (Method::PATCH, Some(name)) => {
             let (ct, body) = read_body(req).await?;
@@ -336,11 +347,13 @@ async fn route(shared: &Arc<Shared>, req: Request<Incoming>) -> Result<Response<
                     "PATCH, application/apply-patch+yaml requires fieldManager to be set",
                 ));
             }
+            if kind == PatchKind::Apply {
+                w.op = Op::Apply;
+            }
             let mut created = false;
-            let out = store.patch(t.res, &ns, name, part, dry_run, |cur| {
-                let o = patch::apply(kind, cur, &body)?;
-                created = matches!(o, crate::store::PatchOutcome::Create(_));
-                Ok(o)
+            let out = store.patch(t.res, &ns, name, &w, |cur| {
+                created = cur.is_none();
+                patch::apply(kind, cur, &body)
             })?;
             Ok(json_response(if created { 201 } else { 200 }, &out))
         }

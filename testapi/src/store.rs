@@ -10,6 +10,7 @@ use serde_json::{Map, Value, json};
 use tokio::sync::broadcast;
 
 use crate::error::ApiError;
+use crate::fields::{self, Op};
 use crate::resources::{NAMESPACES, RESOURCES, ResourceType};
 use crate::selector::{FieldSelector, LabelSelector};
 
@@ -58,6 +59,22 @@ pub(crate) enum Part {
     Status,
     /// Test setup through the handle: everything is written as given.
     All,
+}
+
+/// How a write is made: which part, by whom, with which operation.
+#[derive(Debug, Clone)]
+pub(crate) struct Write {
+    pub part: Part,
+    pub dry_run: bool,
+    pub manager: String,
+    pub op: Op,
+    pub force: bool,
+}
+
+impl Write {
+    pub fn new(part: Part, manager: &str) -> Self {
+        Write { part, dry_run: false, manager: manager.to_string(), op: Op::Update, force: false }
+    }
 }
 
 /// Filter of a list or watch.
@@ -157,12 +174,11 @@ fn spec_part(obj: &Value) -> Value {
     o
 }
 
-/// The object without resourceVersion / managedFields, to detect no-op writes.
+/// The object without resourceVersion, to detect no-op writes.
 fn content(obj: &Value) -> Value {
     let mut o = obj.clone();
     if let Some(m) = o.get_mut("metadata").and_then(Value::as_object_mut) {
         m.remove("resourceVersion");
-        m.remove("managedFields");
     }
     o
 }
@@ -344,30 +360,15 @@ impl Store {
     }
 
     /// POST.
-    pub fn create(
-        &self,
-        res: usize,
-        ns: &str,
-        obj: Value,
-        part: Part,
-        dry_run: bool,
-    ) -> Result<Value, ApiError> {
-        self.lock().create_locked(&self.tx, res, ns, obj, part, dry_run)
+    pub fn create(&self, res: usize, ns: &str, obj: Value, w: &Write) -> Result<Value, ApiError> {
+        self.lock().create_locked(&self.tx, res, ns, obj, w, None)
     }
     /// PUT (and the second half of every PATCH).
-    pub fn update(
-        &self,
-        res: usize,
-        ns: &str,
-        name: &str,
-        obj: Value,
-        part: Part,
-        dry_run: bool,
-    ) -> Result<Value, ApiError> {
+    pub fn update(&self, res: usize, ns: &str, name: &str, obj: Value, w: &Write) -> Result<Value, ApiError> {
         let mut g = self.lock();
         let key = (res, ns.to_string(), name.to_string());
         let old = g.objects.get(&key).cloned().ok_or_else(|| ApiError::not_found(&RESOURCES[res], name))?;
-        g.update_locked(&self.tx, key, old, obj, part, dry_run)
+        g.update_locked(&self.tx, key, old, obj, w, None)
     }
 
     /// PATCH: `f` computes the new object from the current one under the store lock, so that the
@@ -377,8 +378,7 @@ impl Store {
         res: usize,
         ns: &str,
         name: &str,
-        part: Part,
-        dry_run: bool,
+        w: &Write,
         f: impl FnOnce(Option<&Value>) -> Result<PatchOutcome, ApiError>,
     ) -> Result<Value, ApiError> {
         let rt = &RESOURCES[res];
@@ -386,11 +386,24 @@ impl Store {
         let mut g = self.lock();
         let current = g.objects.get(&key).cloned();
         match (f(current.as_ref())?, current) {
-            (PatchOutcome::Create(mut obj), None) if part != Part::Status => {
-                meta_mut(&mut obj).insert("name".into(), json!(name));
-                g.create_locked(&self.tx, res, ns, obj, part, dry_run)
+            (PatchOutcome::Apply(mut applied), None) if w.part != Part::Status => {
+                meta_mut(&mut applied).insert("name".into(), json!(name));
+                g.create_locked(&self.tx, res, ns, applied.clone(), w, Some(&applied))
             }
-            (PatchOutcome::Update(obj), Some(now)) => g.update_locked(&self.tx, key, now, obj, part, dry_run),
+            (PatchOutcome::Apply(applied), Some(now)) => {
+                let av = rt.api_version();
+                if !w.force {
+                    fields::apply_conflicts(&now, &applied, &w.manager, w.part, rt.status_subresource, &av)?;
+                }
+                let mut merged = now.clone();
+                json_patch::merge(&mut merged, &applied);
+                for p in fields::dropped_by_applier(&now, &applied, &w.manager, w.part, rt.status_subresource)
+                {
+                    fields::remove_path(&mut merged, &p);
+                }
+                g.update_locked(&self.tx, key, now, merged, w, Some(&applied))
+            }
+            (PatchOutcome::Update(obj), Some(now)) => g.update_locked(&self.tx, key, now, obj, w, None),
             _ => Err(ApiError::not_found(rt, name)),
         }
     }
@@ -495,7 +508,9 @@ impl Store {
 }
 
 pub(crate) enum PatchOutcome {
-    Create(Value),
+    /// Server-side apply of this configuration (creates the object when missing).
+    Apply(Value),
+    /// The patched object.
     Update(Value),
 }
 
@@ -543,9 +558,10 @@ impl Inner {
         res: usize,
         ns: &str,
         mut obj: Value,
-        part: Part,
-        dry_run: bool,
+        w: &Write,
+        applied: Option<&Value>,
     ) -> Result<Value, ApiError> {
+        let (part, dry_run) = (w.part, w.dry_run);
         let rt = &RESOURCES[res];
         check_type(rt, &obj)?;
         let g = self;
@@ -617,6 +633,16 @@ impl Inner {
         } else if rt.reset_status_on_create && part != Part::All {
             obj["status"] = json!({});
         }
+        fields::record(
+            None,
+            &mut obj,
+            &w.manager,
+            w.op,
+            applied,
+            Part::All,
+            rt.status_subresource,
+            &rt.api_version(),
+        );
         if dry_run {
             return Ok(obj);
         }
@@ -660,9 +686,10 @@ impl Inner {
         key: Key,
         old: Value,
         new: Value,
-        part: Part,
-        dry_run: bool,
+        w: &Write,
+        applied: Option<&Value>,
     ) -> Result<Value, ApiError> {
+        let (part, dry_run) = (w.part, w.dry_run);
         let rt = &RESOURCES[key.0];
         let name = key.2.clone();
         check_type(rt, &new)?;
@@ -739,6 +766,16 @@ impl Inner {
         }
         m.insert("generation".into(), json!(if spec_changed { generation + 1 } else { generation }));
         m.remove("resourceVersion");
+        fields::record(
+            Some(&old),
+            &mut result,
+            &w.manager,
+            w.op,
+            applied,
+            part,
+            rt.status_subresource,
+            &rt.api_version(),
+        );
         if content(&result) == content(&old) {
             // A no-op write: no new resourceVersion, no watch event (etcd is not written).
             return Ok(old);
