@@ -348,30 +348,30 @@ impl Loader {
         let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         let mut document = 0;
         for (first_line, body) in split_documents(text) {
-            // Padding with the lines before the document makes serde_yaml report file lines.
-            let padded = format!("{}{}", "\n".repeat(first_line), body);
-            let value: Value = match serde_yaml::from_str(&padded) {
+            // Parsed on its own (padding it with the preceding lines would make a large file
+            // quadratic to read); error lines are shifted to file lines.
+            let value: Value = match serde_yaml::from_str(&body) {
                 Ok(Value::Null) => continue, // empty or comments only: not a document
                 Ok(v) => v,
                 Err(e) => {
                     document += 1;
-                    self.problem(file, document, e.location().map(|l| l.line()), e.to_string());
+                    let (line, message) = yaml_error(&e, first_line);
+                    self.problem(file, document, line, message);
                     continue;
                 }
             };
             document += 1;
             let origin = Origin { file, document, prefix: String::new() };
-            let line = |e: &serde_yaml::Error| e.location().map(|l| l.line());
             self.object(
                 &origin,
                 value,
                 Some(&|kind| match kind {
-                    Kind::Service => serde_yaml::from_str::<Service>(&padded)
+                    Kind::Service => serde_yaml::from_str::<Service>(&body)
                         .map(|v| Typed::Service(Box::new(v)))
-                        .map_err(|e| (line(&e), e.to_string())),
-                    Kind::Slice => serde_yaml::from_str::<EndpointSlice>(&padded)
+                        .map_err(|e| yaml_error(&e, first_line)),
+                    Kind::Slice => serde_yaml::from_str::<EndpointSlice>(&body)
                         .map(|v| Typed::Slice(Box::new(v)))
-                        .map_err(|e| (line(&e), e.to_string())),
+                        .map_err(|e| yaml_error(&e, first_line)),
                 }),
             );
         }
@@ -501,6 +501,20 @@ impl Loader {
             return false;
         }
         true
+    }
+}
+
+/// A serde_yaml error of a document that starts after `lines_before` lines of its file, with
+/// its line (and the one in its message) counted in the file.
+fn yaml_error(e: &serde_yaml::Error, lines_before: usize) -> (Option<usize>, String) {
+    let message = e.to_string();
+    match e.location() {
+        Some(l) => {
+            let here = format!("at line {} column {}", l.line(), l.column());
+            let there = format!("at line {} column {}", l.line() + lines_before, l.column());
+            (Some(l.line() + lines_before), message.replace(&here, &there))
+        }
+        None => (None, message),
     }
 }
 
