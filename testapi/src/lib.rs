@@ -87,6 +87,33 @@
 //! [`get`](TestApiServer::get), [`list`](TestApiServer::list), [`delete`](TestApiServer::delete) and
 //! typed variants); and a request log ([`requests`](TestApiServer::requests)).
 //!
+//! ## Use from a test
+//! ```no_run
+//! # async fn t() -> Result<(), Box<dyn std::error::Error>> {
+//! use k8s_openapi::api::core::v1::Service;
+//! use kube::config::{KubeConfigOptions, Kubeconfig};
+//! use nodelb_testapi::TestApiServer;
+//!
+//! let srv = TestApiServer::start("127.0.0.1:0".parse()?)?;
+//! // in-process: a kube::Client from the kubeconfig
+//! let kc = Kubeconfig::from_yaml(&srv.kubeconfig_yaml())?;
+//! let client = kube::Client::try_from(kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?)?;
+//! // agents as processes: KUBECONFIG=<file>
+//! srv.write_kubeconfig(std::path::Path::new("/tmp/kubeconfig"))?;
+//! // setup and assertions without HTTP
+//! srv.create(serde_json::json!({"apiVersion": "v1", "kind": "Service",
+//!     "metadata": {"name": "web", "namespace": "default"}, "spec": {"type": "LoadBalancer"}}))?;
+//! let svc: Option<Service> = srv.get_typed("default", "web");
+//! // faults
+//! srv.fail_next(3, 500);
+//! srv.set_unreachable(true);
+//! srv.set_unreachable(false);
+//! srv.compact();
+//! srv.drop_connections();
+//! assert!(srv.requests().iter().filter(|r| r.is_write()).all(|r| r.field_manager.as_deref() == Some("leader")));
+//! # let _ = (client, svc); Ok(()) }
+//! ```
+//!
 //! ## Network namespaces
 //! The server runs on its own thread with its own tokio runtime, so it works from sync tests and from
 //! any async runtime. [`TestApiServer::start`] binds on the calling thread; to serve inside a network
