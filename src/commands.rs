@@ -74,7 +74,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             if args.kube.lease_duration < Duration::from_secs(3) {
                 bail!("--lease-duration {:?} is too short (at least 3s)", args.kube.lease_duration);
             }
-            let kube = KubeSource::start(client.clone(), &args.kube.namespace);
+            let kube = KubeSource::start(client.clone(), &args.kube.namespace, metrics.clone());
             let ccfg = ControllerConfig {
                 node_name: cfg.node_name.clone(),
                 namespace: args.kube.namespace.clone(),

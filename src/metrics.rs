@@ -116,6 +116,9 @@ pub struct Metrics {
     /// 1 while this agent holds the leader Lease (Kubernetes mode).
     pub leader: IntGauge,
     pub leader_transitions: IntCounter,
+    pub watch_errors: IntCounterVec,
+    pub watch_restarts: IntCounterVec,
+    pub api_errors: IntCounterVec,
     pub counters: SharedCounters,
 }
 
@@ -196,6 +199,27 @@ impl Metrics {
             "nodelb_leader",
             "1 while this agent is the leader (allocates node ports, writes Service status); Kubernetes mode.",
         )?;
+        let watch_errors = IntCounterVec::new(
+            Opts::new(
+                "nodelb_watch_errors_total",
+                "Kubernetes list/watch failures per resource (retried with backoff; caches keep their last view).",
+            ),
+            &["resource"],
+        )?;
+        let watch_restarts = IntCounterVec::new(
+            Opts::new(
+                "nodelb_watch_restarts_total",
+                "Kubernetes watches that recovered after failing, per resource (relist or resumed watch).",
+            ),
+            &["resource"],
+        )?;
+        let api_errors = IntCounterVec::new(
+            Opts::new(
+                "nodelb_api_errors_total",
+                "Failed Kubernetes API writes/reads outside the watches, by operation (lease, node_lease, service, event).",
+            ),
+            &["operation"],
+        )?;
         let leader_transitions = IntCounter::new(
             "nodelb_leader_transitions_total",
             "Times this agent became or stopped being the leader.",
@@ -207,6 +231,13 @@ impl Metrics {
         // Known label values start at 0, so dashboards and alerts see the series before the first event.
         for reason in ["netlink", "manifests", "state_file"] {
             sync_failures.with_label_values(&[reason]).reset();
+        }
+        for resource in ["Service", "EndpointSlice", "Node", "Lease"] {
+            watch_errors.with_label_values(&[resource]).reset();
+            watch_restarts.with_label_values(&[resource]).reset();
+        }
+        for operation in ["lease", "node_lease", "service", "event"] {
+            api_errors.with_label_values(&[operation]).reset();
         }
         for family in ["ipv4", "ipv6"] {
             forwarding.with_label_values(&[family]).set(0);
@@ -235,6 +266,9 @@ impl Metrics {
         registry.register(Box::new(manifest_problems.clone()))?;
         registry.register(Box::new(leader.clone()))?;
         registry.register(Box::new(leader_transitions.clone()))?;
+        registry.register(Box::new(watch_errors.clone()))?;
+        registry.register(Box::new(watch_restarts.clone()))?;
+        registry.register(Box::new(api_errors.clone()))?;
         registry.register(Box::new(build_info))?;
         registry.register(Box::new(prometheus::process_collector::ProcessCollector::for_self()))?;
         let counters: SharedCounters = Arc::default();
@@ -259,6 +293,9 @@ impl Metrics {
             manifest_problems,
             leader,
             leader_transitions,
+            watch_errors,
+            watch_restarts,
+            api_errors,
             counters,
         })
     }

@@ -84,9 +84,16 @@ pub fn spawn(
         client.clone(),
         Reporter { controller: CONTROLLER_NAME.into(), instance: Some(cfg.node_name.clone()) },
     );
-    tokio::spawn(elect(client.clone(), cfg.clone(), leadership.clone(), metrics));
-    tokio::spawn(node_lease(client.clone(), cfg.clone(), status, source.clone(), recorder.clone()));
-    tokio::spawn(allocate_loop(client, source, cfg, leadership.clone(), recorder));
+    tokio::spawn(elect(client.clone(), cfg.clone(), leadership.clone(), metrics.clone()));
+    tokio::spawn(node_lease(
+        client.clone(),
+        cfg.clone(),
+        status,
+        source.clone(),
+        recorder.clone(),
+        metrics.clone(),
+    ));
+    tokio::spawn(allocate_loop(client, source, cfg, leadership.clone(), recorder, metrics));
     leadership
 }
 
@@ -115,7 +122,10 @@ async fn elect(client: Client, cfg: ControllerConfig, leadership: Arc<Leadership
         let now = Instant::now();
         let mut sleep_until = now + retry;
         match api.get_opt(LEADER_LEASE).await {
-            Err(e) => warn!(error = %e, "leader election: cannot read Lease {LEADER_LEASE}; retrying"),
+            Err(e) => {
+                metrics.api_errors.with_label_values(&["lease"]).inc();
+                warn!(error = %e, "leader election: cannot read Lease {LEADER_LEASE}; retrying")
+            }
             Ok(current) => {
                 let obs = leader::observe(observed.as_ref(), current.as_ref().map(record_of), now);
                 let started = Instant::now();
@@ -164,6 +174,7 @@ async fn elect(client: Client, cfg: ControllerConfig, leadership: Arc<Leadership
                         if is_conflict(&e) {
                             debug!("leader election: Lease changed under us (409); re-reading");
                         } else {
+                            metrics.api_errors.with_label_values(&["lease"]).inc();
                             warn!(error = %e, "leader election: write failed; retrying");
                         }
                         sleep_until = Instant::now() + Duration::from_millis(200).min(retry);
@@ -223,6 +234,7 @@ async fn node_lease(
     status: SharedStatus,
     source: KubeSource,
     recorder: Recorder,
+    metrics: Arc<Metrics>,
 ) {
     let api: Api<Lease> = Api::namespaced(client, &cfg.namespace);
     let name = nodes::node_lease_name(&cfg.node_name);
@@ -282,6 +294,7 @@ async fn node_lease(
             if is_conflict(&e) {
                 debug!(lease = %name, "node Lease changed under us (409); next tick");
             } else {
+                metrics.api_errors.with_label_values(&["node_lease"]).inc();
                 warn!(lease = %name, error = %e, "cannot renew node Lease; retrying");
             }
         }
@@ -298,7 +311,7 @@ async fn node_lease(
         {
             let reference = node_ref(&node);
             for (_, reason) in fresh {
-                publish_event(&recorder, &reference, true, "ForwardingDisabled", reason).await;
+                publish_event(&recorder, &metrics, &reference, true, "ForwardingDisabled", reason).await;
             }
         }
     }
@@ -316,6 +329,7 @@ fn node_ref(node: &Node) -> ObjectReference {
 
 async fn publish_event(
     recorder: &Recorder,
+    metrics: &Metrics,
     reference: &ObjectReference,
     warning: bool,
     reason: &str,
@@ -329,6 +343,7 @@ async fn publish_event(
         secondary: None,
     };
     if let Err(e) = recorder.publish(&ev, reference).await {
+        metrics.api_errors.with_label_values(&["event"]).inc();
         warn!(error = %e, reason, "cannot record Event");
     }
 }
@@ -341,6 +356,7 @@ async fn allocate_loop(
     cfg: ControllerConfig,
     leadership: Arc<Leadership>,
     recorder: Recorder,
+    metrics: Arc<Metrics>,
 ) {
     let mut last_good = LastGoodServices::default();
     let mut deduper: Deduper<ServiceKey> = Deduper::default();
@@ -361,7 +377,7 @@ async fn allocate_loop(
         }
         let mut again = true;
         while again && leadership.get() {
-            again = round(&client, &source, &cfg, &mut last_good, &mut deduper, &recorder).await;
+            again = round(&client, &source, &cfg, &mut last_good, &mut deduper, &recorder, &metrics).await;
             if again {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
@@ -377,6 +393,7 @@ async fn round(
     last_good: &mut LastGoodServices,
     deduper: &mut Deduper<ServiceKey>,
     recorder: &Recorder,
+    metrics: &Metrics,
 ) -> bool {
     let snap = source.snapshot();
     let subst = last_good.apply(&snap.services, &cfg.model);
@@ -411,7 +428,10 @@ async fn round(
                 debug!(service = %w.key, "Service changed since read (409); retrying on the next round");
                 stale = true;
             }
-            Err(e) => warn!(service = %w.key, error = %e, "cannot update Service"),
+            Err(e) => {
+                metrics.api_errors.with_label_values(&["service"]).inc();
+                warn!(service = %w.key, error = %e, "cannot update Service")
+            }
         }
     }
     if !writes.is_empty() {
@@ -421,7 +441,7 @@ async fn round(
     let fresh = deduper.fresh(&events, |e| (e.service.clone(), e.reason, e.message.clone()));
     for e in fresh {
         let Some(svc) = snap.services.iter().find(|s| model::service_key(s) == e.service) else { continue };
-        publish_event(recorder, &svc.object_ref(&()), e.warning, e.reason, &e.message).await;
+        publish_event(recorder, metrics, &svc.object_ref(&()), e.warning, e.reason, &e.message).await;
     }
     stale
 }

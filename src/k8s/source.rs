@@ -4,6 +4,7 @@
 //! fatal; a relist replaces a store atomically on `InitDone`, so the stores always hold a complete
 //! view once each has finished its first list.
 
+use crate::metrics::Metrics;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -64,16 +65,27 @@ pub struct KubeSource {
     leases: Store<Lease>,
     synced: Arc<[AtomicBool; 4]>,
     changes: watch::Receiver<u64>,
+    /// First change of a burst not yet reported. Kept here so `changed()` is cancel-safe: the
+    /// agent awaits it in `select!`, and `watch::Receiver::changed` marks a change seen as soon
+    /// as it returns, so a call cancelled during the debounce would otherwise lose it.
+    pending: Option<Instant>,
 }
 
 impl KubeSource {
     /// Starts the four reflectors on the current Tokio runtime.
-    pub fn start(client: Client, namespace: &str) -> KubeSource {
+    pub fn start(client: Client, namespace: &str, metrics: Arc<Metrics>) -> KubeSource {
         let (tx, changes) = watch::channel(0u64);
         let tx = Arc::new(tx);
         let synced: Arc<[AtomicBool; 4]> = Arc::new(Default::default());
-        let services =
-            spawn_reflector(Api::all(client.clone()), watcher::Config::default(), 0, "Service", &synced, &tx);
+        let services = spawn_reflector(
+            Api::all(client.clone()),
+            watcher::Config::default(),
+            0,
+            "Service",
+            &synced,
+            &tx,
+            &metrics,
+        );
         let slices = spawn_reflector(
             Api::all(client.clone()),
             watcher::Config::default(),
@@ -81,9 +93,17 @@ impl KubeSource {
             "EndpointSlice",
             &synced,
             &tx,
+            &metrics,
         );
-        let nodes =
-            spawn_reflector(Api::all(client.clone()), watcher::Config::default(), 2, "Node", &synced, &tx);
+        let nodes = spawn_reflector(
+            Api::all(client.clone()),
+            watcher::Config::default(),
+            2,
+            "Node",
+            &synced,
+            &tx,
+            &metrics,
+        );
         let leases = spawn_reflector(
             Api::namespaced(client, namespace),
             watcher::Config::default().labels(LABEL_NODE_LEASE),
@@ -91,8 +111,9 @@ impl KubeSource {
             "Lease",
             &synced,
             &tx,
+            &metrics,
         );
-        KubeSource { services, slices, nodes, leases, synced, changes }
+        KubeSource { services, slices, nodes, leases, synced, changes, pending: None }
     }
 
     /// Every cache has completed its initial list (never program from a partial view).
@@ -118,10 +139,13 @@ impl KubeSource {
     /// Waits for a change, then for the burst to settle (`DEBOUNCE_QUIET`, at most `DEBOUNCE_MAX`).
     /// Never returns if the reflectors are gone (they live as long as the runtime).
     pub async fn changed(&mut self) {
-        if self.changes.changed().await.is_err() {
-            return std::future::pending().await;
+        if self.pending.is_none() {
+            if self.changes.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+            self.pending = Some(Instant::now());
         }
-        let first = Instant::now();
+        let first = self.pending.unwrap_or_else(Instant::now);
         loop {
             let deadline = (Instant::now() + DEBOUNCE_QUIET).min(first + DEBOUNCE_MAX);
             match tokio::time::timeout_at(deadline.into(), self.changes.changed()).await {
@@ -129,6 +153,7 @@ impl KubeSource {
                 Ok(Err(_)) | Err(_) => break,
             }
         }
+        self.pending = None;
     }
 }
 
@@ -139,6 +164,7 @@ fn spawn_reflector<K>(
     kind: &'static str,
     synced: &Arc<[AtomicBool; 4]>,
     tx: &Arc<watch::Sender<u64>>,
+    metrics: &Arc<Metrics>,
 ) -> Store<K>
 where
     K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
@@ -148,6 +174,8 @@ where
     let stream = reflector::reflector(writer, watcher(api, config).default_backoff());
     let synced = synced.clone();
     let tx = tx.clone();
+    let errors = metrics.watch_errors.with_label_values(&[kind]);
+    let restarts = metrics.watch_restarts.with_label_values(&[kind]);
     tokio::spawn(async move {
         let mut stream = std::pin::pin!(stream);
         let mut failing = false;
@@ -157,6 +185,7 @@ where
                 Ok(watcher::Event::Init) => {}
                 Ok(ev) => {
                     if failing {
+                        restarts.inc();
                         info!(kind, "watch recovered");
                         failing = false;
                     }
@@ -169,6 +198,7 @@ where
                     }
                 }
                 Err(e) => {
+                    errors.inc();
                     if !failing {
                         warn!(kind, error = %e, "watch failed; retrying with backoff (the caches keep their last view)");
                         failing = true;
