@@ -132,16 +132,8 @@ impl Cluster {
             .expect("create node");
         }
 
-        let mut c = Cluster {
-            agents: Vec::new(),
-            api,
-            backends: bs,
-            kubeconfig_dir,
-            client,
-            nodes,
-            api_ns,
-            fabric,
-        };
+        let mut c =
+            Cluster { agents: Vec::new(), api, backends: bs, kubeconfig_dir, client, nodes, api_ns, fabric };
         let mut args = vec!["--namespace", AGENT_NS, "--lease-duration", LEASE_DURATION];
         args.extend_from_slice(extra);
         for i in 0..nodes_n {
@@ -196,7 +188,11 @@ impl Cluster {
             got = self.allocated(name).filter(|a| a.len() == ports);
             got.is_some()
         });
-        assert!(ok, "default/{name} not allocated within {timeout:?}: {:#}", self.service_json(name).unwrap_or_default());
+        assert!(
+            ok,
+            "default/{name} not allocated within {timeout:?}: {:#}",
+            self.service_json(name).unwrap_or_default()
+        );
         got.unwrap()
     }
 
