@@ -391,7 +391,11 @@ async fn round(
     let problems: Vec<alloc::AllocProblem> =
         result.problems.into_iter().filter(|p| valid.contains(p.service())).collect();
     let refused: Vec<model::Refusal> = out.refused.iter().cloned().chain(subst.masked).collect();
-    let serving = nodes::serving_nodes(&snap.nodes, &snap.leases, Timestamp::now(), &cfg.node_addresses);
+    // Lease expiry is judged only from a view known to be current for a lease duration (after an
+    // API outage every Lease looks expired until the agents' renewals arrive).
+    let current = source.leases_current_for().is_some_and(|d| d >= cfg.lease_duration);
+    let now = current.then(Timestamp::now);
+    let serving = nodes::serving_nodes(&snap.nodes, &snap.leases, now, &cfg.node_addresses);
     let round = Round {
         services: &snap.services,
         model: &cfg.model,
