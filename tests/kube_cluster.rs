@@ -71,6 +71,14 @@ fn service_is_served_on_every_node_with_status() {
     assert_eq!(cond["status"], "True", "{cond}");
     let leader = c.wait_leader(CHANGE);
     assert_eq!(c.service_writers(), BTreeSet::from([leader]), "only the leader writes Services");
+    let managers: BTreeSet<Option<String>> = c
+        .api
+        .requests()
+        .into_iter()
+        .filter(|r| r.is_write() && !r.path.contains("/events"))
+        .map(|r| r.field_manager)
+        .collect();
+    assert_eq!(managers, BTreeSet::from([Some("nodelb".to_string())]), "every write names its field manager");
     assert!(!c.events("web", "NodePortsAllocated").is_empty(), "a NodePortsAllocated Event");
 }
 

@@ -41,6 +41,12 @@ use super::source::KubeSource;
 pub const LEADER_LEASE: &str = "nodelb-leader";
 /// `reportingController` of our Events.
 pub const CONTROLLER_NAME: &str = "nodelb.io/nodelb";
+/// `fieldManager` of every write (shows in `managedFields`; `kubectl get --show-managed-fields`).
+pub const FIELD_MANAGER: &str = "nodelb";
+
+fn post_params() -> PostParams {
+    PostParams { field_manager: Some(FIELD_MANAGER.into()), ..Default::default() }
+}
 
 #[derive(Debug, Clone)]
 pub struct ControllerConfig {
@@ -100,6 +106,34 @@ fn record_of(lease: &Lease) -> LeaseRecord {
     }
 }
 
+/// Logs a failing API call once (warn), its repetitions at debug, and the recovery once (info):
+/// an API outage is a handful of lines, not one per retry.
+struct Failing {
+    what: &'static str,
+    since: Option<Instant>,
+}
+
+impl Failing {
+    fn new(what: &'static str) -> Self {
+        Failing { what, since: None }
+    }
+
+    fn failed(&mut self, e: &kube::Error) {
+        if self.since.is_none() {
+            warn!(error = %e, "{}; retrying", self.what);
+            self.since = Some(Instant::now());
+        } else {
+            debug!(error = %e, "{}; still retrying", self.what);
+        }
+    }
+
+    fn ok(&mut self) {
+        if let Some(t) = self.since.take() {
+            info!(after = ?t.elapsed(), "recovered (earlier: {})", self.what);
+        }
+    }
+}
+
 fn is_conflict(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 409)
 }
@@ -111,12 +145,14 @@ async fn elect(client: Client, cfg: ControllerConfig, leadership: Arc<Leadership
     let secs = cfg.lease_duration.as_secs().max(1) as i32;
     let mut observed: Option<Observed> = None;
     let mut last_renew: Option<Instant> = None;
+    let mut failing = Failing::new("leader election: cannot reach the API (Lease nodelb-leader)");
     loop {
         let now = Instant::now();
         let mut sleep_until = now + retry;
         match api.get_opt(LEADER_LEASE).await {
-            Err(e) => warn!(error = %e, "leader election: cannot read Lease {LEADER_LEASE}; retrying"),
+            Err(e) => failing.failed(&e),
             Ok(current) => {
+                failing.ok();
                 let obs = leader::observe(observed.as_ref(), current.as_ref().map(record_of), now);
                 let started = Instant::now();
                 let stamp = Some(MicroTime(Timestamp::now()));
@@ -137,7 +173,7 @@ async fn elect(client: Client, cfg: ControllerConfig, leadership: Arc<Leadership
                                 ..Default::default()
                             }),
                         };
-                        Some(api.create(&PostParams::default(), &lease).await)
+                        Some(api.create(&post_params(), &lease).await)
                     }
                     d @ (Decision::Acquire | Decision::Renew) => {
                         // `current` is Some here; its resourceVersion is the precondition.
@@ -150,7 +186,7 @@ async fn elect(client: Client, cfg: ControllerConfig, leadership: Arc<Leadership
                         }
                         spec.lease_duration_seconds = Some(secs);
                         spec.renew_time = stamp;
-                        Some(api.replace(LEADER_LEASE, &PostParams::default(), &lease).await)
+                        Some(api.replace(LEADER_LEASE, &post_params(), &lease).await)
                     }
                 };
                 observed = Some(match result {
@@ -164,7 +200,7 @@ async fn elect(client: Client, cfg: ControllerConfig, leadership: Arc<Leadership
                         if is_conflict(&e) {
                             debug!("leader election: Lease changed under us (409); re-reading");
                         } else {
-                            warn!(error = %e, "leader election: write failed; retrying");
+                            failing.failed(&e);
                         }
                         sleep_until = Instant::now() + Duration::from_millis(200).min(retry);
                         obs
@@ -229,6 +265,7 @@ async fn node_lease(
     let period = (cfg.lease_duration / 3).max(Duration::from_millis(500));
     let secs = cfg.lease_duration.as_secs().max(1) as i32;
     let mut node_events: Deduper<String> = Deduper::default();
+    let mut failing = Failing::new("cannot renew the node Lease");
     let mut tick = tokio::time::interval(period);
     let mut last_families = None;
     loop {
@@ -257,7 +294,7 @@ async fn node_lease(
                         ..Default::default()
                     }),
                 };
-                api.create(&PostParams::default(), &lease).await.map(|_| ())
+                api.create(&post_params(), &lease).await.map(|_| ())
             }
             Ok(Some(mut lease)) => {
                 lease
@@ -274,16 +311,16 @@ async fn node_lease(
                 spec.holder_identity = Some(cfg.node_name.clone());
                 spec.lease_duration_seconds = Some(secs);
                 spec.renew_time = stamp;
-                api.replace(&name, &PostParams::default(), &lease).await.map(|_| ())
+                api.replace(&name, &post_params(), &lease).await.map(|_| ())
             }
             Err(e) => Err(e),
         };
-        if let Err(e) = result {
-            if is_conflict(&e) {
-                debug!(lease = %name, "node Lease changed under us (409); next tick");
-            } else {
-                warn!(lease = %name, error = %e, "cannot renew node Lease; retrying");
+        match result {
+            Ok(()) => failing.ok(),
+            Err(e) if is_conflict(&e) => {
+                debug!(lease = %name, "node Lease changed under us (409); next tick")
             }
+            Err(e) => failing.failed(&e),
         }
         // Forwarding off: a Warning Event on our Node, once per change.
         let events: Vec<(String, String)> =
@@ -434,7 +471,7 @@ async fn round(
 /// subresource with the resourceVersion the first patch returned.
 async fn write(client: &Client, w: &ServiceWrite) -> Result<(), kube::Error> {
     let api: Api<Service> = Api::namespaced(client.clone(), &w.key.namespace);
-    let params = PatchParams::default();
+    let params = PatchParams { field_manager: Some(FIELD_MANAGER.into()), ..Default::default() };
     let mut rv = w.resource_version.clone();
     if let Some(value) = &w.annotation {
         let patch =
