@@ -279,6 +279,10 @@ fn two_services_asking_for_the_same_port_older_wins() {
     let ok = wait_until(CHANGE, || c.allocated("aa-new").unwrap_or_default().get("80/TCP") != Some(&20080));
     assert!(ok, "duplicate not repaired: {:#}", c.service_json("aa-new").unwrap());
     assert_eq!(c.allocated("zz-old").unwrap()["80/TCP"], 20080, "the older keeps the port");
+    for name in ["zz-old", "aa-new"] {
+        let ok = wait_until(CHANGE, || !c.events(name, "DuplicateNodePort").is_empty());
+        assert!(ok, "no DuplicateNodePort Event for {name}");
+    }
     for i in 0..3 {
         let seen = backends_seen(&c, i, 20080, 10);
         assert_eq!(names(&seen), ["be1"], "node-{}: {seen:?}", i + 1);
@@ -397,4 +401,28 @@ fn api_unreachable_for_30s_traffic_keeps_flowing_and_agents_recover() {
         assert!(a.is_running(), "node-{}: agent exited", i + 1);
         assert_eq!(a.pid(), pids[i], "node-{}: agent restarted", i + 1);
     }
+}
+
+#[test]
+fn a_node_with_forwarding_off_leaves_the_status() {
+    require_root!();
+    let c = Cluster::new(1);
+    c.create(&web("web", &[(0, 0)]));
+    c.wait_allocated("web", 1, CHANGE);
+    c.wait_ingress_nodes("web", &[0, 1, 2], CHANGE);
+    c.nodes[2].sysctl("net.ipv4.ip_forward", "0");
+    let off = Instant::now();
+    // Written to the node Lease at once (not at the next renewal), then the leader's round.
+    c.wait_ingress_nodes("web", &[0, 1], Duration::from_secs(5));
+    eprintln!("node-3 left the status {:?} after forwarding went off", off.elapsed());
+    let ok = wait_until(CHANGE, || {
+        c.api.list("events.k8s.io/v1", "Event", None).iter().any(|e| {
+            e["reason"] == "ForwardingDisabled"
+                && e["regarding"]["kind"] == "Node"
+                && e["regarding"]["name"] == "node-3"
+        })
+    });
+    assert!(ok, "no ForwardingDisabled Event on Node node-3");
+    c.nodes[2].sysctl("net.ipv4.ip_forward", "1");
+    c.wait_ingress_nodes("web", &[0, 1, 2], Duration::from_secs(5));
 }

@@ -41,6 +41,8 @@ use super::source::KubeSource;
 pub const LEADER_LEASE: &str = "nodelb-leader";
 /// `reportingController` of our Events.
 pub const CONTROLLER_NAME: &str = "nodelb.io/nodelb";
+/// How often the node-Lease task checks whether the served families changed.
+const FAMILIES_POLL: Duration = Duration::from_millis(250);
 /// `fieldManager` of every write (shows in `managedFields`; `kubectl get --show-managed-fields`).
 pub const FIELD_MANAGER: &str = "nodelb";
 
@@ -268,8 +270,19 @@ async fn node_lease(
     let mut failing = Failing::new("cannot renew the node Lease");
     let mut tick = tokio::time::interval(period);
     let mut last_families = None;
+    // Families as last written: a change (ready at start, forwarding switched off, sync failing)
+    // is written at once, not at the next renewal, so the leader's status follows within a second.
+    let mut written: Option<String> = None;
     loop {
-        tick.tick().await;
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = tokio::time::sleep(FAMILIES_POLL) => {
+                let (families, _) = served_families(&status);
+                if failing.since.is_some() || written.as_deref() == Some(nodes::format_families(&families).as_str()) {
+                    continue;
+                }
+            }
+        }
         let (families, off) = served_families(&status);
         let value = nodes::format_families(&families);
         if last_families.as_ref() != Some(&value) {
@@ -316,7 +329,10 @@ async fn node_lease(
             Err(e) => Err(e),
         };
         match result {
-            Ok(()) => failing.ok(),
+            Ok(()) => {
+                failing.ok();
+                written = last_families.clone();
+            }
             Err(e) if is_conflict(&e) => {
                 debug!(lease = %name, "node Lease changed under us (409); next tick")
             }
