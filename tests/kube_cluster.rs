@@ -426,3 +426,28 @@ fn a_node_with_forwarding_off_leaves_the_status() {
     c.nodes[2].sysctl("net.ipv4.ip_forward", "1");
     c.wait_ingress_nodes("web", &[0, 1, 2], Duration::from_secs(5));
 }
+
+#[test]
+fn a_leader_shut_down_gracefully_hands_over_at_once() {
+    require_root!();
+    let mut c = Cluster::new(1);
+    c.create(&web("web", &[(0, 0)]));
+    let before = c.wait_allocated("web", 1, CHANGE);
+    let old = c.wait_leader(CHANGE);
+    let term = Instant::now();
+    let status = c.agents[old].terminate(Duration::from_secs(10));
+    assert!(status.is_some_and(|s| s.success()), "SIGTERM: clean exit, got {status:?}");
+    let mut new = None;
+    // Released, not expired: a successor takes it at its next poll (lease/3 = 1 s), well before
+    // the 3 s a SIGKILLed leader costs.
+    let ok = wait_until(Duration::from_secs(3), || {
+        new = c.leader().and_then(|h| (0..3).find(|i| node_name(*i) == h));
+        new.is_some_and(|n| n != old)
+    });
+    assert!(ok, "no successor within 3 s of SIGTERM; holder {:?}", c.leader());
+    eprintln!("leader node-{} → node-{} {:?} after SIGTERM", old + 1, new.unwrap() + 1, term.elapsed());
+    c.create(&web("after", &[(0, 0)]));
+    c.wait_allocated("after", 1, CHANGE);
+    assert_eq!(c.allocated("web").unwrap(), before);
+    assert_only_leaders_wrote(&c, &[old, new.unwrap()]);
+}

@@ -78,24 +78,44 @@ impl Leadership {
     }
 }
 
-/// Starts the three tasks. They run for the life of the runtime and never fail: every error is
-/// logged and retried.
+/// The running tasks: leadership state, and a way to stop leading cleanly.
+pub struct Controller {
+    pub leadership: Arc<Leadership>,
+    stop: tokio::sync::watch::Sender<bool>,
+    elect: tokio::task::JoinHandle<()>,
+}
+
+impl Controller {
+    /// Graceful shutdown: stop allocating and, when leading, release Lease `nodelb-leader` (holder
+    /// cleared) so a successor takes over at its next poll (`lease/3`) instead of after a whole
+    /// lease duration. Bounded: gives up after 3 s (the Lease then simply expires).
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        if tokio::time::timeout(Duration::from_secs(3), self.elect).await.is_err() {
+            warn!("leader election did not stop within 3 s; the Lease will expire instead");
+        }
+    }
+}
+
+/// Starts the three tasks. They run for the life of the runtime (leader election until
+/// [`Controller::shutdown`]) and never fail: every error is logged and retried.
 pub fn spawn(
     client: Client,
     source: KubeSource,
     cfg: ControllerConfig,
     status: SharedStatus,
     metrics: Arc<Metrics>,
-) -> Arc<Leadership> {
+) -> Controller {
     let leadership = Arc::new(Leadership::default());
     let recorder = Recorder::new(
         client.clone(),
         Reporter { controller: CONTROLLER_NAME.into(), instance: Some(cfg.node_name.clone()) },
     );
-    tokio::spawn(elect(client.clone(), cfg.clone(), leadership.clone(), metrics));
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let elect = tokio::spawn(elect(client.clone(), cfg.clone(), leadership.clone(), metrics, stopped));
     tokio::spawn(node_lease(client.clone(), cfg.clone(), status, source.clone(), recorder.clone()));
     tokio::spawn(allocate_loop(client, source, cfg, leadership.clone(), recorder));
-    leadership
+    Controller { leadership, stop, elect }
 }
 
 fn record_of(lease: &Lease) -> LeaseRecord {
@@ -140,7 +160,13 @@ fn is_conflict(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 409)
 }
 
-async fn elect(client: Client, cfg: ControllerConfig, leadership: Arc<Leadership>, metrics: Arc<Metrics>) {
+async fn elect(
+    client: Client,
+    cfg: ControllerConfig,
+    leadership: Arc<Leadership>,
+    metrics: Arc<Metrics>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
     let api: Api<Lease> = Api::namespaced(client, &cfg.namespace);
     let me = cfg.node_name.clone();
     let retry = (cfg.lease_duration / 3).max(Duration::from_millis(500));
@@ -149,6 +175,17 @@ async fn elect(client: Client, cfg: ControllerConfig, leadership: Arc<Leadership
     let mut last_renew: Option<Instant> = None;
     let mut failing = Failing::new("leader election: cannot reach the API (Lease nodelb-leader)");
     loop {
+        if *stop.borrow() {
+            if leadership.get() {
+                leadership.0.store(false, Ordering::Release);
+                metrics.leader.set(0);
+                metrics.leader_transitions.inc();
+            }
+            if last_renew.is_some() && observed.as_ref().is_some_and(|o| held_by(o, &me)) {
+                release(&api, &me).await;
+            }
+            return;
+        }
         let now = Instant::now();
         let mut sleep_until = now + retry;
         match api.get_opt(LEADER_LEASE).await {
@@ -230,7 +267,38 @@ async fn elect(client: Client, cfg: ControllerConfig, leadership: Arc<Leadership
         let wake = deadline
             .map_or(sleep_until, |d| d.min(sleep_until))
             .max(Instant::now() + Duration::from_millis(50));
-        tokio::time::sleep_until(wake.into()).await;
+        tokio::select! {
+            _ = tokio::time::sleep_until(wake.into()) => {}
+            _ = stop.changed() => {}
+        }
+    }
+}
+
+fn held_by(o: &Observed, me: &str) -> bool {
+    o.record.as_ref().and_then(|r| r.holder.as_deref()) == Some(me)
+}
+
+/// Clears the holder of the leader Lease if it is still ours (resourceVersion precondition: never
+/// releases a Lease someone else took meanwhile), like client-go's `ReleaseOnCancel`.
+async fn release(api: &Api<Lease>, me: &str) {
+    let result = async {
+        let Some(mut lease) = api.get_opt(LEADER_LEASE).await? else { return Ok(false) };
+        let spec = lease.spec.get_or_insert_default();
+        if spec.holder_identity.as_deref() != Some(me) {
+            return Ok(false);
+        }
+        let now = Some(MicroTime(Timestamp::now()));
+        spec.holder_identity = None;
+        spec.lease_duration_seconds = Some(1);
+        spec.renew_time = now.clone();
+        spec.acquire_time = now;
+        api.replace(LEADER_LEASE, &post_params(), &lease).await.map(|_| true)
+    }
+    .await;
+    match result {
+        Ok(true) => info!(lease = LEADER_LEASE, "released the leader Lease (shutting down)"),
+        Ok(false) => {}
+        Err(e) => warn!(error = %e, "could not release the leader Lease; it will expire instead"),
     }
 }
 
