@@ -67,8 +67,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             error!(error = %e, "HTTP server failed");
         }
     });
-    let source = match &args.common.manifests {
-        Some(dir) => Source::manifests(dir.clone())?,
+    let (source, controller) = match &args.common.manifests {
+        Some(dir) => (Source::manifests(dir.clone())?, None),
         None => {
             let client = kube_client(&args.kube).await?;
             if args.kube.lease_duration < Duration::from_secs(3) {
@@ -84,11 +84,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 model: cfg.model.clone(),
             };
             info!(namespace = %ccfg.namespace, node = %ccfg.node_name, "Kubernetes mode");
-            controller::spawn(client, kube.clone(), ccfg, status.clone(), metrics.clone());
-            Source::kube(kube)
+            let controller = controller::spawn(client, kube.clone(), ccfg, status.clone(), metrics.clone());
+            (Source::kube(kube), Some(controller))
         }
     };
     agent::run(cfg, source, status, metrics, shutdown_signal()).await?;
+    if let Some(controller) = controller {
+        controller.shutdown().await;
+    }
     Ok(())
 }
 

@@ -41,6 +41,14 @@ use super::source::KubeSource;
 pub const LEADER_LEASE: &str = "nodelb-leader";
 /// `reportingController` of our Events.
 pub const CONTROLLER_NAME: &str = "nodelb.io/nodelb";
+/// How often the node-Lease task checks whether the served families changed.
+const FAMILIES_POLL: Duration = Duration::from_millis(250);
+/// `fieldManager` of every write (shows in `managedFields`; `kubectl get --show-managed-fields`).
+pub const FIELD_MANAGER: &str = "nodelb";
+
+fn post_params() -> PostParams {
+    PostParams { field_manager: Some(FIELD_MANAGER.into()), ..Default::default() }
+}
 
 #[derive(Debug, Clone)]
 pub struct ControllerConfig {
@@ -70,21 +78,42 @@ impl Leadership {
     }
 }
 
-/// Starts the three tasks. They run for the life of the runtime and never fail: every error is
-/// logged and retried.
+/// The running tasks: leadership state, and a way to stop leading cleanly.
+pub struct Controller {
+    pub leadership: Arc<Leadership>,
+    stop: tokio::sync::watch::Sender<bool>,
+    elect: tokio::task::JoinHandle<()>,
+}
+
+impl Controller {
+    /// Graceful shutdown: stop allocating and, when leading, release Lease `nodelb-leader` (holder
+    /// cleared) so a successor takes over at its next poll (`lease/3`) instead of after a whole
+    /// lease duration. Bounded: gives up after 3 s (the Lease then simply expires).
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        if tokio::time::timeout(Duration::from_secs(3), self.elect).await.is_err() {
+            warn!("leader election did not stop within 3 s; the Lease will expire instead");
+        }
+    }
+}
+
+/// Starts the three tasks. They run for the life of the runtime (leader election until
+/// [`Controller::shutdown`]) and never fail: every error is logged and retried.
 pub fn spawn(
     client: Client,
     source: KubeSource,
     cfg: ControllerConfig,
     status: SharedStatus,
     metrics: Arc<Metrics>,
-) -> Arc<Leadership> {
+) -> Controller {
     let leadership = Arc::new(Leadership::default());
     let recorder = Recorder::new(
         client.clone(),
         Reporter { controller: CONTROLLER_NAME.into(), instance: Some(cfg.node_name.clone()) },
     );
-    tokio::spawn(elect(client.clone(), cfg.clone(), leadership.clone(), metrics.clone()));
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let elect =
+        tokio::spawn(elect(client.clone(), cfg.clone(), leadership.clone(), metrics.clone(), stopped));
     tokio::spawn(node_lease(
         client.clone(),
         cfg.clone(),
@@ -94,7 +123,7 @@ pub fn spawn(
         metrics.clone(),
     ));
     tokio::spawn(allocate_loop(client, source, cfg, leadership.clone(), recorder, metrics));
-    leadership
+    Controller { leadership, stop, elect }
 }
 
 fn record_of(lease: &Lease) -> LeaseRecord {
@@ -107,26 +136,76 @@ fn record_of(lease: &Lease) -> LeaseRecord {
     }
 }
 
+/// Logs a failing API call once (warn), its repetitions at debug, and the recovery once (info):
+/// an API outage is a handful of lines, not one per retry.
+struct Failing {
+    what: &'static str,
+    since: Option<Instant>,
+    /// `nodelb_api_errors_total{operation=…}`: every failure counts, not only the logged one.
+    errors: prometheus::IntCounter,
+}
+
+impl Failing {
+    fn new(what: &'static str, errors: prometheus::IntCounter) -> Self {
+        Failing { what, since: None, errors }
+    }
+
+    fn failed(&mut self, e: &kube::Error) {
+        self.errors.inc();
+        if self.since.is_none() {
+            warn!(error = %e, "{}; retrying", self.what);
+            self.since = Some(Instant::now());
+        } else {
+            debug!(error = %e, "{}; still retrying", self.what);
+        }
+    }
+
+    fn ok(&mut self) {
+        if let Some(t) = self.since.take() {
+            info!(after = ?t.elapsed(), "recovered (earlier: {})", self.what);
+        }
+    }
+}
+
 fn is_conflict(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 409)
 }
 
-async fn elect(client: Client, cfg: ControllerConfig, leadership: Arc<Leadership>, metrics: Arc<Metrics>) {
+async fn elect(
+    client: Client,
+    cfg: ControllerConfig,
+    leadership: Arc<Leadership>,
+    metrics: Arc<Metrics>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
     let api: Api<Lease> = Api::namespaced(client, &cfg.namespace);
     let me = cfg.node_name.clone();
     let retry = (cfg.lease_duration / 3).max(Duration::from_millis(500));
     let secs = cfg.lease_duration.as_secs().max(1) as i32;
     let mut observed: Option<Observed> = None;
     let mut last_renew: Option<Instant> = None;
+    let mut failing = Failing::new(
+        "leader election: cannot reach the API (Lease nodelb-leader)",
+        metrics.api_errors.with_label_values(&["lease"]),
+    );
     loop {
+        if *stop.borrow() {
+            if leadership.get() {
+                leadership.0.store(false, Ordering::Release);
+                metrics.leader.set(0);
+                metrics.leader_transitions.inc();
+            }
+            if last_renew.is_some() && observed.as_ref().is_some_and(|o| held_by(o, &me)) {
+                release(&api, &me).await;
+            }
+            return;
+        }
         let now = Instant::now();
         let mut sleep_until = now + retry;
         match api.get_opt(LEADER_LEASE).await {
-            Err(e) => {
-                metrics.api_errors.with_label_values(&["lease"]).inc();
-                warn!(error = %e, "leader election: cannot read Lease {LEADER_LEASE}; retrying")
-            }
+            Err(e) => failing.failed(&e),
             Ok(current) => {
+                failing.ok();
                 let obs = leader::observe(observed.as_ref(), current.as_ref().map(record_of), now);
                 let started = Instant::now();
                 let stamp = Some(MicroTime(Timestamp::now()));
@@ -147,7 +226,7 @@ async fn elect(client: Client, cfg: ControllerConfig, leadership: Arc<Leadership
                                 ..Default::default()
                             }),
                         };
-                        Some(api.create(&PostParams::default(), &lease).await)
+                        Some(api.create(&post_params(), &lease).await)
                     }
                     d @ (Decision::Acquire | Decision::Renew) => {
                         // `current` is Some here; its resourceVersion is the precondition.
@@ -160,7 +239,7 @@ async fn elect(client: Client, cfg: ControllerConfig, leadership: Arc<Leadership
                         }
                         spec.lease_duration_seconds = Some(secs);
                         spec.renew_time = stamp;
-                        Some(api.replace(LEADER_LEASE, &PostParams::default(), &lease).await)
+                        Some(api.replace(LEADER_LEASE, &post_params(), &lease).await)
                     }
                 };
                 observed = Some(match result {
@@ -174,8 +253,7 @@ async fn elect(client: Client, cfg: ControllerConfig, leadership: Arc<Leadership
                         if is_conflict(&e) {
                             debug!("leader election: Lease changed under us (409); re-reading");
                         } else {
-                            metrics.api_errors.with_label_values(&["lease"]).inc();
-                            warn!(error = %e, "leader election: write failed; retrying");
+                            failing.failed(&e);
                         }
                         sleep_until = Instant::now() + Duration::from_millis(200).min(retry);
                         obs
@@ -203,7 +281,38 @@ async fn elect(client: Client, cfg: ControllerConfig, leadership: Arc<Leadership
         let wake = deadline
             .map_or(sleep_until, |d| d.min(sleep_until))
             .max(Instant::now() + Duration::from_millis(50));
-        tokio::time::sleep_until(wake.into()).await;
+        tokio::select! {
+            _ = tokio::time::sleep_until(wake.into()) => {}
+            _ = stop.changed() => {}
+        }
+    }
+}
+
+fn held_by(o: &Observed, me: &str) -> bool {
+    o.record.as_ref().and_then(|r| r.holder.as_deref()) == Some(me)
+}
+
+/// Clears the holder of the leader Lease if it is still ours (resourceVersion precondition: never
+/// releases a Lease someone else took meanwhile), like client-go's `ReleaseOnCancel`.
+async fn release(api: &Api<Lease>, me: &str) {
+    let result = async {
+        let Some(mut lease) = api.get_opt(LEADER_LEASE).await? else { return Ok(false) };
+        let spec = lease.spec.get_or_insert_default();
+        if spec.holder_identity.as_deref() != Some(me) {
+            return Ok(false);
+        }
+        let now = Some(MicroTime(Timestamp::now()));
+        spec.holder_identity = None;
+        spec.lease_duration_seconds = Some(1);
+        spec.renew_time = now.clone();
+        spec.acquire_time = now;
+        api.replace(LEADER_LEASE, &post_params(), &lease).await.map(|_| true)
+    }
+    .await;
+    match result {
+        Ok(true) => info!(lease = LEADER_LEASE, "released the leader Lease (shutting down)"),
+        Ok(false) => {}
+        Err(e) => warn!(error = %e, "could not release the leader Lease; it will expire instead"),
     }
 }
 
@@ -241,10 +350,23 @@ async fn node_lease(
     let period = (cfg.lease_duration / 3).max(Duration::from_millis(500));
     let secs = cfg.lease_duration.as_secs().max(1) as i32;
     let mut node_events: Deduper<String> = Deduper::default();
+    let mut failing =
+        Failing::new("cannot renew the node Lease", metrics.api_errors.with_label_values(&["node_lease"]));
     let mut tick = tokio::time::interval(period);
     let mut last_families = None;
+    // Families as last written: a change (ready at start, forwarding switched off, sync failing)
+    // is written at once, not at the next renewal, so the leader's status follows within a second.
+    let mut written: Option<String> = None;
     loop {
-        tick.tick().await;
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = tokio::time::sleep(FAMILIES_POLL) => {
+                let (families, _) = served_families(&status);
+                if failing.since.is_some() || written.as_deref() == Some(nodes::format_families(&families).as_str()) {
+                    continue;
+                }
+            }
+        }
         let (families, off) = served_families(&status);
         let value = nodes::format_families(&families);
         if last_families.as_ref() != Some(&value) {
@@ -269,7 +391,7 @@ async fn node_lease(
                         ..Default::default()
                     }),
                 };
-                api.create(&PostParams::default(), &lease).await.map(|_| ())
+                api.create(&post_params(), &lease).await.map(|_| ())
             }
             Ok(Some(mut lease)) => {
                 lease
@@ -286,17 +408,19 @@ async fn node_lease(
                 spec.holder_identity = Some(cfg.node_name.clone());
                 spec.lease_duration_seconds = Some(secs);
                 spec.renew_time = stamp;
-                api.replace(&name, &PostParams::default(), &lease).await.map(|_| ())
+                api.replace(&name, &post_params(), &lease).await.map(|_| ())
             }
             Err(e) => Err(e),
         };
-        if let Err(e) = result {
-            if is_conflict(&e) {
-                debug!(lease = %name, "node Lease changed under us (409); next tick");
-            } else {
-                metrics.api_errors.with_label_values(&["node_lease"]).inc();
-                warn!(lease = %name, error = %e, "cannot renew node Lease; retrying");
+        match result {
+            Ok(()) => {
+                failing.ok();
+                written = last_families.clone();
             }
+            Err(e) if is_conflict(&e) => {
+                debug!(lease = %name, "node Lease changed under us (409); next tick")
+            }
+            Err(e) => failing.failed(&e),
         }
         // Forwarding off: a Warning Event on our Node, once per change.
         let events: Vec<(String, String)> =
@@ -408,7 +532,11 @@ async fn round(
     let problems: Vec<alloc::AllocProblem> =
         result.problems.into_iter().filter(|p| valid.contains(p.service())).collect();
     let refused: Vec<model::Refusal> = out.refused.iter().cloned().chain(subst.masked).collect();
-    let serving = nodes::serving_nodes(&snap.nodes, &snap.leases, Timestamp::now(), &cfg.node_addresses);
+    // Lease expiry is judged only from a view known to be current for a lease duration (after an
+    // API outage every Lease looks expired until the agents' renewals arrive).
+    let current = source.leases_current_for().is_some_and(|d| d >= cfg.lease_duration);
+    let now = current.then(Timestamp::now);
+    let serving = nodes::serving_nodes(&snap.nodes, &snap.leases, now, &cfg.node_addresses);
     let round = Round {
         services: &snap.services,
         model: &cfg.model,
@@ -450,7 +578,7 @@ async fn round(
 /// subresource with the resourceVersion the first patch returned.
 async fn write(client: &Client, w: &ServiceWrite) -> Result<(), kube::Error> {
     let api: Api<Service> = Api::namespaced(client.clone(), &w.key.namespace);
-    let params = PatchParams::default();
+    let params = PatchParams { field_manager: Some(FIELD_MANAGER.into()), ..Default::default() };
     let mut rv = w.resource_version.clone();
     if let Some(value) = &w.annotation {
         let patch =

@@ -61,11 +61,16 @@ pub fn node_addresses(node: &Node, allowed: &[IpNet]) -> Vec<IpAddr> {
 }
 
 /// Families a per-node Lease says its agent serves, `None` when the lease is not fresh at `now`.
-pub fn lease_families(lease: &Lease, now: Timestamp) -> Option<BTreeSet<Family>> {
+/// `now: None` judges no expiry (the families last reported count): for a view of the Leases
+/// that may be behind, e.g. just after the API came back from an outage, during which no agent
+/// could renew (see [`serving_nodes`]).
+pub fn lease_families(lease: &Lease, now: Option<Timestamp>) -> Option<BTreeSet<Family>> {
     let spec = lease.spec.as_ref()?;
     let renewed = spec.renew_time.as_ref()?.0;
     let duration = SignedDuration::from_secs(i64::from(spec.lease_duration_seconds?.max(0)));
-    if renewed + duration <= now {
+    if let Some(now) = now
+        && renewed + duration <= now
+    {
         return None;
     }
     let value = lease.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION_FAMILIES))?;
@@ -97,10 +102,16 @@ pub struct ServingNode {
 
 /// The nodes that can serve, by name: existing, not excluded, not being deleted, with a fresh
 /// lease listing at least one family, and with an address of such a family.
+///
+/// `now: None` when the caller cannot trust its view of the Leases to be current (its watch failed,
+/// or recovered less than a lease duration ago): every agent was probably cut off too, and their
+/// renewals may not have arrived yet, so expiry would drop every node from every Service's status
+/// for a moment. Then a lease's last reported families count, fresh or not; an agent that reported
+/// "not ready" (no families) is still left out.
 pub fn serving_nodes(
     nodes: &[Node],
     leases: &[Lease],
-    now: Timestamp,
+    now: Option<Timestamp>,
     allowed: &[IpNet],
 ) -> BTreeMap<String, ServingNode> {
     let by_node: BTreeMap<&str, &Lease> = leases
@@ -228,11 +239,11 @@ mod tests {
             ("renewed in the future (skew) is fresh", lease("n", 5, 15, Some("ipv4")), 0, Some(v4)),
         ];
         for (name, l, now, want) in cases {
-            assert_eq!(lease_families(&l, t(now)), want, "{name}");
+            assert_eq!(lease_families(&l, Some(t(now))), want, "{name}");
         }
         let mut no_spec = lease("n", 0, 15, Some("ipv4"));
         no_spec.spec = None;
-        assert_eq!(lease_families(&no_spec, t(1)), None);
+        assert_eq!(lease_families(&no_spec, Some(t(1))), None);
     }
 
     #[test]
@@ -258,8 +269,14 @@ mod tests {
             lease("x", 0, 15, Some("ipv4")),     // excluded
             lease("ghost", 0, 15, Some("ipv4")), // no Node
         ];
-        let got = serving_nodes(&nodes, &leases, t(1), &[]);
+        let got = serving_nodes(&nodes, &leases, Some(t(1)), &[]);
         assert_eq!(got.keys().cloned().collect::<Vec<_>>(), vec!["a", "b"]);
         assert_eq!(got["a"].addresses, ips(&["10.0.0.1"]));
+
+        // A view of the Leases that may be behind (just after an API outage): expiry is not judged,
+        // so the stale "c" stays; "not ready" (d) is still positive information and stays out.
+        let got = serving_nodes(&nodes, &leases, None, &[]);
+        assert_eq!(got.keys().cloned().collect::<Vec<_>>(), vec!["a", "b", "c"]);
+        assert_eq!(lease_families(&lease("n", 0, 15, Some("ipv4")), None), Some([Family::Ipv4].into()));
     }
 }

@@ -6,8 +6,8 @@
 
 use crate::metrics::Metrics;
 use std::hash::{Hash, Hasher};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -56,6 +56,17 @@ impl KubeSnapshot {
     }
 }
 
+/// Whether a reflector's watch works, and since when.
+#[derive(Debug, Clone, Copy, Default)]
+struct Health {
+    failing: bool,
+    /// When it last recovered from a failure (`None`: never failed).
+    recovered_at: Option<Instant>,
+}
+
+/// Index of the Lease reflector in `synced` / `health`.
+const LEASES: usize = 3;
+
 /// Handle on the running reflectors. Cheap to clone; every clone has its own change cursor.
 #[derive(Clone)]
 pub struct KubeSource {
@@ -64,6 +75,7 @@ pub struct KubeSource {
     nodes: Store<Node>,
     leases: Store<Lease>,
     synced: Arc<[AtomicBool; 4]>,
+    health: Arc<Mutex<[Health; 4]>>,
     changes: watch::Receiver<u64>,
     /// First change of a burst not yet reported. Kept here so `changed()` is cancel-safe: the
     /// agent awaits it in `select!`, and `watch::Receiver::changed` marks a change seen as soon
@@ -77,43 +89,42 @@ impl KubeSource {
         let (tx, changes) = watch::channel(0u64);
         let tx = Arc::new(tx);
         let synced: Arc<[AtomicBool; 4]> = Arc::new(Default::default());
-        let services = spawn_reflector(
-            Api::all(client.clone()),
-            watcher::Config::default(),
-            0,
-            "Service",
-            &synced,
-            &tx,
-            &metrics,
-        );
+        let health: Arc<Mutex<[Health; 4]>> = Arc::default();
+        let shared = Shared { synced: synced.clone(), health: health.clone(), tx, metrics };
+        let services =
+            spawn_reflector(Api::all(client.clone()), watcher::Config::default(), 0, "Service", &shared);
         let slices = spawn_reflector(
             Api::all(client.clone()),
             watcher::Config::default(),
             1,
             "EndpointSlice",
-            &synced,
-            &tx,
-            &metrics,
+            &shared,
         );
-        let nodes = spawn_reflector(
-            Api::all(client.clone()),
-            watcher::Config::default(),
-            2,
-            "Node",
-            &synced,
-            &tx,
-            &metrics,
-        );
+        let nodes = spawn_reflector(Api::all(client.clone()), watcher::Config::default(), 2, "Node", &shared);
         let leases = spawn_reflector(
             Api::namespaced(client, namespace),
             watcher::Config::default().labels(LABEL_NODE_LEASE),
-            3,
+            LEASES,
             "Lease",
-            &synced,
-            &tx,
-            &metrics,
+            &shared,
         );
-        KubeSource { services, slices, nodes, leases, synced, changes, pending: None }
+        KubeSource { services, slices, nodes, leases, synced, health, changes, pending: None }
+    }
+
+    /// How long the node-Lease cache has been known to be current: `None` while its watch is
+    /// failing (or before the first list), `Duration::MAX` when it never failed, else the time
+    /// since it recovered. After an API outage nobody could renew, and the first renewals reach
+    /// the cache only some time after it recovers: expiry is judged only once this exceeds a lease
+    /// duration (see [`super::nodes::serving_nodes`]).
+    pub fn leases_current_for(&self) -> Option<Duration> {
+        if !self.synced[LEASES].load(Ordering::Acquire) {
+            return None;
+        }
+        let h = lock(&self.health)[LEASES];
+        if h.failing {
+            return None;
+        }
+        Some(h.recovered_at.map_or(Duration::MAX, |t| t.elapsed()))
     }
 
     /// Every cache has completed its initial list (never program from a partial view).
@@ -157,14 +168,24 @@ impl KubeSource {
     }
 }
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What the reflector tasks report into.
+struct Shared {
+    synced: Arc<[AtomicBool; 4]>,
+    health: Arc<Mutex<[Health; 4]>>,
+    tx: Arc<watch::Sender<u64>>,
+    metrics: Arc<Metrics>,
+}
+
 fn spawn_reflector<K>(
     api: Api<K>,
     config: watcher::Config,
     index: usize,
     kind: &'static str,
-    synced: &Arc<[AtomicBool; 4]>,
-    tx: &Arc<watch::Sender<u64>>,
-    metrics: &Arc<Metrics>,
+    shared: &Shared,
 ) -> Store<K>
 where
     K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
@@ -172,10 +193,11 @@ where
 {
     let (reader, writer) = reflector::store();
     let stream = reflector::reflector(writer, watcher(api, config).default_backoff());
-    let synced = synced.clone();
-    let tx = tx.clone();
-    let errors = metrics.watch_errors.with_label_values(&[kind]);
-    let restarts = metrics.watch_restarts.with_label_values(&[kind]);
+    let synced = shared.synced.clone();
+    let health = shared.health.clone();
+    let tx = shared.tx.clone();
+    let errors = shared.metrics.watch_errors.with_label_values(&[kind]);
+    let restarts = shared.metrics.watch_restarts.with_label_values(&[kind]);
     tokio::spawn(async move {
         let mut stream = std::pin::pin!(stream);
         let mut failing = false;
@@ -188,6 +210,7 @@ where
                         restarts.inc();
                         info!(kind, "watch recovered");
                         failing = false;
+                        lock(&health)[index] = Health { failing: false, recovered_at: Some(Instant::now()) };
                     }
                     if matches!(ev, watcher::Event::InitDone) && !synced[index].swap(true, Ordering::AcqRel) {
                         info!(kind, "initial list complete");
@@ -202,6 +225,7 @@ where
                     if !failing {
                         warn!(kind, error = %e, "watch failed; retrying with backoff (the caches keep their last view)");
                         failing = true;
+                        lock(&health)[index].failing = true;
                     } else {
                         debug!(kind, error = %e, "watch still failing");
                     }

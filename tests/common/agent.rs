@@ -25,6 +25,8 @@ pub struct Agent {
     pub manifests: tempfile::TempDir,
     pub state_dir: tempfile::TempDir,
     pub extra_args: Vec<String>,
+    /// Kubernetes mode: kubeconfig and node name (no `--manifests`, no state file).
+    kube: Option<(PathBuf, String)>,
     child: Option<Child>,
     starts: usize,
 }
@@ -43,11 +45,34 @@ impl Agent {
             manifests,
             state_dir: tempfile::Builder::new().prefix("nodelb-state-").tempdir().unwrap(),
             extra_args: extra.iter().map(|s| s.to_string()).collect(),
+            kube: None,
             child: None,
             starts: 0,
         };
         a.spawn();
         a
+    }
+
+    /// Starts the agent in `node` in Kubernetes mode: `--kubeconfig kubeconfig --node-name node_name`,
+    /// `--resync-period 1s`, `--http-addr 127.0.0.1:9470` plus `extra` (e.g. `--lease-duration 3s`).
+    pub fn start_kube(node: &NetNs, kubeconfig: &std::path::Path, node_name: &str, extra: &[&str]) -> Agent {
+        let mut a = Agent {
+            ns_name: node.name.clone(),
+            ns_path: format!("/run/netns/{}", node.name),
+            manifests: tempfile::Builder::new().prefix("nodelb-manifests-").tempdir().unwrap(),
+            state_dir: tempfile::Builder::new().prefix("nodelb-state-").tempdir().unwrap(),
+            extra_args: extra.iter().map(|s| s.to_string()).collect(),
+            kube: Some((kubeconfig.to_path_buf(), node_name.to_string())),
+            child: None,
+            starts: 0,
+        };
+        a.spawn();
+        a
+    }
+
+    /// The `--node-name` this agent runs with.
+    pub fn node_name(&self) -> &str {
+        self.kube.as_ref().map_or(NODE_NAME, |(_, n)| n.as_str())
     }
 
     pub fn state_file(&self) -> PathBuf {
@@ -65,12 +90,20 @@ impl Agent {
         let mut l = &log;
         let _ = writeln!(l, "===== test harness: agent start #{} =====", self.starts);
         let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &self.ns_name, &bin(), "run"])
-            .arg("--manifests")
-            .arg(self.manifests.path())
-            .arg("--state-file")
-            .arg(self.state_file())
-            .args(["--node-name", NODE_NAME, "--http-addr", &format!("127.0.0.1:{HTTP_PORT}")]);
+        cmd.args(["netns", "exec", &self.ns_name, &bin(), "run"]);
+        match &self.kube {
+            None => {
+                cmd.arg("--manifests")
+                    .arg(self.manifests.path())
+                    .arg("--state-file")
+                    .arg(self.state_file())
+                    .args(["--node-name", NODE_NAME]);
+            }
+            Some((kubeconfig, node_name)) => {
+                cmd.arg("--kubeconfig").arg(kubeconfig).args(["--node-name", node_name]);
+            }
+        }
+        cmd.args(["--http-addr", &format!("127.0.0.1:{HTTP_PORT}")]);
         if !self.extra_args.iter().any(|a| a == "--resync-period") {
             cmd.args(["--resync-period", "1s"]);
         }
@@ -222,7 +255,12 @@ impl Drop for Agent {
     fn drop(&mut self) {
         self.kill9();
         if std::thread::panicking() {
-            eprintln!("===== nodelb agent log ({}) =====\n{}", self.log_file().display(), self.logs());
+            eprintln!(
+                "===== nodelb agent log ({}, netns {}) =====\n{}",
+                self.node_name(),
+                self.ns_name,
+                self.logs()
+            );
             eprintln!("===== end of agent log =====");
         }
     }

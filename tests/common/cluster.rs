@@ -1,0 +1,304 @@
+//! A three-node "cluster" for Kubernetes-mode tests: the in-process test API server
+//! (`nodelb-testapi`) in its own namespace, three node namespaces each running a real
+//! `nodelb run --kubeconfig …` process, a client namespace, and backend namespaces, all on two
+//! bridges inside a "fabric" namespace. Only documentation addresses; nothing in the host namespace.
+//!
+//! ```text
+//!                 fabric netns: bridge br-f 203.0.113.0/24          bridge br-b 198.51.100.0/24
+//!  api     eth0 203.0.113.100 ─┤
+//!  client  eth0 203.0.113.10  ─┤
+//!  node-N  eth0 203.0.113.N   ─┤   eth1 198.51.100.N ─┤            (N = 1..3, forwarding on)
+//!                                  backend j eth0 198.51.100.(11+j) ─┤  (default via node-1)
+//! ```
+//!
+//! Cluster policy masquerades, so replies come back through the node that DNATed. Backends route
+//! via node-1, so `externalTrafficPolicy: Local` traffic (client address kept) works through node-1.
+//! Everything is killed / stopped / deleted on drop, also when the test panics (agents' logs are
+//! printed then).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Service;
+use nodelb_testapi::TestApiServer;
+use serde_json::{Value, json};
+
+use super::agent::{Agent, nft_list};
+use super::manifest::ServiceSpec;
+use super::netns::{NetNs, veth};
+use super::topology::{
+    BACKEND_TCP_PORT, BACKEND_UDP_PORT, Backend, ClientError, Servers, backend_v4, backend_v6, http_get,
+    wait_until,
+};
+
+pub const API_V4: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 100);
+pub const API_PORT: u16 = 6443;
+pub const CLIENT_V4: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
+/// The agents' namespace (Leases).
+pub const AGENT_NS: &str = "nodelb-system";
+pub const LEADER_LEASE: &str = "nodelb-leader";
+pub const LEASE_DURATION: &str = "3s";
+pub const ANNOTATION_ALLOCATED: &str = "nodelb.io/allocated-ports";
+
+/// Address of node `i` (0-based: node-1 is 203.0.113.1).
+pub fn node_v4(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(203, 0, 113, 1 + i as u8)
+}
+/// Address of node `i` on the backend bridge.
+pub fn node_backend_v4(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(198, 51, 100, 1 + i as u8)
+}
+/// `node-1`, `node-2`, … for index 0, 1, …
+pub fn node_name(i: usize) -> String {
+    format!("node-{}", i + 1)
+}
+
+pub struct Cluster {
+    // Drop order matters: agents first (killed), then the API server, then backend servers, then the
+    // namespaces.
+    pub agents: Vec<Agent>,
+    pub api: TestApiServer,
+    pub backends: Vec<Backend>,
+    kubeconfig_dir: tempfile::TempDir,
+    pub client: NetNs,
+    pub nodes: Vec<NetNs>,
+    pub api_ns: NetNs,
+    pub fabric: NetNs,
+}
+
+impl Cluster {
+    /// Builds the namespaces, starts the API server with the `nodelb-system` namespace and Nodes
+    /// node-1..3 (InternalIP 203.0.113.N), starts `backends` backends and the three agents, and waits
+    /// until every agent is ready.
+    pub fn new(backends: usize) -> Cluster {
+        Self::with_agent_args(backends, &[])
+    }
+
+    pub fn with_agent_args(backends: usize, extra: &[&str]) -> Cluster {
+        let nodes_n = 3;
+        let fabric = NetNs::new("fab");
+        for br in ["br-f", "br-b"] {
+            fabric.ip(&["link", "add", br, "type", "bridge"]);
+            fabric.ip(&["link", "set", br, "up"]);
+        }
+        let attach = |ns: &NetNs, fab_if: &str, br: &str, ns_if: &str, addr: Ipv4Addr| {
+            veth(&fabric, fab_if, ns, ns_if);
+            fabric.ip(&["link", "set", fab_if, "master", br]);
+            ns.ip(&["addr", "add", &format!("{addr}/24"), "dev", ns_if]);
+        };
+
+        let api_ns = NetNs::new("api");
+        attach(&api_ns, "api", "br-f", "eth0", API_V4);
+        let client = NetNs::new("kcl");
+        attach(&client, "cl", "br-f", "eth0", CLIENT_V4);
+        let mut nodes = Vec::new();
+        for i in 0..nodes_n {
+            let ns = NetNs::new(&format!("kn{}", i + 1));
+            attach(&ns, &format!("n{i}f"), "br-f", "eth0", node_v4(i));
+            attach(&ns, &format!("n{i}b"), "br-b", "eth1", node_backend_v4(i));
+            ns.sysctl("net.ipv4.ip_forward", "1");
+            ns.sysctl("net.ipv6.conf.all.forwarding", "1");
+            nodes.push(ns);
+        }
+        let mut bs = Vec::new();
+        for j in 0..backends {
+            let ns = NetNs::new(&format!("kbe{}", j + 1));
+            attach(&ns, &format!("b{j}"), "br-b", "eth0", backend_v4(j));
+            ns.ip(&["route", "add", "default", "via", &node_backend_v4(0).to_string()]);
+            let name = format!("be{}", j + 1);
+            let servers = Servers::start(&ns, &name, BACKEND_TCP_PORT, BACKEND_UDP_PORT);
+            bs.push(Backend { name, v4: backend_v4(j), v6: backend_v6(j), servers: Some(servers), ns });
+        }
+
+        // The API server's socket lives in the api namespace.
+        let listener = api_ns.run(|| TcpListener::bind((API_V4, API_PORT)).expect("bind API server"));
+        let api = TestApiServer::start_on(listener).expect("start test API server");
+        let kubeconfig_dir = tempfile::Builder::new().prefix("nodelb-kube-").tempdir().unwrap();
+        api.write_kubeconfig(&kubeconfig_dir.path().join("kubeconfig")).unwrap();
+        api.create(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": AGENT_NS}}))
+            .expect("create namespace");
+        for i in 0..nodes_n {
+            api.create(json!({
+                "apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": node_name(i), "labels": {"kubernetes.io/hostname": node_name(i)}},
+                "status": {"addresses": [
+                    {"type": "InternalIP", "address": node_v4(i).to_string()},
+                    {"type": "Hostname", "address": node_name(i)},
+                ]},
+            }))
+            .expect("create node");
+        }
+
+        let mut c =
+            Cluster { agents: Vec::new(), api, backends: bs, kubeconfig_dir, client, nodes, api_ns, fabric };
+        let mut args = vec!["--namespace", AGENT_NS, "--lease-duration", LEASE_DURATION];
+        args.extend_from_slice(extra);
+        for i in 0..nodes_n {
+            let a = Agent::start_kube(&c.nodes[i], &c.kubeconfig(), &node_name(i), &args);
+            c.agents.push(a);
+        }
+        for a in &mut c.agents {
+            a.wait_ready(Duration::from_secs(30));
+        }
+        c
+    }
+
+    pub fn kubeconfig(&self) -> PathBuf {
+        self.kubeconfig_dir.path().join("kubeconfig")
+    }
+
+    /// Creates the Service and its EndpointSlices in the API server.
+    pub fn create(&self, spec: &ServiceSpec) {
+        self.api.create(spec.service()).unwrap_or_else(|e| panic!("create {}: {e:?}", spec.key()));
+        for s in spec.slices() {
+            self.api.create(s).unwrap_or_else(|e| panic!("create slice of {}: {e:?}", spec.key()));
+        }
+    }
+
+    /// Replaces the EndpointSlices of `spec` (unconditionally) with what `spec` says now.
+    pub fn update_slices(&self, spec: &ServiceSpec) {
+        for s in spec.slices() {
+            self.api.apply(s).unwrap_or_else(|e| panic!("update slice of {}: {e:?}", spec.key()));
+        }
+    }
+
+    pub fn service(&self, name: &str) -> Option<Service> {
+        self.api.get_typed::<Service>("default", name)
+    }
+
+    /// The raw Service object (JSON).
+    pub fn service_json(&self, name: &str) -> Option<Value> {
+        self.api.get("v1", "Service", "default", name)
+    }
+
+    /// `nodelb.io/allocated-ports` of `default/name`, parsed (`"80/TCP" → 20001`).
+    pub fn allocated(&self, name: &str) -> Option<BTreeMap<String, u16>> {
+        let svc = self.service_json(name)?;
+        let value = svc["metadata"]["annotations"][ANNOTATION_ALLOCATED].as_str()?.to_string();
+        Some(parse_ports(&value))
+    }
+
+    /// Waits until `default/name` has an allocation covering `ports` ports; returns it.
+    pub fn wait_allocated(&self, name: &str, ports: usize, timeout: Duration) -> BTreeMap<String, u16> {
+        let mut got = None;
+        let ok = wait_until(timeout, || {
+            got = self.allocated(name).filter(|a| a.len() == ports);
+            got.is_some()
+        });
+        assert!(
+            ok,
+            "default/{name} not allocated within {timeout:?}: {:#}",
+            self.service_json(name).unwrap_or_default()
+        );
+        got.unwrap()
+    }
+
+    /// `status.loadBalancer.ingress` of `default/name`.
+    pub fn ingress(&self, name: &str) -> Vec<Value> {
+        self.service_json(name)
+            .and_then(|s| s["status"]["loadBalancer"]["ingress"].as_array().cloned())
+            .unwrap_or_default()
+    }
+
+    /// The ingress IPs of `default/name`, sorted.
+    pub fn ingress_ips(&self, name: &str) -> Vec<String> {
+        let mut ips: Vec<String> =
+            self.ingress(name).iter().filter_map(|i| i["ip"].as_str().map(String::from)).collect();
+        ips.sort();
+        ips
+    }
+
+    /// Waits until the ingress IPs of `default/name` are exactly `want` (node indexes).
+    pub fn wait_ingress_nodes(&self, name: &str, want: &[usize], timeout: Duration) {
+        let mut want: Vec<String> = want.iter().map(|i| node_v4(*i).to_string()).collect();
+        want.sort();
+        let ok = wait_until(timeout, || self.ingress_ips(name) == want);
+        assert!(
+            ok,
+            "default/{name}: ingress not {want:?} within {timeout:?}: {:#}",
+            self.service_json(name).unwrap_or_default()
+        );
+    }
+
+    /// The condition `nodelb.io/Allocated` of `default/name`.
+    pub fn allocated_condition(&self, name: &str) -> Option<Value> {
+        let svc = self.service_json(name)?;
+        svc["status"]["conditions"].as_array()?.iter().find(|c| c["type"] == "nodelb.io/Allocated").cloned()
+    }
+
+    /// Holder of Lease `nodelb-leader`.
+    pub fn leader(&self) -> Option<String> {
+        self.api.get_typed::<Lease>(AGENT_NS, LEADER_LEASE)?.spec?.holder_identity
+    }
+
+    /// Index of the node whose agent holds the leader Lease (waits up to `timeout`).
+    pub fn wait_leader(&self, timeout: Duration) -> usize {
+        let mut idx = None;
+        let ok = wait_until(timeout, || {
+            idx = self.leader().and_then(|h| (0..self.nodes.len()).find(|i| node_name(*i) == h));
+            idx.is_some()
+        });
+        assert!(ok, "no leader within {timeout:?}");
+        idx.unwrap()
+    }
+
+    /// Node indexes (by client address) that wrote to a Service (object or status) so far.
+    pub fn service_writers(&self) -> BTreeSet<usize> {
+        self.api
+            .requests()
+            .iter()
+            .filter(|r| r.is_write() && r.path.contains("/services/"))
+            .map(|r| self.node_of(r.peer).unwrap_or_else(|| panic!("Service write from a non-node: {r:?}")))
+            .collect()
+    }
+
+    fn node_of(&self, peer: SocketAddr) -> Option<usize> {
+        (0..self.nodes.len()).find(|i| peer.ip() == IpAddr::V4(node_v4(*i)))
+    }
+
+    /// Events (events.k8s.io/v1) about `default/name` with `reason`.
+    pub fn events(&self, name: &str, reason: &str) -> Vec<Value> {
+        self.api
+            .list("events.k8s.io/v1", "Event", Some("default"))
+            .into_iter()
+            .filter(|e| e["regarding"]["name"] == name && e["reason"] == reason)
+            .collect()
+    }
+
+    /// `GET /` from the client to node `i`'s `port`.
+    pub fn get(&self, i: usize, port: u16, timeout: Duration) -> Result<String, ClientError> {
+        http_get(&self.client, IpAddr::V4(node_v4(i)), port, timeout)
+    }
+
+    /// Waits until node `i` answers on `port` (any backend).
+    pub fn wait_served(&self, i: usize, port: u16, timeout: Duration) {
+        let mut last = None;
+        let ok = wait_until(timeout, || {
+            let r = self.get(i, port, Duration::from_millis(500));
+            let ok = r.is_ok();
+            last = Some(r);
+            ok
+        });
+        assert!(ok, "node-{} does not serve port {port} within {timeout:?}: {last:?}", i + 1);
+    }
+
+    /// `nft list table inet nodelb` in node `i` (`None`: no table).
+    pub fn nft(&self, i: usize) -> Option<String> {
+        nft_list(&self.nodes[i])
+    }
+}
+
+/// `"80/TCP=20001,53/UDP=20002"` → {"80/TCP": 20001, "53/UDP": 20002}.
+pub fn parse_ports(value: &str) -> BTreeMap<String, u16> {
+    value
+        .split(',')
+        .filter(|s| !s.trim().is_empty())
+        .filter_map(|item| {
+            let (k, v) = item.trim().split_once('=')?;
+            Some((k.to_string(), v.parse().ok()?))
+        })
+        .collect()
+}
