@@ -67,8 +67,9 @@ struct Agent {
     /// committed a transaction in this netns since, so we verify our table.
     generation: Option<u32>,
     families: BTreeMap<Family, bool>,
-    /// Last logged message per refused Service / problem, to log once per change.
-    logged: BTreeSet<String>,
+    /// Refusals and input problems currently reported, to log each once per occurrence.
+    logged_refusals: BTreeSet<String>,
+    logged_problems: BTreeSet<String>,
     backoff: Duration,
     /// Source fingerprint and node facts of the last successful sync: the same again (a relist
     /// that brought nothing new) means nothing to recompute.
@@ -105,7 +106,8 @@ pub async fn run(
         applied: None,
         generation: None,
         families: BTreeMap::new(),
-        logged: BTreeSet::new(),
+        logged_refusals: BTreeSet::new(),
+        logged_problems: BTreeSet::new(),
         backoff: MIN_BACKOFF,
         last_input: None,
     };
@@ -256,9 +258,11 @@ impl Agent {
             return Ok(());
         }
         let problems: Vec<String> = loaded.problems.clone();
-        for p in &problems {
-            self.log_once(p, || warn!(problem = %p, "input problem"));
-        }
+        log_new(
+            &mut self.logged_problems,
+            problems.iter().cloned().collect(),
+            |p| warn!(problem = %p, "input problem"),
+        );
         let desired: Desired = desired::compute(&Inputs {
             mode: self.source.mode(),
             services: &loaded.services,
@@ -419,26 +423,17 @@ impl Agent {
     }
 
     fn report_refusals(&mut self, desired: &Desired) {
-        let current: BTreeSet<String> = desired
+        let current = desired
             .refusals
             .iter()
             .map(|r| r.to_string())
             .chain(desired.alloc_problems.iter().map(|p| p.to_string()))
             .collect();
-        for msg in &current {
-            if !self.logged.contains(msg) {
-                warn!(refusal = %msg, "service not (fully) programmed");
-            }
-        }
-        // Forget messages that no longer apply, so a recurrence is logged again.
-        self.logged.retain(|m| current.contains(m) || !m.starts_with("Service "));
-        self.logged.extend(current);
-    }
-
-    fn log_once(&mut self, key: &str, log: impl FnOnce()) {
-        if self.logged.insert(key.to_string()) {
-            log();
-        }
+        log_new(
+            &mut self.logged_refusals,
+            current,
+            |msg| warn!(refusal = %msg, "service not (fully) programmed"),
+        );
     }
 
     fn set_problems(&self, problems: Vec<String>) {
@@ -459,4 +454,13 @@ fn resetting_chains(changes: &[Change], tracked: &BTreeSet<String>) -> BTreeSet<
             _ => None,
         })
         .collect()
+}
+
+/// Logs the messages of `current` that were not reported last time, then remembers `current`: a
+/// message is logged once while it persists, and again if it goes away and comes back.
+fn log_new(reported: &mut BTreeSet<String>, current: BTreeSet<String>, log: impl Fn(&str)) {
+    for msg in current.difference(reported) {
+        log(msg);
+    }
+    *reported = current;
 }

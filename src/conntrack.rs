@@ -49,7 +49,7 @@ pub fn udp_backends(rs: &Ruleset) -> BTreeSet<UdpBackend> {
             };
             let Some(Verdict::Goto(svc)) = verdict else { continue };
             for ep_chain in chain_targets(rs, svc) {
-                for rule in rs.chains.get(&ep_chain).map(|c| c.rules.as_slice()).unwrap_or_default() {
+                for rule in rs.chains.get(ep_chain).map(|c| c.rules.as_slice()).unwrap_or_default() {
                     for e in &rule.exprs {
                         if let Expr::Dnat { addr, port } = e {
                             out.insert((*node_port, *addr, *port));
@@ -62,21 +62,9 @@ pub fn udp_backends(rs: &Ruleset) -> BTreeSet<UdpBackend> {
     out
 }
 
-fn chain_targets(rs: &Ruleset, chain: &str) -> Vec<String> {
-    let mut out = vec![];
-    for rule in rs.chains.get(chain).map(|c| c.rules.as_slice()).unwrap_or_default() {
-        for e in &rule.exprs {
-            match e {
-                Expr::Verdict(Verdict::Goto(c) | Verdict::Jump(c)) => out.push(c.clone()),
-                Expr::NumgenRandomVmap { targets } => out.extend(targets.iter().filter_map(|t| match t {
-                    Verdict::Goto(c) | Verdict::Jump(c) => Some(c.clone()),
-                    _ => None,
-                })),
-                _ => {}
-            }
-        }
-    }
-    out
+/// Chains a chain's rules go to (goto/jump, numgen maps), as the planner sees them.
+fn chain_targets<'a>(rs: &'a Ruleset, chain: &str) -> Vec<&'a String> {
+    rs.chains.get(chain).map(|c| c.rules.iter().flat_map(plan::rule_targets).collect()).unwrap_or_default()
 }
 
 /// One conntrack entry, as far as we need it.

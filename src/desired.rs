@@ -65,7 +65,15 @@ pub fn compute(inputs: &Inputs<'_>) -> Desired {
             (allocations, vec![], duplicates)
         }
     };
-    let result = alloc::AllocationResult { allocations: BTreeMap::new(), problems: alloc_problems };
+    let no_allocation = match inputs.mode {
+        AllocationMode::Allocate => "no node port could be allocated".to_string(),
+        AllocationMode::Annotated => {
+            format!(
+                "no node port on the Service yet ({} is written by the leader)",
+                model::ANNOTATION_ALLOCATED
+            )
+        }
+    };
 
     let empty = BTreeMap::new();
     let plans: Vec<ServicePlan<'_>> = out
@@ -78,7 +86,10 @@ pub fn compute(inputs: &Inputs<'_>) -> Desired {
     let mut services: Vec<ServiceStatus> = out
         .services
         .iter()
-        .map(|s| service_status(s, allocations.get(&s.key).unwrap_or(&empty), &result.problems, inputs.node))
+        .map(|s| {
+            let ports = allocations.get(&s.key).unwrap_or(&empty);
+            service_status(s, ports, &alloc_problems, inputs.node, &no_allocation)
+        })
         .collect();
     for r in &out.refused {
         services.push(ServiceStatus {
@@ -91,14 +102,6 @@ pub fn compute(inputs: &Inputs<'_>) -> Desired {
         });
     }
     services.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-    if inputs.mode == AllocationMode::Annotated {
-        for s in services.iter_mut().filter(|s| s.reason_code.as_deref() == Some("no_allocation")) {
-            s.reason = Some(format!(
-                "no node port on the Service yet ({} is written by the leader)",
-                model::ANNOTATION_ALLOCATED
-            ));
-        }
-    }
     let counter_index = counter_index(&out.services, &ruleset);
     let needed_families = out.services.iter().flat_map(|s| s.families.iter().copied()).collect();
     Desired {
@@ -108,7 +111,7 @@ pub fn compute(inputs: &Inputs<'_>) -> Desired {
         allocations,
         services,
         refusals: out.refused,
-        alloc_problems: result.problems,
+        alloc_problems,
         warnings: out
             .warnings
             .iter()
@@ -140,6 +143,7 @@ fn service_status(
     node_ports: &BTreeMap<model::PortId, u16>,
     problems: &[AllocProblem],
     node: &NodeFacts,
+    no_allocation: &str,
 ) -> ServiceStatus {
     let mut ports = Vec::new();
     let mut any_endpoints = false;
@@ -165,24 +169,17 @@ fn service_status(
         });
     }
     let served: Vec<Family> = svc.families.iter().copied().filter(|f| node.families.contains(f)).collect();
-    let (state, reason) = if !any_allocated {
-        (ServiceState::Refused, Some("no node port could be allocated".to_string()))
+    let (state, reason_code, reason) = if !any_allocated {
+        (ServiceState::Refused, Some("no_allocation"), Some(no_allocation.to_string()))
     } else if served.is_empty() {
         let fams: Vec<&str> = svc.families.iter().map(|f| f.name()).collect();
-        (
-            ServiceState::Refused,
-            Some(format!("forwarding is off on this node for its families ({})", fams.join(", "))),
-        )
+        let reason = format!("forwarding is off on this node for its families ({})", fams.join(", "));
+        (ServiceState::Refused, Some("forwarding_off"), Some(reason))
     } else if any_endpoints {
-        (ServiceState::Programmed, None)
+        (ServiceState::Programmed, None, None)
     } else {
-        (ServiceState::NoEndpoints, Some("no ready endpoint usable on this node".to_string()))
-    };
-    let reason_code = match (&state, &reason) {
-        (ServiceState::Refused, Some(r)) if r.starts_with("forwarding") => Some("forwarding_off"),
-        (ServiceState::Refused, _) => Some("no_allocation"),
-        (ServiceState::NoEndpoints, _) => Some("no_endpoints"),
-        (ServiceState::Programmed, _) => None,
+        let reason = "no ready endpoint usable on this node".to_string();
+        (ServiceState::NoEndpoints, Some("no_endpoints"), Some(reason))
     };
     ServiceStatus {
         namespace: svc.key.namespace.clone(),

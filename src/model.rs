@@ -653,6 +653,18 @@ fn parse_port_request(key: &ServiceKey, value: &str, ids: &[PortId]) -> Result<P
     Ok(PortRequest::Explicit(map))
 }
 
+/// The entries of an allocation annotation (`80/TCP=20001,53/UDP=20002`, as the allocator writes
+/// it) that are well-formed and name their protocol, without checking them against the Service's
+/// ports (for Services that are refused, whose ports are unknown). Malformed entries are skipped.
+pub fn parse_allocated_ports(value: &str) -> BTreeMap<PortId, u16> {
+    value
+        .split(',')
+        .map(str::trim)
+        .filter_map(|item| parse_port_map_entry(item).ok())
+        .filter_map(|e| Some((PortId { port: e.port, protocol: e.protocol? }, e.node_port)))
+        .collect()
+}
+
 fn parse_previous_allocation(
     key: &ServiceKey,
     value: &str,

@@ -548,7 +548,8 @@ pub fn simulate(start: &Ruleset, changes: &[Change]) -> Result<Ruleset, String> 
     Ok(rs)
 }
 
-fn rule_targets(rule: &Rule) -> Vec<&String> {
+/// Chains a rule sends packets to: its goto/jump verdict and the targets of a numgen map.
+pub fn rule_targets(rule: &Rule) -> Vec<&String> {
     let mut out = vec![];
     for e in &rule.exprs {
         match e {

@@ -275,16 +275,7 @@ pub fn reserved(services: &[Service], refused: &[Refusal]) -> Vec<LbService> {
         .filter(|s| refused.contains(&model::service_key(s)))
         .filter_map(|s| {
             let value = annotation_of(s)?;
-            let map: BTreeMap<PortId, u16> = value
-                .split(',')
-                .filter_map(|item| {
-                    let (id, n) = item.trim().split_once('=')?;
-                    Some((
-                        id.trim().parse::<PortId>().ok()?,
-                        n.trim().parse::<u16>().ok().filter(|n| *n != 0)?,
-                    ))
-                })
-                .collect();
+            let map = model::parse_allocated_ports(value);
             if map.is_empty() {
                 return None;
             }

@@ -345,32 +345,14 @@ impl TestApiServer {
     /// Create `obj` (its `apiVersion`/`kind` pick the resource) as a POST would, except that the given
     /// `status` is kept (test setup may create a Service with a status).
     pub fn create(&self, obj: Value) -> Result<Value, ApiError> {
-        let res = resource_of(
-            obj.get("apiVersion").and_then(Value::as_str).unwrap_or(""),
-            obj.get("kind").and_then(Value::as_str).unwrap_or(""),
-        )?;
-        let ns = if RESOURCES[res].namespaced {
-            let ns = meta_str(&obj, "namespace");
-            if ns.is_empty() { "default".to_string() } else { ns.to_string() }
-        } else {
-            String::new()
-        };
+        let (res, ns) = resource_and_namespace(&obj)?;
         self.shared.store.create(res, &ns, obj, &Write::new(Part::All, "testapi"))
     }
 
     /// Create or replace `obj` unconditionally, `status` included (a `resourceVersion` in `obj`, if any,
     /// is still a precondition).
     pub fn apply(&self, obj: Value) -> Result<Value, ApiError> {
-        let res = resource_of(
-            obj.get("apiVersion").and_then(Value::as_str).unwrap_or(""),
-            obj.get("kind").and_then(Value::as_str).unwrap_or(""),
-        )?;
-        let ns = if RESOURCES[res].namespaced {
-            let ns = meta_str(&obj, "namespace");
-            if ns.is_empty() { "default".to_string() } else { ns.to_string() }
-        } else {
-            String::new()
-        };
+        let (res, ns) = resource_and_namespace(&obj)?;
         let name = meta_str(&obj, "name").to_string();
         match self.shared.store.update(res, &ns, &name, obj.clone(), &Write::new(Part::All, "testapi")) {
             Err(e) if e.code == 404 && e.reason == "NotFound" => {
@@ -465,4 +447,20 @@ impl Drop for TestApiServer {
             let _ = t.join();
         }
     }
+}
+
+/// The resource an object's `apiVersion`/`kind` name, and its namespace (`default` when unset;
+/// empty for cluster-scoped resources).
+fn resource_and_namespace(obj: &Value) -> Result<(usize, String), ApiError> {
+    let res = resource_of(
+        obj.get("apiVersion").and_then(Value::as_str).unwrap_or(""),
+        obj.get("kind").and_then(Value::as_str).unwrap_or(""),
+    )?;
+    let ns = if RESOURCES[res].namespaced {
+        let ns = meta_str(obj, "namespace");
+        if ns.is_empty() { "default".to_string() } else { ns.to_string() }
+    } else {
+        String::new()
+    };
+    Ok((res, ns))
 }
