@@ -10,6 +10,7 @@ use common::{client, eventually, lb_service, server};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Service;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
+use kube::runtime::utils::Backoff;
 use kube::runtime::{WatchStreamExt, watcher};
 use nodelb_testapi::TestApiServer;
 use serde_json::json;
@@ -24,12 +25,29 @@ struct Seen {
     errors: Vec<String>,
 }
 
+/// A short constant retry delay. kube's default backoff (0.8 s doubling to 30 s, jittered, reset only by a
+/// successful event) makes the recovery time of a run depend on how many errors a dropped connection
+/// happened to produce; these tests are about the server's faults and the watcher's recovery, not about
+/// that schedule.
+struct QuickRetry;
+
+impl Iterator for QuickRetry {
+    type Item = Duration;
+    fn next(&mut self) -> Option<Duration> {
+        Some(Duration::from_millis(200))
+    }
+}
+
+impl Backoff for QuickRetry {
+    fn reset(&mut self) {}
+}
+
 fn spawn_watcher(api: Api<Service>) -> (Arc<Mutex<Seen>>, tokio::task::JoinHandle<()>) {
     let seen = Arc::new(Mutex::new(Seen::default()));
     let s = seen.clone();
     let task = tokio::spawn(async move {
         let mut building = BTreeMap::new();
-        let mut stream = watcher(api, watcher::Config::default()).default_backoff().boxed();
+        let mut stream = watcher(api, watcher::Config::default()).backoff(QuickRetry).boxed();
         while let Some(ev) = stream.next().await {
             let mut g = s.lock().unwrap();
             let label = |svc: &Service| {
