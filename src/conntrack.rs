@@ -35,8 +35,8 @@ pub enum ConntrackError {
 pub type UdpBackend = (u16, IpAddr, u16);
 
 /// Every UDP (node port → endpoint) pair a ruleset programs, read from the IR itself: the
-/// `service-ports-*` maps lead to service chains, whose numgen/goto lead to endpoint chains with
-/// their DNAT target.
+/// `service-ports-*` maps lead to service chains, whose DNAT (single, or numgen over a map) names
+/// the endpoints.
 pub fn udp_backends(rs: &Ruleset) -> BTreeSet<UdpBackend> {
     let mut out = BTreeSet::new();
     for f in crate::ir::Family::ALL {
@@ -48,23 +48,21 @@ pub fn udp_backends(rs: &Ruleset) -> BTreeSet<UdpBackend> {
                 continue;
             };
             let Some(Verdict::Goto(svc)) = verdict else { continue };
-            for ep_chain in chain_targets(rs, svc) {
-                for rule in rs.chains.get(ep_chain).map(|c| c.rules.as_slice()).unwrap_or_default() {
-                    for e in &rule.exprs {
-                        if let Expr::Dnat { addr, port } = e {
-                            out.insert((*node_port, *addr, *port));
-                        }
+            let rules = rs.chains.get(svc).map(|c| c.rules.as_slice()).unwrap_or_default();
+            for e in rules.iter().flat_map(|r| &r.exprs) {
+                match e {
+                    Expr::Dnat { addr, port } => {
+                        out.insert((*node_port, *addr, *port));
                     }
+                    Expr::DnatNumgen { targets } => {
+                        out.extend(targets.iter().map(|(addr, port)| (*node_port, *addr, *port)));
+                    }
+                    _ => {}
                 }
             }
         }
     }
     out
-}
-
-/// Chains a chain's rules go to (goto/jump, numgen maps), as the planner sees them.
-fn chain_targets<'a>(rs: &'a Ruleset, chain: &str) -> Vec<&'a String> {
-    rs.chains.get(chain).map(|c| c.rules.iter().flat_map(plan::rule_targets).collect()).unwrap_or_default()
 }
 
 /// One conntrack entry, as far as we need it.

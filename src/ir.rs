@@ -256,8 +256,9 @@ pub enum Expr {
     L4ProtoCtOrigDportVmap { map: String },
     /// `<family> saddr . meta l4proto . th sport @set` (packet comes from one of these endpoints)
     SaddrL4ProtoSportInSet { family: Family, set: String },
-    /// `numgen random mod N vmap { 0 : goto a, 1 : goto b, ... }` (N = targets.len())
-    NumgenRandomVmap { targets: Vec<Verdict> },
+    /// `dnat ip to numgen random mod N map { 0 : 10.0.0.1 . 8080, 1 : ... }` (N = targets.len(), all of
+    /// one family): picks an endpoint per new connection without a chain per endpoint.
+    DnatNumgen { targets: Vec<(IpAddr, u16)> },
     /// `dnat ip to 10.0.0.1:8080`
     Dnat { addr: IpAddr, port: u16 },
     /// `masquerade`
@@ -484,10 +485,14 @@ pub fn render_expr(e: &Expr) -> String {
             };
             format!("{word} saddr . meta l4proto . th sport @{set}")
         }
-        Expr::NumgenRandomVmap { targets } => {
+        Expr::DnatNumgen { targets } => {
+            let word = match targets.first().map(|(a, _)| Family::of(a)) {
+                Some(Family::Ipv6) => "ip6",
+                _ => "ip",
+            };
             let elems: Vec<String> =
-                targets.iter().enumerate().map(|(i, v)| format!("{i} : {}", render_verdict(v))).collect();
-            format!("numgen random mod {} vmap {{ {} }}", targets.len(), elems.join(", "))
+                targets.iter().enumerate().map(|(i, (a, p))| format!("{i} : {a} . {p}")).collect();
+            format!("dnat {word} to numgen random mod {} map {{ {} }}", targets.len(), elems.join(", "))
         }
         Expr::Dnat { addr, port } => match addr {
             IpAddr::V4(a) => format!("dnat ip to {a}:{port}"),

@@ -11,15 +11,14 @@
 //! nat-output         nat     output     -100  same, for node-originated traffic
 //! nat-postrouting    nat     postrouting 100  masquerade what a svc chain marked
 //! filter-forward     filter  forward       0  drop invalid from our endpoints; count+accept our flows
-//! svc<4|6>-…         per service port & family: counter, mark for masquerade, numgen → ep chains
-//! ep<4|6>-…          per endpoint: dnat
+//! svc<4|6>-…         per service port & family: counter, mark for masquerade, dnat (numgen map
+//!                    over the endpoints when there are several)
 //! fw<4|6>-…          per service port & family with source ranges: allowed saddr → continue, else drop
 //! fwd<4|6>-…         per service port & family: counter accept (per-service traffic counters)
 //! no-endpoints       reject (TCP reset / ICMP port unreachable)
 //! ```
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::IpAddr;
 
 use ipnet::IpNet;
 
@@ -121,13 +120,6 @@ pub fn firewall_chain(f: Family, svc: &LbService, port: &LbPort) -> String {
 }
 pub fn forward_chain(f: Family, svc: &LbService, port: &LbPort) -> String {
     chain_name("fwd", f, &port_identity(svc, port))
-}
-pub fn endpoint_chain(f: Family, svc: &LbService, port: &LbPort, ep: &Endpoint) -> String {
-    let addr = match ep.addr {
-        IpAddr::V4(a) => a.to_string(),
-        IpAddr::V6(a) => a.to_string().replace(':', "."),
-    };
-    chain_name("ep", f, &format!("{}__{addr}/{}", port_identity(svc, port), ep.port))
 }
 
 /// The endpoints a service port uses on this node for one family: ready ones; if none is ready,
@@ -329,37 +321,28 @@ fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f
         return;
     }
 
-    let mut targets = Vec::with_capacity(endpoints.len());
-    for ep in &endpoints {
-        let name = endpoint_chain(f, svc, port, ep);
-        rs.add_chain(regular(
-            name.clone(),
-            None,
-            // nft needs the transport protocol known before a DNAT with a port.
-            vec![Rule::new(vec![
-                Expr::L4Proto(port.id.protocol),
-                Expr::Dnat { addr: ep.addr, port: ep.port },
-            ])],
-        ));
-        targets.push(Verdict::Goto(name));
-        if let Some(set) = rs.sets.get_mut(&endpoints_set(f)) {
+    if let Some(set) = rs.sets.get_mut(&endpoints_set(f)) {
+        for ep in &endpoints {
             set.elements.insert(
                 vec![KeyPart::Addr(ep.addr), KeyPart::Proto(port.id.protocol), KeyPart::Port(ep.port)],
                 None,
             );
         }
     }
-    let mut rules = vec![];
-    let mut first = vec![Expr::Counter];
+    // One rule: count, mark for masquerade, pick an endpoint and DNAT. No chain per endpoint: every
+    // chain a verdict map reaches is walked by the kernel's loop check on each transaction that adds
+    // a jump, so fewer chains make adding a Service cheaper at scale (docs/design.md).
+    let mut exprs = vec![Expr::Counter];
     if svc.traffic_policy == TrafficPolicy::Cluster {
-        first.push(Expr::MarkSet(node.masquerade_mark));
+        exprs.push(Expr::MarkSet(node.masquerade_mark));
     }
-    rules.push(Rule::new(first));
-    if targets.len() == 1 {
-        rules.push(Rule::new(vec![Expr::Verdict(targets.remove(0))]));
-    } else {
-        rules.push(Rule::new(vec![Expr::NumgenRandomVmap { targets }]));
-    }
+    // nft needs the transport protocol known before a DNAT with a port.
+    exprs.push(Expr::L4Proto(port.id.protocol));
+    exprs.push(match endpoints.as_slice() {
+        [one] => Expr::Dnat { addr: one.addr, port: one.port },
+        many => Expr::DnatNumgen { targets: many.iter().map(|e| (e.addr, e.port)).collect() },
+    });
+    let rules = vec![Rule::new(exprs)];
     let svc_chain = service_chain(f, svc, port);
     rs.add_chain(regular(svc_chain.clone(), Some(label.clone()), rules));
     insert_element(rs, &service_ports_map(f), key.clone(), Verdict::Goto(svc_chain));
@@ -548,23 +531,15 @@ pub fn simulate(start: &Ruleset, changes: &[Change]) -> Result<Ruleset, String> 
     Ok(rs)
 }
 
-/// Chains a rule sends packets to: its goto/jump verdict and the targets of a numgen map.
+/// Chains a rule sends packets to (its goto/jump verdict).
 pub fn rule_targets(rule: &Rule) -> Vec<&String> {
-    let mut out = vec![];
-    for e in &rule.exprs {
-        match e {
-            Expr::Verdict(Verdict::Goto(c) | Verdict::Jump(c)) => out.push(c),
-            Expr::NumgenRandomVmap { targets } => {
-                for t in targets {
-                    if let Verdict::Goto(c) | Verdict::Jump(c) = t {
-                        out.push(c);
-                    }
-                }
-            }
-            _ => {}
-        }
-    }
-    out
+    rule.exprs
+        .iter()
+        .filter_map(|e| match e {
+            Expr::Verdict(Verdict::Goto(c) | Verdict::Jump(c)) => Some(c),
+            _ => None,
+        })
+        .collect()
 }
 
 fn references(rs: &Ruleset, chain: &str) -> bool {

@@ -234,12 +234,16 @@ fn run_rule(rs: &Ruleset, rule: &crate::ir::Rule, st: &mut State<'_>) -> RuleEnd
                     vec![KeyPart::Addr(pkt.saddr), KeyPart::Proto(pkt.protocol), KeyPart::Port(pkt.sport)];
                 rs.sets.get(set).is_some_and(|s| s.elements.contains_key(&key))
             }
-            Expr::NumgenRandomVmap { targets } => {
+            Expr::DnatNumgen { targets } => {
                 if targets.is_empty() {
                     return RuleEnd::NoMatch;
                 }
-                let i = (st.env.numgen as usize) % targets.len();
-                return RuleEnd::Verdict(targets[i].clone());
+                let (addr, port) = targets[(st.env.numgen as usize) % targets.len()];
+                if Family::of(&addr) != family {
+                    return RuleEnd::Terminal(ChainEnd::Drop("dnat family mismatch".into()));
+                }
+                st.dnat = Some((addr, port));
+                return RuleEnd::NatDone;
             }
             Expr::Dnat { addr, port } => {
                 if Family::of(addr) != family {

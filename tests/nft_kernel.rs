@@ -150,12 +150,28 @@ fn full_ruleset() -> Ruleset {
         vec![
             r(vec![SaddrInPrefix { prefix: "192.0.2.0/24".parse().expect("cidr"), negate: false }, Counter])
                 .with_comment("service a"),
-            r(vec![NumgenRandomVmap { targets: vec![goto("ep-a-0"), goto("ep-a-1"), goto("ep-a-2")] }]),
+            r(vec![
+                L4Proto(Protocol::Tcp),
+                DnatNumgen {
+                    targets: vec![
+                        (ip("192.0.2.10"), 8080),
+                        (ip("192.0.2.11"), 8080),
+                        (ip("192.0.2.12"), 8081),
+                    ],
+                },
+            ]),
+            r(vec![Verdict(goto("ep-a-0"))]),
         ],
     );
     svc_a.comment = Some("default/a:http".into());
     rs.add_chain(svc_a);
-    rs.add_chain(regular("svc-b", vec![r(vec![NumgenRandomVmap { targets: vec![goto("ep-b-0")] }])]));
+    rs.add_chain(regular(
+        "svc-b",
+        vec![r(vec![
+            L4Proto(Protocol::Udp),
+            DnatNumgen { targets: vec![(ip("2001:db8::11"), 53), (ip("2001:db8::12"), 5353)] },
+        ])],
+    ));
     rs.add_chain(regular(
         "ep-a-0",
         vec![r(vec![L4Proto(Protocol::Tcp), Dnat { addr: ip("192.0.2.10"), port: 8080 }])],
@@ -234,11 +250,14 @@ fn diff_after_full_replace_matches_nft() {
     apply_in(&a, rs1.full_replace()).expect("apply");
 
     let mut rs2 = rs1.clone();
-    // svc-a loses endpoint ep-a-2 and gains a comment-less counter rule.
+    // svc-a loses an endpoint and gains a comment-less counter rule; ep-a-2 goes away.
     let svc_a = rs2.chains.get_mut("svc-a").expect("svc-a");
     svc_a.rules = vec![
         r(vec![Expr::Counter]),
-        r(vec![Expr::NumgenRandomVmap { targets: vec![goto("ep-a-0"), goto("ep-a-1")] }]),
+        r(vec![
+            Expr::L4Proto(Protocol::Tcp),
+            Expr::DnatNumgen { targets: vec![(ip("192.0.2.10"), 8080), (ip("192.0.2.11"), 8080)] },
+        ]),
     ];
     rs2.chains.remove("ep-a-2");
     let ports = rs2.sets.get_mut("service-ports").expect("map");

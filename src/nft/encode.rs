@@ -20,6 +20,25 @@ const MAX_ELEMENTS_NEST: usize = 48 * 1024;
 /// An element as sent: encoded key bytes and, for maps, the verdict.
 pub type RawElement = (Vec<u8>, Option<Verdict>);
 
+/// The data of an element as written to the kernel: a verdict (verdict maps) or bytes (data maps,
+/// e.g. the `address . port` of a numgen DNAT map).
+enum ElemData {
+    Verdict(Verdict),
+    Value(Vec<u8>),
+}
+
+type WireElement = (Vec<u8>, Option<ElemData>);
+
+/// What the elements of an anonymous set map to.
+enum AnonData {
+    None,
+    /// Concatenated type id and length in bytes (NFTA_SET_DATA_TYPE / _LEN).
+    Value {
+        type_id: u32,
+        len: u32,
+    },
+}
+
 /// A batch ready to send.
 pub struct Encoded {
     pub bytes: Vec<u8>,
@@ -129,9 +148,9 @@ struct AnonSet {
     flags: u32,
     key_type: u32,
     key_len: u32,
-    map: bool,
+    data: AnonData,
     udata: Vec<u8>,
-    elements: Vec<RawElement>,
+    elements: Vec<WireElement>,
 }
 
 impl Enc {
@@ -200,7 +219,7 @@ impl Enc {
                 let types = self.key_types_hint(set, elements.first().map(|(k, _)| k));
                 let mut encoded = Vec::with_capacity(elements.len());
                 for (k, v) in elements {
-                    encoded.push((key_bytes(types.as_deref(), k)?, v.clone()));
+                    encoded.push((key_bytes(types.as_deref(), k)?, v.clone().map(ElemData::Verdict)));
                 }
                 let id = self.set_ids.get(set).copied();
                 self.elements(NFT_MSG_NEWSETELEM, NLM_F_CREATE, set, id, &encoded);
@@ -279,9 +298,12 @@ impl Enc {
         self.w.put_u32(NFTA_SET_FLAGS, s.flags);
         self.w.put_u32(NFTA_SET_KEY_TYPE, s.key_type);
         self.w.put_u32(NFTA_SET_KEY_LEN, s.key_len);
-        if s.map {
-            self.w.put_u32(NFTA_SET_DATA_TYPE, NFT_DATA_VERDICT);
-            self.w.put_u32(NFTA_SET_DATA_LEN, 0);
+        match s.data {
+            AnonData::None => {}
+            AnonData::Value { type_id, len } => {
+                self.w.put_u32(NFTA_SET_DATA_TYPE, type_id);
+                self.w.put_u32(NFTA_SET_DATA_LEN, len);
+            }
         }
         self.w.put_u32(NFTA_SET_ID, s.id);
         let d = self.w.begin_nest(NFTA_SET_DESC);
@@ -293,7 +315,7 @@ impl Enc {
     }
 
     /// NEWSETELEM/DELSETELEM messages for `elements`, split so no attribute exceeds 64 KiB.
-    fn elements(&mut self, msg: u8, flags: u16, set: &str, id: Option<u32>, elements: &[RawElement]) {
+    fn elements(&mut self, msg: u8, flags: u16, set: &str, id: Option<u32>, elements: &[WireElement]) {
         let mut rest = elements;
         while !rest.is_empty() {
             self.begin(msg, flags);
@@ -309,10 +331,18 @@ impl Enc {
                 let k = self.w.begin_nest(NFTA_SET_ELEM_KEY);
                 self.w.put(NFTA_DATA_VALUE, key);
                 self.w.end_nest(k);
-                if let Some(v) = data {
-                    let d = self.w.begin_nest(NFTA_SET_ELEM_DATA);
-                    put_verdict(&mut self.w, v);
-                    self.w.end_nest(d);
+                match data {
+                    None => {}
+                    Some(ElemData::Verdict(v)) => {
+                        let d = self.w.begin_nest(NFTA_SET_ELEM_DATA);
+                        put_verdict(&mut self.w, v);
+                        self.w.end_nest(d);
+                    }
+                    Some(ElemData::Value(bytes)) => {
+                        let d = self.w.begin_nest(NFTA_SET_ELEM_DATA);
+                        self.w.put(NFTA_DATA_VALUE, bytes);
+                        self.w.end_nest(d);
+                    }
                 }
                 self.w.end_nest(el);
                 n += 1;
@@ -353,11 +383,10 @@ impl Enc {
     }
 }
 
-/// nft's `enum expr_types` value of EXPR_CONCAT / EXPR_META / EXPR_VERDICT, written in set
+/// nft's `enum expr_types` value of EXPR_CONCAT / EXPR_META, written in set
 /// "typeof" user data.
 const EXPR_CONCAT: u32 = 13;
 const EXPR_META: u32 = 9;
-const EXPR_VERDICT: u32 = 1;
 
 /// Rule user data: nft's comment TLV (with its NUL, as nft writes it), then our fingerprint.
 pub fn rule_udata(rule: &Rule) -> Result<Vec<u8>, NftError> {
@@ -682,7 +711,7 @@ impl Lower {
                     flags: NFT_SET_ANONYMOUS | NFT_SET_CONSTANT,
                     key_type: TYPE_INET_PROTOCOL,
                     key_len: 1,
-                    map: false,
+                    data: AnonData::None,
                     udata,
                     elements: [Protocol::Tcp, Protocol::Udp, Protocol::Sctp]
                         .iter()
@@ -708,32 +737,50 @@ impl Lower {
                 let id = enc.set_ids.get(set).copied();
                 self.lookup(set, id, false);
             }
-            Expr::NumgenRandomVmap { targets } => {
-                if targets.is_empty() {
-                    return Err(NftError::Encode("numgen over no targets".into()));
+            Expr::DnatNumgen { targets } => {
+                let family = match targets.first() {
+                    Some((a, _)) => Family::of(a),
+                    None => return Err(NftError::Encode("numgen DNAT over no endpoints".into())),
+                };
+                if targets.iter().any(|(a, _)| Family::of(a) != family) {
+                    return Err(NftError::Encode("numgen DNAT over endpoints of both families".into()));
                 }
+                // Data `address . port`, the port padded to 4 bytes as in any concatenation; the
+                // port lands in the 32-bit register after the address (as nft 1.0.6 lays it out).
+                let (addr_type, addr_len) = match family {
+                    Family::Ipv4 => (TYPE_IPADDR, 4),
+                    Family::Ipv6 => (TYPE_IP6ADDR, 16),
+                };
                 let id = enc.alloc_set_id();
                 let mut udata = Vec::new();
                 udata_put(&mut udata, NFTNL_UDATA_SET_KEYBYTEORDER, &1u32.to_ne_bytes());
                 udata_put(&mut udata, NFTNL_UDATA_SET_DATABYTEORDER, &0u32.to_ne_bytes());
-                let mut t = Vec::new();
-                udata_put(&mut t, 0, &EXPR_VERDICT.to_ne_bytes());
-                udata_put(&mut t, 1, &[]);
-                udata_put(&mut udata, NFTNL_UDATA_SET_DATA_TYPEOF, &t);
                 udata_put(&mut udata, NFTNL_UDATA_SET_DATA_INTERVAL, &0u32.to_ne_bytes());
+                let elements = targets
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (addr, port))| {
+                        let mut v = match addr {
+                            IpAddr::V4(a) => a.octets().to_vec(),
+                            IpAddr::V6(a) => a.octets().to_vec(),
+                        };
+                        v.extend_from_slice(&port.to_be_bytes());
+                        v.extend_from_slice(&[0, 0]);
+                        ((i as u32).to_ne_bytes().to_vec(), Some(ElemData::Value(v)))
+                    })
+                    .collect();
                 self.anon.push(AnonSet {
                     id,
                     name: "__map%d",
                     flags: NFT_SET_ANONYMOUS | NFT_SET_CONSTANT | NFT_SET_MAP,
                     key_type: TYPE_INTEGER,
                     key_len: 4,
-                    map: true,
+                    data: AnonData::Value {
+                        type_id: (addr_type << TYPE_BITS) | TYPE_INET_SERVICE,
+                        len: addr_len + 4,
+                    },
                     udata,
-                    elements: targets
-                        .iter()
-                        .enumerate()
-                        .map(|(i, v)| ((i as u32).to_ne_bytes().to_vec(), Some(v.clone())))
-                        .collect(),
+                    elements,
                 });
                 let n = targets.len() as u32;
                 self.ex("numgen", |w| {
@@ -742,7 +789,19 @@ impl Lower {
                     w.put_u32(NFTA_NG_TYPE, NFT_NG_RANDOM);
                     w.put_u32(NFTA_NG_OFFSET, 0);
                 });
-                self.lookup("__map%d", Some(id), true);
+                self.ex("lookup", |w| {
+                    w.put_u32(NFTA_LOOKUP_SREG, reg(0));
+                    w.put_u32(NFTA_LOOKUP_DREG, reg(0));
+                    w.put_str(NFTA_LOOKUP_SET, "__map%d");
+                    w.put_u32(NFTA_LOOKUP_SET_ID, id);
+                });
+                self.ex("nat", |w| {
+                    w.put_u32(NFTA_NAT_TYPE, NFT_NAT_DNAT);
+                    w.put_u32(NFTA_NAT_FAMILY, u32::from(family.nfproto()));
+                    w.put_u32(NFTA_NAT_REG_ADDR_MIN, reg(0));
+                    w.put_u32(NFTA_NAT_REG_PROTO_MIN, reg(addr_len / 4));
+                    w.put_u32(NFTA_NAT_FLAGS, NF_NAT_RANGE_PROTO_SPECIFIED);
+                });
             }
             Expr::Dnat { addr, port } => {
                 let (family, bytes) = match addr {
@@ -1009,7 +1068,7 @@ mod tests {
         let e = encode_batch(
             &[Change::AddRule {
                 chain: "c".into(),
-                rule: Rule::new(vec![Expr::NumgenRandomVmap { targets: vec![] }]),
+                rule: Rule::new(vec![Expr::DnatNumgen { targets: vec![] }]),
             }],
             1,
         );
