@@ -35,8 +35,7 @@ pub enum ConntrackError {
 pub type UdpBackend = (u16, IpAddr, u16);
 
 /// Every UDP (node port → endpoint) pair a ruleset programs, read from the IR itself: the
-/// `service-ports-*` maps lead to service chains, whose DNAT (single, or numgen over a map) names
-/// the endpoints.
+/// `service-ports-*` maps lead to service chains, whose DNAT rules name the endpoints.
 pub fn udp_backends(rs: &Ruleset) -> BTreeSet<UdpBackend> {
     let mut out = BTreeSet::new();
     for f in crate::ir::Family::ALL {
@@ -50,14 +49,8 @@ pub fn udp_backends(rs: &Ruleset) -> BTreeSet<UdpBackend> {
             let Some(Verdict::Goto(svc)) = verdict else { continue };
             let rules = rs.chains.get(svc).map(|c| c.rules.as_slice()).unwrap_or_default();
             for e in rules.iter().flat_map(|r| &r.exprs) {
-                match e {
-                    Expr::Dnat { addr, port } => {
-                        out.insert((*node_port, *addr, *port));
-                    }
-                    Expr::DnatNumgen { targets } => {
-                        out.extend(targets.iter().map(|(addr, port)| (*node_port, *addr, *port)));
-                    }
-                    _ => {}
+                if let Expr::Dnat { addr, port } = e {
+                    out.insert((*node_port, *addr, *port));
                 }
             }
         }

@@ -256,9 +256,10 @@ pub enum Expr {
     L4ProtoCtOrigDportVmap { map: String },
     /// `<family> saddr . meta l4proto . th sport @set` (packet comes from one of these endpoints)
     SaddrL4ProtoSportInSet { family: Family, set: String },
-    /// `dnat ip to numgen random mod N map { 0 : 10.0.0.1 . 8080, 1 : ... }` (N = targets.len(), all of
-    /// one family): picks an endpoint per new connection without a chain per endpoint.
-    DnatNumgen { targets: Vec<(IpAddr, u16)> },
+    /// `numgen random mod M V`: a fresh random draw in `0..M` equals `V`. A service chain picks one of
+    /// N endpoints with rules matching `mod N 0`, `mod N-1 0`, ..., the last one unconditional: each
+    /// is reached with probability (N-i)/N and matches with 1/(N-i), so every endpoint gets 1/N.
+    NumgenRandomIs { modulus: u32, value: u32 },
     /// `dnat ip to 10.0.0.1:8080`
     Dnat { addr: IpAddr, port: u16 },
     /// `masquerade`
@@ -485,15 +486,7 @@ pub fn render_expr(e: &Expr) -> String {
             };
             format!("{word} saddr . meta l4proto . th sport @{set}")
         }
-        Expr::DnatNumgen { targets } => {
-            let word = match targets.first().map(|(a, _)| Family::of(a)) {
-                Some(Family::Ipv6) => "ip6",
-                _ => "ip",
-            };
-            let elems: Vec<String> =
-                targets.iter().enumerate().map(|(i, (a, p))| format!("{i} : {a} . {p}")).collect();
-            format!("dnat {word} to numgen random mod {} map {{ {} }}", targets.len(), elems.join(", "))
-        }
+        Expr::NumgenRandomIs { modulus, value } => format!("numgen random mod {modulus} {value}"),
         Expr::Dnat { addr, port } => match addr {
             IpAddr::V4(a) => format!("dnat ip to {a}:{port}"),
             IpAddr::V6(a) => format!("dnat ip6 to [{a}]:{port}"),

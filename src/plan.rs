@@ -11,8 +11,8 @@
 //! nat-output         nat     output     -100  same, for node-originated traffic
 //! nat-postrouting    nat     postrouting 100  masquerade what a svc chain marked
 //! filter-forward     filter  forward       0  drop invalid from our endpoints; count+accept our flows
-//! svc<4|6>-…         per service port & family: counter, mark for masquerade, dnat (numgen map
-//!                    over the endpoints when there are several)
+//! svc<4|6>-…         per service port & family: counter, mark for masquerade, then one dnat rule
+//!                    per endpoint, chosen by `numgen random mod N-i 0` draws
 //! fw<4|6>-…          per service port & family with source ranges: allowed saddr → continue, else drop
 //! fwd<4|6>-…         per service port & family: counter accept (per-service traffic counters)
 //! no-endpoints       reject (TCP reset / ICMP port unreachable)
@@ -329,20 +329,30 @@ fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f
             );
         }
     }
-    // One rule: count, mark for masquerade, pick an endpoint and DNAT. No chain per endpoint: every
-    // chain a verdict map reaches is walked by the kernel's loop check on each transaction that adds
-    // a jump, so fewer chains make adding a Service cheaper at scale (docs/design.md).
-    let mut exprs = vec![Expr::Counter];
+    // Count and mark for masquerade, then one DNAT rule per endpoint, picked by independent draws
+    // (`Expr::NumgenRandomIs`). No chain per endpoint: every chain a verdict map reaches is walked
+    // by the kernel's loop check in each transaction that adds a jump. No map per service either:
+    // the kernel binds each anonymous set in time linear in the transaction and each map lookup
+    // walks every element of a shared map, both quadratic over a full sync (docs/design.md).
+    let mut first = vec![Expr::Counter];
     if svc.traffic_policy == TrafficPolicy::Cluster {
-        exprs.push(Expr::MarkSet(node.masquerade_mark));
+        first.push(Expr::MarkSet(node.masquerade_mark));
     }
     // nft needs the transport protocol known before a DNAT with a port.
-    exprs.push(Expr::L4Proto(port.id.protocol));
-    exprs.push(match endpoints.as_slice() {
-        [one] => Expr::Dnat { addr: one.addr, port: one.port },
-        many => Expr::DnatNumgen { targets: many.iter().map(|e| (e.addr, e.port)).collect() },
-    });
-    let rules = vec![Rule::new(exprs)];
+    let dnat = |ep: &Endpoint| [Expr::L4Proto(port.id.protocol), Expr::Dnat { addr: ep.addr, port: ep.port }];
+    let rules = match endpoints.as_slice() {
+        [one] => vec![Rule::new(first.into_iter().chain(dnat(one)).collect())],
+        many => {
+            let n = many.len() as u32;
+            let mut rules = vec![Rule::new(first)];
+            for (i, ep) in many.iter().enumerate() {
+                let left = n - i as u32;
+                let draw = (left > 1).then_some(Expr::NumgenRandomIs { modulus: left, value: 0 });
+                rules.push(Rule::new(draw.into_iter().chain(dnat(ep)).collect()));
+            }
+            rules
+        }
+    };
     let svc_chain = service_chain(f, svc, port);
     rs.add_chain(regular(svc_chain.clone(), Some(label.clone()), rules));
     insert_element(rs, &service_ports_map(f), key.clone(), Verdict::Goto(svc_chain));

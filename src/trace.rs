@@ -234,17 +234,9 @@ fn run_rule(rs: &Ruleset, rule: &crate::ir::Rule, st: &mut State<'_>) -> RuleEnd
                     vec![KeyPart::Addr(pkt.saddr), KeyPart::Proto(pkt.protocol), KeyPart::Port(pkt.sport)];
                 rs.sets.get(set).is_some_and(|s| s.elements.contains_key(&key))
             }
-            Expr::DnatNumgen { targets } => {
-                if targets.is_empty() {
-                    return RuleEnd::NoMatch;
-                }
-                let (addr, port) = targets[(st.env.numgen as usize) % targets.len()];
-                if Family::of(&addr) != family {
-                    return RuleEnd::Terminal(ChainEnd::Drop("dnat family mismatch".into()));
-                }
-                st.dnat = Some((addr, port));
-                return RuleEnd::NatDone;
-            }
+            // Every draw of one trace is `env.numgen`: with N endpoints, draw d picks the first i
+            // with d % (N - i) == 0 (d = 0 → the first endpoint; N = 2: d % 2 picks as a map would).
+            Expr::NumgenRandomIs { modulus, value } => *modulus != 0 && st.env.numgen % modulus == *value,
             Expr::Dnat { addr, port } => {
                 if Family::of(addr) != family {
                     return RuleEnd::Terminal(ChainEnd::Drop("dnat family mismatch".into()));

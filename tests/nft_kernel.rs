@@ -151,14 +151,14 @@ fn full_ruleset() -> Ruleset {
             r(vec![SaddrInPrefix { prefix: "192.0.2.0/24".parse().expect("cidr"), negate: false }, Counter])
                 .with_comment("service a"),
             r(vec![
+                NumgenRandomIs { modulus: 3, value: 0 },
                 L4Proto(Protocol::Tcp),
-                DnatNumgen {
-                    targets: vec![
-                        (ip("192.0.2.10"), 8080),
-                        (ip("192.0.2.11"), 8080),
-                        (ip("192.0.2.12"), 8081),
-                    ],
-                },
+                Dnat { addr: ip("192.0.2.10"), port: 8080 },
+            ]),
+            r(vec![
+                NumgenRandomIs { modulus: 2, value: 1 },
+                L4Proto(Protocol::Tcp),
+                Dnat { addr: ip("192.0.2.11"), port: 8080 },
             ]),
             r(vec![Verdict(goto("ep-a-0"))]),
         ],
@@ -168,8 +168,9 @@ fn full_ruleset() -> Ruleset {
     rs.add_chain(regular(
         "svc-b",
         vec![r(vec![
+            NumgenRandomIs { modulus: 2, value: 0 },
             L4Proto(Protocol::Udp),
-            DnatNumgen { targets: vec![(ip("2001:db8::11"), 53), (ip("2001:db8::12"), 5353)] },
+            Dnat { addr: ip("2001:db8::12"), port: 5353 },
         ])],
     ));
     rs.add_chain(regular(
@@ -256,7 +257,8 @@ fn diff_after_full_replace_matches_nft() {
         r(vec![Expr::Counter]),
         r(vec![
             Expr::L4Proto(Protocol::Tcp),
-            Expr::DnatNumgen { targets: vec![(ip("192.0.2.10"), 8080), (ip("192.0.2.11"), 8080)] },
+            Expr::NumgenRandomIs { modulus: 2, value: 0 },
+            Expr::Dnat { addr: ip("192.0.2.10"), port: 8080 },
         ]),
     ];
     rs2.chains.remove("ep-a-2");

@@ -163,3 +163,38 @@ fn chain_names_are_stable_and_bounded() {
     let svc_chain = plan::service_chain(Family::Ipv4, &s, &s.ports[0]);
     assert!(svc_chain.starts_with("svc4-"), "{svc_chain}");
 }
+
+/// Every endpoint of a service port gets an equal share: the chance of reaching DNAT rule i is the
+/// product of missing every earlier draw, times its own draw (exact arithmetic over the planned
+/// rules, N = 1..=12).
+#[test]
+fn endpoint_draws_are_uniform() {
+    use nodelb::ir::Expr;
+    for n in 1..=12u32 {
+        let endpoints = (0..n).map(|i| ep(&format!("198.51.100.{}", 10 + i), 8080, "node-1", true)).collect();
+        let s = svc("spread", vec![(80, Protocol::Tcp, endpoints)]);
+        let ports = BTreeMap::from([(s.ports[0].id, 20001)]);
+        let rs = plan::plan(&[ServicePlan { service: &s, node_ports: &ports }], &node(&[Family::Ipv4]));
+        let chain = rs.chains.values().find(|c| c.name.starts_with("svc4-")).expect("service chain");
+        // (numerator, denominator) of the chance to reach the next rule, and of each DNAT.
+        let (mut reach_num, mut reach_den) = (1u64, 1u64);
+        let mut shares = vec![];
+        for rule in &chain.rules {
+            if !rule.exprs.iter().any(|e| matches!(e, Expr::Dnat { .. })) {
+                continue;
+            }
+            let modulus = rule.exprs.iter().find_map(|e| match e {
+                Expr::NumgenRandomIs { modulus, value: 0 } => Some(u64::from(*modulus)),
+                _ => None,
+            });
+            let m = modulus.unwrap_or(1);
+            shares.push((reach_num, reach_den * m));
+            (reach_num, reach_den) = (reach_num * (m - 1), reach_den * m);
+        }
+        assert_eq!(shares.len(), n as usize, "one DNAT rule per endpoint (N = {n})");
+        for (num, den) in shares {
+            assert_eq!(num * u64::from(n), den, "share {num}/{den} is not 1/{n}");
+        }
+        assert_eq!(reach_num, 0, "the last DNAT rule takes whatever is left (N = {n})");
+    }
+}

@@ -20,25 +20,6 @@ const MAX_ELEMENTS_NEST: usize = 48 * 1024;
 /// An element as sent: encoded key bytes and, for maps, the verdict.
 pub type RawElement = (Vec<u8>, Option<Verdict>);
 
-/// The data of an element as written to the kernel: a verdict (verdict maps) or bytes (data maps,
-/// e.g. the `address . port` of a numgen DNAT map).
-enum ElemData {
-    Verdict(Verdict),
-    Value(Vec<u8>),
-}
-
-type WireElement = (Vec<u8>, Option<ElemData>);
-
-/// What the elements of an anonymous set map to.
-enum AnonData {
-    None,
-    /// Concatenated type id and length in bytes (NFTA_SET_DATA_TYPE / _LEN).
-    Value {
-        type_id: u32,
-        len: u32,
-    },
-}
-
 /// A batch ready to send.
 pub struct Encoded {
     pub bytes: Vec<u8>,
@@ -148,9 +129,8 @@ struct AnonSet {
     flags: u32,
     key_type: u32,
     key_len: u32,
-    data: AnonData,
     udata: Vec<u8>,
-    elements: Vec<WireElement>,
+    elements: Vec<RawElement>,
 }
 
 impl Enc {
@@ -219,7 +199,7 @@ impl Enc {
                 let types = self.key_types_hint(set, elements.first().map(|(k, _)| k));
                 let mut encoded = Vec::with_capacity(elements.len());
                 for (k, v) in elements {
-                    encoded.push((key_bytes(types.as_deref(), k)?, v.clone().map(ElemData::Verdict)));
+                    encoded.push((key_bytes(types.as_deref(), k)?, v.clone()));
                 }
                 let id = self.set_ids.get(set).copied();
                 self.elements(NFT_MSG_NEWSETELEM, NLM_F_CREATE, set, id, &encoded);
@@ -298,13 +278,6 @@ impl Enc {
         self.w.put_u32(NFTA_SET_FLAGS, s.flags);
         self.w.put_u32(NFTA_SET_KEY_TYPE, s.key_type);
         self.w.put_u32(NFTA_SET_KEY_LEN, s.key_len);
-        match s.data {
-            AnonData::None => {}
-            AnonData::Value { type_id, len } => {
-                self.w.put_u32(NFTA_SET_DATA_TYPE, type_id);
-                self.w.put_u32(NFTA_SET_DATA_LEN, len);
-            }
-        }
         self.w.put_u32(NFTA_SET_ID, s.id);
         let d = self.w.begin_nest(NFTA_SET_DESC);
         self.w.put_u32(NFTA_SET_DESC_SIZE, s.elements.len() as u32);
@@ -315,7 +288,7 @@ impl Enc {
     }
 
     /// NEWSETELEM/DELSETELEM messages for `elements`, split so no attribute exceeds 64 KiB.
-    fn elements(&mut self, msg: u8, flags: u16, set: &str, id: Option<u32>, elements: &[WireElement]) {
+    fn elements(&mut self, msg: u8, flags: u16, set: &str, id: Option<u32>, elements: &[RawElement]) {
         let mut rest = elements;
         while !rest.is_empty() {
             self.begin(msg, flags);
@@ -331,18 +304,10 @@ impl Enc {
                 let k = self.w.begin_nest(NFTA_SET_ELEM_KEY);
                 self.w.put(NFTA_DATA_VALUE, key);
                 self.w.end_nest(k);
-                match data {
-                    None => {}
-                    Some(ElemData::Verdict(v)) => {
-                        let d = self.w.begin_nest(NFTA_SET_ELEM_DATA);
-                        put_verdict(&mut self.w, v);
-                        self.w.end_nest(d);
-                    }
-                    Some(ElemData::Value(bytes)) => {
-                        let d = self.w.begin_nest(NFTA_SET_ELEM_DATA);
-                        self.w.put(NFTA_DATA_VALUE, bytes);
-                        self.w.end_nest(d);
-                    }
+                if let Some(v) = data {
+                    let d = self.w.begin_nest(NFTA_SET_ELEM_DATA);
+                    put_verdict(&mut self.w, v);
+                    self.w.end_nest(d);
                 }
                 self.w.end_nest(el);
                 n += 1;
@@ -711,7 +676,6 @@ impl Lower {
                     flags: NFT_SET_ANONYMOUS | NFT_SET_CONSTANT,
                     key_type: TYPE_INET_PROTOCOL,
                     key_len: 1,
-                    data: AnonData::None,
                     udata,
                     elements: [Protocol::Tcp, Protocol::Udp, Protocol::Sctp]
                         .iter()
@@ -737,71 +701,19 @@ impl Lower {
                 let id = enc.set_ids.get(set).copied();
                 self.lookup(set, id, false);
             }
-            Expr::DnatNumgen { targets } => {
-                let family = match targets.first() {
-                    Some((a, _)) => Family::of(a),
-                    None => return Err(NftError::Encode("numgen DNAT over no endpoints".into())),
-                };
-                if targets.iter().any(|(a, _)| Family::of(a) != family) {
-                    return Err(NftError::Encode("numgen DNAT over endpoints of both families".into()));
+            Expr::NumgenRandomIs { modulus, value } => {
+                if *modulus == 0 || value >= modulus {
+                    return Err(NftError::Encode(format!("numgen random mod {modulus} {value}")));
                 }
-                // Data `address . port`, the port padded to 4 bytes as in any concatenation; the
-                // port lands in the 32-bit register after the address (as nft 1.0.6 lays it out).
-                let (addr_type, addr_len) = match family {
-                    Family::Ipv4 => (TYPE_IPADDR, 4),
-                    Family::Ipv6 => (TYPE_IP6ADDR, 16),
-                };
-                let id = enc.alloc_set_id();
-                let mut udata = Vec::new();
-                udata_put(&mut udata, NFTNL_UDATA_SET_KEYBYTEORDER, &1u32.to_ne_bytes());
-                udata_put(&mut udata, NFTNL_UDATA_SET_DATABYTEORDER, &0u32.to_ne_bytes());
-                udata_put(&mut udata, NFTNL_UDATA_SET_DATA_INTERVAL, &0u32.to_ne_bytes());
-                let elements = targets
-                    .iter()
-                    .enumerate()
-                    .map(|(i, (addr, port))| {
-                        let mut v = match addr {
-                            IpAddr::V4(a) => a.octets().to_vec(),
-                            IpAddr::V6(a) => a.octets().to_vec(),
-                        };
-                        v.extend_from_slice(&port.to_be_bytes());
-                        v.extend_from_slice(&[0, 0]);
-                        ((i as u32).to_ne_bytes().to_vec(), Some(ElemData::Value(v)))
-                    })
-                    .collect();
-                self.anon.push(AnonSet {
-                    id,
-                    name: "__map%d",
-                    flags: NFT_SET_ANONYMOUS | NFT_SET_CONSTANT | NFT_SET_MAP,
-                    key_type: TYPE_INTEGER,
-                    key_len: 4,
-                    data: AnonData::Value {
-                        type_id: (addr_type << TYPE_BITS) | TYPE_INET_SERVICE,
-                        len: addr_len + 4,
-                    },
-                    udata,
-                    elements,
-                });
-                let n = targets.len() as u32;
+                let m = *modulus;
                 self.ex("numgen", |w| {
                     w.put_u32(NFTA_NG_DREG, reg(0));
-                    w.put_u32(NFTA_NG_MODULUS, n);
+                    w.put_u32(NFTA_NG_MODULUS, m);
                     w.put_u32(NFTA_NG_TYPE, NFT_NG_RANDOM);
                     w.put_u32(NFTA_NG_OFFSET, 0);
                 });
-                self.ex("lookup", |w| {
-                    w.put_u32(NFTA_LOOKUP_SREG, reg(0));
-                    w.put_u32(NFTA_LOOKUP_DREG, reg(0));
-                    w.put_str(NFTA_LOOKUP_SET, "__map%d");
-                    w.put_u32(NFTA_LOOKUP_SET_ID, id);
-                });
-                self.ex("nat", |w| {
-                    w.put_u32(NFTA_NAT_TYPE, NFT_NAT_DNAT);
-                    w.put_u32(NFTA_NAT_FAMILY, u32::from(family.nfproto()));
-                    w.put_u32(NFTA_NAT_REG_ADDR_MIN, reg(0));
-                    w.put_u32(NFTA_NAT_REG_PROTO_MIN, reg(addr_len / 4));
-                    w.put_u32(NFTA_NAT_FLAGS, NF_NAT_RANGE_PROTO_SPECIFIED);
-                });
+                // numgen writes host byte order.
+                self.cmp(NFT_CMP_EQ, &value.to_ne_bytes());
             }
             Expr::Dnat { addr, port } => {
                 let (family, bytes) = match addr {
@@ -1068,7 +980,7 @@ mod tests {
         let e = encode_batch(
             &[Change::AddRule {
                 chain: "c".into(),
-                rule: Rule::new(vec![Expr::DnatNumgen { targets: vec![] }]),
+                rule: Rule::new(vec![Expr::NumgenRandomIs { modulus: 0, value: 0 }]),
             }],
             1,
         );
