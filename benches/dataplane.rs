@@ -25,6 +25,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use common::agent::Agent;
+use common::cluster::{ANNOTATION_ALLOCATED, Cluster, node_v4};
 use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
 use common::netns::NetNs;
 use common::scenarios::{ep, node as node_facts, svc};
@@ -64,7 +65,20 @@ struct Config {
     out: Option<String>,
     svg: Option<String>,
     svg_link: String,
+    /// `--only a,b`: the parts to run (see [`PARTS`]); empty: all.
+    only: Vec<String>,
+    /// `--agent-log DIR`: keep the agents' logs there (they have a per-sync time breakdown).
+    agent_log: Option<String>,
 }
+
+impl Config {
+    fn wants(&self, part: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|p| p == part)
+    }
+}
+
+/// What `--only` can select.
+const PARTS: [&str; 4] = ["dataplane", "reaction", "kube-reaction", "footprint"];
 
 fn config() -> Config {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -89,6 +103,8 @@ fn config() -> Config {
             out: None,
             svg: None,
             svg_link: String::new(),
+            only: Vec::new(),
+            agent_log: None,
         }
     } else {
         Config {
@@ -106,6 +122,8 @@ fn config() -> Config {
             out: None,
             svg: None,
             svg_link: String::new(),
+            only: Vec::new(),
+            agent_log: None,
         }
     };
     if let Some(s) = value("--sizes") {
@@ -121,6 +139,16 @@ fn config() -> Config {
     if let Some(n) = value("--changes").and_then(|r| r.parse().ok()) {
         c.reaction_changes = n;
     }
+    if let Some(o) = value("--only") {
+        c.only = o.split(',').map(|p| p.trim().to_string()).filter(|p| !p.is_empty()).collect();
+        for p in &c.only {
+            if !PARTS.contains(&p.as_str()) {
+                eprintln!("dataplane bench: --only {p}: unknown part (known: {})", PARTS.join(", "));
+                std::process::exit(2);
+            }
+        }
+    }
+    c.agent_log = value("--agent-log");
     c.out = value("--out");
     c.svg = svg;
     c.svg_link = svg_link.unwrap_or_default();
@@ -595,6 +623,7 @@ struct Results {
     /// Notes on what could not be measured.
     notes: Vec<String>,
     reaction: Option<Reaction>,
+    kube_reaction: Option<Reaction>,
     footprint: Option<Footprint>,
     legacy: bool,
 }
@@ -627,6 +656,8 @@ struct Reaction {
     n: usize,
     add_ms: Vec<f64>,
     remove_ms: Vec<f64>,
+    /// Kubernetes mode: Service created → the leader's allocation annotation in the API server.
+    allocated_ms: Vec<f64>,
     timeouts: usize,
 }
 
@@ -798,18 +829,23 @@ fn flush_iptables(node: &NetNs, ipt: &str) {
 // ---------------------------------------------------------------------------------------------
 // The real agent: reaction time and footprint
 
+/// Service `svc-<i>` of the agent measurements: one TCP port (node port allocated), `endpoints`
+/// ready endpoints on node-1 at unused documentation addresses (no namespace answers there).
+fn agent_service(i: usize, endpoints: usize) -> ServiceSpec {
+    let mut s = ServiceSpec::new(&format!("svc-{i}")).port(PortSpec::tcp(80, None));
+    for e in 0..endpoints {
+        let a = Ipv4Addr::new(198, 51, 100, 100 + ((i * endpoints + e) % 150) as u8);
+        s = s.endpoint(EndpointSpec::local(a));
+    }
+    s
+}
+
 fn agent_manifests(n: usize, endpoints: usize) -> Vec<(String, String)> {
     let mut files = Vec::new();
     let per_file = 500;
     let mut cur = String::new();
     for i in 0..n {
-        let mut s = ServiceSpec::new(&format!("svc-{i}")).port(PortSpec::tcp(80, None));
-        for e in 0..endpoints {
-            // Unused documentation addresses (no namespace answers there).
-            let a = Ipv4Addr::new(198, 51, 100, 100 + ((i * endpoints + e) % 150) as u8);
-            s = s.endpoint(EndpointSpec::local(a));
-        }
-        cur.push_str(&s.render());
+        cur.push_str(&agent_service(i, endpoints).render());
         if (i + 1) % per_file == 0 || i + 1 == n {
             files.push((format!("svc-{:05}.yaml", files.len()), std::mem::take(&mut cur)));
         }
@@ -835,7 +871,17 @@ fn proc_cpu_s(pid: u32) -> Option<f64> {
 
 /// Polls a connection to `addr` every millisecond until it succeeds (`want_ok`) or is refused.
 fn poll_live(client: &NetNs, addr: SocketAddr, want_ok: bool, timeout: Duration) -> Option<Duration> {
-    let start = Instant::now();
+    poll_live_since(client, addr, want_ok, Instant::now(), timeout)
+}
+
+/// [`poll_live`], timed from `start`.
+fn poll_live_since(
+    client: &NetNs,
+    addr: SocketAddr,
+    want_ok: bool,
+    start: Instant,
+    timeout: Duration,
+) -> Option<Duration> {
     in_ns(client, move || {
         while start.elapsed() < timeout {
             let ok = match TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
@@ -906,10 +952,94 @@ fn run_agent(cfg: &Config, n: usize, footprint: bool, reaction: bool, r: &mut Re
                 None => timeouts += 1,
             }
         }
-        r.reaction = Some(Reaction { n, add_ms, remove_ms, timeouts });
+        r.reaction = Some(Reaction { n, add_ms, remove_ms, allocated_ms: Vec::new(), timeouts });
     }
     unregister_child(pid);
     agent.kill9();
+    keep_log(cfg, "manifests-agent.log", &agent.logs());
+}
+
+/// Reaction time in Kubernetes mode: one node whose agent is also the leader (allocates node ports
+/// and writes them, with the status, on the Services), against the in-process test API server
+/// (`tests/common/cluster.rs`), with `n` Services + EndpointSlices. Each change is timed from the
+/// API call to a connection through the node succeeding (create) or being refused (delete).
+fn run_kube(cfg: &Config, n: usize, r: &mut Results) {
+    let c = Cluster::with_nodes(1, 1, &["--resync-period", "10s"]);
+    let pid = c.agents[0].pid().expect("agent pid");
+    register_child(pid);
+    let t0 = Instant::now();
+    for i in 0..n {
+        c.create(&agent_service(i, cfg.footprint_endpoints));
+    }
+    let programmed = || {
+        c.agents[0].status().map_or(0, |st| {
+            st["services"].as_array().map_or(0, |v| v.iter().filter(|s| s["state"] == "programmed").count())
+        })
+    };
+    if !common::topology::wait_until(Duration::from_secs(300), || programmed() >= n) {
+        r.note(format!("Kubernetes mode: only {} of {n} Services programmed after 300 s", programmed()));
+    }
+    eprintln!("  {n} Services allocated and programmed in {:.2}s", t0.elapsed().as_secs_f64());
+
+    let addr = SocketAddr::new(IpAddr::V4(node_v4(0)), REACTION_NODE_PORT);
+    let backend = c.backends[0].v4;
+    let (mut add_ms, mut remove_ms, mut allocated_ms, mut timeouts) = (Vec::new(), Vec::new(), Vec::new(), 0);
+    for k in 0..cfg.reaction_changes / 2 {
+        let name = format!("react-{k}");
+        let s = ServiceSpec::new(&name)
+            .port(PortSpec::tcp(80, Some(REACTION_NODE_PORT)))
+            .endpoint(EndpointSpec::local(backend));
+        let start = Instant::now();
+        c.create(&s);
+        // The leader's write, seen from the API server (polled while the client polls the node).
+        let (live, allocated) = std::thread::scope(|scope| {
+            let allocated = scope.spawn(|| {
+                while start.elapsed() < Duration::from_secs(5) {
+                    let svc = c.api.get("v1", "Service", "default", &name);
+                    if svc.is_some_and(|v| v["metadata"]["annotations"][ANNOTATION_ALLOCATED].is_string()) {
+                        return Some(start.elapsed());
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                None
+            });
+            let live = poll_live_since(&c.client, addr, true, start, Duration::from_secs(5));
+            (live, allocated.join().unwrap_or(None))
+        });
+        match live {
+            Some(d) => add_ms.push(d.as_secs_f64() * 1e3),
+            None => timeouts += 1,
+        }
+        if let Some(d) = allocated {
+            allocated_ms.push(d.as_secs_f64() * 1e3);
+        }
+        let start = Instant::now();
+        if let Err(e) = c.api.delete("v1", "Service", "default", &name) {
+            r.note(format!("Kubernetes mode: delete {name}: {e:?}"));
+        }
+        match poll_live_since(&c.client, addr, false, start, Duration::from_secs(5)) {
+            Some(d) => remove_ms.push(d.as_secs_f64() * 1e3),
+            None => timeouts += 1,
+        }
+        for slice in s.slices() {
+            let slice_name = slice["metadata"]["name"].as_str().unwrap_or_default().to_string();
+            let _ = c.api.delete("discovery.k8s.io/v1", "EndpointSlice", "default", &slice_name);
+        }
+    }
+    r.kube_reaction = Some(Reaction { n, add_ms, remove_ms, allocated_ms, timeouts });
+    unregister_child(pid);
+    keep_log(cfg, "kube-agent.log", &c.agents[0].logs());
+}
+
+/// Copies an agent's log into `--agent-log DIR`, if given.
+fn keep_log(cfg: &Config, name: &str, log: &str) {
+    if let Some(dir) = &cfg.agent_log {
+        let path = std::path::Path::new(dir).join(name);
+        match std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&path, log)) {
+            Ok(()) => eprintln!("  agent log: {}", path.display()),
+            Err(e) => eprintln!("  !! cannot write {}: {e}", path.display()),
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -922,6 +1052,111 @@ fn fmt_us(x: f64) -> String {
 fn report(cfg: &Config, r: &Results) -> String {
     let mut o = String::new();
     let w = &mut o;
+    use std::fmt::Write as _;
+    if cfg.wants("dataplane") {
+        report_dataplane(cfg, r, w);
+    }
+    let _ =
+        writeln!(w, "\n### 4. Reaction time (change → connection through the node succeeds / is refused)\n");
+    let _ = writeln!(w, "1 ms polling by connection from the client; timeout 5 s.\n");
+    match &r.reaction {
+        Some(x) => {
+            let _ = writeln!(w, "Manifests mode (`nodelb run --manifests`), N = {} Services:\n", x.n);
+            reaction_table(
+                w,
+                x,
+                &[("add Service (file written)", &x.add_ms), ("remove Service (file deleted)", &x.remove_ms)],
+            );
+        }
+        None => {
+            let _ = writeln!(w, "Manifests mode: not measured.");
+        }
+    }
+    match &r.kube_reaction {
+        Some(x) => {
+            let _ = writeln!(
+                w,
+                "\nKubernetes mode (one node, its agent is the leader; test API server), N = {} Services:\n",
+                x.n
+            );
+            reaction_table(
+                w,
+                x,
+                &[
+                    ("create Service + EndpointSlice", &x.add_ms),
+                    ("… of which: until the allocation is written", &x.allocated_ms),
+                    ("delete Service", &x.remove_ms),
+                ],
+            );
+        }
+        None => {
+            let _ = writeln!(w, "\nKubernetes mode: not measured.");
+        }
+    }
+
+    let _ = writeln!(w, "\n### 5. Footprint (the agent, `nodelb run --manifests`, steady state)\n");
+    match &r.footprint {
+        Some(f) => {
+            let _ = writeln!(
+                w,
+                "| Services | endpoints each | start → ready s | RSS MiB | peak RSS MiB | CPU s since start | steady CPU % ({:.0} s window) |",
+                f.steady_window_s
+            );
+            let _ = writeln!(w, "|---:|---:|---:|---:|---:|---:|---:|");
+            let _ = writeln!(
+                w,
+                "| {} | {} | {:.2} | {:.1} | {:.1} | {:.2} | {:.2} |",
+                f.n, f.endpoints, f.ready_s, f.rss_mib, f.hwm_mib, f.cpu_total_s, f.cpu_steady_pct
+            );
+        }
+        None => {
+            let _ = writeln!(w, "not measured");
+        }
+    }
+
+    let _ = writeln!(w, "\n### Targets (issue 5)\n");
+    let _ = writeln!(w, "| target | measured | verdict |");
+    let _ = writeln!(w, "|---|---|---|");
+    if cfg.wants("dataplane") {
+        targets_dataplane(cfg, r, w);
+    }
+    for (mode, x) in [("manifests", &r.reaction), ("Kubernetes", &r.kube_reaction)] {
+        let Some(x) = x else { continue };
+        let all: Vec<f64> = x.add_ms.iter().chain(&x.remove_ms).copied().collect();
+        let p = percentile(&all, 0.5);
+        let _ = writeln!(
+            w,
+            "| change → rule live p50 ≤ 100 ms ({mode} mode) | {p:.1} ms (N = {}) | {} |",
+            x.n,
+            verdict(p <= 100.0)
+        );
+    }
+    if let Some(f) = &r.footprint {
+        let _ = writeln!(
+            w,
+            "| RSS ≤ 64 MiB at 10,000 Services | {:.1} MiB at N = {} | {} |",
+            f.rss_mib,
+            f.n,
+            verdict(f.rss_mib <= 64.0)
+        );
+    }
+    if !r.legacy {
+        let _ = writeln!(
+            w,
+            "\niptables-legacy does not work in a network namespace on this kernel: not measured."
+        );
+    }
+    if !r.notes.is_empty() {
+        let _ = writeln!(w, "\nNotes from the run:\n");
+        for n in &r.notes {
+            let _ = writeln!(w, "- {n}");
+        }
+    }
+    o
+}
+
+/// Sections 1–3 (connections, throughput, programming time).
+fn report_dataplane(cfg: &Config, r: &Results, w: &mut String) {
     use std::fmt::Write as _;
     let _ = writeln!(
         w,
@@ -1038,70 +1273,41 @@ fn report(cfg: &Config, r: &Results) -> String {
          separate `iptables` process, as klipper-lb runs them.",
         cfg.per_command_max
     );
+}
 
-    let _ = writeln!(
-        w,
-        "\n### 4. Reaction time (manifest change → connection through the node succeeds / is refused)\n"
-    );
-    match &r.reaction {
-        Some(x) => {
-            let _ =
-                writeln!(w, "Agent with N = {} Services; 1 ms polling by connection from the client.\n", x.n);
-            let _ = writeln!(w, "| change | count | p50 ms | p99 ms | max ms |");
-            let _ = writeln!(w, "|---|---:|---:|---:|---:|");
-            let all: Vec<f64> = x.add_ms.iter().chain(&x.remove_ms).copied().collect();
-            for (name, v) in [
-                ("add Service (file written)", &x.add_ms),
-                ("remove Service (file deleted)", &x.remove_ms),
-                ("all", &all),
-            ] {
-                let _ = writeln!(
-                    w,
-                    "| {name} | {} | {:.1} | {:.1} | {:.1} |",
-                    v.len(),
-                    percentile(v, 0.5),
-                    percentile(v, 0.99),
-                    percentile(v, 1.0)
-                );
-            }
-            if x.timeouts > 0 {
-                let _ = writeln!(w, "\n{} changes were not live within 5 s.", x.timeouts);
-            }
-        }
-        None => {
-            let _ = writeln!(w, "not measured");
-        }
+/// Rows of one reaction table, plus "all" (adds and removals together) and the timeouts.
+fn reaction_table(w: &mut String, x: &Reaction, rows: &[(&str, &Vec<f64>)]) {
+    use std::fmt::Write as _;
+    let _ = writeln!(w, "| change | count | p50 ms | p99 ms | max ms |");
+    let _ = writeln!(w, "|---|---:|---:|---:|---:|");
+    let all: Vec<f64> = x.add_ms.iter().chain(&x.remove_ms).copied().collect();
+    for (name, v) in rows.iter().copied().chain([("all (create/add and delete/remove)", &all)]) {
+        let _ = writeln!(
+            w,
+            "| {name} | {} | {:.1} | {:.1} | {:.1} |",
+            v.len(),
+            percentile(v, 0.5),
+            percentile(v, 0.99),
+            percentile(v, 1.0)
+        );
     }
-
-    let _ = writeln!(w, "\n### 5. Footprint (the agent, `nodelb run --manifests`, steady state)\n");
-    match &r.footprint {
-        Some(f) => {
-            let _ = writeln!(
-                w,
-                "| Services | endpoints each | start → ready s | RSS MiB | peak RSS MiB | CPU s since start | steady CPU % ({:.0} s window) |",
-                f.steady_window_s
-            );
-            let _ = writeln!(w, "|---:|---:|---:|---:|---:|---:|---:|");
-            let _ = writeln!(
-                w,
-                "| {} | {} | {:.2} | {:.1} | {:.1} | {:.2} | {:.2} |",
-                f.n, f.endpoints, f.ready_s, f.rss_mib, f.hwm_mib, f.cpu_total_s, f.cpu_steady_pct
-            );
-        }
-        None => {
-            let _ = writeln!(w, "not measured");
-        }
+    if x.timeouts > 0 {
+        let _ = writeln!(w, "\n{} changes were not live within 5 s.", x.timeouts);
     }
+}
 
-    let _ = writeln!(w, "\n### Targets (issue 5)\n");
-    let _ = writeln!(w, "| target | measured | verdict |");
-    let _ = writeln!(w, "|---|---|---|");
+fn verdict(ok: bool) -> &'static str {
+    if ok { "met" } else { "**missed**" }
+}
+
+/// The rows of the Targets table about the dataplane and programming time.
+fn targets_dataplane(cfg: &Config, r: &Results, w: &mut String) {
+    use std::fmt::Write as _;
     let nmax = *cfg.sizes.iter().max().unwrap_or(&1);
     let nmin = *cfg.sizes.iter().min().unwrap_or(&1);
     let p50 = |n: usize, v: &'static str| r.conn.get(&(n, v)).map(|s| s.p(0.5)).unwrap_or(f64::NAN);
     let over: Vec<(usize, f64)> = cfg.sizes.iter().map(|&n| (n, r.over_direct(n, "nodelb"))).collect();
     let worst = over.iter().cloned().fold((0, f64::MIN), |a, b| if b.1 > a.1 { b } else { a });
-    let verdict = |ok: bool| if ok { "met" } else { "**missed**" };
     let _ = writeln!(
         w,
         "| connect p50 ≤ direct + 15 µs at every N | worst {:+.1} µs (N = {}) | {} |",
@@ -1153,38 +1359,6 @@ fn report(cfg: &Config, r: &Results) -> String {
         "| add / remove one at 10,000 ≤ 5 ms | {add:.2} / {rem:.2} ms at N = {nmax}{at} | {} |",
         verdict(add <= 5.0 && rem <= 5.0)
     );
-    if let Some(x) = &r.reaction {
-        let all: Vec<f64> = x.add_ms.iter().chain(&x.remove_ms).copied().collect();
-        let p = percentile(&all, 0.5);
-        let _ = writeln!(
-            w,
-            "| change → rule live p50 ≤ 100 ms | {p:.1} ms (N = {}) | {} |",
-            x.n,
-            verdict(p <= 100.0)
-        );
-    }
-    if let Some(f) = &r.footprint {
-        let _ = writeln!(
-            w,
-            "| RSS ≤ 64 MiB at 10,000 Services | {:.1} MiB at N = {} | {} |",
-            f.rss_mib,
-            f.n,
-            verdict(f.rss_mib <= 64.0)
-        );
-    }
-    if !r.legacy {
-        let _ = writeln!(
-            w,
-            "\niptables-legacy does not work in a network namespace on this kernel: not measured."
-        );
-    }
-    if !r.notes.is_empty() {
-        let _ = writeln!(w, "\nNotes from the run:\n");
-        for n in &r.notes {
-            let _ = writeln!(w, "- {n}");
-        }
-    }
-    o
 }
 
 /// A line chart of the connect p50 ratio to direct vs N (log scale), as a standalone SVG.
@@ -1302,7 +1476,8 @@ fn main() {
         };
         let mut r = Results { legacy, ..Default::default() };
         let t = Instant::now();
-        for &n in &cfg.sizes {
+        let sizes: &[usize] = if cfg.wants("dataplane") { &cfg.sizes } else { &[] };
+        for &n in sizes {
             for rep in 0..cfg.reps {
                 eprintln!(
                     "[{:>6.1}s] N = {n}: repetition {}/{}",
@@ -1319,10 +1494,21 @@ fn main() {
                 }
             }
         }
-        let same = cfg.footprint_n == cfg.reaction_n;
-        eprintln!("[{:>6.1}s] agent: reaction time at N = {}", t.elapsed().as_secs_f64(), cfg.reaction_n);
-        run_agent(&cfg, cfg.reaction_n, same, true, &mut r);
-        if !same {
+        let (reaction, footprint) = (cfg.wants("reaction"), cfg.wants("footprint"));
+        let same = cfg.footprint_n == cfg.reaction_n && footprint;
+        if reaction {
+            eprintln!("[{:>6.1}s] agent: reaction time at N = {}", t.elapsed().as_secs_f64(), cfg.reaction_n);
+            run_agent(&cfg, cfg.reaction_n, same, true, &mut r);
+        }
+        if cfg.wants("kube-reaction") && cfg.reaction_changes > 0 {
+            eprintln!(
+                "[{:>6.1}s] agent: Kubernetes-mode reaction time at N = {}",
+                t.elapsed().as_secs_f64(),
+                cfg.reaction_n
+            );
+            run_kube(&cfg, cfg.reaction_n, &mut r);
+        }
+        if footprint && !(same && reaction) {
             eprintln!("[{:>6.1}s] agent: footprint at N = {}", t.elapsed().as_secs_f64(), cfg.footprint_n);
             run_agent(&cfg, cfg.footprint_n, true, false, &mut r);
         }

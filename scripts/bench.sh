@@ -6,7 +6,8 @@
 #   sudo scripts/bench.sh             # N up to 10,000: much longer (klipper rules at 10,000)
 #   sudo scripts/bench.sh --quick --no-docs   # print only, leave docs/ alone
 #
-# Extra arguments go to the benchmark (--sizes 1,100 --reps 3 --agent-n 1000 --changes 100).
+# Extra arguments go to the benchmark (--sizes 1,100 --reps 3 --agent-n 1000 --changes 100,
+# --only dataplane,reaction,kube-reaction,footprint, --agent-log DIR).
 # Everything runs in network namespaces the benchmark creates and deletes (also on Ctrl-C); the host
 # namespace is never touched. A benchmark, not a test: it never fails on a number.
 set -euo pipefail

@@ -85,7 +85,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             };
             info!(namespace = %ccfg.namespace, node = %ccfg.node_name, "Kubernetes mode");
             let controller = controller::spawn(client, kube.clone(), ccfg, status.clone(), metrics.clone());
-            (Source::kube(kube), Some(controller))
+            (Source::kube(kube.services_only()), Some(controller))
         }
     };
     agent::run(cfg, source, status, metrics, shutdown_signal()).await?;

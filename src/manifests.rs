@@ -31,6 +31,7 @@ use std::fmt;
 use std::io;
 use std::os::fd::{AsFd as _, AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Service;
@@ -41,8 +42,12 @@ use serde_json::Value;
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 
-/// Quiet time after the last event before notifying.
-pub const DEBOUNCE_QUIET: Duration = Duration::from_millis(50);
+/// Quiet time after the last event before notifying. One writer's burst (an editor's temp file +
+/// rename, `kubectl cp`, the kubelet's ConfigMap symlink swap) is a few syscalls within a
+/// millisecond; 10 ms also covers a writer descheduled on a busy node. A burst split by a longer
+/// pause costs one extra sync, never a wrong one (a half-written file keeps its last good
+/// content). It is paid on every change: it was 50 ms, a third of the reaction time.
+pub const DEBOUNCE_QUIET: Duration = Duration::from_millis(10);
 /// Longest delay between the first event of a burst and the notification.
 pub const DEBOUNCE_MAX: Duration = Duration::from_millis(150);
 /// How often a watcher that lost DIR looks for it again.
@@ -65,8 +70,9 @@ pub struct Manifests {
     pub problems: Vec<ManifestProblem>,
     /// Objects of kinds nodelb does not use.
     pub ignored: Vec<IgnoredObject>,
-    /// Per file: the objects it contributed and whether it had a problem.
-    pub files: BTreeMap<PathBuf, FileObjects>,
+    /// Per file: the objects it contributed and whether it had a problem (shared, so that
+    /// [`LastGood`] keeps them without copying every object at every sync).
+    pub files: BTreeMap<PathBuf, Arc<FileObjects>>,
 }
 
 /// What one file contributed to a [`Manifests`].
@@ -81,7 +87,7 @@ pub struct FileObjects {
 /// make its Services vanish, release their ports and reprogram the node half-way.
 #[derive(Debug, Clone, Default)]
 pub struct LastGood {
-    files: BTreeMap<PathBuf, FileObjects>,
+    files: BTreeMap<PathBuf, Arc<FileObjects>>,
 }
 
 impl LastGood {
@@ -90,27 +96,35 @@ impl LastGood {
     /// forgotten: deleting a file is how a user removes its objects.
     pub fn apply(&mut self, mut m: Manifests) -> Manifests {
         self.files.retain(|path, _| m.files.contains_key(path));
-        let mut services = Vec::new();
-        let mut slices = Vec::new();
+        let substituted =
+            m.files.iter().any(|(path, objs)| objs.had_problem && self.files.contains_key(path));
         for (path, objs) in &m.files {
             if !objs.had_problem {
                 self.files.insert(path.clone(), objs.clone());
-                services.extend(objs.services.iter().cloned());
-                slices.extend(objs.slices.iter().cloned());
-            } else if let Some(good) = self.files.get(path) {
-                m.problems.push(ManifestProblem {
-                    file: path.clone(),
-                    document: 0,
-                    line: None,
-                    message: "keeping the last good version of this file until it is fixed".into(),
-                });
-                services.extend(good.services.iter().cloned());
-                slices.extend(good.slices.iter().cloned());
-            } else {
-                // Never read good: serve what could be read of it.
-                services.extend(objs.services.iter().cloned());
-                slices.extend(objs.slices.iter().cloned());
             }
+        }
+        if !substituted {
+            // Every file serves what was read of it: that is `m.services` / `m.slices` already.
+            return m;
+        }
+        let mut services = Vec::new();
+        let mut slices = Vec::new();
+        for (path, objs) in &m.files {
+            let served = match self.files.get(path) {
+                Some(good) if objs.had_problem => {
+                    m.problems.push(ManifestProblem {
+                        file: path.clone(),
+                        document: 0,
+                        line: None,
+                        message: "keeping the last good version of this file until it is fixed".into(),
+                    });
+                    good
+                }
+                // Good, or never read good: serve what could be read of it.
+                _ => objs,
+            };
+            services.extend(served.services.iter().cloned());
+            slices.extend(served.slices.iter().cloned());
         }
         m.services = services;
         m.slices = slices;
@@ -301,7 +315,7 @@ fn merge_file(
     }
     out.services.extend(objs.services.iter().cloned());
     out.slices.extend(objs.slices.iter().cloned());
-    out.files.insert(path.to_path_buf(), objs);
+    out.files.insert(path.to_path_buf(), Arc::new(objs));
 }
 
 #[derive(Default)]
@@ -581,6 +595,9 @@ pub struct DirWatcher {
     /// so that `changed()` is cancel-safe: the agent awaits it inside `select!`, and a cancelled
     /// call must not lose events it already read from the inotify descriptor.
     pending: Option<(Instant, Instant)>,
+    /// [`DEBOUNCE_QUIET`], [`DEBOUNCE_MAX`].
+    quiet: Duration,
+    max: Duration,
 }
 
 /// `AsyncFd` wants `AsRawFd`, which nix's `Inotify` only offers as `AsFd`.
@@ -595,6 +612,11 @@ impl AsRawFd for InotifyFd {
 impl DirWatcher {
     /// Starts watching `dir`, which must exist. Needs a Tokio runtime with I/O and time enabled.
     pub fn new(dir: &Path) -> Result<DirWatcher, ManifestError> {
+        Self::with_debounce(dir, DEBOUNCE_QUIET, DEBOUNCE_MAX)
+    }
+
+    /// [`DirWatcher::new`] with another debounce (tests that need a long one).
+    fn with_debounce(dir: &Path, quiet: Duration, max: Duration) -> Result<DirWatcher, ManifestError> {
         let watch_err = |source: io::Error| ManifestError::Watch { path: dir.to_path_buf(), source };
         if tokio::runtime::Handle::try_current().is_err() {
             // Registering would panic.
@@ -607,7 +629,7 @@ impl DirWatcher {
         // life and always returns that same descriptor; the AsyncFd owns the InotifyFd.
         let fd = unsafe { AsyncFd::register_with_interest(InotifyFd(inotify), Interest::READABLE) }
             .map_err(|e| watch_err(e.into()))?;
-        Ok(DirWatcher { dir: dir.to_path_buf(), fd, watch: Some(wd), pending: None })
+        Ok(DirWatcher { dir: dir.to_path_buf(), fd, watch: Some(wd), pending: None, quiet, max })
     }
 
     /// Waits until something in DIR changed, then for the burst to settle (see
@@ -627,7 +649,7 @@ impl DirWatcher {
             }
         }
         while let Some((first, last)) = self.pending {
-            let deadline = (last + DEBOUNCE_QUIET).min(first + DEBOUNCE_MAX);
+            let deadline = (last + self.quiet).min(first + self.max);
             match tokio::time::timeout_at(deadline.into(), self.read_events()).await {
                 Err(_elapsed) => break,
                 Ok(result) => {
@@ -638,7 +660,13 @@ impl DirWatcher {
                 }
             }
         }
-        self.pending = None;
+        if let Some((first, last)) = self.pending.take() {
+            tracing::debug!(
+                burst_ms = (last - first).as_secs_f64() * 1e3,
+                waited_ms = first.elapsed().as_secs_f64() * 1e3,
+                "manifests changed"
+            );
+        }
         Ok(())
     }
 
@@ -964,7 +992,9 @@ mod tests {
     #[tokio::test]
     async fn watcher_is_cancel_safe() {
         let dir = dir_with(&[]);
-        let mut w = DirWatcher::new(dir.path()).expect("watch");
+        // A long debounce, so that the call below is surely cancelled during it.
+        let quiet = Duration::from_millis(300);
+        let mut w = DirWatcher::with_debounce(dir.path(), quiet, 2 * quiet).expect("watch");
         fs::write(dir.path().join("a.yaml"), SVC).unwrap();
         // Let the events arrive, then cancel the call during its debounce wait.
         tokio::time::sleep(Duration::from_millis(20)).await;

@@ -519,6 +519,7 @@ async fn round(
     recorder: &Recorder,
     metrics: &Metrics,
 ) -> bool {
+    let started = Instant::now();
     let snap = source.snapshot();
     let subst = last_good.apply(&snap.services, &cfg.model);
     let out = model::build(&subst.services, &snap.slices, &cfg.model);
@@ -548,6 +549,7 @@ async fn round(
         now: Timestamp::now(),
     };
     let writes = publish::plan_writes(&round);
+    let planned_ms = started.elapsed().as_secs_f64() * 1e3;
     let mut stale = false;
     for w in &writes {
         match write(client, w).await {
@@ -565,6 +567,12 @@ async fn round(
     if !writes.is_empty() {
         info!(services = writes.len(), "published allocations and status");
     }
+    debug!(
+        writes = writes.len(),
+        planned_ms,
+        written_ms = started.elapsed().as_secs_f64() * 1e3 - planned_ms,
+        "allocation round"
+    );
     let events = publish::service_events(&round, &duplicates);
     let fresh = deduper.fresh(&events, |e| (e.service.clone(), e.reason, e.message.clone()));
     for e in fresh {

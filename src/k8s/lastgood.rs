@@ -4,7 +4,7 @@
 //! is simply not programmed (fail closed). Same idea as the manifests mode's per-file last good.
 //! Pure.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::Service;
 
@@ -26,23 +26,36 @@ pub struct Substituted {
 impl LastGoodServices {
     pub fn apply(&mut self, services: &[Service], opts: &ModelOptions) -> Substituted {
         let mut out = Substituted::default();
-        let mut seen = BTreeMap::new();
+        let mut seen = BTreeSet::new();
         for svc in services {
-            let key = model::service_key(svc);
             if !model::is_ours(svc, opts) {
                 out.services.push(svc.clone());
                 continue;
             }
-            let check = model::build(std::slice::from_ref(svc), &[], opts);
-            match check.refused.into_iter().next() {
+            let key = model::service_key(svc);
+            // The very object that was found valid last time needs no check (nor copy) again:
+            // at 1,000 Services the per-Service check was a good part of every sync.
+            let unchanged = svc.metadata.resource_version.is_some()
+                && self.good.get(&key).is_some_and(|g| {
+                    g.metadata.uid == svc.metadata.uid
+                        && g.metadata.resource_version == svc.metadata.resource_version
+                });
+            let refusal = if unchanged {
+                None
+            } else {
+                model::build(std::slice::from_ref(svc), &[], opts).refused.into_iter().next()
+            };
+            match refusal {
                 None => {
-                    seen.insert(key, svc.clone());
+                    if !unchanged {
+                        self.good.insert(key.clone(), svc.clone());
+                    }
+                    seen.insert(key);
                     out.services.push(svc.clone());
                 }
                 Some(refusal) => match self.good.get(&key).filter(|g| g.metadata.uid == svc.metadata.uid) {
                     Some(good) => {
                         let mut kept = good.clone();
-                        // The allocation is the leader's, not part of the user's spec: current wins.
                         let current =
                             svc.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION_ALLOCATED));
                         let ann = kept.metadata.annotations.get_or_insert_default();
@@ -52,7 +65,7 @@ impl LastGoodServices {
                         };
                         kept.metadata.resource_version = svc.metadata.resource_version.clone();
                         kept.status = svc.status.clone();
-                        seen.insert(key, good.clone());
+                        seen.insert(key);
                         out.services.push(kept);
                         out.masked.push(refusal);
                     }
@@ -60,7 +73,8 @@ impl LastGoodServices {
                 },
             }
         }
-        self.good = seen;
+        // Gone, or replaced by a Service never seen valid: forgotten.
+        self.good.retain(|key, _| seen.contains(key));
         out
     }
 }

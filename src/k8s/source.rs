@@ -22,8 +22,14 @@ use tracing::{debug, info, warn};
 
 use super::nodes::LABEL_NODE_LEASE;
 
-/// Quiet time that ends a burst of changes, and the longest a burst may delay a sync.
-pub const DEBOUNCE_QUIET: Duration = Duration::from_millis(50);
+/// Quiet time that ends a burst of changes, and the longest a burst may delay a sync. The watch
+/// delivers one event per object change, a few milliseconds apart at most within one client
+/// operation (a Service and its EndpointSlice, an annotation patch and the status patch); 10 ms
+/// coalesces those and is paid on every change (it was 50 ms, twice on a create: once before the
+/// leader allocates, once before the node programs the allocation). It costs the API server
+/// nothing: the agent's sync is local, and the leader writes only Services whose annotation or
+/// status must change, however many rounds a burst is split into.
+pub const DEBOUNCE_QUIET: Duration = Duration::from_millis(10);
 pub const DEBOUNCE_MAX: Duration = Duration::from_millis(250);
 
 /// Everything the caches hold right now.
@@ -36,8 +42,9 @@ pub struct KubeSnapshot {
 }
 
 impl KubeSnapshot {
-    /// Changes whenever an object is added, removed or modified (uid + resourceVersion of every
-    /// object). A relist that brings nothing new keeps it, so nothing is recomputed.
+    /// Changes whenever a Service or EndpointSlice is added, removed or modified (uid +
+    /// resourceVersion of each): what a node programs depends on those only. A relist that
+    /// brings nothing new keeps it, so nothing is recomputed.
     pub fn fingerprint(&self) -> u64 {
         fn keys<K: Resource>(objs: &[K]) -> Vec<(Option<&str>, Option<&str>)> {
             let mut v: Vec<_> = objs
@@ -50,8 +57,6 @@ impl KubeSnapshot {
         let mut h = std::collections::hash_map::DefaultHasher::new();
         keys(&self.services).hash(&mut h);
         keys(&self.slices).hash(&mut h);
-        keys(&self.nodes).hash(&mut h);
-        keys(&self.leases).hash(&mut h);
         h.finish()
     }
 }
@@ -76,7 +81,13 @@ pub struct KubeSource {
     leases: Store<Lease>,
     synced: Arc<[AtomicBool; 4]>,
     health: Arc<Mutex<[Health; 4]>>,
-    changes: watch::Receiver<u64>,
+    /// Per reflector (index as in `synced`), how many changes it has seen.
+    changes: watch::Receiver<[u64; 4]>,
+    /// The reflectors whose changes [`KubeSource::changed`] reports, and their counts last seen.
+    interest: [bool; 4],
+    seen: [u64; 4],
+    /// [`KubeSource::complete`] was true at a change already reported.
+    was_complete: bool,
     /// First change of a burst not yet reported. Kept here so `changed()` is cancel-safe: the
     /// agent awaits it in `select!`, and `watch::Receiver::changed` marks a change seen as soon
     /// as it returns, so a call cancelled during the debounce would otherwise lose it.
@@ -86,7 +97,7 @@ pub struct KubeSource {
 impl KubeSource {
     /// Starts the four reflectors on the current Tokio runtime.
     pub fn start(client: Client, namespace: &str, metrics: Arc<Metrics>) -> KubeSource {
-        let (tx, changes) = watch::channel(0u64);
+        let (tx, changes) = watch::channel([0u64; 4]);
         let tx = Arc::new(tx);
         let synced: Arc<[AtomicBool; 4]> = Arc::new(Default::default());
         let health: Arc<Mutex<[Health; 4]>> = Arc::default();
@@ -108,7 +119,26 @@ impl KubeSource {
             "Lease",
             &shared,
         );
-        KubeSource { services, slices, nodes, leases, synced, health, changes, pending: None }
+        KubeSource {
+            services,
+            slices,
+            nodes,
+            leases,
+            synced,
+            health,
+            changes,
+            interest: [true; 4],
+            seen: [0; 4],
+            was_complete: false,
+            pending: None,
+        }
+    }
+
+    /// A handle whose [`KubeSource::changed`] reports Service and EndpointSlice changes only: a
+    /// node programs from those, and must not recompute everything at every node-Lease renewal
+    /// (every node renews every `lease/3`).
+    pub fn services_only(&self) -> KubeSource {
+        KubeSource { interest: [true, true, false, false], ..self.clone() }
     }
 
     /// How long the node-Lease cache has been known to be current: `None` while its watch is
@@ -151,7 +181,7 @@ impl KubeSource {
     /// Never returns if the reflectors are gone (they live as long as the runtime).
     pub async fn changed(&mut self) {
         if self.pending.is_none() {
-            if self.changes.changed().await.is_err() {
+            if !self.next_change().await {
                 return std::future::pending().await;
             }
             self.pending = Some(Instant::now());
@@ -159,12 +189,31 @@ impl KubeSource {
         let first = self.pending.unwrap_or_else(Instant::now);
         loop {
             let deadline = (Instant::now() + DEBOUNCE_QUIET).min(first + DEBOUNCE_MAX);
-            match tokio::time::timeout_at(deadline.into(), self.changes.changed()).await {
-                Ok(Ok(())) => continue,
-                Ok(Err(_)) | Err(_) => break,
+            match tokio::time::timeout_at(deadline.into(), self.next_change()).await {
+                Ok(true) => continue,
+                Ok(false) | Err(_) => break,
             }
         }
         self.pending = None;
+    }
+
+    /// Waits for a change of a reflector of interest; `false` when the reflectors are gone.
+    /// Cancel-safe: what was seen is recorded without an await in between.
+    async fn next_change(&mut self) -> bool {
+        loop {
+            if self.changes.changed().await.is_err() {
+                return false;
+            }
+            let now = *self.changes.borrow_and_update();
+            // Becoming complete matters whichever reflector finished last.
+            let completed = !self.was_complete && self.complete();
+            self.was_complete |= completed;
+            let relevant = completed || (0..now.len()).any(|i| self.interest[i] && now[i] != self.seen[i]);
+            self.seen = now;
+            if relevant {
+                return true;
+            }
+        }
     }
 }
 
@@ -176,7 +225,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 struct Shared {
     synced: Arc<[AtomicBool; 4]>,
     health: Arc<Mutex<[Health; 4]>>,
-    tx: Arc<watch::Sender<u64>>,
+    tx: Arc<watch::Sender<[u64; 4]>>,
     metrics: Arc<Metrics>,
 }
 
@@ -192,7 +241,12 @@ where
     K::DynamicType: Eq + std::hash::Hash + Clone + Default + Send + Sync,
 {
     let (reader, writer) = reflector::store();
-    let stream = reflector::reflector(writer, watcher(api, config).default_backoff());
+    // managedFields are large (a JSON tree per field manager) and never read: dropped before the
+    // cache, they are not kept in memory nor copied by every snapshot (most of a sync's time at
+    // 1,000 Services).
+    let objects =
+        watcher(api, config).default_backoff().modify(|o: &mut K| o.meta_mut().managed_fields = None);
+    let stream = reflector::reflector(writer, objects);
     let synced = shared.synced.clone();
     let health = shared.health.clone();
     let tx = shared.tx.clone();
@@ -217,7 +271,7 @@ where
                     }
                     // InitApply only fills the relist buffer; the store changes on InitDone.
                     if !matches!(ev, watcher::Event::InitApply(_)) {
-                        tx.send_modify(|n| *n = n.wrapping_add(1));
+                        tx.send_modify(|n| n[index] = n[index].wrapping_add(1));
                     }
                 }
                 Err(e) => {

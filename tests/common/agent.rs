@@ -108,8 +108,9 @@ impl Agent {
             cmd.args(["--resync-period", "1s"]);
         }
         cmd.args(&self.extra_args);
-        if std::env::var_os("RUST_LOG").is_none() {
-            cmd.env("RUST_LOG", "info,nodelb=debug");
+        // The agent's log filter is NODELB_LOG (RUST_LOG is not read).
+        if std::env::var_os("NODELB_LOG").is_none() {
+            cmd.env("NODELB_LOG", "info,nodelb=debug");
         }
         cmd.stdin(Stdio::null()).stdout(log.try_clone().unwrap()).stderr(log);
         self.child = Some(cmd.spawn().expect("spawn nodelb run"));

@@ -78,7 +78,11 @@ impl Cluster {
     }
 
     pub fn with_agent_args(backends: usize, extra: &[&str]) -> Cluster {
-        let nodes_n = 3;
+        Self::with_nodes(3, backends, extra)
+    }
+
+    /// `nodes_n` nodes (node-1 … node-`nodes_n`, at most 9), each with its agent; see [`Cluster::new`].
+    pub fn with_nodes(nodes_n: usize, backends: usize, extra: &[&str]) -> Cluster {
         let fabric = NetNs::new("fab");
         for br in ["br-f", "br-b"] {
             fabric.ip(&["link", "add", br, "type", "bridge"]);
