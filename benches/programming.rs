@@ -1,0 +1,102 @@
+//! Kernel programming cost of nodelb's ruleset at scale, split into user and kernel time: one full
+//! replace of N Services × E endpoints through `NftClient::apply` (the agent's code), then adding
+//! and removing one Service as a diff. A benchmark, not a test (docs/benchmarks.md, "How the layout
+//! got here"); root, in a network namespace it creates and deletes.
+//!
+//! ```text
+//! sudo cargo bench --bench programming -- --services 10000 --endpoints 5 --reps 5
+//! ```
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::time::Instant;
+
+use common::netns::NetNs;
+use common::scenarios::{ep, node as node_facts, svc};
+use nix::sys::resource::{UsageWho, getrusage};
+use nodelb::ir::{Family, Protocol, Ruleset};
+use nodelb::model::{LbService, PortId};
+use nodelb::nft::NftClient;
+use nodelb::plan::{self, ServicePlan};
+
+fn ruleset(n: usize, endpoints: usize) -> Ruleset {
+    let lb: Vec<(LbService, BTreeMap<PortId, u16>)> = (0..n)
+        .map(|i| {
+            let eps = (0..endpoints)
+                .map(|k| {
+                    let a = Ipv4Addr::new(198, 51, 100, 100 + ((i + k) % 150) as u8);
+                    ep(&a.to_string(), 10000 + (i % 50000) as u16, "node-1", true)
+                })
+                .collect();
+            let l = svc(&format!("s{i}"), vec![(80, Protocol::Tcp, eps)]);
+            let ports = BTreeMap::from([(l.ports[0].id, 20000 + i as u16)]);
+            (l, ports)
+        })
+        .collect();
+    let plans: Vec<ServicePlan<'_>> =
+        lb.iter().map(|(s, p)| ServicePlan { service: s, node_ports: p }).collect();
+    plan::plan(&plans, &node_facts(&[Family::Ipv4]))
+}
+
+/// (user, system) CPU time of the calling thread, in ms.
+fn thread_cpu_ms() -> (f64, f64) {
+    let u = getrusage(UsageWho::RUSAGE_THREAD).expect("getrusage");
+    let ms = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 * 1e3 + t.tv_usec() as f64 / 1e3;
+    (ms(u.user_time()), ms(u.system_time()))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let value = |flag: &str, default: usize| {
+        args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)?.parse().ok()).unwrap_or(default)
+    };
+    let (n, endpoints, reps) = (value("--services", 10_000), value("--endpoints", 1), value("--reps", 5));
+    if n == 0 || n > 40_000 || endpoints == 0 || reps == 0 {
+        eprintln!("--services 1..=40000, --endpoints ≥ 1, --reps ≥ 1");
+        std::process::exit(2);
+    }
+    if !nix::unistd::Uid::effective().is_root() {
+        eprintln!("programming benchmark: needs root (network namespace, nftables)");
+        std::process::exit(1);
+    }
+    let t = Instant::now();
+    let base = ruleset(n, endpoints);
+    let plus = ruleset(n + 1, endpoints);
+    let plan_ms = t.elapsed().as_secs_f64() * 1e3 / 2.0;
+    let add = plan::diff(&base, &plus);
+    let remove = plan::diff(&plus, &base);
+    let ns = NetNs::new("prog");
+    let rows = ns.run(move || {
+        let mut c = NftClient::new().expect("netlink socket");
+        let (mut full, mut full_sys, mut adds, mut removes) = (vec![], vec![], vec![], vec![]);
+        for _ in 0..reps {
+            let (_, s0) = thread_cpu_ms();
+            let t = Instant::now();
+            c.apply(&base.full_replace()).expect("full replace");
+            full.push(t.elapsed().as_secs_f64() * 1e3);
+            full_sys.push(thread_cpu_ms().1 - s0);
+            let t = Instant::now();
+            c.apply(&add).expect("add one");
+            adds.push(t.elapsed().as_secs_f64() * 1e3);
+            let t = Instant::now();
+            c.apply(&remove).expect("remove one");
+            removes.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        c.delete_table().expect("delete table");
+        (median(full), median(full_sys), median(adds), median(removes))
+    });
+    let (full, full_sys, add_ms, remove_ms) = rows;
+    println!("{n} Services × {endpoints} endpoints, median of {reps} (ms):");
+    println!("  plan (pure, per ruleset)      {plan_ms:10.1}");
+    println!("  full replace, one batch       {full:10.1}   (kernel/system time {full_sys:.1})");
+    println!("  add one Service (diff)        {add_ms:10.2}");
+    println!("  remove one Service (diff)     {remove_ms:10.2}");
+}
