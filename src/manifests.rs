@@ -185,7 +185,7 @@ pub fn load_dir(dir: &Path) -> Result<Manifests, ManifestError> {
 
 /// What identifies a file's content without reading it: a changed stamp means "parse again".
 /// `metadata()` follows symlinks, so a ConfigMap `..data` swap (new target inode) is noticed.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct FileStamp {
     len: u64,
     dev: u64,
@@ -212,6 +212,17 @@ impl FileStamp {
 #[derive(Debug, Default)]
 pub struct ManifestCache {
     files: BTreeMap<PathBuf, (FileStamp, Manifests)>,
+}
+
+impl ManifestCache {
+    /// Identifies what the last [`load_dir_cached`] read: equal fingerprints mean the same files
+    /// with the same stamps, hence the same manifests.
+    pub fn fingerprint(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::hash::DefaultHasher::new();
+        self.files.iter().for_each(|(path, (stamp, _))| (path, stamp).hash(&mut h));
+        h.finish()
+    }
 }
 
 /// [`load_dir`] that re-parses only files whose stamp changed since the last call with `cache`.

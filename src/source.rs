@@ -70,7 +70,7 @@ impl Source {
                     services: loaded.services,
                     slices: loaded.slices,
                     problems: loaded.problems.iter().map(|p| p.to_string()).collect(),
-                    fingerprint: None,
+                    fingerprint: Some(cache.fingerprint()),
                 }))
             }
             Source::Kube { source, last_good } => {
