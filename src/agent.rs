@@ -499,7 +499,9 @@ impl std::fmt::Display for Phases {
     }
 }
 
-/// Chains (among `tracked`) whose rules, and so counters, this batch removes.
+/// Named counters (among `tracked`) that this batch deletes: the whole table on a full replace,
+/// else the counters of Service ports that stop being programmed. Flushing or replacing chains
+/// does not touch them.
 fn resetting_chains(changes: &[Change], tracked: &BTreeSet<String>) -> BTreeSet<String> {
     if changes.iter().any(|c| matches!(c, Change::DeleteTable)) {
         return tracked.clone();
@@ -507,7 +509,7 @@ fn resetting_chains(changes: &[Change], tracked: &BTreeSet<String>) -> BTreeSet<
     changes
         .iter()
         .filter_map(|c| match c {
-            Change::FlushChain(n) | Change::DeleteChain(n) if tracked.contains(n) => Some(n.clone()),
+            Change::DeleteCounter(n) if tracked.contains(n) => Some(n.clone()),
             _ => None,
         })
         .collect()

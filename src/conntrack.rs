@@ -18,7 +18,7 @@ use netlink_packet_netfilter::{
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 
-use crate::ir::{Expr, Protocol, Ruleset, Verdict};
+use crate::ir::{Expr, Mapped, Protocol, Ruleset, Verdict};
 use crate::plan;
 
 #[derive(Debug, thiserror::Error)]
@@ -46,7 +46,7 @@ pub fn udp_backends(rs: &Ruleset) -> BTreeSet<UdpBackend> {
             else {
                 continue;
             };
-            let Some(Verdict::Goto(svc)) = verdict else { continue };
+            let Some(Mapped::Verdict(Verdict::Goto(svc))) = verdict else { continue };
             let rules = rs.chains.get(svc).map(|c| c.rules.as_slice()).unwrap_or_default();
             for e in rules.iter().flat_map(|r| &r.exprs) {
                 if let Expr::Dnat { addr, port } = e {

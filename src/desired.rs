@@ -191,20 +191,20 @@ fn service_status(
     }
 }
 
-/// The counter-carrying chains of each served Service port that the ruleset contains.
+/// The named counters of each served Service port that the ruleset contains.
 fn counter_index(services: &[LbService], ruleset: &Ruleset) -> BTreeMap<String, (SeriesKey, CounterKind)> {
     let mut index = BTreeMap::new();
     for svc in services {
         for port in &svc.ports {
             let key = SeriesKey { service: svc.key.clone(), port: port.id };
             for f in Family::ALL {
-                for (chain, kind) in [
-                    (plan::service_chain(f, svc, port), CounterKind::Connections),
-                    (plan::forward_chain(f, svc, port), CounterKind::Traffic),
-                    (plan::firewall_chain(f, svc, port), CounterKind::Refused),
+                for (counter, kind) in [
+                    (plan::connections_counter(f, svc, port), CounterKind::Connections),
+                    (plan::forwarded_counter(f, svc, port), CounterKind::Traffic),
+                    (plan::refused_counter(f, svc, port), CounterKind::Refused),
                 ] {
-                    if ruleset.chains.contains_key(&chain) {
-                        index.insert(chain, (key.clone(), kind));
+                    if ruleset.counters.contains_key(&counter) {
+                        index.insert(counter, (key.clone(), kind));
                     }
                 }
             }

@@ -248,12 +248,18 @@ pub enum Expr {
     MarkSet(u32),
     /// `meta mark set mark ^ bit` (clears a bit known to be set)
     MarkXor(u32),
-    /// `counter` (packets and bytes; read back for metrics)
+    /// `counter` (packets and bytes, anonymous: reset when the rule is replaced)
     Counter,
+    /// `counter name "NAME"`: count in the named counter object NAME (read back for metrics).
+    CounterRef(String),
     /// `meta l4proto . th dport vmap @map`
     L4ProtoDportVmap { map: String },
     /// `meta l4proto . ct original proto-dst vmap @map`
     L4ProtoCtOrigDportVmap { map: String },
+    /// `counter name meta l4proto . ct original proto-dst map @map`: count in the named counter
+    /// the counter map gives for the connection's original protocol and port; no match when the
+    /// map has no such element.
+    L4ProtoCtOrigDportCounterMap { map: String },
     /// `<family> saddr . meta l4proto . th sport @set` (packet comes from one of these endpoints)
     SaddrL4ProtoSportInSet { family: Family, set: String },
     /// `numgen random mod M V`: a fresh random draw in `0..M` equals `V`. A service chain picks one of
@@ -306,14 +312,52 @@ pub enum KeyPart {
 
 pub type Key = Vec<KeyPart>;
 
+/// What a set holds: keys only, or keys mapped to a verdict or to a named counter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SetKind {
+    /// `set`: keys only.
+    Set,
+    /// `map … : verdict`
+    VerdictMap,
+    /// `map … : counter` (elements name a [`NamedCounter`]; `counter name … map @m` counts in it)
+    CounterMap,
+}
+
+impl SetKind {
+    /// `set` or `map`, as nft writes it.
+    pub fn word(self) -> &'static str {
+        match self {
+            SetKind::Set => "set",
+            SetKind::VerdictMap | SetKind::CounterMap => "map",
+        }
+    }
+}
+
+/// The value of a map element.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Mapped {
+    Verdict(Verdict),
+    /// The name of a [`NamedCounter`] of the table.
+    Counter(String),
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Set {
     pub name: String,
     pub key: Vec<KeyType>,
-    /// `true` for a verdict map (`: verdict`), `false` for a plain set.
-    pub verdict_map: bool,
-    /// Element key → verdict (always `None` for plain sets).
-    pub elements: BTreeMap<Key, Option<Verdict>>,
+    pub kind: SetKind,
+    /// Element key → mapped value (always `None` for plain sets).
+    pub elements: BTreeMap<Key, Option<Mapped>>,
+    pub comment: Option<String>,
+}
+
+/// A named counter object (`counter NAME { }`): counts packets and bytes for every rule that
+/// names it (`counter name NAME`) or reaches it through a counter map. Unlike an anonymous
+/// `counter` in a rule, it keeps counting when the rules that use it are replaced, so per-Service
+/// totals survive endpoint changes.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct NamedCounter {
+    pub name: String,
     pub comment: Option<String>,
 }
 
@@ -322,6 +366,7 @@ pub struct Set {
 pub struct Ruleset {
     pub chains: BTreeMap<String, Chain>,
     pub sets: BTreeMap<String, Set>,
+    pub counters: BTreeMap<String, NamedCounter>,
 }
 
 impl Ruleset {
@@ -333,6 +378,10 @@ impl Ruleset {
         self.sets.insert(set.name.clone(), set);
     }
 
+    pub fn add_counter(&mut self, counter: NamedCounter) {
+        self.counters.insert(counter.name.clone(), counter);
+    }
+
     /// Renders the ruleset in `nft` syntax, loadable with `nft -f` (sets, then chains sorted by
     /// name, so the output is stable for golden tests). Chains come in the order
     /// [`Ruleset::full_replace`] creates them, because `nft list` prints chains in creation order:
@@ -340,6 +389,13 @@ impl Ruleset {
     pub fn render(&self) -> String {
         let mut out = String::new();
         let _ = writeln!(out, "table inet {TABLE_NAME} {{");
+        for counter in self.counters.values() {
+            let _ = writeln!(out, "\tcounter {} {{", counter.name);
+            if let Some(c) = &counter.comment {
+                let _ = writeln!(out, "\t\tcomment {}", quote(c));
+            }
+            out.push_str("\t}\n");
+        }
         for set in self.sets.values() {
             render_set(&mut out, set);
         }
@@ -352,14 +408,14 @@ impl Ruleset {
 }
 
 fn render_set(out: &mut String, set: &Set) {
-    let kind = if set.verdict_map { "map" } else { "set" };
     let key: Vec<&str> = set.key.iter().map(|k| k.name()).collect();
-    let _ = writeln!(out, "\t{kind} {} {{", set.name);
-    if set.verdict_map {
-        let _ = writeln!(out, "\t\ttype {} : verdict", key.join(" . "));
-    } else {
-        let _ = writeln!(out, "\t\ttype {}", key.join(" . "));
-    }
+    let _ = writeln!(out, "\t{} {} {{", set.kind.word(), set.name);
+    let data = match set.kind {
+        SetKind::Set => "",
+        SetKind::VerdictMap => " : verdict",
+        SetKind::CounterMap => " : counter",
+    };
+    let _ = writeln!(out, "\t\ttype {}{data}", key.join(" . "));
     if let Some(c) = &set.comment {
         let _ = writeln!(out, "\t\tcomment {}", quote(c));
     }
@@ -368,7 +424,7 @@ fn render_set(out: &mut String, set: &Set) {
             .elements
             .iter()
             .map(|(k, v)| match v {
-                Some(v) => format!("{} : {}", render_key(k), render_verdict(v)),
+                Some(v) => format!("{} : {}", render_key(k), render_mapped(v)),
                 None => render_key(k),
             })
             .collect();
@@ -423,6 +479,13 @@ pub fn render_verdict(v: &Verdict) -> String {
     }
 }
 
+pub fn render_mapped(m: &Mapped) -> String {
+    match m {
+        Mapped::Verdict(v) => render_verdict(v),
+        Mapped::Counter(name) => quote(name),
+    }
+}
+
 fn prefix_family_word(p: &IpNet) -> &'static str {
     match p {
         IpNet::V4(_) => "ip",
@@ -472,12 +535,19 @@ pub fn render_expr(e: &Expr) -> String {
         Expr::MarkSet(bit) => format!("meta mark set meta mark | {bit:#010x}"),
         Expr::MarkXor(bit) => format!("meta mark set meta mark ^ {bit:#010x}"),
         Expr::Counter => "counter".into(),
+        Expr::CounterRef(name) => format!("counter name {}", quote(name)),
         Expr::L4ProtoDportVmap { map } => format!("meta l4proto . th dport vmap @{map}"),
         Expr::L4ProtoCtOrigDportVmap { map } => {
             // nft 1.0.6 rejects `ct original proto-dst` in a concatenation until the transport
             // protocol is known; the set match gives it that context (and matches every protocol a
             // service port can have). The encoder lowers the same set lookup.
             format!("meta l4proto {{ tcp, udp, sctp }} meta l4proto . ct original proto-dst vmap @{map}")
+        }
+        Expr::L4ProtoCtOrigDportCounterMap { map } => {
+            // Same transport-protocol context as the vmap form above.
+            format!(
+                "meta l4proto {{ tcp, udp, sctp }} counter name meta l4proto . ct original proto-dst map @{map}"
+            )
         }
         Expr::SaddrL4ProtoSportInSet { family, set } => {
             let word = match family {
@@ -522,21 +592,26 @@ pub enum Change {
     DeleteSet(String),
     AddElements {
         set: String,
-        elements: Vec<(Key, Option<Verdict>)>,
+        elements: Vec<(Key, Option<Mapped>)>,
     },
     DeleteElements {
         set: String,
         keys: Vec<Key>,
     },
+    /// Create a named counter (starting at zero).
+    AddCounter(NamedCounter),
+    /// Delete an (unreferenced) named counter.
+    DeleteCounter(String),
 }
 
 impl Ruleset {
     /// The changes that replace whatever the kernel holds with exactly `self`, atomically:
-    /// create-if-missing, delete, then build everything. Chains come before sets (map elements
-    /// point at chains) and sets before rules (rules look up sets).
+    /// create-if-missing, delete, then build everything. Chains and counters come before sets
+    /// (map elements point at them) and sets before rules (rules look up sets).
     pub fn full_replace(&self) -> Vec<Change> {
         let mut changes = vec![Change::AddTable, Change::DeleteTable, Change::AddTable];
         changes.extend(self.chains.values().map(|c| Change::AddChain(c.clone())));
+        changes.extend(self.counters.values().map(|c| Change::AddCounter(c.clone())));
         for set in self.sets.values() {
             changes.push(Change::AddSet(set.clone()));
             if !set.elements.is_empty() {

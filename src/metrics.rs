@@ -64,14 +64,14 @@ impl CounterState {
         chains: &BTreeSet<String>,
         index: &BTreeMap<String, (SeriesKey, CounterKind)>,
     ) {
-        for (chain, _, c) in table.counters() {
-            if !chains.contains(chain) {
+        for (name, k) in &table.counters {
+            if !chains.contains(name) {
                 continue;
             }
-            if let Some(key) = index.get(chain).or_else(|| self.index.get(chain)) {
+            if let Some(key) = index.get(name).or_else(|| self.index.get(name)) {
                 let t = self.base.entry(key.clone()).or_default();
-                t.packets += c.packets;
-                t.bytes += c.bytes;
+                t.packets += k.counter.packets;
+                t.bytes += k.counter.bytes;
             }
         }
     }
@@ -81,8 +81,9 @@ impl CounterState {
         let mut out: BTreeMap<(SeriesKey, CounterKind), Totals> =
             self.index.values().map(|k| (k.clone(), self.base.get(k).copied().unwrap_or_default())).collect();
         if let Some(table) = table {
-            for (chain, _, Counter { packets, bytes }) in table.counters() {
-                if let Some(key) = self.index.get(chain)
+            for (name, k) in &table.counters {
+                let Counter { packets, bytes } = k.counter;
+                if let Some(key) = self.index.get(name)
                     && let Some(t) = out.get_mut(key)
                 {
                     t.packets += packets;

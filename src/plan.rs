@@ -10,21 +10,27 @@
 //! nat-prerouting     nat     prerouting -100  local daddr → vmap @service-ports-<fam> (goto svc chain)
 //! nat-output         nat     output     -100  same, for node-originated traffic
 //! nat-postrouting    nat     postrouting 100  masquerade what a svc chain marked
-//! filter-forward     filter  forward       0  drop invalid from our endpoints; count+accept our flows
-//! svc<4|6>-…         per service port & family: counter, mark for masquerade, then one dnat rule
+//! filter-forward     filter  forward       0  drop invalid from our endpoints; our flows: count in
+//!                                             `counter name … map @forward-counters-<fam>`, accept
+//! svc<4|6>-…         per service port & family: count, mark for masquerade, then one dnat rule
 //!                    per endpoint, chosen by `numgen random mod N-i 0` draws
-//! fw<4|6>-…          per service port & family with source ranges: allowed saddr → continue, else drop
-//! fwd<4|6>-…         per service port & family: counter accept (per-service traffic counters)
+//! fw<4|6>-…          per service port & family with source ranges: allowed saddr → continue, else
+//!                    count and drop
 //! no-endpoints       reject (TCP reset / ICMP port unreachable)
 //! ```
+//!
+//! Per-service counters are named counter objects (`conn<4|6>-…` new connections, `fwd<4|6>-…`
+//! forwarded packets and bytes, `refused<4|6>-…` source-range drops): they exist while the Service
+//! port is programmed for the family, with or without endpoints, and keep counting when its rules
+//! are replaced.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use ipnet::IpNet;
 
 use crate::ir::{
-    BaseChain, Chain, ChainType, Change, CtState, Expr, Family, Hook, Key, KeyPart, KeyType, Protocol, Rule,
-    Ruleset, Set, Verdict, priority,
+    BaseChain, Chain, ChainType, Change, CtState, Expr, Family, Hook, Key, KeyPart, KeyType, Mapped,
+    NamedCounter, Protocol, Rule, Ruleset, Set, SetKind, Verdict, priority,
 };
 use crate::model::{Endpoint, LbPort, LbService, PortId, TrafficPolicy};
 
@@ -68,8 +74,8 @@ pub fn service_ports_map(f: Family) -> String {
 pub fn firewall_ports_map(f: Family) -> String {
     format!("firewall-ports-{}", f.name())
 }
-pub fn forward_ports_map(f: Family) -> String {
-    format!("forward-ports-{}", f.name())
+pub fn forward_counters_map(f: Family) -> String {
+    format!("forward-counters-{}", f.name())
 }
 pub fn endpoints_set(f: Family) -> String {
     format!("endpoints-{}", f.name())
@@ -118,8 +124,18 @@ pub fn service_chain(f: Family, svc: &LbService, port: &LbPort) -> String {
 pub fn firewall_chain(f: Family, svc: &LbService, port: &LbPort) -> String {
     chain_name("fw", f, &port_identity(svc, port))
 }
-pub fn forward_chain(f: Family, svc: &LbService, port: &LbPort) -> String {
+
+/// Named counter of the new connections a service port's chain DNATs.
+pub fn connections_counter(f: Family, svc: &LbService, port: &LbPort) -> String {
+    chain_name("conn", f, &port_identity(svc, port))
+}
+/// Named counter of the packets and bytes forwarded for a service port's connections.
+pub fn forwarded_counter(f: Family, svc: &LbService, port: &LbPort) -> String {
     chain_name("fwd", f, &port_identity(svc, port))
+}
+/// Named counter of the new connections a service port's source ranges drop.
+pub fn refused_counter(f: Family, svc: &LbService, port: &LbPort) -> String {
+    chain_name("refused", f, &port_identity(svc, port))
 }
 
 /// The endpoints a service port uses on this node for one family: ready ones; if none is ready,
@@ -174,11 +190,11 @@ fn regular(name: String, comment: Option<String>, rules: Vec<Rule>) -> Chain {
     Chain { name, base: None, rules, comment }
 }
 
-fn port_map(name: String, comment: &str) -> Set {
+fn port_map(name: String, kind: SetKind, comment: &str) -> Set {
     Set {
         name,
         key: vec![KeyType::InetProto, KeyType::InetService],
-        verdict_map: true,
+        kind,
         elements: BTreeMap::new(),
         comment: Some(comment.to_string()),
     }
@@ -191,12 +207,21 @@ pub fn plan(services: &[ServicePlan<'_>], node: &NodeFacts) -> Ruleset {
 
     // Skeleton: always present, so the table's shape does not depend on the services.
     for f in Family::ALL {
-        rs.add_set(port_map(service_ports_map(f), "protocol . node port: service chain (DNAT)"));
+        rs.add_set(port_map(
+            service_ports_map(f),
+            SetKind::VerdictMap,
+            "protocol . node port: service chain (DNAT)",
+        ));
         rs.add_set(port_map(
             firewall_ports_map(f),
+            SetKind::VerdictMap,
             "protocol . node port: source-range check / no-endpoint reject",
         ));
-        rs.add_set(port_map(forward_ports_map(f), "protocol . node port: per-service counters"));
+        rs.add_set(port_map(
+            forward_counters_map(f),
+            SetKind::CounterMap,
+            "protocol . node port: counter of forwarded traffic",
+        ));
         let addr = match f {
             Family::Ipv4 => KeyType::Ipv4Addr,
             Family::Ipv6 => KeyType::Ipv6Addr,
@@ -204,7 +229,7 @@ pub fn plan(services: &[ServicePlan<'_>], node: &NodeFacts) -> Ruleset {
         rs.add_set(Set {
             name: endpoints_set(f),
             key: vec![addr, KeyType::InetProto, KeyType::InetService],
-            verdict_map: false,
+            kind: SetKind::Set,
             elements: BTreeMap::new(),
             comment: Some("endpoint address . protocol . port of every programmed endpoint".into()),
         });
@@ -254,11 +279,14 @@ pub fn plan(services: &[ServicePlan<'_>], node: &NodeFacts) -> Ruleset {
             Expr::Verdict(Verdict::Drop),
         ]));
     }
+    // Our flows: counted per service port without a chain per Service (every chain a verdict map
+    // reaches is re-validated by the kernel in each transaction that adds a Service), accepted.
     for f in Family::ALL {
         forward_rules.push(Rule::new(vec![
             Expr::NfProto(f),
             Expr::CtStatusDnat,
-            Expr::L4ProtoCtOrigDportVmap { map: forward_ports_map(f) },
+            Expr::L4ProtoCtOrigDportCounterMap { map: forward_counters_map(f) },
+            Expr::Verdict(Verdict::Accept),
         ]));
     }
     rs.add_chain(base(
@@ -299,8 +327,20 @@ fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f
     let ranges: Vec<&IpNet> = svc.source_ranges.iter().filter(|r| Family::of(&r.addr()) == f).collect();
     let after_allowed =
         if endpoints.is_empty() { Verdict::Goto(CHAIN_NO_ENDPOINTS.into()) } else { Verdict::Return };
+    // A counter's comment never changes for its name (no node port in it): the diff only adds
+    // and deletes counters, it never rewrites one.
+    let counter = |name: String, what: &str| NamedCounter {
+        name,
+        comment: Some(format!("{} {}: {what}", svc.key, port.id)),
+    };
+    let connections = connections_counter(f, svc, port);
+    rs.add_counter(counter(connections.clone(), "new connections"));
+    let forwarded = forwarded_counter(f, svc, port);
+    rs.add_counter(counter(forwarded.clone(), "forwarded traffic"));
     if !svc.source_ranges.is_empty() {
         // Ranges of the other family only ⇒ nobody of this family is allowed: fail closed.
+        let refused = refused_counter(f, svc, port);
+        rs.add_counter(counter(refused.clone(), "refused by source ranges"));
         let fw = firewall_chain(f, svc, port);
         let mut rules: Vec<Rule> = ranges
             .iter()
@@ -311,11 +351,12 @@ fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f
                 ])
             })
             .collect();
-        rules.push(Rule::new(vec![Expr::Counter, Expr::Verdict(Verdict::Drop)]));
+        rules.push(Rule::new(vec![Expr::CounterRef(refused), Expr::Verdict(Verdict::Drop)]));
         rs.add_chain(regular(fw.clone(), Some(format!("{label}: source ranges")), rules));
-        insert_element(rs, &firewall_ports_map(f), key.clone(), Verdict::Goto(fw));
+        insert_element(rs, &firewall_ports_map(f), key.clone(), Mapped::Verdict(Verdict::Goto(fw)));
     } else if endpoints.is_empty() {
-        insert_element(rs, &firewall_ports_map(f), key.clone(), Verdict::Goto(CHAIN_NO_ENDPOINTS.into()));
+        let reject = Mapped::Verdict(Verdict::Goto(CHAIN_NO_ENDPOINTS.into()));
+        insert_element(rs, &firewall_ports_map(f), key.clone(), reject);
     }
     if endpoints.is_empty() {
         return;
@@ -334,7 +375,7 @@ fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f
     // by the kernel's loop check in each transaction that adds a jump. No map per service either:
     // the kernel binds each anonymous set in time linear in the transaction and each map lookup
     // walks every element of a shared map, both quadratic over a full sync (docs/design.md).
-    let mut first = vec![Expr::Counter];
+    let mut first = vec![Expr::CounterRef(connections)];
     if svc.traffic_policy == TrafficPolicy::Cluster {
         first.push(Expr::MarkSet(node.masquerade_mark));
     }
@@ -355,34 +396,29 @@ fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f
     };
     let svc_chain = service_chain(f, svc, port);
     rs.add_chain(regular(svc_chain.clone(), Some(label.clone()), rules));
-    insert_element(rs, &service_ports_map(f), key.clone(), Verdict::Goto(svc_chain));
-
-    let fwd = forward_chain(f, svc, port);
-    rs.add_chain(regular(
-        fwd.clone(),
-        Some(format!("{label}: forwarded traffic")),
-        vec![Rule::new(vec![Expr::Counter, Expr::Verdict(Verdict::Accept)])],
-    ));
-    insert_element(rs, &forward_ports_map(f), key, Verdict::Goto(fwd));
+    insert_element(rs, &service_ports_map(f), key.clone(), Mapped::Verdict(Verdict::Goto(svc_chain)));
+    insert_element(rs, &forward_counters_map(f), key, Mapped::Counter(forwarded));
 }
 
-fn insert_element(rs: &mut Ruleset, set: &str, key: Key, verdict: Verdict) {
+fn insert_element(rs: &mut Ruleset, set: &str, key: Key, value: Mapped) {
     if let Some(set) = rs.sets.get_mut(set) {
-        set.elements.insert(key, Some(verdict));
+        set.elements.insert(key, Some(value));
     }
 }
 
 /// Changes that turn the kernel state `old` (as we last programmed and verified it) into `new`.
 /// Falls back to [`Ruleset::full_replace`] when a base chain or a set's type changes, which an
 /// incremental update cannot express. Order within the batch:
-/// new chains → new sets → rules of new/changed chains → element removals → element additions →
-/// flush then delete removed chains → delete removed sets (references are gone before deletions).
+/// new chains → new counters → new sets → rules of new/changed chains → element removals → element
+/// additions → flush then delete removed chains → delete removed sets → delete removed counters
+/// (references are gone before deletions).
 pub fn diff(old: &Ruleset, new: &Ruleset) -> Vec<Change> {
     let structural =
         old.chains.iter().any(|(name, c)| new.chains.get(name).is_some_and(|n| n.base != c.base))
-            || old.sets.iter().any(|(name, s)| {
-                new.sets.get(name).is_some_and(|n| n.key != s.key || n.verdict_map != s.verdict_map)
-            });
+            || old
+                .sets
+                .iter()
+                .any(|(name, s)| new.sets.get(name).is_some_and(|n| n.key != s.key || n.kind != s.kind));
     if structural {
         return new.full_replace();
     }
@@ -391,6 +427,11 @@ pub fn diff(old: &Ruleset, new: &Ruleset) -> Vec<Change> {
     for (name, chain) in &new.chains {
         if !old.chains.contains_key(name) {
             changes.push(Change::AddChain(chain.clone()));
+        }
+    }
+    for (name, counter) in &new.counters {
+        if !old.counters.contains_key(name) {
+            changes.push(Change::AddCounter(counter.clone()));
         }
     }
     for (name, set) in &new.sets {
@@ -422,7 +463,7 @@ pub fn diff(old: &Ruleset, new: &Ruleset) -> Vec<Change> {
     }
     for (name, set) in &new.sets {
         let old_elems = old.sets.get(name).map(|s| &s.elements).unwrap_or(&empty);
-        let added: Vec<(Key, Option<Verdict>)> = set
+        let added: Vec<(Key, Option<Mapped>)> = set
             .elements
             .iter()
             .filter(|(k, v)| old_elems.get(*k) != Some(*v))
@@ -443,6 +484,9 @@ pub fn diff(old: &Ruleset, new: &Ruleset) -> Vec<Change> {
     }
     for name in old.sets.keys().filter(|n| !new.sets.contains_key(*n)) {
         changes.push(Change::DeleteSet(name.clone()));
+    }
+    for name in old.counters.keys().filter(|n| !new.counters.contains_key(*n)) {
+        changes.push(Change::DeleteCounter(name.clone()));
     }
     changes
 }
@@ -492,6 +536,11 @@ pub fn simulate(start: &Ruleset, changes: &[Change]) -> Result<Ruleset, String> 
                         return Err(format!("add rule to {chain}: jump to missing chain {target}"));
                     }
                 }
+                for name in rule_counters(rule) {
+                    if !rs.counters.contains_key(name) {
+                        return Err(format!("add rule to {chain}: missing counter {name}"));
+                    }
+                }
                 rs.chains
                     .get_mut(chain)
                     .ok_or(format!("add rule: chain {chain} missing"))?
@@ -514,16 +563,17 @@ pub fn simulate(start: &Ruleset, changes: &[Change]) -> Result<Ruleset, String> 
                     }
                     s.elements.insert(k.clone(), v.clone());
                 }
-                let targets: Vec<String> = elements
-                    .iter()
-                    .filter_map(|(_, v)| match v {
-                        Some(Verdict::Goto(c) | Verdict::Jump(c)) => Some(c.clone()),
-                        _ => None,
-                    })
-                    .collect();
-                for t in targets {
-                    if !rs.chains.contains_key(&t) {
-                        return Err(format!("add element to {set}: missing chain {t}"));
+                for (_, v) in elements {
+                    match v {
+                        Some(Mapped::Verdict(Verdict::Goto(c) | Verdict::Jump(c)))
+                            if !rs.chains.contains_key(c) =>
+                        {
+                            return Err(format!("add element to {set}: missing chain {c}"));
+                        }
+                        Some(Mapped::Counter(c)) if !rs.counters.contains_key(c) => {
+                            return Err(format!("add element to {set}: missing counter {c}"));
+                        }
+                        _ => {}
                     }
                 }
             }
@@ -532,6 +582,18 @@ pub fn simulate(start: &Ruleset, changes: &[Change]) -> Result<Ruleset, String> 
                 for k in keys {
                     s.elements.remove(k).ok_or(format!("delete element from {set}: {k:?} missing"))?;
                 }
+            }
+            Change::AddCounter(c) => {
+                rs.counters.entry(c.name.clone()).or_insert_with(|| c.clone());
+            }
+            Change::DeleteCounter(n) => {
+                if !rs.counters.contains_key(n) {
+                    return Err(format!("delete counter {n}: missing"));
+                }
+                if counter_referenced(&rs, n) {
+                    return Err(format!("delete counter {n}: still referenced"));
+                }
+                rs.counters.remove(n);
             }
         }
     }
@@ -552,9 +614,30 @@ pub fn rule_targets(rule: &Rule) -> Vec<&String> {
         .collect()
 }
 
+/// Named counters a rule counts in by name.
+fn rule_counters(rule: &Rule) -> Vec<&String> {
+    rule.exprs
+        .iter()
+        .filter_map(|e| match e {
+            Expr::CounterRef(c) => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
 fn references(rs: &Ruleset, chain: &str) -> bool {
     rs.chains.values().any(|c| c.rules.iter().any(|r| rule_targets(r).iter().any(|t| *t == chain)))
         || rs.sets.values().any(|s| {
-            s.elements.values().any(|v| matches!(v, Some(Verdict::Goto(c) | Verdict::Jump(c)) if c == chain))
+            s.elements.values().any(
+                |v| matches!(v, Some(Mapped::Verdict(Verdict::Goto(c) | Verdict::Jump(c))) if c == chain),
+            )
         })
+}
+
+fn counter_referenced(rs: &Ruleset, counter: &str) -> bool {
+    rs.chains.values().any(|c| c.rules.iter().any(|r| rule_counters(r).iter().any(|n| *n == counter)))
+        || rs
+            .sets
+            .values()
+            .any(|s| s.elements.values().any(|v| matches!(v, Some(Mapped::Counter(c)) if c == counter)))
 }

@@ -6,7 +6,9 @@
 use std::fmt;
 use std::net::IpAddr;
 
-use crate::ir::{BaseChain, ChainType, CtState, Expr, Family, Hook, KeyPart, Protocol, Ruleset, Verdict};
+use crate::ir::{
+    BaseChain, ChainType, CtState, Expr, Family, Hook, KeyPart, Mapped, Protocol, Ruleset, Verdict,
+};
 
 /// Where the packet comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,6 +75,8 @@ impl fmt::Display for Outcome {
 pub struct Trace {
     /// Chains visited, in order.
     pub chains: Vec<String>,
+    /// Named counters the packet counted in, in order.
+    pub counters: Vec<String>,
     pub outcome: Outcome,
 }
 
@@ -83,6 +87,7 @@ struct State<'a> {
     dnat: Option<(IpAddr, u16)>,
     masquerade: bool,
     visited: Vec<String>,
+    counters: Vec<String>,
 }
 
 enum ChainEnd {
@@ -94,7 +99,8 @@ enum ChainEnd {
 
 /// Traces the first packet (or a later one, per `ct_state`) of a connection through the ruleset.
 pub fn trace(rs: &Ruleset, pkt: &Packet, env: &Env) -> Trace {
-    let mut st = State { pkt, env, mark: 0, dnat: None, masquerade: false, visited: Vec::new() };
+    let mut st =
+        State { pkt, env, mark: 0, dnat: None, masquerade: false, visited: Vec::new(), counters: Vec::new() };
     let first_hook = match pkt.origin {
         Origin::Network => Hook::Prerouting,
         Origin::Node => Hook::Output,
@@ -140,7 +146,7 @@ pub fn trace(rs: &Ruleset, pkt: &Packet, env: &Env) -> Trace {
 }
 
 fn finish(st: State<'_>, outcome: Outcome) -> Trace {
-    Trace { chains: st.visited, outcome }
+    Trace { chains: st.visited, counters: st.counters, outcome }
 }
 
 fn is_local(env: &Env, a: &IpAddr) -> bool {
@@ -221,11 +227,25 @@ fn run_rule(rs: &Ruleset, rule: &crate::ir::Rule, st: &mut State<'_>) -> RuleEnd
                 true
             }
             Expr::Counter => true,
+            Expr::CounterRef(name) => {
+                st.counters.push(name.clone());
+                true
+            }
             Expr::L4ProtoDportVmap { map } | Expr::L4ProtoCtOrigDportVmap { map } => {
                 let port = if matches!(e, Expr::L4ProtoDportVmap { .. }) { dport } else { pkt.dport };
                 let key = vec![KeyPart::Proto(pkt.protocol), KeyPart::Port(port)];
                 match rs.sets.get(map).and_then(|s| s.elements.get(&key)) {
-                    Some(Some(v)) => return RuleEnd::Verdict(v.clone()),
+                    Some(Some(Mapped::Verdict(v))) => return RuleEnd::Verdict(v.clone()),
+                    _ => false,
+                }
+            }
+            Expr::L4ProtoCtOrigDportCounterMap { map } => {
+                let key = vec![KeyPart::Proto(pkt.protocol), KeyPart::Port(pkt.dport)];
+                match rs.sets.get(map).and_then(|s| s.elements.get(&key)) {
+                    Some(Some(Mapped::Counter(name))) => {
+                        st.counters.push(name.clone());
+                        true
+                    }
                     _ => false,
                 }
             }

@@ -9,8 +9,8 @@ use std::net::IpAddr;
 
 use common::netns::NetNs;
 use nodelb::ir::{
-    self, BaseChain, Chain, ChainType, Change, CtState, Expr, Family, Hook, KeyPart, KeyType, Protocol, Rule,
-    Ruleset, Set, Verdict,
+    self, BaseChain, Chain, ChainType, Change, CtState, Expr, Family, Hook, KeyPart, KeyType, Mapped,
+    NamedCounter, Protocol, Rule, Ruleset, Set, SetKind, Verdict,
 };
 use nodelb::nft::{NftClient, NftError, verify};
 
@@ -29,8 +29,12 @@ fn regular(name: &str, rules: Vec<Rule>) -> Chain {
     Chain { name: name.into(), base: None, rules, comment: None }
 }
 
-fn goto(c: &str) -> Verdict {
-    Verdict::Goto(c.into())
+fn goto(c: &str) -> Mapped {
+    Mapped::Verdict(Verdict::Goto(c.into()))
+}
+
+fn verdict(v: Verdict) -> Mapped {
+    Mapped::Verdict(v)
 }
 
 fn r(exprs: Vec<Expr>) -> Rule {
@@ -46,25 +50,37 @@ fn full_ruleset() -> Ruleset {
     rs.add_set(Set {
         name: "service-ports".into(),
         key: vec![KeyType::InetProto, KeyType::InetService],
-        verdict_map: true,
+        kind: SetKind::VerdictMap,
         elements: BTreeMap::from([
             (pp(Protocol::Tcp, 20001), Some(goto("svc-a"))),
-            (pp(Protocol::Udp, 20002), Some(V::Jump("svc-b".into()))),
-            (pp(Protocol::Sctp, 20003), Some(V::Drop)),
+            (pp(Protocol::Udp, 20002), Some(verdict(V::Jump("svc-b".into())))),
+            (pp(Protocol::Sctp, 20003), Some(verdict(V::Drop))),
         ]),
         comment: Some("node ports".into()),
     });
     rs.add_set(Set {
         name: "service-ports-ct".into(),
         key: vec![KeyType::InetProto, KeyType::InetService],
-        verdict_map: true,
-        elements: BTreeMap::from([(pp(Protocol::Tcp, 20001), Some(V::Accept))]),
+        kind: SetKind::VerdictMap,
+        elements: BTreeMap::from([(pp(Protocol::Tcp, 20001), Some(verdict(V::Accept)))]),
         comment: None,
+    });
+    rs.add_counter(NamedCounter { name: "conn-a".into(), comment: Some("default/a 80/TCP".into()) });
+    rs.add_counter(NamedCounter { name: "fwd-a".into(), comment: None });
+    rs.add_set(Set {
+        name: "forward-counters".into(),
+        key: vec![KeyType::InetProto, KeyType::InetService],
+        kind: SetKind::CounterMap,
+        elements: BTreeMap::from([
+            (pp(Protocol::Tcp, 20001), Some(Mapped::Counter("fwd-a".into()))),
+            (pp(Protocol::Udp, 20002), Some(Mapped::Counter("fwd-a".into()))),
+        ]),
+        comment: Some("forwarded".into()),
     });
     rs.add_set(Set {
         name: "endpoints-ipv4".into(),
         key: vec![KeyType::Ipv4Addr, KeyType::InetProto, KeyType::InetService],
-        verdict_map: false,
+        kind: SetKind::Set,
         elements: BTreeMap::from([
             (vec![KeyPart::Addr(ip("192.0.2.10")), KeyPart::Proto(Protocol::Tcp), KeyPart::Port(8080)], None),
             (vec![KeyPart::Addr(ip("192.0.2.11")), KeyPart::Proto(Protocol::Udp), KeyPart::Port(53)], None),
@@ -74,7 +90,7 @@ fn full_ruleset() -> Ruleset {
     rs.add_set(Set {
         name: "endpoints-ipv6".into(),
         key: vec![KeyType::Ipv6Addr, KeyType::InetProto, KeyType::InetService],
-        verdict_map: false,
+        kind: SetKind::Set,
         elements: BTreeMap::from([(
             vec![KeyPart::Addr(ip("2001:db8::10")), KeyPart::Proto(Protocol::Tcp), KeyPart::Port(8080)],
             None,
@@ -143,6 +159,12 @@ fn full_ruleset() -> Ruleset {
             r(vec![CtState(vec![S::Invalid]), Verdict(V::Drop)]),
             r(vec![CtState(vec![S::Established, S::Related]), Counter, Verdict(V::Accept)]),
             r(vec![CtState(vec![S::New]), CtStatusDnat, Verdict(V::Jump("no-endpoints".into()))]),
+            r(vec![
+                NfProto(Family::Ipv4),
+                CtStatusDnat,
+                L4ProtoCtOrigDportCounterMap { map: "forward-counters".into() },
+                Verdict(V::Accept),
+            ]),
         ],
     ));
     let mut svc_a = regular(
@@ -150,6 +172,7 @@ fn full_ruleset() -> Ruleset {
         vec![
             r(vec![SaddrInPrefix { prefix: "192.0.2.0/24".parse().expect("cidr"), negate: false }, Counter])
                 .with_comment("service a"),
+            r(vec![CounterRef("conn-a".into()), MarkSet(0x4000)]),
             r(vec![
                 NumgenRandomIs { modulus: 3, value: 0 },
                 L4Proto(Protocol::Tcp),
@@ -160,7 +183,7 @@ fn full_ruleset() -> Ruleset {
                 L4Proto(Protocol::Tcp),
                 Dnat { addr: ip("192.0.2.11"), port: 8080 },
             ]),
-            r(vec![Verdict(goto("ep-a-0"))]),
+            r(vec![Verdict(V::Goto("ep-a-0".into()))]),
         ],
     );
     svc_a.comment = Some("default/a:http".into());
@@ -339,7 +362,7 @@ fn big_batch_is_one_transaction() {
     rs.add_set(Set {
         name: "service-ports".into(),
         key: vec![KeyType::InetProto, KeyType::InetService],
-        verdict_map: true,
+        kind: SetKind::VerdictMap,
         elements,
         comment: None,
     });
@@ -381,13 +404,19 @@ fn counter_ruleset() -> Ruleset {
     rs.add_set(Set {
         name: "service-ports".into(),
         key: vec![KeyType::InetProto, KeyType::InetService],
-        verdict_map: true,
+        kind: SetKind::VerdictMap,
         elements: BTreeMap::from([
             (vec![KeyPart::Proto(Protocol::Tcp), KeyPart::Port(20001)], Some(goto("svc-x"))),
             (vec![KeyPart::Proto(Protocol::Udp), KeyPart::Port(20001)], Some(goto("svc-x"))),
         ]),
         comment: None,
     });
+    rs.add_counter(NamedCounter { name: "loopback-udp".into(), comment: Some("named".into()) });
+    rs.chains.get_mut("filter-output").expect("chain").rules.push(r(vec![
+        Expr::L4Proto(Protocol::Udp),
+        Expr::DaddrInPrefix { prefix: "127.0.0.0/8".parse().expect("cidr"), negate: false },
+        Expr::CounterRef("loopback-udp".into()),
+    ]));
     rs
 }
 
@@ -416,7 +445,10 @@ fn read_table_and_verify_notice_drift_and_count_packets() {
     assert_eq!(c.bytes, 5 * (20 + 8 + 5));
     let listed = list(&a);
     assert!(listed.contains(&format!("counter packets {} bytes {}", c.packets, c.bytes)), "{listed}");
-    assert_eq!(t.counters().count(), 1);
+    assert_eq!(t.rule_counters().count(), 1);
+    // The named counter counted the same packets.
+    assert_eq!(t.counters["loopback-udp"].counter, c);
+    assert_eq!(t.counters["loopback-udp"].comment.as_deref(), Some("named"));
 
     // A hand-added rule is foreign.
     a.exec_ok("nft", &["add", "rule", "inet", "nodelb", "svc-x", "accept"]);

@@ -198,3 +198,32 @@ fn endpoint_draws_are_uniform() {
         assert_eq!(reach_num, 0, "the last DNAT rule takes whatever is left (N = {n})");
     }
 }
+
+/// Each packet counts in its Service port's named counters: the connection counter in the service
+/// chain, the forwarded-traffic counter through the forward counter map, the refused counter in
+/// the source-range chain. A counter outlives an endpoint change and exists without endpoints.
+#[test]
+fn packets_count_in_the_service_ports_named_counters() {
+    let by_name: BTreeMap<&str, Ruleset> = scenarios().iter().map(|s| (s.name, plan_of(s))).collect();
+    let env = Env { local_addrs: vec![NODE_V4.parse().unwrap(), NODE_V6.parse().unwrap()], numgen: 0 };
+    let counted = |scenario: &str, pkt: Packet| {
+        let t = trace::trace(&by_name[scenario], &pkt, &env);
+        t.counters.iter().map(|c| c.split('-').next().unwrap_or_default().to_string()).collect::<Vec<_>>()
+    };
+    assert_eq!(counted("web", packet(Protocol::Tcp, "203.0.113.7", NODE_V4, 20001)), ["conn4", "fwd4"]);
+    assert_eq!(counted("ranged", packet(Protocol::Tcp, "203.0.113.200", NODE_V4, 20003)), ["refused4"]);
+    assert_eq!(counted("web", packet(Protocol::Tcp, "203.0.113.7", NODE_V4, 20002)), Vec::<String>::new());
+    // Every counter a packet can reach exists, and one without endpoints is still planned.
+    for rs in by_name.values() {
+        for set in rs.sets.values() {
+            for v in set.elements.values().flatten() {
+                if let nodelb::ir::Mapped::Counter(c) = v {
+                    assert!(rs.counters.contains_key(c), "{c} is mapped but not planned");
+                }
+            }
+        }
+    }
+    let no_endpoints = &by_name["no_endpoints"];
+    assert!(no_endpoints.counters.keys().any(|c| c.starts_with("conn4-")), "{:?}", no_endpoints.counters);
+    assert!(!no_endpoints.chains.keys().any(|c| c.starts_with("svc4-")));
+}

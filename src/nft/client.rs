@@ -276,6 +276,17 @@ impl NftClient {
                 sets.push(s);
             }
         }
+        for p in self.request(NFT_MSG_GETOBJ, true, "list objects", |w| w.put_str(NFTA_OBJ_TABLE, name))? {
+            if decode::table_of(&p)? != name {
+                continue;
+            }
+            match decode::object(&p)? {
+                Ok(c) => {
+                    t.counters.insert(c.name.clone(), c);
+                }
+                Err(other) => t.other_objects.push(other),
+            }
+        }
         for mut s in sets {
             let what = format!("list elements of {}", s.name);
             let set_name = s.name.clone();

@@ -46,6 +46,9 @@ pub const NFT_MSG_GETSETELEM: u8 = 13;
 pub const NFT_MSG_DELSETELEM: u8 = 14;
 pub const NFT_MSG_NEWGEN: u8 = 15;
 pub const NFT_MSG_GETGEN: u8 = 16;
+pub const NFT_MSG_NEWOBJ: u8 = 18;
+pub const NFT_MSG_GETOBJ: u8 = 19;
+pub const NFT_MSG_DELOBJ: u8 = 20;
 
 // table
 pub const NFTA_TABLE_NAME: u16 = 1;
@@ -80,10 +83,12 @@ pub const NFTA_SET_DATA_LEN: u16 = 7;
 pub const NFTA_SET_DESC: u16 = 9;
 pub const NFTA_SET_ID: u16 = 10;
 pub const NFTA_SET_USERDATA: u16 = 13;
+pub const NFTA_SET_OBJ_TYPE: u16 = 15;
 pub const NFTA_SET_DESC_SIZE: u16 = 1;
 pub const NFT_SET_ANONYMOUS: u32 = 0x1;
 pub const NFT_SET_CONSTANT: u32 = 0x2;
 pub const NFT_SET_MAP: u32 = 0x8;
+pub const NFT_SET_OBJECT: u32 = 0x40;
 /// `verdict` data type as nft encodes it (`NFT_DATA_VERDICT`).
 pub const NFT_DATA_VERDICT: u32 = 0xffff_ff00;
 // set elements
@@ -93,6 +98,7 @@ pub const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
 pub const NFTA_SET_ELEM_LIST_SET_ID: u16 = 4;
 pub const NFTA_SET_ELEM_KEY: u16 = 1;
 pub const NFTA_SET_ELEM_DATA: u16 = 2;
+pub const NFTA_SET_ELEM_OBJREF: u16 = 9;
 // data
 pub const NFTA_DATA_VALUE: u16 = 1;
 pub const NFTA_DATA_VERDICT: u16 = 2;
@@ -188,12 +194,26 @@ pub const NFTA_IMMEDIATE_DATA: u16 = 2;
 // counter
 pub const NFTA_COUNTER_BYTES: u16 = 1;
 pub const NFTA_COUNTER_PACKETS: u16 = 2;
+// stateful objects (enum nft_object_attributes)
+pub const NFT_OBJECT_COUNTER: u32 = 1;
+pub const NFTA_OBJ_TABLE: u16 = 1;
+pub const NFTA_OBJ_NAME: u16 = 2;
+pub const NFTA_OBJ_TYPE: u16 = 3;
+pub const NFTA_OBJ_DATA: u16 = 4;
+pub const NFTA_OBJ_USERDATA: u16 = 8;
+// objref
+pub const NFTA_OBJREF_IMM_TYPE: u16 = 1;
+pub const NFTA_OBJREF_IMM_NAME: u16 = 2;
+pub const NFTA_OBJREF_SET_SREG: u16 = 3;
+pub const NFTA_OBJREF_SET_NAME: u16 = 4;
+pub const NFTA_OBJREF_SET_ID: u16 = 5;
 
 // nft's user-data TLVs (libnftnl udata.h, nft include/rule.h / mnl.c)
 pub const NFTNL_UDATA_RULE_COMMENT: u8 = 0;
 /// Our own rule TLV: the 64-bit fingerprint of the IR rule. nft skips TLV types it does not know.
 pub const NODELB_UDATA_RULE_FINGERPRINT: u8 = 0xa5;
 pub const NFTNL_UDATA_CHAIN_COMMENT: u8 = 0;
+pub const NFTNL_UDATA_OBJ_COMMENT: u8 = 0;
 pub const NFTNL_UDATA_SET_KEYBYTEORDER: u8 = 0;
 pub const NFTNL_UDATA_SET_DATABYTEORDER: u8 = 1;
 pub const NFTNL_UDATA_SET_KEY_TYPEOF: u8 = 3;

@@ -6,8 +6,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use super::consts::*;
 use super::encode::{RawElement, part_len};
 use super::nla::{as_str, as_u32, as_u64, attrs, get, table, udata_iter};
-use super::{Counter, KernelChain, KernelHook, KernelRule, KernelSet, NftError};
-use crate::ir::{Key, KeyPart, KeyType, Protocol, Verdict};
+use super::{Counter, KernelChain, KernelCounter, KernelHook, KernelRule, KernelSet, NftError};
+use crate::ir::{Key, KeyPart, KeyType, Mapped, Protocol, SetKind, Verdict};
 
 /// nfgenmsg precedes the attributes of every nf_tables message.
 const NFGENMSG_LEN: usize = 4;
@@ -112,16 +112,40 @@ pub fn set(payload: &[u8]) -> Result<KernelSet, NftError> {
     let key_len = get(&t, NFTA_SET_KEY_LEN).map(as_u32).transpose()?.unwrap_or(0);
     let data_type = get(&t, NFTA_SET_DATA_TYPE).map(as_u32).transpose()?;
     let comment = get(&t, NFTA_SET_USERDATA).and_then(|u| udata_comment(u, NFTNL_UDATA_SET_COMMENT));
+    let obj_type = get(&t, NFTA_SET_OBJ_TYPE).map(as_u32).transpose()?;
+    let kind = if flags & NFT_SET_OBJECT != 0 {
+        (obj_type == Some(NFT_OBJECT_COUNTER)).then_some(SetKind::CounterMap)
+    } else if flags & NFT_SET_MAP != 0 {
+        (data_type == Some(NFT_DATA_VERDICT)).then_some(SetKind::VerdictMap)
+    } else {
+        Some(SetKind::Set)
+    };
     Ok(KernelSet {
         name,
         flags,
         key: key_types(key_type_id),
         key_type_id,
         key_len,
-        verdict_map: flags & NFT_SET_MAP != 0 && data_type == Some(NFT_DATA_VERDICT),
+        kind,
         comment,
         elements: Default::default(),
     })
+}
+
+/// A NEWOBJ payload: `Ok(Err(name))` for an object that is not a counter.
+pub fn object(payload: &[u8]) -> Result<Result<KernelCounter, String>, NftError> {
+    let t = table(body(payload)?)?;
+    let name = as_str(need(&t, NFTA_OBJ_NAME, "object")?);
+    if as_u32(need(&t, NFTA_OBJ_TYPE, "object")?)? != NFT_OBJECT_COUNTER {
+        return Ok(Err(name));
+    }
+    let dt = table(get(&t, NFTA_OBJ_DATA).unwrap_or(&[]))?;
+    let counter = Counter {
+        packets: get(&dt, NFTA_COUNTER_PACKETS).map(as_u64).transpose()?.unwrap_or(0),
+        bytes: get(&dt, NFTA_COUNTER_BYTES).map(as_u64).transpose()?.unwrap_or(0),
+    };
+    let comment = get(&t, NFTA_OBJ_USERDATA).and_then(|u| udata_comment(u, NFTNL_UDATA_OBJ_COMMENT));
+    Ok(Ok(KernelCounter { name, comment, counter }))
 }
 
 pub fn key(types: &[KeyType], bytes: &[u8]) -> Option<Key> {
@@ -167,7 +191,7 @@ fn verdict(data: &[u8]) -> Result<Verdict, NftError> {
     })
 }
 
-/// Raw elements of a NEWSETELEM payload: (key bytes, verdict).
+/// Raw elements of a NEWSETELEM payload: (key bytes, verdict or counter name).
 pub fn elements(payload: &[u8]) -> Result<Vec<RawElement>, NftError> {
     let t = table(body(payload)?)?;
     let mut out = Vec::new();
@@ -179,7 +203,11 @@ pub fn elements(payload: &[u8]) -> Result<Vec<RawElement>, NftError> {
         let et = table(el)?;
         let kt = table(need(&et, NFTA_SET_ELEM_KEY, "element")?)?;
         let k = need(&kt, NFTA_DATA_VALUE, "element key")?.to_vec();
-        let v = get(&et, NFTA_SET_ELEM_DATA).map(verdict).transpose()?;
+        let v = match (get(&et, NFTA_SET_ELEM_DATA), get(&et, NFTA_SET_ELEM_OBJREF)) {
+            (Some(d), _) => Some(Mapped::Verdict(verdict(d)?)),
+            (None, Some(o)) => Some(Mapped::Counter(as_str(o))),
+            (None, None) => None,
+        };
         out.push((k, v));
     }
     Ok(out)

@@ -12,13 +12,15 @@ use ipnet::IpNet;
 use super::NftError;
 use super::consts::*;
 use super::nla::{Writer, udata_put};
-use crate::ir::{self, Change, Expr, Family, Key, KeyPart, KeyType, Protocol, Rule, Verdict};
+use crate::ir::{
+    self, Change, Expr, Family, Key, KeyPart, KeyType, Mapped, Protocol, Rule, SetKind, Verdict,
+};
 
 /// Netlink caps one attribute at 64 KiB; element lists are split into messages well below that.
 const MAX_ELEMENTS_NEST: usize = 48 * 1024;
 
-/// An element as sent: encoded key bytes and, for maps, the verdict.
-pub type RawElement = (Vec<u8>, Option<Verdict>);
+/// An element as sent: encoded key bytes and, for maps, the mapped value.
+pub type RawElement = (Vec<u8>, Option<Mapped>);
 
 /// A batch ready to send.
 pub struct Encoded {
@@ -63,7 +65,7 @@ pub fn describe(change: &Change) -> String {
         Change::AddRule { chain, rule } => {
             format!("add rule to chain {chain} `{}`", ir::render_rule(rule))
         }
-        Change::AddSet(s) => format!("add {} {}", if s.verdict_map { "map" } else { "set" }, s.name),
+        Change::AddSet(s) => format!("add {} {}", s.kind.word(), s.name),
         Change::DeleteSet(s) => format!("delete set {s}"),
         Change::AddElements { set, elements } => {
             format!("add {} element(s) to {set}", elements.len())
@@ -71,6 +73,8 @@ pub fn describe(change: &Change) -> String {
         Change::DeleteElements { set, keys } => {
             format!("delete {} element(s) from {set}", keys.len())
         }
+        Change::AddCounter(c) => format!("add counter {}", c.name),
+        Change::DeleteCounter(c) => format!("delete counter {c}"),
     }
 }
 
@@ -213,6 +217,29 @@ impl Enc {
                 let id = self.set_ids.get(set).copied();
                 self.elements(NFT_MSG_DELSETELEM, 0, set, id, &encoded);
             }
+            Change::AddCounter(counter) => {
+                self.begin(NFT_MSG_NEWOBJ, NLM_F_CREATE);
+                self.w.put_str(NFTA_OBJ_TABLE, ir::TABLE_NAME);
+                self.w.put_str(NFTA_OBJ_NAME, &counter.name);
+                self.w.put_u32(NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER);
+                if let Some(c) = &counter.comment {
+                    let mut u = Vec::new();
+                    udata_put(&mut u, NFTNL_UDATA_OBJ_COMMENT, &comment_bytes(c)?);
+                    self.w.put(NFTA_OBJ_USERDATA, &u);
+                }
+                let d = self.w.begin_nest(NFTA_OBJ_DATA);
+                self.w.put_u64(NFTA_COUNTER_BYTES, 0);
+                self.w.put_u64(NFTA_COUNTER_PACKETS, 0);
+                self.w.end_nest(d);
+                self.w.end_msg();
+            }
+            Change::DeleteCounter(name) => {
+                self.begin(NFT_MSG_DELOBJ, 0);
+                self.w.put_str(NFTA_OBJ_TABLE, ir::TABLE_NAME);
+                self.w.put_str(NFTA_OBJ_NAME, name);
+                self.w.put_u32(NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER);
+                self.w.end_msg();
+            }
         }
         Ok(())
     }
@@ -239,19 +266,28 @@ impl Enc {
         self.begin(NFT_MSG_NEWSET, NLM_F_CREATE);
         self.w.put_str(NFTA_SET_TABLE, ir::TABLE_NAME);
         self.w.put_str(NFTA_SET_NAME, &set.name);
-        self.w.put_u32(NFTA_SET_FLAGS, if set.verdict_map { NFT_SET_MAP } else { 0 });
+        let flags = match set.kind {
+            SetKind::Set => 0,
+            SetKind::VerdictMap => NFT_SET_MAP,
+            SetKind::CounterMap => NFT_SET_OBJECT,
+        };
+        self.w.put_u32(NFTA_SET_FLAGS, flags);
         self.w.put_u32(NFTA_SET_KEY_TYPE, key_type_id(&set.key));
         self.w.put_u32(NFTA_SET_KEY_LEN, key_len as u32);
-        if set.verdict_map {
-            self.w.put_u32(NFTA_SET_DATA_TYPE, NFT_DATA_VERDICT);
-            self.w.put_u32(NFTA_SET_DATA_LEN, 0);
+        match set.kind {
+            SetKind::Set => {}
+            SetKind::VerdictMap => {
+                self.w.put_u32(NFTA_SET_DATA_TYPE, NFT_DATA_VERDICT);
+                self.w.put_u32(NFTA_SET_DATA_LEN, 0);
+            }
+            SetKind::CounterMap => self.w.put_u32(NFTA_SET_OBJ_TYPE, NFT_OBJECT_COUNTER),
         }
         self.w.put_u32(NFTA_SET_ID, id);
         // Mirror the user data nft 1.0.6 writes for a `type a . b` set so `nft list` reads it back
         // the same way (byte order of key/data, and for concatenations the empty typeof marker).
         let mut u = Vec::new();
         udata_put(&mut u, NFTNL_UDATA_SET_KEYBYTEORDER, &key_byteorder(&set.key).to_ne_bytes());
-        if set.verdict_map {
+        if set.kind == SetKind::VerdictMap {
             udata_put(&mut u, NFTNL_UDATA_SET_DATABYTEORDER, &0u32.to_ne_bytes());
         }
         if concat {
@@ -260,7 +296,7 @@ impl Enc {
             udata_put(&mut t, 1, &[]);
             udata_put(&mut u, NFTNL_UDATA_SET_KEY_TYPEOF, &t);
         }
-        if set.verdict_map {
+        if set.kind != SetKind::Set {
             udata_put(&mut u, NFTNL_UDATA_SET_DATA_INTERVAL, &0u32.to_ne_bytes());
         }
         if let Some(c) = &set.comment {
@@ -304,10 +340,14 @@ impl Enc {
                 let k = self.w.begin_nest(NFTA_SET_ELEM_KEY);
                 self.w.put(NFTA_DATA_VALUE, key);
                 self.w.end_nest(k);
-                if let Some(v) = data {
-                    let d = self.w.begin_nest(NFTA_SET_ELEM_DATA);
-                    put_verdict(&mut self.w, v);
-                    self.w.end_nest(d);
+                match data {
+                    None => {}
+                    Some(Mapped::Verdict(v)) => {
+                        let d = self.w.begin_nest(NFTA_SET_ELEM_DATA);
+                        put_verdict(&mut self.w, v);
+                        self.w.end_nest(d);
+                    }
+                    Some(Mapped::Counter(name)) => self.w.put_str(NFTA_SET_ELEM_OBJREF, name),
                 }
                 self.w.end_nest(el);
                 n += 1;
@@ -613,6 +653,38 @@ impl Lower {
         });
     }
 
+    /// `meta l4proto { tcp, udp, sctp } meta l4proto . ct original proto-dst` into registers 0 and 1.
+    /// nft 1.0.6 only accepts `ct original proto-dst` in a concatenation once the transport protocol
+    /// is known; `ir::render` writes the set match in front and we lower that set lookup too, so
+    /// both agree.
+    fn ct_orig_proto_port(&mut self, enc: &mut Enc) {
+        let id = enc.alloc_set_id();
+        let mut udata = Vec::new();
+        udata_put(&mut udata, NFTNL_UDATA_SET_KEYBYTEORDER, &1u32.to_ne_bytes());
+        let mut t = Vec::new();
+        udata_put(&mut t, 0, &EXPR_META.to_ne_bytes());
+        let mut m = Vec::new();
+        udata_put(&mut m, 0, &NFT_META_L4PROTO.to_ne_bytes());
+        udata_put(&mut t, 1, &m);
+        udata_put(&mut udata, NFTNL_UDATA_SET_KEY_TYPEOF, &t);
+        self.anon.push(AnonSet {
+            id,
+            name: "__set%d",
+            flags: NFT_SET_ANONYMOUS | NFT_SET_CONSTANT,
+            key_type: TYPE_INET_PROTOCOL,
+            key_len: 1,
+            udata,
+            elements: [Protocol::Tcp, Protocol::Udp, Protocol::Sctp]
+                .iter()
+                .map(|p| (vec![p.number()], None))
+                .collect(),
+        });
+        self.meta_load(NFT_META_L4PROTO, 0);
+        self.lookup("__set%d", Some(id), false);
+        self.meta_load(NFT_META_L4PROTO, 0);
+        self.ct_load(NFT_CT_PROTO_DST, 1, Some(IP_CT_DIR_ORIGINAL));
+    }
+
     fn expr(&mut self, e: &Expr, enc: &mut Enc) -> Result<(), NftError> {
         match e {
             Expr::NfProto(f) => {
@@ -651,6 +723,11 @@ impl Lower {
             Expr::MarkSet(bit) => self.mark_set(!bit, *bit),
             Expr::MarkXor(bit) => self.mark_set(u32::MAX, *bit),
             Expr::Counter => self.ex("counter", |_| {}),
+            Expr::CounterRef(name) => self.ex("objref", |w| {
+                w.put_u32(NFTA_OBJREF_IMM_TYPE, NFT_OBJECT_COUNTER);
+                // nft sends this name without a NUL (the kernel takes either).
+                w.put(NFTA_OBJREF_IMM_NAME, name.as_bytes());
+            }),
             Expr::L4ProtoDportVmap { map } => {
                 self.meta_load(NFT_META_L4PROTO, 0);
                 self.payload(NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2, 1);
@@ -658,36 +735,20 @@ impl Lower {
                 self.lookup(map, id, true);
             }
             Expr::L4ProtoCtOrigDportVmap { map } => {
-                // nft 1.0.6 only accepts `ct original proto-dst` in a concatenation once the
-                // transport protocol is known; `ir::render` writes `meta l4proto { tcp, udp, sctp }`
-                // in front and we lower that set lookup too, so both agree.
-                let id = enc.alloc_set_id();
-                let mut udata = Vec::new();
-                udata_put(&mut udata, NFTNL_UDATA_SET_KEYBYTEORDER, &1u32.to_ne_bytes());
-                let mut t = Vec::new();
-                udata_put(&mut t, 0, &EXPR_META.to_ne_bytes());
-                let mut m = Vec::new();
-                udata_put(&mut m, 0, &NFT_META_L4PROTO.to_ne_bytes());
-                udata_put(&mut t, 1, &m);
-                udata_put(&mut udata, NFTNL_UDATA_SET_KEY_TYPEOF, &t);
-                self.anon.push(AnonSet {
-                    id,
-                    name: "__set%d",
-                    flags: NFT_SET_ANONYMOUS | NFT_SET_CONSTANT,
-                    key_type: TYPE_INET_PROTOCOL,
-                    key_len: 1,
-                    udata,
-                    elements: [Protocol::Tcp, Protocol::Udp, Protocol::Sctp]
-                        .iter()
-                        .map(|p| (vec![p.number()], None))
-                        .collect(),
-                });
-                self.meta_load(NFT_META_L4PROTO, 0);
-                self.lookup("__set%d", Some(id), false);
-                self.meta_load(NFT_META_L4PROTO, 0);
-                self.ct_load(NFT_CT_PROTO_DST, 1, Some(IP_CT_DIR_ORIGINAL));
+                self.ct_orig_proto_port(enc);
                 let mid = enc.set_ids.get(map).copied();
                 self.lookup(map, mid, true);
+            }
+            Expr::L4ProtoCtOrigDportCounterMap { map } => {
+                self.ct_orig_proto_port(enc);
+                let mid = enc.set_ids.get(map).copied();
+                self.ex("objref", |w| {
+                    w.put_u32(NFTA_OBJREF_SET_SREG, reg(0));
+                    w.put(NFTA_OBJREF_SET_NAME, map.as_bytes()); // no NUL, as nft sends it
+                    if let Some(id) = mid {
+                        w.put_u32(NFTA_OBJREF_SET_ID, id);
+                    }
+                });
             }
             Expr::SaddrL4ProtoSportInSet { family, set } => {
                 self.need_nfproto(*family);
@@ -789,7 +850,7 @@ mod tests {
         Set {
             name: "svc-ports".into(),
             key: vec![KeyType::InetProto, KeyType::InetService],
-            verdict_map: true,
+            kind: SetKind::VerdictMap,
             elements: BTreeMap::new(),
             comment: Some("hi".into()),
         }
@@ -821,7 +882,7 @@ mod tests {
                 set: "svc-ports".into(),
                 elements: vec![(
                     vec![KeyPart::Proto(Protocol::Tcp), KeyPart::Port(20001)],
-                    Some(Verdict::Jump("svc-a".into())),
+                    Some(Mapped::Verdict(Verdict::Jump("svc-a".into()))),
                 )],
             },
         ]);
@@ -833,6 +894,72 @@ mod tests {
         assert_eq!(
             hex(&m[1].1),
             "010000000b0001006e6f64656c6200000e0002007376632d706f72747300000008000400000000013400038030000180100001800c000100060000004e2100001c0002801800028008000100fffffffd0a0002007376632d61000000"
+        );
+    }
+
+    /// `counter svc4-a { comment "hello" }`, `map fc { type inet_proto . inet_service : counter;
+    /// comment "hi"; elements = { tcp . 20001 : "svc4-a" } }`, and the two rules using them.
+    #[test]
+    fn named_counter_counter_map_and_objref_match_nft() {
+        let m = encode(&[
+            Change::AddCounter(ir::NamedCounter { name: "svc4-a".into(), comment: Some("hello".into()) }),
+            Change::AddSet(Set {
+                name: "fc".into(),
+                key: vec![KeyType::InetProto, KeyType::InetService],
+                kind: SetKind::CounterMap,
+                elements: BTreeMap::new(),
+                comment: Some("hi".into()),
+            }),
+            Change::AddElements {
+                set: "fc".into(),
+                elements: vec![(
+                    vec![KeyPart::Proto(Protocol::Tcp), KeyPart::Port(20001)],
+                    Some(Mapped::Counter("svc4-a".into())),
+                )],
+            },
+            Change::AddRule {
+                chain: "c".into(),
+                rule: Rule::new(vec![Expr::CounterRef("svc4-a".into()), Expr::MarkSet(0x4000)]),
+            },
+            Change::AddRule {
+                chain: "c".into(),
+                rule: Rule::new(vec![
+                    Expr::NfProto(Family::Ipv4),
+                    Expr::CtStatusDnat,
+                    Expr::L4ProtoCtOrigDportCounterMap { map: "fc".into() },
+                    Expr::Verdict(Verdict::Accept),
+                ]),
+            },
+        ]);
+        assert_eq!(m[0].0, msg_type(NFT_MSG_NEWOBJ));
+        assert_eq!(
+            hex(&m[0].1),
+            "010000000b0001006e6f64656c6200000b000200737663342d61000008000300000000010c000800000668656c6c6f001c0004800c00010000000000000000000c0002000000000000000000"
+        );
+        assert_eq!(m[1].0, msg_type(NFT_MSG_NEWSET));
+        assert_eq!(
+            hex(&m[1].1),
+            "010000000b0001006e6f64656c62000007000200666300000800030000000040080004000000030d080005000000000808000f000000000108000a00000000011f000d00000400000000030800040d0000000100060400000000070368690000"
+        );
+        assert_eq!(m[2].0, msg_type(NFT_MSG_NEWSETELEM));
+        assert_eq!(
+            hex(&m[2].1),
+            "010000000b0001006e6f64656c620000070002006663000008000400000000012400038020000180100001800c000100060000004e2100000b000900737663342d610000"
+        );
+        assert_eq!(m[3].0, msg_type(NFT_MSG_NEWRULE));
+        assert_rule_prefix(
+            &m[3].1,
+            "010000000b0001006e6f64656c6200000600020063000000c0000480280001800b0001006f626a72656600001800028008000100000000010a000200737663342d61000024000180090001006d6574610000000014000280080002000000000308000100000000014c0001800c00010062697477697365003c00028008000100000000010800020000000001080006000000000008000300000000040c00048008000100ffbfffff0c000580080001000040000024000180090001006d657461000000001400028008000200000000030800030000000001",
+        );
+        // The protocol set (NEWSET + NEWSETELEM) comes before the rule that looks it up.
+        assert_eq!(m[4].0, msg_type(NFT_MSG_NEWSET));
+        assert_eq!(
+            hex(&m[4].1),
+            "010000000b0001006e6f64656c6200000c0002005f5f7365742564000800030000000003080004000000000c080005000000000108000a00000000020c00098008000100000000031a000d00000401000000030e00040900000001060004100000000000"
+        );
+        assert_rule_prefix(
+            &m[6].1,
+            "010000000b0001006e6f64656c6200000600020063000000e001048024000180090001006d6574610000000014000280080002000000000f08000100000000012c00018008000100636d700020000280080001000000000108000200000000000c00038005000100020000002000018007000100637400001400028008000200000000020800010000000001440001800c0001006269747769736500340002800800010000000001080002000000000108000300000000040c00048008000100200000000c00058008000100000000002c00018008000100636d700020000280080001000000000108000200000000010c000380080001000000000024000180090001006d657461000000001400028008000200000000100800010000000001300001800b0001006c6f6f6b757000002000028008000200000000010c0001005f5f736574256400080004000000000224000180090001006d6574610000000014000280080002000000001008000100000000012800018007000100637400001c000280080002000000000c080001000000000905000300000000002c0001800b0001006f626a72656600001c000280080003000000000106000400666300000800050000000001300001800e000100696d6d6564696174650000001c0002800800010000000000100002800c0002800800010000000001",
         );
     }
 
@@ -951,7 +1078,12 @@ mod tests {
     #[test]
     fn big_element_lists_are_split_under_the_attribute_limit() {
         let elements: Vec<_> = (0..5000u16)
-            .map(|p| (vec![KeyPart::Proto(Protocol::Tcp), KeyPart::Port(p)], Some(Verdict::Accept)))
+            .map(|p| {
+                (
+                    vec![KeyPart::Proto(Protocol::Tcp), KeyPart::Port(p)],
+                    Some(Mapped::Verdict(Verdict::Accept)),
+                )
+            })
             .collect();
         let m = encode(&[Change::AddElements { set: "m".into(), elements }]);
         assert!(m.len() > 1);

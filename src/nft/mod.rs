@@ -22,7 +22,7 @@ pub use verify::verify;
 
 use std::collections::BTreeMap;
 
-use crate::ir::{Key, KeyType, Verdict};
+use crate::ir::{Key, KeyType, Mapped, SetKind};
 
 /// Every error of the module. Kernel input never panics: malformed replies become `Malformed`.
 #[derive(Debug, thiserror::Error)]
@@ -53,7 +53,7 @@ pub struct ApplyStats {
     pub bytes: usize,
 }
 
-/// Counter values of a rule's `counter` expression.
+/// Counter values of a rule's `counter` expression or of a named counter.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counter {
     pub packets: u64,
@@ -101,9 +101,18 @@ pub struct KernelSet {
     pub key: Option<Vec<KeyType>>,
     pub key_type_id: u32,
     pub key_len: u32,
-    pub verdict_map: bool,
+    /// `None` when the set's data type is not one nodelb writes.
+    pub kind: Option<SetKind>,
     pub comment: Option<String>,
-    pub elements: BTreeMap<Key, Option<Verdict>>,
+    pub elements: BTreeMap<Key, Option<Mapped>>,
+}
+
+/// A named counter object of our table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelCounter {
+    pub name: String,
+    pub comment: Option<String>,
+    pub counter: Counter,
 }
 
 /// Our table as the kernel holds it.
@@ -113,13 +122,17 @@ pub struct KernelTable {
     /// Named sets and maps (anonymous ones belong to rules and are only counted).
     pub sets: BTreeMap<String, KernelSet>,
     pub anonymous_sets: usize,
+    /// Named counter objects.
+    pub counters: BTreeMap<String, KernelCounter>,
+    /// Named objects of other types (not ours: nodelb only creates counters).
+    pub other_objects: Vec<String>,
     /// Things read back that could not be decoded (element keys of an unknown shape, ...).
     pub problems: Vec<String>,
 }
 
 impl KernelTable {
-    /// `(chain, rule index, counter)` for every rule with a counter, e.g. for metrics.
-    pub fn counters(&self) -> impl Iterator<Item = (&str, usize, Counter)> {
+    /// `(chain, rule index, counter)` for every rule with an anonymous counter.
+    pub fn rule_counters(&self) -> impl Iterator<Item = (&str, usize, Counter)> {
         self.chains.values().flat_map(|c| {
             c.rules.iter().enumerate().filter_map(move |(i, r)| r.counter.map(|k| (c.name.as_str(), i, k)))
         })

@@ -50,15 +50,23 @@ impl Writer {
         self.buf.resize(align4(self.buf.len()), 0);
     }
 
+    /// A NUL-terminated string attribute.
     pub fn put_str(&mut self, ty: u16, s: &str) {
-        let mut v = Vec::with_capacity(s.len() + 1);
-        v.extend_from_slice(s.as_bytes());
-        v.push(0);
-        self.put(ty, &v);
+        let len = 4 + s.len() + 1;
+        self.buf.extend_from_slice(&(len as u16).to_ne_bytes());
+        self.buf.extend_from_slice(&ty.to_ne_bytes());
+        self.buf.extend_from_slice(s.as_bytes());
+        self.buf.push(0);
+        self.buf.resize(align4(self.buf.len()), 0);
     }
 
     /// Big-endian u32, as nf_tables attributes are.
     pub fn put_u32(&mut self, ty: u16, v: u32) {
+        self.put(ty, &v.to_be_bytes());
+    }
+
+    /// Big-endian u64.
+    pub fn put_u64(&mut self, ty: u16, v: u64) {
         self.put(ty, &v.to_be_bytes());
     }
 

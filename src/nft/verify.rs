@@ -68,13 +68,28 @@ pub fn verify(expected: &Ruleset, actual: Option<&KernelTable>) -> Vec<String> {
             out.push(format!("chain {name} is unexpected"));
         }
     }
+    for (name, counter) in &expected.counters {
+        match actual.counters.get(name) {
+            None => out.push(format!("counter {name} is missing")),
+            Some(k) if k.comment != counter.comment => out.push(format!("counter {name}: comment differs")),
+            Some(_) => {}
+        }
+    }
+    for name in actual.counters.keys() {
+        if !expected.counters.contains_key(name) {
+            out.push(format!("counter {name} is unexpected"));
+        }
+    }
+    for name in &actual.other_objects {
+        out.push(format!("object {name} is unexpected (not a counter)"));
+    }
     for (name, set) in &expected.sets {
-        let kind = if set.verdict_map { "map" } else { "set" };
+        let kind = set.kind.word();
         let Some(k) = actual.sets.get(name) else {
             out.push(format!("{kind} {name} is missing"));
             continue;
         };
-        if k.key_type_id != key_type_id(&set.key) || k.verdict_map != set.verdict_map {
+        if k.key_type_id != key_type_id(&set.key) || k.kind != Some(set.kind) {
             out.push(format!("{kind} {name}: has a different type"));
             continue;
         }
@@ -84,8 +99,8 @@ pub fn verify(expected: &Ruleset, actual: Option<&KernelTable>) -> Vec<String> {
                 Some(kv) if kv != v => out.push(format!(
                     "{kind} {name}: element {} maps to {}, expected {}",
                     ir::render_key(key),
-                    kv.as_ref().map(ir::render_verdict).unwrap_or_default(),
-                    v.as_ref().map(ir::render_verdict).unwrap_or_default()
+                    kv.as_ref().map(ir::render_mapped).unwrap_or_default(),
+                    v.as_ref().map(ir::render_mapped).unwrap_or_default()
                 )),
                 Some(_) => {}
             }
@@ -98,7 +113,7 @@ pub fn verify(expected: &Ruleset, actual: Option<&KernelTable>) -> Vec<String> {
     }
     for (name, s) in &actual.sets {
         if !expected.sets.contains_key(name) {
-            out.push(format!("{} {name} is unexpected", if s.verdict_map { "map" } else { "set" }));
+            out.push(format!("{} {name} is unexpected", s.kind.map_or("set", |k| k.word())));
         }
     }
     out
