@@ -14,6 +14,7 @@
 # Only documentation address ranges are used; the host's own namespace is never changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/lib.sh
 
 PFX=nodelb-demo
 CLIENT=$PFX-client NODE=$PFX-node BE1=$PFX-be1 BE2=$PFX-be2
@@ -62,30 +63,9 @@ if ((${#missing[@]})); then
 fi
 
 if [[ -z ${NODELB_BIN:-} ]]; then
-step "Rust toolchain"
-[[ -f $HOME/.cargo/env ]] && . "$HOME/.cargo/env"
-rust_ok() {
-    command -v cargo >/dev/null || return 1
-    # The crate uses edition 2024: Rust 1.85 or newer.
-    local v; v=$(rustc --version | awk '{print $2}')
-    [[ $(printf '%s\n' 1.85.0 "$v" | sort -V | head -n1) == 1.85.0 ]]
-}
-if ! rust_ok; then
-    apt-get update -qq
-    if apt-cache policy rustup 2>/dev/null | grep -q 'Candidate: [0-9]'; then
-        echo "installing rustup from Debian's packages"
-        apt-get install -y -qq --no-install-recommends rustup build-essential pkg-config >/dev/null
-        rustup default stable
-    else
-        # Debian 12's own cargo (1.63) is too old and it has no rustup package: use the rustup installer.
-        echo "Debian has no recent enough Rust here: installing rustup (https://rustup.rs)"
-        apt-get install -y -qq --no-install-recommends build-essential pkg-config >/dev/null
-        curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal
-        . "$HOME/.cargo/env"
-    fi
-    rust_ok || die "no usable Rust toolchain (need 1.85+)"
-fi
-cargo --version
+    step "Rust toolchain"
+    nodelb_ensure_rust || die "no usable Rust toolchain (need 1.85+)"
+    cargo --version
 fi
 
 if [[ -n ${NODELB_BIN:-} ]]; then

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Runs the whole test suite, including the root tests on the real kernel (network namespaces).
 # Run as root: `sudo scripts/test.sh`. Extra arguments go to the test runner (e.g. a test name filter).
+# On a fresh Debian machine it installs what it needs: the packages the root tests run, and a Rust
+# toolchain when there is none (scripts/lib.sh, shared with scripts/demo.sh). cargo-nextest is
+# used when installed, else `cargo test`.
 #
 # NODELB_REQUIRE_ROOT_TESTS=1 (set by .ci/run) turns a root test's skip into a failure.
 # Fails when a test namespace (nlb-*) or a table `inet nodelb` is left in the host namespace.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/lib.sh
 
 log() { printf '==> %s\n' "$*" >&2; }
 
@@ -34,6 +38,14 @@ if ((${#need[@]})); then
         exit 1
     fi
 fi
+
+# On a fresh machine: no cargo yet (or only the one sudo's PATH hides). As in scripts/demo.sh.
+nodelb_cargo_path
+if ! nodelb_rust_ok; then
+    log "installing the Rust toolchain"
+    nodelb_ensure_rust || exit 1
+fi
+log "$(cargo --version)"
 
 list_test_netns() { { ip netns list 2>/dev/null || true; } | awk '{print $1}' | grep '^nlb-' | sort || true; }
 host_has_table() { command -v nft >/dev/null && nft list table inet nodelb >/dev/null 2>&1; }

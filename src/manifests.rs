@@ -174,6 +174,32 @@ impl fmt::Display for IgnoredObject {
     }
 }
 
+/// Which ignored objects were already reported, so that each is logged once when it appears
+/// (and again only after it went away and came back), not at every sync.
+#[derive(Debug, Clone, Default)]
+pub struct IgnoredLog {
+    /// (file, kind, name) of the objects ignored at the last call.
+    seen: BTreeSet<(PathBuf, String, Option<String>)>,
+}
+
+impl IgnoredLog {
+    /// The objects of `ignored` to report now: those not ignored at the previous call.
+    pub fn newly_ignored<'a>(&mut self, ignored: &'a [IgnoredObject]) -> Vec<&'a IgnoredObject> {
+        let key = |o: &IgnoredObject| (o.file.clone(), o.kind.clone(), o.name.clone());
+        let current: BTreeSet<_> = ignored.iter().map(key).collect();
+        let mut fresh = Vec::new();
+        let mut reported = BTreeSet::new();
+        for o in ignored {
+            let k = key(o);
+            if !self.seen.contains(&k) && reported.insert(k) {
+                fresh.push(o);
+            }
+        }
+        self.seen = current;
+        fresh
+    }
+}
+
 fn is_manifest_name(name: &str) -> bool {
     !name.starts_with('.') && [".yaml", ".yml", ".json"].iter().any(|ext| name.ends_with(ext))
 }
@@ -884,6 +910,43 @@ mod tests {
         ];
         for ((file, needle), msg) in expect.iter().zip(&msgs) {
             assert!(msg.contains(file) && msg.contains(needle), "{msg} lacks {file}/{needle}");
+        }
+    }
+
+    #[test]
+    fn ignored_objects_are_reported_once_per_appearance() {
+        let obj = |file: &str, kind: &str, name: Option<&str>, document: usize| IgnoredObject {
+            file: PathBuf::from(file),
+            document,
+            api_version: "v1".into(),
+            kind: kind.into(),
+            name: name.map(str::to_string),
+        };
+        let cm = obj("a.yaml", "ConfigMap", Some("cfg"), 1);
+        let dep = obj("a.yaml", "Deployment", Some("app"), 2);
+        let cm_moved = obj("a.yaml", "ConfigMap", Some("cfg"), 3); // a document inserted above it
+        let cm_other_file = obj("b.yaml", "ConfigMap", Some("cfg"), 1);
+        let unnamed = obj("a.yaml", "Secret", None, 4);
+        // (step, ignored at this sync, what is reported)
+        let steps: Vec<(&str, Vec<IgnoredObject>, Vec<&IgnoredObject>)> = vec![
+            ("first sync reports all", vec![cm.clone(), dep.clone()], vec![&cm, &dep]),
+            ("unchanged: nothing", vec![cm.clone(), dep.clone()], vec![]),
+            ("moved within its file: nothing", vec![cm_moved.clone(), dep.clone()], vec![]),
+            (
+                "same in another file: reported",
+                vec![cm_moved.clone(), dep.clone(), cm_other_file.clone()],
+                vec![&cm_other_file],
+            ),
+            ("one removed: nothing", vec![cm_moved.clone(), cm_other_file.clone()], vec![]),
+            ("back again: reported", vec![cm_moved.clone(), cm_other_file.clone(), dep.clone()], vec![&dep]),
+            ("unnamed, twice in one sync: once", vec![unnamed.clone(), unnamed.clone()], vec![&unnamed]),
+            ("nothing ignored", vec![], vec![]),
+            ("after a gap: reported again", vec![cm.clone()], vec![&cm]),
+        ];
+        let mut log = IgnoredLog::default();
+        for (step, ignored, want) in &steps {
+            let got = log.newly_ignored(ignored);
+            assert_eq!(&got, want, "{step}");
         }
     }
 

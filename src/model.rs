@@ -11,6 +11,9 @@
 //!
 //! **Validation** (any failure refuses the whole Service; a half-programmed Service is worse than a
 //! clearly refused one):
+//! - `metadata.namespace` and `metadata.name`: DNS-1123 labels ([`check_dns_label`]). The API
+//!   server enforces this; manifests mode does not have one, and a `/` or NUL in the key would
+//!   corrupt the state file (`ns/a/b` does not read back) and the ruleset's comments.
 //! - ports: protocol `TCP`/`UDP`/`SCTP` (unset means TCP, as in the API), number 1–65535, no
 //!   duplicate `port/protocol`, no duplicate names (endpoint resolution goes by name), at least one.
 //! - `spec.ipFamilies`: `IPv4`/`IPv6`, deduplicated in spec order. Unset: the families of
@@ -233,17 +236,42 @@ impl Refusal {
 #[error("{0}")]
 pub struct ParseError(pub String);
 
+/// Longest DNS-1123 label (RFC 1123), the limit of a namespace and of a Service name.
+pub const MAX_LABEL: usize = 63;
+
+/// Checks a DNS-1123 label, what Kubernetes requires of a namespace (a Service name must even be
+/// a DNS-1035 label, which also forbids a leading digit; we accept that superset, it is harmless
+/// to us): 1–63 characters, lowercase ASCII letters, digits and `-`, starting and ending with a
+/// letter or digit. The error says what is wrong, for a message that also names the value.
+pub fn check_dns_label(s: &str) -> Result<(), String> {
+    let rule =
+        "a DNS-1123 label: 1-63 lowercase letters, digits or '-', starting and ending with a letter or digit";
+    if s.is_empty() {
+        return Err(format!("is empty; must be {rule}"));
+    }
+    if s.len() > MAX_LABEL {
+        return Err(format!("is {} bytes long; must be {rule}", s.len()));
+    }
+    if let Some(c) = s.chars().find(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '-')) {
+        return Err(format!("contains {c:?}; must be {rule}"));
+    }
+    if s.starts_with('-') || s.ends_with('-') {
+        return Err(format!("starts or ends with '-'; must be {rule}"));
+    }
+    Ok(())
+}
+
 impl FromStr for ServiceKey {
     type Err = ParseError;
 
-    /// `namespace/name`, both non-empty.
+    /// `namespace/name`, each a DNS-1123 label (so exactly what [`build`] accepts).
     fn from_str(s: &str) -> Result<Self, ParseError> {
-        match s.split_once('/') {
-            Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
-                Ok(ServiceKey { namespace: ns.to_string(), name: name.to_string() })
-            }
-            _ => Err(ParseError(format!("{s:?} is not namespace/name"))),
-        }
+        let Some((ns, name)) = s.split_once('/') else {
+            return Err(ParseError(format!("{s:?} is not namespace/name")));
+        };
+        check_dns_label(ns).map_err(|e| ParseError(format!("{s:?}: namespace {ns:?} {e}")))?;
+        check_dns_label(name).map_err(|e| ParseError(format!("{s:?}: name {name:?} {e}")))?;
+        Ok(ServiceKey { namespace: ns.to_string(), name: name.to_string() })
     }
 }
 
@@ -433,6 +461,13 @@ fn build_one(
 ) -> Result<LbService, Refusal> {
     if key.name.is_empty() {
         return Err(Refusal::Invalid { service: key, reason: "metadata.name is empty".to_string() });
+    }
+    // The key names chains, the state file and status; a `/` in it would not read back.
+    for (field, value) in [("metadata.namespace", &key.namespace), ("metadata.name", &key.name)] {
+        if let Err(e) = check_dns_label(value) {
+            let reason = format!("{field} {value:?} {e}");
+            return Err(Refusal::Invalid { service: key.clone(), reason });
+        }
     }
     let Some(spec) = svc.spec.as_ref() else {
         // Unreachable through is_ours, but never panic.
@@ -1204,10 +1239,55 @@ mod tests {
         assert_eq!(out.refused.len(), 1);
     }
 
+    /// Namespaces and names that are not DNS-1123 labels are refused with a reason naming the
+    /// field and the value, while a valid Service next to them is served.
+    #[test]
+    fn invalid_names_are_refused() {
+        let long = "x".repeat(64);
+        // (case, namespace, name, substring of the reason)
+        let cases: Vec<(&str, &str, &str, String)> = vec![
+            ("slash in name", "default", "a/b", r#"metadata.name "a/b" contains '/'"#.into()),
+            ("slash in namespace", "a/b", "web", r#"metadata.namespace "a/b" contains '/'"#.into()),
+            ("NUL in name", "default", "a\0b", r#"metadata.name "a\0b" contains '\0'"#.into()),
+            ("newline", "default", "a\nb", r#"contains '\n'"#.into()),
+            ("uppercase", "default", "Web", r#"metadata.name "Web" contains 'W'"#.into()),
+            ("dot", "default", "a.b", "contains '.'".into()),
+            ("space", "default", "a b", "contains ' '".into()),
+            ("non-ASCII", "default", "wéb", "contains 'é'".into()),
+            ("leading dash", "default", "-web", "starts or ends with '-'".into()),
+            ("trailing dash", "dev-", "web", r#"metadata.namespace "dev-" starts or ends"#.into()),
+            ("64 bytes", "default", &long, format!("{long:?} is 64 bytes long")),
+        ];
+        for (case, ns, name, needle) in &cases {
+            let bad = svc_with(name, |v| v["metadata"]["namespace"] = json!(ns));
+            let out = build(&[bad, svc_with("web", |_| {})], &[], &ModelOptions::default());
+            assert_eq!(out.services.len(), 1, "{case}: the valid Service is still served");
+            let reason = match out.refused.as_slice() {
+                [r] => r.to_string(),
+                other => panic!("{case}: want one refusal, got {other:?}"),
+            };
+            assert!(reason.contains(needle.as_str()), "{case}: {reason:?} lacks {needle:?}");
+        }
+        // Accepted: the longest label, digits (also leading: we accept DNS-1123, not only 1035).
+        for (ns, name) in [
+            ("default".to_string(), "x".repeat(63)),
+            ("n".repeat(63), "a-1".into()),
+            ("0ns".into(), "9web".into()),
+        ] {
+            let out = build(
+                &[svc_with(&name, |v| v["metadata"]["namespace"] = json!(ns))],
+                &[],
+                &ModelOptions::default(),
+            );
+            assert_eq!(out.services.len(), 1, "{ns}/{name}: {:?}", out.refused);
+        }
+    }
+
     #[test]
     fn parse_keys() {
         assert_eq!("a/b".parse::<ServiceKey>(), Ok(key_ns("a", "b")));
-        for bad in ["", "a", "/b", "a/", "a/b/c"] {
+        for bad in ["", "a", "/b", "a/", "a/b/c", "default/a/b", "Default/web", "default/a b", "default/a\0b"]
+        {
             assert!(bad.parse::<ServiceKey>().is_err(), "{bad}");
         }
         assert_eq!("80/tcp".parse::<PortId>(), Ok(tcp(80)));

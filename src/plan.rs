@@ -49,6 +49,10 @@ pub const CHAIN_NO_ENDPOINTS: &str = "no-endpoints";
 /// Longest chain name we generate (the kernel allows 256 bytes).
 const MAX_CHAIN_NAME: usize = 200;
 
+/// Longest comment, in bytes: nft refuses longer ones, and so does our encoder, which fails the
+/// whole batch. Every comment built from user input is fitted to it here.
+pub const MAX_COMMENT: usize = 128;
+
 /// What the planner needs to know about this node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeFacts {
@@ -112,6 +116,61 @@ fn chain_name(kind: &str, family: Family, identity: &str) -> String {
         name.truncate(MAX_CHAIN_NAME);
     }
     name
+}
+
+/// Control characters (NUL included) become `?`: a NUL ends a comment in the kernel's user data
+/// and nft cannot print the others. `"` becomes `'`, as [`crate::ir`]'s rendering quotes it, so
+/// the kernel and the rendering agree.
+fn printable(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_control() {
+                '?'
+            } else if c == '"' {
+                '\''
+            } else {
+                c
+            }
+        })
+        .collect()
+}
+
+/// `s` itself when it has at most `max` bytes, else its longest prefix (cut on a character
+/// boundary) that fits with a `...` after it.
+fn fit(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max.saturating_sub(3);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &s[..end])
+}
+
+/// The comment of a service port's chain, `<ns>/<name> <port>: node port <n><what>`, always at
+/// most [`MAX_COMMENT`] bytes: a long namespace/name (up to 63 + 253 bytes in Kubernetes) is
+/// shortened with `...`, each part keeping its beginning, so the port, node port and `what` stay
+/// whole (the chain name carries the unique identity, this is for a human reading `nft list`).
+pub fn port_comment(svc: &LbService, port: &LbPort, node_port: u16, what: &str) -> String {
+    identity_comment(svc, &format!(" {}: node port {node_port}{what}", port.id))
+}
+
+/// `<ns>/<name><tail>` in at most [`MAX_COMMENT`] bytes, shortening the namespace and name only.
+fn identity_comment(svc: &LbService, tail: &str) -> String {
+    let tail = printable(tail);
+    let (ns, name) = (printable(&svc.key.namespace), printable(&svc.key.name));
+    let budget = MAX_COMMENT.saturating_sub(tail.len() + 1); // 1 for the '/'
+    let identity = if ns.len() + name.len() <= budget {
+        format!("{ns}/{name}")
+    } else {
+        // The namespace gets half, or more when the name needs less than the other half.
+        let ns_max = (budget / 2).max(budget.saturating_sub(name.len()));
+        let ns = fit(&ns, ns_max);
+        let name = fit(&name, budget.saturating_sub(ns.len()));
+        format!("{ns}/{name}")
+    };
+    fit(&format!("{identity}{tail}"), MAX_COMMENT)
 }
 
 fn port_identity(svc: &LbService, port: &LbPort) -> String {
@@ -320,7 +379,7 @@ pub fn plan(services: &[ServicePlan<'_>], node: &NodeFacts) -> Ruleset {
 
 fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f: Family, node: &NodeFacts) {
     let key: Key = vec![KeyPart::Proto(port.id.protocol), KeyPart::Port(node_port)];
-    let label = format!("{} {}: node port {node_port}", svc.key, port.id);
+    let comment = |what: &str| Some(port_comment(svc, port, node_port, what));
     let endpoints = usable_endpoints(svc, port, f, &node.node_name);
 
     // Source ranges and the no-endpoint reject run in filter-prerouting, before any DNAT.
@@ -331,7 +390,7 @@ fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f
     // and deletes counters, it never rewrites one.
     let counter = |name: String, what: &str| NamedCounter {
         name,
-        comment: Some(format!("{} {}: {what}", svc.key, port.id)),
+        comment: Some(identity_comment(svc, &format!(" {}: {what}", port.id))),
     };
     let connections = connections_counter(f, svc, port);
     rs.add_counter(counter(connections.clone(), "new connections"));
@@ -352,7 +411,7 @@ fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f
             })
             .collect();
         rules.push(Rule::new(vec![Expr::CounterRef(refused), Expr::Verdict(Verdict::Drop)]));
-        rs.add_chain(regular(fw.clone(), Some(format!("{label}: source ranges")), rules));
+        rs.add_chain(regular(fw.clone(), comment(": source ranges"), rules));
         insert_element(rs, &firewall_ports_map(f), key.clone(), Mapped::Verdict(Verdict::Goto(fw)));
     } else if endpoints.is_empty() {
         let reject = Mapped::Verdict(Verdict::Goto(CHAIN_NO_ENDPOINTS.into()));
@@ -395,7 +454,7 @@ fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f
         }
     };
     let svc_chain = service_chain(f, svc, port);
-    rs.add_chain(regular(svc_chain.clone(), Some(label.clone()), rules));
+    rs.add_chain(regular(svc_chain.clone(), comment(""), rules));
     insert_element(rs, &service_ports_map(f), key.clone(), Mapped::Verdict(Verdict::Goto(svc_chain)));
     insert_element(rs, &forward_counters_map(f), key, Mapped::Counter(forwarded));
 }

@@ -10,7 +10,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use crate::desired::AllocationMode;
 use crate::k8s::lastgood::LastGoodServices;
 use crate::k8s::source::KubeSource;
-use crate::manifests::{self, DirWatcher, LastGood, ManifestCache, ManifestError};
+use crate::manifests::{self, DirWatcher, IgnoredLog, LastGood, ManifestCache, ManifestError};
 use crate::model::ModelOptions;
 
 /// What the agent programs from.
@@ -25,8 +25,17 @@ pub struct Snapshot {
 }
 
 pub enum Source {
-    Manifests { dir: PathBuf, watcher: DirWatcher, last_good: LastGood, cache: ManifestCache },
-    Kube { source: KubeSource, last_good: LastGoodServices },
+    Manifests {
+        dir: PathBuf,
+        watcher: DirWatcher,
+        last_good: LastGood,
+        cache: ManifestCache,
+        ignored: IgnoredLog,
+    },
+    Kube {
+        source: KubeSource,
+        last_good: LastGoodServices,
+    },
 }
 
 impl Source {
@@ -38,6 +47,7 @@ impl Source {
             watcher,
             last_good: LastGood::default(),
             cache: ManifestCache::default(),
+            ignored: IgnoredLog::default(),
         })
     }
 
@@ -63,9 +73,14 @@ impl Source {
     /// means it could not be read at all (keep the kernel as it is).
     pub fn snapshot(&mut self, opts: &ModelOptions) -> Result<Option<Snapshot>, ManifestError> {
         match self {
-            Source::Manifests { dir, last_good, cache, .. } => {
+            Source::Manifests { dir, last_good, cache, ignored, .. } => {
                 // Only files whose stamp changed are parsed again.
                 let loaded = last_good.apply(manifests::load_dir_cached(dir, cache)?);
+                // Not a problem (manifests often hold a whole app), but say so once, so a
+                // misspelled `kind: Service` does not vanish silently.
+                for o in ignored.newly_ignored(&loaded.ignored) {
+                    tracing::info!("{o}: nodelb uses only v1 Service and discovery.k8s.io/v1 EndpointSlice");
+                }
                 Ok(Some(Snapshot {
                     services: loaded.services,
                     slices: loaded.slices,

@@ -9,6 +9,10 @@
 //!   port, so the caller decides (refuse to start, or log and continue).
 //! - Unknown top-level fields are ignored (forward compatibility); an unknown `version` is an
 //!   error (we cannot know what it means).
+//! - A bad entry (a key that is not `namespace/name` of DNS-1123 labels, as an older nodelb could
+//!   write for `metadata.name: a/b`; a bad port or node port; a port spelled twice) is skipped
+//!   with a warning naming the file and the entry, and the rest is used: one bad line must not
+//!   stop the agent (it did), and losing that one entry moves at most that Service's ports.
 //! - [`StateFile::save`] is atomic: a temporary file in the same directory, written, fsynced,
 //!   renamed over the target, then the directory fsynced, so a crash leaves the old or the new
 //!   file, never a torn one. The directory is created when missing.
@@ -41,8 +45,9 @@ pub enum StateError {
 #[derive(serde::Serialize, serde::Deserialize)]
 struct OnDisk {
     version: u32,
+    /// Values are checked entry by entry on load (a bad one is skipped, not a parse error).
     #[serde(default)]
-    allocations: BTreeMap<String, BTreeMap<String, u32>>,
+    allocations: BTreeMap<String, serde_json::Value>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,11 +64,22 @@ impl StateFile {
         &self.path
     }
 
-    /// The saved allocations; empty when the file does not exist.
+    /// The saved allocations; empty when the file does not exist. Bad entries are skipped and
+    /// logged (see [`StateFile::load_lenient`]).
     pub fn load(&self) -> Result<Allocations, StateError> {
+        let (allocations, skipped) = self.load_lenient()?;
+        for e in &skipped {
+            tracing::warn!("{e}; skipping it (its ports are allocated anew)");
+        }
+        Ok(allocations)
+    }
+
+    /// The saved allocations and the entries skipped as bad (each a [`StateError::Entry`]). Only
+    /// a file that cannot be read or parsed as a whole, or has another version, is an error.
+    pub fn load_lenient(&self) -> Result<(Allocations, Vec<StateError>), StateError> {
         let text = match fs::read_to_string(&self.path) {
             Ok(text) => text,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Allocations::new()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok((Allocations::new(), vec![])),
             Err(source) => {
                 return Err(StateError::Read { path: self.path.clone(), source });
             }
@@ -74,30 +90,48 @@ impl StateFile {
             return Err(StateError::Version { path: self.path.clone(), version: disk.version });
         }
         let mut out = Allocations::new();
+        let mut skipped = Vec::new();
+        let mut bad = |entry: String, reason: String| {
+            skipped.push(StateError::Entry { path: self.path.clone(), entry, reason })
+        };
         for (service, ports) in disk.allocations {
-            let bad =
-                |entry: String, reason: String| StateError::Entry { path: self.path.clone(), entry, reason };
-            let key: ServiceKey =
-                service.parse().map_err(|e: crate::model::ParseError| bad(service.clone(), e.0))?;
+            let key: ServiceKey = match service.parse() {
+                Ok(key) => key,
+                Err(crate::model::ParseError(reason)) => {
+                    bad(service, reason);
+                    continue;
+                }
+            };
+            let serde_json::Value::Object(ports) = ports else {
+                bad(service, format!("{ports} is not an object of PORT/PROTOCOL: NODEPORT"));
+                continue;
+            };
             let mut map = BTreeMap::new();
             for (port, node) in ports {
                 let entry = format!("{service}: {port}");
-                let id: PortId =
-                    port.parse().map_err(|e: crate::model::ParseError| bad(entry.clone(), e.0))?;
-                let node = u16::try_from(node)
-                    .ok()
-                    .filter(|n| *n != 0)
-                    .ok_or_else(|| bad(entry.clone(), format!("node port {node} is out of range 1-65535")))?;
-                // "80/tcp" and "80/TCP" are one port; two spellings would be a hand edit gone wrong.
-                if map.insert(id, node).is_some() {
-                    return Err(bad(entry, "port listed twice".to_string()));
+                let id: PortId = match port.parse() {
+                    Ok(id) => id,
+                    Err(crate::model::ParseError(reason)) => {
+                        bad(entry, reason);
+                        continue;
+                    }
+                };
+                let Some(node) = node.as_u64().and_then(|n| u16::try_from(n).ok()).filter(|n| *n != 0) else {
+                    bad(entry, format!("node port {node} is out of range 1-65535"));
+                    continue;
+                };
+                // "80/TCP" and "80/tcp" are one port; two spellings are a hand edit gone wrong.
+                // The first one read is kept.
+                if map.contains_key(&id) {
+                    bad(entry, "port listed twice (another spelling of it is used)".to_string());
+                    continue;
                 }
+                map.insert(id, node);
             }
-            if out.insert(key, map).is_some() {
-                return Err(bad(service, "Service listed twice".to_string()));
-            }
+            // Distinct strings that parse are distinct keys (parsing does not normalise).
+            out.insert(key, map);
         }
-        Ok(out)
+        Ok((out, skipped))
     }
 
     /// Replaces the file atomically with `allocations`.
@@ -107,7 +141,9 @@ impl StateFile {
             allocations: allocations
                 .iter()
                 .map(|(k, m)| {
-                    (k.to_string(), m.iter().map(|(id, n)| (id.to_string(), u32::from(*n))).collect())
+                    let ports: serde_json::Map<String, serde_json::Value> =
+                        m.iter().map(|(id, n)| (id.to_string(), (*n).into())).collect();
+                    (k.to_string(), ports.into())
                 })
                 .collect(),
         };
@@ -217,15 +253,7 @@ mod tests {
             ("empty", ""),
             ("no version", "{\"allocations\":{}}"),
             ("future version", "{\"version\":2,\"allocations\":{}}"),
-            ("bad key", "{\"version\":1,\"allocations\":{\"web\":{\"80/TCP\":20001}}}"),
-            ("bad port id", "{\"version\":1,\"allocations\":{\"default/web\":{\"80/ICMP\":20001}}}"),
-            ("node port 0", "{\"version\":1,\"allocations\":{\"default/web\":{\"80/TCP\":0}}}"),
-            ("node port big", "{\"version\":1,\"allocations\":{\"default/web\":{\"80/TCP\":70000}}}"),
-            ("negative", "{\"version\":1,\"allocations\":{\"default/web\":{\"80/TCP\":-1}}}"),
-            (
-                "two spellings",
-                "{\"version\":1,\"allocations\":{\"default/web\":{\"80/TCP\":1,\"80/tcp\":2}}}",
-            ),
+            ("allocations not an object", "{\"version\":1,\"allocations\":[]}"),
         ];
         let dir = tempfile::tempdir().expect("tempdir");
         for (name, text) in cases {
@@ -234,6 +262,55 @@ mod tests {
             let err = StateFile::new(&path).load().expect_err(name);
             assert!(err.to_string().contains(&path.display().to_string()), "{name}: {err}");
         }
+    }
+
+    /// A bad entry is skipped with a message naming the file and the entry; every good entry next
+    /// to it is kept, and the agent starts.
+    #[test]
+    fn bad_entries_are_skipped_and_named() {
+        // (case, bad entry inside "allocations", substring of the message)
+        let cases = [
+            (
+                "slash in name (written by older versions)",
+                r#""default/a/b":{"80/TCP":20009}"#,
+                "\"default/a/b\"",
+            ),
+            ("no namespace", r#""web":{"80/TCP":20009}"#, "\"web\" is not namespace/name"),
+            ("uppercase", r#""default/Web":{"80/TCP":20009}"#, "name \"Web\""),
+            ("NUL", r#""default/a\u0000b":{"80/TCP":20009}"#, "\\0"),
+            ("ports not an object", r#""default/x":[20009]"#, "not an object"),
+            ("bad port id", r#""default/x":{"80/ICMP":20009}"#, "default/x: 80/ICMP"),
+            ("node port 0", r#""default/x":{"80/TCP":0}"#, "node port 0 is out of range"),
+            ("node port big", r#""default/x":{"80/TCP":70000}"#, "node port 70000"),
+            ("negative", r#""default/x":{"80/TCP":-1}"#, "node port -1"),
+            ("string", r#""default/x":{"80/TCP":"20009"}"#, "node port \"20009\""),
+        ];
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("state.json");
+        for (case, entry, needle) in cases {
+            let text =
+                format!(r#"{{"version":1,"allocations":{{"default/web":{{"80/TCP":20001}},{entry}}}}}"#);
+            fs::write(&path, &text).expect("write");
+            let (got, skipped) =
+                StateFile::new(&path).load_lenient().unwrap_or_else(|e| panic!("{case}: {e}"));
+            let web = got.get(&ServiceKey::new("default", "web"));
+            assert_eq!(web, Some(&BTreeMap::from([(PortId::tcp(80), 20001)])), "{case}: good entry kept");
+            assert!(
+                got.values().all(|m| !m.values().any(|n| *n == 20009)),
+                "{case}: bad entry used: {got:?}"
+            );
+            let messages: Vec<String> = skipped.iter().map(|e| e.to_string()).collect();
+            assert_eq!(messages.len(), 1, "{case}: {messages:?}");
+            assert!(messages[0].contains(needle), "{case}: {:?} lacks {needle:?}", messages[0]);
+            assert!(messages[0].contains(&path.display().to_string()), "{case}: {:?}", messages[0]);
+            assert!(StateFile::new(&path).load().is_ok(), "{case}: load fails");
+        }
+        // Two spellings of one port: the first read is kept, the other skipped.
+        fs::write(&path, r#"{"version":1,"allocations":{"default/web":{"80/TCP":20001,"80/tcp":20002}}}"#)
+            .expect("write");
+        let (got, skipped) = StateFile::new(&path).load_lenient().expect("load");
+        assert_eq!(got[&ServiceKey::new("default", "web")].len(), 1);
+        assert!(skipped.len() == 1 && skipped[0].to_string().contains("listed twice"), "{skipped:?}");
     }
 
     #[test]

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use common::agent::{
     Agent, chain_names, nft, nft_list, nft_list_table, nodelb, normalize_ruleset, sysctl_get,
 };
-use common::manifest::{EndpointSpec, PortSpec, ServiceSpec, render_all};
+use common::manifest::{EndpointSpec, PortSpec, ServiceSpec, render_all, render_docs};
 use common::topology::{
     ClientError, ClientLoop, NODE_BACKEND_V4, NODE_BACKEND_V6, NODE_V4, NODE_V6, Servers, Topology,
     backend_v4, backend_v6, http_get, parse_answer, udp_request, wait_until,
@@ -566,4 +566,84 @@ fn enable_forwarding_flag_turns_forwarding_on() {
     assert_eq!(sysctl_get(&topo.node, "net.ipv6.conf.all.forwarding"), "1");
     assert!(wait_until(CHANGE, || http_get(c, v4(NODE_V4), 20080, SHORT).is_ok()), "IPv4 not served");
     assert!(wait_until(CHANGE, || http_get(c, v6(NODE_V6), 20080, SHORT).is_ok()), "IPv6 not served");
+}
+
+/// The longest namespace and name Kubernetes allows (63 + 63 bytes), next to a normal Service:
+/// both are programmed and serve. Chain comments carry the name and nft (and our encoder) refuse
+/// a comment over 128 bytes, which used to fail the whole batch: every sync of the node.
+#[test]
+fn longest_names_are_served_next_to_a_normal_service() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let c = topo.client(0);
+    let inside = format!("{}/32", topo.clients[0].v4);
+    // Source ranges: both per-port chains (service, firewall) and the three named counters
+    // (connections, forwarded, refused) get a comment.
+    let mut long = web(&"l".repeat(63), 20081, 2).source_range(&inside);
+    long.namespace = "n".repeat(63);
+    let normal = web("web", 20080, 2);
+    let agent = start(&topo, &[("svc.yaml", render_all(&[&long, &normal]))], &[]);
+    agent.wait_state(&long.key(), "programmed", CHANGE);
+    agent.wait_state(&normal.key(), "programmed", CHANGE);
+
+    let seen = backends(&get_n(c, v4(NODE_V4), 20081, 40));
+    assert_eq!(seen.keys().cloned().collect::<Vec<_>>(), ["be1", "be2"], "{seen:?}");
+    let seen = backends(&get_n(c, v4(NODE_V4), 20080, 40));
+    assert_eq!(seen.keys().cloned().collect::<Vec<_>>(), ["be1", "be2"], "{seen:?}");
+
+    let listing = nft_list(&topo.node).expect("table inet nodelb");
+    let comments: Vec<&str> =
+        listing.lines().filter_map(|l| l.trim().strip_prefix("comment \"nnnn")?.strip_suffix('"')).collect();
+    assert_eq!(comments.len(), 5, "svc and fw chain, 3 counters of the long Service:\n{listing}");
+    for c in comments {
+        assert!(c.len() + 4 <= 128 && c.contains("...") && c.contains(" 80/TCP: "), "{c}");
+    }
+    let chain_comments = listing.lines().filter(|l| l.contains("\"nnnn") && l.contains("node port 20081"));
+    assert_eq!(chain_comments.count(), 2, "the chains name the node port:\n{listing}");
+}
+
+/// Manifests mode has no API server to validate names. A `/` in a name is refused, naming the
+/// value, while the other Services serve, and never reaches the state file; a state file with
+/// such an entry (as older versions wrote it) does not stop the agent, which keeps every other
+/// port. Kinds nodelb does not use are logged once, not at every resync.
+#[test]
+fn bad_names_and_bad_state_entries_do_not_stop_the_agent() {
+    require_root!();
+    let topo = Topology::new(1, 1);
+    let c = topo.client(0);
+    let bad = web("a/b", 20081, 1);
+    let auto =
+        ServiceSpec::new("auto").port(PortSpec::tcp(80, None)).endpoint(EndpointSpec::local(backend_v4(0)));
+    let config =
+        serde_json::json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "app-config"}});
+    let files = [("svc.yaml", render_all(&[&bad, &auto])), ("config.yaml", render_docs(&[config]))];
+    let mut agent = start(&topo, &files, &[]);
+    agent.wait_state("default/auto", "programmed", CHANGE);
+    agent.wait_state("default/a/b", "refused", CHANGE);
+    let st = agent.service_status("default/a/b").unwrap();
+    let reason = st["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains(r#"metadata.name "a/b""#), "refusal must name the bad value: {st}");
+    let port = agent.node_port("default/auto", 80, "TCP").expect("allocated port");
+    get_n(c, v4(NODE_V4), port, 3);
+    let state = std::fs::read_to_string(agent.state_file()).expect("state file written");
+    assert!(state.contains("default/auto") && !state.contains("a/b"), "{state}");
+
+    std::thread::sleep(Duration::from_millis(2500)); // two resyncs
+    let logs = agent.logs();
+    let lines: Vec<&str> = logs.lines().filter(|l| l.contains("ignored kind ConfigMap")).collect();
+    assert_eq!(lines.len(), 1, "logged once: {lines:?}");
+    assert!(lines[0].contains("app-config") && lines[0].contains("config.yaml"), "{}", lines[0]);
+
+    // The entry an older nodelb wrote for `a/b`, next to the good one.
+    agent.kill9();
+    let with_bad = format!(
+        r#"{{"version":1,"allocations":{{"default/a/b":{{"80/TCP":20081}},"default/auto":{{"80/TCP":{port}}}}}}}"#
+    );
+    std::fs::write(agent.state_file(), with_bad).unwrap();
+    agent.restart();
+    agent.wait_ready(READY);
+    assert!(agent.logs().contains(r#"bad entry "default/a/b""#), "the skipped entry is named in the log");
+    agent.wait_state("default/auto", "programmed", CHANGE);
+    assert_eq!(agent.node_port("default/auto", 80, "TCP"), Some(port), "port kept across the restart");
+    get_n(c, v4(NODE_V4), port, 3);
 }

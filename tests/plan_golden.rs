@@ -79,7 +79,8 @@ fn tracer_table() {
         ("v6 in range", "ranged", packet(Protocol::Tcp, "2001:db8:1::7", NODE_V6, 20003), 0, "reject (tcp reset) in no-endpoints"),
         ("v6 out of range", "ranged", packet(Protocol::Tcp, "2001:db8:9::7", NODE_V6, 20003), 0, "drop in fw6-"),
         ("no ready endpoint: tcp reset", "no_endpoints", packet(Protocol::Tcp, "203.0.113.7", NODE_V4, 20004), 0, "reject (tcp reset) in no-endpoints"),
-        ("no ready endpoint: udp icmp", "no_endpoints", packet(Protocol::Udp, "203.0.113.7", NODE_V4, 20004), 0, "untouched"),
+        ("no ready endpoint: udp icmp", "no_endpoints", packet(Protocol::Udp, "203.0.113.7", NODE_V4, 20005), 0, "reject (icmp) in no-endpoints"),
+        ("no ready endpoint: udp to the tcp-only node port untouched", "no_endpoints", packet(Protocol::Udp, "203.0.113.7", NODE_V4, 20004), 0, "untouched"),
         ("udp 53 shares node port with tcp 53", "dns", packet(Protocol::Udp, "203.0.113.7", NODE_V4, 20053), 0, "DNAT 198.51.100.11:5353, masquerade"),
         ("tcp 53", "dns", packet(Protocol::Tcp, "203.0.113.7", NODE_V4, 20053), 0, "DNAT 198.51.100.11:5353, masquerade"),
         ("dual v4 to v4 endpoint", "dual_stack", packet(Protocol::Tcp, "203.0.113.7", NODE_V4, 20006), 0, "DNAT 198.51.100.11:8080, masquerade"),
@@ -97,21 +98,6 @@ fn tracer_table() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
-}
-
-#[test]
-fn no_endpoint_udp_port_is_rejected_with_icmp() {
-    let udp = svc("udp", vec![(53, Protocol::Udp, vec![ep("198.51.100.13", 53, NODE, false)])]);
-    let p = ports(&udp, 20053);
-    let rs = plan::plan(&[ServicePlan { service: &udp, node_ports: &p }], &node(&[Family::Ipv4]));
-    let env = Env { local_addrs: vec![NODE_V4.parse().unwrap()], numgen: 0 };
-    let t = trace::trace(&rs, &packet(Protocol::Udp, "203.0.113.7", NODE_V4, 20053), &env);
-    assert!(
-        matches!(t.outcome, trace::Outcome::Rejected { tcp_reset: false, .. }),
-        "udp to a port without endpoints: {:?} via {:?}",
-        t.outcome,
-        t.chains
-    );
 }
 
 #[test]
@@ -140,8 +126,14 @@ fn one_endpoint_added_is_a_small_batch() {
     web.ports[0].endpoints.push(ep("198.51.100.13", 8080, NODE, true));
     let after = plan::plan(&[ServicePlan { service: &web, node_ports: &p }], &n);
     let changes = plan::diff(&before, &after);
-    // new endpoint chain + its rule, svc chain flush + 2 rules, 1 endpoint-set element
-    assert!(changes.len() <= 7, "{changes:#?}");
+    // The service chain is flushed and refilled (counter/mark rule + 3 DNAT rules) and the new
+    // endpoint joins the endpoints set: 6 changes, nothing else touched.
+    assert_eq!(changes.len(), 6, "{changes:#?}");
+    assert!(matches!(&changes[0], Change::FlushChain(c) if c.starts_with("svc4-")), "{changes:#?}");
+    assert!(
+        matches!(&changes[5], Change::AddElements { set, elements } if set == "endpoints-ipv4" && elements.len() == 1),
+        "{changes:#?}"
+    );
     assert!(
         !changes.iter().any(|c| matches!(c, Change::DeleteTable | Change::DeleteChain(_))),
         "{changes:#?}"
@@ -162,6 +154,68 @@ fn chain_names_are_stable_and_bounded() {
     assert_eq!(rs, again);
     let svc_chain = plan::service_chain(Family::Ipv4, &s, &s.ports[0]);
     assert!(svc_chain.starts_with("svc4-"), "{svc_chain}");
+}
+
+/// Every chain comment of a Service with the longest namespace and a long name, in both families,
+/// with source ranges (all three per-port chains), fits nft's limit, and the whole ruleset
+/// encodes into a netlink batch (a comment over the limit fails the batch, i.e. every sync of the
+/// node).
+#[test]
+fn long_names_plan_and_encode() {
+    for name_len in [63, 253] {
+        let mut s = svc(&"x".repeat(name_len), vec![(80, Protocol::Tcp, two_backends())]);
+        s.key.namespace = "n".repeat(63);
+        s.families = vec![Family::Ipv4, Family::Ipv6];
+        s.ports[0].endpoints.push(ep("2001:db8:2::11", 8080, NODE, true));
+        s.source_ranges = vec!["203.0.113.0/24".parse().unwrap(), "2001:db8::/32".parse().unwrap()];
+        let p = ports(&s, 65535);
+        let rs =
+            plan::plan(&[ServicePlan { service: &s, node_ports: &p }], &node(&[Family::Ipv4, Family::Ipv6]));
+        let per_port: Vec<_> =
+            rs.chains.values().filter(|c| c.base.is_none() && c.name != plan::CHAIN_NO_ENDPOINTS).collect();
+        assert_eq!(per_port.len(), 4, "svc and fw chain per family");
+        for c in per_port {
+            let comment = c.comment.as_deref().expect("per-port chains have a comment");
+            assert!(comment.len() <= plan::MAX_COMMENT, "{} bytes: {comment}", comment.len());
+            assert!(comment.starts_with("nnnnnnnn"), "namespace first: {comment}");
+            assert!(comment.contains("...") && comment.contains("/xxxx"), "both parts shortened: {comment}");
+            assert!(comment.contains(" 80/TCP: node port 65535"), "port and node port kept: {comment}");
+        }
+        assert_eq!(rs.counters.len(), 6, "connections, forwarded and refused counter per family");
+        for c in rs.counters.values() {
+            let comment = c.comment.as_deref().expect("counters have a comment");
+            assert!(comment.len() <= plan::MAX_COMMENT, "{} bytes: {comment}", comment.len());
+            assert!(comment.contains("...") && comment.contains(" 80/TCP: "), "shortened: {comment}");
+        }
+        let encoded = nodelb::nft::encode::encode_batch(&rs.full_replace(), 1);
+        assert!(encoded.is_ok(), "name of {name_len} bytes: {:?}", encoded.err());
+    }
+}
+
+/// Comments built from names: short ones unchanged, long or unprintable ones shortened on a
+/// character boundary and cleaned, never over the limit.
+#[test]
+fn port_comments_fit_and_stay_readable() {
+    #[rustfmt::skip]
+    let cases: Vec<(&str, String, String, &str, String)> = vec![
+        ("short", "default".into(), "web".into(), "", "default/web 80/TCP: node port 20001".into()),
+        ("short, forwarded", "default".into(), "web".into(), ": forwarded traffic", "default/web 80/TCP: node port 20001: forwarded traffic".into()),
+        ("NUL and control chars", "default".into(), "a\0b\nc\u{7f}".into(), "", "default/a?b?c? 80/TCP: node port 20001".into()),
+        ("quote", "default".into(), "a\"b".into(), "", "default/a'b 80/TCP: node port 20001".into()),
+        ("long name, short namespace", "default".into(), "x".repeat(253), ": source ranges", format!("default/{}... 80/TCP: node port 20001: source ranges", "x".repeat(78))),
+        ("long namespace, short name", "n".repeat(120), "web".into(), "", format!("{}.../web 80/TCP: node port 20001", "n".repeat(97))),
+        ("multi-byte cut on a boundary", "default".into(), "é".repeat(100), "", format!("default/{}... 80/TCP: node port 20001", "é".repeat(46))),
+    ];
+    let mut failures = vec![];
+    for (desc, ns, name, what, want) in cases {
+        let mut s = svc(&name, vec![(80, Protocol::Tcp, two_backends())]);
+        s.key.namespace = ns;
+        let got = plan::port_comment(&s, &s.ports[0], 20001, what);
+        if got.len() > plan::MAX_COMMENT || got != want {
+            failures.push(format!("{desc}: want {want:?}, got {got:?} ({} bytes)", got.len()));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// Every endpoint of a service port gets an equal share: the chance of reaching DNAT rule i is the

@@ -63,7 +63,13 @@ pub fn scenarios() -> Vec<Scenario> {
     let mut ranged = svc("ranged", vec![(443, Protocol::Tcp, two_backends())]);
     ranged.source_ranges = vec!["203.0.113.0/25".parse().unwrap(), "2001:db8:1::/64".parse().unwrap()];
     ranged.families = vec![Family::Ipv4, Family::Ipv6];
-    let empty = svc("empty", vec![(80, Protocol::Tcp, vec![ep("198.51.100.13", 80, NODE, false)])]);
+    let empty = svc(
+        "empty",
+        vec![
+            (80, Protocol::Tcp, vec![ep("198.51.100.13", 80, NODE, false)]),
+            (53, Protocol::Udp, vec![ep("198.51.100.13", 53, NODE, false)]),
+        ],
+    );
     let dns = svc(
         "dns",
         vec![

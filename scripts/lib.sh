@@ -1,0 +1,54 @@
+# shellcheck shell=bash
+# Shared by scripts/demo.sh and scripts/test.sh (sourced, not run): the Rust toolchain that a fresh
+# Debian machine lacks. Both scripts run as root, usually through sudo.
+
+# Puts cargo's bin directory on PATH: rustup installs into ~/.cargo/bin, which sudo's secure_path
+# drops (so `sudo scripts/test.sh` would not find the cargo that the last run installed).
+nodelb_cargo_path() {
+    local bin=${CARGO_HOME:-$HOME/.cargo}/bin
+    if [[ -d $bin && :$PATH: != *:$bin:* ]]; then
+        PATH=$bin:$PATH
+        export PATH
+    fi
+}
+
+# A cargo and rustc new enough for the crate (edition 2024: Rust 1.85 or newer) and a C linker.
+nodelb_rust_ok() {
+    command -v cargo >/dev/null && command -v rustc >/dev/null && command -v cc >/dev/null || return 1
+    local v
+    v=$(rustc --version | awk '{print $2}')
+    [[ $(printf '%s\n' 1.85.0 "$v" | sort -V | head -n1) == 1.85.0 ]]
+}
+
+# Installs what nodelb_rust_ok wants when it is missing: Debian's rustup package where there is one,
+# else the rustup installer (Debian 12's own cargo, 1.63, is too old and it has no rustup package),
+# plus build-essential and pkg-config. Needs root and apt-get. Returns non-zero if still unusable.
+nodelb_ensure_rust() {
+    nodelb_cargo_path
+    if nodelb_rust_ok; then
+        return 0
+    fi
+    if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null; then
+        echo "no usable Rust toolchain (need cargo 1.85+ and cc); run as root on Debian to install one" >&2
+        return 1
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends build-essential pkg-config curl ca-certificates >/dev/null
+    if ! command -v cargo >/dev/null || ! nodelb_rust_ok; then
+        if apt-cache policy rustup 2>/dev/null | grep -q 'Candidate: [0-9]'; then
+            echo "installing rustup from Debian's packages" >&2
+            apt-get install -y -qq --no-install-recommends rustup >/dev/null
+            rustup default stable
+        else
+            echo "Debian has no recent enough Rust here: installing rustup (https://rustup.rs)" >&2
+            curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal
+        fi
+        nodelb_cargo_path
+        hash -r
+    fi
+    nodelb_rust_ok || {
+        echo "no usable Rust toolchain after installing one (need 1.85+)" >&2
+        return 1
+    }
+}
