@@ -39,27 +39,25 @@ fn scrape(agent: &Agent) -> Scrape {
     Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).expect("valid Prometheus text")
 }
 
-/// Value of the sample `name` whose labels include all of `labels`; None when absent.
-fn value(s: &Scrape, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+/// Values of the samples `name` whose labels include all of `labels`.
+fn samples<'a>(s: &'a Scrape, name: &'a str, labels: &'a [(&str, &str)]) -> impl Iterator<Item = f64> + 'a {
     s.samples
         .iter()
-        .find(|x| x.metric == name && labels.iter().all(|(k, v)| x.labels.get(k) == Some(*v)))
+        .filter(move |x| x.metric == name && labels.iter().all(|(k, v)| x.labels.get(k) == Some(*v)))
         .map(|x| match x.value {
             Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => v,
             _ => f64::NAN,
         })
 }
 
+/// Value of the sample `name` whose labels include all of `labels`; None when absent.
+fn value(s: &Scrape, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    samples(s, name, labels).next()
+}
+
 /// Sum over all samples of `name` whose labels include all of `labels`.
 fn sum(s: &Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
-    s.samples
-        .iter()
-        .filter(|x| x.metric == name && labels.iter().all(|(k, v)| x.labels.get(k) == Some(*v)))
-        .map(|x| match x.value {
-            Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => v,
-            _ => f64::NAN,
-        })
-        .sum()
+    samples(s, name, labels).sum()
 }
 
 /// `git rev-parse --short=12 HEAD` of this checkout; `None` without git or outside a checkout.
