@@ -53,7 +53,7 @@ else
 fi
 
 log "building $IMAGE"
-docker build -t "$IMAGE" .
+docker build --build-arg NODELB_GIT_COMMIT="$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)" -t "$IMAGE" .
 if [[ $TOOL == kind ]]; then kind load docker-image "$IMAGE" --name "$CLUSTER"
 else k3d image import "$IMAGE" -c "$CLUSTER"; fi
 

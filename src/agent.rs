@@ -22,7 +22,7 @@ use crate::nft::{self, NftClient};
 use crate::plan::{self, NodeFacts};
 use crate::source::Source;
 use crate::state::StateFile;
-use crate::status::{ServiceState, SharedStatus, SyncStatus};
+use crate::status::{ServiceState, ServiceStatus, SharedStatus, SyncStatus};
 use crate::sysctl::{Sysctls, forwarding_sysctl};
 
 #[derive(Debug, Clone)]
@@ -41,12 +41,28 @@ pub struct AgentConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
+    /// Netlink unavailable, or the kernel refused a batch.
     #[error(transparent)]
     Nft(#[from] nft::NftError),
+    /// Reading the ruleset generation or our table back failed.
+    #[error("reading the ruleset back from the kernel: {0}")]
+    KernelRead(#[source] nft::NftError),
     #[error(transparent)]
     Manifests(#[from] manifests::ManifestError),
     #[error(transparent)]
     State(#[from] crate::state::StateError),
+}
+
+impl AgentError {
+    /// The `reason` label of `nodelb_sync_failures_total`.
+    fn reason(&self) -> &'static str {
+        match self {
+            AgentError::Nft(_) => "netlink",
+            AgentError::KernelRead(_) => "kernel_read",
+            AgentError::Manifests(_) => "manifests",
+            AgentError::State(_) => "state_file",
+        }
+    }
 }
 
 const MIN_BACKOFF: Duration = Duration::from_millis(200);
@@ -74,6 +90,35 @@ struct Agent {
     /// Source fingerprint and node facts of the last successful sync: the same again (a relist
     /// that brought nothing new) means nothing to recompute.
     last_input: Option<(u64, NodeFacts)>,
+    /// `(state, reason)` label sets of `nodelb_services` currently exported.
+    services_series: BTreeSet<(&'static str, String)>,
+}
+
+/// One sync attempt, as [`Agent::record`] reports it.
+struct Attempt {
+    started: Instant,
+    /// `full` (table replaced) or `incremental`: the kind the batch is (or would have been).
+    kind: &'static str,
+    changes: usize,
+    /// The Services' state, once computed (not when the attempt failed before).
+    report: Option<Report>,
+}
+
+/// What a sync computed for `/status`.
+struct Report {
+    services: Vec<ServiceStatus>,
+    needed_families: Vec<String>,
+    problems: Vec<String>,
+}
+
+/// How a sync that did not fail ended.
+enum Synced {
+    /// The source is not completely read yet: nothing programmed, not counted as a sync.
+    Waiting,
+    /// Same input as the last good sync and our table untouched: not counted as a sync.
+    Unchanged,
+    /// The batch (possibly empty) is in the kernel.
+    Applied,
 }
 
 /// Runs until `shutdown` resolves. Errors only for things that make serving impossible from the
@@ -110,6 +155,7 @@ pub async fn run(
         logged_problems: BTreeSet::new(),
         backoff: MIN_BACKOFF,
         last_input: None,
+        services_series: BTreeSet::new(),
     };
     info!(source = %agent.source.describe(), node = %agent.cfg.node_name, "nodelb agent starting");
 
@@ -219,29 +265,34 @@ impl Agent {
         }
     }
 
-    /// One sync, with its outcome counted in the metrics.
+    /// One sync attempt. Whatever happens, an attempt that got past "nothing to do" is recorded
+    /// exactly once, in [`Agent::record`].
     async fn sync(&mut self, verify: bool) -> Result<(), AgentError> {
-        let result = self.sync_once(verify).await;
-        if let Err(e) = &result {
-            let reason = match e {
-                AgentError::Nft(_) => "netlink",
-                AgentError::Manifests(_) => "manifests",
-                AgentError::State(_) => "state_file",
-            };
-            self.metrics.sync_failures.with_label_values(&[reason]).inc();
+        let mut attempt = Attempt {
+            started: Instant::now(),
+            kind: if self.applied.is_none() { "full" } else { "incremental" },
+            changes: 0,
+            report: None,
+        };
+        let result = self.sync_once(verify, &mut attempt).await;
+        match &result {
+            Ok(Synced::Waiting | Synced::Unchanged) => {}
+            Ok(Synced::Applied) => self.record(attempt, None),
+            Err(e) => self.record(attempt, Some(e)),
         }
-        result
+        result.map(|_| ())
     }
 
-    async fn sync_once(&mut self, verify: bool) -> Result<(), AgentError> {
-        let started = Instant::now();
-        let mut phases = Phases::new(started);
+    /// Reads the input, computes the desired state and programs it. Returns at the first error;
+    /// fills `attempt` with what [`Agent::record`] reports.
+    async fn sync_once(&mut self, verify: bool, attempt: &mut Attempt) -> Result<Synced, AgentError> {
+        let mut phases = Phases::new(attempt.started);
         let loaded = match self.source.snapshot(&self.cfg.model) {
             Ok(Some(snapshot)) => snapshot,
             Ok(None) => {
                 // Never program from a partial view: the old rules stay until the caches are complete.
                 debug!("source not complete yet; waiting");
-                return Ok(());
+                return Ok(Synced::Waiting);
             }
             Err(e) => {
                 // Never program from a view we could not read: keep the kernel as it is.
@@ -260,7 +311,7 @@ impl Agent {
             && self.applied.is_some()
             && (!verify || !self.generation_changed()?)
         {
-            return Ok(());
+            return Ok(Synced::Unchanged);
         }
         phases.mark("load");
         let problems: Vec<String> = loaded.problems.clone();
@@ -269,7 +320,7 @@ impl Agent {
             problems.iter().cloned().collect(),
             |p| warn!(problem = %p, "input problem"),
         );
-        let mut desired: Desired = desired::compute(&Inputs {
+        let inputs = Inputs {
             mode: self.source.mode(),
             services: &loaded.services,
             slices: &loaded.slices,
@@ -277,7 +328,8 @@ impl Agent {
             range: &self.cfg.port_range,
             model: &self.cfg.model,
             node: &node,
-        });
+        };
+        let mut desired: Desired = desired::compute_with(&inputs, self.metrics.per_service);
         phases.mark("desired");
         self.report_refusals(&desired);
         if desired.allocations != self.allocations {
@@ -291,113 +343,156 @@ impl Agent {
         phases.mark("state");
 
         let applied = self.applied.take();
-        let (changes, kind) = match &applied {
-            None => (desired.ruleset.full_replace(), "full"),
-            Some(applied) => {
-                let needs_check = verify && self.generation_changed()?;
-                if needs_check && self.tampered(applied)? {
+        let checked = match &applied {
+            None => Ok((desired.ruleset.full_replace(), "full")),
+            Some(applied) => self.check_kernel(verify, applied).map(|repair| {
+                if repair {
                     self.metrics.repairs.inc();
                     (desired.ruleset.full_replace(), "full")
                 } else {
                     (plan::diff(applied, &desired.ruleset), "incremental")
                 }
-            }
+            }),
         };
         self.applied = applied;
+        let (changes, kind) = checked?;
+        attempt.kind = kind;
+        attempt.changes = changes.len();
         phases.mark("diff");
-        let count = changes.len();
-        // Counters of chains this batch flushes or deletes restart at zero: read them first and
-        // fold them into the exported totals once the batch is in.
-        let resetting = resetting_chains(&changes, &self.kept_counter_chains(&desired));
-        let before = if resetting.is_empty() { None } else { self.nft.read_table().ok().flatten() };
+        let metrics = self.metrics.clone();
+        // Held until the fold: a scrape sees the counters of one side of the batch.
+        let mut counters =
+            metrics.per_service.then(|| metrics.counters.lock().unwrap_or_else(|e| e.into_inner()));
+        // Counters that this batch resets (table replaced, counter deleted) and whose series stay:
+        // read them first and fold them into the exported totals once the batch is in.
+        let resetting = match &counters {
+            Some(c) => resetting_counters(&changes, &c.kept_counters(&desired.counter_index)),
+            None => BTreeSet::new(),
+        };
+        let before = if resetting.is_empty() {
+            None
+        } else {
+            self.nft.read_counters().map(Some).unwrap_or_else(|e| {
+                warn!(error = %e, "cannot read counters before the batch; totals of reset counters are lost");
+                None
+            })
+        };
         phases.mark("counters");
         let result = if changes.is_empty() {
             Ok(())
         } else {
             self.nft.apply(&changes).map(|stats| self.metrics.batch_messages.observe(stats.messages as f64))
         };
-        let ok = result.is_ok();
         phases.mark("apply");
-        self.metrics.syncs.with_label_values(&[kind, if ok { "success" } else { "error" }]).inc();
-        self.metrics.sync_duration.with_label_values(&[kind]).observe(started.elapsed().as_secs_f64());
-        self.update_gauges(&desired, &node, ok, problems.len());
-        if ok {
-            let mut counters = self.metrics.counters.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(table) = &before {
-                counters.fold(table, &resetting, &desired.counter_index);
+        if result.is_ok()
+            && let Some(counters) = counters.as_mut()
+        {
+            if let Some(kernel) = &before {
+                counters.fold(kernel, &resetting, &desired.counter_index);
             }
-            counters.set_index(std::mem::take(&mut desired.counter_index));
-            self.metrics
-                .last_success
-                .set(SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0));
+            counters.install(std::mem::take(&mut desired.counter_index));
+        }
+        drop(counters);
+        self.update_service_gauges(&desired, problems.len());
+        if result.is_ok() {
+            if !changes.is_empty() {
+                let ms = attempt.started.elapsed().as_secs_f64() * 1000.0;
+                info!(kind, changes = changes.len(), ms, "synced");
+            }
+            self.flush_stale_udp(&desired.ruleset);
+            // The batch is in: a failed read here only means the next resync verifies the table.
+            self.generation = match self.nft.generation() {
+                Ok(g) => Some(g),
+                Err(e) => {
+                    warn!(error = %e, "cannot read the ruleset generation; the next resync verifies our table");
+                    None
+                }
+            };
+            self.last_input = loaded.fingerprint.map(|fp| (fp, node.clone()));
+        }
+        attempt.report = Some(Report {
+            services: std::mem::take(&mut desired.services),
+            needed_families: desired.needed_families.iter().map(|f| f.name().to_string()).collect(),
+            problems: problems.into_iter().chain(desired.warnings.iter().cloned()).collect(),
+        });
+        if result.is_ok() {
+            self.applied = Some(desired.ruleset);
+        }
+        phases.mark("after");
+        debug!(kind, changes = changes.len(), phases = %phases, "sync breakdown (ms)");
+        result.map(|()| Synced::Applied).map_err(AgentError::from)
+    }
+
+    /// On a resync (`verify`), whether someone changed our table since our last batch (then it is
+    /// replaced). Errors are kernel reads that failed.
+    fn check_kernel(&mut self, verify: bool, applied: &Ruleset) -> Result<bool, AgentError> {
+        Ok(verify && self.generation_changed()? && self.tampered(applied)?)
+    }
+
+    /// Counts one sync attempt: `nodelb_syncs_total`, the duration, the failure reason, the
+    /// families served, and `last_sync` in the status (which `/readyz` reads), with the Services
+    /// when the attempt computed them.
+    fn record(&mut self, attempt: Attempt, error: Option<&AgentError>) {
+        let m = &self.metrics;
+        let ok = error.is_none();
+        let elapsed = attempt.started.elapsed();
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        m.syncs.with_label_values(&[attempt.kind, if ok { "success" } else { "error" }]).inc();
+        m.sync_duration.with_label_values(&[attempt.kind]).observe(elapsed.as_secs_f64());
+        match error {
+            None => m.last_success.set(now.as_secs_f64()),
+            Some(e) => m.sync_failures.with_label_values(&[e.reason()]).inc(),
+        }
+        // A failed sync serves no family: its next attempt replaces the whole table.
+        let served: BTreeSet<Family> = if ok { self.node_facts().families } else { BTreeSet::new() };
+        for f in Family::ALL {
+            m.family_served.with_label_values(&[f.name()]).set(i64::from(served.contains(&f)));
         }
         let sync = SyncStatus {
             ok,
-            kind: kind.to_string(),
-            changes: count,
-            duration_ms: started.elapsed().as_secs_f64() * 1000.0,
-            error: result.as_ref().err().map(|e| e.to_string()),
-            at: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+            kind: attempt.kind.to_string(),
+            changes: attempt.changes,
+            duration_ms: elapsed.as_secs_f64() * 1000.0,
+            error: error.map(|e| e.to_string()),
+            at: now.as_secs(),
         };
-        if ok {
-            if count > 0 {
-                info!(kind, changes = count, ms = sync.duration_ms, "synced");
-            }
-            self.flush_stale_udp(&desired.ruleset);
-            self.generation = Some(self.nft.generation()?);
-            self.last_input = loaded.fingerprint.map(|fp| (fp, node.clone()));
-        }
-        phases.mark("after");
         // The previous status' Services are dropped after the lock is released.
         let _previous = {
             let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
-            let previous = std::mem::replace(&mut st.services, desired.services);
-            st.needed_families = desired.needed_families.iter().map(|f| f.name().to_string()).collect();
-            st.problems = problems;
-            st.problems.extend(desired.warnings.iter().cloned());
-            st.source_synced = true;
+            let previous = attempt.report.map(|r| {
+                st.needed_families = r.needed_families;
+                st.problems = r.problems;
+                st.source_synced = true;
+                std::mem::replace(&mut st.services, r.services)
+            });
             st.last_sync = Some(sync);
             for (name, fam) in st.families.iter_mut() {
-                let served = node.families.iter().any(|f| f.name() == name);
-                fam.programmed = ok && served;
+                fam.programmed = served.iter().any(|f| f.name() == name);
             }
             previous
         };
-        if ok {
-            self.applied = Some(desired.ruleset);
-        }
-        phases.mark("status");
-        debug!(kind, changes = count, phases = %phases, "sync breakdown (ms)");
-        result.map_err(AgentError::from)
     }
 
-    /// Chains (now or in the previous sync) whose counters feed a series that is still exported
-    /// after this sync: their counts must be read before a batch resets them. A Service that goes
-    /// away takes its series with it, so its chains need no read (at 1,000 Services × 5 endpoints,
-    /// reading the table costs ~40 ms of a removal's reaction time).
-    fn kept_counter_chains(&self, desired: &Desired) -> BTreeSet<String> {
-        let counters = self.metrics.counters.lock().unwrap_or_else(|e| e.into_inner());
-        let live: BTreeSet<_> = desired.counter_index.values().collect();
-        counters
-            .index
-            .iter()
-            .chain(&desired.counter_index)
-            .filter(|(_, series)| live.contains(series))
-            .map(|(chain, _)| chain.clone())
-            .collect()
-    }
-
-    fn update_gauges(&self, desired: &Desired, node: &NodeFacts, ok: bool, manifest_problems: usize) {
+    /// The gauges computed from the desired state. `nodelb_services` series are set in place and
+    /// only the label sets that are gone are removed, so a scrape never sees them missing.
+    fn update_service_gauges(&mut self, desired: &Desired, manifest_problems: usize) {
         let m = &self.metrics;
-        m.services.reset();
+        let mut by_state: BTreeMap<(&'static str, String), i64> = BTreeMap::new();
         for s in &desired.services {
             let state = match s.state {
                 ServiceState::Programmed => "programmed",
                 ServiceState::NoEndpoints => "no-endpoints",
                 ServiceState::Refused => "refused",
             };
-            m.services.with_label_values(&[state, s.reason_code.as_deref().unwrap_or("")]).inc();
+            *by_state.entry((state, s.reason_code.clone().unwrap_or_default())).or_default() += 1;
         }
+        for gone in self.services_series.iter().filter(|k| !by_state.contains_key(*k)) {
+            let _ = m.services.remove_label_values(&[gone.0, &gone.1]);
+        }
+        for ((state, reason), n) in &by_state {
+            m.services.with_label_values(&[state, reason.as_str()]).set(*n);
+        }
+        self.services_series = by_state.into_keys().collect();
         let ports = desired.services.iter().flat_map(|s| s.ports.iter());
         m.service_ports.set(ports.clone().filter(|p| p.node_port.is_some()).count() as i64);
         m.endpoints.set(ports.map(|p| p.endpoints as i64).sum());
@@ -406,9 +501,6 @@ impl Agent {
         let in_range = numbers.iter().filter(|n| self.cfg.port_range.contains(**n)).count();
         m.free_ports.set(self.cfg.port_range.len().saturating_sub(in_range) as i64);
         m.manifest_problems.set(manifest_problems as i64);
-        for f in Family::ALL {
-            m.family_served.with_label_values(&[f.name()]).set(i64::from(ok && node.families.contains(&f)));
-        }
     }
 
     /// UDP endpoints that left a node port since the last batch: delete their conntrack entries
@@ -428,17 +520,17 @@ impl Agent {
     }
 
     fn generation_changed(&mut self) -> Result<bool, AgentError> {
-        let now = self.nft.generation()?;
+        let now = self.nft.generation().map_err(AgentError::KernelRead)?;
         Ok(self.generation != Some(now))
     }
 
     /// Compares the kernel's table with what we programmed; logs each difference.
     fn tampered(&mut self, applied: &Ruleset) -> Result<bool, AgentError> {
-        let table = self.nft.read_table()?;
+        let table = self.nft.read_table().map_err(AgentError::KernelRead)?;
         let diffs = nft::verify(applied, table.as_ref());
         if diffs.is_empty() {
             // Someone else's transaction (another table): remember the new generation.
-            self.generation = Some(self.nft.generation()?);
+            self.generation = Some(self.nft.generation().map_err(AgentError::KernelRead)?);
             return Ok(false);
         }
         for d in diffs.iter().take(20) {
@@ -502,7 +594,7 @@ impl std::fmt::Display for Phases {
 /// Named counters (among `tracked`) that this batch deletes: the whole table on a full replace,
 /// else the counters of Service ports that stop being programmed. Flushing or replacing chains
 /// does not touch them.
-fn resetting_chains(changes: &[Change], tracked: &BTreeSet<String>) -> BTreeSet<String> {
+fn resetting_counters(changes: &[Change], tracked: &BTreeSet<String>) -> BTreeSet<String> {
     if changes.iter().any(|c| matches!(c, Change::DeleteTable)) {
         return tracked.clone();
     }

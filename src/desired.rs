@@ -9,7 +9,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use crate::alloc::{self, AllocProblem, Allocations, PortRange};
 use crate::ir::{Family, Ruleset};
-use crate::metrics::{CounterKind, SeriesKey};
+use crate::metrics::{CounterIndex, CounterKind, SeriesKey};
 use crate::model::{self, LbService, ModelOptions, Refusal, ServiceKey};
 use crate::plan::{self, NodeFacts, ServicePlan};
 use crate::status::{PortStatus, ServiceState, ServiceStatus};
@@ -24,8 +24,9 @@ pub struct Desired {
     pub needed_families: BTreeSet<Family>,
     pub refusals: Vec<Refusal>,
     pub alloc_problems: Vec<AllocProblem>,
-    /// Chain name → the per-Service-port series its counter belongs to (for `/metrics`).
-    pub counter_index: BTreeMap<String, (SeriesKey, CounterKind)>,
+    /// Which counter feeds which per-Service-port series, and which Service ports exist (for
+    /// `/metrics`); empty when computed without it ([`compute_with`]).
+    pub counter_index: CounterIndex,
     /// Non-fatal input problems (e.g. a bad endpoint address skipped).
     pub warnings: Vec<String>,
 }
@@ -52,6 +53,12 @@ pub struct Inputs<'a> {
 }
 
 pub fn compute(inputs: &Inputs<'_>) -> Desired {
+    compute_with(inputs, true)
+}
+
+/// [`compute`]; `counter_index: false` leaves [`Desired::counter_index`] empty (per-Service
+/// metrics off: at 10,000 Services the index is tens of thousands of chain names).
+pub fn compute_with(inputs: &Inputs<'_>, counter_index: bool) -> Desired {
     let out = model::build(inputs.services, inputs.slices, inputs.model);
     let (allocations, alloc_problems, duplicates) = match inputs.mode {
         AllocationMode::Allocate => {
@@ -102,7 +109,8 @@ pub fn compute(inputs: &Inputs<'_>) -> Desired {
         });
     }
     services.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-    let counter_index = counter_index(&out.services, &ruleset);
+    let counter_index =
+        if counter_index { self::counter_index(&out.services, &ruleset) } else { CounterIndex::default() };
     let needed_families = out.services.iter().flat_map(|s| s.families.iter().copied()).collect();
     Desired {
         ruleset,
@@ -191,9 +199,10 @@ fn service_status(
     }
 }
 
-/// The named counters of each served Service port that the ruleset contains.
-fn counter_index(services: &[LbService], ruleset: &Ruleset) -> BTreeMap<String, (SeriesKey, CounterKind)> {
-    let mut index = BTreeMap::new();
+/// The named counters of each served Service port that the ruleset contains, and every Service
+/// port (whose series outlive its counters: a port that lost its node port has none).
+fn counter_index(services: &[LbService], ruleset: &Ruleset) -> CounterIndex {
+    let mut index = CounterIndex::default();
     for svc in services {
         for port in &svc.ports {
             let key = SeriesKey { service: svc.key.clone(), port: port.id };
@@ -204,10 +213,11 @@ fn counter_index(services: &[LbService], ruleset: &Ruleset) -> BTreeMap<String, 
                     (plan::refused_counter(f, svc, port), CounterKind::Refused),
                 ] {
                     if ruleset.counters.contains_key(&counter) {
-                        index.insert(counter, (key.clone(), kind));
+                        index.counters.insert(counter, (key.clone(), kind));
                     }
                 }
             }
+            index.ports.insert(key);
         }
     }
     index

@@ -69,3 +69,37 @@ async fn readyz(State(app): State<AppState>) -> impl IntoResponse {
         Err(reason) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {reason}\n")),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::RwLock;
+    use std::time::Instant;
+
+    use super::*;
+    use crate::status::Status;
+
+    async fn get_healthz(last_tick: Option<Instant>, stuck_after: Duration) -> (StatusCode, String) {
+        let status = Status { last_tick, ..Default::default() };
+        let metrics = Arc::new(Metrics::new(false).unwrap());
+        let app = AppState { status: Arc::new(RwLock::new(status)), metrics, stuck_after };
+        let response = healthz(State(app)).await.into_response();
+        let code = response.status();
+        let body = axum::body::to_bytes(response.into_body(), 1 << 16).await.unwrap();
+        (code, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    #[tokio::test]
+    async fn healthz_is_ok_while_the_loop_ticks_and_names_a_stuck_loop() {
+        let stuck_after = Duration::from_millis(100);
+        let (code, body) = get_healthz(None, stuck_after).await;
+        assert_eq!((code, body.as_str()), (StatusCode::SERVICE_UNAVAILABLE, "sync loop not started\n"));
+        let (code, body) = get_healthz(Some(Instant::now()), stuck_after).await;
+        assert_eq!((code, body.as_str()), (StatusCode::OK, "ok\n"));
+        // Real time, no fake clock: a tick older than `stuck_after`.
+        let tick = Instant::now();
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let (code, body) = get_healthz(Some(tick), stuck_after).await;
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert!(body.starts_with("sync loop stuck: last tick ") && body.ends_with("s ago\n"), "{body}");
+    }
+}

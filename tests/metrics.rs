@@ -39,15 +39,34 @@ fn scrape(agent: &Agent) -> Scrape {
     Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).expect("valid Prometheus text")
 }
 
-/// Value of the sample `name` whose labels include all of `labels`; None when absent.
-fn value(s: &Scrape, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+/// Values of the samples `name` whose labels include all of `labels`.
+fn samples<'a>(s: &'a Scrape, name: &'a str, labels: &'a [(&str, &str)]) -> impl Iterator<Item = f64> + 'a {
     s.samples
         .iter()
-        .find(|x| x.metric == name && labels.iter().all(|(k, v)| x.labels.get(k) == Some(*v)))
+        .filter(move |x| x.metric == name && labels.iter().all(|(k, v)| x.labels.get(k) == Some(*v)))
         .map(|x| match x.value {
             Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => v,
             _ => f64::NAN,
         })
+}
+
+/// Value of the sample `name` whose labels include all of `labels`; None when absent.
+fn value(s: &Scrape, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    samples(s, name, labels).next()
+}
+
+/// Sum over all samples of `name` whose labels include all of `labels`.
+fn sum(s: &Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
+    samples(s, name, labels).sum()
+}
+
+/// `git rev-parse --short=12 HEAD` of this checkout; `None` without git or outside a checkout.
+fn git_head() -> Option<String> {
+    let out = std::process::Command::new("git")
+        .args(["-C", env!("CARGO_MANIFEST_DIR"), "rev-parse", "--short=12", "HEAD"])
+        .output()
+        .ok()?;
+    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
 fn svc_labels(name: &str) -> Vec<(&'static str, &str)> {
@@ -223,6 +242,13 @@ fn exposition_is_complete_and_service_series_go_with_the_service() {
         assert!(sampled.contains(required), "metric {required} missing from /metrics:\n{text}");
     }
     let s = scrape(&agent);
+    let build = s.samples.iter().find(|x| x.metric == "nodelb_build_info").expect("build info");
+    assert_eq!(build.labels.get("version"), Some(env!("CARGO_PKG_VERSION")));
+    match (git_head(), std::env::var_os("NODELB_TEST_BIN")) {
+        (Some(head), None) => assert_eq!(build.labels.get("git_commit"), Some(head.as_str())),
+        // A binary built elsewhere, or no git: the commit cannot be checked here.
+        (head, bin) => eprintln!("git_commit not compared (git HEAD {head:?}, NODELB_TEST_BIN {bin:?})"),
+    }
     assert_eq!(value(&s, "nodelb_port_allocations", &[]), Some(2.0));
     assert_eq!(value(&s, "nodelb_port_range_free", &[]), Some(9_998.0), "20080 and 20081 are in 20000-29999");
     assert!(value(&s, "nodelb_service_packets_total", &svc_labels("b")).is_some());
@@ -249,4 +275,139 @@ fn exposition_is_complete_and_service_series_go_with_the_service() {
     let text = metrics_text(&quiet);
     assert!(!text.contains("nodelb_service_packets_total"), "{text}");
     assert!(text.contains("nodelb_services"));
+    // Without the counter index the agent still serves and follows changes (endpoint flush, a new
+    // Service) and counts them as good syncs.
+    http_get(topo.client(0), node(), 20080, T).expect("a served without per-Service metrics");
+    let synced = sum(&scrape(&quiet), "nodelb_syncs_total", &[("result", "success")]);
+    quiet.write_manifest("a.yaml", &web("a", 20080, 0).render());
+    quiet.write_manifest("b.yaml", &web("b", 20081, 1).render());
+    quiet.wait_state("default/a", "no-endpoints", CHANGE);
+    quiet.wait_state("default/b", "programmed", CHANGE);
+    http_get(topo.client(0), node(), 20081, T).expect("b served without per-Service metrics");
+    let s = scrape(&quiet);
+    assert!(sum(&s, "nodelb_syncs_total", &[("result", "success")]) > synced);
+    assert_eq!(sum(&s, "nodelb_syncs_total", &[("result", "error")]), 0.0);
+    assert_eq!(value(&s, "nodelb_services", &[("state", "no-endpoints")]), Some(1.0));
+    assert_eq!(value(&s, "nodelb_service_connections_total", &svc_labels("a")), None);
+}
+
+#[test]
+fn service_series_keep_their_totals_while_the_service_has_no_endpoints() {
+    require_root!();
+    let topo = Topology::new(1, 1);
+    let c = topo.client(0);
+    let mut agent = Agent::start(&topo.node, &[("web.yaml", web("web", 20080, 1).render())], &[]);
+    agent.wait_ready(READY);
+    const N: usize = 10;
+    for i in 0..N {
+        http_get(c, node(), 20080, T).unwrap_or_else(|e| panic!("request {i}: {e:?}"));
+    }
+    let l = svc_labels("web");
+    let read = |s: &Scrape| {
+        ["nodelb_service_connections_total", "nodelb_service_packets_total", "nodelb_service_bytes_total"]
+            .map(|m| value(s, m, &l).unwrap_or_else(|| panic!("{m} of web missing")))
+    };
+    let served = read(&scrape(&agent));
+    assert!(served[0] >= N as f64, "{served:?}");
+
+    // No endpoints: the Service's chains are gone from the kernel, its series stay. New
+    // connections are counted exactly; late packets of the finished ones may still add a few.
+    agent.write_manifest("web.yaml", &web("web", 20080, 0).render());
+    agent.wait_state("default/web", "no-endpoints", CHANGE);
+    let idle = read(&scrape(&agent));
+    assert_eq!(idle[0], served[0], "connections changed while no endpoints: {served:?} → {idle:?}");
+    assert!(idle[1] >= served[1] && idle[2] >= served[2], "went down: {served:?} → {idle:?}");
+    assert!(http_get(c, node(), 20080, SHORT).is_err(), "no endpoints: refused");
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(read(&scrape(&agent)), idle, "series must stay constant while no chain feeds them");
+
+    // Endpoints back: the series continue from there.
+    agent.write_manifest("web.yaml", &web("web", 20080, 1).render());
+    agent.wait_state("default/web", "programmed", CHANGE);
+    let back = read(&scrape(&agent));
+    assert!((0..3).all(|i| back[i] >= idle[i]), "went down: {idle:?} → {back:?}");
+    for i in 0..N {
+        http_get(c, node(), 20080, T).unwrap_or_else(|e| panic!("request {i} after: {e:?}"));
+    }
+    let after = read(&scrape(&agent));
+    assert!(after[0] >= idle[0] + N as f64, "connections {idle:?} → {after:?}");
+    assert!(after[1] >= idle[1] + (4 * N) as f64, "packets {idle:?} → {after:?}");
+}
+
+#[test]
+fn a_failing_state_file_makes_the_node_not_ready_until_fixed() {
+    require_root!();
+    let topo = Topology::new(1, 1);
+    let mut agent = Agent::start(&topo.node, &[("a.yaml", web("a", 20080, 1).render())], &[]);
+    agent.wait_ready(READY);
+    let state = agent.state_file();
+    assert!(state.is_file(), "the first sync saved {}", state.display());
+    let s = scrape(&agent);
+    let failed0 = value(&s, "nodelb_sync_failures_total", &[("reason", "state_file")]).expect("reason at 0");
+    let errors0 = sum(&s, "nodelb_syncs_total", &[("result", "error")]);
+
+    // A directory where the file goes: saving the next allocation fails (root ignores modes).
+    std::fs::remove_file(&state).unwrap();
+    std::fs::create_dir(&state).unwrap();
+    agent.write_manifest("b.yaml", &web("b", 20081, 1).render());
+    assert!(
+        wait_until(CHANGE, || agent.readyz().is_some_and(|(code, body)| code == 503
+            && body.contains("state file")
+            && body.contains(&state.display().to_string()))),
+        "/readyz does not name the state file: {:?}",
+        agent.readyz()
+    );
+    let s = scrape(&agent);
+    assert!(value(&s, "nodelb_sync_failures_total", &[("reason", "state_file")]).unwrap() > failed0);
+    assert!(sum(&s, "nodelb_syncs_total", &[("result", "error")]) > errors0);
+    assert_eq!(value(&s, "nodelb_family_served", &[("family", "ipv4")]), Some(0.0));
+    let st = agent.status().unwrap();
+    assert_eq!(st["lastSync"]["ok"], false, "{st}");
+
+    std::fs::remove_dir(&state).unwrap();
+    agent.wait_ready(READY);
+    agent.wait_state("default/b", "programmed", CHANGE);
+    let saved = std::fs::read_to_string(&state).unwrap();
+    assert!(saved.contains("default/b"), "{saved}");
+    http_get(topo.client(0), node(), 20081, T).expect("b served once the state file is writable");
+}
+
+#[test]
+fn json_logs_and_refusals_logged_once() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let bad = web("bad", 20081, 1).source_range("198.51.100.0/33");
+    let files = [("bad.yaml", bad.render()), ("other.yaml", web("other", 20080, 1).render())];
+    let mut agent = Agent::start(&topo.node, &files, &["--log-format", "json"]);
+    agent.wait_ready(READY);
+    agent.wait_state("default/bad", "refused", CHANGE);
+    let synced = |a: &Agent| sum(&scrape(a), "nodelb_syncs_total", &[("result", "success")]);
+    let before = synced(&agent);
+    // Changes to an unrelated manifest: each one a sync that sees the bad Service again.
+    for round in 1..=4 {
+        let backends = 1 + round % 2;
+        agent.write_manifest("other.yaml", &web("other", 20080, backends).render());
+        assert!(
+            wait_until(CHANGE, || agent
+                .service_status("default/other")
+                .is_some_and(|s| s["ports"][0]["endpoints"] == backends)),
+            "round {round} not applied"
+        );
+    }
+    assert!(synced(&agent) >= before + 4.0, "4 more syncs expected");
+
+    let log = agent.logs();
+    let mut refusals = 0;
+    for line in log.lines().filter(|l| !l.starts_with("===== test harness")) {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        assert!(v["level"].is_string(), "no level: {line}");
+        assert!(v["fields"].is_object(), "no fields: {line}");
+        if v["fields"]["refusal"].as_str().is_some_and(|r| r.contains("default/bad")) {
+            assert_eq!(v["level"], "WARN", "{line}");
+            assert!(line.contains("198.51.100.0/33"), "the refusal names the value: {line}");
+            refusals += 1;
+        }
+    }
+    assert_eq!(refusals, 1, "the refusal of default/bad must be logged once:\n{log}");
 }

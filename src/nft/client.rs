@@ -11,7 +11,7 @@ use nix::sys::time::TimeVal;
 use super::consts::*;
 use super::encode::{self, Encoded, describe, msg_type};
 use super::nla::{Writer, messages};
-use super::{ApplyStats, KernelTable, NftError, decode};
+use super::{ApplyStats, CounterValues, KernelTable, NftError, decode};
 use crate::ir::{self, Change};
 
 /// Receive buffer for one datagram; dumps never send more than this in one.
@@ -311,6 +311,27 @@ impl NftClient {
             t.sets.insert(s.name.clone(), s);
         }
         Ok(Some(t))
+    }
+
+    /// The named counters of table inet nodelb (none when the table does not exist): one object
+    /// dump, what a scrape and the fold before a full replace need, without reading the rules and
+    /// set elements.
+    pub fn read_counters(&mut self) -> Result<CounterValues, NftError> {
+        let name = ir::TABLE_NAME;
+        let mut out = CounterValues::new();
+        let replies = self.request(NFT_MSG_GETOBJ, true, "list counters", |w| {
+            w.put_str(NFTA_OBJ_TABLE, name);
+            w.put_u32(NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER);
+        })?;
+        for p in replies {
+            if decode::table_of(&p)? != name {
+                continue;
+            }
+            if let Ok(c) = decode::object(&p)? {
+                out.insert(c.name, c.counter);
+            }
+        }
+        Ok(out)
     }
 
     /// Deletes table inet nodelb (and nothing else). Returns whether it existed.

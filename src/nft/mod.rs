@@ -107,6 +107,9 @@ pub struct KernelSet {
     pub elements: BTreeMap<Key, Option<Mapped>>,
 }
 
+/// Named counters of our table by name, as [`NftClient::read_counters`] returns them.
+pub type CounterValues = BTreeMap<String, Counter>;
+
 /// A named counter object of our table.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KernelCounter {
