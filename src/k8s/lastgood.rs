@@ -136,7 +136,10 @@ mod tests {
         // `nodelb.io/ignore: "yes"` is neither an opt-out nor ignored: the Service keeps its last
         // valid spec (and its allocation), and the refusal names the annotation and the value.
         let mut typo = valid.clone();
-        typo.metadata.annotations.get_or_insert_default().insert(model::ANNOTATION_IGNORE.into(), "yes".into());
+        typo.metadata
+            .annotations
+            .get_or_insert_default()
+            .insert(model::ANNOTATION_IGNORE.into(), "yes".into());
         let out = lg.apply(&[typo], &opts);
         assert_eq!(out.masked.len(), 1);
         let msg = out.masked[0].to_string();
@@ -149,7 +152,11 @@ mod tests {
         assert_eq!(ann[ANNOTATION_ALLOCATED], "80/TCP=20001");
         // Never seen valid with the typo: fail closed (the model refuses it, nothing programmed).
         let mut fresh = svc("u2", &["10.0.0.0/8"], None);
-        fresh.metadata.annotations.get_or_insert_default().insert(model::ANNOTATION_IGNORE.into(), "yes".into());
+        fresh
+            .metadata
+            .annotations
+            .get_or_insert_default()
+            .insert(model::ANNOTATION_IGNORE.into(), "yes".into());
         let out = LastGoodServices::default().apply(std::slice::from_ref(&fresh), &opts);
         assert!(out.masked.is_empty());
         let built = model::build(&out.services, &[], &opts);

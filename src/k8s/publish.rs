@@ -753,8 +753,22 @@ mod tests {
         );
         let cases: Vec<Case> = vec![
             ("listed", lb(&[V4], TrafficPolicy::Cluster, vec![]), &ports, &v4_nodes, true, "Serving"),
-            ("not allocated", lb(&[V4], TrafficPolicy::Cluster, vec![]), &none, &v4_nodes, false, "NotAllocated"),
-            ("no node at all", lb(&[V4], TrafficPolicy::Cluster, vec![]), &ports, &no_nodes, false, "NoServingNode"),
+            (
+                "not allocated",
+                lb(&[V4], TrafficPolicy::Cluster, vec![]),
+                &none,
+                &v4_nodes,
+                false,
+                "NotAllocated",
+            ),
+            (
+                "no node at all",
+                lb(&[V4], TrafficPolicy::Cluster, vec![]),
+                &ports,
+                &no_nodes,
+                false,
+                "NoServingNode",
+            ),
             (
                 "nodes serve only another family",
                 lb(&[V4], TrafficPolicy::Cluster, vec![]),
@@ -763,7 +777,14 @@ mod tests {
                 false,
                 "NoServingNode",
             ),
-            ("local, ready local endpoint", lb(&[V4], TrafficPolicy::Local, ready_on_a), &ports, &v4_nodes, true, "Serving"),
+            (
+                "local, ready local endpoint",
+                lb(&[V4], TrafficPolicy::Local, ready_on_a),
+                &ports,
+                &v4_nodes,
+                true,
+                "Serving",
+            ),
             (
                 "local, no ready endpoint on a serving node",
                 lb(&[V4], TrafficPolicy::Local, ready_elsewhere),
@@ -827,7 +848,10 @@ mod tests {
         let s2 = condition(&later[0], CONDITION_SERVING);
         assert_eq!((s2.status.as_str(), s2.reason.as_str()), ("True", "Serving"));
         assert_eq!(s2.last_transition_time, Time(t(60)));
-        assert_eq!(condition(&later[0], CONDITION_ALLOCATED).last_transition_time, alloc.last_transition_time);
+        assert_eq!(
+            condition(&later[0], CONDITION_ALLOCATED).last_transition_time,
+            alloc.last_transition_time
+        );
         // The NoServingNode Event and the condition describe the same state.
         let events = service_events(
             &Round {
