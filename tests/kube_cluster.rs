@@ -44,6 +44,19 @@ fn names(m: &BTreeMap<String, usize>) -> Vec<&str> {
     m.keys().map(String::as_str).collect()
 }
 
+/// Waits until node `i`'s table has no rule of `default/name` nor node port `np`, and `np` is not
+/// served there any more.
+fn wait_rules_gone(c: &Cluster, i: usize, name: &str, np: u16) {
+    let (elem, chain) = (format!(". {np} "), format!("default/{name}/"));
+    let mut table = None;
+    let ok = wait_until(CHANGE, || {
+        table = c.nft(i);
+        table.as_deref().is_some_and(|t| !t.contains(&elem) && !t.contains(&chain))
+    });
+    assert!(ok, "node-{}: rules of default/{name} still there: {table:?}", i + 1);
+    assert!(c.get(i, np, Duration::from_millis(700)).is_err(), "node-{} still serves {np}", i + 1);
+}
+
 /// Only the leader of the moment writes Services: every Service write came from one of `leaders`.
 fn assert_only_leaders_wrote(c: &Cluster, leaders: &[usize]) {
     let writers = c.service_writers();
@@ -205,13 +218,7 @@ fn deleting_the_service_removes_rules_and_allocation_everywhere() {
             .unwrap();
     }
     for i in 0..3 {
-        let mut table = None;
-        let ok = wait_until(CHANGE, || {
-            table = c.nft(i);
-            table.as_deref().is_some_and(|t| !t.contains(&elem) && !t.contains("default/web/"))
-        });
-        assert!(ok, "node-{}: rules of default/web still there: {table:?}", i + 1);
-        assert!(c.get(i, np, Duration::from_millis(700)).is_err(), "node-{} still serves {np}", i + 1);
+        wait_rules_gone(&c, i, "web", np);
         let st = c.agents[i].status().expect("agent /status");
         assert_eq!(st["services"], serde_json::json!([]), "node-{}: {st}", i + 1);
     }
@@ -557,6 +564,25 @@ fn a_leader_shut_down_gracefully_hands_over_at_once() {
     assert_only_leaders_wrote(&c, &[old, new.unwrap()]);
 }
 
+/// Creates `default/web` (backends be1 on node-1, be2 on node-2) and waits until every node serves
+/// it, its status lists every node and says Serving; returns its node port.
+fn serve_web(c: &Cluster) -> u16 {
+    c.create(&web("web", &[(0, 0), (1, 1)]));
+    let np = c.wait_allocated("web", 1, CHANGE)["80/TCP"];
+    for i in 0..3 {
+        c.wait_served(i, np, CHANGE);
+        let table = c.nft(i).expect("table inet nodelb");
+        assert!(
+            table.contains(&format!(". {np} ")) && table.contains("default/web/"),
+            "node-{}: {table}",
+            i + 1
+        );
+    }
+    c.wait_ingress_nodes("web", &[0, 1, 2], CHANGE);
+    c.wait_condition("web", SERVING, "True", "Serving", CHANGE);
+    np
+}
+
 /// Replaces `default/name` (unconditionally) with its current object changed by `f`.
 fn edit(c: &Cluster, name: &str, f: impl FnOnce(&mut serde_json::Value)) {
     let mut svc = c.service_json(name).unwrap_or_else(|| panic!("no Service default/{name}"));
@@ -569,13 +595,7 @@ fn edit(c: &Cluster, name: &str, f: impl FnOnce(&mut serde_json::Value)) {
 fn a_service_that_stops_being_ours_loses_its_rules_and_allocation_everywhere() {
     require_root!();
     let c = Cluster::new(2);
-    c.create(&web("web", &[(0, 0), (1, 1)]));
-    let np = c.wait_allocated("web", 1, CHANGE)["80/TCP"];
-    for i in 0..3 {
-        c.wait_served(i, np, CHANGE);
-    }
-    c.wait_ingress_nodes("web", &[0, 1, 2], CHANGE);
-    c.wait_condition("web", SERVING, "True", "Serving", CHANGE);
+    let np = serve_web(&c);
 
     // A typo in nodelb.io/ignore is neither an opt-out nor "not ignored": refused, with a Warning
     // Event naming annotation and value; the Service stays as it was (rules, port, status).
@@ -603,15 +623,8 @@ fn a_service_that_stops_being_ours_loses_its_rules_and_allocation_everywhere() {
         v["metadata"]["annotations"].as_object_mut().unwrap().remove("nodelb.io/ignore");
         v["spec"]["type"] = "ClusterIP".into();
     });
-    let elem = format!(". {np} ");
     for i in 0..3 {
-        let mut table = None;
-        let ok = wait_until(CHANGE, || {
-            table = c.nft(i);
-            table.as_deref().is_some_and(|t| !t.contains(&elem) && !t.contains("default/web/"))
-        });
-        assert!(ok, "node-{}: rules of default/web still there: {table:?}", i + 1);
-        assert!(c.get(i, np, Duration::from_millis(700)).is_err(), "node-{} still serves {np}", i + 1);
+        wait_rules_gone(&c, i, "web", np);
     }
     let ok = wait_until(CHANGE, || {
         c.allocated("web").is_none()
@@ -739,13 +752,7 @@ fn quiet_counters(c: &Cluster) -> Vec<(f64, f64)> {
 fn a_relist_after_410_gone_reprograms_nothing_and_later_changes_are_served() {
     require_root!();
     let c = Cluster::new(2);
-    c.create(&web("web", &[(0, 0), (1, 1)]));
-    let np = c.wait_allocated("web", 1, CHANGE)["80/TCP"];
-    for i in 0..3 {
-        c.wait_served(i, np, CHANGE);
-    }
-    c.wait_ingress_nodes("web", &[0, 1, 2], CHANGE);
-    c.wait_condition("web", SERVING, "True", "Serving", CHANGE);
+    serve_web(&c);
     let before = quiet_counters(&c);
     let restarts: Vec<f64> = (0..3).map(|i| c.metric_sum(i, "nodelb_watch_restarts_total")).collect();
     c.api.clear_requests();

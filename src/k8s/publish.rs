@@ -834,16 +834,18 @@ mod tests {
         let opts = ModelOptions::default();
         let out = model::build(&world.services, &[], &opts);
         let allocs = crate::alloc::allocate(&Default::default(), &out.services, &Allocations::new());
-        let later = plan_writes(&Round {
+        let no_nodes = BTreeMap::new();
+        let round = |node_ready: bool, now| Round {
             services: &world.services,
             model: &opts,
             valid: &out.services,
             refused: &out.refused,
             allocations: &allocs.allocations,
             problems: &allocs.problems,
-            serving: &nodes,
-            now: t(60),
-        });
+            serving: if node_ready { &nodes } else { &no_nodes },
+            now,
+        };
+        let later = plan_writes(&round(true, t(60)));
         assert_eq!(ips(&later[0].status.as_ref().unwrap().ingress), vec!["10.0.0.1"]);
         let s2 = condition(&later[0], CONDITION_SERVING);
         assert_eq!((s2.status.as_str(), s2.reason.as_str()), ("True", "Serving"));
@@ -853,19 +855,7 @@ mod tests {
             alloc.last_transition_time
         );
         // The NoServingNode Event and the condition describe the same state.
-        let events = service_events(
-            &Round {
-                services: &world.services,
-                model: &opts,
-                valid: &out.services,
-                refused: &out.refused,
-                allocations: &allocs.allocations,
-                problems: &allocs.problems,
-                serving: &BTreeMap::new(),
-                now: t(0),
-            },
-            &[],
-        );
+        let events = service_events(&round(false, t(0)), &[]);
         let ev = events.iter().find(|e| e.reason == "NoServingNode").expect("NoServingNode Event");
         assert_eq!(ev.message, serving_c.message);
     }
