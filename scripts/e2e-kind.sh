@@ -6,9 +6,11 @@
 #   E2E_TOOL=k3d scripts/e2e-kind.sh
 #   E2E_KEEP=1 scripts/e2e-kind.sh # keep the cluster for inspection
 #
-# Steps: build the image, load it into the cluster, apply daemonset/ (with the image replaced),
-# create a Deployment + type: LoadBalancer Service, wait for the allocation annotation and the
-# status, curl <node-ip>:<allocated-port> from inside the node container, scrape /metrics, clean up.
+# Steps: build the image under the name daemonset/20-daemonset.yaml uses (the local docker keeps
+# that tag), load it into the cluster (imagePullPolicy IfNotPresent then uses it, nothing is
+# pulled), `kubectl apply -f daemonset/` exactly as the README says, create a Deployment + type:
+# LoadBalancer Service, wait for the allocation annotation and the status, curl
+# <node-ip>:<allocated-port> from inside the node container, scrape /metrics, clean up.
 # Needs: docker, kubectl, kind (or k3d). With k3d, ServiceLB (klipper-lb) is disabled for the
 # cluster (--disable=servicelb) so the two do not fight over the same Services.
 set -euo pipefail
@@ -16,7 +18,9 @@ cd "$(dirname "$0")/.."
 
 TOOL=${E2E_TOOL:-kind}
 CLUSTER=${E2E_CLUSTER:-nodelb-e2e}
-IMAGE=${E2E_IMAGE:-nodelb:e2e}
+# The image the manifest names (and its pull policy, which must let a loaded image be used).
+IMAGE=$(awk '$1 == "image:" {print $2; exit}' daemonset/20-daemonset.yaml)
+PULL=$(awk '$1 == "imagePullPolicy:" {print $2; exit}' daemonset/20-daemonset.yaml)
 NS=nodelb-e2e
 log() { printf '\n==> %s\n' "$*" >&2; }
 # HTTP GET from inside the node container (kind nodes have curl; k3s images may only have wget).
@@ -29,6 +33,9 @@ die() { echo "e2e: $*" >&2; exit 1; }
 for cmd in docker kubectl "$TOOL"; do
     command -v "$cmd" >/dev/null || die "$cmd is required"
 done
+[[ -n $IMAGE ]] || die "no image: in daemonset/20-daemonset.yaml"
+[[ $PULL == IfNotPresent || $PULL == Never ]] ||
+    die "imagePullPolicy $PULL in daemonset/20-daemonset.yaml would pull $IMAGE instead of using the loaded one"
 
 cleanup() {
     local rc=$?
@@ -57,10 +64,8 @@ docker build --build-arg NODELB_GIT_COMMIT="$(git rev-parse --short=12 HEAD 2>/d
 if [[ $TOOL == kind ]]; then kind load docker-image "$IMAGE" --name "$CLUSTER"
 else k3d image import "$IMAGE" -c "$CLUSTER"; fi
 
-log "installing nodelb (daemonset/ with image $IMAGE)"
-kubectl apply -f daemonset/namespace.yaml -f daemonset/rbac.yaml
-sed -e "s#image: .*#image: $IMAGE#" -e "s#imagePullPolicy: .*#imagePullPolicy: Never#" daemonset/daemonset.yaml |
-    kubectl apply -f -
+log "installing nodelb: kubectl apply -f daemonset/ (image $IMAGE, loaded above)"
+kubectl apply -f daemonset/
 kubectl -n nodelb-system rollout status daemonset/nodelb --timeout=180s
 
 log "creating a Deployment and a LoadBalancer Service"

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Validates daemonset/ offline against the official Kubernetes schemas (kubernetes-validate, from
 # PyPI), checks that the Kustomization lists exactly the manifests `kubectl apply -f daemonset/`
-# applies, and that the Grafana dashboard is valid JSON. Used by .ci/run.
+# applies, that `kubectl apply -f daemonset/` works on a fresh cluster (every namespaced object comes
+# after its Namespace in the order kubectl applies them), and that the Grafana dashboard is valid
+# JSON. Used by .ci/run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,13 +27,37 @@ for line in open("daemonset/Kustomization"):
         listed.append(s[2:].strip())
     elif s and not s.startswith("#"):
         in_resources = False
-applied = sorted(os.path.basename(p) for p in glob.glob("daemonset/*.yaml"))
+# What `kubectl apply -f daemonset/` applies, in its order: the directory's regular files with a
+# .json/.yaml/.yml extension (no recursion without -R), in lexical file-name order (Go's
+# filepath.Walk), each file's documents in order; it does not reorder objects by kind.
+applied = sorted(
+    f for f in os.listdir("daemonset")
+    if os.path.isfile(os.path.join("daemonset", f)) and os.path.splitext(f)[1] in (".json", ".yaml", ".yml")
+)
 if sorted(listed) != applied:
     sys.exit(f"daemonset/Kustomization lists {sorted(listed)}, but kubectl apply -f daemonset/ applies {applied}")
 json.load(open("daemonset/monitoring/grafana-dashboard.json"))
-# The PodMonitor must select the DaemonSet's pods and name a port they expose.
 import yaml
-ds = yaml.safe_load(open("daemonset/daemonset.yaml"))
+# Kinds in daemonset/ that are cluster-scoped; any other kind is namespaced.
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "PriorityClass", "CustomResourceDefinition"}
+namespaces = set()
+for f in applied:
+    for i, doc in enumerate(d for d in yaml.safe_load_all(open(os.path.join("daemonset", f))) if d):
+        what = f"daemonset/{f} document {i + 1} ({doc.get('kind')} {doc.get('metadata', {}).get('name')})"
+        if doc.get("kind") == "Namespace":
+            namespaces.add(doc["metadata"]["name"])
+        elif doc.get("kind") not in CLUSTER_SCOPED:
+            ns = doc.get("metadata", {}).get("namespace")
+            if not ns:
+                sys.exit(f"{what}: no metadata.namespace (it would land in kubectl's current namespace)")
+            if ns not in namespaces:
+                sys.exit(
+                    f"{what}: namespace {ns!r} is not created before it by `kubectl apply -f daemonset/` "
+                    f"(files apply in name order: {applied}); on a fresh cluster: namespaces '{ns}' not found"
+                )
+print(f"kubectl apply -f daemonset/ order: {', '.join(applied)} (Namespace first)")
+# The PodMonitor must select the DaemonSet's pods and name a port they expose.
+ds = yaml.safe_load(open("daemonset/20-daemonset.yaml"))
 pm = yaml.safe_load(open("daemonset/monitoring/podmonitor.yaml"))
 labels = ds["spec"]["template"]["metadata"]["labels"]
 want = pm["spec"]["selector"]["matchLabels"]

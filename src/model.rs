@@ -8,6 +8,8 @@
 //! **Which Services.** `spec.type: LoadBalancer` whose `spec.loadBalancerClass` is ours, or unset
 //! (unless [`ModelOptions::ignore_unclassed`]), and that is not opted out with
 //! `nodelb.io/ignore: "true"`. Anything else is silently not ours: it is neither served nor refused.
+//! An `ignore` value other than `true`/`false` (any case) is not an opt-out but a refusal naming the
+//! annotation and value: a typo (`"yes"`) must neither silently drop the Service nor silently keep it.
 //!
 //! **Validation** (any failure refuses the whole Service; a half-programmed Service is worse than a
 //! clearly refused one):
@@ -61,7 +63,7 @@ pub const DEFAULT_LB_CLASS: &str = "nodelb.io/nodelb";
 pub const ANNOTATION_PORTS: &str = "nodelb.io/ports";
 /// Annotation carrying the allocation (written by the allocator, read back on restart).
 pub const ANNOTATION_ALLOCATED: &str = "nodelb.io/allocated-ports";
-/// Annotation opting a Service out (`"true"`).
+/// Annotation opting a Service out (`"true"`; `"false"` = not opted out; anything else is refused).
 pub const ANNOTATION_IGNORE: &str = "nodelb.io/ignore";
 /// Legacy source-range annotation, honoured when `spec.loadBalancerSourceRanges` is empty.
 pub const ANNOTATION_LEGACY_SOURCE_RANGES: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
@@ -389,8 +391,17 @@ pub fn is_ours(svc: &Service, opts: &ModelOptions) -> bool {
         .annotations
         .as_ref()
         .and_then(|a| a.get(ANNOTATION_IGNORE))
-        .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"));
+        .is_some_and(|v| parse_ignore(v) == Ok(true));
     class_ok && !ignored
+}
+
+/// Value of [`ANNOTATION_IGNORE`]: `true`/`false`, any case, surrounding blanks allowed.
+fn parse_ignore(value: &str) -> Result<bool, String> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "true" => Ok(true),
+        "false" => Ok(false),
+        _ => Err("expected \"true\" or \"false\"".to_string()),
+    }
 }
 
 /// Namespace of an object, `default` when unset (manifests often omit it).
@@ -474,6 +485,16 @@ fn build_one(
         return Err(Refusal::Invalid { service: key, reason: "no spec".to_string() });
     };
     let annotations = svc.metadata.annotations.clone().unwrap_or_default();
+    if let Some(value) = annotations.get(ANNOTATION_IGNORE)
+        && let Err(reason) = parse_ignore(value)
+    {
+        return Err(Refusal::InvalidAnnotation {
+            service: key,
+            annotation: ANNOTATION_IGNORE.to_string(),
+            value: value.clone(),
+            reason,
+        });
+    }
 
     let ports = validate_ports(&key, spec.ports.as_deref().unwrap_or(&[]))?;
     let families = ip_families(&key, spec)?;
@@ -911,6 +932,12 @@ mod tests {
                 true,
             ),
             (
+                "ignore=\" TRUE \" (case and blanks)",
+                Box::new(|v| v["metadata"]["annotations"][ANNOTATION_IGNORE] = json!(" TRUE ")),
+                ModelOptions::default(),
+                false,
+            ),
+            (
                 "not ours even when invalid",
                 Box::new(|v| {
                     v["spec"]["type"] = json!("ClusterIP");
@@ -1012,6 +1039,12 @@ mod tests {
                 }),
                 "InvalidAnnotation",
                 "entry \"x\"",
+            ),
+            (
+                "ignore annotation neither true nor false",
+                Box::new(|v| v["metadata"]["annotations"][ANNOTATION_IGNORE] = json!("yes")),
+                "InvalidAnnotation",
+                "nodelb.io/ignore=\"yes\"",
             ),
             (
                 "ports annotation syntax",

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use common::cluster::{CLIENT_V4, Cluster, node_name, node_v4};
+use common::cluster::{CLIENT_V4, Cluster, Permission, Rbac, node_name, node_v4};
 use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
 use common::topology::{ClientError, ClientLoop, backend_v4, parse_answer, wait_until};
 
@@ -18,6 +18,8 @@ use common::topology::{ClientError, ClientLoop, backend_v4, parse_answer, wait_u
 const T: Duration = Duration::from_secs(2);
 /// A Service change to allocation / rules on every node.
 const CHANGE: Duration = Duration::from_secs(15);
+/// Condition type: does any node serve the Service.
+const SERVING: &str = "nodelb.io/Serving";
 
 /// `default/<name>`, `80/TCP` → backends `eps` (backend index, node index).
 fn web(name: &str, eps: &[(usize, usize)]) -> ServiceSpec {
@@ -40,6 +42,19 @@ fn backends_seen(c: &Cluster, i: usize, port: u16, n: usize) -> BTreeMap<String,
 
 fn names(m: &BTreeMap<String, usize>) -> Vec<&str> {
     m.keys().map(String::as_str).collect()
+}
+
+/// Waits until node `i`'s table has no rule of `default/name` nor node port `np`, and `np` is not
+/// served there any more.
+fn wait_rules_gone(c: &Cluster, i: usize, name: &str, np: u16) {
+    let (elem, chain) = (format!(". {np} "), format!("default/{name}/"));
+    let mut table = None;
+    let ok = wait_until(CHANGE, || {
+        table = c.nft(i);
+        table.as_deref().is_some_and(|t| !t.contains(&elem) && !t.contains(&chain))
+    });
+    assert!(ok, "node-{}: rules of default/{name} still there: {table:?}", i + 1);
+    assert!(c.get(i, np, Duration::from_millis(700)).is_err(), "node-{} still serves {np}", i + 1);
 }
 
 /// Only the leader of the moment writes Services: every Service write came from one of `leaders`.
@@ -69,6 +84,7 @@ fn service_is_served_on_every_node_with_status() {
     }
     let cond = c.allocated_condition("web").expect("condition nodelb.io/Allocated");
     assert_eq!(cond["status"], "True", "{cond}");
+    c.wait_condition("web", SERVING, "True", "Serving", CHANGE);
     let leader = c.wait_leader(CHANGE);
     assert_eq!(c.service_writers(), BTreeSet::from([leader]), "only the leader writes Services");
     let managers: BTreeSet<Option<String>> = c
@@ -80,6 +96,19 @@ fn service_is_served_on_every_node_with_status() {
         .collect();
     assert_eq!(managers, BTreeSet::from([Some("nodelb".to_string())]), "every write names its field manager");
     assert!(!c.events("web", "NodePortsAllocated").is_empty(), "a NodePortsAllocated Event");
+
+    // Least privilege, both ways: every request the agents made is granted by
+    // daemonset/10-rbac.yaml, and every grant was used (Events are patched only when the same
+    // Event repeats within kube-runtime's cache time, which this scenario does not do).
+    c.assert_rbac_allows_every_request();
+    let used: BTreeSet<Permission> = c.agent_permissions().into_iter().map(|(_, p)| p).collect();
+    let unused: Vec<Permission> = Rbac::load()
+        .all()
+        .into_iter()
+        .filter(|p| !used.contains(p))
+        .filter(|p| *p != ("events.k8s.io".into(), "events".into(), "patch".into()))
+        .collect();
+    assert!(unused.is_empty(), "granted but never used: {unused:?}; used: {used:?}");
 }
 
 #[test]
@@ -150,6 +179,15 @@ fn local_policy_lists_only_nodes_with_a_ready_local_endpoint() {
     spec.endpoints[0].ready = false;
     c.update_slices(&spec);
     c.wait_ingress_nodes("local", &[1], CHANGE);
+    c.wait_condition("local", SERVING, "True", "Serving", CHANGE);
+    // No ready endpoint on any node: nobody lists it, and the Serving condition says why (the
+    // agents are ready, so this is not NoServingNode).
+    spec.endpoints[1].ready = false;
+    c.update_slices(&spec);
+    c.wait_ingress_nodes("local", &[], CHANGE);
+    c.wait_condition("local", SERVING, "False", "NoReadyLocalEndpoint", CHANGE);
+    assert_eq!(c.allocated_condition("local").unwrap()["status"], "True", "still allocated");
+    assert!(c.events("local", "NoServingNode").is_empty(), "{:#?}", c.events("local", "NoServingNode"));
     let leader = c.wait_leader(CHANGE);
     assert_only_leaders_wrote(&c, &[leader]);
 }
@@ -180,13 +218,7 @@ fn deleting_the_service_removes_rules_and_allocation_everywhere() {
             .unwrap();
     }
     for i in 0..3 {
-        let mut table = None;
-        let ok = wait_until(CHANGE, || {
-            table = c.nft(i);
-            table.as_deref().is_some_and(|t| !t.contains(&elem) && !t.contains("default/web/"))
-        });
-        assert!(ok, "node-{}: rules of default/web still there: {table:?}", i + 1);
-        assert!(c.get(i, np, Duration::from_millis(700)).is_err(), "node-{} still serves {np}", i + 1);
+        wait_rules_gone(&c, i, "web", np);
         let st = c.agents[i].status().expect("agent /status");
         assert_eq!(st["services"], serde_json::json!([]), "node-{}: {st}", i + 1);
     }
@@ -245,7 +277,7 @@ fn killing_the_leader_hands_over_without_moving_allocations() {
 #[test]
 fn two_services_asking_for_the_same_port_older_wins() {
     require_root!();
-    let c = Cluster::new(2);
+    let c = Cluster::new(3);
     let want = |name: &str, b: usize| {
         ServiceSpec::new(name)
             .port(PortSpec::tcp(80, Some(20080)))
@@ -256,6 +288,10 @@ fn two_services_asking_for_the_same_port_older_wins() {
     assert_eq!(c.wait_allocated("zz-old", 1, CHANGE)["80/TCP"], 20080);
     std::thread::sleep(Duration::from_millis(1100)); // creationTimestamp has 1 s resolution
     c.create(&want("aa-new", 1));
+    // Also younger than zz-old, and asking for no port in particular.
+    c.create(&web("mm-auto", &[(2, 0)]));
+    let auto_before = c.wait_allocated("mm-auto", 1, CHANGE)["80/TCP"];
+    assert_ne!(auto_before, 20080);
     let ok = wait_until(CHANGE, || {
         c.allocated_condition("aa-new").is_some_and(|cond| cond["reason"] == "PortConflict")
     });
@@ -286,6 +322,35 @@ fn two_services_asking_for_the_same_port_older_wins() {
     for i in 0..3 {
         let seen = backends_seen(&c, i, 20080, 10);
         assert_eq!(names(&seen), ["be1"], "node-{}: {seen:?}", i + 1);
+    }
+
+    // The same on a Service without a port request: the loser moves to a port of its own.
+    let mut svc = c.service_json("mm-auto").unwrap();
+    svc["metadata"]["annotations"]["nodelb.io/allocated-ports"] = "80/TCP=20080".into();
+    svc["metadata"].as_object_mut().unwrap().remove("resourceVersion");
+    c.api.apply(svc).unwrap();
+    let mut moved = None;
+    let ok = wait_until(CHANGE, || {
+        moved = c.allocated("mm-auto").and_then(|a| a.get("80/TCP").copied()).filter(|p| *p != 20080);
+        moved.is_some()
+    });
+    assert!(ok, "mm-auto still on 20080: {:#}", c.service_json("mm-auto").unwrap());
+    let moved = moved.unwrap();
+    let taken: Vec<u16> = ["zz-old", "aa-new"]
+        .iter()
+        .filter_map(|n| c.allocated(n).and_then(|a| a.get("80/TCP").copied()))
+        .collect();
+    assert!(!taken.contains(&moved), "mm-auto's new port {moved} is not unique: {taken:?}");
+    assert_eq!(c.allocated("zz-old").unwrap()["80/TCP"], 20080, "the older keeps the port");
+    let ok = wait_until(CHANGE, || !c.events("mm-auto", "DuplicateNodePort").is_empty());
+    assert!(ok, "no DuplicateNodePort Event for mm-auto");
+    eprintln!("mm-auto: {auto_before} → (hand-copied 20080) → {moved}");
+    for i in 0..3 {
+        c.wait_served(i, moved, CHANGE);
+        let seen = backends_seen(&c, i, moved, 10);
+        assert_eq!(names(&seen), ["be3"], "node-{}: {moved} is mm-auto's: {seen:?}", i + 1);
+        let seen = backends_seen(&c, i, 20080, 10);
+        assert_eq!(names(&seen), ["be1"], "node-{}: 20080 is still zz-old's: {seen:?}", i + 1);
     }
     let leader = c.wait_leader(CHANGE);
     assert_only_leaders_wrote(&c, &[leader]);
@@ -403,6 +468,19 @@ fn api_unreachable_for_30s_traffic_keeps_flowing_and_agents_recover() {
     }
 }
 
+/// `ForwardingDisabled` Events on Node `node`.
+fn forwarding_events(c: &Cluster, node: &str) -> Vec<serde_json::Value> {
+    c.api
+        .list("events.k8s.io/v1", "Event", None)
+        .into_iter()
+        .filter(|e| {
+            e["reason"] == "ForwardingDisabled"
+                && e["regarding"]["kind"] == "Node"
+                && e["regarding"]["name"] == node
+        })
+        .collect()
+}
+
 #[test]
 fn a_node_with_forwarding_off_leaves_the_status() {
     require_root!();
@@ -410,21 +488,55 @@ fn a_node_with_forwarding_off_leaves_the_status() {
     c.create(&web("web", &[(0, 0)]));
     c.wait_allocated("web", 1, CHANGE);
     c.wait_ingress_nodes("web", &[0, 1, 2], CHANGE);
+    // The leader's Service Event is out before Event writes are made to fail below.
+    let ok = wait_until(CHANGE, || !c.events("web", "NodePortsAllocated").is_empty());
+    assert!(ok, "no NodePortsAllocated Event");
+
+    // IPv6 forwarding off on node-2, where no Service needs IPv6: no Warning Event for it.
+    c.nodes[1].sysctl("net.ipv6.conf.all.forwarding", "0");
+    // The next two Event writes fail (500, which kube does not retry): the ForwardingDisabled
+    // Event of node-3 is retried until it is recorded, not forgotten.
+    c.api.fail_next_matching(2, 500, |m, p| m == "POST" && p.ends_with("/events"));
     c.nodes[2].sysctl("net.ipv4.ip_forward", "0");
     let off = Instant::now();
     // Written to the node Lease at once (not at the next renewal), then the leader's round.
     c.wait_ingress_nodes("web", &[0, 1], Duration::from_secs(5));
     eprintln!("node-3 left the status {:?} after forwarding went off", off.elapsed());
-    let ok = wait_until(CHANGE, || {
-        c.api.list("events.k8s.io/v1", "Event", None).iter().any(|e| {
-            e["reason"] == "ForwardingDisabled"
-                && e["regarding"]["kind"] == "Node"
-                && e["regarding"]["name"] == "node-3"
-        })
-    });
+    let ok = wait_until(CHANGE, || !forwarding_events(&c, "node-3").is_empty());
     assert!(ok, "no ForwardingDisabled Event on Node node-3");
-    c.nodes[2].sysctl("net.ipv4.ip_forward", "1");
+    let failed = c.api.requests().iter().filter(|r| r.status == 500 && r.path.ends_with("/events")).count();
+    assert_eq!(failed, 2, "the injected Event failures were hit (and then retried)");
+    let ev = &forwarding_events(&c, "node-3")[0];
+    assert!(ev["note"].as_str().unwrap_or_default().contains("net.ipv4.ip_forward"), "{ev}");
+    assert_eq!(ev["type"], "Warning", "{ev}");
+    // node-2's IPv6 went off before node-3's IPv4 did, and another renewal period has passed.
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(
+        forwarding_events(&c, "node-2"),
+        Vec::<serde_json::Value>::new(),
+        "IPv6 is needed by no Service"
+    );
+    c.wait_condition("web", SERVING, "True", "Serving", CHANGE);
+
+    // Forwarding off everywhere: no node can serve. The allocation stands (Allocated stays
+    // True); the Serving condition carries the state of the NoServingNode Event.
+    for i in 0..2 {
+        c.nodes[i].sysctl("net.ipv4.ip_forward", "0");
+    }
+    c.wait_ingress_nodes("web", &[], Duration::from_secs(5));
+    c.wait_condition("web", SERVING, "False", "NoServingNode", CHANGE);
+    assert_eq!(c.allocated_condition("web").unwrap()["reason"], "Allocated");
+    let ok = wait_until(CHANGE, || !c.events("web", "NoServingNode").is_empty());
+    assert!(ok, "no NoServingNode Event");
+    let msg = c.condition("web", SERVING).unwrap()["message"].clone();
+    assert_eq!(c.events("web", "NoServingNode")[0]["note"], msg, "Event and condition say the same");
+
+    for i in 0..3 {
+        c.nodes[i].sysctl("net.ipv4.ip_forward", "1");
+    }
     c.wait_ingress_nodes("web", &[0, 1, 2], Duration::from_secs(5));
+    c.wait_condition("web", SERVING, "True", "Serving", CHANGE);
+    c.assert_rbac_allows_every_request();
 }
 
 #[test]
@@ -450,4 +562,238 @@ fn a_leader_shut_down_gracefully_hands_over_at_once() {
     c.wait_allocated("after", 1, CHANGE);
     assert_eq!(c.allocated("web").unwrap(), before);
     assert_only_leaders_wrote(&c, &[old, new.unwrap()]);
+}
+
+/// Creates `default/web` (backends be1 on node-1, be2 on node-2) and waits until every node serves
+/// it, its status lists every node and says Serving; returns its node port.
+fn serve_web(c: &Cluster) -> u16 {
+    c.create(&web("web", &[(0, 0), (1, 1)]));
+    let np = c.wait_allocated("web", 1, CHANGE)["80/TCP"];
+    for i in 0..3 {
+        c.wait_served(i, np, CHANGE);
+        let table = c.nft(i).expect("table inet nodelb");
+        assert!(
+            table.contains(&format!(". {np} ")) && table.contains("default/web/"),
+            "node-{}: {table}",
+            i + 1
+        );
+    }
+    c.wait_ingress_nodes("web", &[0, 1, 2], CHANGE);
+    c.wait_condition("web", SERVING, "True", "Serving", CHANGE);
+    np
+}
+
+/// Replaces `default/name` (unconditionally) with its current object changed by `f`.
+fn edit(c: &Cluster, name: &str, f: impl FnOnce(&mut serde_json::Value)) {
+    let mut svc = c.service_json(name).unwrap_or_else(|| panic!("no Service default/{name}"));
+    f(&mut svc);
+    svc["metadata"].as_object_mut().unwrap().remove("resourceVersion");
+    c.api.apply(svc).unwrap();
+}
+
+#[test]
+fn a_service_that_stops_being_ours_loses_its_rules_and_allocation_everywhere() {
+    require_root!();
+    let c = Cluster::new(2);
+    let np = serve_web(&c);
+
+    // A typo in nodelb.io/ignore is neither an opt-out nor "not ignored": refused, with a Warning
+    // Event naming annotation and value; the Service stays as it was (rules, port, status).
+    edit(&c, "web", |v| v["metadata"]["annotations"]["nodelb.io/ignore"] = "yes".into());
+    let ok = wait_until(CHANGE, || {
+        c.events("web", "InvalidInput")
+            .iter()
+            .any(|e| e["note"].as_str().is_some_and(|n| n.contains("nodelb.io/ignore=\"yes\"")))
+    });
+    assert!(
+        ok,
+        "no InvalidInput Event naming nodelb.io/ignore=\"yes\": {:#?}",
+        c.events("web", "InvalidInput")
+    );
+    c.wait_condition("web", "nodelb.io/Allocated", "False", "InvalidInput", CHANGE);
+    assert_eq!(c.allocated("web").unwrap()["80/TCP"], np, "allocation kept");
+    assert_eq!(c.ingress_ips("web").len(), 3, "status kept");
+    for i in 0..3 {
+        c.get(i, np, T).unwrap_or_else(|e| panic!("node-{}: old rules kept, got {e:?}", i + 1));
+    }
+
+    // type: ClusterIP (the typo fixed at the same time): no longer ours. Its rules go on every
+    // node, and our annotation, ingress and conditions go from the Service.
+    edit(&c, "web", |v| {
+        v["metadata"]["annotations"].as_object_mut().unwrap().remove("nodelb.io/ignore");
+        v["spec"]["type"] = "ClusterIP".into();
+    });
+    for i in 0..3 {
+        wait_rules_gone(&c, i, "web", np);
+    }
+    let ok = wait_until(CHANGE, || {
+        c.allocated("web").is_none()
+            && c.ingress("web").is_empty()
+            && c.allocated_condition("web").is_none()
+            && c.condition("web", SERVING).is_none()
+    });
+    assert!(ok, "our marks still on default/web: {:#}", c.service_json("web").unwrap());
+    // The port is free again.
+    c.create(&web("next", &[(0, 0)]));
+    assert_eq!(c.wait_allocated("next", 1, CHANGE)["80/TCP"], np);
+    let leader = c.wait_leader(CHANGE);
+    assert_only_leaders_wrote(&c, &[leader]);
+}
+
+#[test]
+fn nothing_is_programmed_or_allocated_before_the_caches_are_complete() {
+    require_root!();
+    // When the agents start, `old` carries an allocation (as after a restart of every agent) and
+    // `new` none; both have endpoints. The API server holds every EndpointSlice list: all other
+    // caches complete, that one does not.
+    let old = web("old", &[(0, 0)]);
+    let new = web("new", &[(1, 1)]);
+    let mut c = Cluster::with_api_setup(2, |api| {
+        let mut svc = old.service();
+        svc["metadata"]["annotations"]["nodelb.io/allocated-ports"] = "80/TCP=20080".into();
+        api.create(svc).unwrap();
+        api.create(new.service()).unwrap();
+        for s in old.slices().into_iter().chain(new.slices()) {
+            api.create(s).unwrap();
+        }
+        api.stall_matching(|m, p| m == "GET" && p == "/apis/discovery.k8s.io/v1/endpointslices");
+    });
+    let listed_by_all = |path: &str| {
+        let by: BTreeSet<IpAddr> = c
+            .api
+            .requests()
+            .iter()
+            .filter(|r| r.path == path && !r.watch && r.status == 200)
+            .map(|r| r.peer.ip())
+            .collect();
+        by.len() == 3
+    };
+    let ok = wait_until(CHANGE, || {
+        ["/api/v1/services", "/api/v1/nodes", "/apis/coordination.k8s.io/v1/namespaces/nodelb-system/leases"]
+            .iter()
+            .all(|p| listed_by_all(p))
+    });
+    assert!(ok, "the agents did not list Services, Nodes and Leases");
+    let leader = c.wait_leader(CHANGE);
+    // A few allocation rounds (every 2 s and on every change) and resyncs (every 1 s).
+    std::thread::sleep(Duration::from_secs(5));
+    assert_eq!(c.allocated("new"), None, "allocated from a partial view");
+    assert!(c.service_writers().is_empty(), "Services written from a partial view");
+    let old_status = &c.service_json("old").unwrap()["status"];
+    assert!(
+        old_status["loadBalancer"]["ingress"].is_null() && old_status["conditions"].is_null(),
+        "{old_status}"
+    );
+    for i in 0..3 {
+        let table = c.nft(i).unwrap_or_default();
+        assert!(
+            !table.contains("20080") && !table.contains("default/"),
+            "node-{}: programmed from a partial view: {table}",
+            i + 1
+        );
+        let st = c.agents[i].status().expect("/status answers");
+        assert_eq!(
+            (&st["sourceSynced"], &st["services"]),
+            (&false.into(), &serde_json::json!([])),
+            "node-{}",
+            i + 1
+        );
+        assert_ne!(
+            c.agents[i].readyz().map(|r| r.0),
+            Some(200),
+            "node-{} ready before its caches are complete",
+            i + 1
+        );
+    }
+
+    // Released: the lists complete; `old` is served on the port it had, `new` gets another.
+    c.api.release_stalled();
+    c.wait_ready(Duration::from_secs(30));
+    for i in 0..3 {
+        c.wait_served(i, 20080, CHANGE);
+    }
+    let np = c.wait_allocated("new", 1, CHANGE)["80/TCP"];
+    assert_ne!(np, 20080);
+    for i in 0..3 {
+        c.wait_served(i, np, CHANGE);
+    }
+    assert_eq!(c.allocated("old").unwrap()["80/TCP"], 20080, "the allocation from before is kept");
+    c.wait_ingress_nodes("old", &[0, 1, 2], CHANGE);
+    let now = c.wait_leader(CHANGE);
+    assert_only_leaders_wrote(&c, &[leader, now]);
+}
+
+/// `nodelb_syncs_total` (every recompute) and `nodelb_netlink_batch_messages_count` (every batch
+/// sent to the kernel) per node, once they stop moving (2 s without change).
+fn quiet_counters(c: &Cluster) -> Vec<(f64, f64)> {
+    let read = || -> Vec<(f64, f64)> {
+        (0..c.nodes.len())
+            .map(|i| {
+                (
+                    c.metric_sum(i, "nodelb_syncs_total"),
+                    c.metric_sum(i, "nodelb_netlink_batch_messages_count"),
+                )
+            })
+            .collect()
+    };
+    let mut last = read();
+    for _ in 0..10 {
+        std::thread::sleep(Duration::from_secs(2));
+        let now = read();
+        if now == last {
+            return now;
+        }
+        last = now;
+    }
+    panic!("sync counters keep moving: {last:?}");
+}
+
+#[test]
+fn a_relist_after_410_gone_reprograms_nothing_and_later_changes_are_served() {
+    require_root!();
+    let c = Cluster::new(2);
+    serve_web(&c);
+    let before = quiet_counters(&c);
+    let restarts: Vec<f64> = (0..3).map(|i| c.metric_sum(i, "nodelb_watch_restarts_total")).collect();
+    c.api.clear_requests();
+
+    // Every watch connection is cut and, while they are, the history is compacted past every
+    // watch's resourceVersion: each resumes into 410 Gone and relists everything.
+    c.api.set_unreachable(true);
+    c.api
+        .create(serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "bump"}}))
+        .unwrap();
+    c.api.compact();
+    c.api.set_unreachable(false);
+    let lists = ["/api/v1/services", "/apis/discovery.k8s.io/v1/endpointslices", "/api/v1/nodes"];
+    let ok = wait_until(Duration::from_secs(30), || {
+        let log = c.api.requests();
+        lists.iter().all(|p| {
+            let by: BTreeSet<IpAddr> = log
+                .iter()
+                .filter(|r| r.path == *p && !r.watch && r.status == 200)
+                .map(|r| r.peer.ip())
+                .collect();
+            by.len() == 3
+        }) && (0..3).all(|i| c.metric_sum(i, "nodelb_watch_restarts_total") > restarts[i])
+    });
+    assert!(ok, "not every agent relisted: {:#?}", c.api.requests());
+    // Time for what a relist could trigger: the debounce, a resync (1 s), an allocation round (2 s).
+    std::thread::sleep(Duration::from_secs(3));
+    let after = quiet_counters(&c);
+    assert_eq!(after, before, "(syncs, kernel batches) per node changed although nothing did");
+    let rewrites: Vec<_> =
+        c.api.requests().into_iter().filter(|r| r.is_write() && r.path.contains("/services/")).collect();
+    assert!(rewrites.is_empty(), "Services rewritten after the relist: {rewrites:#?}");
+
+    // The watches work again: a change is served everywhere (and does move the counters).
+    c.create(&web("after", &[(0, 0)]));
+    let np2 = c.wait_allocated("after", 1, CHANGE)["80/TCP"];
+    for (i, (_, batches)) in before.iter().enumerate() {
+        c.wait_served(i, np2, CHANGE);
+        assert!(c.metric_sum(i, "nodelb_netlink_batch_messages_count") > *batches, "node-{}", i + 1);
+    }
+    c.wait_ingress_nodes("after", &[0, 1, 2], CHANGE);
+    let leader = c.wait_leader(CHANGE);
+    assert_only_leaders_wrote(&c, &[leader]);
 }

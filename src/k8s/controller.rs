@@ -2,7 +2,8 @@
 //! - **leader election** on Lease `nodelb-leader` ([`super::leader`] decides; every write is a
 //!   replace carrying the resourceVersion read, so a 409 means someone else won);
 //! - **node Lease** `nodelb-node-<node>`, renewed every `lease/3` with the families this node
-//!   serves ([`super::nodes`]), and a Warning Event on the Node when forwarding is off;
+//!   serves ([`super::nodes`]), and a Warning Event on the Node when forwarding is off for a
+//!   family the Services need (retried every renewal until the API accepted it);
 //! - **allocator + status writer**, leader only and only once the caches are complete:
 //!   [`crate::alloc::allocate`] with the annotations as previous allocations, then
 //!   [`super::publish::plan_writes`] → merge patches with a `metadata.resourceVersion`
@@ -316,13 +317,19 @@ async fn release(api: &Api<Lease>, me: &str) {
     }
 }
 
-/// Families this node serves right now: none unless ready; else those programmed.
+/// Families this node serves right now (none unless ready; else those programmed), and the
+/// families with forwarding off that some Service needs, with why (the `ForwardingDisabled`
+/// Events). A family nobody needs is not worth a Warning Event on the Node: an IPv6-off node in
+/// an IPv4-only cluster would get one at every restart; the agent's log still says it (once per
+/// change), and the Event follows as soon as a Service needs the family. Before the first sync
+/// nothing is known to be needed, so nothing is reported.
 fn served_families(status: &SharedStatus) -> (std::collections::BTreeSet<Family>, Vec<(Family, String)>) {
     let st = status.read().unwrap_or_else(|e| e.into_inner());
     let mut off = Vec::new();
     for f in Family::ALL {
         if let Some(fs) = st.families.get(f.name())
             && !fs.forwarding
+            && st.needed_families.iter().any(|n| n == f.name())
         {
             off.push((f, fs.reason.clone().unwrap_or_else(|| format!("forwarding is off for {f}"))));
         }
@@ -422,20 +429,26 @@ async fn node_lease(
             }
             Err(e) => failing.failed(&e),
         }
-        // Forwarding off: a Warning Event on our Node, once per change.
+        // Forwarding off for a needed family: a Warning Event on our Node, once per change. Not
+        // recorded as sent until the API accepted it: while our Node is not in the cache yet, or
+        // the Event cannot be written, it is tried again at every renewal.
         let events: Vec<(String, String)> =
             off.iter().map(|(f, r)| (f.name().to_string(), r.clone())).collect();
-        let fresh = node_events.fresh(&events, |(f, r)| (f.clone(), "ForwardingDisabled", r.clone()));
-        if !fresh.is_empty()
-            && let Some(node) = source
-                .snapshot()
-                .nodes
-                .into_iter()
-                .find(|n| n.metadata.name.as_deref() == Some(&cfg.node_name))
-        {
-            let reference = node_ref(&node);
-            for (_, reason) in fresh {
-                publish_event(&recorder, &metrics, &reference, true, "ForwardingDisabled", reason).await;
+        let key = |(f, r): &(String, String)| (f.clone(), "ForwardingDisabled", r.clone());
+        let pending = node_events.pending(&events, key);
+        if pending.is_empty() {
+            continue;
+        }
+        let Some(node) =
+            source.snapshot().nodes.into_iter().find(|n| n.metadata.name.as_deref() == Some(&cfg.node_name))
+        else {
+            debug!(node = %cfg.node_name, "our Node is not in the cache yet; ForwardingDisabled Event deferred");
+            continue;
+        };
+        let reference = node_ref(&node);
+        for e in pending {
+            if publish_event(&recorder, &metrics, &reference, true, "ForwardingDisabled", &e.1).await {
+                node_events.sent(key(e));
             }
         }
     }
@@ -451,6 +464,7 @@ fn node_ref(node: &Node) -> ObjectReference {
     }
 }
 
+/// Records one Event; `false` (logged, counted) when the API did not accept it.
 async fn publish_event(
     recorder: &Recorder,
     metrics: &Metrics,
@@ -458,7 +472,7 @@ async fn publish_event(
     warning: bool,
     reason: &str,
     note: &str,
-) {
+) -> bool {
     let ev = Event {
         type_: if warning { EventType::Warning } else { EventType::Normal },
         reason: reason.to_string(),
@@ -466,9 +480,13 @@ async fn publish_event(
         action: "Reconcile".to_string(),
         secondary: None,
     };
-    if let Err(e) = recorder.publish(&ev, reference).await {
-        metrics.api_errors.with_label_values(&["event"]).inc();
-        warn!(error = %e, reason, "cannot record Event");
+    match recorder.publish(&ev, reference).await {
+        Ok(()) => true,
+        Err(e) => {
+            metrics.api_errors.with_label_values(&["event"]).inc();
+            warn!(error = %e, reason, "cannot record Event; retrying at the next round");
+            false
+        }
     }
 }
 
@@ -574,10 +592,13 @@ async fn round(
         "allocation round"
     );
     let events = publish::service_events(&round, &duplicates);
-    let fresh = deduper.fresh(&events, |e| (e.service.clone(), e.reason, e.message.clone()));
-    for e in fresh {
+    let key = |e: &publish::ServiceEvent| (e.service.clone(), e.reason, e.message.clone());
+    for e in deduper.pending(&events, key) {
         let Some(svc) = snap.services.iter().find(|s| model::service_key(s) == e.service) else { continue };
-        publish_event(recorder, metrics, &svc.object_ref(&()), e.warning, e.reason, &e.message).await;
+        // Recorded only once sent: an Event the API refused is tried again next round.
+        if publish_event(recorder, metrics, &svc.object_ref(&()), e.warning, e.reason, &e.message).await {
+            deduper.sent(key(e));
+        }
     }
     stale
 }

@@ -1,7 +1,9 @@
 //! "Once per change" for Events: the state a round describes is compared with what was last
-//! recorded for the same object and reason. Pure.
+//! *recorded* for the same object and reason. An Event counts as recorded only once the API
+//! accepted it ([`Deduper::sent`]), so one that could not be sent (API error, object not in the
+//! cache yet) stays pending and is tried again at the next round. Pure.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Remembers the last message recorded per (object, reason).
 #[derive(Debug)]
@@ -17,23 +19,27 @@ impl<K: Ord + Clone> Default for Deduper<K> {
 
 impl<K: Ord + Clone> Deduper<K> {
     /// Of the `current` (object, reason, message) triples, those not recorded with the same
-    /// message before. States that no longer hold are forgotten, so a recurrence is recorded again.
-    pub fn fresh<'a, T>(
+    /// message. States that no longer hold are forgotten, so a recurrence is recorded again.
+    /// Nothing is marked recorded here: call [`Deduper::sent`] once the API accepted an Event.
+    pub fn pending<'a, T>(
         &mut self,
         current: &'a [T],
         key: impl Fn(&T) -> (K, &'static str, String),
     ) -> Vec<&'a T> {
-        let mut next = BTreeMap::new();
-        let mut out = Vec::new();
-        for item in current {
-            let (k, reason, msg) = key(item);
-            if self.last.get(&(k.clone(), reason)) != Some(&msg) {
-                out.push(item);
-            }
-            next.insert((k, reason), msg);
-        }
-        self.last = next;
-        out
+        let keys: Vec<(K, &'static str, String)> = current.iter().map(&key).collect();
+        let live: BTreeSet<(K, &'static str)> = keys.iter().map(|(k, r, _)| (k.clone(), *r)).collect();
+        self.last.retain(|k, _| live.contains(k));
+        current
+            .iter()
+            .zip(keys)
+            .filter(|(_, (k, r, msg))| self.last.get(&(k.clone(), *r)) != Some(msg))
+            .map(|(item, _)| item)
+            .collect()
+    }
+
+    /// The Event for this (object, reason, message) was recorded.
+    pub fn sent(&mut self, (k, reason, msg): (K, &'static str, String)) {
+        self.last.insert((k, reason), msg);
     }
 }
 
@@ -41,17 +47,49 @@ impl<K: Ord + Clone> Deduper<K> {
 mod tests {
     use super::*;
 
+    type Ev = (&'static str, &'static str, &'static str);
+
+    fn k(e: &Ev) -> (&'static str, &'static str, String) {
+        (e.0, e.1, e.2.to_string())
+    }
+
+    /// A round where every pending Event is sent successfully.
+    fn round<'a>(d: &mut Deduper<&'static str>, current: &'a [Ev]) -> Vec<&'a Ev> {
+        let out = d.pending(current, k);
+        for e in &out {
+            d.sent(k(e));
+        }
+        out
+    }
+
     #[test]
     fn once_per_change() {
         let mut d: Deduper<&str> = Deduper::default();
-        let k = |e: &(&'static str, &'static str, &'static str)| (e.0, e.1, e.2.to_string());
         let round1 = [("web", "Allocated", "80/TCP=20001"), ("dns", "Conflict", "x")];
-        assert_eq!(d.fresh(&round1, k).len(), 2);
-        assert_eq!(d.fresh(&round1, k).len(), 0, "same state: nothing");
+        assert_eq!(round(&mut d, &round1).len(), 2);
+        assert_eq!(round(&mut d, &round1).len(), 0, "same state: nothing");
         let round2 = [("web", "Allocated", "80/TCP=20002"), ("dns", "Conflict", "x")];
-        assert_eq!(d.fresh(&round2, k), vec![&round2[0]], "changed message only");
+        assert_eq!(round(&mut d, &round2), vec![&round2[0]], "changed message only");
         let round3 = [("web", "Allocated", "80/TCP=20002")];
-        assert!(d.fresh(&round3, k).is_empty());
-        assert_eq!(d.fresh(&round2, k), vec![&round2[1]], "a recurrence is recorded again");
+        assert!(round(&mut d, &round3).is_empty());
+        assert_eq!(round(&mut d, &round2), vec![&round2[1]], "a recurrence is recorded again");
+    }
+
+    #[test]
+    fn not_recorded_until_sent() {
+        let mut d: Deduper<&str> = Deduper::default();
+        let off = [("node-1", "ForwardingDisabled", "ipv4 off")];
+        // First attempt fails (API error, Node not in the cache yet): still pending next round.
+        assert_eq!(d.pending(&off, k).len(), 1);
+        assert_eq!(d.pending(&off, k).len(), 1, "retried until sent");
+        d.sent(k(&off[0]));
+        assert!(d.pending(&off, k).is_empty(), "sent once, not again");
+        // A changed message that cannot be sent stays pending; the old one is not resent.
+        let changed = [("node-1", "ForwardingDisabled", "ipv4 off: sysctl unreadable")];
+        assert_eq!(d.pending(&changed, k), vec![&changed[0]]);
+        assert_eq!(d.pending(&changed, k), vec![&changed[0]]);
+        // The state ends before it could be sent: forgotten, nothing to send.
+        assert!(d.pending(&[], k).is_empty());
+        assert_eq!(d.pending(&off, k).len(), 1, "a recurrence after it ended is new");
     }
 }

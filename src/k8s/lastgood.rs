@@ -126,4 +126,41 @@ mod tests {
         lg.apply(&[], &opts);
         assert!(lg.good.is_empty());
     }
+
+    #[test]
+    fn invalid_ignore_value_keeps_the_last_good_spec() {
+        let opts = ModelOptions::default();
+        let mut lg = LastGoodServices::default();
+        let valid = svc("u1", &["10.0.0.0/8"], Some("80/TCP=20001"));
+        assert!(lg.apply(std::slice::from_ref(&valid), &opts).masked.is_empty());
+        // `nodelb.io/ignore: "yes"` is neither an opt-out nor ignored: the Service keeps its last
+        // valid spec (and its allocation), and the refusal names the annotation and the value.
+        let mut typo = valid.clone();
+        typo.metadata
+            .annotations
+            .get_or_insert_default()
+            .insert(model::ANNOTATION_IGNORE.into(), "yes".into());
+        let out = lg.apply(&[typo], &opts);
+        assert_eq!(out.masked.len(), 1);
+        let msg = out.masked[0].to_string();
+        assert!(msg.contains("nodelb.io/ignore=\"yes\""), "{msg}");
+        let kept = &out.services[0];
+        assert!(model::is_ours(kept, &opts));
+        assert_eq!(ranges(kept), vec!["10.0.0.0/8"]);
+        let ann = kept.metadata.annotations.as_ref().unwrap();
+        assert_eq!(ann.get(model::ANNOTATION_IGNORE), None, "the last good spec, not the typo");
+        assert_eq!(ann[ANNOTATION_ALLOCATED], "80/TCP=20001");
+        // Never seen valid with the typo: fail closed (the model refuses it, nothing programmed).
+        let mut fresh = svc("u2", &["10.0.0.0/8"], None);
+        fresh
+            .metadata
+            .annotations
+            .get_or_insert_default()
+            .insert(model::ANNOTATION_IGNORE.into(), "yes".into());
+        let out = LastGoodServices::default().apply(std::slice::from_ref(&fresh), &opts);
+        assert!(out.masked.is_empty());
+        let built = model::build(&out.services, &[], &opts);
+        assert!(built.services.is_empty());
+        assert_eq!(built.refused.len(), 1, "{:?}", built.refused);
+    }
 }

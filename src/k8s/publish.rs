@@ -1,6 +1,7 @@
 //! What the leader writes on Services: the allocation annotation, `status.loadBalancer.ingress`
-//! and the `nodelb.io/Allocated` condition, and only where something changed. Pure: the edge
-//! turns each [`ServiceWrite`] into patches with a resourceVersion precondition.
+//! and the conditions `nodelb.io/Allocated` (are node ports allocated) and `nodelb.io/Serving`
+//! (does any node serve them), and only where something changed. Pure: the edge turns each
+//! [`ServiceWrite`] into patches with a resourceVersion precondition.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -20,6 +21,11 @@ use super::nodes::ServingNode;
 
 /// Condition type on Services we serve (also the marker that the status is ours).
 pub const CONDITION_ALLOCATED: &str = "nodelb.io/Allocated";
+/// Condition type saying whether any node serves the allocated ports (`False/NoServingNode` is
+/// the state of the `NoServingNode` Event). Set wherever [`CONDITION_ALLOCATED`] is.
+pub const CONDITION_SERVING: &str = "nodelb.io/Serving";
+/// Both our condition types: what is removed from a Service that stops being ours.
+pub const OUR_CONDITIONS: [&str; 2] = [CONDITION_ALLOCATED, CONDITION_SERVING];
 /// `ipMode` of our ingress entries: traffic reaches the node address (kube-proxy must not
 /// short-circuit node-IP:service-port to the ClusterIP).
 pub const IP_MODE_PROXY: &str = "Proxy";
@@ -56,6 +62,61 @@ pub fn condition_for(
         status: true,
         reason: "Allocated",
         message: format!("node ports {}", model::format_port_map(ports)),
+    }
+}
+
+/// Whether anyone serves a Service, given its allocation and the `ingress` computed for it:
+/// `True/Serving` when some node lists it; else `False` with why: `NotAllocated` (the Allocated
+/// condition says why), `NoServingNode` (no agent is ready for any of its families: the state of
+/// the `NoServingNode` Event), `NoReadyLocalEndpoint` (`externalTrafficPolicy: Local` and no
+/// serving node has a ready local endpoint). The message does not name nodes or count them, so
+/// it does not change (nor is rewritten) whenever a node comes or goes.
+pub fn serving_condition(
+    svc: &LbService,
+    node_ports: &BTreeMap<PortId, u16>,
+    serving: &BTreeMap<String, ServingNode>,
+    ingress: &[LoadBalancerIngress],
+) -> WantedCondition {
+    if node_ports.is_empty() {
+        return WantedCondition {
+            status: false,
+            reason: "NotAllocated",
+            message: format!("no node port allocated; see condition {CONDITION_ALLOCATED}"),
+        };
+    }
+    if !ingress.is_empty() {
+        return WantedCondition {
+            status: true,
+            reason: "Serving",
+            message: "served by the nodes listed in status.loadBalancer.ingress".to_string(),
+        };
+    }
+    if !serving.values().any(|n| svc.families.iter().any(|f| n.families.contains(f))) {
+        let fams: Vec<&str> = svc.families.iter().map(|f| f.name()).collect();
+        return WantedCondition {
+            status: false,
+            reason: "NoServingNode",
+            message: format!(
+                "no node can serve this Service's families ({}): no agent is ready for them",
+                fams.join(", ")
+            ),
+        };
+    }
+    WantedCondition {
+        status: false,
+        reason: "NoReadyLocalEndpoint",
+        message: "externalTrafficPolicy: Local and no node that serves its families has a ready \
+                  local endpoint"
+            .to_string(),
+    }
+}
+
+/// `Serving` of a Service that is refused and was never valid: not programmed anywhere.
+fn not_served_refused() -> WantedCondition {
+    WantedCondition {
+        status: false,
+        reason: "InvalidInput",
+        message: format!("not programmed: invalid input; see condition {CONDITION_ALLOCATED}"),
     }
 }
 
@@ -160,46 +221,45 @@ fn normalise(ingress: &[LoadBalancerIngress]) -> Vec<IngressKey> {
     v
 }
 
-/// `conditions` with ours set to `wanted` (transition time kept when the status did not change);
-/// `None` when nothing changes.
-fn merge_condition(
+/// `conditions` with each of our condition types set to what `wanted` says (`None`: removed), the
+/// others kept as they are; a transition time is kept when that condition's status did not
+/// change. `None` when nothing changes.
+fn merge_conditions(
     current: &[Condition],
-    wanted: Option<&WantedCondition>,
+    wanted: &[(&'static str, Option<&WantedCondition>)],
     generation: Option<i64>,
     now: Timestamp,
 ) -> Option<Vec<Condition>> {
-    let ours = current.iter().find(|c| c.type_ == CONDITION_ALLOCATED);
     let mut out: Vec<Condition> =
-        current.iter().filter(|c| c.type_ != CONDITION_ALLOCATED).cloned().collect();
-    match wanted {
-        None => {
-            ours?;
-        }
-        Some(w) => {
-            let status = if w.status { "True" } else { "False" };
-            if let Some(c) = ours
-                && c.status == status
+        current.iter().filter(|c| !wanted.iter().any(|(t, _)| c.type_ == *t)).cloned().collect();
+    let mut changed = false;
+    for (type_, w) in wanted {
+        let ours = current.iter().find(|c| c.type_ == *type_);
+        let Some(w) = w else {
+            changed |= ours.is_some();
+            continue;
+        };
+        let status = if w.status { "True" } else { "False" };
+        changed |= !ours.is_some_and(|c| {
+            c.status == status
                 && c.reason == w.reason
                 && c.message == w.message
                 && c.observed_generation == generation
-            {
-                return None;
-            }
-            let since = match ours {
-                Some(c) if c.status == status => c.last_transition_time.clone(),
-                _ => Time(now),
-            };
-            out.push(Condition {
-                type_: CONDITION_ALLOCATED.to_string(),
-                status: status.to_string(),
-                reason: w.reason.to_string(),
-                message: w.message.clone(),
-                observed_generation: generation,
-                last_transition_time: since,
-            });
-        }
+        });
+        let since = match ours {
+            Some(c) if c.status == status => c.last_transition_time.clone(),
+            _ => Time(now),
+        };
+        out.push(Condition {
+            type_: type_.to_string(),
+            status: status.to_string(),
+            reason: w.reason.to_string(),
+            message: w.message.clone(),
+            observed_generation: generation,
+            last_transition_time: since,
+        });
     }
-    Some(out)
+    changed.then_some(out)
 }
 
 fn annotation_of(svc: &Service) -> Option<&String> {
@@ -222,7 +282,7 @@ pub fn plan_writes(round: &Round<'_>) -> Vec<ServiceWrite> {
         let cur_ingress =
             status.and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.clone()).unwrap_or_default();
         let cur_conditions = status.and_then(|s| s.conditions.clone()).unwrap_or_default();
-        let has_our_condition = cur_conditions.iter().any(|c| c.type_ == CONDITION_ALLOCATED);
+        let has_our_condition = cur_conditions.iter().any(|c| OUR_CONDITIONS.contains(&c.type_.as_str()));
         let mut write =
             ServiceWrite { key: key.clone(), resource_version: rv, annotation: None, status: None };
         if !model::is_ours(svc, round.model) {
@@ -230,8 +290,9 @@ pub fn plan_writes(round: &Round<'_>) -> Vec<ServiceWrite> {
                 write.annotation = Some(None);
             }
             if has_our_condition {
+                let none = OUR_CONDITIONS.map(|t| (t, None));
                 let conditions =
-                    merge_condition(&cur_conditions, None, generation, round.now).unwrap_or_default();
+                    merge_conditions(&cur_conditions, &none, generation, round.now).unwrap_or_default();
                 write.status = Some(StatusWrite { ingress: vec![], conditions });
             }
         } else if let Some(lb) = valid.get(&key) {
@@ -244,16 +305,20 @@ pub fn plan_writes(round: &Round<'_>) -> Vec<ServiceWrite> {
             let problems: Vec<&AllocProblem> =
                 round.problems.iter().filter(|p| p.service() == &key).collect();
             // A Service served from its last valid spec still reports why its edit was refused.
-            let wanted = condition_for(ports, &problems, refused.get(&key).copied());
-            let conditions = merge_condition(&cur_conditions, Some(&wanted), generation, round.now);
+            let allocated = condition_for(ports, &problems, refused.get(&key).copied());
             let ingress = ingress_for(lb, ports, round.serving);
+            let serving = serving_condition(lb, ports, round.serving, &ingress);
+            let wanted = [(CONDITION_ALLOCATED, Some(&allocated)), (CONDITION_SERVING, Some(&serving))];
+            let conditions = merge_conditions(&cur_conditions, &wanted, generation, round.now);
             if conditions.is_some() || normalise(&ingress) != normalise(&cur_ingress) {
                 write.status =
                     Some(StatusWrite { ingress, conditions: conditions.unwrap_or(cur_conditions) });
             }
         } else if let Some(r) = refused.get(&key) {
-            let wanted = condition_for(&empty, &[], Some(r));
-            if let Some(conditions) = merge_condition(&cur_conditions, Some(&wanted), generation, round.now) {
+            let allocated = condition_for(&empty, &[], Some(r));
+            let serving = not_served_refused();
+            let wanted = [(CONDITION_ALLOCATED, Some(&allocated)), (CONDITION_SERVING, Some(&serving))];
+            if let Some(conditions) = merge_conditions(&cur_conditions, &wanted, generation, round.now) {
                 write.status = Some(StatusWrite { ingress: cur_ingress, conditions });
             }
         }
@@ -312,21 +377,16 @@ pub fn service_events(round: &Round<'_>, duplicates: &[Duplicate]) -> Vec<Servic
                 reason: "NodePortsAllocated",
                 message: format!("node ports {}", model::format_port_map(ports)),
             });
-            if ingress_for(svc, ports, round.serving).is_empty() {
-                let no_node =
-                    !round.serving.values().any(|n| svc.families.iter().any(|f| n.families.contains(f)));
-                if no_node {
-                    let fams: Vec<&str> = svc.families.iter().map(|f| f.name()).collect();
-                    out.push(ServiceEvent {
-                        service: svc.key.clone(),
-                        warning: true,
-                        reason: "NoServingNode",
-                        message: format!(
-                            "no node can serve this Service's families ({}): no agent is ready for them",
-                            fams.join(", ")
-                        ),
-                    });
-                }
+            // The same decision (and message) as the Serving condition.
+            let ingress = ingress_for(svc, ports, round.serving);
+            let serving = serving_condition(svc, ports, round.serving, &ingress);
+            if serving.reason == "NoServingNode" {
+                out.push(ServiceEvent {
+                    service: svc.key.clone(),
+                    warning: true,
+                    reason: "NoServingNode",
+                    message: serving.message,
+                });
             }
         }
     }
@@ -599,6 +659,14 @@ mod tests {
                 vec![],
             ),
             (
+                "ignore typo: refused like any bad annotation (not opted out), annotation kept",
+                vec![service("web", |v| {
+                    v["metadata"]["annotations"] =
+                        json!({ANNOTATION_ALLOCATED: "80/TCP=20005", "nodelb.io/ignore": "yes"});
+                })],
+                vec![("web", None, true)],
+            ),
+            (
                 "refused: only the condition, annotation kept",
                 vec![service("web", |v| {
                     v["metadata"]["annotations"] = json!({ANNOTATION_ALLOCATED: "80/TCP=20005"});
@@ -663,6 +731,161 @@ mod tests {
         let all: Vec<LbService> = out.services.iter().cloned().chain(stubs).collect();
         let r = crate::alloc::allocate(&Default::default(), &all, &Allocations::new());
         assert_eq!(r.allocations[&ServiceKey::new("default", "new")][&PortId::tcp(80)], 20001);
+    }
+
+    #[test]
+    fn serving_condition_table() {
+        use Family::{Ipv4 as V4, Ipv6 as V6};
+        let ports = BTreeMap::from([(PortId::tcp(80), 20001)]);
+        let none: BTreeMap<PortId, u16> = BTreeMap::new();
+        let no_nodes: BTreeMap<String, ServingNode> = BTreeMap::new();
+        let v4_nodes = serving(&[("a", &[V4], &["10.0.0.1"])]);
+        let v6_nodes = serving(&[("c", &[V6], &["fd00::3"])]);
+        let ready_on_a = vec![ep("198.51.100.1", "a", true)];
+        let ready_elsewhere = vec![ep("198.51.100.1", "b", true), ep("198.51.100.2", "a", false)];
+        type Case<'a> = (
+            &'static str,
+            LbService,
+            &'a BTreeMap<PortId, u16>,
+            &'a BTreeMap<String, ServingNode>,
+            bool,
+            &'static str,
+        );
+        let cases: Vec<Case> = vec![
+            ("listed", lb(&[V4], TrafficPolicy::Cluster, vec![]), &ports, &v4_nodes, true, "Serving"),
+            (
+                "not allocated",
+                lb(&[V4], TrafficPolicy::Cluster, vec![]),
+                &none,
+                &v4_nodes,
+                false,
+                "NotAllocated",
+            ),
+            (
+                "no node at all",
+                lb(&[V4], TrafficPolicy::Cluster, vec![]),
+                &ports,
+                &no_nodes,
+                false,
+                "NoServingNode",
+            ),
+            (
+                "nodes serve only another family",
+                lb(&[V4], TrafficPolicy::Cluster, vec![]),
+                &ports,
+                &v6_nodes,
+                false,
+                "NoServingNode",
+            ),
+            (
+                "local, ready local endpoint",
+                lb(&[V4], TrafficPolicy::Local, ready_on_a),
+                &ports,
+                &v4_nodes,
+                true,
+                "Serving",
+            ),
+            (
+                "local, no ready endpoint on a serving node",
+                lb(&[V4], TrafficPolicy::Local, ready_elsewhere),
+                &ports,
+                &v4_nodes,
+                false,
+                "NoReadyLocalEndpoint",
+            ),
+            (
+                "local and no node: no node wins",
+                lb(&[V4], TrafficPolicy::Local, vec![]),
+                &ports,
+                &no_nodes,
+                false,
+                "NoServingNode",
+            ),
+        ];
+        for (name, svc, ports, nodes, status, reason) in cases {
+            let ingress = ingress_for(&svc, ports, nodes);
+            let c = serving_condition(&svc, ports, nodes, &ingress);
+            assert_eq!((c.status, c.reason), (status, reason), "{name}: {}", c.message);
+        }
+    }
+
+    fn condition<'a>(w: &'a ServiceWrite, type_: &str) -> &'a Condition {
+        let st = w.status.as_ref().expect("a status write");
+        st.conditions.iter().find(|c| c.type_ == type_).unwrap_or_else(|| panic!("no {type_}: {st:?}"))
+    }
+
+    #[test]
+    fn no_serving_node_is_carried_by_the_serving_condition() {
+        let mut world = World { services: vec![service("web", |_| {})] };
+        // Allocated, but no agent is ready (forwarding off everywhere): Allocated stays True,
+        // Serving says NoServingNode, with the message of the NoServingNode Event.
+        let w = world.writes(&BTreeMap::new());
+        assert_eq!(w.len(), 1);
+        let alloc = condition(&w[0], CONDITION_ALLOCATED);
+        assert_eq!((alloc.status.as_str(), alloc.reason.as_str()), ("True", "Allocated"));
+        let serving_c = condition(&w[0], CONDITION_SERVING).clone();
+        assert_eq!((serving_c.status.as_str(), serving_c.reason.as_str()), ("False", "NoServingNode"));
+        assert!(serving_c.message.contains("ipv4"), "{}", serving_c.message);
+        apply(&mut world.services, &w);
+        assert_eq!(world.writes(&BTreeMap::new()), vec![], "converged");
+        // A node becomes ready: listed, Serving flips to True (new transition time), Allocated
+        // keeps its transition time.
+        let nodes = serving(&[("a", &[Family::Ipv4], &["10.0.0.1"])]);
+        let opts = ModelOptions::default();
+        let out = model::build(&world.services, &[], &opts);
+        let allocs = crate::alloc::allocate(&Default::default(), &out.services, &Allocations::new());
+        let no_nodes = BTreeMap::new();
+        let round = |node_ready: bool, now| Round {
+            services: &world.services,
+            model: &opts,
+            valid: &out.services,
+            refused: &out.refused,
+            allocations: &allocs.allocations,
+            problems: &allocs.problems,
+            serving: if node_ready { &nodes } else { &no_nodes },
+            now,
+        };
+        let later = plan_writes(&round(true, t(60)));
+        assert_eq!(ips(&later[0].status.as_ref().unwrap().ingress), vec!["10.0.0.1"]);
+        let s2 = condition(&later[0], CONDITION_SERVING);
+        assert_eq!((s2.status.as_str(), s2.reason.as_str()), ("True", "Serving"));
+        assert_eq!(s2.last_transition_time, Time(t(60)));
+        assert_eq!(
+            condition(&later[0], CONDITION_ALLOCATED).last_transition_time,
+            alloc.last_transition_time
+        );
+        // The NoServingNode Event and the condition describe the same state.
+        let events = service_events(&round(false, t(0)), &[]);
+        let ev = events.iter().find(|e| e.reason == "NoServingNode").expect("NoServingNode Event");
+        assert_eq!(ev.message, serving_c.message);
+    }
+
+    #[test]
+    fn leaving_us_removes_both_conditions_and_others_stay() {
+        let nodes = serving(&[("a", &[Family::Ipv4], &["10.0.0.1"])]);
+        let mut world = World { services: vec![service("web", |_| {})] };
+        let w = world.writes(&nodes);
+        apply(&mut world.services, &w);
+        let st = world.services[0].status.as_mut().unwrap();
+        st.conditions.as_mut().unwrap().insert(
+            0,
+            Condition {
+                type_: "example.com/Other".into(),
+                status: "True".into(),
+                reason: "Fine".into(),
+                message: String::new(),
+                observed_generation: None,
+                last_transition_time: Time(t(0)),
+            },
+        );
+        world.services[0].spec.as_mut().unwrap().type_ = Some("ClusterIP".into());
+        let w = world.writes(&nodes);
+        assert_eq!(w.len(), 1);
+        assert_eq!(w[0].annotation, Some(None), "allocation removed");
+        let st = w[0].status.as_ref().unwrap();
+        assert!(st.ingress.is_empty());
+        let types: Vec<&str> = st.conditions.iter().map(|c| c.type_.as_str()).collect();
+        assert_eq!(types, vec!["example.com/Other"]);
     }
 
     #[test]

@@ -80,6 +80,7 @@
 //! ## Knobs
 //! [`TestApiServer::drop_connections`], [`set_delay`](TestApiServer::set_delay),
 //! [`fail_next`](TestApiServer::fail_next) / [`fail_next_matching`](TestApiServer::fail_next_matching),
+//! [`stall_matching`](TestApiServer::stall_matching) / [`release_stalled`](TestApiServer::release_stalled),
 //! [`set_unreachable`](TestApiServer::set_unreachable), [`compact`](TestApiServer::compact),
 //! [`set_history_limit`](TestApiServer::set_history_limit),
 //! [`set_bookmark_interval`](TestApiServer::set_bookmark_interval); direct object access for setup and
@@ -214,6 +215,8 @@ impl TestApiServer {
             store: Store::new(DEFAULT_HISTORY),
             delay: Mutex::new(Duration::ZERO),
             fail: Mutex::new(Vec::new()),
+            stalls: Mutex::new(Vec::new()),
+            stalls_changed: tokio::sync::watch::channel(0).0,
             unreachable: AtomicBool::new(false),
             bookmark_interval: Mutex::new(Duration::from_secs(1)),
             conns: Mutex::new(HashMap::new()),
@@ -293,6 +296,23 @@ impl TestApiServer {
         if n > 0 {
             lock(&self.shared.fail).push(FailRule { remaining: n, code, matcher: Some(Box::new(pred)) });
         }
+    }
+
+    /// From now on, hold every request whose method and path match `pred` before it is handled,
+    /// until [`release_stalled`](Self::release_stalled):
+    /// an API server that is slow to answer one kind of request, e.g. the list of one resource
+    /// (`GET` on `/apis/discovery.k8s.io/v1/endpointslices`), while everything else is answered.
+    /// Held requests are not answered at all (no error, no timeout of the server's own); a
+    /// client's timeout, [`drop_connections`](Self::drop_connections) or
+    /// [`set_unreachable`](Self::set_unreachable) ends them like any open request. They appear in
+    /// [`requests`](Self::requests) once answered.
+    pub fn stall_matching(&self, pred: impl Fn(&axum::http::Method, &str) -> bool + Send + Sync + 'static) {
+        lock(&self.shared.stalls).push(Box::new(pred));
+    }
+
+    /// Remove every [`stall_matching`](Self::stall_matching) rule; held requests are handled now.
+    pub fn release_stalled(&self) {
+        self.shared.release_stalled();
     }
 
     /// While unreachable, every open connection is closed and new ones are reset as soon as they are

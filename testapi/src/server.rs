@@ -35,6 +35,10 @@ pub(crate) struct Shared {
     pub store: Store,
     pub delay: Mutex<Duration>,
     pub fail: Mutex<Vec<FailRule>>,
+    /// Requests matching one of these are held before they are handled, until released.
+    pub stalls: Mutex<Vec<FailMatcher>>,
+    /// Bumped whenever `stalls` shrinks: held requests check again.
+    pub stalls_changed: tokio::sync::watch::Sender<u64>,
     pub unreachable: AtomicBool,
     pub bookmark_interval: Mutex<Duration>,
     pub conns: Mutex<HashMap<u64, AbortHandle>>,
@@ -49,6 +53,26 @@ impl Shared {
         self.generation.send_modify(|g| *g += 1);
         for (_, h) in lock(&self.conns).drain() {
             h.abort();
+        }
+    }
+
+    pub fn release_stalled(&self) {
+        lock(&self.stalls).clear();
+        self.stalls_changed.send_modify(|g| *g += 1);
+    }
+
+    /// Waits while a stall rule matches (a request the server is slow to answer). Cancelled with
+    /// the connection (`drop_connections`, `set_unreachable`).
+    async fn wait_while_stalled(&self, method: &Method, path: &str) {
+        loop {
+            // Subscribed before checking: a release in between is not missed.
+            let mut changed = self.stalls_changed.subscribe();
+            if !lock(&self.stalls).iter().any(|m| m(method, path)) {
+                return;
+            }
+            if changed.changed().await.is_err() {
+                return;
+            }
         }
     }
 
@@ -162,6 +186,7 @@ async fn handle(shared: Arc<Shared>, peer: SocketAddr, req: Request<Incoming>) -
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;
     }
+    shared.wait_while_stalled(&method, &path).await;
     let resp = match shared.take_failure(&method, &path) {
         Some(e) => error_response(e),
         None => route(&shared, req).await.unwrap_or_else(error_response),

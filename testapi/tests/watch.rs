@@ -266,3 +266,23 @@ fn sync_start_drop_and_listener() {
     // the port is free again once dropped
     std::net::TcpListener::bind(addr).unwrap();
 }
+
+#[tokio::test]
+async fn stalled_requests_wait_for_release_others_are_answered() {
+    let srv = server();
+    srv.create(serde_json::to_value(lb_service("web")).unwrap()).unwrap();
+    let c = client(&srv).await;
+    let services: Api<Service> = Api::all(c.clone());
+    let slices: Api<k8s_openapi::api::discovery::v1::EndpointSlice> = Api::all(c);
+    srv.stall_matching(|m, p| m == "GET" && p == "/api/v1/services");
+    let held = tokio::spawn(async move { services.list(&Default::default()).await });
+    // Other requests are answered meanwhile; the stalled list is not, and not logged yet.
+    slices.list(&Default::default()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!held.is_finished(), "the stalled list was answered");
+    assert!(srv.requests().iter().all(|r| r.path != "/api/v1/services"));
+    srv.release_stalled();
+    let list = tokio::time::timeout(Duration::from_secs(5), held).await.expect("answered once released");
+    assert_eq!(list.unwrap().unwrap().items.len(), 1);
+    assert!(srv.requests().iter().any(|r| r.path == "/api/v1/services" && r.status == 200));
+}

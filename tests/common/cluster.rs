@@ -83,6 +83,23 @@ impl Cluster {
 
     /// `nodes_n` nodes (node-1 … node-`nodes_n`, at most 9), each with its agent; see [`Cluster::new`].
     pub fn with_nodes(nodes_n: usize, backends: usize, extra: &[&str]) -> Cluster {
+        Self::start(nodes_n, backends, extra, |_| {}, true)
+    }
+
+    /// Three nodes; `setup` runs on the API server before the agents start (objects that exist
+    /// when they come up, fault knobs), and the agents are not waited for (they may not be able to
+    /// become ready).
+    pub fn with_api_setup(backends: usize, setup: impl FnOnce(&TestApiServer)) -> Cluster {
+        Self::start(3, backends, &[], setup, false)
+    }
+
+    fn start(
+        nodes_n: usize,
+        backends: usize,
+        extra: &[&str],
+        setup: impl FnOnce(&TestApiServer),
+        wait_ready: bool,
+    ) -> Cluster {
         let fabric = NetNs::new("fab");
         for br in ["br-f", "br-b"] {
             fabric.ip(&["link", "add", br, "type", "bridge"]);
@@ -135,6 +152,7 @@ impl Cluster {
             }))
             .expect("create node");
         }
+        setup(&api);
 
         let mut c =
             Cluster { agents: Vec::new(), api, backends: bs, kubeconfig_dir, client, nodes, api_ns, fabric };
@@ -144,10 +162,29 @@ impl Cluster {
             let a = Agent::start_kube(&c.nodes[i], &c.kubeconfig(), &node_name(i), &args);
             c.agents.push(a);
         }
-        for a in &mut c.agents {
-            a.wait_ready(Duration::from_secs(30));
+        if wait_ready {
+            c.wait_ready(Duration::from_secs(30));
         }
         c
+    }
+
+    /// Waits until every agent is ready and its node Lease says which families it serves (it is
+    /// written a moment after readiness; until then the leader rightly sees no serving node).
+    pub fn wait_ready(&mut self, timeout: Duration) {
+        for a in &mut self.agents {
+            a.wait_ready(timeout);
+        }
+        let families = |i: usize| -> Option<String> {
+            let lease = self.api.get_typed::<Lease>(AGENT_NS, &format!("nodelb-node-{}", node_name(i)))?;
+            lease.metadata.annotations?.get("nodelb.io/families").cloned()
+        };
+        let ok =
+            wait_until(timeout, || (0..self.nodes.len()).all(|i| families(i).is_some_and(|f| !f.is_empty())));
+        assert!(
+            ok,
+            "node Leases do not list served families: {:?}",
+            (0..self.nodes.len()).map(families).collect::<Vec<_>>()
+        );
     }
 
     pub fn kubeconfig(&self) -> PathBuf {
@@ -229,8 +266,25 @@ impl Cluster {
 
     /// The condition `nodelb.io/Allocated` of `default/name`.
     pub fn allocated_condition(&self, name: &str) -> Option<Value> {
+        self.condition(name, "nodelb.io/Allocated")
+    }
+
+    /// The condition of type `type_` of `default/name`.
+    pub fn condition(&self, name: &str, type_: &str) -> Option<Value> {
         let svc = self.service_json(name)?;
-        svc["status"]["conditions"].as_array()?.iter().find(|c| c["type"] == "nodelb.io/Allocated").cloned()
+        svc["status"]["conditions"].as_array()?.iter().find(|c| c["type"] == type_).cloned()
+    }
+
+    /// Waits until condition `type_` of `default/name` has `status` and `reason`.
+    pub fn wait_condition(&self, name: &str, type_: &str, status: &str, reason: &str, timeout: Duration) {
+        let ok = wait_until(timeout, || {
+            self.condition(name, type_).is_some_and(|c| c["status"] == status && c["reason"] == reason)
+        });
+        assert!(
+            ok,
+            "default/{name}: condition {type_} not {status}/{reason} within {timeout:?}: {:#}",
+            self.service_json(name).unwrap_or_default()
+        );
     }
 
     /// Holder of Lease `nodelb-leader`.
@@ -292,6 +346,134 @@ impl Cluster {
     /// `nft list table inet nodelb` in node `i` (`None`: no table).
     pub fn nft(&self, i: usize) -> Option<String> {
         nft_list(&self.nodes[i])
+    }
+
+    /// Sum of every sample of metric `name` (all label sets) on node `i`'s `/metrics`.
+    pub fn metric_sum(&self, i: usize, name: &str) -> f64 {
+        let r = self.agents[i].http("/metrics").unwrap_or_else(|e| panic!("node-{} /metrics: {e:?}", i + 1));
+        assert_eq!(r.status, 200, "node-{} /metrics: {}", i + 1, r.body);
+        r.body
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| {
+                let (metric, value) = l.rsplit_once(' ')?;
+                let metric_name = metric.split('{').next()?;
+                (metric_name == name).then(|| value.parse::<f64>().ok()).flatten()
+            })
+            .sum()
+    }
+
+    /// What the agents asked the API server for so far, as RBAC permissions (every request comes
+    /// from an agent: the tests themselves use the server's direct object access).
+    pub fn agent_permissions(&self) -> Vec<(Option<String>, Permission)> {
+        self.api
+            .requests()
+            .iter()
+            .map(|r| {
+                assert!(self.node_of(r.peer).is_some(), "request from a non-node: {r:?}");
+                request_permission(&r.method, &r.path, r.watch)
+                    .unwrap_or_else(|| panic!("request outside the resource API: {r:?}"))
+            })
+            .collect()
+    }
+
+    /// Every request the agents made is allowed by `daemonset/10-rbac.yaml` (ClusterRole anywhere,
+    /// Role in the agent namespace): the least-privilege RBAC is not too tight.
+    pub fn assert_rbac_allows_every_request(&self) {
+        let rbac = Rbac::load();
+        for (ns, p) in self.agent_permissions() {
+            assert!(
+                rbac.allows(ns.as_deref(), &p),
+                "{p:?} in namespace {ns:?} is not granted by daemonset/10-rbac.yaml"
+            );
+        }
+    }
+}
+
+/// One RBAC permission: (apiGroup, resource or resource/subresource, verb).
+pub type Permission = (String, String, String);
+
+/// The namespace (if any) and permission of a request, the way the API server's authorizer sees
+/// it; `None` for paths outside the resource API (discovery, health).
+pub fn request_permission(method: &str, path: &str, watch: bool) -> Option<(Option<String>, Permission)> {
+    let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let (group, rest) = match segs.as_slice() {
+        ["api", _v, rest @ ..] => ("", rest),
+        ["apis", g, _v, rest @ ..] => (*g, rest),
+        _ => return None,
+    };
+    let (ns, rest) = match rest {
+        ["namespaces", ns, res, more @ ..] => (Some(ns.to_string()), [&[*res][..], more].concat()),
+        _ => (None, rest.to_vec()),
+    };
+    let resource = match rest.as_slice() {
+        [res] | [res, _] => res.to_string(),
+        [res, _, sub] => format!("{res}/{sub}"),
+        _ => return None,
+    };
+    let named = rest.len() > 1;
+    let verb = match (method, named) {
+        ("GET", true) => "get",
+        ("GET", false) if watch => "watch",
+        ("GET", false) => "list",
+        ("POST", _) => "create",
+        ("PUT", _) => "update",
+        ("PATCH", _) => "patch",
+        ("DELETE", true) => "delete",
+        ("DELETE", false) => "deletecollection",
+        _ => return None,
+    };
+    Some((ns, (group.to_string(), resource, verb.to_string())))
+}
+
+/// The rules of `daemonset/10-rbac.yaml`: the ClusterRole's (any namespace) and the Role's (its
+/// namespace only). No resourceNames or wildcards are used there, so none are understood here.
+pub struct Rbac {
+    pub cluster: BTreeSet<Permission>,
+    pub namespaced: BTreeSet<(String, Permission)>,
+}
+
+impl Rbac {
+    pub fn load() -> Rbac {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("daemonset/10-rbac.yaml");
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let mut rbac = Rbac { cluster: BTreeSet::new(), namespaced: BTreeSet::new() };
+        for doc in serde_yaml::Deserializer::from_str(&text) {
+            let v: Value = serde::Deserialize::deserialize(doc).expect("YAML document");
+            let ns = v["metadata"]["namespace"].as_str().map(String::from);
+            let kind = v["kind"].as_str().unwrap_or_default();
+            if !matches!(kind, "ClusterRole" | "Role") {
+                continue;
+            }
+            let strs = |x: &Value| -> Vec<String> {
+                x.as_array().into_iter().flatten().filter_map(|s| s.as_str().map(String::from)).collect()
+            };
+            for rule in v["rules"].as_array().into_iter().flatten() {
+                assert!(rule.get("resourceNames").is_none(), "resourceNames not understood: {rule}");
+                for g in strs(&rule["apiGroups"]) {
+                    for r in strs(&rule["resources"]) {
+                        for verb in strs(&rule["verbs"]) {
+                            let p = (g.clone(), r.clone(), verb);
+                            match kind {
+                                "ClusterRole" => rbac.cluster.insert(p),
+                                _ => rbac.namespaced.insert((ns.clone().expect("Role namespace"), p)),
+                            };
+                        }
+                    }
+                }
+            }
+        }
+        rbac
+    }
+
+    pub fn allows(&self, ns: Option<&str>, p: &Permission) -> bool {
+        self.cluster.contains(p)
+            || ns.is_some_and(|ns| self.namespaced.contains(&(ns.to_string(), p.clone())))
+    }
+
+    /// Every permission granted, wherever.
+    pub fn all(&self) -> BTreeSet<Permission> {
+        self.cluster.iter().cloned().chain(self.namespaced.iter().map(|(_, p)| p.clone())).collect()
     }
 }
 
