@@ -242,6 +242,9 @@ fn killing_the_leader_hands_over_without_moving_allocations() {
     c.wait_ingress_nodes("web", &[0, 1, 2], CHANGE);
     let old = c.wait_leader(CHANGE);
     assert_only_leaders_wrote(&c, &[old]);
+    // `nodelb_leader` says who leads: 1 on the Lease holder only.
+    let leading: Vec<f64> = (0..3).map(|i| c.metric_sum(i, "nodelb_leader")).collect();
+    assert_eq!(leading, (0..3).map(|i| if i == old { 1.0 } else { 0.0 }).collect::<Vec<_>>());
 
     c.agents[old].kill9();
     c.api.clear_requests();
@@ -272,6 +275,11 @@ fn killing_the_leader_hands_over_without_moving_allocations() {
     c.wait_ingress_nodes("after", &survivors, CHANGE);
     assert_eq!(c.allocated("web").unwrap(), before);
     assert_only_leaders_wrote(&c, &[new]);
+    assert_eq!(c.metric_sum(new, "nodelb_leader"), 1.0, "the successor reports itself leader");
+    assert!(c.metric_sum(new, "nodelb_leader_transitions_total") >= 1.0, "its transition is counted");
+    for &i in survivors.iter().filter(|i| **i != new) {
+        assert_eq!(c.metric_sum(i, "nodelb_leader"), 0.0, "node-{} is not leader", i + 1);
+    }
 }
 
 #[test]

@@ -99,8 +99,8 @@ fn traffic_counters_come_from_the_kernel_and_grow_with_requests() {
     assert!(pkts >= (4 * N) as f64, "packets grew by {pkts}, expected ≥ {}", 4 * N);
     assert!(bytes >= pkts * 40.0, "bytes grew by {bytes} for {pkts} packets");
 
-    // An endpoint change flushes the service chain (its kernel counter restarts at 0); the exported
-    // total must not go down.
+    // An endpoint change rewrites the service chain; the named counter it counts in is kept, and
+    // the exported total must not go down.
     agent.write_manifest("web.yaml", &web("web", 20080, 1).render());
     assert!(
         wait_until(CHANGE, || agent.status().is_some_and(|s| s["services"][0]["ports"][0]["endpoints"] == 1)),
