@@ -1,6 +1,8 @@
 //! nodelb versus the klipper-lb way, side by side in one run (issue 5). A benchmark, not a test: it
 //! prints (and writes as Markdown) a comparison, every number next to the direct route measured in the
-//! same run, and never fails on a number.
+//! same run, and never fails on a number. Variants: (a) direct, (b) nodelb, (c) klipper's iptables rules
+//! (nft and legacy), (d) nat-floor, the least nftables NAT (one DNAT + one masquerade rule), against
+//! which nodelb's own per-connection work is reported (docs/benchmarks.md, Method).
 //!
 //! ```text
 //! sudo scripts/bench.sh --quick       # N = 1, 100, 1,000; a few minutes
@@ -424,8 +426,15 @@ fn percentile(v: &[f64], q: f64) -> f64 {
     s[i]
 }
 
+/// The median; of an even count, the mean of the two middle values (with 2 repetitions,
+/// `percentile(v, 0.5)` would be the larger one).
 fn median(v: &[f64]) -> f64 {
-    percentile(v, 0.5)
+    if !v.len().is_multiple_of(2) || v.is_empty() {
+        return percentile(v, 0.5);
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    (s[s.len() / 2 - 1] + s[s.len() / 2]) / 2.0
 }
 
 fn one_request(addr: SocketAddr) -> Result<(), String> {
@@ -515,24 +524,21 @@ struct BenchSvc {
 /// list is in the order klipper-lb would have added them: iperf and the target first, so that with
 /// its `-I` (insert at the top) their rules end up at the bottom, walked last.
 fn bench_services(n: usize) -> Vec<BenchSvc> {
-    let mut v = vec![
-        BenchSvc {
-            name: "iperf".into(),
-            node_port: IPERF_NODE_PORT,
-            dest: backend_v4(0),
-            dest_port: IPERF_PORT,
-        },
-        BenchSvc {
-            name: "target".into(),
-            node_port: TARGET_NODE_PORT,
-            dest: backend_v4(0),
-            dest_port: HTTP_PORT,
-        },
-    ];
+    let mut v = vec![iperf_svc(), target_svc()];
     for i in 1..n {
         v.push(filler(i));
     }
     v
+}
+
+/// The measured Service: node port 20000 → the fast HTTP server.
+fn target_svc() -> BenchSvc {
+    BenchSvc { name: "target".into(), node_port: TARGET_NODE_PORT, dest: backend_v4(0), dest_port: HTTP_PORT }
+}
+
+/// The throughput Service: node port 19999 → iperf3.
+fn iperf_svc() -> BenchSvc {
+    BenchSvc { name: "iperf".into(), node_port: IPERF_NODE_PORT, dest: backend_v4(0), dest_port: IPERF_PORT }
 }
 
 fn filler(i: usize) -> BenchSvc {
@@ -559,6 +565,26 @@ fn nodelb_ruleset(svcs: &[BenchSvc]) -> Ruleset {
     let plans: Vec<ServicePlan<'_>> =
         lb.iter().map(|(s, p)| ServicePlan { service: s, node_ports: p }).collect();
     plan::plan(&plans, &node_facts(&[Family::Ipv4]))
+}
+
+/// Name of the table of variant (d), the NAT floor.
+const NAT_FLOOR_TABLE: &str = "natfloor";
+
+/// Variant (d): the least nftables NAT that makes `svcs` reachable at their node ports, as `nft -f`
+/// input — one DNAT rule per Service in a nat prerouting chain (dstnat, as nodelb's) and one
+/// masquerade rule per Service in nat postrouting (srcnat), in a table of its own. No fib check, no
+/// verdict map, no mark, no filter chain, no counter: what any NAT dataplane pays at least
+/// (conntrack + DNAT + masquerade). Only the first packet of a connection walks NAT chains, so the
+/// rule count does not matter; the target's rules come first anyway.
+fn nat_floor_rules(svcs: &[BenchSvc]) -> String {
+    let (mut pre, mut post) = (String::new(), String::new());
+    for s in svcs {
+        pre += &format!("        tcp dport {} dnat to {}:{}\n", s.node_port, s.dest, s.dest_port);
+        post += &format!("        ip daddr {} tcp dport {} masquerade\n", s.dest, s.dest_port);
+    }
+    format!(
+        "table ip {NAT_FLOOR_TABLE} {{\n    chain pre {{\n        type nat hook prerouting priority -100; policy accept;\n{pre}    }}\n    chain post {{\n        type nat hook postrouting priority 100; policy accept;\n{post}    }}\n}}\n"
+    )
 }
 
 /// klipper-lb's entry script (k3s-io/klipper-lb `entry`, `start_proxy`) for one IPv4 Service with
@@ -608,14 +634,14 @@ fn klipper_restore(svcs: &[BenchSvc]) -> String {
 // ---------------------------------------------------------------------------------------------
 // Results
 
-const VARIANTS: [&str; 4] = ["direct", "nodelb", "klipper-nft", "klipper-legacy"];
+const VARIANTS: [&str; 5] = ["direct", "nodelb", "nat-floor", "klipper-nft", "klipper-legacy"];
 
 #[derive(Default)]
 struct Results {
     /// (N, variant) → pooled connection samples.
     conn: BTreeMap<(usize, &'static str), ConnSamples>,
-    /// (N, variant) → per repetition (p50 of the variant, p50 of direct on the same topology).
-    rep_p50: BTreeMap<(usize, &'static str), Vec<(f64, f64)>>,
+    /// (N, repetition) → variant → p50 of that variant on that repetition's topology.
+    rep_p50: BTreeMap<(usize, usize), BTreeMap<&'static str, f64>>,
     /// (N, variant) → iperf3 bits/s, one per repetition.
     tput: BTreeMap<(usize, &'static str), Vec<f64>>,
     /// (N, operation) → milliseconds, one per repetition.
@@ -629,17 +655,25 @@ struct Results {
 }
 
 impl Results {
-    /// Median, min and max over repetitions of (variant p50 / direct p50 on the same topology).
-    fn ratio(&self, n: usize, v: &'static str) -> (f64, f64, f64) {
-        let q: Vec<f64> =
-            self.rep_p50.get(&(n, v)).map(|x| x.iter().map(|(a, d)| a / d).collect()).unwrap_or_default();
+    /// (p50 of `v`, p50 of `base`) of each repetition at N that measured both (same topology).
+    fn pairs(&self, n: usize, v: &str, base: &str) -> Vec<(f64, f64)> {
+        self.rep_p50
+            .range((n, 0)..=(n, usize::MAX))
+            .filter_map(|(_, m)| Some((*m.get(v)?, *m.get(base)?)))
+            .collect()
+    }
+    /// Median, min and max over repetitions of `f(p50 of v, p50 of base)`.
+    fn paired(&self, n: usize, v: &str, base: &str, f: impl Fn(f64, f64) -> f64) -> (f64, f64, f64) {
+        let q: Vec<f64> = self.pairs(n, v, base).into_iter().map(|(a, b)| f(a, b)).collect();
         (median(&q), percentile(&q, 0.0), percentile(&q, 1.0))
     }
+    /// Median, min and max over repetitions of (variant p50 / direct p50 on the same topology).
+    fn ratio(&self, n: usize, v: &str) -> (f64, f64, f64) {
+        self.paired(n, v, "direct", |a, d| a / d)
+    }
     /// Median over repetitions of (variant p50 − direct p50 on the same topology), µs.
-    fn over_direct(&self, n: usize, v: &'static str) -> f64 {
-        let q: Vec<f64> =
-            self.rep_p50.get(&(n, v)).map(|x| x.iter().map(|(a, d)| a - d).collect()).unwrap_or_default();
-        median(&q)
+    fn over_direct(&self, n: usize, v: &str) -> f64 {
+        self.paired(n, v, "direct", |a, d| a - d).0
     }
     fn prog(&mut self, n: usize, op: &str, d: Duration) {
         self.prog.entry((n, op.to_string())).or_default().push(d.as_secs_f64() * 1e3);
@@ -688,6 +722,43 @@ fn nodelb_delete(node: &NetNs) {
     let _ = in_ns(node, || NftClient::new().map(|mut c| c.delete_table()));
 }
 
+/// Variant (d) on the node of `b`: load [`nat_floor_rules`] for the target and iperf Services with
+/// `nft -f` (no other table may be there: nodelb's is deleted before), measure connections and
+/// throughput like the other variants, delete the table.
+fn run_nat_floor(
+    cfg: &Config,
+    b: &Bench,
+    n: usize,
+    tput_now: bool,
+    rep: &mut BTreeMap<&'static str, ConnSamples>,
+    r: &mut Results,
+) {
+    let target_lb = SocketAddr::new(IpAddr::V4(NODE_V4), TARGET_NODE_PORT);
+    if let Err(e) = run_in_stdin(b.node(), "nft", &["-f", "-"], nat_floor_rules(&[target_svc(), iperf_svc()]))
+    {
+        r.note(format!("nat-floor: nft -f at N={n}: {e}"));
+        return;
+    }
+    let tables = String::from_utf8_lossy(&b.node().exec("nft", &["list", "tables"]).stdout).into_owned();
+    let others: Vec<&str> =
+        tables.lines().map(str::trim).filter(|l| !l.is_empty() && *l != "table ip natfloor").collect();
+    if !others.is_empty() {
+        r.note(format!("nat-floor at N={n}: other tables present in the node: {}", others.join(", ")));
+    }
+    flush_conntrack(b.node());
+    let s = connects(b.client(), target_lb, cfg.warmup, cfg.conns);
+    rep.entry("nat-floor").or_default().extend(s);
+    if tput_now && let Some(bps) = iperf(b.client(), NODE_V4, IPERF_NODE_PORT, cfg.iperf_secs) {
+        r.tput.entry((n, "nat-floor")).or_default().push(bps);
+    }
+    if let Err(e) =
+        run_in(b.node(), "nft", &["delete".into(), "table".into(), "ip".into(), NAT_FLOOR_TABLE.into()])
+    {
+        r.note(format!("nat-floor: delete table at N={n}: {e}"));
+    }
+    flush_conntrack(b.node());
+}
+
 fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
     let b = Bench::new(true);
     let svcs = bench_services(n);
@@ -702,6 +773,13 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
     rep.entry("direct").or_default().extend(s);
     if tput_now && let Some(bps) = iperf(b.client(), backend_v4(0), IPERF_PORT, cfg.iperf_secs) {
         r.tput.entry((n, "direct")).or_default().push(bps);
+    }
+
+    // (d) the NAT floor next to nodelb, alternately before and after it, so that neither of the two
+    // compared variants is always the one measured later on the topology.
+    let floor_first = !rep_no.is_multiple_of(2);
+    if floor_first {
+        run_nat_floor(cfg, &b, n, tput_now, &mut rep, r);
     }
 
     // (b) nodelb: plan, one netlink batch, measure; then diff add/remove one; nft -f of render().
@@ -739,6 +817,9 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
         Err(e) => r.note(format!("nft -f at N={n}: {e}")),
     }
     nodelb_delete(b.node());
+    if !floor_first {
+        run_nat_floor(cfg, &b, n, tput_now, &mut rep, r);
+    }
 
     // Direct again, between nodelb and klipper (pooled with the first).
     flush_conntrack(b.node());
@@ -807,9 +888,8 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
         }
         flush_iptables(b.node(), ipt);
     }
-    let direct = rep.get("direct").map(|s| s.p(0.5)).unwrap_or(f64::NAN);
     for (v, s) in rep {
-        r.rep_p50.entry((n, v)).or_default().push((s.p(0.5), direct));
+        r.rep_p50.entry((n, rep_no)).or_default().insert(v, s.p(0.5));
         r.conn.entry((n, v)).or_default().extend(s);
     }
 }
@@ -1198,6 +1278,7 @@ fn report_dataplane(cfg: &Config, r: &Results, w: &mut String) {
             );
         }
     }
+    report_nat_floor(cfg, r, w);
     if !cfg.svg_link.is_empty() {
         let _ = writeln!(w, "\n![connect p50 ratio to direct vs N]({})\n", cfg.svg_link);
     }
@@ -1275,6 +1356,47 @@ fn report_dataplane(cfg: &Config, r: &Results, w: &mut String) {
     );
 }
 
+/// Section 1's split of nodelb's overhead into the NAT floor (variant (d)) and nodelb's own work.
+fn report_nat_floor(cfg: &Config, r: &Results, w: &mut String) {
+    use std::fmt::Write as _;
+    if !cfg.sizes.iter().any(|&n| !r.pairs(n, "nodelb", "nat-floor").is_empty()) {
+        let _ = writeln!(
+            w,
+            "\nThe NAT floor (nat-floor) was not measured: nodelb's share of it cannot be given."
+        );
+        return;
+    }
+    let _ = writeln!(w, "\n#### nodelb over the NAT floor\n");
+    let _ = writeln!(
+        w,
+        "nat-floor is the least nftables NAT for the target Service: one `dnat` rule in a nat prerouting \
+         chain and one `masquerade` rule in nat postrouting, in a table of its own (nodelb's table absent), \
+         measured on the same topology next to nodelb (alternately before and after it). nat-floor − direct \
+         is what conntrack + DNAT + masquerade cost per connection here; nodelb − nat-floor is nodelb's own \
+         work (fib + verdict-map lookups in filter and nat prerouting, the service chain's counter, mark and \
+         DNAT, the mark-matched masquerade, the forward chain's ct checks and counter map). Differences and \
+         ratios are per repetition, median (range) over repetitions.\n"
+    );
+    let _ = writeln!(
+        w,
+        "| N | nat-floor − direct µs | nodelb − direct µs | nodelb − nat-floor µs (range) | nodelb / nat-floor p50 (range) |"
+    );
+    let _ = writeln!(w, "|---:|---:|---:|---:|---:|");
+    for &n in &cfg.sizes {
+        if r.pairs(n, "nodelb", "nat-floor").is_empty() {
+            continue;
+        }
+        let (d, dlo, dhi) = r.paired(n, "nodelb", "nat-floor", |a, b| a - b);
+        let (q, qlo, qhi) = r.paired(n, "nodelb", "nat-floor", |a, b| a / b);
+        let _ = writeln!(
+            w,
+            "| {n} | {:+.1} | {:+.1} | {d:+.1} ({dlo:+.1}…{dhi:+.1}) | {q:.2} ({qlo:.2}–{qhi:.2}) |",
+            r.over_direct(n, "nat-floor"),
+            r.over_direct(n, "nodelb"),
+        );
+    }
+}
+
 /// Rows of one reaction table, plus "all" (adds and removals together) and the timeouts.
 fn reaction_table(w: &mut String, x: &Reaction, rows: &[(&str, &Vec<f64>)]) {
     use std::fmt::Write as _;
@@ -1308,9 +1430,30 @@ fn targets_dataplane(cfg: &Config, r: &Results, w: &mut String) {
     let p50 = |n: usize, v: &'static str| r.conn.get(&(n, v)).map(|s| s.p(0.5)).unwrap_or(f64::NAN);
     let over: Vec<(usize, f64)> = cfg.sizes.iter().map(|&n| (n, r.over_direct(n, "nodelb"))).collect();
     let worst = over.iter().cloned().fold((0, f64::MIN), |a, b| if b.1 > a.1 { b } else { a });
+    // Against the NAT floor measured in the same repetitions: how much of it any NAT dataplane pays.
+    let floor = r.over_direct(worst.0, "nat-floor");
+    let own = r.paired(worst.0, "nodelb", "nat-floor", |a, b| a - b).0;
+    let own_worst = cfg
+        .sizes
+        .iter()
+        .map(|&n| (n, r.paired(n, "nodelb", "nat-floor", |a, b| a - b).0))
+        .filter(|x| x.1.is_finite())
+        .fold((0, f64::MIN), |a, b| if b.1 > a.1 { b } else { a });
+    let (vs_floor, why) = if floor.is_finite() && own.is_finite() {
+        (
+            format!(
+                "; NAT floor (nat-floor − direct) {floor:+.1} µs, nodelb − nat-floor {own:+.1} µs at that N \
+                 (largest nodelb − nat-floor: {:+.1} µs at N = {})",
+                own_worst.1, own_worst.0
+            ),
+            if worst.1 > 15.0 && floor > 15.0 { " (the NAT floor alone is over 15 µs here)" } else { "" },
+        )
+    } else {
+        ("; NAT floor not measured".to_string(), "")
+    };
     let _ = writeln!(
         w,
-        "| connect p50 ≤ direct + 15 µs at every N | worst {:+.1} µs (N = {}) | {} |",
+        "| connect p50 ≤ direct + 15 µs at every N | worst {:+.1} µs (N = {}){vs_floor} | {}{why} |",
         worst.1,
         worst.0,
         verdict(worst.1 <= 15.0)
@@ -1417,6 +1560,7 @@ fn svg(cfg: &Config, r: &Results) -> String {
     let colors = [
         ("direct", "#888"),
         ("nodelb", "#1f77b4"),
+        ("nat-floor", "#2ca02c"),
         ("klipper-nft", "#d62728"),
         ("klipper-legacy", "#ff7f0e"),
     ];
