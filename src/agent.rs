@@ -20,7 +20,7 @@ use crate::metrics::Metrics;
 use crate::model::ModelOptions;
 use crate::nft::{self, NftClient};
 use crate::plan::{self, NodeFacts};
-use crate::source::Source;
+use crate::source::{Loaded, Source};
 use crate::state::StateFile;
 use crate::status::{ServiceState, ServiceStatus, SharedStatus, SyncStatus};
 use crate::sysctl::{Sysctls, forwarding_sysctl};
@@ -291,32 +291,27 @@ impl Agent {
     /// fills `attempt` with what [`Agent::record`] reports.
     async fn sync_once(&mut self, verify: bool, attempt: &mut Attempt) -> Result<Synced, AgentError> {
         let mut phases = Phases::new(attempt.started);
-        let loaded = match self.source.snapshot(&self.cfg.model) {
-            Ok(Some(snapshot)) => snapshot,
-            Ok(None) => {
-                // Never program from a partial view: the old rules stay until the caches are complete.
-                debug!("source not complete yet; waiting");
-                return Ok(Synced::Waiting);
-            }
-            Err(e) => {
-                // Never program from a view we could not read: keep the kernel as it is.
-                self.set_problems(vec![e.to_string()]);
-                return Err(e.into());
-            }
-        };
         let node = self.node_facts();
-        // The same input as the last good sync: nothing to recompute. A resync then only asks the
-        // kernel whether any nftables transaction happened since our last batch; if one did, the
-        // full path below reads the table back and repairs it. (At 10,000 Services recomputing
-        // every resync period cost ~7% of a core and a transient copy of every object.)
-        if let (Some(fp), Some((last_fp, last_node))) = (loaded.fingerprint, &self.last_input)
-            && fp == *last_fp
-            && node == *last_node
-            && self.applied.is_some()
-            && (!verify || !self.generation_changed()?)
-        {
-            return Ok(Synced::Unchanged);
-        }
+        // The same input as the last good sync: nothing to recompute (the source does not even
+        // assemble its object lists). A resync then only asks the kernel whether any nftables
+        // transaction happened since our last batch; if one did, the full path below reads the
+        // table back and repairs it. (At 10,000 Services recomputing every resync period cost ~7%
+        // of a core and a transient copy of every object.)
+        let known = match &self.last_input {
+            Some((fp, last_node)) if *last_node == node && self.applied.is_some() => Some(*fp),
+            _ => None,
+        };
+        let loaded = match self.load(known)? {
+            Loaded::Unchanged if !verify || !self.generation_changed()? => return Ok(Synced::Unchanged),
+            // Someone committed a transaction since our batch: the full path checks our table.
+            Loaded::Unchanged => self.load(None)?,
+            other => other,
+        };
+        let Loaded::Snapshot(loaded) = loaded else {
+            // Never program from a partial view: the old rules stay until the caches are complete.
+            debug!("source not complete yet; waiting");
+            return Ok(Synced::Waiting);
+        };
         phases.mark("load");
         let problems: Vec<String> = loaded.problems.clone();
         log_new(
@@ -425,6 +420,16 @@ impl Agent {
         phases.mark("after");
         debug!(kind, changes = changes.len(), phases = %phases, "sync breakdown (ms)");
         result.map(|()| Synced::Applied).map_err(AgentError::from)
+    }
+
+    /// The source's snapshot ([`Loaded::Unchanged`] when its fingerprint is `known`). An error
+    /// (the source could not be read at all) is reported in the status; the caller keeps the
+    /// kernel as it is.
+    fn load(&mut self, known: Option<u64>) -> Result<Loaded, AgentError> {
+        self.source.snapshot(&self.cfg.model, known).map_err(|e| {
+            self.set_problems(vec![e.to_string()]);
+            e.into()
+        })
     }
 
     /// On a resync (`verify`), whether someone changed our table since our last batch (then it is

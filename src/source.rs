@@ -3,6 +3,7 @@
 //! program from a partial view), and wakes the agent when something changed.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -10,18 +11,29 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use crate::desired::AllocationMode;
 use crate::k8s::lastgood::LastGoodServices;
 use crate::k8s::source::KubeSource;
-use crate::manifests::{self, DirWatcher, IgnoredLog, LastGood, ManifestCache, ManifestError};
+use crate::manifests::{DirWatcher, IgnoredLog, LastGood, ManifestCache, ManifestError};
 use crate::model::ModelOptions;
 
-/// What the agent programs from.
+/// What the agent programs from. The objects are shared with the source's caches (a snapshot
+/// copies pointers, not objects).
 #[derive(Debug, Clone, Default)]
 pub struct Snapshot {
-    pub services: Vec<Service>,
-    pub slices: Vec<EndpointSlice>,
+    pub services: Vec<Arc<Service>>,
+    pub slices: Vec<Arc<EndpointSlice>>,
     /// Input problems to report (manifest files, refusals masked by a last good version).
     pub problems: Vec<String>,
-    /// Same value ⇒ same content (Kubernetes mode); `None` ⇒ always recompute.
+    /// Same value ⇒ same content; `None` ⇒ always recompute.
     pub fingerprint: Option<u64>,
+}
+
+/// What [`Source::snapshot`] found.
+#[derive(Debug)]
+pub enum Loaded {
+    /// The source is not completely read yet (never program from a partial view).
+    Waiting,
+    /// The fingerprint is the one the caller already has: nothing was built.
+    Unchanged,
+    Snapshot(Snapshot),
 }
 
 pub enum Source {
@@ -69,33 +81,43 @@ impl Source {
         }
     }
 
-    /// The current desired state; `Ok(None)` while the source is not complete yet. An error
-    /// means it could not be read at all (keep the kernel as it is).
-    pub fn snapshot(&mut self, opts: &ModelOptions) -> Result<Option<Snapshot>, ManifestError> {
+    /// The current desired state. When its fingerprint equals `known` (what the caller built its
+    /// last state from), [`Loaded::Unchanged`]: the object lists are not even assembled (a resync
+    /// every 10 s at 10,000 Services). An error means the source could not be read at all (keep
+    /// the kernel as it is).
+    pub fn snapshot(&mut self, opts: &ModelOptions, known: Option<u64>) -> Result<Loaded, ManifestError> {
         match self {
             Source::Manifests { dir, last_good, cache, ignored, .. } => {
                 // Only files whose stamp changed are parsed again.
-                let loaded = last_good.apply(manifests::load_dir_cached(dir, cache)?);
+                cache.refresh(dir)?;
+                let fingerprint = cache.fingerprint();
+                if known == Some(fingerprint) {
+                    return Ok(Loaded::Unchanged);
+                }
+                let loaded = last_good.apply(cache.merged());
                 // Not a problem (manifests often hold a whole app), but say so once, so a
                 // misspelled `kind: Service` does not vanish silently.
                 for o in ignored.newly_ignored(&loaded.ignored) {
                     tracing::info!("{o}: nodelb uses only v1 Service and discovery.k8s.io/v1 EndpointSlice");
                 }
-                Ok(Some(Snapshot {
+                Ok(Loaded::Snapshot(Snapshot {
                     services: loaded.services,
                     slices: loaded.slices,
                     problems: loaded.problems.iter().map(|p| p.to_string()).collect(),
-                    fingerprint: Some(cache.fingerprint()),
+                    fingerprint: Some(fingerprint),
                 }))
             }
             Source::Kube { source, last_good } => {
                 if !source.complete() {
-                    return Ok(None);
+                    return Ok(Loaded::Waiting);
                 }
                 let snap = source.snapshot();
-                let fingerprint = Some(snap.fingerprint());
+                let fingerprint = snap.fingerprint();
+                if known == Some(fingerprint) {
+                    return Ok(Loaded::Unchanged);
+                }
                 let subst = last_good.apply(&snap.services, opts);
-                Ok(Some(Snapshot {
+                Ok(Loaded::Snapshot(Snapshot {
                     services: subst.services,
                     slices: snap.slices,
                     problems: subst
@@ -103,7 +125,7 @@ impl Source {
                         .iter()
                         .map(|r| format!("{r}; keeping its last valid spec until this is fixed"))
                         .collect(),
-                    fingerprint,
+                    fingerprint: Some(fingerprint),
                 }))
             }
         }
