@@ -144,3 +144,40 @@ impl Source {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SVC: &str = "apiVersion: v1\nkind: Service\nmetadata:\n  name: web\nspec:\n  type: LoadBalancer\n  ports:\n  - port: 80\n";
+
+    fn snapshot(source: &mut Source, known: Option<u64>) -> Snapshot {
+        match source.snapshot(&ModelOptions::default(), known).expect("readable") {
+            Loaded::Snapshot(s) => s,
+            other => panic!("expected a snapshot, got {other:?}"),
+        }
+    }
+
+    /// A resync with the fingerprint the agent already has builds nothing; an edited file gives a
+    /// new snapshot in which the objects of untouched files are the very same (shared) objects.
+    #[tokio::test]
+    async fn manifests_snapshots_share_objects_and_skip_unchanged_input() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("a.yaml"), SVC).unwrap();
+        std::fs::write(dir.path().join("b.yaml"), SVC.replace("name: web", "name: db")).unwrap();
+        let mut source = Source::manifests(dir.path().to_path_buf()).expect("watch");
+        let first = snapshot(&mut source, None);
+        let fp = first.fingerprint.expect("manifests have a fingerprint");
+        assert!(matches!(source.snapshot(&ModelOptions::default(), Some(fp)), Ok(Loaded::Unchanged)));
+        let again = snapshot(&mut source, None);
+        assert_eq!(again.fingerprint, Some(fp), "same files, same fingerprint");
+        assert!(first.services.iter().zip(&again.services).all(|(a, b)| Arc::ptr_eq(a, b)));
+
+        std::fs::write(dir.path().join("b.yaml"), SVC.replace("name: web", "name: db2")).unwrap();
+        let edited = snapshot(&mut source, Some(fp));
+        assert_ne!(edited.fingerprint, Some(fp));
+        let names: Vec<_> = edited.services.iter().map(|s| s.metadata.name.clone().unwrap()).collect();
+        assert_eq!(names, ["web", "db2"]);
+        assert!(Arc::ptr_eq(&first.services[0], &edited.services[0]), "a.yaml was not parsed again");
+    }
+}
