@@ -42,6 +42,8 @@ use serde_json::Value;
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 
+use crate::slim::Slim as _;
+
 /// Quiet time after the last event before notifying. One writer's burst (an editor's temp file +
 /// rename, `kubectl cp`, the kubelet's ConfigMap symlink swap) is a few syscalls within a
 /// millisecond; 10 ms also covers a writer descheduled on a busy node. A burst split by a longer
@@ -509,11 +511,13 @@ impl Loader {
         match typed {
             Ok(Typed::Service(mut svc)) => {
                 if self.admit(origin, "Service", &mut svc.metadata) {
+                    svc.slim();
                     self.out.services.push(Arc::from(svc));
                 }
             }
             Ok(Typed::Slice(mut slice)) => {
                 if self.admit(origin, "EndpointSlice", &mut slice.metadata) {
+                    slice.slim();
                     self.out.slices.push(Arc::from(slice));
                 }
             }

@@ -21,6 +21,7 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
 use super::nodes::LABEL_NODE_LEASE;
+use crate::slim::Slim;
 
 /// Quiet time that ends a burst of changes, and the longest a burst may delay a sync. The watch
 /// delivers one event per object change, a few milliseconds apart at most within one client
@@ -232,15 +233,13 @@ fn spawn_reflector<K>(
     shared: &Shared,
 ) -> Store<K>
 where
-    K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+    K: Resource + Slim + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
     K::DynamicType: Eq + std::hash::Hash + Clone + Default + Send + Sync,
 {
     let (reader, writer) = reflector::store();
-    // managedFields are large (a JSON tree per field manager) and never read: dropped before the
-    // cache, they are not kept in memory nor copied by every snapshot (most of a sync's time at
-    // 1,000 Services).
-    let objects =
-        watcher(api, config).default_backoff().modify(|o: &mut K| o.meta_mut().managed_fields = None);
+    // Only the fields nodelb reads are cached (managedFields alone, a JSON tree per field manager,
+    // were most of a sync's time at 1,000 Services when snapshots still copied objects).
+    let objects = watcher(api, config).default_backoff().modify(|o: &mut K| o.slim());
     let stream = reflector::reflector(writer, objects);
     let synced = shared.synced.clone();
     let health = shared.health.clone();
