@@ -9,10 +9,10 @@ use nix::sys::socket::{setsockopt, sockopt};
 use nix::sys::time::TimeVal;
 
 use super::consts::*;
-use super::encode::{self, Encoded, describe, msg_type};
+use super::encode::{self, Encoded, describe_ref, msg_type};
 use super::nla::{Writer, messages};
 use super::{ApplyStats, CounterValues, KernelTable, NftError, decode};
-use crate::ir::{self, Change};
+use crate::ir::{self, Change, ChangeRef, Ruleset};
 
 /// Receive buffer for one datagram; dumps never send more than this in one.
 const RECV_BUF: usize = 1 << 20;
@@ -124,11 +124,27 @@ impl NftClient {
 
     /// Sends `changes` as one atomic batch. On error nothing was applied.
     pub fn apply(&mut self, changes: &[Change]) -> Result<ApplyStats, NftError> {
-        if changes.is_empty() {
+        self.apply_refs(|| changes.iter().map(Change::as_ref))
+    }
+
+    /// Replaces table inet nodelb with exactly `ruleset`, in one atomic batch: what
+    /// `apply(&ruleset.full_replace())` does, encoded straight from the ruleset (no copy of its
+    /// chains, rules and elements). Errors name the failing change the same way.
+    pub fn apply_full_replace(&mut self, ruleset: &Ruleset) -> Result<ApplyStats, NftError> {
+        self.apply_refs(|| ruleset.full_replace_refs())
+    }
+
+    /// Sends the changes `changes()` yields as one atomic batch; it is called again to describe
+    /// the change a kernel error points at.
+    fn apply_refs<'a, I>(&mut self, changes: impl Fn() -> I) -> Result<ApplyStats, NftError>
+    where
+        I: Iterator<Item = ChangeRef<'a>>,
+    {
+        if changes().next().is_none() {
             return Ok(ApplyStats::default());
         }
         let first = self.seq;
-        let enc = encode::encode_batch(changes, first)?;
+        let enc = encode::encode_refs(changes(), first)?;
         self.seq = enc.last_seq().wrapping_add(1);
         let stats = ApplyStats { messages: enc.msg_change.len() + 2, bytes: enc.bytes.len() };
         self.send(&enc.bytes, "send batch")?;
@@ -156,7 +172,7 @@ impl NftClient {
         }
         errors.sort();
         let (seq, errno) = errors[0];
-        Err(kernel_error(&enc, changes, seq, errno, errors.len() - 1))
+        Err(kernel_error(&enc, changes(), seq, errno, errors.len() - 1))
     }
 
     /// Sends a request and collects the replies with its sequence number until the dump ends (or the
@@ -368,10 +384,16 @@ fn error_code(payload: &[u8]) -> Result<i32, NftError> {
     Ok(-i32::from_ne_bytes(b))
 }
 
-fn kernel_error(enc: &Encoded, changes: &[Change], seq: u32, errno: i32, more: usize) -> NftError {
+fn kernel_error<'a>(
+    enc: &Encoded,
+    mut changes: impl Iterator<Item = ChangeRef<'a>>,
+    seq: u32,
+    errno: i32,
+    more: usize,
+) -> NftError {
     let index = enc.change_of(seq);
-    let change = match index.and_then(|i| changes.get(i)) {
-        Some(c) => describe(c),
+    let change = match index.and_then(|i| changes.nth(i)) {
+        Some(c) => describe_ref(c),
         None => "commit batch".to_string(),
     };
     NftError::Kernel { index, change, errno, reason: strerror(errno), more }
