@@ -1,11 +1,12 @@
 //! Socket I/O: one NETLINK_NETFILTER socket, opened in the network namespace of the thread that
 //! creates the client. Batches go out in a single `sendmsg`; replies are matched by sequence number.
 
-use std::os::fd::AsFd;
+use std::io::IoSlice;
+use std::os::fd::{AsFd, AsRawFd};
 use std::time::Duration;
 
 use netlink_sys::{Socket, protocols::NETLINK_NETFILTER};
-use nix::sys::socket::{setsockopt, sockopt};
+use nix::sys::socket::{MsgFlags, sendmsg, setsockopt, sockopt};
 use nix::sys::time::TimeVal;
 
 use super::consts::*;
@@ -101,6 +102,23 @@ impl NftClient {
         Ok(())
     }
 
+    /// Sends `chunks` as ONE datagram (one `sendmsg`, one buffer per chunk): a batch must be one
+    /// datagram, and need not be one buffer.
+    fn send_chunks(&mut self, chunks: &[Vec<u8>], what: &str) -> Result<(), NftError> {
+        let len = chunks.iter().map(Vec::len).sum();
+        self.ensure_sndbuf(len)?;
+        let iov: Vec<IoSlice<'_>> = chunks.iter().map(|c| IoSlice::new(c)).collect();
+        let n = sendmsg::<()>(self.sock.as_raw_fd(), &iov, &[], MsgFlags::empty(), None)
+            .map_err(|e| errno_io(what, e))?;
+        if n != len {
+            return Err(NftError::Io {
+                context: what.to_string(),
+                source: std::io::Error::other(format!("sent {n} of {len} bytes")),
+            });
+        }
+        Ok(())
+    }
+
     /// Receives one datagram and returns its messages.
     fn recv(&mut self, what: &str) -> Result<Vec<Reply>, NftError> {
         self.buf.clear();
@@ -146,8 +164,8 @@ impl NftClient {
         let first = self.seq;
         let enc = encode::encode_refs(changes(), first)?;
         self.seq = enc.last_seq().wrapping_add(1);
-        let stats = ApplyStats { messages: enc.msg_change.len() + 2, bytes: enc.bytes.len() };
-        self.send(&enc.bytes, "send batch")?;
+        let stats = ApplyStats { messages: enc.msg_change.len() + 2, bytes: enc.len() };
+        self.send_chunks(&enc.chunks, "send batch")?;
         // Batch messages carry no NLM_F_ACK: the kernel answers only failures (each with the failing
         // message's sequence number). A GETGEN sent right after is answered only once the batch has
         // been fully processed, so its reply marks the end of the batch's replies.

@@ -22,9 +22,13 @@ const MAX_ELEMENTS_NEST: usize = 48 * 1024;
 /// An element as sent: encoded key bytes and, for maps, the mapped value.
 pub type RawElement = (Vec<u8>, Option<Mapped>);
 
-/// A batch ready to send.
+/// Size at which a batch continues in a new buffer ([`Writer::chunked`]).
+const BATCH_CHUNK: usize = 1 << 20;
+
+/// A batch ready to send: its messages back to back, in one or more buffers (one `sendmsg`
+/// sends them all as one datagram).
 pub struct Encoded {
-    pub bytes: Vec<u8>,
+    pub chunks: Vec<Vec<u8>>,
     /// Sequence number of BATCH_BEGIN; message `i` of the batch has `first_seq + 1 + i`.
     pub first_seq: u32,
     /// Index into the change list for each message between BATCH_BEGIN and BATCH_END.
@@ -32,6 +36,20 @@ pub struct Encoded {
 }
 
 impl Encoded {
+    /// Bytes of the whole batch.
+    pub fn len(&self) -> usize {
+        self.chunks.iter().map(Vec::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The whole batch in one buffer (tests, debugging).
+    pub fn bytes(&self) -> Vec<u8> {
+        self.chunks.concat()
+    }
+
     /// Which change produced the message with this sequence number (None: the batch itself).
     pub fn change_of(&self, seq: u32) -> Option<usize> {
         let i = seq.checked_sub(self.first_seq + 1)? as usize;
@@ -99,7 +117,7 @@ pub fn encode_refs<'a>(
     first_seq: u32,
 ) -> Result<Encoded, NftError> {
     let mut e = Enc {
-        w: Writer::new(),
+        w: Writer::chunked(BATCH_CHUNK),
         seq: first_seq,
         msg_change: Vec::new(),
         change: 0,
@@ -125,7 +143,7 @@ pub fn encode_refs<'a>(
     e.seq += 1;
     e.w.begin_msg(NFNL_MSG_BATCH_END, NLM_F_REQUEST, e.seq, NFPROTO_UNSPEC, u16::from(NFNL_SUBSYS_NFTABLES));
     e.w.end_msg();
-    Ok(Encoded { bytes: e.w.buf, first_seq, msg_change: e.msg_change })
+    Ok(Encoded { chunks: e.w.into_chunks(), first_seq, msg_change: e.msg_change })
 }
 
 struct Enc {
@@ -856,7 +874,8 @@ mod tests {
     /// (message type, payload) of every message between BATCH_BEGIN and BATCH_END.
     fn encode(changes: &[Change]) -> Vec<(u16, Vec<u8>)> {
         let enc = encode_batch(changes, 100).expect("encode");
-        let msgs = messages(&enc.bytes).expect("parse");
+        let bytes = enc.bytes();
+        let msgs = messages(&bytes).expect("parse");
         assert_eq!(msgs.len(), enc.msg_change.len() + 2);
         assert_eq!(msgs[0].ty, NFNL_MSG_BATCH_BEGIN);
         assert_eq!(msgs[msgs.len() - 1].ty, NFNL_MSG_BATCH_END);
@@ -1146,9 +1165,9 @@ mod tests {
         });
         let direct = encode_refs(rs.full_replace_refs(), 5).expect("encode refs");
         let listed = encode_batch(&rs.full_replace(), 5).expect("encode list");
-        assert_eq!(direct.bytes, listed.bytes);
+        assert_eq!(direct.bytes(), listed.bytes());
         assert_eq!(direct.msg_change, listed.msg_change);
-        let element_msgs = messages(&direct.bytes)
+        let element_msgs = messages(&direct.bytes())
             .expect("parse")
             .iter()
             .filter(|m| m.ty == msg_type(NFT_MSG_NEWSETELEM))
