@@ -158,7 +158,8 @@ fn service_status(
     node: &NodeFacts,
     no_allocation: &str,
 ) -> ServiceStatus {
-    let mut ports = Vec::new();
+    // Kept (in /status) until the next sync: no spare capacity.
+    let mut ports = Vec::with_capacity(svc.ports.len());
     let mut any_endpoints = false;
     let mut any_allocated = false;
     for port in &svc.ports {
