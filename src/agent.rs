@@ -20,7 +20,7 @@ use crate::metrics::Metrics;
 use crate::model::ModelOptions;
 use crate::nft::{self, NftClient};
 use crate::plan::{self, NodeFacts};
-use crate::source::Source;
+use crate::source::{Loaded, Source};
 use crate::state::StateFile;
 use crate::status::{ServiceState, ServiceStatus, SharedStatus, SyncStatus};
 use crate::sysctl::{Sysctls, forwarding_sysctl};
@@ -291,32 +291,27 @@ impl Agent {
     /// fills `attempt` with what [`Agent::record`] reports.
     async fn sync_once(&mut self, verify: bool, attempt: &mut Attempt) -> Result<Synced, AgentError> {
         let mut phases = Phases::new(attempt.started);
-        let loaded = match self.source.snapshot(&self.cfg.model) {
-            Ok(Some(snapshot)) => snapshot,
-            Ok(None) => {
-                // Never program from a partial view: the old rules stay until the caches are complete.
-                debug!("source not complete yet; waiting");
-                return Ok(Synced::Waiting);
-            }
-            Err(e) => {
-                // Never program from a view we could not read: keep the kernel as it is.
-                self.set_problems(vec![e.to_string()]);
-                return Err(e.into());
-            }
-        };
         let node = self.node_facts();
-        // The same input as the last good sync: nothing to recompute. A resync then only asks the
-        // kernel whether any nftables transaction happened since our last batch; if one did, the
-        // full path below reads the table back and repairs it. (At 10,000 Services recomputing
-        // every resync period cost ~7% of a core and a transient copy of every object.)
-        if let (Some(fp), Some((last_fp, last_node))) = (loaded.fingerprint, &self.last_input)
-            && fp == *last_fp
-            && node == *last_node
-            && self.applied.is_some()
-            && (!verify || !self.generation_changed()?)
-        {
-            return Ok(Synced::Unchanged);
-        }
+        // The same input as the last good sync: nothing to recompute (the source does not even
+        // assemble its object lists). A resync then only asks the kernel whether any nftables
+        // transaction happened since our last batch; if one did, the full path below reads the
+        // table back and repairs it. (At 10,000 Services recomputing every resync period cost ~7%
+        // of a core and a transient copy of every object.)
+        let known = match &self.last_input {
+            Some((fp, last_node)) if *last_node == node && self.applied.is_some() => Some(*fp),
+            _ => None,
+        };
+        let loaded = match self.load(known)? {
+            Loaded::Unchanged if !verify || !self.generation_changed()? => return Ok(Synced::Unchanged),
+            // Someone committed a transaction since our batch: the full path checks our table.
+            Loaded::Unchanged => self.load(None)?,
+            other => other,
+        };
+        let Loaded::Snapshot(loaded) = loaded else {
+            // Never program from a partial view: the old rules stay until the caches are complete.
+            debug!("source not complete yet; waiting");
+            return Ok(Synced::Waiting);
+        };
         phases.mark("load");
         let problems: Vec<String> = loaded.problems.clone();
         log_new(
@@ -348,20 +343,22 @@ impl Agent {
 
         let applied = self.applied.take();
         let checked = match &applied {
-            None => Ok((desired.ruleset.full_replace(), "full")),
+            None => Ok(Batch::FullReplace),
             Some(applied) => self.check_kernel(verify, applied).map(|repair| {
                 if repair {
                     self.metrics.repairs.inc();
-                    (desired.ruleset.full_replace(), "full")
+                    Batch::FullReplace
                 } else {
-                    (plan::diff(applied, &desired.ruleset), "incremental")
+                    Batch::Diff(plan::diff(applied, &desired.ruleset))
                 }
             }),
         };
         self.applied = applied;
-        let (changes, kind) = checked?;
+        let batch = checked?;
+        let kind = batch.kind();
+        let changes = batch.len(&desired.ruleset);
         attempt.kind = kind;
-        attempt.changes = changes.len();
+        attempt.changes = changes;
         phases.mark("diff");
         let metrics = self.metrics.clone();
         // Held until the fold: a scrape sees the counters of one side of the batch.
@@ -370,7 +367,7 @@ impl Agent {
         // Counters that this batch resets (table replaced, counter deleted) and whose series stay:
         // read them first and fold them into the exported totals once the batch is in.
         let resetting = match &counters {
-            Some(c) => resetting_counters(&changes, &c.kept_counters(&desired.counter_index)),
+            Some(c) => resetting_counters(&batch, &c.kept_counters(&desired.counter_index)),
             None => BTreeSet::new(),
         };
         let before = if resetting.is_empty() {
@@ -382,11 +379,16 @@ impl Agent {
             })
         };
         phases.mark("counters");
-        let result = if changes.is_empty() {
+        let result = if changes == 0 {
             Ok(())
         } else {
-            self.nft.apply(&changes).map(|stats| self.metrics.batch_messages.observe(stats.messages as f64))
+            let stats = match &batch {
+                Batch::FullReplace => self.nft.apply_full_replace(&desired.ruleset),
+                Batch::Diff(diff) => self.nft.apply(diff),
+            };
+            stats.map(|stats| self.metrics.batch_messages.observe(stats.messages as f64))
         };
+        drop(batch);
         phases.mark("apply");
         if result.is_ok()
             && let Some(counters) = counters.as_mut()
@@ -399,9 +401,9 @@ impl Agent {
         drop(counters);
         self.update_service_gauges(&desired, problems.len());
         if result.is_ok() {
-            if !changes.is_empty() {
+            if changes > 0 {
                 let ms = attempt.started.elapsed().as_secs_f64() * 1000.0;
-                info!(kind, changes = changes.len(), ms, "synced");
+                info!(kind, changes, ms, "synced");
             }
             self.flush_stale_udp(&desired.ruleset);
             // The batch is in: a failed read here only means the next resync verifies the table.
@@ -423,8 +425,18 @@ impl Agent {
             self.applied = Some(desired.ruleset);
         }
         phases.mark("after");
-        debug!(kind, changes = changes.len(), phases = %phases, "sync breakdown (ms)");
+        debug!(kind, changes, phases = %phases, "sync breakdown (ms)");
         result.map(|()| Synced::Applied).map_err(AgentError::from)
+    }
+
+    /// The source's snapshot ([`Loaded::Unchanged`] when its fingerprint is `known`). An error
+    /// (the source could not be read at all) is reported in the status; the caller keeps the
+    /// kernel as it is.
+    fn load(&mut self, known: Option<u64>) -> Result<Loaded, AgentError> {
+        self.source.snapshot(&self.cfg.model, known).map_err(|e| {
+            self.set_problems(vec![e.to_string()]);
+            e.into()
+        })
     }
 
     /// On a resync (`verify`), whether someone changed our table since our last batch (then it is
@@ -567,7 +579,7 @@ impl Agent {
 }
 
 /// A sync this large (changes in its batch) leaves a transient peak behind: the batch buffer, the
-/// change list, the previous ruleset.
+/// change list of a diff, the previous ruleset.
 const BIG_SYNC_CHANGES: usize = 1000;
 
 /// Returns the heap pages freed after a big sync to the kernel. glibc keeps freed memory in its
@@ -610,10 +622,40 @@ impl std::fmt::Display for Phases {
     }
 }
 
+/// What a sync sends.
+enum Batch {
+    /// The desired ruleset replaces the table (`Ruleset::full_replace`), encoded straight from
+    /// the ruleset: at 10,000 Services a copy of it as a change list was ~40 MB at the sync's peak.
+    FullReplace,
+    Diff(Vec<Change>),
+}
+
+impl Batch {
+    /// The `kind` label of the sync metrics.
+    fn kind(&self) -> &'static str {
+        match self {
+            Batch::FullReplace => "full",
+            Batch::Diff(_) => "incremental",
+        }
+    }
+
+    /// Number of changes (of `desired`'s full replace, for a full replace).
+    fn len(&self, desired: &Ruleset) -> usize {
+        match self {
+            Batch::FullReplace => desired.full_replace_refs().count(),
+            Batch::Diff(changes) => changes.len(),
+        }
+    }
+}
+
 /// Named counters (among `tracked`) that this batch deletes: the whole table on a full replace,
 /// else the counters of Service ports that stop being programmed. Flushing or replacing chains
 /// does not touch them.
-fn resetting_counters(changes: &[Change], tracked: &BTreeSet<String>) -> BTreeSet<String> {
+fn resetting_counters(batch: &Batch, tracked: &BTreeSet<String>) -> BTreeSet<String> {
+    let changes = match batch {
+        Batch::FullReplace => return tracked.clone(),
+        Batch::Diff(changes) => changes,
+    };
     if changes.iter().any(|c| matches!(c, Change::DeleteTable)) {
         return tracked.clone();
     }

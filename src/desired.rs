@@ -2,6 +2,7 @@
 //! do: validated services, port allocations, the ruleset, and a status line per Service. Pure: the
 //! agent loop feeds it and applies the result.
 
+use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::Service;
@@ -42,23 +43,27 @@ pub enum AllocationMode {
     Annotated,
 }
 
-pub struct Inputs<'a> {
+/// `S` / `E`: the objects owned or shared (`Arc`, as the sources hold them).
+pub struct Inputs<'a, S = Service, E = EndpointSlice> {
     pub mode: AllocationMode,
-    pub services: &'a [Service],
-    pub slices: &'a [EndpointSlice],
+    pub services: &'a [S],
+    pub slices: &'a [E],
     pub previous: &'a Allocations,
     pub range: &'a PortRange,
     pub model: &'a ModelOptions,
     pub node: &'a NodeFacts,
 }
 
-pub fn compute(inputs: &Inputs<'_>) -> Desired {
+pub fn compute<S: Borrow<Service>, E: Borrow<EndpointSlice>>(inputs: &Inputs<'_, S, E>) -> Desired {
     compute_with(inputs, true)
 }
 
 /// [`compute`]; `counter_index: false` leaves [`Desired::counter_index`] empty (per-Service
 /// metrics off: at 10,000 Services the index is tens of thousands of chain names).
-pub fn compute_with(inputs: &Inputs<'_>, counter_index: bool) -> Desired {
+pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
+    inputs: &Inputs<'_, S, E>,
+    counter_index: bool,
+) -> Desired {
     let out = model::build(inputs.services, inputs.slices, inputs.model);
     let (allocations, alloc_problems, duplicates) = match inputs.mode {
         AllocationMode::Allocate => {
@@ -153,7 +158,8 @@ fn service_status(
     node: &NodeFacts,
     no_allocation: &str,
 ) -> ServiceStatus {
-    let mut ports = Vec::new();
+    // Kept (in /status) until the next sync: no spare capacity.
+    let mut ports = Vec::with_capacity(svc.ports.len());
     let mut any_endpoints = false;
     let mut any_allocated = false;
     for port in &svc.ports {

@@ -604,28 +604,138 @@ pub enum Change {
     DeleteCounter(String),
 }
 
+/// A [`Change`] borrowed from where its data lives: a change list (a diff), or the [`Ruleset`]
+/// itself for a full replace ([`Ruleset::full_replace_refs`]), so that encoding a full replace
+/// copies no chain, rule or element. The encoder works on these.
+#[derive(Debug, Clone, Copy)]
+pub enum ChangeRef<'a> {
+    AddTable,
+    DeleteTable,
+    /// The chain's `rules` are ignored, as in [`Change::AddChain`].
+    AddChain(&'a Chain),
+    FlushChain(&'a str),
+    DeleteChain(&'a str),
+    AddRule {
+        chain: &'a str,
+        rule: &'a Rule,
+    },
+    /// The set's `elements` are ignored, as in [`Change::AddSet`].
+    AddSet(&'a Set),
+    DeleteSet(&'a str),
+    AddElements {
+        set: &'a str,
+        elements: Elements<'a>,
+    },
+    DeleteElements {
+        set: &'a str,
+        keys: &'a [Key],
+    },
+    AddCounter(&'a NamedCounter),
+    DeleteCounter(&'a str),
+}
+
+/// The elements of a [`ChangeRef::AddElements`]: a diff's list, or a whole set.
+#[derive(Debug, Clone, Copy)]
+pub enum Elements<'a> {
+    List(&'a [(Key, Option<Mapped>)]),
+    Set(&'a BTreeMap<Key, Option<Mapped>>),
+}
+
+impl<'a> Elements<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            Elements::List(l) => l.len(),
+            Elements::Set(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&'a Key, &'a Option<Mapped>)> + 'a {
+        let (list, set) = match *self {
+            Elements::List(l) => (Some(l.iter().map(|(k, v)| (k, v))), None),
+            Elements::Set(s) => (None, Some(s.iter())),
+        };
+        list.into_iter().flatten().chain(set.into_iter().flatten())
+    }
+}
+
+impl Change {
+    pub fn as_ref(&self) -> ChangeRef<'_> {
+        match self {
+            Change::AddTable => ChangeRef::AddTable,
+            Change::DeleteTable => ChangeRef::DeleteTable,
+            Change::AddChain(c) => ChangeRef::AddChain(c),
+            Change::FlushChain(c) => ChangeRef::FlushChain(c),
+            Change::DeleteChain(c) => ChangeRef::DeleteChain(c),
+            Change::AddRule { chain, rule } => ChangeRef::AddRule { chain, rule },
+            Change::AddSet(s) => ChangeRef::AddSet(s),
+            Change::DeleteSet(s) => ChangeRef::DeleteSet(s),
+            Change::AddElements { set, elements } => {
+                ChangeRef::AddElements { set, elements: Elements::List(elements) }
+            }
+            Change::DeleteElements { set, keys } => ChangeRef::DeleteElements { set, keys },
+            Change::AddCounter(c) => ChangeRef::AddCounter(c),
+            Change::DeleteCounter(c) => ChangeRef::DeleteCounter(c),
+        }
+    }
+}
+
+impl ChangeRef<'_> {
+    /// The owned [`Change`] (a copy of the data it borrows).
+    pub fn to_change(self) -> Change {
+        match self {
+            ChangeRef::AddTable => Change::AddTable,
+            ChangeRef::DeleteTable => Change::DeleteTable,
+            ChangeRef::AddChain(c) => Change::AddChain(c.clone()),
+            ChangeRef::FlushChain(c) => Change::FlushChain(c.to_string()),
+            ChangeRef::DeleteChain(c) => Change::DeleteChain(c.to_string()),
+            ChangeRef::AddRule { chain, rule } => {
+                Change::AddRule { chain: chain.to_string(), rule: rule.clone() }
+            }
+            ChangeRef::AddSet(s) => Change::AddSet(s.clone()),
+            ChangeRef::DeleteSet(s) => Change::DeleteSet(s.to_string()),
+            ChangeRef::AddElements { set, elements } => Change::AddElements {
+                set: set.to_string(),
+                elements: elements.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            },
+            ChangeRef::DeleteElements { set, keys } => {
+                Change::DeleteElements { set: set.to_string(), keys: keys.to_vec() }
+            }
+            ChangeRef::AddCounter(c) => Change::AddCounter(c.clone()),
+            ChangeRef::DeleteCounter(c) => Change::DeleteCounter(c.to_string()),
+        }
+    }
+}
+
 impl Ruleset {
     /// The changes that replace whatever the kernel holds with exactly `self`, atomically:
     /// create-if-missing, delete, then build everything. Chains and counters come before sets
     /// (map elements point at them) and sets before rules (rules look up sets).
     pub fn full_replace(&self) -> Vec<Change> {
-        let mut changes = vec![Change::AddTable, Change::DeleteTable, Change::AddTable];
-        changes.extend(self.chains.values().map(|c| Change::AddChain(c.clone())));
-        changes.extend(self.counters.values().map(|c| Change::AddCounter(c.clone())));
-        for set in self.sets.values() {
-            changes.push(Change::AddSet(set.clone()));
-            if !set.elements.is_empty() {
-                changes.push(Change::AddElements {
-                    set: set.name.clone(),
-                    elements: set.elements.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-                });
-            }
-        }
-        for chain in self.chains.values() {
-            for rule in &chain.rules {
-                changes.push(Change::AddRule { chain: chain.name.clone(), rule: rule.clone() });
-            }
-        }
-        changes
+        self.full_replace_refs().map(ChangeRef::to_change).collect()
+    }
+
+    /// [`Ruleset::full_replace`] borrowing from `self`, computed as it is walked (nothing is
+    /// copied or collected; walk it again to find the n-th change).
+    pub fn full_replace_refs(&self) -> impl Iterator<Item = ChangeRef<'_>> + Clone {
+        let start = [ChangeRef::AddTable, ChangeRef::DeleteTable, ChangeRef::AddTable];
+        let sets = self.sets.values().flat_map(|set| {
+            let elements = (!set.elements.is_empty())
+                .then_some(ChangeRef::AddElements { set: &set.name, elements: Elements::Set(&set.elements) });
+            std::iter::once(ChangeRef::AddSet(set)).chain(elements)
+        });
+        let rules = self
+            .chains
+            .values()
+            .flat_map(|c| c.rules.iter().map(move |rule| ChangeRef::AddRule { chain: &c.name, rule }));
+        start
+            .into_iter()
+            .chain(self.chains.values().map(ChangeRef::AddChain))
+            .chain(self.counters.values().map(ChangeRef::AddCounter))
+            .chain(sets)
+            .chain(rules)
     }
 }

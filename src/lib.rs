@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod model;
 pub mod nft;
 pub mod plan;
+pub mod slim;
 pub mod source;
 pub mod state;
 pub mod status;

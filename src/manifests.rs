@@ -42,6 +42,8 @@ use serde_json::Value;
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 
+use crate::slim::Slim as _;
+
 /// Quiet time after the last event before notifying. One writer's burst (an editor's temp file +
 /// rename, `kubectl cp`, the kubelet's ConfigMap symlink swap) is a few syscalls within a
 /// millisecond; 10 ms also covers a writer descheduled on a busy node. A burst split by a longer
@@ -61,11 +63,12 @@ pub enum ManifestError {
     Watch { path: PathBuf, source: io::Error },
 }
 
-/// Everything read from DIR.
+/// Everything read from DIR. Objects are shared (`Arc`): the cache, [`LastGood`] and every
+/// snapshot hold the same parsed objects, so a sync copies pointers, never objects.
 #[derive(Debug, Clone, Default)]
 pub struct Manifests {
-    pub services: Vec<Service>,
-    pub slices: Vec<EndpointSlice>,
+    pub services: Vec<Arc<Service>>,
+    pub slices: Vec<Arc<EndpointSlice>>,
     /// Documents that could not be used.
     pub problems: Vec<ManifestProblem>,
     /// Objects of kinds nodelb does not use.
@@ -78,8 +81,8 @@ pub struct Manifests {
 /// What one file contributed to a [`Manifests`].
 #[derive(Debug, Clone, Default)]
 pub struct FileObjects {
-    pub services: Vec<Service>,
-    pub slices: Vec<EndpointSlice>,
+    pub services: Vec<Arc<Service>>,
+    pub slices: Vec<Arc<EndpointSlice>>,
     pub had_problem: bool,
 }
 
@@ -253,44 +256,62 @@ impl ManifestCache {
 
 /// [`load_dir`] that re-parses only files whose stamp changed since the last call with `cache`.
 pub fn load_dir_cached(dir: &Path, cache: &mut ManifestCache) -> Result<Manifests, ManifestError> {
-    let read_err = |source| ManifestError::ReadDir { path: dir.to_path_buf(), source };
-    let mut names = Vec::new();
-    for entry in std::fs::read_dir(dir).map_err(read_err)? {
-        let entry = entry.map_err(read_err)?;
-        // Names that are not UTF-8 cannot end in ".yaml" as far as we are concerned.
-        if let Some(name) = entry.file_name().to_str().filter(|n| is_manifest_name(n)) {
-            names.push(name.to_string());
+    cache.refresh(dir)?;
+    Ok(cache.merged())
+}
+
+impl ManifestCache {
+    /// Brings the cache up to date with DIR: stats every manifest file and parses again only
+    /// those whose stamp changed; files gone from DIR leave the cache. Fails only when DIR itself
+    /// cannot be read. [`ManifestCache::fingerprint`] then says whether anything changed, before
+    /// anything is merged.
+    pub fn refresh(&mut self, dir: &Path) -> Result<(), ManifestError> {
+        let read_err = |source| ManifestError::ReadDir { path: dir.to_path_buf(), source };
+        let mut names = Vec::new();
+        for entry in std::fs::read_dir(dir).map_err(read_err)? {
+            let entry = entry.map_err(read_err)?;
+            // Names that are not UTF-8 cannot end in ".yaml" as far as we are concerned.
+            if let Some(name) = entry.file_name().to_str().filter(|n| is_manifest_name(n)) {
+                names.push(name.to_string());
+            }
         }
-    }
-    names.sort();
-    let mut out = Manifests::default();
-    let mut seen: BTreeMap<(&'static str, String, String), PathBuf> = BTreeMap::new();
-    let mut fresh = BTreeMap::new();
-    for name in names {
-        let path = dir.join(&name);
-        // metadata() follows symlinks: ConfigMap files are symlinks into `..data/`.
-        let file = match std::fs::metadata(&path) {
-            Ok(m) if m.is_file() => {
-                let stamp = FileStamp::of(&m);
-                match cache.files.remove(&path) {
-                    Some((old, parsed)) if old == stamp => (stamp, parsed),
-                    _ => (stamp, parse_file(&path, &name)),
+        let mut fresh = BTreeMap::new();
+        for name in names {
+            let path = dir.join(&name);
+            // metadata() follows symlinks: ConfigMap files are symlinks into `..data/`.
+            let file = match std::fs::metadata(&path) {
+                Ok(m) if m.is_file() => {
+                    let stamp = FileStamp::of(&m);
+                    match self.files.remove(&path) {
+                        Some((old, parsed)) if old == stamp => (stamp, parsed),
+                        _ => (stamp, parse_file(&path, &name)),
+                    }
                 }
-            }
-            Ok(_) => continue, // a directory called x.yaml: not a manifest
-            Err(e) => {
-                let mut loader = Loader::default();
-                loader.problem(&path, 0, None, format!("cannot read: {e}"));
-                let stamp = FileStamp { len: 0, dev: 0, ino: 0, mtime_ns: -1, ctime_ns: -1 };
-                (stamp, loader.out)
-            }
-        };
-        merge_file(&mut out, &mut seen, &path, &file.1);
-        fresh.insert(path, file);
+                Ok(_) => continue, // a directory called x.yaml: not a manifest
+                Err(e) => {
+                    let mut loader = Loader::default();
+                    loader.problem(&path, 0, None, format!("cannot read: {e}"));
+                    let stamp = FileStamp { len: 0, dev: 0, ino: 0, mtime_ns: -1, ctime_ns: -1 };
+                    (stamp, loader.out)
+                }
+            };
+            fresh.insert(path, file);
+        }
+        // Files gone from DIR leave the cache too.
+        self.files = fresh;
+        Ok(())
     }
-    // Files gone from DIR leave the cache too.
-    cache.files = fresh;
-    Ok(out)
+
+    /// Everything the cached files hold, merged in file name order (objects shared, not copied).
+    pub fn merged(&self) -> Manifests {
+        let mut out = Manifests::default();
+        let mut seen: BTreeMap<(&'static str, String, String), PathBuf> = BTreeMap::new();
+        // The map is ordered by path, all in DIR: that is file name order.
+        for (path, (_, file)) in &self.files {
+            merge_file(&mut out, &mut seen, path, file);
+        }
+        out
+    }
 }
 
 /// Parses one file on its own (duplicates within it are found here; across files by merge_file).
@@ -338,14 +359,14 @@ fn merge_file(
     };
     for svc in &file.services {
         if admit("Service", &svc.metadata, &mut out.problems) {
-            objs.services.push(svc.clone());
+            objs.services.push(Arc::clone(svc));
         } else {
             objs.had_problem = true;
         }
     }
     for slice in &file.slices {
         if admit("EndpointSlice", &slice.metadata, &mut out.problems) {
-            objs.slices.push(slice.clone());
+            objs.slices.push(Arc::clone(slice));
         } else {
             objs.had_problem = true;
         }
@@ -490,12 +511,14 @@ impl Loader {
         match typed {
             Ok(Typed::Service(mut svc)) => {
                 if self.admit(origin, "Service", &mut svc.metadata) {
-                    self.out.services.push(*svc);
+                    svc.slim();
+                    self.out.services.push(Arc::from(svc));
                 }
             }
             Ok(Typed::Slice(mut slice)) => {
                 if self.admit(origin, "EndpointSlice", &mut slice.metadata) {
-                    self.out.slices.push(*slice);
+                    slice.slim();
+                    self.out.slices.push(Arc::from(slice));
                 }
             }
             Err((line, message)) => {

@@ -45,6 +45,7 @@
 //! dropped. The same address:port from several slices (slice churn) is kept once, with the best
 //! conditions. Unparsable or wrong-family addresses are skipped with a [`ModelWarning`].
 
+use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
@@ -420,14 +421,22 @@ pub fn service_key(svc: &Service) -> ServiceKey {
     }
 }
 
+/// No EndpointSlices, for [`build`] of Services alone (`&[]` does not say what it is a slice of).
+pub const NO_SLICES: &[EndpointSlice] = &[];
+
 /// Validates and types the Services that are ours and resolves their endpoints. Pure and
 /// deterministic: the output does not depend on the order of the inputs (except that of two
-/// objects with the same key, the first is used and the second refused).
-pub fn build(services: &[Service], slices: &[EndpointSlice], opts: &ModelOptions) -> ModelOutput {
+/// objects with the same key, the first is used and the second refused). Takes the objects owned
+/// or shared (`Arc`, as the sources hold them).
+pub fn build<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
+    services: &[S],
+    slices: &[E],
+    opts: &ModelOptions,
+) -> ModelOutput {
     let mut out = ModelOutput::default();
     let slices_by_service = index_slices(slices);
     let mut seen = BTreeSet::new();
-    for svc in services.iter().filter(|s| is_ours(s, opts)) {
+    for svc in services.iter().map(Borrow::borrow).filter(|s| is_ours(s, opts)) {
         let key = service_key(svc);
         if !seen.insert(key.clone()) {
             out.refused
@@ -449,9 +458,9 @@ pub fn build(services: &[Service], slices: &[EndpointSlice], opts: &ModelOptions
 
 /// EndpointSlices grouped by the Service they belong to. Slices without the label are not part of
 /// any Service.
-fn index_slices(slices: &[EndpointSlice]) -> BTreeMap<ServiceKey, Vec<&EndpointSlice>> {
+fn index_slices<E: Borrow<EndpointSlice>>(slices: &[E]) -> BTreeMap<ServiceKey, Vec<&EndpointSlice>> {
     let mut map: BTreeMap<ServiceKey, Vec<&EndpointSlice>> = BTreeMap::new();
-    for slice in slices {
+    for slice in slices.iter().map(Borrow::borrow) {
         let Some(name) = slice.metadata.labels.as_ref().and_then(|l| l.get(LABEL_SERVICE_NAME)) else {
             continue;
         };
@@ -875,7 +884,7 @@ mod tests {
     }
 
     fn one(svc: Service) -> Result<LbService, Refusal> {
-        let out = build(&[svc], &[], &ModelOptions::default());
+        let out = build(&[svc], NO_SLICES, &ModelOptions::default());
         match (out.services.into_iter().next(), out.refused.into_iter().next()) {
             (Some(s), None) => Ok(s),
             (None, Some(r)) => Err(r),
@@ -948,7 +957,7 @@ mod tests {
             ),
         ];
         for (name, f, opts, ours) in cases {
-            let out = build(&[svc_with("web", f)], &[], &opts);
+            let out = build(&[svc_with("web", f)], NO_SLICES, &opts);
             assert_eq!(out.services.len(), usize::from(ours), "{name}");
             assert!(out.refused.is_empty(), "{name}: {:?}", out.refused);
         }
@@ -1258,7 +1267,7 @@ mod tests {
             v["metadata"]["annotations"][ANNOTATION_ALLOCATED] =
                 json!("80/TCP=20001,53/UDP=x,443/TCP=20002,bogus");
         });
-        let out = build(&[svc], &[], &ModelOptions::default());
+        let out = build(&[svc], NO_SLICES, &ModelOptions::default());
         assert!(out.refused.is_empty());
         assert_eq!(out.services[0].previous_allocation, BTreeMap::from([(tcp(80), 20001)]));
         assert_eq!(out.warnings.len(), 2, "{:?}", out.warnings);
@@ -1267,7 +1276,8 @@ mod tests {
 
     #[test]
     fn duplicate_service_objects() {
-        let out = build(&[svc_with("web", |_| {}), svc_with("web", |_| {})], &[], &ModelOptions::default());
+        let out =
+            build(&[svc_with("web", |_| {}), svc_with("web", |_| {})], NO_SLICES, &ModelOptions::default());
         assert_eq!(out.services.len(), 1);
         assert_eq!(out.refused.len(), 1);
     }
@@ -1293,7 +1303,7 @@ mod tests {
         ];
         for (case, ns, name, needle) in &cases {
             let bad = svc_with(name, |v| v["metadata"]["namespace"] = json!(ns));
-            let out = build(&[bad, svc_with("web", |_| {})], &[], &ModelOptions::default());
+            let out = build(&[bad, svc_with("web", |_| {})], NO_SLICES, &ModelOptions::default());
             assert_eq!(out.services.len(), 1, "{case}: the valid Service is still served");
             let reason = match out.refused.as_slice() {
                 [r] => r.to_string(),
@@ -1309,7 +1319,7 @@ mod tests {
         ] {
             let out = build(
                 &[svc_with(&name, |v| v["metadata"]["namespace"] = json!(ns))],
-                &[],
+                NO_SLICES,
                 &ModelOptions::default(),
             );
             assert_eq!(out.services.len(), 1, "{ns}/{name}: {:?}", out.refused);
@@ -1600,8 +1610,8 @@ mod tests {
         let a = svc_with("a", |_| {});
         let b = svc_with("b", |v| v["spec"]["externalTrafficPolicy"] = json!("bad"));
         let c = svc_with("c", |_| {});
-        let x = build(&[c.clone(), b.clone(), a.clone()], &[], &ModelOptions::default());
-        let y = build(&[a, b, c], &[], &ModelOptions::default());
+        let x = build(&[c.clone(), b.clone(), a.clone()], NO_SLICES, &ModelOptions::default());
+        let y = build(&[a, b, c], NO_SLICES, &ModelOptions::default());
         assert_eq!(x, y);
         assert_eq!(x.services.iter().map(|s| s.key.clone()).collect::<Vec<_>>(), vec![key("a"), key("c")]);
     }
@@ -1618,7 +1628,7 @@ mod tests {
             }),
             ..Default::default()
         };
-        let out = build(&[svc], &[], &ModelOptions::default());
+        let out = build(&[svc], NO_SLICES, &ModelOptions::default());
         assert_eq!(out.refused.len(), 1);
     }
 }

@@ -3,6 +3,7 @@
 //! program from a partial view), and wakes the agent when something changed.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -10,18 +11,29 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use crate::desired::AllocationMode;
 use crate::k8s::lastgood::LastGoodServices;
 use crate::k8s::source::KubeSource;
-use crate::manifests::{self, DirWatcher, IgnoredLog, LastGood, ManifestCache, ManifestError};
+use crate::manifests::{DirWatcher, IgnoredLog, LastGood, ManifestCache, ManifestError};
 use crate::model::ModelOptions;
 
-/// What the agent programs from.
+/// What the agent programs from. The objects are shared with the source's caches (a snapshot
+/// copies pointers, not objects).
 #[derive(Debug, Clone, Default)]
 pub struct Snapshot {
-    pub services: Vec<Service>,
-    pub slices: Vec<EndpointSlice>,
+    pub services: Vec<Arc<Service>>,
+    pub slices: Vec<Arc<EndpointSlice>>,
     /// Input problems to report (manifest files, refusals masked by a last good version).
     pub problems: Vec<String>,
-    /// Same value ⇒ same content (Kubernetes mode); `None` ⇒ always recompute.
+    /// Same value ⇒ same content; `None` ⇒ always recompute.
     pub fingerprint: Option<u64>,
+}
+
+/// What [`Source::snapshot`] found.
+#[derive(Debug)]
+pub enum Loaded {
+    /// The source is not completely read yet (never program from a partial view).
+    Waiting,
+    /// The fingerprint is the one the caller already has: nothing was built.
+    Unchanged,
+    Snapshot(Snapshot),
 }
 
 pub enum Source {
@@ -69,33 +81,43 @@ impl Source {
         }
     }
 
-    /// The current desired state; `Ok(None)` while the source is not complete yet. An error
-    /// means it could not be read at all (keep the kernel as it is).
-    pub fn snapshot(&mut self, opts: &ModelOptions) -> Result<Option<Snapshot>, ManifestError> {
+    /// The current desired state. When its fingerprint equals `known` (what the caller built its
+    /// last state from), [`Loaded::Unchanged`]: the object lists are not even assembled (a resync
+    /// every 10 s at 10,000 Services). An error means the source could not be read at all (keep
+    /// the kernel as it is).
+    pub fn snapshot(&mut self, opts: &ModelOptions, known: Option<u64>) -> Result<Loaded, ManifestError> {
         match self {
             Source::Manifests { dir, last_good, cache, ignored, .. } => {
                 // Only files whose stamp changed are parsed again.
-                let loaded = last_good.apply(manifests::load_dir_cached(dir, cache)?);
+                cache.refresh(dir)?;
+                let fingerprint = cache.fingerprint();
+                if known == Some(fingerprint) {
+                    return Ok(Loaded::Unchanged);
+                }
+                let loaded = last_good.apply(cache.merged());
                 // Not a problem (manifests often hold a whole app), but say so once, so a
                 // misspelled `kind: Service` does not vanish silently.
                 for o in ignored.newly_ignored(&loaded.ignored) {
                     tracing::info!("{o}: nodelb uses only v1 Service and discovery.k8s.io/v1 EndpointSlice");
                 }
-                Ok(Some(Snapshot {
+                Ok(Loaded::Snapshot(Snapshot {
                     services: loaded.services,
                     slices: loaded.slices,
                     problems: loaded.problems.iter().map(|p| p.to_string()).collect(),
-                    fingerprint: Some(cache.fingerprint()),
+                    fingerprint: Some(fingerprint),
                 }))
             }
             Source::Kube { source, last_good } => {
                 if !source.complete() {
-                    return Ok(None);
+                    return Ok(Loaded::Waiting);
                 }
                 let snap = source.snapshot();
-                let fingerprint = Some(snap.fingerprint());
+                let fingerprint = snap.fingerprint();
+                if known == Some(fingerprint) {
+                    return Ok(Loaded::Unchanged);
+                }
                 let subst = last_good.apply(&snap.services, opts);
-                Ok(Some(Snapshot {
+                Ok(Loaded::Snapshot(Snapshot {
                     services: subst.services,
                     slices: snap.slices,
                     problems: subst
@@ -103,7 +125,7 @@ impl Source {
                         .iter()
                         .map(|r| format!("{r}; keeping its last valid spec until this is fixed"))
                         .collect(),
-                    fingerprint,
+                    fingerprint: Some(fingerprint),
                 }))
             }
         }
@@ -120,5 +142,42 @@ impl Source {
             }
             Source::Kube { source, .. } => source.changed().await,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SVC: &str = "apiVersion: v1\nkind: Service\nmetadata:\n  name: web\nspec:\n  type: LoadBalancer\n  ports:\n  - port: 80\n";
+
+    fn snapshot(source: &mut Source, known: Option<u64>) -> Snapshot {
+        match source.snapshot(&ModelOptions::default(), known).expect("readable") {
+            Loaded::Snapshot(s) => s,
+            other => panic!("expected a snapshot, got {other:?}"),
+        }
+    }
+
+    /// A resync with the fingerprint the agent already has builds nothing; an edited file gives a
+    /// new snapshot in which the objects of untouched files are the very same (shared) objects.
+    #[tokio::test]
+    async fn manifests_snapshots_share_objects_and_skip_unchanged_input() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("a.yaml"), SVC).unwrap();
+        std::fs::write(dir.path().join("b.yaml"), SVC.replace("name: web", "name: db")).unwrap();
+        let mut source = Source::manifests(dir.path().to_path_buf()).expect("watch");
+        let first = snapshot(&mut source, None);
+        let fp = first.fingerprint.expect("manifests have a fingerprint");
+        assert!(matches!(source.snapshot(&ModelOptions::default(), Some(fp)), Ok(Loaded::Unchanged)));
+        let again = snapshot(&mut source, None);
+        assert_eq!(again.fingerprint, Some(fp), "same files, same fingerprint");
+        assert!(first.services.iter().zip(&again.services).all(|(a, b)| Arc::ptr_eq(a, b)));
+
+        std::fs::write(dir.path().join("b.yaml"), SVC.replace("name: web", "name: db2")).unwrap();
+        let edited = snapshot(&mut source, Some(fp));
+        assert_ne!(edited.fingerprint, Some(fp));
+        let names: Vec<_> = edited.services.iter().map(|s| s.metadata.name.clone().unwrap()).collect();
+        assert_eq!(names, ["web", "db2"]);
+        assert!(Arc::ptr_eq(&first.services[0], &edited.services[0]), "a.yaml was not parsed again");
     }
 }

@@ -342,6 +342,44 @@ fn failing_batch_changes_nothing_and_names_the_change() {
     assert_eq!(gen_before, gen_after, "a failed batch must not commit");
 }
 
+/// The agent's full replace, encoded straight from the ruleset: the same table as the change
+/// list, and a kernel error names the failing change and its index in `full_replace()`.
+#[test]
+fn full_replace_from_the_ruleset_matches_the_change_list_and_names_failures() {
+    require_root!();
+    let rs = full_ruleset();
+    let a = NetNs::new("nft-fullref");
+    let moved = rs.clone();
+    let direct =
+        a.run(move || NftClient::new().and_then(|mut c| c.apply_full_replace(&moved))).expect("apply");
+    let listed = list(&a);
+    let via_list = apply_in(&a, rs.full_replace()).expect("apply list");
+    assert_eq!((direct.messages, direct.bytes), (via_list.messages, via_list.bytes));
+    assert_eq!(list(&a), listed);
+    assert_eq!(listed, nft_reference(&rs));
+
+    let mut broken = rs.clone();
+    broken.add_chain(regular("fresh", vec![r(vec![Expr::Verdict(Verdict::Jump("missing".into()))])]));
+    let want = broken
+        .full_replace()
+        .iter()
+        .position(|c| matches!(c, Change::AddRule { chain, .. } if chain == "fresh"))
+        .expect("the rule is in the full replace");
+    let gen_before = a.run(|| NftClient::new().and_then(|mut c| c.generation())).expect("gen");
+    let err = a
+        .run(move || NftClient::new().and_then(|mut c| c.apply_full_replace(&broken)))
+        .expect_err("jump to a missing chain must fail");
+    let text = err.to_string();
+    assert!(text.contains("add rule to chain fresh `jump missing`"), "{text}");
+    match err {
+        NftError::Kernel { index, errno, .. } => assert_eq!((index, errno), (Some(want), 2)),
+        other => panic!("unexpected error {other:?}"),
+    }
+    assert_eq!(list(&a), listed, "nothing applied");
+    let gen_after = a.run(|| NftClient::new().and_then(|mut c| c.generation())).expect("gen");
+    assert_eq!(gen_before, gen_after, "a failed batch must not commit");
+}
+
 #[test]
 fn big_batch_is_one_transaction() {
     require_root!();

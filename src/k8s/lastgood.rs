@@ -4,7 +4,9 @@
 //! is simply not programmed (fail closed). Same idea as the manifests mode's per-file last good.
 //! Pure.
 
+use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Service;
 
@@ -13,23 +15,30 @@ use crate::model::{self, ANNOTATION_ALLOCATED, ModelOptions, Refusal, ServiceKey
 #[derive(Debug, Default)]
 pub struct LastGoodServices {
     /// Last valid object per key (same uid required to reuse it: a re-created Service is new).
-    good: BTreeMap<ServiceKey, Service>,
+    /// Shared with the cache it came from: remembering it copies nothing.
+    good: BTreeMap<ServiceKey, Arc<Service>>,
 }
 
 /// The Services to use, and the refusals that a last good version is masking.
 #[derive(Debug, Default)]
 pub struct Substituted {
-    pub services: Vec<Service>,
+    pub services: Vec<Arc<Service>>,
     pub masked: Vec<Refusal>,
 }
 
 impl LastGoodServices {
-    pub fn apply(&mut self, services: &[Service], opts: &ModelOptions) -> Substituted {
+    /// `S`: the Services shared (`Arc`, as the reflector store holds them; passed on as they are)
+    /// or owned (tests).
+    pub fn apply<S>(&mut self, services: &[S], opts: &ModelOptions) -> Substituted
+    where
+        S: Borrow<Service> + Clone + Into<Arc<Service>>,
+    {
         let mut out = Substituted::default();
         let mut seen = BTreeSet::new();
-        for svc in services {
+        for shared in services {
+            let svc: &Service = shared.borrow();
             if !model::is_ours(svc, opts) {
-                out.services.push(svc.clone());
+                out.services.push(shared.clone().into());
                 continue;
             }
             let key = model::service_key(svc);
@@ -43,19 +52,21 @@ impl LastGoodServices {
             let refusal = if unchanged {
                 None
             } else {
-                model::build(std::slice::from_ref(svc), &[], opts).refused.into_iter().next()
+                model::build(std::slice::from_ref(svc), model::NO_SLICES, opts).refused.into_iter().next()
             };
             match refusal {
                 None => {
+                    let shared: Arc<Service> = shared.clone().into();
                     if !unchanged {
-                        self.good.insert(key.clone(), svc.clone());
+                        self.good.insert(key.clone(), shared.clone());
                     }
                     seen.insert(key);
-                    out.services.push(svc.clone());
+                    out.services.push(shared);
                 }
                 Some(refusal) => match self.good.get(&key).filter(|g| g.metadata.uid == svc.metadata.uid) {
                     Some(good) => {
-                        let mut kept = good.clone();
+                        // The one copy: the last good spec with the current allocation and status.
+                        let mut kept = Service::clone(good);
                         let current =
                             svc.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION_ALLOCATED));
                         let ann = kept.metadata.annotations.get_or_insert_default();
@@ -66,10 +77,10 @@ impl LastGoodServices {
                         kept.metadata.resource_version = svc.metadata.resource_version.clone();
                         kept.status = svc.status.clone();
                         seen.insert(key);
-                        out.services.push(kept);
+                        out.services.push(Arc::new(kept));
                         out.masked.push(refusal);
                     }
-                    None => out.services.push(svc.clone()),
+                    None => out.services.push(shared.clone().into()),
                 },
             }
         }
@@ -123,7 +134,7 @@ mod tests {
         assert!(out.masked.is_empty());
         assert_eq!(ranges(&out.services[0]), vec!["10.0.0.0/33"]);
         // Deleted: forgotten.
-        lg.apply(&[], &opts);
+        lg.apply(&[] as &[Service], &opts);
         assert!(lg.good.is_empty());
     }
 
@@ -159,7 +170,7 @@ mod tests {
             .insert(model::ANNOTATION_IGNORE.into(), "yes".into());
         let out = LastGoodServices::default().apply(std::slice::from_ref(&fresh), &opts);
         assert!(out.masked.is_empty());
-        let built = model::build(&out.services, &[], &opts);
+        let built = model::build(&out.services, model::NO_SLICES, &opts);
         assert!(built.services.is_empty());
         assert_eq!(built.refused.len(), 1, "{:?}", built.refused);
     }

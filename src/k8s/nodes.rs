@@ -14,6 +14,7 @@
 //! wall clocks of two machines, like the node lifecycle controller's use of kubelet Leases: nodes
 //! are expected to run NTP.
 
+use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
@@ -108,21 +109,22 @@ pub struct ServingNode {
 /// renewals may not have arrived yet, so expiry would drop every node from every Service's status
 /// for a moment. Then a lease's last reported families count, fresh or not; an agent that reported
 /// "not ready" (no families) is still left out.
-pub fn serving_nodes(
-    nodes: &[Node],
-    leases: &[Lease],
+pub fn serving_nodes<N: Borrow<Node>, L: Borrow<Lease>>(
+    nodes: &[N],
+    leases: &[L],
     now: Option<Timestamp>,
     allowed: &[IpNet],
 ) -> BTreeMap<String, ServingNode> {
     let by_node: BTreeMap<&str, &Lease> = leases
         .iter()
+        .map(Borrow::borrow)
         .filter_map(|l| {
             let name = l.metadata.name.as_deref()?.strip_prefix(NODE_LEASE_PREFIX)?;
             Some((name, l))
         })
         .collect();
     let mut out = BTreeMap::new();
-    for node in nodes {
+    for node in nodes.iter().map(Borrow::borrow) {
         let Some(name) = node.metadata.name.as_deref() else { continue };
         if node.metadata.deletion_timestamp.is_some()
             || node.metadata.labels.as_ref().is_some_and(|l| l.contains_key(LABEL_EXCLUDE_LB))

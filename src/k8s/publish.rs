@@ -3,6 +3,7 @@
 //! (does any node serve them), and only where something changed. Pure: the edge turns each
 //! [`ServiceWrite`] into patches with a resourceVersion precondition.
 
+use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::{LoadBalancerIngress, PortStatus, Service};
@@ -190,9 +191,10 @@ pub struct ServiceWrite {
     pub status: Option<StatusWrite>,
 }
 
-/// Everything the leader decided for one round.
-pub struct Round<'a> {
-    pub services: &'a [Service],
+/// Everything the leader decided for one round. `S`: the Services owned or shared (`Arc`, as
+/// the reflector store holds them).
+pub struct Round<'a, S = Service> {
+    pub services: &'a [S],
     pub model: &'a ModelOptions,
     /// Valid Services we serve (after last-good substitution).
     pub valid: &'a [LbService],
@@ -269,12 +271,12 @@ fn annotation_of(svc: &Service) -> Option<&String> {
 /// The writes of one round, sorted by Service key. Services we serve get their annotation,
 /// ingress and condition; refused ones only the condition (their annotation and ingress stay);
 /// Services that are no longer ours but carry our marks get them removed.
-pub fn plan_writes(round: &Round<'_>) -> Vec<ServiceWrite> {
+pub fn plan_writes<S: Borrow<Service>>(round: &Round<'_, S>) -> Vec<ServiceWrite> {
     let valid: BTreeMap<&ServiceKey, &LbService> = round.valid.iter().map(|s| (&s.key, s)).collect();
     let refused: BTreeMap<&ServiceKey, &Refusal> = round.refused.iter().map(|r| (r.service(), r)).collect();
     let empty = BTreeMap::new();
     let mut out = Vec::new();
-    for svc in round.services {
+    for svc in round.services.iter().map(Borrow::borrow) {
         let key = model::service_key(svc);
         let rv = svc.metadata.resource_version.clone();
         let generation = svc.metadata.generation;
@@ -333,10 +335,11 @@ pub fn plan_writes(round: &Round<'_>) -> Vec<ServiceWrite> {
 /// Stand-ins for refused Services that carry an allocation: they keep holding their numbers
 /// (as explicit requests, so they never get new ones), so fixing the input brings them back on the
 /// same ports and nobody else is handed those ports meanwhile.
-pub fn reserved(services: &[Service], refused: &[Refusal]) -> Vec<LbService> {
+pub fn reserved<S: Borrow<Service>>(services: &[S], refused: &[Refusal]) -> Vec<LbService> {
     let refused: BTreeSet<&ServiceKey> = refused.iter().map(|r| r.service()).collect();
     services
         .iter()
+        .map(Borrow::borrow)
         .filter(|s| refused.contains(&model::service_key(s)))
         .filter_map(|s| {
             let value = annotation_of(s)?;
@@ -366,7 +369,7 @@ pub struct ServiceEvent {
 }
 
 /// The Events describing a round's state; the deduper turns them into "once per change".
-pub fn service_events(round: &Round<'_>, duplicates: &[Duplicate]) -> Vec<ServiceEvent> {
+pub fn service_events<S>(round: &Round<'_, S>, duplicates: &[Duplicate]) -> Vec<ServiceEvent> {
     let mut out = Vec::new();
     for svc in round.valid {
         let ports = round.allocations.get(&svc.key);
@@ -588,7 +591,7 @@ mod tests {
     impl World {
         fn writes(&self, serving_nodes: &BTreeMap<String, ServingNode>) -> Vec<ServiceWrite> {
             let opts = ModelOptions::default();
-            let out = model::build(&self.services, &[], &opts);
+            let out = model::build(&self.services, model::NO_SLICES, &opts);
             let result = crate::alloc::allocate(&Default::default(), &out.services, &Allocations::new());
             plan_writes(&Round {
                 services: &self.services,
@@ -725,7 +728,7 @@ mod tests {
             service("new", |v| v["metadata"]["creationTimestamp"] = json!("2024-06-01T00:00:00Z")),
         ];
         let opts = ModelOptions::default();
-        let out = model::build(&services, &[], &opts);
+        let out = model::build(&services, model::NO_SLICES, &opts);
         let stubs = reserved(&services, &out.refused);
         assert_eq!(stubs.len(), 1);
         let all: Vec<LbService> = out.services.iter().cloned().chain(stubs).collect();
@@ -832,7 +835,7 @@ mod tests {
         // keeps its transition time.
         let nodes = serving(&[("a", &[Family::Ipv4], &["10.0.0.1"])]);
         let opts = ModelOptions::default();
-        let out = model::build(&world.services, &[], &opts);
+        let out = model::build(&world.services, model::NO_SLICES, &opts);
         let allocs = crate::alloc::allocate(&Default::default(), &out.services, &Allocations::new());
         let no_nodes = BTreeMap::new();
         let round = |node_ready: bool, now| Round {
@@ -892,7 +895,7 @@ mod tests {
     fn events_for_a_round() {
         let services = vec![service("web", |_| {})];
         let opts = ModelOptions::default();
-        let out = model::build(&services, &[], &opts);
+        let out = model::build(&services, model::NO_SLICES, &opts);
         let result = crate::alloc::allocate(&Default::default(), &out.services, &Allocations::new());
         let none = BTreeMap::new();
         let round = Round {

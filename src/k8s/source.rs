@@ -21,6 +21,7 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
 use super::nodes::LABEL_NODE_LEASE;
+use crate::slim::Slim;
 
 /// Quiet time that ends a burst of changes, and the longest a burst may delay a sync. The watch
 /// delivers one event per object change, a few milliseconds apart at most within one client
@@ -32,13 +33,14 @@ use super::nodes::LABEL_NODE_LEASE;
 pub const DEBOUNCE_QUIET: Duration = Duration::from_millis(10);
 pub const DEBOUNCE_MAX: Duration = Duration::from_millis(250);
 
-/// Everything the caches hold right now.
+/// Everything the caches hold right now: the very objects of the reflector stores, shared (a
+/// snapshot copies pointers, not objects).
 #[derive(Debug, Clone, Default)]
 pub struct KubeSnapshot {
-    pub services: Vec<Service>,
-    pub slices: Vec<EndpointSlice>,
-    pub nodes: Vec<Node>,
-    pub leases: Vec<Lease>,
+    pub services: Vec<Arc<Service>>,
+    pub slices: Vec<Arc<EndpointSlice>>,
+    pub nodes: Vec<Arc<Node>>,
+    pub leases: Vec<Arc<Lease>>,
 }
 
 impl KubeSnapshot {
@@ -46,7 +48,7 @@ impl KubeSnapshot {
     /// resourceVersion of each): what a node programs depends on those only. A relist that
     /// brings nothing new keeps it, so nothing is recomputed.
     pub fn fingerprint(&self) -> u64 {
-        fn keys<K: Resource>(objs: &[K]) -> Vec<(Option<&str>, Option<&str>)> {
+        fn keys<K: Resource>(objs: &[Arc<K>]) -> Vec<(Option<&str>, Option<&str>)> {
             let mut v: Vec<_> = objs
                 .iter()
                 .map(|o| (o.meta().uid.as_deref(), o.meta().resource_version.as_deref()))
@@ -163,17 +165,11 @@ impl KubeSource {
     }
 
     pub fn snapshot(&self) -> KubeSnapshot {
-        fn all<K: Clone + kube::runtime::reflector::Lookup>(s: &Store<K>) -> Vec<K>
-        where
-            K::DynamicType: Eq + std::hash::Hash + Clone,
-        {
-            s.state().iter().map(|o| (**o).clone()).collect()
-        }
         KubeSnapshot {
-            services: all(&self.services),
-            slices: all(&self.slices),
-            nodes: all(&self.nodes),
-            leases: all(&self.leases),
+            services: self.services.state(),
+            slices: self.slices.state(),
+            nodes: self.nodes.state(),
+            leases: self.leases.state(),
         }
     }
 
@@ -237,15 +233,13 @@ fn spawn_reflector<K>(
     shared: &Shared,
 ) -> Store<K>
 where
-    K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+    K: Resource + Slim + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
     K::DynamicType: Eq + std::hash::Hash + Clone + Default + Send + Sync,
 {
     let (reader, writer) = reflector::store();
-    // managedFields are large (a JSON tree per field manager) and never read: dropped before the
-    // cache, they are not kept in memory nor copied by every snapshot (most of a sync's time at
-    // 1,000 Services).
-    let objects =
-        watcher(api, config).default_backoff().modify(|o: &mut K| o.meta_mut().managed_fields = None);
+    // Only the fields nodelb reads are cached (managedFields alone, a JSON tree per field manager,
+    // were most of a sync's time at 1,000 Services when snapshots still copied objects).
+    let objects = watcher(api, config).default_backoff().modify(|o: &mut K| o.slim());
     let stream = reflector::reflector(writer, objects);
     let synced = shared.synced.clone();
     let health = shared.health.clone();

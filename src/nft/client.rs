@@ -1,18 +1,19 @@
 //! Socket I/O: one NETLINK_NETFILTER socket, opened in the network namespace of the thread that
 //! creates the client. Batches go out in a single `sendmsg`; replies are matched by sequence number.
 
-use std::os::fd::AsFd;
+use std::io::IoSlice;
+use std::os::fd::{AsFd, AsRawFd};
 use std::time::Duration;
 
 use netlink_sys::{Socket, protocols::NETLINK_NETFILTER};
-use nix::sys::socket::{setsockopt, sockopt};
+use nix::sys::socket::{MsgFlags, sendmsg, setsockopt, sockopt};
 use nix::sys::time::TimeVal;
 
 use super::consts::*;
-use super::encode::{self, Encoded, describe, msg_type};
+use super::encode::{self, Encoded, describe_ref, msg_type};
 use super::nla::{Writer, messages};
 use super::{ApplyStats, CounterValues, KernelTable, NftError, decode};
-use crate::ir::{self, Change};
+use crate::ir::{self, Change, ChangeRef, Ruleset};
 
 /// Receive buffer for one datagram; dumps never send more than this in one.
 const RECV_BUF: usize = 1 << 20;
@@ -101,6 +102,23 @@ impl NftClient {
         Ok(())
     }
 
+    /// Sends `chunks` as ONE datagram (one `sendmsg`, one buffer per chunk): a batch must be one
+    /// datagram, and need not be one buffer.
+    fn send_chunks(&mut self, chunks: &[Vec<u8>], what: &str) -> Result<(), NftError> {
+        let len = chunks.iter().map(Vec::len).sum();
+        self.ensure_sndbuf(len)?;
+        let iov: Vec<IoSlice<'_>> = chunks.iter().map(|c| IoSlice::new(c)).collect();
+        let n = sendmsg::<()>(self.sock.as_raw_fd(), &iov, &[], MsgFlags::empty(), None)
+            .map_err(|e| errno_io(what, e))?;
+        if n != len {
+            return Err(NftError::Io {
+                context: what.to_string(),
+                source: std::io::Error::other(format!("sent {n} of {len} bytes")),
+            });
+        }
+        Ok(())
+    }
+
     /// Receives one datagram and returns its messages.
     fn recv(&mut self, what: &str) -> Result<Vec<Reply>, NftError> {
         self.buf.clear();
@@ -124,14 +142,30 @@ impl NftClient {
 
     /// Sends `changes` as one atomic batch. On error nothing was applied.
     pub fn apply(&mut self, changes: &[Change]) -> Result<ApplyStats, NftError> {
-        if changes.is_empty() {
+        self.apply_refs(|| changes.iter().map(Change::as_ref))
+    }
+
+    /// Replaces table inet nodelb with exactly `ruleset`, in one atomic batch: what
+    /// `apply(&ruleset.full_replace())` does, encoded straight from the ruleset (no copy of its
+    /// chains, rules and elements). Errors name the failing change the same way.
+    pub fn apply_full_replace(&mut self, ruleset: &Ruleset) -> Result<ApplyStats, NftError> {
+        self.apply_refs(|| ruleset.full_replace_refs())
+    }
+
+    /// Sends the changes `changes()` yields as one atomic batch; it is called again to describe
+    /// the change a kernel error points at.
+    fn apply_refs<'a, I>(&mut self, changes: impl Fn() -> I) -> Result<ApplyStats, NftError>
+    where
+        I: Iterator<Item = ChangeRef<'a>>,
+    {
+        if changes().next().is_none() {
             return Ok(ApplyStats::default());
         }
         let first = self.seq;
-        let enc = encode::encode_batch(changes, first)?;
+        let enc = encode::encode_refs(changes(), first)?;
         self.seq = enc.last_seq().wrapping_add(1);
-        let stats = ApplyStats { messages: enc.msg_change.len() + 2, bytes: enc.bytes.len() };
-        self.send(&enc.bytes, "send batch")?;
+        let stats = ApplyStats { messages: enc.msg_change.len() + 2, bytes: enc.len() };
+        self.send_chunks(&enc.chunks, "send batch")?;
         // Batch messages carry no NLM_F_ACK: the kernel answers only failures (each with the failing
         // message's sequence number). A GETGEN sent right after is answered only once the batch has
         // been fully processed, so its reply marks the end of the batch's replies.
@@ -156,7 +190,7 @@ impl NftClient {
         }
         errors.sort();
         let (seq, errno) = errors[0];
-        Err(kernel_error(&enc, changes, seq, errno, errors.len() - 1))
+        Err(kernel_error(&enc, changes(), seq, errno, errors.len() - 1))
     }
 
     /// Sends a request and collects the replies with its sequence number until the dump ends (or the
@@ -368,10 +402,16 @@ fn error_code(payload: &[u8]) -> Result<i32, NftError> {
     Ok(-i32::from_ne_bytes(b))
 }
 
-fn kernel_error(enc: &Encoded, changes: &[Change], seq: u32, errno: i32, more: usize) -> NftError {
+fn kernel_error<'a>(
+    enc: &Encoded,
+    mut changes: impl Iterator<Item = ChangeRef<'a>>,
+    seq: u32,
+    errno: i32,
+    more: usize,
+) -> NftError {
     let index = enc.change_of(seq);
-    let change = match index.and_then(|i| changes.get(i)) {
-        Some(c) => describe(c),
+    let change = match index.and_then(|i| changes.nth(i)) {
+        Some(c) => describe_ref(c),
         None => "commit batch".to_string(),
     };
     NftError::Kernel { index, change, errno, reason: strerror(errno), more }

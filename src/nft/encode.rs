@@ -13,7 +13,7 @@ use super::NftError;
 use super::consts::*;
 use super::nla::{Writer, udata_put};
 use crate::ir::{
-    self, Change, Expr, Family, Key, KeyPart, KeyType, Mapped, Protocol, Rule, SetKind, Verdict,
+    self, Change, ChangeRef, Expr, Family, Key, KeyPart, KeyType, Mapped, Protocol, Rule, SetKind, Verdict,
 };
 
 /// Netlink caps one attribute at 64 KiB; element lists are split into messages well below that.
@@ -22,9 +22,13 @@ const MAX_ELEMENTS_NEST: usize = 48 * 1024;
 /// An element as sent: encoded key bytes and, for maps, the mapped value.
 pub type RawElement = (Vec<u8>, Option<Mapped>);
 
-/// A batch ready to send.
+/// Size at which a batch continues in a new buffer ([`Writer::chunked`]).
+const BATCH_CHUNK: usize = 1 << 20;
+
+/// A batch ready to send: its messages back to back, in one or more buffers (one `sendmsg`
+/// sends them all as one datagram).
 pub struct Encoded {
-    pub bytes: Vec<u8>,
+    pub chunks: Vec<Vec<u8>>,
     /// Sequence number of BATCH_BEGIN; message `i` of the batch has `first_seq + 1 + i`.
     pub first_seq: u32,
     /// Index into the change list for each message between BATCH_BEGIN and BATCH_END.
@@ -32,6 +36,20 @@ pub struct Encoded {
 }
 
 impl Encoded {
+    /// Bytes of the whole batch.
+    pub fn len(&self) -> usize {
+        self.chunks.iter().map(Vec::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The whole batch in one buffer (tests, debugging).
+    pub fn bytes(&self) -> Vec<u8> {
+        self.chunks.concat()
+    }
+
     /// Which change produced the message with this sequence number (None: the batch itself).
     pub fn change_of(&self, seq: u32) -> Option<usize> {
         let i = seq.checked_sub(self.first_seq + 1)? as usize;
@@ -56,25 +74,30 @@ pub fn fingerprint(rule: &Rule) -> u64 {
 
 /// One-line description of a change, used in error messages.
 pub fn describe(change: &Change) -> String {
+    describe_ref(change.as_ref())
+}
+
+/// [`describe`] of a borrowed change.
+pub fn describe_ref(change: ChangeRef<'_>) -> String {
     match change {
-        Change::AddTable => format!("add table inet {}", ir::TABLE_NAME),
-        Change::DeleteTable => format!("delete table inet {}", ir::TABLE_NAME),
-        Change::AddChain(c) => format!("add chain {}", c.name),
-        Change::FlushChain(c) => format!("flush chain {c}"),
-        Change::DeleteChain(c) => format!("delete chain {c}"),
-        Change::AddRule { chain, rule } => {
+        ChangeRef::AddTable => format!("add table inet {}", ir::TABLE_NAME),
+        ChangeRef::DeleteTable => format!("delete table inet {}", ir::TABLE_NAME),
+        ChangeRef::AddChain(c) => format!("add chain {}", c.name),
+        ChangeRef::FlushChain(c) => format!("flush chain {c}"),
+        ChangeRef::DeleteChain(c) => format!("delete chain {c}"),
+        ChangeRef::AddRule { chain, rule } => {
             format!("add rule to chain {chain} `{}`", ir::render_rule(rule))
         }
-        Change::AddSet(s) => format!("add {} {}", s.kind.word(), s.name),
-        Change::DeleteSet(s) => format!("delete set {s}"),
-        Change::AddElements { set, elements } => {
+        ChangeRef::AddSet(s) => format!("add {} {}", s.kind.word(), s.name),
+        ChangeRef::DeleteSet(s) => format!("delete set {s}"),
+        ChangeRef::AddElements { set, elements } => {
             format!("add {} element(s) to {set}", elements.len())
         }
-        Change::DeleteElements { set, keys } => {
+        ChangeRef::DeleteElements { set, keys } => {
             format!("delete {} element(s) from {set}", keys.len())
         }
-        Change::AddCounter(c) => format!("add counter {}", c.name),
-        Change::DeleteCounter(c) => format!("delete counter {c}"),
+        ChangeRef::AddCounter(c) => format!("add counter {}", c.name),
+        ChangeRef::DeleteCounter(c) => format!("delete counter {c}"),
     }
 }
 
@@ -84,8 +107,17 @@ pub fn msg_type(msg: u8) -> u16 {
 
 /// Encodes `changes` as one batch whose BATCH_BEGIN has sequence number `first_seq`.
 pub fn encode_batch(changes: &[Change], first_seq: u32) -> Result<Encoded, NftError> {
+    encode_refs(changes.iter().map(Change::as_ref), first_seq)
+}
+
+/// [`encode_batch`] of borrowed changes (a full replace walks the ruleset itself:
+/// [`ir::Ruleset::full_replace_refs`]). `Encoded::msg_change` indexes this sequence.
+pub fn encode_refs<'a>(
+    changes: impl IntoIterator<Item = ChangeRef<'a>>,
+    first_seq: u32,
+) -> Result<Encoded, NftError> {
     let mut e = Enc {
-        w: Writer::new(),
+        w: Writer::chunked(BATCH_CHUNK),
         seq: first_seq,
         msg_change: Vec::new(),
         change: 0,
@@ -101,17 +133,17 @@ pub fn encode_batch(changes: &[Change], first_seq: u32) -> Result<Encoded, NftEr
         u16::from(NFNL_SUBSYS_NFTABLES),
     );
     e.w.end_msg();
-    for (i, change) in changes.iter().enumerate() {
+    for (i, change) in changes.into_iter().enumerate() {
         e.change = i;
         e.change(change).map_err(|err| match err {
-            NftError::Encode(msg) => NftError::Encode(format!("{}: {msg}", describe(change))),
+            NftError::Encode(msg) => NftError::Encode(format!("{}: {msg}", describe_ref(change))),
             other => other,
         })?;
     }
     e.seq += 1;
     e.w.begin_msg(NFNL_MSG_BATCH_END, NLM_F_REQUEST, e.seq, NFPROTO_UNSPEC, u16::from(NFNL_SUBSYS_NFTABLES));
     e.w.end_msg();
-    Ok(Encoded { bytes: e.w.buf, first_seq, msg_change: e.msg_change })
+    Ok(Encoded { chunks: e.w.into_chunks(), first_seq, msg_change: e.msg_change })
 }
 
 struct Enc {
@@ -144,22 +176,22 @@ impl Enc {
         self.w.begin_msg(msg_type(msg), NLM_F_REQUEST | flags, self.seq, NFPROTO_INET, 0);
     }
 
-    fn change(&mut self, change: &Change) -> Result<(), NftError> {
+    fn change(&mut self, change: ChangeRef<'_>) -> Result<(), NftError> {
         match change {
-            Change::AddTable => {
+            ChangeRef::AddTable => {
                 // NLM_F_CREATE without NLM_F_EXCL: adding an existing table is a no-op.
                 self.begin(NFT_MSG_NEWTABLE, NLM_F_CREATE);
                 self.w.put_str(NFTA_TABLE_NAME, ir::TABLE_NAME);
                 self.w.put_u32(NFTA_TABLE_FLAGS, 0);
                 self.w.end_msg();
             }
-            Change::DeleteTable => {
+            ChangeRef::DeleteTable => {
                 self.begin(NFT_MSG_DELTABLE, 0);
                 self.w.put_str(NFTA_TABLE_NAME, ir::TABLE_NAME);
                 self.w.end_msg();
                 self.set_ids.clear();
             }
-            Change::AddChain(chain) => {
+            ChangeRef::AddChain(chain) => {
                 self.begin(NFT_MSG_NEWCHAIN, NLM_F_CREATE);
                 self.w.put_str(NFTA_CHAIN_TABLE, ir::TABLE_NAME);
                 self.w.put_str(NFTA_CHAIN_NAME, &chain.name);
@@ -178,46 +210,47 @@ impl Enc {
                 }
                 self.w.end_msg();
             }
-            Change::FlushChain(name) => {
+            ChangeRef::FlushChain(name) => {
                 self.begin(NFT_MSG_DELRULE, 0);
                 self.w.put_str(NFTA_RULE_TABLE, ir::TABLE_NAME);
                 self.w.put_str(NFTA_RULE_CHAIN, name);
                 self.w.end_msg();
             }
-            Change::DeleteChain(name) => {
+            ChangeRef::DeleteChain(name) => {
                 self.begin(NFT_MSG_DELCHAIN, 0);
                 self.w.put_str(NFTA_CHAIN_TABLE, ir::TABLE_NAME);
                 self.w.put_str(NFTA_CHAIN_NAME, name);
                 self.w.end_msg();
             }
-            Change::AddRule { chain, rule } => self.rule(chain, rule)?,
-            Change::AddSet(set) => self.named_set(set)?,
-            Change::DeleteSet(name) => {
+            ChangeRef::AddRule { chain, rule } => self.rule(chain, rule)?,
+            ChangeRef::AddSet(set) => self.named_set(set)?,
+            ChangeRef::DeleteSet(name) => {
                 self.begin(NFT_MSG_DELSET, 0);
                 self.w.put_str(NFTA_SET_TABLE, ir::TABLE_NAME);
                 self.w.put_str(NFTA_SET_NAME, name);
                 self.w.end_msg();
                 self.set_ids.remove(name);
             }
-            Change::AddElements { set, elements } => {
-                let types = self.key_types_hint(set, elements.first().map(|(k, _)| k));
+            ChangeRef::AddElements { set, elements } => {
+                let types = self.key_types_hint(set, elements.iter().next().map(|(k, _)| k));
                 let mut encoded = Vec::with_capacity(elements.len());
-                for (k, v) in elements {
-                    encoded.push((key_bytes(types.as_deref(), k)?, v.clone()));
+                for (k, v) in elements.iter() {
+                    encoded.push((key_bytes(types.as_deref(), k)?, v.as_ref()));
                 }
                 let id = self.set_ids.get(set).copied();
-                self.elements(NFT_MSG_NEWSETELEM, NLM_F_CREATE, set, id, &encoded);
+                let list = encoded.iter().map(|(k, v)| (k.as_slice(), *v));
+                self.elements(NFT_MSG_NEWSETELEM, NLM_F_CREATE, set, id, list);
             }
-            Change::DeleteElements { set, keys } => {
+            ChangeRef::DeleteElements { set, keys } => {
                 let types = self.key_types_hint(set, keys.first());
                 let mut encoded = Vec::with_capacity(keys.len());
                 for k in keys {
-                    encoded.push((key_bytes(types.as_deref(), k)?, None));
+                    encoded.push(key_bytes(types.as_deref(), k)?);
                 }
                 let id = self.set_ids.get(set).copied();
-                self.elements(NFT_MSG_DELSETELEM, 0, set, id, &encoded);
+                self.elements(NFT_MSG_DELSETELEM, 0, set, id, encoded.iter().map(|k| (k.as_slice(), None)));
             }
-            Change::AddCounter(counter) => {
+            ChangeRef::AddCounter(counter) => {
                 self.begin(NFT_MSG_NEWOBJ, NLM_F_CREATE);
                 self.w.put_str(NFTA_OBJ_TABLE, ir::TABLE_NAME);
                 self.w.put_str(NFTA_OBJ_NAME, &counter.name);
@@ -233,7 +266,7 @@ impl Enc {
                 self.w.end_nest(d);
                 self.w.end_msg();
             }
-            Change::DeleteCounter(name) => {
+            ChangeRef::DeleteCounter(name) => {
                 self.begin(NFT_MSG_DELOBJ, 0);
                 self.w.put_str(NFTA_OBJ_TABLE, ir::TABLE_NAME);
                 self.w.put_str(NFTA_OBJ_NAME, name);
@@ -320,13 +353,21 @@ impl Enc {
         self.w.end_nest(d);
         self.w.put(NFTA_SET_USERDATA, &s.udata);
         self.w.end_msg();
-        self.elements(NFT_MSG_NEWSETELEM, NLM_F_CREATE, s.name, Some(s.id), &s.elements);
+        let list = s.elements.iter().map(|(k, v)| (k.as_slice(), v.as_ref()));
+        self.elements(NFT_MSG_NEWSETELEM, NLM_F_CREATE, s.name, Some(s.id), list);
     }
 
     /// NEWSETELEM/DELSETELEM messages for `elements`, split so no attribute exceeds 64 KiB.
-    fn elements(&mut self, msg: u8, flags: u16, set: &str, id: Option<u32>, elements: &[RawElement]) {
-        let mut rest = elements;
-        while !rest.is_empty() {
+    fn elements<'m>(
+        &mut self,
+        msg: u8,
+        flags: u16,
+        set: &str,
+        id: Option<u32>,
+        elements: impl Iterator<Item = (&'m [u8], Option<&'m Mapped>)>,
+    ) {
+        let mut rest = elements.peekable();
+        while rest.peek().is_some() {
             self.begin(msg, flags);
             self.w.put_str(NFTA_SET_ELEM_LIST_TABLE, ir::TABLE_NAME);
             self.w.put_str(NFTA_SET_ELEM_LIST_SET, set);
@@ -334,8 +375,7 @@ impl Enc {
                 self.w.put_u32(NFTA_SET_ELEM_LIST_SET_ID, id);
             }
             let list = self.w.begin_nest(NFTA_SET_ELEM_LIST_ELEMENTS);
-            let mut n = 0;
-            for (key, data) in rest {
+            for (key, data) in rest.by_ref() {
                 let el = self.w.begin_nest(NFTA_LIST_ELEM);
                 let k = self.w.begin_nest(NFTA_SET_ELEM_KEY);
                 self.w.put(NFTA_DATA_VALUE, key);
@@ -350,14 +390,12 @@ impl Enc {
                     Some(Mapped::Counter(name)) => self.w.put_str(NFTA_SET_ELEM_OBJREF, name),
                 }
                 self.w.end_nest(el);
-                n += 1;
                 if self.w.buf.len() - list > MAX_ELEMENTS_NEST {
                     break;
                 }
             }
             self.w.end_nest(list);
             self.w.end_msg();
-            rest = &rest[n..];
         }
     }
 
@@ -836,7 +874,8 @@ mod tests {
     /// (message type, payload) of every message between BATCH_BEGIN and BATCH_END.
     fn encode(changes: &[Change]) -> Vec<(u16, Vec<u8>)> {
         let enc = encode_batch(changes, 100).expect("encode");
-        let msgs = messages(&enc.bytes).expect("parse");
+        let bytes = enc.bytes();
+        let msgs = messages(&bytes).expect("parse");
         assert_eq!(msgs.len(), enc.msg_change.len() + 2);
         assert_eq!(msgs[0].ty, NFNL_MSG_BATCH_BEGIN);
         assert_eq!(msgs[msgs.len() - 1].ty, NFNL_MSG_BATCH_END);
@@ -1105,6 +1144,35 @@ mod tests {
         assert_eq!(enc.change_of(8), Some(0));
         assert_eq!(enc.change_of(enc.last_seq() - 1), Some(2));
         assert_eq!(describe(&changes[2]), "add rule to chain c `jump x`");
+    }
+
+    /// A full replace encoded from the ruleset (elements walked in the set itself) is byte for
+    /// byte the one encoded from its change list, and elements split into several messages alike.
+    #[test]
+    fn full_replace_from_the_ruleset_encodes_like_its_change_list() {
+        let mut rs = ir::Ruleset::default();
+        let mut set = svc_ports();
+        for port in 1..=6000u16 {
+            let key = vec![KeyPart::Proto(Protocol::Tcp), KeyPart::Port(port)];
+            set.elements.insert(key, Some(Mapped::Verdict(Verdict::Goto(format!("svc-{port}")))));
+        }
+        rs.add_set(set);
+        rs.add_chain(ir::Chain {
+            name: "c".into(),
+            base: None,
+            rules: vec![Rule::new(vec![Expr::Verdict(Verdict::Accept)])],
+            comment: Some("chain".into()),
+        });
+        let direct = encode_refs(rs.full_replace_refs(), 5).expect("encode refs");
+        let listed = encode_batch(&rs.full_replace(), 5).expect("encode list");
+        assert_eq!(direct.bytes(), listed.bytes());
+        assert_eq!(direct.msg_change, listed.msg_change);
+        let element_msgs = messages(&direct.bytes())
+            .expect("parse")
+            .iter()
+            .filter(|m| m.ty == msg_type(NFT_MSG_NEWSETELEM))
+            .count();
+        assert!(element_msgs > 1, "6,000 elements need more than one message");
     }
 
     #[test]

@@ -7,13 +7,22 @@
 use super::NftError;
 use super::consts::*;
 
-/// Builds netlink messages back to back in one buffer.
+/// Builds netlink messages back to back in one buffer, or, for a long batch
+/// ([`Writer::chunked`]), in a list of buffers sent together with one `sendmsg`.
 #[derive(Default)]
 pub struct Writer {
+    /// The buffer being written (the last chunk of a chunked writer).
     pub buf: Vec<u8>,
     /// Offset of the message being built.
     msg_start: usize,
+    /// Full chunks of a chunked writer, and its chunk size.
+    done: Vec<Vec<u8>>,
+    chunk: Option<usize>,
 }
+
+/// Room left in a fresh chunk beyond the chunk size: more than the largest message the encoder
+/// writes (element lists are split at 48 KiB), so a chunk is never reallocated.
+const CHUNK_SLACK: usize = 128 << 10;
 
 fn align4(n: usize) -> usize {
     (n + 3) & !3
@@ -24,8 +33,28 @@ impl Writer {
         Writer::default()
     }
 
+    /// A writer that starts a new buffer at the next message boundary once the current one holds
+    /// `chunk` bytes. A 34 MB batch (10,000 Services) then grows without doubling one buffer
+    /// (each doubling copies it and briefly holds both); the kernel reads all chunks of one
+    /// `sendmsg` into one datagram, as the batch must be.
+    pub fn chunked(chunk: usize) -> Writer {
+        Writer { chunk: Some(chunk), ..Writer::default() }
+    }
+
+    /// Every message written, in order, in one or more buffers.
+    pub fn into_chunks(mut self) -> Vec<Vec<u8>> {
+        self.done.push(self.buf);
+        self.done
+    }
+
     /// Starts a message: nlmsghdr + nfgenmsg. `res_id` is big endian on the wire.
     pub fn begin_msg(&mut self, ty: u16, flags: u16, seq: u32, family: u8, res_id: u16) {
+        if let Some(chunk) = self.chunk
+            && self.buf.len() >= chunk
+        {
+            let full = std::mem::replace(&mut self.buf, Vec::with_capacity(chunk + CHUNK_SLACK));
+            self.done.push(full);
+        }
         self.msg_start = self.buf.len();
         self.buf.extend_from_slice(&0u32.to_ne_bytes()); // length, patched in end_msg
         self.buf.extend_from_slice(&ty.to_ne_bytes());
@@ -198,4 +227,42 @@ pub fn udata_iter(mut data: &[u8]) -> impl Iterator<Item = (u8, &[u8])> {
         data = &data[2 + len..];
         Some((ty, v))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(w: &mut Writer, n: u32) {
+        for seq in 0..n {
+            w.begin_msg(0x0a00, 1, seq, 1, 0);
+            let nest = w.begin_nest(1);
+            w.put_str(2, &"x".repeat(seq as usize % 50));
+            w.put_u32(3, seq);
+            w.end_nest(nest);
+            w.end_msg();
+        }
+    }
+
+    /// A chunked writer holds the same bytes as a plain one, split only between messages, each
+    /// chunk starting with a message once it is full.
+    #[test]
+    fn chunked_writer_splits_between_messages() {
+        let mut plain = Writer::new();
+        write(&mut plain, 200);
+        let mut chunked = Writer::chunked(1000);
+        write(&mut chunked, 200);
+        let chunks = chunked.into_chunks();
+        assert!(chunks.len() > 5, "{} chunks", chunks.len());
+        assert_eq!(chunks.concat(), plain.buf);
+        let mut seq = 0;
+        for c in &chunks {
+            assert!(c.len() >= 1000 || std::ptr::eq(c, chunks.last().unwrap()), "only the last is short");
+            for m in messages(c).expect("whole messages") {
+                assert_eq!(m.seq, seq);
+                seq += 1;
+            }
+        }
+        assert_eq!(seq, 200);
+    }
 }

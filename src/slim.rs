@@ -1,0 +1,413 @@
+//! What nodelb keeps of the Kubernetes objects it caches: exactly the fields it reads, nothing
+//! else. Applied once, when an object enters a cache (a manifest file is parsed, a watch event
+//! arrives), so the objects kept for as long as they exist (10,000 Services × 5 endpoints in the
+//! issue-5 benchmark) carry no pod references, topology hints, selectors, foreign annotations or
+//! spare vector capacity. Pure.
+//!
+//! Allow-lists, not deny-lists: a field nodelb starts reading must be added here (the tests
+//! below compare the model, the leader's writes and the serving nodes computed from full and from
+//! slimmed objects, so a field read but dropped fails them). The list and the reasons are in
+//! docs/design.md ("Memory").
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, NodeStatus, Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::discovery::v1::{Endpoint, EndpointPort, EndpointSlice};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+use crate::k8s::nodes::LABEL_EXCLUDE_LB;
+use crate::model::{
+    ANNOTATION_ALLOCATED, ANNOTATION_IGNORE, ANNOTATION_LEGACY_SOURCE_RANGES, ANNOTATION_PORTS,
+    LABEL_SERVICE_NAME,
+};
+
+/// The Service annotations nodelb reads (model and leader).
+pub const SERVICE_ANNOTATIONS: [&str; 4] =
+    [ANNOTATION_PORTS, ANNOTATION_ALLOCATED, ANNOTATION_IGNORE, ANNOTATION_LEGACY_SOURCE_RANGES];
+
+/// An object nodelb caches, slimmed in place before it is kept.
+pub trait Slim {
+    fn slim(&mut self);
+}
+
+impl Slim for Service {
+    /// Keeps: identity and versions (name, namespace, uid, resourceVersion, generation,
+    /// creationTimestamp, deletionTimestamp), the annotations of [`SERVICE_ANNOTATIONS`], the
+    /// spec fields the model validates, and the whole status (the leader writes the ingress and
+    /// the conditions it does not own back as they are).
+    fn slim(&mut self) {
+        slim_meta(&mut self.metadata, |k| SERVICE_ANNOTATIONS.contains(&k), |_| false);
+        self.spec = self.spec.take().map(|spec| ServiceSpec {
+            type_: spec.type_,
+            load_balancer_class: spec.load_balancer_class,
+            ports: spec.ports.map(|ports| {
+                shrunk(
+                    ports
+                        .into_iter()
+                        .map(|p| ServicePort {
+                            name: p.name,
+                            port: p.port,
+                            protocol: p.protocol,
+                            ..Default::default()
+                        })
+                        .collect(),
+                )
+            }),
+            ip_families: spec.ip_families.map(shrunk),
+            cluster_ip: spec.cluster_ip,
+            cluster_ips: spec.cluster_ips.map(shrunk),
+            external_traffic_policy: spec.external_traffic_policy,
+            load_balancer_source_ranges: spec.load_balancer_source_ranges.map(shrunk),
+            ..Default::default()
+        });
+    }
+}
+
+impl Slim for EndpointSlice {
+    /// Keeps: identity and versions, the `kubernetes.io/service-name` label, the address type, the
+    /// ports (name, port, protocol) and per endpoint its addresses, conditions and nodeName.
+    fn slim(&mut self) {
+        slim_meta(&mut self.metadata, |_| false, |k| k == LABEL_SERVICE_NAME);
+        self.ports = self.ports.take().map(|ports| {
+            shrunk(
+                ports
+                    .into_iter()
+                    .map(|p| EndpointPort {
+                        name: p.name,
+                        port: p.port,
+                        protocol: p.protocol,
+                        ..Default::default()
+                    })
+                    .collect(),
+            )
+        });
+        self.endpoints = self.endpoints.take().map(|endpoints| {
+            shrunk(
+                endpoints
+                    .into_iter()
+                    .map(|e| Endpoint {
+                        addresses: shrunk(e.addresses),
+                        conditions: e.conditions,
+                        node_name: e.node_name,
+                        ..Default::default()
+                    })
+                    .collect(),
+            )
+        });
+    }
+}
+
+impl Slim for Node {
+    /// Keeps: identity and versions, the exclude-from-external-load-balancers label, and the
+    /// addresses (the leader's ingress). Drops the spec and the rest of the status (image lists,
+    /// conditions, capacity: the bulk of a Node).
+    fn slim(&mut self) {
+        slim_meta(&mut self.metadata, |_| false, |k| k == LABEL_EXCLUDE_LB);
+        self.spec = None;
+        self.status = self
+            .status
+            .take()
+            .map(|s| NodeStatus { addresses: s.addresses.map(shrunk), ..Default::default() });
+    }
+}
+
+impl Slim for Lease {
+    /// Our own small objects, read whole (holder, times, the families annotation): only the
+    /// managed fields go.
+    fn slim(&mut self) {
+        self.metadata.managed_fields = None;
+    }
+}
+
+/// Keeps identity, versions and timestamps; the annotations and labels `keep_*` accept (the map
+/// becomes `None` when nothing is left). Drops managedFields (a JSON tree per field manager),
+/// ownerReferences, finalizers, generateName, selfLink, deletionGracePeriodSeconds.
+fn slim_meta(
+    meta: &mut ObjectMeta,
+    keep_annotation: impl Fn(&str) -> bool,
+    keep_label: impl Fn(&str) -> bool,
+) {
+    let m = std::mem::take(meta);
+    *meta = ObjectMeta {
+        name: m.name,
+        namespace: m.namespace,
+        uid: m.uid,
+        resource_version: m.resource_version,
+        generation: m.generation,
+        creation_timestamp: m.creation_timestamp,
+        deletion_timestamp: m.deletion_timestamp,
+        annotations: filtered(m.annotations, keep_annotation),
+        labels: filtered(m.labels, keep_label),
+        ..Default::default()
+    };
+}
+
+fn filtered(
+    map: Option<BTreeMap<String, String>>,
+    keep: impl Fn(&str) -> bool,
+) -> Option<BTreeMap<String, String>> {
+    let mut map = map?;
+    map.retain(|k, _| keep(k));
+    (!map.is_empty()).then_some(map)
+}
+
+/// Without the spare capacity serde's growth left (a 5-endpoint list has room for 8).
+fn shrunk<T>(mut v: Vec<T>) -> Vec<T> {
+    v.shrink_to_fit();
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::alloc::Allocations;
+    use crate::k8s::nodes;
+    use crate::k8s::publish::{self, Round};
+    use crate::model::{self, ModelOptions};
+    use serde_json::{Value, json};
+
+    /// A Service as the API server returns it, with every field nodelb does not read filled in.
+    fn full_service(name: &str, f: impl FnOnce(&mut Value)) -> Service {
+        let mut v = json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {
+                "name": name, "namespace": "prod", "uid": format!("uid-{name}"), "resourceVersion": "42",
+                "generation": 3, "creationTimestamp": "2024-01-02T03:04:05Z",
+                "generateName": "web-", "selfLink": "/api/v1/x", "finalizers": ["service.kubernetes.io/load-balancer-cleanup"],
+                "labels": {"app": "web", "team": "a"},
+                "annotations": {
+                    "kubectl.kubernetes.io/last-applied-configuration": "{\"a\": \"very long JSON\"}",
+                    ANNOTATION_ALLOCATED: "80/TCP=20080,53/UDP=20053",
+                },
+                "ownerReferences": [{"apiVersion": "v1", "kind": "X", "name": "o", "uid": "u"}],
+                "managedFields": [{"manager": "kubectl", "operation": "Apply"}]
+            },
+            "spec": {
+                "type": "LoadBalancer", "selector": {"app": "web"}, "sessionAffinity": "ClientIP",
+                "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 10}},
+                "externalIPs": ["192.0.2.9"], "loadBalancerIP": "192.0.2.8", "ipFamilyPolicy": "PreferDualStack",
+                "clusterIP": "10.0.0.1", "clusterIPs": ["10.0.0.1"], "healthCheckNodePort": 31000,
+                "internalTrafficPolicy": "Cluster", "publishNotReadyAddresses": true,
+                "ports": [
+                    {"name": "http", "port": 80, "targetPort": "web", "nodePort": 30080, "protocol": "TCP", "appProtocol": "http"},
+                    {"name": "dns", "port": 53, "targetPort": 5353, "protocol": "UDP"}
+                ]
+            },
+            "status": {
+                "loadBalancer": {"ingress": [{"ip": "192.0.2.1", "hostname": "lb.example", "ipMode": "Proxy",
+                                              "ports": [{"port": 20080, "protocol": "TCP"}]}]},
+                "conditions": [{"type": "Other", "status": "True", "reason": "R", "message": "m",
+                                "lastTransitionTime": "2024-01-02T03:04:05Z"}]
+            }
+        });
+        f(&mut v);
+        serde_json::from_value(v).expect("test Service")
+    }
+
+    fn full_slice(name: &str, service: &str, family: &str, addrs: &[&str]) -> EndpointSlice {
+        let endpoints: Vec<Value> = addrs
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                json!({
+                    "addresses": [a], "hostname": format!("pod-{i}"), "nodeName": format!("node-{}", i % 2),
+                    "zone": "z1", "deprecatedTopology": {"topology.kubernetes.io/zone": "z1"},
+                    "hints": {"forZones": [{"name": "z1"}]},
+                    "conditions": {"ready": i != 1, "serving": true, "terminating": i == 1},
+                    "targetRef": {"kind": "Pod", "name": format!("pod-{i}"), "namespace": "prod", "uid": "p"}
+                })
+            })
+            .collect();
+        serde_json::from_value(json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {
+                "name": name, "namespace": "prod", "uid": format!("uid-{name}"), "resourceVersion": "7",
+                "generateName": format!("{service}-"),
+                "labels": {LABEL_SERVICE_NAME: service, "endpointslice.kubernetes.io/managed-by": "x", "app": "web"},
+                "annotations": {"endpoints.kubernetes.io/last-change-trigger-time": "2024-01-02T03:04:05Z"},
+                "ownerReferences": [{"apiVersion": "v1", "kind": "Service", "name": service, "uid": "u"}]
+            },
+            "addressType": family,
+            "ports": [
+                {"name": "http", "port": 8080, "protocol": "TCP", "appProtocol": "http"},
+                {"name": "dns", "port": 5353, "protocol": "UDP"}
+            ],
+            "endpoints": endpoints
+        }))
+        .expect("test EndpointSlice")
+    }
+
+    fn slimmed<T: Slim + Clone>(objs: &[T]) -> Vec<T> {
+        objs.iter()
+            .cloned()
+            .map(|mut o| {
+                o.slim();
+                o
+            })
+            .collect()
+    }
+
+    /// Every kind of input the model reads, each in a full and a slimmed copy: the model, the
+    /// leader's writes and its Events must come out the same.
+    #[test]
+    fn slimmed_objects_give_the_same_model_and_writes() {
+        type Mutate = fn(&mut Value);
+        let variants: Vec<(&str, Mutate)> = vec![
+            ("plain", |_| {}),
+            ("local policy, dual stack", |v| {
+                v["spec"]["externalTrafficPolicy"] = json!("Local");
+                v["spec"]["ipFamilies"] = json!(["IPv4", "IPv6"]);
+            }),
+            ("families from clusterIPs", |v| v["spec"]["clusterIPs"] = json!(["fd00::1", "10.0.0.1"])),
+            ("family from clusterIP", |v| {
+                v["spec"]["clusterIPs"] = Value::Null;
+                v["spec"]["clusterIP"] = json!("fd00::2");
+            }),
+            ("source ranges", |v| v["spec"]["loadBalancerSourceRanges"] = json!(["198.51.100.0/24"])),
+            ("legacy source ranges", |v| {
+                v["metadata"]["annotations"][ANNOTATION_LEGACY_SOURCE_RANGES] = json!("203.0.113.0/24")
+            }),
+            ("requested ports", |v| v["metadata"]["annotations"][ANNOTATION_PORTS] = json!("80/TCP=20081")),
+            ("refused: bad ignore value", |v| v["metadata"]["annotations"][ANNOTATION_IGNORE] = json!("yes")),
+            ("opted out", |v| v["metadata"]["annotations"][ANNOTATION_IGNORE] = json!("true")),
+            ("other class", |v| v["spec"]["loadBalancerClass"] = json!("other")),
+            ("not a load balancer", |v| v["spec"]["type"] = json!("ClusterIP")),
+        ];
+        let services: Vec<Service> =
+            variants.iter().enumerate().map(|(i, (_, f))| full_service(&format!("s{i}"), f)).collect();
+        let slices: Vec<EndpointSlice> = (0..variants.len())
+            .flat_map(|i| {
+                let name = format!("s{i}");
+                [
+                    full_slice(
+                        &format!("{name}-4"),
+                        &name,
+                        "IPv4",
+                        &["198.51.100.10", "198.51.100.11", "2001:db8::1"],
+                    ),
+                    full_slice(&format!("{name}-6"), &name, "IPv6", &["2001:db8::10"]),
+                ]
+            })
+            .collect();
+        let (slim_services, slim_slices) = (slimmed(&services), slimmed(&slices));
+        let opts = ModelOptions::default();
+        let full = model::build(&services, &slices, &opts);
+        let slim = model::build(&slim_services, &slim_slices, &opts);
+        assert_eq!(full, slim);
+        assert!(
+            full.services.len() >= 6 && !full.refused.is_empty(),
+            "the variants exercise the model: {full:?}"
+        );
+        assert!(full.services.iter().any(|s| s.ports.iter().any(|p| !p.endpoints.is_empty())));
+
+        let serving = BTreeMap::new();
+        let round = |services: &[Service], out: &model::ModelOutput| {
+            let allocations: Allocations =
+                crate::alloc::allocate(&Default::default(), &out.services, &Allocations::new()).allocations;
+            let round = Round {
+                services,
+                model: &opts,
+                valid: &out.services,
+                refused: &out.refused,
+                allocations: &allocations,
+                problems: &[],
+                serving: &serving,
+                now: k8s_openapi::jiff::Timestamp::from_second(1_700_000_000).unwrap(),
+            };
+            (
+                publish::plan_writes(&round),
+                publish::service_events(&round, &[]),
+                publish::reserved(services, &out.refused),
+            )
+        };
+        let (writes, events, reserved) = round(&services, &full);
+        assert!(!writes.is_empty());
+        assert_eq!((writes, events, reserved), round(&slim_services, &slim));
+    }
+
+    #[test]
+    fn slimming_drops_what_is_not_read() {
+        let mut svc = full_service("web", |_| {});
+        svc.slim();
+        let ann: Vec<&String> = svc.metadata.annotations.as_ref().unwrap().keys().collect();
+        assert_eq!(ann, [ANNOTATION_ALLOCATED]);
+        let m = &svc.metadata;
+        assert!(m.labels.is_none() && m.owner_references.is_none() && m.finalizers.is_none());
+        assert!(m.managed_fields.is_none() && m.generate_name.is_none() && m.self_link.is_none());
+        assert_eq!(
+            (m.uid.as_deref(), m.resource_version.as_deref(), m.generation),
+            (Some("uid-web"), Some("42"), Some(3))
+        );
+        let spec = svc.spec.as_ref().unwrap();
+        assert!(
+            spec.selector.is_none() && spec.external_ips.is_none() && spec.session_affinity_config.is_none()
+        );
+        let ports = spec.ports.as_ref().unwrap();
+        assert!(
+            ports
+                .iter()
+                .all(|p| p.target_port.is_none() && p.app_protocol.is_none() && p.node_port.is_none())
+        );
+        let status = svc.status.as_ref().unwrap();
+        let ingress = &status.load_balancer.as_ref().unwrap().ingress.as_ref().unwrap()[0];
+        assert_eq!(ingress.hostname.as_deref(), Some("lb.example"), "status is written back: kept whole");
+
+        let mut slice = full_slice("web-1", "web", "IPv4", &["198.51.100.1", "198.51.100.2", "198.51.100.3"]);
+        slice.slim();
+        assert_eq!(slice.metadata.labels, Some([(LABEL_SERVICE_NAME.to_string(), "web".to_string())].into()));
+        assert!(slice.metadata.annotations.is_none() && slice.metadata.owner_references.is_none());
+        let endpoints = slice.endpoints.as_ref().unwrap();
+        assert_eq!(endpoints.capacity(), 3, "no spare capacity");
+        for e in endpoints {
+            assert!(e.target_ref.is_none() && e.hints.is_none() && e.zone.is_none() && e.hostname.is_none());
+            assert!(e.deprecated_topology.is_none() && e.node_name.is_some() && e.conditions.is_some());
+            assert_eq!(e.addresses.capacity(), e.addresses.len());
+        }
+        assert!(slice.ports.as_ref().unwrap().iter().all(|p| p.app_protocol.is_none()));
+    }
+
+    #[test]
+    fn slimmed_nodes_serve_the_same() {
+        let node = |name: &str, excluded: bool| -> Node {
+            let mut labels = json!({"kubernetes.io/hostname": name});
+            if excluded {
+                labels[LABEL_EXCLUDE_LB] = json!("");
+            }
+            let deleted = (name == "d").then_some("2024-01-02T03:04:05Z");
+            serde_json::from_value(json!({
+                "metadata": {"name": name, "uid": "u", "labels": labels, "annotations": {"a": "b"},
+                             "deletionTimestamp": deleted},
+                "spec": {"podCIDR": "10.244.0.0/24", "taints": [{"key": "k", "effect": "NoSchedule"}]},
+                "status": {
+                    "addresses": [{"type": "InternalIP", "address": "192.0.2.1"}, {"type": "ExternalIP", "address": "203.0.113.1"},
+                                  {"type": "InternalIP", "address": "2001:db8::1"}, {"type": "Hostname", "address": name}],
+                    "images": [{"names": ["registry.example/some/very/long/image@sha256:0123"], "sizeBytes": 1}],
+                    "conditions": [{"type": "Ready", "status": "True"}],
+                    "capacity": {"cpu": "2"}
+                }
+            }))
+            .unwrap()
+        };
+        // b is excluded, d is being deleted.
+        let all = vec![node("a", false), node("b", true), node("c", false), node("d", false)];
+        let leases: Vec<Lease> = ["a", "b", "c", "d"]
+            .iter()
+            .map(|n| {
+                serde_json::from_value(json!({
+                    "metadata": {"name": nodes::node_lease_name(n), "annotations": {nodes::ANNOTATION_FAMILIES: "ipv4,ipv6"}},
+                    "spec": {"holderIdentity": n, "renewTime": "2023-11-14T22:13:20.000000Z", "leaseDurationSeconds": 15}
+                }))
+                .unwrap()
+            })
+            .collect();
+        let slim = slimmed(&all);
+        let (full_serving, slim_serving) =
+            (nodes::serving_nodes(&all, &leases, None, &[]), nodes::serving_nodes(&slim, &leases, None, &[]));
+        assert_eq!(full_serving.len(), 2, "{full_serving:?}");
+        assert_eq!(full_serving, slim_serving);
+        let status = slim[0].status.as_ref().unwrap();
+        assert!(status.images.is_none() && status.conditions.is_none() && slim[0].spec.is_none());
+        assert!(slim[0].metadata.labels.is_none() && slim[0].metadata.annotations.is_none());
+    }
+}
