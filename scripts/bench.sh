@@ -42,11 +42,9 @@ if [ ${#need[@]} -gt 0 ]; then
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
-if ! command -v cargo >/dev/null; then
-    log "installing a Rust toolchain (rustup)"
-    curl -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal
-    . "$HOME/.cargo/env"
-fi
+# The same toolchain check and install as scripts/demo.sh and scripts/test.sh.
+. scripts/lib.sh
+nodelb_ensure_rust || exit 1
 
 log "building (release)"
 cargo build --release --bin nodelb

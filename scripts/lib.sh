@@ -35,7 +35,7 @@ nodelb_ensure_rust() {
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends build-essential pkg-config curl ca-certificates >/dev/null
-    if ! command -v cargo >/dev/null || ! nodelb_rust_ok; then
+    if ! nodelb_rust_ok; then
         if apt-cache policy rustup 2>/dev/null | grep -q 'Candidate: [0-9]'; then
             echo "installing rustup from Debian's packages" >&2
             apt-get install -y -qq --no-install-recommends rustup >/dev/null

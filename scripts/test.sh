@@ -40,11 +40,7 @@ if ((${#need[@]})); then
 fi
 
 # On a fresh machine: no cargo yet (or only the one sudo's PATH hides). As in scripts/demo.sh.
-nodelb_cargo_path
-if ! nodelb_rust_ok; then
-    log "installing the Rust toolchain"
-    nodelb_ensure_rust || exit 1
-fi
+nodelb_ensure_rust || exit 1
 log "$(cargo --version)"
 
 list_test_netns() { { ip netns list 2>/dev/null || true; } | awk '{print $1}' | grep '^nlb-' | sort || true; }

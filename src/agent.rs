@@ -348,6 +348,9 @@ impl Agent {
                 if repair {
                     self.metrics.repairs.inc();
                     Batch::FullReplace
+                } else if plan::needs_full_replace(applied, &desired.ruleset) {
+                    // Encoded from the ruleset, not as a diff's copy of it.
+                    Batch::FullReplace
                 } else {
                     Batch::Diff(plan::diff(applied, &desired.ruleset))
                 }
@@ -656,9 +659,6 @@ fn resetting_counters(batch: &Batch, tracked: &BTreeSet<String>) -> BTreeSet<Str
         Batch::FullReplace => return tracked.clone(),
         Batch::Diff(changes) => changes,
     };
-    if changes.iter().any(|c| matches!(c, Change::DeleteTable)) {
-        return tracked.clone();
-    }
     changes
         .iter()
         .filter_map(|c| match c {

@@ -212,7 +212,8 @@ fn counter_index(services: &[LbService], ruleset: &Ruleset) -> CounterIndex {
     for svc in services {
         for port in &svc.ports {
             let key = SeriesKey { service: svc.key.clone(), port: port.id };
-            for f in Family::ALL {
+            // The planner names counters only for the Service's own families.
+            for &f in &svc.families {
                 for (counter, kind) in [
                     (plan::connections_counter(f, svc, port), CounterKind::Connections),
                     (plan::forwarded_counter(f, svc, port), CounterKind::Traffic),

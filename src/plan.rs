@@ -469,6 +469,16 @@ fn insert_element(rs: &mut Ruleset, set: &str, key: Key, value: Mapped) {
     }
 }
 
+/// Whether going from `old` to `new` changes a base chain's hook or a set's type, which an
+/// incremental update cannot express: then only a full replace will do.
+pub fn needs_full_replace(old: &Ruleset, new: &Ruleset) -> bool {
+    old.chains.iter().any(|(name, c)| new.chains.get(name).is_some_and(|n| n.base != c.base))
+        || old
+            .sets
+            .iter()
+            .any(|(name, s)| new.sets.get(name).is_some_and(|n| n.key != s.key || n.kind != s.kind))
+}
+
 /// Changes that turn the kernel state `old` (as we last programmed and verified it) into `new`.
 /// Falls back to [`Ruleset::full_replace`] when a base chain or a set's type changes, which an
 /// incremental update cannot express. Order within the batch:
@@ -476,13 +486,7 @@ fn insert_element(rs: &mut Ruleset, set: &str, key: Key, value: Mapped) {
 /// additions → flush then delete removed chains → delete removed sets → delete removed counters
 /// (references are gone before deletions).
 pub fn diff(old: &Ruleset, new: &Ruleset) -> Vec<Change> {
-    let structural =
-        old.chains.iter().any(|(name, c)| new.chains.get(name).is_some_and(|n| n.base != c.base))
-            || old
-                .sets
-                .iter()
-                .any(|(name, s)| new.sets.get(name).is_some_and(|n| n.key != s.key || n.kind != s.kind));
-    if structural {
+    if needs_full_replace(old, new) {
         return new.full_replace();
     }
 

@@ -196,9 +196,7 @@ impl Enc {
                 self.w.put_str(NFTA_CHAIN_TABLE, ir::TABLE_NAME);
                 self.w.put_str(NFTA_CHAIN_NAME, &chain.name);
                 if let Some(c) = &chain.comment {
-                    let mut u = Vec::new();
-                    udata_put(&mut u, NFTNL_UDATA_CHAIN_COMMENT, &comment_bytes(c)?);
-                    self.w.put(NFTA_CHAIN_USERDATA, &u);
+                    self.put_comment(NFTA_CHAIN_USERDATA, NFTNL_UDATA_CHAIN_COMMENT, c)?;
                 }
                 if let Some(b) = &chain.base {
                     self.w.put_str(NFTA_CHAIN_TYPE, b.chain_type.name());
@@ -256,9 +254,7 @@ impl Enc {
                 self.w.put_str(NFTA_OBJ_NAME, &counter.name);
                 self.w.put_u32(NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER);
                 if let Some(c) = &counter.comment {
-                    let mut u = Vec::new();
-                    udata_put(&mut u, NFTNL_UDATA_OBJ_COMMENT, &comment_bytes(c)?);
-                    self.w.put(NFTA_OBJ_USERDATA, &u);
+                    self.put_comment(NFTA_OBJ_USERDATA, NFTNL_UDATA_OBJ_COMMENT, c)?;
                 }
                 let d = self.w.begin_nest(NFTA_OBJ_DATA);
                 self.w.put_u64(NFTA_COUNTER_BYTES, 0);
@@ -274,6 +270,14 @@ impl Enc {
                 self.w.end_msg();
             }
         }
+        Ok(())
+    }
+
+    /// A user-data attribute holding only nft's comment TLV (chains and objects).
+    fn put_comment(&mut self, attr: u16, tlv: u8, comment: &str) -> Result<(), NftError> {
+        let mut u = Vec::new();
+        udata_put(&mut u, tlv, &comment_bytes(comment)?);
+        self.w.put(attr, &u);
         Ok(())
     }
 
