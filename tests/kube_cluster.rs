@@ -187,7 +187,10 @@ fn local_policy_lists_only_nodes_with_a_ready_local_endpoint() {
     c.wait_ingress_nodes("local", &[], CHANGE);
     c.wait_condition("local", SERVING, "False", "NoReadyLocalEndpoint", CHANGE);
     assert_eq!(c.allocated_condition("local").unwrap()["status"], "True", "still allocated");
-    assert!(c.events("local", "NoServingNode").is_empty(), "{:#?}", c.events("local", "NoServingNode"));
+    // The leader records a round's Events after writing its status: watch long enough for that
+    // round's Events to land (rounds take milliseconds) so a wrong NoServingNode would be seen.
+    let wrong = wait_until(Duration::from_secs(2), || !c.events("local", "NoServingNode").is_empty());
+    assert!(!wrong, "{:#?}", c.events("local", "NoServingNode"));
     let leader = c.wait_leader(CHANGE);
     assert_only_leaders_wrote(&c, &[leader]);
 }

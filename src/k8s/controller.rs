@@ -439,9 +439,7 @@ async fn node_lease(
         if pending.is_empty() {
             continue;
         }
-        let Some(node) =
-            source.snapshot().nodes.into_iter().find(|n| n.metadata.name.as_deref() == Some(&cfg.node_name))
-        else {
+        let Some(node) = source.node(&cfg.node_name) else {
             debug!(node = %cfg.node_name, "our Node is not in the cache yet; ForwardingDisabled Event deferred");
             continue;
         };

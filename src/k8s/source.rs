@@ -164,6 +164,11 @@ impl KubeSource {
         self.synced.iter().all(|s| s.load(Ordering::Acquire))
     }
 
+    /// The cached Node called `name` (a store lookup; no snapshot of every cache).
+    pub fn node(&self, name: &str) -> Option<Arc<Node>> {
+        self.nodes.get(&reflector::ObjectRef::new(name))
+    }
+
     pub fn snapshot(&self) -> KubeSnapshot {
         KubeSnapshot {
             services: self.services.state(),
