@@ -411,3 +411,18 @@ fn json_logs_and_refusals_logged_once() {
     }
     assert_eq!(refusals, 1, "the refusal of default/bad must be logged once:\n{log}");
 }
+
+/// A log written to a file (or a pipe: `kubectl logs`, journald) carries no terminal colour
+/// escapes; the default text format is plain text there.
+#[test]
+fn text_logs_to_a_file_have_no_colour_escapes() {
+    require_root!();
+    let topo = Topology::new(1, 1);
+    let bad = web("bad", 20081, 1).source_range("198.51.100.0/33");
+    let mut agent = Agent::start(&topo.node, &[("bad.yaml", bad.render())], &[]);
+    agent.wait_ready(READY);
+    agent.wait_state("default/bad", "refused", CHANGE);
+    let log = agent.logs();
+    assert!(log.contains("WARN") && log.contains("198.51.100.0/33"), "the refusal is logged:\n{log}");
+    assert!(!log.contains('\u{1b}'), "ANSI escape sequences in a log file:\n{log:?}");
+}
