@@ -323,6 +323,7 @@ impl Agent {
             mode: self.source.mode(),
             services: &loaded.services,
             slices: &loaded.slices,
+            notes: &loaded.notes,
             previous: &self.allocations,
             range: &self.cfg.port_range,
             model: &self.cfg.model,

@@ -21,7 +21,7 @@ use crate::nft::NftClient;
 use crate::plan::NodeFacts;
 use crate::source::Source;
 use crate::state::StateFile;
-use crate::status::{SharedStatus, Status};
+use crate::status::{PortStatus, SharedStatus, Status};
 use crate::sysctl::Sysctls;
 
 fn node_name(common: &CommonArgs) -> String {
@@ -132,7 +132,9 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
     for p in &loaded.problems {
         eprintln!("problem: {p}");
     }
-    let previous = StateFile::new(args.common.state_file.clone()).load().unwrap_or_default();
+    // A state file the agent could not read would stop it; `plan` must not print ports the
+    // agent would not use.
+    let previous = StateFile::new(args.common.state_file.clone()).load()?;
     let node = NodeFacts {
         node_name: node_name(&args.common),
         families: Family::ALL.into_iter().collect::<BTreeSet<_>>(),
@@ -142,6 +144,17 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
         mode: desired::AllocationMode::Allocate,
         services: &loaded.services,
         slices: &loaded.slices,
+        notes: &desired::SourceNotes {
+            refused: loaded
+                .invalid_services
+                .iter()
+                .map(|i| crate::model::Refusal::Invalid {
+                    service: i.key.clone(),
+                    reason: i.problem.to_string(),
+                })
+                .collect(),
+            stale: Default::default(),
+        },
         previous: &previous,
         range: &args.common.port_range,
         model: &model_options(&args.common),
@@ -184,7 +197,10 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
             println!("    {r}");
         }
     }
-    println!("{:<40} {:<13} {:<30} REASON", "SERVICE", "STATE", "PORTS (port/proto->node port)");
+    println!(
+        "{:<40} {:<13} {:<30} {:>8} {:>8} REASON",
+        "SERVICE", "STATE", "PORTS (port/proto->node port)", "CONNS", "REFUSED"
+    );
     for s in &st.services {
         let ports: Vec<String> = s
             .ports
@@ -196,16 +212,22 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
             .collect();
         let state =
             serde_json::to_value(s.state).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default();
+        // Kernel counters (absent with --per-service-metrics=false): new connections, and
+        // packets of connections refused by loadBalancerSourceRanges (dropped, so a refused
+        // client only sees a timeout: this column is where the refusal shows).
+        let total = |f: fn(&PortStatus) -> Option<u64>| {
+            let values: Vec<u64> = s.ports.iter().filter_map(f).collect();
+            if values.is_empty() { "-".to_string() } else { values.iter().sum::<u64>().to_string() }
+        };
         println!(
-            "{:<40} {:<13} {:<30} {}",
+            "{:<40} {:<13} {:<30} {:>8} {:>8} {}",
             format!("{}/{}", s.namespace, s.name),
             state,
             ports.join(","),
+            total(|p| p.connections),
+            total(|p| p.refused_packets),
             s.reason.as_deref().unwrap_or("")
         );
-        for p in s.ports.iter().filter_map(|p| p.problem.as_ref()) {
-            println!("    {p}");
-        }
     }
     for p in &st.problems {
         println!("problem: {p}");

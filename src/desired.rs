@@ -43,11 +43,23 @@ pub enum AllocationMode {
     Annotated,
 }
 
+/// What a source knows about its Services beyond the objects it hands over.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SourceNotes {
+    /// Services the source could not read at all (manifests mode: a wrongly typed field), each
+    /// with the problem: refused, on their own status line.
+    pub refused: Vec<Refusal>,
+    /// Services served from their last good version (a broken manifest file, a Service edited
+    /// into invalid input), and why.
+    pub stale: BTreeMap<ServiceKey, String>,
+}
+
 /// `S` / `E`: the objects owned or shared (`Arc`, as the sources hold them).
 pub struct Inputs<'a, S = Service, E = EndpointSlice> {
     pub mode: AllocationMode,
     pub services: &'a [S],
     pub slices: &'a [E],
+    pub notes: &'a SourceNotes,
     pub previous: &'a Allocations,
     pub range: &'a PortRange,
     pub model: &'a ModelOptions,
@@ -64,7 +76,10 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     inputs: &Inputs<'_, S, E>,
     counter_index: bool,
 ) -> Desired {
-    let out = model::build(inputs.services, inputs.slices, inputs.model);
+    let mut out = model::build(inputs.services, inputs.slices, inputs.model);
+    out.refused.extend(
+        inputs.notes.refused.iter().filter(|r| !out.services.iter().any(|s| &s.key == r.service())).cloned(),
+    );
     let (allocations, alloc_problems, duplicates) = match inputs.mode {
         AllocationMode::Allocate => {
             let result = alloc::allocate(inputs.range, &out.services, inputs.previous);
@@ -77,14 +92,22 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             (allocations, vec![], duplicates)
         }
     };
-    let no_allocation = match inputs.mode {
-        AllocationMode::Allocate => "no node port could be allocated".to_string(),
+    // In Kubernetes mode the leader says why on the Service (its Allocated condition).
+    let leader_says: BTreeMap<ServiceKey, String> = match inputs.mode {
+        AllocationMode::Allocate => BTreeMap::new(),
         AllocationMode::Annotated => {
-            format!(
+            inputs.services.iter().filter_map(|s| allocation_refused(s.borrow())).collect()
+        }
+    };
+    let no_allocation = |key: &ServiceKey| match inputs.mode {
+        AllocationMode::Allocate => "no node port could be allocated".to_string(),
+        AllocationMode::Annotated => match leader_says.get(key) {
+            Some(why) => format!("no node port: {why}"),
+            None => format!(
                 "no node port on the Service yet ({} is written by the leader)",
                 model::ANNOTATION_ALLOCATED
-            )
-        }
+            ),
+        },
     };
 
     let empty = BTreeMap::new();
@@ -100,7 +123,15 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         .iter()
         .map(|s| {
             let ports = allocations.get(&s.key).unwrap_or(&empty);
-            service_status(s, ports, &alloc_problems, inputs.node, &no_allocation)
+            let mut status = service_status(s, ports, &alloc_problems, inputs.node, &no_allocation(&s.key));
+            if let Some(note) = inputs.notes.stale.get(&s.key) {
+                status.reason = Some(match status.reason.take() {
+                    Some(r) => format!("{r}; {note}"),
+                    None => note.clone(),
+                });
+                status.reason_code.get_or_insert_with(|| "last_good_spec".to_string());
+            }
+            status
         })
         .collect();
     for r in &out.refused {
@@ -151,6 +182,9 @@ fn keep_refused_allocations(allocations: &mut Allocations, previous: &Allocation
     }
 }
 
+/// One status line: the state of the Service on this node and, whenever it is not simply
+/// programmed with ready endpoints, the reason in words (`nodelb status` prints one line per
+/// Service, so the reason must be on it, not elsewhere).
 fn service_status(
     svc: &LbService,
     node_ports: &BTreeMap<model::PortId, u16>,
@@ -162,38 +196,62 @@ fn service_status(
     let mut ports = Vec::with_capacity(svc.ports.len());
     let mut any_endpoints = false;
     let mut any_allocated = false;
+    // Ports served only by terminating endpoints (no ready one: graceful termination).
+    let mut terminating = Vec::new();
+    let own: Vec<&AllocProblem> = problems.iter().filter(|p| p.service() == &svc.key).collect();
     for port in &svc.ports {
         let node_port = node_ports.get(&port.id).copied();
         any_allocated |= node_port.is_some();
-        let endpoints: usize = svc
+        let usable: Vec<&model::Endpoint> = svc
             .families
             .iter()
             .filter(|f| node.families.contains(f))
-            .map(|&f| plan::usable_endpoints(svc, port, f, &node.node_name).len())
-            .sum();
+            .flat_map(|&f| plan::usable_endpoints(svc, port, f, &node.node_name))
+            .collect();
+        let endpoints = usable.len();
         any_endpoints |= endpoints > 0 && node_port.is_some();
-        let problem =
-            problems.iter().find(|p| p.service() == &svc.key && p.port() == port.id).map(|p| p.to_string());
+        if node_port.is_some() && endpoints > 0 && usable.iter().all(|e| !e.ready) {
+            terminating.push(format!("{} ({endpoints})", port.id));
+        }
+        let problem = own.iter().find(|p| p.port() == port.id).map(|p| p.to_string());
         ports.push(PortStatus {
             port: port.id.port,
             protocol: port.id.protocol.k8s_name().to_string(),
             node_port,
             endpoints,
             problem,
+            connections: None,
+            refused_packets: None,
         });
     }
+    let port_problems = || own.iter().map(|p| p.to_string()).collect::<Vec<_>>().join("; ");
+    let problem_code = || match own.first() {
+        Some(AllocProblem::Conflict { .. }) => "port_conflict",
+        Some(AllocProblem::Exhausted { .. }) => "range_exhausted",
+        None => "no_allocation",
+    };
     let served: Vec<Family> = svc.families.iter().copied().filter(|f| node.families.contains(f)).collect();
     let (state, reason_code, reason) = if !any_allocated {
-        (ServiceState::Refused, Some("no_allocation"), Some(no_allocation.to_string()))
+        let reason = if own.is_empty() { no_allocation.to_string() } else { port_problems() };
+        (ServiceState::Refused, Some(problem_code()), Some(reason))
     } else if served.is_empty() {
         let fams: Vec<&str> = svc.families.iter().map(|f| f.name()).collect();
         let reason = format!("forwarding is off on this node for its families ({})", fams.join(", "));
         (ServiceState::Refused, Some("forwarding_off"), Some(reason))
-    } else if any_endpoints {
-        (ServiceState::Programmed, None, None)
-    } else {
+    } else if !any_endpoints {
         let reason = "no ready endpoint usable on this node".to_string();
         (ServiceState::NoEndpoints, Some("no_endpoints"), Some(reason))
+    } else if !own.is_empty() {
+        // Served on the ports that have a node port; the others say why not.
+        (ServiceState::Programmed, Some(problem_code()), Some(port_problems()))
+    } else if !terminating.is_empty() {
+        let reason = format!(
+            "no ready endpoint: serving its terminating endpoints (graceful termination) on {}",
+            terminating.join(", ")
+        );
+        (ServiceState::Programmed, Some("terminating_endpoints"), Some(reason))
+    } else {
+        (ServiceState::Programmed, None, None)
     };
     ServiceStatus {
         namespace: svc.key.namespace.clone(),
@@ -203,6 +261,14 @@ fn service_status(
         reason,
         ports,
     }
+}
+
+/// `reason: message` of a Service's `nodelb.io/Allocated` condition when the leader could not
+/// allocate (Kubernetes mode): what a node's status line says for a Service it does not program.
+fn allocation_refused(svc: &Service) -> Option<(ServiceKey, String)> {
+    let conditions = svc.status.as_ref()?.conditions.as_ref()?;
+    let c = conditions.iter().find(|c| c.type_ == model::CONDITION_ALLOCATED && c.status == "False")?;
+    Some((model::service_key(svc), format!("{}: {}", c.reason, c.message)))
 }
 
 /// The named counters of each served Service port that the ruleset contains, and every Service
@@ -228,4 +294,49 @@ fn counter_index(services: &[LbService], ruleset: &Ruleset) -> CounterIndex {
         }
     }
     index
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A node's status line for a Service the leader could not allocate repeats the leader's
+    /// reason (the `nodelb.io/Allocated` condition), not a bare "no node port".
+    #[test]
+    fn a_node_tells_why_the_leader_allocated_nothing() {
+        let svc: Service = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "young", "namespace": "default"},
+            "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]},
+            "status": {"conditions": [
+                {"type": "nodelb.io/Serving", "status": "False", "reason": "NotAllocated", "message": "x",
+                 "lastTransitionTime": "2024-01-01T00:00:00Z"},
+                {"type": model::CONDITION_ALLOCATED, "status": "False", "reason": "PortConflict",
+                 "message": "port 80/TCP asks for node port 20080, which Service default/old holds",
+                 "lastTransitionTime": "2024-01-01T00:00:00Z"}]}
+        }))
+        .expect("service");
+        let node = NodeFacts {
+            node_name: "node-1".into(),
+            families: [Family::Ipv4].into(),
+            masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
+        };
+        let desired = compute(&Inputs {
+            mode: AllocationMode::Annotated,
+            services: &[svc],
+            slices: model::NO_SLICES,
+            notes: &SourceNotes::default(),
+            previous: &Allocations::new(),
+            range: &PortRange::new(20000, 20010).expect("range"),
+            model: &ModelOptions::default(),
+            node: &node,
+        });
+        let line = &desired.services[0];
+        assert_eq!(line.state, ServiceState::Refused);
+        assert_eq!(
+            line.reason.as_deref(),
+            Some(
+                "no node port: PortConflict: port 80/TCP asks for node port 20080, which Service default/old holds"
+            )
+        );
+    }
 }

@@ -11,8 +11,11 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Json};
 use axum::routing::get;
 
-use crate::metrics::Metrics;
-use crate::status::SharedStatus;
+use std::collections::BTreeMap;
+
+use crate::metrics::{CounterKind, Metrics, Series, SeriesKey, Totals, read_totals};
+use crate::model::{PortId, ServiceKey, parse_protocol};
+use crate::status::{SharedStatus, Status};
 
 #[derive(Clone)]
 struct AppState {
@@ -45,8 +48,29 @@ async fn metrics_text(State(app): State<AppState>) -> impl IntoResponse {
 }
 
 async fn status_json(State(app): State<AppState>) -> impl IntoResponse {
-    let st = app.status.read().unwrap_or_else(|e| e.into_inner()).clone();
+    let mut st = app.status.read().unwrap_or_else(|e| e.into_inner()).clone();
+    if app.metrics.per_service {
+        // The kernel's counters, read now (over netlink: off the async workers).
+        let counters = app.metrics.counters.clone();
+        if let Ok(totals) = tokio::task::spawn_blocking(move || read_totals(&counters)).await {
+            add_counters(&mut st, &totals);
+        }
+    }
     Json(st)
+}
+
+/// Puts each Service port's connection and source-range refusal totals on its status line.
+fn add_counters(st: &mut Status, totals: &BTreeMap<Series, Totals>) {
+    for svc in &mut st.services {
+        let service = ServiceKey::new(svc.namespace.clone(), svc.name.clone());
+        for port in &mut svc.ports {
+            let Ok(protocol) = parse_protocol(&port.protocol) else { continue };
+            let key = SeriesKey { service: service.clone(), port: PortId { port: port.port, protocol } };
+            let get = |kind| totals.get(&(key.clone(), kind)).map(|t: &Totals| t.packets);
+            port.connections = get(CounterKind::Connections);
+            port.refused_packets = get(CounterKind::Refused);
+        }
+    }
 }
 
 async fn healthz(State(app): State<AppState>) -> impl IntoResponse {

@@ -42,6 +42,7 @@ use serde_json::Value;
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 
+use crate::model::ServiceKey;
 use crate::slim::Slim as _;
 
 /// Quiet time after the last event before notifying. One writer's burst (an editor's temp file +
@@ -73,6 +74,11 @@ pub struct Manifests {
     pub problems: Vec<ManifestProblem>,
     /// Objects of kinds nodelb does not use.
     pub ignored: Vec<IgnoredObject>,
+    /// Services whose document names them but does not parse (a wrongly typed field): each is a
+    /// refusal on its own status line, unless a last good version of its file serves it.
+    pub invalid_services: Vec<InvalidService>,
+    /// Services served from the last good version of their file, and why (the file's problem).
+    pub stale: BTreeMap<ServiceKey, String>,
     /// Per file: the objects it contributed and whether it had a problem (shared, so that
     /// [`LastGood`] keeps them without copying every object at every sync).
     pub files: BTreeMap<PathBuf, Arc<FileObjects>>,
@@ -84,6 +90,16 @@ pub struct FileObjects {
     pub services: Vec<Arc<Service>>,
     pub slices: Vec<Arc<EndpointSlice>>,
     pub had_problem: bool,
+    /// The file's first problem, for the status line of the Services it keeps serving from
+    /// their last good version.
+    pub first_problem: Option<String>,
+}
+
+/// A Service document that names its Service but cannot be read as one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvalidService {
+    pub key: ServiceKey,
+    pub problem: ManifestProblem,
 }
 
 /// The last good content of each manifest file, so that a file being edited (or broken) does not
@@ -115,6 +131,11 @@ impl LastGood {
         for (path, objs) in &m.files {
             let served = match self.files.get(path) {
                 Some(good) if objs.had_problem => {
+                    let why = objs.first_problem.as_deref().unwrap_or("it has a problem");
+                    for svc in &good.services {
+                        let note = format!("served from the last good version of {}: {why}", path.display());
+                        m.stale.insert(crate::model::service_key(svc), note);
+                    }
                     m.problems.push(ManifestProblem {
                         file: path.clone(),
                         document: 0,
@@ -332,9 +353,14 @@ fn merge_file(
     path: &Path,
     file: &Manifests,
 ) {
-    let mut objs = FileObjects { had_problem: !file.problems.is_empty(), ..Default::default() };
+    let mut objs = FileObjects {
+        had_problem: !file.problems.is_empty(),
+        first_problem: file.problems.first().map(ToString::to_string),
+        ..Default::default()
+    };
     out.problems.extend(file.problems.iter().cloned());
     out.ignored.extend(file.ignored.iter().cloned());
+    out.invalid_services.extend(file.invalid_services.iter().cloned());
     let mut admit = |kind: &'static str, meta: &ObjectMeta, problems: &mut Vec<ManifestProblem>| {
         let ns = meta.namespace.clone().unwrap_or_default();
         let name = meta.name.clone().unwrap_or_default();
@@ -370,6 +396,9 @@ fn merge_file(
         } else {
             objs.had_problem = true;
         }
+    }
+    if objs.had_problem && objs.first_problem.is_none() {
+        objs.first_problem = out.problems.last().map(ToString::to_string);
     }
     out.services.extend(objs.services.iter().cloned());
     out.slices.extend(objs.slices.iter().cloned());
@@ -524,6 +553,12 @@ impl Loader {
             Err((line, message)) => {
                 let msg = format!("{}invalid {kind}: {message}", origin.prefix);
                 self.problem(origin.file, origin.document, line, msg);
+                if matches!(typed_kind, Kind::Service)
+                    && let Some(key) = named_key(map)
+                    && let Some(problem) = self.out.problems.last().cloned()
+                {
+                    self.out.invalid_services.push(InvalidService { key, problem });
+                }
             }
         }
     }
@@ -576,6 +611,15 @@ impl Loader {
         }
         true
     }
+}
+
+/// `namespace/name` of an object that did not parse, when its metadata still names it.
+fn named_key(map: &serde_json::Map<String, Value>) -> Option<ServiceKey> {
+    let meta = map.get("metadata")?;
+    let name = meta.get("name").and_then(Value::as_str).filter(|n| !n.is_empty())?;
+    let namespace =
+        meta.get("namespace").and_then(Value::as_str).filter(|n| !n.is_empty()).unwrap_or("default");
+    Some(ServiceKey::new(namespace, name))
 }
 
 /// A serde_yaml error of a document that starts after `lines_before` lines of its file, with
@@ -899,6 +943,22 @@ mod tests {
         assert!(p.message.contains("invalid Service"), "{p}");
         let shown = p.to_string();
         assert!(shown.contains("m.yaml document 3 (line 20): invalid Service"), "{shown}");
+        // The wrongly typed Service still names itself: it gets a status line of its own.
+        let invalid: Vec<String> = m.invalid_services.iter().map(|i| i.key.to_string()).collect();
+        assert_eq!(invalid, ["default/typed"], "the unparsable one has no name");
+        assert_eq!(m.invalid_services[0].problem, m.problems[1]);
+    }
+
+    #[test]
+    fn services_served_from_a_last_good_file_say_so() {
+        let dir = dir_with(&[("m.yaml", SVC)]);
+        let mut lg = LastGood::default();
+        assert!(lg.apply(load_dir(dir.path()).expect("load")).stale.is_empty());
+        std::fs::write(dir.path().join("m.yaml"), format!("{SVC}  - port: eighty\n")).unwrap();
+        let m = lg.apply(load_dir(dir.path()).expect("load"));
+        assert_eq!(names(&m).0, vec!["default/web".to_string()], "kept: {:?}", m.problems);
+        let note = m.stale.get(&ServiceKey::new("default", "web")).expect("a note for default/web");
+        assert!(note.contains("last good version") && note.contains("m.yaml"), "{note}");
     }
 
     #[test]

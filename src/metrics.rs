@@ -351,6 +351,18 @@ const BYTES: &str = "nodelb_service_bytes_total";
 const REFUSED: &str = "nodelb_service_refused_packets_total";
 const SERIES_LABELS: [&str; 4] = ["namespace", "service", "port", "protocol"];
 
+/// Every per-Service-port series with its total now: the kernel's named counters read over
+/// netlink, plus what earlier batches reset. Blocking. The lock is held across the read, so no
+/// batch (and its fold) happens in between. A failed read gives no series at all (the base alone
+/// would look like a counter reset); no table (deleted behind our back) does hold 0.
+pub fn read_totals(state: &SharedCounters) -> BTreeMap<Series, Totals> {
+    let st = state.lock().unwrap_or_else(|e| e.into_inner());
+    match NftClient::new().and_then(|mut c| c.read_counters()) {
+        Ok(kernel) => st.totals(&kernel),
+        Err(_) => BTreeMap::new(),
+    }
+}
+
 /// Reads the kernel's rule counters of table inet nodelb at scrape time.
 struct KernelCounters {
     state: SharedCounters,
@@ -392,16 +404,7 @@ impl Collector for KernelCounters {
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
-        // The lock is held across the read, so no batch (and its fold) happens in between.
-        let totals = {
-            let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            // A failed read exports no series this time: the base alone would look like a counter
-            // reset. No table at all (deleted behind our back) does hold 0 in the kernel.
-            match NftClient::new().and_then(|mut c| c.read_counters()) {
-                Ok(kernel) => st.totals(&kernel),
-                Err(_) => BTreeMap::new(),
-            }
-        };
+        let totals = read_totals(&self.state);
         let mut families: BTreeMap<&str, Vec<prometheus::proto::Metric>> = BTreeMap::new();
         for name in [CONNECTIONS, PACKETS, BYTES, REFUSED] {
             families.insert(name, vec![]);

@@ -68,6 +68,8 @@ pub const ANNOTATION_ALLOCATED: &str = "nodelb.io/allocated-ports";
 pub const ANNOTATION_IGNORE: &str = "nodelb.io/ignore";
 /// Legacy source-range annotation, honoured when `spec.loadBalancerSourceRanges` is empty.
 pub const ANNOTATION_LEGACY_SOURCE_RANGES: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
+/// Service condition the leader sets: are node ports allocated (`False` says why).
+pub const CONDITION_ALLOCATED: &str = "nodelb.io/Allocated";
 /// Label linking an EndpointSlice to its Service.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 

@@ -8,11 +8,11 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
-use crate::desired::AllocationMode;
+use crate::desired::{AllocationMode, SourceNotes};
 use crate::k8s::lastgood::LastGoodServices;
 use crate::k8s::source::KubeSource;
 use crate::manifests::{DirWatcher, IgnoredLog, LastGood, ManifestCache, ManifestError};
-use crate::model::ModelOptions;
+use crate::model::{ModelOptions, Refusal};
 
 /// What the agent programs from. The objects are shared with the source's caches (a snapshot
 /// copies pointers, not objects).
@@ -22,6 +22,8 @@ pub struct Snapshot {
     pub slices: Vec<Arc<EndpointSlice>>,
     /// Input problems to report (manifest files, refusals masked by a last good version).
     pub problems: Vec<String>,
+    /// Services refused before the model sees them, and Services served from a last good version.
+    pub notes: SourceNotes,
     /// Same value ⇒ same content; `None` ⇒ always recompute.
     pub fingerprint: Option<u64>,
 }
@@ -100,10 +102,16 @@ impl Source {
                 for o in ignored.newly_ignored(&loaded.ignored) {
                     tracing::info!("{o}: nodelb uses only v1 Service and discovery.k8s.io/v1 EndpointSlice");
                 }
+                let refused = loaded
+                    .invalid_services
+                    .iter()
+                    .map(|i| Refusal::Invalid { service: i.key.clone(), reason: i.problem.to_string() })
+                    .collect();
                 Ok(Loaded::Snapshot(Snapshot {
                     services: loaded.services,
                     slices: loaded.slices,
                     problems: loaded.problems.iter().map(|p| p.to_string()).collect(),
+                    notes: SourceNotes { refused, stale: loaded.stale },
                     fingerprint: Some(fingerprint),
                 }))
             }
@@ -117,6 +125,11 @@ impl Source {
                     return Ok(Loaded::Unchanged);
                 }
                 let subst = last_good.apply(&snap.services, opts);
+                let stale = subst
+                    .masked
+                    .iter()
+                    .map(|r| (r.service().clone(), format!("served from its last valid spec: {r}")))
+                    .collect();
                 Ok(Loaded::Snapshot(Snapshot {
                     services: subst.services,
                     slices: snap.slices,
@@ -125,6 +138,7 @@ impl Source {
                         .iter()
                         .map(|r| format!("{r}; keeping its last valid spec until this is fixed"))
                         .collect(),
+                    notes: SourceNotes { refused: vec![], stale },
                     fingerprint: Some(fingerprint),
                 }))
             }

@@ -30,6 +30,14 @@ pub struct PortStatus {
     pub endpoints: usize,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub problem: Option<String>,
+    /// New connections DNATed on this node (kernel counter; filled in when `/status` is served,
+    /// absent with `--per-service-metrics=false`).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub connections: Option<u64>,
+    /// Packets of new connections dropped by `loadBalancerSourceRanges` (kernel counter, as
+    /// `connections`).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub refused_packets: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -21,7 +21,7 @@ use super::dupes::Duplicate;
 use super::nodes::ServingNode;
 
 /// Condition type on Services we serve (also the marker that the status is ours).
-pub const CONDITION_ALLOCATED: &str = "nodelb.io/Allocated";
+pub const CONDITION_ALLOCATED: &str = crate::model::CONDITION_ALLOCATED;
 /// Condition type saying whether any node serves the allocated ports (`False/NoServingNode` is
 /// the state of the `NoServingNode` Event). Set wherever [`CONDITION_ALLOCATED`] is.
 pub const CONDITION_SERVING: &str = "nodelb.io/Serving";

@@ -46,19 +46,27 @@ pub struct EndpointSpec {
     pub addr: IpAddr,
     pub node: String,
     pub ready: bool,
+    /// Terminating but still serving (graceful termination): `ready` false, `serving` true.
+    pub terminating: bool,
 }
 
 impl EndpointSpec {
     /// A ready endpoint on the agent's own node.
     pub fn local(addr: impl Into<IpAddr>) -> EndpointSpec {
-        EndpointSpec { addr: addr.into(), node: NODE_NAME.into(), ready: true }
+        EndpointSpec { addr: addr.into(), node: NODE_NAME.into(), ready: true, terminating: false }
     }
     /// A ready endpoint on another node.
     pub fn remote(addr: impl Into<IpAddr>, node: &str) -> EndpointSpec {
-        EndpointSpec { addr: addr.into(), node: node.into(), ready: true }
+        EndpointSpec { addr: addr.into(), node: node.into(), ready: true, terminating: false }
     }
     pub fn not_ready(mut self) -> EndpointSpec {
         self.ready = false;
+        self
+    }
+    /// Terminating and still serving (a Pod in its grace period).
+    pub fn terminating(mut self) -> EndpointSpec {
+        self.ready = false;
+        self.terminating = true;
         self
     }
 }
@@ -183,7 +191,7 @@ impl ServiceSpec {
                 .map(|e| {
                     json!({
                         "addresses": [e.addr.to_string()],
-                        "conditions": {"ready": e.ready, "serving": e.ready, "terminating": false},
+                        "conditions": {"ready": e.ready, "serving": e.ready || e.terminating, "terminating": e.terminating},
                         "nodeName": e.node,
                     })
                 })
