@@ -95,6 +95,12 @@ impl NetNs {
     pub fn enter_current_thread(&self) {
         enter(&format!("/run/netns/{}", self.name));
     }
+
+    /// Joins the namespace called `name` on the current thread (for a thread that cannot borrow
+    /// the [`NetNs`]).
+    pub fn enter_path(name: &str) {
+        enter(&format!("/run/netns/{name}"));
+    }
 }
 
 fn enter(path: &str) {
