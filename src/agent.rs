@@ -9,9 +9,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use k8s_openapi::jiff::Timestamp;
 use tracing::{debug, error, info, warn};
 
-use crate::alloc::{Allocations, PortRange};
+use crate::alloc::PortRange;
 use crate::conntrack::{self, ConntrackClient};
 use crate::desired::{self, AllocationMode, Desired, Inputs};
 use crate::ir::{Change, Family, Ruleset};
@@ -21,7 +22,7 @@ use crate::model::ModelOptions;
 use crate::nft::{self, NftClient};
 use crate::plan::{self, NodeFacts};
 use crate::source::{Loaded, Source};
-use crate::state::StateFile;
+use crate::state::{State, StateFile};
 use crate::status::{ServiceState, ServiceStatus, SharedStatus, SyncStatus};
 use crate::sysctl::{Sysctls, forwarding_sysctl};
 
@@ -76,7 +77,8 @@ struct Agent {
     nft: NftClient,
     source: Source,
     state: Option<StateFile>,
-    allocations: Allocations,
+    /// The allocations (and their times) of the last sync, as in the state file.
+    allocations: State,
     /// What we last programmed and saw the kernel accept; `None` forces a full replace.
     applied: Option<Ruleset>,
     /// Ruleset generation right after our last batch; a different value means someone else
@@ -132,7 +134,7 @@ pub async fn run(
 ) -> Result<(), AgentError> {
     let state = cfg.state_file.clone().map(StateFile::new);
     let allocations = match &state {
-        Some(s) => s.load()?,
+        Some(s) => migrate(s, s.load()?),
         None => Default::default(),
     };
     let nft = NftClient::new()?;
@@ -323,7 +325,8 @@ impl Agent {
             mode: self.source.mode(),
             services: &loaded.services,
             slices: &loaded.slices,
-            previous: &self.allocations,
+            previous: &self.allocations.allocations,
+            since: &self.allocations.since,
             range: &self.cfg.port_range,
             model: &self.cfg.model,
             node: &node,
@@ -331,13 +334,14 @@ impl Agent {
         let mut desired: Desired = desired::compute_with(&inputs, self.metrics.per_service);
         phases.mark("desired");
         self.report_refusals(&desired);
-        if desired.allocations != self.allocations {
+        if desired.allocations != self.allocations.allocations {
+            let next = self.allocations.stamp(&desired.allocations, Timestamp::now());
             if let Some(state) = &self.state
                 && self.source.mode() == AllocationMode::Allocate
             {
-                state.save(&desired.allocations)?;
+                state.save(&next)?;
             }
-            self.allocations = desired.allocations.clone();
+            self.allocations = next;
         }
         phases.mark("state");
 
@@ -579,6 +583,26 @@ impl Agent {
         let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
         st.problems = problems;
     }
+}
+
+/// Stamps the Services of a state file written by an older nodelb (no allocation times) with
+/// the time they are first read, and writes that down at once: from then on their age is fixed.
+/// A file that cannot be written is used as read (the next save retries).
+fn migrate(file: &StateFile, state: State) -> State {
+    let missing = state.allocations.keys().filter(|k| !state.since.contains_key(*k)).count();
+    if missing == 0 {
+        return state;
+    }
+    let stamped = state.stamp(&state.allocations, Timestamp::now());
+    info!(
+        file = %file.path().display(),
+        services = missing,
+        "state file has Services without an allocation time (written by an older nodelb); recording now"
+    );
+    if let Err(e) = file.save(&stamped) {
+        warn!(error = %e, "cannot write the allocation times yet; retrying at the next allocation change");
+    }
+    stamped
 }
 
 /// A sync this large (changes in its batch) leaves a transient peak behind: the batch buffer, the

@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::jiff::Timestamp;
 
 use crate::alloc::{self, AllocProblem, Allocations, PortRange};
 use crate::ir::{Family, Ruleset};
@@ -49,6 +50,8 @@ pub struct Inputs<'a, S = Service, E = EndpointSlice> {
     pub services: &'a [S],
     pub slices: &'a [E],
     pub previous: &'a Allocations,
+    /// Manifests mode: when this node first allocated each Service (the state file), its age.
+    pub since: &'a BTreeMap<ServiceKey, Timestamp>,
     pub range: &'a PortRange,
     pub model: &'a ModelOptions,
     pub node: &'a NodeFacts,
@@ -64,7 +67,10 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     inputs: &Inputs<'_, S, E>,
     counter_index: bool,
 ) -> Desired {
-    let out = model::build(inputs.services, inputs.slices, inputs.model);
+    let mut out = model::build(inputs.services, inputs.slices, inputs.model);
+    for svc in &mut out.services {
+        svc.allocated_since = inputs.since.get(&svc.key).map(|t| t.to_string());
+    }
     let (allocations, alloc_problems, duplicates) = match inputs.mode {
         AllocationMode::Allocate => {
             let result = alloc::allocate(inputs.range, &out.services, inputs.previous);

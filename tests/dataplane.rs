@@ -647,3 +647,57 @@ fn bad_names_and_bad_state_entries_do_not_stop_the_agent() {
     assert_eq!(agent.node_port("default/auto", 80, "TCP"), Some(port), "port kept across the restart");
     get_n(c, v4(NODE_V4), port, 3);
 }
+
+/// Issue 13, point 4: a Service that was allocated a node port and serves keeps it when a Service
+/// added later asks for that number by annotation, even one whose name sorts first (before, the
+/// name decided and the serving Service moved). The newcomer gets the conflict, naming the holder.
+/// The decision survives a restart (the state file records when each Service was allocated), and
+/// once the holder goes, the newcomer gets the number.
+#[test]
+fn a_serving_service_keeps_its_port_when_a_newer_one_asks_for_it() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let c = topo.client(0);
+    let web =
+        ServiceSpec::new("web").port(PortSpec::tcp(80, None)).endpoint(EndpointSpec::local(backend_v4(0)));
+    let mut agent = start(&topo, &[("web.yaml", web.render())], &[]);
+    agent.wait_state("default/web", "programmed", CHANGE);
+    let port = agent.node_port("default/web", 80, "TCP").expect("allocated port");
+    let only = |want: &str| {
+        let answers = get_n(c, v4(NODE_V4), port, 10);
+        assert_eq!(backends(&answers).keys().cloned().collect::<Vec<_>>(), [want], "{answers:?}");
+    };
+    only("be1");
+
+    let newer = ServiceSpec::new("aaa")
+        .port(PortSpec::tcp(80, Some(port)))
+        .endpoint(EndpointSpec::local(backend_v4(1)));
+    agent.write_manifest("aaa.yaml", &newer.render());
+    let conflict = |agent: &Agent| {
+        agent.wait_state("default/aaa", "refused", CHANGE);
+        let st = agent.service_status("default/aaa").unwrap();
+        let problem = st["ports"][0]["problem"].as_str().unwrap_or_default().to_string();
+        assert!(
+            problem.contains(&format!("node port {port}")) && problem.contains("Service default/web holds"),
+            "the conflict names the port and the holder: {st}"
+        );
+        assert_eq!(agent.node_port("default/web", 80, "TCP"), Some(port), "the serving Service moved");
+        agent.wait_state("default/web", "programmed", CHANGE);
+    };
+    conflict(&agent);
+    only("be1");
+    let state = std::fs::read_to_string(agent.state_file()).expect("state file");
+    let state: serde_json::Value = serde_json::from_str(&state).expect("JSON");
+    assert!(state["since"]["default/web"].is_string(), "allocation time recorded: {state}");
+    assert!(state["allocations"].get("default/aaa").is_none(), "{state}");
+
+    agent.restart();
+    agent.wait_ready(READY);
+    conflict(&agent);
+    only("be1");
+
+    agent.remove_manifest("web.yaml");
+    agent.wait_state("default/aaa", "programmed", CHANGE);
+    assert_eq!(agent.node_port("default/aaa", 80, "TCP"), Some(port));
+    assert!(wait_until(CHANGE, || http_get(c, v4(NODE_V4), port, T).is_ok_and(|b| b.contains("be2"))));
+}
