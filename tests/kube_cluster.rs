@@ -367,6 +367,44 @@ fn two_services_asking_for_the_same_port_older_wins() {
     assert_only_leaders_wrote(&c, &[leader]);
 }
 
+/// Issue 13, point 4, in Kubernetes mode: an allocation that exists (the annotation) beats an
+/// explicit request made later, even by a Service older by creationTimestamp. (Two existing
+/// claims on one number are still settled "older keeps it":
+/// `two_services_asking_for_the_same_port_older_wins`.)
+#[test]
+fn an_existing_allocation_beats_an_older_service_asking_later() {
+    require_root!();
+    let c = Cluster::new(2);
+    c.create(&web("old", &[(0, 0)]));
+    let old_port = c.wait_allocated("old", 1, CHANGE)["80/TCP"];
+    std::thread::sleep(Duration::from_millis(1100)); // creationTimestamp has 1 s resolution
+    c.create(&web("young", &[(1, 0)]));
+    let port = c.wait_allocated("young", 1, CHANGE)["80/TCP"];
+    assert_ne!(port, old_port);
+    for i in 0..3 {
+        c.wait_served(i, port, CHANGE);
+    }
+
+    // The older Service now asks for the younger one's number.
+    let mut svc = c.service_json("old").unwrap();
+    svc["metadata"]["annotations"]["nodelb.io/ports"] = format!("80/TCP={port}").into();
+    svc["metadata"].as_object_mut().unwrap().remove("resourceVersion");
+    c.api.apply(svc).unwrap();
+    c.wait_condition("old", "nodelb.io/Allocated", "False", "PortConflict", CHANGE);
+    let cond = c.allocated_condition("old").unwrap();
+    let msg = cond["message"].as_str().unwrap_or_default();
+    assert!(msg.contains(&port.to_string()) && msg.contains("default/young"), "{cond}");
+    let ok = wait_until(CHANGE, || !c.events("old", "NodePortConflict").is_empty());
+    assert!(ok, "no NodePortConflict Event for old");
+    assert_eq!(c.allocated("young").unwrap()["80/TCP"], port, "the serving Service moved");
+    for i in 0..3 {
+        let seen = backends_seen(&c, i, port, 10);
+        assert_eq!(names(&seen), ["be2"], "node-{}: {port} is still young's: {seen:?}", i + 1);
+    }
+    let leader = c.wait_leader(CHANGE);
+    assert_only_leaders_wrote(&c, &[leader]);
+}
+
 #[test]
 fn five_hundred_services_at_once() {
     require_root!();
