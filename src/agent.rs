@@ -14,7 +14,8 @@ use tracing::{debug, error, info, warn};
 
 use crate::alloc::PortRange;
 use crate::conntrack::{self, ConntrackClient};
-use crate::desired::{self, AllocationMode, Desired, Inputs};
+use crate::desired::{self, AllocationMode, Desired, HostFacts, HostPolicy, Inputs};
+use crate::endpoint_policy::HostAddresses;
 use crate::ir::{Change, Family, Ruleset};
 use crate::manifests;
 use crate::metrics::Metrics;
@@ -38,6 +39,7 @@ pub struct AgentConfig {
     pub masquerade_mark: u32,
     pub model: ModelOptions,
     pub sysctls: Sysctls,
+    pub policy: HostPolicy,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -91,7 +93,11 @@ struct Agent {
     backoff: Duration,
     /// Source fingerprint and node facts of the last successful sync: the same again (a relist
     /// that brought nothing new) means nothing to recompute.
-    last_input: Option<(u64, NodeFacts)>,
+    last_input: Option<(u64, NodeFacts, HostFacts)>,
+    /// This node's addresses as last read (kept when a read fails), and whether that failure
+    /// was logged.
+    local_addresses: HostAddresses,
+    local_addresses_failing: bool,
     /// `(state, reason)` label sets of `nodelb_services` currently exported.
     services_series: BTreeSet<(&'static str, String)>,
 }
@@ -157,6 +163,8 @@ pub async fn run(
         logged_problems: BTreeSet::new(),
         backoff: MIN_BACKOFF,
         last_input: None,
+        local_addresses: HostAddresses::default(),
+        local_addresses_failing: false,
         services_series: BTreeSet::new(),
     };
     info!(source = %agent.source.describe(), node = %agent.cfg.node_name, "nodelb agent starting");
@@ -259,6 +267,25 @@ impl Agent {
         changed
     }
 
+    /// This node's addresses (read now; the last ones when the read fails, logged once) and, in
+    /// Kubernetes mode, every Node object's.
+    fn host_facts(&mut self) -> HostFacts {
+        match crate::hostaddrs::read() {
+            Ok(addrs) => {
+                if std::mem::take(&mut self.local_addresses_failing) {
+                    info!("this node's addresses can be read again");
+                }
+                self.local_addresses = addrs;
+            }
+            Err(e) if !self.local_addresses_failing => {
+                warn!(error = %e, "using the last known addresses of this node");
+                self.local_addresses_failing = true;
+            }
+            Err(_) => {}
+        }
+        HostFacts { addresses: self.local_addresses.merged(&self.source.node_addresses()) }
+    }
+
     fn node_facts(&self) -> NodeFacts {
         NodeFacts {
             node_name: self.cfg.node_name.clone(),
@@ -294,13 +321,18 @@ impl Agent {
     async fn sync_once(&mut self, verify: bool, attempt: &mut Attempt) -> Result<Synced, AgentError> {
         let mut phases = Phases::new(attempt.started);
         let node = self.node_facts();
+        let host = self.host_facts();
         // The same input as the last good sync: nothing to recompute (the source does not even
         // assemble its object lists). A resync then only asks the kernel whether any nftables
         // transaction happened since our last batch; if one did, the full path below reads the
         // table back and repairs it. (At 10,000 Services recomputing every resync period cost ~7%
         // of a core and a transient copy of every object.)
         let known = match &self.last_input {
-            Some((fp, last_node)) if *last_node == node && self.applied.is_some() => Some(*fp),
+            Some((fp, last_node, last_host))
+                if *last_node == node && *last_host == host && self.applied.is_some() =>
+            {
+                Some(*fp)
+            }
             _ => None,
         };
         let loaded = match self.load(known)? {
@@ -330,6 +362,8 @@ impl Agent {
             range: &self.cfg.port_range,
             model: &self.cfg.model,
             node: &node,
+            policy: &self.cfg.policy,
+            host: &host,
         };
         let mut desired: Desired = desired::compute_with(&inputs, self.metrics.per_service);
         phases.mark("desired");
@@ -421,7 +455,7 @@ impl Agent {
                     None
                 }
             };
-            self.last_input = loaded.fingerprint.map(|fp| (fp, node.clone()));
+            self.last_input = loaded.fingerprint.map(|fp| (fp, node.clone(), host.clone()));
         }
         attempt.report = Some(Report {
             services: std::mem::take(&mut desired.services),
@@ -524,6 +558,14 @@ impl Agent {
         let in_range = numbers.iter().filter(|n| self.cfg.port_range.contains(**n)).count();
         m.free_ports.set(self.cfg.port_range.len().saturating_sub(in_range) as i64);
         m.manifest_problems.set(manifest_problems as i64);
+        let mut refused: BTreeMap<&str, i64> =
+            crate::endpoint_policy::REASON_CODES.iter().map(|c| (*c, 0)).collect();
+        for r in &desired.refused_endpoints {
+            *refused.entry(r.reason.code()).or_default() += 1;
+        }
+        for (reason, n) in refused {
+            m.endpoints_refused.with_label_values(&[reason]).set(n);
+        }
     }
 
     /// UDP endpoints that left a node port since the last batch: delete their conntrack entries
@@ -571,6 +613,7 @@ impl Agent {
             .iter()
             .map(|r| r.to_string())
             .chain(desired.alloc_problems.iter().map(|p| p.to_string()))
+            .chain(desired.refused_endpoints.iter().map(|r| r.to_string()))
             .collect();
         log_new(
             &mut self.logged_refusals,

@@ -68,6 +68,15 @@ pub struct CommonArgs {
     /// State file keeping port allocations across restarts (manifests mode).
     #[arg(long, default_value = "/var/lib/nodelb/state.json", env = "NODELB_STATE_FILE")]
     pub state_file: PathBuf,
+    /// Allow a node's own addresses (this node's, and every Node object's) as endpoints, for
+    /// hostNetwork backends. Risk: whoever can write an EndpointSlice (or a manifest) can then
+    /// expose any port of any node through a Service.
+    #[arg(long, env = "NODELB_ALLOW_NODE_ENDPOINTS")]
+    pub allow_node_endpoints: bool,
+    /// Only endpoints inside these CIDRs are DNATed to (comma-separated; e.g. the pod and host
+    /// networks). Default: any address the fixed rules allow.
+    #[arg(long, value_delimiter = ',', env = "NODELB_ENDPOINT_CIDRS")]
+    pub endpoint_cidrs: Vec<ipnet::IpNet>,
 }
 
 #[derive(Debug, clap::Args)]

@@ -10,11 +10,12 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
 
 use crate::alloc::{self, AllocProblem, Allocations, PortRange};
+use crate::endpoint_policy::{self, EndpointPolicy, HostAddresses, RefusedEndpoint};
 use crate::ir::{Family, Ruleset};
 use crate::metrics::{CounterIndex, CounterKind, SeriesKey};
 use crate::model::{self, LbService, ModelOptions, Refusal, ServiceKey};
 use crate::plan::{self, NodeFacts, ServicePlan};
-use crate::status::{PortStatus, ServiceState, ServiceStatus};
+use crate::status::{EndpointRefusalStatus, PortStatus, ServiceState, ServiceStatus};
 
 /// Everything computed from one snapshot.
 #[derive(Debug, Clone)]
@@ -26,6 +27,8 @@ pub struct Desired {
     pub needed_families: BTreeSet<Family>,
     pub refusals: Vec<Refusal>,
     pub alloc_problems: Vec<AllocProblem>,
+    /// Endpoint addresses the policy refused (taken out of the Services; each logged once).
+    pub refused_endpoints: Vec<RefusedEndpoint>,
     /// Which counter feeds which per-Service-port series, and which Service ports exist (for
     /// `/metrics`); empty when computed without it ([`compute_with`]).
     pub counter_index: CounterIndex,
@@ -44,6 +47,20 @@ pub enum AllocationMode {
     Annotated,
 }
 
+/// What the operator allows Services to use on the nodes (flags).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HostPolicy {
+    pub endpoints: EndpointPolicy,
+}
+
+/// What this node's kernel (and, in Kubernetes mode, the Node objects) say about the nodes, read
+/// at every sync: a change is a reason to recompute even when the Services did not change.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HostFacts {
+    /// This node's addresses and, in Kubernetes mode, every Node object's.
+    pub addresses: HostAddresses,
+}
+
 /// `S` / `E`: the objects owned or shared (`Arc`, as the sources hold them).
 pub struct Inputs<'a, S = Service, E = EndpointSlice> {
     pub mode: AllocationMode,
@@ -55,6 +72,8 @@ pub struct Inputs<'a, S = Service, E = EndpointSlice> {
     pub range: &'a PortRange,
     pub model: &'a ModelOptions,
     pub node: &'a NodeFacts,
+    pub policy: &'a HostPolicy,
+    pub host: &'a HostFacts,
 }
 
 pub fn compute<S: Borrow<Service>, E: Borrow<EndpointSlice>>(inputs: &Inputs<'_, S, E>) -> Desired {
@@ -71,6 +90,8 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     for svc in &mut out.services {
         svc.allocated_since = inputs.since.get(&svc.key).map(|t| t.to_string());
     }
+    let refused_endpoints =
+        endpoint_policy::filter(&mut out.services, &inputs.host.addresses, &inputs.policy.endpoints);
     let (allocations, alloc_problems, duplicates) = match inputs.mode {
         AllocationMode::Allocate => {
             let result = alloc::allocate(inputs.range, &out.services, inputs.previous);
@@ -106,7 +127,9 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         .iter()
         .map(|s| {
             let ports = allocations.get(&s.key).unwrap_or(&empty);
-            service_status(s, ports, &alloc_problems, inputs.node, &no_allocation)
+            let refused: Vec<&RefusedEndpoint> =
+                refused_endpoints.iter().filter(|r| r.service == s.key).collect();
+            service_status(s, ports, &alloc_problems, &refused, inputs.node, &no_allocation)
         })
         .collect();
     for r in &out.refused {
@@ -117,6 +140,7 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             reason_code: Some(r.code().to_string()),
             reason: Some(r.to_string()),
             ports: vec![],
+            refused_endpoints: vec![],
         });
     }
     services.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
@@ -131,6 +155,7 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         services,
         refusals: out.refused,
         alloc_problems,
+        refused_endpoints,
         warnings: out
             .warnings
             .iter()
@@ -161,6 +186,7 @@ fn service_status(
     svc: &LbService,
     node_ports: &BTreeMap<model::PortId, u16>,
     problems: &[AllocProblem],
+    refused_endpoints: &[&RefusedEndpoint],
     node: &NodeFacts,
     no_allocation: &str,
 ) -> ServiceStatus {
@@ -196,9 +222,21 @@ fn service_status(
         let reason = format!("forwarding is off on this node for its families ({})", fams.join(", "));
         (ServiceState::Refused, Some("forwarding_off"), Some(reason))
     } else if any_endpoints {
-        (ServiceState::Programmed, None, None)
+        let reason = (!refused_endpoints.is_empty())
+            .then(|| format!("endpoints refused: {}", endpoint_policy::describe(refused_endpoints)));
+        (ServiceState::Programmed, None, reason)
+    } else if !refused_endpoints.is_empty() && svc.ports.iter().all(|p| p.endpoints.is_empty()) {
+        // Every endpoint it names is refused: clients are refused at once, and this says why.
+        let reason = format!(
+            "no usable endpoint: every endpoint refused: {}",
+            endpoint_policy::describe(refused_endpoints)
+        );
+        (ServiceState::NoEndpoints, Some("endpoints_refused"), Some(reason))
     } else {
-        let reason = "no ready endpoint usable on this node".to_string();
+        let mut reason = "no ready endpoint usable on this node".to_string();
+        if !refused_endpoints.is_empty() {
+            reason += &format!("; endpoints refused: {}", endpoint_policy::describe(refused_endpoints));
+        }
         (ServiceState::NoEndpoints, Some("no_endpoints"), Some(reason))
     };
     ServiceStatus {
@@ -208,6 +246,14 @@ fn service_status(
         reason_code: reason_code.map(String::from),
         reason,
         ports,
+        refused_endpoints: refused_endpoints
+            .iter()
+            .map(|r| EndpointRefusalStatus {
+                address: r.address.to_string(),
+                reason_code: r.reason.code().to_string(),
+                reason: r.reason.to_string(),
+            })
+            .collect(),
     }
 }
 

@@ -10,6 +10,8 @@ pub mod cli;
 pub mod commands;
 pub mod conntrack;
 pub mod desired;
+pub mod endpoint_policy;
+pub mod hostaddrs;
 pub mod http;
 pub mod ir;
 pub mod k8s;

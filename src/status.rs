@@ -32,6 +32,16 @@ pub struct PortStatus {
     pub problem: Option<String>,
 }
 
+/// An endpoint address the policy refused ([`crate::endpoint_policy`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EndpointRefusalStatus {
+    pub address: String,
+    /// The `reason` label of `nodelb_endpoints_refused` (`loopback`, `node_address`, …).
+    pub reason_code: String,
+    pub reason: String,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ServiceStatus {
@@ -44,6 +54,9 @@ pub struct ServiceStatus {
     pub reason_code: Option<String>,
     pub reason: Option<String>,
     pub ports: Vec<PortStatus>,
+    /// Endpoints named by the Service that are not DNATed to, and why.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub refused_endpoints: Vec<EndpointRefusalStatus>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -701,3 +701,109 @@ fn a_serving_service_keeps_its_port_when_a_newer_one_asks_for_it() {
     assert_eq!(agent.node_port("default/aaa", 80, "TCP"), Some(port));
     assert!(wait_until(CHANGE, || http_get(c, v4(NODE_V4), port, T).is_ok_and(|b| b.contains("be2"))));
 }
+
+/// The lines of `/metrics` for `name{labels}` → value.
+fn metric(agent: &Agent, series: &str) -> Option<f64> {
+    let r = agent.http("/metrics").expect("/metrics answers");
+    r.body.lines().find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+}
+
+/// Issue 13, point 2: endpoint addresses nodelb must never DNAT to (loopback, unspecified,
+/// multicast, link-local and the cloud metadata address, the node's own addresses on either
+/// side) are refused, each named with its reason in `/status`, the log (once) and a metric, while
+/// the Service's valid endpoint serves every request; a Service whose endpoints are all refused
+/// is refused to clients at once and says why. `--allow-node-endpoints` lets the node's own
+/// address through (then a listener on the node answers), `--endpoint-cidrs` narrows further.
+#[test]
+fn refused_endpoint_addresses_are_never_reached_and_the_valid_ones_serve() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let c = topo.client(0);
+    // A listener on the node itself at the backends' port: reached only through a DNAT to a
+    // node address.
+    let _node_listener = Servers::start(&topo.node, "node", 8080, 5353);
+    let bad: [IpAddr; 7] = [
+        "127.0.0.1".parse().unwrap(),
+        "0.0.0.0".parse().unwrap(),
+        "224.0.0.1".parse().unwrap(),
+        "169.254.169.254".parse().unwrap(),
+        "169.254.10.1".parse().unwrap(),
+        v4(NODE_V4),
+        v4(NODE_BACKEND_V4),
+    ];
+    let mixed = web("mixed", 20080, 1).endpoints(bad.iter().map(|a| EndpointSpec::local(*a)));
+    let all_bad = ServiceSpec::new("allbad")
+        .port(PortSpec::tcp(80, Some(20081)))
+        .endpoints([EndpointSpec::local(v4(NODE_V4)), EndpointSpec::local(bad[0])]);
+    let mut agent = start(&topo, &[("svc.yaml", render_all(&[&mixed, &all_bad]))], &[]);
+    agent.wait_state("default/mixed", "programmed", CHANGE);
+    agent.wait_state("default/allbad", "no-endpoints", CHANGE);
+
+    let st = agent.service_status("default/mixed").unwrap();
+    let refused: BTreeMap<String, String> = st["refusedEndpoints"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no refusedEndpoints: {st}"))
+        .iter()
+        .map(|r| (r["address"].as_str().unwrap().to_string(), r["reasonCode"].as_str().unwrap().to_string()))
+        .collect();
+    let want: BTreeMap<String, String> = [
+        ("127.0.0.1", "loopback"),
+        ("0.0.0.0", "unspecified"),
+        ("224.0.0.1", "multicast"),
+        ("169.254.169.254", "cloud_metadata"),
+        ("169.254.10.1", "link_local"),
+        ("203.0.113.1", "node_address"),
+        ("198.51.100.1", "node_address"),
+    ]
+    .into_iter()
+    .map(|(a, r)| (a.to_string(), r.to_string()))
+    .collect();
+    assert_eq!(refused, want, "{st}");
+    let reason = st["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("169.254.169.254 (cloud metadata service address)"), "{st}");
+    assert_eq!(st["ports"][0]["endpoints"], 1, "{st}");
+    let answers = get_n(c, v4(NODE_V4), 20080, 40);
+    assert_eq!(backends(&answers).keys().cloned().collect::<Vec<_>>(), ["be1"], "{answers:?}");
+    let listing = nft_list(&topo.node).expect("table");
+    for a in &bad {
+        assert!(!listing.contains(&format!("to {a}:")), "{a} is a DNAT target:\n{listing}");
+    }
+
+    let st = agent.service_status("default/allbad").unwrap();
+    let reason = st["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("every endpoint refused") && reason.contains("203.0.113.1"), "{st}");
+    let t0 = Instant::now();
+    assert_eq!(http_get(c, v4(NODE_V4), 20081, Duration::from_secs(3)), Err(ClientError::Refused));
+    assert!(t0.elapsed() < Duration::from_secs(2), "refusal took {:?}", t0.elapsed());
+
+    assert_eq!(metric(&agent, r#"nodelb_endpoints_refused{reason="node_address"}"#), Some(3.0));
+    assert_eq!(metric(&agent, r#"nodelb_endpoints_refused{reason="loopback"}"#), Some(2.0));
+    assert_eq!(metric(&agent, r#"nodelb_endpoints_refused{reason="cloud_metadata"}"#), Some(1.0));
+    std::thread::sleep(Duration::from_millis(2500)); // two resyncs
+    let logs = agent.logs();
+    let logged = logs.lines().filter(|l| l.contains("endpoint 169.254.169.254 refused")).count();
+    assert_eq!(logged, 1, "logged once:\n{logs}");
+
+    // hostNetwork backends, by flag: the node's own address is an endpoint again (its listener
+    // answers), the rest stays refused.
+    agent.extra_args = vec!["--allow-node-endpoints".into()];
+    agent.restart();
+    agent.wait_ready(READY);
+    agent.wait_state("default/allbad", "programmed", CHANGE);
+    let answers = get_n(c, v4(NODE_V4), 20081, 5);
+    assert_eq!(backends(&answers).keys().cloned().collect::<Vec<_>>(), ["node"], "{answers:?}");
+    let st = agent.service_status("default/allbad").unwrap();
+    assert_eq!(st["refusedEndpoints"][0]["address"], "127.0.0.1", "{st}");
+
+    // An allow-list: only be2's address; be1 is now refused as outside it.
+    let listed = web("mixed", 20080, 2);
+    agent.write_manifest("svc.yaml", &listed.render());
+    agent.extra_args = vec!["--endpoint-cidrs".into(), format!("{}/32", backend_v4(1))];
+    agent.restart();
+    agent.wait_ready(READY);
+    agent.wait_state("default/mixed", "programmed", CHANGE);
+    let st = agent.service_status("default/mixed").unwrap();
+    assert_eq!(st["refusedEndpoints"][0]["reasonCode"], "outside_endpoint_cidrs", "{st}");
+    let answers = get_n(c, v4(NODE_V4), 20080, 20);
+    assert_eq!(backends(&answers).keys().cloned().collect::<Vec<_>>(), ["be2"], "{answers:?}");
+}

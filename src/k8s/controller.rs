@@ -61,6 +61,7 @@ pub struct ControllerConfig {
     pub node_addresses: Vec<IpNet>,
     pub port_range: PortRange,
     pub model: ModelOptions,
+    pub policy: crate::desired::HostPolicy,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -538,7 +539,12 @@ async fn round(
     let started = Instant::now();
     let snap = source.snapshot();
     let subst = last_good.apply(&snap.services, &cfg.model);
-    let out = model::build(&subst.services, &snap.slices, &cfg.model);
+    let mut out = model::build(&subst.services, &snap.slices, &cfg.model);
+    // The nodes refuse these endpoints (each also its own addresses): the status, the
+    // conditions and the Events say so, and Local-policy ingress counts only usable endpoints.
+    let node_addresses = nodes::cluster_node_addresses(&snap.nodes);
+    let refused_endpoints =
+        crate::endpoint_policy::filter(&mut out.services, &node_addresses, &cfg.policy.endpoints);
     let (_, duplicates) = dupes::settle(&out.services);
     let stubs = publish::reserved(&snap.services, &out.refused);
     let all: Vec<model::LbService> = out.services.iter().cloned().chain(stubs).collect();
@@ -561,6 +567,7 @@ async fn round(
         refused: &refused,
         allocations: &allocations,
         problems: &problems,
+        refused_endpoints: &refused_endpoints,
         serving: &serving,
         now: Timestamp::now(),
     };

@@ -23,6 +23,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
+use crate::endpoint_policy::HostAddresses;
 use crate::ir::Family;
 
 /// Prefix of the per-node Lease names (`nodelb-node-<node>`).
@@ -58,6 +59,23 @@ pub fn node_addresses(node: &Node, allowed: &[IpNet]) -> Vec<IpAddr> {
     }
     out.sort();
     out.dedup();
+    out
+}
+
+/// Every IP address of every Node object (any address type), owned by `Node <name>`: the
+/// addresses the endpoint policy refuses as a node's own ([`crate::endpoint_policy`]). Not
+/// restricted by `--node-addresses` (that only says which addresses are published).
+pub fn cluster_node_addresses<N: Borrow<Node>>(nodes: &[N]) -> HostAddresses {
+    let mut out = HostAddresses::default();
+    for node in nodes.iter().map(Borrow::borrow) {
+        let name = node.metadata.name.as_deref().unwrap_or("<unnamed>");
+        let addrs = node.status.as_ref().and_then(|s| s.addresses.as_ref());
+        for a in addrs.into_iter().flatten() {
+            if let Ok(ip) = a.address.trim().parse::<IpAddr>() {
+                out.add(ip, format!("Node {name}"));
+            }
+        }
+    }
     out
 }
 
@@ -225,6 +243,21 @@ mod tests {
             let allowed: Vec<IpNet> = allowed.iter().map(|s| s.parse().unwrap()).collect();
             assert_eq!(node_addresses(&node("n", &addrs), &allowed), ips(&want), "{name}");
         }
+    }
+
+    #[test]
+    fn every_node_address_of_every_type() {
+        let nodes = vec![
+            node("a", &[("InternalIP", "10.0.0.1"), ("ExternalIP", "203.0.113.1"), ("Hostname", "a")]),
+            node("b", &[("InternalIP", "fd00::2"), ("InternalIP", "10.0.0.1")]),
+        ];
+        let got = cluster_node_addresses(&nodes);
+        let want: BTreeMap<IpAddr, String> =
+            [("10.0.0.1", "Node a"), ("203.0.113.1", "Node a"), ("fd00::2", "Node b")]
+                .into_iter()
+                .map(|(a, n)| (a.parse().unwrap(), n.to_string()))
+                .collect();
+        assert_eq!(got.nodes, want);
     }
 
     #[test]

@@ -11,6 +11,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
 use crate::alloc::{AllocProblem, Allocations};
+use crate::endpoint_policy::{self, RefusedEndpoint};
 use crate::ir::Family;
 use crate::model::{
     self, ANNOTATION_ALLOCATED, LbService, ModelOptions, PortId, Refusal, ServiceKey, TrafficPolicy,
@@ -25,8 +26,11 @@ pub const CONDITION_ALLOCATED: &str = "nodelb.io/Allocated";
 /// Condition type saying whether any node serves the allocated ports (`False/NoServingNode` is
 /// the state of the `NoServingNode` Event). Set wherever [`CONDITION_ALLOCATED`] is.
 pub const CONDITION_SERVING: &str = "nodelb.io/Serving";
-/// Both our condition types: what is removed from a Service that stops being ours.
-pub const OUR_CONDITIONS: [&str; 2] = [CONDITION_ALLOCATED, CONDITION_SERVING];
+/// Condition type saying whether every endpoint address the Service names is one nodelb DNATs
+/// to ([`crate::endpoint_policy`]): `False/EndpointRefused` names the refused ones and why.
+pub const CONDITION_ENDPOINTS: &str = "nodelb.io/EndpointsAllowed";
+/// Our condition types: what is removed from a Service that stops being ours.
+pub const OUR_CONDITIONS: [&str; 3] = [CONDITION_ALLOCATED, CONDITION_SERVING, CONDITION_ENDPOINTS];
 /// `ipMode` of our ingress entries: traffic reaches the node address (kube-proxy must not
 /// short-circuit node-IP:service-port to the ClusterIP).
 pub const IP_MODE_PROXY: &str = "Proxy";
@@ -109,6 +113,26 @@ pub fn serving_condition(
         message: "externalTrafficPolicy: Local and no node that serves its families has a ready \
                   local endpoint"
             .to_string(),
+    }
+}
+
+/// Whether every endpoint address of a Service is allowed; `refused` are its refused endpoints.
+/// The same message as the `EndpointRefused` Event.
+pub fn endpoints_condition(refused: &[&RefusedEndpoint]) -> WantedCondition {
+    if refused.is_empty() {
+        return WantedCondition {
+            status: true,
+            reason: "EndpointsAllowed",
+            message: "every endpoint address is allowed".to_string(),
+        };
+    }
+    WantedCondition {
+        status: false,
+        reason: "EndpointRefused",
+        message: format!(
+            "endpoints refused (not DNATed to on any node; the others serve): {}",
+            endpoint_policy::describe(refused)
+        ),
     }
 }
 
@@ -202,8 +226,16 @@ pub struct Round<'a, S = Service> {
     pub refused: &'a [Refusal],
     pub allocations: &'a Allocations,
     pub problems: &'a [AllocProblem],
+    /// Endpoint addresses the policy refused (already taken out of `valid`).
+    pub refused_endpoints: &'a [RefusedEndpoint],
     pub serving: &'a BTreeMap<String, ServingNode>,
     pub now: Timestamp,
+}
+
+impl<S> Round<'_, S> {
+    fn refused_endpoints_of(&self, key: &ServiceKey) -> Vec<&RefusedEndpoint> {
+        self.refused_endpoints.iter().filter(|r| &r.service == key).collect()
+    }
 }
 
 /// (ip, ipMode, sorted ports) of one ingress entry, for comparisons.
@@ -310,7 +342,12 @@ pub fn plan_writes<S: Borrow<Service>>(round: &Round<'_, S>) -> Vec<ServiceWrite
             let allocated = condition_for(ports, &problems, refused.get(&key).copied());
             let ingress = ingress_for(lb, ports, round.serving);
             let serving = serving_condition(lb, ports, round.serving, &ingress);
-            let wanted = [(CONDITION_ALLOCATED, Some(&allocated)), (CONDITION_SERVING, Some(&serving))];
+            let endpoints = endpoints_condition(&round.refused_endpoints_of(&key));
+            let wanted = [
+                (CONDITION_ALLOCATED, Some(&allocated)),
+                (CONDITION_SERVING, Some(&serving)),
+                (CONDITION_ENDPOINTS, Some(&endpoints)),
+            ];
             let conditions = merge_conditions(&cur_conditions, &wanted, generation, round.now);
             if conditions.is_some() || normalise(&ingress) != normalise(&cur_ingress) {
                 write.status =
@@ -372,6 +409,15 @@ pub struct ServiceEvent {
 pub fn service_events<S>(round: &Round<'_, S>, duplicates: &[Duplicate]) -> Vec<ServiceEvent> {
     let mut out = Vec::new();
     for svc in round.valid {
+        let refused = round.refused_endpoints_of(&svc.key);
+        if !refused.is_empty() {
+            out.push(ServiceEvent {
+                service: svc.key.clone(),
+                warning: true,
+                reason: "EndpointRefused",
+                message: endpoints_condition(&refused).message,
+            });
+        }
         let ports = round.allocations.get(&svc.key);
         if let Some(ports) = ports.filter(|p| !p.is_empty()) {
             out.push(ServiceEvent {
@@ -600,6 +646,7 @@ mod tests {
                 refused: &out.refused,
                 allocations: &result.allocations,
                 problems: &result.problems,
+                refused_endpoints: &[],
                 serving: serving_nodes,
                 now: t(0),
             })
@@ -845,6 +892,7 @@ mod tests {
             refused: &out.refused,
             allocations: &allocs.allocations,
             problems: &allocs.problems,
+            refused_endpoints: &[],
             serving: if node_ready { &nodes } else { &no_nodes },
             now,
         };
@@ -905,6 +953,7 @@ mod tests {
             refused: &out.refused,
             allocations: &result.allocations,
             problems: &result.problems,
+            refused_endpoints: &[],
             serving: &none,
             now: t(0),
         };
