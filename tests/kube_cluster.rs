@@ -405,6 +405,51 @@ fn an_existing_allocation_beats_an_older_service_asking_later() {
     assert_only_leaders_wrote(&c, &[leader]);
 }
 
+/// Issue 13, point 2, in Kubernetes mode: an EndpointSlice naming another node's address
+/// (node-2's InternalIP: a DNAT to it from node-1 would expose node-2's ports) and the cloud
+/// metadata address is refused on every node, the valid endpoint serves everywhere, and the
+/// leader says so: `nodelb.io/EndpointsAllowed=False/EndpointRefused` naming both with their
+/// reasons, and an `EndpointRefused` Warning Event. Fixed → `True`.
+#[test]
+fn refused_endpoints_are_named_on_the_service_and_never_reached() {
+    require_root!();
+    let c = Cluster::new(1);
+    let bad = web("web", &[(0, 0)])
+        .endpoint(EndpointSpec::remote(IpAddr::V4(node_v4(1)), "node-2"))
+        .endpoint(EndpointSpec::remote("169.254.169.254".parse::<IpAddr>().unwrap(), "node-3"));
+    c.create(&bad);
+    let np = c.wait_allocated("web", 1, CHANGE)["80/TCP"];
+    for i in 0..3 {
+        c.wait_served(i, np, CHANGE);
+        let seen = backends_seen(&c, i, np, 20);
+        assert_eq!(names(&seen), ["be1"], "node-{}: {seen:?}", i + 1);
+        let st = c.agents[i].service_status("default/web").expect("status");
+        let refused: Vec<&str> = st["refusedEndpoints"]
+            .as_array()
+            .unwrap_or_else(|| panic!("node-{}: {st}", i + 1))
+            .iter()
+            .filter_map(|r| r["address"].as_str())
+            .collect();
+        assert_eq!(refused, ["169.254.169.254", "203.0.113.2"], "node-{}: {st}", i + 1);
+    }
+    c.wait_condition("web", "nodelb.io/EndpointsAllowed", "False", "EndpointRefused", CHANGE);
+    let cond = c.condition("web", "nodelb.io/EndpointsAllowed").unwrap();
+    let msg = cond["message"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("203.0.113.2 (address of Node node-2")
+            && msg.contains("169.254.169.254 (cloud metadata"),
+        "{cond}"
+    );
+    let ok = wait_until(CHANGE, || !c.events("web", "EndpointRefused").is_empty());
+    assert!(ok, "no EndpointRefused Event");
+    c.wait_condition("web", SERVING, "True", "Serving", CHANGE);
+
+    c.update_slices(&web("web", &[(0, 0)]));
+    c.wait_condition("web", "nodelb.io/EndpointsAllowed", "True", "EndpointsAllowed", CHANGE);
+    let leader = c.wait_leader(CHANGE);
+    assert_only_leaders_wrote(&c, &[leader]);
+}
+
 #[test]
 fn five_hundred_services_at_once() {
     require_root!();
