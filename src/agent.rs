@@ -22,6 +22,7 @@ use crate::metrics::Metrics;
 use crate::model::ModelOptions;
 use crate::nft::{self, NftClient};
 use crate::plan::{self, NodeFacts};
+use crate::port_policy::Listeners;
 use crate::source::{Loaded, Source};
 use crate::state::{State, StateFile};
 use crate::status::{ServiceState, ServiceStatus, SharedStatus, SyncStatus};
@@ -98,6 +99,9 @@ struct Agent {
     /// was logged.
     local_addresses: HostAddresses,
     local_addresses_failing: bool,
+    /// This node's listening sockets as last read, and whether a failing read was logged.
+    listeners: Listeners,
+    listeners_failing: bool,
     /// `(state, reason)` label sets of `nodelb_services` currently exported.
     services_series: BTreeSet<(&'static str, String)>,
 }
@@ -165,6 +169,8 @@ pub async fn run(
         last_input: None,
         local_addresses: HostAddresses::default(),
         local_addresses_failing: false,
+        listeners: Listeners::default(),
+        listeners_failing: false,
         services_series: BTreeSet::new(),
     };
     info!(source = %agent.source.describe(), node = %agent.cfg.node_name, "nodelb agent starting");
@@ -283,7 +289,25 @@ impl Agent {
             }
             Err(_) => {}
         }
-        HostFacts { addresses: self.local_addresses.merged(&self.source.node_addresses()) }
+        match crate::listeners::read() {
+            Ok(sockets) => {
+                if std::mem::take(&mut self.listeners_failing) {
+                    info!("this node's listening sockets can be read again");
+                }
+                self.listeners = Listeners::from_sockets(sockets);
+            }
+            Err(e) if !self.listeners_failing => {
+                warn!(error = %e, "using the last known listening sockets of this node");
+                self.listeners_failing = true;
+            }
+            Err(_) => {}
+        }
+        let listening = self.listeners.format_relevant(&self.cfg.policy.ports);
+        self.status.write().unwrap_or_else(|e| e.into_inner()).listening_ports = listening;
+        HostFacts {
+            addresses: self.local_addresses.merged(&self.source.node_addresses()),
+            listeners: self.listeners.clone(),
+        }
     }
 
     fn node_facts(&self) -> NodeFacts {
@@ -566,6 +590,22 @@ impl Agent {
         for (reason, n) in refused {
             m.endpoints_refused.with_label_values(&[reason]).set(n);
         }
+        let mut ports: BTreeMap<&str, i64> = [("not_allowed", 0), ("in_use", 0)].into();
+        for r in &desired.refused_ports {
+            *ports.entry(r.reason.code()).or_default() += 1;
+        }
+        for p in &desired.alloc_problems {
+            match p {
+                crate::alloc::AllocProblem::NotAllowed { .. } => {
+                    *ports.entry("not_allowed").or_default() += 1
+                }
+                crate::alloc::AllocProblem::InUse { .. } => *ports.entry("in_use").or_default() += 1,
+                _ => {}
+            }
+        }
+        for (reason, n) in ports {
+            m.node_ports_refused.with_label_values(&[reason]).set(n);
+        }
     }
 
     /// UDP endpoints that left a node port since the last batch: delete their conntrack entries
@@ -614,6 +654,7 @@ impl Agent {
             .map(|r| r.to_string())
             .chain(desired.alloc_problems.iter().map(|p| p.to_string()))
             .chain(desired.refused_endpoints.iter().map(|r| r.to_string()))
+            .chain(desired.refused_ports.iter().map(|r| r.to_string()))
             .collect();
         log_new(
             &mut self.logged_refusals,

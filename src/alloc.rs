@@ -34,8 +34,13 @@
 //! - **Release.** Only Services in `services` get allocations; everything else in `previous` is
 //!   released simply by not being carried over.
 //!
-//! Explicit requests are not checked against the Kubernetes NodePort or ephemeral ranges or
-//! against ports used by host processes: that is the requester's business.
+//! - **Node ports a Service was not given** ([`allocate_with`], [`crate::port_policy`]): an
+//!   explicit request outside the range(s) and the operator's `--allowed-node-ports` is refused
+//!   ([`AllocProblem::NotAllowed`]), one on a port a process on a node listens on too
+//!   ([`AllocProblem::InUse`]); new ports avoid numbers with a listener of any protocol. An
+//!   allocation that exists keeps its number when a listener appears later (stability: the
+//!   nodes with the listener stop programming that port and say so; the Service gets it back
+//!   when the listener goes), but one that is no longer allowed is refused.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -43,6 +48,7 @@ use std::str::FromStr;
 
 use crate::ir::Protocol;
 use crate::model::{LbService, PortId, PortRequest, ServiceKey};
+use crate::port_policy::PortPolicy;
 
 /// The Kubernetes NodePort range (default service-node-port-range).
 pub const NODEPORT_RANGE: (u16, u16) = (30000, 32767);
@@ -158,19 +164,56 @@ pub enum AllocProblem {
     Conflict { service: ServiceKey, port: PortId, wanted: u16, holder: ServiceKey },
     #[error("Service {service}: port {port}: no free node port left in range {range}")]
     Exhausted { service: ServiceKey, port: PortId, range: PortRange },
+    #[error(
+        "Service {service}: port {port} asks for node port {wanted}, which is not allowed (allowed: {allowed})"
+    )]
+    NotAllowed { service: ServiceKey, port: PortId, wanted: u16, allowed: String },
+    #[error("Service {service}: port {port} asks for node port {wanted}/{}, which is in use: {by}", port.protocol)]
+    InUse { service: ServiceKey, port: PortId, wanted: u16, by: String },
 }
 
 impl AllocProblem {
     pub fn service(&self) -> &ServiceKey {
         match self {
-            AllocProblem::Conflict { service, .. } | AllocProblem::Exhausted { service, .. } => service,
+            AllocProblem::Conflict { service, .. }
+            | AllocProblem::Exhausted { service, .. }
+            | AllocProblem::NotAllowed { service, .. }
+            | AllocProblem::InUse { service, .. } => service,
         }
     }
 
     pub fn port(&self) -> PortId {
         match self {
-            AllocProblem::Conflict { port, .. } | AllocProblem::Exhausted { port, .. } => *port,
+            AllocProblem::Conflict { port, .. }
+            | AllocProblem::Exhausted { port, .. }
+            | AllocProblem::NotAllowed { port, .. }
+            | AllocProblem::InUse { port, .. } => *port,
         }
+    }
+}
+
+/// What limits the allocator besides the other Services ([`crate::port_policy`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Constraints<'a> {
+    /// Which numbers explicit requests may name; `None`: any (the order rules alone).
+    pub policy: Option<&'a PortPolicy>,
+    /// Ports a process listens on, per protocol, with who (for the message): a request for one
+    /// is refused, a new allocation avoids its number. An allocation that exists keeps it
+    /// (nodes with the listener just do not program it).
+    pub in_use: Option<&'a BTreeMap<(Protocol, u16), String>>,
+}
+
+impl Constraints<'_> {
+    fn in_use(&self, protocol: Protocol, port: u16) -> Option<&String> {
+        self.in_use.and_then(|m| m.get(&(protocol, port)))
+    }
+
+    fn any_in_use(&self, port: u16) -> bool {
+        self.in_use.is_some_and(|m| m.keys().any(|(_, p)| *p == port))
+    }
+
+    fn allows(&self, port: u16) -> bool {
+        self.policy.is_none_or(|p| p.allows(port))
     }
 }
 
@@ -257,6 +300,16 @@ fn explicit_request(svc: &LbService, id: PortId) -> Option<u16> {
 /// Allocates node ports for `services`, keeping `previous` (the state file) where possible.
 /// See the module documentation for the rules.
 pub fn allocate(range: &PortRange, services: &[LbService], previous: &Allocations) -> AllocationResult {
+    allocate_with(range, services, previous, Constraints::default())
+}
+
+/// [`allocate`] within `constraints` (the port policy, ports in use on the nodes).
+pub fn allocate_with(
+    range: &PortRange,
+    services: &[LbService],
+    previous: &Allocations,
+    constraints: Constraints<'_>,
+) -> AllocationResult {
     let ordered = age_order(services);
     let mut table = Table::default();
     let mut result = AllocationResult::default();
@@ -282,7 +335,7 @@ pub fn allocate(range: &PortRange, services: &[LbService], previous: &Allocation
                 [svc.previous_allocation.get(&port.id), from_state.and_then(|m| m.get(&port.id))];
             for number in candidates.into_iter().flatten().copied() {
                 let usable = match wanted {
-                    Some(w) => w == number,
+                    Some(w) => w == number && constraints.allows(w),
                     None => range.contains(number) && !requested_by_sibling(number),
                 };
                 if usable && table.claim(number, port.id.protocol, &svc.key).is_ok() {
@@ -303,6 +356,16 @@ pub fn allocate(range: &PortRange, services: &[LbService], previous: &Allocation
                 continue;
             };
             if !settled.insert((svc.key.clone(), port.id)) {
+                continue;
+            }
+            let (service, id) = (svc.key.clone(), port.id);
+            if let Some(policy) = constraints.policy.filter(|p| !p.allows(wanted)) {
+                let allowed = policy.describe();
+                result.problems.push(AllocProblem::NotAllowed { service, port: id, wanted, allowed });
+                continue;
+            }
+            if let Some(by) = constraints.in_use(id.protocol, wanted) {
+                result.problems.push(AllocProblem::InUse { service, port: id, wanted, by: by.clone() });
                 continue;
             }
             match table.claim(wanted, port.id.protocol, &svc.key) {
@@ -334,13 +397,14 @@ pub fn allocate(range: &PortRange, services: &[LbService], previous: &Allocation
             });
             if let Some(number) = sibling
                 && range.contains(number)
+                && constraints.in_use(port.id.protocol, number).is_none()
                 && table.claim(number, port.id.protocol, &svc.key).is_ok()
             {
                 result.allocations.entry(svc.key.clone()).or_default().insert(port.id, number);
                 continue;
             }
             while let Some(n) = cursor {
-                if n > range.last || table.is_free(n) {
+                if n > range.last || (table.is_free(n) && !constraints.any_in_use(n)) {
                     break;
                 }
                 cursor = n.checked_add(1);
@@ -763,6 +827,59 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The port policy and listeners: requests outside the allowed ports and on ports in use are
+    /// refused with the reason; new ports skip numbers in use; existing allocations stay.
+    #[test]
+    fn constraints() {
+        let policy = PortPolicy {
+            ranges: vec![small()],
+            allowed: "22,6443,80".parse::<crate::port_policy::PortList>().unwrap().0,
+        };
+        let in_use: BTreeMap<(Protocol, u16), String> = [
+            ((Protocol::Tcp, 22), "sshd".to_string()),
+            ((Protocol::Udp, 20000), "dns".to_string()),
+            ((Protocol::Tcp, 20003), "web".to_string()),
+        ]
+        .into();
+        let c = Constraints { policy: Some(&policy), in_use: Some(&in_use) };
+        let service = |s: LbService| {
+            let mut s = s;
+            s.port_request = PortRequest::ServicePorts;
+            s
+        };
+        let services = vec![
+            service(svc("ssh", Some(1), &[tcp(22)])),
+            service(svc("kube", Some(2), &[tcp(6443), tcp(10250)])),
+            explicit(svc("dns", Some(3), &[udp(53), tcp(53)]), &[(udp(53), 20000), (tcp(53), 20000)]),
+            svc("auto", Some(4), &[tcp(80), udp(81)]),
+            svc("kept", Some(5), &[tcp(80)]),
+            explicit(svc("gone", Some(6), &[tcp(80)]), &[(tcp(80), 8080)]),
+        ];
+        let previous = allocs(&[("kept", &[(tcp(80), 20003)]), ("gone", &[(tcp(80), 8080)])]);
+        let got = allocate_with(&small(), &services, &previous, c);
+        assert_eq!(
+            got.allocations,
+            allocs(&[
+                ("kube", &[(tcp(6443), 6443)]),
+                ("dns", &[(tcp(53), 20000)]),
+                ("auto", &[(tcp(80), 20001), (udp(81), 20002)]),
+                ("kept", &[(tcp(80), 20003)]),
+            ])
+        );
+        let msgs: Vec<String> = got.problems.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            msgs,
+            vec![
+                "Service default/ssh: port 22/TCP asks for node port 22/TCP, which is in use: sshd",
+                "Service default/kube: port 10250/TCP asks for node port 10250, which is not allowed (allowed: --port-range 20000-20009 or --allowed-node-ports 22,6443,80)",
+                "Service default/dns: port 53/UDP asks for node port 20000/UDP, which is in use: dns",
+                "Service default/gone: port 80/TCP asks for node port 8080, which is not allowed (allowed: --port-range 20000-20009 or --allowed-node-ports 22,6443,80)",
+            ]
+        );
+        // Without constraints (the order rules alone), every request is taken.
+        assert_eq!(allocate(&small(), &services, &previous).problems, vec![]);
     }
 
     #[test]

@@ -40,6 +40,10 @@ fn host_policy(common: &CommonArgs) -> HostPolicy {
             allow_node_addresses: common.allow_node_endpoints,
             allowed_cidrs: common.endpoint_cidrs.iter().map(|n| n.trunc()).collect(),
         },
+        ports: crate::port_policy::PortPolicy {
+            ranges: vec![common.port_range],
+            allowed: common.allowed_node_ports.0.clone(),
+        },
     }
 }
 
@@ -150,7 +154,10 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
         families: Family::ALL.into_iter().collect::<BTreeSet<_>>(),
         masquerade_mark: args.common.masquerade_mark,
     };
-    let host = HostFacts { addresses: crate::hostaddrs::read().unwrap_or_default() };
+    let host = HostFacts {
+        addresses: crate::hostaddrs::read().unwrap_or_default(),
+        listeners: crate::port_policy::Listeners::from_sockets(crate::listeners::read().unwrap_or_default()),
+    };
     let desired = desired::compute(&Inputs {
         mode: desired::AllocationMode::Allocate,
         services: &loaded.services,
@@ -170,6 +177,9 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
         eprintln!("allocation: {p}");
     }
     for r in &desired.refused_endpoints {
+        eprintln!("refused: {r}");
+    }
+    for r in &desired.refused_ports {
         eprintln!("refused: {r}");
     }
     print!("{}", desired.ruleset.render());

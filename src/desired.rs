@@ -15,6 +15,7 @@ use crate::ir::{Family, Ruleset};
 use crate::metrics::{CounterIndex, CounterKind, SeriesKey};
 use crate::model::{self, LbService, ModelOptions, Refusal, ServiceKey};
 use crate::plan::{self, NodeFacts, ServicePlan};
+use crate::port_policy::{self, Listeners, PortPolicy, PortRefusal};
 use crate::status::{EndpointRefusalStatus, PortStatus, ServiceState, ServiceStatus};
 
 /// Everything computed from one snapshot.
@@ -29,6 +30,8 @@ pub struct Desired {
     pub alloc_problems: Vec<AllocProblem>,
     /// Endpoint addresses the policy refused (taken out of the Services; each logged once).
     pub refused_endpoints: Vec<RefusedEndpoint>,
+    /// Allocated node ports this node does not program (not allowed, or a local listener).
+    pub refused_ports: Vec<RefusedPort>,
     /// Which counter feeds which per-Service-port series, and which Service ports exist (for
     /// `/metrics`); empty when computed without it ([`compute_with`]).
     pub counter_index: CounterIndex,
@@ -51,6 +54,7 @@ pub enum AllocationMode {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HostPolicy {
     pub endpoints: EndpointPolicy,
+    pub ports: PortPolicy,
 }
 
 /// What this node's kernel (and, in Kubernetes mode, the Node objects) say about the nodes, read
@@ -59,6 +63,27 @@ pub struct HostPolicy {
 pub struct HostFacts {
     /// This node's addresses and, in Kubernetes mode, every Node object's.
     pub addresses: HostAddresses,
+    /// What processes on this node listen on (their ports are never taken here).
+    pub listeners: Listeners,
+}
+
+/// A service port whose node port this node does not program (the allocation stays).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RefusedPort {
+    pub service: ServiceKey,
+    pub port: model::PortId,
+    pub node_port: u16,
+    pub reason: PortRefusal,
+}
+
+impl std::fmt::Display for RefusedPort {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Service {}: port {}: node port {}/{} is not taken on this node: {}",
+            self.service, self.port, self.node_port, self.port.protocol, self.reason
+        )
+    }
 }
 
 /// `S` / `E`: the objects owned or shared (`Arc`, as the sources hold them).
@@ -94,7 +119,15 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         endpoint_policy::filter(&mut out.services, &inputs.host.addresses, &inputs.policy.endpoints);
     let (allocations, alloc_problems, duplicates) = match inputs.mode {
         AllocationMode::Allocate => {
-            let result = alloc::allocate(inputs.range, &out.services, inputs.previous);
+            let in_use: BTreeMap<(crate::ir::Protocol, u16), String> = inputs
+                .host
+                .listeners
+                .iter()
+                .map(|l| ((l.protocol, l.port), format!("{l} on this node")))
+                .collect();
+            let constraints =
+                alloc::Constraints { policy: Some(&inputs.policy.ports), in_use: Some(&in_use) };
+            let result = alloc::allocate_with(inputs.range, &out.services, inputs.previous, constraints);
             let mut allocations = result.allocations;
             keep_refused_allocations(&mut allocations, inputs.previous, &out.refused);
             (allocations, result.problems, vec![])
@@ -114,11 +147,33 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         }
     };
 
+    // Whatever the allocation says, this node never takes a port it may not (not allowed, or a
+    // process here listens on it): the allocation stays, the port is not programmed here.
+    let mut refused_ports = Vec::new();
+    let mut programmed = allocations.clone();
+    for (key, ports) in programmed.iter_mut() {
+        ports.retain(|id, node_port| {
+            match port_policy::node_check(
+                *node_port,
+                id.protocol,
+                &inputs.policy.ports,
+                &inputs.host.listeners,
+            ) {
+                Ok(()) => true,
+                Err(reason) => {
+                    let r = RefusedPort { service: key.clone(), port: *id, node_port: *node_port, reason };
+                    refused_ports.push(r);
+                    false
+                }
+            }
+        });
+    }
+
     let empty = BTreeMap::new();
     let plans: Vec<ServicePlan<'_>> = out
         .services
         .iter()
-        .map(|s| ServicePlan { service: s, node_ports: allocations.get(&s.key).unwrap_or(&empty) })
+        .map(|s| ServicePlan { service: s, node_ports: programmed.get(&s.key).unwrap_or(&empty) })
         .collect();
     let ruleset = plan::plan(&plans, inputs.node);
 
@@ -129,7 +184,9 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             let ports = allocations.get(&s.key).unwrap_or(&empty);
             let refused: Vec<&RefusedEndpoint> =
                 refused_endpoints.iter().filter(|r| r.service == s.key).collect();
-            service_status(s, ports, &alloc_problems, &refused, inputs.node, &no_allocation)
+            let not_taken: Vec<&RefusedPort> = refused_ports.iter().filter(|r| r.service == s.key).collect();
+            let fault = Faults { problems: &alloc_problems, endpoints: &refused, ports: &not_taken };
+            service_status(s, ports, &fault, inputs.node, &no_allocation)
         })
         .collect();
     for r in &out.refused {
@@ -156,6 +213,7 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         refusals: out.refused,
         alloc_problems,
         refused_endpoints,
+        refused_ports,
         warnings: out
             .warnings
             .iter()
@@ -182,30 +240,44 @@ fn keep_refused_allocations(allocations: &mut Allocations, previous: &Allocation
     }
 }
 
+/// What is wrong with one Service on this node, for its status line.
+struct Faults<'a> {
+    /// Allocation problems (of every Service; filtered by port).
+    problems: &'a [AllocProblem],
+    /// Its refused endpoint addresses.
+    endpoints: &'a [&'a RefusedEndpoint],
+    /// Its node ports not taken on this node.
+    ports: &'a [&'a RefusedPort],
+}
+
 fn service_status(
     svc: &LbService,
     node_ports: &BTreeMap<model::PortId, u16>,
-    problems: &[AllocProblem],
-    refused_endpoints: &[&RefusedEndpoint],
+    fault: &Faults<'_>,
     node: &NodeFacts,
     no_allocation: &str,
 ) -> ServiceStatus {
+    let (problems, refused_endpoints) = (fault.problems, fault.endpoints);
     // Kept (in /status) until the next sync: no spare capacity.
     let mut ports = Vec::with_capacity(svc.ports.len());
     let mut any_endpoints = false;
     let mut any_allocated = false;
     for port in &svc.ports {
         let node_port = node_ports.get(&port.id).copied();
-        any_allocated |= node_port.is_some();
+        let not_taken = fault.ports.iter().find(|r| r.port == port.id);
+        any_allocated |= node_port.is_some() && not_taken.is_none();
         let endpoints: usize = svc
             .families
             .iter()
             .filter(|f| node.families.contains(f))
             .map(|&f| plan::usable_endpoints(svc, port, f, &node.node_name).len())
             .sum();
-        any_endpoints |= endpoints > 0 && node_port.is_some();
-        let problem =
-            problems.iter().find(|p| p.service() == &svc.key && p.port() == port.id).map(|p| p.to_string());
+        any_endpoints |= endpoints > 0 && node_port.is_some() && not_taken.is_none();
+        let problem = problems
+            .iter()
+            .find(|p| p.service() == &svc.key && p.port() == port.id)
+            .map(|p| p.to_string())
+            .or_else(|| not_taken.map(|r| r.to_string()));
         ports.push(PortStatus {
             port: port.id.port,
             protocol: port.id.protocol.k8s_name().to_string(),
@@ -215,16 +287,32 @@ fn service_status(
         });
     }
     let served: Vec<Family> = svc.families.iter().copied().filter(|f| node.families.contains(f)).collect();
-    let (state, reason_code, reason) = if !any_allocated {
-        (ServiceState::Refused, Some("no_allocation"), Some(no_allocation.to_string()))
+    let not_taken = || fault.ports.iter().map(|r| r.to_string()).collect::<Vec<_>>().join("; ");
+    let (state, reason_code, reason) = if !any_allocated && !fault.ports.is_empty() {
+        (ServiceState::Refused, Some("node_port_refused"), Some(not_taken()))
+    } else if !any_allocated {
+        // A request refused by the port policy names itself (the port, the reason).
+        let own: Vec<String> = problems
+            .iter()
+            .filter(|p| p.service() == &svc.key)
+            .filter(|p| matches!(p, AllocProblem::NotAllowed { .. } | AllocProblem::InUse { .. }))
+            .map(|p| p.to_string())
+            .collect();
+        let reason = if own.is_empty() { no_allocation.to_string() } else { own.join("; ") };
+        (ServiceState::Refused, Some("no_allocation"), Some(reason))
     } else if served.is_empty() {
         let fams: Vec<&str> = svc.families.iter().map(|f| f.name()).collect();
         let reason = format!("forwarding is off on this node for its families ({})", fams.join(", "));
         (ServiceState::Refused, Some("forwarding_off"), Some(reason))
     } else if any_endpoints {
-        let reason = (!refused_endpoints.is_empty())
-            .then(|| format!("endpoints refused: {}", endpoint_policy::describe(refused_endpoints)));
-        (ServiceState::Programmed, None, reason)
+        let mut notes = Vec::new();
+        if !refused_endpoints.is_empty() {
+            notes.push(format!("endpoints refused: {}", endpoint_policy::describe(refused_endpoints)));
+        }
+        if !fault.ports.is_empty() {
+            notes.push(not_taken());
+        }
+        (ServiceState::Programmed, None, (!notes.is_empty()).then(|| notes.join("; ")))
     } else if !refused_endpoints.is_empty() && svc.ports.iter().all(|p| p.endpoints.is_empty()) {
         // Every endpoint it names is refused: clients are refused at once, and this says why.
         let reason = format!(

@@ -98,6 +98,10 @@ pub struct Status {
     pub last_sync: Option<SyncStatus>,
     /// The source has been read completely at least once.
     pub source_synced: bool,
+    /// Ports processes on this node listen on that nodelb could otherwise allocate
+    /// (`22/TCP,20005/UDP`): never taken here; in Kubernetes mode published on the node Lease.
+    #[serde(default)]
+    pub listening_ports: String,
     #[serde(skip)]
     pub last_tick: Option<Instant>,
 }

@@ -245,11 +245,23 @@ fn no_ready_endpoint_is_refused_not_dropped() {
         .port(PortSpec::udp(53, Some(20053)))
         .endpoint(EndpointSpec::local(backend_v4(0)).not_ready());
     let noslice = ServiceSpec::new("noslice").port(PortSpec::tcp(80, Some(20081))).without_slices();
-    // Decoys listening on the node itself on the same ports: a request the agent does not reject
-    // would reach them, so a refusal can only come from the agent's rules.
-    let _decoy1 = Servers::start(&topo.node, "decoy", 20080, 20053);
-    let _decoy2 = Servers::start(&topo.node, "decoy", 20081, 20054);
-    assert!(http_get(c, v4(NODE_V4), 20080, T).is_ok_and(|b| b.contains("decoy")), "decoy control");
+    // The node drops these ports on input (a table of the test's own, after prerouting): a
+    // request the agent does not reject in prerouting times out, so a refusal can only come from
+    // the agent's rules. (Listeners on the node would not do: nodelb never takes a port a process
+    // on the node listens on.)
+    nft(
+        &topo.node,
+        &[
+            "add table inet decoy",
+            ";",
+            "add chain inet decoy in { type filter hook input priority 0 ; }",
+            ";",
+            "add rule inet decoy in tcp dport { 20080, 20081 } drop",
+            ";",
+            "add rule inet decoy in udp dport 20053 drop",
+        ],
+    );
+    assert_eq!(http_get(c, v4(NODE_V4), 20080, SHORT), Err(ClientError::Timeout), "decoy control");
     let agent = start(&topo, &[("svc.yaml", render_all(&[&notready, &noslice]))], &[]);
     agent.wait_state("default/notready", "no-endpoints", CHANGE);
     agent.wait_state("default/noslice", "no-endpoints", CHANGE);
@@ -806,4 +818,145 @@ fn refused_endpoint_addresses_are_never_reached_and_the_valid_ones_serve() {
     assert_eq!(st["refusedEndpoints"][0]["reasonCode"], "outside_endpoint_cidrs", "{st}");
     let answers = get_n(c, v4(NODE_V4), 20080, 20);
     assert_eq!(backends(&answers).keys().cloned().collect::<Vec<_>>(), ["be2"], "{answers:?}");
+}
+
+/// The `reason` of `key` in `/status`.
+fn reason(agent: &Agent, key: &str) -> String {
+    agent.service_status(key).unwrap()["reason"].as_str().unwrap_or_default().to_string()
+}
+
+/// `nodelb.io/ports: service` on `spec` (each port's own number as node port, klipper-lb style).
+fn service_style(spec: &ServiceSpec) -> String {
+    let mut docs = vec![spec.service()];
+    docs[0]["metadata"]["annotations"]["nodelb.io/ports"] = "service".into();
+    docs.extend(spec.slices());
+    render_docs(&docs)
+}
+
+/// Issue 13, point 3: a Service cannot take the node's own ports. With a test "sshd" listening on
+/// the node's port 22, a Service asking for node port 22 and one asking (`service` style) for
+/// 6443 and 10250 are refused as not allowed, naming Service, port and reason; the node's own
+/// listener keeps answering on 22 from a client and from the node itself (OUTPUT path). With
+/// `--allowed-node-ports 22,6443,10250`, 6443 and 10250 are served and 22 is still refused: a
+/// process listens on it.
+#[test]
+fn a_service_cannot_take_the_nodes_own_ports() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let c = topo.client(0);
+    let _sshd = Servers::start(&topo.node, "sshd", 22, 5022);
+    let ssh = ServiceSpec::new("ssh")
+        .port(PortSpec::tcp(22, Some(22)))
+        .endpoint(EndpointSpec::local(backend_v4(0)));
+    let kube = ServiceSpec::new("kube")
+        .port(PortSpec::tcp(6443, None))
+        .port(PortSpec::tcp(10250, None))
+        .endpoints([EndpointSpec::local(backend_v4(0)), EndpointSpec::local(backend_v4(1))]);
+    let files = [("ssh.yaml", ssh.render()), ("kube.yaml", service_style(&kube))];
+    let sshd_answers = |from: &common::netns::NetNs, what: &str| {
+        for i in 0..5 {
+            let body = http_get(from, v4(NODE_V4), 22, T).unwrap_or_else(|e| panic!("{what} {i}: {e:?}"));
+            assert!(body.contains("backend=sshd"), "{what}: port 22 answered by {body:?}");
+        }
+    };
+    let mut agent = start(&topo, &files, &[]);
+    agent.wait_state("default/ssh", "refused", CHANGE);
+    agent.wait_state("default/kube", "refused", CHANGE);
+    let r = reason(&agent, "default/ssh");
+    assert!(
+        r.contains("Service default/ssh: port 22/TCP asks for node port 22") && r.contains("not allowed"),
+        "{r}"
+    );
+    let r = reason(&agent, "default/kube");
+    for port in ["6443", "10250"] {
+        assert!(
+            r.contains(&format!("port {port}/TCP asks for node port {port}, which is not allowed")),
+            "{r}"
+        );
+    }
+    assert_eq!(metric(&agent, r#"nodelb_node_ports_refused{reason="not_allowed"}"#), Some(3.0));
+    sshd_answers(c, "client");
+    sshd_answers(&topo.node, "the node itself");
+    let listing = nft_list(&topo.node).expect("table");
+    for port in ["22", "6443", "10250"] {
+        assert!(!listing.contains(&format!(". {port} :")), "{port} programmed:\n{listing}");
+    }
+    let logs = agent.logs();
+    assert!(logs.contains("Service default/ssh: port 22/TCP asks for node port 22"), "logged:\n{logs}");
+
+    agent.extra_args = vec!["--allowed-node-ports".into(), "22,6443,10250".into()];
+    agent.restart();
+    agent.wait_ready(READY);
+    agent.wait_state("default/kube", "programmed", CHANGE);
+    agent.wait_state("default/ssh", "refused", CHANGE);
+    let r = reason(&agent, "default/ssh");
+    assert!(
+        r.contains("node port 22/TCP, which is in use: a process listens on [::]:22/TCP on this node"),
+        "{r}"
+    );
+    assert_eq!(metric(&agent, r#"nodelb_node_ports_refused{reason="in_use"}"#), Some(1.0));
+    for port in [6443, 10250] {
+        let answers = get_n(c, v4(NODE_V4), port, 20);
+        assert_eq!(
+            backends(&answers).keys().cloned().collect::<Vec<_>>(),
+            ["be1", "be2"],
+            "{port}: {answers:?}"
+        );
+    }
+    sshd_answers(c, "client, ports allowed");
+    sshd_answers(&topo.node, "the node itself, ports allowed");
+}
+
+/// Issue 13, point 3: the listener check in manifests mode. A port with a listener is skipped by
+/// the allocator and refused to a request naming the listener; a listener that appears later on
+/// an allocated, serving port makes this node stop DNATing it within the resync period (the
+/// listener answers; `/status` says why) while the allocation stays (state file), and the
+/// Service serves on the same port again once the listener is gone.
+#[test]
+fn a_listener_on_an_allocated_port_stops_it_here_and_the_allocation_stays() {
+    require_root!();
+    let topo = Topology::new(1, 1);
+    let c = topo.client(0);
+    let early = Servers::start(&topo.node, "early", 20000, 20000);
+    let auto =
+        ServiceSpec::new("auto").port(PortSpec::tcp(80, None)).endpoint(EndpointSpec::local(backend_v4(0)));
+    let taken = web("taken", 20000, 1);
+    let agent = start(&topo, &[("svc.yaml", render_all(&[&auto, &taken]))], &[]);
+    agent.wait_state("default/auto", "programmed", CHANGE);
+    agent.wait_state("default/taken", "refused", CHANGE);
+    let port = agent.node_port("default/auto", 80, "TCP").expect("allocated");
+    assert_eq!(port, 20001, "the allocator skips the port a process listens on");
+    let r = reason(&agent, "default/taken");
+    assert!(
+        r.contains("node port 20000/TCP, which is in use: a process listens on [::]:20000/TCP on this node"),
+        "{r}"
+    );
+    assert!(http_get(c, v4(NODE_V4), 20000, T).is_ok_and(|b| b.contains("backend=early")));
+    drop(early);
+    agent.wait_state("default/taken", "programmed", CHANGE);
+
+    get_n(c, v4(NODE_V4), port, 3);
+    let late = Servers::start(&topo.node, "late", port, port);
+    agent.wait_state("default/auto", "refused", CHANGE);
+    let st = agent.service_status("default/auto").unwrap();
+    assert_eq!(st["reasonCode"], "node_port_refused", "{st}");
+    assert!(
+        st["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains(&format!("node port {port}/TCP is not taken on this node: in use")),
+        "{st}"
+    );
+    assert_eq!(st["ports"][0]["nodePort"], port, "the allocation stays: {st}");
+    assert!(
+        wait_until(CHANGE, || http_get(c, v4(NODE_V4), port, T).is_ok_and(|b| b.contains("backend=late"))),
+        "the node's own listener answers"
+    );
+    let state = std::fs::read_to_string(agent.state_file()).expect("state file");
+    assert!(state.contains(&format!("\"80/TCP\": {port}")), "allocation kept in the state file: {state}");
+
+    drop(late);
+    agent.wait_state("default/auto", "programmed", CHANGE);
+    assert_eq!(agent.node_port("default/auto", 80, "TCP"), Some(port));
+    assert!(wait_until(CHANGE, || http_get(c, v4(NODE_V4), port, T).is_ok_and(|b| b.contains("backend=be1"))));
 }

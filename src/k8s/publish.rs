@@ -60,6 +60,12 @@ pub fn condition_for(
     if problems.iter().any(|p| matches!(p, AllocProblem::Conflict { .. })) {
         return WantedCondition { status: false, reason: "PortConflict", message: msgs() };
     }
+    if problems.iter().any(|p| matches!(p, AllocProblem::NotAllowed { .. })) {
+        return WantedCondition { status: false, reason: "PortNotAllowed", message: msgs() };
+    }
+    if problems.iter().any(|p| matches!(p, AllocProblem::InUse { .. })) {
+        return WantedCondition { status: false, reason: "PortInUse", message: msgs() };
+    }
     if !problems.is_empty() {
         return WantedCondition { status: false, reason: "RangeExhausted", message: msgs() };
     }
@@ -443,6 +449,8 @@ pub fn service_events<S>(round: &Round<'_, S>, duplicates: &[Duplicate]) -> Vec<
         let reason = match p {
             AllocProblem::Conflict { .. } => "NodePortConflict",
             AllocProblem::Exhausted { .. } => "NodePortRangeExhausted",
+            AllocProblem::NotAllowed { .. } => "NodePortNotAllowed",
+            AllocProblem::InUse { .. } => "NodePortInUse",
         };
         out.push(ServiceEvent {
             service: p.service().clone(),
