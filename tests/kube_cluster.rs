@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::cluster::{CLIENT_V4, Cluster, Permission, Rbac, node_name, node_v4};
 use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
-use common::topology::{ClientError, ClientLoop, backend_v4, parse_answer, wait_until};
+use common::topology::{ClientError, ClientLoop, Servers, backend_v4, parse_answer, wait_until};
 
 /// Per-request timeout where an answer is expected.
 const T: Duration = Duration::from_secs(2);
@@ -446,6 +446,76 @@ fn refused_endpoints_are_named_on_the_service_and_never_reached() {
 
     c.update_slices(&web("web", &[(0, 0)]));
     c.wait_condition("web", "nodelb.io/EndpointsAllowed", "True", "EndpointsAllowed", CHANGE);
+    let leader = c.wait_leader(CHANGE);
+    assert_only_leaders_wrote(&c, &[leader]);
+}
+
+/// Issue 13, point 3, in Kubernetes mode: the leader cannot see other nodes' sockets, so every
+/// agent publishes the ports processes on its node listen on (node Lease annotation
+/// `nodelb.io/listening-ports`) and the leader treats them as taken: a new allocation skips a
+/// port in use on node-2, a request for it is `PortInUse` (+ `NodePortInUse` Event naming node-2),
+/// a request for 22 is `PortNotAllowed` (+ `NodePortNotAllowed`). A listener that appears later on
+/// node-3 on an allocated port: node-3 stops DNATing it (its listener answers, its `/status` says
+/// why), the other nodes keep serving, the allocation does not move.
+#[test]
+fn node_ports_in_use_or_not_allowed_are_refused_by_the_leader_and_every_node() {
+    require_root!();
+    let c = Cluster::new(1);
+    let _n2 = Servers::start(&c.nodes[1], "node-2", 20000, 20000);
+    let lease = |i: usize| {
+        c.api
+            .get_typed::<k8s_openapi::api::coordination::v1::Lease>(
+                "nodelb-system",
+                &format!("nodelb-node-{}", node_name(i)),
+            )
+            .and_then(|l| l.metadata.annotations?.get("nodelb.io/listening-ports").cloned())
+    };
+    let ok = wait_until(CHANGE, || lease(1).is_some_and(|v| v.contains("20000/TCP")));
+    assert!(ok, "node-2's Lease does not publish its listener: {:?}", lease(1));
+
+    c.create(&web("auto", &[(0, 0)]));
+    let port = c.wait_allocated("auto", 1, CHANGE)["80/TCP"];
+    assert_eq!(port, 20001, "the leader skips the port node-2 listens on");
+    let want = ServiceSpec::new("want")
+        .port(PortSpec::tcp(80, Some(20000)))
+        .endpoint(EndpointSpec::remote(backend_v4(0), "node-1"));
+    c.create(&want);
+    c.wait_condition("want", "nodelb.io/Allocated", "False", "PortInUse", CHANGE);
+    let msg = c.allocated_condition("want").unwrap()["message"].as_str().unwrap_or_default().to_string();
+    assert!(msg.contains("node port 20000/TCP, which is in use: a process listens on it on node-2"), "{msg}");
+    assert!(wait_until(CHANGE, || !c.events("want", "NodePortInUse").is_empty()), "no NodePortInUse Event");
+    let ssh = ServiceSpec::new("ssh")
+        .port(PortSpec::tcp(22, Some(22)))
+        .endpoint(EndpointSpec::remote(backend_v4(0), "node-1"));
+    c.create(&ssh);
+    c.wait_condition("ssh", "nodelb.io/Allocated", "False", "PortNotAllowed", CHANGE);
+    assert!(
+        wait_until(CHANGE, || !c.events("ssh", "NodePortNotAllowed").is_empty()),
+        "no NodePortNotAllowed Event"
+    );
+    for i in 0..3 {
+        c.wait_served(i, port, CHANGE);
+        let r = c.get(i, 20000, Duration::from_millis(700));
+        assert!(
+            !r.as_ref().is_ok_and(|b| b.contains("backend=be")),
+            "node-{}: 20000 is served: {r:?}",
+            i + 1
+        );
+    }
+
+    // A listener appears later on node-3, on the allocated port.
+    let _n3 = Servers::start(&c.nodes[2], "node-3", port, port);
+    let ok = wait_until(CHANGE, || {
+        c.agents[2].service_status("default/auto").is_some_and(|s| s["reasonCode"] == "node_port_refused")
+    });
+    assert!(ok, "node-3 still takes {port}: {:?}", c.agents[2].service_status("default/auto"));
+    let ok = wait_until(CHANGE, || c.get(2, port, T).is_ok_and(|b| b.contains("backend=node-3")));
+    assert!(ok, "node-3's own listener does not answer on {port}");
+    for i in 0..2 {
+        let seen = backends_seen(&c, i, port, 5);
+        assert_eq!(names(&seen), ["be1"], "node-{}: {seen:?}", i + 1);
+    }
+    assert_eq!(c.allocated("auto").unwrap()["80/TCP"], port, "the allocation moved");
     let leader = c.wait_leader(CHANGE);
     assert_only_leaders_wrote(&c, &[leader]);
 }
