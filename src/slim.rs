@@ -313,6 +313,7 @@ mod tests {
                 allocations: &allocations,
                 problems: &[],
                 refused_endpoints: &[],
+                listening: &BTreeMap::new(),
                 serving: &serving,
                 now: k8s_openapi::jiff::Timestamp::from_second(1_700_000_000).unwrap(),
             };

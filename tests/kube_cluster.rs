@@ -516,6 +516,12 @@ fn node_ports_in_use_or_not_allowed_are_refused_by_the_leader_and_every_node() {
         assert_eq!(names(&seen), ["be1"], "node-{}: {seen:?}", i + 1);
     }
     assert_eq!(c.allocated("auto").unwrap()["80/TCP"], port, "the allocation moved");
+    let ok = wait_until(CHANGE, || {
+        c.events("auto", "NodePortInUse")
+            .iter()
+            .any(|e| e["note"].as_str().is_some_and(|n| n.contains("on node-3")))
+    });
+    assert!(ok, "no NodePortInUse Event naming node-3 for auto");
     let leader = c.wait_leader(CHANGE);
     assert_only_leaders_wrote(&c, &[leader]);
 }

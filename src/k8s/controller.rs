@@ -576,6 +576,7 @@ async fn round(
         allocations: &allocations,
         problems: &problems,
         refused_endpoints: &refused_endpoints,
+        listening: &in_use,
         serving: &serving,
         now: Timestamp::now(),
     };

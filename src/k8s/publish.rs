@@ -234,6 +234,9 @@ pub struct Round<'a, S = Service> {
     pub problems: &'a [AllocProblem],
     /// Endpoint addresses the policy refused (already taken out of `valid`).
     pub refused_endpoints: &'a [RefusedEndpoint],
+    /// Ports processes listen on, per node (the node Leases): an allocated port among them is
+    /// not served on those nodes (`NodePortInUse` Event; the allocation stays).
+    pub listening: &'a BTreeMap<(crate::ir::Protocol, u16), String>,
     pub serving: &'a BTreeMap<String, ServingNode>,
     pub now: Timestamp,
 }
@@ -432,6 +435,19 @@ pub fn service_events<S>(round: &Round<'_, S>, duplicates: &[Duplicate]) -> Vec<
                 reason: "NodePortsAllocated",
                 message: format!("node ports {}", model::format_port_map(ports)),
             });
+            for (id, n) in ports {
+                if let Some(who) = round.listening.get(&(id.protocol, *n)) {
+                    out.push(ServiceEvent {
+                        service: svc.key.clone(),
+                        warning: true,
+                        reason: "NodePortInUse",
+                        message: format!(
+                            "node port {n}/{} of port {id} is in use: {who}; not served there (the allocation stays)",
+                            id.protocol
+                        ),
+                    });
+                }
+            }
             // The same decision (and message) as the Serving condition.
             let ingress = ingress_for(svc, ports, round.serving);
             let serving = serving_condition(svc, ports, round.serving, &ingress);
@@ -479,7 +495,18 @@ pub fn service_events<S>(round: &Round<'_, S>, duplicates: &[Duplicate]) -> Vec<
     }
     out.sort();
     out.dedup();
-    out
+    // One Event per Service and reason (two ports in conflict are one message): the deduper
+    // remembers one message per (Service, reason), so two would be re-sent every round.
+    let mut merged: Vec<ServiceEvent> = Vec::with_capacity(out.len());
+    for e in out {
+        match merged.last_mut() {
+            Some(last) if last.service == e.service && last.reason == e.reason => {
+                last.message = format!("{}; {}", last.message, e.message);
+            }
+            _ => merged.push(e),
+        }
+    }
+    merged
 }
 
 #[cfg(test)]
@@ -655,6 +682,7 @@ mod tests {
                 allocations: &result.allocations,
                 problems: &result.problems,
                 refused_endpoints: &[],
+                listening: &BTreeMap::new(),
                 serving: serving_nodes,
                 now: t(0),
             })
@@ -893,6 +921,7 @@ mod tests {
         let out = model::build(&world.services, model::NO_SLICES, &opts);
         let allocs = crate::alloc::allocate(&Default::default(), &out.services, &Allocations::new());
         let no_nodes = BTreeMap::new();
+        let nothing_listens = BTreeMap::new();
         let round = |node_ready: bool, now| Round {
             services: &world.services,
             model: &opts,
@@ -901,6 +930,7 @@ mod tests {
             allocations: &allocs.allocations,
             problems: &allocs.problems,
             refused_endpoints: &[],
+            listening: &nothing_listens,
             serving: if node_ready { &nodes } else { &no_nodes },
             now,
         };
@@ -962,10 +992,25 @@ mod tests {
             allocations: &result.allocations,
             problems: &result.problems,
             refused_endpoints: &[],
+            listening: &BTreeMap::new(),
             serving: &none,
             now: t(0),
         };
         let reasons: Vec<&str> = service_events(&round, &[]).iter().map(|e| e.reason).collect();
         assert_eq!(reasons, vec!["NodePortsAllocated", "NoServingNode"]);
+        // Two ports refused for one reason: one Event (one message per Service and reason).
+        let key = ServiceKey::new("default", "web");
+        let in_use = |port: u16| AllocProblem::InUse {
+            service: key.clone(),
+            port: PortId::tcp(port),
+            wanted: port,
+            by: "a process listens on it on a".into(),
+        };
+        let problems = [in_use(22), in_use(23)];
+        let round = Round { problems: &problems, ..round };
+        let events: Vec<ServiceEvent> =
+            service_events(&round, &[]).into_iter().filter(|e| e.reason == "NodePortInUse").collect();
+        assert_eq!(events.len(), 1, "{events:?}");
+        assert!(events[0].message.contains("22/TCP") && events[0].message.contains("23/TCP"), "{events:?}");
     }
 }
