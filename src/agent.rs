@@ -9,19 +9,22 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use k8s_openapi::jiff::Timestamp;
 use tracing::{debug, error, info, warn};
 
-use crate::alloc::{Allocations, PortRange};
+use crate::alloc::PortRange;
 use crate::conntrack::{self, ConntrackClient};
-use crate::desired::{self, AllocationMode, Desired, Inputs};
+use crate::desired::{self, AllocationMode, Desired, HostFacts, HostPolicy, Inputs};
+use crate::endpoint_policy::HostAddresses;
 use crate::ir::{Change, Family, Ruleset};
 use crate::manifests;
 use crate::metrics::Metrics;
 use crate::model::ModelOptions;
 use crate::nft::{self, NftClient};
 use crate::plan::{self, NodeFacts};
+use crate::port_policy::Listeners;
 use crate::source::{Loaded, Source};
-use crate::state::StateFile;
+use crate::state::{State, StateFile};
 use crate::status::{ServiceState, ServiceStatus, SharedStatus, SyncStatus};
 use crate::sysctl::{Sysctls, forwarding_sysctl};
 
@@ -37,6 +40,7 @@ pub struct AgentConfig {
     pub masquerade_mark: u32,
     pub model: ModelOptions,
     pub sysctls: Sysctls,
+    pub policy: HostPolicy,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -76,7 +80,8 @@ struct Agent {
     nft: NftClient,
     source: Source,
     state: Option<StateFile>,
-    allocations: Allocations,
+    /// The allocations (and their times) of the last sync, as in the state file.
+    allocations: State,
     /// What we last programmed and saw the kernel accept; `None` forces a full replace.
     applied: Option<Ruleset>,
     /// Ruleset generation right after our last batch; a different value means someone else
@@ -89,7 +94,14 @@ struct Agent {
     backoff: Duration,
     /// Source fingerprint and node facts of the last successful sync: the same again (a relist
     /// that brought nothing new) means nothing to recompute.
-    last_input: Option<(u64, NodeFacts)>,
+    last_input: Option<(u64, NodeFacts, HostFacts)>,
+    /// This node's addresses as last read (kept when a read fails), and whether that failure
+    /// was logged.
+    local_addresses: HostAddresses,
+    local_addresses_failing: bool,
+    /// This node's listening sockets as last read, and whether a failing read was logged.
+    listeners: Listeners,
+    listeners_failing: bool,
     /// `(state, reason)` label sets of `nodelb_services` currently exported.
     services_series: BTreeSet<(&'static str, String)>,
 }
@@ -132,7 +144,7 @@ pub async fn run(
 ) -> Result<(), AgentError> {
     let state = cfg.state_file.clone().map(StateFile::new);
     let allocations = match &state {
-        Some(s) => s.load()?,
+        Some(s) => migrate(s, s.load()?),
         None => Default::default(),
     };
     let nft = NftClient::new()?;
@@ -155,6 +167,10 @@ pub async fn run(
         logged_problems: BTreeSet::new(),
         backoff: MIN_BACKOFF,
         last_input: None,
+        local_addresses: HostAddresses::default(),
+        local_addresses_failing: false,
+        listeners: Listeners::default(),
+        listeners_failing: false,
         services_series: BTreeSet::new(),
     };
     info!(source = %agent.source.describe(), node = %agent.cfg.node_name, "nodelb agent starting");
@@ -257,6 +273,43 @@ impl Agent {
         changed
     }
 
+    /// This node's addresses (read now; the last ones when the read fails, logged once) and, in
+    /// Kubernetes mode, every Node object's.
+    fn host_facts(&mut self) -> HostFacts {
+        match crate::hostaddrs::read() {
+            Ok(addrs) => {
+                if std::mem::take(&mut self.local_addresses_failing) {
+                    info!("this node's addresses can be read again");
+                }
+                self.local_addresses = addrs;
+            }
+            Err(e) if !self.local_addresses_failing => {
+                warn!(error = %e, "using the last known addresses of this node");
+                self.local_addresses_failing = true;
+            }
+            Err(_) => {}
+        }
+        match crate::listeners::read() {
+            Ok(sockets) => {
+                if std::mem::take(&mut self.listeners_failing) {
+                    info!("this node's listening sockets can be read again");
+                }
+                self.listeners = Listeners::from_sockets(sockets);
+            }
+            Err(e) if !self.listeners_failing => {
+                warn!(error = %e, "using the last known listening sockets of this node");
+                self.listeners_failing = true;
+            }
+            Err(_) => {}
+        }
+        let listening = self.listeners.format_relevant(&self.cfg.policy.ports);
+        self.status.write().unwrap_or_else(|e| e.into_inner()).listening_ports = listening;
+        HostFacts {
+            addresses: self.local_addresses.merged(&self.source.node_addresses()),
+            listeners: self.listeners.clone(),
+        }
+    }
+
     fn node_facts(&self) -> NodeFacts {
         NodeFacts {
             node_name: self.cfg.node_name.clone(),
@@ -292,13 +345,18 @@ impl Agent {
     async fn sync_once(&mut self, verify: bool, attempt: &mut Attempt) -> Result<Synced, AgentError> {
         let mut phases = Phases::new(attempt.started);
         let node = self.node_facts();
+        let host = self.host_facts();
         // The same input as the last good sync: nothing to recompute (the source does not even
         // assemble its object lists). A resync then only asks the kernel whether any nftables
         // transaction happened since our last batch; if one did, the full path below reads the
         // table back and repairs it. (At 10,000 Services recomputing every resync period cost ~7%
         // of a core and a transient copy of every object.)
         let known = match &self.last_input {
-            Some((fp, last_node)) if *last_node == node && self.applied.is_some() => Some(*fp),
+            Some((fp, last_node, last_host))
+                if *last_node == node && *last_host == host && self.applied.is_some() =>
+            {
+                Some(*fp)
+            }
             _ => None,
         };
         let loaded = match self.load(known)? {
@@ -324,21 +382,25 @@ impl Agent {
             services: &loaded.services,
             slices: &loaded.slices,
             notes: &loaded.notes,
-            previous: &self.allocations,
+            previous: &self.allocations.allocations,
+            since: &self.allocations.since,
             range: &self.cfg.port_range,
             model: &self.cfg.model,
             node: &node,
+            policy: &self.cfg.policy,
+            host: &host,
         };
         let mut desired: Desired = desired::compute_with(&inputs, self.metrics.per_service);
         phases.mark("desired");
         self.report_refusals(&desired);
-        if desired.allocations != self.allocations {
+        if desired.allocations != self.allocations.allocations {
+            let next = self.allocations.stamp(&desired.allocations, Timestamp::now());
             if let Some(state) = &self.state
                 && self.source.mode() == AllocationMode::Allocate
             {
-                state.save(&desired.allocations)?;
+                state.save(&next)?;
             }
-            self.allocations = desired.allocations.clone();
+            self.allocations = next;
         }
         phases.mark("state");
 
@@ -418,7 +480,7 @@ impl Agent {
                     None
                 }
             };
-            self.last_input = loaded.fingerprint.map(|fp| (fp, node.clone()));
+            self.last_input = loaded.fingerprint.map(|fp| (fp, node.clone(), host.clone()));
         }
         attempt.report = Some(Report {
             services: std::mem::take(&mut desired.services),
@@ -521,6 +583,30 @@ impl Agent {
         let in_range = numbers.iter().filter(|n| self.cfg.port_range.contains(**n)).count();
         m.free_ports.set(self.cfg.port_range.len().saturating_sub(in_range) as i64);
         m.manifest_problems.set(manifest_problems as i64);
+        let mut refused: BTreeMap<&str, i64> =
+            crate::endpoint_policy::REASON_CODES.iter().map(|c| (*c, 0)).collect();
+        for r in &desired.refused_endpoints {
+            *refused.entry(r.reason.code()).or_default() += 1;
+        }
+        for (reason, n) in refused {
+            m.endpoints_refused.with_label_values(&[reason]).set(n);
+        }
+        let mut ports: BTreeMap<&str, i64> = [("not_allowed", 0), ("in_use", 0)].into();
+        for r in &desired.refused_ports {
+            *ports.entry(r.reason.code()).or_default() += 1;
+        }
+        for p in &desired.alloc_problems {
+            match p {
+                crate::alloc::AllocProblem::NotAllowed { .. } => {
+                    *ports.entry("not_allowed").or_default() += 1
+                }
+                crate::alloc::AllocProblem::InUse { .. } => *ports.entry("in_use").or_default() += 1,
+                _ => {}
+            }
+        }
+        for (reason, n) in ports {
+            m.node_ports_refused.with_label_values(&[reason]).set(n);
+        }
     }
 
     /// UDP endpoints that left a node port since the last batch: delete their conntrack entries
@@ -568,6 +654,8 @@ impl Agent {
             .iter()
             .map(|r| r.to_string())
             .chain(desired.alloc_problems.iter().map(|p| p.to_string()))
+            .chain(desired.refused_endpoints.iter().map(|r| r.to_string()))
+            .chain(desired.refused_ports.iter().map(|r| r.to_string()))
             .collect();
         log_new(
             &mut self.logged_refusals,
@@ -580,6 +668,26 @@ impl Agent {
         let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
         st.problems = problems;
     }
+}
+
+/// Stamps the Services of a state file written by an older nodelb (no allocation times) with
+/// the time they are first read, and writes that down at once: from then on their age is fixed.
+/// A file that cannot be written is used as read (the next save retries).
+fn migrate(file: &StateFile, state: State) -> State {
+    let missing = state.allocations.keys().filter(|k| !state.since.contains_key(*k)).count();
+    if missing == 0 {
+        return state;
+    }
+    let stamped = state.stamp(&state.allocations, Timestamp::now());
+    info!(
+        file = %file.path().display(),
+        services = missing,
+        "state file has Services without an allocation time (written by an older nodelb); recording now"
+    );
+    if let Err(e) = file.save(&stamped) {
+        warn!(error = %e, "cannot write the allocation times yet; retrying at the next allocation change");
+    }
+    stamped
 }
 
 /// A sync this large (changes in its batch) leaves a transient peak behind: the batch buffer, the

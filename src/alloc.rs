@@ -7,26 +7,40 @@
 //!   carry one service port per protocol, so `53/TCP` and `53/UDP` share one number: a new
 //!   allocation for a port whose sibling (same service port number, other protocol) already has a
 //!   number reuses that number.
-//! - **Age wins.** Services are processed oldest first (`created`, then key; a Service without a
-//!   parsable timestamp counts as the youngest), so of two claims on one number the older Service
-//!   keeps it. This is also how duplicates from a split brain or a human edit are repaired.
-//! - **Claims before new ports.** First every Service's explicit requests and previous
-//!   allocations are settled (oldest first); only then are new ports handed out (oldest first,
-//!   lowest free number in the range). A new port therefore never takes a number another Service
-//!   still holds, however young that Service is.
+//! - **What exists wins.** An allocation that exists — the Service's own
+//!   `nodelb.io/allocated-ports` annotation first (it is what the cluster sees), then `previous`
+//!   (the state file) — is settled before any request: a Service that asks for a number later
+//!   (a new Service, or an edit of `nodelb.io/ports`), however old, gets a
+//!   [`AllocProblem::Conflict`], and the Service that holds the number keeps serving on it.
+//!   Silently moving a serving Service's port breaks its clients; refusing the newcomer only
+//!   delays a Service that is not serving yet.
+//! - **Age breaks ties** ([`older_first`]): of two existing claims on one number (a human edit, a
+//!   split brain: repaired so) or two new requests for it, the older Service wins. Age is when
+//!   this node first allocated the Service a port (manifests mode: recorded in the state file,
+//!   since manifests have no creationTimestamp), then creationTimestamp, then namespace/name; a
+//!   Service without a time counts as the youngest. Kubernetes mode has no allocation time (the
+//!   leader's view is the annotations), so there it is creationTimestamp, then namespace/name.
+//! - **Order.** (1) existing allocations, oldest Service first: a previous number is kept when it
+//!   is still in the range (or is what the port explicitly asks for) and no older claim holds it;
+//!   a port whose request changed drops its old number, and a stale number another port of the
+//!   same Service now asks for (same protocol) is dropped. (2) explicit requests not settled by
+//!   (1), oldest first. (3) new ports, oldest first, lowest free number in the range. A new port
+//!   therefore never takes a number another Service still holds, however young that Service is.
 //! - **Explicit requests** (`nodelb.io/ports`: a number, or `service` = the service port's own
-//!   number) may lie outside the range. If the number is held by an older Service the request is
-//!   a [`AllocProblem::Conflict`] and that service port gets no port at all: silently serving it
-//!   on another port would surprise whoever asked for a specific one.
-//! - **Previous allocations** — the Service's own `nodelb.io/allocated-ports` annotation first
-//!   (it is what the cluster sees), then `previous` (the state file) — are kept when still in the
-//!   range and not taken by an older Service; otherwise the port is allocated anew. A range change
-//!   therefore moves ports that fall outside it (explicit requests excepted).
+//!   number) may lie outside the range. If the number is held, the request is a
+//!   [`AllocProblem::Conflict`] and that service port gets no port at all: silently serving it
+//!   on another port would surprise whoever asked for a specific one. A range change moves
+//!   previous numbers that fall outside it (explicit requests excepted).
 //! - **Release.** Only Services in `services` get allocations; everything else in `previous` is
 //!   released simply by not being carried over.
 //!
-//! Explicit requests are not checked against the Kubernetes NodePort or ephemeral ranges or
-//! against ports used by host processes: that is the requester's business.
+//! - **Node ports a Service was not given** ([`allocate_with`], [`crate::port_policy`]): an
+//!   explicit request outside the range(s) and the operator's `--allowed-node-ports` is refused
+//!   ([`AllocProblem::NotAllowed`]), one on a port a process on a node listens on too
+//!   ([`AllocProblem::InUse`]); new ports avoid numbers with a listener of any protocol. An
+//!   allocation that exists keeps its number when a listener appears later (stability: the
+//!   nodes with the listener stop programming that port and say so; the Service gets it back
+//!   when the listener goes), but one that is no longer allowed is refused.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -34,6 +48,7 @@ use std::str::FromStr;
 
 use crate::ir::Protocol;
 use crate::model::{LbService, PortId, PortRequest, ServiceKey};
+use crate::port_policy::PortPolicy;
 
 /// The Kubernetes NodePort range (default service-node-port-range).
 pub const NODEPORT_RANGE: (u16, u16) = (30000, 32767);
@@ -149,19 +164,56 @@ pub enum AllocProblem {
     Conflict { service: ServiceKey, port: PortId, wanted: u16, holder: ServiceKey },
     #[error("Service {service}: port {port}: no free node port left in range {range}")]
     Exhausted { service: ServiceKey, port: PortId, range: PortRange },
+    #[error(
+        "Service {service}: port {port} asks for node port {wanted}, which is not allowed (allowed: {allowed})"
+    )]
+    NotAllowed { service: ServiceKey, port: PortId, wanted: u16, allowed: String },
+    #[error("Service {service}: port {port} asks for node port {wanted}/{}, which is in use: {by}", port.protocol)]
+    InUse { service: ServiceKey, port: PortId, wanted: u16, by: String },
 }
 
 impl AllocProblem {
     pub fn service(&self) -> &ServiceKey {
         match self {
-            AllocProblem::Conflict { service, .. } | AllocProblem::Exhausted { service, .. } => service,
+            AllocProblem::Conflict { service, .. }
+            | AllocProblem::Exhausted { service, .. }
+            | AllocProblem::NotAllowed { service, .. }
+            | AllocProblem::InUse { service, .. } => service,
         }
     }
 
     pub fn port(&self) -> PortId {
         match self {
-            AllocProblem::Conflict { port, .. } | AllocProblem::Exhausted { port, .. } => *port,
+            AllocProblem::Conflict { port, .. }
+            | AllocProblem::Exhausted { port, .. }
+            | AllocProblem::NotAllowed { port, .. }
+            | AllocProblem::InUse { port, .. } => *port,
         }
+    }
+}
+
+/// What limits the allocator besides the other Services ([`crate::port_policy`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Constraints<'a> {
+    /// Which numbers explicit requests may name; `None`: any (the order rules alone).
+    pub policy: Option<&'a PortPolicy>,
+    /// Ports a process listens on, per protocol, with who (for the message): a request for one
+    /// is refused, a new allocation avoids its number. An allocation that exists keeps it
+    /// (nodes with the listener just do not program it).
+    pub in_use: Option<&'a BTreeMap<(Protocol, u16), String>>,
+}
+
+impl Constraints<'_> {
+    fn in_use(&self, protocol: Protocol, port: u16) -> Option<&String> {
+        self.in_use.and_then(|m| m.get(&(protocol, port)))
+    }
+
+    fn any_in_use(&self, port: u16) -> bool {
+        self.in_use.is_some_and(|m| m.keys().any(|(_, p)| *p == port))
+    }
+
+    fn allows(&self, port: u16) -> bool {
+        self.policy.is_none_or(|p| p.allows(port))
     }
 }
 
@@ -208,17 +260,28 @@ impl Table {
     }
 }
 
-/// Age order key: parsed creation time (None = youngest), then key.
-fn age_order(services: &[LbService]) -> Vec<&LbService> {
+fn timestamp(value: Option<&str>) -> Option<k8s_openapi::jiff::Timestamp> {
+    value.and_then(|c| c.parse::<k8s_openapi::jiff::Timestamp>().ok())
+}
+
+/// Compares two Services by age, oldest first: when this node first allocated them a port
+/// (manifests mode's state file; a Service with that record is older than one without), then
+/// creationTimestamp (none: youngest), then namespace/name. In Kubernetes mode nothing has the
+/// first, so it is creationTimestamp, then namespace/name.
+pub fn older_first(a: &LbService, b: &LbService) -> std::cmp::Ordering {
+    // `None` sorts after every time: a Service without one counts as the youngest.
+    let key = |s: &LbService| {
+        let since = timestamp(s.allocated_since.as_deref());
+        let created = timestamp(s.created.as_deref());
+        (since.is_none(), since, created.is_none(), created)
+    };
+    key(a).cmp(&key(b)).then_with(|| a.key.cmp(&b.key))
+}
+
+/// The Services oldest first ([`older_first`]), one per key.
+pub fn age_order(services: &[LbService]) -> Vec<&LbService> {
     let mut ordered: Vec<&LbService> = services.iter().collect();
-    let ts =
-        |s: &LbService| s.created.as_deref().and_then(|c| c.parse::<k8s_openapi::jiff::Timestamp>().ok());
-    ordered.sort_by(|a, b| match (ts(a), ts(b)) {
-        (Some(x), Some(y)) => x.cmp(&y).then_with(|| a.key.cmp(&b.key)),
-        (Some(_), None) => std::cmp::Ordering::Less,
-        (None, Some(_)) => std::cmp::Ordering::Greater,
-        (None, None) => a.key.cmp(&b.key),
-    });
+    ordered.sort_by(|a, b| older_first(a, b));
     // Two objects with one key cannot both be served (the model refuses the second); keep the
     // allocator total anyway.
     let mut seen = BTreeSet::new();
@@ -237,21 +300,74 @@ fn explicit_request(svc: &LbService, id: PortId) -> Option<u16> {
 /// Allocates node ports for `services`, keeping `previous` (the state file) where possible.
 /// See the module documentation for the rules.
 pub fn allocate(range: &PortRange, services: &[LbService], previous: &Allocations) -> AllocationResult {
+    allocate_with(range, services, previous, Constraints::default())
+}
+
+/// [`allocate`] within `constraints` (the port policy, ports in use on the nodes).
+pub fn allocate_with(
+    range: &PortRange,
+    services: &[LbService],
+    previous: &Allocations,
+    constraints: Constraints<'_>,
+) -> AllocationResult {
     let ordered = age_order(services);
     let mut table = Table::default();
     let mut result = AllocationResult::default();
     // Service ports that are settled: allocated, or refused by a conflict.
     let mut settled: BTreeSet<(ServiceKey, PortId)> = BTreeSet::new();
 
-    // Phase 1: explicit requests and previous allocations, oldest Service first. Within a Service
-    // explicit requests go first, so a stale previous number of another port of the same Service
-    // cannot block what the user asks for now.
+    // Phase 1: allocations that exist (annotation, then state file), oldest Service first. An
+    // existing allocation of a port is one of its previous numbers, unless the port now asks
+    // for another number (the request replaces it), or another port of the same Service now
+    // asks for that number with the same protocol (the request wins over a stale number).
+    for svc in &ordered {
+        let from_state = previous.get(&svc.key);
+        for port in &svc.ports {
+            let wanted = explicit_request(svc, port.id);
+            let requested_by_sibling = |n: u16| {
+                svc.ports.iter().any(|other| {
+                    other.id != port.id
+                        && other.id.protocol == port.id.protocol
+                        && explicit_request(svc, other.id) == Some(n)
+                })
+            };
+            let candidates =
+                [svc.previous_allocation.get(&port.id), from_state.and_then(|m| m.get(&port.id))];
+            for number in candidates.into_iter().flatten().copied() {
+                let usable = match wanted {
+                    Some(w) => w == number && constraints.allows(w),
+                    None => range.contains(number) && !requested_by_sibling(number),
+                };
+                if usable && table.claim(number, port.id.protocol, &svc.key).is_ok() {
+                    result.allocations.entry(svc.key.clone()).or_default().insert(port.id, number);
+                    settled.insert((svc.key.clone(), port.id));
+                    break;
+                }
+            }
+        }
+    }
+
+    // Phase 2: explicit requests not settled above, oldest Service first. A number someone holds
+    // from before is a conflict, whatever the requester's age: a serving Service never loses its
+    // port to one that asks later.
     for svc in &ordered {
         for port in &svc.ports {
             let Some(wanted) = explicit_request(svc, port.id) else {
                 continue;
             };
-            settled.insert((svc.key.clone(), port.id));
+            if !settled.insert((svc.key.clone(), port.id)) {
+                continue;
+            }
+            let (service, id) = (svc.key.clone(), port.id);
+            if let Some(policy) = constraints.policy.filter(|p| !p.allows(wanted)) {
+                let allowed = policy.describe();
+                result.problems.push(AllocProblem::NotAllowed { service, port: id, wanted, allowed });
+                continue;
+            }
+            if let Some(by) = constraints.in_use(id.protocol, wanted) {
+                result.problems.push(AllocProblem::InUse { service, port: id, wanted, by: by.clone() });
+                continue;
+            }
             match table.claim(wanted, port.id.protocol, &svc.key) {
                 Ok(()) => {
                     result.allocations.entry(svc.key.clone()).or_default().insert(port.id, wanted);
@@ -264,24 +380,9 @@ pub fn allocate(range: &PortRange, services: &[LbService], previous: &Allocation
                 }),
             }
         }
-        let from_state = previous.get(&svc.key);
-        for port in &svc.ports {
-            if settled.contains(&(svc.key.clone(), port.id)) {
-                continue;
-            }
-            let candidates =
-                [svc.previous_allocation.get(&port.id), from_state.and_then(|m| m.get(&port.id))];
-            for number in candidates.into_iter().flatten().copied() {
-                if range.contains(number) && table.claim(number, port.id.protocol, &svc.key).is_ok() {
-                    result.allocations.entry(svc.key.clone()).or_default().insert(port.id, number);
-                    settled.insert((svc.key.clone(), port.id));
-                    break;
-                }
-            }
-        }
     }
 
-    // Phase 2: new ports, oldest Service first, lowest free number. Numbers are only ever taken
+    // Phase 3: new ports, oldest Service first, lowest free number. Numbers are only ever taken
     // in this phase, so the lowest free number never goes down: one cursor suffices.
     let mut cursor = Some(range.first);
     for svc in &ordered {
@@ -296,13 +397,14 @@ pub fn allocate(range: &PortRange, services: &[LbService], previous: &Allocation
             });
             if let Some(number) = sibling
                 && range.contains(number)
+                && constraints.in_use(port.id.protocol, number).is_none()
                 && table.claim(number, port.id.protocol, &svc.key).is_ok()
             {
                 result.allocations.entry(svc.key.clone()).or_default().insert(port.id, number);
                 continue;
             }
             while let Some(n) = cursor {
-                if n > range.last || table.is_free(n) {
+                if n > range.last || (table.is_free(n) && !constraints.any_in_use(n)) {
                     break;
                 }
                 cursor = n.checked_add(1);
@@ -355,6 +457,12 @@ mod tests {
 
     fn annotated(mut s: LbService, prev: &[(PortId, u16)]) -> LbService {
         s.previous_allocation = prev.iter().copied().collect();
+        s
+    }
+
+    /// Allocated by this node first at second `secs` of 2024-01-02 (manifests mode's state file).
+    fn since(mut s: LbService, secs: u32) -> LbService {
+        s.allocated_since = Some(format!("2024-01-02T00:00:{secs:02}Z"));
         s
     }
 
@@ -481,15 +589,88 @@ mod tests {
                 }],
             },
             Case {
-                name: "older explicit request takes a younger Service's previous number",
+                name: "an existing allocation (state file) beats an older Service's later request",
                 range: small(),
                 services: vec![
                     explicit(svc("old", Some(1), &[tcp(80)]), &[(tcp(80), 20000)]),
                     svc("young", Some(2), &[tcp(80)]),
                 ],
                 previous: allocs(&[("young", &[(tcp(80), 20000)])]),
-                want: allocs(&[("old", &[(tcp(80), 20000)]), ("young", &[(tcp(80), 20001)])]),
+                want: allocs(&[("young", &[(tcp(80), 20000)])]),
+                problems: vec![AllocProblem::Conflict {
+                    service: key("old"),
+                    port: tcp(80),
+                    wanted: 20000,
+                    holder: key("young"),
+                }],
+            },
+            Case {
+                name: "an existing allocation (annotation) beats an older Service's later request",
+                range: small(),
+                services: vec![
+                    explicit(svc("old", Some(1), &[tcp(80), tcp(81)]), &[(tcp(80), 20000)]),
+                    annotated(svc("young", Some(2), &[tcp(80)]), &[(tcp(80), 20000)]),
+                ],
+                previous: Allocations::new(),
+                want: allocs(&[("old", &[(tcp(81), 20001)]), ("young", &[(tcp(80), 20000)])]),
+                problems: vec![AllocProblem::Conflict {
+                    service: key("old"),
+                    port: tcp(80),
+                    wanted: 20000,
+                    holder: key("young"),
+                }],
+            },
+            Case {
+                name: "a request its own allocation already satisfies is kept, outside the range too",
+                range: small(),
+                services: vec![
+                    svc("old", Some(1), &[tcp(80)]),
+                    annotated(
+                        explicit(svc("young", Some(2), &[tcp(80)]), &[(tcp(80), 8080)]),
+                        &[(tcp(80), 8080)],
+                    ),
+                ],
+                previous: allocs(&[("old", &[(tcp(80), 8080)])]),
+                want: allocs(&[("old", &[(tcp(80), 20000)]), ("young", &[(tcp(80), 8080)])]),
                 problems: vec![],
+            },
+            Case {
+                name: "a changed request drops the old number, which is free again",
+                range: small(),
+                services: vec![
+                    explicit(svc("web", Some(1), &[tcp(80)]), &[(tcp(80), 20005)]),
+                    svc("new", Some(2), &[tcp(80)]),
+                ],
+                previous: allocs(&[("web", &[(tcp(80), 20000)])]),
+                want: allocs(&[("web", &[(tcp(80), 20005)]), ("new", &[(tcp(80), 20000)])]),
+                problems: vec![],
+            },
+            Case {
+                name: "manifests: allocation age, not creationTimestamp or name, settles two existing claims",
+                range: small(),
+                services: vec![
+                    since(annotated(svc("a", Some(1), &[tcp(80)]), &[(tcp(80), 20004)]), 20),
+                    since(svc("b", Some(9), &[tcp(80)]), 10),
+                ],
+                previous: allocs(&[("b", &[(tcp(80), 20004)])]),
+                want: allocs(&[("a", &[(tcp(80), 20000)]), ("b", &[(tcp(80), 20004)])]),
+                problems: vec![],
+            },
+            Case {
+                name: "manifests: a Service allocated before is older than one never allocated",
+                range: small(),
+                services: vec![
+                    explicit(svc("a", Some(1), &[tcp(80)]), &[(tcp(80), 20007)]),
+                    since(explicit(svc("b", None, &[tcp(80), tcp(81)]), &[(tcp(80), 20007)]), 50),
+                ],
+                previous: allocs(&[("b", &[(tcp(81), 20001)])]),
+                want: allocs(&[("b", &[(tcp(80), 20007), (tcp(81), 20001)])]),
+                problems: vec![AllocProblem::Conflict {
+                    service: key("a"),
+                    port: tcp(80),
+                    wanted: 20007,
+                    holder: key("b"),
+                }],
             },
             Case {
                 name: "a number is one Service's for every protocol",
@@ -646,6 +827,59 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The port policy and listeners: requests outside the allowed ports and on ports in use are
+    /// refused with the reason; new ports skip numbers in use; existing allocations stay.
+    #[test]
+    fn constraints() {
+        let policy = PortPolicy {
+            ranges: vec![small()],
+            allowed: "22,6443,80".parse::<crate::port_policy::PortList>().unwrap().0,
+        };
+        let in_use: BTreeMap<(Protocol, u16), String> = [
+            ((Protocol::Tcp, 22), "sshd".to_string()),
+            ((Protocol::Udp, 20000), "dns".to_string()),
+            ((Protocol::Tcp, 20003), "web".to_string()),
+        ]
+        .into();
+        let c = Constraints { policy: Some(&policy), in_use: Some(&in_use) };
+        let service = |s: LbService| {
+            let mut s = s;
+            s.port_request = PortRequest::ServicePorts;
+            s
+        };
+        let services = vec![
+            service(svc("ssh", Some(1), &[tcp(22)])),
+            service(svc("kube", Some(2), &[tcp(6443), tcp(10250)])),
+            explicit(svc("dns", Some(3), &[udp(53), tcp(53)]), &[(udp(53), 20000), (tcp(53), 20000)]),
+            svc("auto", Some(4), &[tcp(80), udp(81)]),
+            svc("kept", Some(5), &[tcp(80)]),
+            explicit(svc("gone", Some(6), &[tcp(80)]), &[(tcp(80), 8080)]),
+        ];
+        let previous = allocs(&[("kept", &[(tcp(80), 20003)]), ("gone", &[(tcp(80), 8080)])]);
+        let got = allocate_with(&small(), &services, &previous, c);
+        assert_eq!(
+            got.allocations,
+            allocs(&[
+                ("kube", &[(tcp(6443), 6443)]),
+                ("dns", &[(tcp(53), 20000)]),
+                ("auto", &[(tcp(80), 20001), (udp(81), 20002)]),
+                ("kept", &[(tcp(80), 20003)]),
+            ])
+        );
+        let msgs: Vec<String> = got.problems.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            msgs,
+            vec![
+                "Service default/ssh: port 22/TCP asks for node port 22/TCP, which is in use: sshd",
+                "Service default/kube: port 10250/TCP asks for node port 10250, which is not allowed (allowed: --port-range 20000-20009 or --allowed-node-ports 22,6443,80)",
+                "Service default/dns: port 53/UDP asks for node port 20000/UDP, which is in use: dns",
+                "Service default/gone: port 80/TCP asks for node port 8080, which is not allowed (allowed: --port-range 20000-20009 or --allowed-node-ports 22,6443,80)",
+            ]
+        );
+        // Without constraints (the order rules alone), every request is taken.
+        assert_eq!(allocate(&small(), &services, &previous).problems, vec![]);
     }
 
     #[test]

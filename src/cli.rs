@@ -68,6 +68,21 @@ pub struct CommonArgs {
     /// State file keeping port allocations across restarts (manifests mode).
     #[arg(long, default_value = "/var/lib/nodelb/state.json", env = "NODELB_STATE_FILE")]
     pub state_file: PathBuf,
+    /// Allow a node's own addresses (this node's, and every Node object's) as endpoints, for
+    /// hostNetwork backends. Risk: whoever can write an EndpointSlice (or a manifest) can then
+    /// expose any port of any node through a Service.
+    #[arg(long, env = "NODELB_ALLOW_NODE_ENDPOINTS")]
+    pub allow_node_endpoints: bool,
+    /// Node ports Services may ask for beyond --port-range (`nodelb.io/ports`, or `service`):
+    /// comma-separated ports and ranges, e.g. `80,443,8000-8100`. Risk: a Service given port 22,
+    /// 6443 or 10250 would take over SSH, the API server or the kubelet on every node where
+    /// nothing listens on it yet. A port a process on the node listens on is never taken.
+    #[arg(long, default_value = "", value_parser = parse_port_list, env = "NODELB_ALLOWED_NODE_PORTS")]
+    pub allowed_node_ports: crate::port_policy::PortList,
+    /// Only endpoints inside these CIDRs are DNATed to (comma-separated; e.g. the pod and host
+    /// networks). Default: any address the fixed rules allow.
+    #[arg(long, value_delimiter = ',', env = "NODELB_ENDPOINT_CIDRS")]
+    pub endpoint_cidrs: Vec<ipnet::IpNet>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -124,6 +139,10 @@ pub struct StatusArgs {
     /// Print the raw JSON.
     #[arg(long)]
     pub json: bool,
+}
+
+fn parse_port_list(s: &str) -> Result<crate::port_policy::PortList, String> {
+    s.parse()
 }
 
 fn parse_mark(s: &str) -> Result<u32, String> {

@@ -11,7 +11,8 @@ use tracing::{error, info};
 
 use crate::agent::{self, AgentConfig};
 use crate::cli::{CommonArgs, KubeArgs, PlanArgs, RunArgs, StatusArgs};
-use crate::desired::{self, Inputs};
+use crate::desired::{self, HostFacts, HostPolicy, Inputs};
+use crate::endpoint_policy::EndpointPolicy;
 use crate::ir::Family;
 use crate::k8s::controller::{self, ControllerConfig};
 use crate::k8s::source::KubeSource;
@@ -31,6 +32,19 @@ fn node_name(common: &CommonArgs) -> String {
             .and_then(|h| h.into_string().ok())
             .unwrap_or_else(|| "localhost".to_string())
     })
+}
+
+fn host_policy(common: &CommonArgs) -> HostPolicy {
+    HostPolicy {
+        endpoints: EndpointPolicy {
+            allow_node_addresses: common.allow_node_endpoints,
+            allowed_cidrs: common.endpoint_cidrs.iter().map(|n| n.trunc()).collect(),
+        },
+        ports: crate::port_policy::PortPolicy {
+            ranges: vec![common.port_range],
+            allowed: common.allowed_node_ports.0.clone(),
+        },
+    }
 }
 
 fn model_options(common: &CommonArgs) -> ModelOptions {
@@ -53,6 +67,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         masquerade_mark: args.common.masquerade_mark,
         model: model_options(&args.common),
         sysctls: Sysctls::default(),
+        policy: host_policy(&args.common),
     };
     let status: SharedStatus = Arc::new(RwLock::new(Status::default()));
     let metrics = Arc::new(Metrics::new(args.per_service_metrics)?);
@@ -82,6 +97,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 node_addresses: args.kube.node_addresses.clone(),
                 port_range: cfg.port_range,
                 model: cfg.model.clone(),
+                policy: cfg.policy.clone(),
             };
             info!(namespace = %ccfg.namespace, node = %ccfg.node_name, "Kubernetes mode");
             let controller = controller::spawn(client, kube.clone(), ccfg, status.clone(), metrics.clone());
@@ -140,6 +156,10 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
         families: Family::ALL.into_iter().collect::<BTreeSet<_>>(),
         masquerade_mark: args.common.masquerade_mark,
     };
+    let host = HostFacts {
+        addresses: crate::hostaddrs::read().unwrap_or_default(),
+        listeners: crate::port_policy::Listeners::from_sockets(crate::listeners::read().unwrap_or_default()),
+    };
     let desired = desired::compute(&Inputs {
         mode: desired::AllocationMode::Allocate,
         services: &loaded.services,
@@ -155,16 +175,25 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
                 .collect(),
             stale: Default::default(),
         },
-        previous: &previous,
+        previous: &previous.allocations,
+        since: &previous.since,
         range: &args.common.port_range,
         model: &model_options(&args.common),
         node: &node,
+        policy: &host_policy(&args.common),
+        host: &host,
     });
     for r in &desired.refusals {
         eprintln!("refused: {r}");
     }
     for p in &desired.alloc_problems {
         eprintln!("allocation: {p}");
+    }
+    for r in &desired.refused_endpoints {
+        eprintln!("refused: {r}");
+    }
+    for r in &desired.refused_ports {
+        eprintln!("refused: {r}");
     }
     print!("{}", desired.ruleset.render());
     Ok(())

@@ -7,13 +7,16 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::jiff::Timestamp;
 
 use crate::alloc::{self, AllocProblem, Allocations, PortRange};
+use crate::endpoint_policy::{self, EndpointPolicy, HostAddresses, RefusedEndpoint};
 use crate::ir::{Family, Ruleset};
 use crate::metrics::{CounterIndex, CounterKind, SeriesKey};
 use crate::model::{self, LbService, ModelOptions, Refusal, ServiceKey};
 use crate::plan::{self, NodeFacts, ServicePlan};
-use crate::status::{PortStatus, ServiceState, ServiceStatus};
+use crate::port_policy::{self, Listeners, PortPolicy, PortRefusal};
+use crate::status::{EndpointRefusalStatus, PortStatus, ServiceState, ServiceStatus};
 
 /// Everything computed from one snapshot.
 #[derive(Debug, Clone)]
@@ -25,6 +28,10 @@ pub struct Desired {
     pub needed_families: BTreeSet<Family>,
     pub refusals: Vec<Refusal>,
     pub alloc_problems: Vec<AllocProblem>,
+    /// Endpoint addresses the policy refused (taken out of the Services; each logged once).
+    pub refused_endpoints: Vec<RefusedEndpoint>,
+    /// Allocated node ports this node does not program (not allowed, or a local listener).
+    pub refused_ports: Vec<RefusedPort>,
     /// Which counter feeds which per-Service-port series, and which Service ports exist (for
     /// `/metrics`); empty when computed without it ([`compute_with`]).
     pub counter_index: CounterIndex,
@@ -54,6 +61,42 @@ pub struct SourceNotes {
     pub stale: BTreeMap<ServiceKey, String>,
 }
 
+/// What the operator allows Services to use on the nodes (flags).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HostPolicy {
+    pub endpoints: EndpointPolicy,
+    pub ports: PortPolicy,
+}
+
+/// What this node's kernel (and, in Kubernetes mode, the Node objects) say about the nodes, read
+/// at every sync: a change is a reason to recompute even when the Services did not change.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HostFacts {
+    /// This node's addresses and, in Kubernetes mode, every Node object's.
+    pub addresses: HostAddresses,
+    /// What processes on this node listen on (their ports are never taken here).
+    pub listeners: Listeners,
+}
+
+/// A service port whose node port this node does not program (the allocation stays).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RefusedPort {
+    pub service: ServiceKey,
+    pub port: model::PortId,
+    pub node_port: u16,
+    pub reason: PortRefusal,
+}
+
+impl std::fmt::Display for RefusedPort {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Service {}: port {}: node port {}/{} is not taken on this node: {}",
+            self.service, self.port, self.node_port, self.port.protocol, self.reason
+        )
+    }
+}
+
 /// `S` / `E`: the objects owned or shared (`Arc`, as the sources hold them).
 pub struct Inputs<'a, S = Service, E = EndpointSlice> {
     pub mode: AllocationMode,
@@ -61,9 +104,13 @@ pub struct Inputs<'a, S = Service, E = EndpointSlice> {
     pub slices: &'a [E],
     pub notes: &'a SourceNotes,
     pub previous: &'a Allocations,
+    /// Manifests mode: when this node first allocated each Service (the state file), its age.
+    pub since: &'a BTreeMap<ServiceKey, Timestamp>,
     pub range: &'a PortRange,
     pub model: &'a ModelOptions,
     pub node: &'a NodeFacts,
+    pub policy: &'a HostPolicy,
+    pub host: &'a HostFacts,
 }
 
 pub fn compute<S: Borrow<Service>, E: Borrow<EndpointSlice>>(inputs: &Inputs<'_, S, E>) -> Desired {
@@ -80,9 +127,22 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     out.refused.extend(
         inputs.notes.refused.iter().filter(|r| !out.services.iter().any(|s| &s.key == r.service())).cloned(),
     );
+    for svc in &mut out.services {
+        svc.allocated_since = inputs.since.get(&svc.key).map(|t| t.to_string());
+    }
+    let refused_endpoints =
+        endpoint_policy::filter(&mut out.services, &inputs.host.addresses, &inputs.policy.endpoints);
     let (allocations, alloc_problems, duplicates) = match inputs.mode {
         AllocationMode::Allocate => {
-            let result = alloc::allocate(inputs.range, &out.services, inputs.previous);
+            let in_use: BTreeMap<(crate::ir::Protocol, u16), String> = inputs
+                .host
+                .listeners
+                .iter()
+                .map(|l| ((l.protocol, l.port), format!("{l} on this node")))
+                .collect();
+            let constraints =
+                alloc::Constraints { policy: Some(&inputs.policy.ports), in_use: Some(&in_use) };
+            let result = alloc::allocate_with(inputs.range, &out.services, inputs.previous, constraints);
             let mut allocations = result.allocations;
             keep_refused_allocations(&mut allocations, inputs.previous, &out.refused);
             (allocations, result.problems, vec![])
@@ -110,11 +170,33 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         },
     };
 
+    // Whatever the allocation says, this node never takes a port it may not (not allowed, or a
+    // process here listens on it): the allocation stays, the port is not programmed here.
+    let mut refused_ports = Vec::new();
+    let mut programmed = allocations.clone();
+    for (key, ports) in programmed.iter_mut() {
+        ports.retain(|id, node_port| {
+            match port_policy::node_check(
+                *node_port,
+                id.protocol,
+                &inputs.policy.ports,
+                &inputs.host.listeners,
+            ) {
+                Ok(()) => true,
+                Err(reason) => {
+                    let r = RefusedPort { service: key.clone(), port: *id, node_port: *node_port, reason };
+                    refused_ports.push(r);
+                    false
+                }
+            }
+        });
+    }
+
     let empty = BTreeMap::new();
     let plans: Vec<ServicePlan<'_>> = out
         .services
         .iter()
-        .map(|s| ServicePlan { service: s, node_ports: allocations.get(&s.key).unwrap_or(&empty) })
+        .map(|s| ServicePlan { service: s, node_ports: programmed.get(&s.key).unwrap_or(&empty) })
         .collect();
     let ruleset = plan::plan(&plans, inputs.node);
 
@@ -123,7 +205,11 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         .iter()
         .map(|s| {
             let ports = allocations.get(&s.key).unwrap_or(&empty);
-            let mut status = service_status(s, ports, &alloc_problems, inputs.node, &no_allocation(&s.key));
+            let refused: Vec<&RefusedEndpoint> =
+                refused_endpoints.iter().filter(|r| r.service == s.key).collect();
+            let not_taken: Vec<&RefusedPort> = refused_ports.iter().filter(|r| r.service == s.key).collect();
+            let fault = Faults { problems: &alloc_problems, endpoints: &refused, ports: &not_taken };
+            let mut status = service_status(s, ports, &fault, inputs.node, &no_allocation(&s.key));
             if let Some(note) = inputs.notes.stale.get(&s.key) {
                 status.reason = Some(match status.reason.take() {
                     Some(r) => format!("{r}; {note}"),
@@ -142,6 +228,7 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             reason_code: Some(r.code().to_string()),
             reason: Some(r.to_string()),
             ports: vec![],
+            refused_endpoints: vec![],
         });
     }
     services.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
@@ -156,6 +243,8 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         services,
         refusals: out.refused,
         alloc_problems,
+        refused_endpoints,
+        refused_ports,
         warnings: out
             .warnings
             .iter()
@@ -182,26 +271,39 @@ fn keep_refused_allocations(allocations: &mut Allocations, previous: &Allocation
     }
 }
 
+/// What is wrong with one Service on this node, for its status line.
+struct Faults<'a> {
+    /// Allocation problems (of every Service; filtered by Service and port).
+    problems: &'a [AllocProblem],
+    /// Its refused endpoint addresses.
+    endpoints: &'a [&'a RefusedEndpoint],
+    /// Its node ports not taken on this node.
+    ports: &'a [&'a RefusedPort],
+}
+
 /// One status line: the state of the Service on this node and, whenever it is not simply
 /// programmed with ready endpoints, the reason in words (`nodelb status` prints one line per
 /// Service, so the reason must be on it, not elsewhere).
 fn service_status(
     svc: &LbService,
     node_ports: &BTreeMap<model::PortId, u16>,
-    problems: &[AllocProblem],
+    fault: &Faults<'_>,
     node: &NodeFacts,
     no_allocation: &str,
 ) -> ServiceStatus {
+    let refused_endpoints = fault.endpoints;
     // Kept (in /status) until the next sync: no spare capacity.
     let mut ports = Vec::with_capacity(svc.ports.len());
     let mut any_endpoints = false;
     let mut any_allocated = false;
     // Ports served only by terminating endpoints (no ready one: graceful termination).
     let mut terminating = Vec::new();
-    let own: Vec<&AllocProblem> = problems.iter().filter(|p| p.service() == &svc.key).collect();
+    let own: Vec<&AllocProblem> = fault.problems.iter().filter(|p| p.service() == &svc.key).collect();
     for port in &svc.ports {
         let node_port = node_ports.get(&port.id).copied();
-        any_allocated |= node_port.is_some();
+        let not_taken = fault.ports.iter().find(|r| r.port == port.id);
+        let programmed = node_port.is_some() && not_taken.is_none();
+        any_allocated |= programmed;
         let usable: Vec<&model::Endpoint> = svc
             .families
             .iter()
@@ -209,11 +311,15 @@ fn service_status(
             .flat_map(|&f| plan::usable_endpoints(svc, port, f, &node.node_name))
             .collect();
         let endpoints = usable.len();
-        any_endpoints |= endpoints > 0 && node_port.is_some();
-        if node_port.is_some() && endpoints > 0 && usable.iter().all(|e| !e.ready) {
+        any_endpoints |= endpoints > 0 && programmed;
+        if programmed && endpoints > 0 && usable.iter().all(|e| !e.ready) {
             terminating.push(format!("{} ({endpoints})", port.id));
         }
-        let problem = own.iter().find(|p| p.port() == port.id).map(|p| p.to_string());
+        let problem = own
+            .iter()
+            .find(|p| p.port() == port.id)
+            .map(|p| p.to_string())
+            .or_else(|| not_taken.map(|r| r.to_string()));
         ports.push(PortStatus {
             port: port.id.port,
             protocol: port.id.protocol.k8s_name().to_string(),
@@ -228,30 +334,63 @@ fn service_status(
     let problem_code = || match own.first() {
         Some(AllocProblem::Conflict { .. }) => "port_conflict",
         Some(AllocProblem::Exhausted { .. }) => "range_exhausted",
+        Some(AllocProblem::NotAllowed { .. }) => "port_not_allowed",
+        Some(AllocProblem::InUse { .. }) => "port_in_use",
         None => "no_allocation",
     };
+    let not_taken = || fault.ports.iter().map(|r| r.to_string()).collect::<Vec<_>>().join("; ");
+    let endpoints_refused = || format!("endpoints refused: {}", endpoint_policy::describe(refused_endpoints));
     let served: Vec<Family> = svc.families.iter().copied().filter(|f| node.families.contains(f)).collect();
-    let (state, reason_code, reason) = if !any_allocated {
+    let (state, reason_code, reason) = if !any_allocated && !fault.ports.is_empty() {
+        (ServiceState::Refused, Some("node_port_refused"), Some(not_taken()))
+    } else if !any_allocated {
         let reason = if own.is_empty() { no_allocation.to_string() } else { port_problems() };
         (ServiceState::Refused, Some(problem_code()), Some(reason))
     } else if served.is_empty() {
         let fams: Vec<&str> = svc.families.iter().map(|f| f.name()).collect();
         let reason = format!("forwarding is off on this node for its families ({})", fams.join(", "));
         (ServiceState::Refused, Some("forwarding_off"), Some(reason))
-    } else if !any_endpoints {
-        let reason = "no ready endpoint usable on this node".to_string();
-        (ServiceState::NoEndpoints, Some("no_endpoints"), Some(reason))
-    } else if !own.is_empty() {
-        // Served on the ports that have a node port; the others say why not.
-        (ServiceState::Programmed, Some(problem_code()), Some(port_problems()))
-    } else if !terminating.is_empty() {
+    } else if !any_endpoints
+        && !refused_endpoints.is_empty()
+        && svc.ports.iter().all(|p| p.endpoints.is_empty())
+    {
+        // Every endpoint it names is refused: clients are refused at once, and this says why.
         let reason = format!(
-            "no ready endpoint: serving its terminating endpoints (graceful termination) on {}",
-            terminating.join(", ")
+            "no usable endpoint: every endpoint refused: {}",
+            endpoint_policy::describe(refused_endpoints)
         );
-        (ServiceState::Programmed, Some("terminating_endpoints"), Some(reason))
+        (ServiceState::NoEndpoints, Some("endpoints_refused"), Some(reason))
+    } else if !any_endpoints {
+        let mut reason = "no ready endpoint usable on this node".to_string();
+        if !refused_endpoints.is_empty() {
+            reason += &format!("; {}", endpoints_refused());
+        }
+        (ServiceState::NoEndpoints, Some("no_endpoints"), Some(reason))
     } else {
-        (ServiceState::Programmed, None, None)
+        // Served; whatever is not plain goes on the line: ports without a node port, node ports
+        // not taken here, refused endpoints, a terminating-endpoint fallback.
+        let mut notes = Vec::new();
+        let mut code = None;
+        if !own.is_empty() {
+            notes.push(port_problems());
+            code = Some(problem_code());
+        }
+        if !fault.ports.is_empty() {
+            notes.push(not_taken());
+            code = code.or(Some("node_port_refused"));
+        }
+        if !refused_endpoints.is_empty() {
+            notes.push(endpoints_refused());
+            code = code.or(Some("endpoints_refused"));
+        }
+        if !terminating.is_empty() {
+            notes.push(format!(
+                "no ready endpoint: serving its terminating endpoints (graceful termination) on {}",
+                terminating.join(", ")
+            ));
+            code = code.or(Some("terminating_endpoints"));
+        }
+        (ServiceState::Programmed, code, (!notes.is_empty()).then(|| notes.join("; ")))
     };
     ServiceStatus {
         namespace: svc.key.namespace.clone(),
@@ -260,6 +399,14 @@ fn service_status(
         reason_code: reason_code.map(String::from),
         reason,
         ports,
+        refused_endpoints: refused_endpoints
+            .iter()
+            .map(|r| EndpointRefusalStatus {
+                address: r.address.to_string(),
+                reason_code: r.reason.code().to_string(),
+                reason: r.reason.to_string(),
+            })
+            .collect(),
     }
 }
 
@@ -326,6 +473,9 @@ mod tests {
             slices: model::NO_SLICES,
             notes: &SourceNotes::default(),
             previous: &Allocations::new(),
+            since: &BTreeMap::new(),
+            policy: &HostPolicy::default(),
+            host: &HostFacts::default(),
             range: &PortRange::new(20000, 20010).expect("range"),
             model: &ModelOptions::default(),
             node: &node,

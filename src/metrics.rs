@@ -151,6 +151,10 @@ pub struct Metrics {
     pub watch_errors: IntCounterVec,
     pub watch_restarts: IntCounterVec,
     pub api_errors: IntCounterVec,
+    /// Endpoint addresses refused by the endpoint policy, by reason.
+    pub endpoints_refused: IntGaugeVec,
+    /// Service ports whose node port this node does not take, by reason.
+    pub node_ports_refused: IntGaugeVec,
     /// Per-Service-port series are exported (`--per-service-metrics`); when off, the sync loop
     /// builds no counter index and reads no kernel counters.
     pub per_service: bool,
@@ -304,6 +308,28 @@ impl Metrics {
         registry.register(Box::new(watch_errors.clone()))?;
         registry.register(Box::new(watch_restarts.clone()))?;
         registry.register(Box::new(api_errors.clone()))?;
+        let endpoints_refused = IntGaugeVec::new(
+            Opts::new(
+                "nodelb_endpoints_refused",
+                "Endpoint addresses named by Services that this node does not DNAT to (loopback, link-local, cloud metadata, a node's own address, outside --endpoint-cidrs, ...), by reason.",
+            ),
+            &["reason"],
+        )?;
+        for reason in crate::endpoint_policy::REASON_CODES {
+            endpoints_refused.with_label_values(&[reason]).set(0);
+        }
+        let node_ports_refused = IntGaugeVec::new(
+            Opts::new(
+                "nodelb_node_ports_refused",
+                "Service ports whose node port this node does not take: not_allowed (outside --port-range and --allowed-node-ports), in_use (a process on the node listens on it).",
+            ),
+            &["reason"],
+        )?;
+        for reason in ["not_allowed", "in_use"] {
+            node_ports_refused.with_label_values(&[reason]).set(0);
+        }
+        registry.register(Box::new(endpoints_refused.clone()))?;
+        registry.register(Box::new(node_ports_refused.clone()))?;
         registry.register(Box::new(build_info))?;
         registry.register(Box::new(prometheus::process_collector::ProcessCollector::for_self()))?;
         let counters: SharedCounters = Arc::default();
@@ -331,6 +357,8 @@ impl Metrics {
             watch_errors,
             watch_restarts,
             api_errors,
+            endpoints_refused,
+            node_ports_refused,
             per_service,
             counters,
         })

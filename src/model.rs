@@ -149,6 +149,10 @@ pub struct LbService {
     pub uid: Option<String>,
     /// RFC 3339 creation timestamp, for "older Service keeps the port" ordering.
     pub created: Option<String>,
+    /// Manifests mode: when this node first allocated the Service a port (RFC 3339, from the
+    /// state file). Manifests have no creationTimestamp, so this is their age (see
+    /// [`crate::alloc`]); `None` in Kubernetes mode and for Services never allocated.
+    pub allocated_since: Option<String>,
     pub ports: Vec<LbPort>,
     /// From `spec.ipFamilies` (default: IPv4), in spec order, deduplicated.
     pub families: Vec<Family>,
@@ -184,6 +188,7 @@ impl LbService {
             key,
             uid: None,
             created: None,
+            allocated_since: None,
             ports,
             families: vec![Family::Ipv4],
             source_ranges: vec![],
@@ -538,6 +543,7 @@ fn build_one(
     Ok(LbService {
         created: svc.metadata.creation_timestamp.as_ref().map(|t| t.0.to_string()),
         uid: svc.metadata.uid.clone(),
+        allocated_since: None,
         key,
         ports: lb_ports,
         families,

@@ -312,6 +312,8 @@ mod tests {
                 refused: &out.refused,
                 allocations: &allocations,
                 problems: &[],
+                refused_endpoints: &[],
+                listening: &BTreeMap::new(),
                 serving: &serving,
                 now: k8s_openapi::jiff::Timestamp::from_second(1_700_000_000).unwrap(),
             };

@@ -145,6 +145,15 @@ impl Source {
         }
     }
 
+    /// Addresses of the cluster's nodes (Kubernetes mode: every Node object's), which endpoints
+    /// must not be; manifests mode knows none beyond this node's own.
+    pub fn node_addresses(&self) -> crate::endpoint_policy::HostAddresses {
+        match self {
+            Source::Manifests { .. } => Default::default(),
+            Source::Kube { source, .. } => source.node_addresses(),
+        }
+    }
+
     /// Resolves when the source changed (bursts coalesced).
     pub async fn changed(&mut self) {
         match self {

@@ -2,8 +2,15 @@
 //! (`nodelb run --manifests DIR`), and a second source of stable ports otherwise.
 //!
 //! Format (JSON, so a human can read and fix it):
-//! `{"version":1,"allocations":{"default/web":{"80/TCP":20001}}}`.
+//! `{"version":1,"allocations":{"default/web":{"80/TCP":20001}},"since":{"default/web":"2025-01-01T00:00:00Z"}}`.
+//! `since` is when this node first allocated the Service a port: manifests have no
+//! creationTimestamp, so this is what "older" means in manifests mode ([`crate::alloc`]).
 //! Decisions:
+//! - `since` is an addition, not a new version: files of older nodelb versions (no `since`) load
+//!   as they are, their Services are stamped with the time they are first read (logged once) and
+//!   the stamp is written with the next save; an older nodelb reading a newer file ignores the
+//!   unknown field (a rollback keeps every port). A `since` that is not an RFC 3339 time, or
+//!   names a Service without allocations, is skipped with a warning like a bad entry.
 //! - A missing file is an empty allocation (first start). A file that exists but cannot be read
 //!   or parsed is an error naming the file: silently starting from scratch would move every
 //!   port, so the caller decides (refuse to start, or log and continue).
@@ -21,6 +28,8 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::io::{self, Write as _};
 use std::path::{Path, PathBuf};
+
+use k8s_openapi::jiff::Timestamp;
 
 use crate::alloc::Allocations;
 use crate::model::{PortId, ServiceKey};
@@ -48,6 +57,34 @@ struct OnDisk {
     /// Values are checked entry by entry on load (a bad one is skipped, not a parse error).
     #[serde(default)]
     allocations: BTreeMap<String, serde_json::Value>,
+    /// Allocation time per Service (RFC 3339); absent in files of older versions.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    since: BTreeMap<String, serde_json::Value>,
+}
+
+/// What the state file holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct State {
+    pub allocations: Allocations,
+    /// When this node first allocated each Service a port. A Service of `allocations` without
+    /// one comes from a file of an older version (see [`State::stamp`]).
+    pub since: BTreeMap<ServiceKey, Timestamp>,
+}
+
+impl State {
+    /// The state after a sync: `allocations`, with the time of every Service that had one kept
+    /// and `now` for the others (new allocations, and entries migrated from an older file).
+    /// Services no longer allocated lose theirs. Pure.
+    pub fn stamp(&self, allocations: &Allocations, now: Timestamp) -> State {
+        let since =
+            allocations.keys().map(|k| (k.clone(), self.since.get(k).copied().unwrap_or(now))).collect();
+        State { allocations: allocations.clone(), since }
+    }
+
+    /// The allocation time of `key` as [`crate::model::LbService::allocated_since`] carries it.
+    pub fn since_of(&self, key: &ServiceKey) -> Option<String> {
+        self.since.get(key).map(|t| t.to_string())
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,22 +101,22 @@ impl StateFile {
         &self.path
     }
 
-    /// The saved allocations; empty when the file does not exist. Bad entries are skipped and
-    /// logged (see [`StateFile::load_lenient`]).
-    pub fn load(&self) -> Result<Allocations, StateError> {
-        let (allocations, skipped) = self.load_lenient()?;
+    /// The saved state; empty when the file does not exist. Bad entries are skipped and logged
+    /// (see [`StateFile::load_lenient`]).
+    pub fn load(&self) -> Result<State, StateError> {
+        let (state, skipped) = self.load_lenient()?;
         for e in &skipped {
             tracing::warn!("{e}; skipping it (its ports are allocated anew)");
         }
-        Ok(allocations)
+        Ok(state)
     }
 
-    /// The saved allocations and the entries skipped as bad (each a [`StateError::Entry`]). Only
-    /// a file that cannot be read or parsed as a whole, or has another version, is an error.
-    pub fn load_lenient(&self) -> Result<(Allocations, Vec<StateError>), StateError> {
+    /// The saved state and the entries skipped as bad (each a [`StateError::Entry`]). Only a
+    /// file that cannot be read or parsed as a whole, or has another version, is an error.
+    pub fn load_lenient(&self) -> Result<(State, Vec<StateError>), StateError> {
         let text = match fs::read_to_string(&self.path) {
             Ok(text) => text,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok((Allocations::new(), vec![])),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok((State::default(), vec![])),
             Err(source) => {
                 return Err(StateError::Read { path: self.path.clone(), source });
             }
@@ -131,14 +168,28 @@ impl StateFile {
             // Distinct strings that parse are distinct keys (parsing does not normalise).
             out.insert(key, map);
         }
-        Ok((out, skipped))
+        let mut since = BTreeMap::new();
+        for (service, value) in disk.since {
+            let entry = format!("since {service}");
+            let time = value.as_str().and_then(|v| v.parse::<Timestamp>().ok());
+            match (service.parse::<ServiceKey>(), time) {
+                (Ok(key), Some(t)) if out.contains_key(&key) => {
+                    since.insert(key, t);
+                }
+                (Ok(_), Some(_)) => bad(entry, "names a Service without allocations".to_string()),
+                (Err(crate::model::ParseError(reason)), _) => bad(entry, reason),
+                (Ok(_), None) => bad(entry, format!("{value} is not an RFC 3339 time")),
+            }
+        }
+        Ok((State { allocations: out, since }, skipped))
     }
 
-    /// Replaces the file atomically with `allocations`.
-    pub fn save(&self, allocations: &Allocations) -> Result<(), StateError> {
+    /// Replaces the file atomically with `state`.
+    pub fn save(&self, state: &State) -> Result<(), StateError> {
         let disk = OnDisk {
             version: STATE_VERSION,
-            allocations: allocations
+            allocations: state
+                .allocations
                 .iter()
                 .map(|(k, m)| {
                     let ports: serde_json::Map<String, serde_json::Value> =
@@ -146,6 +197,7 @@ impl StateFile {
                     (k.to_string(), ports.into())
                 })
                 .collect(),
+            since: state.since.iter().map(|(k, t)| (k.to_string(), t.to_string().into())).collect(),
         };
         let mut text = serde_json::to_string_pretty(&disk)
             .map_err(|e| StateError::Write { path: self.path.clone(), source: io::Error::other(e) })?;
@@ -190,7 +242,24 @@ mod tests {
     use super::*;
     use crate::ir::Protocol;
 
-    fn sample() -> Allocations {
+    fn t(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_700_000_000 + secs).unwrap()
+    }
+
+    fn sample() -> State {
+        let allocations = sample_allocations();
+        let since = allocations.keys().enumerate().map(|(i, k)| (k.clone(), t(i as i64))).collect();
+        State { allocations, since }
+    }
+
+    /// The Services that have a `since` in the file at `path`.
+    fn v_since(path: &Path) -> Vec<String> {
+        let v: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(path).expect("read")).expect("json");
+        v["since"].as_object().map(|o| o.keys().cloned().collect()).unwrap_or_default()
+    }
+
+    fn sample_allocations() -> Allocations {
         let mut a = Allocations::new();
         a.insert(
             ServiceKey { namespace: "default".into(), name: "web".into() },
@@ -210,7 +279,7 @@ mod tests {
     fn missing_file_is_empty() {
         let dir = tempfile::tempdir().expect("tempdir");
         let st = StateFile::new(dir.path().join("state.json"));
-        assert_eq!(st.load().expect("load"), Allocations::new());
+        assert_eq!(st.load().expect("load"), State::default());
     }
 
     #[test]
@@ -220,14 +289,15 @@ mod tests {
         let st = StateFile::new(&path);
         st.save(&sample()).expect("save");
         assert_eq!(st.load().expect("load"), sample());
+        assert_eq!(v_since(&path), vec!["default/web", "kube-system/dns"]);
         let v: serde_json::Value =
             serde_json::from_str(&fs::read_to_string(&path).expect("read")).expect("json");
         assert_eq!(v["version"], 1);
         assert_eq!(v["allocations"]["default/web"]["80/TCP"], 20001);
         assert_eq!(v["allocations"]["kube-system/dns"]["53/UDP"], 20002);
         // Overwrite with less: nothing of the old content survives, no temp files left behind.
-        st.save(&Allocations::new()).expect("save");
-        assert_eq!(st.load().expect("load"), Allocations::new());
+        st.save(&State::default()).expect("save");
+        assert_eq!(st.load().expect("load"), State::default());
         let names: Vec<_> = fs::read_dir(path.parent().expect("parent"))
             .expect("readdir")
             .map(|e| e.expect("entry").file_name())
@@ -242,7 +312,7 @@ mod tests {
         fs::write(&path, r#"{"version":1,"allocations":{"default/web":{"80/TCP":20001}},"future":true}"#)
             .expect("write");
         let got = StateFile::new(&path).load().expect("load");
-        assert_eq!(got.len(), 1);
+        assert_eq!(got.allocations.len(), 1);
     }
 
     #[test]
@@ -293,10 +363,10 @@ mod tests {
             fs::write(&path, &text).expect("write");
             let (got, skipped) =
                 StateFile::new(&path).load_lenient().unwrap_or_else(|e| panic!("{case}: {e}"));
-            let web = got.get(&ServiceKey::new("default", "web"));
+            let web = got.allocations.get(&ServiceKey::new("default", "web"));
             assert_eq!(web, Some(&BTreeMap::from([(PortId::tcp(80), 20001)])), "{case}: good entry kept");
             assert!(
-                got.values().all(|m| !m.values().any(|n| *n == 20009)),
+                got.allocations.values().all(|m| !m.values().any(|n| *n == 20009)),
                 "{case}: bad entry used: {got:?}"
             );
             let messages: Vec<String> = skipped.iter().map(|e| e.to_string()).collect();
@@ -309,8 +379,55 @@ mod tests {
         fs::write(&path, r#"{"version":1,"allocations":{"default/web":{"80/TCP":20001,"80/tcp":20002}}}"#)
             .expect("write");
         let (got, skipped) = StateFile::new(&path).load_lenient().expect("load");
-        assert_eq!(got[&ServiceKey::new("default", "web")].len(), 1);
+        assert_eq!(got.allocations[&ServiceKey::new("default", "web")].len(), 1);
         assert!(skipped.len() == 1 && skipped[0].to_string().contains("listed twice"), "{skipped:?}");
+    }
+
+    /// A file written by an older nodelb (no `since`) loads with every allocation; the agent
+    /// stamps its Services once, keeps the stamps of those that had one, and drops gone ones.
+    #[test]
+    fn old_files_migrate_and_stamps_are_kept() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("state.json");
+        fs::write(
+            &path,
+            r#"{"version":1,"allocations":{"default/web":{"80/TCP":20001},"default/db":{"5432/TCP":20002}}}"#,
+        )
+        .expect("write");
+        let st = StateFile::new(&path);
+        let old = st.load().expect("an old file loads");
+        assert_eq!(old.allocations.len(), 2);
+        assert!(old.since.is_empty());
+        let web = ServiceKey::new("default", "web");
+        let db = ServiceKey::new("default", "db");
+        let migrated = old.stamp(&old.allocations, t(5));
+        assert_eq!(migrated.since, BTreeMap::from([(db.clone(), t(5)), (web.clone(), t(5))]));
+        st.save(&migrated).expect("save");
+        assert_eq!(st.load().expect("load"), migrated, "round trip with times");
+        // Later: db goes, new comes; web keeps its time.
+        let mut next = migrated.allocations.clone();
+        next.remove(&db);
+        let new = ServiceKey::new("default", "new");
+        next.insert(new.clone(), BTreeMap::from([(PortId::tcp(80), 20003)]));
+        let later = migrated.stamp(&next, t(9));
+        assert_eq!(later.since, BTreeMap::from([(new, t(9)), (web.clone(), t(5))]));
+        assert_eq!(later.since_of(&web), Some(t(5).to_string()));
+        // Bad times are skipped, named, and the allocation stays.
+        fs::write(
+            &path,
+            r#"{"version":1,"allocations":{"default/web":{"80/TCP":20001}},"since":{"default/web":"yesterday","default/gone":"2024-01-01T00:00:00Z"}}"#,
+        )
+        .expect("write");
+        let (got, skipped) = st.load_lenient().expect("load");
+        assert_eq!(got.allocations.len(), 1);
+        assert!(got.since.is_empty());
+        let messages: Vec<String> = skipped.iter().map(|e| e.to_string()).collect();
+        assert_eq!(messages.len(), 2, "{messages:?}");
+        assert!(
+            messages.iter().any(|m| m.contains("since default/web") && m.contains("yesterday")),
+            "{messages:?}"
+        );
+        assert!(messages.iter().any(|m| m.contains("since default/gone")), "{messages:?}");
     }
 
     #[test]

@@ -40,6 +40,16 @@ pub struct PortStatus {
     pub refused_packets: Option<u64>,
 }
 
+/// An endpoint address the policy refused ([`crate::endpoint_policy`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EndpointRefusalStatus {
+    pub address: String,
+    /// The `reason` label of `nodelb_endpoints_refused` (`loopback`, `node_address`, …).
+    pub reason_code: String,
+    pub reason: String,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ServiceStatus {
@@ -52,6 +62,9 @@ pub struct ServiceStatus {
     pub reason_code: Option<String>,
     pub reason: Option<String>,
     pub ports: Vec<PortStatus>,
+    /// Endpoints named by the Service that are not DNATed to, and why.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub refused_endpoints: Vec<EndpointRefusalStatus>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -93,6 +106,10 @@ pub struct Status {
     pub last_sync: Option<SyncStatus>,
     /// The source has been read completely at least once.
     pub source_synced: bool,
+    /// Ports processes on this node listen on that nodelb could otherwise allocate
+    /// (`22/TCP,20005/UDP`): never taken here; in Kubernetes mode published on the node Lease.
+    #[serde(default)]
+    pub listening_ports: String,
     #[serde(skip)]
     pub last_tick: Option<Instant>,
 }

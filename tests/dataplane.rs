@@ -245,11 +245,23 @@ fn no_ready_endpoint_is_refused_not_dropped() {
         .port(PortSpec::udp(53, Some(20053)))
         .endpoint(EndpointSpec::local(backend_v4(0)).not_ready());
     let noslice = ServiceSpec::new("noslice").port(PortSpec::tcp(80, Some(20081))).without_slices();
-    // Decoys listening on the node itself on the same ports: a request the agent does not reject
-    // would reach them, so a refusal can only come from the agent's rules.
-    let _decoy1 = Servers::start(&topo.node, "decoy", 20080, 20053);
-    let _decoy2 = Servers::start(&topo.node, "decoy", 20081, 20054);
-    assert!(http_get(c, v4(NODE_V4), 20080, T).is_ok_and(|b| b.contains("decoy")), "decoy control");
+    // The node drops these ports on input (a table of the test's own, after prerouting): a
+    // request the agent does not reject in prerouting times out, so a refusal can only come from
+    // the agent's rules. (Listeners on the node would not do: nodelb never takes a port a process
+    // on the node listens on.)
+    nft(
+        &topo.node,
+        &[
+            "add table inet decoy",
+            ";",
+            "add chain inet decoy in { type filter hook input priority 0 ; }",
+            ";",
+            "add rule inet decoy in tcp dport { 20080, 20081 } drop",
+            ";",
+            "add rule inet decoy in udp dport 20053 drop",
+        ],
+    );
+    assert_eq!(http_get(c, v4(NODE_V4), 20080, SHORT), Err(ClientError::Timeout), "decoy control");
     let agent = start(&topo, &[("svc.yaml", render_all(&[&notready, &noslice]))], &[]);
     agent.wait_state("default/notready", "no-endpoints", CHANGE);
     agent.wait_state("default/noslice", "no-endpoints", CHANGE);
@@ -646,4 +658,305 @@ fn bad_names_and_bad_state_entries_do_not_stop_the_agent() {
     agent.wait_state("default/auto", "programmed", CHANGE);
     assert_eq!(agent.node_port("default/auto", 80, "TCP"), Some(port), "port kept across the restart");
     get_n(c, v4(NODE_V4), port, 3);
+}
+
+/// Issue 13, point 4: a Service that was allocated a node port and serves keeps it when a Service
+/// added later asks for that number by annotation, even one whose name sorts first (before, the
+/// name decided and the serving Service moved). The newcomer gets the conflict, naming the holder.
+/// The decision survives a restart (the state file records when each Service was allocated), and
+/// once the holder goes, the newcomer gets the number.
+#[test]
+fn a_serving_service_keeps_its_port_when_a_newer_one_asks_for_it() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let c = topo.client(0);
+    let web =
+        ServiceSpec::new("web").port(PortSpec::tcp(80, None)).endpoint(EndpointSpec::local(backend_v4(0)));
+    let mut agent = start(&topo, &[("web.yaml", web.render())], &[]);
+    agent.wait_state("default/web", "programmed", CHANGE);
+    let port = agent.node_port("default/web", 80, "TCP").expect("allocated port");
+    let only = |want: &str| {
+        let answers = get_n(c, v4(NODE_V4), port, 10);
+        assert_eq!(backends(&answers).keys().cloned().collect::<Vec<_>>(), [want], "{answers:?}");
+    };
+    only("be1");
+
+    let newer = ServiceSpec::new("aaa")
+        .port(PortSpec::tcp(80, Some(port)))
+        .endpoint(EndpointSpec::local(backend_v4(1)));
+    agent.write_manifest("aaa.yaml", &newer.render());
+    let conflict = |agent: &Agent| {
+        agent.wait_state("default/aaa", "refused", CHANGE);
+        let st = agent.service_status("default/aaa").unwrap();
+        let problem = st["ports"][0]["problem"].as_str().unwrap_or_default().to_string();
+        assert!(
+            problem.contains(&format!("node port {port}")) && problem.contains("Service default/web holds"),
+            "the conflict names the port and the holder: {st}"
+        );
+        assert_eq!(agent.node_port("default/web", 80, "TCP"), Some(port), "the serving Service moved");
+        agent.wait_state("default/web", "programmed", CHANGE);
+    };
+    conflict(&agent);
+    only("be1");
+    let state = std::fs::read_to_string(agent.state_file()).expect("state file");
+    let state: serde_json::Value = serde_json::from_str(&state).expect("JSON");
+    assert!(state["since"]["default/web"].is_string(), "allocation time recorded: {state}");
+    assert!(state["allocations"].get("default/aaa").is_none(), "{state}");
+
+    agent.restart();
+    agent.wait_ready(READY);
+    conflict(&agent);
+    only("be1");
+
+    agent.remove_manifest("web.yaml");
+    agent.wait_state("default/aaa", "programmed", CHANGE);
+    assert_eq!(agent.node_port("default/aaa", 80, "TCP"), Some(port));
+    assert!(wait_until(CHANGE, || http_get(c, v4(NODE_V4), port, T).is_ok_and(|b| b.contains("be2"))));
+}
+
+/// The lines of `/metrics` for `name{labels}` → value.
+fn metric(agent: &Agent, series: &str) -> Option<f64> {
+    let r = agent.http("/metrics").expect("/metrics answers");
+    r.body.lines().find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+}
+
+/// Issue 13, point 2: endpoint addresses nodelb must never DNAT to (loopback, unspecified,
+/// multicast, link-local and the cloud metadata address, the node's own addresses on either
+/// side) are refused, each named with its reason in `/status`, the log (once) and a metric, while
+/// the Service's valid endpoint serves every request; a Service whose endpoints are all refused
+/// is refused to clients at once and says why. `--allow-node-endpoints` lets the node's own
+/// address through (then a listener on the node answers), `--endpoint-cidrs` narrows further.
+#[test]
+fn refused_endpoint_addresses_are_never_reached_and_the_valid_ones_serve() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let c = topo.client(0);
+    // A listener on the node itself at the backends' port: reached only through a DNAT to a
+    // node address.
+    let _node_listener = Servers::start(&topo.node, "node", 8080, 5353);
+    let bad: [IpAddr; 7] = [
+        "127.0.0.1".parse().unwrap(),
+        "0.0.0.0".parse().unwrap(),
+        "224.0.0.1".parse().unwrap(),
+        "169.254.169.254".parse().unwrap(),
+        "169.254.10.1".parse().unwrap(),
+        v4(NODE_V4),
+        v4(NODE_BACKEND_V4),
+    ];
+    let mixed = web("mixed", 20080, 1).endpoints(bad.iter().map(|a| EndpointSpec::local(*a)));
+    let all_bad = ServiceSpec::new("allbad")
+        .port(PortSpec::tcp(80, Some(20081)))
+        .endpoints([EndpointSpec::local(v4(NODE_V4)), EndpointSpec::local(bad[0])]);
+    let mut agent = start(&topo, &[("svc.yaml", render_all(&[&mixed, &all_bad]))], &[]);
+    agent.wait_state("default/mixed", "programmed", CHANGE);
+    agent.wait_state("default/allbad", "no-endpoints", CHANGE);
+
+    let st = agent.service_status("default/mixed").unwrap();
+    let refused: BTreeMap<String, String> = st["refusedEndpoints"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no refusedEndpoints: {st}"))
+        .iter()
+        .map(|r| (r["address"].as_str().unwrap().to_string(), r["reasonCode"].as_str().unwrap().to_string()))
+        .collect();
+    let want: BTreeMap<String, String> = [
+        ("127.0.0.1", "loopback"),
+        ("0.0.0.0", "unspecified"),
+        ("224.0.0.1", "multicast"),
+        ("169.254.169.254", "cloud_metadata"),
+        ("169.254.10.1", "link_local"),
+        ("203.0.113.1", "node_address"),
+        ("198.51.100.1", "node_address"),
+    ]
+    .into_iter()
+    .map(|(a, r)| (a.to_string(), r.to_string()))
+    .collect();
+    assert_eq!(refused, want, "{st}");
+    let reason = st["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("169.254.169.254 (cloud metadata service address)"), "{st}");
+    assert_eq!(st["ports"][0]["endpoints"], 1, "{st}");
+    let answers = get_n(c, v4(NODE_V4), 20080, 40);
+    assert_eq!(backends(&answers).keys().cloned().collect::<Vec<_>>(), ["be1"], "{answers:?}");
+    let listing = nft_list(&topo.node).expect("table");
+    for a in &bad {
+        assert!(!listing.contains(&format!("to {a}:")), "{a} is a DNAT target:\n{listing}");
+    }
+
+    let st = agent.service_status("default/allbad").unwrap();
+    let reason = st["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("every endpoint refused") && reason.contains("203.0.113.1"), "{st}");
+    let t0 = Instant::now();
+    assert_eq!(http_get(c, v4(NODE_V4), 20081, Duration::from_secs(3)), Err(ClientError::Refused));
+    assert!(t0.elapsed() < Duration::from_secs(2), "refusal took {:?}", t0.elapsed());
+
+    assert_eq!(metric(&agent, r#"nodelb_endpoints_refused{reason="node_address"}"#), Some(3.0));
+    assert_eq!(metric(&agent, r#"nodelb_endpoints_refused{reason="loopback"}"#), Some(2.0));
+    assert_eq!(metric(&agent, r#"nodelb_endpoints_refused{reason="cloud_metadata"}"#), Some(1.0));
+    std::thread::sleep(Duration::from_millis(2500)); // two resyncs
+    let logs = agent.logs();
+    let logged = logs.lines().filter(|l| l.contains("endpoint 169.254.169.254 refused")).count();
+    assert_eq!(logged, 1, "logged once:\n{logs}");
+
+    // hostNetwork backends, by flag: the node's own address is an endpoint again (its listener
+    // answers), the rest stays refused.
+    agent.extra_args = vec!["--allow-node-endpoints".into()];
+    agent.restart();
+    agent.wait_ready(READY);
+    agent.wait_state("default/allbad", "programmed", CHANGE);
+    let answers = get_n(c, v4(NODE_V4), 20081, 5);
+    assert_eq!(backends(&answers).keys().cloned().collect::<Vec<_>>(), ["node"], "{answers:?}");
+    let st = agent.service_status("default/allbad").unwrap();
+    assert_eq!(st["refusedEndpoints"][0]["address"], "127.0.0.1", "{st}");
+
+    // An allow-list: only be2's address; be1 is now refused as outside it.
+    let listed = web("mixed", 20080, 2);
+    agent.write_manifest("svc.yaml", &listed.render());
+    agent.extra_args = vec!["--endpoint-cidrs".into(), format!("{}/32", backend_v4(1))];
+    agent.restart();
+    agent.wait_ready(READY);
+    agent.wait_state("default/mixed", "programmed", CHANGE);
+    let st = agent.service_status("default/mixed").unwrap();
+    assert_eq!(st["refusedEndpoints"][0]["reasonCode"], "outside_endpoint_cidrs", "{st}");
+    let answers = get_n(c, v4(NODE_V4), 20080, 20);
+    assert_eq!(backends(&answers).keys().cloned().collect::<Vec<_>>(), ["be2"], "{answers:?}");
+}
+
+/// The `reason` of `key` in `/status`.
+fn reason(agent: &Agent, key: &str) -> String {
+    agent.service_status(key).unwrap()["reason"].as_str().unwrap_or_default().to_string()
+}
+
+/// `nodelb.io/ports: service` on `spec` (each port's own number as node port, klipper-lb style).
+fn service_style(spec: &ServiceSpec) -> String {
+    let mut docs = vec![spec.service()];
+    docs[0]["metadata"]["annotations"]["nodelb.io/ports"] = "service".into();
+    docs.extend(spec.slices());
+    render_docs(&docs)
+}
+
+/// Issue 13, point 3: a Service cannot take the node's own ports. With a test "sshd" listening on
+/// the node's port 22, a Service asking for node port 22 and one asking (`service` style) for
+/// 6443 and 10250 are refused as not allowed, naming Service, port and reason; the node's own
+/// listener keeps answering on 22 from a client and from the node itself (OUTPUT path). With
+/// `--allowed-node-ports 22,6443,10250`, 6443 and 10250 are served and 22 is still refused: a
+/// process listens on it.
+#[test]
+fn a_service_cannot_take_the_nodes_own_ports() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let c = topo.client(0);
+    let _sshd = Servers::start(&topo.node, "sshd", 22, 5022);
+    let ssh = ServiceSpec::new("ssh")
+        .port(PortSpec::tcp(22, Some(22)))
+        .endpoint(EndpointSpec::local(backend_v4(0)));
+    let kube = ServiceSpec::new("kube")
+        .port(PortSpec::tcp(6443, None))
+        .port(PortSpec::tcp(10250, None))
+        .endpoints([EndpointSpec::local(backend_v4(0)), EndpointSpec::local(backend_v4(1))]);
+    let files = [("ssh.yaml", ssh.render()), ("kube.yaml", service_style(&kube))];
+    let sshd_answers = |from: &common::netns::NetNs, what: &str| {
+        for i in 0..5 {
+            let body = http_get(from, v4(NODE_V4), 22, T).unwrap_or_else(|e| panic!("{what} {i}: {e:?}"));
+            assert!(body.contains("backend=sshd"), "{what}: port 22 answered by {body:?}");
+        }
+    };
+    let mut agent = start(&topo, &files, &[]);
+    agent.wait_state("default/ssh", "refused", CHANGE);
+    agent.wait_state("default/kube", "refused", CHANGE);
+    let r = reason(&agent, "default/ssh");
+    assert!(
+        r.contains("Service default/ssh: port 22/TCP asks for node port 22") && r.contains("not allowed"),
+        "{r}"
+    );
+    let r = reason(&agent, "default/kube");
+    for port in ["6443", "10250"] {
+        assert!(
+            r.contains(&format!("port {port}/TCP asks for node port {port}, which is not allowed")),
+            "{r}"
+        );
+    }
+    assert_eq!(metric(&agent, r#"nodelb_node_ports_refused{reason="not_allowed"}"#), Some(3.0));
+    sshd_answers(c, "client");
+    sshd_answers(&topo.node, "the node itself");
+    let listing = nft_list(&topo.node).expect("table");
+    for port in ["22", "6443", "10250"] {
+        assert!(!listing.contains(&format!(". {port} :")), "{port} programmed:\n{listing}");
+    }
+    let logs = agent.logs();
+    assert!(logs.contains("Service default/ssh: port 22/TCP asks for node port 22"), "logged:\n{logs}");
+
+    agent.extra_args = vec!["--allowed-node-ports".into(), "22,6443,10250".into()];
+    agent.restart();
+    agent.wait_ready(READY);
+    agent.wait_state("default/kube", "programmed", CHANGE);
+    agent.wait_state("default/ssh", "refused", CHANGE);
+    let r = reason(&agent, "default/ssh");
+    assert!(
+        r.contains("node port 22/TCP, which is in use: a process listens on [::]:22/TCP on this node"),
+        "{r}"
+    );
+    assert_eq!(metric(&agent, r#"nodelb_node_ports_refused{reason="in_use"}"#), Some(1.0));
+    for port in [6443, 10250] {
+        let answers = get_n(c, v4(NODE_V4), port, 20);
+        assert_eq!(
+            backends(&answers).keys().cloned().collect::<Vec<_>>(),
+            ["be1", "be2"],
+            "{port}: {answers:?}"
+        );
+    }
+    sshd_answers(c, "client, ports allowed");
+    sshd_answers(&topo.node, "the node itself, ports allowed");
+}
+
+/// Issue 13, point 3: the listener check in manifests mode. A port with a listener is skipped by
+/// the allocator and refused to a request naming the listener; a listener that appears later on
+/// an allocated, serving port makes this node stop DNATing it within the resync period (the
+/// listener answers; `/status` says why) while the allocation stays (state file), and the
+/// Service serves on the same port again once the listener is gone.
+#[test]
+fn a_listener_on_an_allocated_port_stops_it_here_and_the_allocation_stays() {
+    require_root!();
+    let topo = Topology::new(1, 1);
+    let c = topo.client(0);
+    let early = Servers::start(&topo.node, "early", 20000, 20000);
+    let auto =
+        ServiceSpec::new("auto").port(PortSpec::tcp(80, None)).endpoint(EndpointSpec::local(backend_v4(0)));
+    let taken = web("taken", 20000, 1);
+    let agent = start(&topo, &[("svc.yaml", render_all(&[&auto, &taken]))], &[]);
+    agent.wait_state("default/auto", "programmed", CHANGE);
+    agent.wait_state("default/taken", "refused", CHANGE);
+    let port = agent.node_port("default/auto", 80, "TCP").expect("allocated");
+    assert_eq!(port, 20001, "the allocator skips the port a process listens on");
+    let r = reason(&agent, "default/taken");
+    assert!(
+        r.contains("node port 20000/TCP, which is in use: a process listens on [::]:20000/TCP on this node"),
+        "{r}"
+    );
+    assert!(http_get(c, v4(NODE_V4), 20000, T).is_ok_and(|b| b.contains("backend=early")));
+    drop(early);
+    agent.wait_state("default/taken", "programmed", CHANGE);
+
+    get_n(c, v4(NODE_V4), port, 3);
+    let late = Servers::start(&topo.node, "late", port, port);
+    agent.wait_state("default/auto", "refused", CHANGE);
+    let st = agent.service_status("default/auto").unwrap();
+    assert_eq!(st["reasonCode"], "node_port_refused", "{st}");
+    assert!(
+        st["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains(&format!("node port {port}/TCP is not taken on this node: in use")),
+        "{st}"
+    );
+    assert_eq!(st["ports"][0]["nodePort"], port, "the allocation stays: {st}");
+    assert!(
+        wait_until(CHANGE, || http_get(c, v4(NODE_V4), port, T).is_ok_and(|b| b.contains("backend=late"))),
+        "the node's own listener answers"
+    );
+    let state = std::fs::read_to_string(agent.state_file()).expect("state file");
+    assert!(state.contains(&format!("\"80/TCP\": {port}")), "allocation kept in the state file: {state}");
+
+    drop(late);
+    agent.wait_state("default/auto", "programmed", CHANGE);
+    assert_eq!(agent.node_port("default/auto", 80, "TCP"), Some(port));
+    assert!(wait_until(CHANGE, || http_get(c, v4(NODE_V4), port, T).is_ok_and(|b| b.contains("backend=be1"))));
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::cluster::{CLIENT_V4, Cluster, Permission, Rbac, node_name, node_v4};
 use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
-use common::topology::{ClientError, ClientLoop, backend_v4, parse_answer, wait_until};
+use common::topology::{ClientError, ClientLoop, Servers, backend_v4, parse_answer, wait_until};
 
 /// Per-request timeout where an answer is expected.
 const T: Duration = Duration::from_secs(2);
@@ -363,6 +363,165 @@ fn two_services_asking_for_the_same_port_older_wins() {
         let seen = backends_seen(&c, i, 20080, 10);
         assert_eq!(names(&seen), ["be1"], "node-{}: 20080 is still zz-old's: {seen:?}", i + 1);
     }
+    let leader = c.wait_leader(CHANGE);
+    assert_only_leaders_wrote(&c, &[leader]);
+}
+
+/// Issue 13, point 4, in Kubernetes mode: an allocation that exists (the annotation) beats an
+/// explicit request made later, even by a Service older by creationTimestamp. (Two existing
+/// claims on one number are still settled "older keeps it":
+/// `two_services_asking_for_the_same_port_older_wins`.)
+#[test]
+fn an_existing_allocation_beats_an_older_service_asking_later() {
+    require_root!();
+    let c = Cluster::new(2);
+    c.create(&web("old", &[(0, 0)]));
+    let old_port = c.wait_allocated("old", 1, CHANGE)["80/TCP"];
+    std::thread::sleep(Duration::from_millis(1100)); // creationTimestamp has 1 s resolution
+    c.create(&web("young", &[(1, 0)]));
+    let port = c.wait_allocated("young", 1, CHANGE)["80/TCP"];
+    assert_ne!(port, old_port);
+    for i in 0..3 {
+        c.wait_served(i, port, CHANGE);
+    }
+
+    // The older Service now asks for the younger one's number.
+    let mut svc = c.service_json("old").unwrap();
+    svc["metadata"]["annotations"]["nodelb.io/ports"] = format!("80/TCP={port}").into();
+    svc["metadata"].as_object_mut().unwrap().remove("resourceVersion");
+    c.api.apply(svc).unwrap();
+    c.wait_condition("old", "nodelb.io/Allocated", "False", "PortConflict", CHANGE);
+    let cond = c.allocated_condition("old").unwrap();
+    let msg = cond["message"].as_str().unwrap_or_default();
+    assert!(msg.contains(&port.to_string()) && msg.contains("default/young"), "{cond}");
+    let ok = wait_until(CHANGE, || !c.events("old", "NodePortConflict").is_empty());
+    assert!(ok, "no NodePortConflict Event for old");
+    assert_eq!(c.allocated("young").unwrap()["80/TCP"], port, "the serving Service moved");
+    for i in 0..3 {
+        let seen = backends_seen(&c, i, port, 10);
+        assert_eq!(names(&seen), ["be2"], "node-{}: {port} is still young's: {seen:?}", i + 1);
+    }
+    let leader = c.wait_leader(CHANGE);
+    assert_only_leaders_wrote(&c, &[leader]);
+}
+
+/// Issue 13, point 2, in Kubernetes mode: an EndpointSlice naming another node's address
+/// (node-2's InternalIP: a DNAT to it from node-1 would expose node-2's ports) and the cloud
+/// metadata address is refused on every node, the valid endpoint serves everywhere, and the
+/// leader says so: `nodelb.io/EndpointsAllowed=False/EndpointRefused` naming both with their
+/// reasons, and an `EndpointRefused` Warning Event. Fixed → `True`.
+#[test]
+fn refused_endpoints_are_named_on_the_service_and_never_reached() {
+    require_root!();
+    let c = Cluster::new(1);
+    let bad = web("web", &[(0, 0)])
+        .endpoint(EndpointSpec::remote(IpAddr::V4(node_v4(1)), "node-2"))
+        .endpoint(EndpointSpec::remote("169.254.169.254".parse::<IpAddr>().unwrap(), "node-3"));
+    c.create(&bad);
+    let np = c.wait_allocated("web", 1, CHANGE)["80/TCP"];
+    for i in 0..3 {
+        c.wait_served(i, np, CHANGE);
+        let seen = backends_seen(&c, i, np, 20);
+        assert_eq!(names(&seen), ["be1"], "node-{}: {seen:?}", i + 1);
+        let st = c.agents[i].service_status("default/web").expect("status");
+        let refused: Vec<&str> = st["refusedEndpoints"]
+            .as_array()
+            .unwrap_or_else(|| panic!("node-{}: {st}", i + 1))
+            .iter()
+            .filter_map(|r| r["address"].as_str())
+            .collect();
+        assert_eq!(refused, ["169.254.169.254", "203.0.113.2"], "node-{}: {st}", i + 1);
+    }
+    c.wait_condition("web", "nodelb.io/EndpointsAllowed", "False", "EndpointRefused", CHANGE);
+    let cond = c.condition("web", "nodelb.io/EndpointsAllowed").unwrap();
+    let msg = cond["message"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("203.0.113.2 (address of Node node-2")
+            && msg.contains("169.254.169.254 (cloud metadata"),
+        "{cond}"
+    );
+    let ok = wait_until(CHANGE, || !c.events("web", "EndpointRefused").is_empty());
+    assert!(ok, "no EndpointRefused Event");
+    c.wait_condition("web", SERVING, "True", "Serving", CHANGE);
+
+    c.update_slices(&web("web", &[(0, 0)]));
+    c.wait_condition("web", "nodelb.io/EndpointsAllowed", "True", "EndpointsAllowed", CHANGE);
+    let leader = c.wait_leader(CHANGE);
+    assert_only_leaders_wrote(&c, &[leader]);
+}
+
+/// Issue 13, point 3, in Kubernetes mode: the leader cannot see other nodes' sockets, so every
+/// agent publishes the ports processes on its node listen on (node Lease annotation
+/// `nodelb.io/listening-ports`) and the leader treats them as taken: a new allocation skips a
+/// port in use on node-2, a request for it is `PortInUse` (+ `NodePortInUse` Event naming node-2),
+/// a request for 22 is `PortNotAllowed` (+ `NodePortNotAllowed`). A listener that appears later on
+/// node-3 on an allocated port: node-3 stops DNATing it (its listener answers, its `/status` says
+/// why), the other nodes keep serving, the allocation does not move.
+#[test]
+fn node_ports_in_use_or_not_allowed_are_refused_by_the_leader_and_every_node() {
+    require_root!();
+    let c = Cluster::new(1);
+    let _n2 = Servers::start(&c.nodes[1], "node-2", 20000, 20000);
+    let lease = |i: usize| {
+        c.api
+            .get_typed::<k8s_openapi::api::coordination::v1::Lease>(
+                "nodelb-system",
+                &format!("nodelb-node-{}", node_name(i)),
+            )
+            .and_then(|l| l.metadata.annotations?.get("nodelb.io/listening-ports").cloned())
+    };
+    let ok = wait_until(CHANGE, || lease(1).is_some_and(|v| v.contains("20000/TCP")));
+    assert!(ok, "node-2's Lease does not publish its listener: {:?}", lease(1));
+
+    c.create(&web("auto", &[(0, 0)]));
+    let port = c.wait_allocated("auto", 1, CHANGE)["80/TCP"];
+    assert_eq!(port, 20001, "the leader skips the port node-2 listens on");
+    let want = ServiceSpec::new("want")
+        .port(PortSpec::tcp(80, Some(20000)))
+        .endpoint(EndpointSpec::remote(backend_v4(0), "node-1"));
+    c.create(&want);
+    c.wait_condition("want", "nodelb.io/Allocated", "False", "PortInUse", CHANGE);
+    let msg = c.allocated_condition("want").unwrap()["message"].as_str().unwrap_or_default().to_string();
+    assert!(msg.contains("node port 20000/TCP, which is in use: a process listens on it on node-2"), "{msg}");
+    assert!(wait_until(CHANGE, || !c.events("want", "NodePortInUse").is_empty()), "no NodePortInUse Event");
+    let ssh = ServiceSpec::new("ssh")
+        .port(PortSpec::tcp(22, Some(22)))
+        .endpoint(EndpointSpec::remote(backend_v4(0), "node-1"));
+    c.create(&ssh);
+    c.wait_condition("ssh", "nodelb.io/Allocated", "False", "PortNotAllowed", CHANGE);
+    assert!(
+        wait_until(CHANGE, || !c.events("ssh", "NodePortNotAllowed").is_empty()),
+        "no NodePortNotAllowed Event"
+    );
+    for i in 0..3 {
+        c.wait_served(i, port, CHANGE);
+        let r = c.get(i, 20000, Duration::from_millis(700));
+        assert!(
+            !r.as_ref().is_ok_and(|b| b.contains("backend=be")),
+            "node-{}: 20000 is served: {r:?}",
+            i + 1
+        );
+    }
+
+    // A listener appears later on node-3, on the allocated port.
+    let _n3 = Servers::start(&c.nodes[2], "node-3", port, port);
+    let ok = wait_until(CHANGE, || {
+        c.agents[2].service_status("default/auto").is_some_and(|s| s["reasonCode"] == "node_port_refused")
+    });
+    assert!(ok, "node-3 still takes {port}: {:?}", c.agents[2].service_status("default/auto"));
+    let ok = wait_until(CHANGE, || c.get(2, port, T).is_ok_and(|b| b.contains("backend=node-3")));
+    assert!(ok, "node-3's own listener does not answer on {port}");
+    for i in 0..2 {
+        let seen = backends_seen(&c, i, port, 5);
+        assert_eq!(names(&seen), ["be1"], "node-{}: {seen:?}", i + 1);
+    }
+    assert_eq!(c.allocated("auto").unwrap()["80/TCP"], port, "the allocation moved");
+    let ok = wait_until(CHANGE, || {
+        c.events("auto", "NodePortInUse")
+            .iter()
+            .any(|e| e["note"].as_str().is_some_and(|n| n.contains("on node-3")))
+    });
+    assert!(ok, "no NodePortInUse Event naming node-3 for auto");
     let leader = c.wait_leader(CHANGE);
     assert_only_leaders_wrote(&c, &[leader]);
 }

@@ -9,6 +9,7 @@
 //!   [`super::publish::plan_writes`] → merge patches with a `metadata.resourceVersion`
 //!   precondition (409 ⇒ retried on the next round), Events deduplicated per change.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -61,6 +62,7 @@ pub struct ControllerConfig {
     pub node_addresses: Vec<IpNet>,
     pub port_range: PortRange,
     pub model: ModelOptions,
+    pub policy: crate::desired::HostPolicy,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -363,23 +365,30 @@ async fn node_lease(
     let mut last_families = None;
     // Families as last written: a change (ready at start, forwarding switched off, sync failing)
     // is written at once, not at the next renewal, so the leader's status follows within a second.
-    let mut written: Option<String> = None;
+    let mut written: Option<(String, String)> = None;
+    let listening = || status.read().unwrap_or_else(|e| e.into_inner()).listening_ports.clone();
     loop {
         tokio::select! {
             _ = tick.tick() => {}
             _ = tokio::time::sleep(FAMILIES_POLL) => {
                 let (families, _) = served_families(&status);
-                if failing.since.is_some() || written.as_deref() == Some(nodes::format_families(&families).as_str()) {
+                let now = (nodes::format_families(&families), listening());
+                if failing.since.is_some() || written.as_ref() == Some(&now) {
                     continue;
                 }
             }
         }
         let (families, off) = served_families(&status);
         let value = nodes::format_families(&families);
+        let ports = listening();
         if last_families.as_ref() != Some(&value) {
             info!(lease = %name, families = %value, "node Lease: serving families");
             last_families = Some(value.clone());
         }
+        let mut annotations = BTreeMap::from([
+            (ANNOTATION_FAMILIES.to_string(), value.clone()),
+            (nodes::ANNOTATION_LISTENING.to_string(), ports.clone()),
+        ]);
         let stamp = Some(MicroTime(Timestamp::now()));
         let result = match api.get_opt(&name).await {
             Ok(None) => {
@@ -387,7 +396,7 @@ async fn node_lease(
                     metadata: ObjectMeta {
                         name: Some(name.clone()),
                         labels: Some([(LABEL_NODE_LEASE.to_string(), "true".to_string())].into()),
-                        annotations: Some([(ANNOTATION_FAMILIES.to_string(), value)].into()),
+                        annotations: Some(std::mem::take(&mut annotations)),
                         ..Default::default()
                     },
                     spec: Some(LeaseSpec {
@@ -401,11 +410,7 @@ async fn node_lease(
                 api.create(&post_params(), &lease).await.map(|_| ())
             }
             Ok(Some(mut lease)) => {
-                lease
-                    .metadata
-                    .annotations
-                    .get_or_insert_default()
-                    .insert(ANNOTATION_FAMILIES.to_string(), value);
+                lease.metadata.annotations.get_or_insert_default().append(&mut annotations);
                 lease
                     .metadata
                     .labels
@@ -422,7 +427,7 @@ async fn node_lease(
         match result {
             Ok(()) => {
                 failing.ok();
-                written = last_families.clone();
+                written = Some((value, ports));
             }
             Err(e) if is_conflict(&e) => {
                 debug!(lease = %name, "node Lease changed under us (409); next tick")
@@ -538,11 +543,20 @@ async fn round(
     let started = Instant::now();
     let snap = source.snapshot();
     let subst = last_good.apply(&snap.services, &cfg.model);
-    let out = model::build(&subst.services, &snap.slices, &cfg.model);
+    let mut out = model::build(&subst.services, &snap.slices, &cfg.model);
+    // The nodes refuse these endpoints (each also its own addresses): the status, the
+    // conditions and the Events say so, and Local-policy ingress counts only usable endpoints.
+    let node_addresses = nodes::cluster_node_addresses(&snap.nodes);
+    let refused_endpoints =
+        crate::endpoint_policy::filter(&mut out.services, &node_addresses, &cfg.policy.endpoints);
     let (_, duplicates) = dupes::settle(&out.services);
     let stubs = publish::reserved(&snap.services, &out.refused);
     let all: Vec<model::LbService> = out.services.iter().cloned().chain(stubs).collect();
-    let result = alloc::allocate(&cfg.port_range, &all, &Allocations::new());
+    // What processes listen on, on any node (their Leases say): never handed out, and a request
+    // for it is refused. Each node refuses locally anyway, whatever is decided here.
+    let in_use = nodes::listening_ports(&snap.leases);
+    let constraints = alloc::Constraints { policy: Some(&cfg.policy.ports), in_use: Some(&in_use) };
+    let result = alloc::allocate_with(&cfg.port_range, &all, &Allocations::new(), constraints);
     let valid: std::collections::BTreeSet<&ServiceKey> = out.services.iter().map(|s| &s.key).collect();
     let allocations: Allocations =
         result.allocations.into_iter().filter(|(k, _)| valid.contains(k)).collect();
@@ -561,6 +575,8 @@ async fn round(
         refused: &refused,
         allocations: &allocations,
         problems: &problems,
+        refused_endpoints: &refused_endpoints,
+        listening: &in_use,
         serving: &serving,
         now: Timestamp::now(),
     };

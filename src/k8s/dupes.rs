@@ -36,19 +36,10 @@ impl std::fmt::Display for Duplicate {
     }
 }
 
-fn timestamp(s: &LbService) -> Option<k8s_openapi::jiff::Timestamp> {
-    s.created.as_deref().and_then(|c| c.parse().ok())
-}
-
-/// Services oldest first (the allocator's order).
+/// Services oldest first (the allocator's order, [`crate::alloc::older_first`]).
 pub fn age_order(services: &[LbService]) -> Vec<&LbService> {
     let mut ordered: Vec<&LbService> = services.iter().collect();
-    ordered.sort_by(|a, b| match (timestamp(a), timestamp(b)) {
-        (Some(x), Some(y)) => x.cmp(&y).then_with(|| a.key.cmp(&b.key)),
-        (Some(_), None) => std::cmp::Ordering::Less,
-        (None, Some(_)) => std::cmp::Ordering::Greater,
-        (None, None) => a.key.cmp(&b.key),
-    });
+    ordered.sort_by(|a, b| crate::alloc::older_first(a, b));
     ordered
 }
 

@@ -23,12 +23,18 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
-use crate::ir::Family;
+use crate::endpoint_policy::HostAddresses;
+use crate::ir::{Family, Protocol};
+use crate::port_policy::Listeners;
 
 /// Prefix of the per-node Lease names (`nodelb-node-<node>`).
 pub const NODE_LEASE_PREFIX: &str = "nodelb-node-";
 /// Annotation on a node Lease: the families the agent serves, comma-separated (`ipv4,ipv6`).
 pub const ANNOTATION_FAMILIES: &str = "nodelb.io/families";
+/// Annotation on a node Lease: the ports processes on that node listen on that nodelb could
+/// otherwise allocate (`22/TCP,20005/UDP`; [`crate::port_policy::Listeners::format_relevant`]).
+/// The leader treats them as taken on every node.
+pub const ANNOTATION_LISTENING: &str = "nodelb.io/listening-ports";
 /// Label on node Leases, so the leader can watch only them.
 pub const LABEL_NODE_LEASE: &str = "nodelb.io/node-lease";
 /// Nodes with this label are never listed in a Service's status (the Kubernetes convention).
@@ -61,6 +67,23 @@ pub fn node_addresses(node: &Node, allowed: &[IpNet]) -> Vec<IpAddr> {
     out
 }
 
+/// Every IP address of every Node object (any address type), owned by `Node <name>`: the
+/// addresses the endpoint policy refuses as a node's own ([`crate::endpoint_policy`]). Not
+/// restricted by `--node-addresses` (that only says which addresses are published).
+pub fn cluster_node_addresses<N: Borrow<Node>>(nodes: &[N]) -> HostAddresses {
+    let mut out = HostAddresses::default();
+    for node in nodes.iter().map(Borrow::borrow) {
+        let name = node.metadata.name.as_deref().unwrap_or("<unnamed>");
+        let addrs = node.status.as_ref().and_then(|s| s.addresses.as_ref());
+        for a in addrs.into_iter().flatten() {
+            if let Ok(ip) = a.address.trim().parse::<IpAddr>() {
+                out.add(ip, format!("Node {name}"));
+            }
+        }
+    }
+    out
+}
+
 /// Families a per-node Lease says its agent serves, `None` when the lease is not fresh at `now`.
 /// `now: None` judges no expiry (the families last reported count): for a view of the Leases
 /// that may be behind, e.g. just after the API came back from an outage, during which no agent
@@ -85,6 +108,28 @@ pub fn lease_families(lease: &Lease, now: Option<Timestamp>) -> Option<BTreeSet<
             })
             .collect(),
     )
+}
+
+/// The ports some node's agent says a process there listens on ([`ANNOTATION_LISTENING`]), with
+/// the nodes, as the allocator takes them: `a process listens on it on node-2, node-3`. Every
+/// Lease counts, fresh or not (a port in use on a node that is down for a moment is still
+/// better not handed out).
+pub fn listening_ports<L: Borrow<Lease>>(leases: &[L]) -> BTreeMap<(Protocol, u16), String> {
+    let mut by_port: BTreeMap<(Protocol, u16), Vec<&str>> = BTreeMap::new();
+    for lease in leases.iter().map(Borrow::borrow) {
+        let Some(node) = lease.metadata.name.as_deref().and_then(|n| n.strip_prefix(NODE_LEASE_PREFIX))
+        else {
+            continue;
+        };
+        let value = lease.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION_LISTENING));
+        for key in value.map(|v| Listeners::parse_published(v)).unwrap_or_default() {
+            by_port.entry(key).or_default().push(node);
+        }
+    }
+    by_port
+        .into_iter()
+        .map(|(k, nodes)| (k, format!("a process listens on it on {}", nodes.join(", "))))
+        .collect()
 }
 
 /// Formats families for [`ANNOTATION_FAMILIES`].
@@ -225,6 +270,39 @@ mod tests {
             let allowed: Vec<IpNet> = allowed.iter().map(|s| s.parse().unwrap()).collect();
             assert_eq!(node_addresses(&node("n", &addrs), &allowed), ips(&want), "{name}");
         }
+    }
+
+    #[test]
+    fn every_node_address_of_every_type() {
+        let nodes = vec![
+            node("a", &[("InternalIP", "10.0.0.1"), ("ExternalIP", "203.0.113.1"), ("Hostname", "a")]),
+            node("b", &[("InternalIP", "fd00::2"), ("InternalIP", "10.0.0.1")]),
+        ];
+        let got = cluster_node_addresses(&nodes);
+        let want: BTreeMap<IpAddr, String> =
+            [("10.0.0.1", "Node a"), ("203.0.113.1", "Node a"), ("fd00::2", "Node b")]
+                .into_iter()
+                .map(|(a, n)| (a.parse().unwrap(), n.to_string()))
+                .collect();
+        assert_eq!(got.nodes, want);
+    }
+
+    #[test]
+    fn listening_ports_of_every_node() {
+        let mut a = lease("a", 0, 15, Some("ipv4"));
+        let mut b = lease("b", -100, 15, Some("ipv4"));
+        let set = |l: &mut Lease, v: &str| {
+            l.metadata.annotations.get_or_insert_default().insert(ANNOTATION_LISTENING.into(), v.into());
+        };
+        set(&mut a, "22/TCP,20005/UDP");
+        set(&mut b, "22/TCP");
+        let got = listening_ports(&[a, b, lease("c", 0, 15, Some("ipv4"))]);
+        let want: BTreeMap<(Protocol, u16), String> = [
+            ((Protocol::Tcp, 22), "a process listens on it on a, b".to_string()),
+            ((Protocol::Udp, 20005), "a process listens on it on a".to_string()),
+        ]
+        .into();
+        assert_eq!(got, want);
     }
 
     #[test]

@@ -11,6 +11,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
 use crate::alloc::{AllocProblem, Allocations};
+use crate::endpoint_policy::{self, RefusedEndpoint};
 use crate::ir::Family;
 use crate::model::{
     self, ANNOTATION_ALLOCATED, LbService, ModelOptions, PortId, Refusal, ServiceKey, TrafficPolicy,
@@ -25,8 +26,11 @@ pub const CONDITION_ALLOCATED: &str = crate::model::CONDITION_ALLOCATED;
 /// Condition type saying whether any node serves the allocated ports (`False/NoServingNode` is
 /// the state of the `NoServingNode` Event). Set wherever [`CONDITION_ALLOCATED`] is.
 pub const CONDITION_SERVING: &str = "nodelb.io/Serving";
-/// Both our condition types: what is removed from a Service that stops being ours.
-pub const OUR_CONDITIONS: [&str; 2] = [CONDITION_ALLOCATED, CONDITION_SERVING];
+/// Condition type saying whether every endpoint address the Service names is one nodelb DNATs
+/// to ([`crate::endpoint_policy`]): `False/EndpointRefused` names the refused ones and why.
+pub const CONDITION_ENDPOINTS: &str = "nodelb.io/EndpointsAllowed";
+/// Our condition types: what is removed from a Service that stops being ours.
+pub const OUR_CONDITIONS: [&str; 3] = [CONDITION_ALLOCATED, CONDITION_SERVING, CONDITION_ENDPOINTS];
 /// `ipMode` of our ingress entries: traffic reaches the node address (kube-proxy must not
 /// short-circuit node-IP:service-port to the ClusterIP).
 pub const IP_MODE_PROXY: &str = "Proxy";
@@ -55,6 +59,12 @@ pub fn condition_for(
     let msgs = || problems.iter().map(|p| p.to_string()).collect::<Vec<_>>().join("; ");
     if problems.iter().any(|p| matches!(p, AllocProblem::Conflict { .. })) {
         return WantedCondition { status: false, reason: "PortConflict", message: msgs() };
+    }
+    if problems.iter().any(|p| matches!(p, AllocProblem::NotAllowed { .. })) {
+        return WantedCondition { status: false, reason: "PortNotAllowed", message: msgs() };
+    }
+    if problems.iter().any(|p| matches!(p, AllocProblem::InUse { .. })) {
+        return WantedCondition { status: false, reason: "PortInUse", message: msgs() };
     }
     if !problems.is_empty() {
         return WantedCondition { status: false, reason: "RangeExhausted", message: msgs() };
@@ -109,6 +119,26 @@ pub fn serving_condition(
         message: "externalTrafficPolicy: Local and no node that serves its families has a ready \
                   local endpoint"
             .to_string(),
+    }
+}
+
+/// Whether every endpoint address of a Service is allowed; `refused` are its refused endpoints.
+/// The same message as the `EndpointRefused` Event.
+pub fn endpoints_condition(refused: &[&RefusedEndpoint]) -> WantedCondition {
+    if refused.is_empty() {
+        return WantedCondition {
+            status: true,
+            reason: "EndpointsAllowed",
+            message: "every endpoint address is allowed".to_string(),
+        };
+    }
+    WantedCondition {
+        status: false,
+        reason: "EndpointRefused",
+        message: format!(
+            "endpoints refused (not DNATed to on any node; the others serve): {}",
+            endpoint_policy::describe(refused)
+        ),
     }
 }
 
@@ -202,8 +232,19 @@ pub struct Round<'a, S = Service> {
     pub refused: &'a [Refusal],
     pub allocations: &'a Allocations,
     pub problems: &'a [AllocProblem],
+    /// Endpoint addresses the policy refused (already taken out of `valid`).
+    pub refused_endpoints: &'a [RefusedEndpoint],
+    /// Ports processes listen on, per node (the node Leases): an allocated port among them is
+    /// not served on those nodes (`NodePortInUse` Event; the allocation stays).
+    pub listening: &'a BTreeMap<(crate::ir::Protocol, u16), String>,
     pub serving: &'a BTreeMap<String, ServingNode>,
     pub now: Timestamp,
+}
+
+impl<S> Round<'_, S> {
+    fn refused_endpoints_of(&self, key: &ServiceKey) -> Vec<&RefusedEndpoint> {
+        self.refused_endpoints.iter().filter(|r| &r.service == key).collect()
+    }
 }
 
 /// (ip, ipMode, sorted ports) of one ingress entry, for comparisons.
@@ -310,7 +351,12 @@ pub fn plan_writes<S: Borrow<Service>>(round: &Round<'_, S>) -> Vec<ServiceWrite
             let allocated = condition_for(ports, &problems, refused.get(&key).copied());
             let ingress = ingress_for(lb, ports, round.serving);
             let serving = serving_condition(lb, ports, round.serving, &ingress);
-            let wanted = [(CONDITION_ALLOCATED, Some(&allocated)), (CONDITION_SERVING, Some(&serving))];
+            let endpoints = endpoints_condition(&round.refused_endpoints_of(&key));
+            let wanted = [
+                (CONDITION_ALLOCATED, Some(&allocated)),
+                (CONDITION_SERVING, Some(&serving)),
+                (CONDITION_ENDPOINTS, Some(&endpoints)),
+            ];
             let conditions = merge_conditions(&cur_conditions, &wanted, generation, round.now);
             if conditions.is_some() || normalise(&ingress) != normalise(&cur_ingress) {
                 write.status =
@@ -372,6 +418,15 @@ pub struct ServiceEvent {
 pub fn service_events<S>(round: &Round<'_, S>, duplicates: &[Duplicate]) -> Vec<ServiceEvent> {
     let mut out = Vec::new();
     for svc in round.valid {
+        let refused = round.refused_endpoints_of(&svc.key);
+        if !refused.is_empty() {
+            out.push(ServiceEvent {
+                service: svc.key.clone(),
+                warning: true,
+                reason: "EndpointRefused",
+                message: endpoints_condition(&refused).message,
+            });
+        }
         let ports = round.allocations.get(&svc.key);
         if let Some(ports) = ports.filter(|p| !p.is_empty()) {
             out.push(ServiceEvent {
@@ -380,6 +435,19 @@ pub fn service_events<S>(round: &Round<'_, S>, duplicates: &[Duplicate]) -> Vec<
                 reason: "NodePortsAllocated",
                 message: format!("node ports {}", model::format_port_map(ports)),
             });
+            for (id, n) in ports {
+                if let Some(who) = round.listening.get(&(id.protocol, *n)) {
+                    out.push(ServiceEvent {
+                        service: svc.key.clone(),
+                        warning: true,
+                        reason: "NodePortInUse",
+                        message: format!(
+                            "node port {n}/{} of port {id} is in use: {who}; not served there (the allocation stays)",
+                            id.protocol
+                        ),
+                    });
+                }
+            }
             // The same decision (and message) as the Serving condition.
             let ingress = ingress_for(svc, ports, round.serving);
             let serving = serving_condition(svc, ports, round.serving, &ingress);
@@ -397,6 +465,8 @@ pub fn service_events<S>(round: &Round<'_, S>, duplicates: &[Duplicate]) -> Vec<
         let reason = match p {
             AllocProblem::Conflict { .. } => "NodePortConflict",
             AllocProblem::Exhausted { .. } => "NodePortRangeExhausted",
+            AllocProblem::NotAllowed { .. } => "NodePortNotAllowed",
+            AllocProblem::InUse { .. } => "NodePortInUse",
         };
         out.push(ServiceEvent {
             service: p.service().clone(),
@@ -425,7 +495,18 @@ pub fn service_events<S>(round: &Round<'_, S>, duplicates: &[Duplicate]) -> Vec<
     }
     out.sort();
     out.dedup();
-    out
+    // One Event per Service and reason (two ports in conflict are one message): the deduper
+    // remembers one message per (Service, reason), so two would be re-sent every round.
+    let mut merged: Vec<ServiceEvent> = Vec::with_capacity(out.len());
+    for e in out {
+        match merged.last_mut() {
+            Some(last) if last.service == e.service && last.reason == e.reason => {
+                last.message = format!("{}; {}", last.message, e.message);
+            }
+            _ => merged.push(e),
+        }
+    }
+    merged
 }
 
 #[cfg(test)]
@@ -600,6 +681,8 @@ mod tests {
                 refused: &out.refused,
                 allocations: &result.allocations,
                 problems: &result.problems,
+                refused_endpoints: &[],
+                listening: &BTreeMap::new(),
                 serving: serving_nodes,
                 now: t(0),
             })
@@ -838,6 +921,7 @@ mod tests {
         let out = model::build(&world.services, model::NO_SLICES, &opts);
         let allocs = crate::alloc::allocate(&Default::default(), &out.services, &Allocations::new());
         let no_nodes = BTreeMap::new();
+        let nothing_listens = BTreeMap::new();
         let round = |node_ready: bool, now| Round {
             services: &world.services,
             model: &opts,
@@ -845,6 +929,8 @@ mod tests {
             refused: &out.refused,
             allocations: &allocs.allocations,
             problems: &allocs.problems,
+            refused_endpoints: &[],
+            listening: &nothing_listens,
             serving: if node_ready { &nodes } else { &no_nodes },
             now,
         };
@@ -905,10 +991,26 @@ mod tests {
             refused: &out.refused,
             allocations: &result.allocations,
             problems: &result.problems,
+            refused_endpoints: &[],
+            listening: &BTreeMap::new(),
             serving: &none,
             now: t(0),
         };
         let reasons: Vec<&str> = service_events(&round, &[]).iter().map(|e| e.reason).collect();
         assert_eq!(reasons, vec!["NodePortsAllocated", "NoServingNode"]);
+        // Two ports refused for one reason: one Event (one message per Service and reason).
+        let key = ServiceKey::new("default", "web");
+        let in_use = |port: u16| AllocProblem::InUse {
+            service: key.clone(),
+            port: PortId::tcp(port),
+            wanted: port,
+            by: "a process listens on it on a".into(),
+        };
+        let problems = [in_use(22), in_use(23)];
+        let round = Round { problems: &problems, ..round };
+        let events: Vec<ServiceEvent> =
+            service_events(&round, &[]).into_iter().filter(|e| e.reason == "NodePortInUse").collect();
+        assert_eq!(events.len(), 1, "{events:?}");
+        assert!(events[0].message.contains("22/TCP") && events[0].message.contains("23/TCP"), "{events:?}");
     }
 }

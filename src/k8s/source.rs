@@ -169,6 +169,11 @@ impl KubeSource {
         self.nodes.get(&reflector::ObjectRef::new(name))
     }
 
+    /// Every address of every cached Node ([`super::nodes::cluster_node_addresses`]).
+    pub fn node_addresses(&self) -> crate::endpoint_policy::HostAddresses {
+        super::nodes::cluster_node_addresses(&self.nodes.state())
+    }
+
     pub fn snapshot(&self) -> KubeSnapshot {
         KubeSnapshot {
             services: self.services.state(),
