@@ -1,9 +1,11 @@
-//! Kubernetes mode end to end: three real `nodelb run --kubeconfig …` agents, each in its own node
-//! namespace, against the in-process test API server (`nodelb-testapi`) in another namespace, with
-//! real packets client → node → backends. See `tests/common/cluster.rs` for the topology.
+//! Kubernetes mode end to end: three real `nodelb` agents, each in its own node namespace, run with
+//! the DaemonSet's arguments and a ServiceAccount token, against a real kube-apiserver + etcd
+//! (`testkube`, installed with `kubectl apply -f daemonset/`) in another namespace, with real
+//! packets client → node → backends. See `tests/common/cluster.rs` for the topology and
+//! `tests/common/kube.rs` for the control plane and its faults.
 //!
-//! Each test builds its own cluster (namespaces, API server, agents) and tears it down on drop, also
-//! on panic (the agents' logs are printed then).
+//! Each test builds its own cluster (namespaces, control plane, agents) and tears it down on drop,
+//! also on panic (the agents' and the control plane's logs are printed then).
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -11,6 +13,7 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use common::cluster::{CLIENT_V4, Cluster, Permission, Rbac, node_name, node_v4};
+use common::kube::Fault;
 use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
 use common::topology::{ClientError, ClientLoop, backend_v4, parse_answer, wait_until};
 
@@ -89,7 +92,7 @@ fn service_is_served_on_every_node_with_status() {
     assert_eq!(c.service_writers(), BTreeSet::from([leader]), "only the leader writes Services");
     let managers: BTreeSet<Option<String>> = c
         .api
-        .requests()
+        .agent_requests()
         .into_iter()
         .filter(|r| r.is_write() && !r.path.contains("/events"))
         .map(|r| r.field_manager)
@@ -372,6 +375,16 @@ fn five_hundred_services_at_once() {
     require_root!();
     let c = Cluster::new(1);
     let n = 500;
+    // Every Service takes a cluster IP; the server's IPv4 range (192.0.2.0/24) has 253 free, so
+    // two more documentation-range ServiceCIDRs (halves no test host uses) make room for 500.
+    for (name, cidr) in [("more-1", "198.51.100.128/25"), ("more-2", "203.0.113.128/25")] {
+        c.api
+            .create(serde_json::json!({
+                "apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
+                "metadata": {"name": name}, "spec": {"cidrs": [cidr]},
+            }))
+            .unwrap_or_else(|e| panic!("ServiceCIDR {cidr}: {e}"));
+    }
     let started = Instant::now();
     let specs: Vec<ServiceSpec> = (0..n).map(|k| web(&format!("s{k:03}"), &[(0, k % 3)])).collect();
     for s in &specs {
@@ -437,11 +450,13 @@ fn api_unreachable_for_30s_traffic_keeps_flowing_and_agents_recover() {
     let loops: Vec<ClientLoop> = (0..3)
         .map(|i| ClientLoop::http(&c.client, IpAddr::V4(node_v4(i)), np, Duration::from_millis(100), T))
         .collect();
-    c.api.set_unreachable(true);
+    // The API server process goes away (as in an upgrade of the control plane): connections
+    // reset, new ones refused; it comes back on the same data (etcd, certificates, tokens).
+    c.api.stop();
     let down = Instant::now();
     std::thread::sleep(Duration::from_secs(30));
     c.api.clear_requests();
-    c.api.set_unreachable(false);
+    c.api.start_again();
     eprintln!("API was unreachable for {:?}", down.elapsed());
     for (i, l) in loops.into_iter().enumerate() {
         let results = l.stop();
@@ -470,8 +485,12 @@ fn api_unreachable_for_30s_traffic_keeps_flowing_and_agents_recover() {
     assert_eq!(c.allocated("web").unwrap()["80/TCP"], np);
     // Nothing changed for `web`: coming back must not rewrite it (e.g. drop the nodes from its status
     // because the node Leases look expired in a cache that has not caught up yet, then add them back).
-    let rewrites: Vec<_> =
-        c.api.requests().into_iter().filter(|r| r.is_write() && r.path.contains("/services/web")).collect();
+    let rewrites: Vec<_> = c
+        .api
+        .agent_requests()
+        .into_iter()
+        .filter(|r| r.is_write() && r.path.contains("/services/web"))
+        .collect();
     assert!(rewrites.is_empty(), "web rewritten after the outage: {rewrites:#?}");
     for (i, a) in c.agents.iter_mut().enumerate() {
         assert!(a.is_running(), "node-{}: agent exited", i + 1);
@@ -495,7 +514,7 @@ fn forwarding_events(c: &Cluster, node: &str) -> Vec<serde_json::Value> {
 #[test]
 fn a_node_with_forwarding_off_leaves_the_status() {
     require_root!();
-    let c = Cluster::new(1);
+    let mut c = Cluster::new(1);
     c.create(&web("web", &[(0, 0)]));
     c.wait_allocated("web", 1, CHANGE);
     c.wait_ingress_nodes("web", &[0, 1, 2], CHANGE);
@@ -505,18 +524,30 @@ fn a_node_with_forwarding_off_leaves_the_status() {
 
     // IPv6 forwarding off on node-2, where no Service needs IPv6: no Warning Event for it.
     c.nodes[1].sysctl("net.ipv6.conf.all.forwarding", "0");
-    // The next two Event writes fail (500, which kube does not retry): the ForwardingDisabled
-    // Event of node-3 is retried until it is recorded, not forgotten.
-    c.api.fail_next_matching(2, 500, |m, p| m == "POST" && p.ends_with("/events"));
+    // Event writes are refused for a while (the ClusterRole loses events.k8s.io: 403 from the
+    // real authorizer): the ForwardingDisabled Event of node-3 is retried until it is recorded,
+    // not forgotten.
+    c.revoke("events.k8s.io", "events");
     c.nodes[2].sysctl("net.ipv4.ip_forward", "0");
     let off = Instant::now();
     // Written to the node Lease at once (not at the next renewal), then the leader's round.
     c.wait_ingress_nodes("web", &[0, 1], Duration::from_secs(5));
     eprintln!("node-3 left the status {:?} after forwarding went off", off.elapsed());
+    let refused = |c: &Cluster| {
+        c.api
+            .agent_requests()
+            .into_iter()
+            .filter(|r| r.resource == "events" && r.verb == "create" && r.status == 403)
+            .count()
+    };
+    let ok = wait_until(CHANGE, || refused(&c) >= 2);
+    assert!(ok, "the agents' Event writes were not refused: {}", refused(&c));
+    assert!(forwarding_events(&c, "node-3").is_empty(), "recorded although refused");
+    c.restore_rbac();
     let ok = wait_until(CHANGE, || !forwarding_events(&c, "node-3").is_empty());
-    assert!(ok, "no ForwardingDisabled Event on Node node-3");
-    let failed = c.api.requests().iter().filter(|r| r.status == 500 && r.path.ends_with("/events")).count();
-    assert_eq!(failed, 2, "the injected Event failures were hit (and then retried)");
+    assert!(ok, "no ForwardingDisabled Event on Node node-3 after the RBAC came back");
+    // The refusals are the fault; what follows must be granted.
+    c.api.clear_requests();
     let ev = &forwarding_events(&c, "node-3")[0];
     assert!(ev["note"].as_str().unwrap_or_default().contains("net.ipv4.ip_forward"), "{ev}");
     assert_eq!(ev["type"], "Warning", "{ev}");
@@ -655,19 +686,24 @@ fn a_service_that_stops_being_ours_loses_its_rules_and_allocation_everywhere() {
 fn nothing_is_programmed_or_allocated_before_the_caches_are_complete() {
     require_root!();
     // When the agents start, `old` carries an allocation (as after a restart of every agent) and
-    // `new` none; both have endpoints. The API server holds every EndpointSlice list: all other
-    // caches complete, that one does not.
+    // `new` none; both have endpoints. The installed ClusterRole lacks EndpointSlices (an
+    // operator's broken RBAC, refused by the real authorizer): every other cache completes, that
+    // one does not.
     let old = web("old", &[(0, 0)]);
     let new = web("new", &[(1, 1)]);
     let mut c = Cluster::with_api_setup(2, |api| {
-        let mut svc = old.service();
-        svc["metadata"]["annotations"]["nodelb.io/allocated-ports"] = "80/TCP=20080".into();
-        api.create(svc).unwrap();
-        api.create(new.service()).unwrap();
+        for spec in [&old, &new] {
+            let mut svc = spec.service();
+            svc["spec"].as_object_mut().unwrap().remove("selector");
+            if spec.name == "old" {
+                svc["metadata"]["annotations"]["nodelb.io/allocated-ports"] = "80/TCP=20080".into();
+            }
+            api.create(svc).unwrap();
+        }
         for s in old.slices().into_iter().chain(new.slices()) {
             api.create(s).unwrap();
         }
-        api.stall_matching(|m, p| m == "GET" && p == "/apis/discovery.k8s.io/v1/endpointslices");
+        common::cluster::revoke(api, "discovery.k8s.io", "endpointslices");
     });
     let listed_by_all = |path: &str| {
         let by: BTreeSet<IpAddr> = c
@@ -675,7 +711,7 @@ fn nothing_is_programmed_or_allocated_before_the_caches_are_complete() {
             .requests()
             .iter()
             .filter(|r| r.path == path && !r.watch && r.status == 200)
-            .map(|r| r.peer.ip())
+            .map(|r| r.peer)
             .collect();
         by.len() == 3
     };
@@ -717,9 +753,20 @@ fn nothing_is_programmed_or_allocated_before_the_caches_are_complete() {
         );
     }
 
-    // Released: the lists complete; `old` is served on the port it had, `new` gets another.
-    c.api.release_stalled();
-    c.wait_ready(Duration::from_secs(30));
+    // The slices were refused, not served from a partial list.
+    let refused: BTreeSet<IpAddr> = c
+        .api
+        .agent_requests()
+        .iter()
+        .filter(|r| r.resource == "endpointslices" && r.status == 403)
+        .map(|r| r.peer)
+        .collect();
+    assert_eq!(refused.len(), 3, "every agent was refused EndpointSlices");
+
+    // RBAC fixed: the lists complete; `old` is served on the port it had, `new` gets another.
+    c.restore_rbac();
+    // The watchers back off (up to ~30 s) after the refusals.
+    c.wait_ready(Duration::from_secs(60));
     for i in 0..3 {
         c.wait_served(i, 20080, CHANGE);
     }
@@ -762,39 +809,49 @@ fn quiet_counters(c: &Cluster) -> Vec<(f64, f64)> {
 #[test]
 fn a_relist_after_410_gone_reprograms_nothing_and_later_changes_are_served() {
     require_root!();
-    let c = Cluster::new(2);
+    // Without the watch cache, a watch resumes from etcd, so etcd's compaction is what answers
+    // 410 Gone (with it, the cache answers from its in-memory window, whatever etcd compacted).
+    let mut c = Cluster::with_apiserver_args(2, &["--watch-cache=false"]);
     serve_web(&c);
     let before = quiet_counters(&c);
     let restarts: Vec<f64> = (0..3).map(|i| c.metric_sum(i, "nodelb_watch_restarts_total")).collect();
+    let old_rv = c.api.list_version("v1", "Service");
     c.api.clear_requests();
 
-    // Every watch connection is cut and, while they are, the history is compacted past every
-    // watch's resourceVersion: each resumes into 410 Gone and relists everything.
-    c.api.set_unreachable(true);
-    c.api
-        .create(serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "bump"}}))
-        .unwrap();
-    c.api.compact();
-    c.api.set_unreachable(false);
+    // Every watch connection is reset and, while new ones are refused, the history is compacted
+    // past every watch's resourceVersion: each resumes into 410 Gone and relists everything.
+    c.api.cut(Fault::Reset);
+    c.api.create(common::kube::namespace("bump")).unwrap();
+    let rev = c.api.compact();
+    eprintln!("etcd compacted at revision {rev} (Services listed at {old_rv})");
+    // The fault is real: a watch from before the compaction is answered 410 Gone.
+    let gone = c.api.kubectl_ok(&[
+        "get",
+        "--raw",
+        &format!("/api/v1/services?watch=true&resourceVersion={old_rv}&timeoutSeconds=1"),
+    ]);
+    assert!(gone.contains("\"code\":410"), "a watch from {old_rv} after compaction: {gone}");
+    c.api.reopen();
     let lists = ["/api/v1/services", "/apis/discovery.k8s.io/v1/endpointslices", "/api/v1/nodes"];
     let ok = wait_until(Duration::from_secs(30), || {
-        let log = c.api.requests();
+        let log = c.api.agent_requests();
         lists.iter().all(|p| {
-            let by: BTreeSet<IpAddr> = log
-                .iter()
-                .filter(|r| r.path == *p && !r.watch && r.status == 200)
-                .map(|r| r.peer.ip())
-                .collect();
+            let by: BTreeSet<IpAddr> =
+                log.iter().filter(|r| r.path == *p && !r.watch && r.status == 200).map(|r| r.peer).collect();
             by.len() == 3
         }) && (0..3).all(|i| c.metric_sum(i, "nodelb_watch_restarts_total") > restarts[i])
     });
-    assert!(ok, "not every agent relisted: {:#?}", c.api.requests());
+    assert!(ok, "not every agent relisted: {:#?}", c.api.agent_requests());
     // Time for what a relist could trigger: the debounce, a resync (1 s), an allocation round (2 s).
     std::thread::sleep(Duration::from_secs(3));
     let after = quiet_counters(&c);
     assert_eq!(after, before, "(syncs, kernel batches) per node changed although nothing did");
-    let rewrites: Vec<_> =
-        c.api.requests().into_iter().filter(|r| r.is_write() && r.path.contains("/services/")).collect();
+    let rewrites: Vec<_> = c
+        .api
+        .agent_requests()
+        .into_iter()
+        .filter(|r| r.is_write() && r.path.contains("/services/"))
+        .collect();
     assert!(rewrites.is_empty(), "Services rewritten after the relist: {rewrites:#?}");
 
     // The watches work again: a change is served everywhere (and does move the counters).
