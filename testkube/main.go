@@ -206,6 +206,9 @@ func run() error {
 		// Written before the response: a test that got an answer finds its request in the log.
 		"--audit-log-mode=blocking",
 		"--profiling=false",
+		// On SIGTERM, stop within seconds although clients hold HTTP/1.1 watches open (kube-rs
+		// does): without it, the HTTP server waits up to --request-timeout (60 s) for them.
+		"--shutdown-send-retry-after=true",
 	}
 	if ip := net.ParseIP(o.advertiseAddress); ip.IsLoopback() {
 		// The kubernetes Service's endpoints may not be loopback addresses: do not publish them.

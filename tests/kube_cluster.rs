@@ -12,9 +12,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use common::cluster::{CLIENT_V4, Cluster, Permission, Rbac, node_name, node_v4};
+use common::cluster::{AGENT_NS, CLIENT_V4, Cluster, LEADER_LEASE, Permission, Rbac, node_name, node_v4};
+use common::kube::ControlPlane;
 use common::kube::Fault;
 use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
+use common::netns::NetNs;
 use common::topology::{ClientError, ClientLoop, backend_v4, parse_answer, wait_until};
 
 /// Per-request timeout where an answer is expected.
@@ -100,6 +102,29 @@ fn service_is_served_on_every_node_with_status() {
     assert_eq!(managers, BTreeSet::from([Some("nodelb".to_string())]), "every write names its field manager");
     assert!(!c.events("web", "NodePortsAllocated").is_empty(), "a NodePortsAllocated Event");
 
+    // What a user looks at, with kubectl (README, "On a cluster").
+    let wide = c.api.kubectl_ok(&["get", "svc", "web", "-o", "wide"]);
+    let external = format!("{},{},{}", node_v4(0), node_v4(1), node_v4(2));
+    assert!(wide.contains(&external), "EXTERNAL-IP is not the node addresses:\n{wide}");
+    let annotation = c.api.kubectl_ok(&[
+        "get",
+        "svc",
+        "web",
+        "-o",
+        r"jsonpath={.metadata.annotations.nodelb\.io/allocated-ports}",
+    ]);
+    assert_eq!(annotation, format!("80/TCP={np}"));
+    let serving = c.api.kubectl_ok(&[
+        "get",
+        "svc",
+        "web",
+        "-o",
+        r#"jsonpath={.status.conditions[?(@.type=="nodelb.io/Serving")].status}/{.status.conditions[?(@.type=="nodelb.io/Allocated")].reason}"#,
+    ]);
+    assert_eq!(serving, "True/Allocated");
+    let events = c.api.kubectl_ok(&["get", "events", "--field-selector", "involvedObject.name=web"]);
+    assert!(events.contains("NodePortsAllocated"), "kubectl get events:\n{events}");
+
     // Least privilege, both ways: every request the agents made is granted by
     // daemonset/10-rbac.yaml, and every grant was used (Events are patched only when the same
     // Event repeats within kube-runtime's cache time, which this scenario does not do).
@@ -112,6 +137,72 @@ fn service_is_served_on_every_node_with_status() {
         .filter(|p| *p != ("events.k8s.io".into(), "events".into(), "patch".into()))
         .collect();
     assert!(unused.is_empty(), "granted but never used: {unused:?}; used: {used:?}");
+}
+
+/// `kubectl auth can-i --list` rows (resource[.group], verbs) for `user` in `ns`.
+fn can_i(api: &ControlPlane, user: &str, ns: &str) -> BTreeSet<(String, String, String)> {
+    let out = api.kubectl_ok(&["auth", "can-i", "--list", &format!("--as={user}"), "-n", ns]);
+    let mut rows = BTreeSet::new();
+    for line in out.lines().skip(1) {
+        // RESOURCES  NON-RESOURCE-URLS  RESOURCE-NAMES  VERBS ("[get list]")
+        let Some(resource) = line.split_whitespace().next().filter(|_| !line.starts_with(' ')) else {
+            continue;
+        };
+        let verbs = line.rsplit_once('[').map(|(_, v)| v.trim_end_matches(']')).unwrap_or_default();
+        let (res, group) = resource.split_once('.').unwrap_or((resource, ""));
+        for verb in verbs.split_whitespace() {
+            rows.insert((group.to_string(), res.to_string(), verb.to_string()));
+        }
+    }
+    rows
+}
+
+/// The README's RBAC table: (group, resource, verb) → namespace-only?
+fn readme_rbac() -> BTreeMap<(String, String, String), bool> {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let table = readme
+        .split("<!-- rbac-table: begin -->")
+        .nth(1)
+        .and_then(|t| t.split("<!-- rbac-table: end -->").next())
+        .expect("README: rbac-table markers");
+    let mut out = BTreeMap::new();
+    for row in table.lines().filter(|l| l.starts_with('|')).skip(2) {
+        let cells: Vec<&str> = row.trim_matches('|').split('|').map(str::trim).collect();
+        let group = if cells[0] == "(core)" { "" } else { cells[0] };
+        for verb in cells[2].split(',') {
+            let key = (group.to_string(), cells[1].to_string(), verb.trim().to_string());
+            out.insert(key, cells[3].contains("nodelb-system"));
+        }
+    }
+    out
+}
+
+#[test]
+fn rbac_installed_with_kubectl_is_what_the_readme_documents() {
+    require_root!();
+    let ns = NetNs::new("rbac");
+    let api = ControlPlane::start(&ns, std::net::Ipv4Addr::LOCALHOST, 6443, &[]);
+    api.kubectl_ok(&["apply", "-f", concat!(env!("CARGO_MANIFEST_DIR"), "/daemonset")]);
+    // The DaemonSet is stored (no kubelet runs it), with what the tests run the agents with.
+    let ds = api.get("apps/v1", "DaemonSet", AGENT_NS, "nodelb").expect("DaemonSet stored");
+    let (args, env) = common::kube::daemonset_command(&ds, "node-1", AGENT_NS);
+    assert_eq!(args.first().map(String::as_str), Some("run"), "{args:?}");
+    assert!(env.contains(&("NODE_NAME".into(), "node-1".into())), "{env:?}");
+
+    // Beyond what any authenticated user may (a ServiceAccount with no binding).
+    let sa = common::kube::AGENT_USER;
+    let nobody = "system:serviceaccount:nodelb-system:nobody";
+    let own = |ns: &str| -> BTreeSet<_> {
+        can_i(&api, sa, ns).difference(&can_i(&api, nobody, ns)).cloned().collect()
+    };
+    let everywhere = own("default");
+    let in_agent_ns = own(AGENT_NS);
+    let mut got = BTreeMap::new();
+    for p in &in_agent_ns {
+        got.insert(p.clone(), !everywhere.contains(p));
+    }
+    assert!(everywhere.is_subset(&in_agent_ns), "{everywhere:?} vs {in_agent_ns:?}");
+    assert_eq!(got, readme_rbac(), "kubectl auth can-i --list (right: README's table)");
 }
 
 #[test]
@@ -606,6 +697,59 @@ fn a_leader_shut_down_gracefully_hands_over_at_once() {
     assert_only_leaders_wrote(&c, &[old, new.unwrap()]);
 }
 
+/// Now, as a Lease's `renewTime` (RFC 3339, microseconds).
+fn micro_time_now() -> String {
+    let out = std::process::Command::new("date").args(["-u", "+%Y-%m-%dT%H:%M:%S.%6NZ"]).output().unwrap();
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+#[test]
+fn the_leader_lease_deleted_or_stolen_by_hand() {
+    require_root!();
+    let mut c = Cluster::new(1);
+    c.create(&web("web", &[(0, 0)]));
+    let before = c.wait_allocated("web", 1, CHANGE);
+    c.wait_leader(CHANGE);
+
+    // Deleted with kubectl: an agent creates it again; allocations stay, allocation goes on.
+    c.api.kubectl_ok(&["delete", "lease", LEADER_LEASE, "-n", AGENT_NS]);
+    let again = c.wait_leader(CHANGE);
+    eprintln!("after the delete: node-{} leads", again + 1);
+    c.create(&web("after-delete", &[(0, 0)]));
+    c.wait_allocated("after-delete", 1, CHANGE);
+    assert_eq!(c.allocated("web").unwrap(), before);
+
+    // Stolen by hand: another holder, renewed now, for 10 s. Every agent stops acting as leader
+    // (the holder is not them) and none writes a Service while the intruder's Lease is valid;
+    // once it has not changed for its whole duration, an agent takes it over and allocates what
+    // was created meanwhile.
+    c.api.clear_requests();
+    let patch = format!(
+        r#"{{"spec":{{"holderIdentity":"intruder","leaseDurationSeconds":10,"renewTime":"{}"}}}}"#,
+        micro_time_now()
+    );
+    c.api.kubectl_ok(&["patch", "lease", LEADER_LEASE, "-n", AGENT_NS, "--type=merge", "-p", &patch]);
+    let stolen = Instant::now();
+    let ok = wait_until(Duration::from_secs(5), || (0..3).all(|i| c.metric_sum(i, "nodelb_leader") == 0.0));
+    assert!(ok, "an agent still acts as leader after the Lease was stolen");
+    c.create(&web("during", &[(0, 0)]));
+    std::thread::sleep(Duration::from_secs(7).saturating_sub(stolen.elapsed()));
+    assert_eq!(c.allocated("during"), None, "allocated while the intruder held the Lease");
+    assert_eq!(c.service_writers(), BTreeSet::new(), "Services written while the intruder held the Lease");
+    let mut new = None;
+    let ok = wait_until(Duration::from_secs(20), || {
+        new = c.leader().and_then(|h| (0..3).find(|i| node_name(*i) == h));
+        new.is_some()
+    });
+    assert!(ok, "nobody took the stolen Lease over: holder {:?}", c.leader());
+    let took = stolen.elapsed();
+    eprintln!("node-{} took the stolen Lease over after {took:?}", new.unwrap() + 1);
+    assert!(took >= Duration::from_secs(10), "taken over before the intruder's 10 s ran out: {took:?}");
+    c.wait_allocated("during", 1, CHANGE);
+    assert_eq!(c.allocated("web").unwrap(), before);
+    assert_only_leaders_wrote(&c, &[new.unwrap()]);
+}
+
 /// Creates `default/web` (backends be1 on node-1, be2 on node-2) and waits until every node serves
 /// it, its status lists every node and says Serving; returns its node port.
 fn serve_web(c: &Cluster) -> u16 {
@@ -821,7 +965,10 @@ fn a_relist_after_410_gone_reprograms_nothing_and_later_changes_are_served() {
     // Every watch connection is reset and, while new ones are refused, the history is compacted
     // past every watch's resourceVersion: each resumes into 410 Gone and relists everything.
     c.api.cut(Fault::Reset);
-    c.api.create(common::kube::namespace("bump")).unwrap();
+    // Two writes, so the compacted revision is past the one after every resourceVersion seen.
+    for name in ["bump-1", "bump-2"] {
+        c.api.create(common::kube::namespace(name)).unwrap();
+    }
     let rev = c.api.compact();
     eprintln!("etcd compacted at revision {rev} (Services listed at {old_rv})");
     // The fault is real: a watch from before the compaction is answered 410 Gone.
