@@ -27,8 +27,14 @@ if ! command -v go >/dev/null; then
     exit 1
 fi
 export GOFLAGS=${GOFLAGS:--mod=readonly}
-# Never switch toolchains behind the caller's back (that would download one).
-export GOTOOLCHAIN=local
+# testkube/go.mod says `go 1.26.0`. An older Go (1.21+) fetches that toolchain as a module from the
+# Go module proxy (GOTOOLCHAIN); a newer one builds with itself.
+go_minor=$(go env GOVERSION | sed -E 's/^go1\.([0-9]+).*/\1/')
+if [[ $go_minor =~ ^[0-9]+$ ]] && ((go_minor < 26)); then
+    export GOTOOLCHAIN=go1.26.8
+else
+    export GOTOOLCHAIN=local
+fi
 
 exec 9>"$out/.lock"
 flock 9

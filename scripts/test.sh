@@ -2,8 +2,9 @@
 # Runs the whole test suite, including the root tests on the real kernel (network namespaces).
 # Run as root: `sudo scripts/test.sh`. Extra arguments go to the test runner (e.g. a test name filter).
 # On a fresh Debian machine it installs what it needs: the packages the root tests run, and a Rust
-# toolchain when there is none (scripts/lib.sh, shared with scripts/demo.sh). cargo-nextest is
-# used when installed, else `cargo test`.
+# toolchain when there is none (scripts/lib.sh, shared with scripts/demo.sh); it builds the test
+# control plane (Go 1.26+ needed: scripts/build-testkube.sh). cargo-nextest is used when installed
+# (.ci/run installs it), else `cargo test`.
 #
 # NODELB_REQUIRE_ROOT_TESTS=1 (set by .ci/run) turns a root test's skip into a failure.
 # Fails when a test namespace (nlb-*) or a table `inet nodelb` is left in the host namespace.
@@ -42,6 +43,14 @@ fi
 # On a fresh machine: no cargo yet (or only the one sudo's PATH hides). As in scripts/demo.sh.
 nodelb_ensure_rust || exit 1
 log "$(cargo --version)"
+
+# The Kubernetes tests (tests/kube_cluster.rs) run a real kube-apiserver + etcd built from their Go
+# modules (testkube/): built here once, cached (a second run costs a fraction of a second). They
+# are root tests, so without root nothing needs it.
+if [[ $(id -u) -eq 0 ]]; then
+    log "test control plane: scripts/build-testkube.sh"
+    scripts/build-testkube.sh >/dev/null
+fi
 
 list_test_netns() { { ip netns list 2>/dev/null || true; } | awk '{print $1}' | grep '^nlb-' | sort || true; }
 host_has_table() { command -v nft >/dev/null && nft list table inet nodelb >/dev/null 2>&1; }

@@ -209,8 +209,10 @@ fn rbac_installed_with_kubectl_is_what_the_readme_documents() {
 fn scaling_endpoints_is_followed_on_every_node() {
     require_root!();
     let c = Cluster::new(3);
+    // Endpoints as a user has them: Pods (status written as a kubelet would) selected by the
+    // Service, EndpointSlices made by the EndpointSlice controller.
     let mut spec = web("web", &[(0, 0), (1, 1)]);
-    c.create(&spec);
+    c.create_with_pods(&spec);
     let np = c.wait_allocated("web", 1, CHANGE)["80/TCP"];
     for i in 0..3 {
         c.wait_served(i, np, CHANGE);
@@ -229,13 +231,33 @@ fn scaling_endpoints_is_followed_on_every_node() {
 
     // Scale up: be3 on node-3.
     spec = spec.endpoint(EndpointSpec::remote(backend_v4(2), "node-3"));
-    c.update_slices(&spec);
+    c.update_pods(&spec);
     expect(&["be1", "be2", "be3"]);
 
-    // Scale down: be1 goes.
+    // be2 stops being ready (its readiness probe fails): out, the Pod stays.
+    spec.endpoints[1].ready = false;
+    c.update_pods(&spec);
+    expect(&["be1", "be3"]);
+    spec.endpoints[1].ready = true;
+    c.update_pods(&spec);
+    expect(&["be1", "be2", "be3"]);
+
+    // Scale down: be1's Pod is deleted.
     spec.endpoints.retain(|e| e.addr != IpAddr::V4(backend_v4(0)));
-    c.update_slices(&spec);
+    c.update_pods(&spec);
     expect(&["be2", "be3"]);
+    let slices: Vec<_> = c
+        .api
+        .list("discovery.k8s.io/v1", "EndpointSlice", Some("default"))
+        .into_iter()
+        .filter(|s| s["metadata"]["labels"]["kubernetes.io/service-name"] == "web")
+        .collect();
+    assert!(
+        !slices.is_empty()
+            && slices.iter().all(|s| s["metadata"]["labels"]["endpointslice.kubernetes.io/managed-by"]
+                == "endpointslice-controller.k8s.io"),
+        "slices not from the controller: {slices:#?}"
+    );
 
     assert_eq!(c.allocated("web").unwrap()["80/TCP"], np, "scaling does not move the node port");
     let leader = c.wait_leader(CHANGE);
@@ -728,8 +750,9 @@ fn the_leader_lease_deleted_or_stolen_by_hand() {
         r#"{{"spec":{{"holderIdentity":"intruder","leaseDurationSeconds":10,"renewTime":"{}"}}}}"#,
         micro_time_now()
     );
-    c.api.kubectl_ok(&["patch", "lease", LEADER_LEASE, "-n", AGENT_NS, "--type=merge", "-p", &patch]);
+    // Before the request: no agent can have seen the change earlier.
     let stolen = Instant::now();
+    c.api.kubectl_ok(&["patch", "lease", LEADER_LEASE, "-n", AGENT_NS, "--type=merge", "-p", &patch]);
     let ok = wait_until(Duration::from_secs(5), || (0..3).all(|i| c.metric_sum(i, "nodelb_leader") == 0.0));
     assert!(ok, "an agent still acts as leader after the Lease was stolen");
     c.create(&web("during", &[(0, 0)]));

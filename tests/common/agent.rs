@@ -19,6 +19,9 @@ pub fn bin() -> String {
 /// `--http-addr` inside the node namespace (each namespace has its own loopback).
 pub const HTTP_PORT: u16 = 9470;
 
+/// A container's args and environment (`kube::daemonset_command`).
+pub type ContainerCommand = (Vec<String>, Vec<(String, String)>);
+
 pub struct Agent {
     ns_name: String,
     ns_path: String,
@@ -29,7 +32,7 @@ pub struct Agent {
     kube: Option<(PathBuf, String)>,
     /// Kubernetes mode as the DaemonSet runs it: the container's args (instead of `run
     /// --node-name … --http-addr …`) and environment.
-    daemonset: Option<(Vec<String>, Vec<(String, String)>)>,
+    daemonset: Option<ContainerCommand>,
     child: Option<Child>,
     starts: usize,
 }
@@ -82,7 +85,7 @@ impl Agent {
         node: &NetNs,
         kubeconfig: &std::path::Path,
         node_name: &str,
-        (args, env): (Vec<String>, Vec<(String, String)>),
+        (args, env): ContainerCommand,
         extra: &[&str],
     ) -> Agent {
         let mut a = Agent {

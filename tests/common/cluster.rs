@@ -223,6 +223,65 @@ impl Cluster {
         }
     }
 
+    /// Creates the Service with its selector and, instead of EndpointSlices, one Pod per endpoint
+    /// on its node, whose status the test writes as a kubelet would (IP, Running, Ready): the
+    /// EndpointSlice controller makes the slices. See [`Cluster::update_pods`].
+    pub fn create_with_pods(&self, spec: &ServiceSpec) {
+        // The ServiceAccount admission plugin wants `default` (kube-controller-manager's
+        // ServiceAccount controller, not run here, would create it).
+        if self.api.get("v1", "ServiceAccount", &spec.namespace, "default").is_none() {
+            self.api
+                .create(json!({"apiVersion": "v1", "kind": "ServiceAccount",
+                    "metadata": {"name": "default", "namespace": spec.namespace}}))
+                .expect("ServiceAccount default");
+        }
+        self.api.create(spec.service()).unwrap_or_else(|e| panic!("create {}: {e:?}", spec.key()));
+        self.update_pods(spec);
+    }
+
+    /// Makes the Pods of `spec` what it says now: one per endpoint (created, status written as a
+    /// kubelet would, ready or not), others deleted (force: no kubelet confirms a deletion).
+    pub fn update_pods(&self, spec: &ServiceSpec) {
+        let pod_name = |addr: &IpAddr| format!("{}-{}", spec.name, addr.to_string().replace(['.', ':'], "-"));
+        let want: BTreeSet<String> = spec.endpoints.iter().map(|e| pod_name(&e.addr)).collect();
+        for pod in self.api.list("v1", "Pod", Some(&spec.namespace)) {
+            let name = pod["metadata"]["name"].as_str().unwrap_or_default().to_string();
+            if pod["metadata"]["labels"]["app"] == spec.name.as_str() && !want.contains(&name) {
+                self.api.delete_now("v1", "Pod", &spec.namespace, &name).expect("delete pod");
+            }
+        }
+        let ports: Vec<Value> = spec
+            .ports
+            .iter()
+            .map(|p| json!({"containerPort": p.target_port, "protocol": p.protocol}))
+            .collect();
+        for e in &spec.endpoints {
+            let name = pod_name(&e.addr);
+            if self.api.get("v1", "Pod", &spec.namespace, &name).is_none() {
+                self.api
+                    .create(json!({
+                        "apiVersion": "v1", "kind": "Pod",
+                        "metadata": {"name": name, "namespace": spec.namespace, "labels": {"app": spec.name}},
+                        "spec": {"nodeName": e.node, "containers": [{"name": "backend", "image": "backend", "ports": ports}]},
+                    }))
+                    .unwrap_or_else(|err| panic!("create pod {name}: {err:?}"));
+            }
+            let ready = if e.ready { "True" } else { "False" };
+            self.api.patch_status(
+                "v1",
+                "Pod",
+                &spec.namespace,
+                &name,
+                json!({"status": {
+                    "phase": "Running",
+                    "podIP": e.addr.to_string(),
+                    "podIPs": [{"ip": e.addr.to_string()}],
+                    "conditions": [{"type": "Ready", "status": ready}],
+                }}),
+            );
+        }
+    }
+
     /// Replaces the EndpointSlices of `spec` (unconditionally) with what `spec` says now.
     pub fn update_slices(&self, spec: &ServiceSpec) {
         for s in spec.slices() {

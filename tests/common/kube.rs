@@ -516,6 +516,25 @@ impl ControlPlane {
         .unwrap_or_default()
     }
 
+    /// Deletes at once (grace period 0: `kubectl delete --force`), as for a Pod no kubelet runs.
+    pub fn delete_now(
+        &self,
+        api_version: &str,
+        kind: &str,
+        namespace: &str,
+        name: &str,
+    ) -> Result<(), kube::Error> {
+        let api = self.dynamic(api_version, kind, Some(namespace));
+        let name = name.to_string();
+        self.call(|| {
+            let (api, name) = (api.clone(), name.clone());
+            async move {
+                api.delete(&name, &DeleteParams { grace_period_seconds: Some(0), ..Default::default() }).await
+            }
+        })
+        .map(|_| ())
+    }
+
     /// The resourceVersion of a list of every object of a kind (where a watch would start).
     pub fn list_version(&self, api_version: &str, kind: &str) -> String {
         let api = self.dynamic(api_version, kind, None);
@@ -609,7 +628,7 @@ impl Drop for ControlPlane {
 
 /// The container `nodelb` of the DaemonSet as stored by the server: its args and its environment,
 /// with `fieldRef`s resolved for a Pod on `node` in `namespace` (what the kubelet would do).
-pub fn daemonset_command(ds: &Value, node: &str, namespace: &str) -> (Vec<String>, Vec<(String, String)>) {
+pub fn daemonset_command(ds: &Value, node: &str, namespace: &str) -> super::agent::ContainerCommand {
     let containers = ds["spec"]["template"]["spec"]["containers"].as_array().expect("containers");
     let c = containers.iter().find(|c| c["name"] == "nodelb").expect("container nodelb");
     let args: Vec<String> =
