@@ -19,6 +19,9 @@ pub fn bin() -> String {
 /// `--http-addr` inside the node namespace (each namespace has its own loopback).
 pub const HTTP_PORT: u16 = 9470;
 
+/// A container's args and environment (`kube::daemonset_command`).
+pub type ContainerCommand = (Vec<String>, Vec<(String, String)>);
+
 pub struct Agent {
     ns_name: String,
     ns_path: String,
@@ -27,6 +30,9 @@ pub struct Agent {
     pub extra_args: Vec<String>,
     /// Kubernetes mode: kubeconfig and node name (no `--manifests`, no state file).
     kube: Option<(PathBuf, String)>,
+    /// Kubernetes mode as the DaemonSet runs it: the container's args (instead of `run
+    /// --node-name … --http-addr …`) and environment.
+    daemonset: Option<ContainerCommand>,
     child: Option<Child>,
     starts: usize,
 }
@@ -46,6 +52,7 @@ impl Agent {
             state_dir: tempfile::Builder::new().prefix("nodelb-state-").tempdir().unwrap(),
             extra_args: extra.iter().map(|s| s.to_string()).collect(),
             kube: None,
+            daemonset: None,
             child: None,
             starts: 0,
         };
@@ -63,6 +70,32 @@ impl Agent {
             state_dir: tempfile::Builder::new().prefix("nodelb-state-").tempdir().unwrap(),
             extra_args: extra.iter().map(|s| s.to_string()).collect(),
             kube: Some((kubeconfig.to_path_buf(), node_name.to_string())),
+            daemonset: None,
+            child: None,
+            starts: 0,
+        };
+        a.spawn();
+        a
+    }
+
+    /// Starts the agent in `node` the way the DaemonSet's container runs it: `args` and `env` from
+    /// the DaemonSet (see `kube::daemonset_command`), plus `--kubeconfig kubeconfig` (standing in
+    /// for the in-cluster config), `--resync-period 1s` and `extra`.
+    pub fn start_daemonset(
+        node: &NetNs,
+        kubeconfig: &std::path::Path,
+        node_name: &str,
+        (args, env): ContainerCommand,
+        extra: &[&str],
+    ) -> Agent {
+        let mut a = Agent {
+            ns_name: node.name.clone(),
+            ns_path: format!("/run/netns/{}", node.name),
+            manifests: tempfile::Builder::new().prefix("nodelb-manifests-").tempdir().unwrap(),
+            state_dir: tempfile::Builder::new().prefix("nodelb-state-").tempdir().unwrap(),
+            extra_args: extra.iter().map(|s| s.to_string()).collect(),
+            kube: Some((kubeconfig.to_path_buf(), node_name.to_string())),
+            daemonset: Some((args, env)),
             child: None,
             starts: 0,
         };
@@ -90,20 +123,30 @@ impl Agent {
         let mut l = &log;
         let _ = writeln!(l, "===== test harness: agent start #{} =====", self.starts);
         let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &self.ns_name, &bin(), "run"]);
-        match &self.kube {
-            None => {
+        cmd.args(["netns", "exec", &self.ns_name, &bin()]);
+        if let Some((args, env)) = &self.daemonset {
+            cmd.args(args).envs(env.iter().map(|(k, v)| (k, v)));
+        } else {
+            cmd.arg("run");
+        }
+        match (&self.kube, &self.daemonset) {
+            (None, _) => {
                 cmd.arg("--manifests")
                     .arg(self.manifests.path())
                     .arg("--state-file")
                     .arg(self.state_file())
                     .args(["--node-name", NODE_NAME]);
             }
-            Some((kubeconfig, node_name)) => {
+            (Some((kubeconfig, _)), Some(_)) => {
+                cmd.arg("--kubeconfig").arg(kubeconfig);
+            }
+            (Some((kubeconfig, node_name)), None) => {
                 cmd.arg("--kubeconfig").arg(kubeconfig).args(["--node-name", node_name]);
             }
         }
-        cmd.args(["--http-addr", &format!("127.0.0.1:{HTTP_PORT}")]);
+        if self.daemonset.is_none() {
+            cmd.args(["--http-addr", &format!("127.0.0.1:{HTTP_PORT}")]);
+        }
         if !self.extra_args.iter().any(|a| a == "--resync-period") {
             cmd.args(["--resync-period", "1s"]);
         }
