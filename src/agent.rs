@@ -35,6 +35,8 @@ pub struct AgentConfig {
     pub resync_period: Duration,
     pub enable_forwarding: bool,
     pub masquerade_mark: u32,
+    /// `--iptables-forward-accept`: the mark bit of our flows (see [`NodeFacts::forward_mark`]).
+    pub forward_mark: Option<u32>,
     pub model: ModelOptions,
     pub sysctls: Sysctls,
 }
@@ -262,6 +264,7 @@ impl Agent {
             node_name: self.cfg.node_name.clone(),
             families: self.families.iter().filter(|(_, on)| **on).map(|(f, _)| *f).collect(),
             masquerade_mark: self.cfg.masquerade_mark,
+            forward_mark: self.cfg.forward_mark,
         }
     }
 

@@ -33,6 +33,21 @@ fn node_name(common: &CommonArgs) -> String {
     })
 }
 
+/// The mark bit of `--iptables-forward-accept`, when given; it must differ from the masquerade
+/// bit, whose meaning in postrouting it would otherwise take on.
+fn forward_mark(common: &CommonArgs) -> anyhow::Result<Option<u32>> {
+    if !common.iptables_forward_accept {
+        return Ok(None);
+    }
+    if common.iptables_forward_mark == common.masquerade_mark {
+        bail!(
+            "--iptables-forward-mark {:#x} is the masquerade mark (--masquerade-mark): choose another bit",
+            common.iptables_forward_mark
+        );
+    }
+    Ok(Some(common.iptables_forward_mark))
+}
+
 fn model_options(common: &CommonArgs) -> ModelOptions {
     ModelOptions { lb_class: common.load_balancer_class.clone(), ignore_unclassed: common.ignore_unclassed }
 }
@@ -51,6 +66,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         resync_period: args.resync_period,
         enable_forwarding: args.enable_forwarding,
         masquerade_mark: args.common.masquerade_mark,
+        forward_mark: forward_mark(&args.common)?,
         model: model_options(&args.common),
         sysctls: Sysctls::default(),
     };
@@ -137,6 +153,7 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
         node_name: node_name(&args.common),
         families: Family::ALL.into_iter().collect::<BTreeSet<_>>(),
         masquerade_mark: args.common.masquerade_mark,
+        forward_mark: forward_mark(&args.common)?,
     };
     let desired = desired::compute(&Inputs {
         mode: desired::AllocationMode::Allocate,
