@@ -32,6 +32,21 @@ pub mod ct_state {
     pub const UNTRACKED: u32 = 1 << 6;
 }
 
+/// Every comment of a rule nodelb inserts into iptables' FORWARD chain starts with this; it is
+/// how nodelb finds its own rules again (also after `iptables-save | iptables-restore`, which
+/// keeps the comment).
+pub const ACCEPT_COMMENT_PREFIX: &str = "nodelb-forward-accept";
+
+/// The comment of nodelb's ACCEPT for mark `bit`.
+pub fn accept_comment(bit: u32) -> String {
+    format!("{ACCEPT_COMMENT_PREFIX}: forwarded connections of nodelb Services (mark {bit:#x})")
+}
+
+/// Whether a rule with this comment is one nodelb inserted.
+pub fn is_ours(comment: Option<&str>) -> bool {
+    comment.is_some_and(|c| c.starts_with(ACCEPT_COMMENT_PREFIX))
+}
+
 /// `IPS_DST_NAT` and `IPS_DST_NAT_DONE` (nf_conntrack_common.h): set on a connection nodelb
 /// DNATed, by the time it reaches the forward hook.
 const IPS_DNAT_BITS: u32 = (1 << 5) | (1 << 7);
@@ -506,6 +521,69 @@ pub fn analyse(chains: &[HostChain], families: &[Family], mark: Option<u32>) -> 
     out
 }
 
+/// What to change in one of iptables' FORWARD chains so that nodelb's ACCEPT is in it exactly
+/// when wanted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AcceptChange {
+    pub source: Source,
+    pub family: TableFamily,
+    pub table: String,
+    pub chain: String,
+    /// Positions (in the chain as read) of nodelb's rules to delete.
+    pub stale: Vec<usize>,
+    /// Insert nodelb's ACCEPT for this mark bit at the head.
+    pub insert: Option<u32>,
+}
+
+/// The changes that make iptables' FORWARD chains (`ip`/`ip6 filter FORWARD` of iptables-nft,
+/// FORWARD of iptables-legacy) hold nodelb's ACCEPT for `mark` (`--iptables-forward-accept`),
+/// or, with `None`, none of nodelb's rules. A chain that holds exactly the right ACCEPT is left
+/// alone wherever it is in it (a tool that inserted a rule ahead of it since is judged by
+/// [`analyse`], not fought over); a missing one (the chain flushed or restored) is inserted at
+/// the head again. A chain that does not exist is never created: nodelb writes only into
+/// iptables' own chain.
+pub fn accept_changes(chains: &[HostChain], mark: Option<u32>) -> Vec<AcceptChange> {
+    let mut out = Vec::new();
+    for c in chains {
+        let iptables = match c.source {
+            Source::IptablesLegacy => true,
+            Source::Nftables => c.family != TableFamily::Inet,
+        };
+        if !iptables || c.table != "filter" || c.name != "FORWARD" || c.base.is_none() {
+            continue;
+        }
+        let ours: Vec<usize> = c
+            .rules
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| is_ours(r.comment.as_deref()))
+            .map(|(i, _)| i)
+            .collect();
+        let right = |r: &HostRule, bit: u32| {
+            r.action == Action::Accept
+                && r.tests == [Test::Mark { mask: bit, value: bit, invert: false }]
+                && r.comment.as_deref() == Some(accept_comment(bit).as_str())
+        };
+        let change = match mark {
+            Some(bit) if ours.len() == 1 && right(&c.rules[ours[0]], bit) => None,
+            Some(bit) => Some((ours, Some(bit))),
+            None if ours.is_empty() => None,
+            None => Some((ours, None)),
+        };
+        if let Some((stale, insert)) = change {
+            out.push(AcceptChange {
+                source: c.source,
+                family: c.family,
+                table: c.table.clone(),
+                chain: c.name.clone(),
+                stale,
+                insert,
+            });
+        }
+    }
+    out
+}
+
 /// The node-level counters of one family: new connections of nodelb's Services that entered
 /// the forward path (first chain) and that left it (last chain).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -651,6 +729,8 @@ mod tests {
 
     /// A chain of one table, by name, base (priority, policy drop) and rules.
     type MakeChain = fn(&str, Option<(i32, bool)>, Vec<HostRule>) -> HostChain;
+    /// Name, chains, mark, expected changes.
+    type AcceptCase = (&'static str, Vec<HostChain>, Option<u32>, Vec<&'static str>);
     /// Name, chains, families, mark, expected findings.
     type AnalysisCase = (&'static str, Vec<HostChain>, &'static [Family], Option<u32>, Vec<&'static str>);
 
@@ -953,6 +1033,43 @@ mod tests {
             }
         }
         assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    #[test]
+    fn accept_changes_table() {
+        let ours = |bit: u32| HostRule {
+            comment: Some(accept_comment(bit)),
+            handle: Some(9),
+            ..rule(vec![Test::Mark { mask: bit, value: bit, invert: false }], Action::Accept)
+        };
+        let other_rule = rule(vec![other("-p tcp")], Action::Drop);
+        let fwd = |rules| ipt("FORWARD", Some((0, true)), rules);
+        let summary = |c: Vec<AcceptChange>| {
+            c.iter().map(|c| format!("{} {:?} {:?}", c.family.name(), c.stale, c.insert)).collect::<Vec<_>>()
+        };
+        #[rustfmt::skip]
+        let cases: Vec<AcceptCase> = vec![
+            ("no iptables chain: nothing created", vec![], Some(MARK), vec![]),
+            ("missing: inserted", vec![fwd(vec![other_rule.clone()])], Some(MARK), vec!["ip [] Some(8192)"]),
+            ("present: left alone, wherever it is", vec![fwd(vec![other_rule.clone(), ours(MARK)])], Some(MARK), vec![]),
+            ("another mark: replaced", vec![fwd(vec![ours(0x100), other_rule.clone()])], Some(MARK), vec!["ip [0] Some(8192)"]),
+            ("twice (restored twice): one left", vec![fwd(vec![ours(MARK), other_rule.clone(), ours(MARK)])], Some(MARK), vec!["ip [0, 2] Some(8192)"]),
+            ("flag off: removed", vec![fwd(vec![other_rule.clone(), ours(MARK)])], None, vec!["ip [1] None"]),
+            ("flag off, none there: nothing", vec![fwd(vec![other_rule.clone()])], None, vec![]),
+            ("ip6 and legacy too", vec![
+                chain(Source::Nftables, TableFamily::Ip6, "filter", "FORWARD", Some((0, false)), vec![]),
+                legacy("FORWARD", Some((0, true)), vec![]),
+            ], Some(MARK), vec!["ip6 [] Some(8192)", "ip [] Some(8192)"]),
+            ("not iptables' chains", vec![
+                chain(Source::Nftables, TableFamily::Inet, "filter", "FORWARD", Some((0, true)), vec![]),
+                ipt("forward", Some((0, true)), vec![]),
+                ipt("FORWARD", None, vec![]),
+            ], Some(MARK), vec![]),
+            ("a hand-copied rule without our comment is not ours", vec![fwd(vec![HostRule { comment: None, ..ours(MARK) }])], None, vec![]),
+        ];
+        for (name, chains, mark, want) in cases {
+            assert_eq!(summary(accept_changes(&chains, mark)), want, "{name}");
+        }
     }
 
     #[test]

@@ -25,3 +25,4 @@ pub mod state;
 pub mod status;
 pub mod sysctl;
 pub mod trace;
+pub mod xt;
