@@ -26,3 +26,4 @@ pub mod status;
 pub mod sysctl;
 pub mod trace;
 pub mod xt;
+pub mod xtables;

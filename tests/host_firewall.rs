@@ -15,6 +15,7 @@ use nodelb::hostfw::{self, Action, HostChain, Source, TableFamily, Test};
 use nodelb::ir::Family;
 use nodelb::nft::NftClient;
 use nodelb::nft::foreign::AcceptWrite;
+use nodelb::xtables::{Layout, Xtables};
 
 /// The xtables lock of this test process (iptables-legacy takes it; so does the agent).
 fn lockfile() -> String {
@@ -223,4 +224,91 @@ fn accept_rule_is_what_iptables_nft_lists() {
     // Without the flag: removed, the chains exactly as they were.
     assert_eq!(sync_nft_accept(&ns, None), 2);
     assert_eq!(strip_dates(saved()), before);
+}
+
+/// `iptables-legacy-save -c` without its date comments.
+fn legacy_saved(ns: &NetNs, tool: &str) -> String {
+    xt_clean(ns, tool, &["-c"]).lines().filter(|l| !l.starts_with('#')).collect::<Vec<_>>().join("\n")
+}
+
+/// iptables-legacy: nothing is created where there is no legacy table; chains are read from
+/// the kernel's table blob and judged; nodelb's ACCEPT goes in at the head of FORWARD (IPv4 and
+/// IPv6) with the counters of every other rule kept, is listed cleanly by `iptables-legacy -S`,
+/// is left alone when already there, and goes away leaving the table exactly as it was,
+/// counters included.
+#[test]
+fn iptables_legacy_accept_keeps_the_table_and_its_counters() {
+    require_root!();
+    let ns = NetNs::new("fwlegacy");
+    let xtables = Xtables::new(lockfile().into());
+    let read = |layout| {
+        let x = xtables.clone();
+        ns.run(move || x.read(layout)).expect("read legacy table")
+    };
+    assert!(read(Layout::V4).is_none() && read(Layout::V6).is_none(), "no legacy table here");
+    assert_eq!(ns.exec_ok("cat", &["/proc/net/ip_tables_names"]), "", "reading created nothing");
+    let nft = xt(&ns, "iptables-nft", &["-S"]);
+    assert!(
+        String::from_utf8_lossy(&nft.stderr).is_empty()
+            && !String::from_utf8_lossy(&nft.stdout).contains("legacy")
+    );
+
+    for tool in ["iptables-legacy", "ip6tables-legacy"] {
+        for args in [
+            "-N DOCKER-USER",
+            "-A DOCKER-USER -j RETURN",
+            "-P FORWARD DROP",
+            "-A FORWARD -j DOCKER-USER",
+            "-A FORWARD -c 7 700 -p tcp --dport 22 -j DROP",
+            "-A FORWARD -c 3 300 -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+            "-A FORWARD -c 1 100 -i docker0 ! -o docker0 -j ACCEPT",
+            "-A INPUT -c 9 900 -p udp --dport 53 -j ACCEPT",
+        ] {
+            xt_clean(&ns, tool, &args.split(' ').collect::<Vec<_>>());
+        }
+    }
+    let before4 = legacy_saved(&ns, "iptables-legacy-save");
+    let before6 = legacy_saved(&ns, "ip6tables-legacy-save");
+    for (layout, family) in [(Layout::V4, Family::Ipv4), (Layout::V6, Family::Ipv6)] {
+        let table = read(layout).expect("a legacy table now");
+        let chains = table.host_chains().unwrap();
+        let findings = hostfw::analyse(&chains, &[family], None);
+        assert_eq!(findings.len(), 1, "{findings:?}");
+        assert_eq!(findings[0].source, Source::IptablesLegacy);
+        assert_eq!(findings[0].drop, "policy drop");
+        assert!(findings[0].partial[0].contains("-i docker0 ! -o docker0 accept"), "{:?}", findings[0]);
+    }
+
+    let write = |layout, bit| {
+        let x = xtables.clone();
+        ns.run(move || x.write_accept(layout, bit)).unwrap_or_else(|e| panic!("write: {e}"))
+    };
+    assert!(write(Layout::V4, Some(0x2000)) && write(Layout::V6, Some(0x2000)));
+    let ours = "-A FORWARD -m mark --mark 0x2000/0x2000 -m comment --comment \"nodelb-forward-accept: forwarded connections of nodelb Services (mark 0x2000)\" -j ACCEPT";
+    for (tool, save, before) in [
+        ("iptables-legacy", "iptables-legacy-save", &before4),
+        ("ip6tables-legacy", "ip6tables-legacy-save", &before6),
+    ] {
+        let listing = xt_clean(&ns, tool, &["-S", "FORWARD"]);
+        let lines: Vec<&str> = listing.lines().collect();
+        assert_eq!(&lines[..3], ["-P FORWARD DROP", ours, "-A FORWARD -j DOCKER-USER"], "{tool}:\n{listing}");
+        xt_clean(&ns, tool, &["-L", "-n", "-v"]);
+        // Every other rule with its counters, as before.
+        let with = legacy_saved(&ns, save);
+        let without: Vec<&str> = with.lines().filter(|l| !l.contains("nodelb-forward-accept")).collect();
+        assert_eq!(without.join("\n"), *before, "{tool}: only nodelb's rule added");
+        assert!(with.contains("[0:0] -A FORWARD -m mark --mark 0x2000/0x2000"), "{with}");
+    }
+    let table = read(Layout::V4).unwrap();
+    assert_eq!(
+        hostfw::analyse(&table.host_chains().unwrap(), &[Family::Ipv4], Some(0x2000)),
+        vec![],
+        "accepted now"
+    );
+    assert!(!write(Layout::V4, Some(0x2000)), "already there: nothing replaced");
+
+    assert!(write(Layout::V4, None) && write(Layout::V6, None));
+    assert_eq!(legacy_saved(&ns, "iptables-legacy-save"), before4);
+    assert_eq!(legacy_saved(&ns, "ip6tables-legacy-save"), before6);
+    assert!(!write(Layout::V4, None), "nothing left to remove");
 }
