@@ -14,6 +14,7 @@ use tracing::{debug, error, info, warn};
 use crate::alloc::{Allocations, PortRange};
 use crate::conntrack::{self, ConntrackClient};
 use crate::desired::{self, AllocationMode, Desired, Inputs};
+use crate::firewall::Checker;
 use crate::ir::{Change, Family, Ruleset};
 use crate::manifests;
 use crate::metrics::Metrics;
@@ -22,7 +23,9 @@ use crate::nft::{self, NftClient};
 use crate::plan::{self, NodeFacts};
 use crate::source::{Loaded, Source};
 use crate::state::StateFile;
-use crate::status::{ServiceState, ServiceStatus, SharedStatus, SyncStatus};
+use crate::status::{
+    FirewallDrop, HostFirewallStatus, ServiceState, ServiceStatus, SharedStatus, SyncStatus,
+};
 use crate::sysctl::{Sysctls, forwarding_sysctl};
 
 #[derive(Debug, Clone)]
@@ -39,6 +42,8 @@ pub struct AgentConfig {
     pub forward_mark: Option<u32>,
     pub model: ModelOptions,
     pub sysctls: Sysctls,
+    /// The lock iptables-legacy writes take (`XTABLES_LOCKFILE`, else `/run/xtables.lock`).
+    pub xtables_lockfile: PathBuf,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -94,6 +99,10 @@ struct Agent {
     last_input: Option<(u64, NodeFacts)>,
     /// `(state, reason)` label sets of `nodelb_services` currently exported.
     services_series: BTreeSet<(&'static str, String)>,
+    /// The host-firewall check, and what it last logged per family and as problems.
+    firewall: Checker,
+    firewall_logged: BTreeMap<Family, String>,
+    logged_firewall_problems: BTreeSet<String>,
 }
 
 /// One sync attempt, as [`Agent::record`] reports it.
@@ -138,6 +147,7 @@ pub async fn run(
         None => Default::default(),
     };
     let nft = NftClient::new()?;
+    let (cfg_mark, cfg_lockfile) = (cfg.forward_mark, cfg.xtables_lockfile.clone());
     {
         let mut st = status.write().unwrap_or_else(|e| e.into_inner());
         st.node_name = cfg.node_name.clone();
@@ -158,6 +168,9 @@ pub async fn run(
         backoff: MIN_BACKOFF,
         last_input: None,
         services_series: BTreeSet::new(),
+        firewall: Checker::new(cfg_mark, crate::xtables::Xtables::new(cfg_lockfile)),
+        firewall_logged: BTreeMap::new(),
+        logged_firewall_problems: BTreeSet::new(),
     };
     info!(source = %agent.source.describe(), node = %agent.cfg.node_name, "nodelb agent starting");
 
@@ -166,6 +179,8 @@ pub async fn run(
     let mut sysctl_tick = tokio::time::interval(SYSCTL_PERIOD);
     let mut dirty = true;
     let mut verify = false;
+    // The host firewall is checked once per resync period (and right after the first sync).
+    let mut check_firewall = true;
     let mut retry_at: Option<tokio::time::Instant> = None;
     loop {
         agent.tick();
@@ -189,6 +204,10 @@ pub async fn run(
             dirty = retry_at.is_some();
             verify = false;
         }
+        if check_firewall && agent.applied.is_some() {
+            agent.check_host_firewall();
+            check_firewall = false;
+        }
         let retry_sleep = async {
             match retry_at {
                 Some(t) => tokio::time::sleep_until(t).await,
@@ -201,7 +220,7 @@ pub async fn run(
                 return Ok(());
             }
             _ = agent.source.changed() => { debug!("source changed"); dirty = true; }
-            _ = resync.tick() => { verify = true; }
+            _ = resync.tick() => { verify = true; check_firewall = true; }
             _ = sysctl_tick.tick() => {}
             _ = retry_sleep => {}
         }
@@ -562,6 +581,93 @@ impl Agent {
             warn!(more = diffs.len() - 20, "further differences not shown");
         }
         Ok(true)
+    }
+
+    /// Runs the host-firewall check and reports it: a log line per change (naming the table and
+    /// chain, or the evidence, and the fix), `/status`, readiness (a family dropped for certain
+    /// is not served), metrics. The Kubernetes Event and node Lease follow from the status.
+    fn check_host_firewall(&mut self) {
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
+        let report = self.firewall.check(&mut self.nft, now);
+        for c in &report.changes {
+            info!(change = %c, "host firewall");
+        }
+        log_new(
+            &mut self.logged_firewall_problems,
+            report.problems.iter().cloned().collect(),
+            |p| warn!(problem = %p, "host firewall check"),
+        );
+        let flag = self.cfg.forward_mark.is_some();
+        for (f, d) in &report.diagnosis {
+            let (state, text) = match (&d.blocked, &d.evidence) {
+                (Some(b), _) => ("blocked", b.clone()),
+                (None, Some(e)) => ("evidence", e.clone()),
+                (None, None) if !d.suspect.is_empty() => ("suspect", d.suspect.join("; and ")),
+                (None, None) => ("ok", String::new()),
+            };
+            let key = format!("{state}: {text}");
+            if self.firewall_logged.get(f) == Some(&key) {
+                continue;
+            }
+            let was = self.firewall_logged.insert(*f, key).is_some();
+            match state {
+                "blocked" => {
+                    warn!(family = %f, "forwarded {f} connections of nodelb Services are dropped by the host firewall, so this node does not serve {f}: {text}")
+                }
+                "evidence" => warn!(family = %f, "{text}"),
+                "suspect" => {
+                    warn!(family = %f, "the host firewall may drop forwarded {f} connections of nodelb Services (no traffic yet to tell): {text}")
+                }
+                _ if was => {
+                    info!(family = %f, "no host firewall drops forwarded {f} connections of nodelb Services any more")
+                }
+                _ => {}
+            }
+        }
+        let fw = &self.metrics.firewall;
+        let mut drops = BTreeSet::new();
+        let mut accept = BTreeSet::new();
+        for d in &report.findings {
+            let table = match d.source {
+                crate::hostfw::Source::Nftables => format!("{} {}", d.table_family.name(), d.table),
+                crate::hostfw::Source::IptablesLegacy => format!("iptables-legacy {}", d.table),
+            };
+            drops.insert(vec![d.family.name().to_string(), table, d.chain.clone(), d.certain().to_string()]);
+        }
+        for place in &report.accept_rules {
+            let family =
+                if place.contains(" ip6 ") || place.starts_with("ip6tables") { "ipv6" } else { "ipv4" };
+            accept.insert(vec![family.to_string(), place.clone()]);
+        }
+        fw.set_chains(drops, accept);
+        for f in Family::ALL {
+            let d = report.diagnosis.get(&f).cloned().unwrap_or_default();
+            fw.blocked.with_label_values(&[f.name()]).set(i64::from(d.blocked.is_some()));
+            fw.evidence.with_label_values(&[f.name()]).set(i64::from(d.evidence.is_some()));
+        }
+        let status = HostFirewallStatus {
+            checked_at: now,
+            drops: report
+                .findings
+                .iter()
+                .map(|d| FirewallDrop { finding: d.clone(), certain: d.certain(), fix: d.fix(flag) })
+                .collect(),
+            counters: report.counters.iter().map(|(f, c)| (f.name().to_string(), *c)).collect(),
+            evidence: Family::ALL
+                .iter()
+                .filter_map(|f| Some((f.name().to_string(), self.firewall.evidence().state(*f)?)))
+                .collect(),
+            accept_rules: report.accept_rules.clone(),
+            problems: report.problems.clone(),
+        };
+        let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
+        for f in Family::ALL {
+            let d = report.diagnosis.get(&f).cloned().unwrap_or_default();
+            let entry = st.families.entry(f.name().to_string()).or_default();
+            entry.firewall = d.blocked;
+            entry.evidence = d.evidence;
+        }
+        st.host_firewall = status;
     }
 
     fn report_refusals(&mut self, desired: &Desired) {

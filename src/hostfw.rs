@@ -633,9 +633,12 @@ impl Evidence {
         }
     }
 
-    /// The firewall's rules changed: what was seen before says nothing about them any more.
-    pub fn forget_states(&mut self) {
+    /// The firewall's rules changed: what was seen before says nothing about them any more,
+    /// and neither do the connections counted since the last reading (they may have met the
+    /// old rules): the next reading is a new baseline.
+    pub fn forget(&mut self) {
         self.state.clear();
+        self.last.clear();
     }
 
     pub fn state(&self, family: Family) -> Option<EvidenceState> {
@@ -664,11 +667,15 @@ pub struct FamilyDiagnosis {
     pub suspect: Vec<String>,
 }
 
-fn evidence_words(family: Family, since: u64, connections: u64, now: u64) -> String {
+/// Stable while the state lasts (logged and recorded as an Event once, not at every check): the
+/// count of connections is in the status, not here.
+fn evidence_words(family: Family, since: u64) -> String {
+    let at = i64::try_from(since)
+        .ok()
+        .and_then(|s| k8s_openapi::jiff::Timestamp::from_second(s).ok())
+        .map_or_else(|| format!("{since}"), |t| t.to_string());
     format!(
-        "{connections} new {family} connection(s) of nodelb Services entered the forward path in the last {}s \
-         and none left it",
-        now.saturating_sub(since).max(1)
+        "new {family} connections of nodelb Services entered the forward path since {at} and none left it"
     )
 }
 
@@ -679,7 +686,6 @@ pub fn diagnose(
     evidence: &Evidence,
     families: &[Family],
     accept_flag: bool,
-    now: u64,
 ) -> BTreeMap<Family, FamilyDiagnosis> {
     let mut out = BTreeMap::new();
     for &family in families {
@@ -687,9 +693,7 @@ pub fn diagnose(
         let certain: Vec<&Finding> = mine.iter().copied().filter(|f| f.certain()).collect();
         let mut d = FamilyDiagnosis::default();
         let dropping = match evidence.state(family) {
-            Some(EvidenceState::Dropping { since, connections }) => {
-                Some(evidence_words(family, since, connections, now))
-            }
+            Some(EvidenceState::Dropping { since, .. }) => Some(evidence_words(family, since)),
             _ => None,
         };
         let passing = evidence.state(family) == Some(EvidenceState::Passing);
@@ -1128,8 +1132,12 @@ mod tests {
         );
         e.observe(f, c(2, 0), 107);
         assert_eq!(e.state(f), Some(EvidenceState::Dropping { since: 107, connections: 1 }));
-        e.forget_states();
+        e.forget();
         assert_eq!(e.state(f), None);
+        e.observe(f, c(5, 0), 108);
+        assert_eq!(e.state(f), None, "connections counted before the rules changed say nothing");
+        e.observe(f, c(5, 1), 109);
+        assert_eq!(e.state(f), Some(EvidenceState::Passing));
         assert_eq!(e.state(Family::Ipv6), None);
     }
 
@@ -1169,7 +1177,7 @@ mod tests {
         for (name, findings, setup, want) in cases {
             let mut e = Evidence::default();
             setup(&mut e);
-            let d = diagnose(&findings, &e, &both, false, 30);
+            let d = diagnose(&findings, &e, &both, false);
             let got: Vec<&str> = both
                 .iter()
                 .map(|f| {
@@ -1186,10 +1194,10 @@ mod tests {
         }
         let mut e = Evidence::default();
         dropping(&mut e, Family::Ipv4);
-        let d = diagnose(&[finding(Family::Ipv4, vec!["-i docker0 accept"])], &e, &[Family::Ipv4], false, 30);
+        let d = diagnose(&[finding(Family::Ipv4, vec!["-i docker0 accept"])], &e, &[Family::Ipv4], false);
         let reason = d[&Family::Ipv4].blocked.clone().unwrap();
         assert!(
-            reason.starts_with("3 new ipv4 connection(s) of nodelb Services entered the forward path in the last 10s and none left it: table ip filter chain FORWARD"),
+            reason.starts_with("new ipv4 connections of nodelb Services entered the forward path since 1970-01-01T00:00:20Z and none left it: table ip filter chain FORWARD"),
             "{reason}"
         );
         assert!(reason.contains("fix: run nodelb with --iptables-forward-accept"), "{reason}");

@@ -10,6 +10,7 @@ pub mod cli;
 pub mod commands;
 pub mod conntrack;
 pub mod desired;
+pub mod firewall;
 pub mod hostfw;
 pub mod http;
 pub mod ir;

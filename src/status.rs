@@ -56,6 +56,50 @@ pub struct FamilyStatus {
     /// Why not, in plain words.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub reason: Option<String>,
+    /// A host firewall drops this family's forwarded connections for certain: the family is
+    /// programmed but not served (the table or chain, and the fix).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub firewall: Option<String>,
+    /// Only nodelb's forward counters say connections of this family are dropped: served, and
+    /// reported as degraded.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub evidence: Option<String>,
+}
+
+impl FamilyStatus {
+    /// The family is delivered: programmed and no firewall known to drop it.
+    pub fn served(&self) -> bool {
+        self.programmed && self.firewall.is_none()
+    }
+}
+
+/// What the last host-firewall check found (see [`crate::hostfw`]).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HostFirewallStatus {
+    /// Seconds since the Unix epoch of the last check.
+    pub checked_at: u64,
+    /// Foreign forward chains that drop nodelb's connections (certain or not), with the fix.
+    pub drops: Vec<FirewallDrop>,
+    /// The node-level forward counters per family: new connections that entered the forward
+    /// path and that left it, as last read.
+    pub counters: BTreeMap<String, crate::hostfw::ForwardCounts>,
+    /// What the counters said last, per family (`dropping` since when, or `passing`).
+    pub evidence: BTreeMap<String, crate::hostfw::EvidenceState>,
+    /// Where nodelb's ACCEPT is (`--iptables-forward-accept`), e.g. `table ip filter chain FORWARD`.
+    pub accept_rules: Vec<String>,
+    /// Chains or tables that could not be read or written.
+    pub problems: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FirewallDrop {
+    #[serde(flatten)]
+    pub finding: crate::hostfw::Finding,
+    /// Every new connection of the family is dropped there (not only maybe).
+    pub certain: bool,
+    pub fix: String,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -85,6 +129,8 @@ pub struct Status {
     pub last_sync: Option<SyncStatus>,
     /// The source has been read completely at least once.
     pub source_synced: bool,
+    #[serde(default)]
+    pub host_firewall: HostFirewallStatus,
     #[serde(skip)]
     pub last_tick: Option<Instant>,
 }
@@ -107,20 +153,31 @@ impl Status {
             }
             Some(_) => {}
         }
-        let unserved: Vec<&FamilyStatus> = self
-            .needed_families
-            .iter()
-            .filter_map(|f| self.families.get(f))
-            .filter(|f| !f.programmed)
-            .collect();
-        let reasons = || unserved.iter().filter_map(|f| f.reason.clone()).collect::<Vec<_>>().join("; ");
-        if unserved.is_empty() {
-            Ok(None)
-        } else if unserved.len() == self.needed_families.len() {
-            Err(format!("no address family the Services need can be served: {}", reasons()))
-        } else {
-            Ok(Some(format!("degraded: {}", reasons())))
+        let needed: Vec<&FamilyStatus> =
+            self.needed_families.iter().filter_map(|f| self.families.get(f)).collect();
+        let unserved: Vec<&&FamilyStatus> = needed.iter().filter(|f| !f.served()).collect();
+        // A family not served says why: forwarding off, or a firewall that drops it; one served
+        // whose connections only the counters see dropped is a degradation, not a refusal.
+        let reasons = |fams: &[&&FamilyStatus]| {
+            fams.iter()
+                .filter_map(|f| if f.programmed { f.firewall.clone() } else { f.reason.clone() })
+                .collect::<Vec<_>>()
+                .join("; ")
+        };
+        let evidence: Vec<&&FamilyStatus> =
+            needed.iter().filter(|f| f.served() && f.evidence.is_some()).collect();
+        let mut degraded: Vec<String> = Vec::new();
+        if !unserved.is_empty() {
+            if unserved.len() == needed.len() && !needed.is_empty() {
+                return Err(format!(
+                    "no address family the Services need can be served: {}",
+                    reasons(&unserved)
+                ));
+            }
+            degraded.push(reasons(&unserved));
         }
+        degraded.extend(evidence.iter().filter_map(|f| f.evidence.clone()));
+        if degraded.is_empty() { Ok(None) } else { Ok(Some(format!("degraded: {}", degraded.join("; ")))) }
     }
 }
 

@@ -8,19 +8,24 @@
 //! `XTABLES_LOCKFILE` pointing at a file of the test's own.
 mod common;
 
+use std::net::IpAddr;
 use std::process::Output;
+use std::time::{Duration, Instant};
 
+use common::agent::{Agent, nodelb, xtables_lockfile};
+use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
 use common::netns::NetNs;
+use common::topology::{
+    ClientError, NODE_V4, NODE_V6, Topology, backend_v4, backend_v6, http_get, wait_until,
+};
 use nodelb::hostfw::{self, Action, HostChain, Source, TableFamily, Test};
 use nodelb::ir::Family;
 use nodelb::nft::NftClient;
 use nodelb::nft::foreign::AcceptWrite;
 use nodelb::xtables::{Layout, Xtables};
 
-/// The xtables lock of this test process (iptables-legacy takes it; so does the agent).
 fn lockfile() -> String {
-    let path = std::env::temp_dir().join(format!("nodelb-test-xtables-{}.lock", std::process::id()));
-    path.to_string_lossy().into_owned()
+    xtables_lockfile().to_string_lossy().into_owned()
 }
 
 /// `<tool> <args>` in `ns` (with this test's xtables lock); the whole output.
@@ -226,9 +231,19 @@ fn accept_rule_is_what_iptables_nft_lists() {
     assert_eq!(strip_dates(saved()), before);
 }
 
-/// `iptables-legacy-save -c` without its date comments.
+/// `iptables-legacy-save -c` without its date comments and with the built-in chains' policy
+/// counters blanked (the namespace's own traffic, IPv6 neighbour discovery among it, moves
+/// them); every rule keeps its counters.
 fn legacy_saved(ns: &NetNs, tool: &str) -> String {
-    xt_clean(ns, tool, &["-c"]).lines().filter(|l| !l.starts_with('#')).collect::<Vec<_>>().join("\n")
+    xt_clean(ns, tool, &["-c"])
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| match (l.starts_with(':'), l.find('[')) {
+            (true, Some(a)) => format!("{}[]", &l[..a]),
+            _ => l.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// iptables-legacy: nothing is created where there is no legacy table; chains are read from
@@ -311,4 +326,363 @@ fn iptables_legacy_accept_keeps_the_table_and_its_counters() {
     assert_eq!(legacy_saved(&ns, "iptables-legacy-save"), before4);
     assert_eq!(legacy_saved(&ns, "ip6tables-legacy-save"), before6);
     assert!(!write(Layout::V4, None), "nothing left to remove");
+}
+
+// ---------------------------------------------------------------------------------------------
+// End to end: the agent on a node whose firewall drops forwarded traffic.
+
+/// Per-request timeout where an answer is expected.
+const T: Duration = Duration::from_secs(2);
+/// Per-request timeout where no answer is expected.
+const SHORT: Duration = Duration::from_millis(700);
+/// The agents here check the host firewall every resync period: this one.
+const RESYNC: Duration = Duration::from_secs(2);
+/// What "within one resync period" may take on a loaded machine beyond the period itself (the
+/// check runs at the tick; it takes milliseconds).
+const SLACK: Duration = Duration::from_millis(1500);
+const READY: Duration = Duration::from_secs(15);
+
+fn web(np: u16) -> ServiceSpec {
+    ServiceSpec::new("web")
+        .port(PortSpec::tcp(80, Some(np)))
+        .endpoints((0..2).map(|j| EndpointSpec::local(backend_v4(j))))
+}
+
+fn dual(np: u16) -> ServiceSpec {
+    web(np).dual_stack().endpoints((0..2).map(|j| EndpointSpec::local(backend_v6(j))))
+}
+
+fn start(topo: &Topology, svc: &ServiceSpec, extra: &[&str]) -> Agent {
+    let mut args = vec!["--resync-period", "2s"];
+    args.extend_from_slice(extra);
+    let agent = Agent::start(&topo.node, &[("web.yaml", svc.render())], &args);
+    agent.wait_state("default/web", "programmed", READY);
+    agent
+}
+
+/// The value of metric `name` with exactly these labels, from `/metrics`.
+fn metric(agent: &Agent, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let r = agent.http("/metrics").ok()?;
+    let scrape = prometheus_parse::Scrape::parse(r.body.lines().map(|l| Ok(l.to_string()))).ok()?;
+    scrape
+        .samples
+        .iter()
+        .find(|s| s.metric == name && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
+        .map(|s| match s.value {
+            prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Untyped(v) => v,
+            _ => f64::NAN,
+        })
+}
+
+/// `nodelb status` in the node namespace: exit status and stdout.
+fn status_text(ns: &NetNs) -> String {
+    let out = nodelb(ns, &["status"]);
+    assert!(out.status.success(), "nodelb status: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Waits at most one resync period (plus [`SLACK`]) for `cond`; returns how long it took.
+fn within_resync(what: &str, mut cond: impl FnMut() -> bool) -> Duration {
+    let started = Instant::now();
+    assert!(
+        wait_until(RESYNC + SLACK, &mut cond),
+        "{what}: not within one resync period ({RESYNC:?} + {SLACK:?})"
+    );
+    started.elapsed()
+}
+
+/// `save` of a tool, without dates and with every `[packets:bytes]` blanked (the policy
+/// counters of a chain that dropped the test's own packets move).
+fn saved_rules(ns: &NetNs, tool: &str) -> String {
+    let text = xt_clean(ns, tool, &[]);
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| match (l.find('['), l.find(']')) {
+            (Some(a), Some(b)) if a < b => format!("{}[]{}", &l[..a], &l[b + 1..]),
+            _ => l.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The drop policy as Docker, ufw or an administrator leave it, through `tool`, and the
+/// agent's diagnosis of it: within one resync period of the policy going in, a log line naming
+/// the chain and the fix, the metrics, `/readyz` 503 (the node's only family is dropped for
+/// certain), `nodelb status`; nothing written into the host's chain; gone again once the policy
+/// is lifted.
+fn drop_policy_is_diagnosed(tool: &str, location: &str, table_label: &str) {
+    let topo = Topology::new(1, 2);
+    let c = topo.client(0);
+    let agent = start(&topo, &web(20080), &[]);
+    get_ok(c, 20080);
+    assert!(matches!(agent.readyz(), Some((200, _))), "{:?}", agent.readyz());
+
+    xt_clean(&topo.node, tool, &["-P", "FORWARD", "DROP"]);
+    let host_before = saved_rules(&topo.node, &format!("{tool}-save"));
+    let took = within_resync(
+        "the diagnosis",
+        || matches!(agent.readyz(), Some((503, body)) if body.contains(location)),
+    );
+    eprintln!("{tool}: diagnosed {took:?} after the policy went in");
+    let (_, body) = agent.readyz().unwrap();
+    assert!(body.contains("drops nodelb's new ipv4 connections: policy drop"), "{body}");
+    assert!(
+        body.contains("--iptables-forward-accept") && body.contains("--ctstate DNAT -j ACCEPT"),
+        "fix named: {body}"
+    );
+    match http_get(c, IpAddr::V4(NODE_V4), 20080, SHORT) {
+        Err(ClientError::Timeout) => {}
+        other => panic!("a dropped connection times out: {other:?}"),
+    }
+    let logs = agent.logs();
+    let line = logs
+        .lines()
+        .find(|l| l.contains("dropped by the host firewall"))
+        .unwrap_or_else(|| panic!("no log line:\n{logs}"));
+    assert!(line.contains(location) && line.contains("--iptables-forward-accept"), "{line}");
+    assert_eq!(metric(&agent, "nodelb_forward_blocked", &[("family", "ipv4")]), Some(1.0));
+    assert_eq!(
+        metric(
+            &agent,
+            "nodelb_host_firewall_drops",
+            &[("family", "ipv4"), ("table", table_label), ("chain", "FORWARD"), ("certain", "true")]
+        ),
+        Some(1.0)
+    );
+    let status = status_text(&topo.node);
+    assert!(status.contains("ipv4: forwarding on, NOT served"), "{status}");
+    assert!(status.contains(&format!("{location} DROPS ipv4 connections: policy drop")), "{status}");
+    assert!(status.contains("NOT READY"), "{status}");
+    let st = agent.status().unwrap();
+    assert_eq!(st["hostFirewall"]["drops"][0]["certain"], true, "{st}");
+    assert_eq!(saved_rules(&topo.node, &format!("{tool}-save")), host_before, "nodelb wrote nothing there");
+
+    xt_clean(&topo.node, tool, &["-P", "FORWARD", "ACCEPT"]);
+    within_resync("ready again", || matches!(agent.readyz(), Some((200, b)) if b == "ready\n"));
+    get_ok(c, 20080);
+    assert_eq!(metric(&agent, "nodelb_forward_blocked", &[("family", "ipv4")]), Some(0.0));
+    assert_eq!(metric(&agent, "nodelb_host_firewall_drops", &[("family", "ipv4")]), None, "series gone");
+    assert!(
+        agent
+            .logs()
+            .contains("no host firewall drops forwarded ipv4 connections of nodelb Services any more")
+    );
+}
+
+fn get_ok(c: &NetNs, port: u16) {
+    let body =
+        http_get(c, IpAddr::V4(NODE_V4), port, T).unwrap_or_else(|e| panic!("request to {port}: {e:?}"));
+    assert!(body.starts_with("backend=be"), "{body}");
+}
+
+#[test]
+fn iptables_nft_drop_policy_is_diagnosed_without_the_flag() {
+    require_root!();
+    drop_policy_is_diagnosed("iptables-nft", "table ip filter chain FORWARD", "ip filter");
+}
+
+#[test]
+fn iptables_legacy_drop_policy_is_diagnosed_without_the_flag() {
+    require_root!();
+    drop_policy_is_diagnosed(
+        "iptables-legacy",
+        "iptables-legacy table filter chain FORWARD",
+        "iptables-legacy filter",
+    );
+}
+
+/// `--iptables-forward-accept` on a node whose `tool` FORWARD policy drops (IPv4 and IPv6):
+/// requests succeed; `-S`/`-L` list the chain cleanly with nodelb's ACCEPT first; a flushed
+/// chain gets it back within one resync period; `nodelb cleanup`, and an agent started
+/// without the flag, leave the chain exactly as it was (counters included for iptables-legacy,
+/// whose other rules keep theirs throughout).
+fn accept_flag_serves(tool: &str, tool6: &str, legacy: bool) {
+    let topo = Topology::new(1, 2);
+    let c = topo.client(0);
+    for t in [tool, tool6] {
+        xt_clean(&topo.node, t, &["-P", "FORWARD", "DROP"]);
+        xt_clean(
+            &topo.node,
+            t,
+            &["-A", "FORWARD", "-c", "7", "700", "-p", "tcp", "--dport", "22", "-j", "DROP"],
+        );
+    }
+    let save = |t: &str| {
+        if legacy {
+            legacy_saved(&topo.node, &format!("{t}-save"))
+        } else {
+            saved_rules(&topo.node, &format!("{t}-save"))
+        }
+    };
+    let before = (save(tool), save(tool6));
+    let mut agent = start(&topo, &dual(20080), &["--iptables-forward-accept"]);
+    agent.wait_ready(READY);
+    let ours = "-A FORWARD -m mark --mark 0x2000/0x2000 -m comment --comment \"nodelb-forward-accept: forwarded connections of nodelb Services (mark 0x2000)\" -j ACCEPT";
+    for t in [tool, tool6] {
+        let listing = xt_clean(&topo.node, t, &["-S", "FORWARD"]);
+        assert_eq!(listing.lines().nth(1), Some(ours), "{t}: at the head\n{listing}");
+        xt_clean(&topo.node, t, &["-L", "FORWARD", "-n", "-v"]);
+    }
+    get_ok(c, 20080);
+    let body = http_get(c, IpAddr::V6(NODE_V6), 20080, T).unwrap_or_else(|e| panic!("IPv6 request: {e:?}"));
+    assert!(body.starts_with("backend=be"), "{body}");
+    assert_eq!(metric(&agent, "nodelb_forward_blocked", &[("family", "ipv4")]), Some(0.0));
+    let st = agent.status().unwrap();
+    assert_eq!(st["hostFirewall"]["drops"], serde_json::json!([]), "{st}");
+    assert_eq!(st["hostFirewall"]["acceptRules"].as_array().map(Vec::len), Some(2), "{st}");
+    if legacy {
+        let with = legacy_saved(&topo.node, &format!("{tool}-save"));
+        assert!(
+            with.contains("[7:700] -A FORWARD -p tcp -m tcp --dport 22 -j DROP"),
+            "counters kept:\n{with}"
+        );
+    }
+
+    // Flushed (a firewall reload): back within one resync period, and requests with it.
+    xt_clean(&topo.node, tool, &["-F", "FORWARD"]);
+    let took = within_resync("the ACCEPT back", || {
+        xt_clean(&topo.node, tool, &["-S", "FORWARD"]).lines().nth(1) == Some(ours)
+    });
+    eprintln!("{tool}: ACCEPT back {took:?} after the flush");
+    assert!(agent.logs().contains("inserted nodelb's ACCEPT (mark 0x2000) at the head of"), "logged");
+    get_ok(c, 20080);
+    xt_clean(
+        &topo.node,
+        tool,
+        &["-A", "FORWARD", "-c", "7", "700", "-p", "tcp", "--dport", "22", "-j", "DROP"],
+    );
+
+    // `nodelb cleanup` (the agent stopped first, or it would put the rule back).
+    agent.terminate(Duration::from_secs(5));
+    let out = nodelb(&topo.node, &["cleanup"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "cleanup: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(stdout.matches("removed 1 of nodelb's rules from").count(), 2, "{stdout}");
+    assert_eq!((save(tool), save(tool6)), before, "the chains exactly as before");
+
+    // With the flag again, then restarted without it: removed by the agent itself.
+    agent.extra_args = vec!["--resync-period".into(), "2s".into(), "--iptables-forward-accept".into()];
+    agent.restart();
+    agent.wait_ready(READY);
+    assert_eq!(xt_clean(&topo.node, tool, &["-S", "FORWARD"]).lines().nth(1), Some(ours));
+    agent.extra_args = vec!["--resync-period".into(), "2s".into()];
+    agent.restart();
+    within_resync("the ACCEPT gone without the flag", || (save(tool), save(tool6)) == before);
+    assert!(agent.logs().contains("removed 1 of nodelb's rules from"), "logged");
+}
+
+#[test]
+fn iptables_nft_drop_policy_with_the_flag_is_served() {
+    require_root!();
+    accept_flag_serves("iptables-nft", "ip6tables-nft", false);
+}
+
+#[test]
+fn iptables_legacy_drop_policy_with_the_flag_is_served() {
+    require_root!();
+    accept_flag_serves("iptables-legacy", "ip6tables-legacy", true);
+}
+
+/// A drop nodelb cannot see in any chain it reads as a drop of its connections (here a rule
+/// for the backends' network, as a NetworkPolicy or an unjudged iptables rule would be): the
+/// forward counters show connections entering the forward path and none leaving it, which is
+/// reported within one resync period (log, metric, `/readyz` still 200 but degraded, `nodelb
+/// status`) without taking the node out of service; forgotten when the rules change, and
+/// "passing" once a connection gets through.
+#[test]
+fn drops_no_chain_explains_show_as_packet_evidence() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let c = topo.client(0);
+    let agent = start(&topo, &web(20080), &[]);
+    get_ok(c, 20080);
+    xt_clean(&topo.node, "iptables-nft", &["-A", "FORWARD", "-d", "198.51.100.0/24", "-j", "DROP"]);
+    // The rules changed: the next check is a new baseline for the counters.
+    std::thread::sleep(RESYNC + SLACK);
+    assert!(matches!(agent.readyz(), Some((200, b)) if b == "ready\n"), "no finding: {:?}", agent.readyz());
+    assert!(http_get(c, IpAddr::V4(NODE_V4), 20080, SHORT).is_err(), "dropped");
+    let took = within_resync(
+        "the evidence",
+        || matches!(agent.readyz(), Some((200, b)) if b.contains("entered the forward path since") && b.contains("none left it")),
+    );
+    eprintln!("evidence reported {took:?} after the dropped request");
+    let (_, body) = agent.readyz().unwrap();
+    assert!(body.starts_with("ready (degraded: new ipv4 connections of nodelb Services"), "{body}");
+    assert_eq!(metric(&agent, "nodelb_forward_drop_evidence", &[("family", "ipv4")]), Some(1.0));
+    assert_eq!(metric(&agent, "nodelb_forward_blocked", &[("family", "ipv4")]), Some(0.0), "still served");
+    let logs = agent.logs();
+    assert!(
+        logs.lines().any(|l| l.contains("WARN")
+            && l.contains(
+                "none left it: something between nodelb's first and last forward chain drops them"
+            )),
+        "{logs}"
+    );
+    let status = status_text(&topo.node);
+    assert!(status.contains("ipv4: forwarding on, served"), "{status}");
+    assert!(status.contains("DROPPING:") && status.contains("entered without leaving"), "{status}");
+    let st = agent.status().unwrap();
+    let counts = &st["hostFirewall"]["counters"]["ipv4"];
+    assert!(counts["entered"].as_u64() > counts["passed"].as_u64(), "{st}");
+
+    xt_clean(&topo.node, "iptables-nft", &["-D", "FORWARD", "-d", "198.51.100.0/24", "-j", "DROP"]);
+    within_resync("the evidence forgotten", || matches!(agent.readyz(), Some((200, b)) if b == "ready\n"));
+    get_ok(c, 20080);
+    within_resync("passing", || {
+        agent.status().is_some_and(|st| st["hostFirewall"]["evidence"]["ipv4"]["state"] == "passing")
+    });
+    assert_eq!(metric(&agent, "nodelb_forward_drop_evidence", &[("family", "ipv4")]), Some(0.0));
+}
+
+/// Docker's layout: FORWARD drops, but accepts what comes in on `docker0`, which nodelb cannot
+/// judge for its own connections. Reported as a chain that may drop them (the node keeps
+/// serving) until a connection is seen entering the forward path and not leaving it: then
+/// blocked (`/readyz` 503, naming the chain and the evidence). An accept for DNATed connections
+/// (what the fix says) ends it.
+#[test]
+fn docker_like_firewall_is_suspect_until_connections_are_seen_dropped() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let c = topo.client(0);
+    xt_clean(&topo.node, "iptables-nft", &["-P", "FORWARD", "DROP"]);
+    xt_clean(&topo.node, "iptables-nft", &["-A", "FORWARD", "-i", "docker0", "-j", "ACCEPT"]);
+    let mut agent = start(&topo, &web(20080), &[]);
+    agent.wait_ready(READY);
+    assert!(matches!(agent.readyz(), Some((200, b)) if b == "ready\n"), "{:?}", agent.readyz());
+    let status = status_text(&topo.node);
+    assert!(
+        status.contains("table ip filter chain FORWARD may drop ipv4 connections: policy drop"),
+        "{status}"
+    );
+    assert!(
+        status.contains("unless accepted by rule 1 of chain FORWARD (iifname == \"docker0\" accept)"),
+        "{status}"
+    );
+    assert!(
+        agent
+            .logs()
+            .contains("may drop forwarded ipv4 connections of nodelb Services (no traffic yet to tell)")
+    );
+    assert_eq!(
+        metric(&agent, "nodelb_host_firewall_drops", &[("family", "ipv4"), ("certain", "false")]),
+        Some(1.0)
+    );
+
+    assert!(http_get(c, IpAddr::V4(NODE_V4), 20080, SHORT).is_err(), "dropped");
+    within_resync(
+        "blocked on evidence",
+        || matches!(agent.readyz(), Some((503, b)) if b.contains("none left it: table ip filter chain FORWARD")),
+    );
+    assert_eq!(metric(&agent, "nodelb_forward_blocked", &[("family", "ipv4")]), Some(1.0));
+
+    xt_clean(
+        &topo.node,
+        "iptables-nft",
+        &["-I", "FORWARD", "-m", "conntrack", "--ctstate", "DNAT", "-j", "ACCEPT"],
+    );
+    within_resync("served again", || matches!(agent.readyz(), Some((200, b)) if b == "ready\n"));
+    get_ok(c, 20080);
+    assert!(agent.status().unwrap()["hostFirewall"]["drops"].as_array().is_some_and(Vec::is_empty));
 }

@@ -12,7 +12,7 @@ use nix::sys::time::TimeVal;
 use super::consts::*;
 use super::encode::{self, Encoded, describe_ref, msg_type};
 use super::nla::{Writer, messages};
-use super::{ApplyStats, CounterValues, KernelTable, NftError, decode, foreign};
+use super::{ApplyStats, Counter, CounterValues, KernelTable, NftError, decode, foreign};
 use crate::hostfw::{Action, HostBase, HostChain, Source, TableFamily};
 use crate::ir::{self, Change, ChangeRef, Ruleset};
 
@@ -488,6 +488,30 @@ impl NftClient {
             }
         }
         Ok(out)
+    }
+
+    /// One named counter of table inet nodelb; `None` when it (or the table) does not exist.
+    pub fn read_counter(&mut self, counter: &str) -> Result<Option<Counter>, NftError> {
+        let name = ir::TABLE_NAME;
+        let replies = match self.request(NFT_MSG_GETOBJ, false, "get counter", |w| {
+            w.put_str(NFTA_OBJ_TABLE, name);
+            w.put_str(NFTA_OBJ_NAME, counter);
+            w.put_u32(NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER);
+        }) {
+            Ok(r) => r,
+            Err(NftError::Request { errno, .. }) if errno == nix::errno::Errno::ENOENT as i32 => {
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        };
+        for p in replies {
+            if let Ok(c) = decode::object(&p)?
+                && c.name == counter
+            {
+                return Ok(Some(c.counter));
+            }
+        }
+        Ok(None)
     }
 
     /// Deletes table inet nodelb (and nothing else). Returns whether it existed.
