@@ -27,7 +27,7 @@ use crate::nft::{Counter, CounterValues, NftClient};
 pub enum CounterKind {
     /// New connections DNATed (counted in the service chain).
     Connections,
-    /// Forwarded packets and bytes, both directions (counted in filter-forward).
+    /// Forwarded packets and bytes, both directions (counted in filter-forward-last).
     Traffic,
     /// Packets of new connections dropped by the source-range check (firewall chain).
     Refused,
