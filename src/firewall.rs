@@ -45,6 +45,9 @@ pub struct Checker {
     xtables: Xtables,
     evidence: Evidence,
     fingerprint: Option<u64>,
+    /// The nftables forward chains as last read, and the ruleset generation they were read at:
+    /// read again only when another transaction happened since.
+    nft_cache: Option<(u32, Vec<HostChain>)>,
 }
 
 fn where_is(source: Source, family: TableFamily, table: &str, chain: &str) -> String {
@@ -76,7 +79,7 @@ fn fingerprint(chains: &[HostChain]) -> u64 {
 impl Checker {
     /// `mark`: `--iptables-forward-accept`'s bit, or `None` (then nodelb's ACCEPTs are removed).
     pub fn new(mark: Option<u32>, xtables: Xtables) -> Checker {
-        Checker { mark, xtables, evidence: Evidence::default(), fingerprint: None }
+        Checker { mark, xtables, evidence: Evidence::default(), fingerprint: None, nft_cache: None }
     }
 
     /// One check, at `now` (Unix seconds).
@@ -127,10 +130,15 @@ impl Checker {
 
     /// The nftables forward chains, after bringing nodelb's ACCEPT in iptables-nft's FORWARD
     /// chains to what the flag says (each change on a fresh read, decided on its generation).
-    fn nft_chains(&self, nft: &mut NftClient, report: &mut Report) -> Result<Vec<HostChain>, NftError> {
+    fn nft_chains(&mut self, nft: &mut NftClient, report: &mut Report) -> Result<Vec<HostChain>, NftError> {
         // At most one change per chain (ip, ip6) and one retry after a concurrent change.
         for _ in 0..4 {
-            let (generation, chains) = nft.read_forward_chains()?;
+            let now = nft.generation()?;
+            let (generation, chains) = match self.nft_cache.take() {
+                Some((generation, chains)) if generation == now => (generation, chains),
+                _ => nft.read_forward_chains()?,
+            };
+            self.nft_cache = Some((generation, chains.clone()));
             let changes: Vec<AcceptChange> = hostfw::accept_changes(&chains, self.mark);
             let Some(change) = changes.into_iter().find(|c| c.source == Source::Nftables) else {
                 return Ok(chains);
@@ -213,7 +221,7 @@ fn read_counts(nft: &mut NftClient, f: Family) -> Result<Option<ForwardCounts>, 
 /// and iptables-legacy, IPv4 and IPv6), removed. Returns what was removed, and what could not
 /// be.
 pub fn remove_accepts(nft: &mut NftClient, xtables: &Xtables) -> (Vec<String>, Vec<String>) {
-    let checker = Checker::new(None, xtables.clone());
+    let mut checker = Checker::new(None, xtables.clone());
     let mut report = Report::default();
     if let Err(e) = checker.nft_chains(nft, &mut report) {
         report.problems.push(format!("reading the nftables forward chains: {e}"));

@@ -182,3 +182,65 @@ impl Status {
 }
 
 pub type SharedStatus = Arc<RwLock<Status>>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(needed: &[&str], families: &[(&str, FamilyStatus)]) -> Status {
+        Status {
+            needed_families: needed.iter().map(|s| s.to_string()).collect(),
+            families: families.iter().map(|(n, f)| (n.to_string(), f.clone())).collect(),
+            source_synced: true,
+            last_sync: Some(SyncStatus { ok: true, ..Default::default() }),
+            ..Default::default()
+        }
+    }
+
+    fn fam(
+        programmed: bool,
+        reason: Option<&str>,
+        firewall: Option<&str>,
+        evidence: Option<&str>,
+    ) -> FamilyStatus {
+        FamilyStatus {
+            forwarding: programmed,
+            programmed,
+            reason: reason.map(String::from),
+            firewall: firewall.map(String::from),
+            evidence: evidence.map(String::from),
+        }
+    }
+
+    /// Name, status, what `readiness` says.
+    type ReadinessCase = (&'static str, Status, Result<Option<&'static str>, &'static str>);
+
+    /// A family a host firewall drops for certain is not served, like one whose forwarding is
+    /// off; packet evidence alone degrades readiness but keeps the family served.
+    #[test]
+    fn readiness_table() {
+        let ok = fam(true, None, None, None);
+        let off = fam(false, Some("net.ipv4.ip_forward is 0"), None, None);
+        let dropped = fam(true, None, Some("table ip filter chain FORWARD drops"), None);
+        let evidence = fam(true, None, None, Some("none left it"));
+        #[rustfmt::skip]
+        let cases: Vec<ReadinessCase> = vec![
+            ("all served", status(&["ipv4"], &[("ipv4", ok.clone())]), Ok(None)),
+            ("forwarding off, the only family", status(&["ipv4"], &[("ipv4", off.clone())]),
+                Err("no address family the Services need can be served: net.ipv4.ip_forward is 0")),
+            ("firewall, the only family", status(&["ipv4"], &[("ipv4", dropped.clone())]),
+                Err("no address family the Services need can be served: table ip filter chain FORWARD drops")),
+            ("firewall on one of two", status(&["ipv4", "ipv6"], &[("ipv4", dropped.clone()), ("ipv6", ok.clone())]),
+                Ok(Some("degraded: table ip filter chain FORWARD drops"))),
+            ("evidence only", status(&["ipv4"], &[("ipv4", evidence.clone())]), Ok(Some("degraded: none left it"))),
+            ("firewall on a family nobody needs", status(&["ipv6"], &[("ipv4", dropped.clone()), ("ipv6", ok.clone())]), Ok(None)),
+            ("both", status(&["ipv4", "ipv6"], &[("ipv4", off.clone()), ("ipv6", evidence.clone())]),
+                Ok(Some("degraded: net.ipv4.ip_forward is 0; none left it"))),
+        ];
+        for (name, st, want) in cases {
+            let got = st.readiness();
+            let got = got.as_ref().map(|o| o.as_deref()).map_err(String::as_str);
+            assert_eq!(got, want, "{name}");
+        }
+    }
+}

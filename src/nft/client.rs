@@ -222,6 +222,9 @@ impl NftClient {
     }
 
     fn read_forward_chains_once(&mut self) -> Result<Vec<HostChain>, NftError> {
+        // One dump of every family's chains: the kernel filters chain dumps by family only, not
+        // by table, so ours comes along (20,000 chains at 10,000 Services) and is skipped here.
+        // The caller reads again only when the ruleset generation moved.
         let mut heads = std::collections::BTreeMap::new();
         for p in self.request_family(NFT_MSG_GETCHAIN, NFPROTO_UNSPEC, true, "list every chain", |_| {})? {
             let h = foreign::chain_head(&p)?;
