@@ -16,10 +16,11 @@ use super::topology::{ClientError, HttpResponse, NODE_NAME, wait_until};
 pub fn bin() -> String {
     std::env::var("NODELB_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_nodelb").to_string())
 }
-/// The xtables lock of this test process: the agents it starts and the iptables-legacy commands
-/// it runs take this one, never the host's `/run/xtables.lock`.
+/// The xtables lock of the tests: the agents they start and the iptables-legacy commands they
+/// run take this one (shared by concurrent test processes, as the host's is by its tools), never
+/// the host's `/run/xtables.lock`.
 pub fn xtables_lockfile() -> PathBuf {
-    std::env::temp_dir().join(format!("nodelb-test-xtables-{}.lock", std::process::id()))
+    std::env::temp_dir().join("nodelb-test-xtables.lock")
 }
 
 /// `--http-addr` inside the node namespace (each namespace has its own loopback).
