@@ -712,9 +712,10 @@ pub fn diagnose(
             }
         } else if let Some(words) = dropping {
             d.evidence = Some(format!(
-                "{words}: something between nodelb's first and last forward chain drops them (a firewall nodelb \
-                 cannot read, such as a rule it cannot judge, or a NetworkPolicy); `nodelb status` lists the \
-                 chains it checked"
+                "{words}: something between nodelb's first and last forward chain drops them (a rule nodelb \
+                 cannot judge, or a NetworkPolicy); look for it in `nft list ruleset` and `iptables-legacy -S` \
+                 (`nodelb status` lists the chains nodelb judged), or let nodelb's connections through iptables' \
+                 FORWARD chain with --iptables-forward-accept"
             ));
         }
         out.insert(family, d);
