@@ -14,7 +14,7 @@ use tracing::{debug, error, info, warn};
 use crate::alloc::{Allocations, PortRange};
 use crate::conntrack::{self, ConntrackClient};
 use crate::desired::{self, AllocationMode, Desired, Inputs};
-use crate::firewall::Checker;
+use crate::firewall::{self, Checker};
 use crate::ir::{Change, Family, Ruleset};
 use crate::manifests;
 use crate::metrics::Metrics;
@@ -23,9 +23,7 @@ use crate::nft::{self, NftClient};
 use crate::plan::{self, NodeFacts};
 use crate::source::{Loaded, Source};
 use crate::state::StateFile;
-use crate::status::{
-    FirewallDrop, HostFirewallStatus, ServiceState, ServiceStatus, SharedStatus, SyncStatus,
-};
+use crate::status::{ServiceState, ServiceStatus, SharedStatus, SyncStatus};
 use crate::sysctl::{Sysctls, forwarding_sysctl};
 
 #[derive(Debug, Clone)]
@@ -597,27 +595,23 @@ impl Agent {
             report.problems.iter().cloned().collect(),
             |p| warn!(problem = %p, "host firewall check"),
         );
-        let flag = self.cfg.forward_mark.is_some();
         for (f, d) in &report.diagnosis {
-            let (state, text) = match (&d.blocked, &d.evidence) {
-                (Some(b), _) => ("blocked", b.clone()),
-                (None, Some(e)) => ("evidence", e.clone()),
-                (None, None) if !d.suspect.is_empty() => ("suspect", d.suspect.join("; and ")),
-                (None, None) => ("ok", String::new()),
-            };
+            let (state, text) = firewall::state_words(d);
             let key = format!("{state}: {text}");
             if self.firewall_logged.get(f) == Some(&key) {
                 continue;
             }
             let was = self.firewall_logged.insert(*f, key).is_some();
             match state {
-                "blocked" => {
-                    warn!(family = %f, "forwarded {f} connections of nodelb Services are dropped by the host firewall, so this node does not serve {f}: {text}")
-                }
+                "blocked" => warn!(
+                    family = %f,
+                    "forwarded {f} connections of nodelb Services are dropped by the host firewall, so this node does not serve {f}: {text}"
+                ),
                 "evidence" => warn!(family = %f, "{text}"),
-                "suspect" => {
-                    warn!(family = %f, "the host firewall may drop forwarded {f} connections of nodelb Services (no traffic yet to tell): {text}")
-                }
+                "suspect" => warn!(
+                    family = %f,
+                    "the host firewall may drop forwarded {f} connections of nodelb Services (no traffic yet to tell): {text}"
+                ),
                 _ if was => {
                     info!(family = %f, "no host firewall drops forwarded {f} connections of nodelb Services any more")
                 }
@@ -625,49 +619,18 @@ impl Agent {
             }
         }
         let fw = &self.metrics.firewall;
-        let mut drops = BTreeSet::new();
-        let mut accept = BTreeSet::new();
-        for d in &report.findings {
-            let table = match d.source {
-                crate::hostfw::Source::Nftables => format!("{} {}", d.table_family.name(), d.table),
-                crate::hostfw::Source::IptablesLegacy => format!("iptables-legacy {}", d.table),
-            };
-            drops.insert(vec![d.family.name().to_string(), table, d.chain.clone(), d.certain().to_string()]);
-        }
-        for place in &report.accept_rules {
-            let family =
-                if place.contains(" ip6 ") || place.starts_with("ip6tables") { "ipv6" } else { "ipv4" };
-            accept.insert(vec![family.to_string(), place.clone()]);
-        }
+        let (drops, accept) = report.metric_series();
         fw.set_chains(drops, accept);
+        let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
         for f in Family::ALL {
             let d = report.diagnosis.get(&f).cloned().unwrap_or_default();
             fw.blocked.with_label_values(&[f.name()]).set(i64::from(d.blocked.is_some()));
             fw.evidence.with_label_values(&[f.name()]).set(i64::from(d.evidence.is_some()));
-        }
-        let status = HostFirewallStatus {
-            checked_at: now,
-            drops: report
-                .findings
-                .iter()
-                .map(|d| FirewallDrop { finding: d.clone(), certain: d.certain(), fix: d.fix(flag) })
-                .collect(),
-            counters: report.counters.iter().map(|(f, c)| (f.name().to_string(), *c)).collect(),
-            evidence: Family::ALL
-                .iter()
-                .filter_map(|f| Some((f.name().to_string(), self.firewall.evidence().state(*f)?)))
-                .collect(),
-            accept_rules: report.accept_rules.clone(),
-            problems: report.problems.clone(),
-        };
-        let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
-        for f in Family::ALL {
-            let d = report.diagnosis.get(&f).cloned().unwrap_or_default();
             let entry = st.families.entry(f.name().to_string()).or_default();
             entry.firewall = d.blocked;
             entry.evidence = d.evidence;
         }
-        st.host_firewall = status;
+        st.host_firewall = report.status(now);
     }
 
     fn report_refusals(&mut self, desired: &Desired) {

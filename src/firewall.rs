@@ -9,12 +9,15 @@
 use std::collections::BTreeMap;
 
 use crate::hostfw::{
-    self, AcceptChange, Evidence, FamilyDiagnosis, Finding, ForwardCounts, HostChain, Source, TableFamily,
+    self, AcceptChange, Evidence, EvidenceState, FamilyDiagnosis, Finding, ForwardCounts, HostChain, Source,
+    TableFamily,
 };
 use crate::ir::Family;
+use crate::metrics::LabelSets;
 use crate::nft::foreign::AcceptWrite;
 use crate::nft::{NftClient, NftError};
 use crate::plan;
+use crate::status::{FirewallDrop, HostFirewallStatus};
 use crate::xtables::{Layout, Xtables, XtablesError};
 
 #[derive(Debug, thiserror::Error)]
@@ -31,11 +34,66 @@ pub struct Report {
     pub findings: Vec<Finding>,
     pub diagnosis: BTreeMap<Family, FamilyDiagnosis>,
     pub counters: BTreeMap<Family, ForwardCounts>,
-    /// Where nodelb's ACCEPT is now.
-    pub accept_rules: Vec<String>,
+    pub evidence: BTreeMap<Family, EvidenceState>,
+    /// Where nodelb's ACCEPT is now: the family its chain sees, and the chain in words.
+    pub accept_rules: Vec<(Family, String)>,
     /// What this check changed in iptables' chains, in words (for the log).
     pub changes: Vec<String>,
     pub problems: Vec<String>,
+    /// `--iptables-forward-accept` is on (the fixes suggested depend on it).
+    pub accept_flag: bool,
+}
+
+/// What the agent says about a family, in one word and its sentence: `blocked`, `evidence`,
+/// `suspect` or `ok`.
+pub fn state_words(d: &FamilyDiagnosis) -> (&'static str, String) {
+    match (&d.blocked, &d.evidence) {
+        (Some(b), _) => ("blocked", b.clone()),
+        (None, Some(e)) => ("evidence", e.clone()),
+        (None, None) if !d.suspect.is_empty() => ("suspect", d.suspect.join("; and ")),
+        (None, None) => ("ok", String::new()),
+    }
+}
+
+impl Report {
+    /// `/status`'s `hostFirewall`, checked at `now`.
+    pub fn status(&self, now: u64) -> HostFirewallStatus {
+        HostFirewallStatus {
+            checked_at: now,
+            drops: self
+                .findings
+                .iter()
+                .map(|d| FirewallDrop {
+                    finding: d.clone(),
+                    certain: d.certain(),
+                    fix: d.fix(self.accept_flag),
+                })
+                .collect(),
+            counters: self.counters.iter().map(|(f, c)| (f.name().to_string(), *c)).collect(),
+            evidence: self.evidence.iter().map(|(f, e)| (f.name().to_string(), *e)).collect(),
+            accept_rules: self.accept_rules.iter().map(|(_, place)| place.clone()).collect(),
+            problems: self.problems.clone(),
+        }
+    }
+
+    /// The label values of `nodelb_host_firewall_drops` (family, table, chain, certain) and of
+    /// `nodelb_iptables_forward_accept` (family, table).
+    pub fn metric_series(&self) -> (LabelSets, LabelSets) {
+        let drops = self
+            .findings
+            .iter()
+            .map(|d| {
+                let table = match d.source {
+                    Source::Nftables => format!("{} {}", d.table_family.name(), d.table),
+                    Source::IptablesLegacy => format!("iptables-legacy {}", d.table),
+                };
+                vec![d.family.name().to_string(), table, d.chain.clone(), d.certain().to_string()]
+            })
+            .collect();
+        let accept =
+            self.accept_rules.iter().map(|(f, place)| vec![f.name().to_string(), place.clone()]).collect();
+        (drops, accept)
+    }
 }
 
 /// The check's state across resyncs: the packet evidence, and what the foreign chains looked
@@ -84,7 +142,7 @@ impl Checker {
 
     /// One check, at `now` (Unix seconds).
     pub fn check(&mut self, nft: &mut NftClient, now: u64) -> Report {
-        let mut report = Report::default();
+        let mut report = Report { accept_flag: self.mark.is_some(), ..Report::default() };
         let mut chains = match self.nft_chains(nft, &mut report) {
             Ok(c) => c,
             Err(e) => {
@@ -113,19 +171,16 @@ impl Checker {
             }
         }
         for c in &chains {
-            let ours = c.rules.iter().any(|r| hostfw::is_ours(r.comment.as_deref()));
-            if ours {
-                report.accept_rules.push(where_is(c.source, c.family, &c.table, &c.name));
+            if c.rules.iter().any(|r| hostfw::is_ours(r.comment.as_deref())) {
+                let family = if c.family == TableFamily::Ip6 { Family::Ipv6 } else { Family::Ipv4 };
+                report.accept_rules.push((family, where_is(c.source, c.family, &c.table, &c.name)));
             }
         }
+        report.evidence = Family::ALL.iter().filter_map(|f| Some((*f, self.evidence.state(*f)?))).collect();
         report.findings = hostfw::analyse(&chains, &Family::ALL, self.mark);
         report.diagnosis =
             hostfw::diagnose(&report.findings, &self.evidence, &Family::ALL, self.mark.is_some());
         report
-    }
-
-    pub fn evidence(&self) -> &Evidence {
-        &self.evidence
     }
 
     /// The nftables forward chains, after bringing nodelb's ACCEPT in iptables-nft's FORWARD
@@ -237,6 +292,50 @@ pub fn remove_accepts(nft: &mut NftClient, xtables: &Xtables) -> (Vec<String>, V
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What the agent exports and logs from a report.
+    #[test]
+    fn report_as_status_metrics_and_words() {
+        let finding = Finding {
+            family: Family::Ipv4,
+            source: Source::IptablesLegacy,
+            table_family: TableFamily::Ip,
+            table: "filter".into(),
+            chain: "FORWARD".into(),
+            priority: 0,
+            drop: "policy drop".into(),
+            partial: vec![],
+            uncertain: false,
+        };
+        let report = Report {
+            findings: vec![finding],
+            counters: BTreeMap::from([(Family::Ipv4, ForwardCounts { entered: 3, passed: 0 })]),
+            evidence: BTreeMap::from([(Family::Ipv4, EvidenceState::Dropping { since: 5, connections: 3 })]),
+            accept_rules: vec![(Family::Ipv6, "table ip6 filter chain FORWARD".into())],
+            accept_flag: true,
+            ..Report::default()
+        };
+        let st = report.status(9);
+        assert_eq!((st.checked_at, st.drops.len(), st.drops[0].certain), (9, 1, true));
+        assert!(st.drops[0].fix.contains("not ahead of this drop"), "with the flag: {}", st.drops[0].fix);
+        assert_eq!(st.counters["ipv4"], ForwardCounts { entered: 3, passed: 0 });
+        assert_eq!(st.accept_rules, ["table ip6 filter chain FORWARD"]);
+        let (drops, accept) = report.metric_series();
+        assert_eq!(
+            drops.into_iter().collect::<Vec<_>>(),
+            [vec!["ipv4", "iptables-legacy filter", "FORWARD", "true"]]
+        );
+        assert_eq!(accept.into_iter().collect::<Vec<_>>(), [vec!["ipv6", "table ip6 filter chain FORWARD"]]);
+        let d = |blocked: Option<&str>, evidence: Option<&str>, suspect: &[&str]| FamilyDiagnosis {
+            blocked: blocked.map(String::from),
+            evidence: evidence.map(String::from),
+            suspect: suspect.iter().map(|s| s.to_string()).collect(),
+        };
+        assert_eq!(state_words(&d(Some("b"), Some("e"), &["s"])), ("blocked", "b".into()));
+        assert_eq!(state_words(&d(None, Some("e"), &["s"])), ("evidence", "e".into()));
+        assert_eq!(state_words(&d(None, None, &["s", "t"])), ("suspect", "s; and t".into()));
+        assert_eq!(state_words(&d(None, None, &[])), ("ok", String::new()));
+    }
 
     #[test]
     fn changes_are_described_for_the_log() {
