@@ -23,13 +23,15 @@ if [[ $(id -u) -ne 0 ]]; then
     echo "scripts/test.sh: not root: the root tests will be skipped (use sudo to run them)" >&2
 fi
 
-# What the root tests run: ip (iproute2), nft, sysctl (procps), ping, conntrack.
+# What the root tests run: ip (iproute2), nft, sysctl (procps), ping, conntrack, and
+# iptables-nft / iptables-legacy (Debian's iptables: the host firewalls of tests/host_firewall.rs).
 need=()
 command -v ip >/dev/null || need+=(iproute2)
 command -v nft >/dev/null || need+=(nftables)
 command -v sysctl >/dev/null || need+=(procps)
 command -v ping >/dev/null || need+=(iputils-ping)
 command -v conntrack >/dev/null || need+=(conntrack)
+{ command -v iptables-nft && command -v iptables-legacy; } >/dev/null || need+=(iptables)
 if ((${#need[@]})); then
     if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
         log "installing ${need[*]}"

@@ -16,6 +16,7 @@ use crate::alloc::PortRange;
 use crate::conntrack::{self, ConntrackClient};
 use crate::desired::{self, AllocationMode, Desired, HostFacts, HostPolicy, Inputs};
 use crate::endpoint_policy::HostAddresses;
+use crate::firewall::{self, Checker};
 use crate::ir::{Change, Family, Ruleset};
 use crate::manifests;
 use crate::metrics::Metrics;
@@ -38,9 +39,13 @@ pub struct AgentConfig {
     pub resync_period: Duration,
     pub enable_forwarding: bool,
     pub masquerade_mark: u32,
+    /// `--iptables-forward-accept`: the mark bit of our flows (see [`NodeFacts::forward_mark`]).
+    pub forward_mark: Option<u32>,
     pub model: ModelOptions,
     pub sysctls: Sysctls,
     pub policy: HostPolicy,
+    /// The lock iptables-legacy writes take (`XTABLES_LOCKFILE`, else `/run/xtables.lock`).
+    pub xtables_lockfile: PathBuf,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -104,6 +109,10 @@ struct Agent {
     listeners_failing: bool,
     /// `(state, reason)` label sets of `nodelb_services` currently exported.
     services_series: BTreeSet<(&'static str, String)>,
+    /// The host-firewall check, and what it last logged per family and as problems.
+    firewall: Checker,
+    firewall_logged: BTreeMap<Family, String>,
+    logged_firewall_problems: BTreeSet<String>,
 }
 
 /// One sync attempt, as [`Agent::record`] reports it.
@@ -148,6 +157,7 @@ pub async fn run(
         None => Default::default(),
     };
     let nft = NftClient::new()?;
+    let (cfg_mark, cfg_lockfile) = (cfg.forward_mark, cfg.xtables_lockfile.clone());
     {
         let mut st = status.write().unwrap_or_else(|e| e.into_inner());
         st.node_name = cfg.node_name.clone();
@@ -172,6 +182,9 @@ pub async fn run(
         listeners: Listeners::default(),
         listeners_failing: false,
         services_series: BTreeSet::new(),
+        firewall: Checker::new(cfg_mark, crate::xtables::Xtables::new(cfg_lockfile)),
+        firewall_logged: BTreeMap::new(),
+        logged_firewall_problems: BTreeSet::new(),
     };
     info!(source = %agent.source.describe(), node = %agent.cfg.node_name, "nodelb agent starting");
 
@@ -180,6 +193,8 @@ pub async fn run(
     let mut sysctl_tick = tokio::time::interval(SYSCTL_PERIOD);
     let mut dirty = true;
     let mut verify = false;
+    // The host firewall is checked once per resync period (and right after the first sync).
+    let mut check_firewall = true;
     let mut retry_at: Option<tokio::time::Instant> = None;
     loop {
         agent.tick();
@@ -203,6 +218,10 @@ pub async fn run(
             dirty = retry_at.is_some();
             verify = false;
         }
+        if check_firewall && agent.applied.is_some() {
+            agent.check_host_firewall();
+            check_firewall = false;
+        }
         let retry_sleep = async {
             match retry_at {
                 Some(t) => tokio::time::sleep_until(t).await,
@@ -215,7 +234,7 @@ pub async fn run(
                 return Ok(());
             }
             _ = agent.source.changed() => { debug!("source changed"); dirty = true; }
-            _ = resync.tick() => { verify = true; }
+            _ = resync.tick() => { verify = true; check_firewall = true; }
             _ = sysctl_tick.tick() => {}
             _ = retry_sleep => {}
         }
@@ -315,6 +334,7 @@ impl Agent {
             node_name: self.cfg.node_name.clone(),
             families: self.families.iter().filter(|(_, on)| **on).map(|(f, _)| *f).collect(),
             masquerade_mark: self.cfg.masquerade_mark,
+            forward_mark: self.cfg.forward_mark,
         }
     }
 
@@ -646,6 +666,58 @@ impl Agent {
             warn!(more = diffs.len() - 20, "further differences not shown");
         }
         Ok(true)
+    }
+
+    /// Runs the host-firewall check and reports it: a log line per change (naming the table and
+    /// chain, or the evidence, and the fix), `/status`, readiness (a family dropped for certain
+    /// is not served), metrics. The Kubernetes Event and node Lease follow from the status.
+    fn check_host_firewall(&mut self) {
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
+        let report = self.firewall.check(&mut self.nft, now);
+        for c in &report.changes {
+            info!(change = %c, "host firewall");
+        }
+        log_new(
+            &mut self.logged_firewall_problems,
+            report.problems.iter().cloned().collect(),
+            |p| warn!(problem = %p, "host firewall check"),
+        );
+        for (f, d) in &report.diagnosis {
+            let (state, text) = firewall::state_words(d);
+            let key = format!("{state}: {text}");
+            if self.firewall_logged.get(f) == Some(&key) {
+                continue;
+            }
+            let was = self.firewall_logged.insert(*f, key).is_some();
+            match state {
+                "blocked" => warn!(
+                    family = %f,
+                    "forwarded {f} connections of nodelb Services are dropped by the host firewall, so this node does not serve {f}: {text}"
+                ),
+                "evidence" => warn!(family = %f, "{text}"),
+                "suspect" => warn!(
+                    family = %f,
+                    "the host firewall may drop forwarded {f} connections of nodelb Services (no traffic yet to tell): {text}"
+                ),
+                _ if was => {
+                    info!(family = %f, "no host firewall drops forwarded {f} connections of nodelb Services any more")
+                }
+                _ => {}
+            }
+        }
+        let fw = &self.metrics.firewall;
+        let (drops, accept) = report.metric_series();
+        fw.set_chains(drops, accept);
+        let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
+        for f in Family::ALL {
+            let d = report.diagnosis.get(&f).cloned().unwrap_or_default();
+            fw.blocked.with_label_values(&[f.name()]).set(i64::from(d.blocked.is_some()));
+            fw.evidence.with_label_values(&[f.name()]).set(i64::from(d.evidence.is_some()));
+            let entry = st.families.entry(f.name().to_string()).or_default();
+            entry.firewall = d.blocked;
+            entry.evidence = d.evidence;
+        }
+        st.host_firewall = report.status(now);
     }
 
     fn report_refusals(&mut self, desired: &Desired) {

@@ -47,6 +47,21 @@ fn host_policy(common: &CommonArgs) -> HostPolicy {
     }
 }
 
+/// The mark bit of `--iptables-forward-accept`, when given; it must differ from the masquerade
+/// bit, whose meaning in postrouting it would otherwise take on.
+fn forward_mark(common: &CommonArgs) -> anyhow::Result<Option<u32>> {
+    if !common.iptables_forward_accept {
+        return Ok(None);
+    }
+    if common.iptables_forward_mark == common.masquerade_mark {
+        bail!(
+            "--iptables-forward-mark {:#x} is the masquerade mark (--masquerade-mark): choose another bit",
+            common.iptables_forward_mark
+        );
+    }
+    Ok(Some(common.iptables_forward_mark))
+}
+
 fn model_options(common: &CommonArgs) -> ModelOptions {
     ModelOptions { lb_class: common.load_balancer_class.clone(), ignore_unclassed: common.ignore_unclassed }
 }
@@ -65,9 +80,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         resync_period: args.resync_period,
         enable_forwarding: args.enable_forwarding,
         masquerade_mark: args.common.masquerade_mark,
+        forward_mark: forward_mark(&args.common)?,
         model: model_options(&args.common),
         sysctls: Sysctls::default(),
         policy: host_policy(&args.common),
+        xtables_lockfile: crate::xtables::default_lockfile(),
     };
     let status: SharedStatus = Arc::new(RwLock::new(Status::default()));
     let metrics = Arc::new(Metrics::new(args.per_service_metrics)?);
@@ -155,6 +172,7 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
         node_name: node_name(&args.common),
         families: Family::ALL.into_iter().collect::<BTreeSet<_>>(),
         masquerade_mark: args.common.masquerade_mark,
+        forward_mark: forward_mark(&args.common)?,
     };
     let host = HostFacts {
         addresses: crate::hostaddrs::read().unwrap_or_default(),
@@ -201,10 +219,19 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
 
 pub fn cleanup() -> anyhow::Result<()> {
     let mut nft = NftClient::new().context("cannot open a netfilter netlink socket")?;
+    // nodelb's ACCEPTs in iptables' FORWARD chains first: they match a mark only our table sets.
+    let xtables = crate::xtables::Xtables::new(crate::xtables::default_lockfile());
+    let (removed, problems) = crate::firewall::remove_accepts(&mut nft, &xtables);
+    for r in &removed {
+        println!("{r}");
+    }
     if nft.delete_table()? {
         println!("removed table inet {}", crate::ir::TABLE_NAME);
     } else {
         println!("nothing to remove: table inet {} does not exist", crate::ir::TABLE_NAME);
+    }
+    if !problems.is_empty() {
+        bail!("could not remove every rule nodelb added to the host firewall:\n  {}", problems.join("\n  "));
     }
     Ok(())
 }
@@ -220,12 +247,13 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
     let st: Status = serde_json::from_str(&body).context("agent sent invalid /status JSON")?;
     println!("node {}", st.node_name);
     for (fam, f) in &st.families {
-        let served = if f.programmed { "served" } else { "NOT served" };
+        let served = if f.served() { "served" } else { "NOT served" };
         println!("  {fam}: forwarding {}, {served}", if f.forwarding { "on" } else { "off" });
-        if let Some(r) = &f.reason {
+        for r in [&f.reason, &f.firewall, &f.evidence].into_iter().flatten() {
             println!("    {r}");
         }
     }
+    print_host_firewall(&st.host_firewall);
     println!(
         "{:<40} {:<13} {:<30} {:>8} {:>8} REASON",
         "SERVICE", "STATE", "PORTS (port/proto->node port)", "CONNS", "REFUSED"
@@ -267,6 +295,45 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
         Err(r) => println!("NOT READY: {r}"),
     }
     Ok(())
+}
+
+/// The host-firewall part of `nodelb status`: chains that drop forwarded connections (and
+/// whether for certain), where nodelb's ACCEPT is, what the forward counters say.
+fn print_host_firewall(fw: &crate::status::HostFirewallStatus) {
+    if fw.checked_at == 0 {
+        return;
+    }
+    println!("host firewall (forward path):");
+    if fw.drops.is_empty() {
+        println!("  no chain of another table drops nodelb's forwarded connections");
+    }
+    for d in &fw.drops {
+        let how = if d.certain { "DROPS" } else { "may drop" };
+        println!("  {} {how} {} connections: {}", d.finding.location(), d.finding.family, d.finding.drop);
+        for p in &d.finding.partial {
+            println!("    unless accepted by {p}");
+        }
+        println!("    fix: {}", d.fix);
+    }
+    for a in &fw.accept_rules {
+        println!("  nodelb's ACCEPT is in {a}");
+    }
+    for (fam, c) in &fw.counters {
+        let state = match fw.evidence.get(fam) {
+            Some(crate::hostfw::EvidenceState::Dropping { connections, .. }) => {
+                format!(", DROPPING: {connections} entered without leaving")
+            }
+            Some(crate::hostfw::EvidenceState::Passing) => ", passing".to_string(),
+            None => String::new(),
+        };
+        println!(
+            "  {fam}: {} new connections entered the forward path, {} left it{state}",
+            c.entered, c.passed
+        );
+    }
+    for p in &fw.problems {
+        println!("  problem: {p}");
+    }
 }
 
 /// A minimal HTTP/1.0 GET for the local status endpoint.

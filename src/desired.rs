@@ -466,6 +466,7 @@ mod tests {
             node_name: "node-1".into(),
             families: [Family::Ipv4].into(),
             masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
+            forward_mark: None,
         };
         let desired = compute(&Inputs {
             mode: AllocationMode::Annotated,

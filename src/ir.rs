@@ -158,6 +158,10 @@ pub mod priority {
     pub const DSTNAT: i32 = -100;
     pub const FILTER: i32 = 0;
     pub const SRCNAT: i32 = 100;
+    /// Before every other chain of the hook (NF_IP_PRI_FIRST).
+    pub const FIRST: i32 = i32::MIN;
+    /// After every other chain of the hook (NF_IP_PRI_LAST).
+    pub const LAST: i32 = i32::MAX;
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -248,6 +252,8 @@ pub enum Expr {
     MarkSet(u32),
     /// `meta mark set mark ^ bit` (clears a bit known to be set)
     MarkXor(u32),
+    /// `meta mark set meta mark & ~bit` (clears a bit, set or not)
+    MarkClear(u32),
     /// `counter` (packets and bytes, anonymous: reset when the rule is replaced)
     Counter,
     /// `counter name "NAME"`: count in the named counter object NAME (read back for metrics).
@@ -260,6 +266,9 @@ pub enum Expr {
     /// the counter map gives for the connection's original protocol and port; no match when the
     /// map has no such element.
     L4ProtoCtOrigDportCounterMap { map: String },
+    /// `meta l4proto . ct original proto-dst @set`: the connection's original protocol and port
+    /// is a key of `set` (a set or a map: only membership is tested).
+    L4ProtoCtOrigDportInSet { set: String },
     /// `<family> saddr . meta l4proto . th sport @set` (packet comes from one of these endpoints)
     SaddrL4ProtoSportInSet { family: Family, set: String },
     /// `numgen random mod M V`: a fresh random draw in `0..M` equals `V`. A service chain picks one of
@@ -534,6 +543,7 @@ pub fn render_expr(e: &Expr) -> String {
         Expr::MarkHas(bit) => format!("meta mark & {bit:#010x} == {bit:#010x}"),
         Expr::MarkSet(bit) => format!("meta mark set meta mark | {bit:#010x}"),
         Expr::MarkXor(bit) => format!("meta mark set meta mark ^ {bit:#010x}"),
+        Expr::MarkClear(bit) => format!("meta mark set meta mark & {:#010x}", !bit),
         Expr::Counter => "counter".into(),
         Expr::CounterRef(name) => format!("counter name {}", quote(name)),
         Expr::L4ProtoDportVmap { map } => format!("meta l4proto . th dport vmap @{map}"),
@@ -548,6 +558,10 @@ pub fn render_expr(e: &Expr) -> String {
             format!(
                 "meta l4proto {{ tcp, udp, sctp }} counter name meta l4proto . ct original proto-dst map @{map}"
             )
+        }
+        Expr::L4ProtoCtOrigDportInSet { set } => {
+            // Same transport-protocol context as the vmap form above.
+            format!("meta l4proto {{ tcp, udp, sctp }} meta l4proto . ct original proto-dst @{set}")
         }
         Expr::SaddrL4ProtoSportInSet { family, set } => {
             let word = match family {

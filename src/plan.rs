@@ -10,8 +10,12 @@
 //! nat-prerouting     nat     prerouting -100  local daddr → vmap @service-ports-<fam> (goto svc chain)
 //! nat-output         nat     output     -100  same, for node-originated traffic
 //! nat-postrouting    nat     postrouting 100  masquerade what a svc chain marked
-//! filter-forward     filter  forward       0  drop invalid from our endpoints; our flows: count in
-//!                                             `counter name … map @forward-counters-<fam>`, accept
+//! filter-forward     filter  forward  first  drop invalid from our endpoints; count our new
+//!                                             connections (`forward-entered-<fam>`); with
+//!                                             --iptables-forward-accept, mark our flows
+//! filter-forward-last filter forward   last   our flows: count in `counter name … map
+//!                                             @forward-counters-<fam>` (clear the mark); count
+//!                                             our new connections (`forward-passed-<fam>`)
 //! svc<4|6>-…         per service port & family: count, mark for masquerade, then one dnat rule
 //!                    per endpoint, chosen by `numgen random mod N-i 0` draws
 //! fw<4|6>-…          per service port & family with source ranges: allowed saddr → continue, else
@@ -41,6 +45,7 @@ pub const DEFAULT_MASQUERADE_MARK: u32 = 0x4000;
 pub const CHAIN_FILTER_PREROUTING: &str = "filter-prerouting";
 pub const CHAIN_FILTER_OUTPUT: &str = "filter-output";
 pub const CHAIN_FILTER_FORWARD: &str = "filter-forward";
+pub const CHAIN_FILTER_FORWARD_LAST: &str = "filter-forward-last";
 pub const CHAIN_NAT_PREROUTING: &str = "nat-prerouting";
 pub const CHAIN_NAT_OUTPUT: &str = "nat-output";
 pub const CHAIN_NAT_POSTROUTING: &str = "nat-postrouting";
@@ -61,6 +66,9 @@ pub struct NodeFacts {
     /// Families this node may program (forwarding enabled). Others get no rules at all.
     pub families: BTreeSet<Family>,
     pub masquerade_mark: u32,
+    /// `--iptables-forward-accept`: the packet-mark bit our flows carry through the forward hook,
+    /// which the accept nodelb inserts into the host's iptables FORWARD chain matches.
+    pub forward_mark: Option<u32>,
 }
 
 /// One service to program, with the node ports allocated to its ports (a port without an
@@ -83,6 +91,14 @@ pub fn forward_counters_map(f: Family) -> String {
 }
 pub fn endpoints_set(f: Family) -> String {
     format!("endpoints-{}", f.name())
+}
+/// Node-level named counter: new connections of our Services entering the forward path.
+pub fn forward_entered_counter(f: Family) -> String {
+    format!("forward-entered-{}", f.name())
+}
+/// Node-level named counter: new connections of our Services leaving the forward path.
+pub fn forward_passed_counter(f: Family) -> String {
+    format!("forward-passed-{}", f.name())
 }
 
 fn fam_digit(f: Family) -> char {
@@ -328,33 +344,7 @@ pub fn plan(services: &[ServicePlan<'_>], node: &NodeFacts) -> Ruleset {
         priority::SRCNAT,
         vec![Rule::new(vec![Expr::MarkHas(mark), Expr::MarkXor(mark), Expr::Masquerade])],
     ));
-    let mut forward_rules = Vec::new();
-    for f in Family::ALL {
-        forward_rules.push(Rule::new(vec![
-            Expr::NfProto(f),
-            Expr::CtState(vec![CtState::Invalid]),
-            Expr::SaddrL4ProtoSportInSet { family: f, set: endpoints_set(f) },
-            Expr::Counter,
-            Expr::Verdict(Verdict::Drop),
-        ]));
-    }
-    // Our flows: counted per service port without a chain per Service (every chain a verdict map
-    // reaches is re-validated by the kernel in each transaction that adds a Service), accepted.
-    for f in Family::ALL {
-        forward_rules.push(Rule::new(vec![
-            Expr::NfProto(f),
-            Expr::CtStatusDnat,
-            Expr::L4ProtoCtOrigDportCounterMap { map: forward_counters_map(f) },
-            Expr::Verdict(Verdict::Accept),
-        ]));
-    }
-    rs.add_chain(base(
-        CHAIN_FILTER_FORWARD,
-        ChainType::Filter,
-        Hook::Forward,
-        priority::FILTER,
-        forward_rules,
-    ));
+    plan_forward(&mut rs, node);
     rs.add_chain(regular(
         CHAIN_NO_ENDPOINTS.to_string(),
         Some("service port has no usable endpoint: refuse, never black-hole".into()),
@@ -375,6 +365,72 @@ pub fn plan(services: &[ServicePlan<'_>], node: &NodeFacts) -> Ruleset {
         }
     }
     rs
+}
+
+/// The forward path: `filter-forward` runs before every other forward chain of the node
+/// (priority [`priority::FIRST`]) and `filter-forward-last` after all of them
+/// ([`priority::LAST`]), so the two node-level counters bracket whatever a host firewall does in
+/// between: new connections of our Services that entered the forward path, and those that left it.
+/// Entered but never left, while nothing passes, is the evidence of a drop after our chain that
+/// netlink cannot show (iptables-legacy). Per-Service traffic is counted last, so it counts what
+/// was really forwarded. With `forward_mark`, our flows carry that mark bit between the two
+/// chains (set first, cleared last): the accept nodelb inserts into the host's iptables FORWARD
+/// chain matches it.
+fn plan_forward(rs: &mut Ruleset, node: &NodeFacts) {
+    let ours = |f: Family| {
+        vec![
+            Expr::NfProto(f),
+            Expr::CtStatusDnat,
+            Expr::L4ProtoCtOrigDportInSet { set: forward_counters_map(f) },
+        ]
+    };
+    let new_ours = |f: Family| {
+        vec![
+            Expr::NfProto(f),
+            Expr::CtStatusDnat,
+            Expr::CtState(vec![CtState::New]),
+            Expr::L4ProtoCtOrigDportInSet { set: forward_counters_map(f) },
+        ]
+    };
+    let mut first = Vec::new();
+    let mut last = Vec::new();
+    for f in Family::ALL {
+        // A reply that conntrack finds out of window would leave un-NATed (the kube-proxy
+        // `ct state invalid drop` fix), scoped to packets from our endpoints.
+        first.push(Rule::new(vec![
+            Expr::NfProto(f),
+            Expr::CtState(vec![CtState::Invalid]),
+            Expr::SaddrL4ProtoSportInSet { family: f, set: endpoints_set(f) },
+            Expr::Counter,
+            Expr::Verdict(Verdict::Drop),
+        ]));
+        rs.add_counter(NamedCounter {
+            name: forward_entered_counter(f),
+            comment: Some(format!("new {f} connections of nodelb Services entering the forward path")),
+        });
+        rs.add_counter(NamedCounter {
+            name: forward_passed_counter(f),
+            comment: Some(format!("new {f} connections of nodelb Services leaving the forward path")),
+        });
+        first.push(Rule::new([new_ours(f), vec![Expr::CounterRef(forward_entered_counter(f))]].concat()));
+        if let Some(bit) = node.forward_mark {
+            first.push(Rule::new([ours(f), vec![Expr::MarkSet(bit)]].concat()));
+        }
+        // Counted per service port without a chain per Service (every chain a verdict map
+        // reaches is re-validated by the kernel in each transaction that adds a Service).
+        let mut count = vec![
+            Expr::NfProto(f),
+            Expr::CtStatusDnat,
+            Expr::L4ProtoCtOrigDportCounterMap { map: forward_counters_map(f) },
+        ];
+        if let Some(bit) = node.forward_mark {
+            count.push(Expr::MarkClear(bit));
+        }
+        last.push(Rule::new(count));
+        last.push(Rule::new([new_ours(f), vec![Expr::CounterRef(forward_passed_counter(f))]].concat()));
+    }
+    rs.add_chain(base(CHAIN_FILTER_FORWARD, ChainType::Filter, Hook::Forward, priority::FIRST, first));
+    rs.add_chain(base(CHAIN_FILTER_FORWARD_LAST, ChainType::Filter, Hook::Forward, priority::LAST, last));
 }
 
 fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f: Family, node: &NodeFacts) {

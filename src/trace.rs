@@ -226,6 +226,10 @@ fn run_rule(rs: &Ruleset, rule: &crate::ir::Rule, st: &mut State<'_>) -> RuleEnd
                 st.mark ^= bit;
                 true
             }
+            Expr::MarkClear(bit) => {
+                st.mark &= !bit;
+                true
+            }
             Expr::Counter => true,
             Expr::CounterRef(name) => {
                 st.counters.push(name.clone());
@@ -248,6 +252,10 @@ fn run_rule(rs: &Ruleset, rule: &crate::ir::Rule, st: &mut State<'_>) -> RuleEnd
                     }
                     _ => false,
                 }
+            }
+            Expr::L4ProtoCtOrigDportInSet { set } => {
+                let key = vec![KeyPart::Proto(pkt.protocol), KeyPart::Port(pkt.dport)];
+                rs.sets.get(set).is_some_and(|s| s.elements.contains_key(&key))
             }
             Expr::SaddrL4ProtoSportInSet { set, .. } => {
                 let key =

@@ -856,6 +856,46 @@ fn a_node_with_forwarding_off_leaves_the_status() {
     c.assert_rbac_allows_every_request();
 }
 
+/// A node whose host firewall drops forwarded traffic (iptables-nft's FORWARD policy, as Docker
+/// or ufw leave it) is not listed: the agent reports the family as not served in its node Lease
+/// within a resync period, the leader drops the node from the Services' status, and a Warning
+/// Event `ForwardedTrafficDropped` on the Node names the chain and the fix. Lifted: listed and
+/// served again.
+#[test]
+fn a_node_whose_firewall_drops_forwarded_traffic_leaves_the_status() {
+    require_root!();
+    let c = Cluster::new(1);
+    c.create(&web("web", &[(0, 0)]));
+    let np = c.wait_allocated("web", 1, CHANGE).into_values().next().expect("a node port");
+    c.wait_ingress_nodes("web", &[0, 1, 2], CHANGE);
+    c.wait_served(2, np, CHANGE);
+
+    c.nodes[2].exec_ok("iptables-nft", &["-P", "FORWARD", "DROP"]);
+    let dropped = Instant::now();
+    // The agents check every resync period (1 s here), then the node Lease and the leader's round.
+    c.wait_ingress_nodes("web", &[0, 1], Duration::from_secs(5));
+    eprintln!("node-3 left the status {:?} after its FORWARD policy went to drop", dropped.elapsed());
+    let ok = wait_until(CHANGE, || !c.events("node-3", "ForwardedTrafficDropped").is_empty());
+    assert!(ok, "no ForwardedTrafficDropped Event on Node node-3");
+    let ev = &c.events("node-3", "ForwardedTrafficDropped")[0];
+    assert_eq!((&ev["type"], &ev["regarding"]["kind"]), (&"Warning".into(), &"Node".into()), "{ev}");
+    let note = ev["note"].as_str().unwrap_or_default();
+    assert!(
+        note.contains("table ip filter chain FORWARD") && note.contains("--iptables-forward-accept"),
+        "{ev}"
+    );
+    assert!(
+        c.events("node-1", "ForwardedTrafficDropped").is_empty()
+            && c.events("node-2", "ForwardedTrafficDropped").is_empty()
+    );
+    c.wait_condition("web", SERVING, "True", "Serving", CHANGE);
+
+    c.nodes[2].exec_ok("iptables-nft", &["-P", "FORWARD", "ACCEPT"]);
+    c.wait_ingress_nodes("web", &[0, 1, 2], Duration::from_secs(5));
+    c.wait_served(2, np, CHANGE);
+    c.assert_rbac_allows_every_request();
+}
+
 #[test]
 fn a_leader_shut_down_gracefully_hands_over_at_once() {
     require_root!();

@@ -165,6 +165,12 @@ fn full_ruleset() -> Ruleset {
                 L4ProtoCtOrigDportCounterMap { map: "forward-counters".into() },
                 Verdict(V::Accept),
             ]),
+            r(vec![
+                NfProto(Family::Ipv6),
+                L4ProtoCtOrigDportInSet { set: "forward-counters".into() },
+                MarkSet(0x2000),
+            ]),
+            r(vec![MarkHas(0x2000), MarkClear(0x2000)]),
         ],
     ));
     let mut svc_a = regular(

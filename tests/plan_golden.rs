@@ -181,8 +181,9 @@ fn long_names_plan_and_encode() {
             assert!(comment.contains("...") && comment.contains("/xxxx"), "both parts shortened: {comment}");
             assert!(comment.contains(" 80/TCP: node port 65535"), "port and node port kept: {comment}");
         }
-        assert_eq!(rs.counters.len(), 6, "connections, forwarded and refused counter per family");
-        for c in rs.counters.values() {
+        let per_port: Vec<_> = rs.counters.values().filter(|c| !c.name.starts_with("forward-")).collect();
+        assert_eq!(per_port.len(), 6, "connections, forwarded and refused counter per family");
+        for c in per_port {
             let comment = c.comment.as_deref().expect("counters have a comment");
             assert!(comment.len() <= plan::MAX_COMMENT, "{} bytes: {comment}", comment.len());
             assert!(comment.contains("...") && comment.contains(" 80/TCP: "), "shortened: {comment}");
@@ -262,9 +263,18 @@ fn packets_count_in_the_service_ports_named_counters() {
     let env = Env { local_addrs: vec![NODE_V4.parse().unwrap(), NODE_V6.parse().unwrap()], numgen: 0 };
     let counted = |scenario: &str, pkt: Packet| {
         let t = trace::trace(&by_name[scenario], &pkt, &env);
-        t.counters.iter().map(|c| c.split('-').next().unwrap_or_default().to_string()).collect::<Vec<_>>()
+        // Per-port counters by kind (`conn4-<hash>-…` → `conn4`), node-level ones by name.
+        let kind = |c: &String| match c.starts_with("forward-") {
+            true => c.clone(),
+            false => c.split('-').next().unwrap_or_default().to_string(),
+        };
+        t.counters.iter().map(kind).collect::<Vec<_>>()
     };
-    assert_eq!(counted("web", packet(Protocol::Tcp, "203.0.113.7", NODE_V4, 20001)), ["conn4", "fwd4"]);
+    // Forwarded: entering the forward path (first chain), per Service and leaving it (last chain).
+    assert_eq!(
+        counted("web", packet(Protocol::Tcp, "203.0.113.7", NODE_V4, 20001)),
+        ["conn4", "forward-entered-ipv4", "fwd4", "forward-passed-ipv4"]
+    );
     assert_eq!(counted("ranged", packet(Protocol::Tcp, "203.0.113.200", NODE_V4, 20003)), ["refused4"]);
     assert_eq!(counted("web", packet(Protocol::Tcp, "203.0.113.7", NODE_V4, 20002)), Vec::<String>::new());
     // Every counter a packet can reach exists, and one without endpoints is still planned.

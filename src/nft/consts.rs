@@ -24,6 +24,8 @@ pub const NFNL_SUBSYS_NFTABLES: u8 = 10;
 pub const NFNL_MSG_BATCH_BEGIN: u16 = 16;
 pub const NFNL_MSG_BATCH_END: u16 = 17;
 pub const NFNETLINK_V0: u8 = 0;
+/// Attribute of BATCH_BEGIN: the ruleset generation the batch was computed on (ERESTART if not).
+pub const NFNL_BATCH_GENID: u16 = 1;
 
 pub const NFPROTO_UNSPEC: u8 = 0;
 pub const NFPROTO_INET: u8 = 1;

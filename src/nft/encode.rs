@@ -764,6 +764,7 @@ impl Lower {
             }
             Expr::MarkSet(bit) => self.mark_set(!bit, *bit),
             Expr::MarkXor(bit) => self.mark_set(u32::MAX, *bit),
+            Expr::MarkClear(bit) => self.mark_set(!bit, 0),
             Expr::Counter => self.ex("counter", |_| {}),
             Expr::CounterRef(name) => self.ex("objref", |w| {
                 w.put_u32(NFTA_OBJREF_IMM_TYPE, NFT_OBJECT_COUNTER);
@@ -791,6 +792,11 @@ impl Lower {
                         w.put_u32(NFTA_OBJREF_SET_ID, id);
                     }
                 });
+            }
+            Expr::L4ProtoCtOrigDportInSet { set } => {
+                self.ct_orig_proto_port(enc);
+                let id = enc.set_ids.get(set).copied();
+                self.lookup(set, id, false);
             }
             Expr::SaddrL4ProtoSportInSet { family, set } => {
                 self.need_nfproto(*family);

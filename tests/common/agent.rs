@@ -16,6 +16,13 @@ use super::topology::{ClientError, HttpResponse, NODE_NAME, wait_until};
 pub fn bin() -> String {
     std::env::var("NODELB_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_nodelb").to_string())
 }
+/// The xtables lock of the tests: the agents they start and the iptables-legacy commands they
+/// run take this one (shared by concurrent test processes, as the host's is by its tools), never
+/// the host's `/run/xtables.lock`.
+pub fn xtables_lockfile() -> PathBuf {
+    std::env::temp_dir().join("nodelb-test-xtables.lock")
+}
+
 /// `--http-addr` inside the node namespace (each namespace has its own loopback).
 pub const HTTP_PORT: u16 = 9470;
 
@@ -151,6 +158,7 @@ impl Agent {
             cmd.args(["--resync-period", "1s"]);
         }
         cmd.args(&self.extra_args);
+        cmd.env("XTABLES_LOCKFILE", xtables_lockfile());
         // The agent's log filter is NODELB_LOG (RUST_LOG is not read).
         if std::env::var_os("NODELB_LOG").is_none() {
             cmd.env("NODELB_LOG", "info,nodelb=debug");

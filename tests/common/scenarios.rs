@@ -42,6 +42,7 @@ pub fn node(families: &[Family]) -> NodeFacts {
         node_name: NODE.into(),
         families: families.iter().copied().collect::<BTreeSet<_>>(),
         masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
+        forward_mark: None,
     }
 }
 
@@ -118,6 +119,11 @@ pub fn scenarios() -> Vec<Scenario> {
             name: "dual_stack_v4_forwarding_off",
             services: vec![(dual.clone(), ports(&dual, 20006))],
             node: node(&[Family::Ipv6]),
+        },
+        Scenario {
+            name: "web_iptables_forward_accept",
+            services: vec![(web.clone(), ports(&web, 20001))],
+            node: NodeFacts { forward_mark: Some(0x2000), ..node(&all) },
         },
         Scenario {
             name: "mixed",
