@@ -38,6 +38,14 @@ impl Family {
         }
     }
 
+    /// `ip` / `ip6`: the protocol word of this family's header fields (`ip saddr`).
+    pub fn payload_word(self) -> &'static str {
+        match self {
+            Family::Ipv4 => "ip",
+            Family::Ipv6 => "ip6",
+        }
+    }
+
     /// NFPROTO_* value.
     pub fn nfproto(self) -> u8 {
         match self {
@@ -262,6 +270,10 @@ pub enum Expr {
     L4ProtoCtOrigDportCounterMap { map: String },
     /// `<family> saddr . meta l4proto . th sport @set` (packet comes from one of these endpoints)
     SaddrL4ProtoSportInSet { family: Family, set: String },
+    /// `<family> saddr . <family> daddr . meta l4proto . th dport @set`: after DNAT, the packet
+    /// goes to one of these endpoints (`address . address . protocol . port` elements, the
+    /// address twice) from that same address: a hairpin connection.
+    SaddrDaddrL4ProtoDportInSet { family: Family, set: String },
     /// `numgen random mod M V`: a fresh random draw in `0..M` equals `V`. A service chain picks one of
     /// N endpoints with rules matching `mod N 0`, `mod N-1 0`, ..., the last one unconditional: each
     /// is reached with probability (N-i)/N and matches with 1/(N-i), so every endpoint gets 1/N.
@@ -550,11 +562,11 @@ pub fn render_expr(e: &Expr) -> String {
             )
         }
         Expr::SaddrL4ProtoSportInSet { family, set } => {
-            let word = match family {
-                Family::Ipv4 => "ip",
-                Family::Ipv6 => "ip6",
-            };
-            format!("{word} saddr . meta l4proto . th sport @{set}")
+            format!("{} saddr . meta l4proto . th sport @{set}", family.payload_word())
+        }
+        Expr::SaddrDaddrL4ProtoDportInSet { family, set } => {
+            let w = family.payload_word();
+            format!("{w} saddr . {w} daddr . meta l4proto . th dport @{set}")
         }
         Expr::NumgenRandomIs { modulus, value } => format!("numgen random mod {modulus} {value}"),
         Expr::Dnat { addr, port } => match addr {

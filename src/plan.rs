@@ -9,7 +9,8 @@
 //! filter-output      filter  output     -110  same, for node-originated traffic
 //! nat-prerouting     nat     prerouting -100  local daddr → vmap @service-ports-<fam> (goto svc chain)
 //! nat-output         nat     output     -100  same, for node-originated traffic
-//! nat-postrouting    nat     postrouting 100  masquerade what a svc chain marked
+//! nat-postrouting    nat     postrouting 100  masquerade what a svc chain marked, and hairpin
+//!                                             connections (`@hairpin-<fam>`: endpoint to itself)
 //! filter-forward     filter  forward       0  drop invalid from our endpoints; our flows: count in
 //!                                             `counter name … map @forward-counters-<fam>`, accept
 //! svc<4|6>-…         per service port & family: count, mark for masquerade, then one dnat rule
@@ -83,6 +84,9 @@ pub fn forward_counters_map(f: Family) -> String {
 }
 pub fn endpoints_set(f: Family) -> String {
     format!("endpoints-{}", f.name())
+}
+pub fn hairpin_set(f: Family) -> String {
+    format!("hairpin-{}", f.name())
 }
 
 fn fam_digit(f: Family) -> char {
@@ -292,6 +296,13 @@ pub fn plan(services: &[ServicePlan<'_>], node: &NodeFacts) -> Ruleset {
             elements: BTreeMap::new(),
             comment: Some("endpoint address . protocol . port of every programmed endpoint".into()),
         });
+        rs.add_set(Set {
+            name: hairpin_set(f),
+            key: vec![addr, addr, KeyType::InetProto, KeyType::InetService],
+            kind: SetKind::Set,
+            elements: BTreeMap::new(),
+            comment: Some("endpoint . itself . protocol . port: connections to be masqueraded".into()),
+        });
     }
     let new_state = || vec![Expr::CtState(vec![CtState::New])];
     let filter_dispatch: Vec<Rule> =
@@ -321,12 +332,25 @@ pub fn plan(services: &[ServicePlan<'_>], node: &NodeFacts) -> Ruleset {
     ));
     rs.add_chain(base(CHAIN_NAT_OUTPUT, ChainType::Nat, Hook::Output, priority::DSTNAT, nat_dispatch));
     let mark = node.masquerade_mark;
+    let mut postrouting = vec![Rule::new(vec![Expr::MarkHas(mark), Expr::MarkXor(mark), Expr::Masquerade])];
+    // Hairpin: an endpoint that reaches its own Service through the node and is drawn itself
+    // would get its own packet from its own address and answer it directly, bypassing the node's
+    // conntrack; masqueraded, the answer goes back through the node. Only those connections, so
+    // `externalTrafficPolicy: Local` keeps the address of a client sent to another endpoint.
+    for f in Family::ALL {
+        postrouting.push(Rule::new(vec![
+            Expr::NfProto(f),
+            Expr::CtStatusDnat,
+            Expr::SaddrDaddrL4ProtoDportInSet { family: f, set: hairpin_set(f) },
+            Expr::Masquerade,
+        ]));
+    }
     rs.add_chain(base(
         CHAIN_NAT_POSTROUTING,
         ChainType::Nat,
         Hook::Postrouting,
         priority::SRCNAT,
-        vec![Rule::new(vec![Expr::MarkHas(mark), Expr::MarkXor(mark), Expr::Masquerade])],
+        postrouting,
     ));
     let mut forward_rules = Vec::new();
     for f in Family::ALL {
@@ -421,12 +445,16 @@ fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f
         return;
     }
 
+    let proto = KeyPart::Proto(port.id.protocol);
     if let Some(set) = rs.sets.get_mut(&endpoints_set(f)) {
         for ep in &endpoints {
-            set.elements.insert(
-                vec![KeyPart::Addr(ep.addr), KeyPart::Proto(port.id.protocol), KeyPart::Port(ep.port)],
-                None,
-            );
+            set.elements.insert(vec![KeyPart::Addr(ep.addr), proto, KeyPart::Port(ep.port)], None);
+        }
+    }
+    if let Some(set) = rs.sets.get_mut(&hairpin_set(f)) {
+        for ep in &endpoints {
+            let addr = KeyPart::Addr(ep.addr);
+            set.elements.insert(vec![addr, addr, proto, KeyPart::Port(ep.port)], None);
         }
     }
     // Count and mark for masquerade, then one DNAT rule per endpoint, picked by independent draws

@@ -249,6 +249,15 @@ fn run_rule(rs: &Ruleset, rule: &crate::ir::Rule, st: &mut State<'_>) -> RuleEnd
                     _ => false,
                 }
             }
+            Expr::SaddrDaddrL4ProtoDportInSet { set, .. } => {
+                let key = vec![
+                    KeyPart::Addr(pkt.saddr),
+                    KeyPart::Addr(daddr),
+                    KeyPart::Proto(pkt.protocol),
+                    KeyPart::Port(dport),
+                ];
+                rs.sets.get(set).is_some_and(|s| s.elements.contains_key(&key))
+            }
             Expr::SaddrL4ProtoSportInSet { set, .. } => {
                 let key =
                     vec![KeyPart::Addr(pkt.saddr), KeyPart::Proto(pkt.protocol), KeyPart::Port(pkt.sport)];

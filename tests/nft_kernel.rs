@@ -97,6 +97,21 @@ fn full_ruleset() -> Ruleset {
         )]),
         comment: Some("v6 endpoints".into()),
     });
+    rs.add_set(Set {
+        name: "hairpin-ipv4".into(),
+        key: vec![KeyType::Ipv4Addr, KeyType::Ipv4Addr, KeyType::InetProto, KeyType::InetService],
+        kind: SetKind::Set,
+        elements: BTreeMap::from([(
+            vec![
+                KeyPart::Addr(ip("192.0.2.10")),
+                KeyPart::Addr(ip("192.0.2.10")),
+                KeyPart::Proto(Protocol::Tcp),
+                KeyPart::Port(8080),
+            ],
+            None,
+        )]),
+        comment: None,
+    });
     let dport_vmap = || L4ProtoDportVmap { map: "service-ports".into() };
     rs.add_chain(base(
         "nat-prerouting",
@@ -124,6 +139,11 @@ fn full_ruleset() -> Ruleset {
             r(vec![MarkHas(0x4000), MarkXor(0x4000), CtStatusDnat, Masquerade]),
             r(vec![SaddrL4ProtoSportInSet { family: Family::Ipv4, set: "endpoints-ipv4".into() }, Counter]),
             r(vec![SaddrL4ProtoSportInSet { family: Family::Ipv6, set: "endpoints-ipv6".into() }, Counter]),
+            r(vec![
+                CtStatusDnat,
+                SaddrDaddrL4ProtoDportInSet { family: Family::Ipv4, set: "hairpin-ipv4".into() },
+                Masquerade,
+            ]),
         ],
     ));
     rs.add_chain(base(

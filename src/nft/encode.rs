@@ -543,6 +543,14 @@ fn put_verdict(w: &mut Writer, v: &Verdict) {
     w.end_nest(n);
 }
 
+/// Offsets of the source and destination address in the network header, and their length.
+fn addr_fields(family: Family) -> (u32, u32, u32) {
+    match family {
+        Family::Ipv4 => (12, 16, 4),
+        Family::Ipv6 => (8, 24, 16),
+    }
+}
+
 /// The register number nft uses for a 32-bit slot: the legacy 128-bit register when the slot starts
 /// one (compatibility with old kernels), else the 32-bit register (`netlink_put_register`).
 pub fn reg(slot: u32) -> u32 {
@@ -794,13 +802,21 @@ impl Lower {
             }
             Expr::SaddrL4ProtoSportInSet { family, set } => {
                 self.need_nfproto(*family);
-                let (offset, len) = match family {
-                    Family::Ipv4 => (12, 4),
-                    Family::Ipv6 => (8, 16),
-                };
-                self.payload(NFT_PAYLOAD_NETWORK_HEADER, offset, len, 0);
+                let (saddr, _, len) = addr_fields(*family);
+                self.payload(NFT_PAYLOAD_NETWORK_HEADER, saddr, len, 0);
                 self.meta_load(NFT_META_L4PROTO, len / 4);
                 self.payload(NFT_PAYLOAD_TRANSPORT_HEADER, 0, 2, len / 4 + 1);
+                let id = enc.set_ids.get(set).copied();
+                self.lookup(set, id, false);
+            }
+            Expr::SaddrDaddrL4ProtoDportInSet { family, set } => {
+                self.need_nfproto(*family);
+                let (saddr, daddr, len) = addr_fields(*family);
+                let slot = len / 4;
+                self.payload(NFT_PAYLOAD_NETWORK_HEADER, saddr, len, 0);
+                self.payload(NFT_PAYLOAD_NETWORK_HEADER, daddr, len, slot);
+                self.meta_load(NFT_META_L4PROTO, 2 * slot);
+                self.payload(NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2, 2 * slot + 1);
                 let id = enc.set_ids.get(set).copied();
                 self.lookup(set, id, false);
             }
@@ -1022,6 +1038,39 @@ mod tests {
         assert_rule_prefix(
             &m[1].1,
             "010000000b0001006e6f64656c62000008000200707265003c01048024000180090001006d6574610000000014000280080002000000000f08000100000000012c00018008000100636d700020000280080001000000000108000200000000000c00038005000100020000002800018008000100666962001c0002800800030000000002080002000000000308000100000000012c00018008000100636d700020000280080001000000000108000200000000000c000380080001000200000024000180090001006d657461000000001400028008000200000000100800010000000001340001800c0001007061796c6f6164002400028008000100000000090800020000000002080003000000000208000400000000023c0001800b0001006c6f6f6b757000002c000280080002000000000108000300000000000e0001007376632d706f7274730000000800040000000001",
+        );
+    }
+
+    /// `set hairpin-ipv6 { type ipv6_addr . ipv6_addr . inet_proto . inet_service; comment "x" }`
+    /// and `meta nfproto ipv6 ct status dnat ip6 saddr . ip6 daddr . meta l4proto . th dport
+    /// @hairpin-ipv6 masquerade` (registers 1, 2, 3 and 17).
+    #[test]
+    fn hairpin_set_and_lookup_match_nft() {
+        let m = encode(&[
+            Change::AddSet(Set {
+                name: "hairpin-ipv6".into(),
+                key: vec![KeyType::Ipv6Addr, KeyType::Ipv6Addr, KeyType::InetProto, KeyType::InetService],
+                kind: SetKind::Set,
+                elements: BTreeMap::new(),
+                comment: Some("x".into()),
+            }),
+            Change::AddRule {
+                chain: "post".into(),
+                rule: Rule::new(vec![
+                    Expr::NfProto(Family::Ipv6),
+                    Expr::CtStatusDnat,
+                    Expr::SaddrDaddrL4ProtoDportInSet { family: Family::Ipv6, set: "hairpin-ipv6".into() },
+                    Expr::Masquerade,
+                ]),
+            },
+        ]);
+        assert_eq!(
+            hex(&m[0].1),
+            "010000000b0001006e6f64656c620000110002006861697270696e2d69707636000000000800030000000000080004000020830d080005000000002808000a000000000118000d00000400000000030800040d000000010007027800"
+        );
+        assert_rule_prefix(
+            &m[1].1,
+            "010000000b0001006e6f64656c62000009000200706f737400000000f001048024000180090001006d6574610000000014000280080002000000000f08000100000000012c00018008000100636d700020000280080001000000000108000200000000000c000380050001000a0000002000018007000100637400001400028008000200000000020800010000000001440001800c0001006269747769736500340002800800010000000001080002000000000108000300000000040c00048008000100200000000c00058008000100000000002c00018008000100636d700020000280080001000000000108000200000000010c0003800800010000000000340001800c0001007061796c6f616400240002800800010000000001080002000000000108000300000000080800040000000010340001800c0001007061796c6f61640024000280080001000000000208000200000000010800030000000018080004000000001024000180090001006d657461000000001400028008000200000000100800010000000003340001800c0001007061796c6f616400240002800800010000000011080002000000000208000300000000020800040000000002380001800b0001006c6f6f6b75700000280002800800020000000001110001006861697270696e2d6970763600000000080004000000000114000180090001006d6173710000000004000280",
         );
     }
 
