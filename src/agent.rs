@@ -12,8 +12,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tracing::{debug, error, info, warn};
 
 use crate::alloc::{Allocations, PortRange};
+use crate::bridge::BridgeReader;
 use crate::conntrack::{self, ConntrackClient};
 use crate::desired::{self, AllocationMode, Desired, Inputs};
+use crate::hairpin;
 use crate::ir::{Change, Family, Ruleset};
 use crate::manifests;
 use crate::metrics::Metrics;
@@ -37,6 +39,7 @@ pub struct AgentConfig {
     pub masquerade_mark: u32,
     pub model: ModelOptions,
     pub sysctls: Sysctls,
+    pub bridges: BridgeReader,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -86,6 +89,8 @@ struct Agent {
     /// Refusals and input problems currently reported, to log each once per occurrence.
     logged_refusals: BTreeSet<String>,
     logged_problems: BTreeSet<String>,
+    /// Hairpin warnings and bridge read errors currently reported.
+    logged_hairpin: BTreeSet<String>,
     backoff: Duration,
     /// Source fingerprint and node facts of the last successful sync: the same again (a relist
     /// that brought nothing new) means nothing to recompute.
@@ -153,6 +158,7 @@ pub async fn run(
         families: BTreeMap::new(),
         logged_refusals: BTreeSet::new(),
         logged_problems: BTreeSet::new(),
+        logged_hairpin: BTreeSet::new(),
         backoff: MIN_BACKOFF,
         last_input: None,
         services_series: BTreeSet::new(),
@@ -185,6 +191,9 @@ pub async fn run(
                 }
             }
             dirty = retry_at.is_some();
+            if verify {
+                agent.check_hairpin();
+            }
             verify = false;
         }
         let retry_sleep = async {
@@ -255,6 +264,30 @@ impl Agent {
             entry.reason = reason;
         }
         changed
+    }
+
+    /// Reads the node's bridges and reports those on which an endpoint cannot reach its own
+    /// Service (every resync period: a CNI sets a pod's bridge port when the pod starts). Logged
+    /// once per warning while it lasts; `/status` always has the current ones.
+    fn check_hairpin(&mut self) {
+        let endpoints = self.applied.as_ref().map(hairpin::programmed_endpoints).unwrap_or_default();
+        let (warnings, messages) = if endpoints.is_empty() {
+            (Vec::new(), BTreeSet::new())
+        } else {
+            match self.cfg.bridges.read() {
+                Ok(facts) => {
+                    let w = hairpin::diagnose(&facts, &endpoints);
+                    let m = w.iter().map(|w| w.message.clone()).collect();
+                    (w, m)
+                }
+                Err(e) => {
+                    (Vec::new(), BTreeSet::from([format!("cannot check the bridges for hairpin mode: {e}")]))
+                }
+            }
+        };
+        log_new(&mut self.logged_hairpin, messages, |m| warn!("{m}"));
+        let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
+        st.hairpin = warnings;
     }
 
     fn node_facts(&self) -> NodeFacts {

@@ -53,6 +53,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         masquerade_mark: args.common.masquerade_mark,
         model: model_options(&args.common),
         sysctls: Sysctls::default(),
+        bridges: crate::bridge::BridgeReader::default(),
     };
     let status: SharedStatus = Arc::new(RwLock::new(Status::default()));
     let metrics = Arc::new(Metrics::new(args.per_service_metrics)?);
@@ -209,6 +210,9 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
     }
     for p in &st.problems {
         println!("problem: {p}");
+    }
+    for w in &st.hairpin {
+        println!("hairpin: {}", w.message);
     }
     match st.readiness() {
         Ok(None) => println!("READY"),

@@ -6,10 +6,12 @@
 
 pub mod agent;
 pub mod alloc;
+pub mod bridge;
 pub mod cli;
 pub mod commands;
 pub mod conntrack;
 pub mod desired;
+pub mod hairpin;
 pub mod http;
 pub mod ir;
 pub mod k8s;

@@ -82,6 +82,10 @@ pub struct Status {
     pub needed_families: Vec<String>,
     /// Problems reading the manifests (file, document, message), or other input problems.
     pub problems: Vec<String>,
+    /// Bridges on which an endpoint reaching its own Service through the node fails
+    /// (hairpin mode off behind br_netfilter).
+    #[serde(default)]
+    pub hairpin: Vec<crate::hairpin::HairpinWarning>,
     pub last_sync: Option<SyncStatus>,
     /// The source has been read completely at least once.
     pub source_synced: bool,

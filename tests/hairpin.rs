@@ -12,16 +12,18 @@ mod common;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
-use common::agent::Agent;
+use common::agent::{Agent, nodelb};
 use common::manifest::{EndpointSpec, PortSpec, ServiceSpec, render_all};
 use common::netns::NetNs;
 use common::topology::{
     ClientError, NODE_BACKEND_V4, NODE_BACKEND_V6, NODE_V4, NODE_V6, Topology, backend_v4, backend_v6,
-    http_get, parse_answer,
+    http_get, parse_answer, wait_until,
 };
 
 /// Per-request timeout where an answer is expected.
 const T: Duration = Duration::from_secs(2);
+/// Per-request timeout where some requests are expected to get no answer.
+const SHORT: Duration = Duration::from_millis(700);
 const READY: Duration = Duration::from_secs(15);
 const CHANGE: Duration = Duration::from_secs(5);
 /// Requests per Service and family: with two endpoints, the client itself is drawn about half
@@ -98,4 +100,51 @@ fn a_backend_reaches_its_own_service_through_the_node_under_both_policies() {
             }
         }
     }
+}
+
+/// The `hairpin` warnings of the agent's `/status`.
+fn hairpin_warnings(agent: &Agent) -> Vec<serde_json::Value> {
+    agent.status().and_then(|s| s["hairpin"].as_array().cloned()).unwrap_or_default()
+}
+
+#[test]
+fn hairpin_off_behind_br_netfilter_is_diagnosed_until_turned_on() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    // The topology's state on this kernel, made explicit: bridged IP traffic goes through the
+    // netfilter hooks, and the backends' bridge ports have hairpin mode off.
+    topo.node.sysctl("net.bridge.bridge-nf-call-iptables", "1");
+    topo.node.sysctl("net.bridge.bridge-nf-call-ip6tables", "1");
+    topo.set_hairpin(false);
+    let web = both_backends("web", 20081);
+    let agent = start(&topo, &[&web]);
+
+    // What the diagnosis is about: connections drawn to the client itself get no answer.
+    let be1 = &topo.backends[0];
+    let results = requests(&be1.ns, IpAddr::V4(NODE_V4), 20081, 20, SHORT);
+    assert!(results.iter().any(|r| r.is_err()), "hairpin off: some must fail: {results:?}");
+
+    assert!(wait_until(CHANGE, || !hairpin_warnings(&agent).is_empty()), "no hairpin warning in /status");
+    let warnings = hairpin_warnings(&agent);
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    let w = &warnings[0];
+    assert_eq!(w["bridge"], "br-b", "{w}");
+    let ports: Vec<&str> = w["ports"].as_array().unwrap().iter().filter_map(|p| p.as_str()).collect();
+    assert_eq!(ports, ["b0", "b1"], "{w}");
+    let message = w["message"].as_str().unwrap();
+    for needle in ["br-b", "hairpin", "bridge-nf-call-iptables", "hairpinMode"] {
+        assert!(message.contains(needle), "message names {needle}: {message}");
+    }
+    let out = nodelb(&topo.node, &["status", "--http-addr", "127.0.0.1:9470"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("hairpin") && text.contains("br-b"), "nodelb status:\n{text}");
+    // Logged once, not at every sync.
+    std::thread::sleep(Duration::from_secs(2));
+    let logged = agent.logs().matches("hairpin mode is off").count();
+    assert_eq!(logged, 1, "logged once:\n{}", agent.logs());
+
+    topo.set_hairpin(true);
+    assert!(wait_until(CHANGE, || hairpin_warnings(&agent).is_empty()), "warning stays after the fix");
+    let results = requests(&be1.ns, IpAddr::V4(NODE_V4), 20081, REQUESTS, T);
+    assert!(results.iter().all(Result::is_ok), "hairpin on: {results:?}");
 }
