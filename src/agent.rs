@@ -16,7 +16,7 @@ use crate::bridge::BridgeReader;
 use crate::conntrack::{self, ConntrackClient};
 use crate::desired::{self, AllocationMode, Desired, Inputs};
 use crate::hairpin;
-use crate::ir::{Change, Family, Ruleset};
+use crate::ir::{Carried, Change, Family, KeyType, Ruleset, SetKind};
 use crate::manifests;
 use crate::metrics::Metrics;
 use crate::model::ModelOptions;
@@ -419,7 +419,10 @@ impl Agent {
             Ok(())
         } else {
             let stats = match &batch {
-                Batch::FullReplace => self.nft.apply_full_replace(&desired.ruleset),
+                Batch::FullReplace => {
+                    let carried = self.carried_affinities(&desired.ruleset);
+                    self.nft.apply_full_replace(&desired.ruleset, &carried)
+                }
                 Batch::Diff(diff) => self.nft.apply(diff),
             };
             stats.map(|stats| self.metrics.batch_messages.observe(stats.messages as f64))
@@ -568,6 +571,35 @@ impl Agent {
         match ConntrackClient::new().and_then(|mut ct| ct.delete_stale_udp(&gone)) {
             Ok(n) => debug!(entries = n, backends = gone.len(), "deleted stale UDP conntrack entries"),
             Err(e) => warn!(error = %e, "could not delete stale UDP conntrack entries"),
+        }
+    }
+
+    /// The client affinities (elements of dynamic sets) the kernel holds for sets that `desired`
+    /// has too, to be put back by a full replace, which deletes the table and them with it (every
+    /// agent start, repair and retry). A set's name says its endpoint and timeout, so an element
+    /// is put back only where it means the same. Read failures lose them (logged), nothing else.
+    fn carried_affinities(&mut self, desired: &Ruleset) -> Carried {
+        let sets: Vec<(&str, &[KeyType])> = desired
+            .sets
+            .values()
+            .filter(|s| matches!(s.kind, SetKind::Dynamic { .. }))
+            .map(|s| (s.name.as_str(), s.key.as_slice()))
+            .collect();
+        if sets.is_empty() {
+            return Carried::new();
+        }
+        match self.nft.read_dynamic_elements(&sets) {
+            Ok(carried) => {
+                let n: usize = carried.values().map(Vec::len).sum();
+                if n > 0 {
+                    debug!(affinities = n, sets = carried.len(), "putting back client affinities");
+                }
+                carried
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot read the client affinities; the full replace starts them afresh");
+                Carried::new()
+            }
         }
     }
 

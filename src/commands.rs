@@ -207,6 +207,9 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
         for p in s.ports.iter().filter_map(|p| p.problem.as_ref()) {
             println!("    {p}");
         }
+        if let Some(t) = s.session_affinity_seconds {
+            println!("    session affinity: ClientIP, timeout {t}s");
+        }
     }
     for p in &st.problems {
         println!("problem: {p}");

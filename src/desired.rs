@@ -111,6 +111,7 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             reason_code: Some(r.code().to_string()),
             reason: Some(r.to_string()),
             ports: vec![],
+            session_affinity_seconds: None,
         });
     }
     services.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
@@ -202,6 +203,7 @@ fn service_status(
         reason_code: reason_code.map(String::from),
         reason,
         ports,
+        session_affinity_seconds: svc.session_affinity,
     }
 }
 

@@ -274,6 +274,12 @@ pub enum Expr {
     /// goes to one of these endpoints (`address . address . protocol . port` elements, the
     /// address twice) from that same address: a hairpin connection.
     SaddrDaddrL4ProtoDportInSet { family: Family, set: String },
+    /// `<family> saddr @set`: the client address is in the set (an affinity set: this client's
+    /// last connection went to the set's endpoint, within its timeout).
+    SaddrInSet { family: Family, set: String },
+    /// `update @set { <family> saddr }`: adds the client address to a dynamic set, or restarts
+    /// its timeout. Does not match when the set is full (and a new element cannot be added).
+    UpdateSaddr { family: Family, set: String },
     /// `numgen random mod M V`: a fresh random draw in `0..M` equals `V`. A service chain picks one of
     /// N endpoints with rules matching `mod N 0`, `mod N-1 0`, ..., the last one unconditional: each
     /// is reached with probability (N-i)/N and matches with 1/(N-i), so every endpoint gets 1/N.
@@ -333,13 +339,17 @@ pub enum SetKind {
     VerdictMap,
     /// `map … : counter` (elements name a [`NamedCounter`]; `counter name … map @m` counts in it)
     CounterMap,
+    /// `set` with `flags dynamic,timeout`: keys only, added by the packet path
+    /// ([`Expr::UpdateSaddr`]) and expiring `timeout` seconds after their last update. The
+    /// planner gives it no elements; those the kernel holds are state, not configuration.
+    Dynamic { timeout: u32 },
 }
 
 impl SetKind {
     /// `set` or `map`, as nft writes it.
     pub fn word(self) -> &'static str {
         match self {
-            SetKind::Set => "set",
+            SetKind::Set | SetKind::Dynamic { .. } => "set",
             SetKind::VerdictMap | SetKind::CounterMap => "map",
         }
     }
@@ -372,6 +382,12 @@ pub struct NamedCounter {
     pub name: String,
     pub comment: Option<String>,
 }
+
+/// Elements of dynamic sets by set name, each with the milliseconds until it expires: what a full
+/// replace puts back ([`Ruleset::full_replace_carrying`]).
+pub type Carried = BTreeMap<String, Vec<(Key, u64)>>;
+
+static NO_CARRIED: Carried = BTreeMap::new();
 
 /// The complete desired content of the `nodelb` table.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -423,11 +439,14 @@ fn render_set(out: &mut String, set: &Set) {
     let key: Vec<&str> = set.key.iter().map(|k| k.name()).collect();
     let _ = writeln!(out, "\t{} {} {{", set.kind.word(), set.name);
     let data = match set.kind {
-        SetKind::Set => "",
+        SetKind::Set | SetKind::Dynamic { .. } => "",
         SetKind::VerdictMap => " : verdict",
         SetKind::CounterMap => " : counter",
     };
     let _ = writeln!(out, "\t\ttype {}{data}", key.join(" . "));
+    if let SetKind::Dynamic { timeout } = set.kind {
+        let _ = writeln!(out, "\t\tflags dynamic,timeout\n\t\ttimeout {timeout}s");
+    }
     if let Some(c) = &set.comment {
         let _ = writeln!(out, "\t\tcomment {}", quote(c));
     }
@@ -568,6 +587,8 @@ pub fn render_expr(e: &Expr) -> String {
             let w = family.payload_word();
             format!("{w} saddr . {w} daddr . meta l4proto . th dport @{set}")
         }
+        Expr::SaddrInSet { family, set } => format!("{} saddr @{set}", family.payload_word()),
+        Expr::UpdateSaddr { family, set } => format!("update @{set} {{ {} saddr }}", family.payload_word()),
         Expr::NumgenRandomIs { modulus, value } => format!("numgen random mod {modulus} {value}"),
         Expr::Dnat { addr, port } => match addr {
             IpAddr::V4(a) => format!("dnat ip to {a}:{port}"),
@@ -610,6 +631,12 @@ pub enum Change {
         set: String,
         keys: Vec<Key>,
     },
+    /// Put back elements of a dynamic set ([`SetKind::Dynamic`]) that a full replace deletes
+    /// with the table, each expiring as it would have (milliseconds from now).
+    AddDynamicElements {
+        set: String,
+        elements: Vec<(Key, u64)>,
+    },
     /// Create a named counter (starting at zero).
     AddCounter(NamedCounter),
     /// Delete an (unreferenced) named counter.
@@ -641,6 +668,10 @@ pub enum ChangeRef<'a> {
     DeleteElements {
         set: &'a str,
         keys: &'a [Key],
+    },
+    AddDynamicElements {
+        set: &'a str,
+        elements: &'a [(Key, u64)],
     },
     AddCounter(&'a NamedCounter),
     DeleteCounter(&'a str),
@@ -689,6 +720,7 @@ impl Change {
                 ChangeRef::AddElements { set, elements: Elements::List(elements) }
             }
             Change::DeleteElements { set, keys } => ChangeRef::DeleteElements { set, keys },
+            Change::AddDynamicElements { set, elements } => ChangeRef::AddDynamicElements { set, elements },
             Change::AddCounter(c) => ChangeRef::AddCounter(c),
             Change::DeleteCounter(c) => ChangeRef::DeleteCounter(c),
         }
@@ -716,6 +748,9 @@ impl ChangeRef<'_> {
             ChangeRef::DeleteElements { set, keys } => {
                 Change::DeleteElements { set: set.to_string(), keys: keys.to_vec() }
             }
+            ChangeRef::AddDynamicElements { set, elements } => {
+                Change::AddDynamicElements { set: set.to_string(), elements: elements.to_vec() }
+            }
             ChangeRef::AddCounter(c) => Change::AddCounter(c.clone()),
             ChangeRef::DeleteCounter(c) => Change::DeleteCounter(c.to_string()),
         }
@@ -733,11 +768,27 @@ impl Ruleset {
     /// [`Ruleset::full_replace`] borrowing from `self`, computed as it is walked (nothing is
     /// copied or collected; walk it again to find the n-th change).
     pub fn full_replace_refs(&self) -> impl Iterator<Item = ChangeRef<'_>> + Clone {
+        self.full_replace_carrying(&NO_CARRIED)
+    }
+
+    /// [`Ruleset::full_replace_refs`] that also puts back `carried` elements of dynamic sets
+    /// (read from the kernel just before: the table's deletion would drop them), right after
+    /// their set is created. Elements of sets `self` does not have as dynamic sets are left out.
+    pub fn full_replace_carrying<'a>(
+        &'a self,
+        carried: &'a Carried,
+    ) -> impl Iterator<Item = ChangeRef<'a>> + Clone {
         let start = [ChangeRef::AddTable, ChangeRef::DeleteTable, ChangeRef::AddTable];
-        let sets = self.sets.values().flat_map(|set| {
+        let sets = self.sets.values().flat_map(move |set| {
             let elements = (!set.elements.is_empty())
                 .then_some(ChangeRef::AddElements { set: &set.name, elements: Elements::Set(&set.elements) });
-            std::iter::once(ChangeRef::AddSet(set)).chain(elements)
+            let dynamic = match (set.kind, carried.get(&set.name)) {
+                (SetKind::Dynamic { .. }, Some(e)) if !e.is_empty() => {
+                    Some(ChangeRef::AddDynamicElements { set: &set.name, elements: e })
+                }
+                _ => None,
+            };
+            std::iter::once(ChangeRef::AddSet(set)).chain(elements).chain(dynamic)
         });
         let rules = self
             .chains

@@ -44,6 +44,9 @@ pub struct ServiceStatus {
     pub reason_code: Option<String>,
     pub reason: Option<String>,
     pub ports: Vec<PortStatus>,
+    /// `sessionAffinity: ClientIP` is honoured, with this timeout (seconds).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub session_affinity_seconds: Option<u32>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
