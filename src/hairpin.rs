@@ -1,8 +1,8 @@
 //! Whether an endpoint can reach its own Service through the node (hairpin), given the node's
 //! bridges ([`crate::bridge`]) and the endpoints programmed. Pure.
 //!
-//! nodelb masquerades a connection drawn to its own client (`@hairpin-<family>`), so that the
-//! answer comes back through the node. What it cannot change: with br_netfilter passing a
+//! nodelb masquerades a connection drawn to its own client (`ip saddr . ip daddr … @endpoints-<fam>`),
+//! so that the answer comes back through the node. What it cannot change: with br_netfilter passing a
 //! bridge's IP traffic to the netfilter hooks, a DNAT in the bridge's prerouting to an address
 //! behind the same bridge makes the bridge forward the frame itself, back out of the port it came
 //! in on, which a bridge port does only with hairpin mode on. Otherwise the packet is dropped and

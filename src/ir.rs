@@ -268,11 +268,12 @@ pub enum Expr {
     /// the counter map gives for the connection's original protocol and port; no match when the
     /// map has no such element.
     L4ProtoCtOrigDportCounterMap { map: String },
-    /// `<family> saddr . meta l4proto . th sport @set` (packet comes from one of these endpoints)
-    SaddrL4ProtoSportInSet { family: Family, set: String },
+    /// `<family> saddr . <family> saddr . meta l4proto . th sport @set`: the packet comes from one
+    /// of these endpoints (`address . address . protocol . port` elements: the address twice, so
+    /// that one set also serves [`Expr::SaddrDaddrL4ProtoDportInSet`]).
+    SaddrTwiceL4ProtoSportInSet { family: Family, set: String },
     /// `<family> saddr . <family> daddr . meta l4proto . th dport @set`: after DNAT, the packet
-    /// goes to one of these endpoints (`address . address . protocol . port` elements, the
-    /// address twice) from that same address: a hairpin connection.
+    /// goes to one of these endpoints from that same address: a hairpin connection.
     SaddrDaddrL4ProtoDportInSet { family: Family, set: String },
     /// `<family> saddr @set`: the client address is in the set (an affinity set: this client's
     /// last connection went to the set's endpoint, within its timeout).
@@ -580,8 +581,9 @@ pub fn render_expr(e: &Expr) -> String {
                 "meta l4proto {{ tcp, udp, sctp }} counter name meta l4proto . ct original proto-dst map @{map}"
             )
         }
-        Expr::SaddrL4ProtoSportInSet { family, set } => {
-            format!("{} saddr . meta l4proto . th sport @{set}", family.payload_word())
+        Expr::SaddrTwiceL4ProtoSportInSet { family, set } => {
+            let w = family.payload_word();
+            format!("{w} saddr . {w} saddr . meta l4proto . th sport @{set}")
         }
         Expr::SaddrDaddrL4ProtoDportInSet { family, set } => {
             let w = family.payload_word();

@@ -10,7 +10,7 @@
 //! nat-prerouting     nat     prerouting -100  local daddr → vmap @service-ports-<fam> (goto svc chain)
 //! nat-output         nat     output     -100  same, for node-originated traffic
 //! nat-postrouting    nat     postrouting 100  masquerade what a svc chain marked, and hairpin
-//!                                             connections (`@hairpin-<fam>`: endpoint to itself)
+//!                                             connections (`@endpoints-<fam>`: endpoint to itself)
 //! filter-forward     filter  forward       0  drop invalid from our endpoints; our flows: count in
 //!                                             `counter name … map @forward-counters-<fam>`, accept
 //! svc<4|6>-…         per service port & family: count, mark for masquerade, then one dnat rule
@@ -86,9 +86,6 @@ pub fn forward_counters_map(f: Family) -> String {
 }
 pub fn endpoints_set(f: Family) -> String {
     format!("endpoints-{}", f.name())
-}
-pub fn hairpin_set(f: Family) -> String {
-    format!("hairpin-{}", f.name())
 }
 
 fn fam_digit(f: Family) -> char {
@@ -299,19 +296,14 @@ pub fn plan(services: &[ServicePlan<'_>], node: &NodeFacts) -> Ruleset {
             Family::Ipv4 => KeyType::Ipv4Addr,
             Family::Ipv6 => KeyType::Ipv6Addr,
         };
+        // The address twice: `ip saddr . ip saddr . …` (a packet from an endpoint) and
+        // `ip saddr . ip daddr . …` (a connection DNATed to its own client) use the same set.
         rs.add_set(Set {
             name: endpoints_set(f),
-            key: vec![addr, KeyType::InetProto, KeyType::InetService],
-            kind: SetKind::Set,
-            elements: BTreeMap::new(),
-            comment: Some("endpoint address . protocol . port of every programmed endpoint".into()),
-        });
-        rs.add_set(Set {
-            name: hairpin_set(f),
             key: vec![addr, addr, KeyType::InetProto, KeyType::InetService],
             kind: SetKind::Set,
             elements: BTreeMap::new(),
-            comment: Some("endpoint . itself . protocol . port: connections to be masqueraded".into()),
+            comment: Some("address . address . protocol . port of every programmed endpoint".into()),
         });
     }
     let new_state = || vec![Expr::CtState(vec![CtState::New])];
@@ -351,7 +343,7 @@ pub fn plan(services: &[ServicePlan<'_>], node: &NodeFacts) -> Ruleset {
         postrouting.push(Rule::new(vec![
             Expr::NfProto(f),
             Expr::CtStatusDnat,
-            Expr::SaddrDaddrL4ProtoDportInSet { family: f, set: hairpin_set(f) },
+            Expr::SaddrDaddrL4ProtoDportInSet { family: f, set: endpoints_set(f) },
             Expr::Masquerade,
         ]));
     }
@@ -367,7 +359,7 @@ pub fn plan(services: &[ServicePlan<'_>], node: &NodeFacts) -> Ruleset {
         forward_rules.push(Rule::new(vec![
             Expr::NfProto(f),
             Expr::CtState(vec![CtState::Invalid]),
-            Expr::SaddrL4ProtoSportInSet { family: f, set: endpoints_set(f) },
+            Expr::SaddrTwiceL4ProtoSportInSet { family: f, set: endpoints_set(f) },
             Expr::Counter,
             Expr::Verdict(Verdict::Drop),
         ]));
@@ -455,16 +447,11 @@ fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f
         return;
     }
 
-    let proto = KeyPart::Proto(port.id.protocol);
     if let Some(set) = rs.sets.get_mut(&endpoints_set(f)) {
         for ep in &endpoints {
-            set.elements.insert(vec![KeyPart::Addr(ep.addr), proto, KeyPart::Port(ep.port)], None);
-        }
-    }
-    if let Some(set) = rs.sets.get_mut(&hairpin_set(f)) {
-        for ep in &endpoints {
             let addr = KeyPart::Addr(ep.addr);
-            set.elements.insert(vec![addr, addr, proto, KeyPart::Port(ep.port)], None);
+            set.elements
+                .insert(vec![addr, addr, KeyPart::Proto(port.id.protocol), KeyPart::Port(ep.port)], None);
         }
     }
     // Count and mark for masquerade, then one DNAT rule per endpoint, picked by independent draws
@@ -814,7 +801,7 @@ pub fn rule_sets(rule: &Rule) -> Vec<&String> {
             Expr::L4ProtoDportVmap { map }
             | Expr::L4ProtoCtOrigDportVmap { map }
             | Expr::L4ProtoCtOrigDportCounterMap { map } => Some(map),
-            Expr::SaddrL4ProtoSportInSet { set, .. }
+            Expr::SaddrTwiceL4ProtoSportInSet { set, .. }
             | Expr::SaddrDaddrL4ProtoDportInSet { set, .. }
             | Expr::SaddrInSet { set, .. }
             | Expr::UpdateSaddr { set, .. } => Some(set),

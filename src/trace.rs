@@ -271,9 +271,9 @@ fn run_rule(rs: &Ruleset, rule: &crate::ir::Rule, st: &mut State<'_>) -> RuleEnd
                 ];
                 rs.sets.get(set).is_some_and(|s| s.elements.contains_key(&key))
             }
-            Expr::SaddrL4ProtoSportInSet { set, .. } => {
-                let key =
-                    vec![KeyPart::Addr(pkt.saddr), KeyPart::Proto(pkt.protocol), KeyPart::Port(pkt.sport)];
+            Expr::SaddrTwiceL4ProtoSportInSet { set, .. } => {
+                let from = KeyPart::Addr(pkt.saddr);
+                let key = vec![from, from, KeyPart::Proto(pkt.protocol), KeyPart::Port(pkt.sport)];
                 rs.sets.get(set).is_some_and(|s| s.elements.contains_key(&key))
             }
             Expr::SaddrInSet { set, .. } => st.env.dynamic.get(set).is_some_and(|s| s.contains(&pkt.saddr)),

@@ -77,40 +77,25 @@ fn full_ruleset() -> Ruleset {
         ]),
         comment: Some("forwarded".into()),
     });
+    let ep = |a: &str, p: Protocol, port: u16| {
+        vec![KeyPart::Addr(ip(a)), KeyPart::Addr(ip(a)), KeyPart::Proto(p), KeyPart::Port(port)]
+    };
     rs.add_set(Set {
         name: "endpoints-ipv4".into(),
-        key: vec![KeyType::Ipv4Addr, KeyType::InetProto, KeyType::InetService],
+        key: vec![KeyType::Ipv4Addr, KeyType::Ipv4Addr, KeyType::InetProto, KeyType::InetService],
         kind: SetKind::Set,
         elements: BTreeMap::from([
-            (vec![KeyPart::Addr(ip("192.0.2.10")), KeyPart::Proto(Protocol::Tcp), KeyPart::Port(8080)], None),
-            (vec![KeyPart::Addr(ip("192.0.2.11")), KeyPart::Proto(Protocol::Udp), KeyPart::Port(53)], None),
+            (ep("192.0.2.10", Protocol::Tcp, 8080), None),
+            (ep("192.0.2.11", Protocol::Udp, 53), None),
         ]),
         comment: None,
     });
     rs.add_set(Set {
         name: "endpoints-ipv6".into(),
-        key: vec![KeyType::Ipv6Addr, KeyType::InetProto, KeyType::InetService],
+        key: vec![KeyType::Ipv6Addr, KeyType::Ipv6Addr, KeyType::InetProto, KeyType::InetService],
         kind: SetKind::Set,
-        elements: BTreeMap::from([(
-            vec![KeyPart::Addr(ip("2001:db8::10")), KeyPart::Proto(Protocol::Tcp), KeyPart::Port(8080)],
-            None,
-        )]),
+        elements: BTreeMap::from([(ep("2001:db8::10", Protocol::Tcp, 8080), None)]),
         comment: Some("v6 endpoints".into()),
-    });
-    rs.add_set(Set {
-        name: "hairpin-ipv4".into(),
-        key: vec![KeyType::Ipv4Addr, KeyType::Ipv4Addr, KeyType::InetProto, KeyType::InetService],
-        kind: SetKind::Set,
-        elements: BTreeMap::from([(
-            vec![
-                KeyPart::Addr(ip("192.0.2.10")),
-                KeyPart::Addr(ip("192.0.2.10")),
-                KeyPart::Proto(Protocol::Tcp),
-                KeyPart::Port(8080),
-            ],
-            None,
-        )]),
-        comment: None,
     });
     rs.add_set(Set {
         name: "aff-a".into(),
@@ -151,11 +136,17 @@ fn full_ruleset() -> Ruleset {
         ir::priority::SRCNAT,
         vec![
             r(vec![MarkHas(0x4000), MarkXor(0x4000), CtStatusDnat, Masquerade]),
-            r(vec![SaddrL4ProtoSportInSet { family: Family::Ipv4, set: "endpoints-ipv4".into() }, Counter]),
-            r(vec![SaddrL4ProtoSportInSet { family: Family::Ipv6, set: "endpoints-ipv6".into() }, Counter]),
+            r(vec![
+                SaddrTwiceL4ProtoSportInSet { family: Family::Ipv4, set: "endpoints-ipv4".into() },
+                Counter,
+            ]),
+            r(vec![
+                SaddrTwiceL4ProtoSportInSet { family: Family::Ipv6, set: "endpoints-ipv6".into() },
+                Counter,
+            ]),
             r(vec![
                 CtStatusDnat,
-                SaddrDaddrL4ProtoDportInSet { family: Family::Ipv4, set: "hairpin-ipv4".into() },
+                SaddrDaddrL4ProtoDportInSet { family: Family::Ipv4, set: "endpoints-ipv4".into() },
                 Masquerade,
             ]),
         ],

@@ -132,15 +132,13 @@ fn one_endpoint_added_is_a_small_batch() {
     let after = plan::plan(&[ServicePlan { service: &web, node_ports: &p }], &n);
     let changes = plan::diff(&before, &after);
     // The service chain is flushed and refilled (counter/mark rule + 3 DNAT rules) and the new
-    // endpoint joins the endpoints and hairpin sets: 7 changes, nothing else touched.
-    assert_eq!(changes.len(), 7, "{changes:#?}");
+    // endpoint joins the endpoints set: 6 changes, nothing else touched.
+    assert_eq!(changes.len(), 6, "{changes:#?}");
     assert!(matches!(&changes[0], Change::FlushChain(c) if c.starts_with("svc4-")), "{changes:#?}");
-    for (i, name) in [(5, "endpoints-ipv4"), (6, "hairpin-ipv4")] {
-        assert!(
-            matches!(&changes[i], Change::AddElements { set, elements } if set == name && elements.len() == 1),
-            "{changes:#?}"
-        );
-    }
+    assert!(
+        matches!(&changes[5], Change::AddElements { set, elements } if set == "endpoints-ipv4" && elements.len() == 1),
+        "{changes:#?}"
+    );
     assert!(
         !changes.iter().any(|c| matches!(c, Change::DeleteTable | Change::DeleteChain(_))),
         "{changes:#?}"

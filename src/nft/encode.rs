@@ -773,6 +773,20 @@ impl Lower {
         self.ct_load(NFT_CT_PROTO_DST, 1, Some(IP_CT_DIR_ORIGINAL));
     }
 
+    /// `<family> saddr . <second address> . meta l4proto . th <port> @set`, the second address at
+    /// `second` in the network header, the port at `port` in the transport header.
+    fn addr_pair_port_lookup(&mut self, family: Family, second: u32, port: u32, set: &str, enc: &Enc) {
+        self.need_nfproto(family);
+        let (saddr, _, len) = addr_fields(family);
+        let slot = len / 4;
+        self.payload(NFT_PAYLOAD_NETWORK_HEADER, saddr, len, 0);
+        self.payload(NFT_PAYLOAD_NETWORK_HEADER, second, len, slot);
+        self.meta_load(NFT_META_L4PROTO, 2 * slot);
+        self.payload(NFT_PAYLOAD_TRANSPORT_HEADER, port, 2, 2 * slot + 1);
+        let id = enc.set_ids.get(set).copied();
+        self.lookup(set, id, false);
+    }
+
     fn expr(&mut self, e: &Expr, enc: &mut Enc) -> Result<(), NftError> {
         match e {
             Expr::NfProto(f) => {
@@ -838,25 +852,14 @@ impl Lower {
                     }
                 });
             }
-            Expr::SaddrL4ProtoSportInSet { family, set } => {
-                self.need_nfproto(*family);
-                let (saddr, _, len) = addr_fields(*family);
-                self.payload(NFT_PAYLOAD_NETWORK_HEADER, saddr, len, 0);
-                self.meta_load(NFT_META_L4PROTO, len / 4);
-                self.payload(NFT_PAYLOAD_TRANSPORT_HEADER, 0, 2, len / 4 + 1);
-                let id = enc.set_ids.get(set).copied();
-                self.lookup(set, id, false);
+            Expr::SaddrTwiceL4ProtoSportInSet { family, set } => {
+                let (saddr, _, _) = addr_fields(*family);
+                // th sport: the first 2 bytes of the transport header.
+                self.addr_pair_port_lookup(*family, saddr, 0, set, enc);
             }
             Expr::SaddrDaddrL4ProtoDportInSet { family, set } => {
-                self.need_nfproto(*family);
-                let (saddr, daddr, len) = addr_fields(*family);
-                let slot = len / 4;
-                self.payload(NFT_PAYLOAD_NETWORK_HEADER, saddr, len, 0);
-                self.payload(NFT_PAYLOAD_NETWORK_HEADER, daddr, len, slot);
-                self.meta_load(NFT_META_L4PROTO, 2 * slot);
-                self.payload(NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2, 2 * slot + 1);
-                let id = enc.set_ids.get(set).copied();
-                self.lookup(set, id, false);
+                let (_, daddr, _) = addr_fields(*family);
+                self.addr_pair_port_lookup(*family, daddr, 2, set, enc);
             }
             Expr::SaddrInSet { family, set } => {
                 self.need_nfproto(*family);
@@ -1103,7 +1106,8 @@ mod tests {
 
     /// `set hairpin-ipv6 { type ipv6_addr . ipv6_addr . inet_proto . inet_service; comment "x" }`
     /// and `meta nfproto ipv6 ct status dnat ip6 saddr . ip6 daddr . meta l4proto . th dport
-    /// @hairpin-ipv6 masquerade` (registers 1, 2, 3 and 17).
+    /// @hairpin-ipv6 masquerade` (registers 1, 2, 3 and 17; the planner's set is
+    /// `endpoints-ipv6`, the name is nft's capture).
     #[test]
     fn hairpin_set_and_lookup_match_nft() {
         let m = encode(&[
