@@ -69,6 +69,10 @@ fn requests(
 fn a_backend_reaches_its_own_service_through_the_node_under_both_policies() {
     require_root!();
     let topo = Topology::new(1, 2);
+    // br_netfilter on (the default of a new namespace here), as a bridge CNI needs it: without
+    // it be2's answer to be1 under Local would cross the bridge outside the node's conntrack.
+    topo.node.sysctl("net.bridge.bridge-nf-call-iptables", "1");
+    topo.node.sysctl("net.bridge.bridge-nf-call-ip6tables", "1");
     topo.set_hairpin(true);
     let cluster = both_backends("cluster", 20081);
     let local = both_backends("local", 20082).local_policy();
