@@ -190,9 +190,13 @@ pub fn firewall_chain(f: Family, svc: &LbService, port: &LbPort) -> String {
 /// Dynamic set of the clients whose last connection to a service port went to `ep`
 /// (`sessionAffinity: ClientIP`), expiring after `timeout` seconds. The timeout is part of the
 /// identity: a changed timeout is a new, empty set (a set's timeout cannot be changed in place).
+/// `aff<4|6>-<64-bit hash>`, no readable suffix (its comment has one): the kernel finds a set by
+/// comparing its name with every set name of the table, `strlen` included, once per set added and
+/// per rule using one, so at thousands of affinity endpoints short names halve a full replace.
 pub fn affinity_set(f: Family, svc: &LbService, port: &LbPort, ep: &Endpoint, timeout: u32) -> String {
-    let identity = format!("{}/{}/{}/{timeout}s", port_identity(svc, port), ep.addr, ep.port);
-    chain_name("aff", f, &identity)
+    let identity =
+        format!("aff|{}|{}/{}/{}/{timeout}s", f.name(), port_identity(svc, port), ep.addr, ep.port);
+    format!("aff{}-{:016x}", fam_digit(f), fnv1a(identity.as_bytes()))
 }
 
 /// Named counter of the new connections a service port's chain DNATs.
