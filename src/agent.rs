@@ -13,11 +13,13 @@ use k8s_openapi::jiff::Timestamp;
 use tracing::{debug, error, info, warn};
 
 use crate::alloc::PortRange;
+use crate::bridge::BridgeReader;
 use crate::conntrack::{self, ConntrackClient};
 use crate::desired::{self, AllocationMode, Desired, HostFacts, HostPolicy, Inputs};
 use crate::endpoint_policy::HostAddresses;
 use crate::firewall::{self, Checker};
-use crate::ir::{Change, Family, Ruleset};
+use crate::hairpin;
+use crate::ir::{Carried, Change, Family, KeyType, Ruleset, SetKind};
 use crate::manifests;
 use crate::metrics::Metrics;
 use crate::model::ModelOptions;
@@ -46,6 +48,7 @@ pub struct AgentConfig {
     pub policy: HostPolicy,
     /// The lock iptables-legacy writes take (`XTABLES_LOCKFILE`, else `/run/xtables.lock`).
     pub xtables_lockfile: PathBuf,
+    pub bridges: BridgeReader,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -96,6 +99,8 @@ struct Agent {
     /// Refusals and input problems currently reported, to log each once per occurrence.
     logged_refusals: BTreeSet<String>,
     logged_problems: BTreeSet<String>,
+    /// Hairpin warnings and bridge read errors currently reported.
+    logged_hairpin: BTreeSet<String>,
     backoff: Duration,
     /// Source fingerprint and node facts of the last successful sync: the same again (a relist
     /// that brought nothing new) means nothing to recompute.
@@ -175,6 +180,7 @@ pub async fn run(
         families: BTreeMap::new(),
         logged_refusals: BTreeSet::new(),
         logged_problems: BTreeSet::new(),
+        logged_hairpin: BTreeSet::new(),
         backoff: MIN_BACKOFF,
         last_input: None,
         local_addresses: HostAddresses::default(),
@@ -216,6 +222,9 @@ pub async fn run(
                 }
             }
             dirty = retry_at.is_some();
+            if verify {
+                agent.check_hairpin();
+            }
             verify = false;
         }
         if check_firewall && agent.applied.is_some() {
@@ -327,6 +336,30 @@ impl Agent {
             addresses: self.local_addresses.merged(&self.source.node_addresses()),
             listeners: self.listeners.clone(),
         }
+    }
+
+    /// Reads the node's bridges and reports those on which an endpoint cannot reach its own
+    /// Service (every resync period: a CNI sets a pod's bridge port when the pod starts). Logged
+    /// once per warning while it lasts; `/status` always has the current ones.
+    fn check_hairpin(&mut self) {
+        let endpoints = self.applied.as_ref().map(hairpin::programmed_endpoints).unwrap_or_default();
+        let (warnings, messages) = if endpoints.is_empty() {
+            (Vec::new(), BTreeSet::new())
+        } else {
+            match self.cfg.bridges.read() {
+                Ok(facts) => {
+                    let w = hairpin::diagnose(&facts, &endpoints);
+                    let m = w.iter().map(|w| w.message.clone()).collect();
+                    (w, m)
+                }
+                Err(e) => {
+                    (Vec::new(), BTreeSet::from([format!("cannot check the bridges for hairpin mode: {e}")]))
+                }
+            }
+        };
+        log_new(&mut self.logged_hairpin, messages, |m| warn!("{m}"));
+        let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
+        st.hairpin = warnings;
     }
 
     fn node_facts(&self) -> NodeFacts {
@@ -469,7 +502,10 @@ impl Agent {
             Ok(())
         } else {
             let stats = match &batch {
-                Batch::FullReplace => self.nft.apply_full_replace(&desired.ruleset),
+                Batch::FullReplace => {
+                    let carried = self.carried_affinities(&desired.ruleset);
+                    self.nft.apply_full_replace(&desired.ruleset, &carried)
+                }
                 Batch::Diff(diff) => self.nft.apply(diff),
             };
             stats.map(|stats| self.metrics.batch_messages.observe(stats.messages as f64))
@@ -642,6 +678,35 @@ impl Agent {
         match ConntrackClient::new().and_then(|mut ct| ct.delete_stale_udp(&gone)) {
             Ok(n) => debug!(entries = n, backends = gone.len(), "deleted stale UDP conntrack entries"),
             Err(e) => warn!(error = %e, "could not delete stale UDP conntrack entries"),
+        }
+    }
+
+    /// The client affinities (elements of dynamic sets) the kernel holds for sets that `desired`
+    /// has too, to be put back by a full replace, which deletes the table and them with it (every
+    /// agent start, repair and retry). A set's name says its endpoint and timeout, so an element
+    /// is put back only where it means the same. Read failures lose them (logged), nothing else.
+    fn carried_affinities(&mut self, desired: &Ruleset) -> Carried {
+        let sets: Vec<(&str, &[KeyType])> = desired
+            .sets
+            .values()
+            .filter(|s| matches!(s.kind, SetKind::Dynamic { .. }))
+            .map(|s| (s.name.as_str(), s.key.as_slice()))
+            .collect();
+        if sets.is_empty() {
+            return Carried::new();
+        }
+        match self.nft.read_dynamic_elements(&sets) {
+            Ok(carried) => {
+                let n: usize = carried.values().map(Vec::len).sum();
+                if n > 0 {
+                    debug!(affinities = n, sets = carried.len(), "putting back client affinities");
+                }
+                carried
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot read the client affinities; the full replace starts them afresh");
+                Carried::new()
+            }
         }
     }
 

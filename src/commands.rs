@@ -85,6 +85,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         sysctls: Sysctls::default(),
         policy: host_policy(&args.common),
         xtables_lockfile: crate::xtables::default_lockfile(),
+        bridges: crate::bridge::BridgeReader::default(),
     };
     let status: SharedStatus = Arc::new(RwLock::new(Status::default()));
     let metrics = Arc::new(Metrics::new(args.per_service_metrics)?);
@@ -285,9 +286,15 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
             total(|p| p.refused_packets),
             s.reason.as_deref().unwrap_or("")
         );
+        if let Some(t) = s.session_affinity_seconds {
+            println!("    session affinity: ClientIP, timeout {t}s");
+        }
     }
     for p in &st.problems {
         println!("problem: {p}");
+    }
+    for w in &st.hairpin {
+        println!("hairpin: {}", w.message);
     }
     match st.readiness() {
         Ok(None) => println!("READY"),

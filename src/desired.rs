@@ -229,6 +229,7 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             reason: Some(r.to_string()),
             ports: vec![],
             refused_endpoints: vec![],
+            session_affinity_seconds: None,
         });
     }
     services.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
@@ -407,6 +408,7 @@ fn service_status(
                 reason: r.reason.to_string(),
             })
             .collect(),
+        session_affinity_seconds: svc.session_affinity,
     }
 }
 

@@ -6,12 +6,14 @@
 
 pub mod agent;
 pub mod alloc;
+pub mod bridge;
 pub mod cli;
 pub mod commands;
 pub mod conntrack;
 pub mod desired;
 pub mod endpoint_policy;
 pub mod firewall;
+pub mod hairpin;
 pub mod hostaddrs;
 pub mod hostfw;
 pub mod http;

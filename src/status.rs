@@ -65,6 +65,9 @@ pub struct ServiceStatus {
     /// Endpoints named by the Service that are not DNATed to, and why.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub refused_endpoints: Vec<EndpointRefusalStatus>,
+    /// `sessionAffinity: ClientIP` is honoured, with this timeout (seconds).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub session_affinity_seconds: Option<u32>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -147,6 +150,10 @@ pub struct Status {
     pub needed_families: Vec<String>,
     /// Problems reading the manifests (file, document, message), or other input problems.
     pub problems: Vec<String>,
+    /// Bridges on which an endpoint reaching its own Service through the node fails
+    /// (hairpin mode off behind br_netfilter).
+    #[serde(default)]
+    pub hairpin: Vec<crate::hairpin::HairpinWarning>,
     pub last_sync: Option<SyncStatus>,
     /// The source has been read completely at least once.
     pub source_synced: bool,

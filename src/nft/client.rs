@@ -14,7 +14,7 @@ use super::encode::{self, Encoded, describe_ref, msg_type};
 use super::nla::{Writer, messages};
 use super::{ApplyStats, Counter, CounterValues, KernelTable, NftError, decode, foreign};
 use crate::hostfw::{Action, HostBase, HostChain, Source, TableFamily};
-use crate::ir::{self, Change, ChangeRef, Ruleset};
+use crate::ir::{self, Carried, Change, ChangeRef, KeyType, Ruleset, SetKind};
 
 /// Most foreign chains [`NftClient::read_forward_chains`] reads (base chains first); a jump to a
 /// chain beyond it makes the analysis uncertain, never wrong.
@@ -152,9 +152,47 @@ impl NftClient {
 
     /// Replaces table inet nodelb with exactly `ruleset`, in one atomic batch: what
     /// `apply(&ruleset.full_replace())` does, encoded straight from the ruleset (no copy of its
-    /// chains, rules and elements). Errors name the failing change the same way.
-    pub fn apply_full_replace(&mut self, ruleset: &Ruleset) -> Result<ApplyStats, NftError> {
-        self.apply_refs(|| ruleset.full_replace_refs())
+    /// chains, rules and elements), putting back the `carried` elements of its dynamic sets
+    /// ([`NftClient::read_dynamic_elements`]). Errors name the failing change the same way.
+    pub fn apply_full_replace(
+        &mut self,
+        ruleset: &Ruleset,
+        carried: &Carried,
+    ) -> Result<ApplyStats, NftError> {
+        self.apply_refs(|| ruleset.full_replace_carrying(carried))
+    }
+
+    /// The elements of the dynamic sets `sets` (name and key type) of table inet nodelb, each
+    /// with the milliseconds until it expires; a set (or the table) that does not exist has none.
+    /// Read just before a full replace, which deletes them with the table, to put them back.
+    pub fn read_dynamic_elements(&mut self, sets: &[(&str, &[KeyType])]) -> Result<Carried, NftError> {
+        let name = ir::TABLE_NAME;
+        let mut out = Carried::new();
+        for (set, types) in sets {
+            let what = format!("list elements of {set}");
+            let replies = match self.request(NFT_MSG_GETSETELEM, true, &what, |w| {
+                w.put_str(NFTA_SET_ELEM_LIST_TABLE, name);
+                w.put_str(NFTA_SET_ELEM_LIST_SET, set);
+            }) {
+                Ok(r) => r,
+                Err(NftError::Request { errno, .. }) if errno == nix::errno::Errno::ENOENT as i32 => continue,
+                Err(e) => return Err(e),
+            };
+            let mut elements = Vec::new();
+            for p in replies {
+                for (k, expires) in decode::expiring_elements(&p)? {
+                    if let (Some(key), Some(ms)) = (decode::key(types, &k), expires)
+                        && ms > 0
+                    {
+                        elements.push((key, ms));
+                    }
+                }
+            }
+            if !elements.is_empty() {
+                out.insert(set.to_string(), elements);
+            }
+        }
+        Ok(out)
     }
 
     /// Sends the changes `changes()` yields as one atomic batch; it is called again to describe
@@ -447,6 +485,12 @@ impl NftClient {
             }
         }
         for mut s in sets {
+            // A dynamic set's elements are what the packet path put there, not configuration
+            // (and there may be many): not read for a comparison with the ruleset.
+            if matches!(s.kind, Some(SetKind::Dynamic { .. })) {
+                t.sets.insert(s.name.clone(), s);
+                continue;
+            }
             let what = format!("list elements of {}", s.name);
             let set_name = s.name.clone();
             let replies = self.request(NFT_MSG_GETSETELEM, true, &what, |w| {
