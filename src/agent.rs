@@ -1,8 +1,9 @@
 //! The sync loop of `nodelb run`: watch the source, check the forwarding sysctls, compute the
-//! desired state, and program the kernel in one netlink batch per sync. Owns the policy around the
-//! batch: the first sync replaces whatever is there atomically (so a restart never drops traffic),
-//! later syncs are diffs, a failed batch forces a full resync with backoff, and a kernel that no
-//! longer matches what we programmed (someone deleted or edited our table) is repaired.
+//! desired state, and program the kernel in one netlink batch per sync. A sync is three steps:
+//! observe (the source's snapshot, this node's facts), plan (the pure desired state, persisted
+//! allocations) and apply ([`Dataplane::program`]: what batch now, and the kernel's side of it),
+//! then a report (metrics, `/status`, log). When syncs happen — after a change, every resync
+//! period, after a failure only once its backoff passed — is [`Schedule`]'s.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -14,19 +15,21 @@ use tracing::{debug, error, info, warn};
 
 use crate::alloc::PortRange;
 use crate::bridge::BridgeReader;
-use crate::conntrack::{self, ConntrackClient};
+use crate::dataplane::{Dataplane, DataplaneError};
 use crate::desired::{self, AllocationMode, Desired, HostFacts, HostPolicy, Inputs};
 use crate::endpoint_policy::HostAddresses;
 use crate::firewall::{self, Checker};
 use crate::hairpin;
-use crate::ir::{Carried, Change, Family, KeyType, Ruleset, SetKind};
+use crate::ir::Family;
+use crate::kernel::{Kernel, LocalNode, Netlink, NodeReads};
 use crate::manifests;
 use crate::metrics::Metrics;
 use crate::model::ModelOptions;
 use crate::nft::{self, NftClient};
-use crate::plan::{self, NodeFacts};
+use crate::plan::NodeFacts;
 use crate::port_policy::Listeners;
-use crate::source::{Loaded, Source};
+use crate::schedule::Schedule;
+use crate::source::{Loaded, Snapshot, Source};
 use crate::state::{State, StateFile};
 use crate::status::{ServiceState, ServiceStatus, SharedStatus, SyncStatus};
 use crate::sysctl::{Sysctls, forwarding_sysctl};
@@ -65,6 +68,15 @@ pub enum AgentError {
     State(#[from] crate::state::StateError),
 }
 
+impl From<DataplaneError> for AgentError {
+    fn from(e: DataplaneError) -> AgentError {
+        match e {
+            DataplaneError::Batch(e) => AgentError::Nft(e),
+            DataplaneError::KernelRead(e) => AgentError::KernelRead(e),
+        }
+    }
+}
+
 impl AgentError {
     /// The `reason` label of `nodelb_sync_failures_total`.
     fn reason(&self) -> &'static str {
@@ -77,31 +89,24 @@ impl AgentError {
     }
 }
 
-const MIN_BACKOFF: Duration = Duration::from_millis(200);
-const MAX_BACKOFF: Duration = Duration::from_secs(30);
 const SYSCTL_PERIOD: Duration = Duration::from_secs(1);
 
-struct Agent {
+struct Agent<K, N> {
     cfg: AgentConfig,
     metrics: Arc<Metrics>,
     status: SharedStatus,
-    nft: NftClient,
+    dataplane: Dataplane<K>,
+    node: N,
     source: Source,
     state: Option<StateFile>,
     /// The allocations (and their times) of the last sync, as in the state file.
     allocations: State,
-    /// What we last programmed and saw the kernel accept; `None` forces a full replace.
-    applied: Option<Ruleset>,
-    /// Ruleset generation right after our last batch; a different value means someone else
-    /// committed a transaction in this netns since, so we verify our table.
-    generation: Option<u32>,
     families: BTreeMap<Family, bool>,
     /// Refusals and input problems currently reported, to log each once per occurrence.
     logged_refusals: BTreeSet<String>,
     logged_problems: BTreeSet<String>,
     /// Hairpin warnings and bridge read errors currently reported.
     logged_hairpin: BTreeSet<String>,
-    backoff: Duration,
     /// Source fingerprint and node facts of the last successful sync: the same again (a relist
     /// that brought nothing new) means nothing to recompute.
     last_input: Option<(u64, NodeFacts, HostFacts)>,
@@ -114,10 +119,15 @@ struct Agent {
     listeners_failing: bool,
     /// `(state, reason)` label sets of `nodelb_services` currently exported.
     services_series: BTreeSet<(&'static str, String)>,
-    /// The host-firewall check, and what it last logged per family and as problems.
-    firewall: Checker,
-    firewall_logged: BTreeMap<Family, String>,
-    logged_firewall_problems: BTreeSet<String>,
+}
+
+/// The host-firewall check (its own netlink socket: it reads and writes other tables, never
+/// ours through the sync's [`Kernel`]), and what it last logged per family and as problems.
+struct HostFirewall {
+    nft: NftClient,
+    checker: Checker,
+    logged: BTreeMap<Family, String>,
+    logged_problems: BTreeSet<String>,
 }
 
 /// One sync attempt, as [`Agent::record`] reports it.
@@ -161,76 +171,31 @@ pub async fn run(
         Some(s) => migrate(s, s.load()?),
         None => Default::default(),
     };
-    let nft = NftClient::new()?;
-    let (cfg_mark, cfg_lockfile) = (cfg.forward_mark, cfg.xtables_lockfile.clone());
-    {
-        let mut st = status.write().unwrap_or_else(|e| e.into_inner());
-        st.node_name = cfg.node_name.clone();
-    }
-    let mut agent = Agent {
-        cfg,
-        metrics,
-        status,
-        nft,
-        source,
-        state,
-        allocations,
-        applied: None,
-        generation: None,
-        families: BTreeMap::new(),
-        logged_refusals: BTreeSet::new(),
+    let kernel = Netlink::new()?;
+    let mut firewall = HostFirewall {
+        nft: NftClient::new()?,
+        checker: Checker::new(cfg.forward_mark, crate::xtables::Xtables::new(cfg.xtables_lockfile.clone())),
+        logged: BTreeMap::new(),
         logged_problems: BTreeSet::new(),
-        logged_hairpin: BTreeSet::new(),
-        backoff: MIN_BACKOFF,
-        last_input: None,
-        local_addresses: HostAddresses::default(),
-        local_addresses_failing: false,
-        listeners: Listeners::default(),
-        listeners_failing: false,
-        services_series: BTreeSet::new(),
-        firewall: Checker::new(cfg_mark, crate::xtables::Xtables::new(cfg_lockfile)),
-        firewall_logged: BTreeMap::new(),
-        logged_firewall_problems: BTreeSet::new(),
     };
+    let mut agent = Agent::new(cfg, source, status, metrics, kernel, LocalNode, state, allocations);
     info!(source = %agent.source.describe(), node = %agent.cfg.node_name, "nodelb agent starting");
 
     tokio::pin!(shutdown);
     let mut resync = tokio::time::interval(agent.cfg.resync_period);
     let mut sysctl_tick = tokio::time::interval(SYSCTL_PERIOD);
-    let mut dirty = true;
-    let mut verify = false;
     // The host firewall is checked once per resync period (and right after the first sync).
-    let mut check_firewall = true;
-    let mut retry_at: Option<tokio::time::Instant> = None;
+    let mut schedule = Schedule::new();
     loop {
         agent.tick();
         if agent.check_forwarding() {
-            dirty = true;
+            schedule.changed();
         }
-        let due = retry_at.is_none_or(|t| tokio::time::Instant::now() >= t);
-        if (dirty || verify) && due {
-            match agent.sync(verify).await {
-                Ok(()) => {
-                    retry_at = None;
-                    agent.backoff = MIN_BACKOFF;
-                }
-                Err(e) => {
-                    error!(error = %e, retry_in = ?agent.backoff, "sync failed; next attempt is a full resync");
-                    agent.applied = None;
-                    retry_at = Some(tokio::time::Instant::now() + agent.backoff);
-                    agent.backoff = (agent.backoff * 2).min(MAX_BACKOFF);
-                }
-            }
-            dirty = retry_at.is_some();
-            if verify {
-                agent.check_hairpin();
-            }
-            verify = false;
+        agent.sync_if_due(&mut schedule, tokio::time::Instant::now()).await;
+        if schedule.take_firewall(agent.dataplane.applied().is_some()) {
+            firewall.check(&agent.metrics, &agent.status);
         }
-        if check_firewall && agent.applied.is_some() {
-            agent.check_host_firewall();
-            check_firewall = false;
-        }
+        let retry_at = schedule.retry_at();
         let retry_sleep = async {
             match retry_at {
                 Some(t) => tokio::time::sleep_until(t).await,
@@ -242,15 +207,69 @@ pub async fn run(
                 info!("shutting down; rules stay in the kernel (use `nodelb cleanup` to remove them)");
                 return Ok(());
             }
-            _ = agent.source.changed() => { debug!("source changed"); dirty = true; }
-            _ = resync.tick() => { verify = true; check_firewall = true; }
+            _ = agent.source.changed() => { debug!("source changed"); schedule.changed(); }
+            _ = resync.tick() => schedule.resync(),
             _ = sysctl_tick.tick() => {}
             _ = retry_sleep => {}
         }
     }
 }
 
-impl Agent {
+impl<K: Kernel, N: NodeReads> Agent<K, N> {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        cfg: AgentConfig,
+        source: Source,
+        status: SharedStatus,
+        metrics: Arc<Metrics>,
+        kernel: K,
+        node: N,
+        state: Option<StateFile>,
+        allocations: State,
+    ) -> Agent<K, N> {
+        {
+            let mut st = status.write().unwrap_or_else(|e| e.into_inner());
+            st.node_name = cfg.node_name.clone();
+        }
+        Agent {
+            cfg,
+            metrics,
+            status,
+            dataplane: Dataplane::new(kernel),
+            node,
+            source,
+            state,
+            allocations,
+            families: BTreeMap::new(),
+            logged_refusals: BTreeSet::new(),
+            logged_problems: BTreeSet::new(),
+            logged_hairpin: BTreeSet::new(),
+            last_input: None,
+            local_addresses: HostAddresses::default(),
+            local_addresses_failing: false,
+            listeners: Listeners::default(),
+            listeners_failing: false,
+            services_series: BTreeSet::new(),
+        }
+    }
+
+    /// Syncs when `schedule` says one is due at `now`, and tells it how it went (a failure
+    /// forgets what the kernel holds: the next attempt is a full replace, after the backoff).
+    async fn sync_if_due(&mut self, schedule: &mut Schedule, now: tokio::time::Instant) {
+        let Some(verify) = schedule.due(now) else { return };
+        match self.sync(verify).await {
+            Ok(()) => schedule.succeeded(),
+            Err(e) => {
+                let retry_in = schedule.failed(now);
+                error!(error = %e, ?retry_in, "sync failed; next attempt is a full resync");
+                self.dataplane.forget();
+            }
+        }
+        if verify {
+            self.check_hairpin();
+        }
+    }
+
     fn tick(&self) {
         let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
         st.last_tick = Some(Instant::now());
@@ -295,7 +314,7 @@ impl Agent {
             let entry = st.families.entry(f.name().to_string()).or_default();
             entry.forwarding = enabled;
             self.metrics.forwarding.with_label_values(&[f.name()]).set(i64::from(enabled));
-            entry.programmed = enabled && self.applied.is_some();
+            entry.programmed = enabled && self.dataplane.applied().is_some();
             entry.reason = reason;
         }
         changed
@@ -304,7 +323,7 @@ impl Agent {
     /// This node's addresses (read now; the last ones when the read fails, logged once) and, in
     /// Kubernetes mode, every Node object's.
     fn host_facts(&mut self) -> HostFacts {
-        match crate::hostaddrs::read() {
+        match self.node.addresses() {
             Ok(addrs) => {
                 if std::mem::take(&mut self.local_addresses_failing) {
                     info!("this node's addresses can be read again");
@@ -317,7 +336,7 @@ impl Agent {
             }
             Err(_) => {}
         }
-        match crate::listeners::read() {
+        match self.node.listeners() {
             Ok(sockets) => {
                 if std::mem::take(&mut self.listeners_failing) {
                     info!("this node's listening sockets can be read again");
@@ -342,7 +361,7 @@ impl Agent {
     /// Service (every resync period: a CNI sets a pod's bridge port when the pod starts). Logged
     /// once per warning while it lasts; `/status` always has the current ones.
     fn check_hairpin(&mut self) {
-        let endpoints = self.applied.as_ref().map(hairpin::programmed_endpoints).unwrap_or_default();
+        let endpoints = self.dataplane.applied().map(hairpin::programmed_endpoints).unwrap_or_default();
         let (warnings, messages) = if endpoints.is_empty() {
             (Vec::new(), BTreeSet::new())
         } else {
@@ -376,7 +395,7 @@ impl Agent {
     async fn sync(&mut self, verify: bool) -> Result<(), AgentError> {
         let mut attempt = Attempt {
             started: Instant::now(),
-            kind: if self.applied.is_none() { "full" } else { "incremental" },
+            kind: if self.dataplane.applied().is_none() { "full" } else { "incremental" },
             changes: 0,
             report: None,
         };
@@ -397,31 +416,17 @@ impl Agent {
     /// fills `attempt` with what [`Agent::record`] reports.
     async fn sync_once(&mut self, verify: bool, attempt: &mut Attempt) -> Result<Synced, AgentError> {
         let mut phases = Phases::new(attempt.started);
+        // Observe.
         let node = self.node_facts();
         let host = self.host_facts();
-        // The same input as the last good sync: nothing to recompute (the source does not even
-        // assemble its object lists). A resync then only asks the kernel whether any nftables
-        // transaction happened since our last batch; if one did, the full path below reads the
-        // table back and repairs it. (At 10,000 Services recomputing every resync period cost ~7%
-        // of a core and a transient copy of every object.)
-        let known = match &self.last_input {
-            Some((fp, last_node, last_host))
-                if *last_node == node && *last_host == host && self.applied.is_some() =>
-            {
-                Some(*fp)
+        let loaded = match self.observe(verify, &node, &host)? {
+            Loaded::Snapshot(loaded) => loaded,
+            Loaded::Unchanged => return Ok(Synced::Unchanged),
+            Loaded::Waiting => {
+                // Never program from a partial view: the old rules stay until the caches are complete.
+                debug!("source not complete yet; waiting");
+                return Ok(Synced::Waiting);
             }
-            _ => None,
-        };
-        let loaded = match self.load(known)? {
-            Loaded::Unchanged if !verify || !self.generation_changed()? => return Ok(Synced::Unchanged),
-            // Someone committed a transaction since our batch: the full path checks our table.
-            Loaded::Unchanged => self.load(None)?,
-            other => other,
-        };
-        let Loaded::Snapshot(loaded) = loaded else {
-            // Never program from a partial view: the old rules stay until the caches are complete.
-            debug!("source not complete yet; waiting");
-            return Ok(Synced::Waiting);
         };
         phases.mark("load");
         let problems: Vec<String> = loaded.problems.clone();
@@ -430,6 +435,67 @@ impl Agent {
             problems.iter().cloned().collect(),
             |p| warn!(problem = %p, "input problem"),
         );
+        // Plan.
+        let mut desired = self.desired(&loaded, &node, &host);
+        phases.mark("desired");
+        self.report_refusals(&desired);
+        self.persist(&desired)?;
+        phases.mark("state");
+        // Apply.
+        let programmed = self.dataplane.program(
+            std::mem::take(&mut desired.ruleset),
+            std::mem::take(&mut desired.counter_index),
+            verify,
+            &self.metrics,
+        )?;
+        let (kind, changes) = (programmed.kind, programmed.changes);
+        attempt.kind = kind;
+        attempt.changes = changes;
+        phases.mark("apply");
+        // Report.
+        self.update_service_gauges(&desired, problems.len());
+        if programmed.result.is_ok() {
+            if changes > 0 {
+                let ms = attempt.started.elapsed().as_secs_f64() * 1000.0;
+                info!(kind, changes, ms, "synced");
+            }
+            self.last_input = loaded.fingerprint.map(|fp| (fp, node.clone(), host.clone()));
+        }
+        attempt.report = Some(Report {
+            services: std::mem::take(&mut desired.services),
+            needed_families: desired.needed_families.iter().map(|f| f.name().to_string()).collect(),
+            problems: problems.into_iter().chain(desired.warnings.iter().cloned()).collect(),
+        });
+        phases.mark("after");
+        debug!(kind, changes, phases = %phases, "sync breakdown (ms)");
+        programmed.result.map(|()| Synced::Applied).map_err(AgentError::from)
+    }
+
+    /// The source's snapshot to sync from. The same input as the last good sync is
+    /// [`Loaded::Unchanged`] with nothing recomputed (the source does not even assemble its object
+    /// lists): a resync then only asks the kernel whether any nftables transaction happened since
+    /// our last batch, and if one did, the whole snapshot goes through so the apply step reads the
+    /// table back and repairs it. (At 10,000 Services recomputing every resync period cost ~7% of
+    /// a core and a transient copy of every object.)
+    fn observe(&mut self, verify: bool, node: &NodeFacts, host: &HostFacts) -> Result<Loaded, AgentError> {
+        let known = match &self.last_input {
+            Some((fp, last_node, last_host))
+                if last_node == node && last_host == host && self.dataplane.applied().is_some() =>
+            {
+                Some(*fp)
+            }
+            _ => None,
+        };
+        Ok(match self.load(known)? {
+            Loaded::Unchanged if !verify || !self.dataplane.generation_changed()? => Loaded::Unchanged,
+            // Someone committed a transaction since our batch: the full path checks our table.
+            Loaded::Unchanged => self.load(None)?,
+            other => other,
+        })
+    }
+
+    /// Everything the node should do, computed from the snapshot (pure).
+    fn desired(&self, loaded: &Snapshot, node: &NodeFacts, host: &HostFacts) -> Desired {
         let inputs = Inputs {
             mode: self.source.mode(),
             services: &loaded.services,
@@ -439,13 +505,16 @@ impl Agent {
             since: &self.allocations.since,
             range: &self.cfg.port_range,
             model: &self.cfg.model,
-            node: &node,
+            node,
             policy: &self.cfg.policy,
-            host: &host,
+            host,
         };
-        let mut desired: Desired = desired::compute_with(&inputs, self.metrics.per_service);
-        phases.mark("desired");
-        self.report_refusals(&desired);
+        desired::compute_with(&inputs, self.metrics.per_service)
+    }
+
+    /// Keeps the allocations (manifests mode: in the state file, before anything is programmed
+    /// with them).
+    fn persist(&mut self, desired: &Desired) -> Result<(), AgentError> {
         if desired.allocations != self.allocations.allocations {
             let next = self.allocations.stamp(&desired.allocations, Timestamp::now());
             if let Some(state) = &self.state
@@ -455,100 +524,7 @@ impl Agent {
             }
             self.allocations = next;
         }
-        phases.mark("state");
-
-        let applied = self.applied.take();
-        let checked = match &applied {
-            None => Ok(Batch::FullReplace),
-            Some(applied) => self.check_kernel(verify, applied).map(|repair| {
-                if repair {
-                    self.metrics.repairs.inc();
-                    Batch::FullReplace
-                } else if plan::needs_full_replace(applied, &desired.ruleset) {
-                    // Encoded from the ruleset, not as a diff's copy of it.
-                    Batch::FullReplace
-                } else {
-                    Batch::Diff(plan::diff(applied, &desired.ruleset))
-                }
-            }),
-        };
-        self.applied = applied;
-        let batch = checked?;
-        let kind = batch.kind();
-        let changes = batch.len(&desired.ruleset);
-        attempt.kind = kind;
-        attempt.changes = changes;
-        phases.mark("diff");
-        let metrics = self.metrics.clone();
-        // Held until the fold: a scrape sees the counters of one side of the batch.
-        let mut counters =
-            metrics.per_service.then(|| metrics.counters.lock().unwrap_or_else(|e| e.into_inner()));
-        // Counters that this batch resets (table replaced, counter deleted) and whose series stay:
-        // read them first and fold them into the exported totals once the batch is in.
-        let resetting = match &counters {
-            Some(c) => resetting_counters(&batch, &c.kept_counters(&desired.counter_index)),
-            None => BTreeSet::new(),
-        };
-        let before = if resetting.is_empty() {
-            None
-        } else {
-            self.nft.read_counters().map(Some).unwrap_or_else(|e| {
-                warn!(error = %e, "cannot read counters before the batch; totals of reset counters are lost");
-                None
-            })
-        };
-        phases.mark("counters");
-        let result = if changes == 0 {
-            Ok(())
-        } else {
-            let stats = match &batch {
-                Batch::FullReplace => {
-                    let carried = self.carried_affinities(&desired.ruleset);
-                    self.nft.apply_full_replace(&desired.ruleset, &carried)
-                }
-                Batch::Diff(diff) => self.nft.apply(diff),
-            };
-            stats.map(|stats| self.metrics.batch_messages.observe(stats.messages as f64))
-        };
-        drop(batch);
-        phases.mark("apply");
-        if result.is_ok()
-            && let Some(counters) = counters.as_mut()
-        {
-            if let Some(kernel) = &before {
-                counters.fold(kernel, &resetting, &desired.counter_index);
-            }
-            counters.install(std::mem::take(&mut desired.counter_index));
-        }
-        drop(counters);
-        self.update_service_gauges(&desired, problems.len());
-        if result.is_ok() {
-            if changes > 0 {
-                let ms = attempt.started.elapsed().as_secs_f64() * 1000.0;
-                info!(kind, changes, ms, "synced");
-            }
-            self.flush_stale_udp(&desired.ruleset);
-            // The batch is in: a failed read here only means the next resync verifies the table.
-            self.generation = match self.nft.generation() {
-                Ok(g) => Some(g),
-                Err(e) => {
-                    warn!(error = %e, "cannot read the ruleset generation; the next resync verifies our table");
-                    None
-                }
-            };
-            self.last_input = loaded.fingerprint.map(|fp| (fp, node.clone(), host.clone()));
-        }
-        attempt.report = Some(Report {
-            services: std::mem::take(&mut desired.services),
-            needed_families: desired.needed_families.iter().map(|f| f.name().to_string()).collect(),
-            problems: problems.into_iter().chain(desired.warnings.iter().cloned()).collect(),
-        });
-        if result.is_ok() {
-            self.applied = Some(desired.ruleset);
-        }
-        phases.mark("after");
-        debug!(kind, changes, phases = %phases, "sync breakdown (ms)");
-        result.map(|()| Synced::Applied).map_err(AgentError::from)
+        Ok(())
     }
 
     /// The source's snapshot ([`Loaded::Unchanged`] when its fingerprint is `known`). An error
@@ -559,12 +535,6 @@ impl Agent {
             self.set_problems(vec![e.to_string()]);
             e.into()
         })
-    }
-
-    /// On a resync (`verify`), whether someone changed our table since our last batch (then it is
-    /// replaced). Errors are kernel reads that failed.
-    fn check_kernel(&mut self, verify: bool, applied: &Ruleset) -> Result<bool, AgentError> {
-        Ok(verify && self.generation_changed()? && self.tampered(applied)?)
     }
 
     /// Counts one sync attempt: `nodelb_syncs_total`, the duration, the failure reason, the
@@ -665,126 +635,6 @@ impl Agent {
         }
     }
 
-    /// UDP endpoints that left a node port since the last batch: delete their conntrack entries
-    /// so clients that keep their source port are re-balanced instead of black-holed.
-    fn flush_stale_udp(&mut self, desired: &Ruleset) {
-        let Some(applied) = &self.applied else { return };
-        let before = conntrack::udp_backends(applied);
-        let after = conntrack::udp_backends(desired);
-        let gone: BTreeSet<_> = before.difference(&after).copied().collect();
-        if gone.is_empty() {
-            return;
-        }
-        match ConntrackClient::new().and_then(|mut ct| ct.delete_stale_udp(&gone)) {
-            Ok(n) => debug!(entries = n, backends = gone.len(), "deleted stale UDP conntrack entries"),
-            Err(e) => warn!(error = %e, "could not delete stale UDP conntrack entries"),
-        }
-    }
-
-    /// The client affinities (elements of dynamic sets) the kernel holds for sets that `desired`
-    /// has too, to be put back by a full replace, which deletes the table and them with it (every
-    /// agent start, repair and retry). A set's name says its endpoint and timeout, so an element
-    /// is put back only where it means the same. Read failures lose them (logged), nothing else.
-    fn carried_affinities(&mut self, desired: &Ruleset) -> Carried {
-        let sets: Vec<(&str, &[KeyType])> = desired
-            .sets
-            .values()
-            .filter(|s| matches!(s.kind, SetKind::Dynamic { .. }))
-            .map(|s| (s.name.as_str(), s.key.as_slice()))
-            .collect();
-        if sets.is_empty() {
-            return Carried::new();
-        }
-        match self.nft.read_dynamic_elements(&sets) {
-            Ok(carried) => {
-                let n: usize = carried.values().map(Vec::len).sum();
-                if n > 0 {
-                    debug!(affinities = n, sets = carried.len(), "putting back client affinities");
-                }
-                carried
-            }
-            Err(e) => {
-                warn!(error = %e, "cannot read the client affinities; the full replace starts them afresh");
-                Carried::new()
-            }
-        }
-    }
-
-    fn generation_changed(&mut self) -> Result<bool, AgentError> {
-        let now = self.nft.generation().map_err(AgentError::KernelRead)?;
-        Ok(self.generation != Some(now))
-    }
-
-    /// Compares the kernel's table with what we programmed; logs each difference.
-    fn tampered(&mut self, applied: &Ruleset) -> Result<bool, AgentError> {
-        let table = self.nft.read_table().map_err(AgentError::KernelRead)?;
-        let diffs = nft::verify(applied, table.as_ref());
-        if diffs.is_empty() {
-            // Someone else's transaction (another table): remember the new generation.
-            self.generation = Some(self.nft.generation().map_err(AgentError::KernelRead)?);
-            return Ok(false);
-        }
-        for d in diffs.iter().take(20) {
-            warn!(difference = %d, "table inet nodelb was changed behind our back; repairing");
-        }
-        if diffs.len() > 20 {
-            warn!(more = diffs.len() - 20, "further differences not shown");
-        }
-        Ok(true)
-    }
-
-    /// Runs the host-firewall check and reports it: a log line per change (naming the table and
-    /// chain, or the evidence, and the fix), `/status`, readiness (a family dropped for certain
-    /// is not served), metrics. The Kubernetes Event and node Lease follow from the status.
-    fn check_host_firewall(&mut self) {
-        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
-        let report = self.firewall.check(&mut self.nft, now);
-        for c in &report.changes {
-            info!(change = %c, "host firewall");
-        }
-        log_new(
-            &mut self.logged_firewall_problems,
-            report.problems.iter().cloned().collect(),
-            |p| warn!(problem = %p, "host firewall check"),
-        );
-        for (f, d) in &report.diagnosis {
-            let (state, text) = firewall::state_words(d);
-            let key = format!("{state}: {text}");
-            if self.firewall_logged.get(f) == Some(&key) {
-                continue;
-            }
-            let was = self.firewall_logged.insert(*f, key).is_some();
-            match state {
-                "blocked" => warn!(
-                    family = %f,
-                    "forwarded {f} connections of nodelb Services are dropped by the host firewall, so this node does not serve {f}: {text}"
-                ),
-                "evidence" => warn!(family = %f, "{text}"),
-                "suspect" => warn!(
-                    family = %f,
-                    "the host firewall may drop forwarded {f} connections of nodelb Services (no traffic yet to tell): {text}"
-                ),
-                _ if was => {
-                    info!(family = %f, "no host firewall drops forwarded {f} connections of nodelb Services any more")
-                }
-                _ => {}
-            }
-        }
-        let fw = &self.metrics.firewall;
-        let (drops, accept) = report.metric_series();
-        fw.set_chains(drops, accept);
-        let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
-        for f in Family::ALL {
-            let d = report.diagnosis.get(&f).cloned().unwrap_or_default();
-            fw.blocked.with_label_values(&[f.name()]).set(i64::from(d.blocked.is_some()));
-            fw.evidence.with_label_values(&[f.name()]).set(i64::from(d.evidence.is_some()));
-            let entry = st.families.entry(f.name().to_string()).or_default();
-            entry.firewall = d.blocked;
-            entry.evidence = d.evidence;
-        }
-        st.host_firewall = report.status(now);
-    }
-
     fn report_refusals(&mut self, desired: &Desired) {
         let current = desired
             .refusals
@@ -804,6 +654,60 @@ impl Agent {
     fn set_problems(&self, problems: Vec<String>) {
         let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
         st.problems = problems;
+    }
+}
+
+impl HostFirewall {
+    /// Runs the host-firewall check and reports it: a log line per change (naming the table and
+    /// chain, or the evidence, and the fix), `/status`, readiness (a family dropped for certain
+    /// is not served), metrics. The Kubernetes Event and node Lease follow from the status.
+    fn check(&mut self, metrics: &Metrics, status: &SharedStatus) {
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
+        let report = self.checker.check(&mut self.nft, now);
+        for c in &report.changes {
+            info!(change = %c, "host firewall");
+        }
+        log_new(
+            &mut self.logged_problems,
+            report.problems.iter().cloned().collect(),
+            |p| warn!(problem = %p, "host firewall check"),
+        );
+        for (f, d) in &report.diagnosis {
+            let (state, text) = firewall::state_words(d);
+            let key = format!("{state}: {text}");
+            if self.logged.get(f) == Some(&key) {
+                continue;
+            }
+            let was = self.logged.insert(*f, key).is_some();
+            match state {
+                "blocked" => warn!(
+                    family = %f,
+                    "forwarded {f} connections of nodelb Services are dropped by the host firewall, so this node does not serve {f}: {text}"
+                ),
+                "evidence" => warn!(family = %f, "{text}"),
+                "suspect" => warn!(
+                    family = %f,
+                    "the host firewall may drop forwarded {f} connections of nodelb Services (no traffic yet to tell): {text}"
+                ),
+                _ if was => {
+                    info!(family = %f, "no host firewall drops forwarded {f} connections of nodelb Services any more")
+                }
+                _ => {}
+            }
+        }
+        let fw = &metrics.firewall;
+        let (drops, accept) = report.metric_series();
+        fw.set_chains(drops, accept);
+        let mut st = status.write().unwrap_or_else(|e| e.into_inner());
+        for f in Family::ALL {
+            let d = report.diagnosis.get(&f).cloned().unwrap_or_default();
+            fw.blocked.with_label_values(&[f.name()]).set(i64::from(d.blocked.is_some()));
+            fw.evidence.with_label_values(&[f.name()]).set(i64::from(d.evidence.is_some()));
+            let entry = st.families.entry(f.name().to_string()).or_default();
+            entry.firewall = d.blocked;
+            entry.evidence = d.evidence;
+        }
+        st.host_firewall = report.status(now);
     }
 }
 
@@ -871,49 +775,6 @@ impl std::fmt::Display for Phases {
     }
 }
 
-/// What a sync sends.
-enum Batch {
-    /// The desired ruleset replaces the table (`Ruleset::full_replace`), encoded straight from
-    /// the ruleset: at 10,000 Services a copy of it as a change list was ~40 MB at the sync's peak.
-    FullReplace,
-    Diff(Vec<Change>),
-}
-
-impl Batch {
-    /// The `kind` label of the sync metrics.
-    fn kind(&self) -> &'static str {
-        match self {
-            Batch::FullReplace => "full",
-            Batch::Diff(_) => "incremental",
-        }
-    }
-
-    /// Number of changes (of `desired`'s full replace, for a full replace).
-    fn len(&self, desired: &Ruleset) -> usize {
-        match self {
-            Batch::FullReplace => desired.full_replace_refs().count(),
-            Batch::Diff(changes) => changes.len(),
-        }
-    }
-}
-
-/// Named counters (among `tracked`) that this batch deletes: the whole table on a full replace,
-/// else the counters of Service ports that stop being programmed. Flushing or replacing chains
-/// does not touch them.
-fn resetting_counters(batch: &Batch, tracked: &BTreeSet<String>) -> BTreeSet<String> {
-    let changes = match batch {
-        Batch::FullReplace => return tracked.clone(),
-        Batch::Diff(changes) => changes,
-    };
-    changes
-        .iter()
-        .filter_map(|c| match c {
-            Change::DeleteCounter(n) if tracked.contains(n) => Some(n.clone()),
-            _ => None,
-        })
-        .collect()
-}
-
 /// Logs the messages of `current` that were not reported last time, then remembers `current`: a
 /// message is logged once while it persists, and again if it goes away and comes back.
 fn log_new(reported: &mut BTreeSet<String>, current: BTreeSet<String>, log: impl Fn(&str)) {
@@ -922,3 +783,6 @@ fn log_new(reported: &mut BTreeSet<String>, current: BTreeSet<String>, log: impl
     }
     *reported = current;
 }
+
+#[cfg(test)]
+mod tests;

@@ -18,8 +18,8 @@ use netlink_packet_netfilter::{
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 
-use crate::ir::{Expr, Mapped, Protocol, Ruleset, Verdict};
-use crate::plan;
+use crate::ir::Protocol;
+use crate::plan::UdpBackend;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConntrackError {
@@ -29,33 +29,6 @@ pub enum ConntrackError {
     Kernel { op: &'static str, source: std::io::Error },
     #[error("conntrack {op}: cannot decode the kernel's answer: {reason}")]
     Decode { op: &'static str, reason: String },
-}
-
-/// A UDP backend reachable through a node port: (node port, endpoint address, endpoint port).
-pub type UdpBackend = (u16, IpAddr, u16);
-
-/// Every UDP (node port → endpoint) pair a ruleset programs, read from the IR itself: the
-/// `service-ports-*` maps lead to service chains, whose DNAT rules name the endpoints.
-pub fn udp_backends(rs: &Ruleset) -> BTreeSet<UdpBackend> {
-    let mut out = BTreeSet::new();
-    for f in crate::ir::Family::ALL {
-        let Some(map) = rs.sets.get(&plan::service_ports_map(f)) else { continue };
-        for (key, verdict) in &map.elements {
-            let (Some(crate::ir::KeyPart::Proto(Protocol::Udp)), Some(crate::ir::KeyPart::Port(node_port))) =
-                (key.first(), key.get(1))
-            else {
-                continue;
-            };
-            let Some(Mapped::Verdict(Verdict::Goto(svc))) = verdict else { continue };
-            let rules = rs.chains.get(svc).map(|c| c.rules.as_slice()).unwrap_or_default();
-            for e in rules.iter().flat_map(|r| &r.exprs) {
-                if let Expr::Dnat { addr, port } = e {
-                    out.insert((*node_port, *addr, *port));
-                }
-            }
-        }
-    }
-    out
 }
 
 /// One conntrack entry, as far as we need it.

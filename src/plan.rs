@@ -32,6 +32,7 @@
 //! are replaced.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
 
 use ipnet::IpNet;
 
@@ -718,6 +719,33 @@ fn push_rules(changes: &mut Vec<Change>, chain: &Chain) {
     for rule in &chain.rules {
         changes.push(Change::AddRule { chain: chain.name.clone(), rule: rule.clone() });
     }
+}
+
+/// A UDP backend reachable through a node port: (node port, endpoint address, endpoint port).
+pub type UdpBackend = (u16, IpAddr, u16);
+
+/// Every UDP (node port → endpoint) pair a ruleset programs, read from the IR itself: the
+/// `service-ports-*` maps lead to service chains, whose DNAT rules name the endpoints.
+pub fn udp_backends(rs: &Ruleset) -> BTreeSet<UdpBackend> {
+    let mut out = BTreeSet::new();
+    for f in Family::ALL {
+        let Some(map) = rs.sets.get(&service_ports_map(f)) else { continue };
+        for (key, verdict) in &map.elements {
+            let (Some(KeyPart::Proto(Protocol::Udp)), Some(KeyPart::Port(node_port))) =
+                (key.first(), key.get(1))
+            else {
+                continue;
+            };
+            let Some(Mapped::Verdict(Verdict::Goto(svc))) = verdict else { continue };
+            let rules = rs.chains.get(svc).map(|c| c.rules.as_slice()).unwrap_or_default();
+            for e in rules.iter().flat_map(|r| &r.exprs) {
+                if let Expr::Dnat { addr, port } = e {
+                    out.insert((*node_port, *addr, *port));
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Applies changes to an in-memory ruleset the way the kernel would (a model for tests: a diff

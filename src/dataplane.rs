@@ -1,0 +1,279 @@
+//! The apply step of a sync: the kernel and what nodelb last programmed into it. Owns the policy
+//! around the batch: the first batch replaces whatever table is there atomically (so a restart
+//! never drops traffic), later batches are diffs, a kernel that no longer holds what we
+//! programmed (someone deleted or edited our table) is repaired with a full replace, a full
+//! replace puts the client affinities back, and the named counters a batch resets are folded
+//! into the exported totals. What to send is decided by a pure function, [`next_batch`].
+
+use std::collections::BTreeSet;
+
+use tracing::{debug, warn};
+
+use crate::ir::{Carried, Change, KeyType, Ruleset, SetKind};
+use crate::kernel::Kernel;
+use crate::metrics::{CounterIndex, Metrics};
+use crate::nft::{self, NftError};
+use crate::plan;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DataplaneError {
+    /// The kernel refused the batch (or netlink failed while sending it).
+    #[error(transparent)]
+    Batch(NftError),
+    /// Reading the ruleset generation or our table back failed.
+    #[error("reading the ruleset back from the kernel: {0}")]
+    KernelRead(#[source] NftError),
+}
+
+/// What a sync sends.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Batch {
+    /// The desired ruleset replaces the table (`Ruleset::full_replace`), encoded straight from
+    /// the ruleset: at 10,000 Services a copy of it as a change list was ~40 MB at the sync's peak.
+    FullReplace,
+    Diff(Vec<Change>),
+}
+
+impl Batch {
+    /// The `kind` label of the sync metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Batch::FullReplace => "full",
+            Batch::Diff(_) => "incremental",
+        }
+    }
+
+    /// Number of changes (of `desired`'s full replace, for a full replace).
+    pub fn len(&self, desired: &Ruleset) -> usize {
+        match self {
+            Batch::FullReplace => desired.full_replace_refs().count(),
+            Batch::Diff(changes) => changes.len(),
+        }
+    }
+}
+
+/// What to send to bring the kernel from what we last programmed (`applied`; `None`: unknown,
+/// as at start and after a failure) to `desired`. A table found `tampered` is replaced whole, as
+/// is one whose base chains or set types change (which a diff cannot express).
+pub fn next_batch(applied: Option<&Ruleset>, tampered: bool, desired: &Ruleset) -> Batch {
+    match applied {
+        None => Batch::FullReplace,
+        Some(_) if tampered => Batch::FullReplace,
+        Some(applied) if plan::needs_full_replace(applied, desired) => Batch::FullReplace,
+        Some(applied) => Batch::Diff(plan::diff(applied, desired)),
+    }
+}
+
+/// Named counters (among `tracked`) that this batch deletes: the whole table on a full replace,
+/// else the counters of Service ports that stop being programmed. Flushing or replacing chains
+/// does not touch them.
+pub fn resetting_counters(batch: &Batch, tracked: &BTreeSet<String>) -> BTreeSet<String> {
+    let changes = match batch {
+        Batch::FullReplace => return tracked.clone(),
+        Batch::Diff(changes) => changes,
+    };
+    changes
+        .iter()
+        .filter_map(|c| match c {
+            Change::DeleteCounter(n) if tracked.contains(n) => Some(n.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The batch one [`Dataplane::program`] sent, and how it went.
+pub struct Programmed {
+    /// `full` or `incremental`.
+    pub kind: &'static str,
+    pub changes: usize,
+    /// `Err`: the kernel refused it (nothing of it was applied).
+    pub result: Result<(), DataplaneError>,
+}
+
+/// The kernel, and what we know it holds.
+pub struct Dataplane<K> {
+    pub(crate) kernel: K,
+    /// What we last programmed and saw the kernel accept; `None` forces a full replace.
+    applied: Option<Ruleset>,
+    /// Ruleset generation right after our last batch; a different value means someone else
+    /// committed a transaction in this netns since, so we verify our table.
+    generation: Option<u32>,
+}
+
+impl<K: Kernel> Dataplane<K> {
+    pub fn new(kernel: K) -> Dataplane<K> {
+        Dataplane { kernel, applied: None, generation: None }
+    }
+
+    /// What we last programmed, when the kernel is known to hold it.
+    pub fn applied(&self) -> Option<&Ruleset> {
+        self.applied.as_ref()
+    }
+
+    /// The kernel's content is unknown from now on (after any failed sync): the next batch
+    /// replaces the whole table.
+    pub fn forget(&mut self) {
+        self.applied = None;
+    }
+
+    /// Whether any nftables transaction (ours or anyone's) happened since our last batch.
+    pub fn generation_changed(&mut self) -> Result<bool, DataplaneError> {
+        let now = self.kernel.generation().map_err(DataplaneError::KernelRead)?;
+        Ok(self.generation != Some(now))
+    }
+
+    /// Compares the kernel's table with what we programmed; logs each difference.
+    fn tampered(&mut self, applied: &Ruleset) -> Result<bool, DataplaneError> {
+        let table = self.kernel.read_table().map_err(DataplaneError::KernelRead)?;
+        let diffs = nft::verify(applied, table.as_ref());
+        if diffs.is_empty() {
+            // Someone else's transaction (another table): remember the new generation.
+            self.generation = Some(self.kernel.generation().map_err(DataplaneError::KernelRead)?);
+            return Ok(false);
+        }
+        for d in diffs.iter().take(20) {
+            warn!(difference = %d, "table inet nodelb was changed behind our back; repairing");
+        }
+        if diffs.len() > 20 {
+            warn!(more = diffs.len() - 20, "further differences not shown");
+        }
+        Ok(true)
+    }
+
+    /// On a resync (`verify`), whether someone changed our table since our last batch (then it is
+    /// replaced). Errors are kernel reads that failed.
+    fn check(&mut self, verify: bool, applied: &Ruleset) -> Result<bool, DataplaneError> {
+        Ok(verify && self.generation_changed()? && self.tampered(applied)?)
+    }
+
+    /// Brings the kernel to `desired` in one batch ([`next_batch`]). With per-Service metrics,
+    /// the counters the batch resets are read first and folded into the exported totals once it
+    /// is in, and `counter_index` is installed. On success `desired` is what we know the kernel
+    /// holds; on failure nothing of the batch was applied. An error is a failed check of the
+    /// kernel on a resync (`verify`), before any batch.
+    pub fn program(
+        &mut self,
+        desired: Ruleset,
+        counter_index: CounterIndex,
+        verify: bool,
+        metrics: &Metrics,
+    ) -> Result<Programmed, DataplaneError> {
+        let applied = self.applied.take();
+        let checked = match &applied {
+            None => Ok(false),
+            Some(a) => self.check(verify, a),
+        };
+        let batch = match checked {
+            Ok(tampered) => {
+                if tampered {
+                    metrics.repairs.inc();
+                }
+                next_batch(applied.as_ref(), tampered, &desired)
+            }
+            Err(e) => {
+                self.applied = applied;
+                return Err(e);
+            }
+        };
+        self.applied = applied;
+        let kind = batch.kind();
+        let changes = batch.len(&desired);
+        // Held until the fold: a scrape sees the counters of one side of the batch.
+        let mut counters =
+            metrics.per_service.then(|| metrics.counters.lock().unwrap_or_else(|e| e.into_inner()));
+        // Counters that this batch resets (table replaced, counter deleted) and whose series stay:
+        // read them first and fold them into the exported totals once the batch is in.
+        let resetting = match &counters {
+            Some(c) => resetting_counters(&batch, &c.kept_counters(&counter_index)),
+            None => BTreeSet::new(),
+        };
+        let before = if resetting.is_empty() {
+            None
+        } else {
+            self.kernel.read_counters().map(Some).unwrap_or_else(|e| {
+                warn!(error = %e, "cannot read counters before the batch; totals of reset counters are lost");
+                None
+            })
+        };
+        let result = if changes == 0 {
+            Ok(())
+        } else {
+            let stats = match &batch {
+                Batch::FullReplace => {
+                    let carried = self.carried_affinities(&desired);
+                    self.kernel.apply_full_replace(&desired, &carried)
+                }
+                Batch::Diff(diff) => self.kernel.apply(diff),
+            };
+            stats.map(|stats| metrics.batch_messages.observe(stats.messages as f64))
+        };
+        drop(batch);
+        if result.is_ok()
+            && let Some(counters) = counters.as_mut()
+        {
+            if let Some(kernel) = &before {
+                counters.fold(kernel, &resetting, &counter_index);
+            }
+            counters.install(counter_index);
+        }
+        drop(counters);
+        if result.is_ok() {
+            self.flush_stale_udp(&desired);
+            // The batch is in: a failed read here only means the next resync verifies the table.
+            self.generation = match self.kernel.generation() {
+                Ok(g) => Some(g),
+                Err(e) => {
+                    warn!(error = %e, "cannot read the ruleset generation; the next resync verifies our table");
+                    None
+                }
+            };
+            self.applied = Some(desired);
+        }
+        Ok(Programmed { kind, changes, result: result.map_err(DataplaneError::Batch) })
+    }
+
+    /// UDP endpoints that left a node port since the last batch: delete their conntrack entries
+    /// so clients that keep their source port are re-balanced instead of black-holed.
+    fn flush_stale_udp(&mut self, desired: &Ruleset) {
+        let Some(applied) = &self.applied else { return };
+        let before = plan::udp_backends(applied);
+        let after = plan::udp_backends(desired);
+        let gone: BTreeSet<_> = before.difference(&after).copied().collect();
+        if gone.is_empty() {
+            return;
+        }
+        match self.kernel.delete_stale_udp(&gone) {
+            Ok(n) => debug!(entries = n, backends = gone.len(), "deleted stale UDP conntrack entries"),
+            Err(e) => warn!(error = %e, "could not delete stale UDP conntrack entries"),
+        }
+    }
+
+    /// The client affinities (elements of dynamic sets) the kernel holds for sets that `desired`
+    /// has too, to be put back by a full replace, which deletes the table and them with it (every
+    /// agent start, repair and retry). A set's name says its endpoint and timeout, so an element
+    /// is put back only where it means the same. Read failures lose them (logged), nothing else.
+    fn carried_affinities(&mut self, desired: &Ruleset) -> Carried {
+        let sets: Vec<(&str, &[KeyType])> = desired
+            .sets
+            .values()
+            .filter(|s| matches!(s.kind, SetKind::Dynamic { .. }))
+            .map(|s| (s.name.as_str(), s.key.as_slice()))
+            .collect();
+        if sets.is_empty() {
+            return Carried::new();
+        }
+        match self.kernel.read_dynamic_elements(&sets) {
+            Ok(carried) => {
+                let n: usize = carried.values().map(Vec::len).sum();
+                if n > 0 {
+                    debug!(affinities = n, sets = carried.len(), "putting back client affinities");
+                }
+                carried
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot read the client affinities; the full replace starts them afresh");
+                Carried::new()
+            }
+        }
+    }
+}

@@ -1,0 +1,116 @@
+//! The seams between the sync loop and the node it runs on, as traits, so that the sync policy
+//! (first sync replaces, diffs after, repair, retry, counters, affinities) runs in unit tests
+//! against a fake instead of a kernel.
+//!
+//! - [`Kernel`]: nodelb's own table and what its rules leave in conntrack: apply a full replace
+//!   (carrying the dynamic sets' elements) or a diff, read the ruleset generation, read the
+//!   table, its named counters and its dynamic elements back, delete it; delete the stale UDP
+//!   conntrack entries of endpoints that went. [`Netlink`] is the real one.
+//! - [`NodeReads`]: what the sync reads of the node besides nftables: its addresses and its
+//!   listening sockets. [`LocalNode`] reads this network namespace.
+//!
+//! The host-firewall check is not behind either: it reads and writes other tables (iptables'
+//! FORWARD), never nodelb's, and its outcome never fails or shapes a sync, so it keeps its own
+//! [`NftClient`] (a second netlink socket costs nothing).
+
+use std::collections::BTreeSet;
+
+use crate::conntrack::{ConntrackClient, ConntrackError};
+use crate::endpoint_policy::HostAddresses;
+use crate::hostaddrs::HostAddrError;
+use crate::ir::{Carried, Change, KeyType, Ruleset};
+use crate::listeners::ListenersError;
+use crate::nft::{ApplyStats, CounterValues, KernelTable, NftClient, NftError};
+use crate::plan::UdpBackend;
+use crate::port_policy::Listener;
+
+/// What the sync loop needs of the kernel. Every batch is one transaction: on error nothing of
+/// it was applied.
+pub trait Kernel {
+    /// Applies `changes` as one batch (a diff).
+    fn apply(&mut self, changes: &[Change]) -> Result<ApplyStats, NftError>;
+    /// Replaces table inet nodelb with exactly `ruleset` in one batch, putting back the `carried`
+    /// elements of its dynamic sets.
+    fn apply_full_replace(&mut self, ruleset: &Ruleset, carried: &Carried) -> Result<ApplyStats, NftError>;
+    /// The ruleset generation of the network namespace (moves with every transaction, anyone's).
+    fn generation(&mut self) -> Result<u32, NftError>;
+    /// Table inet nodelb as the kernel holds it; `None` when it does not exist.
+    fn read_table(&mut self) -> Result<Option<KernelTable>, NftError>;
+    /// The named counters of table inet nodelb.
+    fn read_counters(&mut self) -> Result<CounterValues, NftError>;
+    /// The elements of the dynamic sets `sets` (name, key type), with the time each has left.
+    fn read_dynamic_elements(&mut self, sets: &[(&str, &[KeyType])]) -> Result<Carried, NftError>;
+    /// Deletes table inet nodelb; whether it existed.
+    fn delete_table(&mut self) -> Result<bool, NftError>;
+    /// Deletes the DNATed UDP conntrack entries of the (node port, endpoint) pairs in `gone`;
+    /// how many.
+    fn delete_stale_udp(&mut self, gone: &BTreeSet<UdpBackend>) -> Result<usize, ConntrackError>;
+}
+
+/// The kernel of the network namespace the agent runs in, over netlink.
+pub struct Netlink {
+    nft: NftClient,
+}
+
+impl Netlink {
+    pub fn new() -> Result<Netlink, NftError> {
+        Ok(Netlink { nft: NftClient::new()? })
+    }
+}
+
+impl Kernel for Netlink {
+    fn apply(&mut self, changes: &[Change]) -> Result<ApplyStats, NftError> {
+        self.nft.apply(changes)
+    }
+
+    fn apply_full_replace(&mut self, ruleset: &Ruleset, carried: &Carried) -> Result<ApplyStats, NftError> {
+        self.nft.apply_full_replace(ruleset, carried)
+    }
+
+    fn generation(&mut self) -> Result<u32, NftError> {
+        self.nft.generation()
+    }
+
+    fn read_table(&mut self) -> Result<Option<KernelTable>, NftError> {
+        self.nft.read_table()
+    }
+
+    fn read_counters(&mut self) -> Result<CounterValues, NftError> {
+        self.nft.read_counters()
+    }
+
+    fn read_dynamic_elements(&mut self, sets: &[(&str, &[KeyType])]) -> Result<Carried, NftError> {
+        self.nft.read_dynamic_elements(sets)
+    }
+
+    fn delete_table(&mut self) -> Result<bool, NftError> {
+        self.nft.delete_table()
+    }
+
+    /// A conntrack socket per flush: endpoints of UDP Services going away is rare.
+    fn delete_stale_udp(&mut self, gone: &BTreeSet<UdpBackend>) -> Result<usize, ConntrackError> {
+        ConntrackClient::new().and_then(|mut ct| ct.delete_stale_udp(gone))
+    }
+}
+
+/// What a sync reads of the node besides nftables.
+pub trait NodeReads {
+    /// This node's interface addresses and broadcast addresses.
+    fn addresses(&mut self) -> Result<HostAddresses, HostAddrError>;
+    /// Every TCP listener and unconnected UDP socket.
+    fn listeners(&mut self) -> Result<Vec<Listener>, ListenersError>;
+}
+
+/// The network namespace the agent runs in.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LocalNode;
+
+impl NodeReads for LocalNode {
+    fn addresses(&mut self) -> Result<HostAddresses, HostAddrError> {
+        crate::hostaddrs::read()
+    }
+
+    fn listeners(&mut self) -> Result<Vec<Listener>, ListenersError> {
+        crate::listeners::read()
+    }
+}
