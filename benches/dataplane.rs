@@ -33,8 +33,9 @@ use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
 use common::netns::NetNs;
 use common::scenarios::{ep, node as node_facts, svc};
 use common::topology::{NODE_V4, Topology, backend_v4, client_v4};
-use nodelb::ir::{Carried, Family, KeyPart, Protocol, Ruleset};
-use nodelb::model::{LbService, PortId};
+use nodelb::domain::{Family, PortId, Protocol};
+use nodelb::ir::{Carried, KeyPart, Ruleset};
+use nodelb::model::LbService;
 use nodelb::nft::NftClient;
 use nodelb::plan::{self, ServicePlan};
 

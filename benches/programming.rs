@@ -18,8 +18,9 @@ use std::time::Instant;
 use common::netns::NetNs;
 use common::scenarios::{ep, node as node_facts, svc};
 use nix::sys::resource::{UsageWho, getrusage};
-use nodelb::ir::{Family, Protocol, Ruleset};
-use nodelb::model::{LbService, PortId};
+use nodelb::domain::{Family, PortId, Protocol};
+use nodelb::ir::Ruleset;
+use nodelb::model::LbService;
 use nodelb::nft::NftClient;
 use nodelb::plan::{self, ServicePlan};
 

@@ -46,8 +46,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::str::FromStr;
 
-use crate::ir::Protocol;
-use crate::model::{LbService, PortId, PortRequest, ServiceKey};
+use crate::domain::{PortId, Protocol, ServiceKey};
+use crate::model::{LbService, PortRequest};
 use crate::port_policy::PortPolicy;
 
 /// The Kubernetes NodePort range (default service-node-port-range).

@@ -18,7 +18,7 @@ use netlink_packet_netfilter::{
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 
-use crate::ir::Protocol;
+use crate::domain::Protocol;
 use crate::plan::UdpBackend;
 
 #[derive(Debug, thiserror::Error)]

@@ -10,10 +10,11 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
 
 use crate::alloc::{self, AllocProblem, Allocations, PortRange};
+use crate::domain::{Family, PortId, ServiceKey};
 use crate::endpoint_policy::{self, EndpointPolicy, HostAddresses, RefusedEndpoint};
-use crate::ir::{Family, Ruleset};
+use crate::ir::Ruleset;
 use crate::metrics::{CounterIndex, CounterKind, SeriesKey};
-use crate::model::{self, LbService, ModelOptions, Refusal, ServiceKey};
+use crate::model::{self, LbService, ModelOptions, Refusal};
 use crate::plan::{self, NodeFacts, ServicePlan};
 use crate::port_policy::{self, Listeners, PortPolicy, PortRefusal};
 use crate::status::{EndpointRefusalStatus, PortStatus, ServiceState, ServiceStatus};
@@ -82,7 +83,7 @@ pub struct HostFacts {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RefusedPort {
     pub service: ServiceKey,
-    pub port: model::PortId,
+    pub port: PortId,
     pub node_port: u16,
     pub reason: PortRefusal,
 }
@@ -134,7 +135,7 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         endpoint_policy::filter(&mut out.services, &inputs.host.addresses, &inputs.policy.endpoints);
     let (allocations, alloc_problems, duplicates) = match inputs.mode {
         AllocationMode::Allocate => {
-            let in_use: BTreeMap<(crate::ir::Protocol, u16), String> = inputs
+            let in_use: BTreeMap<(crate::domain::Protocol, u16), String> = inputs
                 .host
                 .listeners
                 .iter()
@@ -287,7 +288,7 @@ struct Faults<'a> {
 /// Service, so the reason must be on it, not elsewhere).
 fn service_status(
     svc: &LbService,
-    node_ports: &BTreeMap<model::PortId, u16>,
+    node_ports: &BTreeMap<PortId, u16>,
     fault: &Faults<'_>,
     node: &NodeFacts,
     no_allocation: &str,

@@ -42,7 +42,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::IpNet;
 
-use crate::model::{LbService, ServiceKey};
+use crate::domain::ServiceKey;
+use crate::model::LbService;
 
 /// What the operator allows beyond the fixed rules (flags).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -285,7 +286,8 @@ pub fn describe(refused: &[&RefusedEndpoint]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Endpoint, LbPort, PortId};
+    use crate::domain::PortId;
+    use crate::model::{Endpoint, LbPort};
 
     fn host() -> HostAddresses {
         let mut h = HostAddresses::default();
@@ -404,7 +406,7 @@ mod tests {
                 p
             }],
         );
-        svc.families.push(crate::ir::Family::Ipv6);
+        svc.families.push(crate::domain::Family::Ipv6);
         let mut services = vec![svc];
         let refused = filter(&mut services, &host(), &EndpointPolicy::default());
         let kept: Vec<Vec<String>> = services[0]

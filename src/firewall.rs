@@ -8,11 +8,11 @@
 
 use std::collections::BTreeMap;
 
+use crate::domain::{Family, fnv1a};
 use crate::hostfw::{
     self, AcceptChange, Evidence, EvidenceState, FamilyDiagnosis, Finding, ForwardCounts, HostChain, Source,
     TableFamily,
 };
-use crate::ir::Family;
 use crate::metrics::LabelSets;
 use crate::nft::foreign::AcceptWrite;
 use crate::nft::{NftClient, NftError};
@@ -131,7 +131,7 @@ fn fingerprint(chains: &[HostChain]) -> u64 {
             text.push_str(&format!("  {r}\n"));
         }
     }
-    plan::fnv1a(text.as_bytes())
+    fnv1a(text.as_bytes())
 }
 
 impl Checker {

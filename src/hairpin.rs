@@ -15,7 +15,8 @@ use std::net::IpAddr;
 use serde::{Deserialize, Serialize};
 
 use crate::bridge::{Bridge, BridgeFacts};
-use crate::ir::{Family, KeyPart, Ruleset};
+use crate::domain::Family;
+use crate::ir::{KeyPart, Ruleset};
 use crate::plan;
 
 /// Port names named in a warning's message; the rest are counted.

@@ -21,7 +21,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::ir::Family;
+use crate::domain::Family;
 
 /// `ct state` bits (`NF_CT_STATE_*`), also those of `-m state` / `-m conntrack --ctstate`.
 pub mod ct_state {

@@ -13,8 +13,8 @@ use axum::routing::get;
 
 use std::collections::BTreeMap;
 
+use crate::domain::{PortId, ServiceKey, parse_protocol};
 use crate::metrics::{CounterKind, Metrics, Series, SeriesKey, Totals, read_totals};
-use crate::model::{PortId, ServiceKey, parse_protocol};
 use crate::status::{SharedStatus, Status};
 
 #[derive(Clone)]

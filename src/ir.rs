@@ -5,113 +5,15 @@
 //! registers: lowering to kernel expressions is the encoder's job.
 
 use std::collections::BTreeMap;
-use std::fmt::{self, Write as _};
+use std::fmt::Write as _;
 use std::net::IpAddr;
 
 use ipnet::IpNet;
 
+use crate::domain::{Family, Protocol};
+
 /// The one table nodelb owns. `inet` so one table serves IPv4 and IPv6.
 pub const TABLE_NAME: &str = "nodelb";
-
-/// Address family of a packet (`meta nfproto`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
-pub enum Family {
-    Ipv4,
-    Ipv6,
-}
-
-impl Family {
-    pub const ALL: [Family; 2] = [Family::Ipv4, Family::Ipv6];
-
-    pub fn of(addr: &IpAddr) -> Family {
-        match addr {
-            IpAddr::V4(_) => Family::Ipv4,
-            IpAddr::V6(_) => Family::Ipv6,
-        }
-    }
-
-    /// `ipv4` / `ipv6`, as nft writes it and as set names use it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Family::Ipv4 => "ipv4",
-            Family::Ipv6 => "ipv6",
-        }
-    }
-
-    /// `ip` / `ip6`: the protocol word of this family's header fields (`ip saddr`).
-    pub fn payload_word(self) -> &'static str {
-        match self {
-            Family::Ipv4 => "ip",
-            Family::Ipv6 => "ip6",
-        }
-    }
-
-    /// NFPROTO_* value.
-    pub fn nfproto(self) -> u8 {
-        match self {
-            Family::Ipv4 => 2,
-            Family::Ipv6 => 10,
-        }
-    }
-}
-
-impl fmt::Display for Family {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// Transport protocol of a service port.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
-pub enum Protocol {
-    Tcp,
-    Udp,
-    Sctp,
-}
-
-impl Protocol {
-    /// IPPROTO_* value.
-    pub fn number(self) -> u8 {
-        match self {
-            Protocol::Tcp => 6,
-            Protocol::Udp => 17,
-            Protocol::Sctp => 132,
-        }
-    }
-
-    pub fn from_number(n: u8) -> Option<Protocol> {
-        match n {
-            6 => Some(Protocol::Tcp),
-            17 => Some(Protocol::Udp),
-            132 => Some(Protocol::Sctp),
-            _ => None,
-        }
-    }
-
-    /// Lower-case name as nft writes it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Protocol::Tcp => "tcp",
-            Protocol::Udp => "udp",
-            Protocol::Sctp => "sctp",
-        }
-    }
-
-    /// Kubernetes spelling (`TCP`).
-    pub fn k8s_name(self) -> &'static str {
-        match self {
-            Protocol::Tcp => "TCP",
-            Protocol::Udp => "UDP",
-            Protocol::Sctp => "SCTP",
-        }
-    }
-}
-
-impl fmt::Display for Protocol {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.k8s_name())
-    }
-}
 
 /// Netfilter hooks used by base chains.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -12,6 +12,7 @@ pub mod commands;
 pub mod conntrack;
 pub mod dataplane;
 pub mod desired;
+pub mod domain;
 pub mod endpoint_policy;
 pub mod firewall;
 pub mod hairpin;

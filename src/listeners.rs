@@ -18,7 +18,7 @@ use netlink_packet_sock_diag::constants::{AF_INET, AF_INET6, IPPROTO_TCP, IPPROT
 use netlink_packet_sock_diag::inet::{ExtensionFlags, InetRequest, SocketId, StateFlags};
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
 
-use crate::ir::Protocol;
+use crate::domain::Protocol;
 use crate::port_policy::Listener;
 
 #[derive(Debug, thiserror::Error)]

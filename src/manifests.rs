@@ -42,7 +42,7 @@ use serde_json::Value;
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 
-use crate::model::ServiceKey;
+use crate::domain::ServiceKey;
 use crate::slim::Slim as _;
 
 /// Quiet time after the last event before notifying. One writer's burst (an editor's temp file +

@@ -19,7 +19,7 @@ use prometheus::{
     Registry,
 };
 
-use crate::model::{PortId, ServiceKey};
+use crate::domain::{PortId, ServiceKey};
 use crate::nft::{Counter, CounterValues, NftClient};
 
 /// What a counter rule counts.
@@ -563,7 +563,7 @@ fn counter_metric(key: &SeriesKey, value: u64) -> prometheus::proto::Metric {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ir::Protocol;
+    use crate::domain::Protocol;
 
     fn key(name: &str) -> SeriesKey {
         SeriesKey {

@@ -49,13 +49,14 @@ use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
-use std::str::FromStr;
 
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Service, ServicePort};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
-use crate::ir::{Family, Protocol};
+use crate::domain::{
+    Family, ParseError, PortId, Protocol, ServiceKey, check_dns_label, parse_port_number, parse_protocol,
+};
 
 /// Default `spec.loadBalancerClass` this agent serves.
 pub const DEFAULT_LB_CLASS: &str = "nodelb.io/nodelb";
@@ -72,33 +73,6 @@ pub const ANNOTATION_LEGACY_SOURCE_RANGES: &str = "service.beta.kubernetes.io/lo
 pub const CONDITION_ALLOCATED: &str = "nodelb.io/Allocated";
 /// Label linking an EndpointSlice to its Service.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
-
-/// `namespace/name` of a Service.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
-pub struct ServiceKey {
-    pub namespace: String,
-    pub name: String,
-}
-
-impl fmt::Display for ServiceKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
-    }
-}
-
-/// Identity of one service port: its `port` number and protocol (`80/TCP`). Unique within a
-/// Service by Kubernetes validation, and the key of allocations.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
-pub struct PortId {
-    pub port: u16,
-    pub protocol: Protocol,
-}
-
-impl fmt::Display for PortId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.port, self.protocol)
-    }
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
 pub enum TrafficPolicy {
@@ -168,22 +142,6 @@ pub struct LbService {
     pub previous_allocation: BTreeMap<PortId, u16>,
 }
 
-impl ServiceKey {
-    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> ServiceKey {
-        ServiceKey { namespace: namespace.into(), name: name.into() }
-    }
-}
-
-impl PortId {
-    pub fn tcp(port: u16) -> PortId {
-        PortId { port, protocol: Protocol::Tcp }
-    }
-
-    pub fn udp(port: u16) -> PortId {
-        PortId { port, protocol: Protocol::Udp }
-    }
-}
-
 impl LbService {
     /// A Service with the API defaults (IPv4, Cluster policy, no source ranges, ports allocated
     /// automatically), for callers that then set what differs.
@@ -247,80 +205,6 @@ impl Refusal {
             | Refusal::InvalidSessionAffinity { service, .. }
             | Refusal::Invalid { service, .. } => service,
         }
-    }
-}
-
-/// A value that does not parse as a [`ServiceKey`], [`PortId`] or [`Protocol`]; the message says why.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct ParseError(pub String);
-
-/// Longest DNS-1123 label (RFC 1123), the limit of a namespace and of a Service name.
-pub const MAX_LABEL: usize = 63;
-
-/// Checks a DNS-1123 label, what Kubernetes requires of a namespace (a Service name must even be
-/// a DNS-1035 label, which also forbids a leading digit; we accept that superset, it is harmless
-/// to us): 1–63 characters, lowercase ASCII letters, digits and `-`, starting and ending with a
-/// letter or digit. The error says what is wrong, for a message that also names the value.
-pub fn check_dns_label(s: &str) -> Result<(), String> {
-    let rule =
-        "a DNS-1123 label: 1-63 lowercase letters, digits or '-', starting and ending with a letter or digit";
-    if s.is_empty() {
-        return Err(format!("is empty; must be {rule}"));
-    }
-    if s.len() > MAX_LABEL {
-        return Err(format!("is {} bytes long; must be {rule}", s.len()));
-    }
-    if let Some(c) = s.chars().find(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '-')) {
-        return Err(format!("contains {c:?}; must be {rule}"));
-    }
-    if s.starts_with('-') || s.ends_with('-') {
-        return Err(format!("starts or ends with '-'; must be {rule}"));
-    }
-    Ok(())
-}
-
-impl FromStr for ServiceKey {
-    type Err = ParseError;
-
-    /// `namespace/name`, each a DNS-1123 label (so exactly what [`build`] accepts).
-    fn from_str(s: &str) -> Result<Self, ParseError> {
-        let Some((ns, name)) = s.split_once('/') else {
-            return Err(ParseError(format!("{s:?} is not namespace/name")));
-        };
-        check_dns_label(ns).map_err(|e| ParseError(format!("{s:?}: namespace {ns:?} {e}")))?;
-        check_dns_label(name).map_err(|e| ParseError(format!("{s:?}: name {name:?} {e}")))?;
-        Ok(ServiceKey { namespace: ns.to_string(), name: name.to_string() })
-    }
-}
-
-/// Parses a protocol the way annotations write it: `TCP`, `udp`, … (case-insensitive).
-pub fn parse_protocol(s: &str) -> Result<Protocol, ParseError> {
-    match s.to_ascii_uppercase().as_str() {
-        "TCP" => Ok(Protocol::Tcp),
-        "UDP" => Ok(Protocol::Udp),
-        "SCTP" => Ok(Protocol::Sctp),
-        _ => Err(ParseError(format!("unknown protocol {s:?} (want TCP, UDP or SCTP)"))),
-    }
-}
-
-/// Parses a port number 1–65535.
-fn parse_port_number(s: &str) -> Result<u16, ParseError> {
-    match s.trim().parse::<u32>() {
-        Ok(n) if (1..=65535).contains(&n) => Ok(n as u16),
-        Ok(n) => Err(ParseError(format!("port {n} is out of range 1-65535"))),
-        Err(_) => Err(ParseError(format!("{:?} is not a port number", s.trim()))),
-    }
-}
-
-impl FromStr for PortId {
-    type Err = ParseError;
-
-    /// `80/TCP` (protocol case-insensitive).
-    fn from_str(s: &str) -> Result<Self, ParseError> {
-        let (port, proto) =
-            s.split_once('/').ok_or_else(|| ParseError(format!("{s:?} is not PORT/PROTOCOL")))?;
-        Ok(PortId { port: parse_port_number(port)?, protocol: parse_protocol(proto.trim())? })
     }
 }
 

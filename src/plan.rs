@@ -36,11 +36,12 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 
+use crate::domain::{Family, PortId, Protocol, fnv1a};
 use crate::ir::{
-    BaseChain, Chain, ChainType, Change, CtState, Expr, Family, Hook, Key, KeyPart, KeyType, Mapped,
-    NamedCounter, Protocol, Rule, Ruleset, Set, SetKind, Verdict, priority,
+    BaseChain, Chain, ChainType, Change, CtState, Expr, Hook, Key, KeyPart, KeyType, Mapped, NamedCounter,
+    Rule, Ruleset, Set, SetKind, Verdict, priority,
 };
-use crate::model::{Endpoint, LbPort, LbService, PortId, TrafficPolicy};
+use crate::model::{Endpoint, LbPort, LbService, TrafficPolicy};
 
 /// Default packet-mark bit meaning "masquerade this connection's first packet in postrouting".
 /// Same bit and meaning as kube-proxy's masquerade mark, so the two agree if both see it.
@@ -110,16 +111,6 @@ fn fam_digit(f: Family) -> char {
         Family::Ipv4 => '4',
         Family::Ipv6 => '6',
     }
-}
-
-/// FNV-1a, 64 bit: stable across runs and versions (unlike `DefaultHasher`).
-pub fn fnv1a(data: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in data {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
 }
 
 /// Keeps characters nft accepts in an unquoted identifier (`[a-zA-Z0-9/\-_.]`).

@@ -24,7 +24,7 @@ use std::net::IpAddr;
 use std::str::FromStr;
 
 use crate::alloc::PortRange;
-use crate::ir::Protocol;
+use crate::domain::Protocol;
 
 /// The node ports Services may take, besides what listens on the node.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -161,7 +161,7 @@ impl Listeners {
             .split(',')
             .filter_map(|item| {
                 let (p, proto) = item.trim().split_once('/')?;
-                Some((crate::model::parse_protocol(proto).ok()?, p.parse::<u16>().ok()?))
+                Some((crate::domain::parse_protocol(proto).ok()?, p.parse::<u16>().ok()?))
             })
             .collect()
     }

@@ -32,7 +32,7 @@ use std::path::{Path, PathBuf};
 use k8s_openapi::jiff::Timestamp;
 
 use crate::alloc::Allocations;
-use crate::model::{PortId, ServiceKey};
+use crate::domain::{PortId, ServiceKey};
 
 pub const STATE_VERSION: u32 = 1;
 
@@ -134,7 +134,7 @@ impl StateFile {
         for (service, ports) in disk.allocations {
             let key: ServiceKey = match service.parse() {
                 Ok(key) => key,
-                Err(crate::model::ParseError(reason)) => {
+                Err(crate::domain::ParseError(reason)) => {
                     bad(service, reason);
                     continue;
                 }
@@ -148,7 +148,7 @@ impl StateFile {
                 let entry = format!("{service}: {port}");
                 let id: PortId = match port.parse() {
                     Ok(id) => id,
-                    Err(crate::model::ParseError(reason)) => {
+                    Err(crate::domain::ParseError(reason)) => {
                         bad(entry, reason);
                         continue;
                     }
@@ -177,7 +177,7 @@ impl StateFile {
                     since.insert(key, t);
                 }
                 (Ok(_), Some(_)) => bad(entry, "names a Service without allocations".to_string()),
-                (Err(crate::model::ParseError(reason)), _) => bad(entry, reason),
+                (Err(crate::domain::ParseError(reason)), _) => bad(entry, reason),
                 (Ok(_), None) => bad(entry, format!("{value} is not an RFC 3339 time")),
             }
         }
@@ -240,7 +240,7 @@ impl StateFile {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ir::Protocol;
+    use crate::domain::Protocol;
 
     fn t(secs: i64) -> Timestamp {
         Timestamp::from_second(1_700_000_000 + secs).unwrap()

@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use crate::ir::Family;
+use crate::domain::Family;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SysctlError {

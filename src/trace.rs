@@ -7,9 +7,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
 
-use crate::ir::{
-    BaseChain, ChainType, CtState, Expr, Family, Hook, KeyPart, Mapped, Protocol, Ruleset, Verdict,
-};
+use crate::domain::{Family, Protocol};
+use crate::ir::{BaseChain, ChainType, CtState, Expr, Hook, KeyPart, Mapped, Ruleset, Verdict};
 
 /// Where the packet comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

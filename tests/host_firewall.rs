@@ -18,8 +18,8 @@ use common::netns::NetNs;
 use common::topology::{
     ClientError, NODE_V4, NODE_V6, Topology, backend_v4, backend_v6, http_get, wait_until,
 };
+use nodelb::domain::Family;
 use nodelb::hostfw::{self, Action, HostChain, Source, TableFamily, Test};
-use nodelb::ir::Family;
 use nodelb::nft::NftClient;
 use nodelb::nft::foreign::AcceptWrite;
 use nodelb::xtables::{Layout, Xtables};

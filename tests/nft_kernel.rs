@@ -8,9 +8,10 @@ use std::io::Write as _;
 use std::net::IpAddr;
 
 use common::netns::NetNs;
+use nodelb::domain::{Family, Protocol};
 use nodelb::ir::{
-    self, BaseChain, Chain, ChainType, Change, CtState, Expr, Family, Hook, KeyPart, KeyType, Mapped,
-    NamedCounter, Protocol, Rule, Ruleset, Set, SetKind, Verdict,
+    self, BaseChain, Chain, ChainType, Change, CtState, Expr, Hook, KeyPart, KeyType, Mapped, NamedCounter,
+    Rule, Ruleset, Set, SetKind, Verdict,
 };
 use nodelb::nft::{NftClient, NftError, verify};
 

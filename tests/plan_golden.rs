@@ -5,7 +5,8 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use nodelb::ir::{Change, CtState, Family, Protocol, Ruleset};
+use nodelb::domain::{Family, Protocol};
+use nodelb::ir::{Change, CtState, Ruleset};
 use nodelb::plan::{self, ServicePlan};
 use nodelb::trace::{self, Env, Origin, Packet};
 

@@ -26,9 +26,9 @@ use serde_json::json;
 use tracing::{debug, info, warn};
 
 use crate::alloc::{self, Allocations, PortRange};
-use crate::ir::Family;
+use crate::domain::{Family, ServiceKey};
 use crate::metrics::Metrics;
-use crate::model::{self, ANNOTATION_ALLOCATED, ModelOptions, ServiceKey};
+use crate::model::{self, ANNOTATION_ALLOCATED, ModelOptions};
 use crate::status::SharedStatus;
 
 use super::dupes;

@@ -11,8 +11,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::alloc::Allocations;
-use crate::ir::Protocol;
-use crate::model::{LbService, PortId, ServiceKey};
+use crate::domain::{PortId, Protocol, ServiceKey};
+use crate::model::LbService;
 
 /// One service port that lost its annotated node port to an older claim.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]

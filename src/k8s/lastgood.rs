@@ -10,7 +10,8 @@ use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Service;
 
-use crate::model::{self, ANNOTATION_ALLOCATED, ModelOptions, Refusal, ServiceKey};
+use crate::domain::ServiceKey;
+use crate::model::{self, ANNOTATION_ALLOCATED, ModelOptions, Refusal};
 
 #[derive(Debug, Default)]
 pub struct LastGoodServices {

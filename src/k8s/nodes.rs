@@ -23,8 +23,8 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
+use crate::domain::{Family, Protocol};
 use crate::endpoint_policy::HostAddresses;
-use crate::ir::{Family, Protocol};
 use crate::port_policy::Listeners;
 
 /// Prefix of the per-node Lease names (`nodelb-node-<node>`).

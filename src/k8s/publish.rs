@@ -11,11 +11,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
 use crate::alloc::{AllocProblem, Allocations};
+use crate::domain::{Family, PortId, ServiceKey};
 use crate::endpoint_policy::{self, RefusedEndpoint};
-use crate::ir::Family;
-use crate::model::{
-    self, ANNOTATION_ALLOCATED, LbService, ModelOptions, PortId, Refusal, ServiceKey, TrafficPolicy,
-};
+use crate::model::{self, ANNOTATION_ALLOCATED, LbService, ModelOptions, Refusal, TrafficPolicy};
 use crate::plan;
 
 use super::dupes::Duplicate;
@@ -236,7 +234,7 @@ pub struct Round<'a, S = Service> {
     pub refused_endpoints: &'a [RefusedEndpoint],
     /// Ports processes listen on, per node (the node Leases): an allocated port among them is
     /// not served on those nodes (`NodePortInUse` Event; the allocation stays).
-    pub listening: &'a BTreeMap<(crate::ir::Protocol, u16), String>,
+    pub listening: &'a BTreeMap<(crate::domain::Protocol, u16), String>,
     pub serving: &'a BTreeMap<String, ServingNode>,
     pub now: Timestamp,
 }

@@ -12,9 +12,8 @@ use ipnet::IpNet;
 use super::NftError;
 use super::consts::*;
 use super::nla::{Writer, udata_put};
-use crate::ir::{
-    self, Change, ChangeRef, Expr, Family, Key, KeyPart, KeyType, Mapped, Protocol, Rule, SetKind, Verdict,
-};
+use crate::domain::{Family, Protocol, fnv1a};
+use crate::ir::{self, Change, ChangeRef, Expr, Key, KeyPart, KeyType, Mapped, Rule, SetKind, Verdict};
 
 /// Netlink caps one attribute at 64 KiB; element lists are split into messages well below that.
 const MAX_ELEMENTS_NEST: usize = 48 * 1024;
@@ -64,12 +63,7 @@ impl Encoded {
 /// 64-bit FNV-1a of the rule's nft text: the fingerprint stored in each rule's user data, so that a
 /// rule read back can be matched to the IR rule that produced it (and a hand-made rule has none).
 pub fn fingerprint(rule: &Rule) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in ir::render_rule(rule).bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
+    fnv1a(ir::render_rule(rule).as_bytes())
 }
 
 /// One-line description of a change, used in error messages.

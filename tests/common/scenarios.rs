@@ -2,8 +2,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use nodelb::ir::{Family, Protocol, Ruleset};
-use nodelb::model::{Endpoint, LbPort, LbService, PortId, ServiceKey, TrafficPolicy};
+use nodelb::domain::{Family, PortId, Protocol, ServiceKey};
+use nodelb::ir::Ruleset;
+use nodelb::model::{Endpoint, LbPort, LbService, TrafficPolicy};
 use nodelb::plan::{self, NodeFacts, ServicePlan};
 
 pub const NODE: &str = "node-1";

@@ -1,0 +1,235 @@
+//! The words every stage shares: address family, transport protocol, the identity of a Service
+//! and of one of its ports, with their spellings (as annotations, the state file and nft write
+//! them) and how they parse; and the stable hash behind generated names and fingerprints. No
+//! stage owns them, so none depends on another's vocabulary to speak of a Service port.
+
+use std::fmt;
+use std::net::IpAddr;
+use std::str::FromStr;
+
+/// Address family of a packet (`meta nfproto`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+pub enum Family {
+    Ipv4,
+    Ipv6,
+}
+
+impl Family {
+    pub const ALL: [Family; 2] = [Family::Ipv4, Family::Ipv6];
+
+    pub fn of(addr: &IpAddr) -> Family {
+        match addr {
+            IpAddr::V4(_) => Family::Ipv4,
+            IpAddr::V6(_) => Family::Ipv6,
+        }
+    }
+
+    /// `ipv4` / `ipv6`, as nft writes it and as set names use it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Ipv4 => "ipv4",
+            Family::Ipv6 => "ipv6",
+        }
+    }
+
+    /// `ip` / `ip6`: the protocol word of this family's header fields (`ip saddr`).
+    pub fn payload_word(self) -> &'static str {
+        match self {
+            Family::Ipv4 => "ip",
+            Family::Ipv6 => "ip6",
+        }
+    }
+
+    /// NFPROTO_* value.
+    pub fn nfproto(self) -> u8 {
+        match self {
+            Family::Ipv4 => 2,
+            Family::Ipv6 => 10,
+        }
+    }
+}
+
+impl fmt::Display for Family {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Transport protocol of a service port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+    Sctp,
+}
+
+impl Protocol {
+    /// IPPROTO_* value.
+    pub fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => 6,
+            Protocol::Udp => 17,
+            Protocol::Sctp => 132,
+        }
+    }
+
+    pub fn from_number(n: u8) -> Option<Protocol> {
+        match n {
+            6 => Some(Protocol::Tcp),
+            17 => Some(Protocol::Udp),
+            132 => Some(Protocol::Sctp),
+            _ => None,
+        }
+    }
+
+    /// Lower-case name as nft writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+            Protocol::Sctp => "sctp",
+        }
+    }
+
+    /// Kubernetes spelling (`TCP`).
+    pub fn k8s_name(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
+        }
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.k8s_name())
+    }
+}
+
+/// `namespace/name` of a Service.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+pub struct ServiceKey {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl fmt::Display for ServiceKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// Identity of one service port: its `port` number and protocol (`80/TCP`). Unique within a
+/// Service by Kubernetes validation, and the key of allocations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+pub struct PortId {
+    pub port: u16,
+    pub protocol: Protocol,
+}
+
+impl fmt::Display for PortId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.port, self.protocol)
+    }
+}
+
+impl ServiceKey {
+    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> ServiceKey {
+        ServiceKey { namespace: namespace.into(), name: name.into() }
+    }
+}
+
+impl PortId {
+    pub fn tcp(port: u16) -> PortId {
+        PortId { port, protocol: Protocol::Tcp }
+    }
+
+    pub fn udp(port: u16) -> PortId {
+        PortId { port, protocol: Protocol::Udp }
+    }
+}
+
+/// A value that does not parse as a [`ServiceKey`], [`PortId`] or [`Protocol`]; the message says why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ParseError(pub String);
+
+/// Longest DNS-1123 label (RFC 1123), the limit of a namespace and of a Service name.
+pub const MAX_LABEL: usize = 63;
+
+/// Checks a DNS-1123 label, what Kubernetes requires of a namespace (a Service name must even be
+/// a DNS-1035 label, which also forbids a leading digit; we accept that superset, it is harmless
+/// to us): 1–63 characters, lowercase ASCII letters, digits and `-`, starting and ending with a
+/// letter or digit. The error says what is wrong, for a message that also names the value.
+pub fn check_dns_label(s: &str) -> Result<(), String> {
+    let rule =
+        "a DNS-1123 label: 1-63 lowercase letters, digits or '-', starting and ending with a letter or digit";
+    if s.is_empty() {
+        return Err(format!("is empty; must be {rule}"));
+    }
+    if s.len() > MAX_LABEL {
+        return Err(format!("is {} bytes long; must be {rule}", s.len()));
+    }
+    if let Some(c) = s.chars().find(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '-')) {
+        return Err(format!("contains {c:?}; must be {rule}"));
+    }
+    if s.starts_with('-') || s.ends_with('-') {
+        return Err(format!("starts or ends with '-'; must be {rule}"));
+    }
+    Ok(())
+}
+
+impl FromStr for ServiceKey {
+    type Err = ParseError;
+
+    /// `namespace/name`, each a DNS-1123 label (so exactly what [`build`] accepts).
+    fn from_str(s: &str) -> Result<Self, ParseError> {
+        let Some((ns, name)) = s.split_once('/') else {
+            return Err(ParseError(format!("{s:?} is not namespace/name")));
+        };
+        check_dns_label(ns).map_err(|e| ParseError(format!("{s:?}: namespace {ns:?} {e}")))?;
+        check_dns_label(name).map_err(|e| ParseError(format!("{s:?}: name {name:?} {e}")))?;
+        Ok(ServiceKey { namespace: ns.to_string(), name: name.to_string() })
+    }
+}
+
+/// Parses a protocol the way annotations write it: `TCP`, `udp`, … (case-insensitive).
+pub fn parse_protocol(s: &str) -> Result<Protocol, ParseError> {
+    match s.to_ascii_uppercase().as_str() {
+        "TCP" => Ok(Protocol::Tcp),
+        "UDP" => Ok(Protocol::Udp),
+        "SCTP" => Ok(Protocol::Sctp),
+        _ => Err(ParseError(format!("unknown protocol {s:?} (want TCP, UDP or SCTP)"))),
+    }
+}
+
+/// Parses a port number 1–65535.
+pub fn parse_port_number(s: &str) -> Result<u16, ParseError> {
+    match s.trim().parse::<u32>() {
+        Ok(n) if (1..=65535).contains(&n) => Ok(n as u16),
+        Ok(n) => Err(ParseError(format!("port {n} is out of range 1-65535"))),
+        Err(_) => Err(ParseError(format!("{:?} is not a port number", s.trim()))),
+    }
+}
+
+impl FromStr for PortId {
+    type Err = ParseError;
+
+    /// `80/TCP` (protocol case-insensitive).
+    fn from_str(s: &str) -> Result<Self, ParseError> {
+        let (port, proto) =
+            s.split_once('/').ok_or_else(|| ParseError(format!("{s:?} is not PORT/PROTOCOL")))?;
+        Ok(PortId { port: parse_port_number(port)?, protocol: parse_protocol(proto.trim())? })
+    }
+}
+
+/// FNV-1a, 64 bit: stable across runs and versions (unlike `DefaultHasher`).
+pub fn fnv1a(data: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in data {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
