@@ -13,7 +13,6 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use k8s_openapi::jiff::Timestamp;
 use tracing::{debug, error, info, warn};
 
-use crate::alloc::PortRange;
 use crate::bridge::BridgeReader;
 use crate::dataplane::{Dataplane, DataplaneError};
 use crate::desired::{self, AllocationMode, Desired, HostFacts, HostPolicy, Inputs};
@@ -27,11 +26,12 @@ use crate::metrics::Metrics;
 use crate::model::ModelOptions;
 use crate::nft::{self, NftClient};
 use crate::plan::NodeFacts;
-use crate::port_policy::Listeners;
+use crate::port_policy::{Listeners, PortRange};
+use crate::report::{ServiceState, ServiceStatus};
 use crate::schedule::Schedule;
 use crate::source::{Loaded, Snapshot, Source};
 use crate::state::{State, StateFile};
-use crate::status::{ServiceState, ServiceStatus, SharedStatus, SyncStatus};
+use crate::status::{SharedStatus, SyncStatus};
 use crate::sysctl::{Sysctls, forwarding_sysctl};
 
 #[derive(Debug, Clone)]

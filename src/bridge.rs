@@ -2,12 +2,14 @@
 //! bridges there are, their addresses, whether br_netfilter hands their bridged IP traffic to the
 //! netfilter hooks (`/proc/sys/net/bridge/bridge-nf-call-ip{,6}tables`, and each bridge's own
 //! `nf_call_ip{,6}tables`), and the hairpin mode of each port (`/sys/class/net/<bridge>/brif/
-//! <port>/hairpin_mode`). Reads only; what it means is decided by [`crate::hairpin`].
+//! <port>/hairpin_mode`). Reads only, into [`BridgeFacts`]; what they mean is decided by [`crate::hairpin`].
 
 use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
 
 use ipnet::IpNet;
+
+use crate::hairpin::{Bridge, BridgeFacts, BridgePort};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BridgeError {
@@ -17,36 +19,6 @@ pub enum BridgeError {
     Value { path: PathBuf, value: String },
     #[error("cannot list the interface addresses: {0}")]
     Addresses(#[source] nix::Error),
-}
-
-/// What br_netfilter does, and every bridge of the namespace.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct BridgeFacts {
-    /// `net.bridge.bridge-nf-call-iptables` (false when br_netfilter is not there at all).
-    pub call_iptables: bool,
-    /// `net.bridge.bridge-nf-call-ip6tables`.
-    pub call_ip6tables: bool,
-    pub bridges: Vec<Bridge>,
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Bridge {
-    pub name: String,
-    /// The bridge's own `nf_call_iptables` option (either it or the sysctl is enough).
-    pub nf_call_iptables: bool,
-    pub nf_call_ip6tables: bool,
-    /// Addresses of the bridge device with their prefix: the networks routed through it.
-    pub prefixes: Vec<IpNet>,
-    pub ports: Vec<BridgePort>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BridgePort {
-    pub name: String,
-    pub hairpin: bool,
-    /// A hardware interface (it has a `device`), not a pod's veth: an uplink, whose hairpin mode
-    /// does not concern the pods.
-    pub physical: bool,
 }
 
 /// Reads under a sysfs and a `/proc/sys` root (tests point them at a temporary tree).

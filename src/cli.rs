@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
-use crate::alloc::PortRange;
+use crate::port_policy::PortRange;
 
 #[derive(Debug, Parser)]
 #[command(

@@ -20,9 +20,10 @@ use crate::metrics::Metrics;
 use crate::model::ModelOptions;
 use crate::nft::NftClient;
 use crate::plan::NodeFacts;
+use crate::report::PortStatus;
 use crate::source::Source;
 use crate::state::StateFile;
-use crate::status::{PortStatus, SharedStatus, Status};
+use crate::status::{SharedStatus, Status};
 use crate::sysctl::Sysctls;
 
 fn node_name(common: &CommonArgs) -> String {

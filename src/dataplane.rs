@@ -9,9 +9,10 @@ use std::collections::BTreeSet;
 
 use tracing::{debug, warn};
 
+use crate::counters::CounterIndex;
 use crate::ir::{Carried, Change, KeyType, Ruleset, SetKind};
 use crate::kernel::Kernel;
-use crate::metrics::{CounterIndex, Metrics};
+use crate::metrics::Metrics;
 use crate::nft::{self, NftError};
 use crate::plan;
 

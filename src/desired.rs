@@ -9,15 +9,15 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
 
-use crate::alloc::{self, AllocProblem, Allocations, PortRange};
+use crate::alloc::{self, AllocProblem, Allocations};
+use crate::counters::{CounterIndex, CounterKind, SeriesKey};
 use crate::domain::{Family, PortId, ServiceKey};
 use crate::endpoint_policy::{self, EndpointPolicy, HostAddresses, RefusedEndpoint};
 use crate::ir::Ruleset;
-use crate::metrics::{CounterIndex, CounterKind, SeriesKey};
 use crate::model::{self, LbService, ModelOptions, Refusal};
 use crate::plan::{self, NodeFacts, ServicePlan};
-use crate::port_policy::{self, Listeners, PortPolicy, PortRefusal};
-use crate::status::{EndpointRefusalStatus, PortStatus, ServiceState, ServiceStatus};
+use crate::port_policy::{self, Listeners, PortPolicy, PortRange, PortRefusal};
+use crate::report::{EndpointRefusalStatus, PortStatus, ServiceState, ServiceStatus};
 
 /// Everything computed from one snapshot.
 #[derive(Debug, Clone)]

@@ -183,7 +183,7 @@ pub fn check_dns_label(s: &str) -> Result<(), String> {
 impl FromStr for ServiceKey {
     type Err = ParseError;
 
-    /// `namespace/name`, each a DNS-1123 label (so exactly what [`build`] accepts).
+    /// `namespace/name`, each a DNS-1123 label (exactly what the model accepts of a Service).
     fn from_str(s: &str) -> Result<Self, ParseError> {
         let Some((ns, name)) = s.split_once('/') else {
             return Err(ParseError(format!("{s:?} is not namespace/name")));

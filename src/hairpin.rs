@@ -1,5 +1,5 @@
 //! Whether an endpoint can reach its own Service through the node (hairpin), given the node's
-//! bridges ([`crate::bridge`]) and the endpoints programmed. Pure.
+//! bridges (read by the agent's `bridge` module) and the endpoints programmed. Pure.
 //!
 //! nodelb masquerades a connection drawn to its own client (`ip saddr . ip daddr … @endpoints-<fam>`),
 //! so that the answer comes back through the node. What it cannot change: with br_netfilter passing a
@@ -12,12 +12,42 @@
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 
+use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
-use crate::bridge::{Bridge, BridgeFacts};
 use crate::domain::Family;
 use crate::ir::{KeyPart, Ruleset};
 use crate::plan;
+
+/// What br_netfilter does, and every bridge of the namespace.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BridgeFacts {
+    /// `net.bridge.bridge-nf-call-iptables` (false when br_netfilter is not there at all).
+    pub call_iptables: bool,
+    /// `net.bridge.bridge-nf-call-ip6tables`.
+    pub call_ip6tables: bool,
+    pub bridges: Vec<Bridge>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Bridge {
+    pub name: String,
+    /// The bridge's own `nf_call_iptables` option (either it or the sysctl is enough).
+    pub nf_call_iptables: bool,
+    pub nf_call_ip6tables: bool,
+    /// Addresses of the bridge device with their prefix: the networks routed through it.
+    pub prefixes: Vec<IpNet>,
+    pub ports: Vec<BridgePort>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BridgePort {
+    pub name: String,
+    pub hairpin: bool,
+    /// A hardware interface (it has a `device`), not a pod's veth: an uplink, whose hairpin mode
+    /// does not concern the pods.
+    pub physical: bool,
+}
 
 /// Port names named in a warning's message; the rest are counted.
 const PORTS_NAMED: usize = 10;
@@ -126,7 +156,6 @@ fn diagnose_bridge(facts: &BridgeFacts, b: &Bridge, endpoints: &BTreeSet<IpAddr>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bridge::BridgePort;
 
     fn port(name: &str, hairpin: bool) -> BridgePort {
         BridgePort { name: name.into(), hairpin, physical: false }

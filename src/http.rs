@@ -13,8 +13,9 @@ use axum::routing::get;
 
 use std::collections::BTreeMap;
 
+use crate::counters::{CounterKind, Series, SeriesKey, Totals};
 use crate::domain::{PortId, ServiceKey, parse_protocol};
-use crate::metrics::{CounterKind, Metrics, Series, SeriesKey, Totals, read_totals};
+use crate::metrics::{Metrics, read_totals};
 use crate::status::{SharedStatus, Status};
 
 #[derive(Clone)]

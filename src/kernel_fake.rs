@@ -1,6 +1,6 @@
 //! A [`Kernel`] in memory for the sync policy's unit tests, the way kube-proxy's nftables proxier
 //! is tested against knftables' `Fake`: batches are checked and applied with the planner's own
-//! model of the kernel ([`plan::simulate`]: no dangling jump, no deleting what is still
+//! model of the kernel ([`simulate`]: no dangling jump, no deleting what is still
 //! referenced, all or nothing), and the table reads back the way [`crate::nft::verify`] reads
 //! the real one. On top of that model it keeps what the kernel keeps and the model does not: the
 //! ruleset generation, the named counters' values and the dynamic sets' elements. Failures are
@@ -23,8 +23,9 @@ use crate::nft::{
     ApplyStats, Counter, CounterValues, KernelChain, KernelCounter, KernelHook, KernelRule, KernelSet,
     KernelTable, NftError,
 };
-use crate::plan::{self, UdpBackend};
+use crate::plan::UdpBackend;
 use crate::port_policy::Listener;
+use crate::simulate::simulate;
 
 /// One batch the fake took (or refused).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -122,7 +123,7 @@ impl FakeKernel {
             (None, Some(Change::AddTable)) => Ruleset::default(),
             (None, _) => return Err(refused("no table inet nodelb")),
         };
-        let next = plan::simulate(&start, changes).map_err(|e| refused(&e))?;
+        let next = simulate(&start, changes).map_err(|e| refused(&e))?;
         for change in changes {
             match change {
                 Change::DeleteTable => {

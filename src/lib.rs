@@ -10,6 +10,7 @@ pub mod bridge;
 pub mod cli;
 pub mod commands;
 pub mod conntrack;
+pub mod counters;
 pub mod dataplane;
 pub mod desired;
 pub mod domain;
@@ -31,12 +32,16 @@ pub mod model;
 pub mod nft;
 pub mod plan;
 pub mod port_policy;
+pub mod report;
 pub mod schedule;
+#[cfg(any(test, feature = "testing"))]
+pub mod simulate;
 pub mod slim;
 pub mod source;
 pub mod state;
 pub mod status;
 pub mod sysctl;
+#[cfg(any(test, feature = "testing"))]
 pub mod trace;
 pub mod xt;
 pub mod xtables;

@@ -1,12 +1,8 @@
 //! Prometheus metrics (`/metrics`). Agent-side gauges and counters are updated by the sync loop;
 //! per-Service traffic counters are read from the kernel's named counter objects at scrape time
-//! (one object dump; no per-packet work in userspace). A named counter keeps counting while the
-//! rules that use it are replaced; it restarts only when the table is replaced (start, repair,
-//! after a failure) and is gone while its Service port is not programmed (no node port,
-//! forwarding off). So the agent folds the values of counters a batch deletes into a base that is
-//! added to what the kernel reports: an exported `_total` never goes down, and its series goes
-//! away only with its Service port. The sync loop holds the [`CounterState`] lock from reading
-//! the counters before a batch until the base is folded after it, and a scrape holds it while it
+//! (one object dump; no per-packet work in userspace), plus the totals of counters that batches
+//! reset ([`crate::counters`]). The sync loop holds the [`CounterState`] lock from reading the
+//! counters before a batch until the base is folded after it, and a scrape holds it while it
 //! reads the kernel, so a scrape sees the kernel and the base of the same side of a batch.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -19,109 +15,8 @@ use prometheus::{
     Registry,
 };
 
-use crate::domain::{PortId, ServiceKey};
-use crate::nft::{Counter, CounterValues, NftClient};
-
-/// What a counter rule counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum CounterKind {
-    /// New connections DNATed (counted in the service chain).
-    Connections,
-    /// Forwarded packets and bytes, both directions (counted in filter-forward-last).
-    Traffic,
-    /// Packets of new connections dropped by the source-range check (firewall chain).
-    Refused,
-}
-
-/// One per-Service-port series (both address families summed).
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct SeriesKey {
-    pub service: ServiceKey,
-    pub port: PortId,
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Totals {
-    pub packets: u64,
-    pub bytes: u64,
-}
-
-pub type Series = (SeriesKey, CounterKind);
-
-/// Which kernel counter feeds which series, and which Service ports exist; computed with the
-/// desired state (`desired::compute_with`). Counters are named opaquely: the sync loop only
-/// matches these names against what the kernel reports and what a batch resets.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct CounterIndex {
-    /// Named counter in the kernel → the series it feeds.
-    pub counters: BTreeMap<String, Series>,
-    /// Every Service port of the valid Services. A series of one of these stays exported with its
-    /// total while no counter feeds it; a series goes when its Service port goes.
-    pub ports: BTreeSet<SeriesKey>,
-}
-
-/// The index of the ruleset in the kernel, and every exported series with the folded-in values
-/// of counters that the kernel no longer holds.
-#[derive(Debug, Default)]
-pub struct CounterState {
-    index: BTreeMap<String, Series>,
-    /// Exactly the exported series.
-    base: BTreeMap<Series, Totals>,
-}
-
-impl CounterState {
-    /// Counters (of the installed index or of `next`) that feed a series still exported once
-    /// `next` is installed: their values must be read before a batch resets them. A Service port
-    /// that goes away takes its series with it, so its counters need no read (at 1,000 Services ×
-    /// 5 endpoints, reading the table costs ~40 ms of a removal's reaction time).
-    pub fn kept_counters(&self, next: &CounterIndex) -> BTreeSet<String> {
-        self.index
-            .iter()
-            .chain(&next.counters)
-            .filter(|(_, (key, _))| next.ports.contains(key))
-            .map(|(name, _)| name.clone())
-            .collect()
-    }
-
-    /// Adds the values `table` holds for the counters in `resetting` to the base of their series
-    /// (a batch resets them).
-    pub fn fold(&mut self, kernel: &CounterValues, resetting: &BTreeSet<String>, next: &CounterIndex) {
-        for (name, &c) in kernel {
-            if !resetting.contains(name) {
-                continue;
-            }
-            if let Some(series) = next.counters.get(name).or_else(|| self.index.get(name)) {
-                let t = self.base.entry(series.clone()).or_default();
-                t.packets += c.packets;
-                t.bytes += c.bytes;
-            }
-        }
-    }
-
-    /// Installs the index of the ruleset just applied: series of Service ports that are gone are
-    /// forgotten, the others keep their totals, new counters start new series.
-    pub fn install(&mut self, next: CounterIndex) {
-        self.base.retain(|(key, _), _| next.ports.contains(key));
-        for series in next.counters.values() {
-            self.base.entry(series.clone()).or_default();
-        }
-        self.index = next.counters;
-    }
-
-    /// Base + kernel values of every exported series.
-    pub fn totals(&self, kernel: &CounterValues) -> BTreeMap<Series, Totals> {
-        let mut out = self.base.clone();
-        for (name, &Counter { packets, bytes }) in kernel {
-            if let Some(series) = self.index.get(name)
-                && let Some(t) = out.get_mut(series)
-            {
-                t.packets += packets;
-                t.bytes += bytes;
-            }
-        }
-        out
-    }
-}
+use crate::counters::{CounterKind, CounterState, Series, SeriesKey, Totals};
+use crate::nft::NftClient;
 
 pub type SharedCounters = Arc<Mutex<CounterState>>;
 
@@ -558,91 +453,4 @@ fn counter_metric(key: &SeriesKey, value: u64) -> prometheus::proto::Metric {
     c.set_value(value as f64);
     m.set_counter(c);
     m
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::domain::Protocol;
-
-    fn key(name: &str) -> SeriesKey {
-        SeriesKey {
-            service: ServiceKey { namespace: "default".into(), name: name.into() },
-            port: PortId { port: 80, protocol: Protocol::Tcp },
-        }
-    }
-
-    /// The kernel's named counters `(name, packets, bytes)`.
-    fn kernel(counters: &[(&str, u64, u64)]) -> CounterValues {
-        counters
-            .iter()
-            .map(|&(name, packets, bytes)| (name.to_string(), Counter { packets, bytes }))
-            .collect()
-    }
-
-    fn index(counters: &[(&str, &str, CounterKind)], ports: &[&str]) -> CounterIndex {
-        CounterIndex {
-            counters: counters.iter().map(|&(c, s, k)| (c.to_string(), (key(s), k))).collect(),
-            ports: ports.iter().map(|p| key(p)).collect(),
-        }
-    }
-
-    /// One batch as the sync loop does it: read what it resets, fold, install.
-    fn sync(st: &mut CounterState, before: &CounterValues, resetting: &[&str], next: CounterIndex) {
-        let kept = st.kept_counters(&next);
-        let resetting: BTreeSet<String> =
-            resetting.iter().map(|s| s.to_string()).filter(|s| kept.contains(s)).collect();
-        st.fold(before, &resetting, &next);
-        st.install(next);
-    }
-
-    fn exported(st: &CounterState, now: &CounterValues) -> Vec<(String, CounterKind, u64, u64)> {
-        st.totals(now).into_iter().map(|((k, kind), t)| (k.service.name, kind, t.packets, t.bytes)).collect()
-    }
-
-    use CounterKind::{Connections as C, Refused as R, Traffic as T};
-
-    #[test]
-    fn series_keep_their_totals_while_chains_come_and_go_and_go_with_the_service() {
-        let mut st = CounterState::default();
-        let full = || index(&[("svc-a", "a", C), ("fwd-a", "a", T), ("fw-b", "b", R)], &["a", "b"]);
-        sync(&mut st, &kernel(&[]), &[], full());
-        let k1 = kernel(&[("svc-a", 3, 180), ("fwd-a", 10, 1000), ("fw-b", 2, 120)]);
-        let first = vec![("a".into(), C, 3, 180), ("a".into(), T, 10, 1000), ("b".into(), R, 2, 120)];
-        assert_eq!(exported(&st, &k1), first);
-
-        // a's endpoints go: its chains are deleted, its series stay with the same values.
-        let no_endpoints = index(&[("fw-b", "b", R)], &["a", "b"]);
-        assert_eq!(st.kept_counters(&no_endpoints), ["fw-b", "fwd-a", "svc-a"].map(String::from).into());
-        sync(&mut st, &k1, &["svc-a", "fwd-a"], no_endpoints);
-        let k2 = kernel(&[("fw-b", 2, 120)]);
-        assert_eq!(exported(&st, &k2), first);
-
-        // They come back: new chains start at 0 in the kernel, the series continue.
-        sync(&mut st, &k2, &[], full());
-        let k3 = kernel(&[("svc-a", 1, 60), ("fwd-a", 4, 400), ("fw-b", 2, 120)]);
-        let later = vec![("a".into(), C, 4, 240), ("a".into(), T, 14, 1400), ("b".into(), R, 2, 120)];
-        assert_eq!(exported(&st, &k3), later);
-
-        // A flush (endpoint change) folds the old value in.
-        sync(&mut st, &k3, &["svc-a"], full());
-        let k4 = kernel(&[("svc-a", 0, 0), ("fwd-a", 4, 400), ("fw-b", 2, 120)]);
-        assert_eq!(exported(&st, &k4), later);
-
-        // Service a goes: its series go, its chains need no read; b stays.
-        let only_b = index(&[("fw-b", "b", R)], &["b"]);
-        assert_eq!(st.kept_counters(&only_b), BTreeSet::from(["fw-b".to_string()]));
-        sync(&mut st, &k4, &["svc-a", "fwd-a"], only_b);
-        assert_eq!(exported(&st, &k2), vec![("b".into(), R, 2, 120)]);
-
-        // Without our table in the kernel, the folded base.
-        assert_eq!(st.totals(&kernel(&[])).values().copied().collect::<Vec<_>>(), vec![Totals::default()]);
-    }
-
-    #[test]
-    fn a_port_without_counters_has_no_series() {
-        let mut st = CounterState::default();
-        sync(&mut st, &kernel(&[]), &[], index(&[], &["a"]));
-        assert!(st.totals(&kernel(&[])).is_empty());
-    }
 }

@@ -73,6 +73,8 @@ pub const ANNOTATION_LEGACY_SOURCE_RANGES: &str = "service.beta.kubernetes.io/lo
 pub const CONDITION_ALLOCATED: &str = "nodelb.io/Allocated";
 /// Label linking an EndpointSlice to its Service.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
+/// Nodes with this label are never listed in a Service's status (the Kubernetes convention).
+pub const LABEL_EXCLUDE_LB: &str = "node.kubernetes.io/exclude-from-external-load-balancers";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
 pub enum TrafficPolicy {
@@ -125,7 +127,7 @@ pub struct LbService {
     pub created: Option<String>,
     /// Manifests mode: when this node first allocated the Service a port (RFC 3339, from the
     /// state file). Manifests have no creationTimestamp, so this is their age (see
-    /// [`crate::alloc`]); `None` in Kubernetes mode and for Services never allocated.
+    /// the allocator); `None` in Kubernetes mode and for Services never allocated.
     pub allocated_since: Option<String>,
     pub ports: Vec<LbPort>,
     /// From `spec.ipFamilies` (default: IPv4), in spec order, deduplicated.

@@ -23,8 +23,111 @@ use std::fmt;
 use std::net::IpAddr;
 use std::str::FromStr;
 
-use crate::alloc::PortRange;
 use crate::domain::Protocol;
+
+/// The Kubernetes NodePort range (default service-node-port-range).
+pub const NODEPORT_RANGE: (u16, u16) = (30000, 32767);
+/// The Linux default ephemeral (local) port range, `net.ipv4.ip_local_port_range`.
+pub const EPHEMERAL_RANGE: (u16, u16) = (32768, 60999);
+
+/// Inclusive range of node ports handed out automatically.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+pub struct PortRange {
+    pub first: u16,
+    pub last: u16,
+}
+
+impl Default for PortRange {
+    /// 20000–29999: overlaps neither the NodePort range nor the ephemeral range.
+    fn default() -> Self {
+        PortRange { first: 20000, last: 29999 }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RangeError {
+    #[error("port range {0:?} is not FIRST-LAST (like 20000-29999)")]
+    Syntax(String),
+    #[error("port range {0:?}: {1:?} is not a port number 1-65535")]
+    Number(String, String),
+    #[error("port range {0:?}: first port is greater than last")]
+    Reversed(String),
+}
+
+impl PortRange {
+    /// A range `first..=last`; both non-zero, `first <= last`.
+    pub fn new(first: u16, last: u16) -> Result<PortRange, RangeError> {
+        let shown = format!("{first}-{last}");
+        if first == 0 {
+            return Err(RangeError::Number(shown, "0".to_string()));
+        }
+        if first > last {
+            return Err(RangeError::Reversed(shown));
+        }
+        Ok(PortRange { first, last })
+    }
+
+    pub fn contains(&self, port: u16) -> bool {
+        (self.first..=self.last).contains(&port)
+    }
+
+    /// Number of ports in the range.
+    pub fn len(&self) -> usize {
+        usize::from(self.last) - usize::from(self.first) + 1
+    }
+
+    /// Never true for a range built through [`PortRange::new`] or `FromStr`.
+    pub fn is_empty(&self) -> bool {
+        self.first > self.last
+    }
+
+    /// Human-readable warnings when the range overlaps ranges other software hands out (the
+    /// Kubernetes NodePort range, the Linux ephemeral range) or privileged ports. Not an error:
+    /// an operator may have moved those ranges, but they should hear about it.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let overlaps = |(a, b): (u16, u16)| self.first <= b && a <= self.last;
+        if overlaps(NODEPORT_RANGE) {
+            out.push(format!(
+                "port range {self} overlaps the Kubernetes NodePort range {}-{}",
+                NODEPORT_RANGE.0, NODEPORT_RANGE.1
+            ));
+        }
+        if overlaps(EPHEMERAL_RANGE) {
+            out.push(format!(
+                "port range {self} overlaps the Linux ephemeral port range {}-{} (net.ipv4.ip_local_port_range)",
+                EPHEMERAL_RANGE.0, EPHEMERAL_RANGE.1
+            ));
+        }
+        if self.first < 1024 {
+            out.push(format!("port range {self} includes privileged ports below 1024"));
+        }
+        out
+    }
+}
+
+impl fmt::Display for PortRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{}", self.first, self.last)
+    }
+}
+
+impl FromStr for PortRange {
+    type Err = RangeError;
+
+    fn from_str(s: &str) -> Result<PortRange, RangeError> {
+        let (a, b) = s.trim().split_once('-').ok_or_else(|| RangeError::Syntax(s.to_string()))?;
+        let num = |t: &str| match t.trim().parse::<u16>() {
+            Ok(n) if n != 0 => Ok(n),
+            _ => Err(RangeError::Number(s.to_string(), t.trim().to_string())),
+        };
+        let (first, last) = (num(a)?, num(b)?);
+        if first > last {
+            return Err(RangeError::Reversed(s.to_string()));
+        }
+        Ok(PortRange { first, last })
+    }
+}
 
 /// The node ports Services may take, besides what listens on the node.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -18,10 +18,9 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-use crate::k8s::nodes::LABEL_EXCLUDE_LB;
 use crate::model::{
     ANNOTATION_ALLOCATED, ANNOTATION_IGNORE, ANNOTATION_LEGACY_SOURCE_RANGES, ANNOTATION_PORTS,
-    LABEL_SERVICE_NAME,
+    LABEL_EXCLUDE_LB, LABEL_SERVICE_NAME,
 };
 
 /// The Service annotations nodelb reads (model and leader).

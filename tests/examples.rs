@@ -2,9 +2,10 @@
 
 use std::path::Path;
 
-use nodelb::alloc::{Allocations, PortRange, allocate};
+use nodelb::alloc::{Allocations, allocate};
 use nodelb::manifests::load_dir;
 use nodelb::model::{ModelOptions, build};
+use nodelb::port_policy::PortRange;
 
 #[test]
 fn examples_are_valid() {

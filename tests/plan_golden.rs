@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use nodelb::domain::{Family, Protocol};
 use nodelb::ir::{Change, CtState, Ruleset};
 use nodelb::plan::{self, ServicePlan};
+use nodelb::simulate::simulate;
 use nodelb::trace::{self, Env, Origin, Packet};
 
 use common::scenarios::*;
@@ -110,11 +111,11 @@ fn tracer_table() {
 fn diff_between_any_two_scenarios_equals_full_replace() {
     let all: Vec<(&str, Ruleset)> = scenarios().iter().map(|s| (s.name, plan_of(s))).collect();
     for (a_name, a) in &all {
-        let from_nothing = plan::simulate(&Ruleset::default(), &a.full_replace());
+        let from_nothing = simulate(&Ruleset::default(), &a.full_replace());
         assert_eq!(from_nothing.as_ref(), Ok(a), "full replace of {a_name}");
         for (b_name, b) in &all {
             let changes = plan::diff(a, b);
-            let got = plan::simulate(a, &changes).unwrap_or_else(|e| panic!("{a_name} → {b_name}: {e}"));
+            let got = simulate(a, &changes).unwrap_or_else(|e| panic!("{a_name} → {b_name}: {e}"));
             assert_eq!(&got, b, "{a_name} → {b_name}");
             if a_name == b_name {
                 assert!(changes.is_empty(), "{a_name} → itself must be a no-op: {changes:?}");

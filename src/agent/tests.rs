@@ -6,11 +6,10 @@ use std::path::Path;
 use std::sync::RwLock;
 
 use super::*;
-use crate::alloc::PortRange;
+use crate::counters::CounterKind;
 use crate::ir::{Carried, Change, KeyPart, Ruleset, SetKind};
 use crate::kernel_fake::{Batch, Failing, FakeKernel, FakeNode};
-use crate::metrics::CounterKind;
-use crate::port_policy::PortPolicy;
+use crate::port_policy::{PortPolicy, PortRange};
 use crate::status::Status;
 
 /// A Service `name` (`port`/`protocol` to `target`, `sessionAffinity: ClientIP` if `sticky`) and

@@ -25,10 +25,11 @@ use kube::{Api, Client, Resource};
 use serde_json::json;
 use tracing::{debug, info, warn};
 
-use crate::alloc::{self, Allocations, PortRange};
+use crate::alloc::{self, Allocations};
 use crate::domain::{Family, ServiceKey};
 use crate::metrics::Metrics;
 use crate::model::{self, ANNOTATION_ALLOCATED, ModelOptions};
+use crate::port_policy::PortRange;
 use crate::status::SharedStatus;
 
 use super::dupes;

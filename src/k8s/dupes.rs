@@ -195,7 +195,8 @@ mod tests {
             svc("young", Some(2), &[(PortId::tcp(80), 20001)]),
             svc("other", Some(3), &[(PortId::tcp(80), 20000)]),
         ];
-        let r = crate::alloc::allocate(&crate::alloc::PortRange::default(), &services, &Allocations::new());
+        let r =
+            crate::alloc::allocate(&crate::port_policy::PortRange::default(), &services, &Allocations::new());
         assert_eq!(r.allocations[&key("old")][&PortId::tcp(80)], 20001);
         assert_eq!(r.allocations[&key("other")][&PortId::tcp(80)], 20000);
         assert_eq!(r.allocations[&key("young")][&PortId::tcp(80)], 20002);

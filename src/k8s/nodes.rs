@@ -25,6 +25,7 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
 use crate::domain::{Family, Protocol};
 use crate::endpoint_policy::HostAddresses;
+use crate::model::LABEL_EXCLUDE_LB;
 use crate::port_policy::Listeners;
 
 /// Prefix of the per-node Lease names (`nodelb-node-<node>`).
@@ -37,8 +38,6 @@ pub const ANNOTATION_FAMILIES: &str = "nodelb.io/families";
 pub const ANNOTATION_LISTENING: &str = "nodelb.io/listening-ports";
 /// Label on node Leases, so the leader can watch only them.
 pub const LABEL_NODE_LEASE: &str = "nodelb.io/node-lease";
-/// Nodes with this label are never listed in a Service's status (the Kubernetes convention).
-pub const LABEL_EXCLUDE_LB: &str = "node.kubernetes.io/exclude-from-external-load-balancers";
 
 pub fn node_lease_name(node: &str) -> String {
     format!("{NODE_LEASE_PREFIX}{node}")

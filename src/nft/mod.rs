@@ -21,6 +21,8 @@ pub use client::NftClient;
 pub use encode::fingerprint;
 pub use verify::verify;
 
+pub use crate::counters::{Counter, CounterValues};
+
 use std::collections::BTreeMap;
 
 use crate::ir::{Key, KeyType, Mapped, SetKind};
@@ -60,13 +62,6 @@ pub struct ApplyStats {
     /// Netlink messages in the batch, BATCH_BEGIN/END included.
     pub messages: usize,
     pub bytes: usize,
-}
-
-/// Counter values of a rule's `counter` expression or of a named counter.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Counter {
-    pub packets: u64,
-    pub bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -115,9 +110,6 @@ pub struct KernelSet {
     pub comment: Option<String>,
     pub elements: BTreeMap<Key, Option<Mapped>>,
 }
-
-/// Named counters of our table by name, as [`NftClient::read_counters`] returns them.
-pub type CounterValues = BTreeMap<String, Counter>;
 
 /// A named counter object of our table.
 #[derive(Debug, Clone, PartialEq, Eq)]

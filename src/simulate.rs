@@ -1,0 +1,186 @@
+//! The planner's model of the kernel: applies a change list to an in-memory ruleset the way
+//! nf_tables takes a batch (a test oracle: a diff applied to `old` must give exactly `new`, and
+//! the sync policy's fake kernel is built on it). Not part of the shipped binary: built for tests
+//! and with the `testing` feature.
+
+use std::collections::BTreeMap;
+
+use crate::ir::{Chain, Change, Expr, Mapped, Rule, Ruleset, Set, SetKind, Verdict};
+
+/// Applies changes to an in-memory ruleset the way the kernel would (a model for tests: a diff
+/// applied to `old` must give exactly `new`). Returns an error naming the first change the kernel
+/// would refuse (missing object, object still referenced, duplicate).
+pub fn simulate(start: &Ruleset, changes: &[Change]) -> Result<Ruleset, String> {
+    let mut rs = start.clone();
+    let mut exists = true;
+    for change in changes {
+        match change {
+            Change::AddTable => exists = true,
+            Change::DeleteTable => {
+                if !exists {
+                    return Err("delete table: no such table".into());
+                }
+                rs = Ruleset::default();
+                exists = false;
+            }
+            _ if !exists => return Err(format!("{change:?}: no table")),
+            Change::AddChain(c) => {
+                rs.chains.entry(c.name.clone()).or_insert_with(|| Chain { rules: vec![], ..c.clone() });
+            }
+            Change::FlushChain(n) => {
+                rs.chains.get_mut(n).ok_or(format!("flush chain {n}: missing"))?.rules.clear();
+            }
+            Change::DeleteChain(n) => {
+                let c = rs.chains.get(n).ok_or(format!("delete chain {n}: missing"))?;
+                if !c.rules.is_empty() {
+                    return Err(format!("delete chain {n}: not empty"));
+                }
+                if references(&rs, n) {
+                    return Err(format!("delete chain {n}: still referenced"));
+                }
+                rs.chains.remove(n);
+            }
+            Change::AddRule { chain, rule } => {
+                for target in rule_targets(rule) {
+                    if !rs.chains.contains_key(target) {
+                        return Err(format!("add rule to {chain}: jump to missing chain {target}"));
+                    }
+                }
+                for set in rule_sets(rule) {
+                    if !rs.sets.contains_key(set) {
+                        return Err(format!("add rule to {chain}: missing set {set}"));
+                    }
+                }
+                for name in rule_counters(rule) {
+                    if !rs.counters.contains_key(name) {
+                        return Err(format!("add rule to {chain}: missing counter {name}"));
+                    }
+                }
+                rs.chains
+                    .get_mut(chain)
+                    .ok_or(format!("add rule: chain {chain} missing"))?
+                    .rules
+                    .push(rule.clone());
+            }
+            Change::AddSet(s) => {
+                rs.sets
+                    .entry(s.name.clone())
+                    .or_insert_with(|| Set { elements: BTreeMap::new(), ..s.clone() });
+            }
+            Change::DeleteSet(n) => {
+                if rs.chains.values().any(|c| c.rules.iter().any(|r| rule_sets(r).contains(&n))) {
+                    return Err(format!("delete set {n}: still referenced"));
+                }
+                rs.sets.remove(n).ok_or(format!("delete set {n}: missing"))?;
+            }
+            Change::AddDynamicElements { set, .. } => {
+                // The elements are state, not configuration: the model keeps none.
+                match rs.sets.get(set) {
+                    Some(s) if matches!(s.kind, SetKind::Dynamic { .. }) => {}
+                    Some(_) => return Err(format!("put back elements of {set}: not a dynamic set")),
+                    None => return Err(format!("put back elements of {set}: set missing")),
+                }
+            }
+            Change::AddElements { set, elements } => {
+                let s = rs.sets.get_mut(set).ok_or(format!("add elements: set {set} missing"))?;
+                for (k, v) in elements {
+                    if s.elements.contains_key(k) {
+                        return Err(format!("add element to {set}: {k:?} exists"));
+                    }
+                    s.elements.insert(k.clone(), v.clone());
+                }
+                for (_, v) in elements {
+                    match v {
+                        Some(Mapped::Verdict(Verdict::Goto(c) | Verdict::Jump(c)))
+                            if !rs.chains.contains_key(c) =>
+                        {
+                            return Err(format!("add element to {set}: missing chain {c}"));
+                        }
+                        Some(Mapped::Counter(c)) if !rs.counters.contains_key(c) => {
+                            return Err(format!("add element to {set}: missing counter {c}"));
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            Change::DeleteElements { set, keys } => {
+                let s = rs.sets.get_mut(set).ok_or(format!("delete elements: set {set} missing"))?;
+                for k in keys {
+                    s.elements.remove(k).ok_or(format!("delete element from {set}: {k:?} missing"))?;
+                }
+            }
+            Change::AddCounter(c) => {
+                rs.counters.entry(c.name.clone()).or_insert_with(|| c.clone());
+            }
+            Change::DeleteCounter(n) => {
+                if !rs.counters.contains_key(n) {
+                    return Err(format!("delete counter {n}: missing"));
+                }
+                if counter_referenced(&rs, n) {
+                    return Err(format!("delete counter {n}: still referenced"));
+                }
+                rs.counters.remove(n);
+            }
+        }
+    }
+    if !exists {
+        return Err("table deleted at the end".into());
+    }
+    Ok(rs)
+}
+
+/// Chains a rule sends packets to (its goto/jump verdict).
+fn rule_targets(rule: &Rule) -> Vec<&String> {
+    rule.exprs
+        .iter()
+        .filter_map(|e| match e {
+            Expr::Verdict(Verdict::Goto(c) | Verdict::Jump(c)) => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Sets and maps a rule looks up or updates.
+fn rule_sets(rule: &Rule) -> Vec<&String> {
+    rule.exprs
+        .iter()
+        .filter_map(|e| match e {
+            Expr::L4ProtoDportVmap { map }
+            | Expr::L4ProtoCtOrigDportVmap { map }
+            | Expr::L4ProtoCtOrigDportCounterMap { map } => Some(map),
+            Expr::SaddrTwiceL4ProtoSportInSet { set, .. }
+            | Expr::SaddrDaddrL4ProtoDportInSet { set, .. }
+            | Expr::SaddrInSet { set, .. }
+            | Expr::UpdateSaddr { set, .. } => Some(set),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Named counters a rule counts in by name.
+fn rule_counters(rule: &Rule) -> Vec<&String> {
+    rule.exprs
+        .iter()
+        .filter_map(|e| match e {
+            Expr::CounterRef(c) => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+fn references(rs: &Ruleset, chain: &str) -> bool {
+    rs.chains.values().any(|c| c.rules.iter().any(|r| rule_targets(r).iter().any(|t| *t == chain)))
+        || rs.sets.values().any(|s| {
+            s.elements.values().any(
+                |v| matches!(v, Some(Mapped::Verdict(Verdict::Goto(c) | Verdict::Jump(c))) if c == chain),
+            )
+        })
+}
+
+fn counter_referenced(rs: &Ruleset, counter: &str) -> bool {
+    rs.chains.values().any(|c| c.rules.iter().any(|r| rule_counters(r).iter().any(|n| *n == counter)))
+        || rs
+            .sets
+            .values()
+            .any(|s| s.elements.values().any(|v| matches!(v, Some(Mapped::Counter(c)) if c == counter)))
+}
