@@ -21,7 +21,7 @@ use crate::endpoint_policy::HostAddresses;
 use crate::firewall::{self, Checker};
 use crate::hairpin;
 use crate::kernel::{Kernel, LocalNode, Netlink, NodeReads};
-use crate::manifests;
+use crate::manifest_dir::ManifestError;
 use crate::metrics::Metrics;
 use crate::model::ModelOptions;
 use crate::nft::{self, NftClient};
@@ -63,7 +63,7 @@ pub enum AgentError {
     #[error("reading the ruleset back from the kernel: {0}")]
     KernelRead(#[source] nft::NftError),
     #[error(transparent)]
-    Manifests(#[from] manifests::ManifestError),
+    Manifests(#[from] ManifestError),
     #[error(transparent)]
     State(#[from] crate::state::StateError),
 }

@@ -163,7 +163,7 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
     let Some(dir) = &args.common.manifests else {
         bail!("plan needs --manifests DIR");
     };
-    let loaded = crate::manifests::load_dir(dir)?;
+    let loaded = crate::manifest_dir::load_dir(dir)?;
     for p in &loaded.problems {
         eprintln!("problem: {p}");
     }

@@ -12,7 +12,9 @@ pub mod commands;
 pub mod conntrack;
 pub mod counters;
 pub mod dataplane;
+mod debounce;
 pub mod desired;
+pub mod dir_watch;
 pub mod domain;
 pub mod endpoint_policy;
 pub mod firewall;
@@ -26,6 +28,7 @@ pub mod kernel;
 #[cfg(test)]
 pub mod kernel_fake;
 pub mod listeners;
+pub mod manifest_dir;
 pub mod manifests;
 pub mod metrics;
 pub mod model;

@@ -9,9 +9,11 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use crate::desired::{AllocationMode, SourceNotes};
+use crate::dir_watch::DirWatcher;
 use crate::k8s::lastgood::LastGoodServices;
 use crate::k8s::source::KubeSource;
-use crate::manifests::{DirWatcher, IgnoredLog, LastGood, ManifestCache, ManifestError};
+use crate::manifest_dir::{ManifestCache, ManifestError};
+use crate::manifests::{IgnoredLog, LastGood};
 use crate::model::{ModelOptions, Refusal};
 
 /// What the agent programs from. The objects are shared with the source's caches (a snapshot

@@ -3,7 +3,7 @@
 use std::path::Path;
 
 use nodelb::alloc::{Allocations, allocate};
-use nodelb::manifests::load_dir;
+use nodelb::manifest_dir::load_dir;
 use nodelb::model::{ModelOptions, build};
 use nodelb::port_policy::PortRange;
 

@@ -22,6 +22,7 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
 use super::nodes::LABEL_NODE_LEASE;
+use crate::debounce::{Burst, Events};
 use crate::slim::Slim;
 
 /// Quiet time that ends a burst of changes, and the longest a burst may delay a sync. The watch
@@ -84,17 +85,23 @@ pub struct KubeSource {
     leases: Store<Lease>,
     synced: Arc<[AtomicBool; 4]>,
     health: Arc<Mutex<[Health; 4]>>,
+    /// The changes of the reflectors, as this handle follows them.
+    cursor: Cursor,
+    /// The burst of changes not yet reported ([`KubeSource::changed`]).
+    burst: Burst,
+}
+
+/// Where a [`KubeSource`] handle is in the stream of reflector changes.
+#[derive(Clone)]
+struct Cursor {
+    synced: Arc<[AtomicBool; 4]>,
     /// Per reflector (index as in `synced`), how many changes it has seen.
     changes: watch::Receiver<[u64; 4]>,
     /// The reflectors whose changes [`KubeSource::changed`] reports, and their counts last seen.
     interest: [bool; 4],
     seen: [u64; 4],
-    /// [`KubeSource::complete`] was true at a change already reported.
+    /// The caches were complete at a change already reported.
     was_complete: bool,
-    /// First change of a burst not yet reported. Kept here so `changed()` is cancel-safe: the
-    /// agent awaits it in `select!`, and `watch::Receiver::changed` marks a change seen as soon
-    /// as it returns, so a call cancelled during the debounce would otherwise lose it.
-    pending: Option<Instant>,
 }
 
 impl KubeSource {
@@ -127,13 +134,10 @@ impl KubeSource {
             slices,
             nodes,
             leases,
-            synced,
+            synced: synced.clone(),
             health,
-            changes,
-            interest: [true; 4],
-            seen: [0; 4],
-            was_complete: false,
-            pending: None,
+            cursor: Cursor { synced, changes, interest: [true; 4], seen: [0; 4], was_complete: false },
+            burst: Burst::new(DEBOUNCE_QUIET, DEBOUNCE_MAX),
         }
     }
 
@@ -141,7 +145,9 @@ impl KubeSource {
     /// node programs from those, and must not recompute everything at every node-Lease renewal
     /// (every node renews every `lease/3`).
     pub fn services_only(&self) -> KubeSource {
-        KubeSource { interest: [true, true, false, false], ..self.clone() }
+        let mut handle = self.clone();
+        handle.cursor.interest = [true, true, false, false];
+        handle
     }
 
     /// How long the node-Lease cache has been known to be current: `None` while its watch is
@@ -185,31 +191,33 @@ impl KubeSource {
     }
 
     /// Waits for a change, then for the burst to settle (`DEBOUNCE_QUIET`, at most `DEBOUNCE_MAX`).
-    /// Never returns if the reflectors are gone (they live as long as the runtime).
+    /// Never returns if the reflectors are gone (they live as long as the runtime). Cancel-safe
+    /// ([`Burst`]): `watch::Receiver::changed` marks a change seen as soon as it returns, so the
+    /// burst is kept in the handle, not in this call.
     pub async fn changed(&mut self) {
-        if self.pending.is_none() {
-            if !self.next_change().await {
-                return std::future::pending().await;
-            }
-            self.pending = Some(Instant::now());
+        match self.burst.settle(&mut self.cursor).await {
+            Ok(()) => {}
+            Err(never) => match never {},
         }
-        let first = self.pending.unwrap_or_else(Instant::now);
-        loop {
-            let deadline = (Instant::now() + DEBOUNCE_QUIET).min(first + DEBOUNCE_MAX);
-            match tokio::time::timeout_at(deadline.into(), self.next_change()).await {
-                Ok(true) => continue,
-                Ok(false) | Err(_) => break,
-            }
-        }
-        self.pending = None;
     }
+}
 
-    /// Waits for a change of a reflector of interest; `false` when the reflectors are gone.
-    /// Cancel-safe: what was seen is recorded without an await in between.
-    async fn next_change(&mut self) -> bool {
+impl Cursor {
+    fn complete(&self) -> bool {
+        self.synced.iter().all(|s| s.load(Ordering::Acquire))
+    }
+}
+
+impl Events for Cursor {
+    type Error = std::convert::Infallible;
+
+    /// Waits for a change of a reflector of interest (or the caches becoming complete). What was
+    /// seen is recorded without an await in between.
+    async fn wait(&mut self, burst: &mut Burst) -> Result<(), Self::Error> {
         loop {
             if self.changes.changed().await.is_err() {
-                return false;
+                // The reflectors are gone: nothing will ever change again.
+                return std::future::pending().await;
             }
             let now = *self.changes.borrow_and_update();
             // Becoming complete matters whichever reflector finished last.
@@ -218,7 +226,8 @@ impl KubeSource {
             let relevant = completed || (0..now.len()).any(|i| self.interest[i] && now[i] != self.seen[i]);
             self.seen = now;
             if relevant {
-                return true;
+                burst.note();
+                return Ok(());
             }
         }
     }
