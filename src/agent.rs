@@ -228,7 +228,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         allocations: State,
     ) -> Agent<K, N> {
         {
-            let mut st = status.write().unwrap_or_else(|e| e.into_inner());
+            let mut st = crate::locks::write(&status);
             st.node_name = cfg.node_name.clone();
         }
         Agent {
@@ -271,7 +271,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
     }
 
     fn tick(&self) {
-        let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
+        let mut st = crate::locks::write(&self.status);
         st.last_tick = Some(Instant::now());
     }
 
@@ -310,7 +310,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
                 }
                 self.families.insert(f, enabled);
             }
-            let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
+            let mut st = crate::locks::write(&self.status);
             let entry = st.families.entry(f.name().to_string()).or_default();
             entry.forwarding = enabled;
             self.metrics.forwarding.with_label_values(&[f.name()]).set(i64::from(enabled));
@@ -350,7 +350,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             Err(_) => {}
         }
         let listening = self.listeners.format_relevant(&self.cfg.policy.ports);
-        self.status.write().unwrap_or_else(|e| e.into_inner()).listening_ports = listening;
+        crate::locks::write(&self.status).listening_ports = listening;
         HostFacts {
             addresses: self.local_addresses.merged(&self.source.node_addresses()),
             listeners: self.listeners.clone(),
@@ -377,7 +377,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             }
         };
         log_new(&mut self.logged_hairpin, messages, |m| warn!("{m}"));
-        let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
+        let mut st = crate::locks::write(&self.status);
         st.hairpin = warnings;
     }
 
@@ -566,7 +566,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         };
         // The previous status' Services are dropped after the lock is released.
         let _previous = {
-            let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
+            let mut st = crate::locks::write(&self.status);
             let previous = attempt.report.map(|r| {
                 st.needed_families = r.needed_families;
                 st.problems = r.problems;
@@ -652,7 +652,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
     }
 
     fn set_problems(&self, problems: Vec<String>) {
-        let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
+        let mut st = crate::locks::write(&self.status);
         st.problems = problems;
     }
 }
@@ -698,7 +698,7 @@ impl HostFirewall {
         let fw = &metrics.firewall;
         let (drops, accept) = report.metric_series();
         fw.set_chains(drops, accept);
-        let mut st = status.write().unwrap_or_else(|e| e.into_inner());
+        let mut st = crate::locks::write(status);
         for f in Family::ALL {
             let d = report.diagnosis.get(&f).cloned().unwrap_or_default();
             fw.blocked.with_label_values(&[f.name()]).set(i64::from(d.blocked.is_some()));

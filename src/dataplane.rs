@@ -180,8 +180,7 @@ impl<K: Kernel> Dataplane<K> {
         let kind = batch.kind();
         let changes = batch.len(&desired);
         // Held until the fold: a scrape sees the counters of one side of the batch.
-        let mut counters =
-            metrics.per_service.then(|| metrics.counters.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut counters = metrics.per_service.then(|| crate::locks::lock(&metrics.counters));
         // Counters that this batch resets (table replaced, counter deleted) and whose series stay:
         // read them first and fold them into the exported totals once the batch is in.
         let resetting = match &counters {

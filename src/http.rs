@@ -49,7 +49,7 @@ async fn metrics_text(State(app): State<AppState>) -> impl IntoResponse {
 }
 
 async fn status_json(State(app): State<AppState>) -> impl IntoResponse {
-    let mut st = app.status.read().unwrap_or_else(|e| e.into_inner()).clone();
+    let mut st = crate::locks::read(&app.status).clone();
     if app.metrics.per_service {
         // The kernel's counters, read now (over netlink: off the async workers).
         let counters = app.metrics.counters.clone();
@@ -75,7 +75,7 @@ fn add_counters(st: &mut Status, totals: &BTreeMap<Series, Totals>) {
 }
 
 async fn healthz(State(app): State<AppState>) -> impl IntoResponse {
-    let last = app.status.read().unwrap_or_else(|e| e.into_inner()).last_tick;
+    let last = crate::locks::read(&app.status).last_tick;
     match last {
         Some(t) if t.elapsed() <= app.stuck_after => (StatusCode::OK, "ok\n".to_string()),
         Some(t) => (
@@ -87,7 +87,7 @@ async fn healthz(State(app): State<AppState>) -> impl IntoResponse {
 }
 
 async fn readyz(State(app): State<AppState>) -> impl IntoResponse {
-    let st = app.status.read().unwrap_or_else(|e| e.into_inner());
+    let st = crate::locks::read(&app.status);
     match st.readiness() {
         Ok(None) => (StatusCode::OK, "ready\n".to_string()),
         Ok(Some(note)) => (StatusCode::OK, format!("ready ({note})\n")),

@@ -28,6 +28,7 @@ pub mod kernel;
 #[cfg(test)]
 pub mod kernel_fake;
 pub mod listeners;
+pub mod locks;
 pub mod manifest_dir;
 pub mod manifests;
 pub mod metrics;

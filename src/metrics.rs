@@ -118,7 +118,7 @@ impl FirewallMetrics {
     /// Sets `drops` (label values: family, table, chain, certain) and `accept` (family, table)
     /// to exactly these series, removing those that are gone.
     pub fn set_chains(&self, drops: LabelSets, accept: LabelSets) {
-        let mut exported = self.exported.lock().unwrap_or_else(|e| e.into_inner());
+        let mut exported = crate::locks::lock(&self.exported);
         for (vec, now, before) in [(&self.drops, &drops, &exported.0), (&self.accept, &accept, &exported.1)] {
             for gone in before.difference(now) {
                 let labels: Vec<&str> = gone.iter().map(String::as_str).collect();
@@ -358,7 +358,7 @@ const SERIES_LABELS: [&str; 4] = ["namespace", "service", "port", "protocol"];
 /// batch (and its fold) happens in between. A failed read gives no series at all (the base alone
 /// would look like a counter reset); no table (deleted behind our back) does hold 0.
 pub fn read_totals(state: &SharedCounters) -> BTreeMap<Series, Totals> {
-    let st = state.lock().unwrap_or_else(|e| e.into_inner());
+    let st = crate::locks::lock(state);
     match NftClient::new().and_then(|mut c| c.read_counters()) {
         Ok(kernel) => st.totals(&kernel),
         Err(_) => BTreeMap::new(),

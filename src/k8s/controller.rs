@@ -66,12 +66,6 @@ pub struct ControllerConfig {
     pub policy: crate::desired::HostPolicy,
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum ControllerError {
-    #[error("Kubernetes API: {0}")]
-    Kube(#[from] kube::Error),
-}
-
 /// Whether this agent currently leads (read by the metrics and the allocator).
 #[derive(Debug, Default)]
 pub struct Leadership(AtomicBool);
@@ -331,7 +325,7 @@ async fn release(api: &Api<Lease>, me: &str) {
 fn served_families(
     status: &SharedStatus,
 ) -> (std::collections::BTreeSet<Family>, Vec<(Family, &'static str, String)>) {
-    let st = status.read().unwrap_or_else(|e| e.into_inner());
+    let st = crate::locks::read(status);
     let mut events = Vec::new();
     for f in Family::ALL {
         let Some(fs) = st.families.get(f.name()) else { continue };
@@ -373,7 +367,7 @@ async fn node_lease(
     // Families as last written: a change (ready at start, forwarding switched off, sync failing)
     // is written at once, not at the next renewal, so the leader's status follows within a second.
     let mut written: Option<(String, String)> = None;
-    let listening = || status.read().unwrap_or_else(|e| e.into_inner()).listening_ports.clone();
+    let listening = || crate::locks::read(&status).listening_ports.clone();
     loop {
         tokio::select! {
             _ = tick.tick() => {}

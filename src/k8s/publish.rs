@@ -33,11 +33,65 @@ pub const OUR_CONDITIONS: [&str; 3] = [CONDITION_ALLOCATED, CONDITION_SERVING, C
 /// short-circuit node-IP:service-port to the ClusterIP).
 pub const IP_MODE_PROXY: &str = "Proxy";
 
+/// The `reason` of one of our conditions: the API's vocabulary, spelt by [`ConditionReason::as_str`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ConditionReason {
+    /// The model refused the Service (Allocated, Serving).
+    InvalidInput,
+    /// Two Services ask for one node port (Allocated).
+    PortConflict,
+    /// A requested node port is outside the allowed ranges (Allocated).
+    PortNotAllowed,
+    /// A requested node port is taken by a listener on the node (Allocated).
+    PortInUse,
+    /// No free node port is left (Allocated).
+    RangeExhausted,
+    /// Every port has its node port (Allocated).
+    Allocated,
+    /// No node port allocated (Serving).
+    NotAllocated,
+    /// Some node lists the Service in its ingress (Serving).
+    Serving,
+    /// No agent is ready for the Service's families (Serving; also an Event).
+    NoServingNode,
+    /// `externalTrafficPolicy: Local` and no serving node has a ready local endpoint (Serving).
+    NoReadyLocalEndpoint,
+    /// Every endpoint address is allowed (EndpointsAllowed).
+    EndpointsAllowed,
+    /// Some endpoint address is refused (EndpointsAllowed; also an Event).
+    EndpointRefused,
+}
+
+impl ConditionReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ConditionReason::InvalidInput => "InvalidInput",
+            ConditionReason::PortConflict => "PortConflict",
+            ConditionReason::PortNotAllowed => "PortNotAllowed",
+            ConditionReason::PortInUse => "PortInUse",
+            ConditionReason::RangeExhausted => "RangeExhausted",
+            ConditionReason::Allocated => "Allocated",
+            ConditionReason::NotAllocated => "NotAllocated",
+            ConditionReason::Serving => "Serving",
+            ConditionReason::NoServingNode => "NoServingNode",
+            ConditionReason::NoReadyLocalEndpoint => "NoReadyLocalEndpoint",
+            ConditionReason::EndpointsAllowed => "EndpointsAllowed",
+            ConditionReason::EndpointRefused => "EndpointRefused",
+        }
+    }
+}
+
+impl std::fmt::Display for ConditionReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// The condition we want on a Service (without times).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WantedCondition {
     pub status: bool,
-    pub reason: &'static str,
+    pub reason: ConditionReason,
     pub message: String,
 }
 
@@ -50,26 +104,26 @@ pub fn condition_for(
     if let Some(r) = refusal {
         return WantedCondition {
             status: false,
-            reason: "InvalidInput",
+            reason: ConditionReason::InvalidInput,
             message: format!("{r}; the Service keeps what it had until this is fixed"),
         };
     }
     let msgs = || problems.iter().map(|p| p.to_string()).collect::<Vec<_>>().join("; ");
     if problems.iter().any(|p| matches!(p, AllocProblem::Conflict { .. })) {
-        return WantedCondition { status: false, reason: "PortConflict", message: msgs() };
+        return WantedCondition { status: false, reason: ConditionReason::PortConflict, message: msgs() };
     }
     if problems.iter().any(|p| matches!(p, AllocProblem::NotAllowed { .. })) {
-        return WantedCondition { status: false, reason: "PortNotAllowed", message: msgs() };
+        return WantedCondition { status: false, reason: ConditionReason::PortNotAllowed, message: msgs() };
     }
     if problems.iter().any(|p| matches!(p, AllocProblem::InUse { .. })) {
-        return WantedCondition { status: false, reason: "PortInUse", message: msgs() };
+        return WantedCondition { status: false, reason: ConditionReason::PortInUse, message: msgs() };
     }
     if !problems.is_empty() {
-        return WantedCondition { status: false, reason: "RangeExhausted", message: msgs() };
+        return WantedCondition { status: false, reason: ConditionReason::RangeExhausted, message: msgs() };
     }
     WantedCondition {
         status: true,
-        reason: "Allocated",
+        reason: ConditionReason::Allocated,
         message: format!("node ports {}", model::format_port_map(ports)),
     }
 }
@@ -89,14 +143,14 @@ pub fn serving_condition(
     if node_ports.is_empty() {
         return WantedCondition {
             status: false,
-            reason: "NotAllocated",
+            reason: ConditionReason::NotAllocated,
             message: format!("no node port allocated; see condition {CONDITION_ALLOCATED}"),
         };
     }
     if !ingress.is_empty() {
         return WantedCondition {
             status: true,
-            reason: "Serving",
+            reason: ConditionReason::Serving,
             message: "served by the nodes listed in status.loadBalancer.ingress".to_string(),
         };
     }
@@ -104,7 +158,7 @@ pub fn serving_condition(
         let fams: Vec<&str> = svc.families.iter().map(|f| f.name()).collect();
         return WantedCondition {
             status: false,
-            reason: "NoServingNode",
+            reason: ConditionReason::NoServingNode,
             message: format!(
                 "no node can serve this Service's families ({}): no agent is ready for them",
                 fams.join(", ")
@@ -113,7 +167,7 @@ pub fn serving_condition(
     }
     WantedCondition {
         status: false,
-        reason: "NoReadyLocalEndpoint",
+        reason: ConditionReason::NoReadyLocalEndpoint,
         message: "externalTrafficPolicy: Local and no node that serves its families has a ready \
                   local endpoint"
             .to_string(),
@@ -126,13 +180,13 @@ pub fn endpoints_condition(refused: &[&RefusedEndpoint]) -> WantedCondition {
     if refused.is_empty() {
         return WantedCondition {
             status: true,
-            reason: "EndpointsAllowed",
+            reason: ConditionReason::EndpointsAllowed,
             message: "every endpoint address is allowed".to_string(),
         };
     }
     WantedCondition {
         status: false,
-        reason: "EndpointRefused",
+        reason: ConditionReason::EndpointRefused,
         message: format!(
             "endpoints refused (not DNATed to on any node; the others serve): {}",
             endpoint_policy::describe(refused)
@@ -144,7 +198,7 @@ pub fn endpoints_condition(refused: &[&RefusedEndpoint]) -> WantedCondition {
 fn not_served_refused() -> WantedCondition {
     WantedCondition {
         status: false,
-        reason: "InvalidInput",
+        reason: ConditionReason::InvalidInput,
         message: format!("not programmed: invalid input; see condition {CONDITION_ALLOCATED}"),
     }
 }
@@ -283,7 +337,7 @@ fn merge_conditions(
         let status = if w.status { "True" } else { "False" };
         changed |= !ours.is_some_and(|c| {
             c.status == status
-                && c.reason == w.reason
+                && c.reason == w.reason.as_str()
                 && c.message == w.message
                 && c.observed_generation == generation
         });
@@ -294,7 +348,7 @@ fn merge_conditions(
         out.push(Condition {
             type_: type_.to_string(),
             status: status.to_string(),
-            reason: w.reason.to_string(),
+            reason: w.reason.as_str().to_string(),
             message: w.message.clone(),
             observed_generation: generation,
             last_transition_time: since,
@@ -421,7 +475,7 @@ pub fn service_events<S>(round: &Round<'_, S>, duplicates: &[Duplicate]) -> Vec<
             out.push(ServiceEvent {
                 service: svc.key.clone(),
                 warning: true,
-                reason: "EndpointRefused",
+                reason: ConditionReason::EndpointRefused.as_str(),
                 message: endpoints_condition(&refused).message,
             });
         }
@@ -449,11 +503,11 @@ pub fn service_events<S>(round: &Round<'_, S>, duplicates: &[Duplicate]) -> Vec<
             // The same decision (and message) as the Serving condition.
             let ingress = ingress_for(svc, ports, round.serving);
             let serving = serving_condition(svc, ports, round.serving, &ingress);
-            if serving.reason == "NoServingNode" {
+            if serving.reason == ConditionReason::NoServingNode {
                 out.push(ServiceEvent {
                     service: svc.key.clone(),
                     warning: true,
-                    reason: "NoServingNode",
+                    reason: ConditionReason::NoServingNode.as_str(),
                     message: serving.message,
                 });
             }
@@ -647,7 +701,7 @@ mod tests {
         ];
         for (name, problems, refusal, status, reason, msg) in cases {
             let c = condition_for(&ports, &problems, refusal);
-            assert_eq!((c.status, c.reason), (status, reason), "{name}");
+            assert_eq!((c.status, c.reason.as_str()), (status, reason), "{name}");
             assert!(c.message.contains(msg), "{name}: {}", c.message);
         }
     }
@@ -889,7 +943,7 @@ mod tests {
         for (name, svc, ports, nodes, status, reason) in cases {
             let ingress = ingress_for(&svc, ports, nodes);
             let c = serving_condition(&svc, ports, nodes, &ingress);
-            assert_eq!((c.status, c.reason), (status, reason), "{name}: {}", c.message);
+            assert_eq!((c.status, c.reason.as_str()), (status, reason), "{name}: {}", c.message);
         }
     }
 

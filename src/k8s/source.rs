@@ -23,6 +23,7 @@ use tracing::{debug, info, warn};
 
 use super::nodes::LABEL_NODE_LEASE;
 use crate::debounce::{Burst, Events};
+use crate::locks::lock;
 use crate::slim::Slim;
 
 /// Quiet time that ends a burst of changes, and the longest a burst may delay a sync. The watch
@@ -231,10 +232,6 @@ impl Events for Cursor {
             }
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// What the reflector tasks report into.
