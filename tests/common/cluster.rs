@@ -447,15 +447,17 @@ impl Cluster {
     }
 
     /// What the agents asked the API server for so far, as RBAC permissions (namespace, (group,
-    /// resource[/subresource], verb)), as the server's authorizer saw them (from its audit log).
-    pub fn agent_permissions(&self) -> Vec<(Option<String>, Permission)> {
+    /// resource[/subresource], verb), the object's name if the request named one), as the
+    /// server's authorizer saw them (from its audit log; a list or watch with a `metadata.name`
+    /// field selector is named too).
+    pub fn agent_permissions(&self) -> Vec<(Option<String>, Permission, Option<String>)> {
         self.api
             .agent_requests()
             .iter()
             .filter(|r| !r.resource.is_empty())
             .map(|r| {
                 assert!(self.node_of(r.peer).is_some(), "agent request from a non-node: {r:?}");
-                (r.namespace.clone(), (r.group.clone(), r.resource.clone(), r.verb.clone()))
+                (r.namespace.clone(), (r.group.clone(), r.resource.clone(), r.verb.clone()), r.name.clone())
             })
             .collect()
     }
@@ -485,10 +487,10 @@ impl Cluster {
                 "the API server refused an agent request: {r:?}"
             );
         }
-        for (ns, p) in self.agent_permissions() {
+        for (ns, p, name) in self.agent_permissions() {
             assert!(
-                rbac.allows(ns.as_deref(), &p),
-                "{p:?} in namespace {ns:?} is not granted by daemonset/10-rbac.yaml"
+                rbac.allows(ns.as_deref(), &p, name.as_deref()),
+                "{p:?} of {name:?} in namespace {ns:?} is not granted by daemonset/10-rbac.yaml"
             );
         }
     }
@@ -512,17 +514,18 @@ pub fn revoke(api: &ControlPlane, group: &str, resource: &str) {
 pub type Permission = (String, String, String);
 
 /// The rules of `daemonset/10-rbac.yaml`: the ClusterRole's (any namespace) and the Role's (its
-/// namespace only). No resourceNames or wildcards are used there, so none are understood here.
+/// namespace only), each permission with the names it is restricted to (`resourceNames`; `None`:
+/// any). No wildcards are used there, so none are understood here.
 pub struct Rbac {
-    pub cluster: BTreeSet<Permission>,
-    pub namespaced: BTreeSet<(String, Permission)>,
+    pub cluster: BTreeMap<Permission, Option<BTreeSet<String>>>,
+    pub namespaced: BTreeMap<(String, Permission), Option<BTreeSet<String>>>,
 }
 
 impl Rbac {
     pub fn load() -> Rbac {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("daemonset/10-rbac.yaml");
         let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let mut rbac = Rbac { cluster: BTreeSet::new(), namespaced: BTreeSet::new() };
+        let mut rbac = Rbac { cluster: BTreeMap::new(), namespaced: BTreeMap::new() };
         for doc in serde_yaml::Deserializer::from_str(&text) {
             let v: Value = serde::Deserialize::deserialize(doc).expect("YAML document");
             let ns = v["metadata"]["namespace"].as_str().map(String::from);
@@ -534,15 +537,19 @@ impl Rbac {
                 x.as_array().into_iter().flatten().filter_map(|s| s.as_str().map(String::from)).collect()
             };
             for rule in v["rules"].as_array().into_iter().flatten() {
-                assert!(rule.get("resourceNames").is_none(), "resourceNames not understood: {rule}");
+                let names = rule.get("resourceNames").map(|n| strs(n).into_iter().collect::<BTreeSet<_>>());
                 for g in strs(&rule["apiGroups"]) {
                     for r in strs(&rule["resources"]) {
                         for verb in strs(&rule["verbs"]) {
+                            assert!(g != "*" && r != "*" && verb != "*", "wildcards not understood: {rule}");
                             let p = (g.clone(), r.clone(), verb);
-                            match kind {
-                                "ClusterRole" => rbac.cluster.insert(p),
-                                _ => rbac.namespaced.insert((ns.clone().expect("Role namespace"), p)),
+                            let old = match kind {
+                                "ClusterRole" => rbac.cluster.insert(p, names.clone()),
+                                _ => rbac
+                                    .namespaced
+                                    .insert((ns.clone().expect("Role namespace"), p), names.clone()),
                             };
+                            assert!(old.is_none(), "a permission granted twice: {rule}");
                         }
                     }
                 }
@@ -551,14 +558,19 @@ impl Rbac {
         rbac
     }
 
-    pub fn allows(&self, ns: Option<&str>, p: &Permission) -> bool {
-        self.cluster.contains(p)
-            || ns.is_some_and(|ns| self.namespaced.contains(&(ns.to_string(), p.clone())))
+    /// Whether `p` is granted in `ns` (`None`: cluster-scoped) for the object called `name`
+    /// (`None`: a request naming no object, which a `resourceNames` rule does not grant).
+    pub fn allows(&self, ns: Option<&str>, p: &Permission, name: Option<&str>) -> bool {
+        let fits = |names: &Option<BTreeSet<String>>| {
+            names.as_ref().is_none_or(|names| name.is_some_and(|n| names.contains(n)))
+        };
+        self.cluster.get(p).is_some_and(fits)
+            || ns.is_some_and(|ns| self.namespaced.get(&(ns.to_string(), p.clone())).is_some_and(fits))
     }
 
     /// Every permission granted, wherever.
     pub fn all(&self) -> BTreeSet<Permission> {
-        self.cluster.iter().cloned().chain(self.namespaced.iter().map(|(_, p)| p.clone())).collect()
+        self.cluster.keys().cloned().chain(self.namespaced.keys().map(|(_, p)| p.clone())).collect()
     }
 }
 
