@@ -12,7 +12,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use common::cluster::{AGENT_NS, CLIENT_V4, Cluster, LEADER_LEASE, Permission, Rbac, node_name, node_v4};
+use common::cluster::{
+    AGENT_NS, CLIENT_V4, Cluster, LEADER_LEASE, Permission, Rbac, node_name, node_v4, web,
+};
 use common::kube::ControlPlane;
 use common::kube::Fault;
 use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
@@ -25,13 +27,6 @@ const T: Duration = Duration::from_secs(2);
 const CHANGE: Duration = Duration::from_secs(15);
 /// Condition type: does any node serve the Service.
 const SERVING: &str = "nodelb.io/Serving";
-
-/// `default/<name>`, `80/TCP` → backends `eps` (backend index, node index).
-fn web(name: &str, eps: &[(usize, usize)]) -> ServiceSpec {
-    ServiceSpec::new(name)
-        .port(PortSpec::tcp(80, None))
-        .endpoints(eps.iter().map(|(b, n)| EndpointSpec::remote(backend_v4(*b), &format!("node-{}", n + 1))))
-}
 
 /// The backends answering `n` requests to node `i`'s `port`.
 fn backends_seen(c: &Cluster, i: usize, port: u16, n: usize) -> BTreeMap<String, usize> {
