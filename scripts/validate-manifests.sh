@@ -94,4 +94,24 @@ for ep in pm["spec"]["podMetricsEndpoints"]:
     if ep["port"] not in ports:
         sys.exit(f"PodMonitor port {ep['port']} not among DaemonSet ports {ports}")
 print("Kustomization, PodMonitor and dashboard: consistent")
+# The release workflow (it cannot run here) against the Dockerfile and the chart: every platform
+# it builds is a TARGETARCH the Dockerfile handles, every build argument is an ARG there, and it
+# pushes the image the chart installs (for the owner nodelb).
+import re
+wf = yaml.safe_load(open(".github/workflows/release.yml"))
+steps = wf["jobs"]["release"]["steps"]
+build = next(s["with"] for s in steps if s.get("uses", "").startswith("docker/build-push-action"))
+dockerfile = open("Dockerfile").read()
+for platform in build["platforms"].split(","):
+    arch = platform.split("/")[1]
+    if not re.search(rf"^\s*{arch}\)", dockerfile, re.M):
+        sys.exit(f"release.yml builds {platform}, the Dockerfile has no TARGETARCH case {arch})")
+for arg in filter(None, map(str.strip, build.get("build-args", "").splitlines())):
+    if not re.search(rf"^ARG {arg.split('=')[0]}\b", dockerfile, re.M):
+        sys.exit(f"release.yml passes --build-arg {arg}, the Dockerfile has no such ARG")
+values = yaml.safe_load(open("charts/nodelb/values.yaml"))
+image = wf["jobs"]["release"]["env"]["IMAGE"].replace("${{ github.repository_owner }}", "nodelb")
+if values["image"]["repository"] != image:
+    sys.exit(f"release.yml pushes {image}, the chart installs {values['image']['repository']}")
+print("release workflow: consistent with the Dockerfile and the chart")
 PY
