@@ -1,10 +1,10 @@
 //! A three-node "cluster" for Kubernetes-mode tests: a real control plane (`testkube`: etcd +
 //! kube-apiserver + the EndpointSlice controller, see `kube.rs`) in its own namespace, installed
-//! with `kubectl apply -f daemonset/` exactly as a user does, three node namespaces each running a
-//! real `nodelb` process with the DaemonSet's arguments and environment and a TokenRequest token of
-//! the `nodelb` ServiceAccount (so the real authorizer enforces `daemonset/10-rbac.yaml`), a client
-//! namespace, and backend namespaces, all on two bridges inside a "fabric" namespace. Only
-//! documentation addresses; nothing in the host namespace.
+//! with `kubectl apply -f daemonset/` (or `helm install`) exactly as a user does, three node
+//! namespaces each running a real `nodelb` process with the DaemonSet's arguments and environment
+//! and a TokenRequest token of the `nodelb` ServiceAccount (so the real authorizer enforces
+//! `daemonset/10-rbac.yaml`), a client namespace, and backend namespaces, all on two bridges inside
+//! a "fabric" namespace. Only documentation addresses; nothing in the host namespace.
 //!
 //! ```text
 //!                 fabric netns: bridge br-f 203.0.113.0/24          bridge br-b 198.51.100.0/24
