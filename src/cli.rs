@@ -134,6 +134,12 @@ pub struct KubeArgs {
     /// like kube-proxy's --nodeport-addresses). Default: all ExternalIP / InternalIP addresses.
     #[arg(long, value_delimiter = ',', env = "NODELB_NODE_ADDRESSES")]
     pub node_addresses: Vec<ipnet::IpNet>,
+    /// The DaemonSet running this agent (in --namespace), set by the shipped manifests. When
+    /// nodelb is uninstalled (that Namespace or DaemonSet deleted) or the DaemonSet no longer runs
+    /// on this node, the agent removes its rules as it stops; a restart, an eviction or a rolling
+    /// update keeps them. Empty: the rules always stay.
+    #[arg(long, default_value = "", env = "NODELB_DAEMONSET")]
+    pub daemonset: String,
 }
 
 #[derive(Debug, clap::Args)]

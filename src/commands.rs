@@ -7,7 +7,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 use crate::agent::{self, AgentConfig};
 use crate::cli::{CommonArgs, KubeArgs, PlanArgs, RunArgs, StatusArgs};
@@ -15,7 +15,9 @@ use crate::desired::{self, HostFacts, HostPolicy, Inputs};
 use crate::domain::Family;
 use crate::endpoint_policy::EndpointPolicy;
 use crate::k8s::controller::{self, ControllerConfig};
+use crate::k8s::installation::{Installation, Tracker};
 use crate::k8s::source::KubeSource;
+use crate::k8s::uninstall::Exit;
 use crate::metrics::Metrics;
 use crate::model::ModelOptions;
 use crate::nft::NftClient;
@@ -119,12 +121,39 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 policy: cfg.policy.clone(),
             };
             info!(namespace = %ccfg.namespace, node = %ccfg.node_name, "Kubernetes mode");
+            let tracker = (!args.kube.daemonset.is_empty()).then(|| {
+                Tracker::start(
+                    client.clone(),
+                    Installation {
+                        namespace: args.kube.namespace.clone(),
+                        daemonset: args.kube.daemonset.clone(),
+                        node: cfg.node_name.clone(),
+                    },
+                )
+            });
             let controller = controller::spawn(client, kube.clone(), ccfg, status.clone(), metrics.clone());
-            (Source::kube(kube.services_only()), Some(controller))
+            (Source::kube(kube.services_only()), Some((controller, tracker)))
         }
     };
     agent::run(cfg, source, status, metrics, shutdown_signal()).await?;
-    if let Some(controller) = controller {
+    if let Some((controller, tracker)) = controller {
+        // Before the Lease release: the rules matter more, and an uninstall may have taken the
+        // credentials that release needs.
+        if let Some(tracker) = tracker {
+            match tracker.decide_at_exit().await {
+                Exit::Keep(why) => info!(reason = %why, "rules stay in the kernel"),
+                Exit::Remove(why) => {
+                    warn!(reason = %why, "nodelb is gone from this node: removing its rules");
+                    let (removed, problems) = remove_rules();
+                    for r in &removed {
+                        info!("{r}");
+                    }
+                    for p in &problems {
+                        error!(problem = %p, "could not remove everything nodelb programmed (`nodelb cleanup` will)");
+                    }
+                }
+            }
+        }
         controller.shutdown().await;
     }
     Ok(())
@@ -220,22 +249,34 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
 }
 
 pub fn cleanup() -> anyhow::Result<()> {
-    let mut nft = NftClient::new().context("cannot open a netfilter netlink socket")?;
-    // nodelb's ACCEPTs in iptables' FORWARD chains first: they match a mark only our table sets.
-    let xtables = crate::xtables::Xtables::new(crate::xtables::default_lockfile());
-    let (removed, problems) = crate::firewall::remove_accepts(&mut nft, &xtables);
+    let (removed, problems) = remove_rules();
     for r in &removed {
         println!("{r}");
     }
-    if nft.delete_table()? {
-        println!("removed table inet {}", crate::ir::TABLE_NAME);
-    } else {
-        println!("nothing to remove: table inet {} does not exist", crate::ir::TABLE_NAME);
-    }
     if !problems.is_empty() {
-        bail!("could not remove every rule nodelb added to the host firewall:\n  {}", problems.join("\n  "));
+        bail!("could not remove everything nodelb programmed:\n  {}", problems.join("\n  "));
     }
     Ok(())
+}
+
+/// Removes everything nodelb programmed in this network namespace (`nodelb cleanup`, and an
+/// agent that stops because nodelb was uninstalled): what was removed, and what could not be.
+fn remove_rules() -> (Vec<String>, Vec<String>) {
+    let mut nft = match NftClient::new() {
+        Ok(n) => n,
+        Err(e) => return (Vec::new(), vec![format!("cannot open a netfilter netlink socket: {e}")]),
+    };
+    // nodelb's ACCEPTs in iptables' FORWARD chains first: they match a mark only our table sets.
+    let xtables = crate::xtables::Xtables::new(crate::xtables::default_lockfile());
+    let (mut removed, mut problems) = crate::firewall::remove_accepts(&mut nft, &xtables);
+    match nft.delete_table() {
+        Ok(true) => removed.push(format!("removed table inet {}", crate::ir::TABLE_NAME)),
+        Ok(false) => {
+            removed.push(format!("nothing to remove: table inet {} does not exist", crate::ir::TABLE_NAME))
+        }
+        Err(e) => problems.push(format!("table inet {}: {e}", crate::ir::TABLE_NAME)),
+    }
+    (removed, problems)
 }
 
 pub fn status(args: StatusArgs) -> anyhow::Result<()> {
