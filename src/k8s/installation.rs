@@ -20,6 +20,7 @@ use kube::{Api, Client, Resource};
 use tracing::{debug, info, warn};
 
 use super::uninstall::{self, DaemonSetFacts, Exit, LastRead, NamespaceFacts, NodeFacts, Observed, Seen};
+use crate::locks::lock;
 
 /// How long the last read at SIGTERM may take: a few seconds of the pod's grace period (10 s in
 /// the shipped DaemonSet), leaving the rest for removing the rules.
@@ -151,10 +152,6 @@ impl<T> From<Option<T>> for Observed<T> {
             None => Observed::Gone,
         }
     }
-}
-
-fn lock(seen: &Mutex<Seen>) -> std::sync::MutexGuard<'_, Seen> {
-    seen.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 async fn read_one<K>(api: Api<K>, name: &str) -> Result<Option<K>, ReadError>
