@@ -11,15 +11,12 @@ use std::collections::BTreeMap;
 use std::io;
 use std::path::{Path, PathBuf};
 
-use crate::dir_watch::WatchError;
 use crate::manifests::{self, Manifests};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ManifestError {
     #[error("manifests directory {path}: cannot read: {source}")]
     ReadDir { path: PathBuf, source: io::Error },
-    #[error(transparent)]
-    Watch(#[from] WatchError),
 }
 
 fn is_manifest_name(name: &str) -> bool {

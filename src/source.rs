@@ -9,7 +9,7 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use crate::desired::{AllocationMode, SourceNotes};
-use crate::dir_watch::DirWatcher;
+use crate::dir_watch::{DirWatcher, WatchError};
 use crate::k8s::lastgood::LastGoodServices;
 use crate::k8s::source::KubeSource;
 use crate::manifest_dir::{ManifestCache, ManifestError};
@@ -56,7 +56,7 @@ pub enum Source {
 
 impl Source {
     /// Watches DIR (the watch starts before the first read, so no change is lost).
-    pub fn manifests(dir: PathBuf) -> Result<Source, ManifestError> {
+    pub fn manifests(dir: PathBuf) -> Result<Source, WatchError> {
         let watcher = DirWatcher::new(&dir)?;
         Ok(Source::Manifests {
             dir,
