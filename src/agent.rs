@@ -66,6 +66,8 @@ pub enum AgentError {
     Manifests(#[from] ManifestError),
     #[error(transparent)]
     State(#[from] crate::state::StateError),
+    #[error(transparent)]
+    KernelSupport(#[from] crate::kernel::SupportError),
 }
 
 impl From<DataplaneError> for AgentError {
@@ -85,6 +87,8 @@ impl AgentError {
             AgentError::KernelRead(_) => "kernel_read",
             AgentError::Manifests(_) => "manifests",
             AgentError::State(_) => "state_file",
+            // Only at start, before any sync: never counted.
+            AgentError::KernelSupport(_) => "kernel_support",
         }
     }
 }
@@ -172,6 +176,7 @@ pub async fn run(
         None => Default::default(),
     };
     let kernel = Netlink::new()?;
+    crate::kernel::check_support(&mut NftClient::new()?)?;
     let mut firewall = HostFirewall {
         nft: NftClient::new()?,
         checker: Checker::new(cfg.forward_mark, crate::xtables::Xtables::new(cfg.xtables_lockfile.clone())),

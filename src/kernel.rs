@@ -19,6 +19,7 @@ use crate::conntrack::{ConntrackClient, ConntrackError};
 use crate::endpoint_policy::HostAddresses;
 use crate::hostaddrs::HostAddrError;
 use crate::ir::{Carried, Change, KeyType, Ruleset};
+use crate::kernel_support::{self, Feature};
 use crate::listeners::ListenersError;
 use crate::nft::{ApplyStats, CounterValues, KernelTable, NftClient, NftError};
 use crate::plan::UdpBackend;
@@ -112,5 +113,44 @@ impl NodeReads for LocalNode {
 
     fn listeners(&mut self) -> Result<Vec<Listener>, ListenersError> {
         crate::listeners::read()
+    }
+}
+
+/// This kernel lacks something nodelb needs ([`crate::kernel_support`]).
+#[derive(Debug, thiserror::Error)]
+pub enum SupportError {
+    #[error("{0}")]
+    TooOld(String),
+    #[error("{0}")]
+    Missing(String),
+    #[error("probing the kernel's nf_tables: {0}")]
+    Probe(#[source] NftError),
+}
+
+/// Where the running kernel's release is.
+const OSRELEASE: &str = "/proc/sys/kernel/osrelease";
+
+/// Checks at start that the kernel has what nodelb needs: its release (for what a kernel ignores
+/// silently), then the feature probe, validated by the kernel and never committed. An unreadable
+/// release leaves the probe alone to decide.
+pub fn check_support(nft: &mut NftClient) -> Result<(), SupportError> {
+    if let Ok(release) = std::fs::read_to_string(OSRELEASE)
+        && let Some(why) = kernel_support::release_refusal(release.trim())
+    {
+        return Err(SupportError::TooOld(why));
+    }
+    check_probe(nft, &kernel_support::probe())
+}
+
+/// Sends `probe` as a batch the kernel validates and aborts; a refusal names the feature of the
+/// change it failed at.
+pub fn check_probe(nft: &mut NftClient, probe: &[(Change, Feature)]) -> Result<(), SupportError> {
+    let changes: Vec<Change> = probe.iter().map(|(c, _)| c.clone()).collect();
+    match nft.check(&changes) {
+        Ok(()) => Ok(()),
+        Err(NftError::Kernel { index, change, reason, .. }) => Err(SupportError::Missing(
+            kernel_support::probe_refusal(probe, index, &format!("{change}: {reason}")),
+        )),
+        Err(e) => Err(SupportError::Probe(e)),
     }
 }

@@ -27,6 +27,7 @@ pub mod k8s;
 pub mod kernel;
 #[cfg(test)]
 pub mod kernel_fake;
+pub mod kernel_support;
 pub mod listeners;
 pub mod locks;
 pub mod manifest_dir;

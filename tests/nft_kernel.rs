@@ -627,3 +627,53 @@ fn dynamic_elements_are_ignored_by_verify_and_put_back_by_a_full_replace() {
         .expect("replace");
     assert!(!list(&a).contains("203.0.113.10"), "{}", list(&a));
 }
+
+/// The start-up feature probe passes on this kernel and commits nothing, whether or not our
+/// table is there: the kernel validates the batch and aborts it.
+#[test]
+fn kernel_probe_passes_and_commits_nothing() {
+    require_root!();
+    let a = NetNs::new("nft-probe");
+    let probe = nodelb::kernel_support::probe();
+    let check = |ns: &NetNs| {
+        let probe = probe.clone();
+        ns.run(move || nodelb::kernel::check_probe(&mut NftClient::new().expect("netlink"), &probe))
+    };
+    let gen_of = |ns: &NetNs| ns.run(|| NftClient::new().and_then(|mut c| c.generation())).expect("gen");
+    let gen_before = gen_of(&a);
+    check(&a).expect("this kernel has every feature");
+    assert_eq!(gen_of(&a), gen_before, "the probe must not commit");
+    assert_eq!(a.exec_ok("nft", &["list", "ruleset"]).trim(), "", "the probe must leave nothing");
+
+    apply_in(&a, full_ruleset().full_replace()).expect("apply");
+    let before = a.exec_ok("nft", &["list", "ruleset"]);
+    let gen_before = gen_of(&a);
+    check(&a).expect("the probe passes next to our table");
+    assert_eq!(gen_of(&a), gen_before, "the probe must not commit");
+    assert_eq!(a.exec_ok("nft", &["list", "ruleset"]), before, "our table is untouched");
+}
+
+/// A probe change the kernel refuses is reported as the feature it tests, with its release.
+#[test]
+fn kernel_probe_refusal_names_the_feature() {
+    require_root!();
+    let a = NetNs::new("nft-probe-no");
+    let mut probe = nodelb::kernel_support::probe();
+    let missing =
+        nodelb::kernel_support::Feature { what: "jumps to chains that do not exist", since: "99.1" };
+    let chain = match &probe[5].0 {
+        Change::AddChain(c) => c.name.clone(),
+        other => panic!("the probe's sixth change adds a chain, not {other:?}"),
+    };
+    probe.push((
+        Change::AddRule { chain, rule: r(vec![Expr::Verdict(Verdict::Jump("missing".into()))]) },
+        missing,
+    ));
+    let err = a
+        .run(move || nodelb::kernel::check_probe(&mut NftClient::new().expect("netlink"), &probe))
+        .expect_err("a jump to a missing chain is refused");
+    let text = err.to_string();
+    assert!(text.contains("lacks jumps to chains that do not exist (Linux 99.1"), "{text}");
+    assert!(text.contains("No such file or directory"), "{text}");
+    assert_eq!(a.exec_ok("nft", &["list", "ruleset"]).trim(), "", "a refused probe leaves nothing");
+}

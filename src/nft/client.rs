@@ -197,7 +197,20 @@ impl NftClient {
 
     /// Sends the changes `changes()` yields as one atomic batch; it is called again to describe
     /// the change a kernel error points at.
+    /// Has the kernel validate `changes` as one batch, and commit nothing: the error is the one
+    /// [`NftClient::apply`] would return.
+    pub fn check(&mut self, changes: &[Change]) -> Result<(), NftError> {
+        self.send_batch(|| changes.iter().map(Change::as_ref), false).map(|_| ())
+    }
+
     fn apply_refs<'a, I>(&mut self, changes: impl Fn() -> I) -> Result<ApplyStats, NftError>
+    where
+        I: Iterator<Item = ChangeRef<'a>>,
+    {
+        self.send_batch(changes, true)
+    }
+
+    fn send_batch<'a, I>(&mut self, changes: impl Fn() -> I, commit: bool) -> Result<ApplyStats, NftError>
     where
         I: Iterator<Item = ChangeRef<'a>>,
     {
@@ -205,7 +218,11 @@ impl NftClient {
             return Ok(ApplyStats::default());
         }
         let first = self.seq;
-        let enc = encode::encode_refs(changes(), first)?;
+        let enc = if commit {
+            encode::encode_refs(changes(), first)?
+        } else {
+            encode::encode_check(changes(), first)?
+        };
         self.seq = enc.last_seq().wrapping_add(1);
         let stats = ApplyStats { messages: enc.msg_change.len() + 2, bytes: enc.len() };
         self.send_chunks(&enc.chunks, "send batch")?;

@@ -113,6 +113,23 @@ pub fn encode_refs<'a>(
     changes: impl IntoIterator<Item = ChangeRef<'a>>,
     first_seq: u32,
 ) -> Result<Encoded, NftError> {
+    encode_ending(changes, first_seq, true)
+}
+
+/// `changes` as a batch without its BATCH_END: the kernel processes and validates every message,
+/// reports the failures, then aborts, committing nothing (what `nft --check` sends).
+pub fn encode_check<'a>(
+    changes: impl IntoIterator<Item = ChangeRef<'a>>,
+    first_seq: u32,
+) -> Result<Encoded, NftError> {
+    encode_ending(changes, first_seq, false)
+}
+
+fn encode_ending<'a>(
+    changes: impl IntoIterator<Item = ChangeRef<'a>>,
+    first_seq: u32,
+    commit: bool,
+) -> Result<Encoded, NftError> {
     let mut e = Enc {
         w: Writer::chunked(BATCH_CHUNK),
         seq: first_seq,
@@ -138,8 +155,16 @@ pub fn encode_refs<'a>(
         })?;
     }
     e.seq += 1;
-    e.w.begin_msg(NFNL_MSG_BATCH_END, NLM_F_REQUEST, e.seq, NFPROTO_UNSPEC, u16::from(NFNL_SUBSYS_NFTABLES));
-    e.w.end_msg();
+    if commit {
+        e.w.begin_msg(
+            NFNL_MSG_BATCH_END,
+            NLM_F_REQUEST,
+            e.seq,
+            NFPROTO_UNSPEC,
+            u16::from(NFNL_SUBSYS_NFTABLES),
+        );
+        e.w.end_msg();
+    }
     Ok(Encoded { chunks: e.w.into_chunks(), first_seq, msg_change: e.msg_change })
 }
 
