@@ -22,7 +22,7 @@ use crate::debounce::{Burst, Events};
 /// rename, `kubectl cp`, the kubelet's ConfigMap symlink swap) is a few syscalls within a
 /// millisecond; 10 ms also covers a writer descheduled on a busy node. A burst split by a longer
 /// pause costs one extra sync, never a wrong one (a half-written file keeps its last good
-/// content). It is paid on every change: it was 50 ms, a third of the reaction time.
+/// content). It is paid on every change, so it is kept short (docs/benchmarks.md, "Debounce").
 pub const DEBOUNCE_QUIET: Duration = Duration::from_millis(10);
 /// Longest delay between the first event of a burst and the notification.
 pub const DEBOUNCE_MAX: Duration = Duration::from_millis(150);

@@ -53,7 +53,7 @@ impl FileStamp {
 }
 
 /// Parsed files by path and stamp, so a change to one file of a large directory re-parses that
-/// file only (the benchmark measured ~650 ms per sync at 1,000 Services without it).
+/// file only: parsing is most of a sync's time at a thousand Services (docs/benchmarks.md).
 #[derive(Debug, Default)]
 pub struct ManifestCache {
     files: BTreeMap<PathBuf, (FileStamp, Manifests)>,

@@ -29,8 +29,8 @@ use crate::slim::Slim;
 /// Quiet time that ends a burst of changes, and the longest a burst may delay a sync. The watch
 /// delivers one event per object change, a few milliseconds apart at most within one client
 /// operation (a Service and its EndpointSlice, an annotation patch and the status patch); 10 ms
-/// coalesces those and is paid on every change (it was 50 ms, twice on a create: once before the
-/// leader allocates, once before the node programs the allocation). It costs the API server
+/// coalesces those and is paid on every change, twice on a create: once before the leader
+/// allocates, once before the node programs the allocation (docs/benchmarks.md). It costs the API server
 /// nothing: the agent's sync is local, and the leader writes only Services whose annotation or
 /// status must change, however many rounds a burst is split into.
 pub const DEBOUNCE_QUIET: Duration = Duration::from_millis(10);
