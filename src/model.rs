@@ -885,6 +885,8 @@ fn parse_previous_allocation(
 /// The addresses of one EndpointSlice, parsed once for all the Service's ports.
 struct ParsedSlice<'a> {
     slice: &'a EndpointSlice,
+    /// The slice's ports by name (a manifest's slice is not limited to the API's 100 ports).
+    ports: BTreeMap<&'a str, Vec<&'a k8s_openapi::api::discovery::v1::EndpointPort>>,
     /// Per endpoint of the slice, its usable addresses.
     addresses: Vec<Vec<IpAddr>>,
 }
@@ -933,7 +935,11 @@ fn parse_slices<'a>(
             }
             addresses.push(usable);
         }
-        out.push(ParsedSlice { slice, addresses });
+        let mut ports: BTreeMap<&str, Vec<_>> = BTreeMap::new();
+        for p in slice.ports.as_deref().unwrap_or(&[]) {
+            ports.entry(p.name.as_deref().unwrap_or("")).or_default().push(p);
+        }
+        out.push(ParsedSlice { slice, ports, addresses });
     }
     if skipped > MAX_ADDRESS_WARNINGS {
         let message = format!("{} more endpoint addresses skipped", skipped - MAX_ADDRESS_WARNINGS);
@@ -958,12 +964,11 @@ fn resolve_endpoints(
     let rank = |e: &Endpoint| (e.ready, e.serving, !e.terminating);
     for parsed in slices {
         let slice = parsed.slice;
-        let target_ports: Vec<u16> = slice
+        let target_ports: Vec<u16> = parsed
             .ports
-            .as_deref()
-            .unwrap_or(&[])
-            .iter()
-            .filter(|p| p.name.as_deref().unwrap_or("") == name)
+            .get(name)
+            .into_iter()
+            .flatten()
             .filter(|p| match p.protocol.as_deref() {
                 None | Some("") => id.protocol == Protocol::Tcp,
                 Some(proto) => parse_protocol(proto).is_ok_and(|p| p == id.protocol),
