@@ -6,6 +6,7 @@
 
 pub mod agent;
 pub mod alloc;
+pub mod bounded;
 pub mod cli;
 pub mod commands;
 pub mod conntrack;

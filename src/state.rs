@@ -36,15 +36,20 @@ use crate::model::{PortId, ServiceKey};
 
 pub const STATE_VERSION: u32 = 1;
 
+/// Largest state file read (16 MiB; 10,000 Services take about 1 MB): a larger one is not one
+/// nodelb wrote, and is an error rather than a read of whatever size into memory.
+pub const MAX_STATE_BYTES: u64 = 16 << 20;
+
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
     #[error("state file {path}: cannot read: {source}")]
     Read { path: PathBuf, source: io::Error },
-    #[error("state file {path}: not valid JSON of the expected shape: {source}")]
-    Parse { path: PathBuf, source: serde_json::Error },
+    /// `message`: serde_json's, which quotes what it refuses, cut to 1 KiB.
+    #[error("state file {path}: not valid JSON of the expected shape: {message}")]
+    Parse { path: PathBuf, message: String },
     #[error("state file {path}: unsupported version {version} (this nodelb understands {STATE_VERSION})")]
     Version { path: PathBuf, version: u32 },
-    #[error("state file {path}: bad entry {entry:?}: {reason}")]
+    #[error("state file {path}: bad entry {}: {reason}", crate::model::quoted(.entry))]
     Entry { path: PathBuf, entry: String, reason: String },
     #[error("state file {path}: cannot write: {source}")]
     Write { path: PathBuf, source: io::Error },
@@ -114,15 +119,21 @@ impl StateFile {
     /// The saved state and the entries skipped as bad (each a [`StateError::Entry`]). Only a
     /// file that cannot be read or parsed as a whole, or has another version, is an error.
     pub fn load_lenient(&self) -> Result<(State, Vec<StateError>), StateError> {
-        let text = match fs::read_to_string(&self.path) {
+        let text = match crate::bounded::read_to_string(&self.path, MAX_STATE_BYTES) {
             Ok(text) => text,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok((State::default(), vec![])),
             Err(source) => {
                 return Err(StateError::Read { path: self.path.clone(), source });
             }
         };
-        let disk: OnDisk = serde_json::from_str(&text)
-            .map_err(|source| StateError::Parse { path: self.path.clone(), source })?;
+        let disk: OnDisk = serde_json::from_str(&text).map_err(|e| {
+            let message = e.to_string();
+            let message = match message.len() > 1024 {
+                true => format!("{}… ({} bytes)", crate::model::cut(&message, 1024), message.len()),
+                false => message,
+            };
+            StateError::Parse { path: self.path.clone(), message }
+        })?;
         if disk.version != STATE_VERSION {
             return Err(StateError::Version { path: self.path.clone(), version: disk.version });
         }

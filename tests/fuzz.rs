@@ -3,8 +3,8 @@
 //! and the inputs that once failed, `fuzz/regressions/<target>/`), then a fixed number of inputs
 //! mutated from them with a fixed seed (bit flips, byte edits, insertions, deletions, splices).
 //! Same code as the coverage-guided targets of `fuzz/` (cargo-fuzz, nightly), without the
-//! coverage feedback. `NODELB_FUZZ_RUNS` (default 1500 per target) and `NODELB_FUZZ_SEED` change
-//! the budget and the seed; a failing input is written to `target/fuzz-failures/<target>/` and
+//! coverage feedback. `NODELB_FUZZ_RUNS` (default: each target's `runs`) and `NODELB_FUZZ_SEED`
+//! change the budget and the seed; a failing input is written to `target/fuzz-failures/<target>/` and
 //! replays with `NODELB_FUZZ_REPLAY=<file> cargo test --test fuzz <target>`.
 
 mod fuzzing;
@@ -15,7 +15,6 @@ use std::time::{Duration, Instant};
 
 use fuzzing::{TARGETS, Target};
 
-const DEFAULT_RUNS: usize = 1500;
 const DEFAULT_SEED: u64 = 0x6e6f_6465_6c62_0001;
 /// Longest a mutated input grows (the targets' generators make long values themselves).
 const MAX_INPUT: usize = 16 << 10;
@@ -159,7 +158,7 @@ fn fuzz(name: &str) {
     let target: &Target = TARGETS.iter().find(|t| t.name == name).expect("target");
     let inputs = committed(name);
     assert!(!inputs.is_empty(), "fuzz/corpus/{name}/ has no inputs: the target would start from nothing");
-    let runs: usize = env_or("NODELB_FUZZ_RUNS", DEFAULT_RUNS);
+    let runs: usize = env_or("NODELB_FUZZ_RUNS", target.runs);
     let seed: u64 = env_or("NODELB_FUZZ_SEED", DEFAULT_SEED) ^ fnv(name.as_bytes());
     let current: Arc<Mutex<Vec<u8>>> = Arc::default();
     let (done_tx, done_rx) = mpsc::channel::<()>();

@@ -243,3 +243,180 @@ fn leader_writes_about_huge_values_fit_the_api() {
     );
     assert!(nodelb::k8s::events::event_note(&msg).len() <= nodelb::k8s::events::MAX_NOTE_BYTES);
 }
+
+/// A manifests directory holding the good world's file and `name` with `content`; what is read.
+fn load_with(
+    name: &str,
+    content: &[u8],
+) -> (nodelb::manifests::Manifests, std::path::PathBuf, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let world = World::new();
+    let docs: Vec<String> =
+        world.services.iter().chain(&world.slices).map(|v| serde_yaml::to_string(v).expect("yaml")).collect();
+    std::fs::write(dir.path().join("good.yaml"), docs.join("---\n")).expect("write");
+    let path = dir.path().join(name);
+    std::fs::write(&path, content).expect("write");
+    let t = Instant::now();
+    let m = nodelb::manifests::load_dir(dir.path()).expect("readable");
+    eprintln!("{name} ({} bytes): load_dir {:.0} ms", content.len(), t.elapsed().as_secs_f64() * 1e3);
+    let served: std::collections::BTreeSet<_> = m.services.iter().map(|s| model::service_key(s)).collect();
+    assert!(world.keys().is_subset(&served), "{name}: the good file's Services are not all read");
+    for p in &m.problems {
+        assert_eq!(p.file, path, "a problem about another file: {p}");
+        assert!(
+            p.to_string().len() <= MAX_MESSAGE,
+            "{name}: problem message of {} bytes",
+            p.to_string().len()
+        );
+    }
+    (m, path, dir)
+}
+
+fn problem_with<'a>(
+    m: &'a nodelb::manifests::Manifests,
+    needle: &str,
+) -> &'a nodelb::manifests::ManifestProblem {
+    m.problems.iter().find(|p| p.message.contains(needle)).unwrap_or_else(|| {
+        panic!(
+            "no problem saying {needle:?}: {:?}",
+            m.problems.iter().map(|p| world::head(&p.message)).collect::<Vec<_>>()
+        )
+    })
+}
+
+/// YAML aliases expand: 2,000 references to a 2,000-item list are 4,000,000 values from 14 KB of
+/// text (serde_yaml's own limit counts alias uses, not their size). A document is refused once
+/// it expands to more than twice its size; the file's other document and the good file are read.
+#[test]
+fn yaml_alias_bombs_are_refused() {
+    let items = vec!["x"; 2000].join(", ");
+    let refs = vec!["*a"; 2000].join(", ");
+    let bomb = format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: bomb, namespace: big}}\n\
+         spec: {{type: LoadBalancer, ports: [{{port: 80}}], list: &a [{items}], more: [{refs}]}}\n\
+         ---\napiVersion: v1\nkind: Service\nmetadata: {{name: fine, namespace: big}}\n\
+         spec: {{type: LoadBalancer, ports: [{{port: 81}}]}}\n"
+    );
+    let (m, _, _dir) = load_with("bomb.yaml", bomb.as_bytes());
+    let p = problem_with(&m, "expands");
+    assert_eq!(p.document, 1, "{p}");
+    assert!(m.services.iter().any(|s| s.metadata.name.as_deref() == Some("fine")));
+    assert!(!m.services.iter().any(|s| s.metadata.name.as_deref() == Some("bomb")));
+    // The classic nested form is stopped too (by serde_yaml's own repetition limit).
+    let mut laughs = String::from("a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n");
+    for i in 1..10 {
+        let refs = vec![format!("*a{}", i - 1); 10].join(", ");
+        laughs += &format!("a{i}: &a{i} [{refs}]\n");
+    }
+    let (m, _, _dir) = load_with("laughs.yaml", laughs.as_bytes());
+    assert_eq!(m.problems.len(), 1, "{:?}", m.problems);
+}
+
+/// Nesting 100,000 levels deep is a problem naming the file and document, not a stack overflow
+/// or minutes of parsing: YAML flow brackets are refused before libyaml sees them (it takes time
+/// quadratic in the depth of `{a: {a: …`), YAML block nesting and JSON by the parsers' own
+/// recursion limits.
+#[test]
+fn deep_nesting_is_a_problem_not_a_crash() {
+    let depth = 100_000;
+    let service = "apiVersion: v1\nkind: Service\nmetadata: {name: deep, namespace: big}\n";
+    for (name, spec) in [
+        ("flow-seq.yaml", format!("spec: {}{}\n", "[".repeat(depth), "]".repeat(depth))),
+        ("flow-map.yaml", format!("spec: {}{}\n", "{a: ".repeat(depth), "}".repeat(depth))),
+    ] {
+        let (m, _, _dir) = load_with(name, format!("{service}{spec}").as_bytes());
+        let p = problem_with(&m, "brackets nested more than 128 levels deep; not parsed");
+        assert_eq!((p.document, p.line), (1, Some(4)), "{p}");
+    }
+    let block = format!("{service}spec:\n  x:\n    {}y\n", "- ".repeat(depth));
+    let (m, _, _dir) = load_with("block.yaml", block.as_bytes());
+    problem_with(&m, "recursion limit exceeded");
+    let json = format!(
+        "{{\"apiVersion\": \"v1\", \"kind\": \"Service\", \"spec\": {}{}}}",
+        "[".repeat(depth),
+        "]".repeat(depth)
+    );
+    let (m, _, _dir) = load_with("deep.json", json.as_bytes());
+    problem_with(&m, "recursion limit exceeded");
+}
+
+/// A file larger than any manifest directory should hold (16 MiB) is not read: a problem says
+/// its size and the bound; the other files are read.
+#[test]
+fn huge_manifest_files_are_not_read() {
+    let big = vec![b'#'; (16 << 20) + 1];
+    let (m, _, _dir) = load_with("huge.yaml", &big);
+    let p = problem_with(&m, "cannot read: is 16777217 bytes, more than 16777216");
+    assert!(p.message.ends_with("manifests larger than 16 MiB are not read (split the file)"), "{p}");
+}
+
+/// A 10 MB line (one long JSON value) is read; what is wrong with it is said in a bounded message:
+/// a megabyte string where a number belongs (serde quotes the value it refuses), a megabyte
+/// annotation, a megabyte name, a megabyte kind.
+#[test]
+fn long_lines_and_values_give_short_messages() {
+    let long = "x".repeat(1 << 20);
+    let doc = json!([
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "long-port", "namespace": "big"},
+         "spec": {"type": "LoadBalancer", "ports": [{"port": long}]}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "long-ann", "namespace": "big",
+         "annotations": {"nodelb.io/ports": long}}, "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": long, "namespace": "big"},
+         "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]}},
+        {"apiVersion": "v1", "kind": long, "metadata": {"name": long}},
+    ]);
+    let list = json!({"apiVersion": "v1", "kind": "List", "items": doc});
+    let (m, _, _dir) = load_with("long.json", list.to_string().as_bytes());
+    problem_with(&m, "invalid Service");
+    let world = World::new();
+    let services: Vec<Service> = m.services.iter().map(|s| Service::clone(s)).collect();
+    let slices: Vec<EndpointSlice> = m.slices.iter().map(|s| EndpointSlice::clone(s)).collect();
+    let d = world::compute(
+        AllocationMode::Allocate,
+        &services,
+        &slices,
+        &SourceNotes::default(),
+        &world.allocations,
+    );
+    world::assert_messages_bounded(&d, "long values");
+    for i in &m.ignored {
+        assert!(i.to_string().len() <= MAX_MESSAGE, "ignored-object line of {} bytes", i.to_string().len());
+    }
+    assert_eq!(m.ignored.len(), 1);
+}
+
+/// A million empty documents (`---` lines) are read in one pass.
+#[test]
+fn a_million_empty_documents() {
+    let (m, _, _dir) = load_with("empty-docs.yaml", "---\n".repeat(1_000_000).as_bytes());
+    assert!(m.problems.is_empty());
+}
+
+/// The state file: a megabyte string where the version belongs, and a file larger than nodelb
+/// ever writes (16 MiB), are errors naming the file, in short messages.
+#[test]
+fn hostile_state_files_give_short_errors() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("state.json");
+    let file = nodelb::state::StateFile::new(&path);
+    std::fs::write(&path, json!({"version": "v".repeat(1 << 20)}).to_string()).expect("write");
+    let e = file.load().expect_err("a string version").to_string();
+    assert!(
+        e.contains(&path.display().to_string()) && e.len() <= MAX_MESSAGE,
+        "{} bytes: {}",
+        e.len(),
+        world::head(&e)
+    );
+    let key = "a".repeat(1 << 20);
+    std::fs::write(&path, json!({"version": 1, "allocations": {key: {"80/TCP": 20001}}}).to_string())
+        .expect("write");
+    let (_, skipped) = file.load_lenient().expect("one bad entry");
+    let e = skipped[0].to_string();
+    assert!(e.len() <= MAX_MESSAGE, "{} bytes: {}", e.len(), world::head(&e));
+    std::fs::write(&path, vec![b' '; (16 << 20) + 1]).expect("write");
+    let e = file.load().expect_err("too big").to_string();
+    assert!(
+        e.contains("is 16777217 bytes, more than 16777216") && e.contains(&path.display().to_string()),
+        "{e}"
+    );
+}
