@@ -4,6 +4,7 @@
 //! Flow: observe (`manifests`) → validate (`model`) → allocate (`alloc`) → plan (`plan`, pure) →
 //! encode and apply (`nft`). Only the edges do I/O.
 
+pub mod access;
 pub mod agent;
 pub mod alloc;
 pub mod bounded;
@@ -28,4 +29,5 @@ pub mod source;
 pub mod state;
 pub mod status;
 pub mod sysctl;
+pub mod tls;
 pub mod trace;

@@ -23,10 +23,13 @@
 //! - [`StateFile::save`] is atomic: a temporary file in the same directory, written, fsynced,
 //!   renamed over the target, then the directory fsynced, so a crash leaves the old or the new
 //!   file, never a torn one. The directory is created when missing.
+//! - The file is readable and writable by root only (mode 0600 whatever the umask, set before a
+//!   byte is written; the directory 0700 when nodelb creates it): it lists every Service.
 
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::{self, Write as _};
+use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 
 use k8s_openapi::jiff::Timestamp;
@@ -226,14 +229,17 @@ impl StateFile {
             .path
             .file_name()
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
-        fs::create_dir_all(&dir)?;
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir)?;
         // Hidden, pid-suffixed: never picked up as a manifest, never shared by two processes.
         let mut tmp_name = std::ffi::OsString::from(".");
         tmp_name.push(file_name);
         tmp_name.push(format!(".tmp.{}", std::process::id()));
         let tmp = dir.join(tmp_name);
         let result = (|| {
-            let mut f = fs::OpenOptions::new().write(true).create(true).truncate(true).open(&tmp)?;
+            let mut f =
+                fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+            // A temporary file left by a crash keeps its mode through `open`: set it.
+            f.set_permissions(fs::Permissions::from_mode(0o600))?;
             f.write_all(bytes)?;
             f.sync_all()?;
             drop(f);
@@ -251,6 +257,32 @@ impl StateFile {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn mode(path: &Path) -> u32 {
+        fs::metadata(path).expect("stat").permissions().mode() & 0o777
+    }
+
+    /// Root only, whatever the umask and whatever mode an older file or a leftover temporary
+    /// file had; a directory nodelb creates is 0700.
+    #[test]
+    fn the_state_file_is_readable_by_root_only() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("new/sub/state.json");
+        let file = StateFile::new(&path);
+        file.save(&sample()).expect("save");
+        assert_eq!(mode(&path), 0o600, "new file");
+        assert_eq!(mode(&dir.path().join("new")), 0o700, "created directory");
+        assert_eq!(mode(&dir.path().join("new/sub")), 0o700, "created directory");
+        let old = dir.path().join("old.json");
+        fs::write(&old, "{}").expect("write");
+        fs::set_permissions(&old, fs::Permissions::from_mode(0o644)).expect("chmod");
+        let tmp = dir.path().join(format!(".old.json.tmp.{}", std::process::id()));
+        fs::write(&tmp, "partial").expect("write");
+        fs::set_permissions(&tmp, fs::Permissions::from_mode(0o666)).expect("chmod");
+        StateFile::new(&old).save(&sample()).expect("save");
+        assert_eq!(mode(&old), 0o600, "replaced file");
+        assert_eq!(StateFile::new(&old).load().expect("load"), sample());
+    }
     use crate::ir::Protocol;
 
     fn t(secs: i64) -> Timestamp {

@@ -3,7 +3,8 @@
 //!
 //! Pure decisions live in [`dupes`], [`nodes`], [`publish`], [`leader`], [`events`]; the edges
 //! that talk to the API server are [`source`] (reflectors), [`controller`] (leader election, node
-//! Lease, writes, Events). See docs/design.md, "Kubernetes mode".
+//! Lease, writes, Events) and [`review`] (TokenReview + SubjectAccessReview for the authenticated
+//! metrics). See docs/design.md, "Kubernetes mode".
 
 pub mod controller;
 pub mod dupes;
@@ -12,4 +13,5 @@ pub mod lastgood;
 pub mod leader;
 pub mod nodes;
 pub mod publish;
+pub mod review;
 pub mod source;
