@@ -91,3 +91,30 @@ pub async fn serve(listener: tokio::net::TcpListener, config: Arc<ServerConfig>,
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The operator's PEM files are used; unreadable or empty ones are errors naming the file;
+    /// without files a self-signed certificate is made.
+    #[test]
+    fn certificates_from_files_or_self_signed() {
+        let dir = tempfile::tempdir().expect("dir");
+        let made = rcgen::generate_simple_self_signed(vec!["node-1".to_string()]).expect("cert");
+        let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+        std::fs::write(&cert, made.cert.pem()).expect("write");
+        std::fs::write(&key, made.signing_key.serialize_pem()).expect("write");
+        server_config(Some((&cert, &key)), &[]).expect("PEM files");
+        server_config(None, &["node-1".into(), "localhost".into()]).expect("self-signed");
+        let missing = dir.path().join("missing.crt");
+        let e = server_config(Some((&missing, &key)), &[]).expect_err("missing").to_string();
+        assert!(e.contains("missing.crt"), "{e}");
+        let empty = dir.path().join("empty.crt");
+        std::fs::write(&empty, "").expect("write");
+        let e = server_config(Some((&empty, &key)), &[]).expect_err("empty").to_string();
+        assert!(e.contains("empty.crt") && e.contains("no certificate"), "{e}");
+        let e = server_config(Some((&cert, &cert)), &[]).expect_err("a certificate as the key").to_string();
+        assert!(e.contains("tls.crt"), "{e}");
+    }
+}

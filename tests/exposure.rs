@@ -101,3 +101,17 @@ fn another_host_reaches_only_the_probes_and_they_withhold_the_reason() {
     let mode = std::fs::metadata(&state).expect("state file").permissions().mode() & 0o777;
     assert_eq!(mode, 0o600, "rewritten root only");
 }
+
+/// `--metrics-addr` needs someone to ask about tokens: in manifests mode it is refused at start,
+/// not served unauthenticated.
+#[test]
+fn authenticated_metrics_are_refused_without_kubernetes() {
+    require_root!();
+    let topo = Topology::new(1, 0);
+    let dir = tempfile::tempdir().expect("dir");
+    let manifests = dir.path().to_str().expect("utf-8");
+    let out = nodelb(&topo.node, &["run", "--manifests", manifests, "--metrics-addr", "0.0.0.0:9472"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "started: {err}");
+    assert!(err.contains("--metrics-addr") && err.contains("Kubernetes mode"), "{err}");
+}
