@@ -44,6 +44,13 @@
 //! serving-terminating ones as a fallback). Endpoints of a family the Service does not have are
 //! dropped. The same address:port from several slices (slice churn) is kept once, with the best
 //! conditions. Unparsable or wrong-family addresses are skipped with a [`ModelWarning`].
+//!
+//! **Bounds** (docs/design.md, "Bounds on input"): nodelb's annotations at most
+//! [`MAX_ANNOTATION_BYTES`] (the API server's limit; a larger `nodelb.io/allocated-ports` is
+//! ignored with a warning, the others refuse); at most [`MAX_SERVICE_BACKENDS`] ports, ports ×
+//! source ranges, and (port, endpoint) pairs per Service (each port keeps its share of endpoints,
+//! the best ones); a message quotes at most [`MAX_QUOTED`] bytes of a value; address warnings
+//! are capped per Service. All work is linear in the input.
 
 use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
