@@ -2,7 +2,8 @@
 //! prints (and writes as Markdown) a comparison, every number next to the direct route measured in the
 //! same run, and never fails on a number. Variants: (a) direct, (b) nodelb, (c) klipper's iptables rules
 //! (nft and legacy), (d) nat-floor, the least nftables NAT (one DNAT + one masquerade rule), against
-//! which nodelb's own per-connection work is reported (docs/benchmarks.md, Method).
+//! which nodelb's own per-connection work is reported, (e) nodelb-affinity, nodelb with
+//! `sessionAffinity: ClientIP` on the measured Service (docs/benchmarks.md, Method).
 //!
 //! ```text
 //! sudo scripts/bench.sh --quick       # N = 1, 100, 1,000; a few minutes
@@ -31,8 +32,8 @@ use common::cluster::{ANNOTATION_ALLOCATED, Cluster, node_v4};
 use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
 use common::netns::NetNs;
 use common::scenarios::{ep, node as node_facts, svc};
-use common::topology::{NODE_V4, Topology, backend_v4};
-use nodelb::ir::{Family, Protocol, Ruleset};
+use common::topology::{NODE_V4, Topology, backend_v4, client_v4};
+use nodelb::ir::{Carried, Family, KeyPart, Protocol, Ruleset};
 use nodelb::model::{LbService, PortId};
 use nodelb::nft::NftClient;
 use nodelb::plan::{self, ServicePlan};
@@ -550,9 +551,9 @@ fn filler(i: usize) -> BenchSvc {
     }
 }
 
-fn nodelb_ruleset(svcs: &[BenchSvc]) -> Ruleset {
-    let lb: Vec<(LbService, BTreeMap<PortId, u16>)> = svcs
-        .iter()
+/// The Services as nodelb models them, each with its node port.
+fn nodelb_services(svcs: &[BenchSvc]) -> Vec<(LbService, BTreeMap<PortId, u16>)> {
+    svcs.iter()
         .map(|s| {
             let l = svc(
                 &s.name,
@@ -561,10 +562,45 @@ fn nodelb_ruleset(svcs: &[BenchSvc]) -> Ruleset {
             let ports = BTreeMap::from([(l.ports[0].id, s.node_port)]);
             (l, ports)
         })
-        .collect();
+        .collect()
+}
+
+fn nodelb_plan(lb: &[(LbService, BTreeMap<PortId, u16>)]) -> Ruleset {
     let plans: Vec<ServicePlan<'_>> =
         lb.iter().map(|(s, p)| ServicePlan { service: s, node_ports: p }).collect();
     plan::plan(&plans, &node_facts(&[Family::Ipv4]))
+}
+
+fn nodelb_ruleset(svcs: &[BenchSvc]) -> Ruleset {
+    nodelb_plan(&nodelb_services(svcs))
+}
+
+/// Endpoints of the target Service in variant (e): unused addresses, then the real backend.
+const AFFINITY_ENDPOINTS: usize = 5;
+/// `sessionAffinityConfig.clientIP.timeoutSeconds` of variant (e) (Kubernetes' default).
+const AFFINITY_TIMEOUT: u32 = 10_800;
+
+/// Variant (e): [`nodelb_ruleset`] with `sessionAffinity: ClientIP` on the target Service, whose
+/// endpoints are [`AFFINITY_ENDPOINTS`] − 1 unused addresses followed by the backend, and the
+/// client's affinity to the backend, to be put in its set by the full replace. Every connection
+/// of the client then looks it up in each endpoint's set before it finds it in the last one,
+/// refreshes it there and DNATs: the most an affinity costs with that many endpoints.
+fn nodelb_affinity_ruleset(svcs: &[BenchSvc], client: Ipv4Addr) -> (Ruleset, Carried) {
+    let mut lb = nodelb_services(svcs);
+    let mut carried = Carried::new();
+    for (s, _) in lb.iter_mut().filter(|(s, _)| s.key.name == "target") {
+        s.session_affinity = Some(AFFINITY_TIMEOUT);
+        let port = &mut s.ports[0];
+        let backend = port.endpoints.remove(0);
+        port.endpoints = (0..AFFINITY_ENDPOINTS - 1)
+            .map(|i| ep(&format!("198.51.100.{}", 90 + i), backend.port, "node-1", true))
+            .chain([backend.clone()])
+            .collect();
+        let set = plan::affinity_set(Family::Ipv4, s, &s.ports[0], &backend, AFFINITY_TIMEOUT);
+        let key = vec![KeyPart::Addr(IpAddr::V4(client))];
+        carried.insert(set, vec![(key, u64::from(AFFINITY_TIMEOUT) * 1000)]);
+    }
+    (nodelb_plan(&lb), carried)
 }
 
 /// Name of the table of variant (d), the NAT floor.
@@ -634,7 +670,8 @@ fn klipper_restore(svcs: &[BenchSvc]) -> String {
 // ---------------------------------------------------------------------------------------------
 // Results
 
-const VARIANTS: [&str; 5] = ["direct", "nodelb", "nat-floor", "klipper-nft", "klipper-legacy"];
+const VARIANTS: [&str; 6] =
+    ["direct", "nodelb", "nodelb-affinity", "nat-floor", "klipper-nft", "klipper-legacy"];
 
 #[derive(Default)]
 struct Results {
@@ -759,6 +796,31 @@ fn run_nat_floor(
     flush_conntrack(b.node());
 }
 
+/// Variant (e) on the node of `b`: [`nodelb_affinity_ruleset`] in one full replace (which puts
+/// the client's affinity in), connections measured like the other variants, table deleted.
+fn run_affinity(
+    cfg: &Config,
+    b: &Bench,
+    n: usize,
+    svcs: &[BenchSvc],
+    rep: &mut BTreeMap<&'static str, ConnSamples>,
+    r: &mut Results,
+) {
+    let target_lb = SocketAddr::new(IpAddr::V4(NODE_V4), TARGET_NODE_PORT);
+    let (rs, carried) = nodelb_affinity_ruleset(svcs, client_v4(0));
+    let applied = in_ns(b.node(), move || {
+        NftClient::new().and_then(|mut c| c.apply_full_replace(&rs, &carried)).map_err(|e| e.to_string())
+    });
+    if let Err(e) = applied {
+        r.note(format!("nodelb-affinity apply at N={n}: {e}"));
+        return;
+    }
+    flush_conntrack(b.node());
+    let s = connects(b.client(), target_lb, cfg.warmup, cfg.conns);
+    rep.entry("nodelb-affinity").or_default().extend(s);
+    nodelb_delete(b.node());
+}
+
 fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
     let b = Bench::new(true);
     let svcs = bench_services(n);
@@ -780,6 +842,11 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
     let floor_first = !rep_no.is_multiple_of(2);
     if floor_first {
         run_nat_floor(cfg, &b, n, tput_now, &mut rep, r);
+    }
+    // (e) nodelb with ClientIP affinity, likewise before and after nodelb in turn.
+    let affinity_first = floor_first;
+    if affinity_first {
+        run_affinity(cfg, &b, n, &svcs, &mut rep, r);
     }
 
     // (b) nodelb: plan, one netlink batch, measure; then diff add/remove one; nft -f of render().
@@ -817,6 +884,9 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
         Err(e) => r.note(format!("nft -f at N={n}: {e}")),
     }
     nodelb_delete(b.node());
+    if !affinity_first {
+        run_affinity(cfg, &b, n, &svcs, &mut rep, r);
+    }
     if !floor_first {
         run_nat_floor(cfg, &b, n, tput_now, &mut rep, r);
     }
@@ -1279,6 +1349,7 @@ fn report_dataplane(cfg: &Config, r: &Results, w: &mut String) {
         }
     }
     report_nat_floor(cfg, r, w);
+    report_affinity(cfg, r, w);
     if !cfg.svg_link.is_empty() {
         let _ = writeln!(w, "\n![connect p50 ratio to direct vs N]({})\n", cfg.svg_link);
     }
@@ -1393,6 +1464,43 @@ fn report_nat_floor(cfg: &Config, r: &Results, w: &mut String) {
             "| {n} | {:+.1} | {:+.1} | {d:+.1} ({dlo:+.1}…{dhi:+.1}) | {q:.2} ({qlo:.2}–{qhi:.2}) |",
             r.over_direct(n, "nat-floor"),
             r.over_direct(n, "nodelb"),
+        );
+    }
+}
+
+/// Section 1's cost of `sessionAffinity: ClientIP` (variant (e) against nodelb).
+fn report_affinity(cfg: &Config, r: &Results, w: &mut String) {
+    use std::fmt::Write as _;
+    if !cfg.sizes.iter().any(|&n| !r.pairs(n, "nodelb-affinity", "nodelb").is_empty()) {
+        return;
+    }
+    let _ = writeln!(w, "\n#### ClientIP affinity over nodelb\n");
+    let _ = writeln!(
+        w,
+        "nodelb-affinity is nodelb with `sessionAffinity: ClientIP` on the target Service, whose {k} endpoints \
+         are {unused} unused addresses and then the backend, and the client's affinity to the backend already \
+         recorded: each connection looks the client up in the sets of all {k} endpoints (the last one hits), \
+         restarts its timeout (`update`) and DNATs, the most an affinity costs with {k} endpoints. Measured on \
+         the same topology as nodelb, alternately before and after it; differences per repetition, median \
+         (range) over repetitions.\n",
+        k = AFFINITY_ENDPOINTS,
+        unused = AFFINITY_ENDPOINTS - 1,
+    );
+    let _ = writeln!(
+        w,
+        "| N | nodelb − direct µs | nodelb-affinity − direct µs | nodelb-affinity − nodelb µs (range) |"
+    );
+    let _ = writeln!(w, "|---:|---:|---:|---:|");
+    for &n in &cfg.sizes {
+        if r.pairs(n, "nodelb-affinity", "nodelb").is_empty() {
+            continue;
+        }
+        let (d, lo, hi) = r.paired(n, "nodelb-affinity", "nodelb", |a, b| a - b);
+        let _ = writeln!(
+            w,
+            "| {n} | {:+.1} | {:+.1} | {d:+.1} ({lo:+.1}…{hi:+.1}) |",
+            r.over_direct(n, "nodelb"),
+            r.over_direct(n, "nodelb-affinity"),
         );
     }
 }
@@ -1560,6 +1668,7 @@ fn svg(cfg: &Config, r: &Results) -> String {
     let colors = [
         ("direct", "#888"),
         ("nodelb", "#1f77b4"),
+        ("nodelb-affinity", "#9467bd"),
         ("nat-floor", "#2ca02c"),
         ("klipper-nft", "#d62728"),
         ("klipper-legacy", "#ff7f0e"),

@@ -5,6 +5,7 @@
 //!
 //! ```text
 //! sudo cargo bench --bench programming -- --services 10000 --endpoints 5 --reps 5
+//! sudo cargo bench --bench programming -- --services 1000 --endpoints 5 --affinity   # ClientIP on all
 //! ```
 
 #[path = "../tests/common/mod.rs"]
@@ -22,7 +23,8 @@ use nodelb::model::{LbService, PortId};
 use nodelb::nft::NftClient;
 use nodelb::plan::{self, ServicePlan};
 
-fn ruleset(n: usize, endpoints: usize) -> Ruleset {
+/// `affinity`: every Service with `sessionAffinity: ClientIP` (a dynamic set per endpoint).
+fn ruleset(n: usize, endpoints: usize, affinity: bool) -> Ruleset {
     let lb: Vec<(LbService, BTreeMap<PortId, u16>)> = (0..n)
         .map(|i| {
             let eps = (0..endpoints)
@@ -31,7 +33,8 @@ fn ruleset(n: usize, endpoints: usize) -> Ruleset {
                     ep(&a.to_string(), 10000 + (i % 50000) as u16, "node-1", true)
                 })
                 .collect();
-            let l = svc(&format!("s{i}"), vec![(80, Protocol::Tcp, eps)]);
+            let mut l = svc(&format!("s{i}"), vec![(80, Protocol::Tcp, eps)]);
+            l.session_affinity = affinity.then_some(10_800);
             let ports = BTreeMap::from([(l.ports[0].id, 20000 + i as u16)]);
             (l, ports)
         })
@@ -67,9 +70,10 @@ fn main() {
         eprintln!("programming benchmark: needs root (network namespace, nftables)");
         std::process::exit(1);
     }
+    let affinity = args.iter().any(|a| a == "--affinity");
     let t = Instant::now();
-    let base = ruleset(n, endpoints);
-    let plus = ruleset(n + 1, endpoints);
+    let base = ruleset(n, endpoints, affinity);
+    let plus = ruleset(n + 1, endpoints, affinity);
     let plan_ms = t.elapsed().as_secs_f64() * 1e3 / 2.0;
     let add = plan::diff(&base, &plus);
     let remove = plan::diff(&plus, &base);
@@ -94,7 +98,8 @@ fn main() {
         (median(full), median(full_sys), median(adds), median(removes))
     });
     let (full, full_sys, add_ms, remove_ms) = rows;
-    println!("{n} Services × {endpoints} endpoints, median of {reps} (ms):");
+    let with = if affinity { ", all with ClientIP affinity" } else { "" };
+    println!("{n} Services × {endpoints} endpoints{with}, median of {reps} (ms):");
     println!("  plan (pure, per ruleset)      {plan_ms:10.1}");
     println!("  full replace, one batch       {full:10.1}   (kernel/system time {full_sys:.1})");
     println!("  add one Service (diff)        {add_ms:10.2}");

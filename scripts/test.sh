@@ -2,8 +2,10 @@
 # Runs the whole test suite, including the root tests on the real kernel (network namespaces).
 # Run as root: `sudo scripts/test.sh`. Extra arguments go to the test runner (e.g. a test name filter).
 # On a fresh Debian machine it installs what it needs: the packages the root tests run, and a Rust
-# toolchain when there is none (scripts/lib.sh, shared with scripts/demo.sh). cargo-nextest is
-# used when installed, else `cargo test`.
+# toolchain when there is none (scripts/lib.sh, shared with scripts/demo.sh); it builds the test
+# control plane (Go 1.26+ needed: scripts/build-testkube.sh). cargo-nextest is used when installed,
+# else `cargo test` under an overall deadline (NODELB_TEST_DEADLINE, default 40m), so a hung test
+# fails the run with its output instead of holding CI until its limit.
 #
 # NODELB_REQUIRE_ROOT_TESTS=1 (set by .ci/run) turns a root test's skip into a failure.
 # Fails when a test namespace (nlb-*) or a table `inet nodelb` is left in the host namespace.
@@ -21,13 +23,15 @@ if [[ $(id -u) -ne 0 ]]; then
     echo "scripts/test.sh: not root: the root tests will be skipped (use sudo to run them)" >&2
 fi
 
-# What the root tests run: ip (iproute2), nft, sysctl (procps), ping, conntrack.
+# What the root tests run: ip (iproute2), nft, sysctl (procps), ping, conntrack, and
+# iptables-nft / iptables-legacy (Debian's iptables: the host firewalls of tests/host_firewall.rs).
 need=()
 command -v ip >/dev/null || need+=(iproute2)
 command -v nft >/dev/null || need+=(nftables)
 command -v sysctl >/dev/null || need+=(procps)
 command -v ping >/dev/null || need+=(iputils-ping)
 command -v conntrack >/dev/null || need+=(conntrack)
+{ command -v iptables-nft && command -v iptables-legacy; } >/dev/null || need+=(iptables)
 if ((${#need[@]})); then
     if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
         log "installing ${need[*]}"
@@ -42,6 +46,17 @@ fi
 # On a fresh machine: no cargo yet (or only the one sudo's PATH hides). As in scripts/demo.sh.
 nodelb_ensure_rust || exit 1
 log "$(cargo --version)"
+
+# The Kubernetes tests (tests/kube_cluster.rs) run a real kube-apiserver + etcd built from their Go
+# modules (testkube/): built here once, cached (a second run costs a fraction of a second). They
+# are root tests, so without root nothing needs it.
+if [[ $(id -u) -eq 0 ]]; then
+    log "test control plane: scripts/build-testkube.sh"
+    scripts/build-testkube.sh >/dev/null
+    # helm, for the chart and lifecycle tests (tests/chart.rs, tests/lifecycle.rs): same caching.
+    log "helm: scripts/build-helm.sh"
+    scripts/build-helm.sh >/dev/null
+fi
 
 list_test_netns() { { ip netns list 2>/dev/null || true; } | awk '{print $1}' | grep '^nlb-' | sort || true; }
 host_has_table() { command -v nft >/dev/null && nft list table inet nodelb >/dev/null 2>&1; }
@@ -60,8 +75,8 @@ if command -v cargo-nextest >/dev/null || cargo nextest --version >/dev/null 2>&
         cargo test --workspace --doc || status=$?
     fi
 else
-    log "cargo test --workspace $*"
-    cargo test --workspace --no-fail-fast "$@" || status=$?
+    log "cargo test --workspace $* (deadline ${NODELB_TEST_DEADLINE:-40m})"
+    timeout --kill-after=30s "${NODELB_TEST_DEADLINE:-40m}" cargo test --workspace --no-fail-fast "$@" || status=$?
 fi
 
 # Nothing may be left behind in the host namespace.

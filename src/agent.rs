@@ -13,10 +13,13 @@ use k8s_openapi::jiff::Timestamp;
 use tracing::{debug, error, info, warn};
 
 use crate::alloc::PortRange;
+use crate::bridge::BridgeReader;
 use crate::conntrack::{self, ConntrackClient};
 use crate::desired::{self, AllocationMode, Desired, HostFacts, HostPolicy, Inputs};
 use crate::endpoint_policy::HostAddresses;
-use crate::ir::{Change, Family, Ruleset};
+use crate::firewall::{self, Checker};
+use crate::hairpin;
+use crate::ir::{Carried, Change, Family, KeyType, Ruleset, SetKind};
 use crate::manifests;
 use crate::metrics::Metrics;
 use crate::model::ModelOptions;
@@ -38,9 +41,14 @@ pub struct AgentConfig {
     pub resync_period: Duration,
     pub enable_forwarding: bool,
     pub masquerade_mark: u32,
+    /// `--iptables-forward-accept`: the mark bit of our flows (see [`NodeFacts::forward_mark`]).
+    pub forward_mark: Option<u32>,
     pub model: ModelOptions,
     pub sysctls: Sysctls,
     pub policy: HostPolicy,
+    /// The lock iptables-legacy writes take (`XTABLES_LOCKFILE`, else `/run/xtables.lock`).
+    pub xtables_lockfile: PathBuf,
+    pub bridges: BridgeReader,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -91,6 +99,8 @@ struct Agent {
     /// Refusals and input problems currently reported, to log each once per occurrence.
     logged_refusals: BTreeSet<String>,
     logged_problems: BTreeSet<String>,
+    /// Hairpin warnings and bridge read errors currently reported.
+    logged_hairpin: BTreeSet<String>,
     backoff: Duration,
     /// Source fingerprint and node facts of the last successful sync: the same again (a relist
     /// that brought nothing new) means nothing to recompute.
@@ -104,6 +114,10 @@ struct Agent {
     listeners_failing: bool,
     /// `(state, reason)` label sets of `nodelb_services` currently exported.
     services_series: BTreeSet<(&'static str, String)>,
+    /// The host-firewall check, and what it last logged per family and as problems.
+    firewall: Checker,
+    firewall_logged: BTreeMap<Family, String>,
+    logged_firewall_problems: BTreeSet<String>,
 }
 
 /// One sync attempt, as [`Agent::record`] reports it.
@@ -148,6 +162,7 @@ pub async fn run(
         None => Default::default(),
     };
     let nft = NftClient::new()?;
+    let (cfg_mark, cfg_lockfile) = (cfg.forward_mark, cfg.xtables_lockfile.clone());
     {
         let mut st = status.write().unwrap_or_else(|e| e.into_inner());
         st.node_name = cfg.node_name.clone();
@@ -165,6 +180,7 @@ pub async fn run(
         families: BTreeMap::new(),
         logged_refusals: BTreeSet::new(),
         logged_problems: BTreeSet::new(),
+        logged_hairpin: BTreeSet::new(),
         backoff: MIN_BACKOFF,
         last_input: None,
         local_addresses: HostAddresses::default(),
@@ -172,6 +188,9 @@ pub async fn run(
         listeners: Listeners::default(),
         listeners_failing: false,
         services_series: BTreeSet::new(),
+        firewall: Checker::new(cfg_mark, crate::xtables::Xtables::new(cfg_lockfile)),
+        firewall_logged: BTreeMap::new(),
+        logged_firewall_problems: BTreeSet::new(),
     };
     info!(source = %agent.source.describe(), node = %agent.cfg.node_name, "nodelb agent starting");
 
@@ -180,6 +199,8 @@ pub async fn run(
     let mut sysctl_tick = tokio::time::interval(SYSCTL_PERIOD);
     let mut dirty = true;
     let mut verify = false;
+    // The host firewall is checked once per resync period (and right after the first sync).
+    let mut check_firewall = true;
     let mut retry_at: Option<tokio::time::Instant> = None;
     loop {
         agent.tick();
@@ -201,7 +222,14 @@ pub async fn run(
                 }
             }
             dirty = retry_at.is_some();
+            if verify {
+                agent.check_hairpin();
+            }
             verify = false;
+        }
+        if check_firewall && agent.applied.is_some() {
+            agent.check_host_firewall();
+            check_firewall = false;
         }
         let retry_sleep = async {
             match retry_at {
@@ -211,11 +239,11 @@ pub async fn run(
         };
         tokio::select! {
             _ = &mut shutdown => {
-                info!("shutting down; rules stay in the kernel (use `nodelb cleanup` to remove them)");
+                info!("shutting down: the sync loop stopped");
                 return Ok(());
             }
             _ = agent.source.changed() => { debug!("source changed"); dirty = true; }
-            _ = resync.tick() => { verify = true; }
+            _ = resync.tick() => { verify = true; check_firewall = true; }
             _ = sysctl_tick.tick() => {}
             _ = retry_sleep => {}
         }
@@ -310,11 +338,36 @@ impl Agent {
         }
     }
 
+    /// Reads the node's bridges and reports those on which an endpoint cannot reach its own
+    /// Service (every resync period: a CNI sets a pod's bridge port when the pod starts). Logged
+    /// once per warning while it lasts; `/status` always has the current ones.
+    fn check_hairpin(&mut self) {
+        let endpoints = self.applied.as_ref().map(hairpin::programmed_endpoints).unwrap_or_default();
+        let (warnings, messages) = if endpoints.is_empty() {
+            (Vec::new(), BTreeSet::new())
+        } else {
+            match self.cfg.bridges.read() {
+                Ok(facts) => {
+                    let w = hairpin::diagnose(&facts, &endpoints);
+                    let m = w.iter().map(|w| w.message.clone()).collect();
+                    (w, m)
+                }
+                Err(e) => {
+                    (Vec::new(), BTreeSet::from([format!("cannot check the bridges for hairpin mode: {e}")]))
+                }
+            }
+        };
+        log_new(&mut self.logged_hairpin, messages, |m| warn!("{m}"));
+        let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
+        st.hairpin = warnings;
+    }
+
     fn node_facts(&self) -> NodeFacts {
         NodeFacts {
             node_name: self.cfg.node_name.clone(),
             families: self.families.iter().filter(|(_, on)| **on).map(|(f, _)| *f).collect(),
             masquerade_mark: self.cfg.masquerade_mark,
+            forward_mark: self.cfg.forward_mark,
         }
     }
 
@@ -449,7 +502,10 @@ impl Agent {
             Ok(())
         } else {
             let stats = match &batch {
-                Batch::FullReplace => self.nft.apply_full_replace(&desired.ruleset),
+                Batch::FullReplace => {
+                    let carried = self.carried_affinities(&desired.ruleset);
+                    self.nft.apply_full_replace(&desired.ruleset, &carried)
+                }
                 Batch::Diff(diff) => self.nft.apply(diff),
             };
             stats.map(|stats| self.metrics.batch_messages.observe(stats.messages as f64))
@@ -625,6 +681,35 @@ impl Agent {
         }
     }
 
+    /// The client affinities (elements of dynamic sets) the kernel holds for sets that `desired`
+    /// has too, to be put back by a full replace, which deletes the table and them with it (every
+    /// agent start, repair and retry). A set's name says its endpoint and timeout, so an element
+    /// is put back only where it means the same. Read failures lose them (logged), nothing else.
+    fn carried_affinities(&mut self, desired: &Ruleset) -> Carried {
+        let sets: Vec<(&str, &[KeyType])> = desired
+            .sets
+            .values()
+            .filter(|s| matches!(s.kind, SetKind::Dynamic { .. }))
+            .map(|s| (s.name.as_str(), s.key.as_slice()))
+            .collect();
+        if sets.is_empty() {
+            return Carried::new();
+        }
+        match self.nft.read_dynamic_elements(&sets) {
+            Ok(carried) => {
+                let n: usize = carried.values().map(Vec::len).sum();
+                if n > 0 {
+                    debug!(affinities = n, sets = carried.len(), "putting back client affinities");
+                }
+                carried
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot read the client affinities; the full replace starts them afresh");
+                Carried::new()
+            }
+        }
+    }
+
     fn generation_changed(&mut self) -> Result<bool, AgentError> {
         let now = self.nft.generation().map_err(AgentError::KernelRead)?;
         Ok(self.generation != Some(now))
@@ -646,6 +731,58 @@ impl Agent {
             warn!(more = diffs.len() - 20, "further differences not shown");
         }
         Ok(true)
+    }
+
+    /// Runs the host-firewall check and reports it: a log line per change (naming the table and
+    /// chain, or the evidence, and the fix), `/status`, readiness (a family dropped for certain
+    /// is not served), metrics. The Kubernetes Event and node Lease follow from the status.
+    fn check_host_firewall(&mut self) {
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
+        let report = self.firewall.check(&mut self.nft, now);
+        for c in &report.changes {
+            info!(change = %c, "host firewall");
+        }
+        log_new(
+            &mut self.logged_firewall_problems,
+            report.problems.iter().cloned().collect(),
+            |p| warn!(problem = %p, "host firewall check"),
+        );
+        for (f, d) in &report.diagnosis {
+            let (state, text) = firewall::state_words(d);
+            let key = format!("{state}: {text}");
+            if self.firewall_logged.get(f) == Some(&key) {
+                continue;
+            }
+            let was = self.firewall_logged.insert(*f, key).is_some();
+            match state {
+                "blocked" => warn!(
+                    family = %f,
+                    "forwarded {f} connections of nodelb Services are dropped by the host firewall, so this node does not serve {f}: {text}"
+                ),
+                "evidence" => warn!(family = %f, "{text}"),
+                "suspect" => warn!(
+                    family = %f,
+                    "the host firewall may drop forwarded {f} connections of nodelb Services (no traffic yet to tell): {text}"
+                ),
+                _ if was => {
+                    info!(family = %f, "no host firewall drops forwarded {f} connections of nodelb Services any more")
+                }
+                _ => {}
+            }
+        }
+        let fw = &self.metrics.firewall;
+        let (drops, accept) = report.metric_series();
+        fw.set_chains(drops, accept);
+        let mut st = self.status.write().unwrap_or_else(|e| e.into_inner());
+        for f in Family::ALL {
+            let d = report.diagnosis.get(&f).cloned().unwrap_or_default();
+            fw.blocked.with_label_values(&[f.name()]).set(i64::from(d.blocked.is_some()));
+            fw.evidence.with_label_values(&[f.name()]).set(i64::from(d.evidence.is_some()));
+            let entry = st.families.entry(f.name().to_string()).or_default();
+            entry.firewall = d.blocked;
+            entry.evidence = d.evidence;
+        }
+        st.host_firewall = report.status(now);
     }
 
     fn report_refusals(&mut self, desired: &Desired) {

@@ -65,6 +65,17 @@ pub struct CommonArgs {
     /// Packet-mark bit that tells postrouting to masquerade (same meaning as kube-proxy's 0x4000).
     #[arg(long, default_value = "0x4000", value_parser = parse_mark, env = "NODELB_MASQUERADE_MARK")]
     pub masquerade_mark: u32,
+    /// Insert an ACCEPT for nodelb's forwarded flows at the head of the host's iptables FORWARD
+    /// chain (iptables-nft: table ip/ip6 filter; iptables-legacy: the x_tables filter table), for
+    /// hosts whose firewall drops forwarded traffic (Docker, ufw). Removed by `nodelb cleanup` and
+    /// when the agent runs without this flag.
+    #[arg(long, env = "NODELB_IPTABLES_FORWARD_ACCEPT")]
+    pub iptables_forward_accept: bool,
+    /// Packet-mark bit nodelb's flows carry through the forward hook (set before every other
+    /// forward chain, cleared after all of them); the iptables ACCEPT matches it. One bit, not the
+    /// masquerade mark.
+    #[arg(long, default_value = "0x2000", value_parser = parse_mark, env = "NODELB_IPTABLES_FORWARD_MARK")]
+    pub iptables_forward_mark: u32,
     /// State file keeping port allocations across restarts (manifests mode).
     #[arg(long, default_value = "/var/lib/nodelb/state.json", env = "NODELB_STATE_FILE")]
     pub state_file: PathBuf,
@@ -142,6 +153,12 @@ pub struct KubeArgs {
     /// like kube-proxy's --nodeport-addresses). Default: all ExternalIP / InternalIP addresses.
     #[arg(long, value_delimiter = ',', env = "NODELB_NODE_ADDRESSES")]
     pub node_addresses: Vec<ipnet::IpNet>,
+    /// The DaemonSet running this agent (in --namespace), set by the shipped manifests. When
+    /// nodelb is uninstalled (that Namespace or DaemonSet deleted) or the DaemonSet no longer runs
+    /// on this node, the agent removes its rules as it stops; a restart, an eviction or a rolling
+    /// update keeps them. Empty: the rules always stay.
+    #[arg(long, default_value = "", env = "NODELB_DAEMONSET")]
+    pub daemonset: String,
 }
 
 #[derive(Debug, clap::Args)]

@@ -7,7 +7,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 use crate::agent::{self, AgentConfig};
 use crate::cli::{CommonArgs, KubeArgs, PlanArgs, RunArgs, StatusArgs};
@@ -15,7 +15,9 @@ use crate::desired::{self, HostFacts, HostPolicy, Inputs};
 use crate::endpoint_policy::EndpointPolicy;
 use crate::ir::Family;
 use crate::k8s::controller::{self, ControllerConfig};
+use crate::k8s::installation::{Installation, Tracker};
 use crate::k8s::source::KubeSource;
+use crate::k8s::uninstall::Exit;
 use crate::metrics::Metrics;
 use crate::model::ModelOptions;
 use crate::nft::NftClient;
@@ -47,6 +49,21 @@ fn host_policy(common: &CommonArgs) -> HostPolicy {
     }
 }
 
+/// The mark bit of `--iptables-forward-accept`, when given; it must differ from the masquerade
+/// bit, whose meaning in postrouting it would otherwise take on.
+fn forward_mark(common: &CommonArgs) -> anyhow::Result<Option<u32>> {
+    if !common.iptables_forward_accept {
+        return Ok(None);
+    }
+    if common.iptables_forward_mark == common.masquerade_mark {
+        bail!(
+            "--iptables-forward-mark {:#x} is the masquerade mark (--masquerade-mark): choose another bit",
+            common.iptables_forward_mark
+        );
+    }
+    Ok(Some(common.iptables_forward_mark))
+}
+
 fn model_options(common: &CommonArgs) -> ModelOptions {
     ModelOptions { lb_class: common.load_balancer_class.clone(), ignore_unclassed: common.ignore_unclassed }
 }
@@ -65,9 +82,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         resync_period: args.resync_period,
         enable_forwarding: args.enable_forwarding,
         masquerade_mark: args.common.masquerade_mark,
+        forward_mark: forward_mark(&args.common)?,
         model: model_options(&args.common),
         sysctls: Sysctls::default(),
         policy: host_policy(&args.common),
+        xtables_lockfile: crate::xtables::default_lockfile(),
+        bridges: crate::bridge::BridgeReader::default(),
     };
     let status: SharedStatus = Arc::new(RwLock::new(Status::default()));
     let metrics = Arc::new(Metrics::new(args.per_service_metrics)?);
@@ -104,12 +124,39 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 policy: cfg.policy.clone(),
             };
             info!(namespace = %ccfg.namespace, node = %ccfg.node_name, "Kubernetes mode");
+            let tracker = (!args.kube.daemonset.is_empty()).then(|| {
+                Tracker::start(
+                    client.clone(),
+                    Installation {
+                        namespace: args.kube.namespace.clone(),
+                        daemonset: args.kube.daemonset.clone(),
+                        node: cfg.node_name.clone(),
+                    },
+                )
+            });
             let controller = controller::spawn(client, kube.clone(), ccfg, status.clone(), metrics.clone());
-            (Source::kube(kube.services_only()), Some(controller))
+            (Source::kube(kube.services_only()), Some((controller, tracker)))
         }
     };
     agent::run(cfg, source, status, metrics, shutdown_signal()).await?;
-    if let Some(controller) = controller {
+    if let Some((controller, tracker)) = controller {
+        // Before the Lease release: the rules matter more, and an uninstall may have taken the
+        // credentials that release needs.
+        if let Some(tracker) = tracker {
+            match tracker.decide_at_exit().await {
+                Exit::Keep(why) => info!(reason = %why, "rules stay in the kernel"),
+                Exit::Remove(why) => {
+                    warn!(reason = %why, "nodelb is gone from this node: removing its rules");
+                    let (removed, problems) = remove_rules();
+                    for r in &removed {
+                        info!("{r}");
+                    }
+                    for p in &problems {
+                        error!(problem = %p, "could not remove everything nodelb programmed (`nodelb cleanup` will)");
+                    }
+                }
+            }
+        }
         controller.shutdown().await;
     }
     Ok(())
@@ -201,6 +248,7 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
         node_name: node_name(&args.common),
         families: Family::ALL.into_iter().collect::<BTreeSet<_>>(),
         masquerade_mark: args.common.masquerade_mark,
+        forward_mark: forward_mark(&args.common)?,
     };
     let host = HostFacts {
         addresses: crate::hostaddrs::read().unwrap_or_default(),
@@ -246,13 +294,34 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
 }
 
 pub fn cleanup() -> anyhow::Result<()> {
-    let mut nft = NftClient::new().context("cannot open a netfilter netlink socket")?;
-    if nft.delete_table()? {
-        println!("removed table inet {}", crate::ir::TABLE_NAME);
-    } else {
-        println!("nothing to remove: table inet {} does not exist", crate::ir::TABLE_NAME);
+    let (removed, problems) = remove_rules();
+    for r in &removed {
+        println!("{r}");
+    }
+    if !problems.is_empty() {
+        bail!("could not remove everything nodelb programmed:\n  {}", problems.join("\n  "));
     }
     Ok(())
+}
+
+/// Removes everything nodelb programmed in this network namespace (`nodelb cleanup`, and an
+/// agent that stops because nodelb was uninstalled): what was removed, and what could not be.
+fn remove_rules() -> (Vec<String>, Vec<String>) {
+    let mut nft = match NftClient::new() {
+        Ok(n) => n,
+        Err(e) => return (Vec::new(), vec![format!("cannot open a netfilter netlink socket: {e}")]),
+    };
+    // nodelb's ACCEPTs in iptables' FORWARD chains first: they match a mark only our table sets.
+    let xtables = crate::xtables::Xtables::new(crate::xtables::default_lockfile());
+    let (mut removed, mut problems) = crate::firewall::remove_accepts(&mut nft, &xtables);
+    match nft.delete_table() {
+        Ok(true) => removed.push(format!("removed table inet {}", crate::ir::TABLE_NAME)),
+        Ok(false) => {
+            removed.push(format!("nothing to remove: table inet {} does not exist", crate::ir::TABLE_NAME))
+        }
+        Err(e) => problems.push(format!("table inet {}: {e}", crate::ir::TABLE_NAME)),
+    }
+    (removed, problems)
 }
 
 pub fn status(args: StatusArgs) -> anyhow::Result<()> {
@@ -266,12 +335,13 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
     let st: Status = serde_json::from_str(&body).context("agent sent invalid /status JSON")?;
     println!("node {}", st.node_name);
     for (fam, f) in &st.families {
-        let served = if f.programmed { "served" } else { "NOT served" };
+        let served = if f.served() { "served" } else { "NOT served" };
         println!("  {fam}: forwarding {}, {served}", if f.forwarding { "on" } else { "off" });
-        if let Some(r) = &f.reason {
+        for r in [&f.reason, &f.firewall, &f.evidence].into_iter().flatten() {
             println!("    {r}");
         }
     }
+    print_host_firewall(&st.host_firewall);
     println!(
         "{:<40} {:<13} {:<30} {:>8} {:>8} REASON",
         "SERVICE", "STATE", "PORTS (port/proto->node port)", "CONNS", "REFUSED"
@@ -303,9 +373,15 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
             total(|p| p.refused_packets),
             s.reason.as_deref().unwrap_or("")
         );
+        if let Some(t) = s.session_affinity_seconds {
+            println!("    session affinity: ClientIP, timeout {t}s");
+        }
     }
     for p in &st.problems {
         println!("problem: {p}");
+    }
+    for w in &st.hairpin {
+        println!("hairpin: {}", w.message);
     }
     match st.readiness() {
         Ok(None) => println!("READY"),
@@ -313,6 +389,45 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
         Err(r) => println!("NOT READY: {r}"),
     }
     Ok(())
+}
+
+/// The host-firewall part of `nodelb status`: chains that drop forwarded connections (and
+/// whether for certain), where nodelb's ACCEPT is, what the forward counters say.
+fn print_host_firewall(fw: &crate::status::HostFirewallStatus) {
+    if fw.checked_at == 0 {
+        return;
+    }
+    println!("host firewall (forward path):");
+    if fw.drops.is_empty() {
+        println!("  no chain of another table drops nodelb's forwarded connections");
+    }
+    for d in &fw.drops {
+        let how = if d.certain { "DROPS" } else { "may drop" };
+        println!("  {} {how} {} connections: {}", d.finding.location(), d.finding.family, d.finding.drop);
+        for p in &d.finding.partial {
+            println!("    unless accepted by {p}");
+        }
+        println!("    fix: {}", d.fix);
+    }
+    for a in &fw.accept_rules {
+        println!("  nodelb's ACCEPT is in {a}");
+    }
+    for (fam, c) in &fw.counters {
+        let state = match fw.evidence.get(fam) {
+            Some(crate::hostfw::EvidenceState::Dropping { connections, .. }) => {
+                format!(", DROPPING: {connections} entered without leaving")
+            }
+            Some(crate::hostfw::EvidenceState::Passing) => ", passing".to_string(),
+            None => String::new(),
+        };
+        println!(
+            "  {fam}: {} new connections entered the forward path, {} left it{state}",
+            c.entered, c.passed
+        );
+    }
+    for p in &fw.problems {
+        println!("  problem: {p}");
+    }
 }
 
 /// A minimal HTTP/1.0 GET for the local status endpoint.

@@ -234,6 +234,7 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             reason: Some(r.to_string()),
             ports: vec![],
             refused_endpoints: vec![],
+            session_affinity_seconds: None,
         });
     }
     services.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
@@ -436,6 +437,7 @@ fn service_status(
                 reason: r.reason.to_string(),
             })
             .collect(),
+        session_affinity_seconds: svc.session_affinity,
     }
 }
 
@@ -495,6 +497,7 @@ mod tests {
             node_name: "node-1".into(),
             families: [Family::Ipv4].into(),
             masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
+            forward_mark: None,
         };
         let desired = compute(&Inputs {
             mode: AllocationMode::Annotated,

@@ -38,6 +38,14 @@ impl Family {
         }
     }
 
+    /// `ip` / `ip6`: the protocol word of this family's header fields (`ip saddr`).
+    pub fn payload_word(self) -> &'static str {
+        match self {
+            Family::Ipv4 => "ip",
+            Family::Ipv6 => "ip6",
+        }
+    }
+
     /// NFPROTO_* value.
     pub fn nfproto(self) -> u8 {
         match self {
@@ -158,6 +166,10 @@ pub mod priority {
     pub const DSTNAT: i32 = -100;
     pub const FILTER: i32 = 0;
     pub const SRCNAT: i32 = 100;
+    /// Before every other chain of the hook (NF_IP_PRI_FIRST).
+    pub const FIRST: i32 = i32::MIN;
+    /// After every other chain of the hook (NF_IP_PRI_LAST).
+    pub const LAST: i32 = i32::MAX;
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -248,6 +260,8 @@ pub enum Expr {
     MarkSet(u32),
     /// `meta mark set mark ^ bit` (clears a bit known to be set)
     MarkXor(u32),
+    /// `meta mark set meta mark & ~bit` (clears a bit, set or not)
+    MarkClear(u32),
     /// `counter` (packets and bytes, anonymous: reset when the rule is replaced)
     Counter,
     /// `counter name "NAME"`: count in the named counter object NAME (read back for metrics).
@@ -260,8 +274,22 @@ pub enum Expr {
     /// the counter map gives for the connection's original protocol and port; no match when the
     /// map has no such element.
     L4ProtoCtOrigDportCounterMap { map: String },
-    /// `<family> saddr . meta l4proto . th sport @set` (packet comes from one of these endpoints)
-    SaddrL4ProtoSportInSet { family: Family, set: String },
+    /// `meta l4proto . ct original proto-dst @set`: the connection's original protocol and port
+    /// is a key of `set` (a set or a map: only membership is tested).
+    L4ProtoCtOrigDportInSet { set: String },
+    /// `<family> saddr . <family> saddr . meta l4proto . th sport @set`: the packet comes from one
+    /// of these endpoints (`address . address . protocol . port` elements: the address twice, so
+    /// that one set also serves [`Expr::SaddrDaddrL4ProtoDportInSet`]).
+    SaddrTwiceL4ProtoSportInSet { family: Family, set: String },
+    /// `<family> saddr . <family> daddr . meta l4proto . th dport @set`: after DNAT, the packet
+    /// goes to one of these endpoints from that same address: a hairpin connection.
+    SaddrDaddrL4ProtoDportInSet { family: Family, set: String },
+    /// `<family> saddr @set`: the client address is in the set (an affinity set: this client's
+    /// last connection went to the set's endpoint, within its timeout).
+    SaddrInSet { family: Family, set: String },
+    /// `update @set { <family> saddr }`: adds the client address to a dynamic set, or restarts
+    /// its timeout. Does not match when the set is full (and a new element cannot be added).
+    UpdateSaddr { family: Family, set: String },
     /// `numgen random mod M V`: a fresh random draw in `0..M` equals `V`. A service chain picks one of
     /// N endpoints with rules matching `mod N 0`, `mod N-1 0`, ..., the last one unconditional: each
     /// is reached with probability (N-i)/N and matches with 1/(N-i), so every endpoint gets 1/N.
@@ -321,13 +349,17 @@ pub enum SetKind {
     VerdictMap,
     /// `map … : counter` (elements name a [`NamedCounter`]; `counter name … map @m` counts in it)
     CounterMap,
+    /// `set` with `flags dynamic,timeout`: keys only, added by the packet path
+    /// ([`Expr::UpdateSaddr`]) and expiring `timeout` seconds after their last update. The
+    /// planner gives it no elements; those the kernel holds are state, not configuration.
+    Dynamic { timeout: u32 },
 }
 
 impl SetKind {
     /// `set` or `map`, as nft writes it.
     pub fn word(self) -> &'static str {
         match self {
-            SetKind::Set => "set",
+            SetKind::Set | SetKind::Dynamic { .. } => "set",
             SetKind::VerdictMap | SetKind::CounterMap => "map",
         }
     }
@@ -360,6 +392,12 @@ pub struct NamedCounter {
     pub name: String,
     pub comment: Option<String>,
 }
+
+/// Elements of dynamic sets by set name, each with the milliseconds until it expires: what a full
+/// replace puts back ([`Ruleset::full_replace_carrying`]).
+pub type Carried = BTreeMap<String, Vec<(Key, u64)>>;
+
+static NO_CARRIED: Carried = BTreeMap::new();
 
 /// The complete desired content of the `nodelb` table.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -411,11 +449,14 @@ fn render_set(out: &mut String, set: &Set) {
     let key: Vec<&str> = set.key.iter().map(|k| k.name()).collect();
     let _ = writeln!(out, "\t{} {} {{", set.kind.word(), set.name);
     let data = match set.kind {
-        SetKind::Set => "",
+        SetKind::Set | SetKind::Dynamic { .. } => "",
         SetKind::VerdictMap => " : verdict",
         SetKind::CounterMap => " : counter",
     };
     let _ = writeln!(out, "\t\ttype {}{data}", key.join(" . "));
+    if let SetKind::Dynamic { timeout } = set.kind {
+        let _ = writeln!(out, "\t\tflags dynamic,timeout\n\t\ttimeout {timeout}s");
+    }
     if let Some(c) = &set.comment {
         let _ = writeln!(out, "\t\tcomment {}", quote(c));
     }
@@ -534,6 +575,7 @@ pub fn render_expr(e: &Expr) -> String {
         Expr::MarkHas(bit) => format!("meta mark & {bit:#010x} == {bit:#010x}"),
         Expr::MarkSet(bit) => format!("meta mark set meta mark | {bit:#010x}"),
         Expr::MarkXor(bit) => format!("meta mark set meta mark ^ {bit:#010x}"),
+        Expr::MarkClear(bit) => format!("meta mark set meta mark & {:#010x}", !bit),
         Expr::Counter => "counter".into(),
         Expr::CounterRef(name) => format!("counter name {}", quote(name)),
         Expr::L4ProtoDportVmap { map } => format!("meta l4proto . th dport vmap @{map}"),
@@ -549,13 +591,20 @@ pub fn render_expr(e: &Expr) -> String {
                 "meta l4proto {{ tcp, udp, sctp }} counter name meta l4proto . ct original proto-dst map @{map}"
             )
         }
-        Expr::SaddrL4ProtoSportInSet { family, set } => {
-            let word = match family {
-                Family::Ipv4 => "ip",
-                Family::Ipv6 => "ip6",
-            };
-            format!("{word} saddr . meta l4proto . th sport @{set}")
+        Expr::L4ProtoCtOrigDportInSet { set } => {
+            // Same transport-protocol context as the vmap form above.
+            format!("meta l4proto {{ tcp, udp, sctp }} meta l4proto . ct original proto-dst @{set}")
         }
+        Expr::SaddrTwiceL4ProtoSportInSet { family, set } => {
+            let w = family.payload_word();
+            format!("{w} saddr . {w} saddr . meta l4proto . th sport @{set}")
+        }
+        Expr::SaddrDaddrL4ProtoDportInSet { family, set } => {
+            let w = family.payload_word();
+            format!("{w} saddr . {w} daddr . meta l4proto . th dport @{set}")
+        }
+        Expr::SaddrInSet { family, set } => format!("{} saddr @{set}", family.payload_word()),
+        Expr::UpdateSaddr { family, set } => format!("update @{set} {{ {} saddr }}", family.payload_word()),
         Expr::NumgenRandomIs { modulus, value } => format!("numgen random mod {modulus} {value}"),
         Expr::Dnat { addr, port } => match addr {
             IpAddr::V4(a) => format!("dnat ip to {a}:{port}"),
@@ -598,6 +647,12 @@ pub enum Change {
         set: String,
         keys: Vec<Key>,
     },
+    /// Put back elements of a dynamic set ([`SetKind::Dynamic`]) that a full replace deletes
+    /// with the table, each expiring as it would have (milliseconds from now).
+    AddDynamicElements {
+        set: String,
+        elements: Vec<(Key, u64)>,
+    },
     /// Create a named counter (starting at zero).
     AddCounter(NamedCounter),
     /// Delete an (unreferenced) named counter.
@@ -629,6 +684,10 @@ pub enum ChangeRef<'a> {
     DeleteElements {
         set: &'a str,
         keys: &'a [Key],
+    },
+    AddDynamicElements {
+        set: &'a str,
+        elements: &'a [(Key, u64)],
     },
     AddCounter(&'a NamedCounter),
     DeleteCounter(&'a str),
@@ -677,6 +736,7 @@ impl Change {
                 ChangeRef::AddElements { set, elements: Elements::List(elements) }
             }
             Change::DeleteElements { set, keys } => ChangeRef::DeleteElements { set, keys },
+            Change::AddDynamicElements { set, elements } => ChangeRef::AddDynamicElements { set, elements },
             Change::AddCounter(c) => ChangeRef::AddCounter(c),
             Change::DeleteCounter(c) => ChangeRef::DeleteCounter(c),
         }
@@ -704,6 +764,9 @@ impl ChangeRef<'_> {
             ChangeRef::DeleteElements { set, keys } => {
                 Change::DeleteElements { set: set.to_string(), keys: keys.to_vec() }
             }
+            ChangeRef::AddDynamicElements { set, elements } => {
+                Change::AddDynamicElements { set: set.to_string(), elements: elements.to_vec() }
+            }
             ChangeRef::AddCounter(c) => Change::AddCounter(c.clone()),
             ChangeRef::DeleteCounter(c) => Change::DeleteCounter(c.to_string()),
         }
@@ -721,11 +784,27 @@ impl Ruleset {
     /// [`Ruleset::full_replace`] borrowing from `self`, computed as it is walked (nothing is
     /// copied or collected; walk it again to find the n-th change).
     pub fn full_replace_refs(&self) -> impl Iterator<Item = ChangeRef<'_>> + Clone {
+        self.full_replace_carrying(&NO_CARRIED)
+    }
+
+    /// [`Ruleset::full_replace_refs`] that also puts back `carried` elements of dynamic sets
+    /// (read from the kernel just before: the table's deletion would drop them), right after
+    /// their set is created. Elements of sets `self` does not have as dynamic sets are left out.
+    pub fn full_replace_carrying<'a>(
+        &'a self,
+        carried: &'a Carried,
+    ) -> impl Iterator<Item = ChangeRef<'a>> + Clone {
         let start = [ChangeRef::AddTable, ChangeRef::DeleteTable, ChangeRef::AddTable];
-        let sets = self.sets.values().flat_map(|set| {
+        let sets = self.sets.values().flat_map(move |set| {
             let elements = (!set.elements.is_empty())
                 .then_some(ChangeRef::AddElements { set: &set.name, elements: Elements::Set(&set.elements) });
-            std::iter::once(ChangeRef::AddSet(set)).chain(elements)
+            let dynamic = match (set.kind, carried.get(&set.name)) {
+                (SetKind::Dynamic { .. }, Some(e)) if !e.is_empty() => {
+                    Some(ChangeRef::AddDynamicElements { set: &set.name, elements: e })
+                }
+                _ => None,
+            };
+            std::iter::once(ChangeRef::AddSet(set)).chain(elements).chain(dynamic)
         });
         let rules = self
             .chains

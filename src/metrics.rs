@@ -27,7 +27,7 @@ use crate::nft::{Counter, CounterValues, NftClient};
 pub enum CounterKind {
     /// New connections DNATed (counted in the service chain).
     Connections,
-    /// Forwarded packets and bytes, both directions (counted in filter-forward).
+    /// Forwarded packets and bytes, both directions (counted in filter-forward-last).
     Traffic,
     /// Packets of new connections dropped by the source-range check (firewall chain).
     Refused,
@@ -159,6 +159,83 @@ pub struct Metrics {
     /// builds no counter index and reads no kernel counters.
     pub per_service: bool,
     pub counters: SharedCounters,
+    pub firewall: FirewallMetrics,
+}
+
+/// What the host-firewall check found (`crate::firewall`).
+pub struct FirewallMetrics {
+    /// 1 per foreign forward chain that drops nodelb's connections of a family.
+    pub drops: IntGaugeVec,
+    /// 1 when a family's forwarded connections are dropped for certain (not served).
+    pub blocked: IntGaugeVec,
+    /// 1 when only the counters say a family's connections are dropped.
+    pub evidence: IntGaugeVec,
+    /// 1 per iptables FORWARD chain holding nodelb's ACCEPT.
+    pub accept: IntGaugeVec,
+    /// Label sets of `drops` and `accept` currently exported.
+    pub exported: Mutex<(LabelSets, LabelSets)>,
+}
+
+/// The label values of the series of one metric vector.
+pub type LabelSets = BTreeSet<Vec<String>>;
+
+impl FirewallMetrics {
+    fn register(registry: &Registry) -> Result<FirewallMetrics, prometheus::Error> {
+        let drops = IntGaugeVec::new(
+            Opts::new(
+                "nodelb_host_firewall_drops",
+                "1 per foreign forward chain that drops nodelb's new connections of a family (table: \"ip filter\", \"inet firewalld\", \"iptables-legacy filter\", …; certain: every connection, or unless a rule nodelb cannot judge accepts it).",
+            ),
+            &["family", "table", "chain", "certain"],
+        )?;
+        let blocked = IntGaugeVec::new(
+            Opts::new(
+                "nodelb_forward_blocked",
+                "1 when a host firewall drops this family's forwarded connections for certain: the node does not serve the family.",
+            ),
+            &["family"],
+        )?;
+        let evidence = IntGaugeVec::new(
+            Opts::new(
+                "nodelb_forward_drop_evidence",
+                "1 when nodelb's forward counters show new connections entering the forward path and none leaving it, with no chain nodelb can read to blame.",
+            ),
+            &["family"],
+        )?;
+        let accept = IntGaugeVec::new(
+            Opts::new(
+                "nodelb_iptables_forward_accept",
+                "1 per iptables FORWARD chain holding nodelb's ACCEPT (--iptables-forward-accept).",
+            ),
+            &["family", "table"],
+        )?;
+        for f in ["ipv4", "ipv6"] {
+            blocked.with_label_values(&[f]).set(0);
+            evidence.with_label_values(&[f]).set(0);
+        }
+        registry.register(Box::new(drops.clone()))?;
+        registry.register(Box::new(blocked.clone()))?;
+        registry.register(Box::new(evidence.clone()))?;
+        registry.register(Box::new(accept.clone()))?;
+        Ok(FirewallMetrics { drops, blocked, evidence, accept, exported: Mutex::default() })
+    }
+
+    /// Sets `drops` (label values: family, table, chain, certain) and `accept` (family, table)
+    /// to exactly these series, removing those that are gone.
+    pub fn set_chains(&self, drops: LabelSets, accept: LabelSets) {
+        let mut exported = self.exported.lock().unwrap_or_else(|e| e.into_inner());
+        for (vec, now, before) in [(&self.drops, &drops, &exported.0), (&self.accept, &accept, &exported.1)] {
+            for gone in before.difference(now) {
+                let labels: Vec<&str> = gone.iter().map(String::as_str).collect();
+                let _ = vec.remove_label_values(&labels);
+            }
+            for series in now {
+                let labels: Vec<&str> = series.iter().map(String::as_str).collect();
+                vec.with_label_values(&labels).set(1);
+            }
+        }
+        *exported = (drops, accept);
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -332,6 +409,7 @@ impl Metrics {
         registry.register(Box::new(node_ports_refused.clone()))?;
         registry.register(Box::new(build_info))?;
         registry.register(Box::new(prometheus::process_collector::ProcessCollector::for_self()))?;
+        let firewall = FirewallMetrics::register(&registry)?;
         let counters: SharedCounters = Arc::default();
         if per_service {
             registry.register(Box::new(KernelCounters::new(counters.clone())?))?;
@@ -361,6 +439,7 @@ impl Metrics {
             node_ports_refused,
             per_service,
             counters,
+            firewall,
         })
     }
 

@@ -196,6 +196,10 @@ pub struct LbService {
     /// From `spec.loadBalancerSourceRanges`; empty means everyone.
     pub source_ranges: Vec<IpNet>,
     pub traffic_policy: TrafficPolicy,
+    /// `sessionAffinity: ClientIP`: every new connection of a client goes to the endpoint its
+    /// previous one went to, while that endpoint is usable and the client was seen within this
+    /// many seconds (`sessionAffinityConfig.clientIP.timeoutSeconds`). `None`: no affinity.
+    pub session_affinity: Option<u32>,
     pub port_request: PortRequest,
     /// Allocation found on the object ([`ANNOTATION_ALLOCATED`]), to keep ports stable.
     pub previous_allocation: BTreeMap<PortId, u16>,
@@ -230,6 +234,7 @@ impl LbService {
             families: vec![Family::Ipv4],
             source_ranges: vec![],
             traffic_policy: TrafficPolicy::Cluster,
+            session_affinity: None,
             port_request: PortRequest::Auto,
             previous_allocation: BTreeMap::new(),
         }
@@ -249,6 +254,8 @@ pub enum Refusal {
     InvalidIpFamily { service: ServiceKey, value: String },
     #[error("Service {service}: invalid externalTrafficPolicy {}", quoted(.value))]
     InvalidTrafficPolicy { service: ServiceKey, value: String },
+    #[error("Service {service}: invalid {field} {value:?}: {reason}")]
+    InvalidSessionAffinity { service: ServiceKey, field: String, value: String, reason: String },
     #[error("Service {service}: {reason}")]
     Invalid { service: ServiceKey, reason: String },
 }
@@ -262,6 +269,7 @@ impl Refusal {
             Refusal::InvalidPort { .. } => "invalid_port",
             Refusal::InvalidIpFamily { .. } => "invalid_ip_family",
             Refusal::InvalidTrafficPolicy { .. } => "invalid_traffic_policy",
+            Refusal::InvalidSessionAffinity { .. } => "invalid_session_affinity",
             Refusal::Invalid { .. } => "invalid",
         }
     }
@@ -273,6 +281,7 @@ impl Refusal {
             | Refusal::InvalidPort { service, .. }
             | Refusal::InvalidIpFamily { service, .. }
             | Refusal::InvalidTrafficPolicy { service, .. }
+            | Refusal::InvalidSessionAffinity { service, .. }
             | Refusal::Invalid { service, .. } => service,
         }
     }
@@ -597,6 +606,7 @@ fn build_one(
             return Err(Refusal::InvalidTrafficPolicy { service: key, value: other.to_string() });
         }
     };
+    let session_affinity = session_affinity(&key, spec)?;
     let source_ranges = source_ranges(&key, spec.load_balancer_source_ranges.as_deref(), &annotations)?;
     // One rule per range in each port's firewall chain.
     if ports.len().saturating_mul(source_ranges.len()) > MAX_SERVICE_BACKENDS {
@@ -644,9 +654,55 @@ fn build_one(
         families,
         source_ranges,
         traffic_policy,
+        session_affinity,
         port_request,
         previous_allocation,
     })
+}
+
+/// Kubernetes' default `sessionAffinityConfig.clientIP.timeoutSeconds`: 3 hours.
+pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10_800;
+/// The API server's bound for it: one day.
+pub const MAX_AFFINITY_TIMEOUT: u32 = 86_400;
+
+/// `spec.sessionAffinity` with its timeout, validated as the API server does (manifests are not).
+fn session_affinity(
+    key: &ServiceKey,
+    spec: &k8s_openapi::api::core::v1::ServiceSpec,
+) -> Result<Option<u32>, Refusal> {
+    let bad = |field: &str, value: String, reason: String| Refusal::InvalidSessionAffinity {
+        service: key.clone(),
+        field: field.to_string(),
+        value,
+        reason,
+    };
+    match spec.session_affinity.as_deref() {
+        // The API server refuses a sessionAffinityConfig with `None`; here it is simply unused.
+        None | Some("") | Some("None") => Ok(None),
+        Some("ClientIP") => {
+            let timeout = spec
+                .session_affinity_config
+                .as_ref()
+                .and_then(|c| c.client_ip.as_ref())
+                .and_then(|c| c.timeout_seconds);
+            match timeout {
+                None => Ok(Some(DEFAULT_AFFINITY_TIMEOUT)),
+                Some(t) => match u32::try_from(t) {
+                    Ok(t) if (1..=MAX_AFFINITY_TIMEOUT).contains(&t) => Ok(Some(t)),
+                    _ => Err(bad(
+                        "spec.sessionAffinityConfig.clientIP.timeoutSeconds",
+                        t.to_string(),
+                        format!("must be between 1 and {MAX_AFFINITY_TIMEOUT} seconds"),
+                    )),
+                },
+            }
+        }
+        Some(other) => Err(bad(
+            "spec.sessionAffinity",
+            other.to_string(),
+            "supported values are \"None\" and \"ClientIP\"".to_string(),
+        )),
+    }
 }
 
 /// Validated `(id, name)` of each service port, in spec order.
@@ -1392,6 +1448,44 @@ mod tests {
             let s = one(svc_with("web", f)).unwrap_or_else(|r| panic!("{name}: {r}"));
             assert_eq!(s.families, families, "{name}");
             assert_eq!(s.traffic_policy, policy, "{name}");
+        }
+    }
+
+    /// `sessionAffinity` and its timeout: defaults and bounds as the API server's, a bad value
+    /// refused naming the field and the value.
+    #[test]
+    fn session_affinity() {
+        /// The affinity timeout, or the refusal's text.
+        type Want = Result<Option<u32>, &'static str>;
+        #[rustfmt::skip]
+        let cases: Vec<(&str, Value, Want)> = vec![
+            ("unset", json!({}), Ok(None)),
+            ("None", json!({"sessionAffinity": "None"}), Ok(None)),
+            ("None with a config (unused)", json!({"sessionAffinity": "None", "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 5}}}), Ok(None)),
+            ("ClientIP, default timeout", json!({"sessionAffinity": "ClientIP"}), Ok(Some(10_800))),
+            ("ClientIP, empty config", json!({"sessionAffinity": "ClientIP", "sessionAffinityConfig": {}}), Ok(Some(10_800))),
+            ("ClientIP, 1 s", json!({"sessionAffinity": "ClientIP", "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 1}}}), Ok(Some(1))),
+            ("ClientIP, one day", json!({"sessionAffinity": "ClientIP", "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 86400}}}), Ok(Some(86_400))),
+            ("timeout 0", json!({"sessionAffinity": "ClientIP", "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 0}}}), Err("Service default/web: invalid spec.sessionAffinityConfig.clientIP.timeoutSeconds \"0\": must be between 1 and 86400 seconds")),
+            ("timeout over a day", json!({"sessionAffinity": "ClientIP", "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 86401}}}), Err("Service default/web: invalid spec.sessionAffinityConfig.clientIP.timeoutSeconds \"86401\": must be between 1 and 86400 seconds")),
+            ("negative timeout", json!({"sessionAffinity": "ClientIP", "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": -5}}}), Err("Service default/web: invalid spec.sessionAffinityConfig.clientIP.timeoutSeconds \"-5\": must be between 1 and 86400 seconds")),
+            ("unknown kind", json!({"sessionAffinity": "Cookie"}), Err("Service default/web: invalid spec.sessionAffinity \"Cookie\": supported values are \"None\" and \"ClientIP\"")),
+            ("wrong case", json!({"sessionAffinity": "clientip"}), Err("Service default/web: invalid spec.sessionAffinity \"clientip\": supported values are \"None\" and \"ClientIP\"")),
+        ];
+        for (name, fields, want) in cases {
+            let got = one(svc_with("web", |v| {
+                for (k, val) in fields.as_object().unwrap() {
+                    v["spec"][k] = val.clone();
+                }
+            }));
+            match (got, want) {
+                (Ok(s), Ok(w)) => assert_eq!(s.session_affinity, w, "{name}"),
+                (Err(r), Err(w)) => {
+                    assert_eq!(r.to_string(), w, "{name}");
+                    assert_eq!(r.code(), "invalid_session_affinity", "{name}");
+                }
+                (got, want) => panic!("{name}: got {got:?}, want {want:?}"),
+            }
         }
     }
 

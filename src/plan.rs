@@ -9,11 +9,18 @@
 //! filter-output      filter  output     -110  same, for node-originated traffic
 //! nat-prerouting     nat     prerouting -100  local daddr → vmap @service-ports-<fam> (goto svc chain)
 //! nat-output         nat     output     -100  same, for node-originated traffic
-//! nat-postrouting    nat     postrouting 100  masquerade what a svc chain marked
-//! filter-forward     filter  forward       0  drop invalid from our endpoints; our flows: count in
-//!                                             `counter name … map @forward-counters-<fam>`, accept
+//! nat-postrouting    nat     postrouting 100  masquerade what a svc chain marked, and hairpin
+//!                                             connections (`@endpoints-<fam>`: endpoint to itself)
+//! filter-forward     filter  forward  first  drop invalid from our endpoints; count our new
+//!                                             connections (`forward-entered-<fam>`); with
+//!                                             --iptables-forward-accept, mark our flows
+//! filter-forward-last filter forward   last   our flows: count in `counter name … map
+//!                                             @forward-counters-<fam>` (clear the mark); count
+//!                                             our new connections (`forward-passed-<fam>`)
 //! svc<4|6>-…         per service port & family: count, mark for masquerade, then one dnat rule
-//!                    per endpoint, chosen by `numgen random mod N-i 0` draws
+//!                    per endpoint, chosen by `numgen random mod N-i 0` draws; with session
+//!                    affinity, first a lookup per endpoint in its `aff<4|6>-…` set of clients
+//!                    (dynamic, with timeout), and every draw records its choice there
 //! fw<4|6>-…          per service port & family with source ranges: allowed saddr → continue, else
 //!                    count and drop
 //! no-endpoints       reject (TCP reset / ICMP port unreachable)
@@ -41,6 +48,7 @@ pub const DEFAULT_MASQUERADE_MARK: u32 = 0x4000;
 pub const CHAIN_FILTER_PREROUTING: &str = "filter-prerouting";
 pub const CHAIN_FILTER_OUTPUT: &str = "filter-output";
 pub const CHAIN_FILTER_FORWARD: &str = "filter-forward";
+pub const CHAIN_FILTER_FORWARD_LAST: &str = "filter-forward-last";
 pub const CHAIN_NAT_PREROUTING: &str = "nat-prerouting";
 pub const CHAIN_NAT_OUTPUT: &str = "nat-output";
 pub const CHAIN_NAT_POSTROUTING: &str = "nat-postrouting";
@@ -61,6 +69,9 @@ pub struct NodeFacts {
     /// Families this node may program (forwarding enabled). Others get no rules at all.
     pub families: BTreeSet<Family>,
     pub masquerade_mark: u32,
+    /// `--iptables-forward-accept`: the packet-mark bit our flows carry through the forward hook,
+    /// which the accept nodelb inserts into the host's iptables FORWARD chain matches.
+    pub forward_mark: Option<u32>,
 }
 
 /// One service to program, with the node ports allocated to its ports (a port without an
@@ -83,6 +94,14 @@ pub fn forward_counters_map(f: Family) -> String {
 }
 pub fn endpoints_set(f: Family) -> String {
     format!("endpoints-{}", f.name())
+}
+/// Node-level named counter: new connections of our Services entering the forward path.
+pub fn forward_entered_counter(f: Family) -> String {
+    format!("forward-entered-{}", f.name())
+}
+/// Node-level named counter: new connections of our Services leaving the forward path.
+pub fn forward_passed_counter(f: Family) -> String {
+    format!("forward-passed-{}", f.name())
 }
 
 fn fam_digit(f: Family) -> char {
@@ -182,6 +201,18 @@ pub fn service_chain(f: Family, svc: &LbService, port: &LbPort) -> String {
 }
 pub fn firewall_chain(f: Family, svc: &LbService, port: &LbPort) -> String {
     chain_name("fw", f, &port_identity(svc, port))
+}
+
+/// Dynamic set of the clients whose last connection to a service port went to `ep`
+/// (`sessionAffinity: ClientIP`), expiring after `timeout` seconds. The timeout is part of the
+/// identity: a changed timeout is a new, empty set (a set's timeout cannot be changed in place).
+/// `aff<4|6>-<64-bit hash>`, no readable suffix (its comment has one): the kernel finds a set by
+/// comparing its name with every set name of the table, `strlen` included, once per set added and
+/// per rule using one, so at thousands of affinity endpoints short names halve a full replace.
+pub fn affinity_set(f: Family, svc: &LbService, port: &LbPort, ep: &Endpoint, timeout: u32) -> String {
+    let identity =
+        format!("aff|{}|{}/{}/{}/{timeout}s", f.name(), port_identity(svc, port), ep.addr, ep.port);
+    format!("aff{}-{:016x}", fam_digit(f), fnv1a(identity.as_bytes()))
 }
 
 /// Named counter of the new connections a service port's chain DNATs.
@@ -285,12 +316,14 @@ pub fn plan(services: &[ServicePlan<'_>], node: &NodeFacts) -> Ruleset {
             Family::Ipv4 => KeyType::Ipv4Addr,
             Family::Ipv6 => KeyType::Ipv6Addr,
         };
+        // The address twice: `ip saddr . ip saddr . …` (a packet from an endpoint) and
+        // `ip saddr . ip daddr . …` (a connection DNATed to its own client) use the same set.
         rs.add_set(Set {
             name: endpoints_set(f),
-            key: vec![addr, KeyType::InetProto, KeyType::InetService],
+            key: vec![addr, addr, KeyType::InetProto, KeyType::InetService],
             kind: SetKind::Set,
             elements: BTreeMap::new(),
-            comment: Some("endpoint address . protocol . port of every programmed endpoint".into()),
+            comment: Some("address . address . protocol . port of every programmed endpoint".into()),
         });
     }
     let new_state = || vec![Expr::CtState(vec![CtState::New])];
@@ -321,40 +354,27 @@ pub fn plan(services: &[ServicePlan<'_>], node: &NodeFacts) -> Ruleset {
     ));
     rs.add_chain(base(CHAIN_NAT_OUTPUT, ChainType::Nat, Hook::Output, priority::DSTNAT, nat_dispatch));
     let mark = node.masquerade_mark;
+    let mut postrouting = vec![Rule::new(vec![Expr::MarkHas(mark), Expr::MarkXor(mark), Expr::Masquerade])];
+    // Hairpin: an endpoint that reaches its own Service through the node and is drawn itself
+    // would get its own packet from its own address and answer it directly, bypassing the node's
+    // conntrack; masqueraded, the answer goes back through the node. Only those connections, so
+    // `externalTrafficPolicy: Local` keeps the address of a client sent to another endpoint.
+    for f in Family::ALL {
+        postrouting.push(Rule::new(vec![
+            Expr::NfProto(f),
+            Expr::CtStatusDnat,
+            Expr::SaddrDaddrL4ProtoDportInSet { family: f, set: endpoints_set(f) },
+            Expr::Masquerade,
+        ]));
+    }
     rs.add_chain(base(
         CHAIN_NAT_POSTROUTING,
         ChainType::Nat,
         Hook::Postrouting,
         priority::SRCNAT,
-        vec![Rule::new(vec![Expr::MarkHas(mark), Expr::MarkXor(mark), Expr::Masquerade])],
+        postrouting,
     ));
-    let mut forward_rules = Vec::new();
-    for f in Family::ALL {
-        forward_rules.push(Rule::new(vec![
-            Expr::NfProto(f),
-            Expr::CtState(vec![CtState::Invalid]),
-            Expr::SaddrL4ProtoSportInSet { family: f, set: endpoints_set(f) },
-            Expr::Counter,
-            Expr::Verdict(Verdict::Drop),
-        ]));
-    }
-    // Our flows: counted per service port without a chain per Service (every chain a verdict map
-    // reaches is re-validated by the kernel in each transaction that adds a Service), accepted.
-    for f in Family::ALL {
-        forward_rules.push(Rule::new(vec![
-            Expr::NfProto(f),
-            Expr::CtStatusDnat,
-            Expr::L4ProtoCtOrigDportCounterMap { map: forward_counters_map(f) },
-            Expr::Verdict(Verdict::Accept),
-        ]));
-    }
-    rs.add_chain(base(
-        CHAIN_FILTER_FORWARD,
-        ChainType::Filter,
-        Hook::Forward,
-        priority::FILTER,
-        forward_rules,
-    ));
+    plan_forward(&mut rs, node);
     rs.add_chain(regular(
         CHAIN_NO_ENDPOINTS.to_string(),
         Some("service port has no usable endpoint: refuse, never black-hole".into()),
@@ -375,6 +395,72 @@ pub fn plan(services: &[ServicePlan<'_>], node: &NodeFacts) -> Ruleset {
         }
     }
     rs
+}
+
+/// The forward path: `filter-forward` runs before every other forward chain of the node
+/// (priority [`priority::FIRST`]) and `filter-forward-last` after all of them
+/// ([`priority::LAST`]), so the two node-level counters bracket whatever a host firewall does in
+/// between: new connections of our Services that entered the forward path, and those that left it.
+/// Entered but never left, while nothing passes, is the evidence of a drop after our chain that
+/// netlink cannot show (iptables-legacy). Per-Service traffic is counted last, so it counts what
+/// was really forwarded. With `forward_mark`, our flows carry that mark bit between the two
+/// chains (set first, cleared last): the accept nodelb inserts into the host's iptables FORWARD
+/// chain matches it.
+fn plan_forward(rs: &mut Ruleset, node: &NodeFacts) {
+    let ours = |f: Family| {
+        vec![
+            Expr::NfProto(f),
+            Expr::CtStatusDnat,
+            Expr::L4ProtoCtOrigDportInSet { set: forward_counters_map(f) },
+        ]
+    };
+    let new_ours = |f: Family| {
+        vec![
+            Expr::NfProto(f),
+            Expr::CtStatusDnat,
+            Expr::CtState(vec![CtState::New]),
+            Expr::L4ProtoCtOrigDportInSet { set: forward_counters_map(f) },
+        ]
+    };
+    let mut first = Vec::new();
+    let mut last = Vec::new();
+    for f in Family::ALL {
+        // A reply that conntrack finds out of window would leave un-NATed (the kube-proxy
+        // `ct state invalid drop` fix), scoped to packets from our endpoints.
+        first.push(Rule::new(vec![
+            Expr::NfProto(f),
+            Expr::CtState(vec![CtState::Invalid]),
+            Expr::SaddrTwiceL4ProtoSportInSet { family: f, set: endpoints_set(f) },
+            Expr::Counter,
+            Expr::Verdict(Verdict::Drop),
+        ]));
+        rs.add_counter(NamedCounter {
+            name: forward_entered_counter(f),
+            comment: Some(format!("new {f} connections of nodelb Services entering the forward path")),
+        });
+        rs.add_counter(NamedCounter {
+            name: forward_passed_counter(f),
+            comment: Some(format!("new {f} connections of nodelb Services leaving the forward path")),
+        });
+        first.push(Rule::new([new_ours(f), vec![Expr::CounterRef(forward_entered_counter(f))]].concat()));
+        if let Some(bit) = node.forward_mark {
+            first.push(Rule::new([ours(f), vec![Expr::MarkSet(bit)]].concat()));
+        }
+        // Counted per service port without a chain per Service (every chain a verdict map
+        // reaches is re-validated by the kernel in each transaction that adds a Service).
+        let mut count = vec![
+            Expr::NfProto(f),
+            Expr::CtStatusDnat,
+            Expr::L4ProtoCtOrigDportCounterMap { map: forward_counters_map(f) },
+        ];
+        if let Some(bit) = node.forward_mark {
+            count.push(Expr::MarkClear(bit));
+        }
+        last.push(Rule::new(count));
+        last.push(Rule::new([new_ours(f), vec![Expr::CounterRef(forward_passed_counter(f))]].concat()));
+    }
+    rs.add_chain(base(CHAIN_FILTER_FORWARD, ChainType::Filter, Hook::Forward, priority::FIRST, first));
+    rs.add_chain(base(CHAIN_FILTER_FORWARD_LAST, ChainType::Filter, Hook::Forward, priority::LAST, last));
 }
 
 fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f: Family, node: &NodeFacts) {
@@ -423,10 +509,9 @@ fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f
 
     if let Some(set) = rs.sets.get_mut(&endpoints_set(f)) {
         for ep in &endpoints {
-            set.elements.insert(
-                vec![KeyPart::Addr(ep.addr), KeyPart::Proto(port.id.protocol), KeyPart::Port(ep.port)],
-                None,
-            );
+            let addr = KeyPart::Addr(ep.addr);
+            set.elements
+                .insert(vec![addr, addr, KeyPart::Proto(port.id.protocol), KeyPart::Port(ep.port)], None);
         }
     }
     // Count and mark for masquerade, then one DNAT rule per endpoint, picked by independent draws
@@ -441,10 +526,27 @@ fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f
     if svc.traffic_policy == TrafficPolicy::Cluster {
         first.push(Expr::MarkSet(node.masquerade_mark));
     }
-    // nft needs the transport protocol known before a DNAT with a port.
-    let dnat = |ep: &Endpoint| [Expr::L4Proto(port.id.protocol), Expr::Dnat { addr: ep.addr, port: ep.port }];
-    let rules = match endpoints.as_slice() {
-        [one] => vec![Rule::new(first.into_iter().chain(dnat(one)).collect())],
+    let rules = match svc.session_affinity {
+        None => draw_rules(first, port, &endpoints),
+        Some(timeout) => affinity_rules(rs, first, svc, port, &endpoints, f, timeout),
+    };
+    let svc_chain = service_chain(f, svc, port);
+    rs.add_chain(regular(svc_chain.clone(), comment(""), rules));
+    insert_element(rs, &service_ports_map(f), key.clone(), Mapped::Verdict(Verdict::Goto(svc_chain)));
+    insert_element(rs, &forward_counters_map(f), key, Mapped::Counter(forwarded));
+}
+
+/// `meta l4proto <p> dnat to <endpoint>` (nft needs the transport protocol known before a DNAT
+/// with a port).
+fn dnat(port: &LbPort, ep: &Endpoint) -> [Expr; 2] {
+    [Expr::L4Proto(port.id.protocol), Expr::Dnat { addr: ep.addr, port: ep.port }]
+}
+
+/// `first` (count, mark), then one DNAT rule per endpoint picked by the draw cascade
+/// ([`Expr::NumgenRandomIs`]); with one endpoint, a single rule.
+fn draw_rules(first: Vec<Expr>, port: &LbPort, endpoints: &[&Endpoint]) -> Vec<Rule> {
+    match endpoints {
+        [one] => vec![Rule::new(first.into_iter().chain(dnat(port, one)).collect())],
         many => {
             let n = many.len() as u32;
             let mut rules = Vec::with_capacity(many.len() + 1);
@@ -452,15 +554,69 @@ fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f
             for (i, ep) in many.iter().enumerate() {
                 let left = n - i as u32;
                 let draw = (left > 1).then_some(Expr::NumgenRandomIs { modulus: left, value: 0 });
-                rules.push(Rule::new(draw.into_iter().chain(dnat(ep)).collect()));
+                rules.push(Rule::new(draw.into_iter().chain(dnat(port, ep)).collect()));
             }
             rules
         }
+    }
+}
+
+/// `sessionAffinity: ClientIP`: a dynamic set per endpoint of the clients it served last
+/// (`aff<4|6>-…`, created here, timeout `timeout`). After `first`: a client found in an
+/// endpoint's set goes there again (and its timeout restarts); any other client is drawn as
+/// without affinity, and the draw records it in the chosen endpoint's set. The last endpoint's
+/// update is a rule of its own: `update` does not match when the set is full (65,535 clients), and
+/// then the last rule must still DNAT (a full set of an earlier endpoint only makes its draw rule
+/// fall through to the next draw). An endpoint that goes takes its set, and its affinities, with it.
+fn affinity_rules(
+    rs: &mut Ruleset,
+    first: Vec<Expr>,
+    svc: &LbService,
+    port: &LbPort,
+    endpoints: &[&Endpoint],
+    f: Family,
+    timeout: u32,
+) -> Vec<Rule> {
+    let key = match f {
+        Family::Ipv4 => KeyType::Ipv4Addr,
+        Family::Ipv6 => KeyType::Ipv6Addr,
     };
-    let svc_chain = service_chain(f, svc, port);
-    rs.add_chain(regular(svc_chain.clone(), comment(""), rules));
-    insert_element(rs, &service_ports_map(f), key.clone(), Mapped::Verdict(Verdict::Goto(svc_chain)));
-    insert_element(rs, &forward_counters_map(f), key, Mapped::Counter(forwarded));
+    let sets: Vec<String> = endpoints.iter().map(|ep| affinity_set(f, svc, port, ep, timeout)).collect();
+    for (set, ep) in sets.iter().zip(endpoints) {
+        rs.add_set(Set {
+            name: set.clone(),
+            key: vec![key],
+            kind: SetKind::Dynamic { timeout },
+            elements: BTreeMap::new(),
+            comment: Some(identity_comment(svc, &format!(" {}: clients of {}", port.id, endpoint_text(ep)))),
+        });
+    }
+    let update = |set: &String| Expr::UpdateSaddr { family: f, set: set.clone() };
+    let n = endpoints.len();
+    let mut rules = Vec::with_capacity(2 * n + 2);
+    rules.push(Rule::new(first));
+    if n > 1 {
+        for (set, ep) in sets.iter().zip(endpoints) {
+            let known = [Expr::SaddrInSet { family: f, set: set.clone() }, update(set)];
+            rules.push(Rule::new(known.into_iter().chain(dnat(port, ep)).collect()));
+        }
+    }
+    for (i, (set, ep)) in sets.iter().zip(endpoints).enumerate() {
+        let left = (n - i) as u32;
+        if left > 1 {
+            let draw = [Expr::NumgenRandomIs { modulus: left, value: 0 }, update(set)];
+            rules.push(Rule::new(draw.into_iter().chain(dnat(port, ep)).collect()));
+        } else {
+            rules.push(Rule::new(vec![update(set)]));
+            rules.push(Rule::new(dnat(port, ep).to_vec()));
+        }
+    }
+    rules
+}
+
+/// `198.51.100.11:8080`, `[2001:db8::1]:8080`.
+fn endpoint_text(ep: &Endpoint) -> String {
+    std::net::SocketAddr::new(ep.addr, ep.port).to_string()
 }
 
 fn insert_element(rs: &mut Ruleset, set: &str, key: Key, value: Mapped) {
@@ -603,6 +759,11 @@ pub fn simulate(start: &Ruleset, changes: &[Change]) -> Result<Ruleset, String> 
                         return Err(format!("add rule to {chain}: jump to missing chain {target}"));
                     }
                 }
+                for set in rule_sets(rule) {
+                    if !rs.sets.contains_key(set) {
+                        return Err(format!("add rule to {chain}: missing set {set}"));
+                    }
+                }
                 for name in rule_counters(rule) {
                     if !rs.counters.contains_key(name) {
                         return Err(format!("add rule to {chain}: missing counter {name}"));
@@ -620,7 +781,18 @@ pub fn simulate(start: &Ruleset, changes: &[Change]) -> Result<Ruleset, String> 
                     .or_insert_with(|| Set { elements: BTreeMap::new(), ..s.clone() });
             }
             Change::DeleteSet(n) => {
+                if rs.chains.values().any(|c| c.rules.iter().any(|r| rule_sets(r).contains(&n))) {
+                    return Err(format!("delete set {n}: still referenced"));
+                }
                 rs.sets.remove(n).ok_or(format!("delete set {n}: missing"))?;
+            }
+            Change::AddDynamicElements { set, .. } => {
+                // The elements are state, not configuration: the model keeps none.
+                match rs.sets.get(set) {
+                    Some(s) if matches!(s.kind, SetKind::Dynamic { .. }) => {}
+                    Some(_) => return Err(format!("put back elements of {set}: not a dynamic set")),
+                    None => return Err(format!("put back elements of {set}: set missing")),
+                }
             }
             Change::AddElements { set, elements } => {
                 let s = rs.sets.get_mut(set).ok_or(format!("add elements: set {set} missing"))?;
@@ -676,6 +848,23 @@ pub fn rule_targets(rule: &Rule) -> Vec<&String> {
         .iter()
         .filter_map(|e| match e {
             Expr::Verdict(Verdict::Goto(c) | Verdict::Jump(c)) => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Sets and maps a rule looks up or updates.
+pub fn rule_sets(rule: &Rule) -> Vec<&String> {
+    rule.exprs
+        .iter()
+        .filter_map(|e| match e {
+            Expr::L4ProtoDportVmap { map }
+            | Expr::L4ProtoCtOrigDportVmap { map }
+            | Expr::L4ProtoCtOrigDportCounterMap { map } => Some(map),
+            Expr::SaddrTwiceL4ProtoSportInSet { set, .. }
+            | Expr::SaddrDaddrL4ProtoDportInSet { set, .. }
+            | Expr::SaddrInSet { set, .. }
+            | Expr::UpdateSaddr { set, .. } => Some(set),
             _ => None,
         })
         .collect()

@@ -12,7 +12,9 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, NodeStatus, Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::core::v1::{
+    ClientIPConfig, Node, NodeStatus, Service, ServicePort, ServiceSpec, SessionAffinityConfig,
+};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
@@ -34,7 +36,7 @@ pub trait Slim {
 impl Slim for Service {
     /// Keeps: identity and versions (name, namespace, uid, resourceVersion, generation,
     /// creationTimestamp, deletionTimestamp), the annotations of [`SERVICE_ANNOTATIONS`], the
-    /// spec fields the model validates, and the whole status (the leader writes the ingress and
+    /// spec fields the model validates (session affinity and its timeout included), and the whole status (the leader writes the ingress and
     /// the conditions it does not own back as they are).
     fn slim(&mut self) {
         slim_meta(&mut self.metadata, |k| SERVICE_ANNOTATIONS.contains(&k), |_| false);
@@ -59,6 +61,10 @@ impl Slim for Service {
             cluster_ips: spec.cluster_ips.map(shrunk),
             external_traffic_policy: spec.external_traffic_policy,
             load_balancer_source_ranges: spec.load_balancer_source_ranges.map(shrunk),
+            session_affinity: spec.session_affinity,
+            session_affinity_config: spec.session_affinity_config.map(|c| SessionAffinityConfig {
+                client_ip: c.client_ip.map(|ip| ClientIPConfig { timeout_seconds: ip.timeout_seconds }),
+            }),
             ..Default::default()
         });
     }
@@ -265,6 +271,11 @@ mod tests {
                 v["spec"]["clusterIP"] = json!("fd00::2");
             }),
             ("source ranges", |v| v["spec"]["loadBalancerSourceRanges"] = json!(["198.51.100.0/24"])),
+            ("affinity, default timeout", |v| v["spec"]["sessionAffinityConfig"] = Value::Null),
+            ("no affinity", |v| v["spec"]["sessionAffinity"] = json!("None")),
+            ("refused: affinity timeout", |v| {
+                v["spec"]["sessionAffinityConfig"]["clientIP"]["timeoutSeconds"] = json!(0)
+            }),
             ("legacy source ranges", |v| {
                 v["metadata"]["annotations"][ANNOTATION_LEGACY_SOURCE_RANGES] = json!("203.0.113.0/24")
             }),
@@ -342,9 +353,10 @@ mod tests {
             (Some("uid-web"), Some("42"), Some(3))
         );
         let spec = svc.spec.as_ref().unwrap();
-        assert!(
-            spec.selector.is_none() && spec.external_ips.is_none() && spec.session_affinity_config.is_none()
-        );
+        assert!(spec.selector.is_none() && spec.external_ips.is_none() && spec.load_balancer_ip.is_none());
+        assert_eq!(spec.session_affinity.as_deref(), Some("ClientIP"));
+        let client_ip = spec.session_affinity_config.as_ref().and_then(|c| c.client_ip.as_ref());
+        assert_eq!(client_ip.and_then(|c| c.timeout_seconds), Some(10));
         let ports = spec.ports.as_ref().unwrap();
         assert!(
             ports

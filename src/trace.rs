@@ -3,6 +3,7 @@
 //! it. Pure; used by table-driven tests ("tcp from 203.0.113.7 to node:20001 → DNAT
 //! 198.51.100.11:8080, masquerade") and to explain the ruleset to people.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
 
@@ -31,12 +32,13 @@ pub struct Packet {
     pub ct_state: CtState,
 }
 
-/// What the node knows that the IR does not: its local addresses and which random number
-/// `numgen` draws.
+/// What the node knows that the IR does not: its local addresses, which random number `numgen`
+/// draws, and what the packet path put into dynamic sets (affinity: set name → client addresses).
 #[derive(Debug, Clone, Default)]
 pub struct Env {
     pub local_addrs: Vec<IpAddr>,
     pub numgen: u32,
+    pub dynamic: BTreeMap<String, BTreeSet<IpAddr>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -77,6 +79,8 @@ pub struct Trace {
     pub chains: Vec<String>,
     /// Named counters the packet counted in, in order.
     pub counters: Vec<String>,
+    /// Dynamic sets the packet put (or refreshed) its source address in, in order.
+    pub updates: Vec<String>,
     pub outcome: Outcome,
 }
 
@@ -88,6 +92,7 @@ struct State<'a> {
     masquerade: bool,
     visited: Vec<String>,
     counters: Vec<String>,
+    updates: Vec<String>,
 }
 
 enum ChainEnd {
@@ -99,8 +104,16 @@ enum ChainEnd {
 
 /// Traces the first packet (or a later one, per `ct_state`) of a connection through the ruleset.
 pub fn trace(rs: &Ruleset, pkt: &Packet, env: &Env) -> Trace {
-    let mut st =
-        State { pkt, env, mark: 0, dnat: None, masquerade: false, visited: Vec::new(), counters: Vec::new() };
+    let mut st = State {
+        pkt,
+        env,
+        mark: 0,
+        dnat: None,
+        masquerade: false,
+        visited: Vec::new(),
+        counters: Vec::new(),
+        updates: Vec::new(),
+    };
     let first_hook = match pkt.origin {
         Origin::Network => Hook::Prerouting,
         Origin::Node => Hook::Output,
@@ -146,7 +159,7 @@ pub fn trace(rs: &Ruleset, pkt: &Packet, env: &Env) -> Trace {
 }
 
 fn finish(st: State<'_>, outcome: Outcome) -> Trace {
-    Trace { chains: st.visited, counters: st.counters, outcome }
+    Trace { chains: st.visited, counters: st.counters, updates: st.updates, outcome }
 }
 
 fn is_local(env: &Env, a: &IpAddr) -> bool {
@@ -226,6 +239,10 @@ fn run_rule(rs: &Ruleset, rule: &crate::ir::Rule, st: &mut State<'_>) -> RuleEnd
                 st.mark ^= bit;
                 true
             }
+            Expr::MarkClear(bit) => {
+                st.mark &= !bit;
+                true
+            }
             Expr::Counter => true,
             Expr::CounterRef(name) => {
                 st.counters.push(name.clone());
@@ -249,10 +266,28 @@ fn run_rule(rs: &Ruleset, rule: &crate::ir::Rule, st: &mut State<'_>) -> RuleEnd
                     _ => false,
                 }
             }
-            Expr::SaddrL4ProtoSportInSet { set, .. } => {
-                let key =
-                    vec![KeyPart::Addr(pkt.saddr), KeyPart::Proto(pkt.protocol), KeyPart::Port(pkt.sport)];
+            Expr::L4ProtoCtOrigDportInSet { set } => {
+                let key = vec![KeyPart::Proto(pkt.protocol), KeyPart::Port(pkt.dport)];
                 rs.sets.get(set).is_some_and(|s| s.elements.contains_key(&key))
+            }
+            Expr::SaddrDaddrL4ProtoDportInSet { set, .. } => {
+                let key = vec![
+                    KeyPart::Addr(pkt.saddr),
+                    KeyPart::Addr(daddr),
+                    KeyPart::Proto(pkt.protocol),
+                    KeyPart::Port(dport),
+                ];
+                rs.sets.get(set).is_some_and(|s| s.elements.contains_key(&key))
+            }
+            Expr::SaddrTwiceL4ProtoSportInSet { set, .. } => {
+                let from = KeyPart::Addr(pkt.saddr);
+                let key = vec![from, from, KeyPart::Proto(pkt.protocol), KeyPart::Port(pkt.sport)];
+                rs.sets.get(set).is_some_and(|s| s.elements.contains_key(&key))
+            }
+            Expr::SaddrInSet { set, .. } => st.env.dynamic.get(set).is_some_and(|s| s.contains(&pkt.saddr)),
+            Expr::UpdateSaddr { set, .. } => {
+                st.updates.push(set.clone());
+                true
             }
             // Every draw of one trace is `env.numgen`: with N endpoints, draw d picks the first i
             // with d % (N - i) == 0 (d = 0 → the first endpoint; N = 2: d % 2 picks as a map would).

@@ -1,17 +1,24 @@
-//! Kubernetes mode end to end: three real `nodelb run --kubeconfig …` agents, each in its own node
-//! namespace, against the in-process test API server (`nodelb-testapi`) in another namespace, with
-//! real packets client → node → backends. See `tests/common/cluster.rs` for the topology.
+//! Kubernetes mode end to end: three real `nodelb` agents, each in its own node namespace, run with
+//! the DaemonSet's arguments and a ServiceAccount token, against a real kube-apiserver + etcd
+//! (`testkube`, installed with `kubectl apply -f daemonset/`) in another namespace, with real
+//! packets client → node → backends. See `tests/common/cluster.rs` for the topology and
+//! `tests/common/kube.rs` for the control plane and its faults.
 //!
-//! Each test builds its own cluster (namespaces, API server, agents) and tears it down on drop, also
-//! on panic (the agents' logs are printed then).
+//! Each test builds its own cluster (namespaces, control plane, agents) and tears it down on drop,
+//! also on panic (the agents' and the control plane's logs are printed then).
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use common::cluster::{CLIENT_V4, Cluster, Permission, Rbac, node_name, node_v4};
+use common::cluster::{
+    AGENT_NS, CLIENT_V4, Cluster, LEADER_LEASE, Permission, Rbac, node_name, node_v4, web,
+};
+use common::kube::ControlPlane;
+use common::kube::Fault;
 use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
+use common::netns::NetNs;
 use common::topology::{ClientError, ClientLoop, Servers, backend_v4, parse_answer, wait_until};
 
 /// Per-request timeout where an answer is expected.
@@ -20,13 +27,6 @@ const T: Duration = Duration::from_secs(2);
 const CHANGE: Duration = Duration::from_secs(15);
 /// Condition type: does any node serve the Service.
 const SERVING: &str = "nodelb.io/Serving";
-
-/// `default/<name>`, `80/TCP` → backends `eps` (backend index, node index).
-fn web(name: &str, eps: &[(usize, usize)]) -> ServiceSpec {
-    ServiceSpec::new(name)
-        .port(PortSpec::tcp(80, None))
-        .endpoints(eps.iter().map(|(b, n)| EndpointSpec::remote(backend_v4(*b), &format!("node-{}", n + 1))))
-}
 
 /// The backends answering `n` requests to node `i`'s `port`.
 fn backends_seen(c: &Cluster, i: usize, port: u16, n: usize) -> BTreeMap<String, usize> {
@@ -89,7 +89,7 @@ fn service_is_served_on_every_node_with_status() {
     assert_eq!(c.service_writers(), BTreeSet::from([leader]), "only the leader writes Services");
     let managers: BTreeSet<Option<String>> = c
         .api
-        .requests()
+        .agent_requests()
         .into_iter()
         .filter(|r| r.is_write() && !r.path.contains("/events"))
         .map(|r| r.field_manager)
@@ -97,11 +97,34 @@ fn service_is_served_on_every_node_with_status() {
     assert_eq!(managers, BTreeSet::from([Some("nodelb".to_string())]), "every write names its field manager");
     assert!(!c.events("web", "NodePortsAllocated").is_empty(), "a NodePortsAllocated Event");
 
+    // What a user looks at, with kubectl (README, "On a cluster").
+    let wide = c.api.kubectl_ok(&["get", "svc", "web", "-o", "wide"]);
+    let external = format!("{},{},{}", node_v4(0), node_v4(1), node_v4(2));
+    assert!(wide.contains(&external), "EXTERNAL-IP is not the node addresses:\n{wide}");
+    let annotation = c.api.kubectl_ok(&[
+        "get",
+        "svc",
+        "web",
+        "-o",
+        r"jsonpath={.metadata.annotations.nodelb\.io/allocated-ports}",
+    ]);
+    assert_eq!(annotation, format!("80/TCP={np}"));
+    let serving = c.api.kubectl_ok(&[
+        "get",
+        "svc",
+        "web",
+        "-o",
+        r#"jsonpath={.status.conditions[?(@.type=="nodelb.io/Serving")].status}/{.status.conditions[?(@.type=="nodelb.io/Allocated")].reason}"#,
+    ]);
+    assert_eq!(serving, "True/Allocated");
+    let events = c.api.kubectl_ok(&["get", "events", "--field-selector", "involvedObject.name=web"]);
+    assert!(events.contains("NodePortsAllocated"), "kubectl get events:\n{events}");
+
     // Least privilege, both ways: every request the agents made is granted by
     // daemonset/10-rbac.yaml, and every grant was used (Events are patched only when the same
     // Event repeats within kube-runtime's cache time, which this scenario does not do).
     c.assert_rbac_allows_every_request();
-    let used: BTreeSet<Permission> = c.agent_permissions().into_iter().map(|(_, p)| p).collect();
+    let used: BTreeSet<Permission> = c.agent_permissions().into_iter().map(|(_, p, _)| p).collect();
     let unused: Vec<Permission> = Rbac::load()
         .all()
         .into_iter()
@@ -113,12 +136,85 @@ fn service_is_served_on_every_node_with_status() {
     assert!(unused.is_empty(), "granted but never used: {unused:?}; used: {used:?}");
 }
 
+/// `kubectl auth can-i --list` rows ((group, resource, verb), resource names: "" for any) for
+/// `user` in `ns`.
+fn can_i(api: &ControlPlane, user: &str, ns: &str) -> BTreeSet<((String, String, String), String)> {
+    let out = api.kubectl_ok(&["auth", "can-i", "--list", &format!("--as={user}"), "-n", ns]);
+    let mut rows = BTreeSet::new();
+    for line in out.lines().skip(1) {
+        // RESOURCES  NON-RESOURCE-URLS ("[]")  RESOURCE-NAMES ("[a b]")  VERBS ("[get list]")
+        let Some(resource) = line.split_whitespace().next().filter(|_| !line.starts_with(' ')) else {
+            continue;
+        };
+        let lists: Vec<&str> =
+            line.split('[').skip(1).map(|l| l.split(']').next().unwrap_or_default()).collect();
+        let [_, names, verbs] = lists[..] else { panic!("kubectl auth can-i --list: {line:?}") };
+        let names = names.split_whitespace().collect::<Vec<_>>().join(", ");
+        let (res, group) = resource.split_once('.').unwrap_or((resource, ""));
+        for verb in verbs.split_whitespace() {
+            rows.insert(((group.to_string(), res.to_string(), verb.to_string()), names.clone()));
+        }
+    }
+    rows
+}
+
+/// The README's RBAC table: ((group, resource, verb), names: "" for any) → namespace-only?
+fn readme_rbac() -> BTreeMap<((String, String, String), String), bool> {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let table = readme
+        .split("<!-- rbac-table: begin -->")
+        .nth(1)
+        .and_then(|t| t.split("<!-- rbac-table: end -->").next())
+        .expect("README: rbac-table markers");
+    let mut out = BTreeMap::new();
+    for row in table.lines().filter(|l| l.starts_with('|')).skip(2) {
+        let cells: Vec<&str> = row.trim_matches('|').split('|').map(str::trim).collect();
+        let group = if cells[0] == "(core)" { "" } else { cells[0] };
+        let names = if cells[4] == "any" { String::new() } else { cells[4].replace('`', "") };
+        for verb in cells[2].split(',') {
+            let key = ((group.to_string(), cells[1].to_string(), verb.trim().to_string()), names.clone());
+            out.insert(key, cells[3].contains("nodelb-system"));
+        }
+    }
+    out
+}
+
+#[test]
+fn rbac_installed_with_kubectl_is_what_the_readme_documents() {
+    require_root!();
+    let ns = NetNs::new("rbac");
+    let api = ControlPlane::start(&ns, std::net::Ipv4Addr::LOCALHOST, 6443, &[]);
+    api.kubectl_ok(&["apply", "-f", concat!(env!("CARGO_MANIFEST_DIR"), "/daemonset")]);
+    // The DaemonSet is stored (no kubelet runs it), with what the tests run the agents with.
+    let ds = api.get("apps/v1", "DaemonSet", AGENT_NS, "nodelb").expect("DaemonSet stored");
+    let (args, env) = common::kube::daemonset_command(&ds, "node-1", AGENT_NS);
+    assert_eq!(args.first().map(String::as_str), Some("run"), "{args:?}");
+    assert!(env.contains(&("NODE_NAME".into(), "node-1".into())), "{env:?}");
+
+    // Beyond what any authenticated user may (a ServiceAccount with no binding).
+    let sa = common::kube::AGENT_USER;
+    let nobody = "system:serviceaccount:nodelb-system:nobody";
+    let own = |ns: &str| -> BTreeSet<_> {
+        can_i(&api, sa, ns).difference(&can_i(&api, nobody, ns)).cloned().collect()
+    };
+    let everywhere = own("default");
+    let in_agent_ns = own(AGENT_NS);
+    let mut got = BTreeMap::new();
+    for p in &in_agent_ns {
+        got.insert(p.clone(), !everywhere.contains(p));
+    }
+    assert!(everywhere.is_subset(&in_agent_ns), "{everywhere:?} vs {in_agent_ns:?}");
+    assert_eq!(got, readme_rbac(), "kubectl auth can-i --list (right: README's table)");
+}
+
 #[test]
 fn scaling_endpoints_is_followed_on_every_node() {
     require_root!();
     let c = Cluster::new(3);
+    // Endpoints as a user has them: Pods (status written as a kubelet would) selected by the
+    // Service, EndpointSlices made by the EndpointSlice controller.
     let mut spec = web("web", &[(0, 0), (1, 1)]);
-    c.create(&spec);
+    c.create_with_pods(&spec);
     let np = c.wait_allocated("web", 1, CHANGE)["80/TCP"];
     for i in 0..3 {
         c.wait_served(i, np, CHANGE);
@@ -137,13 +233,33 @@ fn scaling_endpoints_is_followed_on_every_node() {
 
     // Scale up: be3 on node-3.
     spec = spec.endpoint(EndpointSpec::remote(backend_v4(2), "node-3"));
-    c.update_slices(&spec);
+    c.update_pods(&spec);
     expect(&["be1", "be2", "be3"]);
 
-    // Scale down: be1 goes.
+    // be2 stops being ready (its readiness probe fails): out, the Pod stays.
+    spec.endpoints[1].ready = false;
+    c.update_pods(&spec);
+    expect(&["be1", "be3"]);
+    spec.endpoints[1].ready = true;
+    c.update_pods(&spec);
+    expect(&["be1", "be2", "be3"]);
+
+    // Scale down: be1's Pod is deleted.
     spec.endpoints.retain(|e| e.addr != IpAddr::V4(backend_v4(0)));
-    c.update_slices(&spec);
+    c.update_pods(&spec);
     expect(&["be2", "be3"]);
+    let slices: Vec<_> = c
+        .api
+        .list("discovery.k8s.io/v1", "EndpointSlice", Some("default"))
+        .into_iter()
+        .filter(|s| s["metadata"]["labels"]["kubernetes.io/service-name"] == "web")
+        .collect();
+    assert!(
+        !slices.is_empty()
+            && slices.iter().all(|s| s["metadata"]["labels"]["endpointslice.kubernetes.io/managed-by"]
+                == "endpointslice-controller.k8s.io"),
+        "slices not from the controller: {slices:#?}"
+    );
 
     assert_eq!(c.allocated("web").unwrap()["80/TCP"], np, "scaling does not move the node port");
     let leader = c.wait_leader(CHANGE);
@@ -418,7 +534,10 @@ fn refused_endpoints_are_named_on_the_service_and_never_reached() {
     let c = Cluster::new(1);
     let bad = web("web", &[(0, 0)])
         .endpoint(EndpointSpec::remote(IpAddr::V4(node_v4(1)), "node-2"))
-        .endpoint(EndpointSpec::remote("169.254.169.254".parse::<IpAddr>().unwrap(), "node-3"));
+        // The API server itself refuses loopback, link-local (169.254.169.254 included) and
+        // unspecified EndpointSlice addresses (422), so a metadata address it accepts: Alibaba
+        // Cloud's. Node addresses it accepts too: only nodelb refuses them.
+        .endpoint(EndpointSpec::remote("100.100.100.200".parse::<IpAddr>().unwrap(), "node-3"));
     c.create(&bad);
     let np = c.wait_allocated("web", 1, CHANGE)["80/TCP"];
     for i in 0..3 {
@@ -432,14 +551,14 @@ fn refused_endpoints_are_named_on_the_service_and_never_reached() {
             .iter()
             .filter_map(|r| r["address"].as_str())
             .collect();
-        assert_eq!(refused, ["169.254.169.254", "203.0.113.2"], "node-{}: {st}", i + 1);
+        assert_eq!(refused, ["100.100.100.200", "203.0.113.2"], "node-{}: {st}", i + 1);
     }
     c.wait_condition("web", "nodelb.io/EndpointsAllowed", "False", "EndpointRefused", CHANGE);
     let cond = c.condition("web", "nodelb.io/EndpointsAllowed").unwrap();
     let msg = cond["message"].as_str().unwrap_or_default();
     assert!(
         msg.contains("203.0.113.2 (address of Node node-2")
-            && msg.contains("169.254.169.254 (cloud metadata"),
+            && msg.contains("100.100.100.200 (cloud metadata"),
         "{cond}"
     );
     let ok = wait_until(CHANGE, || !c.events("web", "EndpointRefused").is_empty());
@@ -533,6 +652,16 @@ fn five_hundred_services_at_once() {
     require_root!();
     let c = Cluster::new(1);
     let n = 500;
+    // Every Service takes a cluster IP; the server's IPv4 range (192.0.2.0/24) has 253 free, so
+    // two more documentation-range ServiceCIDRs (halves no test host uses) make room for 500.
+    for (name, cidr) in [("more-1", "198.51.100.128/25"), ("more-2", "203.0.113.128/25")] {
+        c.api
+            .create(serde_json::json!({
+                "apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
+                "metadata": {"name": name}, "spec": {"cidrs": [cidr]},
+            }))
+            .unwrap_or_else(|e| panic!("ServiceCIDR {cidr}: {e}"));
+    }
     let started = Instant::now();
     let specs: Vec<ServiceSpec> = (0..n).map(|k| web(&format!("s{k:03}"), &[(0, k % 3)])).collect();
     for s in &specs {
@@ -598,11 +727,13 @@ fn api_unreachable_for_30s_traffic_keeps_flowing_and_agents_recover() {
     let loops: Vec<ClientLoop> = (0..3)
         .map(|i| ClientLoop::http(&c.client, IpAddr::V4(node_v4(i)), np, Duration::from_millis(100), T))
         .collect();
-    c.api.set_unreachable(true);
+    // The API server process goes away (as in an upgrade of the control plane): connections
+    // reset, new ones refused; it comes back on the same data (etcd, certificates, tokens).
+    c.api.stop();
     let down = Instant::now();
     std::thread::sleep(Duration::from_secs(30));
     c.api.clear_requests();
-    c.api.set_unreachable(false);
+    c.api.start_again();
     eprintln!("API was unreachable for {:?}", down.elapsed());
     for (i, l) in loops.into_iter().enumerate() {
         let results = l.stop();
@@ -631,8 +762,12 @@ fn api_unreachable_for_30s_traffic_keeps_flowing_and_agents_recover() {
     assert_eq!(c.allocated("web").unwrap()["80/TCP"], np);
     // Nothing changed for `web`: coming back must not rewrite it (e.g. drop the nodes from its status
     // because the node Leases look expired in a cache that has not caught up yet, then add them back).
-    let rewrites: Vec<_> =
-        c.api.requests().into_iter().filter(|r| r.is_write() && r.path.contains("/services/web")).collect();
+    let rewrites: Vec<_> = c
+        .api
+        .agent_requests()
+        .into_iter()
+        .filter(|r| r.is_write() && r.path.contains("/services/web"))
+        .collect();
     assert!(rewrites.is_empty(), "web rewritten after the outage: {rewrites:#?}");
     for (i, a) in c.agents.iter_mut().enumerate() {
         assert!(a.is_running(), "node-{}: agent exited", i + 1);
@@ -656,7 +791,7 @@ fn forwarding_events(c: &Cluster, node: &str) -> Vec<serde_json::Value> {
 #[test]
 fn a_node_with_forwarding_off_leaves_the_status() {
     require_root!();
-    let c = Cluster::new(1);
+    let mut c = Cluster::new(1);
     c.create(&web("web", &[(0, 0)]));
     c.wait_allocated("web", 1, CHANGE);
     c.wait_ingress_nodes("web", &[0, 1, 2], CHANGE);
@@ -666,18 +801,30 @@ fn a_node_with_forwarding_off_leaves_the_status() {
 
     // IPv6 forwarding off on node-2, where no Service needs IPv6: no Warning Event for it.
     c.nodes[1].sysctl("net.ipv6.conf.all.forwarding", "0");
-    // The next two Event writes fail (500, which kube does not retry): the ForwardingDisabled
-    // Event of node-3 is retried until it is recorded, not forgotten.
-    c.api.fail_next_matching(2, 500, |m, p| m == "POST" && p.ends_with("/events"));
+    // Event writes are refused for a while (the ClusterRole loses events.k8s.io: 403 from the
+    // real authorizer): the ForwardingDisabled Event of node-3 is retried until it is recorded,
+    // not forgotten.
+    c.revoke("events.k8s.io", "events");
     c.nodes[2].sysctl("net.ipv4.ip_forward", "0");
     let off = Instant::now();
     // Written to the node Lease at once (not at the next renewal), then the leader's round.
     c.wait_ingress_nodes("web", &[0, 1], Duration::from_secs(5));
     eprintln!("node-3 left the status {:?} after forwarding went off", off.elapsed());
+    let refused = |c: &Cluster| {
+        c.api
+            .agent_requests()
+            .into_iter()
+            .filter(|r| r.resource == "events" && r.verb == "create" && r.status == 403)
+            .count()
+    };
+    let ok = wait_until(CHANGE, || refused(&c) >= 2);
+    assert!(ok, "the agents' Event writes were not refused: {}", refused(&c));
+    assert!(forwarding_events(&c, "node-3").is_empty(), "recorded although refused");
+    c.restore_rbac();
     let ok = wait_until(CHANGE, || !forwarding_events(&c, "node-3").is_empty());
-    assert!(ok, "no ForwardingDisabled Event on Node node-3");
-    let failed = c.api.requests().iter().filter(|r| r.status == 500 && r.path.ends_with("/events")).count();
-    assert_eq!(failed, 2, "the injected Event failures were hit (and then retried)");
+    assert!(ok, "no ForwardingDisabled Event on Node node-3 after the RBAC came back");
+    // The refusals are the fault; what follows must be granted.
+    c.api.clear_requests();
     let ev = &forwarding_events(&c, "node-3")[0];
     assert!(ev["note"].as_str().unwrap_or_default().contains("net.ipv4.ip_forward"), "{ev}");
     assert_eq!(ev["type"], "Warning", "{ev}");
@@ -711,6 +858,46 @@ fn a_node_with_forwarding_off_leaves_the_status() {
     c.assert_rbac_allows_every_request();
 }
 
+/// A node whose host firewall drops forwarded traffic (iptables-nft's FORWARD policy, as Docker
+/// or ufw leave it) is not listed: the agent reports the family as not served in its node Lease
+/// within a resync period, the leader drops the node from the Services' status, and a Warning
+/// Event `ForwardedTrafficDropped` on the Node names the chain and the fix. Lifted: listed and
+/// served again.
+#[test]
+fn a_node_whose_firewall_drops_forwarded_traffic_leaves_the_status() {
+    require_root!();
+    let c = Cluster::new(1);
+    c.create(&web("web", &[(0, 0)]));
+    let np = c.wait_allocated("web", 1, CHANGE).into_values().next().expect("a node port");
+    c.wait_ingress_nodes("web", &[0, 1, 2], CHANGE);
+    c.wait_served(2, np, CHANGE);
+
+    c.nodes[2].exec_ok("iptables-nft", &["-P", "FORWARD", "DROP"]);
+    let dropped = Instant::now();
+    // The agents check every resync period (1 s here), then the node Lease and the leader's round.
+    c.wait_ingress_nodes("web", &[0, 1], Duration::from_secs(5));
+    eprintln!("node-3 left the status {:?} after its FORWARD policy went to drop", dropped.elapsed());
+    let ok = wait_until(CHANGE, || !c.events("node-3", "ForwardedTrafficDropped").is_empty());
+    assert!(ok, "no ForwardedTrafficDropped Event on Node node-3");
+    let ev = &c.events("node-3", "ForwardedTrafficDropped")[0];
+    assert_eq!((&ev["type"], &ev["regarding"]["kind"]), (&"Warning".into(), &"Node".into()), "{ev}");
+    let note = ev["note"].as_str().unwrap_or_default();
+    assert!(
+        note.contains("table ip filter chain FORWARD") && note.contains("--iptables-forward-accept"),
+        "{ev}"
+    );
+    assert!(
+        c.events("node-1", "ForwardedTrafficDropped").is_empty()
+            && c.events("node-2", "ForwardedTrafficDropped").is_empty()
+    );
+    c.wait_condition("web", SERVING, "True", "Serving", CHANGE);
+
+    c.nodes[2].exec_ok("iptables-nft", &["-P", "FORWARD", "ACCEPT"]);
+    c.wait_ingress_nodes("web", &[0, 1, 2], Duration::from_secs(5));
+    c.wait_served(2, np, CHANGE);
+    c.assert_rbac_allows_every_request();
+}
+
 #[test]
 fn a_leader_shut_down_gracefully_hands_over_at_once() {
     require_root!();
@@ -734,6 +921,60 @@ fn a_leader_shut_down_gracefully_hands_over_at_once() {
     c.wait_allocated("after", 1, CHANGE);
     assert_eq!(c.allocated("web").unwrap(), before);
     assert_only_leaders_wrote(&c, &[old, new.unwrap()]);
+}
+
+/// Now, as a Lease's `renewTime` (RFC 3339, microseconds).
+fn micro_time_now() -> String {
+    let out = std::process::Command::new("date").args(["-u", "+%Y-%m-%dT%H:%M:%S.%6NZ"]).output().unwrap();
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+#[test]
+fn the_leader_lease_deleted_or_stolen_by_hand() {
+    require_root!();
+    let mut c = Cluster::new(1);
+    c.create(&web("web", &[(0, 0)]));
+    let before = c.wait_allocated("web", 1, CHANGE);
+    c.wait_leader(CHANGE);
+
+    // Deleted with kubectl: an agent creates it again; allocations stay, allocation goes on.
+    c.api.kubectl_ok(&["delete", "lease", LEADER_LEASE, "-n", AGENT_NS]);
+    let again = c.wait_leader(CHANGE);
+    eprintln!("after the delete: node-{} leads", again + 1);
+    c.create(&web("after-delete", &[(0, 0)]));
+    c.wait_allocated("after-delete", 1, CHANGE);
+    assert_eq!(c.allocated("web").unwrap(), before);
+
+    // Stolen by hand: another holder, renewed now, for 10 s. Every agent stops acting as leader
+    // (the holder is not them) and none writes a Service while the intruder's Lease is valid;
+    // once it has not changed for its whole duration, an agent takes it over and allocates what
+    // was created meanwhile.
+    c.api.clear_requests();
+    let patch = format!(
+        r#"{{"spec":{{"holderIdentity":"intruder","leaseDurationSeconds":10,"renewTime":"{}"}}}}"#,
+        micro_time_now()
+    );
+    // Before the request: no agent can have seen the change earlier.
+    let stolen = Instant::now();
+    c.api.kubectl_ok(&["patch", "lease", LEADER_LEASE, "-n", AGENT_NS, "--type=merge", "-p", &patch]);
+    let ok = wait_until(Duration::from_secs(5), || (0..3).all(|i| c.metric_sum(i, "nodelb_leader") == 0.0));
+    assert!(ok, "an agent still acts as leader after the Lease was stolen");
+    c.create(&web("during", &[(0, 0)]));
+    std::thread::sleep(Duration::from_secs(7).saturating_sub(stolen.elapsed()));
+    assert_eq!(c.allocated("during"), None, "allocated while the intruder held the Lease");
+    assert_eq!(c.service_writers(), BTreeSet::new(), "Services written while the intruder held the Lease");
+    let mut new = None;
+    let ok = wait_until(Duration::from_secs(20), || {
+        new = c.leader().and_then(|h| (0..3).find(|i| node_name(*i) == h));
+        new.is_some()
+    });
+    assert!(ok, "nobody took the stolen Lease over: holder {:?}", c.leader());
+    let took = stolen.elapsed();
+    eprintln!("node-{} took the stolen Lease over after {took:?}", new.unwrap() + 1);
+    assert!(took >= Duration::from_secs(10), "taken over before the intruder's 10 s ran out: {took:?}");
+    c.wait_allocated("during", 1, CHANGE);
+    assert_eq!(c.allocated("web").unwrap(), before);
+    assert_only_leaders_wrote(&c, &[new.unwrap()]);
 }
 
 /// Creates `default/web` (backends be1 on node-1, be2 on node-2) and waits until every node serves
@@ -816,19 +1057,24 @@ fn a_service_that_stops_being_ours_loses_its_rules_and_allocation_everywhere() {
 fn nothing_is_programmed_or_allocated_before_the_caches_are_complete() {
     require_root!();
     // When the agents start, `old` carries an allocation (as after a restart of every agent) and
-    // `new` none; both have endpoints. The API server holds every EndpointSlice list: all other
-    // caches complete, that one does not.
+    // `new` none; both have endpoints. The installed ClusterRole lacks EndpointSlices (an
+    // operator's broken RBAC, refused by the real authorizer): every other cache completes, that
+    // one does not.
     let old = web("old", &[(0, 0)]);
     let new = web("new", &[(1, 1)]);
     let mut c = Cluster::with_api_setup(2, |api| {
-        let mut svc = old.service();
-        svc["metadata"]["annotations"]["nodelb.io/allocated-ports"] = "80/TCP=20080".into();
-        api.create(svc).unwrap();
-        api.create(new.service()).unwrap();
+        for spec in [&old, &new] {
+            let mut svc = spec.service();
+            svc["spec"].as_object_mut().unwrap().remove("selector");
+            if spec.name == "old" {
+                svc["metadata"]["annotations"]["nodelb.io/allocated-ports"] = "80/TCP=20080".into();
+            }
+            api.create(svc).unwrap();
+        }
         for s in old.slices().into_iter().chain(new.slices()) {
             api.create(s).unwrap();
         }
-        api.stall_matching(|m, p| m == "GET" && p == "/apis/discovery.k8s.io/v1/endpointslices");
+        common::cluster::revoke(api, "discovery.k8s.io", "endpointslices");
     });
     let listed_by_all = |path: &str| {
         let by: BTreeSet<IpAddr> = c
@@ -836,7 +1082,7 @@ fn nothing_is_programmed_or_allocated_before_the_caches_are_complete() {
             .requests()
             .iter()
             .filter(|r| r.path == path && !r.watch && r.status == 200)
-            .map(|r| r.peer.ip())
+            .map(|r| r.peer)
             .collect();
         by.len() == 3
     };
@@ -878,9 +1124,20 @@ fn nothing_is_programmed_or_allocated_before_the_caches_are_complete() {
         );
     }
 
-    // Released: the lists complete; `old` is served on the port it had, `new` gets another.
-    c.api.release_stalled();
-    c.wait_ready(Duration::from_secs(30));
+    // The slices were refused, not served from a partial list.
+    let refused: BTreeSet<IpAddr> = c
+        .api
+        .agent_requests()
+        .iter()
+        .filter(|r| r.resource == "endpointslices" && r.status == 403)
+        .map(|r| r.peer)
+        .collect();
+    assert_eq!(refused.len(), 3, "every agent was refused EndpointSlices");
+
+    // RBAC fixed: the lists complete; `old` is served on the port it had, `new` gets another.
+    c.restore_rbac();
+    // The watchers back off (up to ~30 s) after the refusals.
+    c.wait_ready(Duration::from_secs(60));
     for i in 0..3 {
         c.wait_served(i, 20080, CHANGE);
     }
@@ -923,39 +1180,52 @@ fn quiet_counters(c: &Cluster) -> Vec<(f64, f64)> {
 #[test]
 fn a_relist_after_410_gone_reprograms_nothing_and_later_changes_are_served() {
     require_root!();
-    let c = Cluster::new(2);
+    // Without the watch cache, a watch resumes from etcd, so etcd's compaction is what answers
+    // 410 Gone (with it, the cache answers from its in-memory window, whatever etcd compacted).
+    let mut c = Cluster::with_apiserver_args(2, &["--watch-cache=false"]);
     serve_web(&c);
     let before = quiet_counters(&c);
     let restarts: Vec<f64> = (0..3).map(|i| c.metric_sum(i, "nodelb_watch_restarts_total")).collect();
+    let old_rv = c.api.list_version("v1", "Service");
     c.api.clear_requests();
 
-    // Every watch connection is cut and, while they are, the history is compacted past every
-    // watch's resourceVersion: each resumes into 410 Gone and relists everything.
-    c.api.set_unreachable(true);
-    c.api
-        .create(serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "bump"}}))
-        .unwrap();
-    c.api.compact();
-    c.api.set_unreachable(false);
+    // Every watch connection is reset and, while new ones are refused, the history is compacted
+    // past every watch's resourceVersion: each resumes into 410 Gone and relists everything.
+    c.api.cut(Fault::Reset);
+    // Two writes, so the compacted revision is past the one after every resourceVersion seen.
+    for name in ["bump-1", "bump-2"] {
+        c.api.create(common::kube::namespace(name)).unwrap();
+    }
+    let rev = c.api.compact();
+    eprintln!("etcd compacted at revision {rev} (Services listed at {old_rv})");
+    // The fault is real: a watch from before the compaction is answered 410 Gone.
+    let gone = c.api.kubectl_ok(&[
+        "get",
+        "--raw",
+        &format!("/api/v1/services?watch=true&resourceVersion={old_rv}&timeoutSeconds=1"),
+    ]);
+    assert!(gone.contains("\"code\":410"), "a watch from {old_rv} after compaction: {gone}");
+    c.api.reopen();
     let lists = ["/api/v1/services", "/apis/discovery.k8s.io/v1/endpointslices", "/api/v1/nodes"];
     let ok = wait_until(Duration::from_secs(30), || {
-        let log = c.api.requests();
+        let log = c.api.agent_requests();
         lists.iter().all(|p| {
-            let by: BTreeSet<IpAddr> = log
-                .iter()
-                .filter(|r| r.path == *p && !r.watch && r.status == 200)
-                .map(|r| r.peer.ip())
-                .collect();
+            let by: BTreeSet<IpAddr> =
+                log.iter().filter(|r| r.path == *p && !r.watch && r.status == 200).map(|r| r.peer).collect();
             by.len() == 3
         }) && (0..3).all(|i| c.metric_sum(i, "nodelb_watch_restarts_total") > restarts[i])
     });
-    assert!(ok, "not every agent relisted: {:#?}", c.api.requests());
+    assert!(ok, "not every agent relisted: {:#?}", c.api.agent_requests());
     // Time for what a relist could trigger: the debounce, a resync (1 s), an allocation round (2 s).
     std::thread::sleep(Duration::from_secs(3));
     let after = quiet_counters(&c);
     assert_eq!(after, before, "(syncs, kernel batches) per node changed although nothing did");
-    let rewrites: Vec<_> =
-        c.api.requests().into_iter().filter(|r| r.is_write() && r.path.contains("/services/")).collect();
+    let rewrites: Vec<_> = c
+        .api
+        .agent_requests()
+        .into_iter()
+        .filter(|r| r.is_write() && r.path.contains("/services/"))
+        .collect();
     assert!(rewrites.is_empty(), "Services rewritten after the relist: {rewrites:#?}");
 
     // The watches work again: a change is served everywhere (and does move the counters).

@@ -1,19 +1,16 @@
 //! The authenticated metrics listener in Kubernetes mode (issue 14, point 4): an agent started
 //! with `--metrics-addr` serves `/metrics` over TLS to another host only for a bearer token the
-//! API server authenticates (TokenReview) and allows `get` on `/metrics` (SubjectAccessReview).
-//! Against the in-process test API server, whose reviews answer from the tokens and grants this
-//! test registers: the agent's side (what it asks, what it does with the answers, caching, TLS,
-//! its RBAC) is what is proven here; the real authenticator and RBAC authorizer are the real
-//! API server's (docs/reliability.md says what remains to prove there).
+//! real API server authenticates (TokenReview) and allows `get` on `/metrics` (SubjectAccessReview,
+//! answered by the RBAC authorizer from the installed ClusterRole `nodelb-metrics-reader`).
 
 mod common;
 
 use std::collections::BTreeSet;
 
 use common::cluster::{Cluster, Permission, node_v4};
+use common::kube::Fault;
 
 const METRICS_PORT: u16 = 9472;
-const PROMETHEUS: &str = "system:serviceaccount:monitoring:prometheus";
 
 /// `curl` from the client namespace (another host): (HTTP status, body); status 0 when no HTTP
 /// answer came at all.
@@ -29,30 +26,45 @@ fn curl(c: &Cluster, url: &str, token: Option<&str>) -> (u16, String) {
     (code.trim().parse().unwrap_or(0), body.to_string())
 }
 
+/// A token of ServiceAccount `ns/sa` issued by the API server (TokenRequest).
+fn token(c: &Cluster, ns: &str, sa: &str) -> String {
+    c.api.kubectl_ok(&["create", "token", sa, "-n", ns, "--duration=1h"]).trim().to_string()
+}
+
 #[test]
 fn metrics_over_the_network_need_an_authorized_bearer_token() {
     require_root!();
     let c = Cluster::with_nodes(1, 0, &["--metrics-addr", &format!("0.0.0.0:{METRICS_PORT}")]);
-    c.api.add_token(
-        "t-prometheus",
-        PROMETHEUS,
-        &["system:serviceaccounts", "system:serviceaccounts:monitoring"],
-    );
-    c.api.add_token("t-other", "system:serviceaccount:default:other", &["system:serviceaccounts"]);
-    c.api.grant_non_resource(PROMETHEUS, "get", "/metrics");
+    // A scraper bound to the ClusterRole the manifests define, and a ServiceAccount bound to
+    // nothing: the API server's RBAC authorizer answers the agent's SubjectAccessReviews.
+    c.api.kubectl_ok(&["create", "namespace", "monitoring"]);
+    c.api.kubectl_ok(&["create", "serviceaccount", "prometheus", "-n", "monitoring"]);
+    c.api.kubectl_ok(&["create", "serviceaccount", "other", "-n", "default"]);
+    c.api.kubectl_ok(&[
+        "create",
+        "clusterrolebinding",
+        "prometheus-nodelb-metrics",
+        "--clusterrole=nodelb-metrics-reader",
+        "--serviceaccount=monitoring:prometheus",
+    ]);
+    let prometheus = token(&c, "monitoring", "prometheus");
+    let prometheus_second = token(&c, "monitoring", "prometheus");
+    let other = token(&c, "default", "other");
     let https = format!("https://{}:{METRICS_PORT}/metrics", node_v4(0));
 
     let (code, body) = curl(&c, &https, None);
     assert_eq!(code, 401, "no token: {body}");
-    let (code, body) = curl(&c, &https, Some("forged"));
-    assert_eq!(code, 401, "a token the API server does not know: {body}");
+    // A token signed by someone else: the same shape, the API server's signature missing.
+    let forged = format!("{}.forged", prometheus.rsplit_once('.').map_or("x.y", |(head, _)| head));
+    let (code, body) = curl(&c, &https, Some(&forged));
+    assert_eq!(code, 401, "a token the API server does not accept: {body}");
     assert!(!body.contains("forged") && !body.contains("nodelb_"), "{body}");
-    let (code, body) = curl(&c, &https, Some("t-other"));
+    let (code, body) = curl(&c, &https, Some(&other));
     assert_eq!(
         (code, body.as_str()),
         (403, "Forbidden: user \"system:serviceaccount:default:other\" may not get /metrics\n")
     );
-    let (code, body) = curl(&c, &https, Some("t-prometheus"));
+    let (code, body) = curl(&c, &https, Some(&prometheus));
     assert_eq!(code, 200, "{body}");
     assert!(
         body.contains("nodelb_build_info") && body.contains("nodelb_leader"),
@@ -60,7 +72,7 @@ fn metrics_over_the_network_need_an_authorized_bearer_token() {
         &body[..body.len().min(300)]
     );
     // TLS only: the token never crosses the network in clear text.
-    let (code, _) = curl(&c, &format!("http://{}:{METRICS_PORT}/metrics", node_v4(0)), Some("t-prometheus"));
+    let (code, _) = curl(&c, &format!("http://{}:{METRICS_PORT}/metrics", node_v4(0)), Some(&prometheus));
     assert_ne!(code, 200, "plain HTTP on the metrics port");
     // The other listeners, from the same host: the full ones are the node's own.
     let (code, _) = curl(&c, &format!("http://{}:9470/status", node_v4(0)), None);
@@ -68,22 +80,24 @@ fn metrics_over_the_network_need_an_authorized_bearer_token() {
     let (code, body) = curl(&c, &format!("http://{}:9471/readyz", node_v4(0)), None);
     assert_eq!((code, body.as_str()), (200, "ready\n"));
 
-    // Answers are cached: with the API server gone, the token allowed a moment ago still scrapes
-    // (2 minutes), a token never reviewed cannot be checked (503, not a guess).
-    let reviews = |c: &Cluster| c.api.requests().iter().filter(|r| r.path.ends_with("reviews")).count();
+    // Answers are cached: with the API server cut off, the token allowed a moment ago still
+    // scrapes (2 minutes), a token never reviewed cannot be checked (503, not a guess).
+    let reviews = |c: &Cluster| c.api.agent_requests().iter().filter(|r| r.path.ends_with("reviews")).count();
     let before = reviews(&c);
-    c.api.set_unreachable(true);
-    let (code, _) = curl(&c, &https, Some("t-prometheus"));
+    c.api.cut(Fault::Reset);
+    let (code, _) = curl(&c, &https, Some(&prometheus));
     assert_eq!(code, 200, "cached answer");
-    let (code, body) = curl(&c, &https, Some("t-new"));
+    let (code, body) = curl(&c, &https, Some(&prometheus_second));
     assert_eq!(code, 503, "{body}");
-    c.api.set_unreachable(false);
-    let (code, _) = curl(&c, &https, Some("t-prometheus"));
+    c.api.reopen();
+    let (code, _) = curl(&c, &https, Some(&prometheus));
     assert_eq!((code, reviews(&c)), (200, before), "no review while the answer is cached");
+    let (code, _) = curl(&c, &https, Some(&prometheus_second));
+    assert_eq!(code, 200, "reviewed once the API server answers again");
 
     // The agent's RBAC grants the reviews it made, and they were made.
     c.assert_rbac_allows_every_request();
-    let used: BTreeSet<Permission> = c.agent_permissions().into_iter().map(|(_, p)| p).collect();
+    let used: BTreeSet<Permission> = c.agent_permissions().into_iter().map(|(_, p, _)| p).collect();
     for (group, resource) in
         [("authentication.k8s.io", "tokenreviews"), ("authorization.k8s.io", "subjectaccessreviews")]
     {

@@ -77,25 +77,39 @@ fn full_ruleset() -> Ruleset {
         ]),
         comment: Some("forwarded".into()),
     });
+    let ep = |a: &str, p: Protocol, port: u16| {
+        vec![KeyPart::Addr(ip(a)), KeyPart::Addr(ip(a)), KeyPart::Proto(p), KeyPart::Port(port)]
+    };
     rs.add_set(Set {
         name: "endpoints-ipv4".into(),
-        key: vec![KeyType::Ipv4Addr, KeyType::InetProto, KeyType::InetService],
+        key: vec![KeyType::Ipv4Addr, KeyType::Ipv4Addr, KeyType::InetProto, KeyType::InetService],
         kind: SetKind::Set,
         elements: BTreeMap::from([
-            (vec![KeyPart::Addr(ip("192.0.2.10")), KeyPart::Proto(Protocol::Tcp), KeyPart::Port(8080)], None),
-            (vec![KeyPart::Addr(ip("192.0.2.11")), KeyPart::Proto(Protocol::Udp), KeyPart::Port(53)], None),
+            (ep("192.0.2.10", Protocol::Tcp, 8080), None),
+            (ep("192.0.2.11", Protocol::Udp, 53), None),
         ]),
         comment: None,
     });
     rs.add_set(Set {
         name: "endpoints-ipv6".into(),
-        key: vec![KeyType::Ipv6Addr, KeyType::InetProto, KeyType::InetService],
+        key: vec![KeyType::Ipv6Addr, KeyType::Ipv6Addr, KeyType::InetProto, KeyType::InetService],
         kind: SetKind::Set,
-        elements: BTreeMap::from([(
-            vec![KeyPart::Addr(ip("2001:db8::10")), KeyPart::Proto(Protocol::Tcp), KeyPart::Port(8080)],
-            None,
-        )]),
+        elements: BTreeMap::from([(ep("2001:db8::10", Protocol::Tcp, 8080), None)]),
         comment: Some("v6 endpoints".into()),
+    });
+    rs.add_set(Set {
+        name: "aff-a".into(),
+        key: vec![KeyType::Ipv4Addr],
+        kind: SetKind::Dynamic { timeout: 3600 },
+        elements: BTreeMap::new(),
+        comment: Some("clients of 192.0.2.10".into()),
+    });
+    rs.add_set(Set {
+        name: "aff-b".into(),
+        key: vec![KeyType::Ipv6Addr],
+        kind: SetKind::Dynamic { timeout: 86_400 },
+        elements: BTreeMap::new(),
+        comment: None,
     });
     let dport_vmap = || L4ProtoDportVmap { map: "service-ports".into() };
     rs.add_chain(base(
@@ -122,8 +136,19 @@ fn full_ruleset() -> Ruleset {
         ir::priority::SRCNAT,
         vec![
             r(vec![MarkHas(0x4000), MarkXor(0x4000), CtStatusDnat, Masquerade]),
-            r(vec![SaddrL4ProtoSportInSet { family: Family::Ipv4, set: "endpoints-ipv4".into() }, Counter]),
-            r(vec![SaddrL4ProtoSportInSet { family: Family::Ipv6, set: "endpoints-ipv6".into() }, Counter]),
+            r(vec![
+                SaddrTwiceL4ProtoSportInSet { family: Family::Ipv4, set: "endpoints-ipv4".into() },
+                Counter,
+            ]),
+            r(vec![
+                SaddrTwiceL4ProtoSportInSet { family: Family::Ipv6, set: "endpoints-ipv6".into() },
+                Counter,
+            ]),
+            r(vec![
+                CtStatusDnat,
+                SaddrDaddrL4ProtoDportInSet { family: Family::Ipv4, set: "endpoints-ipv4".into() },
+                Masquerade,
+            ]),
         ],
     ));
     rs.add_chain(base(
@@ -165,6 +190,12 @@ fn full_ruleset() -> Ruleset {
                 L4ProtoCtOrigDportCounterMap { map: "forward-counters".into() },
                 Verdict(V::Accept),
             ]),
+            r(vec![
+                NfProto(Family::Ipv6),
+                L4ProtoCtOrigDportInSet { set: "forward-counters".into() },
+                MarkSet(0x2000),
+            ]),
+            r(vec![MarkHas(0x2000), MarkClear(0x2000)]),
         ],
     ));
     let mut svc_a = regular(
@@ -173,6 +204,13 @@ fn full_ruleset() -> Ruleset {
             r(vec![SaddrInPrefix { prefix: "192.0.2.0/24".parse().expect("cidr"), negate: false }, Counter])
                 .with_comment("service a"),
             r(vec![CounterRef("conn-a".into()), MarkSet(0x4000)]),
+            r(vec![
+                SaddrInSet { family: Family::Ipv4, set: "aff-a".into() },
+                UpdateSaddr { family: Family::Ipv4, set: "aff-a".into() },
+                L4Proto(Protocol::Tcp),
+                Dnat { addr: ip("192.0.2.10"), port: 8080 },
+            ]),
+            r(vec![UpdateSaddr { family: Family::Ipv4, set: "aff-a".into() }]),
             r(vec![
                 NumgenRandomIs { modulus: 3, value: 0 },
                 L4Proto(Protocol::Tcp),
@@ -190,11 +228,15 @@ fn full_ruleset() -> Ruleset {
     rs.add_chain(svc_a);
     rs.add_chain(regular(
         "svc-b",
-        vec![r(vec![
-            NumgenRandomIs { modulus: 2, value: 0 },
-            L4Proto(Protocol::Udp),
-            Dnat { addr: ip("2001:db8::12"), port: 5353 },
-        ])],
+        vec![
+            r(vec![SaddrInSet { family: Family::Ipv6, set: "aff-b".into() }, Counter]),
+            r(vec![
+                NumgenRandomIs { modulus: 2, value: 0 },
+                UpdateSaddr { family: Family::Ipv6, set: "aff-b".into() },
+                L4Proto(Protocol::Udp),
+                Dnat { addr: ip("2001:db8::12"), port: 5353 },
+            ]),
+        ],
     ));
     rs.add_chain(regular(
         "ep-a-0",
@@ -285,6 +327,9 @@ fn diff_after_full_replace_matches_nft() {
         ]),
     ];
     rs2.chains.remove("ep-a-2");
+    // svc-a's affinity set goes with its rules (a set that a dynset bound once lists as `size
+    // 65535`, one nft loads fresh does not: the kernel sets the size at the first binding).
+    rs2.sets.remove("aff-a");
     let ports = rs2.sets.get_mut("service-ports").expect("map");
     let gone = vec![KeyPart::Proto(Protocol::Udp), KeyPart::Port(20002)];
     let new = vec![KeyPart::Proto(Protocol::Tcp), KeyPart::Port(20004)];
@@ -304,6 +349,7 @@ fn diff_after_full_replace_matches_nft() {
         elements: vec![(new, Some(goto("svc-b")))],
     });
     changes.push(Change::DeleteChain("ep-a-2".into()));
+    changes.push(Change::DeleteSet("aff-a".into()));
     apply_in(&a, changes).expect("apply diff");
 
     assert_eq!(list(&a), nft_reference(&rs2));
@@ -350,8 +396,9 @@ fn full_replace_from_the_ruleset_matches_the_change_list_and_names_failures() {
     let rs = full_ruleset();
     let a = NetNs::new("nft-fullref");
     let moved = rs.clone();
-    let direct =
-        a.run(move || NftClient::new().and_then(|mut c| c.apply_full_replace(&moved))).expect("apply");
+    let direct = a
+        .run(move || NftClient::new().and_then(|mut c| c.apply_full_replace(&moved, &Default::default())))
+        .expect("apply");
     let listed = list(&a);
     let via_list = apply_in(&a, rs.full_replace()).expect("apply list");
     assert_eq!((direct.messages, direct.bytes), (via_list.messages, via_list.bytes));
@@ -367,7 +414,7 @@ fn full_replace_from_the_ruleset_matches_the_change_list_and_names_failures() {
         .expect("the rule is in the full replace");
     let gen_before = a.run(|| NftClient::new().and_then(|mut c| c.generation())).expect("gen");
     let err = a
-        .run(move || NftClient::new().and_then(|mut c| c.apply_full_replace(&broken)))
+        .run(move || NftClient::new().and_then(|mut c| c.apply_full_replace(&broken, &Default::default())))
         .expect_err("jump to a missing chain must fail");
     let text = err.to_string();
     assert!(text.contains("add rule to chain fresh `jump missing`"), "{text}");
@@ -525,4 +572,57 @@ fn delete_table_removes_only_ours_and_generation_moves() {
     assert!(!again);
     let rest = a.exec_ok("nft", &["list", "tables"]);
     assert_eq!(rest.trim(), "table inet other");
+}
+
+/// The elements the packet path put into dynamic sets (affinities) are not configuration: the
+/// tamper check ignores them; a full replace deletes them with the table unless they are read
+/// first and put back, each with the time it had left.
+#[test]
+fn dynamic_elements_are_ignored_by_verify_and_put_back_by_a_full_replace() {
+    require_root!();
+    let rs = full_ruleset();
+    let a = NetNs::new("nft-dyn");
+    apply_in(&a, rs.full_replace()).expect("apply");
+    // What `update @aff-a { ip saddr }` does for two clients (and one for the IPv6 set).
+    a.exec_ok(
+        "nft",
+        &["add", "element", "inet", "nodelb", "aff-a", "{ 203.0.113.10 expires 30m, 203.0.113.11 }"],
+    );
+    a.exec_ok("nft", &["add", "element", "inet", "nodelb", "aff-b", "{ 2001:db8:1::10 }"]);
+    assert_eq!(verify(&rs, read_in(&a).as_ref()), Vec::<String>::new(), "dynamic elements are not drift");
+
+    let sets = [
+        ("aff-a", [KeyType::Ipv4Addr].as_slice()),
+        ("aff-b", [KeyType::Ipv6Addr].as_slice()),
+        ("missing", &[KeyType::Ipv4Addr][..]),
+    ];
+    let carried = a
+        .run(move || NftClient::new().and_then(|mut c| c.read_dynamic_elements(&sets)))
+        .expect("read dynamic elements");
+    let left = |set: &str, addr: &str| {
+        carried[set].iter().find(|(k, _)| *k == vec![KeyPart::Addr(ip(addr))]).map(|(_, ms)| *ms)
+    };
+    let (a10, a11, b10) =
+        (left("aff-a", "203.0.113.10"), left("aff-a", "203.0.113.11"), left("aff-b", "2001:db8:1::10"));
+    assert!(a10.is_some_and(|ms| (29 * 60_000..=30 * 60_000).contains(&ms)), "{carried:?}");
+    assert!(
+        a11.is_some_and(|ms| (59 * 60_000..=60 * 60_000).contains(&ms)),
+        "the set's timeout: {carried:?}"
+    );
+    assert!(b10.is_some_and(|ms| ms > 23 * 3_600_000), "{carried:?}");
+    assert_eq!(carried.len(), 2, "a set that does not exist has none: {carried:?}");
+
+    // Put back by the full replace, expiring as they would have.
+    let (moved, kept) = (rs.clone(), carried.clone());
+    a.run(move || NftClient::new().and_then(|mut c| c.apply_full_replace(&moved, &kept))).expect("replace");
+    let listed = list(&a);
+    for needle in ["203.0.113.10 expires 29m", "203.0.113.11 expires 59m", "2001:db8:1::10 expires 23h59m"] {
+        assert!(listed.contains(needle), "{needle}:\n{listed}");
+    }
+    assert_eq!(verify(&rs, read_in(&a).as_ref()), Vec::<String>::new());
+    // Without them, a full replace starts afresh.
+    let moved = rs.clone();
+    a.run(move || NftClient::new().and_then(|mut c| c.apply_full_replace(&moved, &Default::default())))
+        .expect("replace");
+    assert!(!list(&a).contains("203.0.113.10"), "{}", list(&a));
 }

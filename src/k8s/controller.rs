@@ -319,31 +319,37 @@ async fn release(api: &Api<Lease>, me: &str) {
     }
 }
 
-/// Families this node serves right now (none unless ready; else those programmed), and the
-/// families with forwarding off that some Service needs, with why (the `ForwardingDisabled`
-/// Events). A family nobody needs is not worth a Warning Event on the Node: an IPv6-off node in
-/// an IPv4-only cluster would get one at every restart; the agent's log still says it (once per
-/// change), and the Event follows as soon as a Service needs the family. Before the first sync
-/// nothing is known to be needed, so nothing is reported.
-fn served_families(status: &SharedStatus) -> (std::collections::BTreeSet<Family>, Vec<(Family, String)>) {
+/// Families this node serves right now (none unless ready; else those programmed and not
+/// dropped by a host firewall), and the Warning Events its Node should carry for families some
+/// Service needs: `ForwardingDisabled` (forwarding off) and `ForwardedTrafficDropped` (a host
+/// firewall drops them, or the forward counters say so), with why. A family nobody needs is not
+/// worth a Warning Event on the Node: an IPv6-off node in an IPv4-only cluster would get one at
+/// every restart; the agent's log still says it (once per change), and the Event follows as
+/// soon as a Service needs the family. Before the first sync nothing is known to be needed, so
+/// nothing is reported.
+fn served_families(
+    status: &SharedStatus,
+) -> (std::collections::BTreeSet<Family>, Vec<(Family, &'static str, String)>) {
     let st = status.read().unwrap_or_else(|e| e.into_inner());
-    let mut off = Vec::new();
+    let mut events = Vec::new();
     for f in Family::ALL {
-        if let Some(fs) = st.families.get(f.name())
-            && !fs.forwarding
-            && st.needed_families.iter().any(|n| n == f.name())
-        {
-            off.push((f, fs.reason.clone().unwrap_or_else(|| format!("forwarding is off for {f}"))));
+        let Some(fs) = st.families.get(f.name()) else { continue };
+        if !st.needed_families.iter().any(|n| n == f.name()) {
+            continue;
+        }
+        if !fs.forwarding {
+            let why = fs.reason.clone().unwrap_or_else(|| format!("forwarding is off for {f}"));
+            events.push((f, "ForwardingDisabled", why));
+        } else if let Some(why) = fs.firewall.clone().or_else(|| fs.evidence.clone()) {
+            events.push((f, "ForwardedTrafficDropped", why));
         }
     }
     if st.readiness().is_err() {
-        return (Default::default(), off);
+        return (Default::default(), events);
     }
-    let served = Family::ALL
-        .into_iter()
-        .filter(|f| st.families.get(f.name()).is_some_and(|fs| fs.programmed))
-        .collect();
-    (served, off)
+    let served =
+        Family::ALL.into_iter().filter(|f| st.families.get(f.name()).is_some_and(|fs| fs.served())).collect();
+    (served, events)
 }
 
 async fn node_lease(
@@ -434,23 +440,24 @@ async fn node_lease(
             }
             Err(e) => failing.failed(&e),
         }
-        // Forwarding off for a needed family: a Warning Event on our Node, once per change. Not
-        // recorded as sent until the API accepted it: while our Node is not in the cache yet, or
-        // the Event cannot be written, it is tried again at every renewal.
-        let events: Vec<(String, String)> =
-            off.iter().map(|(f, r)| (f.name().to_string(), r.clone())).collect();
-        let key = |(f, r): &(String, String)| (f.clone(), "ForwardingDisabled", r.clone());
+        // Forwarding off, or forwarded traffic dropped, for a needed family: a Warning Event on
+        // our Node, once per change. Not recorded as sent until the API accepted it: while our
+        // Node is not in the cache yet, or the Event cannot be written, it is tried again at
+        // every renewal.
+        let events: Vec<(String, &'static str, String)> =
+            off.iter().map(|(f, reason, why)| (f.name().to_string(), *reason, why.clone())).collect();
+        let key = |(f, reason, why): &(String, &'static str, String)| (f.clone(), *reason, why.clone());
         let pending = node_events.pending(&events, key);
         if pending.is_empty() {
             continue;
         }
         let Some(node) = source.node(&cfg.node_name) else {
-            debug!(node = %cfg.node_name, "our Node is not in the cache yet; ForwardingDisabled Event deferred");
+            debug!(node = %cfg.node_name, "our Node is not in the cache yet; Node Events deferred");
             continue;
         };
         let reference = node_ref(&node);
         for e in pending {
-            if publish_event(&recorder, &metrics, &reference, true, "ForwardingDisabled", &e.1).await {
+            if publish_event(&recorder, &metrics, &reference, true, e.1, &e.2).await {
                 node_events.sent(key(e));
             }
         }

@@ -15,6 +15,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::reflector::{self, Store};
+use kube::runtime::utils::Backoff;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource};
 use tokio::sync::watch;
@@ -235,6 +236,14 @@ struct Shared {
     metrics: Arc<Metrics>,
 }
 
+/// Whether a watch error is answered by relisting at once instead of after the backoff: a 410 Gone
+/// is the API server answering (it no longer has our resourceVersion: etcd compacted it, or it
+/// restarted with an empty watch cache), so the relist it asks for is due now. Waiting would add
+/// the backoff grown while the server was unreachable (up to 30 s) to every outage.
+pub fn relist_at_once(e: &watcher::Error) -> bool {
+    matches!(e, watcher::Error::WatchError(status) if status.code == 410)
+}
+
 fn spawn_reflector<K>(
     api: Api<K>,
     config: watcher::Config,
@@ -249,7 +258,9 @@ where
     let (reader, writer) = reflector::store();
     // Only the fields nodelb reads are cached (managedFields alone, a JSON tree per field manager,
     // were most of a sync's time at 1,000 Services when snapshots still copied objects).
-    let objects = watcher(api, config).default_backoff().modify(|o: &mut K| o.slim());
+    // Backed off here rather than with `default_backoff()`: a 410 Gone retries at once (see
+    // `relist_at_once`), everything else waits kube-runtime's default backoff.
+    let objects = watcher(api, config).modify(|o: &mut K| o.slim());
     let stream = reflector::reflector(writer, objects);
     let synced = shared.synced.clone();
     let health = shared.health.clone();
@@ -259,11 +270,13 @@ where
     tokio::spawn(async move {
         let mut stream = std::pin::pin!(stream);
         let mut failing = false;
+        let mut backoff = watcher::DefaultBackoff::default();
         while let Some(item) = stream.next().await {
             match item {
                 // A retry starts with `Init` before its list request: only data means recovery.
                 Ok(watcher::Event::Init) => {}
                 Ok(ev) => {
+                    backoff.reset();
                     if failing {
                         restarts.inc();
                         info!(kind, "watch recovered");
@@ -287,9 +300,38 @@ where
                     } else {
                         debug!(kind, error = %e, "watch still failing");
                     }
+                    if !relist_at_once(&e)
+                        && let Some(delay) = backoff.next()
+                    {
+                        tokio::time::sleep(delay).await;
+                    }
                 }
             }
         }
     });
     reader
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::core::Status;
+
+    #[test]
+    fn only_410_gone_relists_at_once() {
+        let status = |code: u16| {
+            let mut s = Status::failure("x", "y");
+            s.code = code;
+            s.boxed()
+        };
+        let cases: Vec<(&str, watcher::Error, bool)> = vec![
+            ("410 Gone during a watch", watcher::Error::WatchError(status(410)), true),
+            ("403 Forbidden during a watch", watcher::Error::WatchError(status(403)), false),
+            ("500 during a watch", watcher::Error::WatchError(status(500)), false),
+            ("no watch-list bookmark", watcher::Error::NoResourceVersion, false),
+        ];
+        for (name, err, want) in cases {
+            assert_eq!(relist_at_once(&err), want, "{name}");
+        }
+    }
 }

@@ -12,8 +12,13 @@ use nix::sys::time::TimeVal;
 use super::consts::*;
 use super::encode::{self, Encoded, describe_ref, msg_type};
 use super::nla::{Writer, messages};
-use super::{ApplyStats, CounterValues, KernelTable, NftError, decode};
-use crate::ir::{self, Change, ChangeRef, Ruleset};
+use super::{ApplyStats, Counter, CounterValues, KernelTable, NftError, decode, foreign};
+use crate::hostfw::{Action, HostBase, HostChain, Source, TableFamily};
+use crate::ir::{self, Carried, Change, ChangeRef, KeyType, Ruleset};
+
+/// Most foreign chains [`NftClient::read_forward_chains`] reads (base chains first); a jump to a
+/// chain beyond it makes the analysis uncertain, never wrong.
+pub const MAX_FOREIGN_CHAINS: usize = 512;
 
 /// Receive buffer for one datagram; dumps never send more than this in one.
 const RECV_BUF: usize = 1 << 20;
@@ -147,9 +152,47 @@ impl NftClient {
 
     /// Replaces table inet nodelb with exactly `ruleset`, in one atomic batch: what
     /// `apply(&ruleset.full_replace())` does, encoded straight from the ruleset (no copy of its
-    /// chains, rules and elements). Errors name the failing change the same way.
-    pub fn apply_full_replace(&mut self, ruleset: &Ruleset) -> Result<ApplyStats, NftError> {
-        self.apply_refs(|| ruleset.full_replace_refs())
+    /// chains, rules and elements), putting back the `carried` elements of its dynamic sets
+    /// ([`NftClient::read_dynamic_elements`]). Errors name the failing change the same way.
+    pub fn apply_full_replace(
+        &mut self,
+        ruleset: &Ruleset,
+        carried: &Carried,
+    ) -> Result<ApplyStats, NftError> {
+        self.apply_refs(|| ruleset.full_replace_carrying(carried))
+    }
+
+    /// The elements of the dynamic sets `sets` (name and key type) of table inet nodelb, each
+    /// with the milliseconds until it expires; a set (or the table) that does not exist has none.
+    /// Read just before a full replace, which deletes them with the table, to put them back.
+    pub fn read_dynamic_elements(&mut self, sets: &[(&str, &[KeyType])]) -> Result<Carried, NftError> {
+        let name = ir::TABLE_NAME;
+        let mut out = Carried::new();
+        for (set, types) in sets {
+            let what = format!("list elements of {set}");
+            let replies = match self.request(NFT_MSG_GETSETELEM, true, &what, |w| {
+                w.put_str(NFTA_SET_ELEM_LIST_TABLE, name);
+                w.put_str(NFTA_SET_ELEM_LIST_SET, set);
+            }) {
+                Ok(r) => r,
+                Err(NftError::Request { errno, .. }) if errno == nix::errno::Errno::ENOENT as i32 => continue,
+                Err(e) => return Err(e),
+            };
+            let mut elements = Vec::new();
+            for p in replies {
+                for (k, expires) in decode::expiring_elements(&p)? {
+                    if let (Some(key), Some(ms)) = (decode::key(types, &k), expires)
+                        && ms > 0
+                    {
+                        elements.push((key, ms));
+                    }
+                }
+            }
+            if !elements.is_empty() {
+                out.insert(set.to_string(), elements);
+            }
+        }
+        Ok(out)
     }
 
     /// Sends the changes `changes()` yields as one atomic batch; it is called again to describe
@@ -166,9 +209,19 @@ impl NftClient {
         self.seq = enc.last_seq().wrapping_add(1);
         let stats = ApplyStats { messages: enc.msg_change.len() + 2, bytes: enc.len() };
         self.send_chunks(&enc.chunks, "send batch")?;
-        // Batch messages carry no NLM_F_ACK: the kernel answers only failures (each with the failing
-        // message's sequence number). A GETGEN sent right after is answered only once the batch has
-        // been fully processed, so its reply marks the end of the batch's replies.
+        let errors = self.batch_errors(first, enc.last_seq())?;
+        if errors.is_empty() {
+            return Ok(stats);
+        }
+        let (seq, errno) = errors[0];
+        Err(kernel_error(&enc, changes(), seq, errno, errors.len() - 1))
+    }
+
+    /// The failures the kernel reports for the batch just sent (messages `first..=last`), sorted.
+    /// Batch messages carry no NLM_F_ACK: the kernel answers only failures (each with the failing
+    /// message's sequence number). A GETGEN sent right after is answered only once the batch has
+    /// been fully processed, so its reply marks the end of the batch's replies.
+    fn batch_errors(&mut self, first: u32, last: u32) -> Result<Vec<(u32, i32)>, NftError> {
         let sentinel = self.next_seq(1);
         self.send(&gen_request(sentinel), "send generation request")?;
         let mut errors: Vec<(u32, i32)> = Vec::new();
@@ -177,7 +230,7 @@ impl NftClient {
                 if r.seq == sentinel {
                     break 'outer;
                 }
-                if r.ty == NLMSG_ERROR && (first..=enc.last_seq()).contains(&r.seq) {
+                if r.ty == NLMSG_ERROR && (first..=last).contains(&r.seq) {
                     let errno = decode::error_code(&r.payload)?;
                     if errno != 0 {
                         errors.push((r.seq, errno));
@@ -185,12 +238,110 @@ impl NftClient {
                 }
             }
         }
-        if errors.is_empty() {
-            return Ok(stats);
-        }
         errors.sort();
-        let (seq, errno) = errors[0];
-        Err(kernel_error(&enc, changes(), seq, errno, errors.len() - 1))
+        Ok(errors)
+    }
+
+    /// Every base chain on the forward hook of the `ip`, `ip6` and `inet` tables but ours, with
+    /// the chains they jump or go to (at most [`MAX_FOREIGN_CHAINS`]), rules decoded; and the
+    /// ruleset generation they were read at (read again while it changes, like `read_table`).
+    /// Read-only.
+    pub fn read_forward_chains(&mut self) -> Result<(u32, Vec<HostChain>), NftError> {
+        let mut last = None;
+        for _ in 0..5 {
+            let before = self.generation()?;
+            let chains = self.read_forward_chains_once()?;
+            if self.generation()? == before {
+                return Ok((before, chains));
+            }
+            last = Some((before, chains));
+        }
+        last.ok_or_else(|| NftError::Malformed("ruleset kept changing".into()))
+    }
+
+    fn read_forward_chains_once(&mut self) -> Result<Vec<HostChain>, NftError> {
+        // One dump of every family's chains: the kernel filters chain dumps by family only, not
+        // by table, so ours comes along (20,000 chains at 10,000 Services) and is skipped here.
+        // The caller reads again only when the ruleset generation moved.
+        let mut heads = std::collections::BTreeMap::new();
+        for p in self.request_family(NFT_MSG_GETCHAIN, NFPROTO_UNSPEC, true, "list every chain", |_| {})? {
+            let h = foreign::chain_head(&p)?;
+            let ours = h.nfproto == NFPROTO_INET && h.table == ir::TABLE_NAME;
+            if h.family().is_some() && !ours {
+                heads.insert((h.nfproto, h.table.clone(), h.name.clone()), h);
+            }
+        }
+        // Breadth first: every base chain is read before any chain it jumps to.
+        let mut queue: std::collections::VecDeque<(u8, String, String)> =
+            heads.iter().filter(|(_, h)| h.forward.is_some()).map(|(k, _)| k.clone()).collect();
+        let mut seen: std::collections::BTreeSet<(u8, String, String)> = queue.iter().cloned().collect();
+        let mut out = Vec::new();
+        while let Some((nfproto, table_name, name)) = queue.pop_front() {
+            if out.len() >= MAX_FOREIGN_CHAINS {
+                break;
+            }
+            let what = format!("list rules of chain {name}");
+            let replies = self.request_family(NFT_MSG_GETRULE, nfproto, true, &what, |w| {
+                w.put_str(NFTA_RULE_TABLE, &table_name);
+                w.put_str(NFTA_RULE_CHAIN, &name);
+            })?;
+            let mut rules = Vec::with_capacity(replies.len());
+            for p in replies {
+                let (chain, rule) = foreign::rule(&p)?;
+                if chain == name {
+                    rules.push(rule);
+                }
+            }
+            for r in &rules {
+                if let Action::Jump(t) | Action::Goto(t) = &r.action {
+                    let key = (nfproto, table_name.clone(), t.clone());
+                    if heads.contains_key(&key) && seen.insert(key.clone()) {
+                        queue.push_back(key);
+                    }
+                }
+            }
+            let head = &heads[&(nfproto, table_name.clone(), name.clone())];
+            out.push(HostChain {
+                source: Source::Nftables,
+                family: head.family().unwrap_or(TableFamily::Inet),
+                table: table_name,
+                name,
+                base: head.forward.map(|(priority, policy_drop)| HostBase { priority, policy_drop }),
+                rules,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Applies one change to nodelb's rules in iptables' FORWARD chain (see
+    /// [`foreign::AcceptWrite`]) in one batch, refused by the kernel (ERESTART, see
+    /// [`NftError::is_restart`]) when the ruleset changed since the generation the change was
+    /// decided on. Touches nothing else.
+    pub fn write_forward_accept(&mut self, change: &foreign::AcceptWrite<'_>) -> Result<(), NftError> {
+        let n = change.messages();
+        if n == 0 {
+            return Ok(());
+        }
+        let first = self.next_seq(n + 2);
+        let batch = foreign::accept_batch(first, change)?;
+        self.send(&batch, "send batch")?;
+        let errors = self.batch_errors(first, first + n + 1)?;
+        let Some(&(seq, errno)) = errors.first() else { return Ok(()) };
+        let (table, chain) = (change.table, change.chain);
+        let what = match seq.checked_sub(first).map(|i| i as usize) {
+            Some(0) => "commit batch".to_string(),
+            Some(i) if i <= change.stale.len() => {
+                format!("delete rule {} of {table} {chain}", change.stale[i - 1])
+            }
+            _ => format!("insert nodelb's ACCEPT into {table} {chain}"),
+        };
+        Err(NftError::Kernel {
+            index: None,
+            change: what,
+            errno,
+            reason: strerror(errno),
+            more: errors.len() - 1,
+        })
     }
 
     /// Sends a request and collects the replies with its sequence number until the dump ends (or the
@@ -202,10 +353,22 @@ impl NftClient {
         what: &str,
         attrs: impl FnOnce(&mut Writer),
     ) -> Result<Vec<Vec<u8>>, NftError> {
+        self.request_family(msg, NFPROTO_INET, dump, what, attrs)
+    }
+
+    /// [`NftClient::request`] for tables of family `nfproto` (`NFPROTO_UNSPEC`: every family).
+    fn request_family(
+        &mut self,
+        msg: u8,
+        nfproto: u8,
+        dump: bool,
+        what: &str,
+        attrs: impl FnOnce(&mut Writer),
+    ) -> Result<Vec<Vec<u8>>, NftError> {
         let seq = self.next_seq(1);
         let mut w = Writer::new();
         let flags = NLM_F_REQUEST | if dump { NLM_F_DUMP } else { NLM_F_ACK };
-        w.begin_msg(msg_type(msg), flags, seq, NFPROTO_INET, 0);
+        w.begin_msg(msg_type(msg), flags, seq, nfproto, 0);
         attrs(&mut w);
         w.end_msg();
         self.send(&w.buf, what)?;
@@ -318,6 +481,30 @@ impl NftClient {
             }
         }
         Ok(out)
+    }
+
+    /// One named counter of table inet nodelb; `None` when it (or the table) does not exist.
+    pub fn read_counter(&mut self, counter: &str) -> Result<Option<Counter>, NftError> {
+        let name = ir::TABLE_NAME;
+        let replies = match self.request(NFT_MSG_GETOBJ, false, "get counter", |w| {
+            w.put_str(NFTA_OBJ_TABLE, name);
+            w.put_str(NFTA_OBJ_NAME, counter);
+            w.put_u32(NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER);
+        }) {
+            Ok(r) => r,
+            Err(NftError::Request { errno, .. }) if errno == nix::errno::Errno::ENOENT as i32 => {
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        };
+        for p in replies {
+            if let Ok(c) = decode::object(&p)?
+                && c.name == counter
+            {
+                return Ok(Some(c.counter));
+            }
+        }
+        Ok(None)
     }
 
     /// Deletes table inet nodelb (and nothing else). Returns whether it existed.

@@ -24,6 +24,8 @@ pub const NFNL_SUBSYS_NFTABLES: u8 = 10;
 pub const NFNL_MSG_BATCH_BEGIN: u16 = 16;
 pub const NFNL_MSG_BATCH_END: u16 = 17;
 pub const NFNETLINK_V0: u8 = 0;
+/// Attribute of BATCH_BEGIN: the ruleset generation the batch was computed on (ERESTART if not).
+pub const NFNL_BATCH_GENID: u16 = 1;
 
 pub const NFPROTO_UNSPEC: u8 = 0;
 pub const NFPROTO_INET: u8 = 1;
@@ -82,12 +84,15 @@ pub const NFTA_SET_DATA_TYPE: u16 = 6;
 pub const NFTA_SET_DATA_LEN: u16 = 7;
 pub const NFTA_SET_DESC: u16 = 9;
 pub const NFTA_SET_ID: u16 = 10;
+pub const NFTA_SET_TIMEOUT: u16 = 11;
 pub const NFTA_SET_USERDATA: u16 = 13;
 pub const NFTA_SET_OBJ_TYPE: u16 = 15;
 pub const NFTA_SET_DESC_SIZE: u16 = 1;
 pub const NFT_SET_ANONYMOUS: u32 = 0x1;
 pub const NFT_SET_CONSTANT: u32 = 0x2;
 pub const NFT_SET_MAP: u32 = 0x8;
+pub const NFT_SET_TIMEOUT: u32 = 0x10;
+pub const NFT_SET_EVAL: u32 = 0x20;
 pub const NFT_SET_OBJECT: u32 = 0x40;
 /// `verdict` data type as nft encodes it (`NFT_DATA_VERDICT`).
 pub const NFT_DATA_VERDICT: u32 = 0xffff_ff00;
@@ -98,6 +103,7 @@ pub const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
 pub const NFTA_SET_ELEM_LIST_SET_ID: u16 = 4;
 pub const NFTA_SET_ELEM_KEY: u16 = 1;
 pub const NFTA_SET_ELEM_DATA: u16 = 2;
+pub const NFTA_SET_ELEM_EXPIRATION: u16 = 5;
 pub const NFTA_SET_ELEM_OBJREF: u16 = 9;
 // data
 pub const NFTA_DATA_VALUE: u16 = 1;
@@ -160,6 +166,11 @@ pub const NFTA_LOOKUP_SET: u16 = 1;
 pub const NFTA_LOOKUP_SREG: u16 = 2;
 pub const NFTA_LOOKUP_DREG: u16 = 3;
 pub const NFTA_LOOKUP_SET_ID: u16 = 4;
+pub const NFTA_DYNSET_SET_NAME: u16 = 1;
+pub const NFTA_DYNSET_SET_ID: u16 = 2;
+pub const NFTA_DYNSET_OP: u16 = 3;
+pub const NFTA_DYNSET_SREG_KEY: u16 = 4;
+pub const NFT_DYNSET_OP_UPDATE: u32 = 1;
 // fib
 pub const NFTA_FIB_DREG: u16 = 1;
 pub const NFTA_FIB_RESULT: u16 = 2;

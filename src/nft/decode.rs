@@ -114,10 +114,20 @@ pub fn set(payload: &[u8]) -> Result<KernelSet, NftError> {
     let data_type = get(&t, NFTA_SET_DATA_TYPE).map(as_u32).transpose()?;
     let comment = get(&t, NFTA_SET_USERDATA).and_then(|u| udata_comment(u, NFTNL_UDATA_SET_COMMENT));
     let obj_type = get(&t, NFTA_SET_OBJ_TYPE).map(as_u32).transpose()?;
-    let kind = if flags & NFT_SET_OBJECT != 0 {
+    let timeout_ms = get(&t, NFTA_SET_TIMEOUT).map(as_u64).transpose()?;
+    let dynamic = NFT_SET_EVAL | NFT_SET_TIMEOUT;
+    let kind = if flags & dynamic == dynamic && flags & (NFT_SET_MAP | NFT_SET_OBJECT) == 0 {
+        // A timeout that is not whole seconds is not one nodelb writes.
+        timeout_ms
+            .filter(|ms| ms % 1000 == 0)
+            .and_then(|ms| u32::try_from(ms / 1000).ok())
+            .map(|timeout| SetKind::Dynamic { timeout })
+    } else if flags & NFT_SET_OBJECT != 0 {
         (obj_type == Some(NFT_OBJECT_COUNTER)).then_some(SetKind::CounterMap)
     } else if flags & NFT_SET_MAP != 0 {
         (data_type == Some(NFT_DATA_VERDICT)).then_some(SetKind::VerdictMap)
+    } else if flags & (NFT_SET_EVAL | NFT_SET_TIMEOUT) != 0 {
+        None
     } else {
         Some(SetKind::Set)
     };
@@ -192,8 +202,11 @@ fn verdict(data: &[u8]) -> Result<Verdict, NftError> {
     })
 }
 
-/// Raw elements of a NEWSETELEM payload: (key bytes, verdict or counter name).
-pub fn elements(payload: &[u8]) -> Result<Vec<RawElement>, NftError> {
+/// Each element of a NEWSETELEM payload as its key bytes and its attribute table, mapped by `f`.
+fn map_elements<T>(
+    payload: &[u8],
+    mut f: impl FnMut(Vec<u8>, &[Option<&[u8]>]) -> Result<T, NftError>,
+) -> Result<Vec<T>, NftError> {
     let t = table(body(payload)?)?;
     let mut out = Vec::new();
     let Some(list) = get(&t, NFTA_SET_ELEM_LIST_ELEMENTS) else {
@@ -204,14 +217,29 @@ pub fn elements(payload: &[u8]) -> Result<Vec<RawElement>, NftError> {
         let et = table(el)?;
         let kt = table(need(&et, NFTA_SET_ELEM_KEY, "element")?)?;
         let k = need(&kt, NFTA_DATA_VALUE, "element key")?.to_vec();
-        let v = match (get(&et, NFTA_SET_ELEM_DATA), get(&et, NFTA_SET_ELEM_OBJREF)) {
+        out.push(f(k, &et)?);
+    }
+    Ok(out)
+}
+
+/// Raw elements of a NEWSETELEM payload: (key bytes, verdict or counter name).
+pub fn elements(payload: &[u8]) -> Result<Vec<RawElement>, NftError> {
+    map_elements(payload, |k, et| {
+        let v = match (get(et, NFTA_SET_ELEM_DATA), get(et, NFTA_SET_ELEM_OBJREF)) {
             (Some(d), _) => Some(Mapped::Verdict(verdict(d)?)),
             (None, Some(o)) => Some(Mapped::Counter(as_str(o))),
             (None, None) => None,
         };
-        out.push((k, v));
-    }
-    Ok(out)
+        Ok((k, v))
+    })
+}
+
+/// An element's key bytes and the milliseconds until it expires (`None`: no expiration).
+pub type ExpiringElement = (Vec<u8>, Option<u64>);
+
+/// The elements of a NEWSETELEM payload, with their expiration.
+pub fn expiring_elements(payload: &[u8]) -> Result<Vec<ExpiringElement>, NftError> {
+    map_elements(payload, |k, et| Ok((k, get(et, NFTA_SET_ELEM_EXPIRATION).map(as_u64).transpose()?)))
 }
 
 pub fn gen_id(payload: &[u8]) -> Result<u32, NftError> {
@@ -292,6 +320,12 @@ pub fn assemble_table(
         }
     }
     for mut s in sets {
+        // A dynamic set's elements are what the packet path put there, not configuration (and
+        // there may be many): not read for a comparison with the ruleset.
+        if matches!(s.kind, Some(SetKind::Dynamic { .. })) {
+            t.sets.insert(s.name.clone(), s);
+            continue;
+        }
         for p in elements(&s.name)? {
             for (k, v) in self::elements(&p)? {
                 match s.key.as_deref().and_then(|types| key(types, &k)) {

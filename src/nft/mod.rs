@@ -13,6 +13,7 @@ mod client;
 mod consts;
 pub mod decode;
 pub mod encode;
+pub mod foreign;
 mod nla;
 mod verify;
 
@@ -43,6 +44,14 @@ pub enum NftError {
     /// The kernel sent something we could not parse.
     #[error("malformed netlink reply: {0}")]
     Malformed(String),
+}
+
+impl NftError {
+    /// The kernel refused a batch because the ruleset changed after the generation it was
+    /// computed on (`NFNL_BATCH_GENID`): decide again on a fresh read.
+    pub fn is_restart(&self) -> bool {
+        matches!(self, NftError::Kernel { errno, .. } if *errno == nix::errno::Errno::ERESTART as i32)
+    }
 }
 
 /// What one `apply` sent.

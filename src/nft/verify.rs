@@ -1,10 +1,11 @@
 //! Compares the ruleset we expect with what the kernel holds; every difference is one sentence an
 //! operator can act on. Rules are compared by fingerprint (rule text hash stored in the rule's user
-//! data), so a rule added or edited by hand shows up as foreign.
+//! data), so a rule added or edited by hand shows up as foreign. The elements of dynamic sets
+//! (added by the packet path) are not compared.
 
 use super::KernelTable;
 use super::encode::{fingerprint, key_type_id};
-use crate::ir::{self, Ruleset};
+use crate::ir::{self, Ruleset, SetKind};
 
 pub fn verify(expected: &Ruleset, actual: Option<&KernelTable>) -> Vec<String> {
     let mut out = Vec::new();
@@ -91,6 +92,10 @@ pub fn verify(expected: &Ruleset, actual: Option<&KernelTable>) -> Vec<String> {
         };
         if k.key_type_id != key_type_id(&set.key) || k.kind != Some(set.kind) {
             out.push(format!("{kind} {name}: has a different type"));
+            continue;
+        }
+        if matches!(set.kind, SetKind::Dynamic { .. }) {
+            // Its elements are the packet path's (affinities), never ours to compare.
             continue;
         }
         for (key, v) in &set.elements {

@@ -16,10 +16,21 @@ use super::topology::{ClientError, HttpResponse, NODE_NAME, wait_until};
 pub fn bin() -> String {
     std::env::var("NODELB_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_nodelb").to_string())
 }
+
+/// The xtables lock of the tests: the agents they start and the iptables-legacy commands they
+/// run take this one (shared by concurrent test processes, as the host's is by its tools), never
+/// the host's `/run/xtables.lock`.
+pub fn xtables_lockfile() -> PathBuf {
+    std::env::temp_dir().join("nodelb-test-xtables.lock")
+}
+
 /// The default `--http-addr` port, on the node namespace's loopback (each namespace has its own).
 pub const HTTP_PORT: u16 = 9470;
 /// The default `--health-addr` port, on every address of the node namespace.
 pub const HEALTH_PORT: u16 = 9471;
+
+/// A container's args and environment (`kube::daemonset_command`).
+pub type ContainerCommand = (Vec<String>, Vec<(String, String)>);
 
 pub struct Agent {
     ns_name: String,
@@ -29,6 +40,9 @@ pub struct Agent {
     pub extra_args: Vec<String>,
     /// Kubernetes mode: kubeconfig and node name (no `--manifests`, no state file).
     kube: Option<(PathBuf, String)>,
+    /// Kubernetes mode as the DaemonSet runs it: the container's args (instead of `run
+    /// --node-name … --http-addr …`) and environment.
+    daemonset: Option<ContainerCommand>,
     child: Option<Child>,
     starts: usize,
 }
@@ -48,6 +62,7 @@ impl Agent {
             state_dir: tempfile::Builder::new().prefix("nodelb-state-").tempdir().unwrap(),
             extra_args: extra.iter().map(|s| s.to_string()).collect(),
             kube: None,
+            daemonset: None,
             child: None,
             starts: 0,
         };
@@ -65,6 +80,32 @@ impl Agent {
             state_dir: tempfile::Builder::new().prefix("nodelb-state-").tempdir().unwrap(),
             extra_args: extra.iter().map(|s| s.to_string()).collect(),
             kube: Some((kubeconfig.to_path_buf(), node_name.to_string())),
+            daemonset: None,
+            child: None,
+            starts: 0,
+        };
+        a.spawn();
+        a
+    }
+
+    /// Starts the agent in `node` the way the DaemonSet's container runs it: `args` and `env` from
+    /// the DaemonSet (see `kube::daemonset_command`), plus `--kubeconfig kubeconfig` (standing in
+    /// for the in-cluster config), `--resync-period 1s` and `extra`.
+    pub fn start_daemonset(
+        node: &NetNs,
+        kubeconfig: &std::path::Path,
+        node_name: &str,
+        (args, env): ContainerCommand,
+        extra: &[&str],
+    ) -> Agent {
+        let mut a = Agent {
+            ns_name: node.name.clone(),
+            ns_path: format!("/run/netns/{}", node.name),
+            manifests: tempfile::Builder::new().prefix("nodelb-manifests-").tempdir().unwrap(),
+            state_dir: tempfile::Builder::new().prefix("nodelb-state-").tempdir().unwrap(),
+            extra_args: extra.iter().map(|s| s.to_string()).collect(),
+            kube: Some((kubeconfig.to_path_buf(), node_name.to_string())),
+            daemonset: Some((args, env)),
             child: None,
             starts: 0,
         };
@@ -92,16 +133,24 @@ impl Agent {
         let mut l = &log;
         let _ = writeln!(l, "===== test harness: agent start #{} =====", self.starts);
         let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &self.ns_name, &bin(), "run"]);
-        match &self.kube {
-            None => {
+        cmd.args(["netns", "exec", &self.ns_name, &bin()]);
+        if let Some((args, env)) = &self.daemonset {
+            cmd.args(args).envs(env.iter().map(|(k, v)| (k, v)));
+        } else {
+            cmd.arg("run");
+        }
+        match (&self.kube, &self.daemonset) {
+            (None, _) => {
                 cmd.arg("--manifests")
                     .arg(self.manifests.path())
                     .arg("--state-file")
                     .arg(self.state_file())
                     .args(["--node-name", NODE_NAME]);
             }
-            Some((kubeconfig, node_name)) => {
+            (Some((kubeconfig, _)), Some(_)) => {
+                cmd.arg("--kubeconfig").arg(kubeconfig);
+            }
+            (Some((kubeconfig, node_name)), None) => {
                 cmd.arg("--kubeconfig").arg(kubeconfig).args(["--node-name", node_name]);
             }
         }
@@ -111,6 +160,7 @@ impl Agent {
             cmd.args(["--resync-period", "1s"]);
         }
         cmd.args(&self.extra_args);
+        cmd.env("XTABLES_LOCKFILE", xtables_lockfile());
         // The agent's log filter is NODELB_LOG (RUST_LOG is not read).
         if std::env::var_os("NODELB_LOG").is_none() {
             cmd.env("NODELB_LOG", "info,nodelb=debug");

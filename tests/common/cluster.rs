@@ -1,11 +1,14 @@
-//! A three-node "cluster" for Kubernetes-mode tests: the in-process test API server
-//! (`nodelb-testapi`) in its own namespace, three node namespaces each running a real
-//! `nodelb run --kubeconfig …` process, a client namespace, and backend namespaces, all on two
-//! bridges inside a "fabric" namespace. Only documentation addresses; nothing in the host namespace.
+//! A three-node "cluster" for Kubernetes-mode tests: a real control plane (`testkube`: etcd +
+//! kube-apiserver + the EndpointSlice controller, see `kube.rs`) in its own namespace, installed
+//! with `kubectl apply -f daemonset/` (or `helm install`) exactly as a user does, three node
+//! namespaces each running a real `nodelb` process with the DaemonSet's arguments and environment
+//! and a TokenRequest token of the `nodelb` ServiceAccount (so the real authorizer enforces
+//! `daemonset/10-rbac.yaml`), a client namespace, and backend namespaces, all on two bridges inside
+//! a "fabric" namespace. Only documentation addresses; nothing in the host namespace.
 //!
 //! ```text
 //!                 fabric netns: bridge br-f 203.0.113.0/24          bridge br-b 198.51.100.0/24
-//!  api     eth0 203.0.113.100 ─┤
+//!  api     eth0 203.0.113.100 ─┤   (kube-apiserver on :6443)
 //!  client  eth0 203.0.113.10  ─┤
 //!  node-N  eth0 203.0.113.N   ─┤   eth1 198.51.100.N ─┤            (N = 1..3, forwarding on)
 //!                                  backend j eth0 198.51.100.(11+j) ─┤  (default via node-1)
@@ -13,21 +16,22 @@
 //!
 //! Cluster policy masquerades, so replies come back through the node that DNATed. Backends route
 //! via node-1, so `externalTrafficPolicy: Local` traffic (client address kept) works through node-1.
-//! Everything is killed / stopped / deleted on drop, also when the test panics (agents' logs are
-//! printed then).
+//! Everything is killed / stopped / deleted on drop, also when the test panics (agents' and the
+//! control plane's logs are printed then). The request log is the API server's audit log: agents
+//! are told apart by their client address (the node's).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Service;
-use nodelb_testapi::TestApiServer;
 use serde_json::{Value, json};
 
 use super::agent::{Agent, nft_list};
-use super::manifest::ServiceSpec;
+use super::kube::{ControlPlane, daemonset_command};
+use super::manifest::{EndpointSpec, PortSpec, ServiceSpec};
 use super::netns::{NetNs, veth};
 use super::topology::{
     BACKEND_TCP_PORT, BACKEND_UDP_PORT, Backend, ClientError, Servers, backend_v4, backend_v6, http_get,
@@ -56,13 +60,36 @@ pub fn node_name(i: usize) -> String {
     format!("node-{}", i + 1)
 }
 
+/// How nodelb is installed into the control plane.
+#[derive(Debug, Clone)]
+pub enum Install {
+    /// `kubectl apply -f daemonset/`.
+    Kubectl,
+    /// `helm install nodelb charts/nodelb -n nodelb-system --create-namespace <args>`.
+    Helm(Vec<String>),
+}
+
+/// `default/<name>`, `80/TCP` → backends `eps` (backend index, node index).
+pub fn web(name: &str, eps: &[(usize, usize)]) -> ServiceSpec {
+    ServiceSpec::new(name).port(PortSpec::tcp(80, None)).endpoints(
+        eps.iter().map(|(b, n)| EndpointSpec::remote(super::topology::backend_v4(*b), &node_name(*n))),
+    )
+}
+
+/// The chart, for `helm install` / `helm upgrade`.
+pub fn chart_dir() -> String {
+    concat!(env!("CARGO_MANIFEST_DIR"), "/charts/nodelb").to_string()
+}
+
 pub struct Cluster {
     // Drop order matters: agents first (killed), then the API server, then backend servers, then the
     // namespaces.
     pub agents: Vec<Agent>,
-    pub api: TestApiServer,
+    pub api: ControlPlane,
     pub backends: Vec<Backend>,
     kubeconfig_dir: tempfile::TempDir,
+    /// What every agent runs with beyond the DaemonSet's args and env.
+    agent_args: Vec<String>,
     pub client: NetNs,
     pub nodes: Vec<NetNs>,
     pub api_ns: NetNs,
@@ -83,22 +110,36 @@ impl Cluster {
 
     /// `nodes_n` nodes (node-1 … node-`nodes_n`, at most 9), each with its agent; see [`Cluster::new`].
     pub fn with_nodes(nodes_n: usize, backends: usize, extra: &[&str]) -> Cluster {
-        Self::start(nodes_n, backends, extra, |_| {}, true)
+        Self::start(nodes_n, backends, extra, &[], |_| {}, true, Install::Kubectl)
     }
 
-    /// Three nodes; `setup` runs on the API server before the agents start (objects that exist
-    /// when they come up, fault knobs), and the agents are not waited for (they may not be able to
-    /// become ready).
-    pub fn with_api_setup(backends: usize, setup: impl FnOnce(&TestApiServer)) -> Cluster {
-        Self::start(3, backends, &[], setup, false)
+    /// Three nodes, with extra kube-apiserver flags (e.g. `--watch-cache=false`).
+    pub fn with_apiserver_args(backends: usize, apiserver: &[&str]) -> Cluster {
+        Self::start(3, backends, &[], apiserver, |_| {}, true, Install::Kubectl)
+    }
+
+    /// Three nodes, nodelb installed with `helm install` (`helm_args`: e.g. `--set …`), agents
+    /// with `extra` beyond the DaemonSet's args and env.
+    pub fn with_helm(backends: usize, helm_args: &[&str], extra: &[&str]) -> Cluster {
+        let install = Install::Helm(helm_args.iter().map(|s| s.to_string()).collect());
+        Self::start(3, backends, extra, &[], |_| {}, true, install)
+    }
+
+    /// Three nodes; `setup` runs against the control plane after the install and before the
+    /// agents start (objects that exist when they come up, RBAC changes), and the agents are not
+    /// waited for (they may not be able to become ready).
+    pub fn with_api_setup(backends: usize, setup: impl FnOnce(&ControlPlane)) -> Cluster {
+        Self::start(3, backends, &[], &[], setup, false, Install::Kubectl)
     }
 
     fn start(
         nodes_n: usize,
         backends: usize,
         extra: &[&str],
-        setup: impl FnOnce(&TestApiServer),
+        apiserver: &[&str],
+        setup: impl FnOnce(&ControlPlane),
         wait_ready: bool,
+        install: Install,
     ) -> Cluster {
         let fabric = NetNs::new("fab");
         for br in ["br-f", "br-b"] {
@@ -134,36 +175,59 @@ impl Cluster {
             bs.push(Backend { name, v4: backend_v4(j), v6: backend_v6(j), servers: Some(servers), ns });
         }
 
-        // The API server's socket lives in the api namespace.
-        let listener = api_ns.run(|| TcpListener::bind((API_V4, API_PORT)).expect("bind API server"));
-        let api = TestApiServer::start_on(listener).expect("start test API server");
-        let kubeconfig_dir = tempfile::Builder::new().prefix("nodelb-kube-").tempdir().unwrap();
-        api.write_kubeconfig(&kubeconfig_dir.path().join("kubeconfig")).unwrap();
-        api.create(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": AGENT_NS}}))
-            .expect("create namespace");
+        let api = ControlPlane::start(&api_ns, API_V4, API_PORT, apiserver);
+        // Installed as a user does it.
+        match &install {
+            Install::Kubectl => {
+                let manifests = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("daemonset");
+                api.kubectl_ok(&["apply", "-f", manifests.to_str().unwrap()]);
+            }
+            Install::Helm(args) => {
+                let chart = chart_dir();
+                let mut cmd = vec!["install", "nodelb", &chart, "-n", AGENT_NS, "--create-namespace"];
+                cmd.extend(args.iter().map(String::as_str));
+                api.helm_ok(&cmd);
+            }
+        }
         for i in 0..nodes_n {
+            // Registered as a kubelet does: the Node, then its status (addresses).
             api.create(json!({
                 "apiVersion": "v1", "kind": "Node",
                 "metadata": {"name": node_name(i), "labels": {"kubernetes.io/hostname": node_name(i)}},
-                "status": {"addresses": [
-                    {"type": "InternalIP", "address": node_v4(i).to_string()},
-                    {"type": "Hostname", "address": node_name(i)},
-                ]},
             }))
             .expect("create node");
+            api.patch_status(
+                "v1",
+                "Node",
+                "",
+                &node_name(i),
+                json!({"status": {"addresses": [
+                    {"type": "InternalIP", "address": node_v4(i).to_string()},
+                    {"type": "Hostname", "address": node_name(i)},
+                ]}}),
+            );
         }
         setup(&api);
-
-        let mut c =
-            Cluster { agents: Vec::new(), api, backends: bs, kubeconfig_dir, client, nodes, api_ns, fabric };
-        let mut args = vec!["--namespace", AGENT_NS, "--lease-duration", LEASE_DURATION];
-        args.extend_from_slice(extra);
+        let kubeconfig_dir = tempfile::Builder::new().prefix("nodelb-kube-").tempdir().unwrap();
+        let mut agent_args = vec!["--lease-duration".to_string(), LEASE_DURATION.to_string()];
+        agent_args.extend(extra.iter().map(|s| s.to_string()));
+        let mut c = Cluster {
+            agents: Vec::new(),
+            api,
+            backends: bs,
+            kubeconfig_dir,
+            agent_args,
+            client,
+            nodes,
+            api_ns,
+            fabric,
+        };
         for i in 0..nodes_n {
-            let a = Agent::start_kube(&c.nodes[i], &c.kubeconfig(), &node_name(i), &args);
+            let a = c.new_agent(i);
             c.agents.push(a);
         }
         if wait_ready {
-            c.wait_ready(Duration::from_secs(30));
+            c.wait_ready(Duration::from_secs(60));
         }
         c
     }
@@ -187,15 +251,115 @@ impl Cluster {
         );
     }
 
-    pub fn kubeconfig(&self) -> PathBuf {
-        self.kubeconfig_dir.path().join("kubeconfig")
+    /// The DaemonSet `nodelb-system/nodelb` as stored.
+    pub fn daemonset(&self) -> Value {
+        self.api.get("apps/v1", "DaemonSet", AGENT_NS, "nodelb").expect("DaemonSet nodelb-system/nodelb")
     }
 
-    /// Creates the Service and its EndpointSlices in the API server.
+    /// A new agent for node `i`, as the kubelet starts the DaemonSet's pod: the stored
+    /// DaemonSet's args and env, a fresh token of the `nodelb` ServiceAccount.
+    fn new_agent(&self, i: usize) -> Agent {
+        let kubeconfig = self.kubeconfig(i);
+        self.api.write_sa_kubeconfig(AGENT_NS, "nodelb", &kubeconfig);
+        let cmd = daemonset_command(&self.daemonset(), &node_name(i), AGENT_NS);
+        let args: Vec<&str> = self.agent_args.iter().map(String::as_str).collect();
+        Agent::start_daemonset(&self.nodes[i], &kubeconfig, &node_name(i), cmd, &args)
+    }
+
+    /// Stops agent `i` as the kubelet stops a pod: SIGTERM, then SIGKILL after `grace` (the
+    /// pod's terminationGracePeriodSeconds). The exit status, if it exited by itself.
+    pub fn stop_agent(&mut self, i: usize, grace: Duration) -> Option<std::process::ExitStatus> {
+        self.agents[i].terminate(grace)
+    }
+
+    /// Starts node `i`'s agent again after [`Cluster::stop_agent`], from the DaemonSet as it is
+    /// stored now (a rolling update's new template), and waits until it is ready (the readiness
+    /// probe the DaemonSet controller waits for before the next node).
+    pub fn start_agent(&mut self, i: usize, timeout: Duration) {
+        self.agents[i] = self.new_agent(i);
+        self.agents[i].wait_ready(timeout);
+    }
+
+    /// The DaemonSet's terminationGracePeriodSeconds.
+    pub fn grace_period(&self) -> Duration {
+        let ds = self.daemonset();
+        let secs = ds["spec"]["template"]["spec"]["terminationGracePeriodSeconds"].as_u64().unwrap_or(30);
+        Duration::from_secs(secs)
+    }
+
+    /// The kubeconfig (ServiceAccount token) agent `i` runs with.
+    pub fn kubeconfig(&self, i: usize) -> PathBuf {
+        self.kubeconfig_dir.path().join(format!("{}.kubeconfig", node_name(i)))
+    }
+
+    /// Creates the Service and its EndpointSlices in the API server. The Service has no selector:
+    /// its slices are the test's own (a selector would make the EndpointSlice controller add its
+    /// own, empty, slice; see [`Cluster::create_with_pods`]).
     pub fn create(&self, spec: &ServiceSpec) {
-        self.api.create(spec.service()).unwrap_or_else(|e| panic!("create {}: {e:?}", spec.key()));
+        let mut svc = spec.service();
+        svc["spec"].as_object_mut().unwrap().remove("selector");
+        self.api.create(svc).unwrap_or_else(|e| panic!("create {}: {e:?}", spec.key()));
         for s in spec.slices() {
             self.api.create(s).unwrap_or_else(|e| panic!("create slice of {}: {e:?}", spec.key()));
+        }
+    }
+
+    /// Creates the Service with its selector and, instead of EndpointSlices, one Pod per endpoint
+    /// on its node, whose status the test writes as a kubelet would (IP, Running, Ready): the
+    /// EndpointSlice controller makes the slices. See [`Cluster::update_pods`].
+    pub fn create_with_pods(&self, spec: &ServiceSpec) {
+        // The ServiceAccount admission plugin wants `default` (kube-controller-manager's
+        // ServiceAccount controller, not run here, would create it).
+        if self.api.get("v1", "ServiceAccount", &spec.namespace, "default").is_none() {
+            self.api
+                .create(json!({"apiVersion": "v1", "kind": "ServiceAccount",
+                    "metadata": {"name": "default", "namespace": spec.namespace}}))
+                .expect("ServiceAccount default");
+        }
+        self.api.create(spec.service()).unwrap_or_else(|e| panic!("create {}: {e:?}", spec.key()));
+        self.update_pods(spec);
+    }
+
+    /// Makes the Pods of `spec` what it says now: one per endpoint (created, status written as a
+    /// kubelet would, ready or not), others deleted (force: no kubelet confirms a deletion).
+    pub fn update_pods(&self, spec: &ServiceSpec) {
+        let pod_name = |addr: &IpAddr| format!("{}-{}", spec.name, addr.to_string().replace(['.', ':'], "-"));
+        let want: BTreeSet<String> = spec.endpoints.iter().map(|e| pod_name(&e.addr)).collect();
+        for pod in self.api.list("v1", "Pod", Some(&spec.namespace)) {
+            let name = pod["metadata"]["name"].as_str().unwrap_or_default().to_string();
+            if pod["metadata"]["labels"]["app"] == spec.name.as_str() && !want.contains(&name) {
+                self.api.delete_now("v1", "Pod", &spec.namespace, &name).expect("delete pod");
+            }
+        }
+        let ports: Vec<Value> = spec
+            .ports
+            .iter()
+            .map(|p| json!({"containerPort": p.target_port, "protocol": p.protocol}))
+            .collect();
+        for e in &spec.endpoints {
+            let name = pod_name(&e.addr);
+            if self.api.get("v1", "Pod", &spec.namespace, &name).is_none() {
+                self.api
+                    .create(json!({
+                        "apiVersion": "v1", "kind": "Pod",
+                        "metadata": {"name": name, "namespace": spec.namespace, "labels": {"app": spec.name}},
+                        "spec": {"nodeName": e.node, "containers": [{"name": "backend", "image": "backend", "ports": ports}]},
+                    }))
+                    .unwrap_or_else(|err| panic!("create pod {name}: {err:?}"));
+            }
+            let ready = if e.ready { "True" } else { "False" };
+            self.api.patch_status(
+                "v1",
+                "Pod",
+                &spec.namespace,
+                &name,
+                json!({"status": {
+                    "phase": "Running",
+                    "podIP": e.addr.to_string(),
+                    "podIPs": [{"ip": e.addr.to_string()}],
+                    "conditions": [{"type": "Ready", "status": ready}],
+                }}),
+            );
         }
     }
 
@@ -303,18 +467,18 @@ impl Cluster {
         idx.unwrap()
     }
 
-    /// Node indexes (by client address) that wrote to a Service (object or status) so far.
+    /// Node indexes (by client address) whose agent wrote to a Service (object or status) so far.
     pub fn service_writers(&self) -> BTreeSet<usize> {
         self.api
-            .requests()
+            .agent_requests()
             .iter()
             .filter(|r| r.is_write() && r.path.contains("/services/"))
             .map(|r| self.node_of(r.peer).unwrap_or_else(|| panic!("Service write from a non-node: {r:?}")))
             .collect()
     }
 
-    fn node_of(&self, peer: SocketAddr) -> Option<usize> {
-        (0..self.nodes.len()).find(|i| peer.ip() == IpAddr::V4(node_v4(*i)))
+    fn node_of(&self, peer: IpAddr) -> Option<usize> {
+        (0..self.nodes.len()).find(|i| peer == IpAddr::V4(node_v4(*i)))
     }
 
     /// Events (events.k8s.io/v1) about `default/name` with `reason`.
@@ -363,81 +527,86 @@ impl Cluster {
             .sum()
     }
 
-    /// What the agents asked the API server for so far, as RBAC permissions (every request comes
-    /// from an agent: the tests themselves use the server's direct object access).
-    pub fn agent_permissions(&self) -> Vec<(Option<String>, Permission)> {
+    /// What the agents asked the API server for so far, as RBAC permissions (namespace, (group,
+    /// resource[/subresource], verb), the object's name if the request named one), as the
+    /// server's authorizer saw them (from its audit log; a list or watch with a `metadata.name`
+    /// field selector is named too).
+    pub fn agent_permissions(&self) -> Vec<(Option<String>, Permission, Option<String>)> {
         self.api
-            .requests()
+            .agent_requests()
             .iter()
+            .filter(|r| !r.resource.is_empty())
             .map(|r| {
-                assert!(self.node_of(r.peer).is_some(), "request from a non-node: {r:?}");
-                request_permission(&r.method, &r.path, r.watch)
-                    .unwrap_or_else(|| panic!("request outside the resource API: {r:?}"))
+                assert!(self.node_of(r.peer).is_some(), "agent request from a non-node: {r:?}");
+                (r.namespace.clone(), (r.group.clone(), r.resource.clone(), r.verb.clone()), r.name.clone())
             })
             .collect()
     }
 
-    /// Every request the agents made is allowed by `daemonset/10-rbac.yaml` (ClusterRole anywhere,
+    /// Takes `resource` of `group` out of the installed ClusterRole `nodelb` (as an operator's
+    /// broken RBAC would): the agents' requests for it are refused (403) from now on.
+    pub fn revoke(&self, group: &str, resource: &str) {
+        revoke(&self.api, group, resource);
+    }
+
+    /// Re-applies `daemonset/10-rbac.yaml` (after [`Cluster::revoke`]).
+    pub fn restore_rbac(&self) {
+        let rbac = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("daemonset/10-rbac.yaml");
+        self.api.kubectl_ok(&["apply", "-f", rbac.to_str().unwrap()]);
+    }
+
+    /// Every request the agents made was allowed by the server's authorizer (RBAC, as installed
+    /// from `daemonset/10-rbac.yaml`) and is granted by that file's rules (ClusterRole anywhere,
     /// Role in the agent namespace): the least-privilege RBAC is not too tight.
     pub fn assert_rbac_allows_every_request(&self) {
         let rbac = Rbac::load();
-        for (ns, p) in self.agent_permissions() {
+        let requests = self.api.agent_requests();
+        assert!(!requests.is_empty(), "no agent request in the audit log");
+        for r in &requests {
             assert!(
-                rbac.allows(ns.as_deref(), &p),
-                "{p:?} in namespace {ns:?} is not granted by daemonset/10-rbac.yaml"
+                r.decision.as_deref() == Some("allow") && r.status != 403,
+                "the API server refused an agent request: {r:?}"
+            );
+        }
+        for (ns, p, name) in self.agent_permissions() {
+            assert!(
+                rbac.allows(ns.as_deref(), &p, name.as_deref()),
+                "{p:?} of {name:?} in namespace {ns:?} is not granted by daemonset/10-rbac.yaml"
             );
         }
     }
 }
 
+/// See [`Cluster::revoke`] (also usable in a [`Cluster::with_api_setup`] closure).
+pub fn revoke(api: &ControlPlane, group: &str, resource: &str) {
+    let mut role =
+        api.get("rbac.authorization.k8s.io/v1", "ClusterRole", "", "nodelb").expect("ClusterRole nodelb");
+    let has = |rule: &Value, key: &str, want: &str| {
+        rule[key].as_array().is_some_and(|a| a.iter().any(|x| x == want))
+    };
+    let rules = role["rules"].as_array_mut().expect("rules");
+    let before = rules.len();
+    rules.retain(|r| !(has(r, "apiGroups", group) && has(r, "resources", resource)));
+    assert!(rules.len() < before, "no rule for {group}/{resource} in ClusterRole nodelb");
+    api.apply(role).expect("replace ClusterRole nodelb");
+}
+
 /// One RBAC permission: (apiGroup, resource or resource/subresource, verb).
 pub type Permission = (String, String, String);
 
-/// The namespace (if any) and permission of a request, the way the API server's authorizer sees
-/// it; `None` for paths outside the resource API (discovery, health).
-pub fn request_permission(method: &str, path: &str, watch: bool) -> Option<(Option<String>, Permission)> {
-    let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
-    let (group, rest) = match segs.as_slice() {
-        ["api", _v, rest @ ..] => ("", rest),
-        ["apis", g, _v, rest @ ..] => (*g, rest),
-        _ => return None,
-    };
-    let (ns, rest) = match rest {
-        ["namespaces", ns, res, more @ ..] => (Some(ns.to_string()), [&[*res][..], more].concat()),
-        _ => (None, rest.to_vec()),
-    };
-    let resource = match rest.as_slice() {
-        [res] | [res, _] => res.to_string(),
-        [res, _, sub] => format!("{res}/{sub}"),
-        _ => return None,
-    };
-    let named = rest.len() > 1;
-    let verb = match (method, named) {
-        ("GET", true) => "get",
-        ("GET", false) if watch => "watch",
-        ("GET", false) => "list",
-        ("POST", _) => "create",
-        ("PUT", _) => "update",
-        ("PATCH", _) => "patch",
-        ("DELETE", true) => "delete",
-        ("DELETE", false) => "deletecollection",
-        _ => return None,
-    };
-    Some((ns, (group.to_string(), resource, verb.to_string())))
-}
-
 /// The rules of `daemonset/10-rbac.yaml`: the ClusterRole's (any namespace) and the Role's (its
-/// namespace only). No resourceNames or wildcards are used there, so none are understood here.
+/// namespace only), each permission with the names it is restricted to (`resourceNames`; `None`:
+/// any). No wildcards are used there, so none are understood here.
 pub struct Rbac {
-    pub cluster: BTreeSet<Permission>,
-    pub namespaced: BTreeSet<(String, Permission)>,
+    pub cluster: BTreeMap<Permission, Option<BTreeSet<String>>>,
+    pub namespaced: BTreeMap<(String, Permission), Option<BTreeSet<String>>>,
 }
 
 impl Rbac {
     pub fn load() -> Rbac {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("daemonset/10-rbac.yaml");
         let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let mut rbac = Rbac { cluster: BTreeSet::new(), namespaced: BTreeSet::new() };
+        let mut rbac = Rbac { cluster: BTreeMap::new(), namespaced: BTreeMap::new() };
         for doc in serde_yaml::Deserializer::from_str(&text) {
             let v: Value = serde::Deserialize::deserialize(doc).expect("YAML document");
             let ns = v["metadata"]["namespace"].as_str().map(String::from);
@@ -451,15 +620,19 @@ impl Rbac {
                 x.as_array().into_iter().flatten().filter_map(|s| s.as_str().map(String::from)).collect()
             };
             for rule in v["rules"].as_array().into_iter().flatten() {
-                assert!(rule.get("resourceNames").is_none(), "resourceNames not understood: {rule}");
+                let names = rule.get("resourceNames").map(|n| strs(n).into_iter().collect::<BTreeSet<_>>());
                 for g in strs(&rule["apiGroups"]) {
                     for r in strs(&rule["resources"]) {
                         for verb in strs(&rule["verbs"]) {
+                            assert!(g != "*" && r != "*" && verb != "*", "wildcards not understood: {rule}");
                             let p = (g.clone(), r.clone(), verb);
-                            match kind {
-                                "ClusterRole" => rbac.cluster.insert(p),
-                                _ => rbac.namespaced.insert((ns.clone().expect("Role namespace"), p)),
+                            let old = match kind {
+                                "ClusterRole" => rbac.cluster.insert(p, names.clone()),
+                                _ => rbac
+                                    .namespaced
+                                    .insert((ns.clone().expect("Role namespace"), p), names.clone()),
                             };
+                            assert!(old.is_none(), "a permission granted twice: {rule}");
                         }
                     }
                 }
@@ -468,14 +641,19 @@ impl Rbac {
         rbac
     }
 
-    pub fn allows(&self, ns: Option<&str>, p: &Permission) -> bool {
-        self.cluster.contains(p)
-            || ns.is_some_and(|ns| self.namespaced.contains(&(ns.to_string(), p.clone())))
+    /// Whether `p` is granted in `ns` (`None`: cluster-scoped) for the object called `name`
+    /// (`None`: a request naming no object, which a `resourceNames` rule does not grant).
+    pub fn allows(&self, ns: Option<&str>, p: &Permission, name: Option<&str>) -> bool {
+        let fits = |names: &Option<BTreeSet<String>>| {
+            names.as_ref().is_none_or(|names| name.is_some_and(|n| names.contains(n)))
+        };
+        self.cluster.get(p).is_some_and(fits)
+            || ns.is_some_and(|ns| self.namespaced.get(&(ns.to_string(), p.clone())).is_some_and(fits))
     }
 
     /// Every permission granted, wherever.
     pub fn all(&self) -> BTreeSet<Permission> {
-        self.cluster.iter().cloned().chain(self.namespaced.iter().map(|(_, p)| p.clone())).collect()
+        self.cluster.keys().cloned().chain(self.namespaced.keys().map(|(_, p)| p.clone())).collect()
     }
 }
 

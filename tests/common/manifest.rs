@@ -84,6 +84,8 @@ pub struct ServiceSpec {
     pub endpoints: Vec<EndpointSpec>,
     /// Render the EndpointSlice(s) at all (false: a Service with no slice).
     pub with_slices: bool,
+    /// `sessionAffinity: ClientIP` with this `timeoutSeconds` (`None`: no affinity).
+    pub affinity_timeout: Option<u32>,
 }
 
 impl ServiceSpec {
@@ -98,7 +100,12 @@ impl ServiceSpec {
             ip_families: vec!["IPv4".into()],
             endpoints: Vec::new(),
             with_slices: true,
+            affinity_timeout: None,
         }
+    }
+    pub fn client_ip_affinity(mut self, timeout_seconds: u32) -> Self {
+        self.affinity_timeout = Some(timeout_seconds);
+        self
     }
     pub fn port(mut self, p: PortSpec) -> Self {
         self.ports.push(p);
@@ -162,6 +169,10 @@ impl ServiceSpec {
         });
         if !self.source_ranges.is_empty() {
             spec["loadBalancerSourceRanges"] = json!(self.source_ranges);
+        }
+        if let Some(t) = self.affinity_timeout {
+            spec["sessionAffinity"] = json!("ClientIP");
+            spec["sessionAffinityConfig"] = json!({"clientIP": {"timeoutSeconds": t}});
         }
         json!({
             "apiVersion": "v1",

@@ -3,6 +3,7 @@
 
 pub mod agent;
 pub mod cluster;
+pub mod kube;
 pub mod manifest;
 pub mod netns;
 pub mod scenarios;

@@ -42,6 +42,7 @@ pub fn node(families: &[Family]) -> NodeFacts {
         node_name: NODE.into(),
         families: families.iter().copied().collect::<BTreeSet<_>>(),
         masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
+        forward_mark: None,
     }
 }
 
@@ -86,6 +87,13 @@ pub fn scenarios() -> Vec<Scenario> {
         )],
     );
     dual.families = vec![Family::Ipv4, Family::Ipv6];
+    // ClientIP affinity: two IPv4 endpoints (lookups, draws that record), one IPv6 endpoint.
+    let mut sticky = svc(
+        "sticky",
+        vec![(80, Protocol::Tcp, [two_backends(), vec![ep("2001:db8:2::11", 8080, NODE, true)]].concat())],
+    );
+    sticky.families = vec![Family::Ipv4, Family::Ipv6];
+    sticky.session_affinity = Some(600);
     let all = [Family::Ipv4, Family::Ipv6];
     vec![
         Scenario { name: "empty", services: vec![], node: node(&all) },
@@ -118,6 +126,16 @@ pub fn scenarios() -> Vec<Scenario> {
             name: "dual_stack_v4_forwarding_off",
             services: vec![(dual.clone(), ports(&dual, 20006))],
             node: node(&[Family::Ipv6]),
+        },
+        Scenario {
+            name: "web_iptables_forward_accept",
+            services: vec![(web.clone(), ports(&web, 20001))],
+            node: NodeFacts { forward_mark: Some(0x2000), ..node(&all) },
+        },
+        Scenario {
+            name: "affinity",
+            services: vec![(sticky.clone(), ports(&sticky, 20008))],
+            node: node(&all),
         },
         Scenario {
             name: "mixed",

@@ -102,7 +102,7 @@ impl Topology {
         for j in 0..backends {
             let ns = NetNs::new(&format!("be{}", j + 1));
             let (v4, v6) = (backend_v4(j), backend_v6(j));
-            attach(&node, "br-b", &format!("b{j}"), &ns, v4, v6, NODE_BACKEND_V4, NODE_BACKEND_V6);
+            attach(&node, "br-b", &Self::backend_port(j), &ns, v4, v6, NODE_BACKEND_V4, NODE_BACKEND_V6);
             let name = format!("be{}", j + 1);
             let servers = Servers::start(&ns, &name, BACKEND_TCP_PORT, BACKEND_UDP_PORT);
             bs.push(Backend { name, v4, v6, servers: Some(servers), ns });
@@ -117,6 +117,27 @@ impl Topology {
     /// Stops the servers of backend `j` (its address stays up: connections get refused).
     pub fn stop_backend(&mut self, j: usize) {
         self.backends[j].servers.take();
+    }
+
+    /// The node's bridge port (on `br-b`) towards backend `j`.
+    pub fn backend_port(j: usize) -> String {
+        format!("b{j}")
+    }
+
+    /// Hairpin mode of every backend's bridge port (`br-b`), as a CNI sets it per pod.
+    pub fn set_hairpin(&self, on: bool) {
+        for j in 0..self.backends.len() {
+            let port = Self::backend_port(j);
+            self.node.ip(&[
+                "link",
+                "set",
+                &port,
+                "type",
+                "bridge_slave",
+                "hairpin",
+                if on { "on" } else { "off" },
+            ]);
+        }
     }
 }
 

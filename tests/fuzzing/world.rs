@@ -124,6 +124,7 @@ pub fn node() -> NodeFacts {
         node_name: "node-1".into(),
         families: BTreeSet::from([Family::Ipv4, Family::Ipv6]),
         masquerade_mark: 0x4000,
+        forward_mark: None,
     }
 }
 
