@@ -38,5 +38,6 @@ emit namespace.yaml 00-namespace.yaml
 emit rbac.yaml 10-rbac.yaml
 emit daemonset.yaml 20-daemonset.yaml
 emit podmonitor.yaml monitoring/podmonitor.yaml
+emit scraper-rbac.yaml monitoring/scraper-rbac.yaml
 cp charts/nodelb/dashboards/nodelb.json "$dest/monitoring/grafana-dashboard.json"
-echo "wrote $dest/{00-namespace,10-rbac,20-daemonset}.yaml, $dest/monitoring/{podmonitor.yaml,grafana-dashboard.json}" >&2
+echo "wrote $dest/{00-namespace,10-rbac,20-daemonset}.yaml, $dest/monitoring/{podmonitor,scraper-rbac}.yaml, $dest/monitoring/grafana-dashboard.json" >&2

@@ -115,9 +115,39 @@ pub struct ServiceKey {
 }
 
 impl fmt::Display for ServiceKey {
+    /// `namespace/name`. A part longer than any Kubernetes name (253 bytes: only an invalid,
+    /// refused manifest has one) is cut as [`quoted`] cuts values, so that a message naming the
+    /// Service stays short; a valid key (DNS labels, 63 bytes) is always written whole.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
+        let part =
+            |s: &str| if s.len() > MAX_NAME { cut(s, MAX_NAME).to_string() + "…" } else { s.to_string() };
+        write!(f, "{}/{}", part(&self.namespace), part(&self.name))
     }
+}
+
+/// Longest name of any Kubernetes object (a DNS-1123 subdomain).
+const MAX_NAME: usize = 253;
+
+/// Longest part of a value a message quotes. A refusal goes into a status line, a log line, a
+/// condition (the API server allows 32 KiB) and an Event (1 KiB); an annotation may hold 256 KiB.
+pub const MAX_QUOTED: usize = 200;
+
+/// `value` as `{value:?}` writes it, cut after [`MAX_QUOTED`] bytes (at a character boundary)
+/// with its full length: `"80/TCP=20080,80/TCP=2008…" (300000 bytes)`.
+pub fn quoted(value: &str) -> String {
+    if value.len() <= MAX_QUOTED {
+        return format!("{value:?}");
+    }
+    format!("{:?}… ({} bytes)", cut(value, MAX_QUOTED), value.len())
+}
+
+/// The longest prefix of `s` of at most `max` bytes that ends on a character boundary.
+pub fn cut(s: &str, max: usize) -> &str {
+    let mut end = max.min(s.len());
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
 }
 
 /// Identity of one service port: its `port` number and protocol (`80/TCP`). Unique within a
@@ -186,10 +216,10 @@ impl FromStr for ServiceKey {
     /// `namespace/name`, each a DNS-1123 label (exactly what the model accepts of a Service).
     fn from_str(s: &str) -> Result<Self, ParseError> {
         let Some((ns, name)) = s.split_once('/') else {
-            return Err(ParseError(format!("{s:?} is not namespace/name")));
+            return Err(ParseError(format!("{} is not namespace/name", quoted(s))));
         };
-        check_dns_label(ns).map_err(|e| ParseError(format!("{s:?}: namespace {ns:?} {e}")))?;
-        check_dns_label(name).map_err(|e| ParseError(format!("{s:?}: name {name:?} {e}")))?;
+        check_dns_label(ns).map_err(|e| ParseError(format!("namespace {} {e}", quoted(ns))))?;
+        check_dns_label(name).map_err(|e| ParseError(format!("name {} {e}", quoted(name))))?;
         Ok(ServiceKey { namespace: ns.to_string(), name: name.to_string() })
     }
 }
@@ -200,7 +230,7 @@ pub fn parse_protocol(s: &str) -> Result<Protocol, ParseError> {
         "TCP" => Ok(Protocol::Tcp),
         "UDP" => Ok(Protocol::Udp),
         "SCTP" => Ok(Protocol::Sctp),
-        _ => Err(ParseError(format!("unknown protocol {s:?} (want TCP, UDP or SCTP)"))),
+        _ => Err(ParseError(format!("unknown protocol {} (want TCP, UDP or SCTP)", quoted(s)))),
     }
 }
 
@@ -209,7 +239,7 @@ pub fn parse_port_number(s: &str) -> Result<u16, ParseError> {
     match s.trim().parse::<u32>() {
         Ok(n) if (1..=65535).contains(&n) => Ok(n as u16),
         Ok(n) => Err(ParseError(format!("port {n} is out of range 1-65535"))),
-        Err(_) => Err(ParseError(format!("{:?} is not a port number", s.trim()))),
+        Err(_) => Err(ParseError(format!("{} is not a port number", quoted(s.trim())))),
     }
 }
 
@@ -219,7 +249,7 @@ impl FromStr for PortId {
     /// `80/TCP` (protocol case-insensitive).
     fn from_str(s: &str) -> Result<Self, ParseError> {
         let (port, proto) =
-            s.split_once('/').ok_or_else(|| ParseError(format!("{s:?} is not PORT/PROTOCOL")))?;
+            s.split_once('/').ok_or_else(|| ParseError(format!("{} is not PORT/PROTOCOL", quoted(s))))?;
         Ok(PortId { port: parse_port_number(port)?, protocol: parse_protocol(proto.trim())? })
     }
 }

@@ -4,8 +4,10 @@
 //! Flow: observe (`manifests`) → validate (`model`) → allocate (`alloc`) → plan (`plan`, pure) →
 //! encode and apply (`nft`). Only the edges do I/O.
 
+pub mod access;
 pub mod agent;
 pub mod alloc;
+pub mod bounded;
 pub mod bridge;
 pub mod cli;
 pub mod commands;
@@ -46,6 +48,7 @@ pub mod source;
 pub mod state;
 pub mod status;
 pub mod sysctl;
+pub mod tls;
 #[cfg(any(test, feature = "testing"))]
 pub mod trace;
 pub mod xt;

@@ -13,6 +13,11 @@ use std::path::{Path, PathBuf};
 
 use crate::manifests::{self, Manifests};
 
+/// Largest manifest file read (16 MiB): 10,000 Services with their EndpointSlices fit in a few.
+/// A larger file is a problem (its Services keep their last good version), never a read of
+/// whatever size into memory: parsing multiplies a file's size several times.
+pub const MAX_FILE_BYTES: u64 = 16 << 20;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ManifestError {
     #[error("manifests directory {path}: cannot read: {source}")]
@@ -106,7 +111,7 @@ impl ManifestCache {
                 Ok(_) => continue, // a directory called x.yaml: not a manifest
                 Err(e) => {
                     let stamp = FileStamp { len: 0, dev: 0, ino: 0, mtime_ns: -1, ctime_ns: -1 };
-                    (stamp, manifests::unreadable(&path, &e))
+                    (stamp, manifests::unreadable(&path, &e.to_string()))
                 }
             };
             fresh.insert(path, file);
@@ -125,9 +130,13 @@ impl ManifestCache {
 
 /// Reads and parses one file.
 fn parse_file(path: &Path, name: &str) -> Manifests {
-    match std::fs::read_to_string(path) {
+    match crate::bounded::read_to_string(path, MAX_FILE_BYTES) {
         Ok(text) => manifests::parse(path, name, &text),
-        Err(e) => manifests::unreadable(path, &e),
+        Err(e) if e.kind() == io::ErrorKind::FileTooLarge => manifests::unreadable(
+            path,
+            &format!("{e}: manifests larger than 16 MiB are not read (split the file)"),
+        ),
+        Err(e) => manifests::unreadable(path, &e.to_string()),
     }
 }
 

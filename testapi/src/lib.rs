@@ -11,6 +11,9 @@
 //! - core/v1 `services` (+`/status`), `nodes` (+`/status`, cluster-scoped), `events`, `namespaces`
 //!   (+`/status`); `events.k8s.io/v1` `events`; `discovery.k8s.io/v1` `endpointslices`;
 //!   `coordination.k8s.io/v1` `leases`. JSON only (`application/json`; `application/yaml` bodies too).
+//! - `authentication.k8s.io/v1` `tokenreviews` and `authorization.k8s.io/v1`
+//!   `subjectaccessreviews` (create, non-resource attributes only), answered from tokens and
+//!   grants the test registers ([`TestApiServer::add_token`], [`TestApiServer::grant_non_resource`]).
 //! - Discovery: `/version`, `/api`, `/api/v1`, `/apis`, `/apis/{group}[/{version}]`; `/healthz`,
 //!   `/livez`, `/readyz`. (`Api<K>` with k8s-openapi types does not use discovery.)
 //! - GET, LIST (namespaced and all-namespaces), WATCH, POST, PUT, PATCH, DELETE on the paths above.
@@ -126,6 +129,7 @@ mod error;
 mod fields;
 mod patch;
 pub mod resources;
+mod reviews;
 mod selector;
 mod server;
 mod store;
@@ -223,6 +227,7 @@ impl TestApiServer {
             next_conn: AtomicU64::new(0),
             log: Mutex::new(Vec::new()),
             generation: tokio::sync::watch::channel(0).0,
+            reviews: Mutex::new(reviews::Reviews::default()),
         });
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -313,6 +318,17 @@ impl TestApiServer {
     /// Remove every [`stall_matching`](Self::stall_matching) rule; held requests are handled now.
     pub fn release_stalled(&self) {
         self.shared.release_stalled();
+    }
+
+    /// TokenReviews of `token` authenticate it as `user` in `groups`.
+    pub fn add_token(&self, token: &str, user: &str, groups: &[&str]) {
+        lock(&self.shared.reviews).add_token(token, user, groups);
+    }
+
+    /// SubjectAccessReviews allow `subject` (a user name or a group) `verb` on the non-resource
+    /// URL `path` (what a ClusterRole rule with `nonResourceURLs` grants).
+    pub fn grant_non_resource(&self, subject: &str, verb: &str, path: &str) {
+        lock(&self.shared.reviews).grant(subject, verb, path);
     }
 
     /// While unreachable, every open connection is closed and new ones are reset as soon as they are

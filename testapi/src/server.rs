@@ -46,6 +46,7 @@ pub(crate) struct Shared {
     pub log: Mutex<Vec<RequestRecord>>,
     /// Bumped by `drop_connections`: watch producers whose generation is older stop.
     pub generation: tokio::sync::watch::Sender<u64>,
+    pub reviews: Mutex<crate::reviews::Reviews>,
 }
 
 impl Shared {
@@ -294,6 +295,14 @@ async fn route(shared: &Arc<Shared>, req: Request<Incoming>) -> Result<Response<
         let mut r = Response::new(Body::from("ok"));
         r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
         return Ok(r);
+    }
+    if path.contains("reviews") && req.method() == Method::POST {
+        let (ct, body) = read_body(req).await?;
+        let value = json_body(ct.as_deref(), &body)?;
+        if let Some(answer) = lock(&shared.reviews).answer(&path, &value) {
+            return answer.map(|v| json_response(201, &v));
+        }
+        return Err(ApiError::not_found_path());
     }
     let Some(t) = parse_path(&path)? else { return Err(ApiError::not_found_path()) };
     let rt = &RESOURCES[t.res];
