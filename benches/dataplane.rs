@@ -34,9 +34,9 @@ use common::netns::NetNs;
 use common::scenarios::{ep, node as node_facts, svc};
 use common::topology::{NODE_V4, Topology, backend_v4, client_v4};
 use nodelb::domain::{Family, PortId, Protocol};
+use nodelb::encode::nft::NftClient;
 use nodelb::ir::{Carried, KeyPart, Ruleset};
 use nodelb::model::LbService;
-use nodelb::nft::NftClient;
 use nodelb::plan::{self, ServicePlan};
 
 /// Port of the fast HTTP server in the backend namespace.

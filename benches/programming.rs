@@ -19,9 +19,9 @@ use common::netns::NetNs;
 use common::scenarios::{ep, node as node_facts, svc};
 use nix::sys::resource::{UsageWho, getrusage};
 use nodelb::domain::{Family, PortId, Protocol};
+use nodelb::encode::nft::NftClient;
 use nodelb::ir::Ruleset;
 use nodelb::model::LbService;
-use nodelb::nft::NftClient;
 use nodelb::plan::{self, ServicePlan};
 
 /// `affinity`: every Service with `sessionAffinity: ClientIP` (a dynamic set per endpoint).

@@ -13,26 +13,26 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use k8s_openapi::jiff::Timestamp;
 use tracing::{debug, error, info, warn};
 
-use crate::bridge::BridgeReader;
-use crate::dataplane::{Dataplane, DataplaneError};
+use crate::agent::schedule::Schedule;
+use crate::apply::dataplane::{Dataplane, DataplaneError};
+use crate::apply::firewall::{self, Checker};
+use crate::apply::kernel::{Kernel, LocalNode, Netlink, NodeReads};
 use crate::desired::{self, AllocationMode, Desired, HostFacts, HostPolicy, Inputs};
 use crate::domain::Family;
+use crate::encode::nft::{self, NftClient};
 use crate::endpoint_policy::HostAddresses;
-use crate::firewall::{self, Checker};
 use crate::hairpin;
-use crate::kernel::{Kernel, LocalNode, Netlink, NodeReads};
-use crate::manifest_dir::ManifestError;
-use crate::metrics::Metrics;
 use crate::model::ModelOptions;
-use crate::nft::{self, NftClient};
+use crate::observe::bridge::BridgeReader;
+use crate::observe::manifest_dir::ManifestError;
+use crate::observe::source::{Loaded, Snapshot, Source};
+use crate::observe::state::{State, StateFile};
+use crate::observe::sysctl::{Sysctls, forwarding_sysctl};
 use crate::plan::NodeFacts;
 use crate::port_policy::{Listeners, PortRange};
 use crate::report::{ServiceState, ServiceStatus};
-use crate::schedule::Schedule;
-use crate::source::{Loaded, Snapshot, Source};
-use crate::state::{State, StateFile};
-use crate::status::{SharedStatus, SyncStatus};
-use crate::sysctl::{Sysctls, forwarding_sysctl};
+use crate::serve::metrics::Metrics;
+use crate::serve::status::{SharedStatus, SyncStatus};
 
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
@@ -65,9 +65,9 @@ pub enum AgentError {
     #[error(transparent)]
     Manifests(#[from] ManifestError),
     #[error(transparent)]
-    State(#[from] crate::state::StateError),
+    State(#[from] crate::observe::state::StateError),
     #[error(transparent)]
-    KernelSupport(#[from] crate::kernel::SupportError),
+    KernelSupport(#[from] crate::apply::kernel::SupportError),
 }
 
 impl From<DataplaneError> for AgentError {
@@ -176,10 +176,13 @@ pub async fn run(
         None => Default::default(),
     };
     let kernel = Netlink::new()?;
-    crate::kernel::check_support(&mut NftClient::new()?)?;
+    crate::apply::kernel::check_support(&mut NftClient::new()?)?;
     let mut firewall = HostFirewall {
         nft: NftClient::new()?,
-        checker: Checker::new(cfg.forward_mark, crate::xtables::Xtables::new(cfg.xtables_lockfile.clone())),
+        checker: Checker::new(
+            cfg.forward_mark,
+            crate::apply::xtables::Xtables::new(cfg.xtables_lockfile.clone()),
+        ),
         logged: BTreeMap::new(),
         logged_problems: BTreeSet::new(),
     };
@@ -789,5 +792,6 @@ fn log_new(reported: &mut BTreeSet<String>, current: BTreeSet<String>, log: impl
     *reported = current;
 }
 
+pub mod schedule;
 #[cfg(test)]
 mod tests;

@@ -13,20 +13,20 @@ use crate::agent::{self, AgentConfig};
 use crate::cli::{CommonArgs, KubeArgs, PlanArgs, RunArgs, StatusArgs};
 use crate::desired::{self, HostFacts, HostPolicy, Inputs};
 use crate::domain::Family;
+use crate::encode::nft::NftClient;
 use crate::endpoint_policy::EndpointPolicy;
 use crate::k8s::controller::{self, ControllerConfig};
 use crate::k8s::installation::{Installation, Tracker};
 use crate::k8s::source::KubeSource;
 use crate::k8s::uninstall::Exit;
-use crate::metrics::Metrics;
 use crate::model::ModelOptions;
-use crate::nft::NftClient;
+use crate::observe::source::Source;
+use crate::observe::state::StateFile;
+use crate::observe::sysctl::Sysctls;
 use crate::plan::NodeFacts;
 use crate::report::PortStatus;
-use crate::source::Source;
-use crate::state::StateFile;
-use crate::status::{SharedStatus, Status};
-use crate::sysctl::Sysctls;
+use crate::serve::metrics::Metrics;
+use crate::serve::status::{SharedStatus, Status};
 
 fn node_name(common: &CommonArgs) -> String {
     common.node_name.clone().unwrap_or_else(|| {
@@ -87,8 +87,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         model: model_options(&args.common),
         sysctls: Sysctls::default(),
         policy: host_policy(&args.common),
-        xtables_lockfile: crate::xtables::default_lockfile(),
-        bridges: crate::bridge::BridgeReader::default(),
+        xtables_lockfile: crate::apply::xtables::default_lockfile(),
+        bridges: crate::observe::bridge::BridgeReader::default(),
     };
     let status: SharedStatus = Arc::new(RwLock::new(Status::default()));
     let metrics = Arc::new(Metrics::new(args.per_service_metrics)?);
@@ -98,9 +98,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             "--metrics-addr authenticates clients with the Kubernetes API: it needs Kubernetes mode (no --manifests)"
         );
     }
-    let router = crate::http::router(status.clone(), metrics.clone(), stuck_after);
+    let router = crate::serve::http::router(status.clone(), metrics.clone(), stuck_after);
     serve_http(args.http_addr, "--http-addr", router, "serving /metrics, /status, /healthz, /readyz").await?;
-    let health = crate::http::health_router(status.clone(), stuck_after);
+    let health = crate::serve::http::health_router(status.clone(), stuck_after);
     serve_http(args.health_addr, "--health-addr", health, "serving /healthz, /readyz (reasons withheld)")
         .await?;
     let (source, controller) = match &args.common.manifests {
@@ -192,16 +192,16 @@ async fn serve_authenticated_metrics(
 ) -> anyhow::Result<()> {
     let files = args.metrics_tls_cert_file.as_deref().zip(args.metrics_tls_key_file.as_deref());
     let names = [node_name.to_string(), "localhost".to_string()];
-    let tls = crate::tls::server_config(files, &names).context("--metrics-addr")?;
+    let tls = crate::serve::tls::server_config(files, &names).context("--metrics-addr")?;
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("cannot listen on --metrics-addr {addr}"))?;
     let reviewer = Arc::new(crate::k8s::review::KubeReviewer::new(client));
-    let auth = Arc::new(crate::http::MetricsAuth::new(reviewer));
-    let router = crate::http::metrics_router(metrics, auth);
+    let auth = Arc::new(crate::serve::http::MetricsAuth::new(reviewer));
+    let router = crate::serve::http::metrics_router(metrics, auth);
     let certificate = if files.is_some() { "from --metrics-tls-cert-file" } else { "self-signed" };
     info!(%addr, certificate, "serving /metrics over TLS to authorized bearer tokens (TokenReview + SubjectAccessReview)");
-    tokio::spawn(crate::tls::serve(listener, tls, router));
+    tokio::spawn(crate::serve::tls::serve(listener, tls, router));
     Ok(())
 }
 
@@ -238,7 +238,7 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
     let Some(dir) = &args.common.manifests else {
         bail!("plan needs --manifests DIR");
     };
-    let loaded = crate::manifest_dir::load_dir(dir)?;
+    let loaded = crate::observe::manifest_dir::load_dir(dir)?;
     for p in &loaded.problems {
         eprintln!("problem: {p}");
     }
@@ -252,8 +252,10 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
         forward_mark: forward_mark(&args.common)?,
     };
     let host = HostFacts {
-        addresses: crate::hostaddrs::read().unwrap_or_default(),
-        listeners: crate::port_policy::Listeners::from_sockets(crate::listeners::read().unwrap_or_default()),
+        addresses: crate::observe::hostaddrs::read().unwrap_or_default(),
+        listeners: crate::port_policy::Listeners::from_sockets(
+            crate::observe::listeners::read().unwrap_or_default(),
+        ),
     };
     let desired = desired::compute(&Inputs {
         mode: desired::AllocationMode::Allocate,
@@ -313,8 +315,8 @@ fn remove_rules() -> (Vec<String>, Vec<String>) {
         Err(e) => return (Vec::new(), vec![format!("cannot open a netfilter netlink socket: {e}")]),
     };
     // nodelb's ACCEPTs in iptables' FORWARD chains first: they match a mark only our table sets.
-    let xtables = crate::xtables::Xtables::new(crate::xtables::default_lockfile());
-    let (mut removed, mut problems) = crate::firewall::remove_accepts(&mut nft, &xtables);
+    let xtables = crate::apply::xtables::Xtables::new(crate::apply::xtables::default_lockfile());
+    let (mut removed, mut problems) = crate::apply::firewall::remove_accepts(&mut nft, &xtables);
     match nft.delete_table() {
         Ok(true) => removed.push(format!("removed table inet {}", crate::ir::TABLE_NAME)),
         Ok(false) => {
@@ -394,7 +396,7 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
 
 /// The host-firewall part of `nodelb status`: chains that drop forwarded connections (and
 /// whether for certain), where nodelb's ACCEPT is, what the forward counters say.
-fn print_host_firewall(fw: &crate::status::HostFirewallStatus) {
+fn print_host_firewall(fw: &crate::serve::status::HostFirewallStatus) {
     if fw.checked_at == 0 {
         return;
     }

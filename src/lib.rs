@@ -1,55 +1,25 @@
 //! nodelb: a node agent that makes Kubernetes `type: LoadBalancer` Services reachable at
 //! `<node-ip>:<allocated-port>` by programming nftables over netlink.
 //!
-//! Flow: observe (`manifests`) → validate (`model`) → allocate (`alloc`) → plan (`plan`, pure) →
-//! encode and apply (`nft`). Only the edges do I/O.
+//! Flow: observe (`observe`, `k8s`) → plan (the pure core, crate `nodelb-core`, re-exported
+//! here) → encode (`encode`) → apply (`apply`), driven by `agent`; `serve` answers HTTP and
+//! metrics. Only this crate does I/O.
 
-pub mod access;
 pub mod agent;
-pub mod alloc;
-pub mod bounded;
-pub mod bridge;
+pub mod apply;
 pub mod cli;
 pub mod commands;
-pub mod conntrack;
-pub mod counters;
-pub mod dataplane;
-mod debounce;
-pub mod desired;
-pub mod dir_watch;
-pub mod domain;
-pub mod endpoint_policy;
-pub mod firewall;
-pub mod hairpin;
-pub mod hostaddrs;
-pub mod hostfw;
-pub mod http;
-pub mod ir;
+pub mod encode;
 pub mod k8s;
-pub mod kernel;
-#[cfg(test)]
-pub mod kernel_fake;
-pub mod kernel_support;
-pub mod listeners;
 pub mod locks;
-pub mod manifest_dir;
-pub mod manifests;
-pub mod metrics;
-pub mod model;
-pub mod nft;
-pub mod plan;
-pub mod port_policy;
-pub mod report;
-pub mod schedule;
+pub mod observe;
+pub mod serve;
+
+/// The pure core (`crates/core`), under the paths the agent and the tests name it by.
+pub use nodelb_core::{
+    alloc, counters, desired, domain, endpoint_policy, hairpin, hostfw, ir, kernel_support, manifests, model,
+    plan, port_policy, report, slim,
+};
+/// Test oracles: the packet tracer and the planner's model of the kernel (feature `testing`).
 #[cfg(any(test, feature = "testing"))]
-pub mod simulate;
-pub mod slim;
-pub mod source;
-pub mod state;
-pub mod status;
-pub mod sysctl;
-pub mod tls;
-#[cfg(any(test, feature = "testing"))]
-pub mod trace;
-pub mod xt;
-pub mod xtables;
+pub use nodelb_core::{simulate, trace};

@@ -3,8 +3,8 @@
 use std::path::Path;
 
 use nodelb::alloc::{Allocations, allocate};
-use nodelb::manifest_dir::load_dir;
 use nodelb::model::{ModelOptions, build};
+use nodelb::observe::manifest_dir::load_dir;
 use nodelb::port_policy::PortRange;
 
 #[test]

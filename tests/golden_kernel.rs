@@ -8,8 +8,8 @@ use std::io::Write;
 
 use common::netns::NetNs;
 use common::scenarios::{plan_of, scenarios};
+use nodelb::encode::nft::{NftClient, verify};
 use nodelb::ir::{Change, Ruleset};
-use nodelb::nft::{NftClient, verify};
 use nodelb::plan;
 
 fn apply(ns: &NetNs, changes: Vec<Change>) {

@@ -18,11 +18,11 @@ use common::netns::NetNs;
 use common::topology::{
     ClientError, NODE_V4, NODE_V6, Topology, backend_v4, backend_v6, http_get, wait_until,
 };
+use nodelb::apply::xtables::{Layout, Xtables};
 use nodelb::domain::Family;
+use nodelb::encode::nft::NftClient;
+use nodelb::encode::nft::foreign::AcceptWrite;
 use nodelb::hostfw::{self, Action, HostChain, Source, TableFamily, Test};
-use nodelb::nft::NftClient;
-use nodelb::nft::foreign::AcceptWrite;
-use nodelb::xtables::{Layout, Xtables};
 
 fn lockfile() -> String {
     xtables_lockfile().to_string_lossy().into_owned()

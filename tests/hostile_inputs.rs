@@ -257,7 +257,7 @@ fn load_with(
     let path = dir.path().join(name);
     std::fs::write(&path, content).expect("write");
     let t = Instant::now();
-    let m = nodelb::manifest_dir::load_dir(dir.path()).expect("readable");
+    let m = nodelb::observe::manifest_dir::load_dir(dir.path()).expect("readable");
     eprintln!("{name} ({} bytes): load_dir {:.0} ms", content.len(), t.elapsed().as_secs_f64() * 1e3);
     let served: std::collections::BTreeSet<_> = m.services.iter().map(|s| model::service_key(s)).collect();
     assert!(world.keys().is_subset(&served), "{name}: the good file's Services are not all read");
@@ -398,7 +398,7 @@ fn a_million_empty_documents() {
 fn hostile_state_files_give_short_errors() {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("state.json");
-    let file = nodelb::state::StateFile::new(&path);
+    let file = nodelb::observe::state::StateFile::new(&path);
     std::fs::write(&path, json!({"version": "v".repeat(1 << 20)}).to_string()).expect("write");
     let e = file.load().expect_err("a string version").to_string();
     assert!(

@@ -9,11 +9,11 @@ use std::net::IpAddr;
 
 use common::netns::NetNs;
 use nodelb::domain::{Family, Protocol};
+use nodelb::encode::nft::{NftClient, NftError, verify};
 use nodelb::ir::{
     self, BaseChain, Chain, ChainType, Change, CtState, Expr, Hook, KeyPart, KeyType, Mapped, NamedCounter,
     Rule, Ruleset, Set, SetKind, Verdict,
 };
-use nodelb::nft::{NftClient, NftError, verify};
 
 type V = Verdict;
 type S = CtState;
@@ -266,11 +266,11 @@ fn full_ruleset() -> Ruleset {
     rs
 }
 
-fn apply_in(ns: &NetNs, changes: Vec<Change>) -> Result<nodelb::nft::ApplyStats, NftError> {
+fn apply_in(ns: &NetNs, changes: Vec<Change>) -> Result<nodelb::encode::nft::ApplyStats, NftError> {
     ns.run(move || NftClient::new()?.apply(&changes))
 }
 
-fn read_in(ns: &NetNs) -> Option<nodelb::nft::KernelTable> {
+fn read_in(ns: &NetNs) -> Option<nodelb::encode::nft::KernelTable> {
     ns.run(|| NftClient::new().and_then(|mut c| c.read_table())).expect("read_table")
 }
 
@@ -637,7 +637,7 @@ fn kernel_probe_passes_and_commits_nothing() {
     let probe = nodelb::kernel_support::probe();
     let check = |ns: &NetNs| {
         let probe = probe.clone();
-        ns.run(move || nodelb::kernel::check_probe(&mut NftClient::new().expect("netlink"), &probe))
+        ns.run(move || nodelb::apply::kernel::check_probe(&mut NftClient::new().expect("netlink"), &probe))
     };
     let gen_of = |ns: &NetNs| ns.run(|| NftClient::new().and_then(|mut c| c.generation())).expect("gen");
     let gen_before = gen_of(&a);
@@ -670,7 +670,7 @@ fn kernel_probe_refusal_names_the_feature() {
         missing,
     ));
     let err = a
-        .run(move || nodelb::kernel::check_probe(&mut NftClient::new().expect("netlink"), &probe))
+        .run(move || nodelb::apply::kernel::check_probe(&mut NftClient::new().expect("netlink"), &probe))
         .expect_err("a jump to a missing chain is refused");
     let text = err.to_string();
     assert!(text.contains("lacks jumps to chains that do not exist (Linux 99.1"), "{text}");

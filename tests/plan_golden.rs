@@ -208,7 +208,7 @@ fn long_names_plan_and_encode() {
             assert!(comment.len() <= plan::MAX_COMMENT, "{} bytes: {comment}", comment.len());
             assert!(comment.contains("...") && comment.contains(" 80/TCP: "), "shortened: {comment}");
         }
-        let encoded = nodelb::nft::encode::encode_batch(&rs.full_replace(), 1);
+        let encoded = nodelb::encode::nft::encode::encode_batch(&rs.full_replace(), 1);
         assert!(encoded.is_ok(), "name of {name_len} bytes: {:?}", encoded.err());
     }
 }

@@ -6,11 +6,11 @@ use std::path::Path;
 use std::sync::RwLock;
 
 use super::*;
+use crate::apply::kernel_fake::{Batch, Failing, FakeKernel, FakeNode};
 use crate::counters::CounterKind;
 use crate::ir::{Carried, Change, KeyPart, Ruleset, SetKind};
-use crate::kernel_fake::{Batch, Failing, FakeKernel, FakeNode};
 use crate::port_policy::{PortPolicy, PortRange};
-use crate::status::Status;
+use crate::serve::status::Status;
 
 /// A Service `name` (`port`/`protocol` to `target`, `sessionAffinity: ClientIP` if `sticky`) and
 /// its EndpointSlice with these endpoint addresses.

@@ -27,10 +27,10 @@ use tracing::{debug, info, warn};
 
 use crate::alloc::{self, Allocations};
 use crate::domain::{Family, ServiceKey};
-use crate::metrics::Metrics;
 use crate::model::{self, ANNOTATION_ALLOCATED, ModelOptions};
 use crate::port_policy::PortRange;
-use crate::status::SharedStatus;
+use crate::serve::metrics::Metrics;
+use crate::serve::status::SharedStatus;
 
 use super::dupes;
 use super::events::Deduper;

@@ -19,7 +19,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource};
 use tracing::{debug, info, warn};
 
-use super::uninstall::{self, DaemonSetFacts, Exit, LastRead, NamespaceFacts, NodeFacts, Observed, Seen};
+use super::uninstall::{self, DaemonSetFacts, Exit, LastRead, NamespaceFacts, NodeFacts, Seen};
 use crate::locks::lock;
 
 /// How long the last read at SIGTERM may take: a few seconds of the pod's grace period (10 s in
@@ -141,15 +141,6 @@ impl Tracker {
             None => LastRead::Answered,
             Some(ReadError::Forbidden(m)) => LastRead::Forbidden(m.clone()),
             Some(_) => LastRead::NoAnswer,
-        }
-    }
-}
-
-impl<T> From<Option<T>> for Observed<T> {
-    fn from(o: Option<T>) -> Observed<T> {
-        match o {
-            Some(t) => Observed::Present(t),
-            None => Observed::Gone,
         }
     }
 }

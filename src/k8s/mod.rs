@@ -9,13 +9,9 @@
 //! "Install, upgrade, uninstall".
 
 pub mod controller;
-pub mod dupes;
-pub mod events;
 pub mod installation;
-pub mod lastgood;
-pub mod leader;
-pub mod nodes;
-pub mod publish;
 pub mod review;
 pub mod source;
-pub mod uninstall;
+
+/// The pure decisions of Kubernetes mode (`crates/core/src/k8s`).
+pub use nodelb_core::k8s::{dupes, events, lastgood, leader, nodes, publish, uninstall};

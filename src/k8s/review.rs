@@ -13,7 +13,7 @@ use k8s_openapi::api::authorization::v1::{
 use kube::api::PostParams;
 use kube::{Api, Client};
 
-use crate::access::Verdict;
+use crate::serve::access::Verdict;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReviewError {

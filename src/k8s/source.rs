@@ -4,7 +4,7 @@
 //! fatal; a relist replaces a store atomically on `InitDone`, so the stores always hold a complete
 //! view once each has finished its first list.
 
-use crate::metrics::Metrics;
+use crate::serve::metrics::Metrics;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -22,8 +22,8 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
 use super::nodes::LABEL_NODE_LEASE;
-use crate::debounce::{Burst, Events};
 use crate::locks::lock;
+use crate::observe::debounce::{Burst, Events};
 use crate::slim::Slim;
 
 /// Quiet time that ends a burst of changes, and the longest a burst may delay a sync. The watch

@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use nodelb::desired::{AllocationMode, Desired, SourceNotes};
 use nodelb::manifests::{LastGood, Manifests};
-use nodelb::state::StateFile;
+use nodelb::observe::state::StateFile;
 
 use super::world::{self, GOOD_NS, World};
 
@@ -62,7 +62,7 @@ pub fn manifests(data: &[u8]) {
         let hostile = dirs.manifests.join(name);
         std::fs::write(&hostile, bytes).expect("write");
         let world = World::new();
-        let m = nodelb::manifest_dir::load_dir(&dirs.manifests).expect("the directory is readable");
+        let m = nodelb::observe::manifest_dir::load_dir(&dirs.manifests).expect("the directory is readable");
         for p in &m.problems {
             assert_eq!(p.file, hostile, "a problem not about the hostile file: {p}");
             assert!(
@@ -82,7 +82,7 @@ pub fn manifests(data: &[u8]) {
             a.borrow_mut()
                 .get_or_insert_with(|| {
                     let _ = std::fs::remove_file(&hostile);
-                    let m = nodelb::manifest_dir::load_dir(&dirs.manifests).expect("readable");
+                    let m = nodelb::observe::manifest_dir::load_dir(&dirs.manifests).expect("readable");
                     assert!(m.problems.is_empty(), "{:?}", m.problems);
                     compute(&m, &world)
                 })

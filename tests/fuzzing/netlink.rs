@@ -6,7 +6,7 @@
 
 use arbitrary::Unstructured;
 use nodelb::desired::{AllocationMode, SourceNotes};
-use nodelb::nft::decode::{self, TableDump};
+use nodelb::encode::nft::decode::{self, TableDump};
 
 use super::world::{self, World};
 
@@ -21,7 +21,7 @@ fn good_dump() -> (TableDump, Vec<Vec<u8>>, nodelb::ir::Ruleset) {
     let world = World::new();
     let (s, e) = world.typed();
     let d = world::compute(AllocationMode::Allocate, &s, &e, &SourceNotes::default(), &world.allocations);
-    let enc = nodelb::nft::encode::encode_refs(d.ruleset.full_replace_refs(), 1).expect("encodes");
+    let enc = nodelb::encode::nft::encode::encode_refs(d.ruleset.full_replace_refs(), 1).expect("encodes");
     let bytes = enc.bytes();
     let mut dump = TableDump::default();
     let mut elements = Vec::new();
@@ -107,7 +107,7 @@ pub fn nft_dump(data: &[u8]) {
         match result {
             Ok(table) => {
                 // Comparing with what we meant to write must never panic either.
-                let _ = nodelb::nft::verify(ruleset, Some(&table));
+                let _ = nodelb::encode::nft::verify(ruleset, Some(&table));
                 if undamaged {
                     assert!(
                         table.problems.iter().all(|p| p.contains("cannot be decoded")),
@@ -180,7 +180,7 @@ pub fn sock_diag(data: &[u8]) {
         d
     };
     let mut seen = 0usize;
-    let _ = nodelb::listeners::decode_datagram(&datagram, "fuzz", &mut |_id| seen += 1);
+    let _ = nodelb::observe::listeners::decode_datagram(&datagram, "fuzz", &mut |_id| seen += 1);
     // At most one socket per message, and a message is at least 16 bytes.
     assert!(seen <= datagram.len() / 16, "{seen} sockets from {} bytes", datagram.len());
 }

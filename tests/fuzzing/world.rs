@@ -222,7 +222,7 @@ pub fn head(s: &str) -> String {
 /// encodes (names and comments within nftables' limits) and a diff from the good ruleset replays
 /// to exactly it.
 pub fn assert_ruleset_sound(base: &nodelb::ir::Ruleset, d: &Desired, what: &str) {
-    if let Err(e) = nodelb::nft::encode::encode_refs(d.ruleset.full_replace_refs(), 1) {
+    if let Err(e) = nodelb::encode::nft::encode::encode_refs(d.ruleset.full_replace_refs(), 1) {
         panic!("{what}: the planned ruleset does not encode: {e}");
     }
     let changes = nodelb::plan::diff(base, &d.ruleset);

@@ -9,12 +9,12 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use crate::desired::{AllocationMode, SourceNotes};
-use crate::dir_watch::{DirWatcher, WatchError};
 use crate::k8s::lastgood::LastGoodServices;
 use crate::k8s::source::KubeSource;
-use crate::manifest_dir::{ManifestCache, ManifestError};
 use crate::manifests::{IgnoredLog, LastGood};
 use crate::model::{ModelOptions, Refusal};
+use crate::observe::dir_watch::{DirWatcher, WatchError};
+use crate::observe::manifest_dir::{ManifestCache, ManifestError};
 
 /// What the agent programs from. The objects are shared with the source's caches (a snapshot
 /// copies pointers, not objects).

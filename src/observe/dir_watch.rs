@@ -2,7 +2,7 @@
 //! (not the files: editors and ConfigMap updates replace files by rename, which a per-file watch
 //! would lose). Any event in DIR, hidden names included (ConfigMap updates are a rename of
 //! `..data_tmp` over `..data`), schedules one notification; bursts are coalesced
-//! ([`crate::debounce`]): it fires [`DEBOUNCE_QUIET`] after the last event and at most
+//! ([`crate::observe::debounce`]): it fires [`DEBOUNCE_QUIET`] after the last event and at most
 //! [`DEBOUNCE_MAX`] after the first. It is a plain async fn over a non-blocking inotify fd (no
 //! thread). If DIR is deleted or moved away, the watcher reports the change and re-attaches when a
 //! directory appears at the path again.
@@ -16,7 +16,7 @@ use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, WatchDescriptor};
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 
-use crate::debounce::{Burst, Events};
+use crate::observe::debounce::{Burst, Events};
 
 /// Quiet time after the last event before notifying. One writer's burst (an editor's temp file +
 /// rename, `kubectl cp`, the kubelet's ConfigMap symlink swap) is a few syscalls within a
@@ -188,8 +188,8 @@ mod tests {
     use std::time::Instant;
 
     use super::*;
-    use crate::manifest_dir::fixtures::{SLICE, SVC, dir_with};
-    use crate::manifest_dir::load_dir;
+    use crate::observe::manifest_dir::fixtures::{SLICE, SVC, dir_with};
+    use crate::observe::manifest_dir::load_dir;
 
     /// Waits for one notification, failing after `limit`.
     async fn expect_change(w: &mut DirWatcher, what: &str, limit: Duration) {

@@ -16,7 +16,7 @@ use prometheus::{
 };
 
 use crate::counters::{CounterKind, CounterState, Series, SeriesKey, Totals};
-use crate::nft::NftClient;
+use crate::encode::nft::NftClient;
 
 pub type SharedCounters = Arc<Mutex<CounterState>>;
 
@@ -57,7 +57,7 @@ pub struct Metrics {
     pub firewall: FirewallMetrics,
 }
 
-/// What the host-firewall check found (`crate::firewall`).
+/// What the host-firewall check found (`crate::apply::firewall`).
 pub struct FirewallMetrics {
     /// 1 per foreign forward chain that drops nodelb's connections of a family.
     pub drops: IntGaugeVec,

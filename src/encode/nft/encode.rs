@@ -972,8 +972,8 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
+    use crate::encode::nft::nla::messages;
     use crate::ir::{CtState, Set};
-    use crate::nft::nla::messages;
 
     fn unhex(s: &str) -> Vec<u8> {
         (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex")).collect()
@@ -1293,8 +1293,11 @@ mod tests {
         ];
         let b = key_bytes(Some(&[Ipv6Addr, InetProto, InetService]), &k).expect("key");
         assert_eq!(b.len(), 24);
-        assert_eq!(crate::nft::decode::key(&[Ipv6Addr, InetProto, InetService], &b), Some(k));
-        assert_eq!(crate::nft::decode::key_types(0x830d), Some(vec![Ipv6Addr, InetProto, InetService]));
+        assert_eq!(crate::encode::nft::decode::key(&[Ipv6Addr, InetProto, InetService], &b), Some(k));
+        assert_eq!(
+            crate::encode::nft::decode::key_types(0x830d),
+            Some(vec![Ipv6Addr, InetProto, InetService])
+        );
         // A key that does not fit the set is an error, not a panic.
         assert!(key_bytes(Some(&[Ipv4Addr]), &vec![KeyPart::Port(1)]).is_err());
     }

@@ -9,12 +9,12 @@ use std::collections::BTreeSet;
 
 use tracing::{debug, warn};
 
+use crate::apply::kernel::Kernel;
 use crate::counters::CounterIndex;
+use crate::encode::nft::{self, NftError};
 use crate::ir::{Carried, Change, KeyType, Ruleset, SetKind};
-use crate::kernel::Kernel;
-use crate::metrics::Metrics;
-use crate::nft::{self, NftError};
 use crate::plan;
+use crate::serve::metrics::Metrics;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DataplaneError {

@@ -122,7 +122,7 @@ impl StateFile {
     /// The saved state and the entries skipped as bad (each a [`StateError::Entry`]). Only a
     /// file that cannot be read or parsed as a whole, or has another version, is an error.
     pub fn load_lenient(&self) -> Result<(State, Vec<StateError>), StateError> {
-        let text = match crate::bounded::read_to_string(&self.path, MAX_STATE_BYTES) {
+        let text = match crate::observe::bounded::read_to_string(&self.path, MAX_STATE_BYTES) {
             Ok(text) => text,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok((State::default(), vec![])),
             Err(source) => {

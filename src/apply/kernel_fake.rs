@@ -1,7 +1,7 @@
 //! A [`Kernel`] in memory for the sync policy's unit tests, the way kube-proxy's nftables proxier
 //! is tested against knftables' `Fake`: batches are checked and applied with the planner's own
 //! model of the kernel ([`simulate`]: no dangling jump, no deleting what is still
-//! referenced, all or nothing), and the table reads back the way [`crate::nft::verify`] reads
+//! referenced, all or nothing), and the table reads back the way [`crate::encode::nft::verify`] reads
 //! the real one. On top of that model it keeps what the kernel keeps and the model does not: the
 //! ruleset generation, the named counters' values and the dynamic sets' elements. Failures are
 //! injected per call; a tamper edits the table behind the agent's back.
@@ -12,17 +12,17 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::conntrack::ConntrackError;
-use crate::endpoint_policy::HostAddresses;
-use crate::hostaddrs::HostAddrError;
-use crate::ir::{Carried, Change, KeyType, Ruleset, SetKind};
-use crate::kernel::{Kernel, NodeReads};
-use crate::listeners::ListenersError;
-use crate::nft::encode::{fingerprint, key_type_id};
-use crate::nft::{
+use crate::apply::conntrack::ConntrackError;
+use crate::apply::kernel::{Kernel, NodeReads};
+use crate::encode::nft::encode::{fingerprint, key_type_id};
+use crate::encode::nft::{
     ApplyStats, Counter, CounterValues, KernelChain, KernelCounter, KernelHook, KernelRule, KernelSet,
     KernelTable, NftError,
 };
+use crate::endpoint_policy::HostAddresses;
+use crate::ir::{Carried, Change, KeyType, Ruleset, SetKind};
+use crate::observe::hostaddrs::HostAddrError;
+use crate::observe::listeners::ListenersError;
 use crate::plan::UdpBackend;
 use crate::port_policy::Listener;
 use crate::simulate::simulate;
@@ -151,7 +151,7 @@ impl FakeKernel {
     }
 }
 
-/// The table as [`crate::nft::NftClient::read_table`] returns what the kernel holds after
+/// The table as [`crate::encode::nft::NftClient::read_table`] returns what the kernel holds after
 /// programming exactly `rs` (dynamic sets without elements: they are not read back).
 fn read_back(rs: &Ruleset, counters: &CounterValues) -> KernelTable {
     let chains = rs

@@ -6,7 +6,7 @@
 //! - [`health_router`] (`--health-addr`, all addresses): `/healthz` and `/readyz` for the
 //!   kubelet's probes, the status code only; why is withheld (it can name Services and files).
 //! - [`metrics_router`] (`--metrics-addr`, TLS): `/metrics` for a bearer token the API server
-//!   authenticates and allows `get` on `/metrics` ([`crate::access`], [`crate::k8s::review`]).
+//!   authenticates and allows `get` on `/metrics` ([`crate::serve::access`], [`crate::k8s::review`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,12 +19,12 @@ use axum::routing::get;
 
 use std::collections::BTreeMap;
 
-use crate::access::{ReviewCache, Verdict, bearer_token};
 use crate::counters::{CounterKind, Series, SeriesKey, Totals};
 use crate::domain::{PortId, ServiceKey, parse_protocol};
 use crate::k8s::review::Reviewer;
-use crate::metrics::{Metrics, read_totals};
-use crate::status::{SharedStatus, Status};
+use crate::serve::access::{ReviewCache, Verdict, bearer_token};
+use crate::serve::metrics::{Metrics, read_totals};
+use crate::serve::status::{SharedStatus, Status};
 
 #[derive(Clone)]
 struct AppState {
@@ -199,7 +199,7 @@ struct MetricsState {
     auth: Arc<MetricsAuth>,
 }
 
-/// `/metrics` for authenticated, authorized clients only (see [`crate::access`]).
+/// `/metrics` for authenticated, authorized clients only (see [`crate::serve::access`]).
 pub fn metrics_router(metrics: Arc<Metrics>, auth: Arc<MetricsAuth>) -> Router {
     Router::new().route("/metrics", get(authorized_metrics)).with_state(MetricsState { metrics, auth })
 }
@@ -237,7 +237,7 @@ mod tests {
     use std::time::Instant;
 
     use super::*;
-    use crate::status::Status;
+    use crate::serve::status::Status;
 
     async fn get_healthz(last_tick: Option<Instant>, stuck_after: Duration) -> (StatusCode, String) {
         let status = Status { last_tick, ..Default::default() };
@@ -274,7 +274,7 @@ mod access_tests {
     use futures::future::BoxFuture;
 
     use super::*;
-    use crate::status::{Status, SyncStatus};
+    use crate::serve::status::{Status, SyncStatus};
 
     /// A reviewer that knows two tokens: `good` (allowed) and `reader` (authenticated, not
     /// allowed); `down` makes it fail as an unreachable API would. Counts the reviews.

@@ -130,7 +130,7 @@ impl ManifestCache {
 
 /// Reads and parses one file.
 fn parse_file(path: &Path, name: &str) -> Manifests {
-    match crate::bounded::read_to_string(path, MAX_FILE_BYTES) {
+    match crate::observe::bounded::read_to_string(path, MAX_FILE_BYTES) {
         Ok(text) => manifests::parse(path, name, &text),
         Err(e) if e.kind() == io::ErrorKind::FileTooLarge => manifests::unreadable(
             path,
@@ -140,7 +140,7 @@ fn parse_file(path: &Path, name: &str) -> Manifests {
     }
 }
 
-/// A manifests directory for tests (here and in [`crate::dir_watch`]).
+/// A manifests directory for tests (here and in [`crate::observe::dir_watch`]).
 #[cfg(test)]
 pub(crate) mod fixtures {
     use std::fs;

@@ -16,8 +16,8 @@ use super::NftError;
 use super::consts::*;
 use super::encode::msg_type;
 use super::nla::{Writer, as_str, as_u32, as_u64, attrs, get, table, udata_iter, udata_put};
+use crate::encode::xt;
 use crate::hostfw::{Action, HostRule, TableFamily, Test, accept_comment};
-use crate::xt;
 
 // Attributes of expressions nodelb only reads (nf_tables.h, nf_tables_compat.h).
 const NFTA_CT_SREG: u16 = 4;

@@ -8,17 +8,17 @@
 
 use std::collections::BTreeMap;
 
+use crate::apply::xtables::{Layout, Xtables, XtablesError};
 use crate::domain::{Family, fnv1a};
+use crate::encode::nft::foreign::AcceptWrite;
+use crate::encode::nft::{NftClient, NftError};
 use crate::hostfw::{
     self, AcceptChange, Evidence, EvidenceState, FamilyDiagnosis, Finding, ForwardCounts, HostChain, Source,
     TableFamily,
 };
-use crate::metrics::LabelSets;
-use crate::nft::foreign::AcceptWrite;
-use crate::nft::{NftClient, NftError};
 use crate::plan;
-use crate::status::{FirewallDrop, HostFirewallStatus};
-use crate::xtables::{Layout, Xtables, XtablesError};
+use crate::serve::metrics::LabelSets;
+use crate::serve::status::{FirewallDrop, HostFirewallStatus};
 
 #[derive(Debug, thiserror::Error)]
 pub enum FirewallError {

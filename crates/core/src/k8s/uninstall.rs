@@ -43,6 +43,15 @@ pub enum Observed<T> {
     Gone,
 }
 
+impl<T> From<Option<T>> for Observed<T> {
+    fn from(o: Option<T>) -> Observed<T> {
+        match o {
+            Some(t) => Observed::Present(t),
+            None => Observed::Gone,
+        }
+    }
+}
+
 impl<T> Observed<T> {
     pub fn present(&self) -> Option<&T> {
         match self {

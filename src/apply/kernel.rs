@@ -15,13 +15,13 @@
 
 use std::collections::BTreeSet;
 
-use crate::conntrack::{ConntrackClient, ConntrackError};
+use crate::apply::conntrack::{ConntrackClient, ConntrackError};
+use crate::encode::nft::{ApplyStats, CounterValues, KernelTable, NftClient, NftError};
 use crate::endpoint_policy::HostAddresses;
-use crate::hostaddrs::HostAddrError;
 use crate::ir::{Carried, Change, KeyType, Ruleset};
 use crate::kernel_support::{self, Feature};
-use crate::listeners::ListenersError;
-use crate::nft::{ApplyStats, CounterValues, KernelTable, NftClient, NftError};
+use crate::observe::hostaddrs::HostAddrError;
+use crate::observe::listeners::ListenersError;
 use crate::plan::UdpBackend;
 use crate::port_policy::Listener;
 
@@ -108,11 +108,11 @@ pub struct LocalNode;
 
 impl NodeReads for LocalNode {
     fn addresses(&mut self) -> Result<HostAddresses, HostAddrError> {
-        crate::hostaddrs::read()
+        crate::observe::hostaddrs::read()
     }
 
     fn listeners(&mut self) -> Result<Vec<Listener>, ListenersError> {
-        crate::listeners::read()
+        crate::observe::listeners::read()
     }
 }
 

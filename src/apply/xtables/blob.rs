@@ -15,8 +15,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::{Ipv4Addr, Ipv6Addr};
 
+use crate::encode::xt;
 use crate::hostfw::{Action, HostBase, HostChain, HostRule, Source, TableFamily, Test, accept_comment};
-use crate::xt;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("iptables-legacy table blob: {0}")]

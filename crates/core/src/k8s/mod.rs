@@ -1,0 +1,12 @@
+//! Kubernetes mode's pure decisions; the agent's `k8s` module talks to the API server around
+//! them: [`dupes`] (duplicate node ports), [`nodes`] (which nodes serve), [`publish`] (what the
+//! leader writes), [`events`] (once per change), [`leader`] (the Lease election rules),
+//! [`lastgood`] (the last valid spec of a Service), [`uninstall`] (uninstall or restart).
+
+pub mod dupes;
+pub mod events;
+pub mod lastgood;
+pub mod leader;
+pub mod nodes;
+pub mod publish;
+pub mod uninstall;
