@@ -20,6 +20,7 @@
 //! - **Invalid pool: the last valid version stays in force** ([`LastValid`]); a pool never valid
 //!   does not exist for selection. Either way the reason is reported on its status.
 
+use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
@@ -28,7 +29,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
-use crate::alloc::{NODEPORT_RANGE, PortRange};
+use k8s_openapi::api::core::v1::Service;
+
+use crate::alloc::{AllocProblem, Allocations, NODEPORT_RANGE, PoolRanges, PortRange};
+use crate::model::{LbService, ServiceKey};
 
 /// Service annotation: the pool this Service wants, by name.
 pub const ANNOTATION_POOL: &str = "nodelb.io/pool";
@@ -160,7 +164,7 @@ pub struct ProtocolPorts {
 }
 
 /// One requirement of a label selector.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum Requirement {
     In(String, BTreeSet<String>),
     NotIn(String, BTreeSet<String>),
@@ -169,7 +173,7 @@ enum Requirement {
 }
 
 /// A validated label selector; no requirement: selects everything.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub struct Selector(Vec<Requirement>);
 
 impl Selector {
@@ -237,7 +241,7 @@ impl AddressType {
 }
 
 /// Validated [`PoolAddresses`]; all empty: every address.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub struct AddressFilter {
     pub types: Vec<AddressType>,
     pub cidrs: Vec<IpNet>,
@@ -251,7 +255,7 @@ impl AddressFilter {
 }
 
 /// A validated pool.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Pool {
     pub name: String,
     /// creationTimestamp (RFC 3339); manifests: none (then the name orders them).
@@ -483,7 +487,7 @@ impl LastValid {
 }
 
 /// A pool with the ranges it takes new numbers from after conflicts.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ResolvedPool {
     pub pool: Pool,
     /// Its own ranges minus what older pools on shared nodes already cover. Empty when
@@ -494,7 +498,7 @@ pub struct ResolvedPool {
 }
 
 /// The pools in force, resolved against the nodes.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct PoolSet {
     /// Oldest first.
     pub pools: Vec<ResolvedPool>,
@@ -628,6 +632,73 @@ pub fn crd_yaml() -> String {
     let body =
         serde_yaml::to_string(&NodePortPool::crd()).unwrap_or_else(|e| format!("# cannot serialize: {e}\n"));
     format!("{header}{body}")
+}
+
+/// What the pool decisions need besides the pools: Namespace labels (`namespaceSelector`) and,
+/// on a node, that node's own labels (`nodeSelector`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PoolContext {
+    pub set: PoolSet,
+    pub namespaces: BTreeMap<String, BTreeMap<String, String>>,
+    pub node_labels: BTreeMap<String, String>,
+}
+
+/// Each Service's pool, as the allocator and the nodes use it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Assignment {
+    pub ranges: BTreeMap<ServiceKey, PoolRanges>,
+    /// Services no pool serves: one problem per port (Event + condition).
+    pub problems: Vec<AllocProblem>,
+}
+
+impl Assignment {
+    /// Whether `key` has a pool.
+    pub fn has_pool(&self, key: &ServiceKey) -> bool {
+        self.ranges.contains_key(key)
+    }
+}
+
+/// [`assign`] for every Service: `services` are the objects (labels, `nodelb.io/pool`), `valid`
+/// the validated ones (ports, the numbers they hold), `previous` what the state file holds.
+pub fn assign_services<S: Borrow<Service>>(
+    ctx: &PoolContext,
+    services: &[S],
+    valid: &[LbService],
+    previous: &Allocations,
+) -> Assignment {
+    let empty = BTreeMap::new();
+    let by_key: BTreeMap<ServiceKey, &Service> =
+        services.iter().map(|s| (crate::model::service_key(s.borrow()), s.borrow())).collect();
+    let mut out = Assignment::default();
+    for svc in valid {
+        let meta = by_key.get(&svc.key).map(|s| &s.metadata);
+        let labels = meta.and_then(|m| m.labels.as_ref()).unwrap_or(&empty);
+        let requested = meta.and_then(|m| m.annotations.as_ref()).and_then(|a| a.get(ANNOTATION_POOL));
+        let mut held: Vec<u16> = svc.previous_allocation.values().copied().collect();
+        held.extend(previous.get(&svc.key).into_iter().flat_map(|m| m.values().copied()));
+        let facts = ServiceFacts {
+            labels,
+            namespace_labels: ctx.namespaces.get(&svc.key.namespace).unwrap_or(&empty),
+            requested: requested.map(String::as_str),
+            held: &held,
+        };
+        match assign(&ctx.set, &facts) {
+            Ok(p) => {
+                let ranges = PoolRanges {
+                    pool: p.pool.name.clone(),
+                    keep: p.pool.ranges.clone(),
+                    take: p.effective.clone(),
+                };
+                out.ranges.insert(svc.key.clone(), ranges);
+            }
+            Err(why) => out.problems.extend(svc.ports.iter().map(|port| AllocProblem::NoPool {
+                service: svc.key.clone(),
+                port: port.id,
+                why: why.to_string(),
+            })),
+        }
+    }
+    out
 }
 
 /// Ranges as `20000-20099,21000` for status and messages.

@@ -511,6 +511,7 @@ async fn allocate_loop(
     metrics: Arc<Metrics>,
 ) {
     let mut last_good = LastGoodServices::default();
+    let mut pools_last_valid = crate::pool::LastValid::default();
     let mut deduper: Deduper<ServiceKey> = Deduper::default();
     let mut was_leader = false;
     loop {
@@ -529,7 +530,8 @@ async fn allocate_loop(
         }
         let mut again = true;
         while again && leadership.get() {
-            again = round(&client, &source, &cfg, &mut last_good, &mut deduper, &recorder, &metrics).await;
+            let state = RoundState { last_good: &mut last_good, pools_last_valid: &mut pools_last_valid };
+            again = round(&client, &source, &cfg, state, &mut deduper, &recorder, &metrics).await;
             if again {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
@@ -537,19 +539,25 @@ async fn allocate_loop(
     }
 }
 
+/// What the leader remembers between rounds about invalid input.
+struct RoundState<'a> {
+    last_good: &'a mut LastGoodServices,
+    pools_last_valid: &'a mut crate::pool::LastValid,
+}
+
 /// One allocation + status round; `true` when a write met a stale resourceVersion.
 async fn round(
     client: &Client,
     source: &KubeSource,
     cfg: &ControllerConfig,
-    last_good: &mut LastGoodServices,
+    state: RoundState<'_>,
     deduper: &mut Deduper<ServiceKey>,
     recorder: &Recorder,
     metrics: &Metrics,
 ) -> bool {
     let started = Instant::now();
     let snap = source.snapshot();
-    let subst = last_good.apply(&snap.services, &cfg.model);
+    let subst = state.last_good.apply(&snap.services, &cfg.model);
     let mut out = model::build(&subst.services, &snap.slices, &cfg.model);
     // The nodes refuse these endpoints (each also its own addresses): the status, the
     // conditions and the Events say so, and Local-policy ingress counts only usable endpoints.
@@ -562,8 +570,24 @@ async fn round(
     // What processes listen on, on any node (their Leases say): never handed out, and a request
     // for it is refused. Each node refuses locally anyway, whatever is decided here.
     let in_use = nodes::listening_ports(&snap.leases);
-    let constraints = alloc::Constraints { policy: Some(&cfg.policy.ports), in_use: Some(&in_use) };
-    let result = alloc::allocate_with(&cfg.port_range, &all, &Allocations::new(), constraints);
+    // Node port pools: which pool each Service gets (a Service none accepts is not allocated, and
+    // says why), and which nodes its status may list.
+    let (pool_ctx, _invalid_pools) =
+        super::pools::context(&snap, state.pools_last_valid, cfg.port_range, &cfg.node_name);
+    let assignment = (!pool_ctx.set.implicit)
+        .then(|| crate::pool::assign_services(&pool_ctx, &snap.services, &all, &Allocations::new()));
+    let all: Vec<model::LbService> = match &assignment {
+        Some(a) => all.into_iter().filter(|s| a.has_pool(&s.key)).collect(),
+        None => all,
+    };
+    let pool_nodes = assignment.as_ref().map(|a| super::pools::selected_nodes(&pool_ctx, a, &snap.nodes));
+    let constraints = alloc::Constraints {
+        policy: Some(&cfg.policy.ports),
+        in_use: Some(&in_use),
+        pools: assignment.as_ref().map(|a| &a.ranges),
+    };
+    let mut result = alloc::allocate_with(&cfg.port_range, &all, &Allocations::new(), constraints);
+    result.problems.extend(assignment.iter().flat_map(|a| a.problems.iter().cloned()));
     let valid: std::collections::BTreeSet<&ServiceKey> = out.services.iter().map(|s| &s.key).collect();
     let allocations: Allocations =
         result.allocations.into_iter().filter(|(k, _)| valid.contains(k)).collect();
@@ -585,6 +609,7 @@ async fn round(
         refused_endpoints: &refused_endpoints,
         listening: &in_use,
         serving: &serving,
+        pool_nodes: pool_nodes.as_ref(),
         now: Timestamp::now(),
     };
     let writes = publish::plan_writes(&round);
