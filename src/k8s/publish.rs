@@ -456,6 +456,26 @@ pub fn service_events<S>(round: &Round<'_, S>, duplicates: &[Duplicate]) -> Vec<
                 reason: "NodePortsAllocated",
                 message: format!("node ports {}", model::format_port_map(ports)),
             });
+            // An existing allocation that moved (never silently): its number is no longer valid
+            // for the Service (outside its pool's ranges now, or it changed pools).
+            let moved: Vec<String> = ports
+                .iter()
+                .filter_map(|(id, n)| {
+                    let old = svc.previous_allocation.get(id).filter(|old| *old != n)?;
+                    Some(format!("port {id}: node port {old} → {n}"))
+                })
+                .collect();
+            if !moved.is_empty() {
+                out.push(ServiceEvent {
+                    service: svc.key.clone(),
+                    warning: true,
+                    reason: "NodePortReallocated",
+                    message: format!(
+                        "{} (the old number is no longer valid for it: outside its node port pool's ranges, or its pool changed)",
+                        moved.join(", ")
+                    ),
+                });
+            }
             for (id, n) in ports {
                 if let Some(who) = round.listening.get(&(id.protocol, *n)) {
                     out.push(ServiceEvent {
