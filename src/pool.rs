@@ -380,6 +380,15 @@ pub fn validate(
             }
         }
     }
+    if !addresses.is_everything() {
+        // Not matched by the dataplane yet (it matches every local address): a pool that says
+        // "only these addresses" must not serve all of them, so it is not used at all.
+        errors.push(
+            "spec.addresses: restricting node addresses is not enforced by this nodelb version \
+             (it would serve every node address); remove it"
+                .to_string(),
+        );
+    }
     if !errors.is_empty() {
         return Err(errors);
     }
@@ -804,9 +813,9 @@ mod tests {
                 Err("spec.addresses.interfaces: \"eth0/1\" is not an interface name"),
             ),
             (
-                "all address kinds",
+                "valid addresses, not enforced yet: refused rather than served everywhere",
                 json!({"ports": [{"start": 1, "end": 2}], "addresses": {"types": ["ExternalIP"], "cidrs": ["2001:db8::/64"], "interfaces": ["eth0"]}}),
-                Ok(()),
+                Err("spec.addresses: restricting node addresses is not enforced"),
             ),
         ];
         for (name, v, want) in cases {
