@@ -710,6 +710,93 @@ pub fn assign_services<S: Borrow<Service>>(
     out
 }
 
+/// What the leader knows about one pool object in a round, for its status.
+pub struct StatusInput<'a> {
+    pub generation: Option<i64>,
+    /// Its resolution (`None`: never valid, so not in force).
+    pub resolved: Option<&'a ResolvedPool>,
+    /// Why the object as written is not used (`None`: valid).
+    pub invalid: Option<&'a InvalidPool>,
+    /// Every allocation (numbers are unique cluster-wide: what is free is free for everyone).
+    pub allocations: &'a Allocations,
+    /// Which Services this pool serves.
+    pub members: Vec<&'a ServiceKey>,
+    /// Names of the nodes that serve it (selected and running an agent).
+    pub nodes: Vec<String>,
+    /// Its current status (transition times are kept while a condition's status holds).
+    pub current: Option<&'a NodePortPoolStatus>,
+    pub now: k8s_openapi::jiff::Timestamp,
+}
+
+/// The status a pool should have. Pure.
+pub fn status_of(input: &StatusInput<'_>) -> NodePortPoolStatus {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    let mut st = NodePortPoolStatus { observed_generation: input.generation, ..Default::default() };
+    let (ready, ready_reason, ready_msg) = match (input.invalid, input.resolved) {
+        (Some(bad), _) => (false, "Invalid", bad.to_string()),
+        (None, Some(r)) if r.pool.disabled => {
+            (true, "Draining", "disabled: existing allocations stay, nothing new is allocated".to_string())
+        }
+        (None, Some(_)) => (true, "InForce", String::new()),
+        (None, None) => (false, "Invalid", "not validated".to_string()),
+    };
+    let (conflict, conflict_reason, conflict_msg) = match input.resolved {
+        Some(r) if !r.conflicts.is_empty() => (
+            true,
+            "Overlap",
+            format!(
+                "ports overlap older pool(s) {} on nodes both select: the overlap is not used for new allocations",
+                r.conflicts.join(", ")
+            ),
+        ),
+        _ => (false, "NoOverlap", String::new()),
+    };
+    for (type_, status, reason, message) in
+        [("Ready", ready, ready_reason, ready_msg), ("Conflict", conflict, conflict_reason, conflict_msg)]
+    {
+        let status = if status { "True" } else { "False" }.to_string();
+        let since = input
+            .current
+            .and_then(|c| c.conditions.iter().find(|c| c.type_ == type_ && c.status == status))
+            .map(|c| c.last_transition_time.clone())
+            .unwrap_or(Time(input.now));
+        st.conditions.push(Condition {
+            type_: type_.to_string(),
+            status,
+            reason: reason.to_string(),
+            message,
+            observed_generation: input.generation,
+            last_transition_time: since,
+        });
+    }
+    let Some(r) = input.resolved else { return st };
+    let taken: BTreeSet<u16> = input.allocations.values().flat_map(|m| m.values().copied()).collect();
+    let free = r.effective.iter().flat_map(|x| x.first..=x.last).filter(|n| !taken.contains(n)).count();
+    let total: usize = r.pool.ranges.iter().map(PortRange::len).sum();
+    let mine: Vec<(crate::ir::Protocol, u16)> = input
+        .members
+        .iter()
+        .filter_map(|k| input.allocations.get(*k))
+        .flat_map(|m| m.iter().map(|(id, n)| (id.protocol, *n)))
+        .collect();
+    let numbers: BTreeSet<u16> = mine.iter().map(|(_, n)| *n).collect();
+    st.port_ranges = Some(describe_ranges(&r.effective));
+    st.allocated = numbers.len() as i64;
+    st.free = free as i64;
+    for proto in [crate::ir::Protocol::Tcp, crate::ir::Protocol::Udp, crate::ir::Protocol::Sctp] {
+        let allocated = mine.iter().filter(|(p, _)| *p == proto).count();
+        st.protocols.push(ProtocolPorts {
+            protocol: proto.k8s_name().to_string(),
+            total: total as i64,
+            allocated: allocated as i64,
+            free: free as i64,
+        });
+    }
+    st.node_count = input.nodes.len() as i64;
+    st.nodes = input.nodes.clone();
+    st
+}
+
 /// Ranges as `20000-20099,21000` for status and messages.
 pub fn describe_ranges(ranges: &[PortRange]) -> String {
     if ranges.is_empty() {

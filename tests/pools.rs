@@ -53,6 +53,19 @@ fn create_labelled(c: &Cluster, name: &str, b: usize, extra_labels: Value) {
     }
 }
 
+fn pool_status(c: &Cluster, name: &str) -> Value {
+    c.api.get("nodelb.io/v1alpha1", "NodePortPool", "", name).map(|p| p["status"].clone()).unwrap_or_default()
+}
+
+/// `status/reason` of condition `type_` in a pool status.
+fn condition(st: &Value, type_: &str) -> String {
+    st["conditions"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == type_))
+        .map(|c| format!("{}/{}", c["status"].as_str().unwrap_or(""), c["reason"].as_str().unwrap_or("")))
+        .unwrap_or_default()
+}
+
 /// Waits until node `i` refuses `port` (no rule there: nothing listens, the kernel resets).
 fn wait_refused(c: &Cluster, i: usize, port: u16) {
     let ok = wait_until(CHANGE, || c.get(i, port, Duration::from_millis(500)).is_err());
@@ -136,6 +149,42 @@ fn pools_choose_ports_nodes_and_follow_edits_without_restart() {
     stays_refused(&c, 0, np_b);
     c.wait_ingress_nodes("web-a", &[0], CHANGE);
     c.wait_ingress_nodes("web-b", &[1, 2], CHANGE);
+
+    // The leader's status on each pool, and kubectl's columns.
+    let ok = wait_until(CHANGE, || {
+        let st = pool_status(&c, "zone-a");
+        st["observedGeneration"] == 1
+            && st["nodes"] == json!(["node-1"])
+            && st["allocated"] == 1
+            && st["portRanges"] == "20100-20199"
+            && condition(&st, "Ready") == "True/InForce"
+            && condition(&st, "Conflict") == "False/NoOverlap"
+    });
+    assert!(ok, "zone-a status: {:#}", pool_status(&c, "zone-a"));
+    let table = c.api.kubectl_ok(&["get", "npp", "-o", "wide"]);
+    assert!(table.contains("PORTS") && table.contains("CONFLICT"), "{table}");
+    let row = table
+        .lines()
+        .find(|l| l.starts_with("zone-a"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect::<Vec<_>>();
+    assert_eq!(row[..7], ["zone-a", "20100-20199", "0", "1", "99", "1", "True"], "{table}");
+    // A newer pool overlapping zone-b on nodes both select: Conflict on the newer, naming the
+    // older; it takes only its part outside the overlap.
+    apply(&c, &pool("overlap", &[(20290, 20309)], json!({"nodeSelector": zone("b"), "autoAssign": false})));
+    let ok = wait_until(CHANGE, || {
+        let st = pool_status(&c, "overlap");
+        condition(&st, "Conflict") == "True/Overlap"
+            && st["conditions"].to_string().contains("zone-b")
+            && st["portRanges"] == "20300-20309"
+    });
+    assert!(ok, "overlap status: {:#}", pool_status(&c, "overlap"));
+    assert_eq!(condition(&pool_status(&c, "zone-b"), "Conflict"), "False/NoOverlap");
+    c.api.kubectl_ok(&["delete", "nodeportpool", "overlap"]);
+    // An invalid pool (nodelb's check) says why on its status.
+    let ok = wait_until(CHANGE, || condition(&pool_status(&c, "bad-selector"), "Ready") == "False/Invalid");
+    assert!(ok, "bad-selector status: {:#}", pool_status(&c, "bad-selector"));
 
     // A Service no pool accepts is refused with a reason (condition + Event), not allocated.
     create_labelled(&c, "orphan", 0, json!({}));

@@ -572,7 +572,7 @@ async fn round(
     let in_use = nodes::listening_ports(&snap.leases);
     // Node port pools: which pool each Service gets (a Service none accepts is not allocated, and
     // says why), and which nodes its status may list.
-    let (pool_ctx, _invalid_pools) =
+    let (pool_ctx, invalid_pools) =
         super::pools::context(&snap, state.pools_last_valid, cfg.port_range, &cfg.node_name);
     let assignment = (!pool_ctx.set.implicit)
         .then(|| crate::pool::assign_services(&pool_ctx, &snap.services, &all, &Allocations::new()));
@@ -630,6 +630,23 @@ async fn round(
     }
     if !writes.is_empty() {
         info!(services = writes.len(), "published allocations and status");
+    }
+    if !snap.pools.is_empty() {
+        let pools = super::pools::StatusRound {
+            snap: &snap,
+            ctx: &pool_ctx,
+            invalid: &invalid_pools,
+            allocations: &allocations,
+            assignment: assignment.as_ref(),
+            serving: &serving,
+        };
+        match super::pools::write_statuses(client, &pools).await {
+            Ok(s) => stale |= s,
+            Err(e) => {
+                metrics.api_errors.with_label_values(&["nodeportpool"]).inc();
+                warn!(error = %e, "cannot update NodePortPool status");
+            }
+        }
     }
     debug!(
         writes = writes.len(),
