@@ -151,8 +151,13 @@ fn can_i(api: &ControlPlane, user: &str, ns: &str) -> BTreeSet<((String, String,
         let [_, names, verbs] = lists[..] else { panic!("kubectl auth can-i --list: {line:?}") };
         let names = names.split_whitespace().collect::<Vec<_>>().join(", ");
         let (res, group) = resource.split_once('.').unwrap_or((resource, ""));
+        // A subresource of a grouped resource prints as `nodeportpools.nodelb.io/status`.
+        let (group, res) = match group.split_once('/') {
+            Some((g, sub)) => (g, format!("{res}/{sub}")),
+            None => (group, res.to_string()),
+        };
         for verb in verbs.split_whitespace() {
-            rows.insert(((group.to_string(), res.to_string(), verb.to_string()), names.clone()));
+            rows.insert(((group.to_string(), res.clone(), verb.to_string()), names.clone()));
         }
     }
     rows

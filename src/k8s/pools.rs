@@ -36,17 +36,27 @@ pub fn context(
     let node_labels: Vec<BTreeMap<String, String>> = snap.nodes.iter().map(|n| labels(n)).collect();
     let refs: Vec<&BTreeMap<String, String>> = node_labels.iter().collect();
     let set = PoolSet::resolve(pools, !objects.is_empty(), flag_range, &refs);
-    let namespaces = snap
-        .namespaces
-        .iter()
-        .filter_map(|ns| Some((ns.metadata.name.clone()?, ns.metadata.labels.clone().unwrap_or_default())))
-        .collect();
-    let own = snap
-        .nodes
-        .iter()
-        .find(|n| n.metadata.name.as_deref() == Some(node))
-        .map(|n| labels(n))
-        .unwrap_or_default();
+    // Only what a pool in force looks at is part of the context (and so of the agent's input
+    // fingerprint): without pools a new Namespace or a relabelled Node recomputes nothing.
+    let namespaces = if set.pools.iter().any(|p| !p.pool.namespaces.is_everything()) {
+        snap.namespaces
+            .iter()
+            .filter_map(|ns| {
+                Some((ns.metadata.name.clone()?, ns.metadata.labels.clone().unwrap_or_default()))
+            })
+            .collect()
+    } else {
+        BTreeMap::new()
+    };
+    let own = if set.pools.iter().any(|p| !p.pool.nodes.is_everything()) {
+        snap.nodes
+            .iter()
+            .find(|n| n.metadata.name.as_deref() == Some(node))
+            .map(|n| labels(n))
+            .unwrap_or_default()
+    } else {
+        BTreeMap::new()
+    };
     (PoolContext { set, namespaces, node_labels: own }, invalid)
 }
 
