@@ -40,5 +40,6 @@ emit crds/nodeportpools.nodelb.io.yaml 05-crd-nodeportpools.yaml
 emit templates/rbac.yaml 10-rbac.yaml
 emit templates/daemonset.yaml 20-daemonset.yaml
 emit templates/podmonitor.yaml monitoring/podmonitor.yaml
+emit templates/scraper-rbac.yaml monitoring/scraper-rbac.yaml
 cp charts/nodelb/dashboards/nodelb.json "$dest/monitoring/grafana-dashboard.json"
-echo "wrote $dest/{00-namespace,05-crd-nodeportpools,10-rbac,20-daemonset}.yaml, $dest/monitoring/{podmonitor.yaml,grafana-dashboard.json}" >&2
+echo "wrote $dest/{00-namespace,05-crd-nodeportpools,10-rbac,20-daemonset}.yaml, $dest/monitoring/{podmonitor,scraper-rbac}.yaml, $dest/monitoring/grafana-dashboard.json" >&2

@@ -38,8 +38,8 @@ all_on=(--set namespace.create=true --set podMonitor.enabled=true --set grafanaD
 # The PodMonitor (a CRD) has no official schema: rendered without it here.
 "$helm" template nodelb charts/nodelb -n nodelb-system --set namespace.create=true \
     --set grafanaDashboard.enabled=true >"$tmp/chart.yaml"
-kubernetes-validate --strict --quiet daemonset/*.yaml "$tmp/chart.yaml"
-echo "daemonset/*.yaml, the chart with every option: valid"
+kubernetes-validate --strict --quiet daemonset/*.yaml daemonset/monitoring/scraper-rbac.yaml "$tmp/chart.yaml"
+echo "daemonset/*.yaml, daemonset/monitoring/scraper-rbac.yaml, the chart with every option: valid"
 
 python3 - <<'PY'
 import glob, json, os, sys
@@ -93,7 +93,24 @@ ports = {p["name"] for c in ds["spec"]["template"]["spec"]["containers"] for p i
 for ep in pm["spec"]["podMetricsEndpoints"]:
     if ep["port"] not in ports:
         sys.exit(f"PodMonitor port {ep['port']} not among DaemonSet ports {ports}")
-print("Kustomization, PodMonitor and dashboard: consistent")
+# The PodMonitor scrapes with the token of the Secret scraper-rbac.yaml creates, whose
+# ServiceAccount is bound to a ClusterRole of 10-rbac.yaml granting exactly get on /metrics.
+scraper = {d["kind"]: d for d in yaml.safe_load_all(open("daemonset/monitoring/scraper-rbac.yaml")) if d}
+roles = {d["metadata"]["name"]: d for d in yaml.safe_load_all(open("daemonset/10-rbac.yaml")) if d and d["kind"] == "ClusterRole"}
+for ep in pm["spec"]["podMetricsEndpoints"]:
+    secret = ep["authorization"]["credentials"]["name"]
+    if secret != scraper["Secret"]["metadata"]["name"]:
+        sys.exit(f"PodMonitor token Secret {secret} is not the one scraper-rbac.yaml creates")
+    if ep.get("scheme") != "https":
+        sys.exit("PodMonitor must scrape over https (a bearer token is sent)")
+sa = scraper["Secret"]["metadata"]["annotations"]["kubernetes.io/service-account.name"]
+binding = scraper["ClusterRoleBinding"]
+if [s["name"] for s in binding["subjects"]] != [sa] or sa != scraper["ServiceAccount"]["metadata"]["name"]:
+    sys.exit("scraper-rbac.yaml: the Secret, ServiceAccount and binding do not name the same ServiceAccount")
+role = roles.get(binding["roleRef"]["name"])
+if role is None or role["rules"] != [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]:
+    sys.exit(f"scraper-rbac.yaml binds {binding['roleRef']['name']}, which must grant exactly get on /metrics")
+print("Kustomization, PodMonitor and dashboard: consistent; PodMonitor scrapes https with the scraper's token")
 # The release workflow (it cannot run here) against the Dockerfile and the chart: every platform
 # it builds is a TARGETARCH the Dockerfile handles, every build argument is an ARG there, and it
 # pushes the image the chart installs (for the owner nodelb).

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -92,20 +92,24 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let status: SharedStatus = Arc::new(RwLock::new(Status::default()));
     let metrics = Arc::new(Metrics::new(args.per_service_metrics)?);
     let stuck_after = (args.resync_period * 3).max(Duration::from_secs(30));
-    let listener = tokio::net::TcpListener::bind(args.http_addr)
-        .await
-        .with_context(|| format!("cannot listen on --http-addr {}", args.http_addr))?;
-    info!(addr = %args.http_addr, "serving /metrics, /status, /healthz, /readyz");
+    if !kube_mode && args.metrics_addr.is_some() {
+        bail!(
+            "--metrics-addr authenticates clients with the Kubernetes API: it needs Kubernetes mode (no --manifests)"
+        );
+    }
     let router = crate::http::router(status.clone(), metrics.clone(), stuck_after);
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, router).await {
-            error!(error = %e, "HTTP server failed");
-        }
-    });
+    serve_http(args.http_addr, "--http-addr", router, "serving /metrics, /status, /healthz, /readyz").await?;
+    let health = crate::http::health_router(status.clone(), stuck_after);
+    serve_http(args.health_addr, "--health-addr", health, "serving /healthz, /readyz (reasons withheld)")
+        .await?;
     let (source, controller) = match &args.common.manifests {
         Some(dir) => (Source::manifests(dir.clone())?, None),
         None => {
             let client = kube_client(&args.kube).await?;
+            if let Some(addr) = args.metrics_addr {
+                serve_authenticated_metrics(&args, addr, &cfg.node_name, client.clone(), metrics.clone())
+                    .await?;
+            }
             if args.kube.lease_duration < Duration::from_secs(3) {
                 bail!("--lease-duration {:?} is too short (at least 3s)", args.kube.lease_duration);
             }
@@ -158,6 +162,48 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
         controller.shutdown().await;
     }
+    Ok(())
+}
+
+/// Binds `addr` and serves `router` on it (plain HTTP) for the life of the process.
+async fn serve_http(
+    addr: SocketAddr,
+    flag: &str,
+    router: axum::Router,
+    what: &'static str,
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {flag} {addr}"))?;
+    info!(%addr, "{what}");
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, router).await {
+            error!(error = %e, "HTTP server failed");
+        }
+    });
+    Ok(())
+}
+
+/// `/metrics` over TLS on `addr`, for bearer tokens the API server authenticates and authorizes.
+async fn serve_authenticated_metrics(
+    args: &RunArgs,
+    addr: SocketAddr,
+    node_name: &str,
+    client: kube::Client,
+    metrics: Arc<Metrics>,
+) -> anyhow::Result<()> {
+    let files = args.metrics_tls_cert_file.as_deref().zip(args.metrics_tls_key_file.as_deref());
+    let names = [node_name.to_string(), "localhost".to_string()];
+    let tls = crate::tls::server_config(files, &names).context("--metrics-addr")?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on --metrics-addr {addr}"))?;
+    let reviewer = Arc::new(crate::k8s::review::KubeReviewer::new(client));
+    let auth = Arc::new(crate::http::MetricsAuth::new(reviewer));
+    let router = crate::http::metrics_router(metrics, auth);
+    let certificate = if files.is_some() { "from --metrics-tls-cert-file" } else { "self-signed" };
+    info!(%addr, certificate, "serving /metrics over TLS to authorized bearer tokens (TokenReview + SubjectAccessReview)");
+    tokio::spawn(crate::tls::serve(listener, tls, router));
     Ok(())
 }
 

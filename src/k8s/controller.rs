@@ -37,7 +37,7 @@ use super::lastgood::LastGoodServices;
 use super::leader::{self, Decision, LeaseRecord, Observed};
 use super::nodes::{self, ANNOTATION_FAMILIES, LABEL_NODE_LEASE};
 use super::publish::{self, Round, ServiceWrite};
-use super::source::KubeSource;
+use super::source::{KubeSnapshot, KubeSource};
 
 /// Name of the leader-election Lease in the agent namespace.
 pub const LEADER_LEASE: &str = "nodelb-leader";
@@ -486,7 +486,7 @@ async fn publish_event(
     let ev = Event {
         type_: if warning { EventType::Warning } else { EventType::Normal },
         reason: reason.to_string(),
-        note: Some(note.chars().take(1000).collect()),
+        note: Some(super::events::event_note(note)),
         action: "Reconcile".to_string(),
         secondary: None,
     };
@@ -539,25 +539,39 @@ async fn allocate_loop(
     }
 }
 
-/// What the leader remembers between rounds about invalid input.
-struct RoundState<'a> {
-    last_good: &'a mut LastGoodServices,
-    pools_last_valid: &'a mut crate::pool::LastValid,
+/// What the leader writes and records in one round.
+#[derive(Debug, Clone, Default)]
+pub struct RoundPlan {
+    pub writes: Vec<ServiceWrite>,
+    pub events: Vec<publish::ServiceEvent>,
+    /// What the pools' status is written from, when NodePortPool objects exist.
+    pub pools: Option<PoolRound>,
 }
 
-/// One allocation + status round; `true` when a write met a stale resourceVersion.
-async fn round(
-    client: &Client,
-    source: &KubeSource,
+/// The round's decisions the pools' status is computed from ([`super::pools::StatusRound`]).
+#[derive(Debug, Clone)]
+pub struct PoolRound {
+    pub ctx: crate::pool::PoolContext,
+    pub invalid: Vec<crate::pool::InvalidPool>,
+    pub allocations: Allocations,
+    pub assignment: Option<crate::pool::Assignment>,
+    pub serving: std::collections::BTreeMap<String, nodes::ServingNode>,
+}
+
+/// The leader's decisions for one round, from the caches alone (pure): last-good substitution,
+/// the model, endpoint policy, node port pools (`pools_last_valid`: each pool's last valid
+/// version, kept across rounds), duplicate repair, allocation, status, conditions and Events.
+/// `leases_now`: the time to judge node-Lease expiry by, `None` while the Lease cache may be
+/// behind (see [`nodes::serving_nodes`]).
+pub fn plan_round(
+    snap: &KubeSnapshot,
     cfg: &ControllerConfig,
-    state: RoundState<'_>,
-    deduper: &mut Deduper<ServiceKey>,
-    recorder: &Recorder,
-    metrics: &Metrics,
-) -> bool {
-    let started = Instant::now();
-    let snap = source.snapshot();
-    let subst = state.last_good.apply(&snap.services, &cfg.model);
+    last_good: &mut LastGoodServices,
+    pools_last_valid: &mut crate::pool::LastValid,
+    leases_now: Option<Timestamp>,
+    now: Timestamp,
+) -> RoundPlan {
+    let subst = last_good.apply(&snap.services, &cfg.model);
     let mut out = model::build(&subst.services, &snap.slices, &cfg.model);
     // The nodes refuse these endpoints (each also its own addresses): the status, the
     // conditions and the Events say so, and Local-policy ingress counts only usable endpoints.
@@ -573,7 +587,7 @@ async fn round(
     // Node port pools: which pool each Service gets (a Service none accepts is not allocated, and
     // says why), and which nodes its status may list.
     let (pool_ctx, invalid_pools) =
-        super::pools::context(&snap, state.pools_last_valid, cfg.port_range, &cfg.node_name);
+        super::pools::context(snap, pools_last_valid, cfg.port_range, &cfg.node_name);
     let assignment = (!pool_ctx.set.implicit)
         .then(|| crate::pool::assign_services(&pool_ctx, &snap.services, &all, &Allocations::new()));
     let all: Vec<model::LbService> = match &assignment {
@@ -594,11 +608,7 @@ async fn round(
     let problems: Vec<alloc::AllocProblem> =
         result.problems.into_iter().filter(|p| valid.contains(p.service())).collect();
     let refused: Vec<model::Refusal> = out.refused.iter().cloned().chain(subst.masked).collect();
-    // Lease expiry is judged only from a view known to be current for a lease duration (after an
-    // API outage every Lease looks expired until the agents' renewals arrive).
-    let current = source.leases_current_for().is_some_and(|d| d >= cfg.lease_duration);
-    let now = current.then(Timestamp::now);
-    let serving = nodes::serving_nodes(&snap.nodes, &snap.leases, now, &cfg.node_addresses);
+    let serving = nodes::serving_nodes(&snap.nodes, &snap.leases, leases_now, &cfg.node_addresses);
     let round = Round {
         services: &snap.services,
         model: &cfg.model,
@@ -610,9 +620,48 @@ async fn round(
         listening: &in_use,
         serving: &serving,
         pool_nodes: pool_nodes.as_ref(),
-        now: Timestamp::now(),
+        now,
     };
-    let writes = publish::plan_writes(&round);
+    let (writes, events) = (publish::plan_writes(&round), publish::service_events(&round, &duplicates));
+    let pools = (!snap.pools.is_empty()).then_some(PoolRound {
+        ctx: pool_ctx,
+        invalid: invalid_pools,
+        allocations,
+        assignment,
+        serving,
+    });
+    RoundPlan { writes, events, pools }
+}
+
+/// What the leader remembers between rounds about invalid input.
+struct RoundState<'a> {
+    last_good: &'a mut LastGoodServices,
+    pools_last_valid: &'a mut crate::pool::LastValid,
+}
+
+/// One allocation + status round; `true` when a write met a stale resourceVersion.
+async fn round(
+    client: &Client,
+    source: &KubeSource,
+    cfg: &ControllerConfig,
+    state: RoundState<'_>,
+    deduper: &mut Deduper<ServiceKey>,
+    recorder: &Recorder,
+    metrics: &Metrics,
+) -> bool {
+    let started = Instant::now();
+    let snap = source.snapshot();
+    // Lease expiry is judged only from a view known to be current for a lease duration (after an
+    // API outage every Lease looks expired until the agents' renewals arrive).
+    let current = source.leases_current_for().is_some_and(|d| d >= cfg.lease_duration);
+    let RoundPlan { writes, events, pools } = plan_round(
+        &snap,
+        cfg,
+        state.last_good,
+        state.pools_last_valid,
+        current.then(Timestamp::now),
+        Timestamp::now(),
+    );
     let planned_ms = started.elapsed().as_secs_f64() * 1e3;
     let mut stale = false;
     for w in &writes {
@@ -631,14 +680,14 @@ async fn round(
     if !writes.is_empty() {
         info!(services = writes.len(), "published allocations and status");
     }
-    if !snap.pools.is_empty() {
+    if let Some(p) = &pools {
         let pools = super::pools::StatusRound {
             snap: &snap,
-            ctx: &pool_ctx,
-            invalid: &invalid_pools,
-            allocations: &allocations,
-            assignment: assignment.as_ref(),
-            serving: &serving,
+            ctx: &p.ctx,
+            invalid: &p.invalid,
+            allocations: &p.allocations,
+            assignment: p.assignment.as_ref(),
+            serving: &p.serving,
         };
         match super::pools::write_statuses(client, &pools).await {
             Ok(s) => stale |= s,
@@ -654,7 +703,6 @@ async fn round(
         written_ms = started.elapsed().as_secs_f64() * 1e3 - planned_ms,
         "allocation round"
     );
-    let events = publish::service_events(&round, &duplicates);
     let key = |e: &publish::ServiceEvent| (e.service.clone(), e.reason, e.message.clone());
     for e in deduper.pending(&events, key) {
         let Some(svc) = snap.services.iter().find(|s| model::service_key(s) == e.service) else { continue };

@@ -3,9 +3,10 @@
 //!
 //! Pure decisions live in [`dupes`], [`nodes`], [`publish`], [`leader`], [`events`]; the edges
 //! that talk to the API server are [`source`] (reflectors), [`controller`] (leader election, node
-//! Lease, writes, Events). [`installation`] watches what tells an uninstall from a restart, and
-//! [`uninstall`] decides at SIGTERM whether the node's rules stay. See docs/design.md,
-//! "Kubernetes mode" and "Install, upgrade, uninstall".
+//! Lease, writes, Events), [`review`] (TokenReview + SubjectAccessReview for the authenticated
+//! metrics). [`installation`] watches what tells an uninstall from a restart, and [`uninstall`]
+//! decides at SIGTERM whether the node's rules stay. See docs/design.md, "Kubernetes mode" and
+//! "Install, upgrade, uninstall".
 
 pub mod controller;
 pub mod dupes;
@@ -16,5 +17,6 @@ pub mod leader;
 pub mod nodes;
 pub mod pools;
 pub mod publish;
+pub mod review;
 pub mod source;
 pub mod uninstall;

@@ -611,7 +611,9 @@ impl Rbac {
             let v: Value = serde::Deserialize::deserialize(doc).expect("YAML document");
             let ns = v["metadata"]["namespace"].as_str().map(String::from);
             let kind = v["kind"].as_str().unwrap_or_default();
-            if !matches!(kind, "ClusterRole" | "Role") {
+            // The agent's roles are named `nodelb` (bound to its ServiceAccount); others in the
+            // file (nodelb-metrics-reader) are for other subjects.
+            if !matches!(kind, "ClusterRole" | "Role") || v["metadata"]["name"] != "nodelb" {
                 continue;
             }
             let strs = |x: &Value| -> Vec<String> {

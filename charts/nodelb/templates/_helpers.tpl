@@ -41,7 +41,14 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
 {{/* The port of config.http-addr (host:port, [v6]:port). */}}
-{{- define "nodelb.httpPort" -}}
-{{- $addr := index .Values.config "http-addr" | default "0.0.0.0:9470" | toString -}}
+{{- define "nodelb.healthPort" -}}
+{{- $addr := index .Values.config "health-addr" | default "0.0.0.0:9471" | toString -}}
 {{- $addr | splitList ":" | last -}}
+{{- end -}}
+
+{{/* The authenticated metrics port, empty when config.metrics-addr is null. */}}
+{{- define "nodelb.metricsPort" -}}
+{{- with index .Values.config "metrics-addr" -}}
+{{- . | toString | splitList ":" | last -}}
+{{- end -}}
 {{- end -}}
