@@ -516,6 +516,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             node,
             policy: &self.cfg.policy,
             host,
+            pools: loaded.pools.as_deref(),
         };
         desired::compute_with(&inputs, self.metrics.per_service)
     }

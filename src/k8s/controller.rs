@@ -506,6 +506,7 @@ async fn allocate_loop(
     metrics: Arc<Metrics>,
 ) {
     let mut last_good = LastGoodServices::default();
+    let mut pools_last_valid = crate::pool::LastValid::default();
     let mut deduper: Deduper<ServiceKey> = Deduper::default();
     let mut was_leader = false;
     loop {
@@ -524,7 +525,8 @@ async fn allocate_loop(
         }
         let mut again = true;
         while again && leadership.get() {
-            again = round(&client, &source, &cfg, &mut last_good, &mut deduper, &recorder, &metrics).await;
+            let state = RoundState { last_good: &mut last_good, pools_last_valid: &mut pools_last_valid };
+            again = round(&client, &source, &cfg, state, &mut deduper, &recorder, &metrics).await;
             if again {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
@@ -537,16 +539,30 @@ async fn allocate_loop(
 pub struct RoundPlan {
     pub writes: Vec<ServiceWrite>,
     pub events: Vec<publish::ServiceEvent>,
+    /// What the pools' status is written from, when NodePortPool objects exist.
+    pub pools: Option<PoolRound>,
+}
+
+/// The round's decisions the pools' status is computed from ([`super::pools::StatusRound`]).
+#[derive(Debug, Clone)]
+pub struct PoolRound {
+    pub ctx: crate::pool::PoolContext,
+    pub invalid: Vec<crate::pool::InvalidPool>,
+    pub allocations: Allocations,
+    pub assignment: Option<crate::pool::Assignment>,
+    pub serving: std::collections::BTreeMap<String, nodes::ServingNode>,
 }
 
 /// The leader's decisions for one round, from the caches alone (pure): last-good substitution,
-/// the model, endpoint policy, duplicate repair, allocation, status, conditions and Events.
+/// the model, endpoint policy, node port pools (`pools_last_valid`: each pool's last valid
+/// version, kept across rounds), duplicate repair, allocation, status, conditions and Events.
 /// `leases_now`: the time to judge node-Lease expiry by, `None` while the Lease cache may be
 /// behind (see [`nodes::serving_nodes`]).
 pub fn plan_round(
     snap: &KubeSnapshot,
     cfg: &ControllerConfig,
     last_good: &mut LastGoodServices,
+    pools_last_valid: &mut crate::pool::LastValid,
     leases_now: Option<Timestamp>,
     now: Timestamp,
 ) -> RoundPlan {
@@ -563,8 +579,24 @@ pub fn plan_round(
     // What processes listen on, on any node (their Leases say): never handed out, and a request
     // for it is refused. Each node refuses locally anyway, whatever is decided here.
     let in_use = nodes::listening_ports(&snap.leases);
-    let constraints = alloc::Constraints { policy: Some(&cfg.policy.ports), in_use: Some(&in_use) };
-    let result = alloc::allocate_with(&cfg.port_range, &all, &Allocations::new(), constraints);
+    // Node port pools: which pool each Service gets (a Service none accepts is not allocated, and
+    // says why), and which nodes its status may list.
+    let (pool_ctx, invalid_pools) =
+        super::pools::context(snap, pools_last_valid, cfg.port_range, &cfg.node_name);
+    let assignment = (!pool_ctx.set.implicit)
+        .then(|| crate::pool::assign_services(&pool_ctx, &snap.services, &all, &Allocations::new()));
+    let all: Vec<model::LbService> = match &assignment {
+        Some(a) => all.into_iter().filter(|s| a.has_pool(&s.key)).collect(),
+        None => all,
+    };
+    let pool_nodes = assignment.as_ref().map(|a| super::pools::selected_nodes(&pool_ctx, a, &snap.nodes));
+    let constraints = alloc::Constraints {
+        policy: Some(&cfg.policy.ports),
+        in_use: Some(&in_use),
+        pools: assignment.as_ref().map(|a| &a.ranges),
+    };
+    let mut result = alloc::allocate_with(&cfg.port_range, &all, &Allocations::new(), constraints);
+    result.problems.extend(assignment.iter().flat_map(|a| a.problems.iter().cloned()));
     let valid: std::collections::BTreeSet<&ServiceKey> = out.services.iter().map(|s| &s.key).collect();
     let allocations: Allocations =
         result.allocations.into_iter().filter(|(k, _)| valid.contains(k)).collect();
@@ -582,9 +614,24 @@ pub fn plan_round(
         refused_endpoints: &refused_endpoints,
         listening: &in_use,
         serving: &serving,
+        pool_nodes: pool_nodes.as_ref(),
         now,
     };
-    RoundPlan { writes: publish::plan_writes(&round), events: publish::service_events(&round, &duplicates) }
+    let (writes, events) = (publish::plan_writes(&round), publish::service_events(&round, &duplicates));
+    let pools = (!snap.pools.is_empty()).then_some(PoolRound {
+        ctx: pool_ctx,
+        invalid: invalid_pools,
+        allocations,
+        assignment,
+        serving,
+    });
+    RoundPlan { writes, events, pools }
+}
+
+/// What the leader remembers between rounds about invalid input.
+struct RoundState<'a> {
+    last_good: &'a mut LastGoodServices,
+    pools_last_valid: &'a mut crate::pool::LastValid,
 }
 
 /// One allocation + status round; `true` when a write met a stale resourceVersion.
@@ -592,7 +639,7 @@ async fn round(
     client: &Client,
     source: &KubeSource,
     cfg: &ControllerConfig,
-    last_good: &mut LastGoodServices,
+    state: RoundState<'_>,
     deduper: &mut Deduper<ServiceKey>,
     recorder: &Recorder,
     metrics: &Metrics,
@@ -602,8 +649,14 @@ async fn round(
     // Lease expiry is judged only from a view known to be current for a lease duration (after an
     // API outage every Lease looks expired until the agents' renewals arrive).
     let current = source.leases_current_for().is_some_and(|d| d >= cfg.lease_duration);
-    let RoundPlan { writes, events } =
-        plan_round(&snap, cfg, last_good, current.then(Timestamp::now), Timestamp::now());
+    let RoundPlan { writes, events, pools } = plan_round(
+        &snap,
+        cfg,
+        state.last_good,
+        state.pools_last_valid,
+        current.then(Timestamp::now),
+        Timestamp::now(),
+    );
     let planned_ms = started.elapsed().as_secs_f64() * 1e3;
     let mut stale = false;
     for w in &writes {
@@ -621,6 +674,23 @@ async fn round(
     }
     if !writes.is_empty() {
         info!(services = writes.len(), "published allocations and status");
+    }
+    if let Some(p) = &pools {
+        let pools = super::pools::StatusRound {
+            snap: &snap,
+            ctx: &p.ctx,
+            invalid: &p.invalid,
+            allocations: &p.allocations,
+            assignment: p.assignment.as_ref(),
+            serving: &p.serving,
+        };
+        match super::pools::write_statuses(client, &pools).await {
+            Ok(s) => stale |= s,
+            Err(e) => {
+                metrics.api_errors.with_label_values(&["nodeportpool"]).inc();
+                warn!(error = %e, "cannot update NodePortPool status");
+            }
+        }
     }
     debug!(
         writes = writes.len(),

@@ -10,6 +10,7 @@
 
 pub mod controller;
 pub mod installation;
+pub mod pools;
 pub mod review;
 pub mod source;
 

@@ -71,9 +71,11 @@ fn plan(services: &[Service], slices: &[EndpointSlice], nodes: &[Value], leases:
         slices: slices.iter().cloned().map(Arc::new).collect(),
         nodes: arcs::<Node>(nodes),
         leases: arcs::<Lease>(leases),
+        pools: Vec::new(),
+        namespaces: Vec::new(),
     };
     let now = Timestamp::from_second(1_800_000_000).expect("time");
-    plan_round(&snap, &config(), &mut LastGoodServices::default(), None, now)
+    plan_round(&snap, &config(), &mut LastGoodServices::default(), &mut Default::default(), None, now)
 }
 
 fn reason_ok(r: &str) -> bool {

@@ -164,6 +164,7 @@ pub fn compute(
         node: &node,
         policy: &policy,
         host: &host,
+        pools: None,
     };
     desired::compute(&inputs)
 }

@@ -6,7 +6,7 @@
 //! - The shared words: [`domain`].
 //! - What the inputs mean: [`model`] (a Service and its EndpointSlices, validated), [`slim`]
 //!   (the fields kept), [`manifests`] (YAML/JSON text), [`k8s`] (Kubernetes mode's decisions).
-//! - What to program: [`port_policy`], [`alloc`], [`endpoint_policy`], [`desired`] (one sync's
+//! - What to program: [`pool`] (node port pools), [`port_policy`], [`alloc`], [`endpoint_policy`], [`desired`] (one sync's
 //!   decision), [`plan`] → [`ir`] (the ruleset), [`hairpin`], [`hostfw`] (the host firewall
 //!   diagnosis), [`kernel_support`] (what the kernel must have).
 //! - What to report: [`counters`], [`report`].
@@ -25,6 +25,7 @@ pub mod kernel_support;
 pub mod manifests;
 pub mod model;
 pub mod plan;
+pub mod pool;
 pub mod port_policy;
 pub mod report;
 #[cfg(any(test, feature = "testing"))]

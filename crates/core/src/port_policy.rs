@@ -31,7 +31,7 @@ pub const NODEPORT_RANGE: (u16, u16) = (30000, 32767);
 pub const EPHEMERAL_RANGE: (u16, u16) = (32768, 60999);
 
 /// Inclusive range of node ports handed out automatically.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
 pub struct PortRange {
     pub first: u16,
     pub last: u16,
@@ -277,6 +277,8 @@ pub enum PortRefusal {
     NotAllowed(String),
     /// A process on the node listens on it (on the nodes named, for the leader's view).
     InUse(String),
+    /// The Service's node port pool does not serve it on this node (why, in words).
+    NotSelected(String),
 }
 
 impl PortRefusal {
@@ -285,6 +287,7 @@ impl PortRefusal {
         match self {
             PortRefusal::NotAllowed(_) => "not_allowed",
             PortRefusal::InUse(_) => "in_use",
+            PortRefusal::NotSelected(_) => "not_selected",
         }
     }
 }
@@ -294,6 +297,7 @@ impl fmt::Display for PortRefusal {
         match self {
             PortRefusal::NotAllowed(allowed) => write!(f, "not allowed (allowed: {allowed})"),
             PortRefusal::InUse(who) => write!(f, "in use: {who}"),
+            PortRefusal::NotSelected(why) => write!(f, "{why}"),
         }
     }
 }
