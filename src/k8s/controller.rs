@@ -37,7 +37,7 @@ use super::lastgood::LastGoodServices;
 use super::leader::{self, Decision, LeaseRecord, Observed};
 use super::nodes::{self, ANNOTATION_FAMILIES, LABEL_NODE_LEASE};
 use super::publish::{self, Round, ServiceWrite};
-use super::source::KubeSource;
+use super::source::{KubeSnapshot, KubeSource};
 
 /// Name of the leader-election Lease in the agent namespace.
 pub const LEADER_LEASE: &str = "nodelb-leader";
@@ -537,18 +537,24 @@ async fn allocate_loop(
     }
 }
 
-/// One allocation + status round; `true` when a write met a stale resourceVersion.
-async fn round(
-    client: &Client,
-    source: &KubeSource,
+/// What the leader writes and records in one round.
+#[derive(Debug, Clone, Default)]
+pub struct RoundPlan {
+    pub writes: Vec<ServiceWrite>,
+    pub events: Vec<publish::ServiceEvent>,
+}
+
+/// The leader's decisions for one round, from the caches alone (pure): last-good substitution,
+/// the model, endpoint policy, duplicate repair, allocation, status, conditions and Events.
+/// `leases_now`: the time to judge node-Lease expiry by, `None` while the Lease cache may be
+/// behind (see [`nodes::serving_nodes`]).
+pub fn plan_round(
+    snap: &KubeSnapshot,
     cfg: &ControllerConfig,
     last_good: &mut LastGoodServices,
-    deduper: &mut Deduper<ServiceKey>,
-    recorder: &Recorder,
-    metrics: &Metrics,
-) -> bool {
-    let started = Instant::now();
-    let snap = source.snapshot();
+    leases_now: Option<Timestamp>,
+    now: Timestamp,
+) -> RoundPlan {
     let subst = last_good.apply(&snap.services, &cfg.model);
     let mut out = model::build(&subst.services, &snap.slices, &cfg.model);
     // The nodes refuse these endpoints (each also its own addresses): the status, the
@@ -570,11 +576,7 @@ async fn round(
     let problems: Vec<alloc::AllocProblem> =
         result.problems.into_iter().filter(|p| valid.contains(p.service())).collect();
     let refused: Vec<model::Refusal> = out.refused.iter().cloned().chain(subst.masked).collect();
-    // Lease expiry is judged only from a view known to be current for a lease duration (after an
-    // API outage every Lease looks expired until the agents' renewals arrive).
-    let current = source.leases_current_for().is_some_and(|d| d >= cfg.lease_duration);
-    let now = current.then(Timestamp::now);
-    let serving = nodes::serving_nodes(&snap.nodes, &snap.leases, now, &cfg.node_addresses);
+    let serving = nodes::serving_nodes(&snap.nodes, &snap.leases, leases_now, &cfg.node_addresses);
     let round = Round {
         services: &snap.services,
         model: &cfg.model,
@@ -585,34 +587,36 @@ async fn round(
         refused_endpoints: &refused_endpoints,
         listening: &in_use,
         serving: &serving,
-        now: Timestamp::now(),
+        now,
     };
-    let writes = publish::plan_writes(&round);
+    RoundPlan { writes: publish::plan_writes(&round), events: publish::service_events(&round, &duplicates) }
+}
+
+/// One allocation + status round; `true` when a write met a stale resourceVersion.
+async fn round(
+    client: &Client,
+    source: &KubeSource,
+    cfg: &ControllerConfig,
+    last_good: &mut LastGoodServices,
+    deduper: &mut Deduper<ServiceKey>,
+    recorder: &Recorder,
+    metrics: &Metrics,
+) -> bool {
+    let started = Instant::now();
+    let snap = source.snapshot();
+    // Lease expiry is judged only from a view known to be current for a lease duration (after an
+    // API outage every Lease looks expired until the agents' renewals arrive).
+    let current = source.leases_current_for().is_some_and(|d| d >= cfg.lease_duration);
+    let RoundPlan { writes, events } =
+        plan_round(&snap, cfg, last_good, current.then(Timestamp::now), Timestamp::now());
     let planned_ms = started.elapsed().as_secs_f64() * 1e3;
-    let mut stale = false;
-    for w in &writes {
-        match write(client, w).await {
-            Ok(()) => {}
-            Err(e) if is_conflict(&e) => {
-                debug!(service = %w.key, "Service changed since read (409); retrying on the next round");
-                stale = true;
-            }
-            Err(e) => {
-                metrics.api_errors.with_label_values(&["service"]).inc();
-                warn!(service = %w.key, error = %e, "cannot update Service")
-            }
-        }
-    }
-    if !writes.is_empty() {
-        info!(services = writes.len(), "published allocations and status");
-    }
+    let stale = write_services(client, &writes, Some(metrics)).await;
     debug!(
         writes = writes.len(),
         planned_ms,
         written_ms = started.elapsed().as_secs_f64() * 1e3 - planned_ms,
         "allocation round"
     );
-    let events = publish::service_events(&round, &duplicates);
     let key = |e: &publish::ServiceEvent| (e.service.clone(), e.reason, e.message.clone());
     for e in deduper.pending(&events, key) {
         let Some(svc) = snap.services.iter().find(|s| model::service_key(s) == e.service) else { continue };
@@ -620,6 +624,32 @@ async fn round(
         if publish_event(recorder, metrics, &svc.object_ref(&()), e.warning, e.reason, &e.message).await {
             deduper.sent(key(e));
         }
+    }
+    stale
+}
+
+/// The Service writes of one round, each with its resourceVersion precondition; `true` when one
+/// met a stale resourceVersion (409: the round is retried from a fresh cache). Other failures are
+/// logged and counted (`metrics`), and retried at the next round.
+pub async fn write_services(client: &Client, writes: &[ServiceWrite], metrics: Option<&Metrics>) -> bool {
+    let mut stale = false;
+    for w in writes {
+        match write(client, w).await {
+            Ok(()) => {}
+            Err(e) if is_conflict(&e) => {
+                debug!(service = %w.key, "Service changed since read (409); retrying on the next round");
+                stale = true;
+            }
+            Err(e) => {
+                if let Some(m) = metrics {
+                    m.api_errors.with_label_values(&["service"]).inc();
+                }
+                warn!(service = %w.key, error = %e, "cannot update Service")
+            }
+        }
+    }
+    if !writes.is_empty() {
+        info!(services = writes.len(), "published allocations and status");
     }
     stale
 }

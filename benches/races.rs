@@ -1,0 +1,362 @@
+//! Targeted races, repeated until they would have shown (issue 14, point 3). A benchmark-style
+//! program, not a timed test: it runs a number of randomized rounds (seeded: the seed is printed
+//! and `--seed` replays a run), checks its invariants in every round, prints a summary row per
+//! scenario and exits 1 when an invariant broke.
+//!
+//! ```text
+//! cargo bench --bench races -- --only split-brain --rounds 1000 [--seed S]
+//! cargo bench --bench races -- --only split-brain --rounds 200 --without-preconditions  # shows doubles
+//! ```
+//!
+//! Scenarios:
+//! - `split-brain`: two leaders at once against the real API server (testkube), each round with
+//!   conflicting allocation requests and a different view of them; nodelb's own leader code
+//!   (`controller::plan_round` + its writes) on both sides; a watch on every stored Service
+//!   counts node ports held twice.
+//!
+//! Root only (network namespaces); everything is deleted on exit, on panic and on Ctrl-C.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::net::Ipv4Addr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use serde_json::json;
+
+use common::invariants::{AllocationWatch, doubles};
+use common::kube::ControlPlane;
+use common::netns::NetNs;
+use common::rng::Rng;
+use nodelb::alloc::PortRange;
+use nodelb::k8s::controller::{self, ControllerConfig};
+use nodelb::k8s::lastgood::LastGoodServices;
+use nodelb::k8s::source::KubeSnapshot;
+
+struct Args {
+    only: Vec<String>,
+    rounds: usize,
+    seed: u64,
+    without_preconditions: bool,
+    out: Option<String>,
+}
+
+fn args() -> Args {
+    let argv: Vec<String> = std::env::args().skip(1).filter(|a| a != "--bench").collect();
+    let value = |flag: &str| argv.iter().position(|a| a == flag).and_then(|i| argv.get(i + 1)).cloned();
+    Args {
+        only: value("--only").unwrap_or_else(|| "split-brain".into()).split(',').map(String::from).collect(),
+        rounds: value("--rounds").map_or(1000, |v| v.parse().expect("--rounds N")),
+        seed: value("--seed").map_or_else(Rng::seed_from_clock, |v| v.parse().expect("--seed N")),
+        without_preconditions: argv.iter().any(|a| a == "--without-preconditions"),
+        out: value("--out"),
+    }
+}
+
+/// One line of the summary (and of docs/reliability.md).
+struct Row {
+    scenario: String,
+    load: String,
+    faults: String,
+    duration: Duration,
+    lost: String,
+    doubles: usize,
+    leftovers: String,
+    rss: String,
+    ok: bool,
+}
+
+fn main() {
+    common::cleanup::install_signal_cleanup();
+    if !nix::unistd::Uid::effective().is_root() {
+        eprintln!("races: needs root (network namespaces)");
+        std::process::exit(2);
+    }
+    let a = args();
+    println!("races: seed {} (replay with --seed {})", a.seed, a.seed);
+    let mut rows = Vec::new();
+    for s in &a.only {
+        let mut rng = Rng::new(a.seed);
+        let row = match s.as_str() {
+            "split-brain" => split_brain(&a, &mut rng),
+            other => {
+                eprintln!("races: unknown scenario {other:?} (split-brain)");
+                std::process::exit(2);
+            }
+        };
+        rows.push(row);
+    }
+    let mut table = String::from(
+        "| scenario | load | faults | duration | requests lost | double allocations | leftovers | RSS drift |\n|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in &rows {
+        table.push_str(&format!(
+            "| {} | {} | {} | {:.0} s | {} | {} | {} | {} |\n",
+            r.scenario,
+            r.load,
+            r.faults,
+            r.duration.as_secs_f64(),
+            r.lost,
+            r.doubles,
+            r.leftovers,
+            r.rss
+        ));
+    }
+    println!("\n{table}");
+    if let Some(out) = &a.out {
+        std::fs::write(out, &table).expect("--out");
+    }
+    let failed: Vec<&str> = rows.iter().filter(|r| !r.ok).map(|r| r.scenario.as_str()).collect();
+    if !failed.is_empty() {
+        eprintln!("races: FAILED: {} (seed {})", failed.join(", "), a.seed);
+        std::process::exit(1);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Split brain
+
+/// Namespace of the split-brain Services.
+const NS: &str = "race";
+/// A small range, so that automatic allocations and requests compete for the same numbers.
+const RANGE: (u16, u16) = (20000, 20029);
+/// The numbers requests ask for (the low end of the range: automatic allocation takes those
+/// first too).
+const HOT: (u16, u16) = (20000, 20005);
+const MAX_SERVICES: usize = 16;
+
+fn leader_config(name: &str) -> ControllerConfig {
+    let range = PortRange::new(RANGE.0, RANGE.1).unwrap();
+    ControllerConfig {
+        node_name: name.into(),
+        namespace: "nodelb-system".into(),
+        lease_duration: Duration::from_secs(3),
+        node_addresses: Vec::new(),
+        port_range: range,
+        model: Default::default(),
+        policy: nodelb::desired::HostPolicy {
+            ports: nodelb::port_policy::PortPolicy { ranges: vec![range], allowed: Default::default() },
+            ..Default::default()
+        },
+    }
+}
+
+/// A leader as the agent runs one: its config and its memory between rounds.
+struct Leader {
+    cfg: ControllerConfig,
+    last_good: LastGoodServices,
+}
+
+impl Leader {
+    /// One round of nodelb's leader code on `view` (a list of the Services as this leader saw
+    /// them); `true` when a write met a stale resourceVersion.
+    async fn round(&mut self, client: &kube::Client, view: &[Service], preconditions: bool) -> bool {
+        let snap =
+            KubeSnapshot { services: view.iter().cloned().map(Arc::new).collect(), ..Default::default() };
+        let mut plan = controller::plan_round(&snap, &self.cfg, &mut self.last_good, None, Timestamp::now());
+        if !preconditions {
+            for w in &mut plan.writes {
+                w.resource_version = None;
+            }
+        }
+        controller::write_services(client, &plan.writes, None).await
+    }
+}
+
+fn service_json(name: &str, ports: &[(u16, &str)], request: Option<(u16, &str, u16)>) -> serde_json::Value {
+    let mut annotations = serde_json::Map::new();
+    if let Some((port, proto, number)) = request {
+        annotations.insert("nodelb.io/ports".into(), json!(format!("{port}/{proto}={number}")));
+    }
+    let ports: Vec<_> = ports
+        .iter()
+        .map(|(p, proto)| json!({"name": format!("{}-{p}", proto.to_lowercase()), "port": p, "protocol": proto}))
+        .collect();
+    json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "namespace": NS, "annotations": annotations},
+        "spec": {"type": "LoadBalancer", "ports": ports},
+    })
+}
+
+/// One random change that makes two views of the Services disagree about who asks for what.
+async fn mutate(api: &Api<Service>, rng: &mut Rng, next_name: &mut usize, current: &[Service]) {
+    let names: Vec<String> = current.iter().filter_map(|s| s.metadata.name.clone()).collect();
+    let op = if names.is_empty() || (names.len() < MAX_SERVICES && rng.chance(0.5)) {
+        0
+    } else if names.len() >= MAX_SERVICES || rng.chance(0.4) {
+        2
+    } else {
+        1
+    };
+    match op {
+        0 => {
+            *next_name += 1;
+            let name = format!("s{next_name}");
+            let ports: Vec<(u16, &str)> = match rng.below(3) {
+                0 => vec![(80, "TCP")],
+                1 => vec![(80, "TCP"), (53, "UDP")],
+                _ => vec![(53, "UDP")],
+            };
+            let request = rng.chance(0.6).then(|| {
+                let (p, proto) = *rng.pick(&ports);
+                (p, proto, rng.range(HOT.0.into(), HOT.1.into()) as u16)
+            });
+            let svc: Service = serde_json::from_value(service_json(&name, &ports, request)).unwrap();
+            if let Err(e) = api.create(&PostParams::default(), &svc).await {
+                panic!("create {name}: {e}");
+            }
+        }
+        1 => {
+            // Ask for another number (or stop asking), unconditionally, as a user's edit does.
+            let svc = rng.pick(current);
+            let name = svc.metadata.name.clone().unwrap();
+            let port = svc.spec.as_ref().and_then(|s| s.ports.as_ref()).and_then(|p| p.first()).cloned();
+            let Some(port) = port else { return };
+            let value = if rng.chance(0.8) {
+                json!(format!(
+                    "{}/{}={}",
+                    port.port,
+                    port.protocol.as_deref().unwrap_or("TCP"),
+                    rng.range(HOT.0.into(), HOT.1.into())
+                ))
+            } else {
+                serde_json::Value::Null
+            };
+            let patch = json!({"metadata": {"annotations": {"nodelb.io/ports": value}}});
+            let _ = api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await;
+        }
+        _ => {
+            let svc = rng.pick(current);
+            let name = svc.metadata.name.clone().unwrap();
+            let _ = api.delete(&name, &DeleteParams::default()).await;
+        }
+    }
+}
+
+async fn list(api: &Api<Service>) -> (Vec<Service>, u64) {
+    let l = api.list(&ListParams::default()).await.expect("list Services");
+    let rv = l.metadata.resource_version.as_deref().and_then(|v| v.parse().ok()).unwrap_or(0);
+    (l.items, rv)
+}
+
+fn split_brain(a: &Args, rng: &mut Rng) -> Row {
+    let ns = NetNs::new("race-api");
+    // This scenario's requests are made from a thread inside the API namespace (`block_on`
+    // polls them here, so their connections are opened here).
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            ns.enter_current_thread();
+            split_brain_in(a, rng, &ns)
+        })
+        .join()
+        .unwrap_or_else(|e| std::panic::resume_unwind(e))
+    })
+}
+
+fn split_brain_in(a: &Args, rng: &mut Rng, ns: &NetNs) -> Row {
+    let started = Instant::now();
+    let cp = ControlPlane::start(ns, Ipv4Addr::LOCALHOST, 6443, &[]);
+    cp.create(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}})).unwrap();
+    cp.create(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "nodelb-system"}}))
+        .unwrap();
+    let watch = AllocationWatch::start(&cp, Some(NS));
+    let client = cp.client();
+    let api: Api<Service> = Api::namespaced(client.clone(), NS);
+    let preconditions = !a.without_preconditions;
+    let mut leaders = [
+        Leader { cfg: leader_config("node-a"), last_good: Default::default() },
+        Leader { cfg: leader_config("node-b"), last_good: Default::default() },
+    ];
+    let mut next_name = 0usize;
+    let mut rounds_with_doubles = 0usize;
+    let mut conflicts = 0usize;
+    let mut last_rv = 0;
+    let rt = cp.runtime();
+    for round in 0..a.rounds {
+        let mut r = rng.fork();
+        let (stale_first, a_first, delay) = (r.chance(0.5), r.chance(0.5), r.below(15));
+        let outcome = rt.block_on(async {
+            // Two views of the Services: one before a few changes, one after. Each leader gets one.
+            let (view_old, _) = list(&api).await;
+            let mut current = view_old.clone();
+            for _ in 0..r.range(1, 3) {
+                mutate(&api, &mut r, &mut next_name, &current).await;
+                current = list(&api).await.0;
+            }
+            let (view_new, _) = list(&api).await;
+            let (va, vb) = if stale_first { (view_old, view_new) } else { (view_new, view_old) };
+            let [la, lb] = &mut leaders;
+            let (ca, cb) = (client.clone(), client.clone());
+            let fa = async move {
+                if !a_first {
+                    tokio::time::sleep(Duration::from_millis(delay)).await;
+                }
+                la.round(&ca, &va, preconditions).await
+            };
+            let fb = async move {
+                if a_first {
+                    tokio::time::sleep(Duration::from_millis(delay)).await;
+                }
+                lb.round(&cb, &vb, preconditions).await
+            };
+            let (sa, sb) = tokio::join!(fa, fb);
+            let (after, rv) = list(&api).await;
+            (usize::from(sa) + usize::from(sb), doubles(&after), rv)
+        });
+        conflicts += outcome.0;
+        if !outcome.1.is_empty() {
+            rounds_with_doubles += 1;
+            if rounds_with_doubles <= 5 {
+                println!("round {round}: node port held twice after both leaders wrote: {:?}", outcome.1);
+            }
+        }
+        last_rv = outcome.2;
+        // The next round starts from a settled state: one leader alone, fresh views, until it
+        // writes nothing more (it repairs what the two left, the older Service keeping a number).
+        rt.block_on(async {
+            for _ in 0..6 {
+                let (view, _) = list(&api).await;
+                let snap_writes = leaders[1].round(&client, &view, true).await;
+                let (after, _) = list(&api).await;
+                if !snap_writes && doubles(&after).is_empty() {
+                    break;
+                }
+            }
+        });
+        if (round + 1) % 100 == 0 {
+            println!(
+                "split-brain: {} rounds, {} with a double stored, {} stale writes refused (409)",
+                round + 1,
+                rounds_with_doubles,
+                conflicts
+            );
+        }
+    }
+    watch.wait_for(last_rv, Duration::from_secs(10));
+    let seen = watch.doubles();
+    let (events, relists) = watch.counts();
+    println!(
+        "split-brain: watch saw {events} events ({relists} list(s)); {} distinct double(s) stored",
+        seen.len()
+    );
+    for d in seen.iter().take(10) {
+        println!("  node port {} held by {}", d.number, d.holders.join(" and "));
+    }
+    let mode = if preconditions { "" } else { " (preconditions removed)" };
+    Row {
+        scenario: format!("split brain: two leaders at once{mode}"),
+        load: format!("{} rounds, ≤{MAX_SERVICES} Services, requests for {}–{}", a.rounds, HOT.0, HOT.1),
+        faults: "each round: two leaders, views before/after 1–3 conflicting changes".into(),
+        duration: started.elapsed(),
+        lost: "–".into(),
+        doubles: seen.len(),
+        leftovers: "–".into(),
+        rss: "–".into(),
+        ok: if preconditions { seen.is_empty() } else { !seen.is_empty() },
+    }
+}
