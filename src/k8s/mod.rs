@@ -5,6 +5,7 @@
 //! that talk to the API server are [`source`] (reflectors), [`controller`] (leader election, node
 //! Lease, writes, Events). See docs/design.md, "Kubernetes mode".
 
+pub mod claims;
 pub mod controller;
 pub mod dupes;
 pub mod events;

@@ -67,13 +67,27 @@ pub fn doubles<'a>(services: impl IntoIterator<Item = &'a Service>) -> Vec<Doubl
         .collect()
 }
 
+impl Double {
+    /// The number and the Services, without their resourceVersions: one double however many
+    /// writes it lasted.
+    pub fn identity(&self) -> (u16, Vec<String>) {
+        let mut names: Vec<String> = self
+            .holders
+            .iter()
+            .map(|h| h.split_once('@').map_or(h.as_str(), |(n, _)| n).to_string())
+            .collect();
+        names.sort();
+        (self.number, names)
+    }
+}
+
 #[derive(Default)]
 struct WatchState {
     /// uid → latest stored version.
     services: BTreeMap<String, Service>,
     relisting: Option<BTreeMap<String, Service>>,
-    /// Every double seen, first sighting only.
-    seen: BTreeSet<Double>,
+    /// Every double seen (by [`Double::identity`]), as first seen.
+    seen: BTreeMap<(u16, Vec<String>), Double>,
     events: u64,
     relists: u64,
     /// The highest resourceVersion seen (etcd revisions are numbers on this server).
@@ -83,7 +97,7 @@ struct WatchState {
 impl WatchState {
     fn check(&mut self) {
         for d in doubles(self.services.values()) {
-            self.seen.insert(d);
+            self.seen.entry(d.identity()).or_insert(d);
         }
     }
 }
@@ -140,9 +154,9 @@ impl AllocationWatch {
         AllocationWatch { state, task }
     }
 
-    /// Every double seen so far (first sightings).
+    /// Every double seen so far: one per number and pair of Services, as first seen.
     pub fn doubles(&self) -> Vec<Double> {
-        self.state.lock().unwrap().seen.iter().cloned().collect()
+        self.state.lock().unwrap().seen.values().cloned().collect()
     }
 
     /// Watch events received, and relists (the first list included).
