@@ -463,6 +463,46 @@ fn tampering_is_repaired_within_the_resync_period() {
     get_n(c, v4(NODE_V4), 20080, 5);
 }
 
+/// Issue 14, point 3: someone changes our table between two of our batches, and a Service
+/// change is synced before the next resync period. The diff applies on top of the foreign
+/// change (it touches other chains), and the agent must not take the generation after its batch
+/// for "our table as we left it": the next resync still finds and repairs the change. (It did
+/// not: the foreign rule stayed for good.) Three times, as a resync tick may fall between the
+/// tampering and the change's sync (then it is repaired for the ordinary reason).
+#[test]
+fn tampering_just_before_a_change_is_still_repaired() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let agent = start(&topo, &[("web.yaml", web("web", 20080, 1).render())], &["--resync-period", "2s"]);
+    agent.wait_state("default/web", "programmed", CHANGE);
+    for round in 0..3 {
+        let backends = if round % 2 == 0 { 2 } else { 1 };
+        nft(
+            &topo.node,
+            &["add", "rule", "inet", "nodelb", "filter-prerouting", "meta", "mark", "0x1234", "counter"],
+        );
+        agent.write_manifest("web.yaml", &web("web", 20080, backends).render());
+        let expected = normalize_ruleset(&{
+            let ns = common::netns::NetNs::new("tamper-ref");
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::write(dir.path().join("web.yaml"), web("web", 20080, backends).render()).unwrap();
+            let out =
+                nodelb(&ns, &["plan", "--manifests", dir.path().to_str().unwrap(), "--node-name", "node-1"]);
+            assert!(out.status.success(), "nodelb plan: {}", String::from_utf8_lossy(&out.stderr));
+            let file = dir.path().join("plan.nft");
+            std::fs::write(&file, &out.stdout).unwrap();
+            ns.exec_ok("nft", &["-f", file.to_str().unwrap()]);
+            nft_list(&ns).unwrap()
+        });
+        let repaired = || nft_list(&topo.node).is_some_and(|l| normalize_ruleset(&l) == expected);
+        assert!(
+            wait_until(CHANGE, repaired),
+            "round {round}: the foreign rule (or the change) is not what the table has:\n{:?}",
+            nft_list(&topo.node)
+        );
+    }
+}
+
 #[test]
 fn cleanup_removes_only_nodelb_objects() {
     require_root!();
