@@ -46,6 +46,10 @@ fn strerror(errno: i32) -> String {
     nix::errno::Errno::from_raw(errno).desc().to_string()
 }
 
+/// What the kernel answered to a batch: the failures (sequence number, errno), sorted, and the
+/// ruleset generation right after it.
+type BatchReplies = (Vec<(u32, i32)>, Option<u32>);
+
 /// An owned reply message.
 struct Reply {
     ty: u16,
@@ -223,7 +227,7 @@ impl NftClient {
     /// answers only failures (each with the failing message's sequence number). A GETGEN sent
     /// right after is answered only once the batch has been fully processed, so its reply marks
     /// the end of the batch's replies (and tells the generation the batch left).
-    fn batch_errors(&mut self, first: u32, last: u32) -> Result<(Vec<(u32, i32)>, Option<u32>), NftError> {
+    fn batch_errors(&mut self, first: u32, last: u32) -> Result<BatchReplies, NftError> {
         let sentinel = self.next_seq(1);
         self.send(&gen_request(sentinel), "send generation request")?;
         let mut errors: Vec<(u32, i32)> = Vec::new();
