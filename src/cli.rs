@@ -33,7 +33,8 @@ pub enum LogFormat {
 pub enum Command {
     /// Program this node and keep it programmed.
     Run(RunArgs),
-    /// Print the ruleset the agent would program for a manifests directory, and exit.
+    /// Print the ruleset the agent would program (for a manifests directory, or for this node of
+    /// the cluster as it is now), and exit.
     Plan(PlanArgs),
     /// Remove everything nodelb created in this network namespace (table inet nodelb).
     Cleanup,
@@ -140,6 +141,10 @@ pub struct KubeArgs {
 pub struct PlanArgs {
     #[command(flatten)]
     pub common: CommonArgs,
+    /// Without --manifests: the Services, EndpointSlices and Nodes of the cluster (read once),
+    /// planned as the agent of --node-name programs them.
+    #[command(flatten)]
+    pub kube: KubeArgs,
 }
 
 #[derive(Debug, clap::Args)]
