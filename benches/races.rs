@@ -14,12 +14,21 @@
 //!   (`controller::plan_round` + its writes) on both sides; a watch on every stored Service
 //!   counts node ports held twice.
 //!
+//! - `kill-mid-sync`: one node (manifests mode) with 10,000 Services (`--services N`) and three
+//!   pre-existing ones probed by real clients (TCP twice, UDP); each round SIGKILLs the agent at a
+//!   random moment of its full sync at start (even rounds) or of the sync of a churn change (odd
+//!   rounds: up to 40 Services added, edited or removed), and starts it again; then the table must
+//!   be exactly what `nodelb plan` computes from the same manifests and state file (canonical
+//!   listings). Invariants: 0 failed requests to the pre-existing Services, every round's table
+//!   equal to the plan. `--kill-rounds N` (default 10).
+//!
 //! Root only (network namespaces); everything is deleted on exit, on panic and on Ctrl-C.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use std::net::Ipv4Addr;
+use std::collections::BTreeSet;
+use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,10 +36,14 @@ use k8s_openapi::api::core::v1::Service;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 
+use common::agent::{Agent, canonical_ruleset, nft_list, nodelb};
+use common::cluster::planned_listing;
 use common::invariants::{AllocationWatch, doubles};
 use common::kube::ControlPlane;
+use common::manifest::{EndpointSpec, PortSpec, ServiceSpec, render_all};
 use common::netns::NetNs;
 use common::rng::Rng;
+use common::topology::{ClientLoop, NODE_V4, Topology, backend_v4, wait_until};
 use nodelb::alloc::PortRange;
 use nodelb::k8s::controller::{self, ControllerConfig, LeaderState};
 use nodelb::k8s::source::KubeSnapshot;
@@ -38,18 +51,26 @@ use nodelb::k8s::source::KubeSnapshot;
 struct Args {
     only: Vec<String>,
     rounds: usize,
+    kill_rounds: usize,
+    services: usize,
     seed: u64,
     out: Option<String>,
 }
 
 fn args() -> Args {
-    let argv: Vec<String> = std::env::args().skip(1).filter(|a| a != "--bench").collect();
-    let value = |flag: &str| argv.iter().position(|a| a == flag).and_then(|i| argv.get(i + 1)).cloned();
+    let a = common::args::ProgramArgs::from_env();
     Args {
-        only: value("--only").unwrap_or_else(|| "split-brain".into()).split(',').map(String::from).collect(),
-        rounds: value("--rounds").map_or(1000, |v| v.parse().expect("--rounds N")),
-        seed: value("--seed").map_or_else(Rng::seed_from_clock, |v| v.parse().expect("--seed N")),
-        out: value("--out"),
+        only: a
+            .value("--only")
+            .unwrap_or_else(|| "split-brain".into())
+            .split(',')
+            .map(String::from)
+            .collect(),
+        rounds: a.number("--rounds", 1000),
+        kill_rounds: a.number("--kill-rounds", 10),
+        services: a.number("--services", 10_000),
+        seed: a.seed(),
+        out: a.value("--out"),
     }
 }
 
@@ -79,8 +100,9 @@ fn main() {
         let mut rng = Rng::new(a.seed);
         let row = match s.as_str() {
             "split-brain" => split_brain(&a, &mut rng),
+            "kill-mid-sync" => kill_mid_sync(&a, &mut rng),
             other => {
-                eprintln!("races: unknown scenario {other:?} (split-brain)");
+                eprintln!("races: unknown scenario {other:?} (split-brain, kill-mid-sync)");
                 std::process::exit(2);
             }
         };
@@ -362,5 +384,187 @@ fn split_brain_in(a: &Args, rng: &mut Rng, ns: &NetNs) -> Row {
         leftovers: "–".into(),
         rss: "–".into(),
         ok: if preconditions { seen.is_empty() } else { !seen.is_empty() },
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// SIGKILL during a full sync and during churn
+
+/// The pre-existing Services' node ports (requested, so the plan and the probes know them).
+const PRE_TCP: [u16; 2] = [39080, 39081];
+const PRE_UDP: u16 = 39053;
+/// Wide enough for 10,000 allocated ports next to the requested ones.
+const KILL_RANGE: &str = "20000-39999";
+
+fn pre_existing() -> String {
+    let eps = || [0, 1].map(|j| EndpointSpec::local(backend_v4(j)));
+    render_all(&[
+        &ServiceSpec::new("pre-a").port(PortSpec::tcp(80, Some(PRE_TCP[0]))).endpoints(eps()),
+        &ServiceSpec::new("pre-b").port(PortSpec::tcp(80, Some(PRE_TCP[1]))).endpoints(eps()),
+        &ServiceSpec::new("pre-u").port(PortSpec::udp(53, Some(PRE_UDP))).endpoints(eps()),
+    ])
+}
+
+/// `n` Services in files of 500 (`bulk-00000.yaml`, …), one TCP port each (allocated), one
+/// endpoint at an address nothing answers on.
+fn bulk(n: usize) -> Vec<(String, String)> {
+    let mut files = Vec::new();
+    let mut cur = String::new();
+    for i in 0..n {
+        let a = Ipv4Addr::new(198, 51, 100, 100 + (i % 150) as u8);
+        cur.push_str(
+            &ServiceSpec::new(&format!("bulk-{i}"))
+                .port(PortSpec::tcp(80, None))
+                .endpoint(EndpointSpec::local(a))
+                .render(),
+        );
+        if (i + 1) % 500 == 0 || i + 1 == n {
+            files.push((format!("bulk-{:05}.yaml", files.len()), std::mem::take(&mut cur)));
+        }
+    }
+    files
+}
+
+/// Up to 40 churn Services (some of them, with random endpoints and sometimes a source range).
+fn churn(rng: &mut Rng) -> String {
+    let mut specs = Vec::new();
+    for k in 0..40 {
+        if !rng.chance(0.5) {
+            continue;
+        }
+        let mut s = ServiceSpec::new(&format!("churn-{k}")).port(PortSpec::tcp(80, None));
+        for j in 0..2 {
+            if rng.chance(0.6) {
+                s = s.endpoint(EndpointSpec::local(backend_v4(j)));
+            }
+        }
+        if rng.chance(0.3) {
+            s = s.source_range("203.0.113.0/24");
+        }
+        specs.push(s);
+    }
+    render_all(&specs.iter().collect::<Vec<_>>())
+}
+
+/// `nodelb plan` for the agent's manifests and state file, run in the node's namespace (its
+/// addresses and sockets count), loaded into a scratch namespace and listed, canonical.
+fn plan_of(node: &NetNs, agent: &Agent) -> String {
+    let dir = agent.manifests_dir().to_str().unwrap().to_string();
+    let state = agent.state_file().to_str().unwrap().to_string();
+    let out = nodelb(
+        node,
+        &[
+            "plan",
+            "--manifests",
+            &dir,
+            "--state-file",
+            &state,
+            "--node-name",
+            "node-1",
+            "--port-range",
+            KILL_RANGE,
+        ],
+    );
+    assert!(out.status.success(), "nodelb plan: {}", String::from_utf8_lossy(&out.stderr));
+    planned_listing(&String::from_utf8_lossy(&out.stdout))
+}
+
+fn kill_mid_sync(a: &Args, rng: &mut Rng) -> Row {
+    let started = Instant::now();
+    let topo = Topology::new(1, 2);
+    let mut files = vec![("pre.yaml".to_string(), pre_existing())];
+    files.extend(bulk(a.services));
+    let refs: Vec<(&str, String)> = files.iter().map(|(n, c)| (n.as_str(), c.clone())).collect();
+    let t = Instant::now();
+    let mut agent = Agent::start(&topo.node, &refs, &["--port-range", KILL_RANGE, "--resync-period", "2s"]);
+    agent.wait_ready(Duration::from_secs(600));
+    let full = t.elapsed();
+    println!(
+        "kill-mid-sync: {} Services programmed in {full:.1?} (the window a kill is drawn in)",
+        a.services + 3
+    );
+    let node_addr = IpAddr::V4(NODE_V4);
+    let client = topo.client(0);
+    let probe = Duration::from_millis(100);
+    let loops: Vec<(String, ClientLoop)> = PRE_TCP
+        .iter()
+        .map(|&p| (format!("tcp {p}"), ClientLoop::http(client, node_addr, p, probe, Duration::from_secs(3))))
+        .chain([(
+            format!("udp {PRE_UDP}"),
+            ClientLoop::udp(client, node_addr, PRE_UDP, probe, Duration::from_secs(3)),
+        )])
+        .collect();
+    let mut mismatched = 0usize;
+    let mut leftovers = 0usize;
+    for round in 0..a.kill_rounds {
+        let (what, delay) = if round % 2 == 0 {
+            // A full sync: the agent starts (SIGKILL of the steady one), and is killed during
+            // its first sync of everything.
+            agent.restart();
+            let d = Duration::from_millis(rng.below(full.as_millis() as u64 + 1));
+            std::thread::sleep(d);
+            ("full sync", d)
+        } else {
+            agent.write_manifest("churn.yaml", &churn(rng));
+            let d = Duration::from_millis(rng.below(1500));
+            std::thread::sleep(d);
+            ("churn", d)
+        };
+        agent.restart();
+        agent.wait_ready(Duration::from_secs(600));
+        let mut last = (String::new(), String::new());
+        let same = wait_until(Duration::from_secs(60), || {
+            last =
+                (plan_of(&topo.node, &agent), canonical_ruleset(&nft_list(&topo.node).unwrap_or_default()));
+            last.0 == last.1
+        });
+        let failed: usize =
+            loops.iter().map(|(_, l)| l.snapshot().iter().filter(|r| r.is_err()).count()).sum();
+        println!(
+            "kill-mid-sync: round {round}: SIGKILL {delay:?} into a {what}; table = plan: {same}; failed requests so far: {failed}"
+        );
+        if !same {
+            mismatched += 1;
+            let p: BTreeSet<&str> = last.0.lines().collect();
+            let t: BTreeSet<&str> = last.1.lines().collect();
+            let diff: Vec<String> = p
+                .difference(&t)
+                .map(|l| format!("- {l}"))
+                .chain(t.difference(&p).map(|l| format!("+ {l}")))
+                .collect();
+            leftovers += diff.len();
+            for l in diff.iter().take(20) {
+                println!("  {l}");
+            }
+        }
+    }
+    let mut sent = 0;
+    let mut lost = 0;
+    for (name, l) in loops {
+        let results = l.stop();
+        sent += results.len();
+        let failed: Vec<_> = results.iter().enumerate().filter(|(_, r)| r.is_err()).collect();
+        lost += failed.len();
+        for (i, r) in failed.iter().take(5) {
+            println!("  {name}: request {i} failed: {r:?}");
+        }
+    }
+    let panicked = agent.logs().lines().any(|l| l.contains("panicked"));
+    Row {
+        scenario: "SIGKILL mid-sync, restart (manifests mode)".into(),
+        load: format!(
+            "{} Services + 3 pre-existing probed every {probe:?} ({sent} requests); churn ≤40 Services",
+            a.services
+        ),
+        faults: format!(
+            "{} SIGKILLs: even rounds 0–{:.0?} into the full sync at start, odd ones 0–1.5 s after a churn change",
+            a.kill_rounds, full
+        ),
+        duration: started.elapsed(),
+        lost: lost.to_string(),
+        doubles: 0,
+        leftovers: format!("{leftovers} lines in {mismatched} of {} rounds", a.kill_rounds),
+        rss: "–".into(),
+        ok: lost == 0 && mismatched == 0 && !panicked,
     }
 }

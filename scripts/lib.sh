@@ -52,3 +52,18 @@ nodelb_ensure_rust() {
         return 1
     }
 }
+
+# Stops a benchmark-style program started in the background ($1: its pid; nothing when empty or
+# gone) and deletes the namespaces it created (`nlb-<tag>-<pid>-<n>`): the program deletes them
+# itself, this catches a SIGKILLed run. Used by scripts/bench.sh and scripts/soak.sh.
+nodelb_stop_program() {
+    local pid=$1 ns
+    [ -n "$pid" ] || return 0
+    if kill -0 "$pid" 2>/dev/null; then
+        kill -TERM "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+    fi
+    for ns in $(ip netns list | awk '{print $1}' | grep -E "^nlb-.*-$pid-[0-9]+$" || true); do
+        ip netns del "$ns" 2>/dev/null || true
+    done
+}

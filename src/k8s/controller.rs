@@ -851,13 +851,15 @@ pub async fn write_services(
 async fn write(client: &Client, w: &ServiceWrite) -> (bool, Result<(), kube::Error>) {
     let api: Api<Service> = Api::namespaced(client.clone(), &w.key.namespace);
     let params = PatchParams { field_manager: Some(FIELD_MANAGER.into()), ..Default::default() };
-    let mut rv = w.resource_version.clone();
+    let mut rv = w.resource_version.clone().filter(|_| PRECONDITIONS);
     let mut annotated = false;
     if let Some(value) = &w.annotation {
-        let patch =
-            json!({"metadata": {"resourceVersion": rv, "annotations": {ANNOTATION_ALLOCATED: value}}});
+        let mut patch = json!({"metadata": {"annotations": {ANNOTATION_ALLOCATED: value}}});
+        if let Some(rv) = &rv {
+            patch["metadata"]["resourceVersion"] = json!(rv);
+        }
         match api.patch(&w.key.name, &params, &Patch::Merge(&patch)).await {
-            Ok(svc) => rv = svc.metadata.resource_version,
+            Ok(svc) => rv = svc.metadata.resource_version.filter(|_| PRECONDITIONS),
             Err(e) => return (false, Err(e)),
         }
         annotated = true;
@@ -867,10 +869,11 @@ async fn write(client: &Client, w: &ServiceWrite) -> (bool, Result<(), kube::Err
         }
     }
     if let Some(st) = &w.status {
-        let patch = json!({
-            "metadata": {"resourceVersion": rv},
-            "status": {"loadBalancer": {"ingress": st.ingress}, "conditions": st.conditions}
-        });
+        let mut patch =
+            json!({"status": {"loadBalancer": {"ingress": st.ingress}, "conditions": st.conditions}});
+        if let Some(rv) = &rv {
+            patch["metadata"] = json!({"resourceVersion": rv});
+        }
         if let Err(e) = api.patch_status(&w.key.name, &params, &Patch::Merge(&patch)).await {
             return (annotated, Err(e));
         }
@@ -878,9 +881,9 @@ async fn write(client: &Client, w: &ServiceWrite) -> (bool, Result<(), kube::Err
     (annotated, Ok(()))
 }
 
-/// Whether the leader's writes carry their resourceVersion preconditions. Always, except in the
-/// build of the race harness that shows what they prevent (`--features
-/// race-demo-without-preconditions`, never for use).
+/// Whether the leader's writes (node-port registry and Services) carry their resourceVersion
+/// preconditions. Always, except in the build of the race harness that shows what they prevent
+/// (`--features race-demo-without-preconditions`, never for use).
 const PRECONDITIONS: bool = !cfg!(feature = "race-demo-without-preconditions");
 
 /// Every block of the node-port registry (Leases labelled [`claims::LABEL`]), with the problems
@@ -919,24 +922,34 @@ async fn write_block(
 ) -> Result<(), kube::Error> {
     let api: Api<Lease> = Api::namespaced(client.clone(), namespace);
     let name = claims::lease_name(block);
-    let mut resource_version = b.resource_version.clone();
-    if !PRECONDITIONS && resource_version.is_some() {
-        // Last writer wins: the Lease API insists on a resourceVersion, so take the current one.
-        resource_version = api.get_opt(&name).await?.and_then(|l| l.metadata.resource_version);
-    }
-    let lease = Lease {
+    let lease = |resource_version: Option<String>| Lease {
         metadata: ObjectMeta {
             name: Some(name.clone()),
             labels: Some([(claims::LABEL.to_string(), "true".to_string())].into()),
             annotations: Some([(claims::ANNOTATION.to_string(), claims::format(&b.claims))].into()),
-            resource_version: resource_version.clone(),
+            resource_version,
             ..Default::default()
         },
         spec: None,
     };
-    match &resource_version {
-        None => api.create(&post_params(), &lease).await.map(|_| ()),
-        Some(_) => api.replace(&name, &post_params(), &lease).await.map(|_| ()),
+    if !PRECONDITIONS {
+        // Last writer wins: the Lease API insists on a resourceVersion, so take the current one,
+        // again until no one wrote in between.
+        for _ in 0..10 {
+            let current = api.get_opt(&name).await?.and_then(|l| l.metadata.resource_version);
+            let r = match &current {
+                None => api.create(&post_params(), &lease(None)).await,
+                Some(_) => api.replace(&name, &post_params(), &lease(current.clone())).await,
+            };
+            match r {
+                Err(kube::Error::Api(e)) if e.code == 409 => continue,
+                r => return r.map(|_| ()),
+            }
+        }
+    }
+    match &b.resource_version {
+        None => api.create(&post_params(), &lease(None)).await.map(|_| ()),
+        Some(_) => api.replace(&name, &post_params(), &lease(b.resource_version.clone())).await.map(|_| ()),
     }
 }
 

@@ -119,6 +119,11 @@ impl Agent {
         self.state_dir.path().join("state.json")
     }
 
+    /// The manifests directory (manifests mode).
+    pub fn manifests_dir(&self) -> &std::path::Path {
+        self.manifests.path()
+    }
+
     pub fn log_file(&self) -> PathBuf {
         self.state_dir.path().join("agent.log")
     }

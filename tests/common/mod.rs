@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod agent;
+pub mod args;
 pub mod cleanup;
 pub mod cluster;
 pub mod invariants;
