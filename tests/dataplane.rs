@@ -531,6 +531,50 @@ fn tampering_just_before_a_change_is_still_repaired() {
     }
 }
 
+/// The kernel refuses one of the agent's batches (an element the diff deletes was deleted behind
+/// its back, so the whole transaction fails with ENOENT): nothing of that batch lands (the old
+/// number keeps nothing, the new one is not half there), the error is logged naming the batch's
+/// failure and counted as `nodelb_sync_failures_total{reason="netlink"}`, and the next attempt, a
+/// full resync after the backoff, leaves exactly the plan. The resync period is long so that no
+/// verification repairs the tampering before the change's batch meets it.
+#[test]
+fn a_refused_batch_is_named_counted_and_followed_by_a_full_resync() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let agent = start(&topo, &[("web.yaml", web("web", 20080, 2).render())], &["--resync-period", "300s"]);
+    agent.wait_state("default/web", "programmed", CHANGE);
+    let failures = |agent: &Agent| -> f64 {
+        let m = agent.http("/metrics").expect("/metrics").body;
+        m.lines()
+            .filter(|l| l.starts_with("nodelb_sync_failures_total{") && l.contains("reason=\"netlink\""))
+            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .sum()
+    };
+    assert_eq!(failures(&agent), 0.0);
+    nft(&topo.node, &["delete", "element", "inet", "nodelb", "service-ports-ipv4", "{ tcp . 20080 }"]);
+    agent.write_manifest("web.yaml", &web("web", 20081, 2).render());
+    assert!(
+        wait_until(CHANGE, || failures(&agent) >= 1.0),
+        "no netlink sync failure counted; log:\n{}",
+        agent.logs()
+    );
+    let logs = agent.logs();
+    let logged = logs.lines().find(|l| l.contains("sync failed; next attempt is a full resync"));
+    assert!(
+        logged.is_some_and(|l| l.contains("No such file")),
+        "the refusal is not logged with its cause:\n{logs}"
+    );
+    eprintln!("{}", logged.unwrap());
+    let expected = canonical_ruleset(&planned_listing(&web("web", 20081, 2).render()));
+    let mut table = String::new();
+    let same = wait_until(CHANGE, || {
+        table = canonical_ruleset(&nft_list(&topo.node).unwrap_or_default());
+        table == expected
+    });
+    assert!(same, "not the plan after the full resync:\ntable:\n{table}\nplan:\n{expected}");
+    get_n(topo.client(0), v4(NODE_V4), 20081, 2);
+}
+
 #[test]
 fn cleanup_removes_only_nodelb_objects() {
     require_root!();
