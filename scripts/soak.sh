@@ -48,8 +48,17 @@ exe=$(cargo build --bench "$program" "${features[@]}" --message-format=json 2>/d
     sed -n "s/.*\"executable\":\"\([^\"]*\/$program-[^\"]*\)\".*/\1/p" | tail -n1)
 [ -x "$exe" ] || { echo "scripts/soak.sh: could not build benches/$program.rs" >&2; exit 1; }
 
+# Copies: a rebuild during a long run must not change the agents it restarts half-way.
+pinned=$(mktemp -d /tmp/nodelb-soak.XXXXXX)
+cp target/debug/nodelb "$exe" "$pinned/"
+exe=$pinned/$(basename "$exe")
+export NODELB_TEST_BIN=${NODELB_TEST_BIN:-$pinned/nodelb}
+
 pid=
-cleanup() { nodelb_stop_program "$pid"; }
+cleanup() {
+    nodelb_stop_program "$pid"
+    rm -rf "$pinned"
+}
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
