@@ -680,7 +680,16 @@ fn soak(a: &Args) -> (String, Vec<String>) {
         }
     }
     let (events, relists) = watch.counts();
-    let doubles = watch.doubles();
+    // The watch misses a double that came and went while it relisted; the final state is read
+    // in full too.
+    let stored: Vec<k8s_openapi::api::core::v1::Service> = c
+        .api
+        .list("v1", "Service", None)
+        .into_iter()
+        .filter_map(|v| serde_json::from_value(v).ok())
+        .collect();
+    let mut doubles = watch.doubles();
+    doubles.extend(common::invariants::doubles(&stored));
     if !doubles.is_empty() {
         failures.push(format!("node ports held twice in stored Services: {doubles:?}"));
     }
@@ -693,12 +702,23 @@ fn soak(a: &Args) -> (String, Vec<String>) {
             rss_margin(rss_start)
         ));
     }
+    // Failed syncs are allowed (a table deleted under a batch, the kernel refusing one): each is
+    // followed by a full resync, which convergence checks. They are counted by their error.
+    let mut sync_failures: BTreeMap<String, u64> = BTreeMap::new();
     for (i, agent) in c.agents.iter().enumerate() {
         let logs = agent.logs();
         if let Some(line) = logs.lines().find(|l| l.contains("panicked")) {
             failures.push(format!("node-{}: panic in the log: {line}", i + 1));
         }
+        for line in logs.lines().filter(|l| l.contains("sync failed")) {
+            let error = serde_json::from_str::<Value>(line)
+                .ok()
+                .and_then(|v| v["fields"]["error"].as_str().map(String::from))
+                .unwrap_or_else(|| line.to_string());
+            *sync_failures.entry(format!("node-{}: {error}", i + 1)).or_default() += 1;
+        }
     }
+    println!("soak: failed syncs (each followed by a full resync): {sync_failures:#?}");
     println!(
         "soak: {n} faults {counts:?}; churn {:?} ({} failed requests to the API during faults); watch: {events} events, {relists} list(s)",
         churn.ops, churn.errors
