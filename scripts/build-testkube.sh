@@ -13,28 +13,8 @@ root=$PWD
 out=$root/target/testkube
 mkdir -p "$out"
 
-# `sudo` drops /usr/local/go/bin (the official tarball's place) from PATH.
-if ! command -v go >/dev/null; then
-    for d in /usr/local/go/bin /usr/lib/go/bin "$HOME/go/bin" "$HOME/sdk/go/bin"; do
-        if [[ -x $d/go ]]; then
-            PATH=$d:$PATH
-            break
-        fi
-    done
-fi
-if ! command -v go >/dev/null; then
-    echo "build-testkube.sh: no Go toolchain (go) on PATH or in /usr/local/go/bin: the Kubernetes tests need Go 1.26+" >&2
-    exit 1
-fi
-export GOFLAGS=${GOFLAGS:--mod=readonly}
-# testkube/go.mod says `go 1.26.0`. An older Go (1.21+) fetches that toolchain as a module from the
-# Go module proxy (GOTOOLCHAIN); a newer one builds with itself.
-go_minor=$(go env GOVERSION | sed -E 's/^go1\.([0-9]+).*/\1/')
-if [[ $go_minor =~ ^[0-9]+$ ]] && ((go_minor < 26)); then
-    export GOTOOLCHAIN=go1.26.8
-else
-    export GOTOOLCHAIN=local
-fi
+. scripts/lib.sh
+nodelb_ensure_go testkube/go.mod || exit 1
 
 exec 9>"$out/.lock"
 flock 9

@@ -10,7 +10,8 @@
 # that tag), load it into the cluster (imagePullPolicy IfNotPresent then uses it, nothing is
 # pulled), `kubectl apply -f daemonset/` exactly as the README says, create a Deployment + type:
 # LoadBalancer Service, wait for the allocation annotation and the status, curl
-# <node-ip>:<allocated-port> from inside the node container, scrape /metrics, clean up.
+# <node-ip>:<allocated-port> from inside the node container, scrape /metrics (on the node's
+# loopback, and from the host over TLS with a scraper ServiceAccount's token), clean up.
 # Needs: docker, kubectl, kind (or k3d). With k3d, ServiceLB (klipper-lb) is disabled for the
 # cluster (--disable=servicelb) so the two do not fight over the same Services.
 set -euo pipefail
@@ -137,6 +138,16 @@ metrics=$(node_get "http://127.0.0.1:9470/metrics")
 grep -E '^nodelb_services\{' <<<"$metrics"
 grep -q "nodelb_service_connections_total{namespace=\"$NS\",service=\"web\"" <<<"$metrics" ||
     die "no per-Service counters for $NS/web on /metrics"
+
+log "scraping the authenticated /metrics from the host (TLS, bearer token, the real authorizer)"
+kubectl apply -f daemonset/monitoring/scraper-rbac.yaml
+token=$(kubectl -n nodelb-system create token nodelb-metrics-scraper)
+code=$(curl -sk -o /dev/null -w '%{http_code}' --max-time 5 "https://$node_ip:9472/metrics" || true)
+[[ $code == 401 ]] || die "https://$node_ip:9472/metrics without a token: HTTP $code (want 401)"
+curl -fsSk --max-time 5 -H "Authorization: Bearer $token" "https://$node_ip:9472/metrics" |
+    grep -q '^nodelb_build_info' || die "the scraper's token does not get /metrics"
+code=$(curl -s -o /dev/null -w '%{http_code}' --max-time 3 "http://$node_ip:9470/status" || true)
+[[ $code == 000 ]] || die "/status is reachable from outside the node (HTTP $code)"
 
 log "deleting the Service: rules and allocation go"
 kubectl -n "$NS" delete svc web --wait

@@ -67,3 +67,32 @@ nodelb_stop_program() {
         ip netns del "$ns" 2>/dev/null || true
     done
 }
+
+# Puts a Go toolchain on PATH (`sudo` drops /usr/local/go/bin, the official tarball's place) and
+# chooses how a module whose go.mod (the argument) says `go 1.26.0` is built: an older Go (1.21+)
+# fetches that toolchain as a module from the Go module proxy (GOTOOLCHAIN), a newer one builds with
+# itself. GOFLAGS defaults to -mod=readonly: go.sum is what the build trusts. Returns non-zero, with
+# a message, when there is no Go at all.
+nodelb_ensure_go() {
+    local d
+    if ! command -v go >/dev/null; then
+        for d in /usr/local/go/bin /usr/lib/go/bin "$HOME/go/bin" "$HOME/sdk/go/bin"; do
+            if [[ -x $d/go ]]; then
+                PATH=$d:$PATH
+                break
+            fi
+        done
+    fi
+    if ! command -v go >/dev/null; then
+        echo "no Go toolchain (go) on PATH or in /usr/local/go/bin: $1 needs Go 1.26+" >&2
+        return 1
+    fi
+    export PATH GOFLAGS=${GOFLAGS:--mod=readonly}
+    local go_minor
+    go_minor=$(go env GOVERSION | sed -E 's/^go1\.([0-9]+).*/\1/')
+    if [[ $go_minor =~ ^[0-9]+$ ]] && ((go_minor < 26)); then
+        export GOTOOLCHAIN=go1.26.8
+    else
+        export GOTOOLCHAIN=local
+    fi
+}

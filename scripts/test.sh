@@ -53,6 +53,9 @@ log "$(cargo --version)"
 if [[ $(id -u) -eq 0 ]]; then
     log "test control plane: scripts/build-testkube.sh"
     scripts/build-testkube.sh >/dev/null
+    # helm, for the chart and lifecycle tests (tests/chart.rs, tests/lifecycle.rs): same caching.
+    log "helm: scripts/build-helm.sh"
+    scripts/build-helm.sh >/dev/null
 fi
 
 list_test_netns() { { ip netns list 2>/dev/null || true; } | awk '{print $1}' | grep '^nlb-' | sort || true; }

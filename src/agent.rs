@@ -239,7 +239,7 @@ pub async fn run(
         };
         tokio::select! {
             _ = &mut shutdown => {
-                info!("shutting down; rules stay in the kernel (use `nodelb cleanup` to remove them)");
+                info!("shutting down: the sync loop stopped");
                 return Ok(());
             }
             _ = agent.source.changed() => { debug!("source changed"); dirty = true; }

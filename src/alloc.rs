@@ -322,14 +322,18 @@ pub fn allocate_with(
     // asks for that number with the same protocol (the request wins over a stale number).
     for svc in &ordered {
         let from_state = previous.get(&svc.key);
+        // Who asks for which number, per protocol: a Service may have thousands of ports, so
+        // "does another port ask for it" must not look at each of them for each of them.
+        let mut requested: BTreeMap<(Protocol, u16), Vec<PortId>> = BTreeMap::new();
+        for port in &svc.ports {
+            if let Some(n) = explicit_request(svc, port.id) {
+                requested.entry((port.id.protocol, n)).or_default().push(port.id);
+            }
+        }
         for port in &svc.ports {
             let wanted = explicit_request(svc, port.id);
             let requested_by_sibling = |n: u16| {
-                svc.ports.iter().any(|other| {
-                    other.id != port.id
-                        && other.id.protocol == port.id.protocol
-                        && explicit_request(svc, other.id) == Some(n)
-                })
+                requested.get(&(port.id.protocol, n)).is_some_and(|ids| ids.iter().any(|id| *id != port.id))
             };
             let candidates =
                 [svc.previous_allocation.get(&port.id), from_state.and_then(|m| m.get(&port.id))];
@@ -391,9 +395,10 @@ pub fn allocate_with(
                 continue;
             }
             let sibling = result.allocations.get(&svc.key).and_then(|m| {
-                m.iter()
-                    .find(|(id, _)| id.port == port.id.port && id.protocol != port.id.protocol)
-                    .map(|(_, n)| *n)
+                [Protocol::Tcp, Protocol::Udp, Protocol::Sctp]
+                    .into_iter()
+                    .filter(|p| *p != port.id.protocol)
+                    .find_map(|protocol| m.get(&PortId { port: port.id.port, protocol }).copied())
             });
             if let Some(number) = sibling
                 && range.contains(number)

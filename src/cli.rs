@@ -32,10 +32,10 @@ pub enum LogFormat {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Program this node and keep it programmed.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Print the ruleset the agent would program (for a manifests directory, or for this node of
     /// the cluster as it is now), and exit.
-    Plan(PlanArgs),
+    Plan(Box<PlanArgs>),
     /// Remove everything nodelb created in this network namespace (table inet nodelb).
     Cleanup,
     /// Show the agent's Services, their node ports and why anything was refused.
@@ -104,9 +104,28 @@ pub struct RunArgs {
     /// How often the kernel is checked against what we programmed (and repaired).
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration, env = "NODELB_RESYNC_PERIOD")]
     pub resync_period: Duration,
-    /// Address of the HTTP endpoints (/metrics, /status, /healthz, /readyz).
-    #[arg(long, default_value = "0.0.0.0:9470", env = "NODELB_HTTP_ADDR")]
+    /// Address of the unauthenticated HTTP endpoints (/metrics, /status, /healthz, /readyz).
+    /// Loopback by default: /status names every Service, endpoint and allocation, so only the
+    /// node itself (`nodelb status`) may read it. Anything else exposes that to whoever can
+    /// reach the address.
+    #[arg(long, default_value = "127.0.0.1:9470", env = "NODELB_HTTP_ADDR")]
     pub http_addr: SocketAddr,
+    /// Address of /healthz and /readyz for probes from outside the node (the kubelet's, on the
+    /// node address with hostNetwork): the status code only, the reason withheld.
+    #[arg(long, default_value = "0.0.0.0:9471", env = "NODELB_HEALTH_ADDR")]
+    pub health_addr: SocketAddr,
+    /// Address of /metrics over TLS for clients with a bearer token the API server authenticates
+    /// and allows `get` on the non-resource URL /metrics (TokenReview + SubjectAccessReview, as
+    /// kube-rbac-proxy does). Off by default; Kubernetes mode only.
+    #[arg(long, env = "NODELB_METRICS_ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
+    /// PEM certificate (chain) for --metrics-addr; without it a self-signed one is generated at
+    /// start (kept in memory only).
+    #[arg(long, env = "NODELB_METRICS_TLS_CERT_FILE", requires = "metrics_tls_key_file")]
+    pub metrics_tls_cert_file: Option<PathBuf>,
+    /// PEM private key of --metrics-tls-cert-file.
+    #[arg(long, env = "NODELB_METRICS_TLS_KEY_FILE", requires = "metrics_tls_cert_file")]
+    pub metrics_tls_key_file: Option<PathBuf>,
     /// Switch net.ipv4.ip_forward / net.ipv6.conf.all.forwarding on when they are off, instead
     /// of leaving that family unserved.
     #[arg(long, env = "NODELB_ENABLE_FORWARDING")]
@@ -135,6 +154,12 @@ pub struct KubeArgs {
     /// like kube-proxy's --nodeport-addresses). Default: all ExternalIP / InternalIP addresses.
     #[arg(long, value_delimiter = ',', env = "NODELB_NODE_ADDRESSES")]
     pub node_addresses: Vec<ipnet::IpNet>,
+    /// The DaemonSet running this agent (in --namespace), set by the shipped manifests. When
+    /// nodelb is uninstalled (that Namespace or DaemonSet deleted) or the DaemonSet no longer runs
+    /// on this node, the agent removes its rules as it stops; a restart, an eviction or a rolling
+    /// update keeps them. Empty: the rules always stay.
+    #[arg(long, default_value = "", env = "NODELB_DAEMONSET")]
+    pub daemonset: String,
 }
 
 #[derive(Debug, clap::Args)]

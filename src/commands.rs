@@ -2,12 +2,12 @@
 
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 use crate::agent::{self, AgentConfig};
 use crate::cli::{CommonArgs, KubeArgs, PlanArgs, RunArgs, StatusArgs};
@@ -15,7 +15,9 @@ use crate::desired::{self, HostFacts, HostPolicy, Inputs};
 use crate::endpoint_policy::EndpointPolicy;
 use crate::ir::Family;
 use crate::k8s::controller::{self, ControllerConfig};
+use crate::k8s::installation::{Installation, Tracker};
 use crate::k8s::source::KubeSource;
+use crate::k8s::uninstall::Exit;
 use crate::metrics::Metrics;
 use crate::model::ModelOptions;
 use crate::nft::NftClient;
@@ -90,20 +92,24 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let status: SharedStatus = Arc::new(RwLock::new(Status::default()));
     let metrics = Arc::new(Metrics::new(args.per_service_metrics)?);
     let stuck_after = (args.resync_period * 3).max(Duration::from_secs(30));
-    let listener = tokio::net::TcpListener::bind(args.http_addr)
-        .await
-        .with_context(|| format!("cannot listen on --http-addr {}", args.http_addr))?;
-    info!(addr = %args.http_addr, "serving /metrics, /status, /healthz, /readyz");
+    if !kube_mode && args.metrics_addr.is_some() {
+        bail!(
+            "--metrics-addr authenticates clients with the Kubernetes API: it needs Kubernetes mode (no --manifests)"
+        );
+    }
     let router = crate::http::router(status.clone(), metrics.clone(), stuck_after);
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, router).await {
-            error!(error = %e, "HTTP server failed");
-        }
-    });
+    serve_http(args.http_addr, "--http-addr", router, "serving /metrics, /status, /healthz, /readyz").await?;
+    let health = crate::http::health_router(status.clone(), stuck_after);
+    serve_http(args.health_addr, "--health-addr", health, "serving /healthz, /readyz (reasons withheld)")
+        .await?;
     let (source, controller) = match &args.common.manifests {
         Some(dir) => (Source::manifests(dir.clone())?, None),
         None => {
             let client = kube_client(&args.kube).await?;
+            if let Some(addr) = args.metrics_addr {
+                serve_authenticated_metrics(&args, addr, &cfg.node_name, client.clone(), metrics.clone())
+                    .await?;
+            }
             if args.kube.lease_duration < Duration::from_secs(3) {
                 bail!("--lease-duration {:?} is too short (at least 3s)", args.kube.lease_duration);
             }
@@ -118,14 +124,83 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 policy: cfg.policy.clone(),
             };
             info!(namespace = %ccfg.namespace, node = %ccfg.node_name, "Kubernetes mode");
+            let tracker = (!args.kube.daemonset.is_empty()).then(|| {
+                Tracker::start(
+                    client.clone(),
+                    Installation {
+                        namespace: args.kube.namespace.clone(),
+                        daemonset: args.kube.daemonset.clone(),
+                        node: cfg.node_name.clone(),
+                    },
+                )
+            });
             let controller = controller::spawn(client, kube.clone(), ccfg, status.clone(), metrics.clone());
-            (Source::kube(kube.services_only()), Some(controller))
+            (Source::kube(kube.services_only()), Some((controller, tracker)))
         }
     };
     agent::run(cfg, source, status, metrics, shutdown_signal()).await?;
-    if let Some(controller) = controller {
+    if let Some((controller, tracker)) = controller {
+        // Before the Lease release: the rules matter more, and an uninstall may have taken the
+        // credentials that release needs.
+        if let Some(tracker) = tracker {
+            match tracker.decide_at_exit().await {
+                Exit::Keep(why) => info!(reason = %why, "rules stay in the kernel"),
+                Exit::Remove(why) => {
+                    warn!(reason = %why, "nodelb is gone from this node: removing its rules");
+                    let (removed, problems) = remove_rules();
+                    for r in &removed {
+                        info!("{r}");
+                    }
+                    for p in &problems {
+                        error!(problem = %p, "could not remove everything nodelb programmed (`nodelb cleanup` will)");
+                    }
+                }
+            }
+        }
         controller.shutdown().await;
     }
+    Ok(())
+}
+
+/// Binds `addr` and serves `router` on it (plain HTTP) for the life of the process.
+async fn serve_http(
+    addr: SocketAddr,
+    flag: &str,
+    router: axum::Router,
+    what: &'static str,
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {flag} {addr}"))?;
+    info!(%addr, "{what}");
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, router).await {
+            error!(error = %e, "HTTP server failed");
+        }
+    });
+    Ok(())
+}
+
+/// `/metrics` over TLS on `addr`, for bearer tokens the API server authenticates and authorizes.
+async fn serve_authenticated_metrics(
+    args: &RunArgs,
+    addr: SocketAddr,
+    node_name: &str,
+    client: kube::Client,
+    metrics: Arc<Metrics>,
+) -> anyhow::Result<()> {
+    let files = args.metrics_tls_cert_file.as_deref().zip(args.metrics_tls_key_file.as_deref());
+    let names = [node_name.to_string(), "localhost".to_string()];
+    let tls = crate::tls::server_config(files, &names).context("--metrics-addr")?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on --metrics-addr {addr}"))?;
+    let reviewer = Arc::new(crate::k8s::review::KubeReviewer::new(client));
+    let auth = Arc::new(crate::http::MetricsAuth::new(reviewer));
+    let router = crate::http::metrics_router(metrics, auth);
+    let certificate = if files.is_some() { "from --metrics-tls-cert-file" } else { "self-signed" };
+    info!(%addr, certificate, "serving /metrics over TLS to authorized bearer tokens (TokenReview + SubjectAccessReview)");
+    tokio::spawn(crate::tls::serve(listener, tls, router));
     Ok(())
 }
 
@@ -253,22 +328,34 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
 }
 
 pub fn cleanup() -> anyhow::Result<()> {
-    let mut nft = NftClient::new().context("cannot open a netfilter netlink socket")?;
-    // nodelb's ACCEPTs in iptables' FORWARD chains first: they match a mark only our table sets.
-    let xtables = crate::xtables::Xtables::new(crate::xtables::default_lockfile());
-    let (removed, problems) = crate::firewall::remove_accepts(&mut nft, &xtables);
+    let (removed, problems) = remove_rules();
     for r in &removed {
         println!("{r}");
     }
-    if nft.delete_table()? {
-        println!("removed table inet {}", crate::ir::TABLE_NAME);
-    } else {
-        println!("nothing to remove: table inet {} does not exist", crate::ir::TABLE_NAME);
-    }
     if !problems.is_empty() {
-        bail!("could not remove every rule nodelb added to the host firewall:\n  {}", problems.join("\n  "));
+        bail!("could not remove everything nodelb programmed:\n  {}", problems.join("\n  "));
     }
     Ok(())
+}
+
+/// Removes everything nodelb programmed in this network namespace (`nodelb cleanup`, and an
+/// agent that stops because nodelb was uninstalled): what was removed, and what could not be.
+fn remove_rules() -> (Vec<String>, Vec<String>) {
+    let mut nft = match NftClient::new() {
+        Ok(n) => n,
+        Err(e) => return (Vec::new(), vec![format!("cannot open a netfilter netlink socket: {e}")]),
+    };
+    // nodelb's ACCEPTs in iptables' FORWARD chains first: they match a mark only our table sets.
+    let xtables = crate::xtables::Xtables::new(crate::xtables::default_lockfile());
+    let (mut removed, mut problems) = crate::firewall::remove_accepts(&mut nft, &xtables);
+    match nft.delete_table() {
+        Ok(true) => removed.push(format!("removed table inet {}", crate::ir::TABLE_NAME)),
+        Ok(false) => {
+            removed.push(format!("nothing to remove: table inet {} does not exist", crate::ir::TABLE_NAME))
+        }
+        Err(e) => problems.push(format!("table inet {}: {e}", crate::ir::TABLE_NAME)),
+    }
+    (removed, problems)
 }
 
 pub fn status(args: StatusArgs) -> anyhow::Result<()> {

@@ -200,15 +200,20 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         .collect();
     let ruleset = plan::plan(&plans, inputs.node);
 
+    // Each Service's faults, looked up once each (not a scan of every fault per Service).
+    let refused_by = by_service(&refused_endpoints, |r| &r.service);
+    let not_taken_by = by_service(&refused_ports, |r| &r.service);
+    let problems_by = by_service(&alloc_problems, AllocProblem::service);
+    let none = (Vec::new(), Vec::new(), Vec::new());
     let mut services: Vec<ServiceStatus> = out
         .services
         .iter()
         .map(|s| {
             let ports = allocations.get(&s.key).unwrap_or(&empty);
-            let refused: Vec<&RefusedEndpoint> =
-                refused_endpoints.iter().filter(|r| r.service == s.key).collect();
-            let not_taken: Vec<&RefusedPort> = refused_ports.iter().filter(|r| r.service == s.key).collect();
-            let fault = Faults { problems: &alloc_problems, endpoints: &refused, ports: &not_taken };
+            let refused = refused_by.get(&s.key).unwrap_or(&none.0);
+            let not_taken = not_taken_by.get(&s.key).unwrap_or(&none.1);
+            let problems = problems_by.get(&s.key).unwrap_or(&none.2);
+            let fault = Faults { problems, endpoints: refused, ports: not_taken };
             let mut status = service_status(s, ports, &fault, inputs.node, &no_allocation(&s.key));
             if let Some(note) = inputs.notes.stale.get(&s.key) {
                 status.reason = Some(match status.reason.take() {
@@ -272,10 +277,33 @@ fn keep_refused_allocations(allocations: &mut Allocations, previous: &Allocation
     }
 }
 
+/// `items` grouped by the Service they are about.
+fn by_service<T>(items: &[T], key: impl Fn(&T) -> &ServiceKey) -> BTreeMap<&ServiceKey, Vec<&T>> {
+    let mut map: BTreeMap<&ServiceKey, Vec<&T>> = BTreeMap::new();
+    for item in items {
+        map.entry(key(item)).or_default().push(item);
+    }
+    map
+}
+
+/// How many problems a status line spells out; the others are counted (a Service with 20,000
+/// ports in an exhausted range has 10,000 of them).
+const MAX_LISTED: usize = 5;
+
+/// The first [`MAX_LISTED`] of `items`, `; `-separated, and how many more there are.
+fn listed(items: impl ExactSizeIterator<Item = String>) -> String {
+    let total = items.len();
+    let mut out: Vec<String> = items.take(MAX_LISTED).collect();
+    if total > MAX_LISTED {
+        out.push(format!("and {} more", total - MAX_LISTED));
+    }
+    out.join("; ")
+}
+
 /// What is wrong with one Service on this node, for its status line.
 struct Faults<'a> {
-    /// Allocation problems (of every Service; filtered by Service and port).
-    problems: &'a [AllocProblem],
+    /// Its allocation problems.
+    problems: &'a [&'a AllocProblem],
     /// Its refused endpoint addresses.
     endpoints: &'a [&'a RefusedEndpoint],
     /// Its node ports not taken on this node.
@@ -299,10 +327,14 @@ fn service_status(
     let mut any_allocated = false;
     // Ports served only by terminating endpoints (no ready one: graceful termination).
     let mut terminating = Vec::new();
-    let own: Vec<&AllocProblem> = fault.problems.iter().filter(|p| p.service() == &svc.key).collect();
+    let own = fault.problems;
+    let own_by_port: BTreeMap<model::PortId, &AllocProblem> =
+        own.iter().rev().map(|p| (p.port(), *p)).collect();
+    let not_taken_by_port: BTreeMap<model::PortId, &RefusedPort> =
+        fault.ports.iter().rev().map(|r| (r.port, *r)).collect();
     for port in &svc.ports {
         let node_port = node_ports.get(&port.id).copied();
-        let not_taken = fault.ports.iter().find(|r| r.port == port.id);
+        let not_taken = not_taken_by_port.get(&port.id);
         let programmed = node_port.is_some() && not_taken.is_none();
         any_allocated |= programmed;
         let usable: Vec<&model::Endpoint> = svc
@@ -316,11 +348,8 @@ fn service_status(
         if programmed && endpoints > 0 && usable.iter().all(|e| !e.ready) {
             terminating.push(format!("{} ({endpoints})", port.id));
         }
-        let problem = own
-            .iter()
-            .find(|p| p.port() == port.id)
-            .map(|p| p.to_string())
-            .or_else(|| not_taken.map(|r| r.to_string()));
+        let problem =
+            own_by_port.get(&port.id).map(|p| p.to_string()).or_else(|| not_taken.map(|r| r.to_string()));
         ports.push(PortStatus {
             port: port.id.port,
             protocol: port.id.protocol.k8s_name().to_string(),
@@ -331,7 +360,7 @@ fn service_status(
             refused_packets: None,
         });
     }
-    let port_problems = || own.iter().map(|p| p.to_string()).collect::<Vec<_>>().join("; ");
+    let port_problems = || listed(own.iter().map(|p| p.to_string()));
     let problem_code = || match own.first() {
         Some(AllocProblem::Conflict { .. }) => "port_conflict",
         Some(AllocProblem::Exhausted { .. }) => "range_exhausted",
@@ -339,7 +368,7 @@ fn service_status(
         Some(AllocProblem::InUse { .. }) => "port_in_use",
         None => "no_allocation",
     };
-    let not_taken = || fault.ports.iter().map(|r| r.to_string()).collect::<Vec<_>>().join("; ");
+    let not_taken = || listed(fault.ports.iter().map(|r| r.to_string()));
     let endpoints_refused = || format!("endpoints refused: {}", endpoint_policy::describe(refused_endpoints));
     let served: Vec<Family> = svc.families.iter().copied().filter(|f| node.families.contains(f)).collect();
     let (state, reason_code, reason) = if !any_allocated && !fault.ports.is_empty() {
@@ -387,7 +416,7 @@ fn service_status(
         if !terminating.is_empty() {
             notes.push(format!(
                 "no ready endpoint: serving its terminating endpoints (graceful termination) on {}",
-                terminating.join(", ")
+                listed(terminating.into_iter())
             ));
             code = code.or(Some("terminating_endpoints"));
         }

@@ -4,8 +4,10 @@
 //! Flow: observe (`manifests`) → validate (`model`) → allocate (`alloc`) → plan (`plan`, pure) →
 //! encode and apply (`nft`). Only the edges do I/O.
 
+pub mod access;
 pub mod agent;
 pub mod alloc;
+pub mod bounded;
 pub mod bridge;
 pub mod cli;
 pub mod commands;
@@ -31,6 +33,7 @@ pub mod source;
 pub mod state;
 pub mod status;
 pub mod sysctl;
+pub mod tls;
 pub mod trace;
 pub mod xt;
 pub mod xtables;

@@ -84,26 +84,40 @@ fn dump(
     socket.send(&buf, 0)?;
     loop {
         let (data, _) = socket.recv_from_full()?;
-        let mut offset = 0;
-        while offset < data.len() {
-            let reply = NetlinkMessage::<SockDiagMessage>::deserialize(&data[offset..])
-                .map_err(|e| ListenersError::Decode(e.to_string()))?;
-            let len = reply.header.length as usize;
-            match reply.payload {
-                NetlinkPayload::Done(_) => return Ok(()),
-                NetlinkPayload::Error(e) => {
-                    let code = e.code.map_or(0, |c| c.get());
-                    return Err(ListenersError::Kernel { what, code });
-                }
-                NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(r)) => each(&r.header.socket_id),
-                _ => {}
-            }
-            if len == 0 {
-                break;
-            }
-            offset += len;
+        if decode_datagram(&data, what, each)? {
+            return Ok(());
         }
     }
+}
+
+/// Decodes one datagram of a sock_diag dump, calling `each` for every socket in it; `true` when
+/// the dump is complete (`NLMSG_DONE`). Pure: any bytes give a value or an error, never a panic
+/// or a loop (fuzzed: `tests/fuzzing/netlink.rs`).
+pub fn decode_datagram(
+    data: &[u8],
+    what: &'static str,
+    each: &mut dyn FnMut(&SocketId),
+) -> Result<bool, ListenersError> {
+    let mut offset = 0;
+    while offset < data.len() {
+        let reply = NetlinkMessage::<SockDiagMessage>::deserialize(&data[offset..])
+            .map_err(|e| ListenersError::Decode(e.to_string()))?;
+        let len = reply.header.length as usize;
+        match reply.payload {
+            NetlinkPayload::Done(_) => return Ok(true),
+            NetlinkPayload::Error(e) => {
+                let code = e.code.map_or(0, |c| c.get());
+                return Err(ListenersError::Kernel { what, code });
+            }
+            NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(r)) => each(&r.header.socket_id),
+            _ => {}
+        }
+        if len == 0 {
+            break;
+        }
+        offset += len;
+    }
+    Ok(false)
 }
 
 #[cfg(test)]

@@ -20,8 +20,8 @@ async fn main() -> anyhow::Result<()> {
         LogFormat::Json => builder.json().init(),
     }
     match cli.command {
-        Command::Run(args) => commands::run(args).await,
-        Command::Plan(args) => commands::plan(args).await,
+        Command::Run(args) => commands::run(*args).await,
+        Command::Plan(args) => commands::plan(*args).await,
         Command::Cleanup => commands::cleanup(),
         Command::Status(args) => commands::status(args),
     }

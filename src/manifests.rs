@@ -53,6 +53,18 @@ use crate::slim::Slim as _;
 pub const DEBOUNCE_QUIET: Duration = Duration::from_millis(10);
 /// Longest delay between the first event of a burst and the notification.
 pub const DEBOUNCE_MAX: Duration = Duration::from_millis(150);
+/// Largest manifest file read (16 MiB): 10,000 Services with their EndpointSlices fit in a few.
+/// A larger file is a problem (its Services keep their last good version), never a read of
+/// whatever size into memory: parsing multiplies a file's size several times.
+pub const MAX_FILE_BYTES: u64 = 16 << 20;
+/// Deepest bracket nesting (`[`, `{`) of a YAML document: serde_yaml refuses more than 128
+/// levels anyway, but only after libyaml has scanned the whole document, which takes time
+/// quadratic in the depth (`{a: {a: …` 100,000 deep: minutes). Counted on the raw text, so
+/// 129 unclosed brackets inside a string count too (see docs/design.md, "Bounds on input").
+pub const MAX_YAML_NESTING: usize = 128;
+/// Longest problem message: the parsers quote what they refuse (a megabyte string where a
+/// number belongs), and a problem goes into a log line and `/status`.
+const MAX_PROBLEM_MESSAGE: usize = 1024;
 /// How often a watcher that lost DIR looks for it again.
 const IDLE_TICK: Duration = Duration::from_millis(250);
 
@@ -165,6 +177,18 @@ pub struct ManifestProblem {
     pub message: String,
 }
 
+impl ManifestProblem {
+    /// A problem whose message is cut to [`MAX_PROBLEM_MESSAGE`] bytes.
+    fn new(file: &Path, document: usize, line: Option<usize>, message: String) -> ManifestProblem {
+        let message = if message.len() > MAX_PROBLEM_MESSAGE {
+            format!("{}… ({} bytes)", crate::model::cut(&message, MAX_PROBLEM_MESSAGE), message.len())
+        } else {
+            message
+        };
+        ManifestProblem { file: file.to_path_buf(), document, line, message }
+    }
+}
+
 impl fmt::Display for ManifestProblem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.file.display())?;
@@ -190,9 +214,13 @@ pub struct IgnoredObject {
 
 impl fmt::Display for IgnoredObject {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "ignored kind {} ({})", self.kind, self.api_version)?;
+        let short = |s: &str| match s.len() > crate::model::MAX_QUOTED {
+            true => format!("{}…", crate::model::cut(s, crate::model::MAX_QUOTED)),
+            false => s.to_string(),
+        };
+        write!(f, "ignored kind {} ({})", short(&self.kind), short(&self.api_version))?;
         if let Some(name) = &self.name {
-            write!(f, " {name:?}")?;
+            write!(f, " {}", crate::model::quoted(name))?;
         }
         write!(f, " in {} document {}", self.file.display(), self.document)
     }
@@ -338,9 +366,13 @@ impl ManifestCache {
 /// Parses one file on its own (duplicates within it are found here; across files by merge_file).
 fn parse_file(path: &Path, name: &str) -> Manifests {
     let mut loader = Loader::default();
-    match std::fs::read_to_string(path) {
+    match crate::bounded::read_to_string(path, MAX_FILE_BYTES) {
         Ok(text) if name.ends_with(".json") => loader.json_file(path, &text),
         Ok(text) => loader.yaml_file(path, &text),
+        Err(e) if e.kind() == io::ErrorKind::FileTooLarge => {
+            let msg = format!("cannot read: {e}: manifests larger than 16 MiB are not read (split the file)");
+            loader.problem(path, 0, None, msg)
+        }
         Err(e) => loader.problem(path, 0, None, format!("cannot read: {e}")),
     }
     loader.out
@@ -366,15 +398,12 @@ fn merge_file(
         let name = meta.name.clone().unwrap_or_default();
         match seen.get(&(kind, ns.clone(), name.clone())) {
             Some(first) => {
-                problems.push(ManifestProblem {
-                    file: path.to_path_buf(),
-                    document: 0,
-                    line: None,
-                    message: format!(
-                        "duplicate {kind} {ns}/{name} (first defined in {}); the first one is used",
-                        first.display()
-                    ),
-                });
+                let message = format!(
+                    "duplicate {kind} {} (first defined in {}); the first one is used",
+                    ServiceKey::new(ns, name),
+                    first.display()
+                );
+                problems.push(ManifestProblem::new(path, 0, None, message));
                 false
             }
             None => {
@@ -421,7 +450,7 @@ struct Origin<'a> {
 
 impl Loader {
     fn problem(&mut self, file: &Path, document: usize, line: Option<usize>, message: String) {
-        self.out.problems.push(ManifestProblem { file: file.to_path_buf(), document, line, message });
+        self.out.problems.push(ManifestProblem::new(file, document, line, message));
     }
 
     fn json_file(&mut self, file: &Path, text: &str) {
@@ -449,9 +478,18 @@ impl Loader {
         let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         let mut document = 0;
         for (first_line, body) in split_documents(text) {
+            if body.trim().is_empty() {
+                continue; // not a document (a million `---` lines are read in one pass)
+            }
+            if let Some(line) = nesting_beyond(&body, MAX_YAML_NESTING) {
+                document += 1;
+                let msg = format!("brackets nested more than {MAX_YAML_NESTING} levels deep; not parsed");
+                self.problem(file, document, Some(first_line + line + 1), msg);
+                continue;
+            }
             // Parsed on its own (padding it with the preceding lines would make a large file
             // quadratic to read); error lines are shifted to file lines.
-            let value: Value = match serde_yaml::from_str(&body) {
+            let value: Value = match bounded_yaml_value(&body) {
                 Ok(Value::Null) => continue, // empty or comments only: not a document
                 Ok(v) => v,
                 Err(e) => {
@@ -620,6 +658,149 @@ fn named_key(map: &serde_json::Map<String, Value>) -> Option<ServiceKey> {
     let namespace =
         meta.get("namespace").and_then(Value::as_str).filter(|n| !n.is_empty()).unwrap_or("default");
     Some(ServiceKey::new(namespace, name))
+}
+
+/// The line (0-based, in `text`) where bracket nesting first goes deeper than `max`, counting
+/// every `[`/`{` as one level in and every `]`/`}` as one out, quoted or not (a cheap upper
+/// bound of the nesting libyaml will see; see [`MAX_YAML_NESTING`]).
+fn nesting_beyond(text: &str, max: usize) -> Option<usize> {
+    let (mut depth, mut line) = (0usize, 0usize);
+    for b in text.bytes() {
+        match b {
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > max {
+                    return Some(line);
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            b'\n' => line += 1,
+            _ => {}
+        }
+    }
+    None
+}
+
+/// One YAML document as a JSON value, refused once it expands to more than twice its size plus
+/// 4 KiB (each node counts one, each string its bytes): YAML aliases repeat what they name, and
+/// serde_yaml's own limit counts the aliases, not what they expand to (2,000 references to a
+/// 2,000-item list are 4,000,000 values from 14 KB). Without aliases a document never comes close.
+fn bounded_yaml_value(body: &str) -> Result<Value, serde_yaml::Error> {
+    use serde::de::DeserializeSeed as _;
+    let budget = Budget(std::cell::Cell::new(2 * body.len() + 4096), 2 * body.len() + 4096);
+    ValueSeed(&budget).deserialize(serde_yaml::Deserializer::from_str(body))
+}
+
+/// What a document may still expand to, and what it could at first.
+struct Budget(std::cell::Cell<usize>, usize);
+
+impl Budget {
+    fn spend<E: serde::de::Error>(&self, n: usize) -> Result<(), E> {
+        match self.0.get().checked_sub(n) {
+            Some(left) => {
+                self.0.set(left);
+                Ok(())
+            }
+            None => Err(E::custom(format!(
+                "the document expands to more than {} bytes (YAML aliases repeating large parts?); not read",
+                self.1
+            ))),
+        }
+    }
+}
+
+/// Builds a [`Value`] as serde_json's own `Deserialize` does, spending the [`Budget`].
+struct ValueSeed<'b>(&'b Budget);
+
+impl<'de> serde::de::DeserializeSeed<'de> for ValueSeed<'_> {
+    type Value = Value;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+/// A mapping key: a string, as serde_json's `Value` reads keys.
+struct KeySeed<'b>(&'b Budget);
+
+impl<'de> serde::de::DeserializeSeed<'de> for KeySeed<'_> {
+    type Value = String;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<String, D::Error> {
+        let s = <String as serde::Deserialize>::deserialize(d)?;
+        self.0.spend(1 + s.len())?;
+        Ok(s)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for ValueSeed<'_> {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any YAML value")
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Value, E> {
+        self.0.spend(1)?;
+        Ok(Value::Bool(v))
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Value, E> {
+        self.0.spend(1)?;
+        Ok(Value::from(v))
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Value, E> {
+        self.0.spend(1)?;
+        Ok(Value::from(v))
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Value, E> {
+        self.0.spend(1)?;
+        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Value, E> {
+        self.0.spend(1 + v.len())?;
+        Ok(Value::String(v.to_string()))
+    }
+
+    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Value, E> {
+        self.0.spend(1 + v.len())?;
+        Ok(Value::String(v))
+    }
+
+    fn visit_none<E: serde::de::Error>(self) -> Result<Value, E> {
+        self.0.spend(1)?;
+        Ok(Value::Null)
+    }
+
+    fn visit_unit<E: serde::de::Error>(self) -> Result<Value, E> {
+        self.visit_none()
+    }
+
+    fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        serde::de::DeserializeSeed::deserialize(self, d)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        self.0.spend(1)?;
+        let mut out = Vec::new();
+        while let Some(v) = seq.next_element_seed(ValueSeed(self.0))? {
+            out.push(v);
+        }
+        Ok(Value::Array(out))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        self.0.spend(1)?;
+        let mut out = serde_json::Map::new();
+        while let Some(k) = map.next_key_seed(KeySeed(self.0))? {
+            let v = map.next_value_seed(ValueSeed(self.0))?;
+            out.insert(k, v);
+        }
+        Ok(Value::Object(out))
+    }
 }
 
 /// A serde_yaml error of a document that starts after `lines_before` lines of its file, with

@@ -44,6 +44,13 @@
 //! serving-terminating ones as a fallback). Endpoints of a family the Service does not have are
 //! dropped. The same address:port from several slices (slice churn) is kept once, with the best
 //! conditions. Unparsable or wrong-family addresses are skipped with a [`ModelWarning`].
+//!
+//! **Bounds** (docs/design.md, "Bounds on input"): nodelb's annotations at most
+//! [`MAX_ANNOTATION_BYTES`] (the API server's limit; a larger `nodelb.io/allocated-ports` is
+//! ignored with a warning, the others refuse); at most [`MAX_SERVICE_BACKENDS`] ports, ports ×
+//! source ranges, and (port, endpoint) pairs per Service (each port keeps its share of endpoints,
+//! the best ones); a message quotes at most [`MAX_QUOTED`] bytes of a value; address warnings
+//! are capped per Service. All work is linear in the input.
 
 use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
@@ -81,9 +88,39 @@ pub struct ServiceKey {
 }
 
 impl fmt::Display for ServiceKey {
+    /// `namespace/name`. A part longer than any Kubernetes name (253 bytes: only an invalid,
+    /// refused manifest has one) is cut as [`quoted`] cuts values, so that a message naming the
+    /// Service stays short; a valid key (DNS labels, 63 bytes) is always written whole.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
+        let part =
+            |s: &str| if s.len() > MAX_NAME { cut(s, MAX_NAME).to_string() + "…" } else { s.to_string() };
+        write!(f, "{}/{}", part(&self.namespace), part(&self.name))
     }
+}
+
+/// Longest name of any Kubernetes object (a DNS-1123 subdomain).
+const MAX_NAME: usize = 253;
+
+/// Longest part of a value a message quotes. A refusal goes into a status line, a log line, a
+/// condition (the API server allows 32 KiB) and an Event (1 KiB); an annotation may hold 256 KiB.
+pub const MAX_QUOTED: usize = 200;
+
+/// `value` as `{value:?}` writes it, cut after [`MAX_QUOTED`] bytes (at a character boundary)
+/// with its full length: `"80/TCP=20080,80/TCP=2008…" (300000 bytes)`.
+pub fn quoted(value: &str) -> String {
+    if value.len() <= MAX_QUOTED {
+        return format!("{value:?}");
+    }
+    format!("{:?}… ({} bytes)", cut(value, MAX_QUOTED), value.len())
+}
+
+/// The longest prefix of `s` of at most `max` bytes that ends on a character boundary.
+pub fn cut(s: &str, max: usize) -> &str {
+    let mut end = max.min(s.len());
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
 }
 
 /// Identity of one service port: its `port` number and protocol (`80/TCP`). Unique within a
@@ -207,15 +244,15 @@ impl LbService {
 /// Why a Service (or a document) is not programmed. Each names the object and the bad value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize)]
 pub enum Refusal {
-    #[error("Service {service}: invalid loadBalancerSourceRanges entry {value:?}: {reason}")]
+    #[error("Service {service}: invalid loadBalancerSourceRanges entry {}: {reason}", quoted(.value))]
     InvalidSourceRange { service: ServiceKey, value: String, reason: String },
-    #[error("Service {service}: invalid annotation {annotation}={value:?}: {reason}")]
+    #[error("Service {service}: invalid annotation {annotation}={}: {reason}", quoted(.value))]
     InvalidAnnotation { service: ServiceKey, annotation: String, value: String, reason: String },
-    #[error("Service {service}: port {port:?}: {reason}")]
+    #[error("Service {service}: port {}: {reason}", quoted(.port))]
     InvalidPort { service: ServiceKey, port: String, reason: String },
-    #[error("Service {service}: invalid spec.ipFamilies entry {value:?}")]
+    #[error("Service {service}: invalid spec.ipFamilies entry {}", quoted(.value))]
     InvalidIpFamily { service: ServiceKey, value: String },
-    #[error("Service {service}: invalid externalTrafficPolicy {value:?}")]
+    #[error("Service {service}: invalid externalTrafficPolicy {}", quoted(.value))]
     InvalidTrafficPolicy { service: ServiceKey, value: String },
     #[error("Service {service}: invalid {field} {value:?}: {reason}")]
     InvalidSessionAffinity { service: ServiceKey, field: String, value: String, reason: String },
@@ -258,6 +295,24 @@ pub struct ParseError(pub String);
 /// Longest DNS-1123 label (RFC 1123), the limit of a namespace and of a Service name.
 pub const MAX_LABEL: usize = 63;
 
+/// Longest annotation value nodelb reads: what the API server allows for all of an object's
+/// annotations together (256 KiB). A manifest has no API server in front of it.
+pub const MAX_ANNOTATION_BYTES: usize = 256 * 1024;
+
+/// Most (service port, endpoint) pairs one Service programs, and most ports × source ranges
+/// (one rule each). Kubernetes' scalability envelope is 5,000 endpoints per Service; 20,000
+/// pairs are about 40 MB of agent memory, a sixth of the DaemonSet's limit, whatever the input.
+/// Endpoints beyond a port's share are cut (the best kept); more ports, or more source-range
+/// rules, refuse the Service. docs/design.md, "Bounds on input".
+pub const MAX_SERVICE_BACKENDS: usize = 20_000;
+
+fn too_long(value: &str) -> String {
+    format!(
+        "is {} bytes long; the API server allows {MAX_ANNOTATION_BYTES} bytes for all annotations of an object",
+        value.len()
+    )
+}
+
 /// Checks a DNS-1123 label, what Kubernetes requires of a namespace (a Service name must even be
 /// a DNS-1035 label, which also forbids a leading digit; we accept that superset, it is harmless
 /// to us): 1–63 characters, lowercase ASCII letters, digits and `-`, starting and ending with a
@@ -286,10 +341,10 @@ impl FromStr for ServiceKey {
     /// `namespace/name`, each a DNS-1123 label (so exactly what [`build`] accepts).
     fn from_str(s: &str) -> Result<Self, ParseError> {
         let Some((ns, name)) = s.split_once('/') else {
-            return Err(ParseError(format!("{s:?} is not namespace/name")));
+            return Err(ParseError(format!("{} is not namespace/name", quoted(s))));
         };
-        check_dns_label(ns).map_err(|e| ParseError(format!("{s:?}: namespace {ns:?} {e}")))?;
-        check_dns_label(name).map_err(|e| ParseError(format!("{s:?}: name {name:?} {e}")))?;
+        check_dns_label(ns).map_err(|e| ParseError(format!("namespace {} {e}", quoted(ns))))?;
+        check_dns_label(name).map_err(|e| ParseError(format!("name {} {e}", quoted(name))))?;
         Ok(ServiceKey { namespace: ns.to_string(), name: name.to_string() })
     }
 }
@@ -300,7 +355,7 @@ pub fn parse_protocol(s: &str) -> Result<Protocol, ParseError> {
         "TCP" => Ok(Protocol::Tcp),
         "UDP" => Ok(Protocol::Udp),
         "SCTP" => Ok(Protocol::Sctp),
-        _ => Err(ParseError(format!("unknown protocol {s:?} (want TCP, UDP or SCTP)"))),
+        _ => Err(ParseError(format!("unknown protocol {} (want TCP, UDP or SCTP)", quoted(s)))),
     }
 }
 
@@ -309,7 +364,7 @@ fn parse_port_number(s: &str) -> Result<u16, ParseError> {
     match s.trim().parse::<u32>() {
         Ok(n) if (1..=65535).contains(&n) => Ok(n as u16),
         Ok(n) => Err(ParseError(format!("port {n} is out of range 1-65535"))),
-        Err(_) => Err(ParseError(format!("{:?} is not a port number", s.trim()))),
+        Err(_) => Err(ParseError(format!("{} is not a port number", quoted(s.trim())))),
     }
 }
 
@@ -319,7 +374,7 @@ impl FromStr for PortId {
     /// `80/TCP` (protocol case-insensitive).
     fn from_str(s: &str) -> Result<Self, ParseError> {
         let (port, proto) =
-            s.split_once('/').ok_or_else(|| ParseError(format!("{s:?} is not PORT/PROTOCOL")))?;
+            s.split_once('/').ok_or_else(|| ParseError(format!("{} is not PORT/PROTOCOL", quoted(s))))?;
         Ok(PortId { port: parse_port_number(port)?, protocol: parse_protocol(proto.trim())? })
     }
 }
@@ -336,13 +391,14 @@ struct PortMapEntry {
 fn parse_port_map_entry(item: &str) -> Result<PortMapEntry, ParseError> {
     let (lhs, rhs) = item
         .split_once('=')
-        .ok_or_else(|| ParseError(format!("entry {item:?} is not PORT/PROTOCOL=NODEPORT")))?;
+        .ok_or_else(|| ParseError(format!("entry {} is not PORT/PROTOCOL=NODEPORT", quoted(item))))?;
     let lhs = lhs.trim();
     let (port, protocol) = match lhs.split_once('/') {
         Some((p, proto)) => (parse_port_number(p)?, Some(parse_protocol(proto.trim())?)),
         None => (parse_port_number(lhs)?, None),
     };
-    let node_port = parse_port_number(rhs).map_err(|e| ParseError(format!("entry {item:?}: node {e}")))?;
+    let node_port =
+        parse_port_number(rhs).map_err(|e| ParseError(format!("entry {}: node {e}", quoted(item))))?;
     Ok(PortMapEntry { port, protocol, node_port })
 }
 
@@ -501,7 +557,7 @@ fn build_one(
     // The key names chains, the state file and status; a `/` in it would not read back.
     for (field, value) in [("metadata.namespace", &key.namespace), ("metadata.name", &key.name)] {
         if let Err(e) = check_dns_label(value) {
-            let reason = format!("{field} {value:?} {e}");
+            let reason = format!("{field} {} {e}", quoted(value));
             return Err(Refusal::Invalid { service: key.clone(), reason });
         }
     }
@@ -521,7 +577,27 @@ fn build_one(
         });
     }
 
+    for annotation in [ANNOTATION_PORTS, ANNOTATION_LEGACY_SOURCE_RANGES] {
+        if let Some(value) = annotations.get(annotation)
+            && value.len() > MAX_ANNOTATION_BYTES
+        {
+            return Err(Refusal::InvalidAnnotation {
+                service: key,
+                annotation: annotation.to_string(),
+                value: value.clone(),
+                reason: too_long(value),
+            });
+        }
+    }
+
     let ports = validate_ports(&key, spec.ports.as_deref().unwrap_or(&[]))?;
+    if ports.len() > MAX_SERVICE_BACKENDS {
+        let reason = format!(
+            "spec.ports has {} ports; nodelb programs at most {MAX_SERVICE_BACKENDS} (port, endpoint) pairs per Service",
+            ports.len()
+        );
+        return Err(Refusal::Invalid { service: key, reason });
+    }
     let families = ip_families(&key, spec)?;
     let traffic_policy = match spec.external_traffic_policy.as_deref() {
         None | Some("") | Some("Cluster") | Some("Global") => TrafficPolicy::Cluster,
@@ -532,6 +608,16 @@ fn build_one(
     };
     let session_affinity = session_affinity(&key, spec)?;
     let source_ranges = source_ranges(&key, spec.load_balancer_source_ranges.as_deref(), &annotations)?;
+    // One rule per range in each port's firewall chain.
+    if ports.len().saturating_mul(source_ranges.len()) > MAX_SERVICE_BACKENDS {
+        let reason = format!(
+            "loadBalancerSourceRanges has {} distinct ranges for {} ports: {} rules, at most {MAX_SERVICE_BACKENDS} per Service",
+            source_ranges.len(),
+            ports.len(),
+            ports.len() * source_ranges.len()
+        );
+        return Err(Refusal::Invalid { service: key, reason });
+    }
     let ids: Vec<PortId> = ports.iter().map(|(id, _)| *id).collect();
     let port_request = match annotations.get(ANNOTATION_PORTS) {
         None => PortRequest::Auto,
@@ -539,13 +625,22 @@ fn build_one(
     };
     let previous_allocation = match annotations.get(ANNOTATION_ALLOCATED) {
         None => BTreeMap::new(),
+        Some(value) if value.len() > MAX_ANNOTATION_BYTES => {
+            let message = format!("ignoring annotation {ANNOTATION_ALLOCATED}: {}", too_long(value));
+            warnings.push(ModelWarning { service: key.clone(), message });
+            BTreeMap::new()
+        }
         Some(value) => parse_previous_allocation(&key, value, &ids, warnings),
     };
 
+    let parsed = parse_slices(&key, slices, &families, warnings);
+    // Each port keeps at most its share of the Service's budget (at least one: the port count
+    // was checked against it above).
+    let per_port = MAX_SERVICE_BACKENDS / ports.len().max(1);
     let lb_ports = ports
         .into_iter()
         .map(|(id, name)| {
-            let endpoints = resolve_endpoints(&key, id, &name, slices, &families, warnings);
+            let endpoints = resolve_endpoints(&key, id, &name, &parsed, per_port, warnings);
             LbPort { id, name, endpoints }
         })
         .collect();
@@ -616,6 +711,7 @@ fn validate_ports(key: &ServiceKey, ports: &[ServicePort]) -> Result<Vec<(PortId
         return Err(Refusal::Invalid { service: key.clone(), reason: "spec.ports is empty".to_string() });
     }
     let mut out: Vec<(PortId, String)> = Vec::with_capacity(ports.len());
+    let (mut ids, mut names) = (BTreeSet::new(), BTreeSet::new());
     for p in ports {
         let name = p.name.clone().unwrap_or_default();
         let shown = if name.is_empty() { p.port.to_string() } else { format!("{name} ({})", p.port) };
@@ -625,7 +721,7 @@ fn validate_ports(key: &ServiceKey, ports: &[ServicePort]) -> Result<Vec<(PortId
             Some("TCP") => Protocol::Tcp,
             Some("UDP") => Protocol::Udp,
             Some("SCTP") => Protocol::Sctp,
-            Some(other) => return Err(bad(format!("unsupported protocol {other:?}"))),
+            Some(other) => return Err(bad(format!("unsupported protocol {}", quoted(other)))),
         };
         let port = match u16::try_from(p.port) {
             Ok(n) if n != 0 => n,
@@ -634,14 +730,14 @@ fn validate_ports(key: &ServiceKey, ports: &[ServicePort]) -> Result<Vec<(PortId
             }
         };
         let id = PortId { port, protocol };
-        if out.iter().any(|(other, _)| *other == id) {
+        if !ids.insert(id) {
             return Err(bad(format!("duplicate port {id}")));
         }
-        if out.iter().any(|(_, other)| *other == name) {
+        if !names.insert(name.clone()) {
             let what = if name.is_empty() {
                 "more than one unnamed port".to_string()
             } else {
-                format!("duplicate port name {name:?}")
+                format!("duplicate port name {}", quoted(&name))
             };
             return Err(bad(what));
         }
@@ -723,7 +819,7 @@ fn source_ranges(
                 service: key.clone(),
                 annotation: ANNOTATION_LEGACY_SOURCE_RANGES.to_string(),
                 value: value.clone(),
-                reason: format!("entry {item:?}: {reason}"),
+                reason: format!("entry {}: {reason}", quoted(item)),
             })?;
             out.push(net);
         }
@@ -733,12 +829,33 @@ fn source_ranges(
     Ok(out)
 }
 
-/// Matches an annotation entry against the service ports; `None` when it names no service port.
-fn entry_targets(entry: &PortMapEntry, ids: &[PortId]) -> Vec<PortId> {
-    ids.iter()
-        .filter(|id| id.port == entry.port && entry.protocol.is_none_or(|p| p == id.protocol))
+/// The service ports by number, for [`entry_targets`] (a Service may have thousands).
+fn ports_by_number(ids: &[PortId]) -> BTreeMap<u16, Vec<PortId>> {
+    let mut map: BTreeMap<u16, Vec<PortId>> = BTreeMap::new();
+    for id in ids {
+        map.entry(id.port).or_default().push(*id);
+    }
+    map
+}
+
+/// Matches an annotation entry against the service ports; empty when it names no service port.
+fn entry_targets(entry: &PortMapEntry, by_number: &BTreeMap<u16, Vec<PortId>>) -> Vec<PortId> {
+    by_number
+        .get(&entry.port)
+        .into_iter()
+        .flatten()
+        .filter(|id| entry.protocol.is_none_or(|p| p == id.protocol))
         .copied()
         .collect()
+}
+
+/// A list of ports for a message: the first ten, and how many there are.
+fn port_list(ids: &[PortId]) -> String {
+    let shown: Vec<String> = ids.iter().take(10).map(PortId::to_string).collect();
+    match ids.len() {
+        n if n > shown.len() => format!("{}, … ({n} ports)", shown.join(", ")),
+        _ => shown.join(", "),
+    }
 }
 
 fn parse_port_request(key: &ServiceKey, value: &str, ids: &[PortId]) -> Result<PortRequest, Refusal> {
@@ -756,14 +873,15 @@ fn parse_port_request(key: &ServiceKey, value: &str, ids: &[PortId]) -> Result<P
         return Ok(PortRequest::ServicePorts);
     }
     let mut map = BTreeMap::new();
+    let by_number = ports_by_number(ids);
     for item in trimmed.split(',').map(str::trim).filter(|i| !i.is_empty()) {
         let entry = parse_port_map_entry(item).map_err(|e| bad(e.0))?;
-        let targets = entry_targets(&entry, ids);
+        let targets = entry_targets(&entry, &by_number);
         if targets.is_empty() {
-            let known: Vec<String> = ids.iter().map(PortId::to_string).collect();
             return Err(bad(format!(
-                "entry {item:?} names no port of the Service (ports: {})",
-                known.join(", ")
+                "entry {} names no port of the Service (ports: {})",
+                quoted(item),
+                port_list(ids)
             )));
         }
         for id in targets {
@@ -801,35 +919,55 @@ fn parse_previous_allocation(
     warnings: &mut Vec<ModelWarning>,
 ) -> BTreeMap<PortId, u16> {
     let mut map = BTreeMap::new();
+    let by_number = ports_by_number(ids);
+    // One warning for the whole annotation, however many entries are bad.
+    let (mut first_bad, mut bad) = (None, 0usize);
     for item in value.split(',').map(str::trim).filter(|i| !i.is_empty()) {
         let entry = match parse_port_map_entry(item) {
             Ok(entry) => entry,
             Err(e) => {
-                warnings.push(ModelWarning {
-                    service: key.clone(),
-                    message: format!("ignoring entry of annotation {ANNOTATION_ALLOCATED}={value:?}: {e}"),
-                });
+                bad += 1;
+                first_bad.get_or_insert(e);
                 continue;
             }
         };
-        for id in entry_targets(&entry, ids) {
+        for id in entry_targets(&entry, &by_number) {
             map.entry(id).or_insert(entry.node_port);
         }
+    }
+    if let Some(e) = first_bad {
+        let more = if bad > 1 { format!(" (and {} more bad entries)", bad - 1) } else { String::new() };
+        warnings.push(ModelWarning {
+            service: key.clone(),
+            message: format!("ignoring an entry of annotation {ANNOTATION_ALLOCATED}: {e}{more}"),
+        });
     }
     map
 }
 
-/// Endpoints of one service port from the Service's slices: sorted, one per address:port (with
-/// the best conditions when slices disagree).
-fn resolve_endpoints(
+/// The addresses of one EndpointSlice, parsed once for all the Service's ports.
+struct ParsedSlice<'a> {
+    slice: &'a EndpointSlice,
+    /// The slice's ports by name (a manifest's slice is not limited to the API's 100 ports).
+    ports: BTreeMap<&'a str, Vec<&'a k8s_openapi::api::discovery::v1::EndpointPort>>,
+    /// Per endpoint of the slice, its usable addresses.
+    addresses: Vec<Vec<IpAddr>>,
+}
+
+/// Warnings about skipped addresses kept per Service: the first few, then a count (a slice set
+/// with 100,000 bad addresses must not make 100,000 log lines, times the number of ports).
+const MAX_ADDRESS_WARNINGS: usize = 5;
+
+/// The Service's slices of a family it has, with their addresses parsed; bad or wrong-family
+/// addresses are skipped with a warning (at most [`MAX_ADDRESS_WARNINGS`] and a count).
+fn parse_slices<'a>(
     key: &ServiceKey,
-    id: PortId,
-    name: &str,
-    slices: &[&EndpointSlice],
+    slices: &[&'a EndpointSlice],
     families: &[Family],
     warnings: &mut Vec<ModelWarning>,
-) -> Vec<Endpoint> {
-    let mut best: BTreeMap<(IpAddr, u16), Endpoint> = BTreeMap::new();
+) -> Vec<ParsedSlice<'a>> {
+    let mut skipped = 0usize;
+    let mut out = Vec::new();
     for slice in slices {
         let family = match slice.address_type.as_str() {
             "IPv4" => Family::Ipv4,
@@ -840,12 +978,60 @@ fn resolve_endpoints(
             continue;
         }
         let slice_name = slice.metadata.name.as_deref().unwrap_or("<unnamed>");
-        let target_ports: Vec<u16> = slice
+        let mut addresses = Vec::new();
+        for ep in slice.endpoints.iter().flatten() {
+            let mut usable = Vec::new();
+            for text in &ep.addresses {
+                let problem = match text.parse::<IpAddr>() {
+                    Ok(addr) if Family::of(&addr) == family => {
+                        usable.push(addr);
+                        continue;
+                    }
+                    Ok(_) => format!("address {} is not {family}", quoted(text)),
+                    Err(_) => format!("bad address {}", quoted(text)),
+                };
+                skipped += 1;
+                if skipped <= MAX_ADDRESS_WARNINGS {
+                    let message = format!("EndpointSlice {}: {problem}; skipped", quoted(slice_name));
+                    warnings.push(ModelWarning { service: key.clone(), message });
+                }
+            }
+            addresses.push(usable);
+        }
+        let mut ports: BTreeMap<&str, Vec<_>> = BTreeMap::new();
+        for p in slice.ports.as_deref().unwrap_or(&[]) {
+            ports.entry(p.name.as_deref().unwrap_or("")).or_default().push(p);
+        }
+        out.push(ParsedSlice { slice, ports, addresses });
+    }
+    if skipped > MAX_ADDRESS_WARNINGS {
+        let message = format!("{} more endpoint addresses skipped", skipped - MAX_ADDRESS_WARNINGS);
+        warnings.push(ModelWarning { service: key.clone(), message });
+    }
+    out
+}
+
+/// Endpoints of one service port from the Service's slices: sorted, one per address:port (with
+/// the best conditions when slices disagree). More than `limit` (the port's share of
+/// [`MAX_SERVICE_BACKENDS`]) are cut to the best `limit`: ready first, then serving, then not
+/// terminating, then by address, so every node keeps the same ones; a warning says so.
+fn resolve_endpoints(
+    key: &ServiceKey,
+    id: PortId,
+    name: &str,
+    slices: &[ParsedSlice<'_>],
+    limit: usize,
+    warnings: &mut Vec<ModelWarning>,
+) -> Vec<Endpoint> {
+    let mut best: BTreeMap<(IpAddr, u16), Endpoint> = BTreeMap::new();
+    let rank = |e: &Endpoint| (e.ready, e.serving, !e.terminating);
+    for parsed in slices {
+        let slice = parsed.slice;
+        let target_ports: Vec<u16> = parsed
             .ports
-            .as_deref()
-            .unwrap_or(&[])
-            .iter()
-            .filter(|p| p.name.as_deref().unwrap_or("") == name)
+            .get(name)
+            .into_iter()
+            .flatten()
             .filter(|p| match p.protocol.as_deref() {
                 None | Some("") => id.protocol == Protocol::Tcp,
                 Some(proto) => parse_protocol(proto).is_ok_and(|p| p == id.protocol),
@@ -856,52 +1042,46 @@ fn resolve_endpoints(
         if target_ports.is_empty() {
             continue;
         }
-        for ep in slice.endpoints.iter().flatten() {
+        for (ep, addresses) in slice.endpoints.iter().flatten().zip(&parsed.addresses) {
             let cond = ep.conditions.as_ref();
             let ready = cond.and_then(|c| c.ready).unwrap_or(true);
             let serving = cond.and_then(|c| c.serving).unwrap_or(ready);
             let terminating = cond.and_then(|c| c.terminating).unwrap_or(false);
-            for text in &ep.addresses {
-                let addr = match text.parse::<IpAddr>() {
-                    Ok(addr) if Family::of(&addr) == family => addr,
-                    Ok(_) => {
-                        warnings.push(ModelWarning {
-                            service: key.clone(),
-                            message: format!(
-                                "EndpointSlice {slice_name}: address {text:?} is not {family}; skipped"
-                            ),
-                        });
-                        continue;
-                    }
-                    Err(_) => {
-                        warnings.push(ModelWarning {
-                            service: key.clone(),
-                            message: format!("EndpointSlice {slice_name}: bad address {text:?}; skipped"),
-                        });
-                        continue;
-                    }
-                };
+            for addr in addresses {
                 for port in &target_ports {
                     let candidate = Endpoint {
-                        addr,
+                        addr: *addr,
                         port: *port,
                         node_name: ep.node_name.clone(),
                         ready,
                         serving,
                         terminating,
                     };
-                    let rank = |e: &Endpoint| (e.ready, e.serving, !e.terminating);
-                    match best.get(&(addr, *port)) {
+                    match best.get(&(*addr, *port)) {
                         Some(existing) if rank(existing) >= rank(&candidate) => {}
                         _ => {
-                            best.insert((addr, *port), candidate);
+                            best.insert((*addr, *port), candidate);
                         }
                     }
                 }
             }
         }
     }
-    best.into_values().collect()
+    let mut endpoints: Vec<Endpoint> = best.into_values().collect();
+    if endpoints.len() > limit {
+        let total = endpoints.len();
+        endpoints.sort_by(|a, b| rank(b).cmp(&rank(a)).then_with(|| a.cmp(b)));
+        endpoints.truncate(limit);
+        endpoints.sort();
+        warnings.push(ModelWarning {
+            service: key.clone(),
+            message: format!(
+                "port {id}: {total} endpoints, {limit} programmed (a Service programs at most \
+                 {MAX_SERVICE_BACKENDS} (port, endpoint) pairs; ready ones first, then by address)"
+            ),
+        });
+    }
+    endpoints
 }
 
 #[cfg(test)]
@@ -1372,8 +1552,11 @@ mod tests {
         let out = build(&[svc], NO_SLICES, &ModelOptions::default());
         assert!(out.refused.is_empty());
         assert_eq!(out.services[0].previous_allocation, BTreeMap::from([(tcp(80), 20001)]));
-        assert_eq!(out.warnings.len(), 2, "{:?}", out.warnings);
-        assert!(out.warnings[0].to_string().contains("nodelb.io/allocated-ports"));
+        // One warning for the annotation, naming the first bad entry and counting the others.
+        assert_eq!(out.warnings.len(), 1, "{:?}", out.warnings);
+        let w = out.warnings[0].to_string();
+        assert!(w.contains("nodelb.io/allocated-ports") && w.contains("\"53/UDP=x\""), "{w}");
+        assert!(w.ends_with("(and 1 more bad entries)"), "{w}");
     }
 
     #[test]
@@ -1704,7 +1887,7 @@ mod tests {
         let (got, warnings) = endpoints_of(svc_with("web", |_| {}), &slices);
         assert_eq!(got[&tcp(80)].len(), 1);
         assert_eq!(warnings.len(), 2, "{warnings:?}");
-        assert!(warnings.iter().all(|w| w.to_string().contains("EndpointSlice web-1")));
+        assert!(warnings.iter().all(|w| w.to_string().contains("EndpointSlice \"web-1\"")), "{warnings:?}");
     }
 
     #[test]

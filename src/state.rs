@@ -23,10 +23,13 @@
 //! - [`StateFile::save`] is atomic: a temporary file in the same directory, written, fsynced,
 //!   renamed over the target, then the directory fsynced, so a crash leaves the old or the new
 //!   file, never a torn one. The directory is created when missing.
+//! - The file is readable and writable by root only (mode 0600 whatever the umask, set before a
+//!   byte is written; the directory 0700 when nodelb creates it): it lists every Service.
 
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::{self, Write as _};
+use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 
 use k8s_openapi::jiff::Timestamp;
@@ -36,15 +39,20 @@ use crate::model::{PortId, ServiceKey};
 
 pub const STATE_VERSION: u32 = 1;
 
+/// Largest state file read (16 MiB; 10,000 Services take about 1 MB): a larger one is not one
+/// nodelb wrote, and is an error rather than a read of whatever size into memory.
+pub const MAX_STATE_BYTES: u64 = 16 << 20;
+
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
     #[error("state file {path}: cannot read: {source}")]
     Read { path: PathBuf, source: io::Error },
-    #[error("state file {path}: not valid JSON of the expected shape: {source}")]
-    Parse { path: PathBuf, source: serde_json::Error },
+    /// `message`: serde_json's, which quotes what it refuses, cut to 1 KiB.
+    #[error("state file {path}: not valid JSON of the expected shape: {message}")]
+    Parse { path: PathBuf, message: String },
     #[error("state file {path}: unsupported version {version} (this nodelb understands {STATE_VERSION})")]
     Version { path: PathBuf, version: u32 },
-    #[error("state file {path}: bad entry {entry:?}: {reason}")]
+    #[error("state file {path}: bad entry {}: {reason}", crate::model::quoted(.entry))]
     Entry { path: PathBuf, entry: String, reason: String },
     #[error("state file {path}: cannot write: {source}")]
     Write { path: PathBuf, source: io::Error },
@@ -114,15 +122,21 @@ impl StateFile {
     /// The saved state and the entries skipped as bad (each a [`StateError::Entry`]). Only a
     /// file that cannot be read or parsed as a whole, or has another version, is an error.
     pub fn load_lenient(&self) -> Result<(State, Vec<StateError>), StateError> {
-        let text = match fs::read_to_string(&self.path) {
+        let text = match crate::bounded::read_to_string(&self.path, MAX_STATE_BYTES) {
             Ok(text) => text,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok((State::default(), vec![])),
             Err(source) => {
                 return Err(StateError::Read { path: self.path.clone(), source });
             }
         };
-        let disk: OnDisk = serde_json::from_str(&text)
-            .map_err(|source| StateError::Parse { path: self.path.clone(), source })?;
+        let disk: OnDisk = serde_json::from_str(&text).map_err(|e| {
+            let message = e.to_string();
+            let message = match message.len() > 1024 {
+                true => format!("{}… ({} bytes)", crate::model::cut(&message, 1024), message.len()),
+                false => message,
+            };
+            StateError::Parse { path: self.path.clone(), message }
+        })?;
         if disk.version != STATE_VERSION {
             return Err(StateError::Version { path: self.path.clone(), version: disk.version });
         }
@@ -215,14 +229,17 @@ impl StateFile {
             .path
             .file_name()
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
-        fs::create_dir_all(&dir)?;
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir)?;
         // Hidden, pid-suffixed: never picked up as a manifest, never shared by two processes.
         let mut tmp_name = std::ffi::OsString::from(".");
         tmp_name.push(file_name);
         tmp_name.push(format!(".tmp.{}", std::process::id()));
         let tmp = dir.join(tmp_name);
         let result = (|| {
-            let mut f = fs::OpenOptions::new().write(true).create(true).truncate(true).open(&tmp)?;
+            let mut f =
+                fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+            // A temporary file left by a crash keeps its mode through `open`: set it.
+            f.set_permissions(fs::Permissions::from_mode(0o600))?;
             f.write_all(bytes)?;
             f.sync_all()?;
             drop(f);
@@ -240,6 +257,32 @@ impl StateFile {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn mode(path: &Path) -> u32 {
+        fs::metadata(path).expect("stat").permissions().mode() & 0o777
+    }
+
+    /// Root only, whatever the umask and whatever mode an older file or a leftover temporary
+    /// file had; a directory nodelb creates is 0700.
+    #[test]
+    fn the_state_file_is_readable_by_root_only() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("new/sub/state.json");
+        let file = StateFile::new(&path);
+        file.save(&sample()).expect("save");
+        assert_eq!(mode(&path), 0o600, "new file");
+        assert_eq!(mode(&dir.path().join("new")), 0o700, "created directory");
+        assert_eq!(mode(&dir.path().join("new/sub")), 0o700, "created directory");
+        let old = dir.path().join("old.json");
+        fs::write(&old, "{}").expect("write");
+        fs::set_permissions(&old, fs::Permissions::from_mode(0o644)).expect("chmod");
+        let tmp = dir.path().join(format!(".old.json.tmp.{}", std::process::id()));
+        fs::write(&tmp, "partial").expect("write");
+        fs::set_permissions(&tmp, fs::Permissions::from_mode(0o666)).expect("chmod");
+        StateFile::new(&old).save(&sample()).expect("save");
+        assert_eq!(mode(&old), 0o600, "replaced file");
+        assert_eq!(StateFile::new(&old).load().expect("load"), sample());
+    }
     use crate::ir::Protocol;
 
     fn t(secs: i64) -> Timestamp {

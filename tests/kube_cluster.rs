@@ -13,7 +13,9 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use common::agent::canonical_ruleset;
-use common::cluster::{AGENT_NS, CLIENT_V4, Cluster, LEADER_LEASE, Permission, Rbac, node_name, node_v4};
+use common::cluster::{
+    AGENT_NS, CLIENT_V4, Cluster, LEADER_LEASE, Permission, Rbac, node_name, node_v4, web,
+};
 use common::kube::ControlPlane;
 use common::kube::Fault;
 use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
@@ -26,13 +28,6 @@ const T: Duration = Duration::from_secs(2);
 const CHANGE: Duration = Duration::from_secs(15);
 /// Condition type: does any node serve the Service.
 const SERVING: &str = "nodelb.io/Serving";
-
-/// `default/<name>`, `80/TCP` → backends `eps` (backend index, node index).
-fn web(name: &str, eps: &[(usize, usize)]) -> ServiceSpec {
-    ServiceSpec::new(name)
-        .port(PortSpec::tcp(80, None))
-        .endpoints(eps.iter().map(|(b, n)| EndpointSpec::remote(backend_v4(*b), &format!("node-{}", n + 1))))
-}
 
 /// The backends answering `n` requests to node `i`'s `port`.
 fn backends_seen(c: &Cluster, i: usize, port: u16, n: usize) -> BTreeMap<String, usize> {
@@ -130,12 +125,14 @@ fn service_is_served_on_every_node_with_status() {
     // daemonset/10-rbac.yaml, and every grant was used (Events are patched only when the same
     // Event repeats within kube-runtime's cache time, which this scenario does not do).
     c.assert_rbac_allows_every_request();
-    let used: BTreeSet<Permission> = c.agent_permissions().into_iter().map(|(_, p)| p).collect();
+    let used: BTreeSet<Permission> = c.agent_permissions().into_iter().map(|(_, p, _)| p).collect();
     let unused: Vec<Permission> = Rbac::load()
         .all()
         .into_iter()
         .filter(|p| !used.contains(p))
         .filter(|p| *p != ("events.k8s.io".into(), "events".into(), "patch".into()))
+        // Only with --metrics-addr and a scraper: kube_metrics_auth proves they are used.
+        .filter(|p| !["tokenreviews", "subjectaccessreviews"].contains(&p.1.as_str()))
         .collect();
     assert!(unused.is_empty(), "granted but never used: {unused:?}; used: {used:?}");
 }
@@ -172,26 +169,30 @@ fn plan_from_the_cluster_is_what_each_agent_programmed() {
     }
 }
 
-/// `kubectl auth can-i --list` rows (resource[.group], verbs) for `user` in `ns`.
-fn can_i(api: &ControlPlane, user: &str, ns: &str) -> BTreeSet<(String, String, String)> {
+/// `kubectl auth can-i --list` rows ((group, resource, verb), resource names: "" for any) for
+/// `user` in `ns`.
+fn can_i(api: &ControlPlane, user: &str, ns: &str) -> BTreeSet<((String, String, String), String)> {
     let out = api.kubectl_ok(&["auth", "can-i", "--list", &format!("--as={user}"), "-n", ns]);
     let mut rows = BTreeSet::new();
     for line in out.lines().skip(1) {
-        // RESOURCES  NON-RESOURCE-URLS  RESOURCE-NAMES  VERBS ("[get list]")
+        // RESOURCES  NON-RESOURCE-URLS ("[]")  RESOURCE-NAMES ("[a b]")  VERBS ("[get list]")
         let Some(resource) = line.split_whitespace().next().filter(|_| !line.starts_with(' ')) else {
             continue;
         };
-        let verbs = line.rsplit_once('[').map(|(_, v)| v.trim_end_matches(']')).unwrap_or_default();
+        let lists: Vec<&str> =
+            line.split('[').skip(1).map(|l| l.split(']').next().unwrap_or_default()).collect();
+        let [_, names, verbs] = lists[..] else { panic!("kubectl auth can-i --list: {line:?}") };
+        let names = names.split_whitespace().collect::<Vec<_>>().join(", ");
         let (res, group) = resource.split_once('.').unwrap_or((resource, ""));
         for verb in verbs.split_whitespace() {
-            rows.insert((group.to_string(), res.to_string(), verb.to_string()));
+            rows.insert(((group.to_string(), res.to_string(), verb.to_string()), names.clone()));
         }
     }
     rows
 }
 
-/// The README's RBAC table: (group, resource, verb) → namespace-only?
-fn readme_rbac() -> BTreeMap<(String, String, String), bool> {
+/// The README's RBAC table: ((group, resource, verb), names: "" for any) → namespace-only?
+fn readme_rbac() -> BTreeMap<((String, String, String), String), bool> {
     let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
     let table = readme
         .split("<!-- rbac-table: begin -->")
@@ -202,8 +203,9 @@ fn readme_rbac() -> BTreeMap<(String, String, String), bool> {
     for row in table.lines().filter(|l| l.starts_with('|')).skip(2) {
         let cells: Vec<&str> = row.trim_matches('|').split('|').map(str::trim).collect();
         let group = if cells[0] == "(core)" { "" } else { cells[0] };
+        let names = if cells[4] == "any" { String::new() } else { cells[4].replace('`', "") };
         for verb in cells[2].split(',') {
-            let key = (group.to_string(), cells[1].to_string(), verb.trim().to_string());
+            let key = ((group.to_string(), cells[1].to_string(), verb.trim().to_string()), names.clone());
             out.insert(key, cells[3].contains("nodelb-system"));
         }
     }

@@ -487,7 +487,7 @@ async fn publish_event(
     let ev = Event {
         type_: if warning { EventType::Warning } else { EventType::Normal },
         reason: reason.to_string(),
-        note: Some(note.chars().take(1000).collect()),
+        note: Some(super::events::event_note(note)),
         action: "Reconcile".to_string(),
         secondary: None,
     };

@@ -5,6 +5,18 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+/// Longest Event note the API server accepts (`events.k8s.io/v1`: 1 KiB, in bytes).
+pub const MAX_NOTE_BYTES: usize = 1024;
+
+/// `message` as an Event note: cut to [`MAX_NOTE_BYTES`] at a character boundary. A longer note
+/// is refused by the API server, and the Event would be retried, and refused, every round.
+pub fn event_note(message: &str) -> String {
+    if message.len() <= MAX_NOTE_BYTES {
+        return message.to_string();
+    }
+    format!("{}…", crate::model::cut(message, MAX_NOTE_BYTES - '…'.len_utf8()))
+}
+
 /// Remembers the last message recorded per (object, reason).
 #[derive(Debug)]
 pub struct Deduper<K: Ord + Clone> {
@@ -46,6 +58,19 @@ impl<K: Ord + Clone> Deduper<K> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The API server counts a note's bytes: 1,000 three-byte characters are 3,000 bytes, and an
+    /// Event with that note is refused (and would be retried, and refused, every round).
+    #[test]
+    fn event_notes_fit_the_api_servers_limit_in_bytes() {
+        for message in ["short".to_string(), "€".repeat(1000), "x".repeat(5000), "a".repeat(1023) + "€"] {
+            let note = event_note(&message);
+            assert!(note.len() <= MAX_NOTE_BYTES, "{} bytes", note.len());
+            assert!(message.starts_with(note.trim_end_matches('…')));
+        }
+        assert_eq!(event_note("short"), "short");
+        assert_eq!(event_note(&"x".repeat(1024)), "x".repeat(1024));
+    }
 
     type Ev = (&'static str, &'static str, &'static str);
 

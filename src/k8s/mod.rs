@@ -3,14 +3,20 @@
 //!
 //! Pure decisions live in [`dupes`], [`nodes`], [`publish`], [`leader`], [`events`]; the edges
 //! that talk to the API server are [`source`] (reflectors), [`controller`] (leader election, node
-//! Lease, writes, Events). See docs/design.md, "Kubernetes mode".
+//! Lease, writes, Events), [`review`] (TokenReview + SubjectAccessReview for the authenticated
+//! metrics). [`installation`] watches what tells an uninstall from a restart, and [`uninstall`]
+//! decides at SIGTERM whether the node's rules stay. See docs/design.md, "Kubernetes mode" and
+//! "Install, upgrade, uninstall".
 
 pub mod claims;
 pub mod controller;
 pub mod dupes;
 pub mod events;
+pub mod installation;
 pub mod lastgood;
 pub mod leader;
 pub mod nodes;
 pub mod publish;
+pub mod review;
 pub mod source;
+pub mod uninstall;

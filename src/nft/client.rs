@@ -14,7 +14,7 @@ use super::encode::{self, Encoded, describe_ref, msg_type};
 use super::nla::{Writer, messages};
 use super::{ApplyStats, Counter, CounterValues, KernelTable, NftError, decode, foreign};
 use crate::hostfw::{Action, HostBase, HostChain, Source, TableFamily};
-use crate::ir::{self, Carried, Change, ChangeRef, KeyType, Ruleset, SetKind};
+use crate::ir::{self, Carried, Change, ChangeRef, KeyType, Ruleset};
 
 /// Most foreign chains [`NftClient::read_forward_chains`] reads (base chains first); a jump to a
 /// chain beyond it makes the analysis uncertain, never wrong.
@@ -241,7 +241,7 @@ impl NftClient {
                     break 'outer;
                 }
                 if r.ty == NLMSG_ERROR && (first..=last).contains(&r.seq) {
-                    let errno = error_code(&r.payload)?;
+                    let errno = decode::error_code(&r.payload)?;
                     if errno != 0 {
                         errors.push((r.seq, errno));
                     }
@@ -391,7 +391,7 @@ impl NftClient {
                 match r.ty {
                     NLMSG_DONE => return Ok(out),
                     NLMSG_ERROR => {
-                        let errno = error_code(&r.payload)?;
+                        let errno = decode::error_code(&r.payload)?;
                         if errno == 0 {
                             return Ok(out); // the ACK of a non-dump request
                         }
@@ -417,7 +417,7 @@ impl NftClient {
                     continue;
                 }
                 if r.ty == NLMSG_ERROR {
-                    let errno = error_code(&r.payload)?;
+                    let errno = decode::error_code(&r.payload)?;
                     return Err(NftError::Request {
                         what: "get generation".into(),
                         errno,
@@ -454,75 +454,21 @@ impl NftClient {
             }
             Err(e) => return Err(e),
         }
-        let mut t = KernelTable::default();
-        for p in self.request(NFT_MSG_GETCHAIN, true, "list chains", |w| w.put_str(NFTA_CHAIN_TABLE, name))? {
-            if decode::table_of(&p)? == name {
-                let c = decode::chain(&p)?;
-                t.chains.insert(c.name.clone(), c);
-            }
-        }
-        for p in self.request(NFT_MSG_GETRULE, true, "list rules", |w| w.put_str(NFTA_RULE_TABLE, name))? {
-            if decode::table_of(&p)? != name {
-                continue;
-            }
-            let (chain, rule) = decode::rule(&p)?;
-            match t.chains.get_mut(&chain) {
-                Some(c) => c.rules.push(rule),
-                None => t.problems.push(format!("rule {} in unknown chain {chain}", rule.handle)),
-            }
-        }
-        let mut sets = Vec::new();
-        for p in self.request(NFT_MSG_GETSET, true, "list sets", |w| w.put_str(NFTA_SET_TABLE, name))? {
-            if decode::table_of(&p)? != name {
-                continue;
-            }
-            let s = decode::set(&p)?;
-            if s.flags & NFT_SET_ANONYMOUS != 0 {
-                t.anonymous_sets += 1;
-            } else {
-                sets.push(s);
-            }
-        }
-        for p in self.request(NFT_MSG_GETOBJ, true, "list objects", |w| w.put_str(NFTA_OBJ_TABLE, name))? {
-            if decode::table_of(&p)? != name {
-                continue;
-            }
-            match decode::object(&p)? {
-                Ok(c) => {
-                    t.counters.insert(c.name.clone(), c);
-                }
-                Err(other) => t.other_objects.push(other),
-            }
-        }
-        for mut s in sets {
-            // A dynamic set's elements are what the packet path put there, not configuration
-            // (and there may be many): not read for a comparison with the ruleset.
-            if matches!(s.kind, Some(SetKind::Dynamic { .. })) {
-                t.sets.insert(s.name.clone(), s);
-                continue;
-            }
-            let what = format!("list elements of {}", s.name);
-            let set_name = s.name.clone();
-            let replies = self.request(NFT_MSG_GETSETELEM, true, &what, |w| {
+        let chains =
+            self.request(NFT_MSG_GETCHAIN, true, "list chains", |w| w.put_str(NFTA_CHAIN_TABLE, name))?;
+        let rules =
+            self.request(NFT_MSG_GETRULE, true, "list rules", |w| w.put_str(NFTA_RULE_TABLE, name))?;
+        let sets = self.request(NFT_MSG_GETSET, true, "list sets", |w| w.put_str(NFTA_SET_TABLE, name))?;
+        let objects =
+            self.request(NFT_MSG_GETOBJ, true, "list objects", |w| w.put_str(NFTA_OBJ_TABLE, name))?;
+        let dump = decode::TableDump { chains, rules, sets, objects };
+        let t = decode::assemble_table(name, &dump, |set_name| {
+            let what = format!("list elements of {set_name}");
+            self.request(NFT_MSG_GETSETELEM, true, &what, |w| {
                 w.put_str(NFTA_SET_ELEM_LIST_TABLE, name);
-                w.put_str(NFTA_SET_ELEM_LIST_SET, &set_name);
-            })?;
-            for p in replies {
-                for (k, v) in decode::elements(&p)? {
-                    match s.key.as_deref().and_then(|types| decode::key(types, &k)) {
-                        Some(key) => {
-                            s.elements.insert(key, v);
-                        }
-                        None => t.problems.push(format!(
-                            "set {}: element key {} cannot be decoded",
-                            s.name,
-                            hex(&k)
-                        )),
-                    }
-                }
-            }
-            t.sets.insert(s.name.clone(), s);
-        }
+                w.put_str(NFTA_SET_ELEM_LIST_SET, set_name);
+            })
+        })?;
         Ok(Some(t))
     }
 
@@ -585,24 +531,11 @@ fn libc_msg_trunc() -> i32 {
     nix::sys::socket::MsgFlags::MSG_TRUNC.bits()
 }
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
 fn gen_request(seq: u32) -> Vec<u8> {
     let mut w = Writer::new();
     w.begin_msg(msg_type(NFT_MSG_GETGEN), NLM_F_REQUEST, seq, NFPROTO_UNSPEC, 0);
     w.end_msg();
     w.buf
-}
-
-/// The (negative) errno of an NLMSG_ERROR payload, made positive (0 = ACK).
-fn error_code(payload: &[u8]) -> Result<i32, NftError> {
-    let b: [u8; 4] = payload
-        .get(..4)
-        .and_then(|s| s.try_into().ok())
-        .ok_or_else(|| NftError::Malformed("short NLMSG_ERROR".into()))?;
-    Ok(-i32::from_ne_bytes(b))
 }
 
 fn kernel_error<'a>(

@@ -1,12 +1,13 @@
 //! Pure decoding of dump replies (NEWCHAIN/NEWRULE/NEWSET/NEWSETELEM payloads) into the
-//! `KernelTable` model. Anything unexpected is an error value or a recorded problem, never a panic.
+//! `KernelTable` model. Anything unexpected is an error value or a recorded problem, never a panic:
+//! every function here takes arbitrary bytes (fuzzed: `tests/fuzzing/netlink.rs`).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use super::consts::*;
 use super::encode::{RawElement, part_len};
 use super::nla::{as_str, as_u32, as_u64, attrs, get, table, udata_iter};
-use super::{Counter, KernelChain, KernelCounter, KernelHook, KernelRule, KernelSet, NftError};
+use super::{Counter, KernelChain, KernelCounter, KernelHook, KernelRule, KernelSet, KernelTable, NftError};
 use crate::ir::{Key, KeyPart, KeyType, Mapped, Protocol, SetKind, Verdict};
 
 /// nfgenmsg precedes the attributes of every nf_tables message.
@@ -244,4 +245,104 @@ pub fn expiring_elements(payload: &[u8]) -> Result<Vec<ExpiringElement>, NftErro
 pub fn gen_id(payload: &[u8]) -> Result<u32, NftError> {
     let t = table(body(payload)?)?;
     as_u32(need(&t, NFTA_GEN_ID, "generation")?)
+}
+
+/// The (negative) errno of an NLMSG_ERROR payload, made positive (0 = ACK).
+pub fn error_code(payload: &[u8]) -> Result<i32, NftError> {
+    let b: [u8; 4] = payload
+        .get(..4)
+        .and_then(|s| s.try_into().ok())
+        .ok_or_else(|| NftError::Malformed("short NLMSG_ERROR".into()))?;
+    // i32::MIN has no positive counterpart; no kernel sends it, but the bytes are not ours.
+    i32::from_ne_bytes(b)
+        .checked_neg()
+        .ok_or_else(|| NftError::Malformed(format!("NLMSG_ERROR code {}", i32::from_ne_bytes(b))))
+}
+
+pub use super::nla::{Msg, messages};
+
+/// The dump replies of our table (payloads after the nlmsghdr), as `NftClient::read_table`
+/// receives them.
+#[derive(Debug, Clone, Default)]
+pub struct TableDump {
+    pub chains: Vec<Vec<u8>>,
+    pub rules: Vec<Vec<u8>>,
+    pub sets: Vec<Vec<u8>>,
+    pub objects: Vec<Vec<u8>>,
+}
+
+/// Builds the [`KernelTable`] of table `name` from its dumps; `elements(set)` returns the element
+/// dump of one named set (a request to the kernel, or the fuzzer's bytes). Objects of other
+/// tables in a dump are skipped.
+pub fn assemble_table(
+    name: &str,
+    dump: &TableDump,
+    mut elements: impl FnMut(&str) -> Result<Vec<Vec<u8>>, NftError>,
+) -> Result<KernelTable, NftError> {
+    let mut t = KernelTable::default();
+    for p in &dump.chains {
+        if table_of(p)? == name {
+            let c = chain(p)?;
+            t.chains.insert(c.name.clone(), c);
+        }
+    }
+    for p in &dump.rules {
+        if table_of(p)? != name {
+            continue;
+        }
+        let (chain, rule) = rule(p)?;
+        match t.chains.get_mut(&chain) {
+            Some(c) => c.rules.push(rule),
+            None => t.problems.push(format!("rule {} in unknown chain {chain}", rule.handle)),
+        }
+    }
+    let mut sets = Vec::new();
+    for p in &dump.sets {
+        if table_of(p)? != name {
+            continue;
+        }
+        let s = set(p)?;
+        if s.flags & NFT_SET_ANONYMOUS != 0 {
+            t.anonymous_sets += 1;
+        } else {
+            sets.push(s);
+        }
+    }
+    for p in &dump.objects {
+        if table_of(p)? != name {
+            continue;
+        }
+        match object(p)? {
+            Ok(c) => {
+                t.counters.insert(c.name.clone(), c);
+            }
+            Err(other) => t.other_objects.push(other),
+        }
+    }
+    for mut s in sets {
+        // A dynamic set's elements are what the packet path put there, not configuration (and
+        // there may be many): not read for a comparison with the ruleset.
+        if matches!(s.kind, Some(SetKind::Dynamic { .. })) {
+            t.sets.insert(s.name.clone(), s);
+            continue;
+        }
+        for p in elements(&s.name)? {
+            for (k, v) in self::elements(&p)? {
+                match s.key.as_deref().and_then(|types| key(types, &k)) {
+                    Some(key) => {
+                        s.elements.insert(key, v);
+                    }
+                    None => {
+                        t.problems.push(format!("set {}: element key {} cannot be decoded", s.name, hex(&k)))
+                    }
+                }
+            }
+        }
+        t.sets.insert(s.name.clone(), s);
+    }
+    Ok(t)
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }

@@ -11,7 +11,7 @@
 
 mod client;
 mod consts;
-pub(crate) mod decode;
+pub mod decode;
 pub mod encode;
 pub mod foreign;
 mod nla;

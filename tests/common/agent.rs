@@ -16,6 +16,7 @@ use super::topology::{ClientError, HttpResponse, NODE_NAME, wait_until};
 pub fn bin() -> String {
     std::env::var("NODELB_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_nodelb").to_string())
 }
+
 /// The xtables lock of the tests: the agents they start and the iptables-legacy commands they
 /// run take this one (shared by concurrent test processes, as the host's is by its tools), never
 /// the host's `/run/xtables.lock`.
@@ -23,8 +24,10 @@ pub fn xtables_lockfile() -> PathBuf {
     std::env::temp_dir().join("nodelb-test-xtables.lock")
 }
 
-/// `--http-addr` inside the node namespace (each namespace has its own loopback).
+/// The default `--http-addr` port, on the node namespace's loopback (each namespace has its own).
 pub const HTTP_PORT: u16 = 9470;
+/// The default `--health-addr` port, on every address of the node namespace.
+pub const HEALTH_PORT: u16 = 9471;
 
 /// A container's args and environment (`kube::daemonset_command`).
 pub type ContainerCommand = (Vec<String>, Vec<(String, String)>);
@@ -46,7 +49,7 @@ pub struct Agent {
 
 impl Agent {
     /// Writes `files` (name, content) into a fresh manifests directory and starts the agent in `node`
-    /// with `--resync-period 1s`, `--node-name node-1`, `--http-addr 127.0.0.1:9470` plus `extra`.
+    /// with `--resync-period 1s`, `--node-name node-1` plus `extra` (HTTP on the default addresses).
     pub fn start(node: &NetNs, files: &[(&str, String)], extra: &[&str]) -> Agent {
         let manifests = tempfile::Builder::new().prefix("nodelb-manifests-").tempdir().unwrap();
         for (name, content) in files {
@@ -68,7 +71,7 @@ impl Agent {
     }
 
     /// Starts the agent in `node` in Kubernetes mode: `--kubeconfig kubeconfig --node-name node_name`,
-    /// `--resync-period 1s`, `--http-addr 127.0.0.1:9470` plus `extra` (e.g. `--lease-duration 3s`).
+    /// `--resync-period 1s` plus `extra` (e.g. `--lease-duration 3s`; HTTP on the default addresses).
     pub fn start_kube(node: &NetNs, kubeconfig: &std::path::Path, node_name: &str, extra: &[&str]) -> Agent {
         let mut a = Agent {
             ns_name: node.name.clone(),
@@ -156,9 +159,8 @@ impl Agent {
                 cmd.arg("--kubeconfig").arg(kubeconfig).args(["--node-name", node_name]);
             }
         }
-        if self.daemonset.is_none() {
-            cmd.args(["--http-addr", &format!("127.0.0.1:{HTTP_PORT}")]);
-        }
+        // `--http-addr` is left at its default (127.0.0.1:9470, `HTTP_PORT`), and so is
+        // `--health-addr` (0.0.0.0:9471): every test runs the addresses a user gets.
         if !self.extra_args.iter().any(|a| a == "--resync-period") {
             cmd.args(["--resync-period", "1s"]);
         }

@@ -1,10 +1,10 @@
 //! A three-node "cluster" for Kubernetes-mode tests: a real control plane (`testkube`: etcd +
 //! kube-apiserver + the EndpointSlice controller, see `kube.rs`) in its own namespace, installed
-//! with `kubectl apply -f daemonset/` exactly as a user does, three node namespaces each running a
-//! real `nodelb` process with the DaemonSet's arguments and environment and a TokenRequest token of
-//! the `nodelb` ServiceAccount (so the real authorizer enforces `daemonset/10-rbac.yaml`), a client
-//! namespace, and backend namespaces, all on two bridges inside a "fabric" namespace. Only
-//! documentation addresses; nothing in the host namespace.
+//! with `kubectl apply -f daemonset/` (or `helm install`) exactly as a user does, three node
+//! namespaces each running a real `nodelb` process with the DaemonSet's arguments and environment
+//! and a TokenRequest token of the `nodelb` ServiceAccount (so the real authorizer enforces
+//! `daemonset/10-rbac.yaml`), a client namespace, and backend namespaces, all on two bridges inside
+//! a "fabric" namespace. Only documentation addresses; nothing in the host namespace.
 //!
 //! ```text
 //!                 fabric netns: bridge br-f 203.0.113.0/24          bridge br-b 198.51.100.0/24
@@ -31,7 +31,7 @@ use serde_json::{Value, json};
 
 use super::agent::{Agent, nft_list};
 use super::kube::{ControlPlane, daemonset_command};
-use super::manifest::ServiceSpec;
+use super::manifest::{EndpointSpec, PortSpec, ServiceSpec};
 use super::netns::{NetNs, veth};
 use super::topology::{
     BACKEND_TCP_PORT, BACKEND_UDP_PORT, Backend, ClientError, Servers, backend_v4, backend_v6, http_get,
@@ -60,6 +60,27 @@ pub fn node_name(i: usize) -> String {
     format!("node-{}", i + 1)
 }
 
+/// How nodelb is installed into the control plane.
+#[derive(Debug, Clone)]
+pub enum Install {
+    /// `kubectl apply -f daemonset/`.
+    Kubectl,
+    /// `helm install nodelb charts/nodelb -n nodelb-system --create-namespace <args>`.
+    Helm(Vec<String>),
+}
+
+/// `default/<name>`, `80/TCP` → backends `eps` (backend index, node index).
+pub fn web(name: &str, eps: &[(usize, usize)]) -> ServiceSpec {
+    ServiceSpec::new(name).port(PortSpec::tcp(80, None)).endpoints(
+        eps.iter().map(|(b, n)| EndpointSpec::remote(super::topology::backend_v4(*b), &node_name(*n))),
+    )
+}
+
+/// The chart, for `helm install` / `helm upgrade`.
+pub fn chart_dir() -> String {
+    concat!(env!("CARGO_MANIFEST_DIR"), "/charts/nodelb").to_string()
+}
+
 pub struct Cluster {
     // Drop order matters: agents first (killed), then the API server, then backend servers, then the
     // namespaces.
@@ -67,6 +88,8 @@ pub struct Cluster {
     pub api: ControlPlane,
     pub backends: Vec<Backend>,
     kubeconfig_dir: tempfile::TempDir,
+    /// What every agent runs with beyond the DaemonSet's args and env.
+    agent_args: Vec<String>,
     pub client: NetNs,
     pub nodes: Vec<NetNs>,
     pub api_ns: NetNs,
@@ -87,19 +110,26 @@ impl Cluster {
 
     /// `nodes_n` nodes (node-1 … node-`nodes_n`, at most 9), each with its agent; see [`Cluster::new`].
     pub fn with_nodes(nodes_n: usize, backends: usize, extra: &[&str]) -> Cluster {
-        Self::start(nodes_n, backends, extra, &[], |_| {}, true)
+        Self::start(nodes_n, backends, extra, &[], |_| {}, true, Install::Kubectl)
     }
 
     /// Three nodes, with extra kube-apiserver flags (e.g. `--watch-cache=false`).
     pub fn with_apiserver_args(backends: usize, apiserver: &[&str]) -> Cluster {
-        Self::start(3, backends, &[], apiserver, |_| {}, true)
+        Self::start(3, backends, &[], apiserver, |_| {}, true, Install::Kubectl)
+    }
+
+    /// Three nodes, nodelb installed with `helm install` (`helm_args`: e.g. `--set …`), agents
+    /// with `extra` beyond the DaemonSet's args and env.
+    pub fn with_helm(backends: usize, helm_args: &[&str], extra: &[&str]) -> Cluster {
+        let install = Install::Helm(helm_args.iter().map(|s| s.to_string()).collect());
+        Self::start(3, backends, extra, &[], |_| {}, true, install)
     }
 
     /// Three nodes; `setup` runs against the control plane after the install and before the
     /// agents start (objects that exist when they come up, RBAC changes), and the agents are not
     /// waited for (they may not be able to become ready).
     pub fn with_api_setup(backends: usize, setup: impl FnOnce(&ControlPlane)) -> Cluster {
-        Self::start(3, backends, &[], &[], setup, false)
+        Self::start(3, backends, &[], &[], setup, false, Install::Kubectl)
     }
 
     fn start(
@@ -109,6 +139,7 @@ impl Cluster {
         apiserver: &[&str],
         setup: impl FnOnce(&ControlPlane),
         wait_ready: bool,
+        install: Install,
     ) -> Cluster {
         let fabric = NetNs::new("fab");
         for br in ["br-f", "br-b"] {
@@ -146,8 +177,18 @@ impl Cluster {
 
         let api = ControlPlane::start(&api_ns, API_V4, API_PORT, apiserver);
         // Installed as a user does it.
-        let manifests = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("daemonset");
-        api.kubectl_ok(&["apply", "-f", manifests.to_str().unwrap()]);
+        match &install {
+            Install::Kubectl => {
+                let manifests = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("daemonset");
+                api.kubectl_ok(&["apply", "-f", manifests.to_str().unwrap()]);
+            }
+            Install::Helm(args) => {
+                let chart = chart_dir();
+                let mut cmd = vec!["install", "nodelb", &chart, "-n", AGENT_NS, "--create-namespace"];
+                cmd.extend(args.iter().map(String::as_str));
+                api.helm_ok(&cmd);
+            }
+        }
         for i in 0..nodes_n {
             // Registered as a kubelet does: the Node, then its status (addresses).
             api.create(json!({
@@ -167,18 +208,22 @@ impl Cluster {
             );
         }
         setup(&api);
-        let ds = api.get("apps/v1", "DaemonSet", AGENT_NS, "nodelb").expect("DaemonSet nodelb-system/nodelb");
-
         let kubeconfig_dir = tempfile::Builder::new().prefix("nodelb-kube-").tempdir().unwrap();
-        let mut c =
-            Cluster { agents: Vec::new(), api, backends: bs, kubeconfig_dir, client, nodes, api_ns, fabric };
-        let mut args = vec!["--lease-duration", LEASE_DURATION];
-        args.extend_from_slice(extra);
+        let mut agent_args = vec!["--lease-duration".to_string(), LEASE_DURATION.to_string()];
+        agent_args.extend(extra.iter().map(|s| s.to_string()));
+        let mut c = Cluster {
+            agents: Vec::new(),
+            api,
+            backends: bs,
+            kubeconfig_dir,
+            agent_args,
+            client,
+            nodes,
+            api_ns,
+            fabric,
+        };
         for i in 0..nodes_n {
-            let kubeconfig = c.kubeconfig_dir.path().join(format!("{}.kubeconfig", node_name(i)));
-            c.api.write_sa_kubeconfig(AGENT_NS, "nodelb", &kubeconfig);
-            let cmd = daemonset_command(&ds, &node_name(i), AGENT_NS);
-            let a = Agent::start_daemonset(&c.nodes[i], &kubeconfig, &node_name(i), cmd, &args);
+            let a = c.new_agent(i);
             c.agents.push(a);
         }
         if wait_ready {
@@ -204,6 +249,42 @@ impl Cluster {
             "node Leases do not list served families: {:?}",
             (0..self.nodes.len()).map(families).collect::<Vec<_>>()
         );
+    }
+
+    /// The DaemonSet `nodelb-system/nodelb` as stored.
+    pub fn daemonset(&self) -> Value {
+        self.api.get("apps/v1", "DaemonSet", AGENT_NS, "nodelb").expect("DaemonSet nodelb-system/nodelb")
+    }
+
+    /// A new agent for node `i`, as the kubelet starts the DaemonSet's pod: the stored
+    /// DaemonSet's args and env, a fresh token of the `nodelb` ServiceAccount.
+    fn new_agent(&self, i: usize) -> Agent {
+        let kubeconfig = self.kubeconfig(i);
+        self.api.write_sa_kubeconfig(AGENT_NS, "nodelb", &kubeconfig);
+        let cmd = daemonset_command(&self.daemonset(), &node_name(i), AGENT_NS);
+        let args: Vec<&str> = self.agent_args.iter().map(String::as_str).collect();
+        Agent::start_daemonset(&self.nodes[i], &kubeconfig, &node_name(i), cmd, &args)
+    }
+
+    /// Stops agent `i` as the kubelet stops a pod: SIGTERM, then SIGKILL after `grace` (the
+    /// pod's terminationGracePeriodSeconds). The exit status, if it exited by itself.
+    pub fn stop_agent(&mut self, i: usize, grace: Duration) -> Option<std::process::ExitStatus> {
+        self.agents[i].terminate(grace)
+    }
+
+    /// Starts node `i`'s agent again after [`Cluster::stop_agent`], from the DaemonSet as it is
+    /// stored now (a rolling update's new template), and waits until it is ready (the readiness
+    /// probe the DaemonSet controller waits for before the next node).
+    pub fn start_agent(&mut self, i: usize, timeout: Duration) {
+        self.agents[i] = self.new_agent(i);
+        self.agents[i].wait_ready(timeout);
+    }
+
+    /// The DaemonSet's terminationGracePeriodSeconds.
+    pub fn grace_period(&self) -> Duration {
+        let ds = self.daemonset();
+        let secs = ds["spec"]["template"]["spec"]["terminationGracePeriodSeconds"].as_u64().unwrap_or(30);
+        Duration::from_secs(secs)
     }
 
     /// The kubeconfig (ServiceAccount token) agent `i` runs with.
@@ -471,15 +552,17 @@ impl Cluster {
     }
 
     /// What the agents asked the API server for so far, as RBAC permissions (namespace, (group,
-    /// resource[/subresource], verb)), as the server's authorizer saw them (from its audit log).
-    pub fn agent_permissions(&self) -> Vec<(Option<String>, Permission)> {
+    /// resource[/subresource], verb), the object's name if the request named one), as the
+    /// server's authorizer saw them (from its audit log; a list or watch with a `metadata.name`
+    /// field selector is named too).
+    pub fn agent_permissions(&self) -> Vec<(Option<String>, Permission, Option<String>)> {
         self.api
             .agent_requests()
             .iter()
             .filter(|r| !r.resource.is_empty())
             .map(|r| {
                 assert!(self.node_of(r.peer).is_some(), "agent request from a non-node: {r:?}");
-                (r.namespace.clone(), (r.group.clone(), r.resource.clone(), r.verb.clone()))
+                (r.namespace.clone(), (r.group.clone(), r.resource.clone(), r.verb.clone()), r.name.clone())
             })
             .collect()
     }
@@ -509,10 +592,10 @@ impl Cluster {
                 "the API server refused an agent request: {r:?}"
             );
         }
-        for (ns, p) in self.agent_permissions() {
+        for (ns, p, name) in self.agent_permissions() {
             assert!(
-                rbac.allows(ns.as_deref(), &p),
-                "{p:?} in namespace {ns:?} is not granted by daemonset/10-rbac.yaml"
+                rbac.allows(ns.as_deref(), &p, name.as_deref()),
+                "{p:?} of {name:?} in namespace {ns:?} is not granted by daemonset/10-rbac.yaml"
             );
         }
     }
@@ -536,37 +619,44 @@ pub fn revoke(api: &ControlPlane, group: &str, resource: &str) {
 pub type Permission = (String, String, String);
 
 /// The rules of `daemonset/10-rbac.yaml`: the ClusterRole's (any namespace) and the Role's (its
-/// namespace only). No resourceNames or wildcards are used there, so none are understood here.
+/// namespace only), each permission with the names it is restricted to (`resourceNames`; `None`:
+/// any). No wildcards are used there, so none are understood here.
 pub struct Rbac {
-    pub cluster: BTreeSet<Permission>,
-    pub namespaced: BTreeSet<(String, Permission)>,
+    pub cluster: BTreeMap<Permission, Option<BTreeSet<String>>>,
+    pub namespaced: BTreeMap<(String, Permission), Option<BTreeSet<String>>>,
 }
 
 impl Rbac {
     pub fn load() -> Rbac {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("daemonset/10-rbac.yaml");
         let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let mut rbac = Rbac { cluster: BTreeSet::new(), namespaced: BTreeSet::new() };
+        let mut rbac = Rbac { cluster: BTreeMap::new(), namespaced: BTreeMap::new() };
         for doc in serde_yaml::Deserializer::from_str(&text) {
             let v: Value = serde::Deserialize::deserialize(doc).expect("YAML document");
             let ns = v["metadata"]["namespace"].as_str().map(String::from);
             let kind = v["kind"].as_str().unwrap_or_default();
-            if !matches!(kind, "ClusterRole" | "Role") {
+            // The agent's roles are named `nodelb` (bound to its ServiceAccount); others in the
+            // file (nodelb-metrics-reader) are for other subjects.
+            if !matches!(kind, "ClusterRole" | "Role") || v["metadata"]["name"] != "nodelb" {
                 continue;
             }
             let strs = |x: &Value| -> Vec<String> {
                 x.as_array().into_iter().flatten().filter_map(|s| s.as_str().map(String::from)).collect()
             };
             for rule in v["rules"].as_array().into_iter().flatten() {
-                assert!(rule.get("resourceNames").is_none(), "resourceNames not understood: {rule}");
+                let names = rule.get("resourceNames").map(|n| strs(n).into_iter().collect::<BTreeSet<_>>());
                 for g in strs(&rule["apiGroups"]) {
                     for r in strs(&rule["resources"]) {
                         for verb in strs(&rule["verbs"]) {
+                            assert!(g != "*" && r != "*" && verb != "*", "wildcards not understood: {rule}");
                             let p = (g.clone(), r.clone(), verb);
-                            match kind {
-                                "ClusterRole" => rbac.cluster.insert(p),
-                                _ => rbac.namespaced.insert((ns.clone().expect("Role namespace"), p)),
+                            let old = match kind {
+                                "ClusterRole" => rbac.cluster.insert(p, names.clone()),
+                                _ => rbac
+                                    .namespaced
+                                    .insert((ns.clone().expect("Role namespace"), p), names.clone()),
                             };
+                            assert!(old.is_none(), "a permission granted twice: {rule}");
                         }
                     }
                 }
@@ -575,14 +665,19 @@ impl Rbac {
         rbac
     }
 
-    pub fn allows(&self, ns: Option<&str>, p: &Permission) -> bool {
-        self.cluster.contains(p)
-            || ns.is_some_and(|ns| self.namespaced.contains(&(ns.to_string(), p.clone())))
+    /// Whether `p` is granted in `ns` (`None`: cluster-scoped) for the object called `name`
+    /// (`None`: a request naming no object, which a `resourceNames` rule does not grant).
+    pub fn allows(&self, ns: Option<&str>, p: &Permission, name: Option<&str>) -> bool {
+        let fits = |names: &Option<BTreeSet<String>>| {
+            names.as_ref().is_none_or(|names| name.is_some_and(|n| names.contains(n)))
+        };
+        self.cluster.get(p).is_some_and(fits)
+            || ns.is_some_and(|ns| self.namespaced.get(&(ns.to_string(), p.clone())).is_some_and(fits))
     }
 
     /// Every permission granted, wherever.
     pub fn all(&self) -> BTreeSet<Permission> {
-        self.cluster.iter().cloned().chain(self.namespaced.iter().map(|(_, p)| p.clone())).collect()
+        self.cluster.keys().cloned().chain(self.namespaced.keys().map(|(_, p)| p.clone())).collect()
     }
 }
 

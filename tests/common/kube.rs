@@ -33,23 +33,28 @@ const START_TIMEOUT: Duration = Duration::from_secs(180);
 /// process by `scripts/build-testkube.sh`. `NODELB_TESTKUBE_DIR` points elsewhere.
 pub fn testkube_dir() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        if let Some(d) = std::env::var_os("NODELB_TESTKUBE_DIR") {
-            return PathBuf::from(d);
-        }
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/build-testkube.sh");
-        let out = Command::new(&script)
-            .stderr(Stdio::inherit())
-            .output()
-            .unwrap_or_else(|e| panic!("{}: {e}", script.display()));
-        assert!(
-            out.status.success(),
-            "{} failed (see above): the Kubernetes tests need Go",
-            script.display()
-        );
-        PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-    })
-    .clone()
+    DIR.get_or_init(|| built_by("NODELB_TESTKUBE_DIR", "scripts/build-testkube.sh")).clone()
+}
+
+/// `target/helm/helm`, built (or found up to date) once per test process by
+/// `scripts/build-helm.sh`. `NODELB_HELM` points elsewhere.
+pub fn helm_bin() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| built_by("NODELB_HELM", "scripts/build-helm.sh")).clone()
+}
+
+/// `$env` if set, else what the cached Go build `script` prints (the path it built).
+fn built_by(env: &str, script: &str) -> PathBuf {
+    if let Some(p) = std::env::var_os(env) {
+        return PathBuf::from(p);
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join(script);
+    let out = Command::new(&script)
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e}", script.display()));
+    assert!(out.status.success(), "{} failed (see above): the Kubernetes tests need Go", script.display());
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
 /// The plural resource name of a kind the tests use.
@@ -364,14 +369,46 @@ impl ControlPlane {
     pub fn kubectl(&self, args: &[&str]) -> Output {
         let kubectl =
             std::env::var_os("NODELB_KUBECTL").map_or_else(|| testkube_dir().join("kubectl"), PathBuf::from);
-        Command::new("ip")
+        self.admin_tool(&kubectl, args, None)
+    }
+
+    /// `helm --kubeconfig <admin> <args>` inside the API namespace ([`helm_bin`]); the output
+    /// whatever the exit status.
+    pub fn helm(&self, args: &[&str]) -> Output {
+        self.admin_tool(&helm_bin(), args, None)
+    }
+
+    /// Like [`ControlPlane::helm`], panicking with stderr on failure; returns stdout.
+    pub fn helm_ok(&self, args: &[&str]) -> String {
+        let out = self.helm(args);
+        assert!(out.status.success(), "helm {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// `kubectl <args>` reading `input` on its standard input (`-f -`).
+    pub fn kubectl_stdin(&self, args: &[&str], input: &str) -> Output {
+        let kubectl =
+            std::env::var_os("NODELB_KUBECTL").map_or_else(|| testkube_dir().join("kubectl"), PathBuf::from);
+        self.admin_tool(&kubectl, args, Some(input))
+    }
+
+    /// `program --kubeconfig <admin> <args>` inside the API namespace.
+    fn admin_tool(&self, program: &Path, args: &[&str], input: Option<&str>) -> Output {
+        let mut child = Command::new("ip")
             .args(["netns", "exec", &self.ns_name])
-            .arg(kubectl)
+            .arg(program)
             .arg("--kubeconfig")
             .arg(self.admin_kubeconfig())
             .args(args)
-            .output()
-            .expect("spawn kubectl")
+            .stdin(if input.is_some() { Stdio::piped() } else { Stdio::null() })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {}: {e}", program.display()));
+        if let Some(input) = input {
+            child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+        }
+        child.wait_with_output().expect("wait")
     }
 
     /// Like [`ControlPlane::kubectl`], panicking with stderr on failure; returns stdout.

@@ -1,0 +1,120 @@
+//! TLS for the authenticated metrics listener (`--metrics-addr`): a bearer token crosses the
+//! network there, so it is never sent in clear text. The certificate is the operator's
+//! (`--metrics-tls-cert-file`/`--metrics-tls-key-file`, PEM, read at start) or, by default, a
+//! self-signed one generated at start and kept in memory only, as controller-runtime's secure
+//! metrics server and kube-rbac-proxy do; scrapers then skip verification (`insecureSkipVerify`
+//! in the PodMonitor) and rely on the token for who they are talking to being the agent.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::rustls::{self, ServerConfig};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: rustls_pki_types::pem::Error },
+    #[error("{path}: no certificate in it")]
+    NoCertificate { path: PathBuf },
+    #[error("cannot generate a self-signed certificate: {0}")]
+    Generate(#[from] rcgen::Error),
+    #[error("TLS configuration: {0}")]
+    Config(#[from] rustls::Error),
+}
+
+fn read_error(path: &Path) -> impl Fn(rustls_pki_types::pem::Error) -> TlsError + '_ {
+    move |source| TlsError::Read { path: path.to_path_buf(), source }
+}
+
+/// The server configuration: from the given PEM files, else self-signed for `names` (the
+/// certificate's subject alternative names: the node name, `localhost`).
+pub fn server_config(files: Option<(&Path, &Path)>, names: &[String]) -> Result<Arc<ServerConfig>, TlsError> {
+    let (certs, key) = match files {
+        Some((cert, key)) => {
+            let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
+                .map_err(read_error(cert))?
+                .collect::<Result<_, _>>()
+                .map_err(read_error(cert))?;
+            if certs.is_empty() {
+                return Err(TlsError::NoCertificate { path: cert.to_path_buf() });
+            }
+            (certs, PrivateKeyDer::from_pem_file(key).map_err(read_error(key))?)
+        }
+        None => {
+            let generated = rcgen::generate_simple_self_signed(names.to_vec())?;
+            let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(generated.signing_key.serialize_der()));
+            (vec![generated.cert.der().clone()], key)
+        }
+    };
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)?;
+    Ok(Arc::new(config))
+}
+
+/// A handshake or a request head that has not arrived after this is dropped: a client that
+/// connects and says nothing must not hold a task forever.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serves `router` over TLS on `listener`, forever (errors of one connection end only that one).
+pub async fn serve(listener: tokio::net::TcpListener, config: Arc<ServerConfig>, router: Router) {
+    let acceptor = TlsAcceptor::from(config);
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of descriptors, for one: wait instead of spinning.
+                tracing::debug!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let (acceptor, router) = (acceptor.clone(), router.clone());
+        tokio::spawn(async move {
+            let Ok(Ok(tls)) = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await else {
+                return;
+            };
+            let service = hyper_util::service::TowerToHyperService::new(router);
+            let _ = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HANDSHAKE_TIMEOUT)
+                .serve_connection(TokioIo::new(tls), service)
+                .await;
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The operator's PEM files are used; unreadable or empty ones are errors naming the file;
+    /// without files a self-signed certificate is made.
+    #[test]
+    fn certificates_from_files_or_self_signed() {
+        let dir = tempfile::tempdir().expect("dir");
+        let made = rcgen::generate_simple_self_signed(vec!["node-1".to_string()]).expect("cert");
+        let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+        std::fs::write(&cert, made.cert.pem()).expect("write");
+        std::fs::write(&key, made.signing_key.serialize_pem()).expect("write");
+        server_config(Some((&cert, &key)), &[]).expect("PEM files");
+        server_config(None, &["node-1".into(), "localhost".into()]).expect("self-signed");
+        let missing = dir.path().join("missing.crt");
+        let e = server_config(Some((&missing, &key)), &[]).expect_err("missing").to_string();
+        assert!(e.contains("missing.crt"), "{e}");
+        let empty = dir.path().join("empty.crt");
+        std::fs::write(&empty, "").expect("write");
+        let e = server_config(Some((&empty, &key)), &[]).expect_err("empty").to_string();
+        assert!(e.contains("empty.crt") && e.contains("no certificate"), "{e}");
+        let e = server_config(Some((&cert, &cert)), &[]).expect_err("a certificate as the key").to_string();
+        assert!(e.contains("tls.crt"), "{e}");
+    }
+}

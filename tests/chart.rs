@@ -1,0 +1,135 @@
+//! The Helm chart `charts/nodelb` (issue 12): what it renders is accepted by a real API server
+//! (`helm template | kubectl apply --dry-run=server`, against `testkube`), with the default values
+//! and with every optional object, and its values name every flag of `nodelb run`.
+//! `helm lint` and "daemonset/ is what the chart renders" are in scripts/validate-manifests.sh.
+mod common;
+
+use std::collections::BTreeSet;
+use std::net::Ipv4Addr;
+
+use clap::CommandFactory;
+use common::kube::ControlPlane;
+use common::netns::NetNs;
+use serde_json::Value;
+
+/// Flags of `nodelb run` the chart does not take as values, and why.
+const NOT_VALUES: &[(&str, &str)] = &[
+    ("manifests", "manifests mode only"),
+    ("state-file", "manifests mode only"),
+    ("node-name", "the downward API's spec.nodeName"),
+    ("namespace", "the downward API's metadata.namespace"),
+    ("kubeconfig", "in-cluster configuration"),
+    ("daemonset", "the chart's own name, set by uninstall.removeRules"),
+];
+
+fn values() -> Value {
+    let text =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/charts/nodelb/values.yaml")).unwrap();
+    serde_yaml::from_str(&text).expect("values.yaml")
+}
+
+#[test]
+fn chart_values_name_every_flag_of_nodelb_run_by_its_environment_variable() {
+    let cli = nodelb::cli::Cli::command();
+    let run = cli.find_subcommand("run").expect("run");
+    let mut flags = BTreeSet::new();
+    for arg in run.get_arguments().chain(cli.get_arguments()) {
+        let Some(long) = arg.get_long() else { continue };
+        if matches!(long, "help" | "version") {
+            continue;
+        }
+        // The chart passes a value as NODELB_<FLAG>: every flag it passes must read that.
+        let env = arg.get_env().map(|e| e.to_string_lossy().into_owned());
+        let want = format!("NODELB_{}", long.to_uppercase().replace('-', "_"));
+        if !NOT_VALUES.iter().any(|(f, _)| *f == long) {
+            assert_eq!(env.as_deref(), Some(want.as_str()), "--{long}: the chart would set {want}");
+        }
+        flags.insert(long.to_string());
+    }
+    let config: BTreeSet<String> = values()["config"].as_object().expect("config").keys().cloned().collect();
+    let expected: BTreeSet<String> =
+        flags.iter().filter(|f| !NOT_VALUES.iter().any(|(n, _)| n == f)).cloned().collect();
+    assert_eq!(config, expected, "charts/nodelb/values.yaml config (right: the flags of nodelb run)");
+    for (f, why) in NOT_VALUES {
+        assert!(flags.contains(*f), "--{f} ({why}) is not a flag of nodelb run any more");
+    }
+}
+
+/// `helm template nodelb charts/nodelb -n nodelb-system <args>`.
+fn render(api: &ControlPlane, args: &[&str]) -> String {
+    let chart = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/nodelb");
+    let mut cmd = vec!["template", "nodelb", chart, "-n", "nodelb-system"];
+    cmd.extend_from_slice(args);
+    api.helm_ok(&cmd)
+}
+
+/// `kubectl apply --dry-run=server --validate=strict -f -` of `manifests`: the server runs its
+/// validation and admission (RBAC escalation checks, defaulting, field validation) and stores
+/// nothing.
+fn dry_run(api: &ControlPlane, what: &str, manifests: &str) -> String {
+    let out = api.kubectl_stdin(&["apply", "--dry-run=server", "--validate=strict", "-f", "-"], manifests);
+    assert!(
+        out.status.success(),
+        "{what}: the API server refused it: {}\n{manifests}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn what_the_chart_renders_is_accepted_by_a_real_api_server() {
+    require_root!();
+    let ns = NetNs::new("chart");
+    let api = ControlPlane::start(&ns, Ipv4Addr::LOCALHOST, 6443, &[]);
+    // The release namespace exists (`helm install --create-namespace`).
+    api.kubectl_ok(&["create", "namespace", "nodelb-system"]);
+
+    let defaults = dry_run(&api, "the default values", &render(&api, &[]));
+    for kind in [
+        "serviceaccount/",
+        "clusterrole.rbac.authorization.k8s.io/",
+        "clusterrolebinding.rbac.authorization.k8s.io/",
+        "role.rbac.authorization.k8s.io/",
+        "rolebinding.rbac.authorization.k8s.io/",
+        "daemonset.apps/",
+    ] {
+        assert!(
+            defaults.contains(&format!("{kind}nodelb created (server dry run)")),
+            "no {kind} in:\n{defaults}"
+        );
+    }
+    // Every option a user may set (the PodMonitor needs the Prometheus operator's CRD, which
+    // this API server does not have; validate-manifests.sh checks it against the DaemonSet).
+    let all = render(
+        &api,
+        &[
+            "--set",
+            "grafanaDashboard.enabled=true",
+            "--set",
+            "config.iptables-forward-accept=true",
+            "--set",
+            "config.endpoint-cidrs={10.0.0.0/8,192.168.0.0/16}",
+            "--set",
+            "config.port-range=21000-21999",
+            "--set",
+            "nodeSelector.kubernetes\\.io/os=linux",
+            "--set",
+            "image.digest=sha256:0000000000000000000000000000000000000000000000000000000000000000",
+            "--set",
+            "uninstall.removeRules=false",
+        ],
+    );
+    assert!(all.contains("NODELB_ENDPOINT_CIDRS") && all.contains("\"10.0.0.0/8,192.168.0.0/16\""), "{all}");
+    assert!(!all.contains("NODELB_DAEMONSET") && !all.contains("daemonsets"), "removeRules=false:\n{all}");
+    let out = dry_run(&api, "every option", &all);
+    assert!(out.contains("configmap/nodelb-dashboard"), "{out}");
+    // The plain manifests (generated from the chart, with the Namespace), as a user applies them.
+    let manifests = concat!(env!("CARGO_MANIFEST_DIR"), "/daemonset");
+    let out = api.kubectl(&["apply", "--dry-run=server", "--validate=strict", "-f", manifests]);
+    assert!(out.status.success(), "daemonset/: {}", String::from_utf8_lossy(&out.stderr));
+    // A pool cannot be asked for before pools exist.
+    let chart = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/nodelb");
+    let out = api.helm(&["template", "nodelb", chart, "--set", "pools.defaultPool.enabled=true"]);
+    assert!(!out.status.success(), "pools.defaultPool rendered although pools do not exist");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("NodePortPool is not implemented"));
+}

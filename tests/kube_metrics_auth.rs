@@ -1,0 +1,109 @@
+//! The authenticated metrics listener in Kubernetes mode (issue 14, point 4): an agent started
+//! with `--metrics-addr` serves `/metrics` over TLS to another host only for a bearer token the
+//! real API server authenticates (TokenReview) and allows `get` on `/metrics` (SubjectAccessReview,
+//! answered by the RBAC authorizer from the installed ClusterRole `nodelb-metrics-reader`).
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use common::cluster::{Cluster, Permission, node_v4};
+use common::kube::Fault;
+
+const METRICS_PORT: u16 = 9472;
+
+/// `curl` from the client namespace (another host): (HTTP status, body); status 0 when no HTTP
+/// answer came at all.
+fn curl(c: &Cluster, url: &str, token: Option<&str>) -> (u16, String) {
+    let header = token.map(|t| format!("Authorization: Bearer {t}"));
+    let mut args = vec!["-sk", "-m", "5", "-w", "\n%{http_code}", url];
+    if let Some(h) = &header {
+        args.extend(["-H", h.as_str()]);
+    }
+    let out = c.client.exec("curl", &args);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+/// A token of ServiceAccount `ns/sa` issued by the API server (TokenRequest).
+fn token(c: &Cluster, ns: &str, sa: &str) -> String {
+    c.api.kubectl_ok(&["create", "token", sa, "-n", ns, "--duration=1h"]).trim().to_string()
+}
+
+#[test]
+fn metrics_over_the_network_need_an_authorized_bearer_token() {
+    require_root!();
+    let c = Cluster::with_nodes(1, 0, &["--metrics-addr", &format!("0.0.0.0:{METRICS_PORT}")]);
+    // A scraper bound to the ClusterRole the manifests define, and a ServiceAccount bound to
+    // nothing: the API server's RBAC authorizer answers the agent's SubjectAccessReviews.
+    c.api.kubectl_ok(&["create", "namespace", "monitoring"]);
+    c.api.kubectl_ok(&["create", "serviceaccount", "prometheus", "-n", "monitoring"]);
+    c.api.kubectl_ok(&["create", "serviceaccount", "other", "-n", "default"]);
+    c.api.kubectl_ok(&[
+        "create",
+        "clusterrolebinding",
+        "prometheus-nodelb-metrics",
+        "--clusterrole=nodelb-metrics-reader",
+        "--serviceaccount=monitoring:prometheus",
+    ]);
+    let prometheus = token(&c, "monitoring", "prometheus");
+    let prometheus_second = token(&c, "monitoring", "prometheus");
+    let other = token(&c, "default", "other");
+    let https = format!("https://{}:{METRICS_PORT}/metrics", node_v4(0));
+
+    let (code, body) = curl(&c, &https, None);
+    assert_eq!(code, 401, "no token: {body}");
+    // A token signed by someone else: the same shape, the API server's signature missing.
+    let forged = format!("{}.forged", prometheus.rsplit_once('.').map_or("x.y", |(head, _)| head));
+    let (code, body) = curl(&c, &https, Some(&forged));
+    assert_eq!(code, 401, "a token the API server does not accept: {body}");
+    assert!(!body.contains("forged") && !body.contains("nodelb_"), "{body}");
+    let (code, body) = curl(&c, &https, Some(&other));
+    assert_eq!(
+        (code, body.as_str()),
+        (403, "Forbidden: user \"system:serviceaccount:default:other\" may not get /metrics\n")
+    );
+    let (code, body) = curl(&c, &https, Some(&prometheus));
+    assert_eq!(code, 200, "{body}");
+    assert!(
+        body.contains("nodelb_build_info") && body.contains("nodelb_leader"),
+        "{}",
+        &body[..body.len().min(300)]
+    );
+    // TLS only: the token never crosses the network in clear text.
+    let (code, _) = curl(&c, &format!("http://{}:{METRICS_PORT}/metrics", node_v4(0)), Some(&prometheus));
+    assert_ne!(code, 200, "plain HTTP on the metrics port");
+    // The other listeners, from the same host: the full ones are the node's own.
+    let (code, _) = curl(&c, &format!("http://{}:9470/status", node_v4(0)), None);
+    assert_eq!(code, 0, "the local listener is not reachable from another host");
+    let (code, body) = curl(&c, &format!("http://{}:9471/readyz", node_v4(0)), None);
+    assert_eq!((code, body.as_str()), (200, "ready\n"));
+
+    // Answers are cached: with the API server cut off, the token allowed a moment ago still
+    // scrapes (2 minutes), a token never reviewed cannot be checked (503, not a guess).
+    let reviews = |c: &Cluster| c.api.agent_requests().iter().filter(|r| r.path.ends_with("reviews")).count();
+    let before = reviews(&c);
+    c.api.cut(Fault::Reset);
+    let (code, _) = curl(&c, &https, Some(&prometheus));
+    assert_eq!(code, 200, "cached answer");
+    let (code, body) = curl(&c, &https, Some(&prometheus_second));
+    assert_eq!(code, 503, "{body}");
+    c.api.reopen();
+    let (code, _) = curl(&c, &https, Some(&prometheus));
+    assert_eq!((code, reviews(&c)), (200, before), "no review while the answer is cached");
+    let (code, _) = curl(&c, &https, Some(&prometheus_second));
+    assert_eq!(code, 200, "reviewed once the API server answers again");
+
+    // The agent's RBAC grants the reviews it made, and they were made.
+    c.assert_rbac_allows_every_request();
+    let used: BTreeSet<Permission> = c.agent_permissions().into_iter().map(|(_, p, _)| p).collect();
+    for (group, resource) in
+        [("authentication.k8s.io", "tokenreviews"), ("authorization.k8s.io", "subjectaccessreviews")]
+    {
+        assert!(
+            used.contains(&(group.into(), resource.into(), "create".into())),
+            "{resource} create not used: {used:?}"
+        );
+    }
+}
