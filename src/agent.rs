@@ -442,6 +442,7 @@ impl Agent {
             node: &node,
             policy: &self.cfg.policy,
             host: &host,
+            pools: loaded.pools.as_deref(),
         };
         let mut desired: Desired = desired::compute_with(&inputs, self.metrics.per_service);
         phases.mark("desired");

@@ -56,7 +56,7 @@ pub const NODEPORT_RANGE: (u16, u16) = (30000, 32767);
 pub const EPHEMERAL_RANGE: (u16, u16) = (32768, 60999);
 
 /// Inclusive range of node ports handed out automatically.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
 pub struct PortRange {
     pub first: u16,
     pub last: u16,
@@ -162,8 +162,10 @@ pub type Allocations = BTreeMap<ServiceKey, BTreeMap<PortId, u16>>;
 pub enum AllocProblem {
     #[error("Service {service}: port {port} asks for node port {wanted}, which Service {holder} holds")]
     Conflict { service: ServiceKey, port: PortId, wanted: u16, holder: ServiceKey },
-    #[error("Service {service}: port {port}: no free node port left in range {range}")]
-    Exhausted { service: ServiceKey, port: PortId, range: PortRange },
+    #[error("Service {service}: port {port}: no free node port left in {range}")]
+    Exhausted { service: ServiceKey, port: PortId, range: String },
+    #[error("Service {service}: port {port}: no node port pool serves it: {why}")]
+    NoPool { service: ServiceKey, port: PortId, why: String },
     #[error(
         "Service {service}: port {port} asks for node port {wanted}, which is not allowed (allowed: {allowed})"
     )]
@@ -178,7 +180,8 @@ impl AllocProblem {
             AllocProblem::Conflict { service, .. }
             | AllocProblem::Exhausted { service, .. }
             | AllocProblem::NotAllowed { service, .. }
-            | AllocProblem::InUse { service, .. } => service,
+            | AllocProblem::InUse { service, .. }
+            | AllocProblem::NoPool { service, .. } => service,
         }
     }
 
@@ -187,7 +190,8 @@ impl AllocProblem {
             AllocProblem::Conflict { port, .. }
             | AllocProblem::Exhausted { port, .. }
             | AllocProblem::NotAllowed { port, .. }
-            | AllocProblem::InUse { port, .. } => *port,
+            | AllocProblem::InUse { port, .. }
+            | AllocProblem::NoPool { port, .. } => *port,
         }
     }
 }
@@ -201,6 +205,20 @@ pub struct Constraints<'a> {
     /// is refused, a new allocation avoids its number. An allocation that exists keeps it
     /// (nodes with the listener just do not program it).
     pub in_use: Option<&'a BTreeMap<(Protocol, u16), String>>,
+    /// Per Service, its node port pool ([`crate::pool`]); `None`: every Service allocates from
+    /// the range (no pool object: the flags' pool).
+    pub pools: Option<&'a BTreeMap<ServiceKey, PoolRanges>>,
+}
+
+/// The ranges of a Service's pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolRanges {
+    pub pool: String,
+    /// The pool's own ranges: an existing allocation inside them stays.
+    pub keep: Vec<PortRange>,
+    /// Where new numbers come from: `keep` minus what an older pool on shared nodes covers;
+    /// empty while the pool is disabled (drain).
+    pub take: Vec<PortRange>,
 }
 
 impl Constraints<'_> {
@@ -212,8 +230,35 @@ impl Constraints<'_> {
         self.in_use.is_some_and(|m| m.keys().any(|(_, p)| *p == port))
     }
 
-    fn allows(&self, port: u16) -> bool {
-        self.policy.is_none_or(|p| p.allows(port))
+    fn allows(&self, key: &ServiceKey, port: u16) -> bool {
+        match self.pool_of(key) {
+            Some(pool) => {
+                pool.keep.iter().any(|r| r.contains(port))
+                    || self.policy.is_none_or(|p| p.allowed.iter().any(|r| r.contains(port)))
+            }
+            None => self.policy.is_none_or(|p| p.allows(port)),
+        }
+    }
+
+    fn pool_of(&self, key: &ServiceKey) -> Option<&PoolRanges> {
+        self.pools.and_then(|m| m.get(key))
+    }
+
+    /// What explicit requests of `key` may name, for messages.
+    fn describe_allowed(&self, key: &ServiceKey) -> Option<String> {
+        let allowed = self.policy.map(|p| p.allowed.as_slice()).unwrap_or_default();
+        match self.pool_of(key) {
+            Some(pool) if allowed.is_empty() => {
+                Some(format!("pool {} {}", pool.pool, crate::pool::describe_ranges(&pool.keep)))
+            }
+            Some(pool) => Some(format!(
+                "pool {} {} or --allowed-node-ports {}",
+                pool.pool,
+                crate::pool::describe_ranges(&pool.keep),
+                crate::pool::describe_ranges(allowed)
+            )),
+            None => self.policy.map(PortPolicy::describe),
+        }
     }
 }
 
@@ -338,9 +383,13 @@ pub fn allocate_with(
             let candidates =
                 [svc.previous_allocation.get(&port.id), from_state.and_then(|m| m.get(&port.id))];
             for number in candidates.into_iter().flatten().copied() {
+                let keep = match constraints.pool_of(&svc.key) {
+                    Some(pool) => pool.keep.iter().any(|r| r.contains(number)),
+                    None => range.contains(number),
+                };
                 let usable = match wanted {
-                    Some(w) => w == number && constraints.allows(w),
-                    None => range.contains(number) && !requested_by_sibling(number),
+                    Some(w) => w == number && constraints.allows(&svc.key, w),
+                    None => keep && !requested_by_sibling(number),
                 };
                 if usable && table.claim(number, port.id.protocol, &svc.key).is_ok() {
                     result.allocations.entry(svc.key.clone()).or_default().insert(port.id, number);
@@ -363,8 +412,9 @@ pub fn allocate_with(
                 continue;
             }
             let (service, id) = (svc.key.clone(), port.id);
-            if let Some(policy) = constraints.policy.filter(|p| !p.allows(wanted)) {
-                let allowed = policy.describe();
+            if !constraints.allows(&svc.key, wanted)
+                && let Some(allowed) = constraints.describe_allowed(&svc.key)
+            {
                 result.problems.push(AllocProblem::NotAllowed { service, port: id, wanted, allowed });
                 continue;
             }
@@ -386,10 +436,13 @@ pub fn allocate_with(
         }
     }
 
-    // Phase 3: new ports, oldest Service first, lowest free number. Numbers are only ever taken
-    // in this phase, so the lowest free number never goes down: one cursor suffices.
-    let mut cursor = Some(range.first);
+    // Phase 3: new ports, oldest Service first, lowest free number of the Service's pool (the
+    // range without pools). Numbers are only ever taken in this phase, so the lowest free number
+    // of a range never goes down: one cursor per range suffices.
+    let mut cursors: BTreeMap<PortRange, Option<u16>> = BTreeMap::new();
     for svc in &ordered {
+        let pool = constraints.pool_of(&svc.key);
+        let take: &[PortRange] = pool.map_or(std::slice::from_ref(range), |p| p.take.as_slice());
         for port in &svc.ports {
             if settled.contains(&(svc.key.clone(), port.id)) {
                 continue;
@@ -401,27 +454,41 @@ pub fn allocate_with(
                     .find_map(|protocol| m.get(&PortId { port: port.id.port, protocol }).copied())
             });
             if let Some(number) = sibling
-                && range.contains(number)
+                && take.iter().any(|r| r.contains(number))
                 && constraints.in_use(port.id.protocol, number).is_none()
                 && table.claim(number, port.id.protocol, &svc.key).is_ok()
             {
                 result.allocations.entry(svc.key.clone()).or_default().insert(port.id, number);
                 continue;
             }
-            while let Some(n) = cursor {
-                if n > range.last || (table.is_free(n) && !constraints.any_in_use(n)) {
+            let mut found = None;
+            for r in take {
+                let cursor = cursors.entry(*r).or_insert(Some(r.first));
+                while let Some(n) = *cursor {
+                    if n > r.last || (table.is_free(n) && !constraints.any_in_use(n)) {
+                        break;
+                    }
+                    *cursor = n.checked_add(1);
+                }
+                if let Some(n) = cursor.filter(|n| *n <= r.last) {
+                    found = Some(n);
                     break;
                 }
-                cursor = n.checked_add(1);
             }
-            match cursor.filter(|n| *n <= range.last) {
+            match found {
                 Some(number) if table.claim(number, port.id.protocol, &svc.key).is_ok() => {
                     result.allocations.entry(svc.key.clone()).or_default().insert(port.id, number);
                 }
                 _ => result.problems.push(AllocProblem::Exhausted {
                     service: svc.key.clone(),
                     port: port.id,
-                    range: *range,
+                    range: match pool {
+                        Some(p) if p.take.is_empty() && !p.keep.is_empty() => {
+                            format!("pool {} (disabled, or all its ranges are another pool's)", p.pool)
+                        }
+                        Some(p) => format!("pool {} {}", p.pool, crate::pool::describe_ranges(&p.take)),
+                        None => format!("range {range}"),
+                    },
                 }),
             }
         }
@@ -710,7 +777,7 @@ mod tests {
                 problems: vec![AllocProblem::Exhausted {
                     service: key("b"),
                     port: tcp(80),
-                    range: PortRange { first: 20000, last: 20001 },
+                    range: "range 20000-20001".into(),
                 }],
             },
             Case {
@@ -722,7 +789,7 @@ mod tests {
                 problems: vec![AllocProblem::Exhausted {
                     service: key("a"),
                     port: tcp(81),
-                    range: PortRange { first: 65535, last: 65535 },
+                    range: "range 65535-65535".into(),
                 }],
             },
             Case {
@@ -848,7 +915,7 @@ mod tests {
             ((Protocol::Tcp, 20003), "web".to_string()),
         ]
         .into();
-        let c = Constraints { policy: Some(&policy), in_use: Some(&in_use) };
+        let c = Constraints { policy: Some(&policy), in_use: Some(&in_use), pools: None };
         let service = |s: LbService| {
             let mut s = s;
             s.port_request = PortRequest::ServicePorts;
@@ -927,6 +994,63 @@ mod tests {
         assert_eq!(
             p.to_string(),
             "Service default/b: port 80/TCP asks for node port 80, which Service default/a holds"
+        );
+    }
+
+    #[test]
+    fn pools_allocate_from_their_own_ranges() {
+        let r = |a: u16, b: u16| PortRange { first: a, last: b };
+        let pool = |name: &str, keep: Vec<PortRange>, take: Vec<PortRange>| PoolRanges {
+            pool: name.into(),
+            keep,
+            take,
+        };
+        let pools: BTreeMap<ServiceKey, PoolRanges> = [
+            ("new-a", pool("a", vec![r(21000, 21009)], vec![r(21000, 21009)])),
+            // Two pools on disjoint nodes with the same range: numbers stay unique.
+            ("new-b", pool("b", vec![r(21000, 21009)], vec![r(21000, 21009)])),
+            // Range shrunk to 22005-22009: 22001 is reallocated, 22006 stays.
+            ("shrunk-out", pool("s", vec![r(22005, 22009)], vec![r(22005, 22009)])),
+            ("shrunk-in", pool("s", vec![r(22005, 22009)], vec![r(22005, 22009)])),
+            // The newer pool of a conflict keeps a number in the overlap, takes new ones outside.
+            ("conflicted", pool("c", vec![r(21005, 21020)], vec![r(21010, 21020)])),
+            // Disabled (drain): keeps, takes nothing.
+            ("drain-kept", pool("d", vec![r(23000, 23009)], vec![])),
+            ("drain-new", pool("d", vec![r(23000, 23009)], vec![])),
+            ("explicit", pool("e", vec![r(24000, 24009)], vec![r(24000, 24009)])),
+        ]
+        .into_iter()
+        .map(|(n, p)| (key(n), p))
+        .collect();
+        let services = vec![
+            svc("new-a", Some(1), &[tcp(80)]),
+            svc("new-b", Some(2), &[tcp(80)]),
+            annotated(svc("shrunk-out", Some(3), &[tcp(80)]), &[(tcp(80), 22001)]),
+            annotated(svc("shrunk-in", Some(4), &[tcp(80)]), &[(tcp(80), 22006)]),
+            annotated(svc("conflicted", Some(5), &[tcp(80), tcp(81)]), &[(tcp(80), 21007)]),
+            annotated(svc("drain-kept", Some(6), &[tcp(80)]), &[(tcp(80), 23004)]),
+            svc("drain-new", Some(7), &[tcp(80)]),
+            explicit(svc("explicit", Some(8), &[tcp(80)]), &[(tcp(80), 80)]),
+        ];
+        let policy = PortPolicy::default();
+        let c = Constraints { policy: Some(&policy), in_use: None, pools: Some(&pools) };
+        let got = allocate_with(&PortRange::default(), &services, &Allocations::new(), c);
+        let want = allocs(&[
+            ("new-a", &[(tcp(80), 21000)]),
+            ("new-b", &[(tcp(80), 21001)]),
+            ("shrunk-out", &[(tcp(80), 22005)]),
+            ("shrunk-in", &[(tcp(80), 22006)]),
+            ("conflicted", &[(tcp(80), 21007), (tcp(81), 21010)]),
+            ("drain-kept", &[(tcp(80), 23004)]),
+        ]);
+        assert_eq!(got.allocations, want);
+        let problems: Vec<String> = got.problems.iter().map(|p| p.to_string()).collect();
+        assert_eq!(
+            problems,
+            vec![
+                "Service default/explicit: port 80/TCP asks for node port 80, which is not allowed (allowed: pool e 24000-24009)",
+                "Service default/drain-new: port 80/TCP: no free node port left in pool d (disabled, or all its ranges are another pool's)",
+            ]
         );
     }
 }

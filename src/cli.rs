@@ -40,6 +40,8 @@ pub enum Command {
     Cleanup,
     /// Show the agent's Services, their node ports and why anything was refused.
     Status(StatusArgs),
+    /// Print the NodePortPool CustomResourceDefinition (YAML), generated from nodelb's own types.
+    Crd,
 }
 
 #[derive(Debug, Clone, clap::Args)]

@@ -135,7 +135,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 )
             });
             let controller = controller::spawn(client, kube.clone(), ccfg, status.clone(), metrics.clone());
-            (Source::kube(kube.services_only()), Some((controller, tracker)))
+            (
+                Source::kube(kube.services_only(), cfg.node_name.clone(), cfg.port_range),
+                Some((controller, tracker)),
+            )
         }
     };
     agent::run(cfg, source, status, metrics, shutdown_signal()).await?;
@@ -308,6 +311,7 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
         range: &args.common.port_range,
         model: &model_options(&args.common),
         node: &node,
+        pools: None,
         policy: &host_policy(&args.common),
         host: &host,
     });

@@ -15,6 +15,7 @@ use crate::ir::{Family, Ruleset};
 use crate::metrics::{CounterIndex, CounterKind, SeriesKey};
 use crate::model::{self, LbService, ModelOptions, Refusal, ServiceKey};
 use crate::plan::{self, NodeFacts, ServicePlan};
+use crate::pool::PoolContext;
 use crate::port_policy::{self, Listeners, PortPolicy, PortRefusal};
 use crate::status::{EndpointRefusalStatus, PortStatus, ServiceState, ServiceStatus};
 
@@ -111,6 +112,9 @@ pub struct Inputs<'a, S = Service, E = EndpointSlice> {
     pub node: &'a NodeFacts,
     pub policy: &'a HostPolicy,
     pub host: &'a HostFacts,
+    /// Node port pools (`None`, or no pool object: the flags' range for every Service, every
+    /// node).
+    pub pools: Option<&'a PoolContext>,
 }
 
 pub fn compute<S: Borrow<Service>, E: Borrow<EndpointSlice>>(inputs: &Inputs<'_, S, E>) -> Desired {
@@ -132,6 +136,9 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     }
     let refused_endpoints =
         endpoint_policy::filter(&mut out.services, &inputs.host.addresses, &inputs.policy.endpoints);
+    let pools = inputs.pools.filter(|c| !c.set.implicit);
+    let assignment =
+        pools.map(|c| crate::pool::assign_services(c, inputs.services, &out.services, inputs.previous));
     let (allocations, alloc_problems, duplicates) = match inputs.mode {
         AllocationMode::Allocate => {
             let in_use: BTreeMap<(crate::ir::Protocol, u16), String> = inputs
@@ -140,12 +147,22 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 .iter()
                 .map(|l| ((l.protocol, l.port), format!("{l} on this node")))
                 .collect();
-            let constraints =
-                alloc::Constraints { policy: Some(&inputs.policy.ports), in_use: Some(&in_use) };
-            let result = alloc::allocate_with(inputs.range, &out.services, inputs.previous, constraints);
+            let constraints = alloc::Constraints {
+                policy: Some(&inputs.policy.ports),
+                in_use: Some(&in_use),
+                pools: assignment.as_ref().map(|a| &a.ranges),
+            };
+            // A Service no pool serves is not allocated (it says why instead).
+            let pooled: Vec<LbService> = match &assignment {
+                Some(a) => out.services.iter().filter(|s| a.has_pool(&s.key)).cloned().collect(),
+                None => out.services.clone(),
+            };
+            let result = alloc::allocate_with(inputs.range, &pooled, inputs.previous, constraints);
             let mut allocations = result.allocations;
             keep_refused_allocations(&mut allocations, inputs.previous, &out.refused);
-            (allocations, result.problems, vec![])
+            let mut problems = result.problems;
+            problems.extend(assignment.iter().flat_map(|a| a.problems.iter().cloned()));
+            (allocations, problems, vec![])
         }
         AllocationMode::Annotated => {
             let (allocations, duplicates) = crate::k8s::dupes::settle(&out.services);
@@ -175,13 +192,24 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     let mut refused_ports = Vec::new();
     let mut programmed = allocations.clone();
     for (key, ports) in programmed.iter_mut() {
+        let pool_policy = match (pools, &assignment) {
+            (Some(ctx), Some(a)) => Some(pool_node_policy(ctx, a, key, &inputs.policy.ports)),
+            _ => None,
+        };
         ports.retain(|id, node_port| {
-            match port_policy::node_check(
-                *node_port,
-                id.protocol,
-                &inputs.policy.ports,
-                &inputs.host.listeners,
-            ) {
+            let checked = match &pool_policy {
+                Some(Err(not_here)) => Err(not_here.clone()),
+                Some(Ok(policy)) => {
+                    port_policy::node_check(*node_port, id.protocol, policy, &inputs.host.listeners)
+                }
+                None => port_policy::node_check(
+                    *node_port,
+                    id.protocol,
+                    &inputs.policy.ports,
+                    &inputs.host.listeners,
+                ),
+            };
+            match checked {
                 Ok(()) => true,
                 Err(reason) => {
                     let r = RefusedPort { service: key.clone(), port: *id, node_port: *node_port, reason };
@@ -258,6 +286,31 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             .chain(duplicates.iter().map(|d| format!("duplicate {d}")))
             .collect(),
     }
+}
+
+/// The port policy of a Service's pool on this node (its ranges, plus `--allowed-node-ports`), or
+/// why this node does not serve it at all (its pool does not select this node, or no pool serves
+/// it).
+fn pool_node_policy(
+    ctx: &PoolContext,
+    assignment: &crate::pool::Assignment,
+    key: &ServiceKey,
+    flags: &PortPolicy,
+) -> Result<PortPolicy, PortRefusal> {
+    let Some(ranges) = assignment.ranges.get(key) else {
+        let why = assignment.problems.iter().find(|p| p.service() == key).map(|p| p.to_string());
+        return Err(PortRefusal::NotSelected(why.unwrap_or_else(|| "no node port pool serves it".into())));
+    };
+    let Some(pool) = ctx.set.get(&ranges.pool) else {
+        return Err(PortRefusal::NotSelected(format!("pool {} is gone", ranges.pool)));
+    };
+    if !pool.pool.nodes.matches(&ctx.node_labels) {
+        return Err(PortRefusal::NotSelected(format!(
+            "pool {} does not select this node (nodeSelector)",
+            ranges.pool
+        )));
+    }
+    Ok(PortPolicy { ranges: ranges.keep.clone(), allowed: flags.allowed.clone() })
 }
 
 /// A Service refused for bad input keeps its ports (when nobody else took them meanwhile), so
@@ -366,6 +419,7 @@ fn service_status(
         Some(AllocProblem::Exhausted { .. }) => "range_exhausted",
         Some(AllocProblem::NotAllowed { .. }) => "port_not_allowed",
         Some(AllocProblem::InUse { .. }) => "port_in_use",
+        Some(AllocProblem::NoPool { .. }) => "no_pool",
         None => "no_allocation",
     };
     let not_taken = || listed(fault.ports.iter().map(|r| r.to_string()));
@@ -511,6 +565,7 @@ mod tests {
             range: &PortRange::new(20000, 20010).expect("range"),
             model: &ModelOptions::default(),
             node: &node,
+            pools: None,
         });
         let line = &desired.services[0];
         assert_eq!(line.state, ServiceState::Refused);

@@ -27,6 +27,7 @@ pub mod metrics;
 pub mod model;
 pub mod nft;
 pub mod plan;
+pub mod pool;
 pub mod port_policy;
 pub mod slim;
 pub mod source;

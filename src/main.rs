@@ -24,5 +24,9 @@ async fn main() -> anyhow::Result<()> {
         Command::Plan(args) => commands::plan(*args).await,
         Command::Cleanup => commands::cleanup(),
         Command::Status(args) => commands::status(args),
+        Command::Crd => {
+            print!("{}", nodelb::pool::crd_yaml());
+            Ok(())
+        }
     }
 }

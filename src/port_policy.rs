@@ -174,6 +174,8 @@ pub enum PortRefusal {
     NotAllowed(String),
     /// A process on the node listens on it (on the nodes named, for the leader's view).
     InUse(String),
+    /// The Service's node port pool does not serve it on this node (why, in words).
+    NotSelected(String),
 }
 
 impl PortRefusal {
@@ -182,6 +184,7 @@ impl PortRefusal {
         match self {
             PortRefusal::NotAllowed(_) => "not_allowed",
             PortRefusal::InUse(_) => "in_use",
+            PortRefusal::NotSelected(_) => "not_selected",
         }
     }
 }
@@ -191,6 +194,7 @@ impl fmt::Display for PortRefusal {
         match self {
             PortRefusal::NotAllowed(allowed) => write!(f, "not allowed (allowed: {allowed})"),
             PortRefusal::InUse(who) => write!(f, "in use: {who}"),
+            PortRefusal::NotSelected(why) => write!(f, "{why}"),
         }
     }
 }

@@ -13,20 +13,24 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{
-    ClientIPConfig, Node, NodeStatus, Service, ServicePort, ServiceSpec, SessionAffinityConfig,
+    ClientIPConfig, Namespace, Node, NodeStatus, Service, ServicePort, ServiceSpec, SessionAffinityConfig,
 };
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-use crate::k8s::nodes::LABEL_EXCLUDE_LB;
 use crate::model::{
     ANNOTATION_ALLOCATED, ANNOTATION_IGNORE, ANNOTATION_LEGACY_SOURCE_RANGES, ANNOTATION_PORTS,
     LABEL_SERVICE_NAME,
 };
 
-/// The Service annotations nodelb reads (model and leader).
-pub const SERVICE_ANNOTATIONS: [&str; 4] =
-    [ANNOTATION_PORTS, ANNOTATION_ALLOCATED, ANNOTATION_IGNORE, ANNOTATION_LEGACY_SOURCE_RANGES];
+/// The Service annotations nodelb reads (model, leader, pool selection).
+pub const SERVICE_ANNOTATIONS: [&str; 5] = [
+    ANNOTATION_PORTS,
+    ANNOTATION_ALLOCATED,
+    ANNOTATION_IGNORE,
+    ANNOTATION_LEGACY_SOURCE_RANGES,
+    crate::pool::ANNOTATION_POOL,
+];
 
 /// An object nodelb caches, slimmed in place before it is kept.
 pub trait Slim {
@@ -39,7 +43,8 @@ impl Slim for Service {
     /// spec fields the model validates (session affinity and its timeout included), and the whole status (the leader writes the ingress and
     /// the conditions it does not own back as they are).
     fn slim(&mut self) {
-        slim_meta(&mut self.metadata, |k| SERVICE_ANNOTATIONS.contains(&k), |_| false);
+        // Labels: node port pools select Services by them (serviceSelector).
+        slim_meta(&mut self.metadata, |k| SERVICE_ANNOTATIONS.contains(&k), |_| true);
         self.spec = self.spec.take().map(|spec| ServiceSpec {
             type_: spec.type_,
             load_balancer_class: spec.load_balancer_class,
@@ -105,16 +110,34 @@ impl Slim for EndpointSlice {
 }
 
 impl Slim for Node {
-    /// Keeps: identity and versions, the exclude-from-external-load-balancers label, and the
+    /// Keeps: identity and versions, the labels (the exclude-from-external-load-balancers label,
+    /// pools' nodeSelector), and the
     /// addresses (the leader's ingress). Drops the spec and the rest of the status (image lists,
     /// conditions, capacity: the bulk of a Node).
     fn slim(&mut self) {
-        slim_meta(&mut self.metadata, |_| false, |k| k == LABEL_EXCLUDE_LB);
+        // Every label: node port pools select nodes by them (nodeSelector).
+        slim_meta(&mut self.metadata, |_| false, |_| true);
         self.spec = None;
         self.status = self
             .status
             .take()
             .map(|s| NodeStatus { addresses: s.addresses.map(shrunk), ..Default::default() });
+    }
+}
+
+impl Slim for Namespace {
+    /// Keeps identity and labels (node port pools' namespaceSelector); drops spec and status.
+    fn slim(&mut self) {
+        slim_meta(&mut self.metadata, |_| false, |_| true);
+        self.spec = None;
+        self.status = None;
+    }
+}
+
+impl Slim for crate::pool::NodePortPool {
+    /// Our own small objects, read whole: only the managed fields go.
+    fn slim(&mut self) {
+        self.metadata.managed_fields = None;
     }
 }
 
@@ -169,6 +192,7 @@ mod tests {
     use super::*;
     use crate::alloc::Allocations;
     use crate::k8s::nodes;
+    use crate::k8s::nodes::LABEL_EXCLUDE_LB;
     use crate::k8s::publish::{self, Round};
     use crate::model::{self, ModelOptions};
     use serde_json::{Value, json};
@@ -326,6 +350,7 @@ mod tests {
                 refused_endpoints: &[],
                 listening: &BTreeMap::new(),
                 serving: &serving,
+                pool_nodes: None,
                 now: k8s_openapi::jiff::Timestamp::from_second(1_700_000_000).unwrap(),
             };
             (
@@ -346,7 +371,9 @@ mod tests {
         let ann: Vec<&String> = svc.metadata.annotations.as_ref().unwrap().keys().collect();
         assert_eq!(ann, [ANNOTATION_ALLOCATED]);
         let m = &svc.metadata;
-        assert!(m.labels.is_none() && m.owner_references.is_none() && m.finalizers.is_none());
+        // Labels stay: node port pools select Services by them.
+        assert_eq!(m.labels.as_ref().map(|l| l.len()), Some(2));
+        assert!(m.owner_references.is_none() && m.finalizers.is_none());
         assert!(m.managed_fields.is_none() && m.generate_name.is_none() && m.self_link.is_none());
         assert_eq!(
             (m.uid.as_deref(), m.resource_version.as_deref(), m.generation),
@@ -422,6 +449,7 @@ mod tests {
         assert_eq!(full_serving, slim_serving);
         let status = slim[0].status.as_ref().unwrap();
         assert!(status.images.is_none() && status.conditions.is_none() && slim[0].spec.is_none());
-        assert!(slim[0].metadata.labels.is_none() && slim[0].metadata.annotations.is_none());
+        // Labels stay (pools' nodeSelector); annotations go.
+        assert!(slim[0].metadata.labels.is_some() && slim[0].metadata.annotations.is_none());
     }
 }

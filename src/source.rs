@@ -8,11 +8,14 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
+use crate::alloc::PortRange;
 use crate::desired::{AllocationMode, SourceNotes};
 use crate::k8s::lastgood::LastGoodServices;
 use crate::k8s::source::KubeSource;
 use crate::manifests::{DirWatcher, IgnoredLog, LastGood, ManifestCache, ManifestError};
 use crate::model::{ModelOptions, Refusal};
+use crate::pool::{LastValid, PoolContext};
+use std::hash::{Hash, Hasher};
 
 /// What the agent programs from. The objects are shared with the source's caches (a snapshot
 /// copies pointers, not objects).
@@ -26,6 +29,8 @@ pub struct Snapshot {
     pub notes: SourceNotes,
     /// Same value ⇒ same content; `None` ⇒ always recompute.
     pub fingerprint: Option<u64>,
+    /// Node port pools (`None`: the flags' range for everything).
+    pub pools: Option<Box<PoolContext>>,
 }
 
 /// What [`Source::snapshot`] found.
@@ -49,6 +54,10 @@ pub enum Source {
     Kube {
         source: KubeSource,
         last_good: LastGoodServices,
+        /// This node (pools select nodes by label) and the flags' range (no pool object).
+        node: String,
+        port_range: PortRange,
+        pools_last_valid: LastValid,
     },
 }
 
@@ -65,8 +74,14 @@ impl Source {
         })
     }
 
-    pub fn kube(source: KubeSource) -> Source {
-        Source::Kube { source, last_good: LastGoodServices::default() }
+    pub fn kube(source: KubeSource, node: String, port_range: PortRange) -> Source {
+        Source::Kube {
+            source,
+            last_good: LastGoodServices::default(),
+            node,
+            port_range,
+            pools_last_valid: LastValid::default(),
+        }
     }
 
     pub fn mode(&self) -> AllocationMode {
@@ -113,14 +128,20 @@ impl Source {
                     problems: loaded.problems.iter().map(|p| p.to_string()).collect(),
                     notes: SourceNotes { refused, stale: loaded.stale },
                     fingerprint: Some(fingerprint),
+                    pools: None,
                 }))
             }
-            Source::Kube { source, last_good } => {
+            Source::Kube { source, last_good, node, port_range, pools_last_valid } => {
                 if !source.complete() {
                     return Ok(Loaded::Waiting);
                 }
                 let snap = source.snapshot();
-                let fingerprint = snap.fingerprint();
+                let (pools, invalid) = crate::k8s::pools::context(&snap, pools_last_valid, *port_range, node);
+                let fingerprint = {
+                    let mut h = std::collections::hash_map::DefaultHasher::new();
+                    (snap.fingerprint(), &pools).hash(&mut h);
+                    h.finish()
+                };
                 if known == Some(fingerprint) {
                     return Ok(Loaded::Unchanged);
                 }
@@ -137,9 +158,11 @@ impl Source {
                         .masked
                         .iter()
                         .map(|r| format!("{r}; keeping its last valid spec until this is fixed"))
+                        .chain(invalid.iter().map(|p| p.to_string()))
                         .collect(),
                     notes: SourceNotes { refused: vec![], stale },
                     fingerprint: Some(fingerprint),
+                    pools: Some(Box::new(pools)),
                 }))
             }
         }

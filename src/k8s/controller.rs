@@ -547,6 +547,8 @@ async fn allocate_loop(
 /// What a leader keeps between rounds.
 pub struct LeaderState {
     pub last_good: LastGoodServices,
+    /// Each NodePortPool's last valid version ([`crate::pool::LastValid`]).
+    pub pools_last_valid: crate::pool::LastValid,
     /// What it knows of the node-port registry's Services ([`claims::Keeper`]).
     pub claims: claims::Keeper,
     /// Names this process in the claims it leaves pending.
@@ -560,6 +562,7 @@ impl LeaderState {
         let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         LeaderState {
             last_good: LastGoodServices::default(),
+            pools_last_valid: Default::default(),
             claims: claims::Keeper::default(),
             token: claims::Token::new(node_name, std::process::id(), started.as_nanos()),
             logged: Default::default(),
@@ -580,6 +583,18 @@ pub struct RoundPlan {
     pub events: Vec<publish::ServiceEvent>,
     /// The registry side: written before the Services, resolved after.
     pub claims: claims::ClaimPlan,
+    /// What the pools' status is written from, when NodePortPool objects exist.
+    pub pools: Option<PoolRound>,
+}
+
+/// The round's decisions the pools' status is computed from ([`super::pools::StatusRound`]).
+#[derive(Debug, Clone)]
+pub struct PoolRound {
+    pub ctx: crate::pool::PoolContext,
+    pub invalid: Vec<crate::pool::InvalidPool>,
+    pub allocations: Allocations,
+    pub assignment: Option<crate::pool::Assignment>,
+    pub serving: std::collections::BTreeMap<String, nodes::ServingNode>,
 }
 
 /// What the node-port registry contributes to a round.
@@ -593,14 +608,16 @@ pub struct ClaimInputs<'a> {
 }
 
 /// The leader's decisions for one round, from the caches and the node-port registry alone
-/// (pure): last-good substitution, the model, endpoint policy, duplicate repair, allocation
-/// within what the registry allows, status, conditions, Events, and the registry changes that
+/// (pure): last-good substitution, the model, endpoint policy, node port pools
+/// (`pools_last_valid`: each pool's last valid version, kept across rounds), duplicate repair,
+/// allocation within what the registry allows, status, conditions, Events, and the registry changes that
 /// must be written before the Services. `leases_now`: the time to judge node-Lease expiry by,
 /// `None` while the Lease cache may be behind (see [`nodes::serving_nodes`]).
 pub fn plan_round(
     snap: &KubeSnapshot,
     cfg: &ControllerConfig,
     last_good: &mut LastGoodServices,
+    pools_last_valid: &mut crate::pool::LastValid,
     leases_now: Option<Timestamp>,
     now: Timestamp,
     registry: &ClaimInputs<'_>,
@@ -626,8 +643,24 @@ pub fn plan_round(
             in_use.entry(k).or_insert(why);
         }
     }
-    let constraints = alloc::Constraints { policy: Some(&cfg.policy.ports), in_use: Some(&in_use) };
-    let result = alloc::allocate_with(&cfg.port_range, &all, &Allocations::new(), constraints);
+    // Node port pools: which pool each Service gets (a Service none accepts is not allocated, and
+    // says why), and which nodes its status may list.
+    let (pool_ctx, invalid_pools) =
+        super::pools::context(snap, pools_last_valid, cfg.port_range, &cfg.node_name);
+    let assignment = (!pool_ctx.set.implicit)
+        .then(|| crate::pool::assign_services(&pool_ctx, &snap.services, &all, &Allocations::new()));
+    let all: Vec<model::LbService> = match &assignment {
+        Some(a) => all.into_iter().filter(|s| a.has_pool(&s.key)).collect(),
+        None => all,
+    };
+    let pool_nodes = assignment.as_ref().map(|a| super::pools::selected_nodes(&pool_ctx, a, &snap.nodes));
+    let constraints = alloc::Constraints {
+        policy: Some(&cfg.policy.ports),
+        in_use: Some(&in_use),
+        pools: assignment.as_ref().map(|a| &a.ranges),
+    };
+    let mut result = alloc::allocate_with(&cfg.port_range, &all, &Allocations::new(), constraints);
+    result.problems.extend(assignment.iter().flat_map(|a| a.problems.iter().cloned()));
     let valid: std::collections::BTreeSet<&ServiceKey> = out.services.iter().map(|s| &s.key).collect();
     let allocations: Allocations =
         result.allocations.into_iter().filter(|(k, _)| valid.contains(k)).collect();
@@ -645,6 +678,7 @@ pub fn plan_round(
         refused_endpoints: &refused_endpoints,
         listening: &in_use,
         serving: &serving,
+        pool_nodes: pool_nodes.as_ref(),
         now,
     };
     let mut writes = publish::plan_writes(&round);
@@ -675,7 +709,14 @@ pub fn plan_round(
     // A Service whose new numbers are not free now waits for the next round (its Events too).
     writes.retain(|w| !claim_plan.blocked.contains(&w.key));
     events.retain(|e| !claim_plan.blocked.contains(&e.service));
-    RoundPlan { writes, events, claims: claim_plan }
+    let pools = (!snap.pools.is_empty()).then_some(PoolRound {
+        ctx: pool_ctx,
+        invalid: invalid_pools,
+        allocations,
+        assignment,
+        serving,
+    });
+    RoundPlan { writes, events, claims: claim_plan, pools }
 }
 
 /// One round of the leader's work on `snap`: read the node-port registry, decide
@@ -716,7 +757,15 @@ pub async fn leader_round(
     let gone = state.claims.gone().clone();
     let inputs =
         ClaimInputs { registry: registry.as_ref(), token: &state.token, gone: &gone, expired: &expired };
-    let mut plan = plan_round(snap, cfg, &mut state.last_good, leases_now, Timestamp::now(), &inputs);
+    let mut plan = plan_round(
+        snap,
+        cfg,
+        &mut state.last_good,
+        &mut state.pools_last_valid,
+        leases_now,
+        Timestamp::now(),
+        &inputs,
+    );
     // The registry first: if another leader changed it since we read it, we write nothing.
     for (b, block) in &plan.claims.blocks {
         match write_block(client, &cfg.namespace, *b, block).await {
@@ -733,8 +782,25 @@ pub async fn leader_round(
         }
     }
     let outcomes = write_services(client, &plan.writes, metrics).await;
-    let stale = outcomes.iter().any(|o| matches!(o, WriteOutcome::Conflict));
+    let mut stale = outcomes.iter().any(|o| matches!(o, WriteOutcome::Conflict));
     resolve_claims(client, &cfg.namespace, &plan, &outcomes, &state.token, metrics).await;
+    if let Some(p) = &plan.pools {
+        let pools = super::pools::StatusRound {
+            snap,
+            ctx: &p.ctx,
+            invalid: &p.invalid,
+            allocations: &p.allocations,
+            assignment: p.assignment.as_ref(),
+            serving: &p.serving,
+        };
+        match super::pools::write_statuses(client, &pools).await {
+            Ok(s) => stale |= s,
+            Err(e) => {
+                count_api_error(metrics, "nodeportpool");
+                warn!(error = %e, "cannot update NodePortPool status");
+            }
+        }
+    }
     if let Some(r) = &registry {
         state.claims.forget(r);
     }

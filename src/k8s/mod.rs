@@ -16,6 +16,7 @@ pub mod installation;
 pub mod lastgood;
 pub mod leader;
 pub mod nodes;
+pub mod pools;
 pub mod publish;
 pub mod review;
 pub mod source;

@@ -66,6 +66,9 @@ pub fn condition_for(
     if problems.iter().any(|p| matches!(p, AllocProblem::InUse { .. })) {
         return WantedCondition { status: false, reason: "PortInUse", message: msgs() };
     }
+    if problems.iter().any(|p| matches!(p, AllocProblem::NoPool { .. })) {
+        return WantedCondition { status: false, reason: "NoPool", message: msgs() };
+    }
     if !problems.is_empty() {
         return WantedCondition { status: false, reason: "RangeExhausted", message: msgs() };
     }
@@ -238,10 +241,27 @@ pub struct Round<'a, S = Service> {
     /// not served on those nodes (`NodePortInUse` Event; the allocation stays).
     pub listening: &'a BTreeMap<(crate::ir::Protocol, u16), String>,
     pub serving: &'a BTreeMap<String, ServingNode>,
+    /// Per Service whose node port pool restricts nodes, the nodes it selects (absent: every
+    /// node); its status lists only those.
+    pub pool_nodes: Option<&'a BTreeMap<ServiceKey, BTreeSet<String>>>,
     pub now: Timestamp,
 }
 
 impl<S> Round<'_, S> {
+    /// The serving nodes of `key`'s pool.
+    fn serving_of(&self, key: &ServiceKey) -> std::borrow::Cow<'_, BTreeMap<String, ServingNode>> {
+        match self.pool_nodes.and_then(|m| m.get(key)) {
+            None => std::borrow::Cow::Borrowed(self.serving),
+            Some(names) => std::borrow::Cow::Owned(
+                self.serving
+                    .iter()
+                    .filter(|(n, _)| names.contains(*n))
+                    .map(|(n, s)| (n.clone(), s.clone()))
+                    .collect(),
+            ),
+        }
+    }
+
     fn refused_endpoints_of(&self, key: &ServiceKey) -> Vec<&RefusedEndpoint> {
         self.refused_endpoints.iter().filter(|r| &r.service == key).collect()
     }
@@ -349,8 +369,9 @@ pub fn plan_writes<S: Borrow<Service>>(round: &Round<'_, S>) -> Vec<ServiceWrite
                 round.problems.iter().filter(|p| p.service() == &key).collect();
             // A Service served from its last valid spec still reports why its edit was refused.
             let allocated = condition_for(ports, &problems, refused.get(&key).copied());
-            let ingress = ingress_for(lb, ports, round.serving);
-            let serving = serving_condition(lb, ports, round.serving, &ingress);
+            let nodes = round.serving_of(&lb.key);
+            let ingress = ingress_for(lb, ports, &nodes);
+            let serving = serving_condition(lb, ports, &nodes, &ingress);
             let endpoints = endpoints_condition(&round.refused_endpoints_of(&key));
             let wanted = [
                 (CONDITION_ALLOCATED, Some(&allocated)),
@@ -435,6 +456,26 @@ pub fn service_events<S>(round: &Round<'_, S>, duplicates: &[Duplicate]) -> Vec<
                 reason: "NodePortsAllocated",
                 message: format!("node ports {}", model::format_port_map(ports)),
             });
+            // An existing allocation that moved (never silently): its number is no longer valid
+            // for the Service (outside its pool's ranges now, or it changed pools).
+            let moved: Vec<String> = ports
+                .iter()
+                .filter_map(|(id, n)| {
+                    let old = svc.previous_allocation.get(id).filter(|old| *old != n)?;
+                    Some(format!("port {id}: node port {old} → {n}"))
+                })
+                .collect();
+            if !moved.is_empty() {
+                out.push(ServiceEvent {
+                    service: svc.key.clone(),
+                    warning: true,
+                    reason: "NodePortReallocated",
+                    message: format!(
+                        "{} (the old number is no longer valid for it: outside its node port pool's ranges, or its pool changed)",
+                        moved.join(", ")
+                    ),
+                });
+            }
             for (id, n) in ports {
                 if let Some(who) = round.listening.get(&(id.protocol, *n)) {
                     out.push(ServiceEvent {
@@ -449,8 +490,9 @@ pub fn service_events<S>(round: &Round<'_, S>, duplicates: &[Duplicate]) -> Vec<
                 }
             }
             // The same decision (and message) as the Serving condition.
-            let ingress = ingress_for(svc, ports, round.serving);
-            let serving = serving_condition(svc, ports, round.serving, &ingress);
+            let nodes = round.serving_of(&svc.key);
+            let ingress = ingress_for(svc, ports, &nodes);
+            let serving = serving_condition(svc, ports, &nodes, &ingress);
             if serving.reason == "NoServingNode" {
                 out.push(ServiceEvent {
                     service: svc.key.clone(),
@@ -467,6 +509,7 @@ pub fn service_events<S>(round: &Round<'_, S>, duplicates: &[Duplicate]) -> Vec<
             AllocProblem::Exhausted { .. } => "NodePortRangeExhausted",
             AllocProblem::NotAllowed { .. } => "NodePortNotAllowed",
             AllocProblem::InUse { .. } => "NodePortInUse",
+            AllocProblem::NoPool { .. } => "NoNodePortPool",
         };
         out.push(ServiceEvent {
             service: p.service().clone(),
@@ -624,7 +667,7 @@ mod tests {
         let exhausted = AllocProblem::Exhausted {
             service: key.clone(),
             port: PortId::tcp(443),
-            range: Default::default(),
+            range: "range 20000-29999".into(),
         };
         let refusal = Refusal::InvalidSourceRange {
             service: key.clone(),
@@ -684,6 +727,7 @@ mod tests {
                 refused_endpoints: &[],
                 listening: &BTreeMap::new(),
                 serving: serving_nodes,
+                pool_nodes: None,
                 now: t(0),
             })
         }
@@ -932,6 +976,7 @@ mod tests {
             refused_endpoints: &[],
             listening: &nothing_listens,
             serving: if node_ready { &nodes } else { &no_nodes },
+            pool_nodes: None,
             now,
         };
         let later = plan_writes(&round(true, t(60)));
@@ -994,6 +1039,7 @@ mod tests {
             refused_endpoints: &[],
             listening: &BTreeMap::new(),
             serving: &none,
+            pool_nodes: None,
             now: t(0),
         };
         let reasons: Vec<&str> = service_events(&round, &[]).iter().map(|e| e.reason).collect();

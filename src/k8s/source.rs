@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::core::v1::{Namespace, Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::utils::Backoff;
@@ -22,6 +22,7 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
 use super::nodes::LABEL_NODE_LEASE;
+use crate::pool::NodePortPool;
 use crate::slim::Slim;
 
 /// Quiet time that ends a burst of changes, and the longest a burst may delay a sync. The watch
@@ -42,6 +43,8 @@ pub struct KubeSnapshot {
     pub slices: Vec<Arc<EndpointSlice>>,
     pub nodes: Vec<Arc<Node>>,
     pub leases: Vec<Arc<Lease>>,
+    pub pools: Vec<Arc<NodePortPool>>,
+    pub namespaces: Vec<Arc<Namespace>>,
 }
 
 impl KubeSnapshot {
@@ -74,6 +77,10 @@ struct Health {
 
 /// Index of the Lease reflector in `synced` / `health`.
 const LEASES: usize = 3;
+/// Index of the NodePortPool reflector.
+const POOLS: usize = 4;
+/// Number of reflectors: Services, EndpointSlices, Nodes, Leases, NodePortPools, Namespaces.
+const N: usize = 6;
 
 /// Handle on the running reflectors. Cheap to clone; every clone has its own change cursor.
 #[derive(Clone)]
@@ -82,13 +89,15 @@ pub struct KubeSource {
     slices: Store<EndpointSlice>,
     nodes: Store<Node>,
     leases: Store<Lease>,
-    synced: Arc<[AtomicBool; 4]>,
-    health: Arc<Mutex<[Health; 4]>>,
+    pools: Store<NodePortPool>,
+    namespaces: Store<Namespace>,
+    synced: Arc<[AtomicBool; N]>,
+    health: Arc<Mutex<[Health; N]>>,
     /// Per reflector (index as in `synced`), how many changes it has seen.
-    changes: watch::Receiver<[u64; 4]>,
+    changes: watch::Receiver<[u64; N]>,
     /// The reflectors whose changes [`KubeSource::changed`] reports, and their counts last seen.
-    interest: [bool; 4],
-    seen: [u64; 4],
+    interest: [bool; N],
+    seen: [u64; N],
     /// [`KubeSource::complete`] was true at a change already reported.
     was_complete: bool,
     /// First change of a burst not yet reported. Kept here so `changed()` is cancel-safe: the
@@ -98,12 +107,12 @@ pub struct KubeSource {
 }
 
 impl KubeSource {
-    /// Starts the four reflectors on the current Tokio runtime.
+    /// Starts the reflectors on the current Tokio runtime.
     pub fn start(client: Client, namespace: &str, metrics: Arc<Metrics>) -> KubeSource {
-        let (tx, changes) = watch::channel([0u64; 4]);
+        let (tx, changes) = watch::channel([0u64; N]);
         let tx = Arc::new(tx);
-        let synced: Arc<[AtomicBool; 4]> = Arc::new(Default::default());
-        let health: Arc<Mutex<[Health; 4]>> = Arc::default();
+        let synced: Arc<[AtomicBool; N]> = Arc::new(Default::default());
+        let health: Arc<Mutex<[Health; N]>> = Arc::default();
         let shared = Shared { synced: synced.clone(), health: health.clone(), tx, metrics };
         let services =
             spawn_reflector(Api::all(client.clone()), watcher::Config::default(), 0, "Service", &shared);
@@ -115,6 +124,15 @@ impl KubeSource {
             &shared,
         );
         let nodes = spawn_reflector(Api::all(client.clone()), watcher::Config::default(), 2, "Node", &shared);
+        let pools = spawn_reflector(
+            Api::all(client.clone()),
+            watcher::Config::default(),
+            POOLS,
+            "NodePortPool",
+            &shared,
+        );
+        let namespaces =
+            spawn_reflector(Api::all(client.clone()), watcher::Config::default(), 5, "Namespace", &shared);
         let leases = spawn_reflector(
             Api::namespaced(client, namespace),
             watcher::Config::default().labels(LABEL_NODE_LEASE),
@@ -127,21 +145,24 @@ impl KubeSource {
             slices,
             nodes,
             leases,
+            pools,
+            namespaces,
             synced,
             health,
             changes,
-            interest: [true; 4],
-            seen: [0; 4],
+            interest: [true; N],
+            seen: [0; N],
             was_complete: false,
             pending: None,
         }
     }
 
-    /// A handle whose [`KubeSource::changed`] reports Service and EndpointSlice changes only: a
-    /// node programs from those, and must not recompute everything at every node-Lease renewal
-    /// (every node renews every `lease/3`).
+    /// A handle whose [`KubeSource::changed`] reports what a node programs from (Services,
+    /// EndpointSlices, pools, Namespaces and Nodes: pools select by their labels), not node-Lease
+    /// renewals (every node renews every `lease/3`). A Node change that alters no label leaves
+    /// the agent's input fingerprint as it was: nothing is recomputed.
     pub fn services_only(&self) -> KubeSource {
-        KubeSource { interest: [true, true, false, false], ..self.clone() }
+        KubeSource { interest: [true, true, true, false, true, true], ..self.clone() }
     }
 
     /// How long the node-Lease cache has been known to be current: `None` while its watch is
@@ -188,6 +209,8 @@ impl KubeSource {
             slices: self.slices.state(),
             nodes: self.nodes.state(),
             leases: self.leases.state(),
+            pools: self.pools.state(),
+            namespaces: self.namespaces.state(),
         }
     }
 
@@ -237,9 +260,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// What the reflector tasks report into.
 struct Shared {
-    synced: Arc<[AtomicBool; 4]>,
-    health: Arc<Mutex<[Health; 4]>>,
-    tx: Arc<watch::Sender<[u64; 4]>>,
+    synced: Arc<[AtomicBool; N]>,
+    health: Arc<Mutex<[Health; N]>>,
+    tx: Arc<watch::Sender<[u64; N]>>,
     metrics: Arc<Metrics>,
 }
 
@@ -249,6 +272,16 @@ struct Shared {
 /// the backoff grown while the server was unreachable (up to 30 s) to every outage.
 pub fn relist_at_once(e: &watcher::Error) -> bool {
     matches!(e, watcher::Error::WatchError(status) if status.code == 410)
+}
+
+/// The API server does not know the resource (its CRD is not installed): 404 on the list.
+fn crd_missing(e: &watcher::Error) -> bool {
+    match e {
+        watcher::Error::InitialListFailed(kube::Error::Api(s))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(s)) => s.code == 404,
+        watcher::Error::WatchError(s) => s.code == 404,
+        _ => false,
+    }
 }
 
 fn spawn_reflector<K>(
@@ -296,6 +329,17 @@ where
                     // InitApply only fills the relist buffer; the store changes on InitDone.
                     if !matches!(ev, watcher::Event::InitApply(_)) {
                         tx.send_modify(|n| n[index] = n[index].wrapping_add(1));
+                    }
+                }
+                Err(e) if index == POOLS && crd_missing(&e) => {
+                    // No NodePortPool CRD installed: no pool objects (the flags' range), not a
+                    // partial view. Checked again with backoff, so installing it later works.
+                    if !synced[index].swap(true, Ordering::AcqRel) {
+                        info!("NodePortPool CRD not installed: no pools, the flags' port range serves");
+                        tx.send_modify(|n| n[index] = n[index].wrapping_add(1));
+                    }
+                    if let Some(delay) = backoff.next() {
+                        tokio::time::sleep(delay).await;
                     }
                 }
                 Err(e) => {

@@ -72,13 +72,23 @@ fn plan(services: &[Service], slices: &[EndpointSlice], nodes: &[Value], leases:
         slices: slices.iter().cloned().map(Arc::new).collect(),
         nodes: arcs::<Node>(nodes),
         leases: arcs::<Lease>(leases),
+        pools: Vec::new(),
+        namespaces: Vec::new(),
     };
     let now = Timestamp::from_second(1_800_000_000).expect("time");
     // A leader whose node-port registry is empty: every number it allocates can be claimed.
     let (registry, token) = (Registry::default(), Token::new("fuzz", 1, 0));
     let (gone, expired) = (Default::default(), Default::default());
     let claims = ClaimInputs { registry: Some(&registry), token: &token, gone: &gone, expired: &expired };
-    plan_round(&snap, &config(), &mut LastGoodServices::default(), None, now, &claims)
+    plan_round(
+        &snap,
+        &config(),
+        &mut LastGoodServices::default(),
+        &mut Default::default(),
+        None,
+        now,
+        &claims,
+    )
 }
 
 fn reason_ok(r: &str) -> bool {

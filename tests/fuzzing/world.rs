@@ -163,6 +163,7 @@ pub fn compute(
         node: &node,
         policy: &policy,
         host: &host,
+        pools: None,
     };
     desired::compute(&inputs)
 }

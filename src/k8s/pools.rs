@@ -1,0 +1,154 @@
+//! Node port pools in Kubernetes mode: from the cached `NodePortPool`, Namespace and Node objects
+//! to the [`PoolContext`] the pure decisions ([`crate::pool`]) take. Every agent builds the same
+//! context from the same objects, so the leader's allocation and each node's serving agree
+//! without another annotation; the node adds its own labels (which pools select it). The leader
+//! also writes each pool's status ([`write_statuses`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Patch, PatchParams};
+use kube::{Api, Client};
+use serde_json::json;
+use tracing::debug;
+
+use crate::alloc::{Allocations, PortRange};
+use crate::model::ServiceKey;
+use crate::pool::{
+    Assignment, InvalidPool, LastValid, NodePortPool, PoolContext, PoolObject, PoolSet, StatusInput,
+};
+
+use super::nodes::ServingNode;
+use super::source::KubeSnapshot;
+
+/// The pools in force for `snap` (an invalid edit keeps `last_valid`'s version), resolved
+/// against every Node's labels, with `node`'s own labels; and the invalid pools.
+pub fn context(
+    snap: &KubeSnapshot,
+    last_valid: &mut LastValid,
+    flag_range: PortRange,
+    node: &str,
+) -> (PoolContext, Vec<InvalidPool>) {
+    let objects: Vec<PoolObject> = snap.pools.iter().map(|p| PoolObject::from_resource(p)).collect();
+    let (pools, invalid) = last_valid.update(&objects);
+    let labels = |n: &Node| n.metadata.labels.clone().unwrap_or_default();
+    let node_labels: Vec<BTreeMap<String, String>> = snap.nodes.iter().map(|n| labels(n)).collect();
+    let refs: Vec<&BTreeMap<String, String>> = node_labels.iter().collect();
+    let set = PoolSet::resolve(pools, !objects.is_empty(), flag_range, &refs);
+    // Only what a pool in force looks at is part of the context (and so of the agent's input
+    // fingerprint): without pools a new Namespace or a relabelled Node recomputes nothing.
+    let namespaces = if set.pools.iter().any(|p| !p.pool.namespaces.is_everything()) {
+        snap.namespaces
+            .iter()
+            .filter_map(|ns| {
+                Some((ns.metadata.name.clone()?, ns.metadata.labels.clone().unwrap_or_default()))
+            })
+            .collect()
+    } else {
+        BTreeMap::new()
+    };
+    let own = if set.pools.iter().any(|p| !p.pool.nodes.is_everything()) {
+        snap.nodes
+            .iter()
+            .find(|n| n.metadata.name.as_deref() == Some(node))
+            .map(|n| labels(n))
+            .unwrap_or_default()
+    } else {
+        BTreeMap::new()
+    };
+    (PoolContext { set, namespaces, node_labels: own }, invalid)
+}
+
+/// Per Service whose pool restricts nodes (`nodeSelector`), the names of the Nodes it selects.
+pub fn selected_nodes<N: std::borrow::Borrow<Node>>(
+    ctx: &PoolContext,
+    assignment: &Assignment,
+    nodes: &[N],
+) -> BTreeMap<ServiceKey, BTreeSet<String>> {
+    let mut out = BTreeMap::new();
+    for (key, ranges) in &assignment.ranges {
+        let Some(pool) = ctx.set.get(&ranges.pool) else { continue };
+        if pool.pool.nodes.is_everything() {
+            continue;
+        }
+        let empty = BTreeMap::new();
+        let names = nodes
+            .iter()
+            .map(|n| &n.borrow().metadata)
+            .filter(|m| pool.pool.nodes.matches(m.labels.as_ref().unwrap_or(&empty)))
+            .filter_map(|m| m.name.clone())
+            .collect();
+        out.insert(key.clone(), names);
+    }
+    out
+}
+
+/// What the leader needs to write every pool's status after an allocation round.
+pub struct StatusRound<'a> {
+    pub snap: &'a KubeSnapshot,
+    pub ctx: &'a PoolContext,
+    pub invalid: &'a [InvalidPool],
+    pub allocations: &'a Allocations,
+    pub assignment: Option<&'a Assignment>,
+    pub serving: &'a BTreeMap<String, ServingNode>,
+}
+
+/// Writes each pool's status ([`crate::pool::status_of`]) where it differs from what is stored:
+/// a merge patch of the status subresource with a `metadata.resourceVersion` precondition (a 409
+/// is retried on the next round, like Service writes). Leader only. Returns whether a write met
+/// a stale resourceVersion.
+pub async fn write_statuses(client: &Client, round: &StatusRound<'_>) -> Result<bool, kube::Error> {
+    let api: Api<NodePortPool> = Api::all(client.clone());
+    let params =
+        PatchParams { field_manager: Some(super::controller::FIELD_MANAGER.into()), ..Default::default() };
+    let mut stale = false;
+    let empty = BTreeMap::new();
+    for obj in &round.snap.pools {
+        let Some(name) = obj.metadata.name.as_deref() else { continue };
+        let resolved = round.ctx.set.get(name);
+        let members: Vec<&ServiceKey> = round
+            .assignment
+            .map(|a| a.ranges.iter().filter(|(_, r)| r.pool == name).map(|(k, _)| k).collect())
+            .unwrap_or_default();
+        let nodes: Vec<String> = match resolved {
+            None => vec![],
+            Some(r) => round
+                .snap
+                .nodes
+                .iter()
+                .filter(|n| r.pool.nodes.matches(n.metadata.labels.as_ref().unwrap_or(&empty)))
+                .filter_map(|n| n.metadata.name.clone())
+                .filter(|n| round.serving.contains_key(n))
+                .collect(),
+        };
+        let input = StatusInput {
+            generation: obj.metadata.generation,
+            resolved,
+            invalid: round.invalid.iter().find(|i| i.name == name),
+            allocations: round.allocations,
+            members,
+            nodes,
+            current: obj.status.as_ref(),
+            now: Timestamp::now(),
+        };
+        let wanted = crate::pool::status_of(&input);
+        if obj.status.as_ref() == Some(&wanted) {
+            continue;
+        }
+        let mut status = serde_json::to_value(&wanted).unwrap_or_default();
+        // A merge patch keeps keys it does not mention: clear the ones this status leaves out.
+        for key in ["observedGeneration", "portRanges", "protocols", "nodes"] {
+            if status.get(key).is_none() {
+                status[key] = serde_json::Value::Null;
+            }
+        }
+        let patch = json!({"metadata": {"resourceVersion": obj.metadata.resource_version}, "status": status});
+        match api.patch_status(name, &params, &Patch::Merge(&patch)).await {
+            Ok(_) => debug!(pool = name, "pool status written"),
+            Err(kube::Error::Api(s)) if s.code == 409 => stale = true,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(stale)
+}

@@ -1,0 +1,1183 @@
+//! Node port pools (`NodePortPool`, `nodelb.io/v1alpha1`): the resource type (its CRD schema is
+//! generated from these Rust types), and the pure decisions about pools: validation, which nodes
+//! and Services a pool selects, overlap resolution between pools, and which pool a Service gets.
+//! No I/O: the Kubernetes edge (`k8s::pools`) and the manifests reader feed it objects.
+//!
+//! Decisions (docs/design.md, "Node port pools"):
+//! - **No pool object: the flags are the pool.** [`PoolSet::resolve`] returns one implicit pool
+//!   (`--port-range`, every node, every address, every Service). Once a pool object exists the
+//!   implicit pool is gone: a pool that restricts nodes or addresses must not be bypassed by a
+//!   fallback that serves everything everywhere (k3s#11504 is exactly that complaint).
+//! - **Numbers stay unique cluster-wide** whatever the pools (the allocator's table is global);
+//!   two pools overlap only when their ranges overlap AND some node is selected by both: then
+//!   the newer pool (creationTimestamp, then name) gets a `Conflict` naming the older, and its
+//!   overlapping part is not used for new allocations. Existing allocations are never moved for
+//!   it (they are kept anywhere inside the pool's own ranges).
+//! - **Which pool a Service gets** ([`assign`]): the `nodelb.io/pool` annotation by name;
+//!   else the pool it already holds its numbers in, while that pool still accepts it (stable:
+//!   creating a better pool does not move serving Services); else the accepting, enabled,
+//!   auto-assigning pool with the lowest `priority`, then the oldest.
+//! - **Invalid pool: the last valid version stays in force** ([`LastValid`]); a pool never valid
+//!   does not exist for selection. Either way the reason is reported on its status.
+
+use std::borrow::Borrow;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+use ipnet::IpNet;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
+use kube::{CustomResource, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+use k8s_openapi::api::core::v1::Service;
+
+use crate::alloc::{AllocProblem, Allocations, NODEPORT_RANGE, PoolRanges, PortRange};
+use crate::model::{LbService, ServiceKey};
+
+/// Service annotation: the pool this Service wants, by name.
+pub const ANNOTATION_POOL: &str = "nodelb.io/pool";
+/// Name under which the implicit pool (the flags) appears in messages and status.
+pub const IMPLICIT_POOL: &str = "(flags)";
+
+/// Which node ports, on which nodes and node addresses, for which Services.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "nodelb.io",
+    version = "v1alpha1",
+    kind = "NodePortPool",
+    plural = "nodeportpools",
+    shortname = "npp",
+    status = "NodePortPoolStatus",
+    derive = "PartialEq",
+    doc = "NodePortPool: node ports nodelb allocates to LoadBalancer Services, on which nodes and node addresses, for which Services.",
+    printcolumn = r#"{"name":"Ports", "type":"string", "jsonPath":".status.portRanges", "description":"ranges new allocations take from"}"#,
+    printcolumn = r#"{"name":"Priority", "type":"integer", "jsonPath":".spec.priority"}"#,
+    printcolumn = r#"{"name":"Allocated", "type":"integer", "jsonPath":".status.allocated", "description":"node port numbers in use"}"#,
+    printcolumn = r#"{"name":"Free", "type":"integer", "jsonPath":".status.free", "description":"numbers left for new allocations"}"#,
+    printcolumn = r#"{"name":"Nodes", "type":"integer", "jsonPath":".status.nodeCount", "description":"nodes serving this pool"}"#,
+    printcolumn = r#"{"name":"Ready", "type":"string", "jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Conflict", "type":"string", "jsonPath":".status.conditions[?(@.type==\"Conflict\")].status", "priority":1}"#,
+    printcolumn = r#"{"name":"Age", "type":"date", "jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[x_kube(validation = Rule::new(
+    "self.allowNodePortRange || self.ports.all(r, r.end < 30000 || r.start > 32767)"
+).message("a port range overlaps the Kubernetes NodePort range 30000-32767 (set allowNodePortRange: true if that range was moved)"))]
+#[serde(rename_all = "camelCase")]
+pub struct NodePortPoolSpec {
+    /// Node port ranges (inclusive). New allocations take the lowest free number.
+    #[schemars(length(min = 1))]
+    pub ports: Vec<PoolPortRange>,
+    /// Allow ranges inside the Kubernetes NodePort range 30000-32767 (only if the cluster's
+    /// service-node-port-range was moved elsewhere).
+    #[serde(default)]
+    pub allow_node_port_range: bool,
+    /// Nodes that serve this pool's Services (empty or absent: every node).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_selector: Option<LabelSelector>,
+    /// Node addresses that serve and are published (absent: every address of the node).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub addresses: Option<PoolAddresses>,
+    /// Services this pool accepts by their labels (absent: all).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_selector: Option<LabelSelector>,
+    /// Services this pool accepts by their Namespace's labels (absent: all).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace_selector: Option<LabelSelector>,
+    /// Lower wins when several pools accept a Service.
+    #[serde(default)]
+    pub priority: i32,
+    /// false: only Services naming this pool (annotation nodelb.io/pool) use it.
+    #[serde(default = "default_true")]
+    #[schemars(default = "default_true")]
+    pub auto_assign: bool,
+    /// Drain: existing allocations stay, nothing new is allocated.
+    #[serde(default)]
+    pub disabled: bool,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// An inclusive node port range.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[x_kube(validation = Rule::new("self.start <= self.end").message("start must not be greater than end"))]
+pub struct PoolPortRange {
+    #[schemars(range(min = 1, max = 65535))]
+    pub start: u16,
+    #[schemars(range(min = 1, max = 65535))]
+    pub end: u16,
+}
+
+/// Which node addresses serve: an address qualifies when it matches every list given (a list
+/// left out does not restrict).
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolAddresses {
+    /// Node address types (`ExternalIP`, `InternalIP`) of the Node object.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub types: Vec<String>,
+    /// CIDRs the address must lie in.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cidrs: Vec<String>,
+    /// Interfaces the address must be configured on.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub interfaces: Vec<String>,
+}
+
+/// Written by the leader.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct NodePortPoolStatus {
+    /// The generation this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Ready`, `Conflict`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// The ranges new allocations take from (after conflicts), e.g. `20000-20099,21000-21009`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port_ranges: Option<String>,
+    /// Node port numbers held by this pool's Services.
+    #[serde(default)]
+    pub allocated: i64,
+    /// Numbers left for new allocations.
+    #[serde(default)]
+    pub free: i64,
+    /// Per protocol: numbers in the ranges, taken, left.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub protocols: Vec<ProtocolPorts>,
+    /// Nodes currently serving this pool (selected and running an agent).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nodes: Vec<String>,
+    #[serde(default)]
+    pub node_count: i64,
+}
+
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ProtocolPorts {
+    pub protocol: String,
+    pub total: i64,
+    pub allocated: i64,
+    pub free: i64,
+}
+
+/// One requirement of a label selector.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Requirement {
+    In(String, BTreeSet<String>),
+    NotIn(String, BTreeSet<String>),
+    Exists(String),
+    DoesNotExist(String),
+}
+
+/// A validated label selector; no requirement: selects everything.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub struct Selector(Vec<Requirement>);
+
+impl Selector {
+    /// `matchLabels` and `matchExpressions` of a Kubernetes label selector, checked as the API
+    /// server checks them (In/NotIn need values, Exists/DoesNotExist take none).
+    pub fn parse(s: Option<&LabelSelector>) -> Result<Selector, String> {
+        let Some(s) = s else { return Ok(Selector::default()) };
+        let mut out = Vec::new();
+        for (k, v) in s.match_labels.iter().flatten() {
+            out.push(Requirement::In(k.clone(), BTreeSet::from([v.clone()])));
+        }
+        for e in s.match_expressions.iter().flatten() {
+            let values: BTreeSet<String> = e.values.iter().flatten().cloned().collect();
+            let key = e.key.clone();
+            out.push(match (e.operator.as_str(), values.is_empty()) {
+                ("In", false) => Requirement::In(key, values),
+                ("NotIn", false) => Requirement::NotIn(key, values),
+                ("Exists", true) => Requirement::Exists(key),
+                ("DoesNotExist", true) => Requirement::DoesNotExist(key),
+                ("In" | "NotIn", true) => {
+                    return Err(format!("expression on {key:?}: operator {} needs values", e.operator));
+                }
+                ("Exists" | "DoesNotExist", false) => {
+                    return Err(format!("expression on {key:?}: operator {} takes no values", e.operator));
+                }
+                (op, _) => {
+                    return Err(format!(
+                        "expression on {key:?}: operator {op:?} is not In, NotIn, Exists or DoesNotExist"
+                    ));
+                }
+            });
+        }
+        Ok(Selector(out))
+    }
+
+    /// Selects everything (no requirement).
+    pub fn is_everything(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
+        self.0.iter().all(|r| match r {
+            Requirement::In(k, vs) => labels.get(k).is_some_and(|v| vs.contains(v)),
+            Requirement::NotIn(k, vs) => labels.get(k).is_none_or(|v| !vs.contains(v)),
+            Requirement::Exists(k) => labels.contains_key(k),
+            Requirement::DoesNotExist(k) => !labels.contains_key(k),
+        })
+    }
+}
+
+/// A node address type a pool may restrict to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum AddressType {
+    ExternalIp,
+    InternalIp,
+}
+
+impl AddressType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AddressType::ExternalIp => "ExternalIP",
+            AddressType::InternalIp => "InternalIP",
+        }
+    }
+}
+
+/// Validated [`PoolAddresses`]; all empty: every address.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub struct AddressFilter {
+    pub types: Vec<AddressType>,
+    pub cidrs: Vec<IpNet>,
+    pub interfaces: Vec<String>,
+}
+
+impl AddressFilter {
+    pub fn is_everything(&self) -> bool {
+        self.types.is_empty() && self.cidrs.is_empty() && self.interfaces.is_empty()
+    }
+}
+
+/// A validated pool.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Pool {
+    pub name: String,
+    /// creationTimestamp (RFC 3339); manifests: none (then the name orders them).
+    pub created: Option<String>,
+    pub generation: Option<i64>,
+    pub ranges: Vec<PortRange>,
+    pub nodes: Selector,
+    pub addresses: AddressFilter,
+    pub services: Selector,
+    pub namespaces: Selector,
+    pub priority: i32,
+    pub auto_assign: bool,
+    pub disabled: bool,
+}
+
+impl Pool {
+    /// The pool the flags describe when no pool object exists.
+    pub fn implicit(range: PortRange) -> Pool {
+        Pool {
+            name: IMPLICIT_POOL.to_string(),
+            created: None,
+            generation: None,
+            ranges: vec![range],
+            nodes: Selector::default(),
+            addresses: AddressFilter::default(),
+            services: Selector::default(),
+            namespaces: Selector::default(),
+            priority: i32::MAX,
+            auto_assign: true,
+            disabled: false,
+        }
+    }
+
+    /// Whether `number` lies in one of the pool's own ranges.
+    pub fn contains(&self, number: u16) -> bool {
+        self.ranges.iter().any(|r| r.contains(number))
+    }
+
+    /// Whether its Services and namespaces selectors accept a Service.
+    pub fn accepts(&self, svc: &ServiceFacts<'_>) -> bool {
+        self.services.matches(svc.labels) && self.namespaces.matches(svc.namespace_labels)
+    }
+
+    /// Older first: creationTimestamp (none: younger), then name.
+    fn age_key(&self) -> (bool, Option<k8s_openapi::jiff::Timestamp>, &str) {
+        let t = self.created.as_deref().and_then(|c| c.parse().ok());
+        (t.is_none(), t, &self.name)
+    }
+}
+
+/// Every reason `spec` is not a usable pool (empty: valid). The API server's schema refuses most
+/// of these already; manifests have no API server, and a schema can be older than the agent.
+pub fn validate(
+    name: &str,
+    created: Option<String>,
+    generation: Option<i64>,
+    spec: &NodePortPoolSpec,
+) -> Result<Pool, Vec<String>> {
+    let mut errors = Vec::new();
+    let mut ranges = Vec::new();
+    if spec.ports.is_empty() {
+        errors.push("spec.ports: at least one range is required".to_string());
+    }
+    for (i, r) in spec.ports.iter().enumerate() {
+        match PortRange::new(r.start, r.end) {
+            Err(e) => errors.push(format!("spec.ports[{i}]: {e}")),
+            Ok(range) => {
+                let (a, b) = NODEPORT_RANGE;
+                if !spec.allow_node_port_range && range.first <= b && a <= range.last {
+                    errors.push(format!(
+                        "spec.ports[{i}]: {range} overlaps the Kubernetes NodePort range {a}-{b} (allowNodePortRange is false)"
+                    ));
+                }
+                if let Some(other) =
+                    ranges.iter().find(|o: &&PortRange| o.first <= range.last && range.first <= o.last)
+                {
+                    errors.push(format!("spec.ports[{i}]: {range} overlaps {other} of the same pool"));
+                }
+                ranges.push(range);
+            }
+        }
+    }
+    let mut selector = |field: &str, s: Option<&LabelSelector>| {
+        Selector::parse(s).unwrap_or_else(|e| {
+            errors.push(format!("spec.{field}: {e}"));
+            Selector::default()
+        })
+    };
+    let nodes = selector("nodeSelector", spec.node_selector.as_ref());
+    let services = selector("serviceSelector", spec.service_selector.as_ref());
+    let namespaces = selector("namespaceSelector", spec.namespace_selector.as_ref());
+    let mut addresses = AddressFilter::default();
+    if let Some(a) = &spec.addresses {
+        for t in &a.types {
+            match t.as_str() {
+                "ExternalIP" => addresses.types.push(AddressType::ExternalIp),
+                "InternalIP" => addresses.types.push(AddressType::InternalIp),
+                other => {
+                    errors.push(format!("spec.addresses.types: {other:?} is not ExternalIP or InternalIP"))
+                }
+            }
+        }
+        for c in &a.cidrs {
+            match c.parse::<IpNet>() {
+                Ok(net) if net.trunc() == net => addresses.cidrs.push(net),
+                Ok(net) => errors.push(format!(
+                    "spec.addresses.cidrs: {c:?} has host bits set (did you mean {}?)",
+                    net.trunc()
+                )),
+                Err(_) => errors.push(format!("spec.addresses.cidrs: {c:?} is not a CIDR")),
+            }
+        }
+        for i in &a.interfaces {
+            // IFNAMSIZ is 16 with the NUL; the kernel refuses '/', ':' and whitespace.
+            let ok = !i.is_empty()
+                && i.len() < 16
+                && !i.chars().any(|c| c == '/' || c == ':' || c.is_whitespace());
+            if ok {
+                addresses.interfaces.push(i.clone());
+            } else {
+                errors.push(format!("spec.addresses.interfaces: {i:?} is not an interface name"));
+            }
+        }
+    }
+    if !addresses.is_everything() {
+        // Not matched by the dataplane yet (it matches every local address): a pool that says
+        // "only these addresses" must not serve all of them, so it is not used at all.
+        errors.push(
+            "spec.addresses: restricting node addresses is not enforced by this nodelb version \
+             (it would serve every node address); remove it"
+                .to_string(),
+        );
+    }
+    if !errors.is_empty() {
+        return Err(errors);
+    }
+    Ok(Pool {
+        name: name.to_string(),
+        created,
+        generation,
+        ranges,
+        nodes,
+        addresses,
+        services,
+        namespaces,
+        priority: spec.priority,
+        auto_assign: spec.auto_assign,
+        disabled: spec.disabled,
+    })
+}
+
+/// One pool object as read, before validation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolObject {
+    pub name: String,
+    pub uid: Option<String>,
+    pub created: Option<String>,
+    pub generation: Option<i64>,
+    pub spec: NodePortPoolSpec,
+}
+
+impl PoolObject {
+    pub fn from_resource(p: &NodePortPool) -> PoolObject {
+        PoolObject {
+            name: p.metadata.name.clone().unwrap_or_default(),
+            uid: p.metadata.uid.clone(),
+            created: p.metadata.creation_timestamp.as_ref().map(|t| t.0.to_string()),
+            generation: p.metadata.generation,
+            spec: p.spec.clone(),
+        }
+    }
+}
+
+/// A pool object nodelb does not use as written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvalidPool {
+    pub name: String,
+    pub generation: Option<i64>,
+    pub errors: Vec<String>,
+    /// The generation still in force (its last valid version), if any.
+    pub in_force: Option<i64>,
+}
+
+impl fmt::Display for InvalidPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "NodePortPool {}: {}", self.name, self.errors.join("; "))?;
+        match self.in_force {
+            Some(g) => write!(f, " (generation {g}, its last valid version, stays in force)"),
+            None => write!(f, " (not used)"),
+        }
+    }
+}
+
+/// Remembers each pool's last valid version (by name and uid: a pool deleted and created again
+/// starts afresh), so an invalid edit keeps the previous configuration in force.
+#[derive(Debug, Clone, Default)]
+pub struct LastValid {
+    pools: BTreeMap<String, (Option<String>, Pool)>,
+}
+
+impl LastValid {
+    /// The pools in force for `objects`, and the invalid ones with their reasons.
+    pub fn update(&mut self, objects: &[PoolObject]) -> (Vec<Pool>, Vec<InvalidPool>) {
+        let mut in_force = Vec::new();
+        let mut invalid = Vec::new();
+        let mut seen = BTreeSet::new();
+        for o in objects {
+            if !seen.insert(o.name.clone()) {
+                invalid.push(InvalidPool {
+                    name: o.name.clone(),
+                    generation: o.generation,
+                    errors: vec!["a pool of this name appears twice".into()],
+                    in_force: None,
+                });
+                continue;
+            }
+            match validate(&o.name, o.created.clone(), o.generation, &o.spec) {
+                Ok(pool) => {
+                    self.pools.insert(o.name.clone(), (o.uid.clone(), pool.clone()));
+                    in_force.push(pool);
+                }
+                Err(errors) => {
+                    let kept =
+                        self.pools.get(&o.name).filter(|(uid, _)| *uid == o.uid).map(|(_, p)| p.clone());
+                    invalid.push(InvalidPool {
+                        name: o.name.clone(),
+                        generation: o.generation,
+                        errors,
+                        in_force: kept.as_ref().and_then(|p| p.generation),
+                    });
+                    in_force.extend(kept);
+                }
+            }
+        }
+        self.pools.retain(|name, _| seen.contains(name));
+        (in_force, invalid)
+    }
+}
+
+/// A pool with the ranges it takes new numbers from after conflicts.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ResolvedPool {
+    pub pool: Pool,
+    /// Its own ranges minus what older pools on shared nodes already cover. Empty when
+    /// disabled (drain): nothing new is allocated.
+    pub effective: Vec<PortRange>,
+    /// Older pools whose ranges overlap this one's on a node both select.
+    pub conflicts: Vec<String>,
+}
+
+/// The pools in force, resolved against the nodes.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PoolSet {
+    /// Oldest first.
+    pub pools: Vec<ResolvedPool>,
+    /// No pool object: the flags' pool.
+    pub implicit: bool,
+}
+
+impl PoolSet {
+    /// `pools` (valid, in force) resolved on `nodes` (each node's labels); without pools, the
+    /// implicit pool of `flag_range`.
+    pub fn resolve(
+        pools: Vec<Pool>,
+        any_objects: bool,
+        flag_range: PortRange,
+        nodes: &[&BTreeMap<String, String>],
+    ) -> PoolSet {
+        if !any_objects {
+            let pool = Pool::implicit(flag_range);
+            return PoolSet {
+                pools: vec![ResolvedPool { effective: pool.ranges.clone(), pool, conflicts: vec![] }],
+                implicit: true,
+            };
+        }
+        let mut pools = pools;
+        pools.sort_by(|a, b| a.age_key().cmp(&b.age_key()));
+        let mut out: Vec<ResolvedPool> = Vec::new();
+        for pool in pools {
+            let mut effective = pool.ranges.clone();
+            let mut conflicts = Vec::new();
+            for older in &out {
+                let shares_node = nodes.iter().any(|l| pool.nodes.matches(l) && older.pool.nodes.matches(l));
+                if !shares_node {
+                    continue;
+                }
+                let overlaps = pool
+                    .ranges
+                    .iter()
+                    .any(|r| older.pool.ranges.iter().any(|o| o.first <= r.last && r.first <= o.last));
+                if overlaps {
+                    conflicts.push(older.pool.name.clone());
+                    for o in &older.pool.ranges {
+                        effective = subtract(&effective, o);
+                    }
+                }
+            }
+            if pool.disabled {
+                effective.clear();
+            }
+            out.push(ResolvedPool { pool, effective, conflicts });
+        }
+        PoolSet { pools: out, implicit: false }
+    }
+
+    pub fn get(&self, name: &str) -> Option<&ResolvedPool> {
+        self.pools.iter().find(|p| p.pool.name == name)
+    }
+}
+
+/// `ranges` without the numbers of `cut`.
+fn subtract(ranges: &[PortRange], cut: &PortRange) -> Vec<PortRange> {
+    let mut out = Vec::new();
+    for r in ranges {
+        if cut.last < r.first || r.last < cut.first {
+            out.push(*r);
+            continue;
+        }
+        if r.first < cut.first {
+            out.push(PortRange { first: r.first, last: cut.first - 1 });
+        }
+        if cut.last < r.last {
+            out.push(PortRange { first: cut.last + 1, last: r.last });
+        }
+    }
+    out
+}
+
+/// What selection looks at on a Service.
+#[derive(Debug, Clone, Copy)]
+pub struct ServiceFacts<'a> {
+    pub labels: &'a BTreeMap<String, String>,
+    pub namespace_labels: &'a BTreeMap<String, String>,
+    /// `nodelb.io/pool`.
+    pub requested: Option<&'a str>,
+    /// Node port numbers the Service holds now (its allocation annotation / state file).
+    pub held: &'a [u16],
+}
+
+/// Why no pool serves a Service.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NoPool {
+    #[error("it asks for pool {0:?} ({ANNOTATION_POOL}), which does not exist")]
+    Missing(String),
+    #[error("no pool accepts it (serviceSelector, namespaceSelector, autoAssign, disabled)")]
+    NoneAccepts,
+}
+
+/// The pool a Service gets (module documentation: annotation, then the pool it holds its numbers
+/// in while that still accepts it, then lowest priority, then oldest).
+pub fn assign<'p>(set: &'p PoolSet, svc: &ServiceFacts<'_>) -> Result<&'p ResolvedPool, NoPool> {
+    if let Some(name) = svc.requested.map(str::trim).filter(|n| !n.is_empty()) {
+        return set.get(name).ok_or_else(|| NoPool::Missing(name.to_string()));
+    }
+    if set.implicit {
+        return set.pools.first().ok_or(NoPool::NoneAccepts);
+    }
+    fn order<'a>(p: &&'a ResolvedPool) -> (i32, (bool, Option<k8s_openapi::jiff::Timestamp>, &'a str)) {
+        (p.pool.priority, p.pool.age_key())
+    }
+    let holding = set
+        .pools
+        .iter()
+        .filter(|p| p.pool.auto_assign && p.pool.accepts(svc))
+        .filter(|p| !svc.held.is_empty() && svc.held.iter().all(|n| p.pool.contains(*n)))
+        .min_by(|a, b| order(a).cmp(&order(b)));
+    if let Some(p) = holding {
+        return Ok(p);
+    }
+    set.pools
+        .iter()
+        .filter(|p| p.pool.auto_assign && !p.pool.disabled && p.pool.accepts(svc))
+        .min_by(|a, b| order(a).cmp(&order(b)))
+        .ok_or(NoPool::NoneAccepts)
+}
+
+/// The CustomResourceDefinition as shipped (`nodelb crd`; the chart's `crds/` holds exactly this,
+/// checked by a test).
+pub fn crd_yaml() -> String {
+    use kube::CustomResourceExt;
+    let header = "# GENERATED by `nodelb crd` from src/pool.rs: change the Rust types, then run\n\
+                  # `cargo run -q -- crd > charts/nodelb/crds/nodeportpools.nodelb.io.yaml`.\n";
+    let body =
+        serde_yaml::to_string(&NodePortPool::crd()).unwrap_or_else(|e| format!("# cannot serialize: {e}\n"));
+    format!("{header}{body}")
+}
+
+/// What the pool decisions need besides the pools: Namespace labels (`namespaceSelector`) and,
+/// on a node, that node's own labels (`nodeSelector`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PoolContext {
+    pub set: PoolSet,
+    pub namespaces: BTreeMap<String, BTreeMap<String, String>>,
+    pub node_labels: BTreeMap<String, String>,
+}
+
+/// Each Service's pool, as the allocator and the nodes use it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Assignment {
+    pub ranges: BTreeMap<ServiceKey, PoolRanges>,
+    /// Services no pool serves: one problem per port (Event + condition).
+    pub problems: Vec<AllocProblem>,
+}
+
+impl Assignment {
+    /// Whether `key` has a pool.
+    pub fn has_pool(&self, key: &ServiceKey) -> bool {
+        self.ranges.contains_key(key)
+    }
+}
+
+/// [`assign`] for every Service: `services` are the objects (labels, `nodelb.io/pool`), `valid`
+/// the validated ones (ports, the numbers they hold), `previous` what the state file holds.
+pub fn assign_services<S: Borrow<Service>>(
+    ctx: &PoolContext,
+    services: &[S],
+    valid: &[LbService],
+    previous: &Allocations,
+) -> Assignment {
+    let empty = BTreeMap::new();
+    let by_key: BTreeMap<ServiceKey, &Service> =
+        services.iter().map(|s| (crate::model::service_key(s.borrow()), s.borrow())).collect();
+    let mut out = Assignment::default();
+    for svc in valid {
+        let meta = by_key.get(&svc.key).map(|s| &s.metadata);
+        let labels = meta.and_then(|m| m.labels.as_ref()).unwrap_or(&empty);
+        let requested = meta.and_then(|m| m.annotations.as_ref()).and_then(|a| a.get(ANNOTATION_POOL));
+        let mut held: Vec<u16> = svc.previous_allocation.values().copied().collect();
+        held.extend(previous.get(&svc.key).into_iter().flat_map(|m| m.values().copied()));
+        let facts = ServiceFacts {
+            labels,
+            namespace_labels: ctx.namespaces.get(&svc.key.namespace).unwrap_or(&empty),
+            requested: requested.map(String::as_str),
+            held: &held,
+        };
+        match assign(&ctx.set, &facts) {
+            Ok(p) => {
+                let ranges = PoolRanges {
+                    pool: p.pool.name.clone(),
+                    keep: p.pool.ranges.clone(),
+                    take: p.effective.clone(),
+                };
+                out.ranges.insert(svc.key.clone(), ranges);
+            }
+            Err(why) => out.problems.extend(svc.ports.iter().map(|port| AllocProblem::NoPool {
+                service: svc.key.clone(),
+                port: port.id,
+                why: why.to_string(),
+            })),
+        }
+    }
+    out
+}
+
+/// What the leader knows about one pool object in a round, for its status.
+pub struct StatusInput<'a> {
+    pub generation: Option<i64>,
+    /// Its resolution (`None`: never valid, so not in force).
+    pub resolved: Option<&'a ResolvedPool>,
+    /// Why the object as written is not used (`None`: valid).
+    pub invalid: Option<&'a InvalidPool>,
+    /// Every allocation (numbers are unique cluster-wide: what is free is free for everyone).
+    pub allocations: &'a Allocations,
+    /// Which Services this pool serves.
+    pub members: Vec<&'a ServiceKey>,
+    /// Names of the nodes that serve it (selected and running an agent).
+    pub nodes: Vec<String>,
+    /// Its current status (transition times are kept while a condition's status holds).
+    pub current: Option<&'a NodePortPoolStatus>,
+    pub now: k8s_openapi::jiff::Timestamp,
+}
+
+/// The status a pool should have. Pure.
+pub fn status_of(input: &StatusInput<'_>) -> NodePortPoolStatus {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    let mut st = NodePortPoolStatus { observed_generation: input.generation, ..Default::default() };
+    let (ready, ready_reason, ready_msg) = match (input.invalid, input.resolved) {
+        (Some(bad), _) => (false, "Invalid", bad.to_string()),
+        (None, Some(r)) if r.pool.disabled => {
+            (true, "Draining", "disabled: existing allocations stay, nothing new is allocated".to_string())
+        }
+        (None, Some(_)) => (true, "InForce", String::new()),
+        (None, None) => (false, "Invalid", "not validated".to_string()),
+    };
+    let (conflict, conflict_reason, conflict_msg) = match input.resolved {
+        Some(r) if !r.conflicts.is_empty() => (
+            true,
+            "Overlap",
+            format!(
+                "ports overlap older pool(s) {} on nodes both select: the overlap is not used for new allocations",
+                r.conflicts.join(", ")
+            ),
+        ),
+        _ => (false, "NoOverlap", String::new()),
+    };
+    for (type_, status, reason, message) in
+        [("Ready", ready, ready_reason, ready_msg), ("Conflict", conflict, conflict_reason, conflict_msg)]
+    {
+        let status = if status { "True" } else { "False" }.to_string();
+        let since = input
+            .current
+            .and_then(|c| c.conditions.iter().find(|c| c.type_ == type_ && c.status == status))
+            .map(|c| c.last_transition_time.clone())
+            .unwrap_or(Time(input.now));
+        st.conditions.push(Condition {
+            type_: type_.to_string(),
+            status,
+            reason: reason.to_string(),
+            message,
+            observed_generation: input.generation,
+            last_transition_time: since,
+        });
+    }
+    let Some(r) = input.resolved else { return st };
+    let taken: BTreeSet<u16> = input.allocations.values().flat_map(|m| m.values().copied()).collect();
+    let free = r.effective.iter().flat_map(|x| x.first..=x.last).filter(|n| !taken.contains(n)).count();
+    let total: usize = r.pool.ranges.iter().map(PortRange::len).sum();
+    let mine: Vec<(crate::ir::Protocol, u16)> = input
+        .members
+        .iter()
+        .filter_map(|k| input.allocations.get(*k))
+        .flat_map(|m| m.iter().map(|(id, n)| (id.protocol, *n)))
+        .collect();
+    let numbers: BTreeSet<u16> = mine.iter().map(|(_, n)| *n).collect();
+    st.port_ranges = Some(describe_ranges(&r.effective));
+    st.allocated = numbers.len() as i64;
+    st.free = free as i64;
+    for proto in [crate::ir::Protocol::Tcp, crate::ir::Protocol::Udp, crate::ir::Protocol::Sctp] {
+        let allocated = mine.iter().filter(|(p, _)| *p == proto).count();
+        st.protocols.push(ProtocolPorts {
+            protocol: proto.k8s_name().to_string(),
+            total: total as i64,
+            allocated: allocated as i64,
+            free: free as i64,
+        });
+    }
+    st.node_count = input.nodes.len() as i64;
+    st.nodes = input.nodes.clone();
+    st
+}
+
+/// Ranges as `20000-20099,21000` for status and messages.
+pub fn describe_ranges(ranges: &[PortRange]) -> String {
+    if ranges.is_empty() {
+        return "none".to_string();
+    }
+    ranges
+        .iter()
+        .map(|r| if r.first == r.last { r.first.to_string() } else { r.to_string() })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn spec(v: serde_json::Value) -> NodePortPoolSpec {
+        serde_json::from_value(v).expect("spec")
+    }
+
+    fn pool(name: &str, created: u32, v: serde_json::Value) -> Pool {
+        let t = format!("2024-01-01T00:00:{created:02}Z");
+        validate(name, Some(t), Some(1), &spec(v)).expect("valid pool")
+    }
+
+    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn the_committed_crd_is_the_generated_one() {
+        let committed = include_str!("../charts/nodelb/crds/nodeportpools.nodelb.io.yaml");
+        assert!(
+            committed == crd_yaml(),
+            "charts/nodelb/crds/nodeportpools.nodelb.io.yaml is not what `nodelb crd` prints: run \
+             `cargo run -q -- crd > charts/nodelb/crds/nodeportpools.nodelb.io.yaml`, then scripts/generate-manifests.sh"
+        );
+    }
+
+    #[test]
+    fn validation() {
+        let cases: Vec<(&str, serde_json::Value, Result<(), &str>)> = vec![
+            ("one range", json!({"ports": [{"start": 20000, "end": 20099}]}), Ok(())),
+            ("single port", json!({"ports": [{"start": 8080, "end": 8080}]}), Ok(())),
+            ("no range", json!({"ports": []}), Err("at least one range")),
+            (
+                "reversed",
+                json!({"ports": [{"start": 20099, "end": 20000}]}),
+                Err("spec.ports[0]: port range \"20099-20000\": first port is greater than last"),
+            ),
+            ("port 0", json!({"ports": [{"start": 0, "end": 10}]}), Err("is not a port number")),
+            (
+                "NodePort range",
+                json!({"ports": [{"start": 29000, "end": 30000}]}),
+                Err("overlaps the Kubernetes NodePort range 30000-32767"),
+            ),
+            (
+                "NodePort range allowed",
+                json!({"ports": [{"start": 30000, "end": 30010}], "allowNodePortRange": true}),
+                Ok(()),
+            ),
+            (
+                "ranges overlap each other",
+                json!({"ports": [{"start": 1000, "end": 2000}, {"start": 2000, "end": 2001}]}),
+                Err("spec.ports[1]: 2000-2001 overlaps 1000-2000 of the same pool"),
+            ),
+            (
+                "bad operator",
+                json!({"ports": [{"start": 1, "end": 2}], "nodeSelector": {"matchExpressions": [{"key": "a", "operator": "Gt", "values": ["1"]}]}}),
+                Err("spec.nodeSelector: expression on \"a\": operator \"Gt\""),
+            ),
+            (
+                "In without values",
+                json!({"ports": [{"start": 1, "end": 2}], "serviceSelector": {"matchExpressions": [{"key": "a", "operator": "In"}]}}),
+                Err("spec.serviceSelector: expression on \"a\": operator In needs values"),
+            ),
+            (
+                "Exists with values",
+                json!({"ports": [{"start": 1, "end": 2}], "namespaceSelector": {"matchExpressions": [{"key": "a", "operator": "Exists", "values": ["x"]}]}}),
+                Err("operator Exists takes no values"),
+            ),
+            (
+                "address type",
+                json!({"ports": [{"start": 1, "end": 2}], "addresses": {"types": ["Hostname"]}}),
+                Err("spec.addresses.types: \"Hostname\" is not ExternalIP or InternalIP"),
+            ),
+            (
+                "bad CIDR",
+                json!({"ports": [{"start": 1, "end": 2}], "addresses": {"cidrs": ["192.0.2.0/33"]}}),
+                Err("spec.addresses.cidrs: \"192.0.2.0/33\" is not a CIDR"),
+            ),
+            (
+                "host bits",
+                json!({"ports": [{"start": 1, "end": 2}], "addresses": {"cidrs": ["192.0.2.1/24"]}}),
+                Err("has host bits set (did you mean 192.0.2.0/24?)"),
+            ),
+            (
+                "interface",
+                json!({"ports": [{"start": 1, "end": 2}], "addresses": {"interfaces": ["eth0/1"]}}),
+                Err("spec.addresses.interfaces: \"eth0/1\" is not an interface name"),
+            ),
+            (
+                "valid addresses, not enforced yet: refused rather than served everywhere",
+                json!({"ports": [{"start": 1, "end": 2}], "addresses": {"types": ["ExternalIP"], "cidrs": ["2001:db8::/64"], "interfaces": ["eth0"]}}),
+                Err("spec.addresses: restricting node addresses is not enforced"),
+            ),
+        ];
+        for (name, v, want) in cases {
+            let got = validate("p", None, None, &spec(v));
+            match (want, got) {
+                (Ok(()), Ok(_)) => {}
+                (Err(part), Err(errors)) => {
+                    assert!(
+                        errors.iter().any(|e| e.contains(part)),
+                        "{name}: {errors:?} should contain {part:?}"
+                    )
+                }
+                (want, got) => panic!("{name}: want {want:?}, got {got:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn defaults_of_an_object() {
+        let s = spec(json!({"ports": [{"start": 20000, "end": 20009}]}));
+        assert!(s.auto_assign && !s.disabled && s.priority == 0 && !s.allow_node_port_range);
+    }
+
+    #[test]
+    #[allow(clippy::type_complexity)]
+    fn selectors() {
+        let sel = |v: serde_json::Value| Selector::parse(Some(&serde_json::from_value(v).unwrap())).unwrap();
+        let cases: Vec<(&str, Selector, &[(&str, &str)], bool)> = vec![
+            ("empty selects all", sel(json!({})), &[], true),
+            ("matchLabels", sel(json!({"matchLabels": {"zone": "a"}})), &[("zone", "a")], true),
+            ("matchLabels other value", sel(json!({"matchLabels": {"zone": "a"}})), &[("zone", "b")], false),
+            (
+                "In",
+                sel(json!({"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a", "b"]}]})),
+                &[("zone", "b")],
+                true,
+            ),
+            (
+                "NotIn absent",
+                sel(json!({"matchExpressions": [{"key": "zone", "operator": "NotIn", "values": ["a"]}]})),
+                &[],
+                true,
+            ),
+            (
+                "NotIn present",
+                sel(json!({"matchExpressions": [{"key": "zone", "operator": "NotIn", "values": ["a"]}]})),
+                &[("zone", "a")],
+                false,
+            ),
+            (
+                "Exists",
+                sel(json!({"matchExpressions": [{"key": "edge", "operator": "Exists"}]})),
+                &[("edge", "")],
+                true,
+            ),
+            (
+                "DoesNotExist",
+                sel(json!({"matchExpressions": [{"key": "edge", "operator": "DoesNotExist"}]})),
+                &[("edge", "")],
+                false,
+            ),
+            (
+                "ANDed",
+                sel(
+                    json!({"matchLabels": {"a": "1"}, "matchExpressions": [{"key": "b", "operator": "Exists"}]}),
+                ),
+                &[("a", "1")],
+                false,
+            ),
+        ];
+        for (name, s, l, want) in cases {
+            assert_eq!(s.matches(&labels(l)), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn overlap_resolution() {
+        let zone = |z: &str| json!({"matchLabels": {"zone": z}});
+        let a = labels(&[("zone", "a")]);
+        let b = labels(&[("zone", "b")]);
+        let nodes = [&a, &b];
+        struct Case {
+            name: &'static str,
+            pools: Vec<Pool>,
+            // Per pool (oldest first): effective ranges, conflicts.
+            want: Vec<(&'static str, &'static str, Vec<&'static str>)>,
+        }
+        let cases = vec![
+            Case {
+                name: "disjoint ranges",
+                pools: vec![
+                    pool("old", 1, json!({"ports": [{"start": 20000, "end": 20009}]})),
+                    pool("new", 2, json!({"ports": [{"start": 20010, "end": 20019}]})),
+                ],
+                want: vec![("old", "20000-20009", vec![]), ("new", "20010-20019", vec![])],
+            },
+            Case {
+                name: "overlap on shared nodes: the newer loses the overlap",
+                pools: vec![
+                    pool("new", 2, json!({"ports": [{"start": 20005, "end": 20019}]})),
+                    pool("old", 1, json!({"ports": [{"start": 20000, "end": 20009}]})),
+                ],
+                want: vec![("old", "20000-20009", vec![]), ("new", "20010-20019", vec!["old"])],
+            },
+            Case {
+                name: "overlap in the middle splits the newer",
+                pools: vec![
+                    pool("old", 1, json!({"ports": [{"start": 20005, "end": 20006}]})),
+                    pool("new", 2, json!({"ports": [{"start": 20000, "end": 20009}]})),
+                ],
+                want: vec![("old", "20005-20006", vec![]), ("new", "20000-20004,20007-20009", vec!["old"])],
+            },
+            Case {
+                name: "same ranges on disjoint nodes: no conflict",
+                pools: vec![
+                    pool(
+                        "za",
+                        1,
+                        json!({"ports": [{"start": 20000, "end": 20009}], "nodeSelector": zone("a")}),
+                    ),
+                    pool(
+                        "zb",
+                        2,
+                        json!({"ports": [{"start": 20000, "end": 20009}], "nodeSelector": zone("b")}),
+                    ),
+                ],
+                want: vec![("za", "20000-20009", vec![]), ("zb", "20000-20009", vec![])],
+            },
+            Case {
+                name: "same name order when no creation time: by name",
+                pools: vec![
+                    validate("b", None, None, &spec(json!({"ports": [{"start": 1000, "end": 1001}]})))
+                        .unwrap(),
+                    validate("a", None, None, &spec(json!({"ports": [{"start": 1000, "end": 1001}]})))
+                        .unwrap(),
+                ],
+                want: vec![("a", "1000-1001", vec![]), ("b", "none", vec!["a"])],
+            },
+            Case {
+                name: "disabled pool drains: nothing new",
+                pools: vec![pool(
+                    "d",
+                    1,
+                    json!({"ports": [{"start": 20000, "end": 20009}], "disabled": true}),
+                )],
+                want: vec![("d", "none", vec![])],
+            },
+        ];
+        for c in cases {
+            let set = PoolSet::resolve(c.pools, true, PortRange::default(), &nodes);
+            let got: Vec<(String, String, Vec<String>)> = set
+                .pools
+                .iter()
+                .map(|p| (p.pool.name.clone(), describe_ranges(&p.effective), p.conflicts.clone()))
+                .collect();
+            let want: Vec<(String, String, Vec<String>)> = c
+                .want
+                .iter()
+                .map(|(n, r, cs)| (n.to_string(), r.to_string(), cs.iter().map(|s| s.to_string()).collect()))
+                .collect();
+            assert_eq!(got, want, "{}", c.name);
+        }
+    }
+
+    #[test]
+    fn no_pool_object_means_the_flags() {
+        let set = PoolSet::resolve(vec![], false, PortRange { first: 20000, last: 20099 }, &[]);
+        assert!(set.implicit);
+        let none = BTreeMap::new();
+        let svc = ServiceFacts { labels: &none, namespace_labels: &none, requested: None, held: &[] };
+        let p = assign(&set, &svc).unwrap();
+        assert_eq!(
+            (p.pool.name.as_str(), describe_ranges(&p.effective).as_str()),
+            (IMPLICIT_POOL, "20000-20099")
+        );
+        // Pool objects that are all invalid still end the implicit pool: their Services wait
+        // rather than spill onto every node and address.
+        let set = PoolSet::resolve(vec![], true, PortRange::default(), &[]);
+        assert_eq!(assign(&set, &svc), Err(NoPool::NoneAccepts));
+    }
+
+    #[test]
+    #[allow(clippy::type_complexity)]
+    fn selection() {
+        let pools = vec![
+            pool("general", 1, json!({"ports": [{"start": 20000, "end": 20099}], "priority": 10})),
+            pool(
+                "team-a",
+                2,
+                json!({"ports": [{"start": 21000, "end": 21099}], "serviceSelector": {"matchLabels": {"team": "a"}}}),
+            ),
+            pool(
+                "team-a-newer",
+                3,
+                json!({"ports": [{"start": 22000, "end": 22099}], "serviceSelector": {"matchLabels": {"team": "a"}}}),
+            ),
+            pool(
+                "prod-ns",
+                4,
+                json!({"ports": [{"start": 23000, "end": 23099}], "priority": -5, "namespaceSelector": {"matchLabels": {"env": "prod"}}}),
+            ),
+            pool("by-name", 5, json!({"ports": [{"start": 24000, "end": 24099}], "autoAssign": false})),
+            pool(
+                "draining",
+                6,
+                json!({"ports": [{"start": 25000, "end": 25099}], "priority": -10, "disabled": true}),
+            ),
+        ];
+        let set = PoolSet::resolve(pools, true, PortRange::default(), &[]);
+        let none = BTreeMap::new();
+        let team_a = labels(&[("team", "a")]);
+        let prod = labels(&[("env", "prod")]);
+        let cases: Vec<(
+            &str,
+            &BTreeMap<String, String>,
+            &BTreeMap<String, String>,
+            Option<&str>,
+            &[u16],
+            Result<&str, NoPool>,
+        )> = vec![
+            ("only the general pool accepts", &none, &none, None, &[], Ok("general")),
+            ("same priority: the older pool", &team_a, &none, None, &[], Ok("team-a")),
+            ("lower priority wins", &team_a, &prod, None, &[], Ok("prod-ns")),
+            ("by name, autoAssign false", &none, &none, Some("by-name"), &[], Ok("by-name")),
+            ("by name wins over selectors", &team_a, &none, Some("general"), &[], Ok("general")),
+            ("missing pool", &none, &none, Some("nope"), &[], Err(NoPool::Missing("nope".into()))),
+            ("stays in the pool it holds numbers in", &team_a, &none, None, &[22005], Ok("team-a-newer")),
+            ("a draining pool keeps what it holds", &none, &none, None, &[25000], Ok("draining")),
+            ("held numbers in no accepting pool: the best pool", &none, &none, None, &[21000], Ok("general")),
+            ("numbers split over pools: the best pool", &team_a, &none, None, &[21000, 22000], Ok("team-a")),
+        ];
+        for (name, l, ns, requested, held, want) in cases {
+            let svc = ServiceFacts { labels: l, namespace_labels: ns, requested, held };
+            let got = assign(&set, &svc).map(|p| p.pool.name.as_str());
+            assert_eq!(got, want, "{name}");
+        }
+        // Nothing accepts: a Service with labels no selector-free pool exists for.
+        let only = PoolSet::resolve(
+            vec![pool(
+                "team-a",
+                1,
+                json!({"ports": [{"start": 21000, "end": 21099}], "serviceSelector": {"matchLabels": {"team": "a"}}}),
+            )],
+            true,
+            PortRange::default(),
+            &[],
+        );
+        let svc = ServiceFacts { labels: &none, namespace_labels: &none, requested: None, held: &[] };
+        assert_eq!(assign(&only, &svc).map(|p| p.pool.name.clone()), Err(NoPool::NoneAccepts));
+    }
+
+    #[test]
+    fn invalid_edit_keeps_the_last_valid_version() {
+        let obj = |gen_: i64, uid: &str, start: u16| PoolObject {
+            name: "p".into(),
+            uid: Some(uid.into()),
+            created: None,
+            generation: Some(gen_),
+            spec: spec(json!({"ports": [{"start": start, "end": 20099}]})),
+        };
+        let mut lv = LastValid::default();
+        let (pools, invalid) = lv.update(&[obj(1, "u1", 20000)]);
+        assert_eq!((pools.len(), invalid.len()), (1, 0));
+        // Edited into a reversed range: generation 1 stays in force, and says so.
+        let (pools, invalid) = lv.update(&[obj(2, "u1", 20100)]);
+        assert_eq!(pools.iter().map(|p| p.generation).collect::<Vec<_>>(), vec![Some(1)]);
+        assert_eq!(invalid[0].in_force, Some(1));
+        assert!(
+            invalid[0].to_string().contains("generation 1, its last valid version, stays in force"),
+            "{}",
+            invalid[0]
+        );
+        // Deleted and created again (new uid) invalid: nothing in force.
+        let (pools, invalid) = lv.update(&[obj(1, "u2", 20100)]);
+        assert!(pools.is_empty());
+        assert_eq!(invalid[0].in_force, None);
+    }
+}

@@ -1,0 +1,250 @@
+//! Node port pools (`NodePortPool`, issue 11) end to end: the CRD installed with
+//! `kubectl apply -f daemonset/` into a real kube-apiserver + etcd, three real agents (one per
+//! node namespace), real packets client → node → backends (see `tests/common/cluster.rs`).
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::cluster::Cluster;
+use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
+use common::topology::{backend_v4, wait_until};
+use serde_json::{Value, json};
+
+/// A pool or Service change to allocation / rules on every node.
+const CHANGE: Duration = Duration::from_secs(15);
+
+fn label_node(c: &Cluster, node: &str, label: &str) {
+    c.api.kubectl_ok(&["label", "node", node, label, "--overwrite"]);
+}
+
+fn pool(name: &str, ranges: &[(u32, u32)], spec: Value) -> Value {
+    let mut spec = spec;
+    spec["ports"] = ranges.iter().map(|(a, b)| json!({"start": a, "end": b})).collect();
+    json!({"apiVersion": "nodelb.io/v1alpha1", "kind": "NodePortPool", "metadata": {"name": name}, "spec": spec})
+}
+
+fn apply(c: &Cluster, obj: &Value) {
+    let out = c.api.kubectl_stdin(&["apply", "-f", "-"], &obj.to_string());
+    assert!(out.status.success(), "kubectl apply {obj}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// `kubectl apply` refused; its message.
+fn apply_refused(c: &Cluster, obj: &Value) -> String {
+    let out = c.api.kubectl_stdin(&["apply", "-f", "-"], &obj.to_string());
+    assert!(!out.status.success(), "kubectl apply should be refused: {obj}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// A Service with label `app=<name>` and one endpoint on backend `b`, its slices made by the test.
+fn create_labelled(c: &Cluster, name: &str, b: usize, extra_labels: Value) {
+    let spec = ServiceSpec::new(name)
+        .port(PortSpec::tcp(80, None))
+        .endpoint(EndpointSpec::remote(backend_v4(b), "node-2"));
+    let mut svc = spec.service();
+    svc["spec"].as_object_mut().unwrap().remove("selector");
+    let mut labels = json!({"app": name});
+    for (k, v) in extra_labels.as_object().into_iter().flatten() {
+        labels[k] = v.clone();
+    }
+    svc["metadata"]["labels"] = labels;
+    c.api.create(svc).unwrap_or_else(|e| panic!("create {name}: {e:?}"));
+    for s in spec.slices() {
+        c.api.create(s).unwrap_or_else(|e| panic!("create slice of {name}: {e:?}"));
+    }
+}
+
+fn pool_status(c: &Cluster, name: &str) -> Value {
+    c.api.get("nodelb.io/v1alpha1", "NodePortPool", "", name).map(|p| p["status"].clone()).unwrap_or_default()
+}
+
+/// `status/reason` of condition `type_` in a pool status.
+fn condition(st: &Value, type_: &str) -> String {
+    st["conditions"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == type_))
+        .map(|c| format!("{}/{}", c["status"].as_str().unwrap_or(""), c["reason"].as_str().unwrap_or("")))
+        .unwrap_or_default()
+}
+
+/// Waits until node `i` refuses `port` (no rule there: nothing listens, the kernel resets).
+fn wait_refused(c: &Cluster, i: usize, port: u16) {
+    let ok = wait_until(CHANGE, || c.get(i, port, Duration::from_millis(500)).is_err());
+    assert!(ok, "node-{} still serves {port}: {:?}", i + 1, c.nft(i));
+}
+
+/// Node `i` keeps refusing `port` for a while (not a moment between two syncs).
+fn stays_refused(c: &Cluster, i: usize, port: u16) {
+    for _ in 0..3 {
+        assert!(c.get(i, port, Duration::from_millis(500)).is_err(), "node-{} serves {port}", i + 1);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Waits until `default/name` is allocated, with its numbers all in `range`.
+fn wait_allocated_in(c: &Cluster, name: &str, range: (u16, u16)) -> u16 {
+    let mut got = None;
+    let ok = wait_until(CHANGE, || {
+        got = c.allocated(name).and_then(|a| a.get("80/TCP").copied());
+        got.is_some_and(|n| (range.0..=range.1).contains(&n))
+    });
+    assert!(ok, "default/{name}: {got:?} not in {range:?}: {:#}", c.service_json(name).unwrap_or_default());
+    got.unwrap()
+}
+
+#[test]
+fn pools_choose_ports_nodes_and_follow_edits_without_restart() {
+    require_root!();
+    let c = Cluster::new(2);
+    label_node(&c, "node-1", "zone=a");
+    label_node(&c, "node-2", "zone=b");
+    label_node(&c, "node-3", "zone=b");
+
+    // The schema refuses what it can express (API server, not nodelb).
+    let reversed = apply_refused(&c, &pool("reversed", &[(20500, 20400)], json!({})));
+    assert!(reversed.contains("start must not be greater than end"), "{reversed}");
+    let nodeports = apply_refused(&c, &pool("nodeports", &[(30000, 30010)], json!({})));
+    assert!(nodeports.contains("NodePort range"), "{nodeports}");
+    let out_of_range = apply_refused(&c, &pool("big", &[(1, 65536)], json!({})));
+    assert!(out_of_range.contains("65535"), "{out_of_range}");
+    // nodelb refuses what the schema cannot (a bad selector operator): the pool does not exist
+    // for selection, and the agents log why.
+    apply(
+        &c,
+        &pool(
+            "bad-selector",
+            &[(20900, 20909)],
+            json!({"serviceSelector": {"matchExpressions": [{"key": "x", "operator": "Gt", "values": ["1"]}]}}),
+        ),
+    );
+
+    // Two pools on disjoint nodes, each for its own Services.
+    let zone = |z: &str| json!({"matchLabels": {"zone": z}});
+    apply(
+        &c,
+        &pool(
+            "zone-a",
+            &[(20100, 20199)],
+            json!({"nodeSelector": zone("a"), "serviceSelector": {"matchLabels": {"app": "web-a"}}}),
+        ),
+    );
+    apply(
+        &c,
+        &pool(
+            "zone-b",
+            &[(20200, 20299)],
+            json!({"nodeSelector": zone("b"), "serviceSelector": {"matchLabels": {"app": "web-b"}}}),
+        ),
+    );
+    create_labelled(&c, "web-a", 0, json!({}));
+    create_labelled(&c, "web-b", 1, json!({}));
+    let np_a = wait_allocated_in(&c, "web-a", (20100, 20199));
+    let np_b = wait_allocated_in(&c, "web-b", (20200, 20299));
+    // Served on the selected nodes, refused on the others (real packets), and the status lists
+    // only the selected nodes.
+    c.wait_served(0, np_a, CHANGE);
+    c.wait_served(1, np_b, CHANGE);
+    c.wait_served(2, np_b, CHANGE);
+    stays_refused(&c, 1, np_a);
+    stays_refused(&c, 2, np_a);
+    stays_refused(&c, 0, np_b);
+    c.wait_ingress_nodes("web-a", &[0], CHANGE);
+    c.wait_ingress_nodes("web-b", &[1, 2], CHANGE);
+
+    // The leader's status on each pool, and kubectl's columns.
+    let ok = wait_until(CHANGE, || {
+        let st = pool_status(&c, "zone-a");
+        st["observedGeneration"] == 1
+            && st["nodes"] == json!(["node-1"])
+            && st["allocated"] == 1
+            && st["portRanges"] == "20100-20199"
+            && condition(&st, "Ready") == "True/InForce"
+            && condition(&st, "Conflict") == "False/NoOverlap"
+    });
+    assert!(ok, "zone-a status: {:#}", pool_status(&c, "zone-a"));
+    let table = c.api.kubectl_ok(&["get", "npp", "-o", "wide"]);
+    assert!(table.contains("PORTS") && table.contains("CONFLICT"), "{table}");
+    let row = table
+        .lines()
+        .find(|l| l.starts_with("zone-a"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect::<Vec<_>>();
+    assert_eq!(row[..7], ["zone-a", "20100-20199", "0", "1", "99", "1", "True"], "{table}");
+    // A newer pool overlapping zone-b on nodes both select: Conflict on the newer, naming the
+    // older; it takes only its part outside the overlap.
+    apply(&c, &pool("overlap", &[(20290, 20309)], json!({"nodeSelector": zone("b"), "autoAssign": false})));
+    let ok = wait_until(CHANGE, || {
+        let st = pool_status(&c, "overlap");
+        condition(&st, "Conflict") == "True/Overlap"
+            && st["conditions"].to_string().contains("zone-b")
+            && st["portRanges"] == "20300-20309"
+    });
+    assert!(ok, "overlap status: {:#}", pool_status(&c, "overlap"));
+    assert_eq!(condition(&pool_status(&c, "zone-b"), "Conflict"), "False/NoOverlap");
+    c.api.kubectl_ok(&["delete", "nodeportpool", "overlap"]);
+    // An invalid pool (nodelb's check) says why on its status.
+    let ok = wait_until(CHANGE, || condition(&pool_status(&c, "bad-selector"), "Ready") == "False/Invalid");
+    assert!(ok, "bad-selector status: {:#}", pool_status(&c, "bad-selector"));
+
+    // A Service no pool accepts is refused with a reason (condition + Event), not allocated.
+    create_labelled(&c, "orphan", 0, json!({}));
+    c.wait_condition("orphan", "nodelb.io/Allocated", "False", "NoPool", CHANGE);
+    assert!(c.allocated("orphan").is_none());
+    let ok = wait_until(CHANGE, || !c.events("orphan", "NoNodePortPool").is_empty());
+    assert!(ok, "no NoNodePortPool Event for orphan");
+
+    // Hot reload, nodeSelector: zone-a now selects every zone. No restart; measured.
+    let started = Instant::now();
+    apply(
+        &c,
+        &pool(
+            "zone-a",
+            &[(20100, 20199)],
+            json!({"nodeSelector": {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a", "b"]}]}, "serviceSelector": {"matchLabels": {"app": "web-a"}}}),
+        ),
+    );
+    c.wait_served(1, np_a, CHANGE);
+    c.wait_served(2, np_a, CHANGE);
+    eprintln!("pool nodeSelector edit → served on a newly selected node: {:?}", started.elapsed());
+    c.wait_ingress_nodes("web-a", &[0, 1, 2], CHANGE);
+    // And back to zone b only: node-1 removes its rules, nodes 2 and 3 keep serving.
+    apply(
+        &c,
+        &pool(
+            "zone-a",
+            &[(20100, 20199)],
+            json!({"nodeSelector": zone("b"), "serviceSelector": {"matchLabels": {"app": "web-a"}}}),
+        ),
+    );
+    wait_refused(&c, 0, np_a);
+    c.wait_served(1, np_a, CHANGE);
+    c.wait_ingress_nodes("web-a", &[1, 2], CHANGE);
+    assert_eq!(c.allocated("web-a").unwrap()["80/TCP"], np_a, "a nodeSelector edit does not move the port");
+
+    // Shrinking a range reallocates exactly the Services outside it, with an Event.
+    let started = Instant::now();
+    apply(
+        &c,
+        &pool(
+            "zone-b",
+            &[(20250, 20299)],
+            json!({"nodeSelector": zone("b"), "serviceSelector": {"matchLabels": {"app": "web-b"}}}),
+        ),
+    );
+    let moved = wait_allocated_in(&c, "web-b", (20250, 20299));
+    c.wait_served(1, moved, CHANGE);
+    eprintln!("pool range shrink → reallocated and served: {:?}", started.elapsed());
+    wait_refused(&c, 1, np_b);
+    assert_eq!(c.allocated("web-a").unwrap()["80/TCP"], np_a, "web-a was inside its pool: untouched");
+    let ok = wait_until(CHANGE, || !c.events("web-b", "NodePortReallocated").is_empty());
+    assert!(ok, "no NodePortReallocated Event for web-b");
+
+    // Deleting every pool object brings back the flags' pool (every node, --port-range).
+    for p in ["zone-a", "zone-b", "bad-selector"] {
+        c.api.kubectl_ok(&["delete", "nodeportpool", p]);
+    }
+    let orphan = wait_allocated_in(&c, "orphan", (20000, 29999));
+    for i in 0..3 {
+        c.wait_served(i, orphan, CHANGE);
+    }
+}
