@@ -195,17 +195,25 @@ impl<K: Kernel> Dataplane<K> {
                 None
             })
         };
+        // The generation our table is known to be at before this batch: a diff builds on the
+        // last one we saw ours; a full replace builds on nothing, so anything committed before it
+        // does not matter.
+        let mut known_before = self.generation;
         let result = if changes == 0 {
-            Ok(())
+            Ok(None)
         } else {
             let stats = match &batch {
                 Batch::FullReplace => {
                     let carried = self.carried_affinities(&desired);
+                    known_before = self.kernel.generation().ok();
                     self.kernel.apply_full_replace(&desired, &carried)
                 }
                 Batch::Diff(diff) => self.kernel.apply(diff),
             };
-            stats.map(|stats| metrics.batch_messages.observe(stats.messages as f64))
+            stats.map(|stats| {
+                metrics.batch_messages.observe(stats.messages as f64);
+                Some(stats.generation)
+            })
         };
         drop(batch);
         if result.is_ok()
@@ -219,17 +227,22 @@ impl<K: Kernel> Dataplane<K> {
         drop(counters);
         if result.is_ok() {
             self.flush_stale_udp(&desired);
-            // The batch is in: a failed read here only means the next resync verifies the table.
-            self.generation = match self.kernel.generation() {
-                Ok(g) => Some(g),
-                Err(e) => {
-                    warn!(error = %e, "cannot read the ruleset generation; the next resync verifies our table");
-                    None
+            // Our table is as we left it only if our batch was the one commit since we last knew
+            // it; else (someone committed before or after our batch, or we cannot tell) the next
+            // resync reads it back and compares. Taking the generation after the batch as ours
+            // would hide a change made just before it for good.
+            if let Ok(Some(after)) = &result {
+                self.generation =
+                    known_before.zip(*after).and_then(|(b, a)| (a == next_generation(b)).then_some(a));
+                if self.generation.is_none() {
+                    debug!(
+                        "another nftables transaction around our batch; our table is verified at the next resync"
+                    );
                 }
-            };
+            }
             self.applied = Some(desired);
         }
-        Ok(Programmed { kind, changes, result: result.map_err(DataplaneError::Batch) })
+        Ok(Programmed { kind, changes, result: result.map(|_| ()).map_err(DataplaneError::Batch) })
     }
 
     /// UDP endpoints that left a node port since the last batch: delete their conntrack entries
@@ -275,5 +288,13 @@ impl<K: Kernel> Dataplane<K> {
                 Carried::new()
             }
         }
+    }
+}
+
+/// The ruleset generation after one commit at `g` (the kernel skips 0 when it wraps).
+fn next_generation(g: u32) -> u32 {
+    match g.wrapping_add(1) {
+        0 => 1,
+        n => n,
     }
 }

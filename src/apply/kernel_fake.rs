@@ -147,7 +147,7 @@ impl FakeKernel {
         }
         self.table = Some(next);
         self.generation += 1;
-        Ok(ApplyStats { messages: changes.len() + 2, bytes: 0 })
+        Ok(ApplyStats { messages: changes.len() + 2, bytes: 0, generation: Some(self.generation) })
     }
 }
 

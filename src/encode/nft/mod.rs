@@ -62,6 +62,9 @@ pub struct ApplyStats {
     /// Netlink messages in the batch, BATCH_BEGIN/END included.
     pub messages: usize,
     pub bytes: usize,
+    /// The ruleset generation right after the batch (`None`: no batch was sent, or the reply
+    /// could not be read).
+    pub generation: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -3,6 +3,7 @@
 //! leader writes), [`events`] (once per change), [`leader`] (the Lease election rules),
 //! [`lastgood`] (the last valid spec of a Service), [`uninstall`] (uninstall or restart).
 
+pub mod claims;
 pub mod dupes;
 pub mod events;
 pub mod lastgood;
