@@ -191,9 +191,11 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     // process here listens on it): the allocation stays, the port is not programmed here.
     let mut refused_ports = Vec::new();
     let mut programmed = allocations.clone();
+    let servicelb = inputs.pools.map(|c| servicelb_refusals(c, inputs.services)).unwrap_or_default();
     for (key, ports) in programmed.iter_mut() {
-        let pool_policy = match (pools, &assignment) {
-            (Some(ctx), Some(a)) => Some(pool_node_policy(ctx, a, key, &inputs.policy.ports)),
+        let pool_policy = match (servicelb.get(key), pools, &assignment) {
+            (Some(why), _, _) => Some(Err(PortRefusal::NotSelected(format!("ServiceLB labels: {why}")))),
+            (None, Some(ctx), Some(a)) => Some(pool_node_policy(ctx, a, key, &inputs.policy.ports)),
             _ => None,
         };
         ports.retain(|id, node_port| {
@@ -311,6 +313,23 @@ fn pool_node_policy(
         )));
     }
     Ok(PortPolicy { ranges: ranges.keep.clone(), allowed: flags.allowed.clone() })
+}
+
+/// The Services this node does not serve under the k3s ServiceLB labels (when in force), and why.
+fn servicelb_refusals<S: Borrow<Service>>(ctx: &PoolContext, services: &[S]) -> BTreeMap<ServiceKey, String> {
+    if !ctx.servicelb {
+        return BTreeMap::new();
+    }
+    let empty = BTreeMap::new();
+    services
+        .iter()
+        .map(|s| s.borrow())
+        .filter_map(|s| {
+            let labels = s.metadata.labels.as_ref().unwrap_or(&empty);
+            let why = crate::servicelb::serves(&ctx.node_labels, labels).err()?;
+            Some((model::service_key(s), why.to_string()))
+        })
+        .collect()
 }
 
 /// A Service refused for bad input keeps its ports (when nobody else took them meanwhile), so
