@@ -595,4 +595,64 @@ mod tests {
             )
         );
     }
+
+    /// Under the k3s ServiceLB labels a node programs only the Services its labels select; the
+    /// others stay allocated but are refused here with the label and values; the flag's context
+    /// without them (`servicelb: false`) programs both.
+    #[test]
+    fn servicelb_labels_choose_what_this_node_programs() {
+        use crate::servicelb::{LABEL_ENABLELB, LABEL_LBPOOL};
+        let svc = |name: &str, labels: serde_json::Value| -> Service {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name, "namespace": "default", "labels": labels},
+                "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]}
+            }))
+            .expect("service")
+        };
+        let services =
+            [svc("plain", serde_json::json!({})), svc("edge", serde_json::json!({LABEL_LBPOOL: "edge"}))];
+        let node = NodeFacts {
+            node_name: "node-1".into(),
+            families: [Family::Ipv4].into(),
+            masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
+            forward_mark: None,
+        };
+        let range = PortRange::new(20000, 20010).expect("range");
+        let run = |servicelb: bool| {
+            let ctx = PoolContext {
+                set: crate::pool::PoolSet::resolve(vec![], false, range, &[]),
+                namespaces: BTreeMap::new(),
+                node_labels: [(LABEL_ENABLELB, "true"), (LABEL_LBPOOL, "other")]
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+                servicelb,
+            };
+            compute(&Inputs {
+                mode: AllocationMode::Allocate,
+                services: &services,
+                slices: model::NO_SLICES,
+                notes: &SourceNotes::default(),
+                previous: &Allocations::new(),
+                since: &BTreeMap::new(),
+                policy: &HostPolicy::default(),
+                host: &HostFacts::default(),
+                range: &range,
+                model: &ModelOptions::default(),
+                node: &node,
+                pools: Some(&ctx),
+            })
+        };
+        let on = run(true);
+        assert_eq!(on.allocations.len(), 2, "both stay allocated: {:?}", on.allocations);
+        let refused: Vec<String> =
+            on.refused_ports.iter().map(|r| format!("{}: {}", r.service, r.reason)).collect();
+        assert_eq!(refused.len(), 1, "{refused:?}");
+        assert!(refused[0].starts_with("default/edge: ServiceLB labels:"), "{refused:?}");
+        assert!(
+            refused[0].contains("lbpool=\"edge\"") && refused[0].contains("lbpool=\"other\""),
+            "{refused:?}"
+        );
+        assert!(run(false).refused_ports.is_empty());
+    }
 }

@@ -183,3 +183,59 @@ pub async fn write_statuses(client: &Client, round: &StatusRound<'_>) -> Result<
     }
     Ok(stale)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::servicelb::{LABEL_ENABLELB, LABEL_LBPOOL};
+
+    fn node(name: &str, labels: &[(&str, &str)]) -> Node {
+        let mut n = Node::default();
+        n.metadata.name = Some(name.into());
+        n.metadata.labels = Some(labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+        n
+    }
+
+    fn service(name: &str, labels: &[(&str, &str)]) -> Service {
+        let mut s = Service::default();
+        s.metadata.name = Some(name.into());
+        s.metadata.namespace = Some("default".into());
+        s.metadata.labels = Some(labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+        s
+    }
+
+    fn key(name: &str) -> ServiceKey {
+        crate::model::service_key(&service(name, &[]))
+    }
+
+    fn names(n: &[&str]) -> BTreeSet<String> {
+        n.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn servicelb_labels_narrow_what_the_pools_select() {
+        let nodes = [
+            node("a", &[(LABEL_ENABLELB, "true"), (LABEL_LBPOOL, "edge")]),
+            node("b", &[(LABEL_ENABLELB, "true"), ("zone", "b")]),
+            node("c", &[(LABEL_ENABLELB, "false"), ("zone", "b")]),
+        ];
+        let services = [service("plain", &[]), service("edge", &[(LABEL_LBPOOL, "edge")])];
+        let ctx = |servicelb| PoolContext {
+            set: PoolSet::resolve(vec![], false, PortRange { first: 20000, last: 29999 }, &[]),
+            namespaces: BTreeMap::new(),
+            node_labels: BTreeMap::new(),
+            servicelb,
+        };
+        // Not in force: the pools' selection as it is (none: every node).
+        assert_eq!(narrow_by_servicelb(&ctx(false), &services, &nodes, None), None);
+        // In force, no pool restriction: the labels alone.
+        let got = narrow_by_servicelb(&ctx(true), &services, &nodes, None).unwrap();
+        assert_eq!(got[&key("plain")], names(&["a", "b"]));
+        assert_eq!(got[&key("edge")], names(&["a"]));
+        // A pool selecting b and c: both must select.
+        let pool = BTreeMap::from([(key("plain"), names(&["b", "c"])), (key("edge"), names(&["b", "c"]))]);
+        let got = narrow_by_servicelb(&ctx(true), &services, &nodes, Some(pool)).unwrap();
+        assert_eq!(got[&key("plain")], names(&["b"]));
+        assert_eq!(got[&key("edge")], names(&[]));
+    }
+}
