@@ -551,6 +551,30 @@ fn counter_index(services: &[LbService], ruleset: &Ruleset) -> CounterIndex {
 mod tests {
     use super::*;
 
+    /// [`compute`] on node-1 (IPv4) with the range 20000-20010 and default policies.
+    fn compute_on(mode: AllocationMode, services: &[Service], pools: Option<&PoolContext>) -> Desired {
+        let node = NodeFacts {
+            node_name: "node-1".into(),
+            families: [Family::Ipv4].into(),
+            masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
+            forward_mark: None,
+        };
+        compute(&Inputs {
+            mode,
+            services,
+            slices: model::NO_SLICES,
+            notes: &SourceNotes::default(),
+            previous: &Allocations::new(),
+            since: &BTreeMap::new(),
+            policy: &HostPolicy::default(),
+            host: &HostFacts::default(),
+            range: &PortRange::new(20000, 20010).expect("range"),
+            model: &ModelOptions::default(),
+            node: &node,
+            pools,
+        })
+    }
+
     /// A node's status line for a Service the leader could not allocate repeats the leader's
     /// reason (the `nodelb.io/Allocated` condition), not a bare "no node port".
     #[test]
@@ -566,26 +590,7 @@ mod tests {
                  "lastTransitionTime": "2024-01-01T00:00:00Z"}]}
         }))
         .expect("service");
-        let node = NodeFacts {
-            node_name: "node-1".into(),
-            families: [Family::Ipv4].into(),
-            masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
-            forward_mark: None,
-        };
-        let desired = compute(&Inputs {
-            mode: AllocationMode::Annotated,
-            services: &[svc],
-            slices: model::NO_SLICES,
-            notes: &SourceNotes::default(),
-            previous: &Allocations::new(),
-            since: &BTreeMap::new(),
-            policy: &HostPolicy::default(),
-            host: &HostFacts::default(),
-            range: &PortRange::new(20000, 20010).expect("range"),
-            model: &ModelOptions::default(),
-            node: &node,
-            pools: None,
-        });
+        let desired = compute_on(AllocationMode::Annotated, &[svc], None);
         let line = &desired.services[0];
         assert_eq!(line.state, ServiceState::Refused);
         assert_eq!(
@@ -611,12 +616,6 @@ mod tests {
         };
         let services =
             [svc("plain", serde_json::json!({})), svc("edge", serde_json::json!({LABEL_LBPOOL: "edge"}))];
-        let node = NodeFacts {
-            node_name: "node-1".into(),
-            families: [Family::Ipv4].into(),
-            masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
-            forward_mark: None,
-        };
         let range = PortRange::new(20000, 20010).expect("range");
         let run = |servicelb: bool| {
             let ctx = PoolContext {
@@ -628,20 +627,7 @@ mod tests {
                     .collect(),
                 servicelb,
             };
-            compute(&Inputs {
-                mode: AllocationMode::Allocate,
-                services: &services,
-                slices: model::NO_SLICES,
-                notes: &SourceNotes::default(),
-                previous: &Allocations::new(),
-                since: &BTreeMap::new(),
-                policy: &HostPolicy::default(),
-                host: &HostFacts::default(),
-                range: &range,
-                model: &ModelOptions::default(),
-                node: &node,
-                pools: Some(&ctx),
-            })
+            compute_on(AllocationMode::Allocate, &services, Some(&ctx))
         };
         let on = run(true);
         assert_eq!(on.allocations.len(), 2, "both stay allocated: {:?}", on.allocations);
