@@ -55,16 +55,7 @@ exe=$(cargo bench --bench dataplane --no-run --message-format=json 2>/dev/null |
 out=$(mktemp -d /tmp/nodelb-bench.XXXXXX)
 pid=
 cleanup() {
-    if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
-        kill -TERM "$pid" 2>/dev/null || true
-        wait "$pid" 2>/dev/null || true
-    fi
-    # The benchmark deletes its namespaces itself; this catches a SIGKILLed run.
-    if [ -n "$pid" ]; then
-        for ns in $(ip netns list | awk '{print $1}' | grep -E "^nlb-.*-$pid-[0-9]+$" || true); do
-            ip netns del "$ns" 2>/dev/null || true
-        done
-    fi
+    nodelb_stop_program "$pid"
     rm -rf "$out"
 }
 trap cleanup EXIT

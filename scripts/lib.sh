@@ -53,6 +53,21 @@ nodelb_ensure_rust() {
     }
 }
 
+# Stops a benchmark-style program started in the background ($1: its pid; nothing when empty or
+# gone) and deletes the namespaces it created (`nlb-<tag>-<pid>-<n>`): the program deletes them
+# itself, this catches a SIGKILLed run. Used by scripts/bench.sh and scripts/soak.sh.
+nodelb_stop_program() {
+    local pid=$1 ns
+    [ -n "$pid" ] || return 0
+    if kill -0 "$pid" 2>/dev/null; then
+        kill -TERM "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+    fi
+    for ns in $(ip netns list | awk '{print $1}' | grep -E "^nlb-.*-$pid-[0-9]+$" || true); do
+        ip netns del "$ns" 2>/dev/null || true
+    done
+}
+
 # Puts a Go toolchain on PATH (`sudo` drops /usr/local/go/bin, the official tarball's place) and
 # chooses how a module whose go.mod (the argument) says `go 1.26.0` is built: an older Go (1.21+)
 # fetches that toolchain as a module from the Go module proxy (GOTOOLCHAIN), a newer one builds with

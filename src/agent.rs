@@ -499,17 +499,25 @@ impl Agent {
             })
         };
         phases.mark("counters");
+        // The generation our table is known to be at before this batch: a diff builds on the
+        // last one we saw ours; a full replace builds on nothing, so anything committed before it
+        // does not matter.
+        let mut known_before = self.generation;
         let result = if changes == 0 {
-            Ok(())
+            Ok(None)
         } else {
             let stats = match &batch {
                 Batch::FullReplace => {
                     let carried = self.carried_affinities(&desired.ruleset);
+                    known_before = self.nft.generation().ok();
                     self.nft.apply_full_replace(&desired.ruleset, &carried)
                 }
                 Batch::Diff(diff) => self.nft.apply(diff),
             };
-            stats.map(|stats| self.metrics.batch_messages.observe(stats.messages as f64))
+            stats.map(|stats| {
+                self.metrics.batch_messages.observe(stats.messages as f64);
+                Some(stats.generation)
+            })
         };
         drop(batch);
         phases.mark("apply");
@@ -529,14 +537,19 @@ impl Agent {
                 info!(kind, changes, ms, "synced");
             }
             self.flush_stale_udp(&desired.ruleset);
-            // The batch is in: a failed read here only means the next resync verifies the table.
-            self.generation = match self.nft.generation() {
-                Ok(g) => Some(g),
-                Err(e) => {
-                    warn!(error = %e, "cannot read the ruleset generation; the next resync verifies our table");
-                    None
+            // Our table is as we left it only if our batch was the one commit since we last knew
+            // it; else (someone committed before or after our batch, or we cannot tell) the next
+            // resync reads it back and compares. Taking the generation after the batch as ours
+            // would hide a change made just before it for good.
+            if let Ok(Some(after)) = &result {
+                self.generation =
+                    known_before.zip(*after).and_then(|(b, a)| (a == next_generation(b)).then_some(a));
+                if self.generation.is_none() {
+                    debug!(
+                        "another nftables transaction around our batch; our table is verified at the next resync"
+                    );
                 }
-            };
+            }
             self.last_input = loaded.fingerprint.map(|fp| (fp, node.clone(), host.clone()));
         }
         attempt.report = Some(Report {
@@ -549,7 +562,7 @@ impl Agent {
         }
         phases.mark("after");
         debug!(kind, changes, phases = %phases, "sync breakdown (ms)");
-        result.map(|()| Synced::Applied).map_err(AgentError::from)
+        result.map(|_| Synced::Applied).map_err(AgentError::from)
     }
 
     /// The source's snapshot ([`Loaded::Unchanged`] when its fingerprint is `known`). An error
@@ -913,6 +926,14 @@ fn resetting_counters(batch: &Batch, tracked: &BTreeSet<String>) -> BTreeSet<Str
             _ => None,
         })
         .collect()
+}
+
+/// The ruleset generation after one commit at `g` (the kernel skips 0 when it wraps).
+fn next_generation(g: u32) -> u32 {
+    match g.wrapping_add(1) {
+        0 => 1,
+        n => n,
+    }
 }
 
 /// Logs the messages of `current` that were not reported last time, then remembers `current`: a

@@ -33,8 +33,9 @@ pub enum LogFormat {
 pub enum Command {
     /// Program this node and keep it programmed.
     Run(Box<RunArgs>),
-    /// Print the ruleset the agent would program for a manifests directory, and exit.
-    Plan(PlanArgs),
+    /// Print the ruleset the agent would program (for a manifests directory, or for this node of
+    /// the cluster as it is now), and exit.
+    Plan(Box<PlanArgs>),
     /// Remove everything nodelb created in this network namespace (table inet nodelb).
     Cleanup,
     /// Show the agent's Services, their node ports and why anything was refused.
@@ -172,6 +173,10 @@ pub struct KubeArgs {
 pub struct PlanArgs {
     #[command(flatten)]
     pub common: CommonArgs,
+    /// Without --manifests: the Services, EndpointSlices and Nodes of the cluster (read once),
+    /// planned as the agent of --node-name programs them.
+    #[command(flatten)]
+    pub kube: KubeArgs,
 }
 
 #[derive(Debug, clap::Args)]

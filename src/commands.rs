@@ -240,17 +240,61 @@ async fn shutdown_signal() {
     }
 }
 
-pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
-    let Some(dir) = &args.common.manifests else {
-        bail!("plan needs --manifests DIR");
+/// `nodelb plan`: what `run` would program on this node, printed in nft syntax (refusals on
+/// stderr). From a manifests directory (allocating as the agent does, from its state file), or
+/// without one from the cluster as it is now (the allocations the leader wrote on the Services,
+/// as a Kubernetes-mode node uses them). Run it inside the node's network namespace: the node's
+/// addresses and listening sockets count, as they do for the agent.
+pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
+    let host_addresses = crate::hostaddrs::read().unwrap_or_default();
+    let (services, slices, notes, mode, previous, cluster_addresses) = match &args.common.manifests {
+        Some(dir) => {
+            let loaded = crate::manifests::load_dir(dir)?;
+            for p in &loaded.problems {
+                eprintln!("problem: {p}");
+            }
+            // A state file the agent could not read would stop it; `plan` must not print ports
+            // the agent would not use.
+            let previous = StateFile::new(args.common.state_file.clone()).load()?;
+            let notes = desired::SourceNotes {
+                refused: loaded
+                    .invalid_services
+                    .iter()
+                    .map(|i| crate::model::Refusal::Invalid {
+                        service: i.key.clone(),
+                        reason: i.problem.to_string(),
+                    })
+                    .collect(),
+                stale: Default::default(),
+            };
+            let services: Vec<_> = loaded.services.iter().map(|s| s.as_ref().clone()).collect();
+            let slices: Vec<_> = loaded.slices.iter().map(|s| s.as_ref().clone()).collect();
+            (services, slices, notes, desired::AllocationMode::Allocate, previous, Default::default())
+        }
+        None => {
+            if args.common.node_name.is_none() {
+                bail!(
+                    "plan without --manifests plans a node of the cluster: it needs --node-name or NODE_NAME"
+                );
+            }
+            let client = kube_client(&args.kube).await?;
+            let lp = kube::api::ListParams::default();
+            let services =
+                kube::Api::<k8s_openapi::api::core::v1::Service>::all(client.clone()).list(&lp).await;
+            let slices = kube::Api::<k8s_openapi::api::discovery::v1::EndpointSlice>::all(client.clone())
+                .list(&lp)
+                .await;
+            let nodes = kube::Api::<k8s_openapi::api::core::v1::Node>::all(client).list(&lp).await;
+            let (services, slices, nodes) = (
+                services.context("cannot list Services")?.items,
+                slices.context("cannot list EndpointSlices")?.items,
+                nodes.context("cannot list Nodes")?.items,
+            );
+            let addresses = crate::k8s::nodes::cluster_node_addresses(&nodes);
+            let mode = desired::AllocationMode::Annotated;
+            (services, slices, Default::default(), mode, Default::default(), addresses)
+        }
     };
-    let loaded = crate::manifests::load_dir(dir)?;
-    for p in &loaded.problems {
-        eprintln!("problem: {p}");
-    }
-    // A state file the agent could not read would stop it; `plan` must not print ports the
-    // agent would not use.
-    let previous = StateFile::new(args.common.state_file.clone()).load()?;
     let node = NodeFacts {
         node_name: node_name(&args.common),
         families: Family::ALL.into_iter().collect::<BTreeSet<_>>(),
@@ -258,24 +302,14 @@ pub fn plan(args: PlanArgs) -> anyhow::Result<()> {
         forward_mark: forward_mark(&args.common)?,
     };
     let host = HostFacts {
-        addresses: crate::hostaddrs::read().unwrap_or_default(),
+        addresses: host_addresses.merged(&cluster_addresses),
         listeners: crate::port_policy::Listeners::from_sockets(crate::listeners::read().unwrap_or_default()),
     };
     let desired = desired::compute(&Inputs {
-        mode: desired::AllocationMode::Allocate,
-        services: &loaded.services,
-        slices: &loaded.slices,
-        notes: &desired::SourceNotes {
-            refused: loaded
-                .invalid_services
-                .iter()
-                .map(|i| crate::model::Refusal::Invalid {
-                    service: i.key.clone(),
-                    reason: i.problem.to_string(),
-                })
-                .collect(),
-            stale: Default::default(),
-        },
+        mode,
+        services: &services,
+        slices: &slices,
+        notes: &notes,
         previous: &previous.allocations,
         since: &previous.since,
         range: &args.common.port_range,

@@ -130,6 +130,11 @@ fn sanitize(s: &str) -> String {
 /// `nft list ruleset` readable. Truncated to a safe length (the hash keeps it unique).
 fn chain_name(kind: &str, family: Family, identity: &str) -> String {
     let hash = fnv1a(format!("{kind}|{}|{identity}", family.name()).as_bytes());
+    readable_chain(kind, family, hash, identity)
+}
+
+/// `<kind><4|6>-<32 bits of hash>-<identity, sanitized>`, cut to [`MAX_CHAIN_NAME`].
+fn readable_chain(kind: &str, family: Family, hash: u64, identity: &str) -> String {
     let mut name = format!("{kind}{}-{:08x}-{}", fam_digit(family), hash as u32, sanitize(identity));
     if name.len() > MAX_CHAIN_NAME {
         name.truncate(MAX_CHAIN_NAME);
@@ -196,11 +201,23 @@ fn port_identity(svc: &LbService, port: &LbPort) -> String {
     format!("{}/{}/{}/{}", svc.key.namespace, svc.key.name, port.id.protocol.name(), port.id.port)
 }
 
-pub fn service_chain(f: Family, svc: &LbService, port: &LbPort) -> String {
-    chain_name("svc", f, &port_identity(svc, port))
+/// A service port's DNAT chain. The node port is part of its identity (in the hash, not the
+/// readable suffix): the chain's comment names the node port, and the kernel keeps a chain's
+/// comment when the chain is added again, so a new node port must be a new chain (the diff adds
+/// it and deletes the old one) for the table to say what it does.
+pub fn service_chain(f: Family, svc: &LbService, port: &LbPort, node_port: u16) -> String {
+    numbered_chain("svc", f, svc, port, node_port)
 }
-pub fn firewall_chain(f: Family, svc: &LbService, port: &LbPort) -> String {
-    chain_name("fw", f, &port_identity(svc, port))
+/// A service port's source-range chain; the node port is part of its identity as for
+/// [`service_chain`].
+pub fn firewall_chain(f: Family, svc: &LbService, port: &LbPort, node_port: u16) -> String {
+    numbered_chain("fw", f, svc, port, node_port)
+}
+
+fn numbered_chain(kind: &str, f: Family, svc: &LbService, port: &LbPort, node_port: u16) -> String {
+    let identity = port_identity(svc, port);
+    let hash = fnv1a(format!("{kind}|{}|{identity}|{node_port}", f.name()).as_bytes());
+    readable_chain(kind, f, hash, &identity)
 }
 
 /// Dynamic set of the clients whose last connection to a service port went to `ep`
@@ -486,7 +503,7 @@ fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f
         // Ranges of the other family only ⇒ nobody of this family is allowed: fail closed.
         let refused = refused_counter(f, svc, port);
         rs.add_counter(counter(refused.clone(), "refused by source ranges"));
-        let fw = firewall_chain(f, svc, port);
+        let fw = firewall_chain(f, svc, port, node_port);
         let mut rules: Vec<Rule> = ranges
             .iter()
             .map(|r| {
@@ -530,7 +547,7 @@ fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f
         None => draw_rules(first, port, &endpoints),
         Some(timeout) => affinity_rules(rs, first, svc, port, &endpoints, f, timeout),
     };
-    let svc_chain = service_chain(f, svc, port);
+    let svc_chain = service_chain(f, svc, port, node_port);
     rs.add_chain(regular(svc_chain.clone(), comment(""), rules));
     insert_element(rs, &service_ports_map(f), key.clone(), Mapped::Verdict(Verdict::Goto(svc_chain)));
     insert_element(rs, &forward_counters_map(f), key, Mapped::Counter(forwarded));

@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
+use common::agent::canonical_ruleset;
 use common::cluster::{
     AGENT_NS, CLIENT_V4, Cluster, LEADER_LEASE, Permission, Rbac, node_name, node_v4, web,
 };
@@ -136,6 +137,38 @@ fn service_is_served_on_every_node_with_status() {
         .filter(|p| !["tokenreviews", "subjectaccessreviews"].contains(&p.1.as_str()))
         .collect();
     assert!(unused.is_empty(), "granted but never used: {unused:?}; used: {used:?}");
+}
+
+/// `nodelb plan` without `--manifests`, run on a node with the agent's kubeconfig, prints what
+/// that node's agent programmed (compared as listings: each loaded into the kernel and listed).
+/// The soak (`benches/soak.rs`) uses it as the converged state after its faults.
+#[test]
+fn plan_from_the_cluster_is_what_each_agent_programmed() {
+    require_root!();
+    let c = Cluster::new(2);
+    c.create(&web("web", &[(0, 0), (1, 1)]));
+    let local = web("local", &[(0, 0)]).local_policy().source_range("203.0.113.0/24");
+    c.create(&local);
+    let np = c.wait_allocated("web", 1, CHANGE)["80/TCP"];
+    let lp = c.wait_allocated("local", 1, CHANGE)["80/TCP"];
+    for i in 0..3 {
+        c.wait_served(i, np, CHANGE);
+    }
+    c.wait_served(0, lp, CHANGE);
+    for i in 0..3 {
+        let mut last = (String::new(), String::new());
+        let same = wait_until(CHANGE, || {
+            last = (c.planned_listing(i), canonical_ruleset(&c.nft(i).unwrap_or_default()));
+            last.0 == last.1
+        });
+        assert!(same, "node-{}: plan and table differ:\nplan:\n{}\ntable:\n{}", i + 1, last.0, last.1);
+        assert!(
+            last.0.contains(&format!(" {np} ")),
+            "node-{}: port {np} not in the plan:\n{}",
+            i + 1,
+            last.0
+        );
+    }
 }
 
 /// `kubectl auth can-i --list` rows ((group, resource, verb), resource names: "" for any) for

@@ -574,6 +574,32 @@ fn delete_table_removes_only_ours_and_generation_moves() {
     assert_eq!(rest.trim(), "table inet other");
 }
 
+/// A batch reports the generation it left, one more than before it (what the agent relies on
+/// to tell its own commit from someone else's, issue 14 point 3); a refused batch commits
+/// nothing, and another transaction in between shows as a larger step.
+#[test]
+fn a_batch_reports_the_generation_it_left() {
+    require_root!();
+    let a = NetNs::new("nft-gen");
+    let steps = a.run(move || {
+        let mut c = NftClient::new().expect("client");
+        let g0 = c.generation().expect("gen");
+        let s1 = c.apply(&counter_ruleset().full_replace()).expect("apply");
+        let refused = c.apply(&[Change::FlushChain("no-such-chain".into())]);
+        let g2 = c.generation().expect("gen");
+        // Someone else's transaction (born in this thread's namespace).
+        let out = std::process::Command::new("nft").args(["add", "table", "inet", "other"]).output().unwrap();
+        assert!(out.status.success());
+        let s3 = c.apply(&[Change::AddChain(regular("extra", vec![]))]);
+        (g0, s1.generation, refused.is_err(), g2, s3.ok().and_then(|s| s.generation))
+    });
+    let (g0, g1, refused, g2, g3) = steps;
+    assert_eq!(g1, Some(g0.wrapping_add(1)), "{steps:?}");
+    assert!(refused, "{steps:?}");
+    assert_eq!(Some(g2), g1, "a refused batch commits nothing: {steps:?}");
+    assert!(g3.is_some_and(|g| g != g2.wrapping_add(1)), "someone else's commit in between: {steps:?}");
+}
+
 /// The elements the packet path put into dynamic sets (affinities) are not configuration: the
 /// tamper check ignores them; a full replace deletes them with the table unless they are read
 /// first and put back, each with the time it had left.

@@ -145,6 +145,24 @@ fn one_endpoint_added_is_a_small_batch() {
     );
 }
 
+/// A Service whose node port changes (a request edited, a conflict resolved) gets the chains
+/// its comments name: an incremental diff leaves nothing of the old number. The kernel keeps a
+/// chain's comment when the chain is "added" again (`plan::simulate` models that), so a chain
+/// whose comment names the node port must be a new chain when the port changes. Found by the
+/// chaos soak (a table listing `node port 20003` for a Service served on 20104).
+#[test]
+fn a_node_port_change_leaves_no_stale_comment() {
+    let mut web = svc("web", vec![(80, Protocol::Tcp, two_backends())]);
+    web.source_ranges = vec!["203.0.113.0/24".parse().unwrap()];
+    let n = node(&[Family::Ipv4, Family::Ipv6]);
+    let before = plan::plan(&[ServicePlan { service: &web, node_ports: &ports(&web, 20001) }], &n);
+    let after = plan::plan(&[ServicePlan { service: &web, node_ports: &ports(&web, 20104) }], &n);
+    let got = plan::simulate(&before, &plan::diff(&before, &after)).unwrap();
+    assert_eq!(got, after, "20001 → 20104");
+    let comments: Vec<&str> = got.chains.values().filter_map(|c| c.comment.as_deref()).collect();
+    assert!(comments.iter().all(|c| !c.contains("20001")), "{comments:#?}");
+}
+
 #[test]
 fn chain_names_are_stable_and_bounded() {
     let long = "x".repeat(253);
@@ -157,7 +175,7 @@ fn chain_names_are_stable_and_bounded() {
     }
     let again = plan::plan(&[ServicePlan { service: &s, node_ports: &p }], &node(&[Family::Ipv4]));
     assert_eq!(rs, again);
-    let svc_chain = plan::service_chain(Family::Ipv4, &s, &s.ports[0]);
+    let svc_chain = plan::service_chain(Family::Ipv4, &s, &s.ports[0], 20001);
     assert!(svc_chain.starts_with("svc4-"), "{svc_chain}");
 }
 

@@ -31,6 +31,7 @@ use crate::metrics::Metrics;
 use crate::model::{self, ANNOTATION_ALLOCATED, ModelOptions, ServiceKey};
 use crate::status::SharedStatus;
 
+use super::claims;
 use super::dupes;
 use super::events::Deduper;
 use super::lastgood::LastGoodServices;
@@ -510,8 +511,7 @@ async fn allocate_loop(
     recorder: Recorder,
     metrics: Arc<Metrics>,
 ) {
-    let mut last_good = LastGoodServices::default();
-    let mut pools_last_valid = crate::pool::LastValid::default();
+    let mut state = LeaderState::new(&cfg.node_name);
     let mut deduper: Deduper<ServiceKey> = Deduper::default();
     let mut was_leader = false;
     loop {
@@ -525,17 +525,54 @@ async fn allocate_loop(
             deduper = Deduper::default();
         }
         was_leader = leading;
-        if !leading || !source.complete() {
+        if !source.complete() {
+            continue;
+        }
+        // Every agent remembers the Services it saw, so that as leader it knows which were
+        // deleted (their node ports are free) without guessing from one view.
+        state.observe(&source.snapshot());
+        if !leading {
             continue;
         }
         let mut again = true;
         while again && leadership.get() {
-            let state = RoundState { last_good: &mut last_good, pools_last_valid: &mut pools_last_valid };
-            again = round(&client, &source, &cfg, state, &mut deduper, &recorder, &metrics).await;
+            again = round(&client, &source, &cfg, &mut state, &mut deduper, &recorder, &metrics).await;
             if again {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
+    }
+}
+
+/// What a leader keeps between rounds.
+pub struct LeaderState {
+    pub last_good: LastGoodServices,
+    /// Each NodePortPool's last valid version ([`crate::pool::LastValid`]).
+    pub pools_last_valid: crate::pool::LastValid,
+    /// What it knows of the node-port registry's Services ([`claims::Keeper`]).
+    pub claims: claims::Keeper,
+    /// Names this process in the claims it leaves pending.
+    pub token: claims::Token,
+    /// Registry problems last logged (each logged once while it lasts).
+    logged: std::collections::BTreeSet<String>,
+}
+
+impl LeaderState {
+    pub fn new(node_name: &str) -> LeaderState {
+        let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        LeaderState {
+            last_good: LastGoodServices::default(),
+            pools_last_valid: Default::default(),
+            claims: claims::Keeper::default(),
+            token: claims::Token::new(node_name, std::process::id(), started.as_nanos()),
+            logged: Default::default(),
+        }
+    }
+
+    /// Records the Services of a view (see [`claims::Keeper::observe_view`]).
+    pub fn observe(&mut self, snap: &KubeSnapshot) {
+        let holders: Vec<claims::Holder> = snap.services.iter().map(|s| claims::Holder::of(s)).collect();
+        self.claims.observe_view(&holders);
     }
 }
 
@@ -544,6 +581,8 @@ async fn allocate_loop(
 pub struct RoundPlan {
     pub writes: Vec<ServiceWrite>,
     pub events: Vec<publish::ServiceEvent>,
+    /// The registry side: written before the Services, resolved after.
+    pub claims: claims::ClaimPlan,
     /// What the pools' status is written from, when NodePortPool objects exist.
     pub pools: Option<PoolRound>,
 }
@@ -558,11 +597,22 @@ pub struct PoolRound {
     pub serving: std::collections::BTreeMap<String, nodes::ServingNode>,
 }
 
-/// The leader's decisions for one round, from the caches alone (pure): last-good substitution,
-/// the model, endpoint policy, node port pools (`pools_last_valid`: each pool's last valid
-/// version, kept across rounds), duplicate repair, allocation, status, conditions and Events.
-/// `leases_now`: the time to judge node-Lease expiry by, `None` while the Lease cache may be
-/// behind (see [`nodes::serving_nodes`]).
+/// What the node-port registry contributes to a round.
+pub struct ClaimInputs<'a> {
+    /// As read at the start of the round; `None` when it could not be read (then nothing that
+    /// adds a number is written).
+    pub registry: Option<&'a claims::Registry>,
+    pub token: &'a claims::Token,
+    pub gone: &'a std::collections::BTreeSet<claims::Owner>,
+    pub expired: &'a std::collections::BTreeSet<u16>,
+}
+
+/// The leader's decisions for one round, from the caches and the node-port registry alone
+/// (pure): last-good substitution, the model, endpoint policy, node port pools
+/// (`pools_last_valid`: each pool's last valid version, kept across rounds), duplicate repair,
+/// allocation within what the registry allows, status, conditions, Events, and the registry changes that
+/// must be written before the Services. `leases_now`: the time to judge node-Lease expiry by,
+/// `None` while the Lease cache may be behind (see [`nodes::serving_nodes`]).
 pub fn plan_round(
     snap: &KubeSnapshot,
     cfg: &ControllerConfig,
@@ -570,6 +620,7 @@ pub fn plan_round(
     pools_last_valid: &mut crate::pool::LastValid,
     leases_now: Option<Timestamp>,
     now: Timestamp,
+    registry: &ClaimInputs<'_>,
 ) -> RoundPlan {
     let subst = last_good.apply(&snap.services, &cfg.model);
     let mut out = model::build(&subst.services, &snap.slices, &cfg.model);
@@ -580,10 +631,18 @@ pub fn plan_round(
         crate::endpoint_policy::filter(&mut out.services, &node_addresses, &cfg.policy.endpoints);
     let (_, duplicates) = dupes::settle(&out.services);
     let stubs = publish::reserved(&snap.services, &out.refused);
-    let all: Vec<model::LbService> = out.services.iter().cloned().chain(stubs).collect();
+    let mut all: Vec<model::LbService> = out.services.iter().cloned().chain(stubs).collect();
+    let holders: Vec<claims::Holder> = snap.services.iter().map(|s| claims::Holder::of(s)).collect();
     // What processes listen on, on any node (their Leases say): never handed out, and a request
     // for it is refused. Each node refuses locally anyway, whatever is decided here.
-    let in_use = nodes::listening_ports(&snap.leases);
+    let mut in_use = nodes::listening_ports(&snap.leases);
+    if let Some(r) = registry.registry {
+        // Numbers another Service claims are not this one's to keep, nor anyone's to take.
+        let screened = claims::screen(&mut all, &holders, r, registry.gone);
+        for (k, why) in screened.in_use {
+            in_use.entry(k).or_insert(why);
+        }
+    }
     // Node port pools: which pool each Service gets (a Service none accepts is not allocated, and
     // says why), and which nodes its status may list.
     let (pool_ctx, invalid_pools) = super::pools::context(
@@ -628,7 +687,34 @@ pub fn plan_round(
         pool_nodes: pool_nodes.as_ref(),
         now,
     };
-    let (writes, events) = (publish::plan_writes(&round), publish::service_events(&round, &duplicates));
+    let mut writes = publish::plan_writes(&round);
+    let mut events = publish::service_events(&round, &duplicates);
+    // The registry side of the annotation writes.
+    let by_key: BTreeMap<&ServiceKey, &claims::Holder> = holders.iter().map(|h| (&h.key, h)).collect();
+    let changes: Vec<claims::AnnotationChange<'_>> = writes
+        .iter()
+        .filter_map(|w| {
+            let after = match w.annotation.as_ref()? {
+                Some(v) => model::parse_allocated_ports(v).into_values().collect(),
+                None => Default::default(),
+            };
+            Some(claims::AnnotationChange { holder: by_key.get(&w.key)?, after })
+        })
+        .collect();
+    let claim_plan = match registry.registry {
+        Some(r) => claims::plan(r, &holders, &changes, registry.token, registry.gone, registry.expired),
+        None => claims::ClaimPlan {
+            blocked: changes
+                .iter()
+                .filter(|c| !c.after.is_subset(&c.holder.numbers))
+                .map(|c| c.holder.key.clone())
+                .collect(),
+            ..Default::default()
+        },
+    };
+    // A Service whose new numbers are not free now waits for the next round (its Events too).
+    writes.retain(|w| !claim_plan.blocked.contains(&w.key));
+    events.retain(|e| !claim_plan.blocked.contains(&e.service));
     let pools = (!snap.pools.is_empty()).then_some(PoolRound {
         ctx: pool_ctx,
         invalid: invalid_pools,
@@ -636,59 +722,77 @@ pub fn plan_round(
         assignment,
         serving,
     });
-    RoundPlan { writes, events, pools }
+    RoundPlan { writes, events, claims: claim_plan, pools }
 }
 
-/// What the leader remembers between rounds about invalid input.
-struct RoundState<'a> {
-    last_good: &'a mut LastGoodServices,
-    pools_last_valid: &'a mut crate::pool::LastValid,
-}
-
-/// One allocation + status round; `true` when a write met a stale resourceVersion.
-async fn round(
+/// One round of the leader's work on `snap`: read the node-port registry, decide
+/// ([`plan_round`]), write the registry (resourceVersion precondition: a 409 means another
+/// leader wrote it since, and nothing else is written), then the Services, then resolve the
+/// claims left pending. Returns the Events to record, and `true` when a write met a stale
+/// resourceVersion (the round is to be retried from a fresh view).
+pub async fn leader_round(
     client: &Client,
-    source: &KubeSource,
     cfg: &ControllerConfig,
-    state: RoundState<'_>,
-    deduper: &mut Deduper<ServiceKey>,
-    recorder: &Recorder,
-    metrics: &Metrics,
-) -> bool {
-    let started = Instant::now();
-    let snap = source.snapshot();
-    // Lease expiry is judged only from a view known to be current for a lease duration (after an
-    // API outage every Lease looks expired until the agents' renewals arrive).
-    let current = source.leases_current_for().is_some_and(|d| d >= cfg.lease_duration);
-    let RoundPlan { writes, events, pools } = plan_round(
-        &snap,
+    snap: &KubeSnapshot,
+    state: &mut LeaderState,
+    leases_now: Option<Timestamp>,
+    services_current: bool,
+    metrics: Option<&Metrics>,
+) -> (bool, Vec<publish::ServiceEvent>) {
+    let registry = match read_registry(client, &cfg.namespace).await {
+        Ok((r, problems)) => {
+            let problems: std::collections::BTreeSet<String> = problems.into_iter().collect();
+            for p in problems.difference(&state.logged) {
+                warn!(problem = %p, "node-port registry");
+            }
+            state.logged = problems;
+            Some(r)
+        }
+        Err(e) => {
+            count_api_error(metrics, "registry");
+            warn!(error = %e, "cannot read the node-port registry; no new node port is written this round");
+            None
+        }
+    };
+    let holders: Vec<claims::Holder> = snap.services.iter().map(|s| claims::Holder::of(s)).collect();
+    state.claims.observe_view(&holders);
+    let expired = match &registry {
+        Some(r) => state.claims.expired(r, &holders, services_current, Instant::now()),
+        None => Default::default(),
+    };
+    let gone = state.claims.gone().clone();
+    let inputs =
+        ClaimInputs { registry: registry.as_ref(), token: &state.token, gone: &gone, expired: &expired };
+    let mut plan = plan_round(
+        snap,
         cfg,
-        state.last_good,
-        state.pools_last_valid,
-        current.then(Timestamp::now),
+        &mut state.last_good,
+        &mut state.pools_last_valid,
+        leases_now,
         Timestamp::now(),
+        &inputs,
     );
-    let planned_ms = started.elapsed().as_secs_f64() * 1e3;
-    let mut stale = false;
-    for w in &writes {
-        match write(client, w).await {
+    // The registry first: if another leader changed it since we read it, we write nothing.
+    for (b, block) in &plan.claims.blocks {
+        match write_block(client, &cfg.namespace, *b, block).await {
             Ok(()) => {}
             Err(e) if is_conflict(&e) => {
-                debug!(service = %w.key, "Service changed since read (409); retrying on the next round");
-                stale = true;
+                debug!(block = b, "node-port registry changed since read (409); retrying the round");
+                return (true, Vec::new());
             }
             Err(e) => {
-                metrics.api_errors.with_label_values(&["service"]).inc();
-                warn!(service = %w.key, error = %e, "cannot update Service")
+                count_api_error(metrics, "registry");
+                warn!(error = %e, block = b, "cannot write the node-port registry; retrying the round later");
+                return (false, Vec::new());
             }
         }
     }
-    if !writes.is_empty() {
-        info!(services = writes.len(), "published allocations and status");
-    }
-    if let Some(p) = &pools {
+    let outcomes = write_services(client, &plan.writes, metrics).await;
+    let mut stale = outcomes.iter().any(|o| matches!(o, WriteOutcome::Conflict));
+    resolve_claims(client, &cfg.namespace, &plan, &outcomes, &state.token, metrics).await;
+    if let Some(p) = &plan.pools {
         let pools = super::pools::StatusRound {
-            snap: &snap,
+            snap,
             ctx: &p.ctx,
             invalid: &p.invalid,
             allocations: &p.allocations,
@@ -698,17 +802,43 @@ async fn round(
         match super::pools::write_statuses(client, &pools).await {
             Ok(s) => stale |= s,
             Err(e) => {
-                metrics.api_errors.with_label_values(&["nodeportpool"]).inc();
+                count_api_error(metrics, "nodeportpool");
                 warn!(error = %e, "cannot update NodePortPool status");
             }
         }
     }
-    debug!(
-        writes = writes.len(),
-        planned_ms,
-        written_ms = started.elapsed().as_secs_f64() * 1e3 - planned_ms,
-        "allocation round"
-    );
+    if let Some(r) = &registry {
+        state.claims.forget(r);
+    }
+    (stale, std::mem::take(&mut plan.events))
+}
+
+/// One allocation + status round; `true` when a write met a stale resourceVersion.
+async fn round(
+    client: &Client,
+    source: &KubeSource,
+    cfg: &ControllerConfig,
+    state: &mut LeaderState,
+    deduper: &mut Deduper<ServiceKey>,
+    recorder: &Recorder,
+    metrics: &Metrics,
+) -> bool {
+    let started = Instant::now();
+    let snap = source.snapshot();
+    // Lease expiry is judged only from a view known to be current for a lease duration (after an
+    // API outage every Lease looks expired until the agents' renewals arrive).
+    let current = source.leases_current_for().is_some_and(|d| d >= cfg.lease_duration);
+    let (stale, events) = leader_round(
+        client,
+        cfg,
+        &snap,
+        state,
+        current.then(Timestamp::now),
+        source.services_current(),
+        Some(metrics),
+    )
+    .await;
+    debug!(ms = started.elapsed().as_secs_f64() * 1e3, "allocation round");
     let key = |e: &publish::ServiceEvent| (e.service.clone(), e.reason, e.message.clone());
     for e in deduper.pending(&events, key) {
         let Some(svc) = snap.services.iter().find(|s| model::service_key(s) == e.service) else { continue };
@@ -720,28 +850,228 @@ async fn round(
     stale
 }
 
+fn count_api_error(metrics: Option<&Metrics>, operation: &str) {
+    if let Some(m) = metrics {
+        m.api_errors.with_label_values(&[operation]).inc();
+    }
+}
+
+/// How one Service write ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteOutcome {
+    Written,
+    /// 409: the Service changed since it was read.
+    Conflict,
+    /// Another answer from the API (the annotation patch, if any, was refused).
+    Refused,
+    /// No answer to the annotation patch: it may or may not have been applied.
+    Unknown,
+    /// The annotation was written, the status was not.
+    StatusFailed,
+}
+
+impl WriteOutcome {
+    /// Whether the annotation, if the write had one, is on the Service now.
+    fn claims(self) -> claims::Outcome {
+        match self {
+            WriteOutcome::Written | WriteOutcome::StatusFailed => claims::Outcome::Written,
+            WriteOutcome::Conflict | WriteOutcome::Refused => claims::Outcome::Refused,
+            WriteOutcome::Unknown => claims::Outcome::Unknown,
+        }
+    }
+}
+
+/// The Service writes of one round, each with its resourceVersion precondition, in order; how
+/// each ended. A 409 means the Service changed since it was read (the round is retried from a
+/// fresh cache); other failures are logged and counted (`metrics`), and retried at the next round.
+pub async fn write_services(
+    client: &Client,
+    writes: &[ServiceWrite],
+    metrics: Option<&Metrics>,
+) -> Vec<WriteOutcome> {
+    let mut out = Vec::with_capacity(writes.len());
+    for w in writes {
+        let outcome = match write(client, w).await {
+            (_, Ok(())) => WriteOutcome::Written,
+            (annotated, Err(e)) => {
+                if is_conflict(&e) {
+                    debug!(service = %w.key, "Service changed since read (409); retrying on the next round");
+                } else {
+                    count_api_error(metrics, "service");
+                    warn!(service = %w.key, error = %e, "cannot update Service");
+                }
+                match (annotated, &e) {
+                    (true, _) => WriteOutcome::StatusFailed,
+                    (false, e) if is_conflict(e) => WriteOutcome::Conflict,
+                    (false, kube::Error::Api(_)) => WriteOutcome::Refused,
+                    (false, _) if w.annotation.is_none() => WriteOutcome::Refused,
+                    (false, _) => WriteOutcome::Unknown,
+                }
+            }
+        };
+        out.push(outcome);
+    }
+    if !writes.is_empty() {
+        info!(services = writes.len(), "published allocations and status");
+    }
+    out
+}
+
 /// Annotation first (merge patch, resourceVersion precondition), then status through the status
-/// subresource with the resourceVersion the first patch returned.
-async fn write(client: &Client, w: &ServiceWrite) -> Result<(), kube::Error> {
+/// subresource with the resourceVersion the first patch returned. Also says whether an
+/// annotation patch was applied (the status may still have failed).
+async fn write(client: &Client, w: &ServiceWrite) -> (bool, Result<(), kube::Error>) {
     let api: Api<Service> = Api::namespaced(client.clone(), &w.key.namespace);
     let params = PatchParams { field_manager: Some(FIELD_MANAGER.into()), ..Default::default() };
-    let mut rv = w.resource_version.clone();
+    let mut rv = w.resource_version.clone().filter(|_| PRECONDITIONS);
+    let mut annotated = false;
     if let Some(value) = &w.annotation {
-        let patch =
-            json!({"metadata": {"resourceVersion": rv, "annotations": {ANNOTATION_ALLOCATED: value}}});
-        let svc = api.patch(&w.key.name, &params, &Patch::Merge(&patch)).await?;
-        rv = svc.metadata.resource_version;
+        let mut patch = json!({"metadata": {"annotations": {ANNOTATION_ALLOCATED: value}}});
+        if let Some(rv) = &rv {
+            patch["metadata"]["resourceVersion"] = json!(rv);
+        }
+        match api.patch(&w.key.name, &params, &Patch::Merge(&patch)).await {
+            Ok(svc) => rv = svc.metadata.resource_version.filter(|_| PRECONDITIONS),
+            Err(e) => return (false, Err(e)),
+        }
+        annotated = true;
         match value {
             Some(v) => info!(service = %w.key, ports = %v, "allocated node ports"),
             None => info!(service = %w.key, "released node ports (no longer ours)"),
         }
     }
     if let Some(st) = &w.status {
-        let patch = json!({
-            "metadata": {"resourceVersion": rv},
-            "status": {"loadBalancer": {"ingress": st.ingress}, "conditions": st.conditions}
-        });
-        api.patch_status(&w.key.name, &params, &Patch::Merge(&patch)).await?;
+        let mut patch =
+            json!({"status": {"loadBalancer": {"ingress": st.ingress}, "conditions": st.conditions}});
+        if let Some(rv) = &rv {
+            patch["metadata"] = json!({"resourceVersion": rv});
+        }
+        if let Err(e) = api.patch_status(&w.key.name, &params, &Patch::Merge(&patch)).await {
+            return (annotated, Err(e));
+        }
     }
-    Ok(())
+    (annotated, Ok(()))
+}
+
+/// Whether the leader's writes (node-port registry and Services) carry their resourceVersion
+/// preconditions. Always, except in the build of the race harness that shows what they prevent
+/// (`--features race-demo-without-preconditions`, never for use).
+const PRECONDITIONS: bool = !cfg!(feature = "race-demo-without-preconditions");
+
+/// Every block of the node-port registry (Leases labelled [`claims::LABEL`]), with the problems
+/// found reading them.
+async fn read_registry(
+    client: &Client,
+    namespace: &str,
+) -> Result<(claims::Registry, Vec<String>), kube::Error> {
+    let api: Api<Lease> = Api::namespaced(client.clone(), namespace);
+    let list = api.list(&kube::api::ListParams::default().labels(claims::LABEL)).await?;
+    let mut registry = claims::Registry::default();
+    let mut problems = Vec::new();
+    for lease in list.items {
+        let name = lease.metadata.name.clone().unwrap_or_default();
+        let Some(block) = name.strip_prefix(claims::LEASE_PREFIX).and_then(|b| b.parse::<u16>().ok()) else {
+            problems.push(format!("Lease {name} is labelled {} but is not a registry block", claims::LABEL));
+            continue;
+        };
+        let value = lease.metadata.annotations.as_ref().and_then(|a| a.get(claims::ANNOTATION));
+        let (claims, p) = claims::parse(value.map_or("", String::as_str));
+        problems.extend(p.into_iter().map(|p| format!("Lease {name}: {p}")));
+        registry
+            .blocks
+            .insert(block, claims::Block { claims, resource_version: lease.metadata.resource_version });
+    }
+    Ok((registry, problems))
+}
+
+/// Writes one registry block: created when it did not exist, else replaced with the
+/// resourceVersion it was read at (409 when anyone wrote it since).
+async fn write_block(
+    client: &Client,
+    namespace: &str,
+    block: u16,
+    b: &claims::Block,
+) -> Result<(), kube::Error> {
+    let api: Api<Lease> = Api::namespaced(client.clone(), namespace);
+    let name = claims::lease_name(block);
+    let lease = |resource_version: Option<String>| Lease {
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            labels: Some([(claims::LABEL.to_string(), "true".to_string())].into()),
+            annotations: Some([(claims::ANNOTATION.to_string(), claims::format(&b.claims))].into()),
+            resource_version,
+            ..Default::default()
+        },
+        spec: None,
+    };
+    if !PRECONDITIONS {
+        // Last writer wins: the Lease API insists on a resourceVersion, so take the current one,
+        // again until no one wrote in between.
+        for _ in 0..10 {
+            let current = api.get_opt(&name).await?.and_then(|l| l.metadata.resource_version);
+            let r = match &current {
+                None => api.create(&post_params(), &lease(None)).await,
+                Some(_) => api.replace(&name, &post_params(), &lease(current.clone())).await,
+            };
+            match r {
+                Err(kube::Error::Api(e)) if e.code == 409 => continue,
+                r => return r.map(|_| ()),
+            }
+        }
+    }
+    match &b.resource_version {
+        None => api.create(&post_params(), &lease(None)).await.map(|_| ()),
+        Some(_) => api.replace(&name, &post_params(), &lease(b.resource_version.clone())).await.map(|_| ()),
+    }
+}
+
+/// After the Service writes: each claim left pending by this round becomes what the write's
+/// outcome says ([`claims::resolve`]), on a fresh read of its block (retried on 409; what is
+/// not resolved here is settled after [`claims::GRACE`]).
+async fn resolve_claims(
+    client: &Client,
+    namespace: &str,
+    plan: &RoundPlan,
+    outcomes: &[WriteOutcome],
+    token: &claims::Token,
+    metrics: Option<&Metrics>,
+) {
+    let mut by_block: BTreeMap<u16, Vec<(&claims::ServiceClaims, claims::Outcome)>> = BTreeMap::new();
+    for (w, o) in plan.writes.iter().zip(outcomes) {
+        let Some(sc) = plan.claims.services.get(&w.key) else { continue };
+        let numbers = sc.adds.iter().map(|(n, _)| *n).chain(sc.removes.iter().copied());
+        let blocks: std::collections::BTreeSet<u16> = numbers.map(claims::block_of).collect();
+        for b in blocks {
+            by_block.entry(b).or_default().push((sc, o.claims()));
+        }
+    }
+    let api: Api<Lease> = Api::namespaced(client.clone(), namespace);
+    for (b, items) in by_block {
+        for attempt in 0..5 {
+            let result = async {
+                let Some(lease) = api.get_opt(&claims::lease_name(b)).await? else { return Ok(true) };
+                let value = lease.metadata.annotations.as_ref().and_then(|a| a.get(claims::ANNOTATION));
+                let (mut c, _) = claims::parse(value.map_or("", String::as_str));
+                let mut changed = false;
+                for (sc, outcome) in &items {
+                    changed |= claims::resolve(&mut c, sc, *outcome, token);
+                }
+                if !changed {
+                    return Ok(true);
+                }
+                let block = claims::Block { claims: c, resource_version: lease.metadata.resource_version };
+                write_block(client, namespace, b, &block).await.map(|()| true)
+            }
+            .await;
+            match result {
+                Ok(_) => break,
+                Err(e) if is_conflict(&e) && attempt < 4 => continue,
+                Err(e) => {
+                    count_api_error(metrics, "registry");
+                    warn!(error = %e, block = b, "cannot resolve pending node-port claims; they settle after the grace period");
+                    break;
+                }
+            }
+        }
+    }
 }

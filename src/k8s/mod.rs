@@ -8,6 +8,7 @@
 //! decides at SIGTERM whether the node's rules stay. See docs/design.md, "Kubernetes mode" and
 //! "Install, upgrade, uninstall".
 
+pub mod claims;
 pub mod controller;
 pub mod dupes;
 pub mod events;

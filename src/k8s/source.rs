@@ -181,6 +181,13 @@ impl KubeSource {
         Some(h.recovered_at.map_or(Duration::MAX, |t| t.elapsed()))
     }
 
+    /// The Service cache has completed its first list and its watch works now (what the
+    /// leader's node-port registry needs before it frees a number on what the cache no longer
+    /// shows, see [`super::claims::Keeper::expired`]).
+    pub fn services_current(&self) -> bool {
+        self.synced[0].load(Ordering::Acquire) && !lock(&self.health)[0].failing
+    }
+
     /// Every cache has completed its initial list (never program from a partial view).
     pub fn complete(&self) -> bool {
         self.synced.iter().all(|s| s.load(Ordering::Acquire))

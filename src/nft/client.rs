@@ -46,6 +46,10 @@ fn strerror(errno: i32) -> String {
     nix::errno::Errno::from_raw(errno).desc().to_string()
 }
 
+/// What the kernel answered to a batch: the failures (sequence number, errno), sorted, and the
+/// ruleset generation right after it.
+type BatchReplies = (Vec<(u32, i32)>, Option<u32>);
+
 /// An owned reply message.
 struct Reply {
     ty: u16,
@@ -207,27 +211,33 @@ impl NftClient {
         let first = self.seq;
         let enc = encode::encode_refs(changes(), first)?;
         self.seq = enc.last_seq().wrapping_add(1);
-        let stats = ApplyStats { messages: enc.msg_change.len() + 2, bytes: enc.len() };
+        let mut stats = ApplyStats { messages: enc.msg_change.len() + 2, bytes: enc.len(), generation: None };
         self.send_chunks(&enc.chunks, "send batch")?;
-        let errors = self.batch_errors(first, enc.last_seq())?;
+        let (errors, generation) = self.batch_errors(first, enc.last_seq())?;
         if errors.is_empty() {
+            stats.generation = generation;
             return Ok(stats);
         }
         let (seq, errno) = errors[0];
         Err(kernel_error(&enc, changes(), seq, errno, errors.len() - 1))
     }
 
-    /// The failures the kernel reports for the batch just sent (messages `first..=last`), sorted.
-    /// Batch messages carry no NLM_F_ACK: the kernel answers only failures (each with the failing
-    /// message's sequence number). A GETGEN sent right after is answered only once the batch has
-    /// been fully processed, so its reply marks the end of the batch's replies.
-    fn batch_errors(&mut self, first: u32, last: u32) -> Result<Vec<(u32, i32)>, NftError> {
+    /// The failures the kernel reports for the batch just sent (messages `first..=last`), sorted,
+    /// and the ruleset generation right after it. Batch messages carry no NLM_F_ACK: the kernel
+    /// answers only failures (each with the failing message's sequence number). A GETGEN sent
+    /// right after is answered only once the batch has been fully processed, so its reply marks
+    /// the end of the batch's replies (and tells the generation the batch left).
+    fn batch_errors(&mut self, first: u32, last: u32) -> Result<BatchReplies, NftError> {
         let sentinel = self.next_seq(1);
         self.send(&gen_request(sentinel), "send generation request")?;
         let mut errors: Vec<(u32, i32)> = Vec::new();
+        let mut generation = None;
         'outer: loop {
             for r in self.recv("batch replies")? {
                 if r.seq == sentinel {
+                    if r.ty != NLMSG_ERROR {
+                        generation = decode::gen_id(&r.payload).ok();
+                    }
                     break 'outer;
                 }
                 if r.ty == NLMSG_ERROR && (first..=last).contains(&r.seq) {
@@ -239,7 +249,7 @@ impl NftClient {
             }
         }
         errors.sort();
-        Ok(errors)
+        Ok((errors, generation))
     }
 
     /// Every base chain on the forward hook of the `ip`, `ip6` and `inet` tables but ours, with
@@ -325,7 +335,7 @@ impl NftClient {
         let first = self.next_seq(n + 2);
         let batch = foreign::accept_batch(first, change)?;
         self.send(&batch, "send batch")?;
-        let errors = self.batch_errors(first, first + n + 1)?;
+        let (errors, _) = self.batch_errors(first, first + n + 1)?;
         let Some(&(seq, errno)) = errors.first() else { return Ok(()) };
         let (table, chain) = (change.table, change.chain);
         let what = match seq.checked_sub(first).map(|i| i as usize) {

@@ -60,6 +60,9 @@ pub struct ApplyStats {
     /// Netlink messages in the batch, BATCH_BEGIN/END included.
     pub messages: usize,
     pub bytes: usize,
+    /// The ruleset generation right after the batch (`None`: no batch was sent, or the reply
+    /// could not be read).
+    pub generation: Option<u32>,
 }
 
 /// Counter values of a rule's `counter` expression or of a named counter.

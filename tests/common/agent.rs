@@ -122,6 +122,11 @@ impl Agent {
         self.state_dir.path().join("state.json")
     }
 
+    /// The manifests directory (manifests mode).
+    pub fn manifests_dir(&self) -> &std::path::Path {
+        self.manifests.path()
+    }
+
     pub fn log_file(&self) -> PathBuf {
         self.state_dir.path().join("agent.log")
     }
@@ -396,6 +401,44 @@ pub fn normalize_ruleset(listing: &str) -> String {
             out.push_str(&words.join(" "));
             out.push('\n');
         }
+    }
+    out
+}
+
+/// [`normalize_ruleset`], with the table's objects (counters, sets, maps, chains) sorted: the
+/// kernel lists objects in the order they were added, so a table built up change by change lists
+/// them in another order than the same ruleset loaded at once. Rules inside a chain keep their
+/// order (it matters).
+pub fn canonical_ruleset(listing: &str) -> String {
+    let normalized = normalize_ruleset(listing);
+    let mut head = Vec::new();
+    let mut blocks: Vec<String> = Vec::new();
+    let mut tail = Vec::new();
+    let mut depth = 0usize;
+    for line in normalized.lines() {
+        let opens = line.matches('{').count();
+        let closes = line.matches('}').count();
+        match depth {
+            0 => head.push(line),
+            1 if opens > closes => blocks.push(format!("{line}\n")),
+            1 if line == "}" => tail.push(line),
+            1 => blocks.push(format!("{line}\n")),
+            _ => blocks.last_mut().expect("inside a block").push_str(&format!("{line}\n")),
+        }
+        depth = (depth + opens).saturating_sub(closes);
+    }
+    blocks.sort();
+    let mut out = String::new();
+    for l in head {
+        out.push_str(l);
+        out.push('\n');
+    }
+    for b in blocks {
+        out.push_str(&b);
+    }
+    for l in tail {
+        out.push_str(l);
+        out.push('\n');
     }
     out
 }

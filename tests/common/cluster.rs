@@ -512,6 +512,30 @@ impl Cluster {
         nft_list(&self.nodes[i])
     }
 
+    /// `nodelb plan` for node `i` from the cluster as it is now (run inside node `i`'s namespace,
+    /// with its agent's kubeconfig): the ruleset in nft syntax.
+    pub fn plan(&self, i: usize) -> String {
+        let kubeconfig = self.kubeconfig(i);
+        let out = super::agent::nodelb(
+            &self.nodes[i],
+            &["plan", "--kubeconfig", kubeconfig.to_str().unwrap(), "--node-name", &node_name(i)],
+        );
+        assert!(
+            out.status.success(),
+            "nodelb plan for node-{}: {}",
+            i + 1,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// [`Cluster::plan`] of node `i` loaded into a scratch namespace with `nft -f` and listed
+    /// back, in canonical form ([`super::agent::canonical_ruleset`]): comparable with node `i`'s
+    /// table in that form.
+    pub fn planned_listing(&self, i: usize) -> String {
+        planned_listing(&self.plan(i))
+    }
+
     /// Sum of every sample of metric `name` (all label sets) on node `i`'s `/metrics`.
     pub fn metric_sum(&self, i: usize, name: &str) -> f64 {
         let r = self.agents[i].http("/metrics").unwrap_or_else(|e| panic!("node-{} /metrics: {e:?}", i + 1));
@@ -667,4 +691,15 @@ pub fn parse_ports(value: &str) -> BTreeMap<String, u16> {
             Some((k.to_string(), v.parse().ok()?))
         })
         .collect()
+}
+
+/// An nft ruleset (`nodelb plan` output) loaded into a scratch namespace and listed back, in
+/// canonical form ([`super::agent::canonical_ruleset`]).
+pub fn planned_listing(plan: &str) -> String {
+    let ns = NetNs::new("plan-ref");
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("plan.nft");
+    std::fs::write(&file, plan).unwrap();
+    ns.exec_ok("nft", &["-f", file.to_str().unwrap()]);
+    super::agent::canonical_ruleset(&nft_list(&ns).unwrap_or_default())
 }

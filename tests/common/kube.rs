@@ -432,8 +432,15 @@ impl ControlPlane {
         std::fs::write(path, cfg).unwrap();
     }
 
-    fn client(&self) -> kube::Client {
+    /// The admin client. Its requests must be polled on [`ControlPlane::runtime`], whose threads
+    /// live in the API namespace (that is where its connections are opened).
+    pub fn client(&self) -> kube::Client {
         self.client.clone().expect("admin client")
+    }
+
+    /// The runtime of the admin client (worker threads inside the API namespace).
+    pub fn runtime(&self) -> &tokio::runtime::Runtime {
+        &self.rt
     }
 
     fn dynamic(&self, api_version: &str, kind: &str, ns: Option<&str>) -> Api<DynamicObject> {

@@ -2,9 +2,13 @@
 #![allow(dead_code)]
 
 pub mod agent;
+pub mod args;
+pub mod cleanup;
 pub mod cluster;
+pub mod invariants;
 pub mod kube;
 pub mod manifest;
 pub mod netns;
+pub mod rng;
 pub mod scenarios;
 pub mod topology;

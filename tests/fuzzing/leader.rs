@@ -10,7 +10,8 @@ use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
 use nodelb::desired::HostPolicy;
-use nodelb::k8s::controller::{ControllerConfig, RoundPlan, plan_round};
+use nodelb::k8s::claims::{Registry, Token};
+use nodelb::k8s::controller::{ClaimInputs, ControllerConfig, RoundPlan, plan_round};
 use nodelb::k8s::events::{MAX_NOTE_BYTES, event_note};
 use nodelb::k8s::lastgood::LastGoodServices;
 use nodelb::k8s::source::KubeSnapshot;
@@ -75,7 +76,19 @@ fn plan(services: &[Service], slices: &[EndpointSlice], nodes: &[Value], leases:
         namespaces: Vec::new(),
     };
     let now = Timestamp::from_second(1_800_000_000).expect("time");
-    plan_round(&snap, &config(), &mut LastGoodServices::default(), &mut Default::default(), None, now)
+    // A leader whose node-port registry is empty: every number it allocates can be claimed.
+    let (registry, token) = (Registry::default(), Token::new("fuzz", 1, 0));
+    let (gone, expired) = (Default::default(), Default::default());
+    let claims = ClaimInputs { registry: Some(&registry), token: &token, gone: &gone, expired: &expired };
+    plan_round(
+        &snap,
+        &config(),
+        &mut LastGoodServices::default(),
+        &mut Default::default(),
+        None,
+        now,
+        &claims,
+    )
 }
 
 fn reason_ok(r: &str) -> bool {

@@ -1,0 +1,903 @@
+//! The node-port registry: which Service holds which node port number, the one place every
+//! leader must change (with a resourceVersion precondition) before it writes a number on a
+//! Service. Pure: the controller reads and writes it ([`super::controller`]).
+//!
+//! Why: two agents can both act as leader for a moment (a leader paused past its Lease and
+//! resumed, a Lease stolen), each with its own view of the Services. The allocation annotations
+//! are one object per Service, so a resourceVersion precondition on each Service write stops a
+//! stale leader from overwriting a Service that changed, but not from giving a number that looks
+//! free in its view to one Service while the other leader gives it to another: two writes to two
+//! objects, both preconditions hold (seen against a real API server: 14 numbers held twice in
+//! 100 randomized two-leader rounds). Kubernetes allocates NodePorts and ClusterIPs the same way
+//! it is done here: through one object updated with compare-and-swap (a `RangeAllocation`).
+//!
+//! The registry is a set of Leases `nodelb-node-ports-<block>` in the agent namespace, one per
+//! block of 8,192 numbers (so one annotation stays well under the API's 256 KiB), labelled
+//! [`LABEL`]. Annotation [`ANNOTATION`] lists the claims: `20001=0a1b2c3d4e5f` (the first 12
+//! hex digits of the holding Service's uid), with `+token` while a leader is adding that number
+//! to the Service's annotation and `-token` while it is removing it (`token` names that leader's
+//! process). The rules:
+//! - A number is written on a Service only after a claim naming the Service was written to the
+//!   registry with the resourceVersion read in the same round: of two leaders that both saw the
+//!   number free, the second's registry write fails (409) and it writes no Service.
+//! - A number another Service claims, or one being added or removed, is never handed out; a
+//!   request for it is refused as in use until it is free.
+//! - A number leaves the registry only when it is known free: its Service's deletion was seen
+//!   (present in an earlier view, absent now), or the leader's own write removed it from the
+//!   Service. A claim nobody resolves (a leader that crashed mid-round, a number a human removed
+//!   from an annotation) is left alone for [`GRACE`], observed unchanged while the Service watch
+//!   works; then a pending one counts as held, and a held one whose Service does not hold the
+//!   number is dropped. A number is never freed on a guess, so a claim can only be too careful.
+//! - A number a Service's annotation holds without a claim (an existing cluster, the registry
+//!   lost) is claimed for it; of two Services holding one number, the older keeps it, as on the
+//!   nodes ([`super::dupes`]); a Service holding a number another Service claims loses it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::jiff::Timestamp;
+
+use crate::ir::Protocol;
+use crate::model::{self, ANNOTATION_ALLOCATED, LbService, ServiceKey};
+
+/// Name prefix of the registry Leases (`nodelb-node-ports-2` holds 16384–24575).
+pub const LEASE_PREFIX: &str = "nodelb-node-ports-";
+/// Label on every registry Lease (listed by it).
+pub const LABEL: &str = "nodelb.io/node-port-claims";
+/// Annotation holding a block's claims.
+pub const ANNOTATION: &str = "nodelb.io/claims";
+/// Numbers per registry Lease.
+pub const BLOCK_SIZE: u32 = 8192;
+/// How long a claim nobody resolves is left alone (see the module documentation).
+pub const GRACE: Duration = Duration::from_secs(60);
+
+pub fn block_of(number: u16) -> u16 {
+    (u32::from(number) / BLOCK_SIZE) as u16
+}
+
+pub fn lease_name(block: u16) -> String {
+    format!("{LEASE_PREFIX}{block}")
+}
+
+/// Who holds a number: the first 12 hex digits of the Service's uid (48 bits: two Services of
+/// one cluster sharing them is a one-in-ten-billion event at 10,000 Services).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Owner(pub String);
+
+impl Owner {
+    pub fn of_uid(uid: &str) -> Owner {
+        Owner(uid.chars().filter(char::is_ascii_hexdigit).take(12).collect::<String>().to_ascii_lowercase())
+    }
+
+    /// The owner of the Service `key` with `uid` (a Service without one, which the API server
+    /// never stores, is named by a hash of its namespace/name).
+    pub fn of(key: &ServiceKey, uid: Option<&str>) -> Owner {
+        match uid {
+            Some(uid) if !uid.is_empty() => Owner::of_uid(uid),
+            _ => {
+                let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+                for b in key.to_string().bytes() {
+                    h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+                }
+                Owner(format!("{:012x}", h & 0xffff_ffff_ffff))
+            }
+        }
+    }
+}
+
+/// A Service as the registry sees it: every Service of the view, whatever its type (one that
+/// stopped being ours holds its numbers until the leader takes them off), with the numbers its
+/// annotation names as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    pub key: ServiceKey,
+    pub owner: Owner,
+    /// creationTimestamp (`None`: counts as the youngest), for "the older keeps it".
+    pub created: Option<Timestamp>,
+    pub numbers: BTreeSet<u16>,
+}
+
+impl Holder {
+    pub fn of(svc: &Service) -> Holder {
+        let key = model::service_key(svc);
+        let numbers = svc
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(ANNOTATION_ALLOCATED))
+            .map(|v| model::parse_allocated_ports(v).into_values().collect())
+            .unwrap_or_default();
+        Holder {
+            owner: Owner::of(&key, svc.metadata.uid.as_deref()),
+            created: svc.metadata.creation_timestamp.as_ref().map(|t| t.0),
+            numbers,
+            key,
+        }
+    }
+
+    /// Oldest first: creationTimestamp, then namespace/name (the allocator's order).
+    fn older_first(a: &Holder, b: &Holder) -> std::cmp::Ordering {
+        (a.created.is_none(), a.created, &a.key).cmp(&(b.created.is_none(), b.created, &b.key))
+    }
+}
+
+impl std::fmt::Display for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A leader process, in its pending claims (so that only it resolves them).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Token(pub String);
+
+impl Token {
+    /// Eight hex digits from the node name, the process and the time it started.
+    pub fn new(node: &str, pid: u32, started_ns: u128) -> Token {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in node.bytes().chain(pid.to_le_bytes()).chain(started_ns.to_le_bytes()) {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        Token(format!("{:08x}", h as u32))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum State {
+    Held,
+    /// A leader is writing the number on the Service.
+    Adding(Token),
+    /// A leader is taking the number off the Service.
+    Removing(Token),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    pub owner: Owner,
+    pub state: State,
+}
+
+impl Claim {
+    pub fn held(owner: Owner) -> Claim {
+        Claim { owner, state: State::Held }
+    }
+}
+
+pub type Claims = BTreeMap<u16, Claim>;
+
+/// Parses a block's annotation. An entry whose number cannot be read is skipped (named in the
+/// problems); one whose number can but the rest cannot counts as held by an unknown owner, so
+/// the number is not handed out on a misreading.
+pub fn parse(value: &str) -> (Claims, Vec<String>) {
+    let mut claims = Claims::new();
+    let mut problems = Vec::new();
+    for item in value.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let Some((number, rest)) = item.split_once('=') else {
+            problems.push(format!("registry entry {item:?}: no `=`"));
+            continue;
+        };
+        let Ok(number) = number.trim().parse::<u16>() else {
+            problems.push(format!("registry entry {item:?}: {number:?} is not a port number"));
+            continue;
+        };
+        let (owner, state) = match rest.find(['+', '-']) {
+            Some(i) if rest[i..].len() > 1 => {
+                let token = Token(rest[i + 1..].to_string());
+                let state =
+                    if rest.as_bytes()[i] == b'+' { State::Adding(token) } else { State::Removing(token) };
+                (&rest[..i], state)
+            }
+            _ => (rest, State::Held),
+        };
+        let owner = if owner.len() == 12 && owner.chars().all(|c| c.is_ascii_hexdigit()) {
+            Owner(owner.to_ascii_lowercase())
+        } else {
+            problems.push(format!("registry entry {item:?}: owner {owner:?} is not 12 hex digits"));
+            Owner(owner.to_string())
+        };
+        claims.insert(number, Claim { owner, state });
+    }
+    (claims, problems)
+}
+
+pub fn format(claims: &Claims) -> String {
+    let items: Vec<String> = claims
+        .iter()
+        .map(|(n, c)| match &c.state {
+            State::Held => format!("{n}={}", c.owner),
+            State::Adding(t) => format!("{n}={}+{}", c.owner, t.0),
+            State::Removing(t) => format!("{n}={}-{}", c.owner, t.0),
+        })
+        .collect();
+    items.join(",")
+}
+
+/// One registry Lease as read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Block {
+    pub claims: Claims,
+    /// `None`: the Lease does not exist yet (it is created).
+    pub resource_version: Option<String>,
+}
+
+/// Every registry Lease, by block.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Registry {
+    pub blocks: BTreeMap<u16, Block>,
+}
+
+impl Registry {
+    pub fn get(&self, number: u16) -> Option<&Claim> {
+        self.blocks.get(&block_of(number))?.claims.get(&number)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (u16, &Claim)> {
+        self.blocks.values().flat_map(|b| b.claims.iter().map(|(n, c)| (*n, c)))
+    }
+}
+
+/// What the registry lets each Service keep, before the allocator runs.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Screened {
+    /// Numbers nobody may be given (claimed, and not held in this view by their claimant), for
+    /// every protocol, with why: [`crate::alloc::Constraints::in_use`].
+    pub in_use: BTreeMap<(Protocol, u16), String>,
+    /// Numbers taken off a Service's annotation because another Service claims them.
+    pub lost: Vec<(ServiceKey, u16)>,
+}
+
+/// Who holds each number in `holders`, oldest first.
+fn holders_by_number(holders: &[Holder]) -> BTreeMap<u16, Vec<&Holder>> {
+    let mut ordered: Vec<&Holder> = holders.iter().collect();
+    ordered.sort_by(|a, b| Holder::older_first(a, b));
+    let mut out: BTreeMap<u16, Vec<&Holder>> = BTreeMap::new();
+    for h in ordered {
+        for n in &h.numbers {
+            out.entry(*n).or_default().push(h);
+        }
+    }
+    out
+}
+
+/// Takes off each Service's `previous_allocation` the numbers another Service claims (of two
+/// Services holding a number its claimant holds, the allocator then keeps it for the older, as
+/// the nodes do; claims of `gone` owners do not count), and lists what nobody may be given.
+pub fn screen(
+    services: &mut [LbService],
+    holders: &[Holder],
+    registry: &Registry,
+    gone: &BTreeSet<Owner>,
+) -> Screened {
+    let mut out = Screened::default();
+    let by_number = holders_by_number(holders);
+    let mut lose: BTreeMap<&ServiceKey, BTreeSet<u16>> = BTreeMap::new();
+    for (n, hs) in &by_number {
+        let Some(c) = registry.get(*n).filter(|c| !gone.contains(&c.owner)) else { continue };
+        let claimant_holds = hs.iter().any(|h| h.owner == c.owner);
+        for h in hs {
+            // Two holders of a settled claim: the allocator's older-keeps decides. Otherwise
+            // only the claimant may hold it (a pending claim is its leader's business).
+            let keeps = h.owner == c.owner || (claimant_holds && c.state == State::Held);
+            if !keeps {
+                lose.entry(&h.key).or_default().insert(*n);
+            }
+        }
+    }
+    for svc in services.iter_mut() {
+        if let Some(ns) = lose.get(&svc.key) {
+            svc.previous_allocation.retain(|_, n| !ns.contains(n));
+            out.lost.extend(ns.iter().map(|n| (svc.key.clone(), *n)));
+        }
+    }
+    for (n, c) in registry.iter() {
+        if gone.contains(&c.owner) {
+            continue;
+        }
+        let held_by_claimant = by_number.get(&n).is_some_and(|hs| hs.iter().any(|h| h.owner == c.owner));
+        if held_by_claimant && c.state == State::Held {
+            continue;
+        }
+        // A claimant holding a pending number keeps it (the allocator keeps what exists); nobody
+        // else may be given it.
+        let why = match &c.state {
+            State::Held => "claimed by a Service that does not hold it in this view (being released)",
+            State::Adding(_) => "being given to a Service by a leader",
+            State::Removing(_) => "being released by a leader",
+        };
+        for p in [Protocol::Tcp, Protocol::Udp, Protocol::Sctp] {
+            out.in_use
+                .insert((p, n), format!("{why} (node-port registry, Lease {})", lease_name(block_of(n))));
+        }
+    }
+    out
+}
+
+/// How the write of one Service ended, for [`resolve`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Accepted: the Service now holds exactly what was written.
+    Written,
+    /// Refused (409 or another API answer): the Service is as it was.
+    Refused,
+    /// No answer (timeout, connection lost): it may or may not hold it.
+    Unknown,
+}
+
+/// The registry changes of one Service's write.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceClaims {
+    pub owner: Owner,
+    /// Numbers the write adds, each with the claim it had before (`None`: it had none).
+    pub adds: Vec<(u16, Option<Claim>)>,
+    /// Numbers the write removes that the Service claimed.
+    pub removes: Vec<u16>,
+}
+
+/// The registry side of one round.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClaimPlan {
+    /// New content of each block that changes, written (resourceVersion precondition) before any
+    /// Service write; `Block::resource_version` is the one read.
+    pub blocks: BTreeMap<u16, Block>,
+    /// Per Service written, what to resolve after its write ([`resolve`]).
+    pub services: BTreeMap<ServiceKey, ServiceClaims>,
+    /// Service writes that would add a number that is not free now: left out of this round.
+    pub blocked: BTreeSet<ServiceKey>,
+}
+
+/// One planned annotation write: the Service and the numbers it will hold.
+pub struct AnnotationChange<'a> {
+    pub holder: &'a Holder,
+    pub after: BTreeSet<u16>,
+}
+
+/// The registry changes of a round: claims for what the annotation writes add (pending, under
+/// `token`), pending removal for what they take off, claims for numbers held without one, the
+/// older keeping a number two hold, claims of deleted Services (`gone`) dropped, and claims
+/// unresolved for [`GRACE`] (`expired`) settled. `holders`: every Service as seen (annotations
+/// as stored); `changes`: the annotation writes planned.
+pub fn plan(
+    registry: &Registry,
+    holders: &[Holder],
+    changes: &[AnnotationChange<'_>],
+    token: &Token,
+    gone: &BTreeSet<Owner>,
+    expired: &BTreeSet<u16>,
+) -> ClaimPlan {
+    let mut next: BTreeMap<u16, Claim> = registry.iter().map(|(n, c)| (n, c.clone())).collect();
+    let mut out = ClaimPlan::default();
+    let by_number = holders_by_number(holders);
+    let holds =
+        |owner: &Owner, n: u16| by_number.get(&n).is_some_and(|hs| hs.iter().any(|h| &h.owner == owner));
+    let changing: BTreeMap<&ServiceKey, &BTreeSet<u16>> =
+        changes.iter().map(|c| (&c.holder.key, &c.after)).collect();
+    // Settle claims nobody resolved, and drop those of deleted Services.
+    for n in expired {
+        let Some(c) = next.get(n).cloned() else { continue };
+        match c.state {
+            State::Adding(_) | State::Removing(_) => {
+                next.insert(*n, Claim::held(c.owner));
+            }
+            State::Held if !holds(&c.owner, *n) => {
+                next.remove(n);
+            }
+            State::Held => {}
+        }
+    }
+    next.retain(|_, c| !gone.contains(&c.owner));
+    // Claims for what is held without one (not what a write of this round takes off); of two
+    // holders of a settled claim, the older keeps it.
+    for (n, hs) in &by_number {
+        let keepers: Vec<&&Holder> =
+            hs.iter().filter(|h| changing.get(&h.key).is_none_or(|after| after.contains(n))).collect();
+        let Some(oldest) = keepers.first() else { continue };
+        match next.get(n) {
+            None => {
+                next.insert(*n, Claim::held(oldest.owner.clone()));
+            }
+            Some(c)
+                if c.state == State::Held
+                    && c.owner != oldest.owner
+                    && keepers.iter().any(|h| h.owner == c.owner) =>
+            {
+                next.insert(*n, Claim::held(oldest.owner.clone()));
+            }
+            Some(_) => {}
+        }
+    }
+    // The writes: additions pending under our token (only onto a free number or the Service's
+    // own settled claim), removals pending for the numbers it claims.
+    for ch in changes {
+        let owner = &ch.holder.owner;
+        let before = &ch.holder.numbers;
+        let mut sc = ServiceClaims { owner: owner.clone(), adds: Vec::new(), removes: Vec::new() };
+        let mut staged = Vec::new();
+        let mut ok = true;
+        for n in ch.after.difference(before) {
+            match next.get(n) {
+                None => sc.adds.push((*n, None)),
+                Some(c) if &c.owner == owner && c.state == State::Held => sc.adds.push((*n, Some(c.clone()))),
+                Some(_) => ok = false,
+            }
+            staged.push((*n, Claim { owner: owner.clone(), state: State::Adding(token.clone()) }));
+        }
+        for n in before.difference(&ch.after) {
+            if next.get(n).is_some_and(|c| &c.owner == owner && c.state == State::Held) {
+                sc.removes.push(*n);
+                staged.push((*n, Claim { owner: owner.clone(), state: State::Removing(token.clone()) }));
+            }
+        }
+        if ok {
+            next.extend(staged);
+            out.services.insert(ch.holder.key.clone(), sc);
+        } else {
+            out.blocked.insert(ch.holder.key.clone());
+        }
+    }
+    // The blocks that change.
+    let mut by_block: BTreeMap<u16, Claims> = BTreeMap::new();
+    for (n, c) in next {
+        by_block.entry(block_of(n)).or_default().insert(n, c);
+    }
+    let blocks: BTreeSet<u16> = by_block.keys().chain(registry.blocks.keys()).copied().collect();
+    for b in blocks {
+        let new = by_block.remove(&b).unwrap_or_default();
+        let old = registry.blocks.get(&b);
+        if old.map(|o| &o.claims) != Some(&new) && !(old.is_none() && new.is_empty()) {
+            let resource_version = old.and_then(|o| o.resource_version.clone());
+            out.blocks.insert(b, Block { claims: new, resource_version });
+        }
+    }
+    out
+}
+
+/// Applies the end of one Service's write to a freshly read block (only claims still pending
+/// under `token` for that Service are touched): written → additions held, removals dropped;
+/// refused → each claim back to what it was; unknown → held (it may hold them). Returns whether
+/// anything changed.
+pub fn resolve(claims: &mut Claims, sc: &ServiceClaims, outcome: Outcome, token: &Token) -> bool {
+    let mut changed = false;
+    for (n, prior) in &sc.adds {
+        let mine = Claim { owner: sc.owner.clone(), state: State::Adding(token.clone()) };
+        if claims.get(n) != Some(&mine) {
+            continue;
+        }
+        changed = true;
+        match (outcome, prior) {
+            (Outcome::Refused, None) => {
+                claims.remove(n);
+            }
+            _ => {
+                claims.insert(*n, Claim::held(sc.owner.clone()));
+            }
+        }
+    }
+    for n in &sc.removes {
+        let mine = Claim { owner: sc.owner.clone(), state: State::Removing(token.clone()) };
+        if claims.get(n) != Some(&mine) {
+            continue;
+        }
+        changed = true;
+        match outcome {
+            Outcome::Written => {
+                claims.remove(n);
+            }
+            _ => {
+                claims.insert(*n, Claim::held(sc.owner.clone()));
+            }
+        }
+    }
+    changed
+}
+
+/// A leader's memory of the registry between rounds: which Services it has seen (so a deletion
+/// is known, not guessed) and since when each unresolved claim has looked the same. Every agent
+/// keeps one from its first view on, so a new leader knows the deletions it saw before.
+#[derive(Debug, Default)]
+pub struct Keeper {
+    /// Owners in the last view.
+    seen: BTreeSet<Owner>,
+    /// Owners seen once and absent since (deleted: a view never loses a Service that still
+    /// exists), until no claim names them.
+    gone: BTreeSet<Owner>,
+    unresolved: BTreeMap<u16, (Claim, Instant)>,
+}
+
+impl Keeper {
+    /// Records the Services of a view.
+    pub fn observe_view(&mut self, holders: &[Holder]) {
+        let now: BTreeSet<Owner> = holders.iter().map(|h| h.owner.clone()).collect();
+        self.gone.extend(self.seen.difference(&now).cloned());
+        self.seen = now;
+    }
+
+    /// The owners known to be deleted.
+    pub fn gone(&self) -> &BTreeSet<Owner> {
+        &self.gone
+    }
+
+    /// Forgets deleted owners no claim names any more.
+    pub fn forget(&mut self, registry: &Registry) {
+        let named: BTreeSet<&Owner> = registry.iter().map(|(_, c)| &c.owner).collect();
+        self.gone.retain(|o| named.contains(o));
+    }
+
+    /// The claims that have been unresolved (pending, or held by a Service that does not hold
+    /// the number in this view) and unchanged for [`GRACE`], watching continuously (`healthy`:
+    /// the Service watch works; else everything starts over).
+    pub fn expired(
+        &mut self,
+        registry: &Registry,
+        holders: &[Holder],
+        healthy: bool,
+        now: Instant,
+    ) -> BTreeSet<u16> {
+        if !healthy {
+            self.unresolved.clear();
+            return BTreeSet::new();
+        }
+        let holds: BTreeSet<(&Owner, u16)> =
+            holders.iter().flat_map(|h| h.numbers.iter().map(move |n| (&h.owner, *n))).collect();
+        let mut next = BTreeMap::new();
+        let mut out = BTreeSet::new();
+        for (n, c) in registry.iter() {
+            if c.state == State::Held && holds.contains(&(&c.owner, n)) {
+                continue;
+            }
+            let since = match self.unresolved.get(&n) {
+                Some((prev, t)) if prev == c => *t,
+                _ => now,
+            };
+            if now.saturating_duration_since(since) >= GRACE {
+                out.insert(n);
+            }
+            next.insert(n, (c.clone(), since));
+        }
+        self.unresolved = next;
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{LbPort, PortId, PortRequest, TrafficPolicy};
+
+    fn uid(c: char) -> String {
+        format!("{}-0000-0000-0000-000000000000", c.to_string().repeat(8))
+    }
+
+    fn owner(c: char) -> Owner {
+        Owner::of_uid(&uid(c))
+    }
+
+    /// Service `c` (name and uid from the letter), created on day `day`, holding `held`.
+    fn holder(c: char, day: u8, held: &[u16]) -> Holder {
+        Holder {
+            key: ServiceKey::new("default", c.to_string()),
+            owner: owner(c),
+            created: Some(format!("2024-01-{day:02}T00:00:00Z").parse().unwrap()),
+            numbers: held.iter().copied().collect(),
+        }
+    }
+
+    fn lb(h: &Holder) -> LbService {
+        LbService {
+            key: h.key.clone(),
+            uid: Some(h.owner.0.clone()),
+            created: h.created.map(|t| t.to_string()),
+            allocated_since: None,
+            previous_allocation: h
+                .numbers
+                .iter()
+                .enumerate()
+                .map(|(i, n)| (PortId::tcp(80 + i as u16), *n))
+                .collect(),
+            ports: vec![LbPort { id: PortId::tcp(80), name: String::new(), endpoints: vec![] }],
+            families: vec![],
+            source_ranges: vec![],
+            traffic_policy: TrafficPolicy::Cluster,
+            session_affinity: None,
+            port_request: PortRequest::Auto,
+        }
+    }
+
+    fn registry(claims: &[(u16, Claim)]) -> Registry {
+        let mut r = Registry::default();
+        for (n, c) in claims {
+            r.blocks.entry(block_of(*n)).or_default().claims.insert(*n, c.clone());
+        }
+        for b in r.blocks.values_mut() {
+            b.resource_version = Some("7".into());
+        }
+        r
+    }
+
+    fn tok(s: &str) -> Token {
+        Token(s.into())
+    }
+
+    fn pending(c: char, state: fn(Token) -> State, t: &str) -> Claim {
+        Claim { owner: owner(c), state: state(tok(t)) }
+    }
+
+    #[test]
+    fn text_round_trips_and_bad_entries_are_never_free() {
+        let claims = Claims::from([
+            (20000, Claim::held(owner('a'))),
+            (20001, pending('b', State::Adding, "t1")),
+            (20002, pending('c', State::Removing, "t2")),
+        ]);
+        let text = format(&claims);
+        assert_eq!(text, "20000=aaaaaaaa0000,20001=bbbbbbbb0000+t1,20002=cccccccc0000-t2");
+        assert_eq!(parse(&text), (claims, vec![]));
+        let (c, problems) = parse("x=1, 20005=nothex, 20006, ,70000=aaaaaaaa0000");
+        assert_eq!(c.keys().copied().collect::<Vec<_>>(), [20005], "a readable number stays claimed");
+        assert_eq!(problems.len(), 4, "{problems:?}");
+        assert_eq!(block_of(20000), 2);
+        assert_eq!(lease_name(block_of(8191)), "nodelb-node-ports-0");
+    }
+
+    #[test]
+    fn screening() {
+        let (a, b) = (holder('a', 1, &[20000]), holder('b', 2, &[20000]));
+        // (name, holders, registry, gone, numbers each keeps, in-use numbers)
+        type Case = (&'static str, Vec<Holder>, Registry, Vec<Owner>, Vec<Vec<u16>>, Vec<u16>);
+        let cases: Vec<Case> = vec![
+            (
+                "no claim: kept (claimed for it later)",
+                vec![a.clone()],
+                registry(&[]),
+                vec![],
+                vec![vec![20000]],
+                vec![],
+            ),
+            (
+                "its own claim: kept",
+                vec![a.clone()],
+                registry(&[(20000, Claim::held(owner('a')))]),
+                vec![],
+                vec![vec![20000]],
+                vec![],
+            ),
+            (
+                "another's claim, the claimant not holding it: lost, in use",
+                vec![a.clone()],
+                registry(&[(20000, Claim::held(owner('b')))]),
+                vec![],
+                vec![vec![]],
+                vec![20000],
+            ),
+            (
+                "another's pending claim: lost, in use",
+                vec![a.clone()],
+                registry(&[(20000, pending('b', State::Adding, "x"))]),
+                vec![],
+                vec![vec![]],
+                vec![20000],
+            ),
+            (
+                "two hold it, the younger claims it: both kept here (the allocator's older-keeps decides)",
+                vec![a.clone(), b.clone()],
+                registry(&[(20000, Claim::held(owner('b')))]),
+                vec![],
+                vec![vec![20000], vec![20000]],
+                vec![],
+            ),
+            (
+                "two hold it, the claimant's addition pending: only the claimant keeps it",
+                vec![a.clone(), b.clone()],
+                registry(&[(20000, pending('b', State::Adding, "x"))]),
+                vec![],
+                vec![vec![], vec![20000]],
+                vec![20000],
+            ),
+            (
+                "the claimant was deleted: its claim does not count",
+                vec![a.clone()],
+                registry(&[(20000, Claim::held(owner('b')))]),
+                vec![owner('b')],
+                vec![vec![20000]],
+                vec![],
+            ),
+            (
+                "a claim nobody holds: in use",
+                vec![],
+                registry(&[(20009, Claim::held(owner('z')))]),
+                vec![],
+                vec![],
+                vec![20009],
+            ),
+        ];
+        for (name, holders, reg, gone, keeps, in_use) in cases {
+            let gone: BTreeSet<Owner> = gone.into_iter().collect();
+            let mut services: Vec<LbService> = holders.iter().map(lb).collect();
+            let s = screen(&mut services, &holders, &reg, &gone);
+            let got: Vec<Vec<u16>> =
+                services.iter().map(|s| s.previous_allocation.values().copied().collect()).collect();
+            assert_eq!(got, keeps, "{name}");
+            let used: BTreeSet<u16> = s.in_use.keys().map(|(_, n)| *n).collect();
+            assert_eq!(used, in_use.into_iter().collect(), "{name}");
+        }
+    }
+
+    fn change<'a>(h: &'a Holder, after: &[u16]) -> AnnotationChange<'a> {
+        AnnotationChange { holder: h, after: after.iter().copied().collect() }
+    }
+
+    #[test]
+    fn planning() {
+        let t = tok("me");
+        let a = holder('a', 1, &[20000]);
+        let b_new = holder('b', 2, &[]);
+        // (name, registry, holders, changes, gone, expired, the blocks written (None: none), blocked)
+        type Case<'a> = (
+            &'static str,
+            Registry,
+            Vec<Holder>,
+            Vec<AnnotationChange<'a>>,
+            Vec<Owner>,
+            Vec<u16>,
+            Option<Claims>,
+            bool,
+        );
+        let b_dup = holder('b', 2, &[20000]);
+        let cases: Vec<Case<'_>> = vec![
+            (
+                "an annotation without a claim is claimed; a new number is pending",
+                registry(&[]),
+                vec![a.clone(), b_new.clone()],
+                vec![change(&b_new, &[20001])],
+                vec![],
+                vec![],
+                Some(Claims::from([
+                    (20000, Claim::held(owner('a'))),
+                    (20001, pending('b', State::Adding, "me")),
+                ])),
+                false,
+            ),
+            (
+                "a number being added elsewhere is not added: the write waits",
+                registry(&[(20000, Claim::held(owner('a'))), (20001, pending('c', State::Adding, "x"))]),
+                vec![a.clone(), b_new.clone()],
+                vec![change(&b_new, &[20001])],
+                vec![],
+                vec![],
+                None,
+                true,
+            ),
+            (
+                "a move: the old number pending removal, the new one pending addition",
+                registry(&[(20000, Claim::held(owner('a')))]),
+                vec![a.clone()],
+                vec![change(&a, &[20003])],
+                vec![],
+                vec![],
+                Some(Claims::from([
+                    (20000, pending('a', State::Removing, "me")),
+                    (20003, pending('a', State::Adding, "me")),
+                ])),
+                false,
+            ),
+            (
+                "nothing to do: nothing written",
+                registry(&[(20000, Claim::held(owner('a')))]),
+                vec![a.clone()],
+                vec![],
+                vec![],
+                vec![],
+                None,
+                false,
+            ),
+            (
+                "a deleted owner's claims go; an expired pending claim is held, an expired orphan goes",
+                registry(&[
+                    (20000, Claim::held(owner('a'))),
+                    (20004, Claim::held(owner('d'))),
+                    (20005, pending('a', State::Adding, "x")),
+                    (20006, Claim::held(owner('e'))),
+                ]),
+                vec![a.clone()],
+                vec![],
+                vec![owner('d')],
+                vec![20005, 20006],
+                Some(Claims::from([(20000, Claim::held(owner('a'))), (20005, Claim::held(owner('a')))])),
+                false,
+            ),
+            (
+                "two hold a number the younger claims: the claim moves to the older",
+                registry(&[(20000, Claim::held(owner('b')))]),
+                vec![a.clone(), b_dup.clone()],
+                vec![],
+                vec![],
+                vec![],
+                Some(Claims::from([(20000, Claim::held(owner('a')))])),
+                false,
+            ),
+            (
+                "two hold it, the older is written off it: the younger's claim stays",
+                registry(&[(20000, Claim::held(owner('b')))]),
+                vec![a.clone(), b_dup.clone()],
+                vec![change(&a, &[20002])],
+                vec![],
+                vec![],
+                Some(Claims::from([
+                    (20000, Claim::held(owner('b'))),
+                    (20002, pending('a', State::Adding, "me")),
+                ])),
+                false,
+            ),
+        ];
+        for (name, reg, holders, changes, gone, expired, want, blocked) in cases {
+            let gone: BTreeSet<Owner> = gone.into_iter().collect();
+            let expired: BTreeSet<u16> = expired.into_iter().collect();
+            let p = plan(&reg, &holders, &changes, &t, &gone, &expired);
+            assert_eq!(p.blocks.get(&2).map(|b| b.claims.clone()), want, "{name}");
+            if let Some(b) = p.blocks.get(&2) {
+                assert_eq!(
+                    b.resource_version,
+                    reg.blocks.get(&2).and_then(|b| b.resource_version.clone()),
+                    "{name}"
+                );
+            }
+            assert_eq!(!p.blocked.is_empty(), blocked, "{name}");
+        }
+    }
+
+    #[test]
+    fn resolving() {
+        let t = tok("me");
+        let sc = ServiceClaims {
+            owner: owner('a'),
+            adds: vec![(20001, None), (20002, Some(Claim::held(owner('a'))))],
+            removes: vec![20000],
+        };
+        let pending_claims = || {
+            Claims::from([
+                (20000, pending('a', State::Removing, "me")),
+                (20001, pending('a', State::Adding, "me")),
+                (20002, pending('a', State::Adding, "me")),
+            ])
+        };
+        let held = |ns: &[u16]| ns.iter().map(|n| (*n, Claim::held(owner('a')))).collect::<Claims>();
+        for (outcome, want) in [
+            (Outcome::Written, held(&[20001, 20002])),
+            (Outcome::Refused, held(&[20000, 20002])),
+            (Outcome::Unknown, held(&[20000, 20001, 20002])),
+        ] {
+            let mut c = pending_claims();
+            assert!(resolve(&mut c, &sc, outcome, &t));
+            assert_eq!(c, want, "{outcome:?}");
+        }
+        // Another leader's pending claims (another token) are not ours to resolve.
+        let mut c = pending_claims();
+        assert!(!resolve(&mut c, &sc, Outcome::Written, &tok("other")));
+        assert_eq!(c, pending_claims());
+    }
+
+    #[test]
+    fn keeper_knows_deletions_and_waits_out_the_grace() {
+        let mut k = Keeper::default();
+        let a = holder('a', 1, &[20000]);
+        let b = holder('b', 1, &[]);
+        k.observe_view(&[a.clone(), b.clone()]);
+        assert!(k.gone().is_empty());
+        k.observe_view(std::slice::from_ref(&a));
+        assert_eq!(k.gone(), &BTreeSet::from([owner('b')]));
+        k.observe_view(std::slice::from_ref(&a));
+        assert_eq!(k.gone(), &BTreeSet::from([owner('b')]), "until no claim names it");
+        k.forget(&registry(&[(20001, Claim::held(owner('b')))]));
+        assert_eq!(k.gone(), &BTreeSet::from([owner('b')]));
+        k.forget(&registry(&[]));
+        assert!(k.gone().is_empty());
+        let reg = registry(&[(20000, Claim::held(owner('a'))), (20001, Claim::held(owner('a')))]);
+        let t0 = Instant::now();
+        let view = std::slice::from_ref(&a);
+        assert!(k.expired(&reg, view, true, t0).is_empty(), "20001 unresolved since now");
+        assert!(k.expired(&reg, view, true, t0 + GRACE / 2).is_empty());
+        assert_eq!(k.expired(&reg, view, true, t0 + GRACE), BTreeSet::from([20001]));
+        assert!(k.expired(&reg, view, false, t0 + GRACE * 2).is_empty(), "watch failing");
+        assert!(k.expired(&reg, view, true, t0 + GRACE * 2).is_empty(), "and the wait starts over");
+    }
+}
