@@ -29,6 +29,7 @@ pub mod nft;
 pub mod plan;
 pub mod pool;
 pub mod port_policy;
+pub mod servicelb;
 pub mod slim;
 pub mod source;
 pub mod state;
