@@ -65,6 +65,11 @@ pub struct CommonArgs {
     /// Do not serve Services that have no spec.loadBalancerClass.
     #[arg(long, env = "NODELB_IGNORE_UNCLASSED")]
     pub ignore_unclassed: bool,
+    /// Honour the k3s ServiceLB labels (Kubernetes mode): once any node carries
+    /// svccontroller.k3s.cattle.io/enablelb, only nodes with it set to true serve, and a Service
+    /// labelled svccontroller.k3s.cattle.io/lbpool only on nodes with the same lbpool label.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, env = "NODELB_SERVICELB_LABELS")]
+    pub servicelb_labels: bool,
     /// Packet-mark bit that tells postrouting to masquerade (same meaning as kube-proxy's 0x4000).
     #[arg(long, default_value = "0x4000", value_parser = parse_mark, env = "NODELB_MASQUERADE_MARK")]
     pub masquerade_mark: u32,

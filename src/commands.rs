@@ -66,7 +66,11 @@ fn forward_mark(common: &CommonArgs) -> anyhow::Result<Option<u32>> {
 }
 
 fn model_options(common: &CommonArgs) -> ModelOptions {
-    ModelOptions { lb_class: common.load_balancer_class.clone(), ignore_unclassed: common.ignore_unclassed }
+    ModelOptions {
+        lb_class: common.load_balancer_class.clone(),
+        ignore_unclassed: common.ignore_unclassed,
+        servicelb_labels: common.servicelb_labels,
+    }
 }
 
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {

@@ -248,3 +248,58 @@ fn pools_choose_ports_nodes_and_follow_edits_without_restart() {
         c.wait_served(i, orphan, CHANGE);
     }
 }
+
+#[test]
+fn servicelb_labels_choose_the_nodes_as_k3s_does() {
+    require_root!();
+    let c = Cluster::new(2);
+    const ENABLELB: &str = "svccontroller.k3s.cattle.io/enablelb";
+    const LBPOOL: &str = "svccontroller.k3s.cattle.io/lbpool";
+    create_labelled(&c, "plain", 0, json!({}));
+    create_labelled(&c, "edge", 1, json!({LBPOOL: "edge"}));
+    let plain = wait_allocated_in(&c, "plain", (20000, 29999));
+    let edge = wait_allocated_in(&c, "edge", (20000, 29999));
+    // No node carries enablelb: every node serves everything (lbpool alone means nothing).
+    for i in 0..3 {
+        c.wait_served(i, plain, CHANGE);
+        c.wait_served(i, edge, CHANGE);
+    }
+
+    // node-1 and node-2 opt in, node-1 in lbpool "edge"; node-3 opts out explicitly.
+    label_node(&c, "node-1", &format!("{ENABLELB}=true"));
+    label_node(&c, "node-1", &format!("{LBPOOL}=edge"));
+    label_node(&c, "node-2", &format!("{ENABLELB}=true"));
+    label_node(&c, "node-3", &format!("{ENABLELB}=false"));
+    wait_refused(&c, 2, plain);
+    wait_refused(&c, 1, edge);
+    wait_refused(&c, 2, edge);
+    c.wait_served(0, plain, CHANGE);
+    c.wait_served(1, plain, CHANGE);
+    c.wait_served(0, edge, CHANGE);
+    stays_refused(&c, 2, plain);
+    c.wait_ingress_nodes("plain", &[0, 1], CHANGE);
+    c.wait_ingress_nodes("edge", &[0], CHANGE);
+    // The allocation does not move: ServiceLB labels choose nodes, never ports.
+    assert_eq!(c.allocated("edge").unwrap()["80/TCP"], edge);
+
+    // A pool's nodeSelector and the ServiceLB labels must both select a node.
+    label_node(&c, "node-2", "zone=b");
+    apply(&c, &pool("zone-b", &[(20000, 29999)], json!({"nodeSelector": {"matchLabels": {"zone": "b"}}})));
+    wait_refused(&c, 0, plain);
+    c.wait_served(1, plain, CHANGE);
+    stays_refused(&c, 2, plain);
+    c.wait_ingress_nodes("plain", &[1], CHANGE);
+    // edge: its lbpool node (node-1) is outside zone b, so no node serves it.
+    wait_refused(&c, 0, edge);
+    c.wait_ingress_nodes("edge", &[], CHANGE);
+    c.api.kubectl_ok(&["delete", "nodeportpool", "zone-b"]);
+
+    // Removing the label from every node switches the selection off: all nodes serve again.
+    for n in ["node-1", "node-2", "node-3"] {
+        label_node(&c, n, &format!("{ENABLELB}-"));
+    }
+    for i in 0..3 {
+        c.wait_served(i, plain, CHANGE);
+        c.wait_served(i, edge, CHANGE);
+    }
+}

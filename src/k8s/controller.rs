@@ -640,8 +640,13 @@ pub fn plan_round(
     }
     // Node port pools: which pool each Service gets (a Service none accepts is not allocated, and
     // says why), and which nodes its status may list.
-    let (pool_ctx, invalid_pools) =
-        super::pools::context(snap, pools_last_valid, cfg.port_range, &cfg.node_name);
+    let (pool_ctx, invalid_pools) = super::pools::context(
+        snap,
+        pools_last_valid,
+        cfg.port_range,
+        &cfg.node_name,
+        cfg.model.servicelb_labels,
+    );
     let assignment = (!pool_ctx.set.implicit)
         .then(|| crate::pool::assign_services(&pool_ctx, &snap.services, &all, &Allocations::new()));
     let all: Vec<model::LbService> = match &assignment {
@@ -649,6 +654,7 @@ pub fn plan_round(
         None => all,
     };
     let pool_nodes = assignment.as_ref().map(|a| super::pools::selected_nodes(&pool_ctx, a, &snap.nodes));
+    let pool_nodes = super::pools::narrow_by_servicelb(&pool_ctx, &snap.services, &snap.nodes, pool_nodes);
     let constraints = alloc::Constraints {
         policy: Some(&cfg.policy.ports),
         in_use: Some(&in_use),

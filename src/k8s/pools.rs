@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
@@ -24,12 +24,14 @@ use super::nodes::ServingNode;
 use super::source::KubeSnapshot;
 
 /// The pools in force for `snap` (an invalid edit keeps `last_valid`'s version), resolved
-/// against every Node's labels, with `node`'s own labels; and the invalid pools.
+/// against every Node's labels, with `node`'s own labels; and the invalid pools. `servicelb`:
+/// `--servicelb-labels`.
 pub fn context(
     snap: &KubeSnapshot,
     last_valid: &mut LastValid,
     flag_range: PortRange,
     node: &str,
+    servicelb: bool,
 ) -> (PoolContext, Vec<InvalidPool>) {
     let objects: Vec<PoolObject> = snap.pools.iter().map(|p| PoolObject::from_resource(p)).collect();
     let (pools, invalid) = last_valid.update(&objects);
@@ -37,6 +39,7 @@ pub fn context(
     let node_labels: Vec<BTreeMap<String, String>> = snap.nodes.iter().map(|n| labels(n)).collect();
     let refs: Vec<&BTreeMap<String, String>> = node_labels.iter().collect();
     let set = PoolSet::resolve(pools, !objects.is_empty(), flag_range, &refs);
+    let servicelb = crate::servicelb::in_force(servicelb, refs.iter().copied());
     // Only what a pool in force looks at is part of the context (and so of the agent's input
     // fingerprint): without pools a new Namespace or a relabelled Node recomputes nothing.
     let namespaces = if set.pools.iter().any(|p| !p.pool.namespaces.is_everything()) {
@@ -49,7 +52,7 @@ pub fn context(
     } else {
         BTreeMap::new()
     };
-    let own = if set.pools.iter().any(|p| !p.pool.nodes.is_everything()) {
+    let own = if servicelb || set.pools.iter().any(|p| !p.pool.nodes.is_everything()) {
         snap.nodes
             .iter()
             .find(|n| n.metadata.name.as_deref() == Some(node))
@@ -58,7 +61,7 @@ pub fn context(
     } else {
         BTreeMap::new()
     };
-    (PoolContext { set, namespaces, node_labels: own }, invalid)
+    (PoolContext { set, namespaces, node_labels: own, servicelb }, invalid)
 }
 
 /// Per Service whose pool restricts nodes (`nodeSelector`), the names of the Nodes it selects.
@@ -83,6 +86,34 @@ pub fn selected_nodes<N: std::borrow::Borrow<Node>>(
         out.insert(key.clone(), names);
     }
     out
+}
+
+/// `selected` (per Service, the Nodes its pool selects; absent: every Node) narrowed by the k3s
+/// ServiceLB labels when they are in force: a Node serves a Service when both select it.
+pub fn narrow_by_servicelb<S: std::borrow::Borrow<Service>, N: std::borrow::Borrow<Node>>(
+    ctx: &PoolContext,
+    services: &[S],
+    nodes: &[N],
+    selected: Option<BTreeMap<ServiceKey, BTreeSet<String>>>,
+) -> Option<BTreeMap<ServiceKey, BTreeSet<String>>> {
+    if !ctx.servicelb {
+        return selected;
+    }
+    let empty = BTreeMap::new();
+    let mut out = selected.unwrap_or_default();
+    for svc in services.iter().map(|s| s.borrow()) {
+        let svc_labels = svc.metadata.labels.as_ref().unwrap_or(&empty);
+        let serving: BTreeSet<String> = nodes
+            .iter()
+            .map(|n| &n.borrow().metadata)
+            .filter(|m| crate::servicelb::serves(m.labels.as_ref().unwrap_or(&empty), svc_labels).is_ok())
+            .filter_map(|m| m.name.clone())
+            .collect();
+        out.entry(crate::model::service_key(svc))
+            .and_modify(|names| names.retain(|n| serving.contains(n)))
+            .or_insert(serving);
+    }
+    Some(out)
 }
 
 /// What the leader needs to write every pool's status after an allocation round.
@@ -152,4 +183,60 @@ pub async fn write_statuses(client: &Client, round: &StatusRound<'_>) -> Result<
         }
     }
     Ok(stale)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::servicelb::{LABEL_ENABLELB, LABEL_LBPOOL};
+
+    fn node(name: &str, labels: &[(&str, &str)]) -> Node {
+        let mut n = Node::default();
+        n.metadata.name = Some(name.into());
+        n.metadata.labels = Some(labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+        n
+    }
+
+    fn service(name: &str, labels: &[(&str, &str)]) -> Service {
+        let mut s = Service::default();
+        s.metadata.name = Some(name.into());
+        s.metadata.namespace = Some("default".into());
+        s.metadata.labels = Some(labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+        s
+    }
+
+    fn key(name: &str) -> ServiceKey {
+        crate::model::service_key(&service(name, &[]))
+    }
+
+    fn names(n: &[&str]) -> BTreeSet<String> {
+        n.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn servicelb_labels_narrow_what_the_pools_select() {
+        let nodes = [
+            node("a", &[(LABEL_ENABLELB, "true"), (LABEL_LBPOOL, "edge")]),
+            node("b", &[(LABEL_ENABLELB, "true"), ("zone", "b")]),
+            node("c", &[(LABEL_ENABLELB, "false"), ("zone", "b")]),
+        ];
+        let services = [service("plain", &[]), service("edge", &[(LABEL_LBPOOL, "edge")])];
+        let ctx = |servicelb| PoolContext {
+            set: PoolSet::resolve(vec![], false, PortRange { first: 20000, last: 29999 }, &[]),
+            namespaces: BTreeMap::new(),
+            node_labels: BTreeMap::new(),
+            servicelb,
+        };
+        // Not in force: the pools' selection as it is (none: every node).
+        assert_eq!(narrow_by_servicelb(&ctx(false), &services, &nodes, None), None);
+        // In force, no pool restriction: the labels alone.
+        let got = narrow_by_servicelb(&ctx(true), &services, &nodes, None).unwrap();
+        assert_eq!(got[&key("plain")], names(&["a", "b"]));
+        assert_eq!(got[&key("edge")], names(&["a"]));
+        // A pool selecting b and c: both must select.
+        let pool = BTreeMap::from([(key("plain"), names(&["b", "c"])), (key("edge"), names(&["b", "c"]))]);
+        let got = narrow_by_servicelb(&ctx(true), &services, &nodes, Some(pool)).unwrap();
+        assert_eq!(got[&key("plain")], names(&["b"]));
+        assert_eq!(got[&key("edge")], names(&[]));
+    }
 }

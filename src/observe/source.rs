@@ -138,7 +138,13 @@ impl Source {
                     return Ok(Loaded::Waiting);
                 }
                 let snap = source.snapshot();
-                let (pools, invalid) = crate::k8s::pools::context(&snap, pools_last_valid, *port_range, node);
+                let (pools, invalid) = crate::k8s::pools::context(
+                    &snap,
+                    pools_last_valid,
+                    *port_range,
+                    node,
+                    opts.servicelb_labels,
+                );
                 let fingerprint = {
                     let mut h = std::collections::hash_map::DefaultHasher::new();
                     (snap.fingerprint(), &pools).hash(&mut h);

@@ -192,9 +192,11 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     // process here listens on it): the allocation stays, the port is not programmed here.
     let mut refused_ports = Vec::new();
     let mut programmed = allocations.clone();
+    let servicelb = inputs.pools.map(|c| servicelb_refusals(c, inputs.services)).unwrap_or_default();
     for (key, ports) in programmed.iter_mut() {
-        let pool_policy = match (pools, &assignment) {
-            (Some(ctx), Some(a)) => Some(pool_node_policy(ctx, a, key, &inputs.policy.ports)),
+        let pool_policy = match (servicelb.get(key), pools, &assignment) {
+            (Some(why), _, _) => Some(Err(PortRefusal::NotSelected(format!("ServiceLB labels: {why}")))),
+            (None, Some(ctx), Some(a)) => Some(pool_node_policy(ctx, a, key, &inputs.policy.ports)),
             _ => None,
         };
         ports.retain(|id, node_port| {
@@ -312,6 +314,23 @@ fn pool_node_policy(
         )));
     }
     Ok(PortPolicy { ranges: ranges.keep.clone(), allowed: flags.allowed.clone() })
+}
+
+/// The Services this node does not serve under the k3s ServiceLB labels (when in force), and why.
+fn servicelb_refusals<S: Borrow<Service>>(ctx: &PoolContext, services: &[S]) -> BTreeMap<ServiceKey, String> {
+    if !ctx.servicelb {
+        return BTreeMap::new();
+    }
+    let empty = BTreeMap::new();
+    services
+        .iter()
+        .map(|s| s.borrow())
+        .filter_map(|s| {
+            let labels = s.metadata.labels.as_ref().unwrap_or(&empty);
+            let why = crate::servicelb::serves(&ctx.node_labels, labels).err()?;
+            Some((model::service_key(s), why.to_string()))
+        })
+        .collect()
 }
 
 /// A Service refused for bad input keeps its ports (when nobody else took them meanwhile), so
@@ -532,6 +551,30 @@ fn counter_index(services: &[LbService], ruleset: &Ruleset) -> CounterIndex {
 mod tests {
     use super::*;
 
+    /// [`compute`] on node-1 (IPv4) with the range 20000-20010 and default policies.
+    fn compute_on(mode: AllocationMode, services: &[Service], pools: Option<&PoolContext>) -> Desired {
+        let node = NodeFacts {
+            node_name: "node-1".into(),
+            families: [Family::Ipv4].into(),
+            masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
+            forward_mark: None,
+        };
+        compute(&Inputs {
+            mode,
+            services,
+            slices: model::NO_SLICES,
+            notes: &SourceNotes::default(),
+            previous: &Allocations::new(),
+            since: &BTreeMap::new(),
+            policy: &HostPolicy::default(),
+            host: &HostFacts::default(),
+            range: &PortRange::new(20000, 20010).expect("range"),
+            model: &ModelOptions::default(),
+            node: &node,
+            pools,
+        })
+    }
+
     /// A node's status line for a Service the leader could not allocate repeats the leader's
     /// reason (the `nodelb.io/Allocated` condition), not a bare "no node port".
     #[test]
@@ -547,26 +590,7 @@ mod tests {
                  "lastTransitionTime": "2024-01-01T00:00:00Z"}]}
         }))
         .expect("service");
-        let node = NodeFacts {
-            node_name: "node-1".into(),
-            families: [Family::Ipv4].into(),
-            masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
-            forward_mark: None,
-        };
-        let desired = compute(&Inputs {
-            mode: AllocationMode::Annotated,
-            services: &[svc],
-            slices: model::NO_SLICES,
-            notes: &SourceNotes::default(),
-            previous: &Allocations::new(),
-            since: &BTreeMap::new(),
-            policy: &HostPolicy::default(),
-            host: &HostFacts::default(),
-            range: &PortRange::new(20000, 20010).expect("range"),
-            model: &ModelOptions::default(),
-            node: &node,
-            pools: None,
-        });
+        let desired = compute_on(AllocationMode::Annotated, &[svc], None);
         let line = &desired.services[0];
         assert_eq!(line.state, ServiceState::Refused);
         assert_eq!(
@@ -575,5 +599,46 @@ mod tests {
                 "no node port: PortConflict: port 80/TCP asks for node port 20080, which Service default/old holds"
             )
         );
+    }
+
+    /// Under the k3s ServiceLB labels a node programs only the Services its labels select; the
+    /// others stay allocated but are refused here with the label and values; the flag's context
+    /// without them (`servicelb: false`) programs both.
+    #[test]
+    fn servicelb_labels_choose_what_this_node_programs() {
+        use crate::servicelb::{LABEL_ENABLELB, LABEL_LBPOOL};
+        let svc = |name: &str, labels: serde_json::Value| -> Service {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name, "namespace": "default", "labels": labels},
+                "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]}
+            }))
+            .expect("service")
+        };
+        let services =
+            [svc("plain", serde_json::json!({})), svc("edge", serde_json::json!({LABEL_LBPOOL: "edge"}))];
+        let range = PortRange::new(20000, 20010).expect("range");
+        let run = |servicelb: bool| {
+            let ctx = PoolContext {
+                set: crate::pool::PoolSet::resolve(vec![], false, range, &[]),
+                namespaces: BTreeMap::new(),
+                node_labels: [(LABEL_ENABLELB, "true"), (LABEL_LBPOOL, "other")]
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+                servicelb,
+            };
+            compute_on(AllocationMode::Allocate, &services, Some(&ctx))
+        };
+        let on = run(true);
+        assert_eq!(on.allocations.len(), 2, "both stay allocated: {:?}", on.allocations);
+        let refused: Vec<String> =
+            on.refused_ports.iter().map(|r| format!("{}: {}", r.service, r.reason)).collect();
+        assert_eq!(refused.len(), 1, "{refused:?}");
+        assert!(refused[0].starts_with("default/edge: ServiceLB labels:"), "{refused:?}");
+        assert!(
+            refused[0].contains("lbpool=\"edge\"") && refused[0].contains("lbpool=\"other\""),
+            "{refused:?}"
+        );
+        assert!(run(false).refused_ports.is_empty());
     }
 }

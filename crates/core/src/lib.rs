@@ -28,6 +28,7 @@ pub mod plan;
 pub mod pool;
 pub mod port_policy;
 pub mod report;
+pub mod servicelb;
 #[cfg(any(test, feature = "testing"))]
 pub mod simulate;
 pub mod slim;

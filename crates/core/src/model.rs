@@ -273,11 +273,17 @@ pub struct ModelOptions {
     pub lb_class: String,
     /// Do not serve Services whose `loadBalancerClass` is unset.
     pub ignore_unclassed: bool,
+    /// Honour the k3s ServiceLB node and Service labels ([`crate::servicelb`]).
+    pub servicelb_labels: bool,
 }
 
 impl Default for ModelOptions {
     fn default() -> Self {
-        ModelOptions { lb_class: DEFAULT_LB_CLASS.to_string(), ignore_unclassed: false }
+        ModelOptions {
+            lb_class: DEFAULT_LB_CLASS.to_string(),
+            ignore_unclassed: false,
+            servicelb_labels: true,
+        }
     }
 }
 
@@ -1026,7 +1032,7 @@ mod tests {
             (
                 "our class with ignore_unclassed",
                 Box::new(|v| v["spec"]["loadBalancerClass"] = json!("x/y")),
-                ModelOptions { lb_class: "x/y".into(), ignore_unclassed: true },
+                ModelOptions { lb_class: "x/y".into(), ignore_unclassed: true, servicelb_labels: true },
                 true,
             ),
             (

@@ -652,6 +652,8 @@ pub struct PoolContext {
     pub set: PoolSet,
     pub namespaces: BTreeMap<String, BTreeMap<String, String>>,
     pub node_labels: BTreeMap<String, String>,
+    /// The k3s ServiceLB labels narrow which nodes serve ([`crate::servicelb::in_force`]).
+    pub servicelb: bool,
 }
 
 /// Each Service's pool, as the allocator and the nodes use it.
