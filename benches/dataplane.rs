@@ -22,8 +22,8 @@ use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -160,56 +160,6 @@ fn config() -> Config {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Cleanup on Ctrl-C / SIGTERM: namespaces are named `nlb-<tag>-<pid>-<n>` (tests/common/netns.rs).
-
-static CHILDREN: Mutex<Vec<u32>> = Mutex::new(Vec::new());
-
-fn register_child(pid: u32) {
-    CHILDREN.lock().unwrap().push(pid);
-}
-
-fn unregister_child(pid: u32) {
-    CHILDREN.lock().unwrap().retain(|p| *p != pid);
-}
-
-fn kill_children() {
-    for pid in CHILDREN.lock().unwrap().drain(..) {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::SIGKILL);
-    }
-}
-
-/// Deletes every namespace this process created (by name), whatever state it is in.
-fn delete_own_namespaces() {
-    let tag = format!("-{}-", std::process::id());
-    if let Ok(dir) = std::fs::read_dir("/run/netns") {
-        for e in dir.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if name.starts_with("nlb-") && name.contains(&tag) {
-                let _ = Command::new("ip").args(["netns", "del", &name]).output();
-            }
-        }
-    }
-}
-
-/// Blocks SIGINT/SIGTERM in every thread and handles them on one thread: kill our children, delete
-/// our namespaces, exit 130. Must run before any other thread is spawned.
-fn install_signal_cleanup() {
-    use nix::sys::signal::{SigSet, Signal};
-    let mut set = SigSet::empty();
-    set.add(Signal::SIGINT);
-    set.add(Signal::SIGTERM);
-    set.thread_block().expect("block signals");
-    std::thread::spawn(move || {
-        if let Ok(sig) = set.wait() {
-            eprintln!("\n{sig:?}: cleaning up namespaces and children");
-            kill_children();
-            delete_own_namespaces();
-            std::process::exit(130);
-        }
-    });
-}
-
-// ---------------------------------------------------------------------------------------------
 // Running things inside a namespace
 
 /// Runs `f` on a thread that joined `ns` (a process it spawns is born in that namespace too).
@@ -338,7 +288,6 @@ struct ChildGuard(std::process::Child);
 
 impl Drop for ChildGuard {
     fn drop(&mut self) {
-        unregister_child(self.0.id());
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
@@ -356,7 +305,6 @@ fn spawn_in(ns: &NetNs, program: &str, args: &[&str]) -> ChildGuard {
             .spawn()
             .expect("spawn")
     });
-    register_child(child.id());
     ChildGuard(child)
 }
 
@@ -1059,9 +1007,6 @@ fn run_agent(cfg: &Config, n: usize, footprint: bool, reaction: bool, r: &mut Re
     let refs: Vec<(&str, String)> = files.iter().map(|(a, b)| (a.as_str(), b.clone())).collect();
     let t0 = Instant::now();
     let mut agent = Agent::start(b.node(), &refs, &["--resync-period", "10s"]);
-    if let Some(pid) = agent.pid() {
-        register_child(pid);
-    }
     agent.wait_ready(Duration::from_secs(300));
     let ready_s = t0.elapsed().as_secs_f64();
     let pid = agent.pid().expect("agent pid");
@@ -1105,19 +1050,16 @@ fn run_agent(cfg: &Config, n: usize, footprint: bool, reaction: bool, r: &mut Re
         }
         r.reaction = Some(Reaction { n, add_ms, remove_ms, allocated_ms: Vec::new(), timeouts });
     }
-    unregister_child(pid);
     agent.kill9();
     keep_log(cfg, "manifests-agent.log", &agent.logs());
 }
 
 /// Reaction time in Kubernetes mode: one node whose agent is also the leader (allocates node ports
-/// and writes them, with the status, on the Services), against the in-process test API server
-/// (`tests/common/cluster.rs`), with `n` Services + EndpointSlices. Each change is timed from the
+/// and writes them, with the status, on the Services), against the real kube-apiserver + etcd of the
+/// tests (`tests/common/cluster.rs`), with `n` Services + EndpointSlices. Each change is timed from the
 /// API call to a connection through the node succeeding (create) or being refused (delete).
 fn run_kube(cfg: &Config, n: usize, r: &mut Results) {
     let c = Cluster::with_nodes(1, 1, &["--resync-period", "10s"]);
-    let pid = c.agents[0].pid().expect("agent pid");
-    register_child(pid);
     let t0 = Instant::now();
     for i in 0..n {
         c.create(&agent_service(i, cfg.footprint_endpoints));
@@ -1178,7 +1120,6 @@ fn run_kube(cfg: &Config, n: usize, r: &mut Results) {
         }
     }
     r.kube_reaction = Some(Reaction { n, add_ms, remove_ms, allocated_ms, timeouts });
-    unregister_child(pid);
     keep_log(cfg, "kube-agent.log", &c.agents[0].logs());
 }
 
@@ -1722,7 +1663,7 @@ fn main() {
             return;
         }
     }
-    install_signal_cleanup();
+    common::cleanup::install_signal_cleanup();
     let result = std::panic::catch_unwind(|| {
         let legacy = have("iptables-legacy") && {
             let ns = NetNs::new("probe");
@@ -1769,8 +1710,7 @@ fn main() {
         eprintln!("[{:>6.1}s] done", t.elapsed().as_secs_f64());
         r
     });
-    kill_children();
-    delete_own_namespaces();
+    common::cleanup::kill_and_delete_own_namespaces();
     let r = match result {
         Ok(r) => r,
         Err(e) => std::panic::resume_unwind(e),

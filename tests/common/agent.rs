@@ -51,41 +51,17 @@ impl Agent {
     /// Writes `files` (name, content) into a fresh manifests directory and starts the agent in `node`
     /// with `--resync-period 1s`, `--node-name node-1` plus `extra` (HTTP on the default addresses).
     pub fn start(node: &NetNs, files: &[(&str, String)], extra: &[&str]) -> Agent {
-        let manifests = tempfile::Builder::new().prefix("nodelb-manifests-").tempdir().unwrap();
+        let a = Agent::new(node, extra, None, None);
         for (name, content) in files {
-            std::fs::write(manifests.path().join(name), content).unwrap();
+            std::fs::write(a.manifests.path().join(name), content).unwrap();
         }
-        let mut a = Agent {
-            ns_name: node.name.clone(),
-            ns_path: format!("/run/netns/{}", node.name),
-            manifests,
-            state_dir: tempfile::Builder::new().prefix("nodelb-state-").tempdir().unwrap(),
-            extra_args: extra.iter().map(|s| s.to_string()).collect(),
-            kube: None,
-            daemonset: None,
-            child: None,
-            starts: 0,
-        };
-        a.spawn();
-        a
+        a.started()
     }
 
     /// Starts the agent in `node` in Kubernetes mode: `--kubeconfig kubeconfig --node-name node_name`,
     /// `--resync-period 1s` plus `extra` (e.g. `--lease-duration 3s`; HTTP on the default addresses).
     pub fn start_kube(node: &NetNs, kubeconfig: &std::path::Path, node_name: &str, extra: &[&str]) -> Agent {
-        let mut a = Agent {
-            ns_name: node.name.clone(),
-            ns_path: format!("/run/netns/{}", node.name),
-            manifests: tempfile::Builder::new().prefix("nodelb-manifests-").tempdir().unwrap(),
-            state_dir: tempfile::Builder::new().prefix("nodelb-state-").tempdir().unwrap(),
-            extra_args: extra.iter().map(|s| s.to_string()).collect(),
-            kube: Some((kubeconfig.to_path_buf(), node_name.to_string())),
-            daemonset: None,
-            child: None,
-            starts: 0,
-        };
-        a.spawn();
-        a
+        Agent::new(node, extra, Some((kubeconfig.to_path_buf(), node_name.to_string())), None).started()
     }
 
     /// Starts the agent in `node` the way the DaemonSet's container runs it: `args` and `env` from
@@ -95,22 +71,36 @@ impl Agent {
         node: &NetNs,
         kubeconfig: &std::path::Path,
         node_name: &str,
-        (args, env): ContainerCommand,
+        command: ContainerCommand,
         extra: &[&str],
     ) -> Agent {
-        let mut a = Agent {
+        let kube = Some((kubeconfig.to_path_buf(), node_name.to_string()));
+        Agent::new(node, extra, kube, Some(command)).started()
+    }
+
+    /// An agent of `node` not started yet, with fresh manifests and state directories.
+    fn new(
+        node: &NetNs,
+        extra: &[&str],
+        kube: Option<(PathBuf, String)>,
+        daemonset: Option<ContainerCommand>,
+    ) -> Agent {
+        Agent {
             ns_name: node.name.clone(),
             ns_path: format!("/run/netns/{}", node.name),
             manifests: tempfile::Builder::new().prefix("nodelb-manifests-").tempdir().unwrap(),
             state_dir: tempfile::Builder::new().prefix("nodelb-state-").tempdir().unwrap(),
             extra_args: extra.iter().map(|s| s.to_string()).collect(),
-            kube: Some((kubeconfig.to_path_buf(), node_name.to_string())),
-            daemonset: Some((args, env)),
+            kube,
+            daemonset,
             child: None,
             starts: 0,
-        };
-        a.spawn();
-        a
+        }
+    }
+
+    fn started(mut self) -> Agent {
+        self.spawn();
+        self
     }
 
     /// The `--node-name` this agent runs with.

@@ -568,15 +568,8 @@ impl ControlPlane {
         namespace: &str,
         name: &str,
     ) -> Result<(), kube::Error> {
-        let api = self.dynamic(api_version, kind, Some(namespace));
-        let name = name.to_string();
-        self.call(|| {
-            let (api, name) = (api.clone(), name.clone());
-            async move {
-                api.delete(&name, &DeleteParams { grace_period_seconds: Some(0), ..Default::default() }).await
-            }
-        })
-        .map(|_| ())
+        let params = DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
+        self.delete_with(api_version, kind, namespace, name, params)
     }
 
     /// The resourceVersion of a list of every object of a kind (where a watch would start).
@@ -599,11 +592,22 @@ impl ControlPlane {
         namespace: &str,
         name: &str,
     ) -> Result<(), kube::Error> {
+        self.delete_with(api_version, kind, namespace, name, DeleteParams::default())
+    }
+
+    fn delete_with(
+        &self,
+        api_version: &str,
+        kind: &str,
+        namespace: &str,
+        name: &str,
+        params: DeleteParams,
+    ) -> Result<(), kube::Error> {
         let api = self.dynamic(api_version, kind, Some(namespace));
         let name = name.to_string();
         self.call(|| {
-            let (api, name) = (api.clone(), name.clone());
-            async move { api.delete(&name, &DeleteParams::default()).await }
+            let (api, name, params) = (api.clone(), name.clone(), params.clone());
+            async move { api.delete(&name, &params).await }
         })
         .map(|_| ())
     }

@@ -395,40 +395,27 @@ pub fn accept_batch(first_seq: u32, change: &AcceptWrite<'_>) -> Result<Vec<u8>,
         w.put_str(NFTA_RULE_TABLE, table_name);
         w.put_str(NFTA_RULE_CHAIN, chain);
         let list = w.begin_nest(NFTA_RULE_EXPRESSIONS);
-        let expr = |w: &mut Writer, name: &str, f: &dyn Fn(&mut Writer)| {
-            let e = w.begin_nest(NFTA_LIST_ELEM);
-            w.put_str(NFTA_EXPR_NAME, name);
-            let d = w.begin_nest(NFTA_EXPR_DATA);
-            f(w);
-            w.end_nest(d);
-            w.end_nest(e);
-        };
-        let value = |w: &mut Writer, ty: u16, v: u32| {
-            let n = w.begin_nest(ty);
-            w.put(NFTA_DATA_VALUE, &v.to_ne_bytes());
-            w.end_nest(n);
-        };
-        expr(&mut w, "meta", &|w| {
+        put_expr(&mut w, "meta", |w| {
             w.put_u32(NFTA_META_DREG, NFT_REG_1);
             w.put_u32(NFTA_META_KEY, NFT_META_MARK);
         });
-        expr(&mut w, "bitwise", &|w| {
+        put_expr(&mut w, "bitwise", |w| {
             w.put_u32(NFTA_BITWISE_SREG, NFT_REG_1);
             w.put_u32(NFTA_BITWISE_DREG, NFT_REG_1);
             w.put_u32(NFTA_BITWISE_LEN, 4);
-            value(w, NFTA_BITWISE_MASK, bit);
-            value(w, NFTA_BITWISE_XOR, 0);
+            put_value(w, NFTA_BITWISE_MASK, &bit.to_ne_bytes());
+            put_value(w, NFTA_BITWISE_XOR, &0u32.to_ne_bytes());
         });
-        expr(&mut w, "cmp", &|w| {
+        put_expr(&mut w, "cmp", |w| {
             w.put_u32(NFTA_CMP_SREG, NFT_REG_1);
             w.put_u32(NFTA_CMP_OP, NFT_CMP_EQ);
-            value(w, NFTA_CMP_DATA, bit);
+            put_value(w, NFTA_CMP_DATA, &bit.to_ne_bytes());
         });
-        expr(&mut w, "counter", &|w| {
+        put_expr(&mut w, "counter", |w| {
             w.put_u64(NFTA_COUNTER_BYTES, 0);
             w.put_u64(NFTA_COUNTER_PACKETS, 0);
         });
-        expr(&mut w, "immediate", &|w| {
+        put_expr(&mut w, "immediate", |w| {
             w.put_u32(NFTA_IMMEDIATE_DREG, NFT_REG_VERDICT);
             let d = w.begin_nest(NFTA_IMMEDIATE_DATA);
             let v = w.begin_nest(NFTA_DATA_VERDICT);
@@ -452,6 +439,23 @@ pub fn accept_batch(first_seq: u32, change: &AcceptWrite<'_>) -> Result<Vec<u8>,
     w.begin_msg(NFNL_MSG_BATCH_END, NLM_F_REQUEST, seq, NFPROTO_UNSPEC, u16::from(NFNL_SUBSYS_NFTABLES));
     w.end_msg();
     Ok(w.buf)
+}
+
+/// One expression of a rule: its name and its data attributes written by `data`.
+fn put_expr(w: &mut Writer, name: &str, data: impl FnOnce(&mut Writer)) {
+    let e = w.begin_nest(NFTA_LIST_ELEM);
+    w.put_str(NFTA_EXPR_NAME, name);
+    let d = w.begin_nest(NFTA_EXPR_DATA);
+    data(w);
+    w.end_nest(d);
+    w.end_nest(e);
+}
+
+/// A data attribute holding `value` (`NFTA_DATA_VALUE`).
+fn put_value(w: &mut Writer, ty: u16, value: &[u8]) {
+    let n = w.begin_nest(ty);
+    w.put(NFTA_DATA_VALUE, value);
+    w.end_nest(n);
 }
 
 #[cfg(test)]
@@ -519,19 +523,7 @@ mod tests {
         assert_eq!(msgs[1].payload[0], 10, "ip6 family");
     }
 
-    fn expr(w: &mut Writer, name: &str, f: impl FnOnce(&mut Writer)) {
-        let e = w.begin_nest(NFTA_LIST_ELEM);
-        w.put_str(NFTA_EXPR_NAME, name);
-        let d = w.begin_nest(NFTA_EXPR_DATA);
-        f(w);
-        w.end_nest(d);
-        w.end_nest(e);
-    }
-    fn value(w: &mut Writer, ty: u16, v: &[u8]) {
-        let n = w.begin_nest(ty);
-        w.put(NFTA_DATA_VALUE, v);
-        w.end_nest(n);
-    }
+    use super::{put_expr as expr, put_value as value};
     fn cmp(w: &mut Writer, reg: u32, op: u32, data: &[u8]) {
         expr(w, "cmp", |w| {
             w.put_u32(NFTA_CMP_SREG, reg);
