@@ -146,6 +146,7 @@ fn rule_sets(rule: &Rule) -> Vec<&String> {
         .iter()
         .filter_map(|e| match e {
             Expr::L4ProtoDportVmap { map }
+            | Expr::DaddrL4ProtoDportVmap { map, .. }
             | Expr::L4ProtoCtOrigDportVmap { map }
             | Expr::L4ProtoCtOrigDportCounterMap { map } => Some(map),
             Expr::SaddrTwiceL4ProtoSportInSet { set, .. }

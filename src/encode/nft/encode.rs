@@ -856,6 +856,16 @@ impl Lower {
                 let id = enc.set_ids.get(map).copied();
                 self.lookup(map, id, true);
             }
+            Expr::DaddrL4ProtoDportVmap { family, map } => {
+                self.need_nfproto(*family);
+                let (_, daddr, len) = addr_fields(*family);
+                let slot = len / 4;
+                self.payload(NFT_PAYLOAD_NETWORK_HEADER, daddr, len, 0);
+                self.meta_load(NFT_META_L4PROTO, slot);
+                self.payload(NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2, slot + 1);
+                let id = enc.set_ids.get(map).copied();
+                self.lookup(map, id, true);
+            }
             Expr::L4ProtoCtOrigDportVmap { map } => {
                 self.ct_orig_proto_port(enc);
                 let mid = enc.set_ids.get(map).copied();
