@@ -278,18 +278,25 @@ fn loopback(f: Family) -> IpNet {
 /// The per-family dispatch rules: local, non-loopback destination: verdict map lookup by
 /// protocol . port (`map`), then, for node ports served on some node addresses only, by
 /// address . protocol . port (`address_map`). A node port is in one of the two, never both.
+/// Each rule first asks whether the map has the packet's key at all: a packet to any other port
+/// (all of the node's other traffic) stops at that hash lookup and never costs a route lookup
+/// (`fib`), which still guards every DNAT.
 fn dispatch_rules(f: Family, pre: &[Expr], map: String, address_map: String) -> [Rule; 2] {
-    let guard = |last: Expr| {
+    let guard = |known: Expr, last: Expr| {
         let mut exprs = pre.to_vec();
         exprs.push(Expr::NfProto(f));
+        exprs.push(known);
         exprs.push(Expr::DaddrInPrefix { prefix: loopback(f), negate: true });
         exprs.push(Expr::FibDaddrLocal);
         exprs.push(last);
         Rule::new(exprs)
     };
     [
-        guard(Expr::L4ProtoDportVmap { map }),
-        guard(Expr::DaddrL4ProtoDportVmap { family: f, map: address_map }),
+        guard(Expr::L4ProtoDportInSet { set: map.clone() }, Expr::L4ProtoDportVmap { map }),
+        guard(
+            Expr::DaddrL4ProtoDportInSet { family: f, set: address_map.clone() },
+            Expr::DaddrL4ProtoDportVmap { family: f, map: address_map },
+        ),
     ]
 }
 
