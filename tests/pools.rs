@@ -385,6 +385,8 @@ fn pool_addresses_choose_which_node_address_answers() {
         refused_at(&c, *n, port);
     }
     wait_ingress(&c, "edge", &[SECOND_V4]);
+    let ok = wait_until(CHANGE, || pool_status(&c, "edge")["nodes"] == json!(["node-1"]));
+    assert!(ok, "edge pool status: {:#}", pool_status(&c, "edge"));
 
     // Hot reload: the CIDR of the first addresses moves it there, on every node.
     let started = Instant::now();
@@ -395,6 +397,14 @@ fn pool_addresses_choose_which_node_address_answers() {
     eprintln!("pool addresses edit → served on the newly selected addresses: {:?}", started.elapsed());
     refused_at(&c, SECOND_V4, port);
     wait_ingress(&c, "edge", &nodes);
+    let sorted_nodes = || {
+        let mut n: Vec<String> =
+            serde_json::from_value(pool_status(&c, "edge")["nodes"].clone()).unwrap_or_default();
+        n.sort();
+        n
+    };
+    let ok = wait_until(CHANGE, || sorted_nodes() == ["node-1", "node-2", "node-3"]);
+    assert!(ok, "edge pool status: {:#}", pool_status(&c, "edge"));
 
     // types: the Node object's ExternalIP (node-1's second address; the others have none).
     apply(&c, &edge(json!({"types": ["ExternalIP"]})));

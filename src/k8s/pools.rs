@@ -177,6 +177,11 @@ pub async fn write_statuses(client: &Client, round: &StatusRound<'_>) -> Result<
                 .nodes
                 .iter()
                 .filter(|n| r.pool.nodes.matches(n.metadata.labels.as_ref().unwrap_or(&empty)))
+                // With `addresses`: only nodes whose Node object has an address the pool selects.
+                .filter(|n| {
+                    r.pool.addresses.is_everything()
+                        || !crate::k8s::nodes::pool_addresses(n, &r.pool.addresses, &[]).is_empty()
+                })
                 .filter_map(|n| n.metadata.name.clone())
                 .filter(|n| round.serving.contains_key(n))
                 .collect(),
