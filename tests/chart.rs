@@ -16,6 +16,7 @@ use serde_json::Value;
 const NOT_VALUES: &[(&str, &str)] = &[
     ("manifests", "manifests mode only"),
     ("state-file", "manifests mode only"),
+    ("node-labels", "manifests mode only (the DaemonSet's agents match their Node's labels)"),
     ("node-name", "the downward API's spec.nodeName"),
     ("namespace", "the downward API's metadata.namespace"),
     ("kubeconfig", "in-cluster configuration"),

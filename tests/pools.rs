@@ -303,3 +303,108 @@ fn servicelb_labels_choose_the_nodes_as_k3s_does() {
         c.wait_served(i, edge, CHANGE);
     }
 }
+
+/// Manifests mode (no cluster): NodePortPool files in the manifests directory go through the
+/// same decisions, the node's labels come from `--node-labels`, and edits are hot-reloaded.
+/// Real packets from a client namespace through the node namespace to a backend.
+#[test]
+fn manifests_mode_pools_restrict_ports_and_nodes_with_hot_reload() {
+    use common::agent::{Agent, nodelb};
+    use common::topology::{NODE_V4, Topology, http_get};
+    require_root!();
+    const T: Duration = Duration::from_secs(5);
+    let topo = Topology::new(1, 1);
+    let client = topo.client(0);
+    let get = |port: u16| http_get(client, NODE_V4.into(), port, Duration::from_millis(700));
+    let pool_file = |ranges: &[(u32, u32)], zone: &str| {
+        let p = pool("edge", ranges, json!({"nodeSelector": {"matchLabels": {"zone": zone}}}));
+        serde_yaml::to_string(&p).unwrap()
+    };
+    let web =
+        ServiceSpec::new("web").port(PortSpec::tcp(80, None)).endpoint(EndpointSpec::local(backend_v4(0)));
+    let files = [("pool.yaml", pool_file(&[(21000, 21009)], "a")), ("web.yaml", web.render())];
+    let mut agent = Agent::start(&topo.node, &files, &["--node-labels", "zone=a"]);
+    agent.wait_ready(Duration::from_secs(15));
+    agent.wait_state("default/web", "programmed", T);
+    let np = agent.node_port("default/web", 80, "TCP").unwrap();
+    assert!((21000..=21009).contains(&np), "allocated from the pool: {np}");
+    assert_eq!(agent.service_status("default/web").unwrap()["pool"], "edge");
+    assert!(wait_until(T, || get(np).is_ok()), "not served on {np}");
+
+    // `nodelb plan` shows the pool each Service got, and refuses what the pool's nodeSelector
+    // does not select on this node.
+    let dir = agent.manifests_dir().to_str().unwrap().to_string();
+    let state = agent.state_file().to_str().unwrap().to_string();
+    let plan = |labels: &str| {
+        let out = nodelb(
+            &topo.node,
+            &[
+                "plan",
+                "--manifests",
+                &dir,
+                "--state-file",
+                &state,
+                "--node-name",
+                "node-1",
+                "--node-labels",
+                labels,
+            ],
+        );
+        assert!(out.status.success(), "plan: {}", String::from_utf8_lossy(&out.stderr));
+        (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (rules, notes) = plan("zone=a");
+    assert!(notes.contains("pool: default/web → edge"), "{notes}");
+    assert!(rules.contains(&np.to_string()), "{rules}");
+    let (rules, notes) = plan("zone=b");
+    assert!(notes.contains("does not select this node (nodeSelector)"), "{notes}");
+    assert!(!rules.contains(&np.to_string()), "{rules}");
+
+    // Hot reload: the pool's range moves; the Service is reallocated inside it, the old port
+    // stops answering, the new one answers. No restart.
+    let started = Instant::now();
+    agent.write_manifest("pool.yaml", &pool_file(&[(21100, 21109)], "a"));
+    let mut moved = None;
+    let ok = wait_until(T, || {
+        moved = agent.node_port("default/web", 80, "TCP").filter(|p| (21100..=21109).contains(p));
+        moved.is_some_and(|p| get(p).is_ok())
+    });
+    assert!(ok, "not reallocated into 21100-21109: {:?}", agent.status());
+    eprintln!("manifests pool range edit → reallocated and served: {:?}", started.elapsed());
+    let moved = moved.unwrap();
+    assert!(get(np).is_err(), "the old port {np} still answers");
+
+    // An invalid edit: the problem names the file, the pool and the value; the last valid
+    // version stays in force (still served).
+    let bad = pool(
+        "edge",
+        &[(21100, 21109)],
+        json!({"nodeSelector": {"matchExpressions": [{"key": "zone", "operator": "Gt", "values": ["1"]}]}}),
+    );
+    agent.write_manifest("pool.yaml", &serde_yaml::to_string(&bad).unwrap());
+    let ok = wait_until(T, || {
+        agent.status().is_some_and(|s| {
+            s["problems"].as_array().into_iter().flatten().any(|p| {
+                let p = p.as_str().unwrap_or("");
+                p.contains("pool.yaml: NodePortPool edge: spec.nodeSelector") && p.contains("\"Gt\"")
+            })
+        })
+    });
+    assert!(ok, "no problem naming pool.yaml / edge / Gt: {:?}", agent.status());
+    assert!(get(moved).is_ok(), "the last valid pool stays in force");
+
+    // A nodeSelector that does not match --node-labels: this node stops serving the Service.
+    agent.write_manifest("pool.yaml", &pool_file(&[(21100, 21109)], "b"));
+    assert!(wait_until(T, || get(moved).is_err()), "still served with nodeSelector zone=b");
+    let st = agent.service_status("default/web").unwrap();
+    assert!(st.to_string().contains("does not select this node"), "{st}");
+    assert_eq!(agent.node_port("default/web", 80, "TCP"), Some(moved), "the allocation stays");
+    // Back on zone a: served again on the same port.
+    agent.write_manifest("pool.yaml", &pool_file(&[(21100, 21109)], "a"));
+    assert!(wait_until(T, || get(moved).is_ok()), "not served again on {moved}");
+    // Restarted with other labels (the flags are read at start): not served.
+    agent.extra_args = vec!["--node-labels".into(), "zone=b".into()];
+    agent.restart();
+    agent.wait_ready(Duration::from_secs(15));
+    assert!(wait_until(T, || get(moved).is_err()), "served with --node-labels zone=b");
+}
