@@ -408,3 +408,29 @@ fn manifests_mode_pools_restrict_ports_and_nodes_with_hot_reload() {
     agent.wait_ready(Duration::from_secs(15));
     assert!(wait_until(T, || get(moved).is_err()), "served with --node-labels zone=b");
 }
+
+/// The chart's default pool (`pools.defaultPool`): created by the same `helm install` that
+/// installs the CRD (Helm applies crds/ first and waits for them), its ranges from
+/// `config.port-range`; Services are allocated from it and served, and it reports Ready.
+#[test]
+fn the_charts_default_pool_is_installed_with_the_release_and_used() {
+    require_root!();
+    let c = Cluster::with_helm(
+        1,
+        &["--set", "pools.defaultPool.enabled=true", "--set", "config.port-range=21000-21999"],
+        &[],
+    );
+    let obj = c.api.get("nodelb.io/v1alpha1", "NodePortPool", "", "default").expect("pool default");
+    assert_eq!(obj["spec"]["ports"], json!([{"start": 21000, "end": 21999}]), "{obj:#}");
+    assert_eq!(obj["metadata"]["labels"]["app.kubernetes.io/managed-by"], "Helm", "a release object");
+    create_labelled(&c, "web", 0, json!({}));
+    let np = wait_allocated_in(&c, "web", (21000, 21999));
+    for i in 0..3 {
+        c.wait_served(i, np, CHANGE);
+    }
+    let ok = wait_until(CHANGE, || {
+        let st = pool_status(&c, "default");
+        condition(&st, "Ready") == "True/InForce" && st["allocated"] == 1 && st["nodeCount"] == 3
+    });
+    assert!(ok, "default pool status: {:#}", pool_status(&c, "default"));
+}
