@@ -37,9 +37,15 @@ fn apply_refused(c: &Cluster, obj: &Value) -> String {
 
 /// A Service with label `app=<name>` and one endpoint on backend `b`, its slices made by the test.
 fn create_labelled(c: &Cluster, name: &str, b: usize, extra_labels: Value) {
-    let spec = ServiceSpec::new(name)
+    create_in(c, "default", name, b, extra_labels, json!({}));
+}
+
+/// [`create_labelled`] in namespace `ns`, with `annotations`.
+fn create_in(c: &Cluster, ns: &str, name: &str, b: usize, extra_labels: Value, annotations: Value) {
+    let mut spec = ServiceSpec::new(name)
         .port(PortSpec::tcp(80, None))
         .endpoint(EndpointSpec::remote(backend_v4(b), "node-2"));
+    spec.namespace = ns.to_string();
     let mut svc = spec.service();
     svc["spec"].as_object_mut().unwrap().remove("selector");
     let mut labels = json!({"app": name});
@@ -47,6 +53,9 @@ fn create_labelled(c: &Cluster, name: &str, b: usize, extra_labels: Value) {
         labels[k] = v.clone();
     }
     svc["metadata"]["labels"] = labels;
+    for (k, v) in annotations.as_object().into_iter().flatten() {
+        svc["metadata"]["annotations"][k] = v.clone();
+    }
     c.api.create(svc).unwrap_or_else(|e| panic!("create {name}: {e:?}"));
     for s in spec.slices() {
         c.api.create(s).unwrap_or_else(|e| panic!("create slice of {name}: {e:?}"));
@@ -433,4 +442,135 @@ fn the_charts_default_pool_is_installed_with_the_release_and_used() {
         condition(&st, "Ready") == "True/InForce" && st["allocated"] == 1 && st["nodeCount"] == 3
     });
     assert!(ok, "default pool status: {:#}", pool_status(&c, "default"));
+}
+
+/// The node port of `ns/name` port 80/TCP as the leader wrote it.
+fn allocated_in(c: &Cluster, ns: &str, name: &str) -> Option<u16> {
+    let svc = c.api.get("v1", "Service", ns, name)?;
+    let value = svc["metadata"]["annotations"]["nodelb.io/allocated-ports"].as_str()?.to_string();
+    value.split(',').find_map(|e| e.strip_prefix("80/TCP=")).and_then(|n| n.parse().ok())
+}
+
+/// Waits until `ns/name` is allocated inside `range`.
+fn wait_in(c: &Cluster, ns: &str, name: &str, range: (u16, u16)) -> u16 {
+    let mut got = None;
+    let ok = wait_until(CHANGE, || {
+        got = allocated_in(c, ns, name);
+        got.is_some_and(|n| (range.0..=range.1).contains(&n))
+    });
+    assert!(
+        ok,
+        "{ns}/{name}: {got:?} not in {range:?}: {:#}",
+        c.api.get("v1", "Service", ns, name).unwrap_or_default()
+    );
+    got.unwrap()
+}
+
+/// What is only unit-tested elsewhere, against the real API server with real packets:
+/// `namespaceSelector` follows Namespace labels, `disabled` drains (allocations stay and are
+/// served, nothing new is allocated), `nodelb.io/pool` picks an `autoAssign: false` pool that
+/// nothing else gets, and editing a pool's `nodeSelector` moves a Service with 0 failed
+/// requests on the node that keeps it.
+#[test]
+fn pool_selectors_drain_by_name_and_a_node_move_without_loss() {
+    use common::cluster::node_v4;
+    use common::topology::ClientLoop;
+    require_root!();
+    let c = Cluster::new(2);
+    for (i, rack) in ["r1", "r2", "r3"].iter().enumerate() {
+        label_node(&c, &format!("node-{}", i + 1), &format!("rack={rack}"));
+    }
+    c.api.kubectl_ok(&["create", "namespace", "team-a"]);
+    c.api.kubectl_ok(&["create", "namespace", "team-b"]);
+    c.api.kubectl_ok(&["label", "namespace", "team-a", "team=a"]);
+    apply(
+        &c,
+        &pool("team-a", &[(20300, 20309)], json!({"namespaceSelector": {"matchLabels": {"team": "a"}}})),
+    );
+    apply(&c, &pool("rest", &[(20400, 20409)], json!({"priority": 10})));
+
+    // namespaceSelector: by the Namespace's labels.
+    create_in(&c, "team-a", "svc", 0, json!({}), json!({}));
+    create_in(&c, "team-b", "svc", 0, json!({}), json!({}));
+    let a = wait_in(&c, "team-a", "svc", (20300, 20309));
+    let b = wait_in(&c, "team-b", "svc", (20400, 20409));
+    c.wait_served(0, a, CHANGE);
+    c.wait_served(0, b, CHANGE);
+    // The Namespace loses its label: its Service no longer matches and is reallocated, with
+    // an Event; team-b's Service is untouched.
+    c.api.kubectl_ok(&["label", "namespace", "team-a", "team-"]);
+    let moved = wait_in(&c, "team-a", "svc", (20400, 20409));
+    c.wait_served(0, moved, CHANGE);
+    wait_refused(&c, 0, a);
+    let ok = wait_until(CHANGE, || {
+        c.api
+            .list("events.k8s.io/v1", "Event", Some("team-a"))
+            .iter()
+            .any(|e| e["reason"] == "NodePortReallocated")
+    });
+    assert!(ok, "no NodePortReallocated Event in team-a");
+    assert_eq!(allocated_in(&c, "team-b", "svc"), Some(b));
+
+    // disabled (drain): what it holds stays allocated and served; nothing new is allocated.
+    apply(&c, &pool("rest", &[(20400, 20409)], json!({"priority": 10, "disabled": true})));
+    let ok = wait_until(CHANGE, || condition(&pool_status(&c, "rest"), "Ready") == "True/Draining");
+    assert!(ok, "rest status: {:#}", pool_status(&c, "rest"));
+    create_labelled(&c, "late", 1, json!({}));
+    c.wait_condition("late", "nodelb.io/Allocated", "False", "NoPool", CHANGE);
+    assert!(c.allocated("late").is_none());
+    for port in [b, moved] {
+        for i in 0..3 {
+            c.wait_served(i, port, CHANGE);
+        }
+    }
+    assert_eq!(allocated_in(&c, "team-b", "svc"), Some(b), "a drained pool keeps its allocations");
+    // Enabled again: the waiting Service is allocated.
+    apply(&c, &pool("rest", &[(20400, 20409)], json!({"priority": 10})));
+    let late = wait_allocated_in(&c, "late", (20400, 20409));
+    c.wait_served(1, late, CHANGE);
+
+    // nodelb.io/pool: by name, the only way into an autoAssign: false pool.
+    apply(&c, &pool("special", &[(20500, 20509)], json!({"autoAssign": false})));
+    create_in(&c, "default", "named", 1, json!({}), json!({"nodelb.io/pool": "special"}));
+    create_labelled(&c, "unnamed", 1, json!({}));
+    let named = wait_allocated_in(&c, "named", (20500, 20509));
+    wait_allocated_in(&c, "unnamed", (20400, 20409));
+    c.wait_served(2, named, CHANGE);
+    create_in(&c, "default", "typo", 1, json!({}), json!({"nodelb.io/pool": "spceial"}));
+    c.wait_condition("typo", "nodelb.io/Allocated", "False", "NoPool", CHANGE);
+    let why = c.allocated_condition("typo").unwrap()["message"].to_string();
+    assert!(why.contains("spceial") && why.contains("does not exist"), "{why}");
+
+    // A nodeSelector edit moves a Service from racks r2,r3 to r1,r2: node-2 keeps serving it
+    // without a single failed request, node-1 starts, node-3 stops.
+    let racks = |r: [&str; 2]| json!({"nodeSelector": {"matchExpressions": [{"key": "rack", "operator": "In", "values": r}]}, "serviceSelector": {"matchLabels": {"app": "mover"}}});
+    apply(&c, &pool("movable", &[(20600, 20609)], racks(["r2", "r3"])));
+    create_labelled(&c, "mover", 0, json!({}));
+    let np = wait_allocated_in(&c, "mover", (20600, 20609));
+    c.wait_served(1, np, CHANGE);
+    c.wait_served(2, np, CHANGE);
+    stays_refused(&c, 0, np);
+    c.wait_ingress_nodes("mover", &[1, 2], CHANGE);
+    let kept =
+        ClientLoop::http(&c.client, node_v4(1).into(), np, Duration::from_millis(20), Duration::from_secs(2));
+    std::thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    apply(&c, &pool("movable", &[(20600, 20609)], racks(["r1", "r2"])));
+    c.wait_served(0, np, CHANGE);
+    eprintln!("pool nodeSelector edit → served on the newly selected node: {:?}", started.elapsed());
+    wait_refused(&c, 2, np);
+    c.wait_ingress_nodes("mover", &[0, 1], CHANGE);
+    std::thread::sleep(Duration::from_millis(500));
+    let results = kept.stop();
+    let failed: Vec<_> = results.iter().enumerate().filter(|(_, r)| r.is_err()).collect();
+    assert!(results.len() >= 20, "only {} requests to the kept node", results.len());
+    assert!(
+        failed.is_empty(),
+        "{} of {} requests to node-2 failed during the move: {:?}",
+        failed.len(),
+        results.len(),
+        &failed[..failed.len().min(5)]
+    );
+    eprintln!("node-2 during the move: {} requests, 0 failed", results.len());
+    assert_eq!(c.allocated("mover").unwrap()["80/TCP"], np, "a nodeSelector edit does not move the port");
 }
