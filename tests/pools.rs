@@ -574,3 +574,41 @@ fn pool_selectors_drain_by_name_and_a_node_move_without_loss() {
     eprintln!("node-2 during the move: {} requests, 0 failed", results.len());
     assert_eq!(c.allocated("mover").unwrap()["80/TCP"], np, "a nodeSelector edit does not move the port");
 }
+
+/// A `NodePortReallocated` Event the API refuses (Event writes 403 for a while: the ClusterRole
+/// loses events.k8s.io) is recorded once it can be, although the next rounds no longer see the
+/// move (the annotation was written), and only once.
+#[test]
+fn a_refused_reallocation_event_is_retried_until_recorded_once() {
+    require_root!();
+    let c = Cluster::new(1);
+    apply(&c, &pool("p", &[(20700, 20709)], json!({})));
+    create_labelled(&c, "web", 0, json!({}));
+    let np = wait_allocated_in(&c, "web", (20700, 20709));
+    let ok = wait_until(CHANGE, || !c.events("web", "NodePortsAllocated").is_empty());
+    assert!(ok, "no NodePortsAllocated Event");
+
+    c.revoke("events.k8s.io", "events");
+    let refused = |c: &Cluster| {
+        let reqs = c.api.agent_requests();
+        reqs.iter().filter(|r| r.resource == "events" && r.verb == "create" && r.status == 403).count()
+    };
+    let before = refused(&c);
+    apply(&c, &pool("p", &[(20750, 20759)], json!({})));
+    let moved = wait_allocated_in(&c, "web", (20750, 20759));
+    let ok = wait_until(CHANGE, || refused(&c) > before);
+    assert!(ok, "the Event write was not refused");
+    // Rounds after the annotation was written (every 2 s) no longer compute the move.
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(c.events("web", "NodePortReallocated").is_empty(), "recorded although refused");
+
+    c.restore_rbac();
+    let ok = wait_until(CHANGE, || !c.events("web", "NodePortReallocated").is_empty());
+    assert!(ok, "the NodePortReallocated Event was lost");
+    std::thread::sleep(Duration::from_secs(3));
+    let events = c.events("web", "NodePortReallocated");
+    assert_eq!(events.len(), 1, "{events:#?}");
+    let note = events[0]["note"].as_str().unwrap_or_default();
+    assert!(note.contains(&format!("{np} → {moved}")), "{note}");
+    assert!(events[0]["series"].is_null(), "sent more than once: {:#}", events[0]);
+}
