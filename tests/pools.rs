@@ -389,6 +389,14 @@ fn manifests_mode_pools_restrict_ports_and_nodes_with_hot_reload() {
     eprintln!("manifests pool range edit → reallocated and served: {:?}", started.elapsed());
     let moved = moved.unwrap();
     assert!(get(np).is_err(), "the old port {np} still answers");
+    // Never silently: no API to record an Event on, so the agent says it in its log.
+    let logs = agent.logs();
+    assert!(
+        logs.lines().any(|l| l.contains("node port reallocated")
+            && l.contains(&np.to_string())
+            && l.contains(&moved.to_string())),
+        "no log line for {np} → {moved}"
+    );
 
     // An invalid edit: the problem names the file, the pool and the value; the last valid
     // version stays in force (still served).
