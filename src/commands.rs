@@ -259,6 +259,44 @@ async fn shutdown_signal() {
     }
 }
 
+/// The pool context a Kubernetes-mode agent on `--node-name` builds (`k8s::pools::context`),
+/// from NodePortPools and Namespaces listed once. A missing CRD (404) is "no pool object", as for
+/// the agent. A pool refused is printed as a problem; there is no last valid version to keep.
+async fn plan_pools(
+    client: &kube::Client,
+    common: &CommonArgs,
+    nodes: Vec<k8s_openapi::api::core::v1::Node>,
+) -> anyhow::Result<crate::pool::PoolContext> {
+    let lp = kube::api::ListParams::default();
+    let pools = match kube::Api::<crate::pool::NodePortPool>::all(client.clone()).list(&lp).await {
+        Ok(l) => l.items,
+        Err(kube::Error::Api(e)) if e.code == 404 => vec![],
+        Err(e) => return Err(e).context("cannot list NodePortPools"),
+    };
+    let namespaces = kube::Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
+        .list(&lp)
+        .await
+        .context("cannot list Namespaces")?
+        .items;
+    let snap = crate::k8s::source::KubeSnapshot {
+        nodes: nodes.into_iter().map(Arc::new).collect(),
+        pools: pools.into_iter().map(Arc::new).collect(),
+        namespaces: namespaces.into_iter().map(Arc::new).collect(),
+        ..Default::default()
+    };
+    let (ctx, invalid) = crate::k8s::pools::context(
+        &snap,
+        &mut Default::default(),
+        common.port_range,
+        &node_name(common),
+        common.servicelb_labels,
+    );
+    for p in &invalid {
+        eprintln!("problem: {p}");
+    }
+    Ok(ctx)
+}
+
 /// `nodelb plan`: what `run` would program on this node, printed in nft syntax (refusals on
 /// stderr). From a manifests directory (allocating as the agent does, from its state file), or
 /// without one from the cluster as it is now (the allocations the leader wrote on the Services,
@@ -267,7 +305,7 @@ async fn shutdown_signal() {
 pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
     check_node_labels(&args.common)?;
     let host_addresses = crate::observe::hostaddrs::read().unwrap_or_default();
-    let mut pools = None;
+    let pools: Option<crate::pool::PoolContext>;
     let (services, slices, notes, mode, previous, cluster_addresses) = match &args.common.manifests {
         Some(dir) => {
             let loaded = crate::observe::manifest_dir::load_dir(dir)?;
@@ -316,13 +354,14 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
             let slices = kube::Api::<k8s_openapi::api::discovery::v1::EndpointSlice>::all(client.clone())
                 .list(&lp)
                 .await;
-            let nodes = kube::Api::<k8s_openapi::api::core::v1::Node>::all(client).list(&lp).await;
+            let nodes = kube::Api::<k8s_openapi::api::core::v1::Node>::all(client.clone()).list(&lp).await;
             let (services, slices, nodes) = (
                 services.context("cannot list Services")?.items,
                 slices.context("cannot list EndpointSlices")?.items,
                 nodes.context("cannot list Nodes")?.items,
             );
             let addresses = crate::k8s::nodes::cluster_node_addresses(&nodes);
+            pools = Some(plan_pools(&client, &args.common, nodes).await?);
             let mode = desired::AllocationMode::Annotated;
             (services, slices, Default::default(), mode, Default::default(), addresses)
         }

@@ -165,6 +165,16 @@ fn pools_choose_ports_nodes_and_follow_edits_without_restart() {
     stays_refused(&c, 0, np_b);
     c.wait_ingress_nodes("web-a", &[0], CHANGE);
     c.wait_ingress_nodes("web-b", &[1, 2], CHANGE);
+    // `nodelb plan` on each node applies the pools as its agent does.
+    for i in 0..3 {
+        let plan = c.wait_plan_is_table(i, CHANGE);
+        assert_eq!(
+            plan.contains(&format!(" {np_a} ")),
+            i == 0,
+            "node-{}: {np_a} in the plan:\n{plan}",
+            i + 1
+        );
+    }
 
     // The leader's status on each pool, and kubectl's columns.
     let ok = wait_until(CHANGE, || {
