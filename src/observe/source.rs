@@ -130,7 +130,9 @@ impl Source {
                 // Not a problem (manifests often hold a whole app), but say so once, so a
                 // misspelled `kind: Service` does not vanish silently.
                 for o in ignored.newly_ignored(&loaded.ignored) {
-                    tracing::info!("{o}: nodelb uses only v1 Service and discovery.k8s.io/v1 EndpointSlice");
+                    tracing::info!(
+                        "{o}: nodelb uses only v1 Service, discovery.k8s.io/v1 EndpointSlice and nodelb.io/v1alpha1 NodePortPool"
+                    );
                 }
                 let (ctx, pool_problems) = crate::manifests::pool_context(
                     &loaded,
