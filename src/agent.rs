@@ -525,6 +525,15 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
     /// with them).
     fn persist(&mut self, desired: &Desired) -> Result<(), AgentError> {
         if desired.allocations != self.allocations.allocations {
+            // Never silently (manifests mode has no Events): a number no longer valid for its
+            // Service, e.g. outside its pool's ranges after an edit.
+            if self.source.mode() == AllocationMode::Allocate {
+                for (key, id, old, new) in
+                    crate::alloc::moved(&self.allocations.allocations, &desired.allocations)
+                {
+                    warn!(service = %key, port = %id, old, new, "node port reallocated: {old} is no longer valid for it (its pool's ranges or its pool changed)");
+                }
+            }
             let next = self.allocations.stamp(&desired.allocations, Timestamp::now());
             if let Some(state) = &self.state
                 && self.source.mode() == AllocationMode::Allocate

@@ -16,7 +16,7 @@ use tracing::debug;
 use crate::alloc::Allocations;
 use crate::domain::ServiceKey;
 use crate::pool::{
-    Assignment, InvalidPool, LastValid, NodePortPool, PoolContext, PoolObject, PoolSet, StatusInput,
+    Assignment, ContextInput, InvalidPool, LastValid, NodePortPool, PoolContext, PoolObject, StatusInput,
 };
 use crate::port_policy::PortRange;
 
@@ -34,34 +34,21 @@ pub fn context(
     servicelb: bool,
 ) -> (PoolContext, Vec<InvalidPool>) {
     let objects: Vec<PoolObject> = snap.pools.iter().map(|p| PoolObject::from_resource(p)).collect();
-    let (pools, invalid) = last_valid.update(&objects);
     let labels = |n: &Node| n.metadata.labels.clone().unwrap_or_default();
     let node_labels: Vec<BTreeMap<String, String>> = snap.nodes.iter().map(|n| labels(n)).collect();
     let refs: Vec<&BTreeMap<String, String>> = node_labels.iter().collect();
-    let set = PoolSet::resolve(pools, !objects.is_empty(), flag_range, &refs);
-    let servicelb = crate::servicelb::in_force(servicelb, refs.iter().copied());
-    // Only what a pool in force looks at is part of the context (and so of the agent's input
-    // fingerprint): without pools a new Namespace or a relabelled Node recomputes nothing.
-    let namespaces = if set.pools.iter().any(|p| !p.pool.namespaces.is_everything()) {
+    let own = snap.nodes.iter().position(|n| n.metadata.name.as_deref() == Some(node)).map(|i| refs[i]);
+    let namespaces = || {
         snap.namespaces
             .iter()
             .filter_map(|ns| {
                 Some((ns.metadata.name.clone()?, ns.metadata.labels.clone().unwrap_or_default()))
             })
             .collect()
-    } else {
-        BTreeMap::new()
     };
-    let own = if servicelb || set.pools.iter().any(|p| !p.pool.nodes.is_everything()) {
-        snap.nodes
-            .iter()
-            .find(|n| n.metadata.name.as_deref() == Some(node))
-            .map(|n| labels(n))
-            .unwrap_or_default()
-    } else {
-        BTreeMap::new()
-    };
-    (PoolContext { set, namespaces, node_labels: own, servicelb }, invalid)
+    let input =
+        ContextInput { objects: &objects, flag_range, nodes: &refs, own, namespaces: &namespaces, servicelb };
+    crate::pool::context(last_valid, &input)
 }
 
 /// Per Service whose pool restricts nodes (`nodeSelector`), the names of the Nodes it selects.
@@ -220,6 +207,7 @@ pub async fn write_statuses(client: &Client, round: &StatusRound<'_>) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pool::PoolSet;
     use crate::servicelb::{LABEL_ENABLELB, LABEL_LBPOOL};
 
     fn node(name: &str, labels: &[(&str, &str)]) -> Node {

@@ -255,6 +255,7 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             let problems = problems_by.get(&s.key).unwrap_or(&none.2);
             let fault = Faults { problems, endpoints: refused, ports: not_taken };
             let mut status = service_status(s, ports, &fault, inputs.node, &no_allocation(&s.key));
+            status.pool = assignment.as_ref().and_then(|a| a.ranges.get(&s.key)).map(|r| r.pool.clone());
             if let Some(note) = inputs.notes.stale.get(&s.key) {
                 status.reason = Some(match status.reason.take() {
                     Some(r) => format!("{r}; {note}"),
@@ -275,6 +276,7 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             ports: vec![],
             refused_endpoints: vec![],
             session_affinity_seconds: None,
+            pool: None,
         });
     }
     services.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
@@ -530,6 +532,7 @@ fn service_status(
             })
             .collect(),
         session_affinity_seconds: svc.session_affinity,
+        pool: None,
     }
 }
 

@@ -723,6 +723,56 @@ pub struct PoolContext {
     pub servicelb: bool,
 }
 
+/// What [`context`] builds a [`PoolContext`] from, in either mode.
+pub struct ContextInput<'a> {
+    /// The pool objects as read (Kubernetes: the cache; manifests: the directory).
+    pub objects: &'a [PoolObject],
+    /// `--port-range`: the implicit pool when there is no pool object.
+    pub flag_range: PortRange,
+    /// Every known node's labels (conflicts are judged on nodes both pools select). Manifests
+    /// mode knows one node: its own (`--node-labels`).
+    pub nodes: &'a [&'a BTreeMap<String, String>],
+    /// This node's labels (`None`: not known, e.g. its Node object is not in the cache yet).
+    pub own: Option<&'a BTreeMap<String, String>>,
+    /// Each namespace's labels, read only when a pool in force has a `namespaceSelector`.
+    pub namespaces: &'a dyn Fn() -> BTreeMap<String, BTreeMap<String, String>>,
+    /// `--servicelb-labels`.
+    pub servicelb: bool,
+}
+
+/// The pools in force (an invalid edit keeps `last_valid`'s version) resolved against the nodes,
+/// with this node's labels; and the invalid pools with their reasons. Only what a pool in force
+/// looks at is put in the context (it is part of the agent's input fingerprint): without pools
+/// a new Namespace or a relabelled Node recomputes nothing.
+pub fn context(last_valid: &mut LastValid, input: &ContextInput<'_>) -> (PoolContext, Vec<InvalidPool>) {
+    let (pools, invalid) = last_valid.update(input.objects);
+    let set = PoolSet::resolve(pools, !input.objects.is_empty(), input.flag_range, input.nodes);
+    let servicelb = crate::servicelb::in_force(input.servicelb, input.nodes.iter().copied());
+    let namespaces = match set.pools.iter().any(|p| !p.pool.namespaces.is_everything()) {
+        true => (input.namespaces)(),
+        false => BTreeMap::new(),
+    };
+    let own = match servicelb || set.pools.iter().any(|p| !p.pool.nodes.is_everything()) {
+        true => input.own.cloned().unwrap_or_default(),
+        false => BTreeMap::new(),
+    };
+    (PoolContext { set, namespaces, node_labels: own, servicelb }, invalid)
+}
+
+/// Namespace labels where no Namespace object is known (manifests mode): each namespace has the
+/// label the API server puts on every Namespace, `kubernetes.io/metadata.name: <name>`.
+pub fn implied_namespace_labels<'n>(
+    namespaces: impl IntoIterator<Item = &'n str>,
+) -> BTreeMap<String, BTreeMap<String, String>> {
+    namespaces
+        .into_iter()
+        .map(|ns| (ns.to_string(), BTreeMap::from([(NAMESPACE_NAME_LABEL.to_string(), ns.to_string())])))
+        .collect()
+}
+
+/// The label the API server sets on every Namespace to its name.
+pub const NAMESPACE_NAME_LABEL: &str = "kubernetes.io/metadata.name";
+
 /// Each Service's pool, as the allocator and the nodes use it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Assignment {
