@@ -360,7 +360,11 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
                 slices.context("cannot list EndpointSlices")?.items,
                 nodes.context("cannot list Nodes")?.items,
             );
-            let addresses = crate::k8s::nodes::cluster_node_addresses(&nodes);
+            let mut addresses = crate::k8s::nodes::cluster_node_addresses(&nodes);
+            let own = args.common.node_name.as_deref();
+            if let Some(n) = nodes.iter().find(|n| n.metadata.name.as_deref() == own) {
+                addresses.own.types = crate::k8s::nodes::address_types(n);
+            }
             pools = Some(plan_pools(&client, &args.common, nodes).await?);
             let mode = desired::AllocationMode::Annotated;
             (services, slices, Default::default(), mode, Default::default(), addresses)

@@ -3,11 +3,12 @@
 //! node namespace), real packets client → node → backends (see `tests/common/cluster.rs`).
 mod common;
 
+use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
 use common::cluster::Cluster;
 use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
-use common::topology::{backend_v4, wait_until};
+use common::topology::{backend_v4, http_get, wait_until};
 use serde_json::{Value, json};
 
 /// A pool or Service change to allocation / rules on every node.
@@ -328,6 +329,122 @@ fn servicelb_labels_choose_the_nodes_as_k3s_does() {
         c.wait_served(i, plain, CHANGE);
         c.wait_served(i, edge, CHANGE);
     }
+}
+
+/// node-1's second address, on a link of its own (`edge0`), published in its Node
+/// object as its ExternalIP; the client reaches it through node-1.
+const SECOND_V4: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
+
+/// `GET /` from the client to `addr:port` served, within `CHANGE`.
+fn wait_served_at(c: &Cluster, addr: Ipv4Addr, port: u16) {
+    let mut last = None;
+    let ok = wait_until(CHANGE, || {
+        last = Some(http_get(&c.client, IpAddr::V4(addr), port, Duration::from_millis(500)));
+        last.as_ref().is_some_and(|r| r.is_ok())
+    });
+    assert!(ok, "{addr}:{port} not served: {last:?}: {:?}", c.nft(0));
+}
+
+/// `addr:port` refused (waited for, then for a while: not a moment between two syncs).
+fn refused_at(c: &Cluster, addr: Ipv4Addr, port: u16) {
+    let get = || http_get(&c.client, IpAddr::V4(addr), port, Duration::from_millis(500));
+    let ok = wait_until(CHANGE, || get().is_err());
+    assert!(ok, "{addr}:{port} still served: {:?}", c.nft(0));
+    for _ in 0..3 {
+        assert!(get().is_err(), "{addr}:{port} served");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Waits until the ingress IPs of `default/name` are exactly `want`.
+fn wait_ingress(c: &Cluster, name: &str, want: &[Ipv4Addr]) {
+    let mut want: Vec<String> = want.iter().map(|a| a.to_string()).collect();
+    want.sort();
+    let ok = wait_until(CHANGE, || c.ingress_ips(name) == want);
+    assert!(ok, "default/{name}: ingress {:?}, want {want:?}", c.ingress_ips(name));
+}
+
+#[test]
+fn pool_addresses_choose_which_node_address_answers() {
+    require_root!();
+    let c = Cluster::new(1);
+    let node1 = &c.nodes[0];
+    // This kernel has no dummy links: a veth pair inside the node is a link of its own.
+    node1.ip(&["link", "add", "edge0", "type", "veth", "peer", "name", "edge0p"]);
+    node1.ip(&["addr", "add", &format!("{SECOND_V4}/32"), "dev", "edge0"]);
+    node1.ip(&["link", "set", "edge0p", "up"]);
+    node1.ip(&["link", "set", "edge0", "up"]);
+    c.client.ip(&[
+        "route",
+        "add",
+        &format!("{SECOND_V4}/32"),
+        "via",
+        &common::cluster::node_v4(0).to_string(),
+    ]);
+    c.api.patch_status(
+        "v1",
+        "Node",
+        "",
+        "node-1",
+        json!({"status": {"addresses": [
+            {"type": "InternalIP", "address": common::cluster::node_v4(0).to_string()},
+            {"type": "ExternalIP", "address": SECOND_V4.to_string()},
+            {"type": "Hostname", "address": "node-1"},
+        ]}}),
+    );
+    let nodes: Vec<Ipv4Addr> = (0..3).map(common::cluster::node_v4).collect();
+    let edge = |addresses: Value| {
+        pool(
+            "edge",
+            &[(20300, 20399)],
+            json!({"addresses": addresses, "serviceSelector": {"matchLabels": {"app": "edge"}}}),
+        )
+    };
+
+    // cidrs: only node-1's second address answers; its first address and the other nodes
+    // (no address in the CIDR) refuse; the status lists that address only.
+    apply(&c, &edge(json!({"cidrs": ["192.0.2.0/24"]})));
+    create_labelled(&c, "edge", 0, json!({}));
+    let port = wait_allocated_in(&c, "edge", (20300, 20399));
+    wait_served_at(&c, SECOND_V4, port);
+    for n in &nodes {
+        refused_at(&c, *n, port);
+    }
+    wait_ingress(&c, "edge", &[SECOND_V4]);
+    let ok = wait_until(CHANGE, || pool_status(&c, "edge")["nodes"] == json!(["node-1"]));
+    assert!(ok, "edge pool status: {:#}", pool_status(&c, "edge"));
+
+    // Hot reload: the CIDR of the first addresses moves it there, on every node.
+    let started = Instant::now();
+    apply(&c, &edge(json!({"cidrs": ["203.0.113.0/24"]})));
+    for n in &nodes {
+        wait_served_at(&c, *n, port);
+    }
+    eprintln!("pool addresses edit → served on the newly selected addresses: {:?}", started.elapsed());
+    refused_at(&c, SECOND_V4, port);
+    wait_ingress(&c, "edge", &nodes);
+    let sorted_nodes = || {
+        let mut n: Vec<String> =
+            serde_json::from_value(pool_status(&c, "edge")["nodes"].clone()).unwrap_or_default();
+        n.sort();
+        n
+    };
+    let ok = wait_until(CHANGE, || sorted_nodes() == ["node-1", "node-2", "node-3"]);
+    assert!(ok, "edge pool status: {:#}", pool_status(&c, "edge"));
+
+    // types: the Node object's ExternalIP (node-1's second address; the others have none).
+    apply(&c, &edge(json!({"types": ["ExternalIP"]})));
+    wait_served_at(&c, SECOND_V4, port);
+    for n in &nodes {
+        refused_at(&c, *n, port);
+    }
+    wait_ingress(&c, "edge", &[SECOND_V4]);
+    // interfaces: node-1's eth0 (its first address), nobody else's edge0.
+    apply(&c, &edge(json!({"interfaces": ["eth0"], "cidrs": ["203.0.113.1/32"]})));
+    wait_served_at(&c, nodes[0], port);
+    refused_at(&c, SECOND_V4, port);
+    refused_at(&c, nodes[1], port);
+    assert_eq!(c.allocated("edge").unwrap()["80/TCP"], port, "an addresses edit does not move the port");
 }
 
 /// Manifests mode (no cluster): NodePortPool files in the manifests directory go through the

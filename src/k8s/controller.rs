@@ -657,6 +657,9 @@ pub fn plan_round(
     };
     let pool_nodes = assignment.as_ref().map(|a| super::pools::selected_nodes(&pool_ctx, a, &snap.nodes));
     let pool_nodes = super::pools::narrow_by_servicelb(&pool_ctx, &snap.services, &snap.nodes, pool_nodes);
+    let pool_addresses = assignment
+        .as_ref()
+        .map(|a| super::pools::published_addresses(&pool_ctx, a, &snap.nodes, &cfg.node_addresses));
     let constraints = alloc::Constraints {
         policy: Some(&cfg.policy.ports),
         in_use: Some(&in_use),
@@ -682,6 +685,7 @@ pub fn plan_round(
         listening: &in_use,
         serving: &serving,
         pool_nodes: pool_nodes.as_ref(),
+        pool_addresses: pool_addresses.as_ref(),
         now,
     };
     let mut writes = publish::plan_writes(&round);

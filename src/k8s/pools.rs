@@ -75,6 +75,33 @@ pub fn selected_nodes<N: std::borrow::Borrow<Node>>(
     out
 }
 
+/// Per Service whose pool restricts node addresses (`addresses`), per Node, the addresses its
+/// status lists ([`crate::k8s::nodes::pool_addresses`]; `allowed`: `--node-addresses`).
+pub fn published_addresses<N: std::borrow::Borrow<Node>>(
+    ctx: &PoolContext,
+    assignment: &Assignment,
+    nodes: &[N],
+    allowed: &[ipnet::IpNet],
+) -> BTreeMap<ServiceKey, BTreeMap<String, Vec<std::net::IpAddr>>> {
+    let mut out = BTreeMap::new();
+    for (key, ranges) in &assignment.ranges {
+        let Some(pool) = ctx.set.get(&ranges.pool) else { continue };
+        if pool.pool.addresses.is_everything() {
+            continue;
+        }
+        let per_node = nodes
+            .iter()
+            .map(|n| n.borrow())
+            .filter_map(|n| {
+                let name = n.metadata.name.clone()?;
+                Some((name, crate::k8s::nodes::pool_addresses(n, &pool.pool.addresses, allowed)))
+            })
+            .collect();
+        out.insert(key.clone(), per_node);
+    }
+    out
+}
+
 /// `selected` (per Service, the Nodes its pool selects; absent: every Node) narrowed by the k3s
 /// ServiceLB labels when they are in force: a Node serves a Service when both select it.
 pub fn narrow_by_servicelb<S: std::borrow::Borrow<Service>, N: std::borrow::Borrow<Node>>(
@@ -137,6 +164,11 @@ pub async fn write_statuses(client: &Client, round: &StatusRound<'_>) -> Result<
                 .nodes
                 .iter()
                 .filter(|n| r.pool.nodes.matches(n.metadata.labels.as_ref().unwrap_or(&empty)))
+                // With `addresses`: only nodes whose Node object has an address the pool selects.
+                .filter(|n| {
+                    r.pool.addresses.is_everything()
+                        || !crate::k8s::nodes::pool_addresses(n, &r.pool.addresses, &[]).is_empty()
+                })
                 .filter_map(|n| n.metadata.name.clone())
                 .filter(|n| round.serving.contains_key(n))
                 .collect(),

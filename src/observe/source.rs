@@ -198,12 +198,13 @@ impl Source {
         }
     }
 
-    /// Addresses of the cluster's nodes (Kubernetes mode: every Node object's), which endpoints
-    /// must not be; manifests mode knows none beyond this node's own.
+    /// Addresses of the cluster's nodes (Kubernetes mode: every Node object's, which endpoints
+    /// must not be, and this node's own by type, which pools select); manifests mode knows none
+    /// beyond this node's own.
     pub fn node_addresses(&self) -> crate::endpoint_policy::HostAddresses {
         match self {
             Source::Manifests { .. } => Default::default(),
-            Source::Kube { source, .. } => source.node_addresses(),
+            Source::Kube { source, node, .. } => source.node_addresses(node),
         }
     }
 

@@ -23,6 +23,7 @@
 use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::net::IpAddr;
 
 use ipnet::IpNet;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
@@ -254,6 +255,84 @@ impl AddressFilter {
     pub fn is_everything(&self) -> bool {
         self.types.is_empty() && self.cidrs.is_empty() && self.interfaces.is_empty()
     }
+
+    /// The addresses of this node that serve a pool with this filter: addresses configured on
+    /// this node (`own.interfaces`), never loopback (the dispatch never matches it), matching
+    /// every list given: in a CIDR, on one of the interfaces, listed in this node's Node object
+    /// with one of the types. Manifests mode has no Node object, so `types` selects nothing
+    /// there (fail closed: an operator who wrote "ExternalIP only" must not get every address).
+    pub fn select(&self, own: &NodeAddresses) -> BTreeSet<IpAddr> {
+        own.interfaces
+            .iter()
+            .filter(|(addr, _)| !addr.is_loopback())
+            .filter(|(addr, _)| self.cidrs.is_empty() || self.cidrs.iter().any(|c| c.contains(*addr)))
+            .filter(|(_, on)| self.interfaces.is_empty() || self.interfaces.iter().any(|i| on.contains(i)))
+            .filter(|(addr, _)| {
+                self.types.is_empty()
+                    || own.types.get(*addr).is_some_and(|t| self.types.iter().any(|w| t.contains(w)))
+            })
+            .map(|(addr, _)| *addr)
+            .collect()
+    }
+
+    /// Whether the leader publishes a Node object's address of type `kind` for a pool with this
+    /// filter. The leader sees Node objects, not interfaces: `interfaces` is judged by the nodes
+    /// only (an address it cannot place is published when the other lists accept it).
+    pub fn publishes(&self, kind: Option<AddressType>, addr: &IpAddr) -> bool {
+        (self.cidrs.is_empty() || self.cidrs.iter().any(|c| c.contains(addr)))
+            && (self.types.is_empty() || kind.is_some_and(|k| self.types.contains(&k)))
+    }
+
+    /// Why [`Self::select`] found nothing on this node, for the refusal.
+    pub fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        if !self.types.is_empty() {
+            let t: Vec<&str> = self.types.iter().map(|t| t.as_str()).collect();
+            parts.push(format!("types {}", t.join(",")));
+        }
+        if !self.cidrs.is_empty() {
+            let c: Vec<String> = self.cidrs.iter().map(|c| c.to_string()).collect();
+            parts.push(format!("cidrs {}", c.join(",")));
+        }
+        if !self.interfaces.is_empty() {
+            parts.push(format!("interfaces {}", self.interfaces.join(",")));
+        }
+        parts.join("; ")
+    }
+}
+
+impl AddressType {
+    /// The type of a Node `status.addresses` entry a pool can name (`Hostname` and others: none).
+    pub fn parse(s: &str) -> Option<AddressType> {
+        match s {
+            "ExternalIP" => Some(AddressType::ExternalIp),
+            "InternalIP" => Some(AddressType::InternalIp),
+            _ => None,
+        }
+    }
+}
+
+/// What one node knows about its own addresses, for [`AddressFilter::select`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeAddresses {
+    /// Addresses configured on this node's interfaces (read from its kernel), each with the
+    /// interfaces it is on.
+    pub interfaces: BTreeMap<IpAddr, BTreeSet<String>>,
+    /// This node's Node object `status.addresses` of the types a pool can name (Kubernetes
+    /// mode; empty in manifests mode).
+    pub types: BTreeMap<IpAddr, BTreeSet<AddressType>>,
+}
+
+impl NodeAddresses {
+    /// Both together (each address keeps every interface and type either names).
+    pub fn merge(&mut self, other: &NodeAddresses) {
+        for (a, i) in &other.interfaces {
+            self.interfaces.entry(*a).or_default().extend(i.iter().cloned());
+        }
+        for (a, t) in &other.types {
+            self.types.entry(*a).or_default().extend(t.iter().copied());
+        }
+    }
 }
 
 /// A validated pool.
@@ -352,12 +431,9 @@ pub fn validate(
     let mut addresses = AddressFilter::default();
     if let Some(a) = &spec.addresses {
         for t in &a.types {
-            match t.as_str() {
-                "ExternalIP" => addresses.types.push(AddressType::ExternalIp),
-                "InternalIP" => addresses.types.push(AddressType::InternalIp),
-                other => {
-                    errors.push(format!("spec.addresses.types: {other:?} is not ExternalIP or InternalIP"))
-                }
+            match AddressType::parse(t) {
+                Some(kind) => addresses.types.push(kind),
+                None => errors.push(format!("spec.addresses.types: {t:?} is not ExternalIP or InternalIP")),
             }
         }
         for c in &a.cidrs {
@@ -381,15 +457,6 @@ pub fn validate(
                 errors.push(format!("spec.addresses.interfaces: {i:?} is not an interface name"));
             }
         }
-    }
-    if !addresses.is_everything() {
-        // Not matched by the dataplane yet (it matches every local address): a pool that says
-        // "only these addresses" must not serve all of them, so it is not used at all.
-        errors.push(
-            "spec.addresses: restricting node addresses is not enforced by this nodelb version \
-             (it would serve every node address); remove it"
-                .to_string(),
-        );
     }
     if !errors.is_empty() {
         return Err(errors);
@@ -954,9 +1021,9 @@ mod tests {
                 Err("spec.addresses.interfaces: \"eth0/1\" is not an interface name"),
             ),
             (
-                "valid addresses, not enforced yet: refused rather than served everywhere",
+                "valid addresses",
                 json!({"ports": [{"start": 1, "end": 2}], "addresses": {"types": ["ExternalIP"], "cidrs": ["2001:db8::/64"], "interfaces": ["eth0"]}}),
-                Err("spec.addresses: restricting node addresses is not enforced"),
+                Ok(()),
             ),
         ];
         for (name, v, want) in cases {
@@ -1233,5 +1300,110 @@ mod tests {
         let (pools, invalid) = lv.update(&[obj(1, "u2", 20100)]);
         assert!(pools.is_empty());
         assert_eq!(invalid[0].in_force, None);
+    }
+
+    /// Which of a node's addresses serve a pool: pure, from the node's own facts.
+    #[test]
+    #[allow(clippy::type_complexity)]
+    fn address_selection() {
+        let mut own = NodeAddresses::default();
+        for (a, ifs) in [
+            ("127.0.0.1", "lo"),
+            ("::1", "lo"),
+            ("198.51.100.7", "lo"), // an anycast address on lo is a node address
+            ("192.0.2.10", "eth0"),
+            ("203.0.113.10", "eth1"),
+            ("2001:db8::10", "eth0"),
+            ("fe80::1", "eth0"),
+        ] {
+            own.interfaces.entry(a.parse().unwrap()).or_default().insert(ifs.to_string());
+        }
+        let typed = |a: &str, t: AddressType| (a.parse::<IpAddr>().unwrap(), BTreeSet::from([t]));
+        let k8s = NodeAddresses {
+            types: BTreeMap::from([
+                typed("192.0.2.10", AddressType::InternalIp),
+                typed("203.0.113.10", AddressType::ExternalIp),
+                // Published but not on an interface (cloud 1:1 NAT): packets never carry it.
+                typed("198.51.100.99", AddressType::ExternalIp),
+            ]),
+            ..Default::default()
+        };
+        let mut kube = own.clone();
+        kube.merge(&k8s);
+        let cases: Vec<(&str, serde_json::Value, &NodeAddresses, Vec<&str>)> = vec![
+            (
+                "no restriction: every non-loopback local address",
+                json!({}),
+                &own,
+                vec!["192.0.2.10", "198.51.100.7", "203.0.113.10", "2001:db8::10", "fe80::1"],
+            ),
+            ("one CIDR", json!({"cidrs": ["203.0.113.0/24"]}), &own, vec!["203.0.113.10"]),
+            (
+                "CIDRs of both families",
+                json!({"cidrs": ["192.0.2.0/24", "2001:db8::/64"]}),
+                &own,
+                vec!["192.0.2.10", "2001:db8::10"],
+            ),
+            ("loopback never, even inside the CIDR", json!({"cidrs": ["127.0.0.0/8"]}), &own, vec![]),
+            (
+                "an interface",
+                json!({"interfaces": ["eth0"]}),
+                &own,
+                vec!["192.0.2.10", "2001:db8::10", "fe80::1"],
+            ),
+            (
+                "interface and CIDR: both",
+                json!({"interfaces": ["eth0"], "cidrs": ["2001:db8::/32"]}),
+                &own,
+                vec!["2001:db8::10"],
+            ),
+            ("lo, not its loopback", json!({"interfaces": ["lo"]}), &own, vec!["198.51.100.7"]),
+            (
+                "types: the Node object's, on this node",
+                json!({"types": ["ExternalIP"]}),
+                &kube,
+                vec!["203.0.113.10"],
+            ),
+            ("InternalIP", json!({"types": ["InternalIP"]}), &kube, vec!["192.0.2.10"]),
+            (
+                "types without a Node object (manifests): nothing",
+                json!({"types": ["InternalIP"]}),
+                &own,
+                vec![],
+            ),
+            ("an interface nobody has", json!({"interfaces": ["eth9"]}), &own, vec![]),
+        ];
+        for (name, addresses, facts, want) in cases {
+            let pool = validate(
+                "p",
+                None,
+                None,
+                &spec(json!({"ports": [{"start": 1, "end": 2}], "addresses": addresses})),
+            )
+            .unwrap_or_else(|e| panic!("{name}: {e:?}"));
+            let got: Vec<IpAddr> = pool.addresses.select(facts).into_iter().collect();
+            let mut want: Vec<IpAddr> = want.iter().map(|a| a.parse().unwrap()).collect();
+            want.sort();
+            assert_eq!(got, want, "{name}");
+        }
+    }
+
+    /// What the leader publishes: it sees Node objects, not interfaces.
+    #[test]
+    fn published_addresses() {
+        let f = |v: serde_json::Value| {
+            validate("p", None, None, &spec(json!({"ports": [{"start": 1, "end": 2}], "addresses": v})))
+                .unwrap()
+                .addresses
+        };
+        let a: IpAddr = "203.0.113.10".parse().unwrap();
+        let ext = Some(AddressType::ExternalIp);
+        assert!(f(json!({})).publishes(None, &a));
+        assert!(f(json!({"cidrs": ["203.0.113.0/24"]})).publishes(ext, &a));
+        assert!(!f(json!({"cidrs": ["192.0.2.0/24"]})).publishes(ext, &a));
+        assert!(f(json!({"types": ["ExternalIP"]})).publishes(ext, &a));
+        assert!(!f(json!({"types": ["InternalIP"]})).publishes(ext, &a));
+        assert!(!f(json!({"types": ["ExternalIP"]})).publishes(None, &a));
+        assert!(f(json!({"interfaces": ["eth1"]})).publishes(ext, &a));
     }
 }

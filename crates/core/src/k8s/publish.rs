@@ -299,12 +299,35 @@ pub struct Round<'a, S = Service> {
     /// Per Service whose node port pool restricts nodes, the nodes it selects (absent: every
     /// node); its status lists only those.
     pub pool_nodes: Option<&'a BTreeMap<ServiceKey, BTreeSet<String>>>,
+    /// Per Service whose node port pool restricts node addresses, per node, the addresses its
+    /// status lists ([`super::nodes::pool_addresses`]); a node with none is not listed.
+    pub pool_addresses: Option<&'a BTreeMap<ServiceKey, BTreeMap<String, Vec<std::net::IpAddr>>>>,
     pub now: Timestamp,
 }
 
 impl<S> Round<'_, S> {
-    /// The serving nodes of `key`'s pool.
+    /// The serving nodes of `key`'s pool, with the addresses it publishes.
     fn serving_of(&self, key: &ServiceKey) -> std::borrow::Cow<'_, BTreeMap<String, ServingNode>> {
+        let nodes = self.nodes_of(key);
+        let Some(addresses) = self.pool_addresses.and_then(|m| m.get(key)) else { return nodes };
+        std::borrow::Cow::Owned(
+            nodes
+                .iter()
+                .filter_map(|(n, s)| {
+                    let on: Vec<std::net::IpAddr> = addresses
+                        .get(n)?
+                        .iter()
+                        .copied()
+                        .filter(|a| s.families.contains(&Family::of(a)))
+                        .collect();
+                    (!on.is_empty()).then(|| (n.clone(), ServingNode { addresses: on, ..s.clone() }))
+                })
+                .collect(),
+        )
+    }
+
+    /// The serving nodes `key`'s pool selects.
+    fn nodes_of(&self, key: &ServiceKey) -> std::borrow::Cow<'_, BTreeMap<String, ServingNode>> {
         match self.pool_nodes.and_then(|m| m.get(key)) {
             None => std::borrow::Cow::Borrowed(self.serving),
             Some(names) => std::borrow::Cow::Owned(
@@ -788,6 +811,7 @@ mod tests {
                 listening: &BTreeMap::new(),
                 serving: serving_nodes,
                 pool_nodes: None,
+                pool_addresses: None,
                 now: t(0),
             })
         }
@@ -1037,6 +1061,7 @@ mod tests {
             listening: &nothing_listens,
             serving: if node_ready { &nodes } else { &no_nodes },
             pool_nodes: None,
+            pool_addresses: None,
             now,
         };
         let later = plan_writes(&round(true, t(60)));
@@ -1100,6 +1125,7 @@ mod tests {
             listening: &BTreeMap::new(),
             serving: &none,
             pool_nodes: None,
+            pool_addresses: None,
             now: t(0),
         };
         let reasons: Vec<&str> = service_events(&round, &[]).iter().map(|e| e.reason).collect();
