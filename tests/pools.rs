@@ -524,6 +524,15 @@ fn manifests_mode_pools_restrict_ports_and_nodes_with_hot_reload() {
             && l.contains(&moved.to_string())),
         "no log line for {np} → {moved}"
     );
+    // How full the pool is, on /metrics (manifests mode has no pool status): its one Service
+    // holds one number of the ten.
+    let body = agent.http("/metrics").expect("/metrics").body;
+    for want in [
+        r#"nodelb_pool_ports{pool="edge",state="allocated"} 1"#,
+        r#"nodelb_pool_ports{pool="edge",state="free"} 9"#,
+    ] {
+        assert!(body.lines().any(|l| l == want), "no `{want}` on /metrics:\n{body}");
+    }
 
     // An invalid edit: the problem names the file, the pool and the value; the last valid
     // version stays in force (still served).

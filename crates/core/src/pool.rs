@@ -918,6 +918,44 @@ pub fn status_of(input: &StatusInput<'_>) -> NodePortPoolStatus {
     st
 }
 
+/// How full one pool in force is: what `nodelb_pool_ports` exports on every node (manifests mode
+/// has no pool status to read it from).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolUsage {
+    pub name: String,
+    /// Node port numbers held by the pool's Services.
+    pub allocated: usize,
+    /// Numbers its effective ranges still have for new allocations (none while draining).
+    pub free: usize,
+}
+
+/// The usage of every pool in `set` (none for the implicit pool: `--port-range`'s own gauge
+/// covers it), given every allocation and which pool each Service is in. Numbers are unique
+/// cluster-wide, so a number any Service holds is not free in any pool. Pure.
+pub fn usage<'a>(
+    set: &PoolSet,
+    allocations: &Allocations,
+    members: impl IntoIterator<Item = (&'a ServiceKey, &'a str)>,
+) -> Vec<PoolUsage> {
+    if set.implicit {
+        return Vec::new();
+    }
+    let taken: BTreeSet<u16> = allocations.values().flat_map(|m| m.values().copied()).collect();
+    let mut held: BTreeMap<&str, BTreeSet<u16>> = BTreeMap::new();
+    for (key, pool) in members {
+        let numbers = allocations.get(key).into_iter().flat_map(|m| m.values().copied());
+        held.entry(pool).or_default().extend(numbers);
+    }
+    set.pools
+        .iter()
+        .map(|r| PoolUsage {
+            name: r.pool.name.clone(),
+            allocated: held.get(r.pool.name.as_str()).map_or(0, BTreeSet::len),
+            free: r.effective.iter().flat_map(|x| x.first..=x.last).filter(|n| !taken.contains(n)).count(),
+        })
+        .collect()
+}
+
 /// Ranges as `20000-20099,21000` for status and messages.
 pub fn describe_ranges(ranges: &[PortRange]) -> String {
     if ranges.is_empty() {
@@ -1405,5 +1443,33 @@ mod tests {
         assert!(!f(json!({"types": ["InternalIP"]})).publishes(ext, &a));
         assert!(!f(json!({"types": ["ExternalIP"]})).publishes(None, &a));
         assert!(f(json!({"interfaces": ["eth1"]})).publishes(ext, &a));
+    }
+
+    #[test]
+    fn usage_counts_what_each_pool_holds_and_what_is_free_anywhere() {
+        let pools = vec![
+            pool("a", 1, json!({"ports": [{"start": 20000, "end": 20009}]})),
+            pool("b", 2, json!({"ports": [{"start": 20005, "end": 20019}]})),
+            pool("drained", 3, json!({"ports": [{"start": 21000, "end": 21004}], "disabled": true})),
+        ];
+        let set = PoolSet::resolve(pools, true, PortRange::default(), &[&BTreeMap::new()]);
+        let key = |n: &str| ServiceKey::new("default", n);
+        let port = |n: u16| BTreeMap::from([(crate::domain::PortId::tcp(80), n)]);
+        let allocations: Allocations = BTreeMap::from([
+            (key("x"), port(20001)),
+            (key("y"), port(20012)),
+            (key("z"), port(21002)),
+            // Held by a Service of no pool (e.g. before pools): still not free in "a".
+            (key("w"), port(20002)),
+        ]);
+        let (x, y, z) = (key("x"), key("y"), key("z"));
+        let members = [(&x, "a"), (&y, "b"), (&z, "drained")];
+        let got: Vec<(String, usize, usize)> =
+            usage(&set, &allocations, members).into_iter().map(|u| (u.name, u.allocated, u.free)).collect();
+        // "b" is newer and overlaps "a" on the node both select: it keeps 20010-20019 only.
+        let want = vec![("a".to_string(), 1, 8), ("b".to_string(), 1, 9), ("drained".to_string(), 1, 0)];
+        assert_eq!(got, want);
+        let implicit = PoolSet::resolve(vec![], false, PortRange { first: 20000, last: 20099 }, &[]);
+        assert_eq!(usage(&implicit, &allocations, []), vec![], "--port-range has its own gauge");
     }
 }
