@@ -495,6 +495,9 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
             total(|p| p.refused_packets),
             s.reason.as_deref().unwrap_or("")
         );
+        if let Some(pool) = &s.pool {
+            println!("    pool: {pool}");
+        }
         if let Some(t) = s.session_affinity_seconds {
             println!("    session affinity: ClientIP, timeout {t}s");
         }

@@ -533,6 +533,9 @@ fn manifests_mode_pools_restrict_ports_and_nodes_with_hot_reload() {
     ] {
         assert!(body.lines().any(|l| l == want), "no `{want}` on /metrics:\n{body}");
     }
+    let out = nodelb(&topo.node, &["status", "--http-addr", "127.0.0.1:9470"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("    pool: edge"), "`nodelb status` does not name the pool:\n{text}");
 
     // An invalid edit: the problem names the file, the pool and the value; the last valid
     // version stays in force (still served).
