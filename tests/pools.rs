@@ -416,7 +416,7 @@ fn pool_addresses_choose_which_node_address_answers() {
 
     // Hot reload: the CIDR of the first addresses moves it there, on every node.
     let started = Instant::now();
-    apply(&c, &edge(json!({"cidrs": ["203.0.113.0/24"]})));
+    edit(&c, &edge(json!({"cidrs": ["203.0.113.0/24"]})));
     for n in &nodes {
         wait_served_at(&c, *n, port);
     }
