@@ -1055,7 +1055,16 @@ fn run_scale(cfg: &Config, r: &mut Results, t: Instant) {
         }
         if cfg.wants("kube-reaction") {
             eprintln!("[{:>6.1}s] scale N = {n}: agent (Kubernetes mode)", t.elapsed().as_secs_f64());
-            run_kube(cfg, n, r);
+            // A failure of the API server part (it is the longest) keeps what was measured before it.
+            let mut part = Results::default();
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_kube(cfg, n, &mut part))) {
+                Ok(()) => {
+                    r.kube_reaction = part.kube_reaction.take();
+                    r.kube_setup = part.kube_setup.take();
+                    part.notes.into_iter().for_each(|s| r.note(s));
+                }
+                Err(_) => r.note(format!("Kubernetes mode at N={n} failed (see the log above)")),
+            }
         }
         let a = r.scale.entry(n).or_default();
         a.footprint = r.footprint.take();
@@ -1320,7 +1329,10 @@ const KUBE_CREATE_THREADS: usize = 16;
 /// Filler `svc-<i>` of the Kubernetes mode: [`agent_service`], single-stack IPv6, endpoints at
 /// unused documentation addresses.
 fn kube_filler(i: usize, endpoints: usize) -> ServiceSpec {
-    let mut s = ServiceSpec::new(&format!("svc-{i}")).port(PortSpec::tcp(80, None)).ipv6_only();
+    let mut s = ServiceSpec::new(&format!("svc-{i}"))
+        .port(PortSpec::tcp(80, None))
+        .ipv6_only()
+        .without_kube_node_ports();
     for e in 0..endpoints {
         let a = std::net::Ipv6Addr::new(
             0x2001,
