@@ -18,7 +18,7 @@ use crate::apply::dataplane::{Dataplane, DataplaneError};
 use crate::apply::firewall::{self, Checker};
 use crate::apply::kernel::{Kernel, LocalNode, Netlink, NodeReads};
 use crate::desired::{self, AllocationMode, Desired, HostFacts, HostPolicy, Inputs};
-use crate::domain::Family;
+use crate::domain::{Family, ServiceKey};
 use crate::encode::nft::{self, NftClient};
 use crate::endpoint_policy::HostAddresses;
 use crate::hairpin;
@@ -123,6 +123,8 @@ struct Agent<K, N> {
     listeners_failing: bool,
     /// `(state, reason)` label sets of `nodelb_services` currently exported.
     services_series: BTreeSet<(&'static str, String)>,
+    /// The pools `nodelb_pool_ports` has series for.
+    pool_series: BTreeSet<String>,
 }
 
 /// The host-firewall check (its own netlink socket: it reads and writes other tables, never
@@ -258,6 +260,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             listeners: Listeners::default(),
             listeners_failing: false,
             services_series: BTreeSet::new(),
+            pool_series: BTreeSet::new(),
         }
     }
 
@@ -461,7 +464,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         attempt.changes = changes;
         phases.mark("apply");
         // Report.
-        self.update_service_gauges(&desired, problems.len());
+        self.update_service_gauges(&desired, loaded.pools.as_deref(), problems.len());
         if programmed.result.is_ok() {
             if changes > 0 {
                 let ms = attempt.started.elapsed().as_secs_f64() * 1000.0;
@@ -525,6 +528,15 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
     /// with them).
     fn persist(&mut self, desired: &Desired) -> Result<(), AgentError> {
         if desired.allocations != self.allocations.allocations {
+            // Never silently (manifests mode has no Events): a number no longer valid for its
+            // Service, e.g. outside its pool's ranges after an edit.
+            if self.source.mode() == AllocationMode::Allocate {
+                for (key, id, old, new) in
+                    crate::alloc::moved(&self.allocations.allocations, &desired.allocations)
+                {
+                    warn!(service = %key, port = %id, old, new, "node port reallocated: {old} is no longer valid for it (its pool's ranges or its pool changed)");
+                }
+            }
             let next = self.allocations.stamp(&desired.allocations, Timestamp::now());
             if let Some(state) = &self.state
                 && self.source.mode() == AllocationMode::Allocate
@@ -592,7 +604,12 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
 
     /// The gauges computed from the desired state. `nodelb_services` series are set in place and
     /// only the label sets that are gone are removed, so a scrape never sees them missing.
-    fn update_service_gauges(&mut self, desired: &Desired, manifest_problems: usize) {
+    fn update_service_gauges(
+        &mut self,
+        desired: &Desired,
+        pools: Option<&crate::pool::PoolContext>,
+        manifest_problems: usize,
+    ) {
         let m = &self.metrics;
         let mut by_state: BTreeMap<(&'static str, String), i64> = BTreeMap::new();
         for s in &desired.services {
@@ -617,6 +634,25 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         m.allocations.set(numbers.len() as i64);
         let in_range = numbers.iter().filter(|n| self.cfg.port_range.contains(**n)).count();
         m.free_ports.set(self.cfg.port_range.len().saturating_sub(in_range) as i64);
+        let keys: Vec<(ServiceKey, &str)> = desired
+            .services
+            .iter()
+            .filter_map(|s| Some((ServiceKey::new(&s.namespace, &s.name), s.pool.as_deref()?)))
+            .collect();
+        let usage = pools.map_or_else(Vec::new, |p| {
+            crate::pool::usage(&p.set, &desired.allocations, keys.iter().map(|(k, p)| (k, *p)))
+        });
+        let series: BTreeSet<String> = usage.iter().map(|u| u.name.clone()).collect();
+        for gone in self.pool_series.difference(&series) {
+            for state in ["allocated", "free"] {
+                let _ = m.pool_ports.remove_label_values(&[gone, state]);
+            }
+        }
+        for u in &usage {
+            m.pool_ports.with_label_values(&[u.name.as_str(), "allocated"]).set(u.allocated as i64);
+            m.pool_ports.with_label_values(&[u.name.as_str(), "free"]).set(u.free as i64);
+        }
+        self.pool_series = series;
         m.manifest_problems.set(manifest_problems as i64);
         let mut refused: BTreeMap<&str, i64> =
             crate::endpoint_policy::REASON_CODES.iter().map(|c| (*c, 0)).collect();

@@ -1,6 +1,7 @@
 //! Command-line interface (clap). Every flag of `run` also reads an environment variable, so the
 //! DaemonSet can configure it either way.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -70,6 +71,11 @@ pub struct CommonArgs {
     /// labelled svccontroller.k3s.cattle.io/lbpool only on nodes with the same lbpool label.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, env = "NODELB_SERVICELB_LABELS")]
     pub servicelb_labels: bool,
+    /// This node's labels in manifests mode (`zone=a,tier=edge`), which NodePortPool
+    /// `nodeSelector`s (and the ServiceLB labels) match: manifests mode has no Node object. In
+    /// Kubernetes mode the Node's own labels count and this flag is refused.
+    #[arg(long, default_value = "", value_parser = parse_node_labels, env = "NODELB_NODE_LABELS")]
+    pub node_labels: NodeLabels,
     /// Packet-mark bit that tells postrouting to masquerade (same meaning as kube-proxy's 0x4000).
     #[arg(long, default_value = "0x4000", value_parser = parse_mark, env = "NODELB_MASQUERADE_MARK")]
     pub masquerade_mark: u32,
@@ -193,6 +199,43 @@ fn parse_port_list(s: &str) -> Result<crate::port_policy::PortList, String> {
     s.parse()
 }
 
+/// `--node-labels`: label key to value.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeLabels(pub BTreeMap<String, String>);
+
+/// `k=v,k2=v2` with Kubernetes' label syntax: a key is an optional DNS-subdomain prefix and `/`,
+/// then a name of at most 63 characters (alphanumeric at both ends, `-_.` inside); a value is
+/// empty or such a name. Empty: no labels.
+fn parse_node_labels(s: &str) -> Result<NodeLabels, String> {
+    fn name_ok(n: &str) -> bool {
+        let inner = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+        n.len() <= 63
+            && n.chars().all(inner)
+            && n.starts_with(|c: char| c.is_ascii_alphanumeric())
+            && n.ends_with(|c: char| c.is_ascii_alphanumeric())
+    }
+    fn prefix_ok(p: &str) -> bool {
+        p.len() <= 253 && p.split('.').all(|l| crate::domain::check_dns_label(l).is_ok())
+    }
+    let mut out = BTreeMap::new();
+    for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let Some((key, value)) = item.split_once('=') else {
+            return Err(format!("{item:?} is not key=value"));
+        };
+        let (prefix, name) = key.rsplit_once('/').map_or((None, key), |(p, n)| (Some(p), n));
+        if !name_ok(name) || prefix.is_some_and(|p| !prefix_ok(p)) {
+            return Err(format!("{key:?} is not a label key ([prefix/]name, name at most 63 characters)"));
+        }
+        if !value.is_empty() && !name_ok(value) {
+            return Err(format!("label {key}: {value:?} is not a label value (at most 63 characters)"));
+        }
+        if out.insert(key.to_string(), value.to_string()).is_some() {
+            return Err(format!("label {key} is given twice"));
+        }
+    }
+    Ok(NodeLabels(out))
+}
+
 fn parse_mark(s: &str) -> Result<u32, String> {
     let v = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
         Some(hex) => u32::from_str_radix(hex, 16),
@@ -215,6 +258,31 @@ mod tests {
         assert_eq!(parse_mark("16384"), Ok(0x4000));
         assert!(parse_mark("0x6000").unwrap_err().contains("single bit"));
         assert!(parse_mark("zz").unwrap_err().contains("\"zz\""));
+    }
+
+    #[test]
+    fn node_labels_parse_as_kubernetes_labels() {
+        let ok = |s: &str, want: &[(&str, &str)]| {
+            let want = want.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            assert_eq!(parse_node_labels(s), Ok(NodeLabels(want)), "{s}");
+        };
+        ok("", &[]);
+        ok("zone=a", &[("zone", "a")]);
+        ok(
+            "zone=a, topology.kubernetes.io/region=eu-1,empty=",
+            &[("zone", "a"), ("topology.kubernetes.io/region", "eu-1"), ("empty", "")],
+        );
+        let bad = |s: &str, why: &str| {
+            let e = parse_node_labels(s).unwrap_err();
+            assert!(e.contains(why), "{s}: {e}");
+        };
+        bad("zone", "\"zone\" is not key=value");
+        bad("=a", "\"\" is not a label key");
+        bad("-zone=a", "\"-zone\" is not a label key");
+        bad("Bad_Prefix/zone=a", "\"Bad_Prefix/zone\" is not a label key");
+        bad("zone=a b", "label zone: \"a b\" is not a label value");
+        bad(&format!("zone={}", "x".repeat(64)), "is not a label value");
+        bad("zone=a,zone=b", "label zone is given twice");
     }
 
     #[test]

@@ -20,13 +20,24 @@ use crate::k8s::installation::{Installation, Tracker};
 use crate::k8s::source::KubeSource;
 use crate::k8s::uninstall::Exit;
 use crate::model::ModelOptions;
-use crate::observe::source::Source;
+use crate::observe::source::{ManifestPools, Source};
 use crate::observe::state::StateFile;
 use crate::observe::sysctl::Sysctls;
 use crate::plan::NodeFacts;
 use crate::report::PortStatus;
 use crate::serve::metrics::Metrics;
 use crate::serve::status::{SharedStatus, Status};
+
+/// `--node-labels` stands in for the Node object manifests mode does not have; in Kubernetes
+/// mode the Node's own labels count, and a second, possibly different set would be a lie.
+fn check_node_labels(common: &CommonArgs) -> anyhow::Result<()> {
+    if common.manifests.is_none() && !common.node_labels.0.is_empty() {
+        bail!(
+            "--node-labels is for manifests mode (--manifests DIR): in Kubernetes mode pools match the labels of the Node object"
+        );
+    }
+    Ok(())
+}
 
 fn node_name(common: &CommonArgs) -> String {
     common.node_name.clone().unwrap_or_else(|| {
@@ -75,6 +86,7 @@ fn model_options(common: &CommonArgs) -> ModelOptions {
 
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let kube_mode = args.common.manifests.is_none();
+    check_node_labels(&args.common)?;
     if kube_mode && args.common.node_name.is_none() {
         bail!(
             "Kubernetes mode (no --manifests) needs --node-name or NODE_NAME (the downward API's spec.nodeName)"
@@ -108,7 +120,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     serve_http(args.health_addr, "--health-addr", health, "serving /healthz, /readyz (reasons withheld)")
         .await?;
     let (source, controller) = match &args.common.manifests {
-        Some(dir) => (Source::manifests(dir.clone())?, None),
+        Some(dir) => {
+            let pools = ManifestPools {
+                node_labels: args.common.node_labels.0.clone(),
+                port_range: args.common.port_range,
+            };
+            (Source::manifests(dir.clone(), pools)?, None)
+        }
         None => {
             let client = kube_client(&args.kube).await?;
             if let Some(addr) = args.metrics_addr {
@@ -241,19 +259,70 @@ async fn shutdown_signal() {
     }
 }
 
+/// The pool context a Kubernetes-mode agent on `--node-name` builds (`k8s::pools::context`),
+/// from NodePortPools and Namespaces listed once. A missing CRD (404) is "no pool object", as for
+/// the agent. A pool refused is printed as a problem; there is no last valid version to keep.
+async fn plan_pools(
+    client: &kube::Client,
+    common: &CommonArgs,
+    nodes: Vec<k8s_openapi::api::core::v1::Node>,
+) -> anyhow::Result<crate::pool::PoolContext> {
+    let lp = kube::api::ListParams::default();
+    let pools = match kube::Api::<crate::pool::NodePortPool>::all(client.clone()).list(&lp).await {
+        Ok(l) => l.items,
+        Err(kube::Error::Api(e)) if e.code == 404 => vec![],
+        Err(e) => return Err(e).context("cannot list NodePortPools"),
+    };
+    let namespaces = kube::Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
+        .list(&lp)
+        .await
+        .context("cannot list Namespaces")?
+        .items;
+    let snap = crate::k8s::source::KubeSnapshot {
+        nodes: nodes.into_iter().map(Arc::new).collect(),
+        pools: pools.into_iter().map(Arc::new).collect(),
+        namespaces: namespaces.into_iter().map(Arc::new).collect(),
+        ..Default::default()
+    };
+    let (ctx, invalid) = crate::k8s::pools::context(
+        &snap,
+        &mut Default::default(),
+        common.port_range,
+        &node_name(common),
+        common.servicelb_labels,
+    );
+    for p in &invalid {
+        eprintln!("problem: {p}");
+    }
+    Ok(ctx)
+}
+
 /// `nodelb plan`: what `run` would program on this node, printed in nft syntax (refusals on
 /// stderr). From a manifests directory (allocating as the agent does, from its state file), or
 /// without one from the cluster as it is now (the allocations the leader wrote on the Services,
 /// as a Kubernetes-mode node uses them). Run it inside the node's network namespace: the node's
 /// addresses and listening sockets count, as they do for the agent.
 pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
+    check_node_labels(&args.common)?;
     let host_addresses = crate::observe::hostaddrs::read().unwrap_or_default();
+    let pools: Option<crate::pool::PoolContext>;
     let (services, slices, notes, mode, previous, cluster_addresses) = match &args.common.manifests {
         Some(dir) => {
             let loaded = crate::observe::manifest_dir::load_dir(dir)?;
             for p in &loaded.problems {
                 eprintln!("problem: {p}");
             }
+            let (ctx, pool_problems) = crate::manifests::pool_context(
+                &loaded,
+                &mut Default::default(),
+                args.common.port_range,
+                &args.common.node_labels.0,
+                args.common.servicelb_labels,
+            );
+            for p in &pool_problems {
+                eprintln!("problem: {p}");
+            }
+            pools = Some(ctx);
             // A state file the agent could not read would stop it; `plan` must not print ports
             // the agent would not use.
             let previous = StateFile::new(args.common.state_file.clone()).load()?;
@@ -285,13 +354,18 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
             let slices = kube::Api::<k8s_openapi::api::discovery::v1::EndpointSlice>::all(client.clone())
                 .list(&lp)
                 .await;
-            let nodes = kube::Api::<k8s_openapi::api::core::v1::Node>::all(client).list(&lp).await;
+            let nodes = kube::Api::<k8s_openapi::api::core::v1::Node>::all(client.clone()).list(&lp).await;
             let (services, slices, nodes) = (
                 services.context("cannot list Services")?.items,
                 slices.context("cannot list EndpointSlices")?.items,
                 nodes.context("cannot list Nodes")?.items,
             );
-            let addresses = crate::k8s::nodes::cluster_node_addresses(&nodes);
+            let mut addresses = crate::k8s::nodes::cluster_node_addresses(&nodes);
+            let own = args.common.node_name.as_deref();
+            if let Some(n) = nodes.iter().find(|n| n.metadata.name.as_deref() == own) {
+                addresses.own.types = crate::k8s::nodes::address_types(n);
+            }
+            pools = Some(plan_pools(&client, &args.common, nodes).await?);
             let mode = desired::AllocationMode::Annotated;
             (services, slices, Default::default(), mode, Default::default(), addresses)
         }
@@ -318,7 +392,7 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
         range: &args.common.port_range,
         model: &model_options(&args.common),
         node: &node,
-        pools: None,
+        pools: pools.as_ref(),
         policy: &host_policy(&args.common),
         host: &host,
     });
@@ -333,6 +407,9 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
     }
     for r in &desired.refused_ports {
         eprintln!("refused: {r}");
+    }
+    for s in desired.services.iter().filter(|s| s.pool.is_some()) {
+        eprintln!("pool: {}/{} → {}", s.namespace, s.name, s.pool.as_deref().unwrap_or_default());
     }
     print!("{}", desired.ruleset.render());
     Ok(())
@@ -418,6 +495,9 @@ pub fn status(args: StatusArgs) -> anyhow::Result<()> {
             total(|p| p.refused_packets),
             s.reason.as_deref().unwrap_or("")
         );
+        if let Some(pool) = &s.pool {
+            println!("    pool: {pool}");
+        }
         if let Some(t) = s.session_affinity_seconds {
             println!("    session affinity: ClientIP, timeout {t}s");
         }

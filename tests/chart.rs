@@ -16,6 +16,7 @@ use serde_json::Value;
 const NOT_VALUES: &[(&str, &str)] = &[
     ("manifests", "manifests mode only"),
     ("state-file", "manifests mode only"),
+    ("node-labels", "manifests mode only (the DaemonSet's agents match their Node's labels)"),
     ("node-name", "the downward API's spec.nodeName"),
     ("namespace", "the downward API's metadata.namespace"),
     ("kubeconfig", "in-cluster configuration"),
@@ -127,9 +128,20 @@ fn what_the_chart_renders_is_accepted_by_a_real_api_server() {
     let manifests = concat!(env!("CARGO_MANIFEST_DIR"), "/daemonset");
     let out = api.kubectl(&["apply", "--dry-run=server", "--validate=strict", "-f", manifests]);
     assert!(out.status.success(), "daemonset/: {}", String::from_utf8_lossy(&out.stderr));
-    // A pool cannot be asked for before pools exist.
-    let chart = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/nodelb");
-    let out = api.helm(&["template", "nodelb", chart, "--set", "pools.defaultPool.enabled=true"]);
-    assert!(!out.status.success(), "pools.defaultPool rendered although pools do not exist");
-    assert!(String::from_utf8_lossy(&out.stderr).contains("NodePortPool is not implemented"));
+    // The default pool: its ranges from config.port-range, accepted by the API server once the
+    // CRD (crds/, which `helm install` applies first) is served.
+    api.kubectl_ok(&["apply", "-f", concat!(env!("CARGO_MANIFEST_DIR"), "/charts/nodelb/crds")]);
+    api.kubectl_ok(&["wait", "--for=condition=Established", "crd/nodeportpools.nodelb.io", "--timeout=30s"]);
+    let pool =
+        render(&api, &["--set", "pools.defaultPool.enabled=true", "--set", "config.port-range=21000-21999"]);
+    let out = dry_run(&api, "the default pool", &pool);
+    assert!(out.contains("nodeportpool.nodelb.io/default created (server dry run)"), "{out}");
+    let docs: Vec<Value> = serde_yaml::Deserializer::from_str(&pool)
+        .filter_map(|d| <Value as serde::Deserialize>::deserialize(d).ok())
+        .filter(|d: &Value| d["kind"] == "NodePortPool")
+        .collect();
+    assert_eq!(docs.len(), 1, "{pool}");
+    assert_eq!(docs[0]["spec"]["ports"], serde_json::json!([{"start": 21000, "end": 21999}]), "{pool}");
+    assert_eq!(docs[0]["spec"]["priority"], 1000, "{pool}");
+    assert!(!render(&api, &[]).contains("kind: NodePortPool"), "no pool object unless asked for");
 }

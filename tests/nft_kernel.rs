@@ -112,6 +112,20 @@ fn full_ruleset() -> Ruleset {
         elements: BTreeMap::new(),
         comment: None,
     });
+    rs.add_set(Set {
+        name: "address-ports-ipv6".into(),
+        key: vec![KeyType::Ipv6Addr, KeyType::InetProto, KeyType::InetService],
+        kind: SetKind::VerdictMap,
+        elements: BTreeMap::from([(
+            vec![
+                KeyPart::Addr("2001:db8::1".parse().unwrap()),
+                KeyPart::Proto(Protocol::Tcp),
+                KeyPart::Port(20004),
+            ],
+            Some(goto("svc-a")),
+        )]),
+        comment: None,
+    });
     let dport_vmap = || L4ProtoDportVmap { map: "service-ports".into() };
     rs.add_chain(base(
         "nat-prerouting",
@@ -121,6 +135,13 @@ fn full_ruleset() -> Ruleset {
         vec![
             r(vec![NfProto(Family::Ipv4), FibDaddrLocal, dport_vmap()]),
             r(vec![FibDaddrLocal, dport_vmap()]),
+            r(vec![L4ProtoDportInSet { set: "service-ports".into() }, FibDaddrLocal, dport_vmap()]),
+            r(vec![
+                NfProto(Family::Ipv6),
+                DaddrL4ProtoDportInSet { family: Family::Ipv6, set: "address-ports-ipv6".into() },
+                FibDaddrLocal,
+                DaddrL4ProtoDportVmap { family: Family::Ipv6, map: "address-ports-ipv6".into() },
+            ]),
         ],
     ));
     rs.add_chain(base(

@@ -53,6 +53,7 @@ fn tracer_table() {
             NODE_V4.parse().unwrap(),
             NODE_V6.parse().unwrap(),
             "198.51.100.1".parse().unwrap(),
+            SECOND_V4.parse().unwrap(),
         ],
         numgen,
         ..Default::default()
@@ -94,6 +95,13 @@ fn tracer_table() {
         ("hairpin: an endpoint drawn itself is masqueraded (Local)", "local", packet(Protocol::Tcp, "198.51.100.11", NODE_V4, 20002), 0, "DNAT 198.51.100.11:8080, masquerade"),
         ("hairpin: an endpoint drawn itself (Cluster)", "web", packet(Protocol::Tcp, "198.51.100.12", NODE_V4, 20001), 1, "DNAT 198.51.100.12:8080, masquerade"),
         ("hairpin: an endpoint of another node sent here keeps its address (Local)", "local", packet(Protocol::Tcp, "198.51.100.12", NODE_V4, 20002), 0, "DNAT 198.51.100.11:8080"),
+        ("pool addresses: served on the selected address", "pool_addresses", packet(Protocol::Tcp, "203.0.113.7", SECOND_V4, 20010), 1, "DNAT 198.51.100.12:8080, masquerade"),
+        ("pool addresses: not on the node's other address", "pool_addresses", packet(Protocol::Tcp, "203.0.113.7", NODE_V4, 20010), 0, "untouched"),
+        ("pool addresses: not over the other family", "pool_addresses", packet(Protocol::Tcp, "2001:db8:1::7", NODE_V6, 20010), 0, "untouched"),
+        ("pool addresses: the node itself, on the selected address", "pool_addresses", from_node(packet(Protocol::Tcp, NODE_V4, SECOND_V4, 20010)), 0, "DNAT 198.51.100.11:8080, masquerade"),
+        ("pool addresses: no endpoint rejects on the selected address", "pool_addresses", packet(Protocol::Udp, "203.0.113.7", SECOND_V4, 20011), 0, "reject (icmp) in no-endpoints"),
+        ("pool addresses: no endpoint, other address untouched", "pool_addresses", packet(Protocol::Udp, "203.0.113.7", NODE_V4, 20011), 0, "untouched"),
+        ("pool addresses: an unrestricted Service still on every address", "pool_addresses", packet(Protocol::Tcp, "203.0.113.7", SECOND_V4, 20001), 0, "DNAT 198.51.100.11:8080, masquerade"),
         ("hairpin, v6: an endpoint drawn itself is masqueraded", "dual_stack", packet(Protocol::Tcp, "2001:db8:2::11", NODE_V6, 20006), 0, "DNAT [2001:db8:2::11]:8080, masquerade"),
     ];
     let mut failures = vec![];

@@ -3,11 +3,12 @@
 //! node namespace), real packets client → node → backends (see `tests/common/cluster.rs`).
 mod common;
 
+use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
 use common::cluster::Cluster;
 use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
-use common::topology::{backend_v4, wait_until};
+use common::topology::{backend_v4, http_get, wait_until};
 use serde_json::{Value, json};
 
 /// A pool or Service change to allocation / rules on every node.
@@ -28,6 +29,13 @@ fn apply(c: &Cluster, obj: &Value) {
     assert!(out.status.success(), "kubectl apply {obj}: {}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// Replaces a pool with the test's own client (no `kubectl` process): where a reaction time is
+/// measured, `kubectl apply`'s own time (process start, discovery; 50 ms to over a second on the
+/// loaded test machine) would be most of the number.
+fn edit(c: &Cluster, obj: &Value) {
+    c.api.replace_spec(obj).unwrap_or_else(|e| panic!("replace the spec of {obj}: {e:?}"));
+}
+
 /// `kubectl apply` refused; its message.
 fn apply_refused(c: &Cluster, obj: &Value) -> String {
     let out = c.api.kubectl_stdin(&["apply", "-f", "-"], &obj.to_string());
@@ -37,9 +45,15 @@ fn apply_refused(c: &Cluster, obj: &Value) -> String {
 
 /// A Service with label `app=<name>` and one endpoint on backend `b`, its slices made by the test.
 fn create_labelled(c: &Cluster, name: &str, b: usize, extra_labels: Value) {
-    let spec = ServiceSpec::new(name)
+    create_in(c, "default", name, b, extra_labels, json!({}));
+}
+
+/// [`create_labelled`] in namespace `ns`, with `annotations`.
+fn create_in(c: &Cluster, ns: &str, name: &str, b: usize, extra_labels: Value, annotations: Value) {
+    let mut spec = ServiceSpec::new(name)
         .port(PortSpec::tcp(80, None))
         .endpoint(EndpointSpec::remote(backend_v4(b), "node-2"));
+    spec.namespace = ns.to_string();
     let mut svc = spec.service();
     svc["spec"].as_object_mut().unwrap().remove("selector");
     let mut labels = json!({"app": name});
@@ -47,6 +61,9 @@ fn create_labelled(c: &Cluster, name: &str, b: usize, extra_labels: Value) {
         labels[k] = v.clone();
     }
     svc["metadata"]["labels"] = labels;
+    for (k, v) in annotations.as_object().into_iter().flatten() {
+        svc["metadata"]["annotations"][k] = v.clone();
+    }
     c.api.create(svc).unwrap_or_else(|e| panic!("create {name}: {e:?}"));
     for s in spec.slices() {
         c.api.create(s).unwrap_or_else(|e| panic!("create slice of {name}: {e:?}"));
@@ -149,6 +166,16 @@ fn pools_choose_ports_nodes_and_follow_edits_without_restart() {
     stays_refused(&c, 0, np_b);
     c.wait_ingress_nodes("web-a", &[0], CHANGE);
     c.wait_ingress_nodes("web-b", &[1, 2], CHANGE);
+    // `nodelb plan` on each node applies the pools as its agent does.
+    for i in 0..3 {
+        let plan = c.wait_plan_is_table(i, CHANGE);
+        assert_eq!(
+            plan.contains(&format!(" {np_a} ")),
+            i == 0,
+            "node-{}: {np_a} in the plan:\n{plan}",
+            i + 1
+        );
+    }
 
     // The leader's status on each pool, and kubectl's columns.
     let ok = wait_until(CHANGE, || {
@@ -195,7 +222,7 @@ fn pools_choose_ports_nodes_and_follow_edits_without_restart() {
 
     // Hot reload, nodeSelector: zone-a now selects every zone. No restart; measured.
     let started = Instant::now();
-    apply(
+    edit(
         &c,
         &pool(
             "zone-a",
@@ -223,7 +250,7 @@ fn pools_choose_ports_nodes_and_follow_edits_without_restart() {
 
     // Shrinking a range reallocates exactly the Services outside it, with an Event.
     let started = Instant::now();
-    apply(
+    edit(
         &c,
         &pool(
             "zone-b",
@@ -302,4 +329,440 @@ fn servicelb_labels_choose_the_nodes_as_k3s_does() {
         c.wait_served(i, plain, CHANGE);
         c.wait_served(i, edge, CHANGE);
     }
+}
+
+/// node-1's second address, on a link of its own (`edge0`), published in its Node
+/// object as its ExternalIP; the client reaches it through node-1.
+const SECOND_V4: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
+
+/// `GET /` from the client to `addr:port` served, within `CHANGE`.
+fn wait_served_at(c: &Cluster, addr: Ipv4Addr, port: u16) {
+    let mut last = None;
+    let ok = wait_until(CHANGE, || {
+        last = Some(http_get(&c.client, IpAddr::V4(addr), port, Duration::from_millis(500)));
+        last.as_ref().is_some_and(|r| r.is_ok())
+    });
+    assert!(ok, "{addr}:{port} not served: {last:?}: {:?}", c.nft(0));
+}
+
+/// `addr:port` refused (waited for, then for a while: not a moment between two syncs).
+fn refused_at(c: &Cluster, addr: Ipv4Addr, port: u16) {
+    let get = || http_get(&c.client, IpAddr::V4(addr), port, Duration::from_millis(500));
+    let ok = wait_until(CHANGE, || get().is_err());
+    assert!(ok, "{addr}:{port} still served: {:?}", c.nft(0));
+    for _ in 0..3 {
+        assert!(get().is_err(), "{addr}:{port} served");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Waits until the ingress IPs of `default/name` are exactly `want`.
+fn wait_ingress(c: &Cluster, name: &str, want: &[Ipv4Addr]) {
+    let mut want: Vec<String> = want.iter().map(|a| a.to_string()).collect();
+    want.sort();
+    let ok = wait_until(CHANGE, || c.ingress_ips(name) == want);
+    assert!(ok, "default/{name}: ingress {:?}, want {want:?}", c.ingress_ips(name));
+}
+
+#[test]
+fn pool_addresses_choose_which_node_address_answers() {
+    require_root!();
+    let c = Cluster::new(1);
+    let node1 = &c.nodes[0];
+    // This kernel has no dummy links: a veth pair inside the node is a link of its own.
+    node1.ip(&["link", "add", "edge0", "type", "veth", "peer", "name", "edge0p"]);
+    node1.ip(&["addr", "add", &format!("{SECOND_V4}/32"), "dev", "edge0"]);
+    node1.ip(&["link", "set", "edge0p", "up"]);
+    node1.ip(&["link", "set", "edge0", "up"]);
+    c.client.ip(&[
+        "route",
+        "add",
+        &format!("{SECOND_V4}/32"),
+        "via",
+        &common::cluster::node_v4(0).to_string(),
+    ]);
+    c.api.patch_status(
+        "v1",
+        "Node",
+        "",
+        "node-1",
+        json!({"status": {"addresses": [
+            {"type": "InternalIP", "address": common::cluster::node_v4(0).to_string()},
+            {"type": "ExternalIP", "address": SECOND_V4.to_string()},
+            {"type": "Hostname", "address": "node-1"},
+        ]}}),
+    );
+    let nodes: Vec<Ipv4Addr> = (0..3).map(common::cluster::node_v4).collect();
+    let edge = |addresses: Value| {
+        pool(
+            "edge",
+            &[(20300, 20399)],
+            json!({"addresses": addresses, "serviceSelector": {"matchLabels": {"app": "edge"}}}),
+        )
+    };
+
+    // cidrs: only node-1's second address answers; its first address and the other nodes
+    // (no address in the CIDR) refuse; the status lists that address only.
+    apply(&c, &edge(json!({"cidrs": ["192.0.2.0/24"]})));
+    create_labelled(&c, "edge", 0, json!({}));
+    let port = wait_allocated_in(&c, "edge", (20300, 20399));
+    wait_served_at(&c, SECOND_V4, port);
+    for n in &nodes {
+        refused_at(&c, *n, port);
+    }
+    wait_ingress(&c, "edge", &[SECOND_V4]);
+    let ok = wait_until(CHANGE, || pool_status(&c, "edge")["nodes"] == json!(["node-1"]));
+    assert!(ok, "edge pool status: {:#}", pool_status(&c, "edge"));
+
+    // Hot reload: the CIDR of the first addresses moves it there, on every node.
+    let started = Instant::now();
+    edit(&c, &edge(json!({"cidrs": ["203.0.113.0/24"]})));
+    for n in &nodes {
+        wait_served_at(&c, *n, port);
+    }
+    eprintln!("pool addresses edit → served on the newly selected addresses: {:?}", started.elapsed());
+    refused_at(&c, SECOND_V4, port);
+    wait_ingress(&c, "edge", &nodes);
+    let sorted_nodes = || {
+        let mut n: Vec<String> =
+            serde_json::from_value(pool_status(&c, "edge")["nodes"].clone()).unwrap_or_default();
+        n.sort();
+        n
+    };
+    let ok = wait_until(CHANGE, || sorted_nodes() == ["node-1", "node-2", "node-3"]);
+    assert!(ok, "edge pool status: {:#}", pool_status(&c, "edge"));
+
+    // types: the Node object's ExternalIP (node-1's second address; the others have none).
+    apply(&c, &edge(json!({"types": ["ExternalIP"]})));
+    wait_served_at(&c, SECOND_V4, port);
+    for n in &nodes {
+        refused_at(&c, *n, port);
+    }
+    wait_ingress(&c, "edge", &[SECOND_V4]);
+    // interfaces: node-1's eth0 (its first address), nobody else's edge0.
+    apply(&c, &edge(json!({"interfaces": ["eth0"], "cidrs": ["203.0.113.1/32"]})));
+    wait_served_at(&c, nodes[0], port);
+    refused_at(&c, SECOND_V4, port);
+    refused_at(&c, nodes[1], port);
+    assert_eq!(c.allocated("edge").unwrap()["80/TCP"], port, "an addresses edit does not move the port");
+}
+
+/// Manifests mode (no cluster): NodePortPool files in the manifests directory go through the
+/// same decisions, the node's labels come from `--node-labels`, and edits are hot-reloaded.
+/// Real packets from a client namespace through the node namespace to a backend.
+#[test]
+fn manifests_mode_pools_restrict_ports_and_nodes_with_hot_reload() {
+    use common::agent::{Agent, nodelb};
+    use common::topology::{NODE_V4, Topology, http_get};
+    require_root!();
+    const T: Duration = Duration::from_secs(5);
+    let topo = Topology::new(1, 1);
+    let client = topo.client(0);
+    let get = |port: u16| http_get(client, NODE_V4.into(), port, Duration::from_millis(700));
+    let pool_file = |ranges: &[(u32, u32)], zone: &str| {
+        let p = pool("edge", ranges, json!({"nodeSelector": {"matchLabels": {"zone": zone}}}));
+        serde_yaml::to_string(&p).unwrap()
+    };
+    let web =
+        ServiceSpec::new("web").port(PortSpec::tcp(80, None)).endpoint(EndpointSpec::local(backend_v4(0)));
+    let files = [("pool.yaml", pool_file(&[(21000, 21009)], "a")), ("web.yaml", web.render())];
+    let mut agent = Agent::start(&topo.node, &files, &["--node-labels", "zone=a"]);
+    agent.wait_ready(Duration::from_secs(15));
+    agent.wait_state("default/web", "programmed", T);
+    let np = agent.node_port("default/web", 80, "TCP").unwrap();
+    assert!((21000..=21009).contains(&np), "allocated from the pool: {np}");
+    assert_eq!(agent.service_status("default/web").unwrap()["pool"], "edge");
+    assert!(wait_until(T, || get(np).is_ok()), "not served on {np}");
+
+    // `nodelb plan` shows the pool each Service got, and refuses what the pool's nodeSelector
+    // does not select on this node.
+    let dir = agent.manifests_dir().to_str().unwrap().to_string();
+    let state = agent.state_file().to_str().unwrap().to_string();
+    let plan = |labels: &str| {
+        let out = nodelb(
+            &topo.node,
+            &[
+                "plan",
+                "--manifests",
+                &dir,
+                "--state-file",
+                &state,
+                "--node-name",
+                "node-1",
+                "--node-labels",
+                labels,
+            ],
+        );
+        assert!(out.status.success(), "plan: {}", String::from_utf8_lossy(&out.stderr));
+        (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (rules, notes) = plan("zone=a");
+    assert!(notes.contains("pool: default/web → edge"), "{notes}");
+    assert!(rules.contains(&np.to_string()), "{rules}");
+    let (rules, notes) = plan("zone=b");
+    assert!(notes.contains("does not select this node (nodeSelector)"), "{notes}");
+    assert!(!rules.contains(&np.to_string()), "{rules}");
+
+    // Hot reload: the pool's range moves; the Service is reallocated inside it, the old port
+    // stops answering, the new one answers. No restart.
+    let started = Instant::now();
+    agent.write_manifest("pool.yaml", &pool_file(&[(21100, 21109)], "a"));
+    let mut moved = None;
+    let ok = wait_until(T, || {
+        moved = agent.node_port("default/web", 80, "TCP").filter(|p| (21100..=21109).contains(p));
+        moved.is_some_and(|p| get(p).is_ok())
+    });
+    assert!(ok, "not reallocated into 21100-21109: {:?}", agent.status());
+    eprintln!("manifests pool range edit → reallocated and served: {:?}", started.elapsed());
+    let moved = moved.unwrap();
+    assert!(get(np).is_err(), "the old port {np} still answers");
+    // Never silently: no API to record an Event on, so the agent says it in its log.
+    let logs = agent.logs();
+    assert!(
+        logs.lines().any(|l| l.contains("node port reallocated")
+            && l.contains(&np.to_string())
+            && l.contains(&moved.to_string())),
+        "no log line for {np} → {moved}"
+    );
+    // How full the pool is, on /metrics (manifests mode has no pool status): its one Service
+    // holds one number of the ten.
+    let body = agent.http("/metrics").expect("/metrics").body;
+    for want in [
+        r#"nodelb_pool_ports{pool="edge",state="allocated"} 1"#,
+        r#"nodelb_pool_ports{pool="edge",state="free"} 9"#,
+    ] {
+        assert!(body.lines().any(|l| l == want), "no `{want}` on /metrics:\n{body}");
+    }
+    let out = nodelb(&topo.node, &["status", "--http-addr", "127.0.0.1:9470"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("    pool: edge"), "`nodelb status` does not name the pool:\n{text}");
+
+    // An invalid edit: the problem names the file, the pool and the value; the last valid
+    // version stays in force (still served).
+    let bad = pool(
+        "edge",
+        &[(21100, 21109)],
+        json!({"nodeSelector": {"matchExpressions": [{"key": "zone", "operator": "Gt", "values": ["1"]}]}}),
+    );
+    agent.write_manifest("pool.yaml", &serde_yaml::to_string(&bad).unwrap());
+    let ok = wait_until(T, || {
+        agent.status().is_some_and(|s| {
+            s["problems"].as_array().into_iter().flatten().any(|p| {
+                let p = p.as_str().unwrap_or("");
+                p.contains("pool.yaml: NodePortPool edge: spec.nodeSelector") && p.contains("\"Gt\"")
+            })
+        })
+    });
+    assert!(ok, "no problem naming pool.yaml / edge / Gt: {:?}", agent.status());
+    assert!(get(moved).is_ok(), "the last valid pool stays in force");
+
+    // A nodeSelector that does not match --node-labels: this node stops serving the Service.
+    agent.write_manifest("pool.yaml", &pool_file(&[(21100, 21109)], "b"));
+    assert!(wait_until(T, || get(moved).is_err()), "still served with nodeSelector zone=b");
+    let st = agent.service_status("default/web").unwrap();
+    assert!(st.to_string().contains("does not select this node"), "{st}");
+    assert_eq!(agent.node_port("default/web", 80, "TCP"), Some(moved), "the allocation stays");
+    // Back on zone a: served again on the same port.
+    agent.write_manifest("pool.yaml", &pool_file(&[(21100, 21109)], "a"));
+    assert!(wait_until(T, || get(moved).is_ok()), "not served again on {moved}");
+    // Restarted with other labels (the flags are read at start): not served.
+    agent.extra_args = vec!["--node-labels".into(), "zone=b".into()];
+    agent.restart();
+    agent.wait_ready(Duration::from_secs(15));
+    assert!(wait_until(T, || get(moved).is_err()), "served with --node-labels zone=b");
+}
+
+/// The chart's default pool (`pools.defaultPool`): created by the same `helm install` that
+/// installs the CRD (Helm applies crds/ first and waits for them), its ranges from
+/// `config.port-range`; Services are allocated from it and served, and it reports Ready.
+#[test]
+fn the_charts_default_pool_is_installed_with_the_release_and_used() {
+    require_root!();
+    let c = Cluster::with_helm(
+        1,
+        &["--set", "pools.defaultPool.enabled=true", "--set", "config.port-range=21000-21999"],
+        &[],
+    );
+    let obj = c.api.get("nodelb.io/v1alpha1", "NodePortPool", "", "default").expect("pool default");
+    assert_eq!(obj["spec"]["ports"], json!([{"start": 21000, "end": 21999}]), "{obj:#}");
+    assert_eq!(obj["metadata"]["labels"]["app.kubernetes.io/managed-by"], "Helm", "a release object");
+    create_labelled(&c, "web", 0, json!({}));
+    let np = wait_allocated_in(&c, "web", (21000, 21999));
+    for i in 0..3 {
+        c.wait_served(i, np, CHANGE);
+    }
+    let ok = wait_until(CHANGE, || {
+        let st = pool_status(&c, "default");
+        condition(&st, "Ready") == "True/InForce" && st["allocated"] == 1 && st["nodeCount"] == 3
+    });
+    assert!(ok, "default pool status: {:#}", pool_status(&c, "default"));
+}
+
+/// The node port of `ns/name` port 80/TCP as the leader wrote it.
+fn allocated_in(c: &Cluster, ns: &str, name: &str) -> Option<u16> {
+    let svc = c.api.get("v1", "Service", ns, name)?;
+    let value = svc["metadata"]["annotations"]["nodelb.io/allocated-ports"].as_str()?.to_string();
+    value.split(',').find_map(|e| e.strip_prefix("80/TCP=")).and_then(|n| n.parse().ok())
+}
+
+/// Waits until `ns/name` is allocated inside `range`.
+fn wait_in(c: &Cluster, ns: &str, name: &str, range: (u16, u16)) -> u16 {
+    let mut got = None;
+    let ok = wait_until(CHANGE, || {
+        got = allocated_in(c, ns, name);
+        got.is_some_and(|n| (range.0..=range.1).contains(&n))
+    });
+    assert!(
+        ok,
+        "{ns}/{name}: {got:?} not in {range:?}: {:#}",
+        c.api.get("v1", "Service", ns, name).unwrap_or_default()
+    );
+    got.unwrap()
+}
+
+/// What is only unit-tested elsewhere, against the real API server with real packets:
+/// `namespaceSelector` follows Namespace labels, `disabled` drains (allocations stay and are
+/// served, nothing new is allocated), `nodelb.io/pool` picks an `autoAssign: false` pool that
+/// nothing else gets, and editing a pool's `nodeSelector` moves a Service with 0 failed
+/// requests on the node that keeps it.
+#[test]
+fn pool_selectors_drain_by_name_and_a_node_move_without_loss() {
+    use common::cluster::node_v4;
+    use common::topology::ClientLoop;
+    require_root!();
+    let c = Cluster::new(2);
+    for (i, rack) in ["r1", "r2", "r3"].iter().enumerate() {
+        label_node(&c, &format!("node-{}", i + 1), &format!("rack={rack}"));
+    }
+    c.api.kubectl_ok(&["create", "namespace", "team-a"]);
+    c.api.kubectl_ok(&["create", "namespace", "team-b"]);
+    c.api.kubectl_ok(&["label", "namespace", "team-a", "team=a"]);
+    apply(
+        &c,
+        &pool("team-a", &[(20300, 20309)], json!({"namespaceSelector": {"matchLabels": {"team": "a"}}})),
+    );
+    apply(&c, &pool("rest", &[(20400, 20409)], json!({"priority": 10})));
+
+    // namespaceSelector: by the Namespace's labels.
+    create_in(&c, "team-a", "svc", 0, json!({}), json!({}));
+    create_in(&c, "team-b", "svc", 0, json!({}), json!({}));
+    let a = wait_in(&c, "team-a", "svc", (20300, 20309));
+    let b = wait_in(&c, "team-b", "svc", (20400, 20409));
+    c.wait_served(0, a, CHANGE);
+    c.wait_served(0, b, CHANGE);
+    // The Namespace loses its label: its Service no longer matches and is reallocated, with
+    // an Event; team-b's Service is untouched.
+    c.api.kubectl_ok(&["label", "namespace", "team-a", "team-"]);
+    let moved = wait_in(&c, "team-a", "svc", (20400, 20409));
+    c.wait_served(0, moved, CHANGE);
+    wait_refused(&c, 0, a);
+    let ok = wait_until(CHANGE, || {
+        c.api
+            .list("events.k8s.io/v1", "Event", Some("team-a"))
+            .iter()
+            .any(|e| e["reason"] == "NodePortReallocated")
+    });
+    assert!(ok, "no NodePortReallocated Event in team-a");
+    assert_eq!(allocated_in(&c, "team-b", "svc"), Some(b));
+
+    // disabled (drain): what it holds stays allocated and served; nothing new is allocated.
+    apply(&c, &pool("rest", &[(20400, 20409)], json!({"priority": 10, "disabled": true})));
+    let ok = wait_until(CHANGE, || condition(&pool_status(&c, "rest"), "Ready") == "True/Draining");
+    assert!(ok, "rest status: {:#}", pool_status(&c, "rest"));
+    create_labelled(&c, "late", 1, json!({}));
+    c.wait_condition("late", "nodelb.io/Allocated", "False", "NoPool", CHANGE);
+    assert!(c.allocated("late").is_none());
+    for port in [b, moved] {
+        for i in 0..3 {
+            c.wait_served(i, port, CHANGE);
+        }
+    }
+    assert_eq!(allocated_in(&c, "team-b", "svc"), Some(b), "a drained pool keeps its allocations");
+    // Enabled again: the waiting Service is allocated.
+    apply(&c, &pool("rest", &[(20400, 20409)], json!({"priority": 10})));
+    let late = wait_allocated_in(&c, "late", (20400, 20409));
+    c.wait_served(1, late, CHANGE);
+
+    // nodelb.io/pool: by name, the only way into an autoAssign: false pool.
+    apply(&c, &pool("special", &[(20500, 20509)], json!({"autoAssign": false})));
+    create_in(&c, "default", "named", 1, json!({}), json!({"nodelb.io/pool": "special"}));
+    create_labelled(&c, "unnamed", 1, json!({}));
+    let named = wait_allocated_in(&c, "named", (20500, 20509));
+    wait_allocated_in(&c, "unnamed", (20400, 20409));
+    c.wait_served(2, named, CHANGE);
+    create_in(&c, "default", "typo", 1, json!({}), json!({"nodelb.io/pool": "spceial"}));
+    c.wait_condition("typo", "nodelb.io/Allocated", "False", "NoPool", CHANGE);
+    let why = c.allocated_condition("typo").unwrap()["message"].to_string();
+    assert!(why.contains("spceial") && why.contains("does not exist"), "{why}");
+
+    // A nodeSelector edit moves a Service from racks r2,r3 to r1,r2: node-2 keeps serving it
+    // without a single failed request, node-1 starts, node-3 stops.
+    let racks = |r: [&str; 2]| json!({"nodeSelector": {"matchExpressions": [{"key": "rack", "operator": "In", "values": r}]}, "serviceSelector": {"matchLabels": {"app": "mover"}}});
+    apply(&c, &pool("movable", &[(20600, 20609)], racks(["r2", "r3"])));
+    create_labelled(&c, "mover", 0, json!({}));
+    let np = wait_allocated_in(&c, "mover", (20600, 20609));
+    c.wait_served(1, np, CHANGE);
+    c.wait_served(2, np, CHANGE);
+    stays_refused(&c, 0, np);
+    c.wait_ingress_nodes("mover", &[1, 2], CHANGE);
+    let kept =
+        ClientLoop::http(&c.client, node_v4(1).into(), np, Duration::from_millis(20), Duration::from_secs(2));
+    std::thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    edit(&c, &pool("movable", &[(20600, 20609)], racks(["r1", "r2"])));
+    c.wait_served(0, np, CHANGE);
+    eprintln!("pool nodeSelector edit → served on the newly selected node: {:?}", started.elapsed());
+    wait_refused(&c, 2, np);
+    c.wait_ingress_nodes("mover", &[0, 1], CHANGE);
+    std::thread::sleep(Duration::from_millis(500));
+    let results = kept.stop();
+    let failed: Vec<_> = results.iter().enumerate().filter(|(_, r)| r.is_err()).collect();
+    assert!(results.len() >= 10, "only {} requests to the kept node", results.len());
+    assert!(
+        failed.is_empty(),
+        "{} of {} requests to node-2 failed during the move: {:?}",
+        failed.len(),
+        results.len(),
+        &failed[..failed.len().min(5)]
+    );
+    eprintln!("node-2 during the move: {} requests, 0 failed", results.len());
+    assert_eq!(c.allocated("mover").unwrap()["80/TCP"], np, "a nodeSelector edit does not move the port");
+}
+
+/// A `NodePortReallocated` Event the API refuses (Event writes 403 for a while: the ClusterRole
+/// loses events.k8s.io) is recorded once it can be, although the next rounds no longer see the
+/// move (the annotation was written), and only once.
+#[test]
+fn a_refused_reallocation_event_is_retried_until_recorded_once() {
+    require_root!();
+    let c = Cluster::new(1);
+    apply(&c, &pool("p", &[(20700, 20709)], json!({})));
+    create_labelled(&c, "web", 0, json!({}));
+    let np = wait_allocated_in(&c, "web", (20700, 20709));
+    let ok = wait_until(CHANGE, || !c.events("web", "NodePortsAllocated").is_empty());
+    assert!(ok, "no NodePortsAllocated Event");
+
+    c.revoke("events.k8s.io", "events");
+    let refused = |c: &Cluster| {
+        let reqs = c.api.agent_requests();
+        reqs.iter().filter(|r| r.resource == "events" && r.verb == "create" && r.status == 403).count()
+    };
+    let before = refused(&c);
+    apply(&c, &pool("p", &[(20750, 20759)], json!({})));
+    let moved = wait_allocated_in(&c, "web", (20750, 20759));
+    let ok = wait_until(CHANGE, || refused(&c) > before);
+    assert!(ok, "the Event write was not refused");
+    // Rounds after the annotation was written (every 2 s) no longer compute the move.
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(c.events("web", "NodePortReallocated").is_empty(), "recorded although refused");
+
+    c.restore_rbac();
+    let ok = wait_until(CHANGE, || !c.events("web", "NodePortReallocated").is_empty());
+    assert!(ok, "the NodePortReallocated Event was lost");
+    std::thread::sleep(Duration::from_secs(3));
+    let events = c.events("web", "NodePortReallocated");
+    assert_eq!(events.len(), 1, "{events:#?}");
+    let note = events[0]["note"].as_str().unwrap_or_default();
+    assert!(note.contains(&format!("{np} → {moved}")), "{note}");
+    assert!(events[0]["series"].is_null(), "sent more than once: {:#}", events[0]);
 }

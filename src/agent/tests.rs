@@ -9,6 +9,7 @@ use super::*;
 use crate::apply::kernel_fake::{Batch, Failing, FakeKernel, FakeNode};
 use crate::counters::CounterKind;
 use crate::ir::{Carried, Change, KeyPart, Ruleset, SetKind};
+use crate::observe::source::ManifestPools;
 use crate::port_policy::{PortPolicy, PortRange};
 use crate::serve::status::Status;
 
@@ -86,7 +87,8 @@ impl Harness {
             xtables_lockfile: dir.path().join("xtables.lock"),
             bridges: BridgeReader::with_roots(dir.path().join("sys"), dir.path().join("proc-sys")),
         };
-        let source = Source::manifests(manifests).expect("watch the manifests");
+        let pools = ManifestPools { node_labels: Default::default(), port_range: range };
+        let source = Source::manifests(manifests, pools).expect("watch the manifests");
         let status: SharedStatus = Arc::new(RwLock::new(Status::default()));
         let metrics = Arc::new(Metrics::new(true).expect("metrics"));
         let state = cfg.state_file.clone().map(StateFile::new);

@@ -34,7 +34,7 @@ use crate::serve::status::SharedStatus;
 
 use super::claims;
 use super::dupes;
-use super::events::Deduper;
+use super::events::{Deduper, Outbox};
 use super::lastgood::LastGoodServices;
 use super::leader::{self, Decision, LeaseRecord, Observed};
 use super::nodes::{self, ANNOTATION_FAMILIES, LABEL_NODE_LEASE};
@@ -508,6 +508,7 @@ async fn allocate_loop(
 ) {
     let mut state = LeaderState::new(&cfg.node_name);
     let mut deduper: Deduper<ServiceKey> = Deduper::default();
+    let mut outbox: Outbox<ServiceKey, publish::ServiceEvent> = Outbox::default();
     let mut was_leader = false;
     loop {
         tokio::select! {
@@ -531,7 +532,8 @@ async fn allocate_loop(
         }
         let mut again = true;
         while again && leadership.get() {
-            again = round(&client, &source, &cfg, &mut state, &mut deduper, &recorder, &metrics).await;
+            let events = Events { deduper: &mut deduper, outbox: &mut outbox, recorder: &recorder };
+            again = round(&client, &source, &cfg, &mut state, events, &metrics).await;
             if again {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
@@ -655,6 +657,9 @@ pub fn plan_round(
     };
     let pool_nodes = assignment.as_ref().map(|a| super::pools::selected_nodes(&pool_ctx, a, &snap.nodes));
     let pool_nodes = super::pools::narrow_by_servicelb(&pool_ctx, &snap.services, &snap.nodes, pool_nodes);
+    let pool_addresses = assignment
+        .as_ref()
+        .map(|a| super::pools::published_addresses(&pool_ctx, a, &snap.nodes, &cfg.node_addresses));
     let constraints = alloc::Constraints {
         policy: Some(&cfg.policy.ports),
         in_use: Some(&in_use),
@@ -680,6 +685,7 @@ pub fn plan_round(
         listening: &in_use,
         serving: &serving,
         pool_nodes: pool_nodes.as_ref(),
+        pool_addresses: pool_addresses.as_ref(),
         now,
     };
     let mut writes = publish::plan_writes(&round);
@@ -808,14 +814,21 @@ pub async fn leader_round(
     (stale, std::mem::take(&mut plan.events))
 }
 
+/// How the leader records Service Events: state Events once per change ([`Deduper`]),
+/// transitions until sent ([`Outbox`]).
+struct Events<'a> {
+    deduper: &'a mut Deduper<ServiceKey>,
+    outbox: &'a mut Outbox<ServiceKey, publish::ServiceEvent>,
+    recorder: &'a Recorder,
+}
+
 /// One allocation + status round; `true` when a write met a stale resourceVersion.
 async fn round(
     client: &Client,
     source: &KubeSource,
     cfg: &ControllerConfig,
     state: &mut LeaderState,
-    deduper: &mut Deduper<ServiceKey>,
-    recorder: &Recorder,
+    ev: Events<'_>,
     metrics: &Metrics,
 ) -> bool {
     let started = Instant::now();
@@ -835,11 +848,23 @@ async fn round(
     .await;
     debug!(ms = started.elapsed().as_secs_f64() * 1e3, "allocation round");
     let key = |e: &publish::ServiceEvent| (e.service.clone(), e.reason, e.message.clone());
-    for e in deduper.pending(&events, key) {
-        let Some(svc) = snap.services.iter().find(|s| model::service_key(s) == e.service) else { continue };
+    let mut sending: Vec<publish::ServiceEvent> = Vec::new();
+    for e in ev.deduper.pending(&events, key) {
+        match publish::ONE_TIME_REASONS.contains(&e.reason) {
+            true => ev.outbox.add(key(e), e.clone()),
+            false => sending.push(e.clone()),
+        }
+    }
+    let services: BTreeMap<ServiceKey, &Arc<Service>> =
+        snap.services.iter().map(|s| (model::service_key(s), s)).collect();
+    ev.outbox.retain_objects(|k| services.contains_key(k));
+    sending.extend(ev.outbox.waiting().map(|(_, e)| e.clone()));
+    for e in &sending {
+        let Some(svc) = services.get(&e.service) else { continue };
         // Recorded only once sent: an Event the API refused is tried again next round.
-        if publish_event(recorder, metrics, &svc.object_ref(&()), e.warning, e.reason, &e.message).await {
-            deduper.sent(key(e));
+        if publish_event(ev.recorder, metrics, &svc.object_ref(&()), e.warning, e.reason, &e.message).await {
+            ev.deduper.sent(key(e));
+            ev.outbox.sent(&key(e));
         }
     }
     stale

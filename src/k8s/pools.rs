@@ -16,7 +16,7 @@ use tracing::debug;
 use crate::alloc::Allocations;
 use crate::domain::ServiceKey;
 use crate::pool::{
-    Assignment, InvalidPool, LastValid, NodePortPool, PoolContext, PoolObject, PoolSet, StatusInput,
+    Assignment, ContextInput, InvalidPool, LastValid, NodePortPool, PoolContext, PoolObject, StatusInput,
 };
 use crate::port_policy::PortRange;
 
@@ -34,34 +34,21 @@ pub fn context(
     servicelb: bool,
 ) -> (PoolContext, Vec<InvalidPool>) {
     let objects: Vec<PoolObject> = snap.pools.iter().map(|p| PoolObject::from_resource(p)).collect();
-    let (pools, invalid) = last_valid.update(&objects);
     let labels = |n: &Node| n.metadata.labels.clone().unwrap_or_default();
     let node_labels: Vec<BTreeMap<String, String>> = snap.nodes.iter().map(|n| labels(n)).collect();
     let refs: Vec<&BTreeMap<String, String>> = node_labels.iter().collect();
-    let set = PoolSet::resolve(pools, !objects.is_empty(), flag_range, &refs);
-    let servicelb = crate::servicelb::in_force(servicelb, refs.iter().copied());
-    // Only what a pool in force looks at is part of the context (and so of the agent's input
-    // fingerprint): without pools a new Namespace or a relabelled Node recomputes nothing.
-    let namespaces = if set.pools.iter().any(|p| !p.pool.namespaces.is_everything()) {
+    let own = snap.nodes.iter().position(|n| n.metadata.name.as_deref() == Some(node)).map(|i| refs[i]);
+    let namespaces = || {
         snap.namespaces
             .iter()
             .filter_map(|ns| {
                 Some((ns.metadata.name.clone()?, ns.metadata.labels.clone().unwrap_or_default()))
             })
             .collect()
-    } else {
-        BTreeMap::new()
     };
-    let own = if servicelb || set.pools.iter().any(|p| !p.pool.nodes.is_everything()) {
-        snap.nodes
-            .iter()
-            .find(|n| n.metadata.name.as_deref() == Some(node))
-            .map(|n| labels(n))
-            .unwrap_or_default()
-    } else {
-        BTreeMap::new()
-    };
-    (PoolContext { set, namespaces, node_labels: own, servicelb }, invalid)
+    let input =
+        ContextInput { objects: &objects, flag_range, nodes: &refs, own, namespaces: &namespaces, servicelb };
+    crate::pool::context(last_valid, &input)
 }
 
 /// Per Service whose pool restricts nodes (`nodeSelector`), the names of the Nodes it selects.
@@ -84,6 +71,33 @@ pub fn selected_nodes<N: std::borrow::Borrow<Node>>(
             .filter_map(|m| m.name.clone())
             .collect();
         out.insert(key.clone(), names);
+    }
+    out
+}
+
+/// Per Service whose pool restricts node addresses (`addresses`), per Node, the addresses its
+/// status lists ([`crate::k8s::nodes::pool_addresses`]; `allowed`: `--node-addresses`).
+pub fn published_addresses<N: std::borrow::Borrow<Node>>(
+    ctx: &PoolContext,
+    assignment: &Assignment,
+    nodes: &[N],
+    allowed: &[ipnet::IpNet],
+) -> BTreeMap<ServiceKey, BTreeMap<String, Vec<std::net::IpAddr>>> {
+    let mut out = BTreeMap::new();
+    for (key, ranges) in &assignment.ranges {
+        let Some(pool) = ctx.set.get(&ranges.pool) else { continue };
+        if pool.pool.addresses.is_everything() {
+            continue;
+        }
+        let per_node = nodes
+            .iter()
+            .map(|n| n.borrow())
+            .filter_map(|n| {
+                let name = n.metadata.name.clone()?;
+                Some((name, crate::k8s::nodes::pool_addresses(n, &pool.pool.addresses, allowed)))
+            })
+            .collect();
+        out.insert(key.clone(), per_node);
     }
     out
 }
@@ -150,6 +164,11 @@ pub async fn write_statuses(client: &Client, round: &StatusRound<'_>) -> Result<
                 .nodes
                 .iter()
                 .filter(|n| r.pool.nodes.matches(n.metadata.labels.as_ref().unwrap_or(&empty)))
+                // With `addresses`: only nodes whose Node object has an address the pool selects.
+                .filter(|n| {
+                    r.pool.addresses.is_everything()
+                        || !crate::k8s::nodes::pool_addresses(n, &r.pool.addresses, &[]).is_empty()
+                })
                 .filter_map(|n| n.metadata.name.clone())
                 .filter(|n| round.serving.contains_key(n))
                 .collect(),
@@ -188,6 +207,7 @@ pub async fn write_statuses(client: &Client, round: &StatusRound<'_>) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pool::PoolSet;
     use crate::servicelb::{LABEL_ENABLELB, LABEL_LBPOOL};
 
     fn node(name: &str, labels: &[(&str, &str)]) -> Node {

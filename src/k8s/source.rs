@@ -205,9 +205,14 @@ impl KubeSource {
         self.nodes.get(&reflector::ObjectRef::new(name))
     }
 
-    /// Every address of every cached Node ([`super::nodes::cluster_node_addresses`]).
-    pub fn node_addresses(&self) -> crate::endpoint_policy::HostAddresses {
-        super::nodes::cluster_node_addresses(&self.nodes.state())
+    /// Every address of every cached Node ([`super::nodes::cluster_node_addresses`]), and the
+    /// typed addresses of `own`'s Node object ([`super::nodes::address_types`]).
+    pub fn node_addresses(&self, own: &str) -> crate::endpoint_policy::HostAddresses {
+        let mut out = super::nodes::cluster_node_addresses(&self.nodes.state());
+        if let Some(node) = self.node(own) {
+            out.own.types = super::nodes::address_types(&node);
+        }
+        out
     }
 
     pub fn snapshot(&self) -> KubeSnapshot {

@@ -1,7 +1,8 @@
 //! This node's addresses, read from the kernel of the agent's network namespace (`getifaddrs`:
 //! one netlink dump of every interface address, no privilege needed). Feeds the endpoint policy
 //! ([`crate::endpoint_policy`]): a node's own address, and the directed broadcast address of each
-//! of its interfaces, is not a DNAT target.
+//! of its interfaces, is not a DNAT target; and node port pools' `addresses` (which interface
+//! each address is on).
 
 use std::net::IpAddr;
 
@@ -28,6 +29,7 @@ pub fn read() -> Result<HostAddresses, HostAddrError> {
     for ifa in nix::ifaddrs::getifaddrs()? {
         if let Some(addr) = ifa.address.as_ref().and_then(ip_of) {
             out.add(addr, format!("this node ({})", ifa.interface_name));
+            out.own.interfaces.entry(addr).or_default().insert(ifa.interface_name.clone());
         }
         if ifa.flags.contains(nix::net::if_::InterfaceFlags::IFF_BROADCAST)
             && let Some(b) = ifa.broadcast.as_ref().and_then(ip_of)
@@ -37,7 +39,7 @@ pub fn read() -> Result<HostAddresses, HostAddrError> {
     }
     // An address added without a broadcast (`ip addr add 192.0.2.1/24 dev x`) is reported with
     // itself in the broadcast field: that is a node address, not a broadcast one.
-    let HostAddresses { nodes, broadcasts } = &mut out;
+    let HostAddresses { nodes, broadcasts, .. } = &mut out;
     broadcasts.retain(|b| !nodes.contains_key(b));
     Ok(out)
 }

@@ -165,6 +165,8 @@ mod tests {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
     use serde_json::Value;
 
+    use std::collections::BTreeMap;
+
     use super::fixtures::{SLICE, SVC, dir_with};
     use super::*;
     use crate::domain::ServiceKey;
@@ -321,6 +323,80 @@ mod tests {
         assert_eq!(msgs.len(), 2, "{msgs:?}");
         assert!(msgs[0].contains("k.json document 1 (line 4)"), "{}", msgs[0]);
         assert!(msgs[1].contains("l.yml document 1: items[2]: invalid Service"), "{}", msgs[1]);
+    }
+
+    /// NodePortPools in DIR: parsed (YAML, JSON, in a List), cluster-scoped, a document that
+    /// does not parse is its file's problem (the file's last good version serves), and the
+    /// pool decisions are those of Kubernetes mode against `--node-labels`: an invalid pool
+    /// names its file, object and value and its last valid version stays in force.
+    #[test]
+    fn pools_in_the_directory_go_through_the_pool_decisions() {
+        use crate::pool::LastValid;
+        use crate::port_policy::PortRange;
+        const EDGE: &str = "apiVersion: nodelb.io/v1alpha1\nkind: NodePortPool\nmetadata:\n  name: edge\n  namespace: ignored\nspec:\n  ports: [{start: 21000, end: 21009}]\n  nodeSelector: {matchLabels: {zone: a}}\n";
+        let list = r#"{"apiVersion":"v1","kind":"List","items":[{"apiVersion":"nodelb.io/v1alpha1","kind":"NodePortPool","metadata":{"name":"any"},"spec":{"ports":[{"start":22000,"end":22000}],"priority":5}}]}"#;
+        let dir = dir_with(&[("edge.yaml", EDGE), ("list.json", list), ("web.yaml", SVC)]);
+        let flags = PortRange { first: 20000, last: 29999 };
+        let zone = |z: &str| BTreeMap::from([("zone".to_string(), z.to_string())]);
+        let mut last_good = LastGood::default();
+        let mut last_valid = LastValid::default();
+        let mut read = |labels: &BTreeMap<String, String>, last_valid: &mut LastValid| {
+            let m = last_good.apply(load_dir(dir.path()).expect("load"));
+            let (ctx, problems) = crate::manifests::pool_context(&m, last_valid, flags, labels, true);
+            let mut all: Vec<String> = m.problems.iter().map(ToString::to_string).collect();
+            all.extend(problems);
+            (m, ctx, all)
+        };
+
+        let (m, ctx, problems) = read(&zone("a"), &mut last_valid);
+        assert!(problems.is_empty(), "{problems:?}");
+        let names: Vec<_> = m.pools.iter().map(|p| p.metadata.name.clone().unwrap()).collect();
+        assert_eq!(names, ["edge", "any"]);
+        assert!(m.pools.iter().all(|p| p.metadata.namespace.is_none()), "cluster-scoped");
+        assert!(!ctx.set.implicit);
+        assert_eq!(ctx.node_labels, zone("a"), "this node's labels, for nodeSelector");
+        assert_eq!(ctx.set.get("edge").unwrap().effective, vec![PortRange { first: 21000, last: 21009 }]);
+
+        // Invalid for nodelb (the schema would allow it): named with file, object and value; the
+        // last valid version stays in force.
+        let bad = EDGE.replace(
+            "matchLabels: {zone: a}",
+            "matchExpressions: [{key: zone, operator: Gt, values: [\"1\"]}]",
+        );
+        fs::write(dir.path().join("edge.yaml"), bad).unwrap();
+        let (_, ctx, problems) = read(&zone("a"), &mut last_valid);
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(
+            problems[0].contains(
+                "edge.yaml: NodePortPool edge: spec.nodeSelector: expression on \"zone\": operator \"Gt\""
+            ),
+            "{}",
+            problems[0]
+        );
+        assert!(ctx.set.get("edge").is_some(), "last valid version in force");
+        // A read from scratch (a restart, `nodelb plan`) has no last valid version: not used.
+        let (_, ctx, _) = read(&zone("a"), &mut LastValid::default());
+        assert!(ctx.set.get("edge").is_none());
+
+        // A document that does not parse as a pool: its file's problem, last good content kept.
+        fs::write(dir.path().join("edge.yaml"), EDGE.replace("start: 21000", "start: many")).unwrap();
+        let (m, ctx, problems) = read(&zone("b"), &mut last_valid);
+        assert!(
+            problems.iter().any(|p| p.contains("edge.yaml document 1") && p.contains("invalid NodePortPool")),
+            "{problems:?}"
+        );
+        assert!(m.pools.iter().any(|p| p.metadata.name.as_deref() == Some("edge")), "last good edge.yaml");
+        assert_eq!(ctx.node_labels, zone("b"));
+
+        // Duplicate pool names across files: the first wins.
+        fs::write(dir.path().join("edge.yaml"), EDGE).unwrap();
+        fs::write(dir.path().join("zz.yaml"), EDGE).unwrap();
+        let (m, _, problems) = read(&zone("a"), &mut last_valid);
+        assert_eq!(m.pools.len(), 2);
+        assert!(
+            problems.iter().any(|p| p.contains("zz.yaml") && p.contains("duplicate NodePortPool \"edge\"")),
+            "{problems:?}"
+        );
     }
 
     #[test]

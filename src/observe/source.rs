@@ -35,6 +35,15 @@ pub struct Snapshot {
     pub pools: Option<Box<PoolContext>>,
 }
 
+/// Manifests mode's pool facts that come from flags: there is no Node object.
+#[derive(Debug, Clone)]
+pub struct ManifestPools {
+    /// `--node-labels`: what pools' `nodeSelector`s match.
+    pub node_labels: std::collections::BTreeMap<String, String>,
+    /// `--port-range`: the implicit pool while the directory holds no pool object.
+    pub port_range: PortRange,
+}
+
 /// What [`Source::snapshot`] found.
 #[derive(Debug)]
 pub enum Loaded {
@@ -52,6 +61,8 @@ pub enum Source {
         last_good: LastGood,
         cache: ManifestCache,
         ignored: IgnoredLog,
+        pools: ManifestPools,
+        pools_last_valid: LastValid,
     },
     Kube {
         source: KubeSource,
@@ -65,7 +76,7 @@ pub enum Source {
 
 impl Source {
     /// Watches DIR (the watch starts before the first read, so no change is lost).
-    pub fn manifests(dir: PathBuf) -> Result<Source, WatchError> {
+    pub fn manifests(dir: PathBuf, pools: ManifestPools) -> Result<Source, WatchError> {
         let watcher = DirWatcher::new(&dir)?;
         Ok(Source::Manifests {
             dir,
@@ -73,6 +84,8 @@ impl Source {
             last_good: LastGood::default(),
             cache: ManifestCache::default(),
             ignored: IgnoredLog::default(),
+            pools,
+            pools_last_valid: LastValid::default(),
         })
     }
 
@@ -106,7 +119,7 @@ impl Source {
     /// the kernel as it is).
     pub fn snapshot(&mut self, opts: &ModelOptions, known: Option<u64>) -> Result<Loaded, ManifestError> {
         match self {
-            Source::Manifests { dir, last_good, cache, ignored, .. } => {
+            Source::Manifests { dir, last_good, cache, ignored, pools, pools_last_valid, .. } => {
                 // Only files whose stamp changed are parsed again.
                 cache.refresh(dir)?;
                 let fingerprint = cache.fingerprint();
@@ -117,8 +130,17 @@ impl Source {
                 // Not a problem (manifests often hold a whole app), but say so once, so a
                 // misspelled `kind: Service` does not vanish silently.
                 for o in ignored.newly_ignored(&loaded.ignored) {
-                    tracing::info!("{o}: nodelb uses only v1 Service and discovery.k8s.io/v1 EndpointSlice");
+                    tracing::info!(
+                        "{o}: nodelb uses only v1 Service, discovery.k8s.io/v1 EndpointSlice and nodelb.io/v1alpha1 NodePortPool"
+                    );
                 }
+                let (ctx, pool_problems) = crate::manifests::pool_context(
+                    &loaded,
+                    pools_last_valid,
+                    pools.port_range,
+                    &pools.node_labels,
+                    opts.servicelb_labels,
+                );
                 let refused = loaded
                     .invalid_services
                     .iter()
@@ -127,10 +149,10 @@ impl Source {
                 Ok(Loaded::Snapshot(Snapshot {
                     services: loaded.services,
                     slices: loaded.slices,
-                    problems: loaded.problems.iter().map(|p| p.to_string()).collect(),
+                    problems: loaded.problems.iter().map(|p| p.to_string()).chain(pool_problems).collect(),
                     notes: SourceNotes { refused, stale: loaded.stale },
                     fingerprint: Some(fingerprint),
-                    pools: None,
+                    pools: Some(Box::new(ctx)),
                 }))
             }
             Source::Kube { source, last_good, node, port_range, pools_last_valid } => {
@@ -176,12 +198,13 @@ impl Source {
         }
     }
 
-    /// Addresses of the cluster's nodes (Kubernetes mode: every Node object's), which endpoints
-    /// must not be; manifests mode knows none beyond this node's own.
+    /// Addresses of the cluster's nodes (Kubernetes mode: every Node object's, which endpoints
+    /// must not be, and this node's own by type, which pools select); manifests mode knows none
+    /// beyond this node's own.
     pub fn node_addresses(&self) -> crate::endpoint_policy::HostAddresses {
         match self {
             Source::Manifests { .. } => Default::default(),
-            Source::Kube { source, .. } => source.node_addresses(),
+            Source::Kube { source, node, .. } => source.node_addresses(node),
         }
     }
 
@@ -219,7 +242,8 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::write(dir.path().join("a.yaml"), SVC).unwrap();
         std::fs::write(dir.path().join("b.yaml"), SVC.replace("name: web", "name: db")).unwrap();
-        let mut source = Source::manifests(dir.path().to_path_buf()).expect("watch");
+        let pools = ManifestPools { node_labels: Default::default(), port_range: PortRange::default() };
+        let mut source = Source::manifests(dir.path().to_path_buf(), pools).expect("watch");
         let first = snapshot(&mut source, None);
         let fp = first.fingerprint.expect("manifests have a fingerprint");
         assert!(matches!(source.snapshot(&ModelOptions::default(), Some(fp)), Ok(Loaded::Unchanged)));

@@ -31,6 +31,7 @@ pub struct Metrics {
     pub endpoints: IntGauge,
     pub allocations: IntGauge,
     pub free_ports: IntGauge,
+    pub pool_ports: IntGaugeVec,
     pub sync_duration: HistogramVec,
     pub last_success: Gauge,
     pub syncs: IntCounterVec,
@@ -157,6 +158,13 @@ impl Metrics {
             "Node port numbers allocated to Services (all ranges).",
         )?;
         let free_ports = IntGauge::new("nodelb_port_range_free", "Node ports still free in --port-range.")?;
+        let pool_ports = IntGaugeVec::new(
+            Opts::new(
+                "nodelb_pool_ports",
+                "Node port numbers of each NodePortPool in force: allocated (held by its Services) and free (left in its ranges for new allocations; none while draining).",
+            ),
+            &["pool", "state"],
+        )?;
         let sync_duration = HistogramVec::new(
             HistogramOpts::new(
                 "nodelb_sync_duration_seconds",
@@ -266,6 +274,7 @@ impl Metrics {
         registry.register(Box::new(endpoints.clone()))?;
         registry.register(Box::new(allocations.clone()))?;
         registry.register(Box::new(free_ports.clone()))?;
+        registry.register(Box::new(pool_ports.clone()))?;
         registry.register(Box::new(sync_duration.clone()))?;
         registry.register(Box::new(last_success.clone()))?;
         registry.register(Box::new(syncs.clone()))?;
@@ -316,6 +325,7 @@ impl Metrics {
             endpoints,
             allocations,
             free_ports,
+            pool_ports,
             sync_duration,
             last_success,
             syncs,

@@ -536,6 +536,19 @@ impl Cluster {
         planned_listing(&self.plan(i))
     }
 
+    /// Waits until [`Cluster::planned_listing`] of node `i` equals its table (canonical forms);
+    /// returns the plan, panicking with both when they still differ after `timeout`.
+    pub fn wait_plan_is_table(&self, i: usize, timeout: Duration) -> String {
+        let mut last = (String::new(), String::new());
+        let same = wait_until(timeout, || {
+            last =
+                (self.planned_listing(i), super::agent::canonical_ruleset(&self.nft(i).unwrap_or_default()));
+            last.0 == last.1
+        });
+        assert!(same, "node-{}: plan and table differ:\nplan:\n{}\ntable:\n{}", i + 1, last.0, last.1);
+        last.0
+    }
+
     /// Sum of every sample of metric `name` (all label sets) on node `i`'s `/metrics`.
     pub fn metric_sum(&self, i: usize, name: &str) -> f64 {
         let r = self.agents[i].http("/metrics").unwrap_or_else(|e| panic!("node-{} /metrics: {e:?}", i + 1));

@@ -69,7 +69,10 @@ fn plural(kind: &str) -> String {
 
 /// Kinds the tests use that are not namespaced.
 fn cluster_scoped(kind: &str) -> bool {
-    matches!(kind, "Namespace" | "Node" | "ClusterRole" | "ClusterRoleBinding" | "ServiceCIDR")
+    matches!(
+        kind,
+        "Namespace" | "Node" | "ClusterRole" | "ClusterRoleBinding" | "ServiceCIDR" | "NodePortPool"
+    )
 }
 
 /// One request in the audit log (the last stage seen of its audit ID).
@@ -515,6 +518,38 @@ impl ControlPlane {
             Err(kube::Error::Api(e)) if e.code == 404 => self.create(obj),
             r => r.map(|o| serde_json::to_value(o).unwrap()),
         }
+    }
+
+    /// Replaces the `spec` of `obj` (apiVersion, kind, metadata.name, namespace or "default") with
+    /// a JSON merge patch computed against the stored object (fields gone become null), as
+    /// `kubectl apply` of an edited object does: custom resources refuse a replace without a
+    /// resourceVersion, and their status writers keep changing it.
+    pub fn replace_spec(&self, obj: &Value) -> Result<Value, kube::Error> {
+        /// The merge patch turning `from` into `to`.
+        fn diff(from: &Value, to: &Value) -> Value {
+            match (from, to) {
+                (Value::Object(f), Value::Object(t)) => {
+                    let mut out = serde_json::Map::new();
+                    for k in f.keys().filter(|k| !t.contains_key(*k)) {
+                        out.insert(k.clone(), Value::Null);
+                    }
+                    for (k, v) in t {
+                        out.insert(k.clone(), f.get(k).map_or_else(|| v.clone(), |old| diff(old, v)));
+                    }
+                    Value::Object(out)
+                }
+                _ => to.clone(),
+            }
+        }
+        let (av, kind, ns, name) = Self::target(obj);
+        let current = self.get(&av, &kind, ns.as_deref().unwrap_or_default(), &name).unwrap_or_default();
+        let patch = serde_json::json!({"spec": diff(&current["spec"], &obj["spec"])});
+        let api = self.dynamic(&av, &kind, ns.as_deref());
+        self.call(|| {
+            let (api, name, patch) = (api.clone(), name.clone(), patch.clone());
+            async move { api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await }
+        })
+        .map(|o| serde_json::to_value(o).unwrap())
     }
 
     /// JSON merge patch of `status` (the status subresource), as a kubelet or controller writes it.

@@ -10,6 +10,8 @@ use nodelb::plan::{self, NodeFacts, ServicePlan};
 pub const NODE: &str = "node-1";
 pub const NODE_V4: &str = "203.0.113.1";
 pub const NODE_V6: &str = "2001:db8:1::1";
+/// A second IPv4 address of the node (another interface).
+pub const SECOND_V4: &str = "192.0.2.1";
 
 pub fn ep(addr: &str, port: u16, node: &str, ready: bool) -> Endpoint {
     Endpoint {
@@ -52,6 +54,8 @@ pub struct Scenario {
     pub name: &'static str,
     pub services: Vec<(LbService, BTreeMap<PortId, u16>)>,
     pub node: NodeFacts,
+    /// Services whose node port pool restricts node addresses: the addresses serving them.
+    pub addresses: BTreeMap<ServiceKey, BTreeSet<std::net::IpAddr>>,
 }
 
 pub fn ports(svc: &LbService, first: u16) -> BTreeMap<PortId, u16> {
@@ -96,21 +100,51 @@ pub fn scenarios() -> Vec<Scenario> {
     sticky.families = vec![Family::Ipv4, Family::Ipv6];
     sticky.session_affinity = Some(600);
     let all = [Family::Ipv4, Family::Ipv6];
+    // A pool restricted to one IPv4 node address (SECOND_V4): a dual-stack Service is served
+    // there only (not on NODE_V4, not over IPv6), next to an unrestricted one.
+    let mut edge = svc(
+        "edge",
+        vec![
+            (443, Protocol::Tcp, [two_backends(), vec![ep("2001:db8:2::11", 8080, NODE, true)]].concat()),
+            (53, Protocol::Udp, vec![ep("198.51.100.13", 53, NODE, false)]),
+        ],
+    );
+    edge.families = vec![Family::Ipv4, Family::Ipv6];
+    let second: std::net::IpAddr = SECOND_V4.parse().unwrap();
     vec![
-        Scenario { name: "empty", services: vec![], node: node(&all) },
-        Scenario { name: "web", services: vec![(web.clone(), ports(&web, 20001))], node: node(&all) },
-        Scenario { name: "local", services: vec![(local.clone(), ports(&local, 20002))], node: node(&all) },
         Scenario {
+            name: "pool_addresses",
+            services: vec![(web.clone(), ports(&web, 20001)), (edge.clone(), ports(&edge, 20010))],
+            node: node(&all),
+            addresses: BTreeMap::from([(edge.key.clone(), BTreeSet::from([second]))]),
+        },
+        Scenario { addresses: BTreeMap::new(), name: "empty", services: vec![], node: node(&all) },
+        Scenario {
+            addresses: BTreeMap::new(),
+            name: "web",
+            services: vec![(web.clone(), ports(&web, 20001))],
+            node: node(&all),
+        },
+        Scenario {
+            addresses: BTreeMap::new(),
+            name: "local",
+            services: vec![(local.clone(), ports(&local, 20002))],
+            node: node(&all),
+        },
+        Scenario {
+            addresses: BTreeMap::new(),
             name: "ranged",
             services: vec![(ranged.clone(), ports(&ranged, 20003))],
             node: node(&all),
         },
         Scenario {
+            addresses: BTreeMap::new(),
             name: "no_endpoints",
             services: vec![(empty.clone(), ports(&empty, 20004))],
             node: node(&all),
         },
         Scenario {
+            addresses: BTreeMap::new(),
             name: "dns",
             services: vec![(
                 dns.clone(),
@@ -119,26 +153,31 @@ pub fn scenarios() -> Vec<Scenario> {
             node: node(&all),
         },
         Scenario {
+            addresses: BTreeMap::new(),
             name: "dual_stack",
             services: vec![(dual.clone(), ports(&dual, 20006))],
             node: node(&all),
         },
         Scenario {
+            addresses: BTreeMap::new(),
             name: "dual_stack_v4_forwarding_off",
             services: vec![(dual.clone(), ports(&dual, 20006))],
             node: node(&[Family::Ipv6]),
         },
         Scenario {
+            addresses: BTreeMap::new(),
             name: "web_iptables_forward_accept",
             services: vec![(web.clone(), ports(&web, 20001))],
             node: NodeFacts { forward_mark: Some(0x2000), ..node(&all) },
         },
         Scenario {
+            addresses: BTreeMap::new(),
             name: "affinity",
             services: vec![(sticky.clone(), ports(&sticky, 20008))],
             node: node(&all),
         },
         Scenario {
+            addresses: BTreeMap::new(),
             name: "mixed",
             services: vec![
                 (web.clone(), ports(&web, 20001)),
@@ -154,7 +193,7 @@ pub fn scenarios() -> Vec<Scenario> {
 pub fn plan_of(s: &Scenario) -> Ruleset {
     let plans: Vec<ServicePlan<'_>> =
         s.services.iter().map(|(svc, p)| ServicePlan { service: svc, node_ports: p }).collect();
-    plan::plan(&plans, &s.node)
+    plan::plan_with(&plans, &s.node, &s.addresses)
 }
 
 /// The benchmarks' scale ruleset: `n` Services `s<i>`, one TCP port each, `endpoints` endpoints at

@@ -390,6 +390,25 @@ pub fn allocate_with(
     result
 }
 
+/// Ports whose node port changed from `previous` to `next` (a number no longer valid for its
+/// Service, e.g. outside its pool's ranges now): `(service, port, old, new)`. A port that lost its
+/// number is not a move (that is an allocation problem, reported as such). Manifests mode logs
+/// these; in Kubernetes mode the leader records `NodePortReallocated`.
+pub fn moved<'a>(
+    previous: &'a Allocations,
+    next: &'a Allocations,
+) -> Vec<(&'a ServiceKey, PortId, u16, u16)> {
+    next.iter()
+        .filter_map(|(key, ports)| Some((key, ports, previous.get(key)?)))
+        .flat_map(|(key, ports, old)| {
+            ports.iter().filter_map(move |(id, n)| {
+                let was = *old.get(id)?;
+                (was != *n).then_some((key, *id, was, *n))
+            })
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -946,5 +965,23 @@ mod tests {
                 "Service default/drain-new: port 80/TCP: no free node port left in pool d (disabled, or all its ranges are another pool's)",
             ]
         );
+    }
+
+    #[test]
+    fn moved_ports_are_the_numbers_that_changed() {
+        let key = |n: &str| ServiceKey::new("default", n);
+        let port = |p: u16| PortId { port: p, protocol: crate::domain::Protocol::Tcp };
+        let map = |e: &[(&str, u16, u16)]| {
+            let mut m = Allocations::new();
+            for (n, p, np) in e {
+                m.entry(key(n)).or_default().insert(port(*p), *np);
+            }
+            m
+        };
+        let before = map(&[("web", 80, 20001), ("web", 443, 20002), ("dns", 53, 20003), ("gone", 1, 20004)]);
+        let after = map(&[("web", 80, 21001), ("web", 443, 20002), ("new", 8, 20005), ("dns", 54, 20003)]);
+        let got: Vec<_> =
+            moved(&before, &after).into_iter().map(|(k, id, a, b)| (k.name.clone(), id.port, a, b)).collect();
+        assert_eq!(got, [("web".to_string(), 80, 20001, 21001)]);
     }
 }

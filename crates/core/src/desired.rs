@@ -192,11 +192,20 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     // process here listens on it): the allocation stays, the port is not programmed here.
     let mut refused_ports = Vec::new();
     let mut programmed = allocations.clone();
+    let mut restricted: BTreeMap<ServiceKey, BTreeSet<std::net::IpAddr>> = BTreeMap::new();
     let servicelb = inputs.pools.map(|c| servicelb_refusals(c, inputs.services)).unwrap_or_default();
     for (key, ports) in programmed.iter_mut() {
         let pool_policy = match (servicelb.get(key), pools, &assignment) {
             (Some(why), _, _) => Some(Err(PortRefusal::NotSelected(format!("ServiceLB labels: {why}")))),
-            (None, Some(ctx), Some(a)) => Some(pool_node_policy(ctx, a, key, &inputs.policy.ports)),
+            (None, Some(ctx), Some(a)) => {
+                let own = &inputs.host.addresses.own;
+                Some(pool_node_policy(ctx, a, key, &inputs.policy.ports, own).map(|(policy, addresses)| {
+                    if let Some(addresses) = addresses {
+                        restricted.insert(key.clone(), addresses);
+                    }
+                    policy
+                }))
+            }
             _ => None,
         };
         ports.retain(|id, node_port| {
@@ -229,7 +238,7 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         .iter()
         .map(|s| ServicePlan { service: s, node_ports: programmed.get(&s.key).unwrap_or(&empty) })
         .collect();
-    let ruleset = plan::plan(&plans, inputs.node);
+    let ruleset = plan::plan_with(&plans, inputs.node, &restricted);
 
     // Each Service's faults, looked up once each (not a scan of every fault per Service).
     let refused_by = by_service(&refused_endpoints, |r| &r.service);
@@ -246,6 +255,7 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             let problems = problems_by.get(&s.key).unwrap_or(&none.2);
             let fault = Faults { problems, endpoints: refused, ports: not_taken };
             let mut status = service_status(s, ports, &fault, inputs.node, &no_allocation(&s.key));
+            status.pool = assignment.as_ref().and_then(|a| a.ranges.get(&s.key)).map(|r| r.pool.clone());
             if let Some(note) = inputs.notes.stale.get(&s.key) {
                 status.reason = Some(match status.reason.take() {
                     Some(r) => format!("{r}; {note}"),
@@ -266,6 +276,7 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             ports: vec![],
             refused_endpoints: vec![],
             session_affinity_seconds: None,
+            pool: None,
         });
     }
     services.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
@@ -291,15 +302,17 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     }
 }
 
-/// The port policy of a Service's pool on this node (its ranges, plus `--allowed-node-ports`), or
-/// why this node does not serve it at all (its pool does not select this node, or no pool serves
-/// it).
+/// The port policy of a Service's pool on this node (its ranges, plus `--allowed-node-ports`) and,
+/// when the pool restricts node addresses, the addresses of this node that serve it; or why this
+/// node does not serve it at all (its pool does not select this node or any of its addresses, or
+/// no pool serves it).
 fn pool_node_policy(
     ctx: &PoolContext,
     assignment: &crate::pool::Assignment,
     key: &ServiceKey,
     flags: &PortPolicy,
-) -> Result<PortPolicy, PortRefusal> {
+    own: &crate::pool::NodeAddresses,
+) -> Result<(PortPolicy, Option<BTreeSet<std::net::IpAddr>>), PortRefusal> {
     let Some(ranges) = assignment.ranges.get(key) else {
         let why = assignment.problems.iter().find(|p| p.service() == key).map(|p| p.to_string());
         return Err(PortRefusal::NotSelected(why.unwrap_or_else(|| "no node port pool serves it".into())));
@@ -313,7 +326,15 @@ fn pool_node_policy(
             ranges.pool
         )));
     }
-    Ok(PortPolicy { ranges: ranges.keep.clone(), allowed: flags.allowed.clone() })
+    let addresses = (!pool.pool.addresses.is_everything()).then(|| pool.pool.addresses.select(own));
+    if addresses.as_ref().is_some_and(|a| a.is_empty()) {
+        return Err(PortRefusal::NotSelected(format!(
+            "pool {} selects no address of this node (addresses: {})",
+            ranges.pool,
+            pool.pool.addresses.describe()
+        )));
+    }
+    Ok((PortPolicy { ranges: ranges.keep.clone(), allowed: flags.allowed.clone() }, addresses))
 }
 
 /// The Services this node does not serve under the k3s ServiceLB labels (when in force), and why.
@@ -511,6 +532,7 @@ fn service_status(
             })
             .collect(),
         session_affinity_seconds: svc.session_affinity,
+        pool: None,
     }
 }
 
@@ -641,5 +663,72 @@ mod tests {
             "{refused:?}"
         );
         assert!(run(false).refused_ports.is_empty());
+    }
+
+    /// A pool with `addresses`: this node programs its Services on the selected addresses of
+    /// its own (address . protocol . port elements), or refuses them when none is selected.
+    #[test]
+    fn pool_addresses_choose_where_this_node_serves() {
+        let svc: Service = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "edge", "namespace": "default"},
+            "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]}
+        }))
+        .expect("service");
+        let range = PortRange::new(20000, 20010).expect("range");
+        let mut host = HostFacts::default();
+        for (a, i) in [("192.0.2.1", "eth1"), ("203.0.113.1", "eth0"), ("127.0.0.1", "lo")] {
+            host.addresses.own.interfaces.entry(a.parse().unwrap()).or_default().insert(i.to_string());
+        }
+        let node = NodeFacts {
+            node_name: "node-1".into(),
+            families: [Family::Ipv4].into(),
+            masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
+            forward_mark: None,
+        };
+        let run = |cidr: &str| {
+            let spec = serde_json::from_value(serde_json::json!({
+                "ports": [{"start": 20000, "end": 20010}], "addresses": {"cidrs": [cidr]}
+            }))
+            .expect("spec");
+            let pool = crate::pool::validate("edge-pool", None, None, &spec).expect("valid");
+            let ctx = PoolContext {
+                set: crate::pool::PoolSet::resolve(vec![pool], true, range, &[]),
+                namespaces: BTreeMap::new(),
+                node_labels: BTreeMap::new(),
+                servicelb: false,
+            };
+            compute(&Inputs {
+                mode: AllocationMode::Allocate,
+                services: std::slice::from_ref(&svc),
+                slices: model::NO_SLICES,
+                notes: &SourceNotes::default(),
+                previous: &Allocations::new(),
+                since: &BTreeMap::new(),
+                policy: &HostPolicy::default(),
+                host: &host,
+                range: &range,
+                model: &ModelOptions::default(),
+                node: &node,
+                pools: Some(&ctx),
+            })
+        };
+        let elements = |d: &Desired, map: String| -> Vec<String> {
+            d.ruleset.sets[&map].elements.keys().map(|k| format!("{k:?}")).collect()
+        };
+        let served = run("192.0.2.0/24");
+        assert!(served.refused_ports.is_empty(), "{:?}", served.refused_ports);
+        assert_eq!(
+            elements(&served, plan::firewall_address_ports_map(Family::Ipv4)),
+            vec!["[Addr(192.0.2.1), Proto(Tcp), Port(20000)]"]
+        );
+        assert!(elements(&served, plan::firewall_ports_map(Family::Ipv4)).is_empty());
+        let nowhere = run("198.51.100.0/24");
+        assert_eq!(nowhere.allocations.len(), 1, "the allocation stays");
+        assert_eq!(nowhere.refused_ports.len(), 1);
+        assert_eq!(
+            nowhere.refused_ports[0].reason.to_string(),
+            "pool edge-pool selects no address of this node (addresses: cidrs 198.51.100.0/24)"
+        );
+        assert!(elements(&nowhere, plan::firewall_address_ports_map(Family::Ipv4)).is_empty());
     }
 }

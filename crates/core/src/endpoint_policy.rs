@@ -62,6 +62,9 @@ pub struct HostAddresses {
     pub nodes: BTreeMap<IpAddr, String>,
     /// Directed broadcast addresses of this node's interfaces.
     pub broadcasts: BTreeSet<IpAddr>,
+    /// This node's own addresses with their interfaces and Node address types: what a node
+    /// port pool's `addresses` selects from ([`crate::pool::AddressFilter::select`]).
+    pub own: crate::pool::NodeAddresses,
 }
 
 impl HostAddresses {
@@ -77,6 +80,7 @@ impl HostAddresses {
             out.add(*a, o.clone());
         }
         out.broadcasts.extend(other.broadcasts.iter().copied());
+        out.own.merge(&other.own);
         out
     }
 }

@@ -170,6 +170,13 @@ pub enum Expr {
     CounterRef(String),
     /// `meta l4proto . th dport vmap @map`
     L4ProtoDportVmap { map: String },
+    /// `meta l4proto . th dport @set`: membership only (a set or a map), no verdict.
+    L4ProtoDportInSet { set: String },
+    /// `<family> daddr . meta l4proto . th dport @set`: membership only (a set or a map).
+    DaddrL4ProtoDportInSet { family: Family, set: String },
+    /// `<family> daddr . meta l4proto . th dport vmap @map`: the node port of a pool that
+    /// restricts node addresses, keyed by each address that serves it.
+    DaddrL4ProtoDportVmap { family: Family, map: String },
     /// `meta l4proto . ct original proto-dst vmap @map`
     L4ProtoCtOrigDportVmap { map: String },
     /// `counter name meta l4proto . ct original proto-dst map @map`: count in the named counter
@@ -481,6 +488,13 @@ pub fn render_expr(e: &Expr) -> String {
         Expr::Counter => "counter".into(),
         Expr::CounterRef(name) => format!("counter name {}", quote(name)),
         Expr::L4ProtoDportVmap { map } => format!("meta l4proto . th dport vmap @{map}"),
+        Expr::L4ProtoDportInSet { set } => format!("meta l4proto . th dport @{set}"),
+        Expr::DaddrL4ProtoDportInSet { family, set } => {
+            format!("{} daddr . meta l4proto . th dport @{set}", family.payload_word())
+        }
+        Expr::DaddrL4ProtoDportVmap { family, map } => {
+            format!("{} daddr . meta l4proto . th dport vmap @{map}", family.payload_word())
+        }
         Expr::L4ProtoCtOrigDportVmap { map } => {
             // nft 1.0.6 rejects `ct original proto-dst` in a concatenation until the transport
             // protocol is known; the set match gives it that context (and matches every protocol a

@@ -6,8 +6,11 @@
 //! - YAML files may hold several documents (`---`). Each document is parsed on its own, so a
 //!   syntax error in one does not hide the others; documents are numbered from 1 counting only
 //!   non-empty ones (what a human counts), and line numbers are those of the file.
-//! - `kind: List` (and `ServiceList`/`EndpointSliceList`, as `kubectl get -o yaml` writes them)
-//!   contribute their items.
+//! - `kind: List` (and `ServiceList`/`EndpointSliceList`/`NodePortPoolList`, as `kubectl get -o
+//!   yaml` writes them) contribute their items.
+//! - `nodelb.io/v1alpha1 NodePortPool` objects (cluster-scoped: a namespace given is dropped) are
+//!   read too; whether a pool is *valid* is the pure `pool` module's decision, as in Kubernetes
+//!   mode (a document that does not even parse as one is a problem of its file here).
 //! - `v1 Service` and `discovery.k8s.io/v1 EndpointSlice` are parsed into k8s-openapi types. Other
 //!   kinds are not errors but are reported in [`Manifests::ignored`] so the caller can log them;
 //!   a Service or EndpointSlice of another apiVersion is a problem (almost surely a mistake).
@@ -31,6 +34,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::Value;
 
 use crate::domain::ServiceKey;
+use crate::pool::NodePortPool;
 use crate::slim::Slim as _;
 
 /// Deepest bracket nesting (`[`, `{`) of a YAML document: serde_yaml refuses more than 128
@@ -48,6 +52,8 @@ const MAX_PROBLEM_MESSAGE: usize = 1024;
 pub struct Manifests {
     pub services: Vec<Arc<Service>>,
     pub slices: Vec<Arc<EndpointSlice>>,
+    /// Node port pools, in file order.
+    pub pools: Vec<Arc<NodePortPool>>,
     /// Documents that could not be used.
     pub problems: Vec<ManifestProblem>,
     /// Objects of kinds nodelb does not use.
@@ -67,6 +73,7 @@ pub struct Manifests {
 pub struct FileObjects {
     pub services: Vec<Arc<Service>>,
     pub slices: Vec<Arc<EndpointSlice>>,
+    pub pools: Vec<Arc<NodePortPool>>,
     pub had_problem: bool,
     /// The file's first problem, for the status line of the Services it keeps serving from
     /// their last good version.
@@ -106,6 +113,7 @@ impl LastGood {
         }
         let mut services = Vec::new();
         let mut slices = Vec::new();
+        let mut pools = Vec::new();
         for (path, objs) in &m.files {
             let served = match self.files.get(path) {
                 Some(good) if objs.had_problem => {
@@ -127,9 +135,11 @@ impl LastGood {
             };
             services.extend(served.services.iter().cloned());
             slices.extend(served.slices.iter().cloned());
+            pools.extend(served.pools.iter().cloned());
         }
         m.services = services;
         m.slices = slices;
+        m.pools = pools;
         m
     }
 }
@@ -218,6 +228,46 @@ impl IgnoredLog {
     }
 }
 
+/// The node port pools of a manifests directory as the node uses them: the same decisions as in
+/// Kubernetes mode ([`crate::pool::context`]), with the one node manifests mode knows (this one,
+/// labelled `--node-labels`) and namespaces labelled only with their name (no Namespace
+/// objects). An invalid pool is a problem naming its file; its last valid version stays in force.
+pub fn pool_context(
+    m: &Manifests,
+    last_valid: &mut crate::pool::LastValid,
+    flag_range: crate::port_policy::PortRange,
+    node_labels: &BTreeMap<String, String>,
+    servicelb: bool,
+) -> (crate::pool::PoolContext, Vec<String>) {
+    use crate::pool::PoolObject;
+    let objects: Vec<PoolObject> = m.pools.iter().map(|p| PoolObject::from_resource(p)).collect();
+    let namespaces = || {
+        crate::pool::implied_namespace_labels(
+            m.services.iter().filter_map(|s| s.metadata.namespace.as_deref()),
+        )
+    };
+    let input = crate::pool::ContextInput {
+        objects: &objects,
+        flag_range,
+        nodes: &[node_labels],
+        own: Some(node_labels),
+        namespaces: &namespaces,
+        servicelb,
+    };
+    let (ctx, invalid) = crate::pool::context(last_valid, &input);
+    let file_of = |name: &str| {
+        m.files.iter().find(|(_, f)| f.pools.iter().any(|p| p.metadata.name.as_deref() == Some(name)))
+    };
+    let problems = invalid
+        .iter()
+        .map(|i| match file_of(&i.name) {
+            Some((path, _)) => format!("{}: {i}", path.display()),
+            None => i.to_string(),
+        })
+        .collect();
+    (ctx, problems)
+}
+
 /// One file's objects, parsed from its `text` (`name` ends in `.json`: JSON, else YAML).
 /// Duplicates within the file are problems here; across files, [`merge`] finds them.
 pub fn parse(path: &Path, name: &str, text: &str) -> Manifests {
@@ -259,7 +309,10 @@ impl Taken {
     fn take(&mut self, kind: &'static str, meta: &ObjectMeta, file: &Path) -> Result<(), String> {
         let ns = meta.namespace.clone().unwrap_or_default();
         let name = meta.name.clone().unwrap_or_default();
-        let duplicate = format!("duplicate {kind} {}", ServiceKey::new(ns.clone(), name.clone()));
+        let duplicate = match ns.is_empty() {
+            true => format!("duplicate {kind} {}", crate::domain::quoted(&name)),
+            false => format!("duplicate {kind} {}", ServiceKey::new(ns.clone(), name.clone())),
+        };
         match self.0.entry((kind, ns, name)) {
             Entry::Vacant(e) => {
                 e.insert(file.to_path_buf());
@@ -303,11 +356,19 @@ fn merge_file(out: &mut Manifests, taken: &mut Taken, path: &Path, file: &Manife
             objs.had_problem = true;
         }
     }
+    for pool in &file.pools {
+        if admit("NodePortPool", &pool.metadata, &mut out.problems) {
+            objs.pools.push(Arc::clone(pool));
+        } else {
+            objs.had_problem = true;
+        }
+    }
     if objs.had_problem && objs.first_problem.is_none() {
         objs.first_problem = out.problems.last().map(ToString::to_string);
     }
     out.services.extend(objs.services.iter().cloned());
     out.slices.extend(objs.slices.iter().cloned());
+    out.pools.extend(objs.pools.iter().cloned());
     out.files.insert(path.to_path_buf(), Arc::new(objs));
 }
 
@@ -337,18 +398,7 @@ impl Loader {
         };
         let origin = Origin { file, document: 1, prefix: String::new() };
         // Typed re-parse from the text gives line numbers in errors.
-        self.object(
-            &origin,
-            value,
-            Some(&|kind| match kind {
-                Kind::Service => serde_json::from_str::<Service>(text)
-                    .map(|v| Typed::Service(Box::new(v)))
-                    .map_err(|e| (Some(e.line()), e.to_string())),
-                Kind::Slice => serde_json::from_str::<EndpointSlice>(text)
-                    .map(|v| Typed::Slice(Box::new(v)))
-                    .map_err(|e| (Some(e.line()), e.to_string())),
-            }),
-        );
+        self.object(&origin, value, Some(&|kind| kind.read(&JsonText(text))));
     }
 
     fn yaml_file(&mut self, file: &Path, text: &str) {
@@ -378,18 +428,7 @@ impl Loader {
             };
             document += 1;
             let origin = Origin { file, document, prefix: String::new() };
-            self.object(
-                &origin,
-                value,
-                Some(&|kind| match kind {
-                    Kind::Service => serde_yaml::from_str::<Service>(&body)
-                        .map(|v| Typed::Service(Box::new(v)))
-                        .map_err(|e| yaml_error(&e, first_line)),
-                    Kind::Slice => serde_yaml::from_str::<EndpointSlice>(&body)
-                        .map(|v| Typed::Slice(Box::new(v)))
-                        .map_err(|e| yaml_error(&e, first_line)),
-                }),
-            );
+            self.object(&origin, value, Some(&|kind| kind.read(&YamlText(&body, first_line))));
         }
     }
 
@@ -415,12 +454,13 @@ impl Loader {
             return self.problem(origin.file, origin.document, None, msg);
         }
         let typed_kind = match (kind.as_str(), api_version.as_str()) {
-            ("List" | "ServiceList" | "EndpointSliceList", _) => {
+            ("List" | "ServiceList" | "EndpointSliceList" | "NodePortPoolList", _) => {
                 return self.list(origin, &kind, map.get("items"));
             }
             ("Service", "v1") => Kind::Service,
             ("EndpointSlice", "discovery.k8s.io/v1") => Kind::Slice,
-            ("Service" | "EndpointSlice", other) => {
+            ("NodePortPool", "nodelb.io/v1alpha1") => Kind::Pool,
+            ("Service" | "EndpointSlice" | "NodePortPool", other) => {
                 let msg = format!("{}{kind} with unsupported apiVersion {other:?}", origin.prefix);
                 return self.problem(origin.file, origin.document, None, msg);
             }
@@ -442,15 +482,7 @@ impl Loader {
         };
         let typed = match reparse {
             Some(reparse) => reparse(typed_kind),
-            None => match typed_kind {
-                Kind::Service => {
-                    serde_json::from_value::<Service>(value.clone()).map(|v| Typed::Service(Box::new(v)))
-                }
-                Kind::Slice => {
-                    serde_json::from_value::<EndpointSlice>(value.clone()).map(|v| Typed::Slice(Box::new(v)))
-                }
-            }
-            .map_err(|e| (None, e.to_string())),
+            None => typed_kind.read(&value),
         };
         match typed {
             Ok(Typed::Service(mut svc)) => {
@@ -463,6 +495,12 @@ impl Loader {
                 if self.admit(origin, "EndpointSlice", &mut slice.metadata) {
                     slice.slim();
                     self.out.slices.push(Arc::from(slice));
+                }
+            }
+            Ok(Typed::Pool(mut pool)) => {
+                if self.admit(origin, "NodePortPool", &mut pool.metadata) {
+                    pool.slim();
+                    self.out.pools.push(Arc::from(pool));
                 }
             }
             Err((line, message)) => {
@@ -491,6 +529,7 @@ impl Loader {
         let implied = match list_kind {
             "ServiceList" => Some(("v1", "Service")),
             "EndpointSliceList" => Some(("discovery.k8s.io/v1", "EndpointSlice")),
+            "NodePortPoolList" => Some(("nodelb.io/v1alpha1", "NodePortPool")),
             _ => None,
         };
         for (i, item) in items.iter().enumerate() {
@@ -510,7 +549,9 @@ impl Loader {
 
     /// Defaults the namespace, checks the name and duplicates.
     fn admit(&mut self, origin: &Origin<'_>, kind: &'static str, meta: &mut ObjectMeta) -> bool {
-        if meta.namespace.as_deref().is_none_or(str::is_empty) {
+        if kind == "NodePortPool" {
+            meta.namespace = None; // cluster-scoped, as the API server treats it
+        } else if meta.namespace.as_deref().is_none_or(str::is_empty) {
             meta.namespace = Some("default".to_string());
         }
         if meta.name.as_deref().is_none_or(str::is_empty) {
@@ -697,12 +738,55 @@ fn yaml_error(e: &serde_yaml::Error, lines_before: usize) -> (Option<usize>, Str
 enum Kind {
     Service,
     Slice,
+    Pool,
+}
+
+impl Kind {
+    /// The typed object of this kind read from `source`.
+    fn read(self, source: &impl TypedSource) -> Result<Typed, (Option<usize>, String)> {
+        Ok(match self {
+            Kind::Service => Typed::Service(Box::new(source.read()?)),
+            Kind::Slice => Typed::Slice(Box::new(source.read()?)),
+            Kind::Pool => Typed::Pool(Box::new(source.read()?)),
+        })
+    }
+}
+
+/// Where a typed object is read from; errors carry a file line when known.
+trait TypedSource {
+    fn read<T: serde::de::DeserializeOwned>(&self) -> Result<T, (Option<usize>, String)>;
+}
+
+/// A JSON file's text.
+struct JsonText<'a>(&'a str);
+
+impl TypedSource for JsonText<'_> {
+    fn read<T: serde::de::DeserializeOwned>(&self) -> Result<T, (Option<usize>, String)> {
+        serde_json::from_str(self.0).map_err(|e| (Some(e.line()), e.to_string()))
+    }
+}
+
+/// A YAML document's text and the file line it starts on.
+struct YamlText<'a>(&'a str, usize);
+
+impl TypedSource for YamlText<'_> {
+    fn read<T: serde::de::DeserializeOwned>(&self) -> Result<T, (Option<usize>, String)> {
+        serde_yaml::from_str(self.0).map_err(|e| yaml_error(&e, self.1))
+    }
+}
+
+/// A List item, already a value.
+impl TypedSource for Value {
+    fn read<T: serde::de::DeserializeOwned>(&self) -> Result<T, (Option<usize>, String)> {
+        serde_json::from_value(self.clone()).map_err(|e| (None, e.to_string()))
+    }
 }
 
 /// Boxed: a Service is twice the size of an EndpointSlice.
 enum Typed {
     Service(Box<Service>),
     Slice(Box<EndpointSlice>),
+    Pool(Box<NodePortPool>),
 }
 
 /// Re-reads a document's own text as the given kind; errors carry a line when known.

@@ -91,6 +91,15 @@ pub fn service_ports_map(f: Family) -> String {
 pub fn firewall_ports_map(f: Family) -> String {
     format!("firewall-ports-{}", f.name())
 }
+/// [`service_ports_map`] for node ports whose pool restricts node addresses: keyed by
+/// `address . protocol . node port`, one element per address that serves it.
+pub fn service_address_ports_map(f: Family) -> String {
+    format!("service-address-ports-{}", f.name())
+}
+/// [`firewall_ports_map`] for node ports whose pool restricts node addresses.
+pub fn firewall_address_ports_map(f: Family) -> String {
+    format!("firewall-address-ports-{}", f.name())
+}
 pub fn forward_counters_map(f: Family) -> String {
     format!("forward-counters-{}", f.name())
 }
@@ -324,14 +333,29 @@ fn loopback(f: Family) -> IpNet {
     }
 }
 
-/// The per-family dispatch rule: local, non-loopback destination: verdict map lookup.
-fn dispatch_rule(f: Family, pre: Vec<Expr>, map: String) -> Rule {
-    let mut exprs = pre;
-    exprs.push(Expr::NfProto(f));
-    exprs.push(Expr::DaddrInPrefix { prefix: loopback(f), negate: true });
-    exprs.push(Expr::FibDaddrLocal);
-    exprs.push(Expr::L4ProtoDportVmap { map });
-    Rule::new(exprs)
+/// The per-family dispatch rules: local, non-loopback destination: verdict map lookup by
+/// protocol . port (`map`), then, for node ports served on some node addresses only, by
+/// address . protocol . port (`address_map`). A node port is in one of the two, never both.
+/// Each rule first asks whether the map has the packet's key at all: a packet to any other port
+/// (all of the node's other traffic) stops at that hash lookup and never costs a route lookup
+/// (`fib`), which still guards every DNAT.
+fn dispatch_rules(f: Family, pre: &[Expr], map: String, address_map: String) -> [Rule; 2] {
+    let guard = |known: Expr, last: Expr| {
+        let mut exprs = pre.to_vec();
+        exprs.push(Expr::NfProto(f));
+        exprs.push(known);
+        exprs.push(Expr::DaddrInPrefix { prefix: loopback(f), negate: true });
+        exprs.push(Expr::FibDaddrLocal);
+        exprs.push(last);
+        Rule::new(exprs)
+    };
+    [
+        guard(Expr::L4ProtoDportInSet { set: map.clone() }, Expr::L4ProtoDportVmap { map }),
+        guard(
+            Expr::DaddrL4ProtoDportInSet { family: f, set: address_map.clone() },
+            Expr::DaddrL4ProtoDportVmap { family: f, map: address_map },
+        ),
+    ]
 }
 
 fn base(name: &str, chain_type: ChainType, hook: Hook, priority: i32, rules: Vec<Rule>) -> Chain {
@@ -357,9 +381,35 @@ fn port_map(name: String, kind: SetKind, comment: &str) -> Set {
     }
 }
 
+fn address_port_map(f: Family, name: String, comment: &str) -> Set {
+    let addr = match f {
+        Family::Ipv4 => KeyType::Ipv4Addr,
+        Family::Ipv6 => KeyType::Ipv6Addr,
+    };
+    Set {
+        name,
+        key: vec![addr, KeyType::InetProto, KeyType::InetService],
+        kind: SetKind::VerdictMap,
+        elements: BTreeMap::new(),
+        comment: Some(comment.to_string()),
+    }
+}
+
 /// The complete desired ruleset. Families not in `node.families` get their sets but no elements,
 /// so nothing of that family is served.
 pub fn plan(services: &[ServicePlan<'_>], node: &NodeFacts) -> Ruleset {
+    plan_with(services, node, &BTreeMap::new())
+}
+
+/// [`plan`], with the node addresses that serve each Service whose node port pool restricts
+/// them (`addresses`; a Service not in it is served on every local address). Such a Service's
+/// ports are dispatched by address . protocol . port, one element per address of the family;
+/// with no address of a family it is not programmed for that family.
+pub fn plan_with(
+    services: &[ServicePlan<'_>],
+    node: &NodeFacts,
+    addresses: &BTreeMap<crate::domain::ServiceKey, BTreeSet<IpAddr>>,
+) -> Ruleset {
     let mut rs = Ruleset::default();
 
     // Skeleton: always present, so the table's shape does not depend on the services.
@@ -373,6 +423,16 @@ pub fn plan(services: &[ServicePlan<'_>], node: &NodeFacts) -> Ruleset {
             firewall_ports_map(f),
             SetKind::VerdictMap,
             "protocol . node port: source-range check / no-endpoint reject",
+        ));
+        rs.add_set(address_port_map(
+            f,
+            service_address_ports_map(f),
+            "node address . protocol . node port (pools with addresses): service chain (DNAT)",
+        ));
+        rs.add_set(address_port_map(
+            f,
+            firewall_address_ports_map(f),
+            "node address . protocol . node port (pools with addresses): source-range check / no-endpoint reject",
         ));
         rs.add_set(port_map(
             forward_counters_map(f),
@@ -393,11 +453,15 @@ pub fn plan(services: &[ServicePlan<'_>], node: &NodeFacts) -> Ruleset {
             comment: Some("address . address . protocol . port of every programmed endpoint".into()),
         });
     }
-    let new_state = || vec![Expr::CtState(vec![CtState::New])];
-    let filter_dispatch: Vec<Rule> =
-        Family::ALL.iter().map(|&f| dispatch_rule(f, new_state(), firewall_ports_map(f))).collect();
-    let nat_dispatch: Vec<Rule> =
-        Family::ALL.iter().map(|&f| dispatch_rule(f, vec![], service_ports_map(f))).collect();
+    let new_state = [Expr::CtState(vec![CtState::New])];
+    let filter_dispatch: Vec<Rule> = Family::ALL
+        .iter()
+        .flat_map(|&f| dispatch_rules(f, &new_state, firewall_ports_map(f), firewall_address_ports_map(f)))
+        .collect();
+    let nat_dispatch: Vec<Rule> = Family::ALL
+        .iter()
+        .flat_map(|&f| dispatch_rules(f, &[], service_ports_map(f), service_address_ports_map(f)))
+        .collect();
     rs.add_chain(base(
         CHAIN_FILTER_PREROUTING,
         ChainType::Filter,
@@ -452,11 +516,15 @@ pub fn plan(services: &[ServicePlan<'_>], node: &NodeFacts) -> Ruleset {
     ));
 
     for sp in services {
+        let restricted = addresses.get(&sp.service.key);
         for port in &sp.service.ports {
             let Some(&node_port) = sp.node_ports.get(&port.id) else { continue };
             for &f in &sp.service.families {
-                if node.families.contains(&f) {
-                    plan_port(&mut rs, sp.service, port, node_port, f, node);
+                let on: Option<Vec<IpAddr>> =
+                    restricted.map(|a| a.iter().copied().filter(|a| Family::of(a) == f).collect());
+                if node.families.contains(&f) && on.as_ref().is_none_or(|a| !a.is_empty()) {
+                    let at = Dispatch { port: (port.id.protocol, node_port), addresses: on.as_deref() };
+                    plan_port(&mut rs, sp.service, port, &at, f, node);
                 }
             }
         }
@@ -530,7 +598,42 @@ fn plan_forward(rs: &mut Ruleset, node: &NodeFacts) {
     rs.add_chain(base(CHAIN_FILTER_FORWARD_LAST, ChainType::Filter, Hook::Forward, priority::LAST, last));
 }
 
-fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f: Family, node: &NodeFacts) {
+/// Where a service port is dispatched: its protocol and node port, on every local address
+/// (`addresses: None`) or on these only.
+struct Dispatch<'a> {
+    port: (Protocol, u16),
+    addresses: Option<&'a [IpAddr]>,
+}
+
+impl Dispatch<'_> {
+    /// Puts `verdict` in the firewall (`firewall: true`) or service dispatch map of family `f`.
+    fn insert(&self, rs: &mut Ruleset, f: Family, firewall: bool, verdict: Verdict) {
+        let (proto, port) = (KeyPart::Proto(self.port.0), KeyPart::Port(self.port.1));
+        let mapped = Mapped::Verdict(verdict);
+        match self.addresses {
+            None => {
+                let map = if firewall { firewall_ports_map(f) } else { service_ports_map(f) };
+                insert_element(rs, &map, vec![proto, port], mapped);
+            }
+            Some(addrs) => {
+                let map = if firewall { firewall_address_ports_map(f) } else { service_address_ports_map(f) };
+                for a in addrs {
+                    insert_element(rs, &map, vec![KeyPart::Addr(*a), proto, port], mapped.clone());
+                }
+            }
+        }
+    }
+}
+
+fn plan_port(
+    rs: &mut Ruleset,
+    svc: &LbService,
+    port: &LbPort,
+    at: &Dispatch<'_>,
+    f: Family,
+    node: &NodeFacts,
+) {
+    let node_port = at.port.1;
     let key: Key = vec![KeyPart::Proto(port.id.protocol), KeyPart::Port(node_port)];
     let names = PortNames::new(f, svc, port);
     let comment = |what: &str| Some(names.port_comment(node_port, what));
@@ -564,10 +667,9 @@ fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f
             .collect();
         rules.push(Rule::new(vec![Expr::CounterRef(refused), Expr::Verdict(Verdict::Drop)]));
         rs.add_chain(regular(fw.clone(), comment(": source ranges"), rules));
-        insert_element(rs, &firewall_ports_map(f), key.clone(), Mapped::Verdict(Verdict::Goto(fw)));
+        at.insert(rs, f, true, Verdict::Goto(fw));
     } else if endpoints.is_empty() {
-        let reject = Mapped::Verdict(Verdict::Goto(CHAIN_NO_ENDPOINTS.into()));
-        insert_element(rs, &firewall_ports_map(f), key.clone(), reject);
+        at.insert(rs, f, true, Verdict::Goto(CHAIN_NO_ENDPOINTS.into()));
     }
     if endpoints.is_empty() {
         return;
@@ -598,7 +700,7 @@ fn plan_port(rs: &mut Ruleset, svc: &LbService, port: &LbPort, node_port: u16, f
     };
     let svc_chain = names.service_chain(node_port);
     rs.add_chain(regular(svc_chain.clone(), comment(""), rules));
-    insert_element(rs, &service_ports_map(f), key.clone(), Mapped::Verdict(Verdict::Goto(svc_chain)));
+    at.insert(rs, f, false, Verdict::Goto(svc_chain));
     insert_element(rs, &forward_counters_map(f), key, Mapped::Counter(forwarded));
 }
 
@@ -793,11 +895,13 @@ pub type UdpBackend = (u16, IpAddr, u16);
 /// `service-ports-*` maps lead to service chains, whose DNAT rules name the endpoints.
 pub fn udp_backends(rs: &Ruleset) -> BTreeSet<UdpBackend> {
     let mut out = BTreeSet::new();
-    for f in Family::ALL {
-        let Some(map) = rs.sets.get(&service_ports_map(f)) else { continue };
+    let maps = Family::ALL.into_iter().flat_map(|f| [service_ports_map(f), service_address_ports_map(f)]);
+    for name in maps {
+        let Some(map) = rs.sets.get(&name) else { continue };
         for (key, verdict) in &map.elements {
-            let (Some(KeyPart::Proto(Protocol::Udp)), Some(KeyPart::Port(node_port))) =
-                (key.first(), key.get(1))
+            // protocol . port, or address . protocol . port
+            let tail = key.iter().skip_while(|k| matches!(k, KeyPart::Addr(_)));
+            let [KeyPart::Proto(Protocol::Udp), KeyPart::Port(node_port)] = tail.collect::<Vec<_>>()[..]
             else {
                 continue;
             };

@@ -23,6 +23,7 @@
 use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::net::IpAddr;
 
 use ipnet::IpNet;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
@@ -254,6 +255,84 @@ impl AddressFilter {
     pub fn is_everything(&self) -> bool {
         self.types.is_empty() && self.cidrs.is_empty() && self.interfaces.is_empty()
     }
+
+    /// The addresses of this node that serve a pool with this filter: addresses configured on
+    /// this node (`own.interfaces`), never loopback (the dispatch never matches it), matching
+    /// every list given: in a CIDR, on one of the interfaces, listed in this node's Node object
+    /// with one of the types. Manifests mode has no Node object, so `types` selects nothing
+    /// there (fail closed: an operator who wrote "ExternalIP only" must not get every address).
+    pub fn select(&self, own: &NodeAddresses) -> BTreeSet<IpAddr> {
+        own.interfaces
+            .iter()
+            .filter(|(addr, _)| !addr.is_loopback())
+            .filter(|(addr, _)| self.cidrs.is_empty() || self.cidrs.iter().any(|c| c.contains(*addr)))
+            .filter(|(_, on)| self.interfaces.is_empty() || self.interfaces.iter().any(|i| on.contains(i)))
+            .filter(|(addr, _)| {
+                self.types.is_empty()
+                    || own.types.get(*addr).is_some_and(|t| self.types.iter().any(|w| t.contains(w)))
+            })
+            .map(|(addr, _)| *addr)
+            .collect()
+    }
+
+    /// Whether the leader publishes a Node object's address of type `kind` for a pool with this
+    /// filter. The leader sees Node objects, not interfaces: `interfaces` is judged by the nodes
+    /// only (an address it cannot place is published when the other lists accept it).
+    pub fn publishes(&self, kind: Option<AddressType>, addr: &IpAddr) -> bool {
+        (self.cidrs.is_empty() || self.cidrs.iter().any(|c| c.contains(addr)))
+            && (self.types.is_empty() || kind.is_some_and(|k| self.types.contains(&k)))
+    }
+
+    /// Why [`Self::select`] found nothing on this node, for the refusal.
+    pub fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        if !self.types.is_empty() {
+            let t: Vec<&str> = self.types.iter().map(|t| t.as_str()).collect();
+            parts.push(format!("types {}", t.join(",")));
+        }
+        if !self.cidrs.is_empty() {
+            let c: Vec<String> = self.cidrs.iter().map(|c| c.to_string()).collect();
+            parts.push(format!("cidrs {}", c.join(",")));
+        }
+        if !self.interfaces.is_empty() {
+            parts.push(format!("interfaces {}", self.interfaces.join(",")));
+        }
+        parts.join("; ")
+    }
+}
+
+impl AddressType {
+    /// The type of a Node `status.addresses` entry a pool can name (`Hostname` and others: none).
+    pub fn parse(s: &str) -> Option<AddressType> {
+        match s {
+            "ExternalIP" => Some(AddressType::ExternalIp),
+            "InternalIP" => Some(AddressType::InternalIp),
+            _ => None,
+        }
+    }
+}
+
+/// What one node knows about its own addresses, for [`AddressFilter::select`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeAddresses {
+    /// Addresses configured on this node's interfaces (read from its kernel), each with the
+    /// interfaces it is on.
+    pub interfaces: BTreeMap<IpAddr, BTreeSet<String>>,
+    /// This node's Node object `status.addresses` of the types a pool can name (Kubernetes
+    /// mode; empty in manifests mode).
+    pub types: BTreeMap<IpAddr, BTreeSet<AddressType>>,
+}
+
+impl NodeAddresses {
+    /// Both together (each address keeps every interface and type either names).
+    pub fn merge(&mut self, other: &NodeAddresses) {
+        for (a, i) in &other.interfaces {
+            self.interfaces.entry(*a).or_default().extend(i.iter().cloned());
+        }
+        for (a, t) in &other.types {
+            self.types.entry(*a).or_default().extend(t.iter().copied());
+        }
+    }
 }
 
 /// A validated pool.
@@ -352,12 +431,9 @@ pub fn validate(
     let mut addresses = AddressFilter::default();
     if let Some(a) = &spec.addresses {
         for t in &a.types {
-            match t.as_str() {
-                "ExternalIP" => addresses.types.push(AddressType::ExternalIp),
-                "InternalIP" => addresses.types.push(AddressType::InternalIp),
-                other => {
-                    errors.push(format!("spec.addresses.types: {other:?} is not ExternalIP or InternalIP"))
-                }
+            match AddressType::parse(t) {
+                Some(kind) => addresses.types.push(kind),
+                None => errors.push(format!("spec.addresses.types: {t:?} is not ExternalIP or InternalIP")),
             }
         }
         for c in &a.cidrs {
@@ -381,15 +457,6 @@ pub fn validate(
                 errors.push(format!("spec.addresses.interfaces: {i:?} is not an interface name"));
             }
         }
-    }
-    if !addresses.is_everything() {
-        // Not matched by the dataplane yet (it matches every local address): a pool that says
-        // "only these addresses" must not serve all of them, so it is not used at all.
-        errors.push(
-            "spec.addresses: restricting node addresses is not enforced by this nodelb version \
-             (it would serve every node address); remove it"
-                .to_string(),
-        );
     }
     if !errors.is_empty() {
         return Err(errors);
@@ -656,6 +723,56 @@ pub struct PoolContext {
     pub servicelb: bool,
 }
 
+/// What [`context`] builds a [`PoolContext`] from, in either mode.
+pub struct ContextInput<'a> {
+    /// The pool objects as read (Kubernetes: the cache; manifests: the directory).
+    pub objects: &'a [PoolObject],
+    /// `--port-range`: the implicit pool when there is no pool object.
+    pub flag_range: PortRange,
+    /// Every known node's labels (conflicts are judged on nodes both pools select). Manifests
+    /// mode knows one node: its own (`--node-labels`).
+    pub nodes: &'a [&'a BTreeMap<String, String>],
+    /// This node's labels (`None`: not known, e.g. its Node object is not in the cache yet).
+    pub own: Option<&'a BTreeMap<String, String>>,
+    /// Each namespace's labels, read only when a pool in force has a `namespaceSelector`.
+    pub namespaces: &'a dyn Fn() -> BTreeMap<String, BTreeMap<String, String>>,
+    /// `--servicelb-labels`.
+    pub servicelb: bool,
+}
+
+/// The pools in force (an invalid edit keeps `last_valid`'s version) resolved against the nodes,
+/// with this node's labels; and the invalid pools with their reasons. Only what a pool in force
+/// looks at is put in the context (it is part of the agent's input fingerprint): without pools
+/// a new Namespace or a relabelled Node recomputes nothing.
+pub fn context(last_valid: &mut LastValid, input: &ContextInput<'_>) -> (PoolContext, Vec<InvalidPool>) {
+    let (pools, invalid) = last_valid.update(input.objects);
+    let set = PoolSet::resolve(pools, !input.objects.is_empty(), input.flag_range, input.nodes);
+    let servicelb = crate::servicelb::in_force(input.servicelb, input.nodes.iter().copied());
+    let namespaces = match set.pools.iter().any(|p| !p.pool.namespaces.is_everything()) {
+        true => (input.namespaces)(),
+        false => BTreeMap::new(),
+    };
+    let own = match servicelb || set.pools.iter().any(|p| !p.pool.nodes.is_everything()) {
+        true => input.own.cloned().unwrap_or_default(),
+        false => BTreeMap::new(),
+    };
+    (PoolContext { set, namespaces, node_labels: own, servicelb }, invalid)
+}
+
+/// Namespace labels where no Namespace object is known (manifests mode): each namespace has the
+/// label the API server puts on every Namespace, `kubernetes.io/metadata.name: <name>`.
+pub fn implied_namespace_labels<'n>(
+    namespaces: impl IntoIterator<Item = &'n str>,
+) -> BTreeMap<String, BTreeMap<String, String>> {
+    namespaces
+        .into_iter()
+        .map(|ns| (ns.to_string(), BTreeMap::from([(NAMESPACE_NAME_LABEL.to_string(), ns.to_string())])))
+        .collect()
+}
+
+/// The label the API server sets on every Namespace to its name.
+pub const NAMESPACE_NAME_LABEL: &str = "kubernetes.io/metadata.name";
+
 /// Each Service's pool, as the allocator and the nodes use it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Assignment {
@@ -801,6 +918,44 @@ pub fn status_of(input: &StatusInput<'_>) -> NodePortPoolStatus {
     st
 }
 
+/// How full one pool in force is: what `nodelb_pool_ports` exports on every node (manifests mode
+/// has no pool status to read it from).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolUsage {
+    pub name: String,
+    /// Node port numbers held by the pool's Services.
+    pub allocated: usize,
+    /// Numbers its effective ranges still have for new allocations (none while draining).
+    pub free: usize,
+}
+
+/// The usage of every pool in `set` (none for the implicit pool: `--port-range`'s own gauge
+/// covers it), given every allocation and which pool each Service is in. Numbers are unique
+/// cluster-wide, so a number any Service holds is not free in any pool. Pure.
+pub fn usage<'a>(
+    set: &PoolSet,
+    allocations: &Allocations,
+    members: impl IntoIterator<Item = (&'a ServiceKey, &'a str)>,
+) -> Vec<PoolUsage> {
+    if set.implicit {
+        return Vec::new();
+    }
+    let taken: BTreeSet<u16> = allocations.values().flat_map(|m| m.values().copied()).collect();
+    let mut held: BTreeMap<&str, BTreeSet<u16>> = BTreeMap::new();
+    for (key, pool) in members {
+        let numbers = allocations.get(key).into_iter().flat_map(|m| m.values().copied());
+        held.entry(pool).or_default().extend(numbers);
+    }
+    set.pools
+        .iter()
+        .map(|r| PoolUsage {
+            name: r.pool.name.clone(),
+            allocated: held.get(r.pool.name.as_str()).map_or(0, BTreeSet::len),
+            free: r.effective.iter().flat_map(|x| x.first..=x.last).filter(|n| !taken.contains(n)).count(),
+        })
+        .collect()
+}
+
 /// Ranges as `20000-20099,21000` for status and messages.
 pub fn describe_ranges(ranges: &[PortRange]) -> String {
     if ranges.is_empty() {
@@ -904,9 +1059,9 @@ mod tests {
                 Err("spec.addresses.interfaces: \"eth0/1\" is not an interface name"),
             ),
             (
-                "valid addresses, not enforced yet: refused rather than served everywhere",
+                "valid addresses",
                 json!({"ports": [{"start": 1, "end": 2}], "addresses": {"types": ["ExternalIP"], "cidrs": ["2001:db8::/64"], "interfaces": ["eth0"]}}),
-                Err("spec.addresses: restricting node addresses is not enforced"),
+                Ok(()),
             ),
         ];
         for (name, v, want) in cases {
@@ -1183,5 +1338,138 @@ mod tests {
         let (pools, invalid) = lv.update(&[obj(1, "u2", 20100)]);
         assert!(pools.is_empty());
         assert_eq!(invalid[0].in_force, None);
+    }
+
+    /// Which of a node's addresses serve a pool: pure, from the node's own facts.
+    #[test]
+    #[allow(clippy::type_complexity)]
+    fn address_selection() {
+        let mut own = NodeAddresses::default();
+        for (a, ifs) in [
+            ("127.0.0.1", "lo"),
+            ("::1", "lo"),
+            ("198.51.100.7", "lo"), // an anycast address on lo is a node address
+            ("192.0.2.10", "eth0"),
+            ("203.0.113.10", "eth1"),
+            ("2001:db8::10", "eth0"),
+            ("fe80::1", "eth0"),
+        ] {
+            own.interfaces.entry(a.parse().unwrap()).or_default().insert(ifs.to_string());
+        }
+        let typed = |a: &str, t: AddressType| (a.parse::<IpAddr>().unwrap(), BTreeSet::from([t]));
+        let k8s = NodeAddresses {
+            types: BTreeMap::from([
+                typed("192.0.2.10", AddressType::InternalIp),
+                typed("203.0.113.10", AddressType::ExternalIp),
+                // Published but not on an interface (cloud 1:1 NAT): packets never carry it.
+                typed("198.51.100.99", AddressType::ExternalIp),
+            ]),
+            ..Default::default()
+        };
+        let mut kube = own.clone();
+        kube.merge(&k8s);
+        let cases: Vec<(&str, serde_json::Value, &NodeAddresses, Vec<&str>)> = vec![
+            (
+                "no restriction: every non-loopback local address",
+                json!({}),
+                &own,
+                vec!["192.0.2.10", "198.51.100.7", "203.0.113.10", "2001:db8::10", "fe80::1"],
+            ),
+            ("one CIDR", json!({"cidrs": ["203.0.113.0/24"]}), &own, vec!["203.0.113.10"]),
+            (
+                "CIDRs of both families",
+                json!({"cidrs": ["192.0.2.0/24", "2001:db8::/64"]}),
+                &own,
+                vec!["192.0.2.10", "2001:db8::10"],
+            ),
+            ("loopback never, even inside the CIDR", json!({"cidrs": ["127.0.0.0/8"]}), &own, vec![]),
+            (
+                "an interface",
+                json!({"interfaces": ["eth0"]}),
+                &own,
+                vec!["192.0.2.10", "2001:db8::10", "fe80::1"],
+            ),
+            (
+                "interface and CIDR: both",
+                json!({"interfaces": ["eth0"], "cidrs": ["2001:db8::/32"]}),
+                &own,
+                vec!["2001:db8::10"],
+            ),
+            ("lo, not its loopback", json!({"interfaces": ["lo"]}), &own, vec!["198.51.100.7"]),
+            (
+                "types: the Node object's, on this node",
+                json!({"types": ["ExternalIP"]}),
+                &kube,
+                vec!["203.0.113.10"],
+            ),
+            ("InternalIP", json!({"types": ["InternalIP"]}), &kube, vec!["192.0.2.10"]),
+            (
+                "types without a Node object (manifests): nothing",
+                json!({"types": ["InternalIP"]}),
+                &own,
+                vec![],
+            ),
+            ("an interface nobody has", json!({"interfaces": ["eth9"]}), &own, vec![]),
+        ];
+        for (name, addresses, facts, want) in cases {
+            let pool = validate(
+                "p",
+                None,
+                None,
+                &spec(json!({"ports": [{"start": 1, "end": 2}], "addresses": addresses})),
+            )
+            .unwrap_or_else(|e| panic!("{name}: {e:?}"));
+            let got: Vec<IpAddr> = pool.addresses.select(facts).into_iter().collect();
+            let mut want: Vec<IpAddr> = want.iter().map(|a| a.parse().unwrap()).collect();
+            want.sort();
+            assert_eq!(got, want, "{name}");
+        }
+    }
+
+    /// What the leader publishes: it sees Node objects, not interfaces.
+    #[test]
+    fn published_addresses() {
+        let f = |v: serde_json::Value| {
+            validate("p", None, None, &spec(json!({"ports": [{"start": 1, "end": 2}], "addresses": v})))
+                .unwrap()
+                .addresses
+        };
+        let a: IpAddr = "203.0.113.10".parse().unwrap();
+        let ext = Some(AddressType::ExternalIp);
+        assert!(f(json!({})).publishes(None, &a));
+        assert!(f(json!({"cidrs": ["203.0.113.0/24"]})).publishes(ext, &a));
+        assert!(!f(json!({"cidrs": ["192.0.2.0/24"]})).publishes(ext, &a));
+        assert!(f(json!({"types": ["ExternalIP"]})).publishes(ext, &a));
+        assert!(!f(json!({"types": ["InternalIP"]})).publishes(ext, &a));
+        assert!(!f(json!({"types": ["ExternalIP"]})).publishes(None, &a));
+        assert!(f(json!({"interfaces": ["eth1"]})).publishes(ext, &a));
+    }
+
+    #[test]
+    fn usage_counts_what_each_pool_holds_and_what_is_free_anywhere() {
+        let pools = vec![
+            pool("a", 1, json!({"ports": [{"start": 20000, "end": 20009}]})),
+            pool("b", 2, json!({"ports": [{"start": 20005, "end": 20019}]})),
+            pool("drained", 3, json!({"ports": [{"start": 21000, "end": 21004}], "disabled": true})),
+        ];
+        let set = PoolSet::resolve(pools, true, PortRange::default(), &[&BTreeMap::new()]);
+        let key = |n: &str| ServiceKey::new("default", n);
+        let port = |n: u16| BTreeMap::from([(crate::domain::PortId::tcp(80), n)]);
+        let allocations: Allocations = BTreeMap::from([
+            (key("x"), port(20001)),
+            (key("y"), port(20012)),
+            (key("z"), port(21002)),
+            // Held by a Service of no pool (e.g. before pools): still not free in "a".
+            (key("w"), port(20002)),
+        ]);
+        let (x, y, z) = (key("x"), key("y"), key("z"));
+        let members = [(&x, "a"), (&y, "b"), (&z, "drained")];
+        let got: Vec<(String, usize, usize)> =
+            usage(&set, &allocations, members).into_iter().map(|u| (u.name, u.allocated, u.free)).collect();
+        // "b" is newer and overlaps "a" on the node both select: it keeps 20010-20019 only.
+        let want = vec![("a".to_string(), 1, 8), ("b".to_string(), 1, 9), ("drained".to_string(), 1, 0)];
+        assert_eq!(got, want);
+        let implicit = PoolSet::resolve(vec![], false, PortRange { first: 20000, last: 20099 }, &[]);
+        assert_eq!(usage(&implicit, &allocations, []), vec![], "--port-range has its own gauge");
     }
 }

@@ -64,4 +64,8 @@ pub struct ServiceStatus {
     /// `sessionAffinity: ClientIP` is honoured, with this timeout (seconds).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub session_affinity_seconds: Option<u32>,
+    /// The NodePortPool the Service is allocated from (none while no pool object exists: the
+    /// flags' range).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub pool: Option<String>,
 }

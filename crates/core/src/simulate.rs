@@ -146,9 +146,12 @@ fn rule_sets(rule: &Rule) -> Vec<&String> {
         .iter()
         .filter_map(|e| match e {
             Expr::L4ProtoDportVmap { map }
+            | Expr::DaddrL4ProtoDportVmap { map, .. }
             | Expr::L4ProtoCtOrigDportVmap { map }
             | Expr::L4ProtoCtOrigDportCounterMap { map } => Some(map),
             Expr::SaddrTwiceL4ProtoSportInSet { set, .. }
+            | Expr::L4ProtoDportInSet { set }
+            | Expr::DaddrL4ProtoDportInSet { set, .. }
             | Expr::SaddrDaddrL4ProtoDportInSet { set, .. }
             | Expr::SaddrInSet { set, .. }
             | Expr::UpdateSaddr { set, .. } => Some(set),

@@ -350,6 +350,7 @@ mod tests {
                 listening: &BTreeMap::new(),
                 serving: &serving,
                 pool_nodes: None,
+                pool_addresses: None,
                 now: k8s_openapi::jiff::Timestamp::from_second(1_700_000_000).unwrap(),
             };
             (

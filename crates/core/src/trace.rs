@@ -255,6 +255,21 @@ fn run_rule(rs: &Ruleset, rule: &crate::ir::Rule, st: &mut State<'_>) -> RuleEnd
                     _ => false,
                 }
             }
+            Expr::L4ProtoDportInSet { set } => {
+                let key = vec![KeyPart::Proto(pkt.protocol), KeyPart::Port(dport)];
+                rs.sets.get(set).is_some_and(|s| s.elements.contains_key(&key))
+            }
+            Expr::DaddrL4ProtoDportInSet { set, .. } => {
+                let key = vec![KeyPart::Addr(daddr), KeyPart::Proto(pkt.protocol), KeyPart::Port(dport)];
+                rs.sets.get(set).is_some_and(|s| s.elements.contains_key(&key))
+            }
+            Expr::DaddrL4ProtoDportVmap { map, .. } => {
+                let key = vec![KeyPart::Addr(daddr), KeyPart::Proto(pkt.protocol), KeyPart::Port(dport)];
+                match rs.sets.get(map).and_then(|s| s.elements.get(&key)) {
+                    Some(Some(Mapped::Verdict(v))) => return RuleEnd::Verdict(v.clone()),
+                    _ => false,
+                }
+            }
             Expr::L4ProtoCtOrigDportCounterMap { map } => {
                 let key = vec![KeyPart::Proto(pkt.protocol), KeyPart::Port(pkt.dport)];
                 match rs.sets.get(map).and_then(|s| s.elements.get(&key)) {

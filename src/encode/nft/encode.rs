@@ -806,6 +806,26 @@ impl Lower {
         self.lookup(set, id, false);
     }
 
+    /// `meta l4proto . th dport` looked up in `set` (`map`: its verdict is the rule's).
+    fn l4proto_dport_lookup(&mut self, set: &str, map: bool, enc: &Enc) {
+        self.meta_load(NFT_META_L4PROTO, 0);
+        self.payload(NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2, 1);
+        let id = enc.set_ids.get(set).copied();
+        self.lookup(set, id, map);
+    }
+
+    /// `<family> daddr . meta l4proto . th dport` looked up in `set` (`map`: its verdict).
+    fn daddr_l4proto_dport_lookup(&mut self, family: Family, set: &str, map: bool, enc: &Enc) {
+        self.need_nfproto(family);
+        let (_, daddr, len) = addr_fields(family);
+        let slot = len / 4;
+        self.payload(NFT_PAYLOAD_NETWORK_HEADER, daddr, len, 0);
+        self.meta_load(NFT_META_L4PROTO, slot);
+        self.payload(NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2, slot + 1);
+        let id = enc.set_ids.get(set).copied();
+        self.lookup(set, id, map);
+    }
+
     fn expr(&mut self, e: &Expr, enc: &mut Enc) -> Result<(), NftError> {
         match e {
             Expr::NfProto(f) => {
@@ -850,11 +870,13 @@ impl Lower {
                 // nft sends this name without a NUL (the kernel takes either).
                 w.put(NFTA_OBJREF_IMM_NAME, name.as_bytes());
             }),
-            Expr::L4ProtoDportVmap { map } => {
-                self.meta_load(NFT_META_L4PROTO, 0);
-                self.payload(NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2, 1);
-                let id = enc.set_ids.get(map).copied();
-                self.lookup(map, id, true);
+            Expr::L4ProtoDportVmap { map } => self.l4proto_dport_lookup(map, true, enc),
+            Expr::L4ProtoDportInSet { set } => self.l4proto_dport_lookup(set, false, enc),
+            Expr::DaddrL4ProtoDportVmap { family, map } => {
+                self.daddr_l4proto_dport_lookup(*family, map, true, enc)
+            }
+            Expr::DaddrL4ProtoDportInSet { family, set } => {
+                self.daddr_l4proto_dport_lookup(*family, set, false, enc)
             }
             Expr::L4ProtoCtOrigDportVmap { map } => {
                 self.ct_orig_proto_port(enc);

@@ -55,6 +55,52 @@ impl<K: Ord + Clone> Deduper<K> {
     }
 }
 
+/// One-time Events: a transition (a node port moved) that the next round's state no longer shows
+/// once the write it describes has happened. The [`Deduper`] forgets what a round no longer
+/// computes, so such an Event whose write to the API failed would be lost; here it stays until
+/// sent. Kept once per (object, reason, message), so a transition still computed while it waits
+/// is not queued twice.
+#[derive(Debug)]
+pub struct Outbox<K: Ord + Clone, T> {
+    items: BTreeMap<(K, &'static str, String), T>,
+}
+
+impl<K: Ord + Clone, T> Default for Outbox<K, T> {
+    fn default() -> Self {
+        Outbox { items: BTreeMap::new() }
+    }
+}
+
+impl<K: Ord + Clone, T> Outbox<K, T> {
+    /// Queues `item` under `key` (object, reason, message) unless it waits already.
+    pub fn add(&mut self, key: (K, &'static str, String), item: T) {
+        self.items.entry(key).or_insert(item);
+    }
+
+    /// What waits, oldest key first.
+    pub fn waiting(&self) -> impl Iterator<Item = (&(K, &'static str, String), &T)> {
+        self.items.iter()
+    }
+
+    /// Sent: no longer waits.
+    pub fn sent(&mut self, key: &(K, &'static str, String)) {
+        self.items.remove(key);
+    }
+
+    /// Drops what waits for objects `keep` refuses (gone: nothing to record it on).
+    pub fn retain_objects(&mut self, keep: impl Fn(&K) -> bool) {
+        self.items.retain(|(k, _, _), _| keep(k));
+    }
+
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -98,6 +144,38 @@ mod tests {
         let round3 = [("web", "Allocated", "80/TCP=20002")];
         assert!(round(&mut d, &round3).is_empty());
         assert_eq!(round(&mut d, &round2), vec![&round2[1]], "a recurrence is recorded again");
+    }
+
+    /// A transition Event whose send failed is retried although the next round no longer
+    /// computes it, is not queued twice while it is computed again, and goes with its object.
+    #[test]
+    fn one_time_events_wait_until_sent() {
+        let mut d: Deduper<&str> = Deduper::default();
+        let mut out: Outbox<&str, Ev> = Outbox::default();
+        let moved = ("web", "NodePortReallocated", "80/TCP: 20001 → 20101");
+        // Round 1: computed, queued, the send fails.
+        for e in d.pending(&[moved], k) {
+            out.add(k(e), *e);
+        }
+        assert_eq!(out.len(), 1);
+        // Round 2: still computed (the annotation write failed too): not queued twice.
+        for e in d.pending(&[moved], k) {
+            out.add(k(e), *e);
+        }
+        assert_eq!(out.len(), 1, "once");
+        // Round 3: the annotation is written, the state no longer shows it: it still waits.
+        assert!(d.pending(&[], k).is_empty());
+        let waiting: Vec<Ev> = out.waiting().map(|(_, e)| *e).collect();
+        assert_eq!(waiting, [moved]);
+        // Sent: gone, and the deduper knows it (not queued again if computed once more).
+        out.sent(&k(&moved));
+        d.sent(k(&moved));
+        assert!(out.is_empty());
+        assert!(d.pending(&[moved], k).is_empty());
+        // A Service deleted while its Event waits: nothing to record it on.
+        out.add(k(&moved), moved);
+        out.retain_objects(|o| *o != "web");
+        assert!(out.is_empty());
     }
 
     #[test]

@@ -26,6 +26,7 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use crate::domain::{Family, Protocol};
 use crate::endpoint_policy::HostAddresses;
 use crate::model::LABEL_EXCLUDE_LB;
+use crate::pool::AddressType;
 use crate::port_policy::Listeners;
 
 /// Prefix of the per-node Lease names (`nodelb-node-<node>`).
@@ -63,6 +64,40 @@ pub fn node_addresses(node: &Node, allowed: &[IpNet]) -> Vec<IpAddr> {
     }
     out.sort();
     out.dedup();
+    out
+}
+
+/// The addresses of a Node the leader publishes for a Service whose node port pool restricts
+/// addresses (`filter`): every IP address in its `status.addresses` the filter accepts
+/// ([`crate::pool::AddressFilter::publishes`]), restricted to `allowed` (`--node-addresses`)
+/// when not empty, sorted. Unlike [`node_addresses`], InternalIP and ExternalIP alike: the pool
+/// says which.
+pub fn pool_addresses(node: &Node, filter: &crate::pool::AddressFilter, allowed: &[IpNet]) -> Vec<IpAddr> {
+    let mut out: Vec<IpAddr> = node
+        .status
+        .as_ref()
+        .and_then(|s| s.addresses.as_ref())
+        .into_iter()
+        .flatten()
+        .filter_map(|a| Some((AddressType::parse(&a.type_), a.address.trim().parse::<IpAddr>().ok()?)))
+        .filter(|(kind, ip)| filter.publishes(*kind, ip))
+        .map(|(_, ip)| ip)
+        .filter(|ip| allowed.is_empty() || allowed.iter().any(|n| n.contains(ip)))
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// A Node's `status.addresses` of the types a node port pool can name (`ExternalIP`,
+/// `InternalIP`), by address.
+pub fn address_types(node: &Node) -> BTreeMap<IpAddr, BTreeSet<AddressType>> {
+    let mut out: BTreeMap<IpAddr, BTreeSet<AddressType>> = BTreeMap::new();
+    for a in node.status.as_ref().and_then(|s| s.addresses.as_ref()).into_iter().flatten() {
+        if let (Some(kind), Ok(ip)) = (AddressType::parse(&a.type_), a.address.trim().parse::<IpAddr>()) {
+            out.entry(ip).or_default().insert(kind);
+        }
+    }
     out
 }
 
@@ -195,6 +230,37 @@ mod tests {
     fn node(name: &str, addrs: &[(&str, &str)]) -> Node {
         let addrs: Vec<_> = addrs.iter().map(|(t, a)| json!({"type": t, "address": a})).collect();
         serde_json::from_value(json!({"metadata": {"name": name}, "status": {"addresses": addrs}})).unwrap()
+    }
+
+    #[test]
+    fn pool_addresses_follow_the_filter() {
+        let n = node(
+            "n",
+            &[
+                ("InternalIP", "192.0.2.1"),
+                ("ExternalIP", "203.0.113.1"),
+                ("Hostname", "n"),
+                ("InternalIP", "2001:db8::1"),
+            ],
+        );
+        let filter = |v: serde_json::Value| {
+            let spec =
+                serde_json::from_value(json!({"ports": [{"start": 1, "end": 2}], "addresses": v})).unwrap();
+            crate::pool::validate("p", None, None, &spec).unwrap().addresses
+        };
+        let ips = |v: &[&str]| v.iter().map(|a| a.parse::<IpAddr>().unwrap()).collect::<Vec<_>>();
+        assert_eq!(pool_addresses(&n, &filter(json!({"cidrs": ["192.0.2.0/24"]})), &[]), ips(&["192.0.2.1"]));
+        assert_eq!(
+            pool_addresses(&n, &filter(json!({"types": ["InternalIP"]})), &[]),
+            ips(&["192.0.2.1", "2001:db8::1"])
+        );
+        assert_eq!(pool_addresses(&n, &filter(json!({"types": ["ExternalIP"]})), &[]), ips(&["203.0.113.1"]));
+        let only_v6: Vec<IpNet> = vec!["2001:db8::/32".parse().unwrap()];
+        assert_eq!(
+            pool_addresses(&n, &filter(json!({"types": ["InternalIP"]})), &only_v6),
+            ips(&["2001:db8::1"])
+        );
+        assert!(pool_addresses(&n, &filter(json!({"cidrs": ["198.51.100.0/24"]})), &[]).is_empty());
     }
 
     fn t(s: i64) -> Timestamp {

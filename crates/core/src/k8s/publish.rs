@@ -299,12 +299,35 @@ pub struct Round<'a, S = Service> {
     /// Per Service whose node port pool restricts nodes, the nodes it selects (absent: every
     /// node); its status lists only those.
     pub pool_nodes: Option<&'a BTreeMap<ServiceKey, BTreeSet<String>>>,
+    /// Per Service whose node port pool restricts node addresses, per node, the addresses its
+    /// status lists ([`super::nodes::pool_addresses`]); a node with none is not listed.
+    pub pool_addresses: Option<&'a BTreeMap<ServiceKey, BTreeMap<String, Vec<std::net::IpAddr>>>>,
     pub now: Timestamp,
 }
 
 impl<S> Round<'_, S> {
-    /// The serving nodes of `key`'s pool.
+    /// The serving nodes of `key`'s pool, with the addresses it publishes.
     fn serving_of(&self, key: &ServiceKey) -> std::borrow::Cow<'_, BTreeMap<String, ServingNode>> {
+        let nodes = self.nodes_of(key);
+        let Some(addresses) = self.pool_addresses.and_then(|m| m.get(key)) else { return nodes };
+        std::borrow::Cow::Owned(
+            nodes
+                .iter()
+                .filter_map(|(n, s)| {
+                    let on: Vec<std::net::IpAddr> = addresses
+                        .get(n)?
+                        .iter()
+                        .copied()
+                        .filter(|a| s.families.contains(&Family::of(a)))
+                        .collect();
+                    (!on.is_empty()).then(|| (n.clone(), ServingNode { addresses: on, ..s.clone() }))
+                })
+                .collect(),
+        )
+    }
+
+    /// The serving nodes `key`'s pool selects.
+    fn nodes_of(&self, key: &ServiceKey) -> std::borrow::Cow<'_, BTreeMap<String, ServingNode>> {
         match self.pool_nodes.and_then(|m| m.get(key)) {
             None => std::borrow::Cow::Borrowed(self.serving),
             Some(names) => std::borrow::Cow::Owned(
@@ -489,6 +512,11 @@ pub struct ServiceEvent {
     pub reason: &'static str,
     pub message: String,
 }
+
+/// Reasons of Events that describe a transition, not a state: once the write they describe is
+/// done, no later round computes them again, so they wait in an [`super::events::Outbox`] until
+/// the API accepted them.
+pub const ONE_TIME_REASONS: &[&str] = &["NodePortReallocated"];
 
 /// The Events describing a round's state; the deduper turns them into "once per change".
 pub fn service_events<S>(round: &Round<'_, S>, duplicates: &[Duplicate]) -> Vec<ServiceEvent> {
@@ -783,6 +811,7 @@ mod tests {
                 listening: &BTreeMap::new(),
                 serving: serving_nodes,
                 pool_nodes: None,
+                pool_addresses: None,
                 now: t(0),
             })
         }
@@ -1032,6 +1061,7 @@ mod tests {
             listening: &nothing_listens,
             serving: if node_ready { &nodes } else { &no_nodes },
             pool_nodes: None,
+            pool_addresses: None,
             now,
         };
         let later = plan_writes(&round(true, t(60)));
@@ -1095,6 +1125,7 @@ mod tests {
             listening: &BTreeMap::new(),
             serving: &none,
             pool_nodes: None,
+            pool_addresses: None,
             now: t(0),
         };
         let reasons: Vec<&str> = service_events(&round, &[]).iter().map(|e| e.reason).collect();
