@@ -73,6 +73,14 @@ struct Config {
     only: Vec<String>,
     /// `--agent-log DIR`: keep the agents' logs there (they have a per-sync time breakdown).
     agent_log: Option<String>,
+    /// `--scale`: the scale mode (issue 15) at [`Config::scale_sizes`] instead of the comparison.
+    scale: bool,
+    /// `--scale-sizes 10000,50000`.
+    scale_sizes: Vec<usize>,
+    /// Extra arguments of every agent the benchmark starts.
+    agent_args: Vec<String>,
+    /// Node port the reaction benchmark requests (by annotation).
+    reaction_port: u16,
 }
 
 impl Config {
@@ -109,6 +117,10 @@ fn config() -> Config {
             svg_link: String::new(),
             only: Vec::new(),
             agent_log: None,
+            scale: false,
+            scale_sizes: Vec::new(),
+            agent_args: Vec::new(),
+            reaction_port: REACTION_NODE_PORT,
         }
     } else {
         Config {
@@ -128,6 +140,10 @@ fn config() -> Config {
             svg_link: String::new(),
             only: Vec::new(),
             agent_log: None,
+            scale: false,
+            scale_sizes: Vec::new(),
+            agent_args: Vec::new(),
+            reaction_port: REACTION_NODE_PORT,
         }
     };
     if let Some(s) = value("--sizes") {
@@ -153,6 +169,29 @@ fn config() -> Config {
         }
     }
     c.agent_log = value("--agent-log");
+    if args.iter().any(|a| a == "--scale") {
+        // Up to 50,000 Services: node ports from 1024 (the default range holds 10,000), the
+        // reaction Service's port outside the range so no filler can hold it.
+        c.scale = true;
+        c.scale_sizes = vec![10_000, 50_000];
+        c.reps = 3;
+        c.conns = 3_000;
+        c.warmup = 300;
+        c.reaction_changes = 40;
+        c.footprint_endpoints = 5;
+        c.agent_args =
+            ["--port-range", "1024-64999", "--allowed-node-ports", "65000"].map(String::from).to_vec();
+        c.reaction_port = 65_000;
+        if let Some(s) = value("--scale-sizes") {
+            c.scale_sizes = s.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+        }
+        if let Some(r) = value("--reps").and_then(|r| r.parse().ok()) {
+            c.reps = r;
+        }
+        if let Some(n) = value("--changes").and_then(|r| r.parse().ok()) {
+            c.reaction_changes = n;
+        }
+    }
     c.out = value("--out");
     c.svg = svg;
     c.svg_link = svg_link.unwrap_or_default();
@@ -494,9 +533,10 @@ fn iperf_svc() -> BenchSvc {
 fn filler(i: usize) -> BenchSvc {
     BenchSvc {
         name: format!("fill-{i}"),
-        node_port: 20000 + i as u16,
+        // 20001… up to 45,535 Services, then from 1024 (the scale mode's 50,000).
+        node_port: if i <= 45_535 { 20000 + i as u16 } else { 1024 + (i - 45_536) as u16 },
         dest: Ipv4Addr::new(198, 51, 100, 100 + (i % 150) as u8),
-        dest_port: 10000 + i as u16,
+        dest_port: 10000 + (i % 50_000) as u16,
     }
 }
 
@@ -637,6 +677,10 @@ struct Results {
     reaction: Option<Reaction>,
     kube_reaction: Option<Reaction>,
     footprint: Option<Footprint>,
+    /// Kubernetes mode: (Services + slices created, all programmed), seconds from the first create.
+    kube_setup: Option<(f64, f64)>,
+    /// The scale mode: N → what the agents measured at N.
+    scale: BTreeMap<usize, ScaleAgents>,
     legacy: bool,
 }
 
@@ -670,6 +714,15 @@ impl Results {
             self.notes.push(s);
         }
     }
+}
+
+/// The agent measurements of the scale mode at one N.
+#[derive(Default)]
+struct ScaleAgents {
+    footprint: Option<Footprint>,
+    reaction: Option<Reaction>,
+    kube_reaction: Option<Reaction>,
+    kube_setup: Option<(f64, f64)>,
 }
 
 struct Reaction {
@@ -793,8 +846,9 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
         run_nat_floor(cfg, &b, n, tput_now, &mut rep, r);
     }
     // (e) nodelb with ClientIP affinity, likewise before and after nodelb in turn.
+    // The scale mode compares nodelb with the NAT floor only (no affinity, no klipper).
     let affinity_first = floor_first;
-    if affinity_first {
+    if affinity_first && !cfg.scale {
         run_affinity(cfg, &b, n, &svcs, &mut rep, r);
     }
 
@@ -828,12 +882,14 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
         Err(e) => r.note(format!("nodelb remove one at N={n}: {e}")),
     }
     nodelb_delete(b.node());
-    match run_in_stdin(b.node(), "nft", &["-f", "-"], rs.render()) {
-        Ok(d) => r.prog(n, "nft -f of render() (same ruleset)", d),
-        Err(e) => r.note(format!("nft -f at N={n}: {e}")),
+    if !cfg.scale {
+        match run_in_stdin(b.node(), "nft", &["-f", "-"], rs.render()) {
+            Ok(d) => r.prog(n, "nft -f of render() (same ruleset)", d),
+            Err(e) => r.note(format!("nft -f at N={n}: {e}")),
+        }
+        nodelb_delete(b.node());
     }
-    nodelb_delete(b.node());
-    if !affinity_first {
+    if !affinity_first && !cfg.scale {
         run_affinity(cfg, &b, n, &svcs, &mut rep, r);
     }
     if !floor_first {
@@ -851,7 +907,7 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
         ("klipper-nft", "iptables-nft", "iptables-nft-restore"),
         ("klipper-legacy", "iptables-legacy", "iptables-legacy-restore"),
     ] {
-        if variant == "klipper-legacy" && !r.legacy {
+        if cfg.scale || (variant == "klipper-legacy" && !r.legacy) {
             continue;
         }
         if rep_no == 0 && n <= cfg.per_command_max {
@@ -910,6 +966,111 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
     for (v, s) in rep {
         r.rep_p50.entry((n, rep_no)).or_default().insert(v, s.p(0.5));
         r.conn.entry((n, v)).or_default().extend(s);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The scale mode (issue 15)
+
+/// Endpoints per Service of the scale mode's programming rows: × 1 and × 5.
+const SCALE_ENDPOINTS: [usize; 2] = [1, 5];
+
+/// (user, system) CPU time of the calling thread, ms.
+fn thread_cpu_ms() -> (f64, f64) {
+    use nix::sys::resource::{UsageWho, getrusage};
+    let u = getrusage(UsageWho::RUSAGE_THREAD).expect("getrusage");
+    let ms = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 * 1e3 + t.tv_usec() as f64 / 1e3;
+    (ms(u.user_time()), ms(u.system_time()))
+}
+
+/// Kernel programming at N × 1 and N × 5 endpoints, in a namespace of its own: the pure plan, one
+/// full replace through `NftClient::apply` (wall and kernel time of the thread), then adding and
+/// removing one Service as a diff; `cfg.reps` times each (`scale_ruleset`, the programming bench's).
+fn run_scale_programming(cfg: &Config, n: usize, r: &mut Results) {
+    for e in SCALE_ENDPOINTS {
+        let t = Instant::now();
+        let base = common::scenarios::scale_ruleset(n, e, false);
+        r.prog(n, &format!("plan (pure) × {e}"), t.elapsed());
+        let plus = common::scenarios::scale_ruleset(n + 1, e, false);
+        let t = Instant::now();
+        let add = plan::diff(&base, &plus);
+        r.prog(n, &format!("diff (pure, add one) × {e}"), t.elapsed());
+        let remove = plan::diff(&plus, &base);
+        drop(plus);
+        let ns = NetNs::new("scp");
+        let reps = cfg.reps;
+        let rows = ns.run(move || -> Result<Vec<[f64; 4]>, String> {
+            let mut c = NftClient::new().map_err(|e| e.to_string())?;
+            let mut rows = Vec::new();
+            for _ in 0..reps {
+                let (_, s0) = thread_cpu_ms();
+                let t = Instant::now();
+                c.apply(&base.full_replace()).map_err(|e| format!("full replace: {e}"))?;
+                let full = t.elapsed().as_secs_f64() * 1e3;
+                let sys = thread_cpu_ms().1 - s0;
+                let t = Instant::now();
+                c.apply(&add).map_err(|e| format!("add one: {e}"))?;
+                let a = t.elapsed().as_secs_f64() * 1e3;
+                let t = Instant::now();
+                c.apply(&remove).map_err(|e| format!("remove one: {e}"))?;
+                rows.push([full, sys, a, t.elapsed().as_secs_f64() * 1e3]);
+            }
+            let _ = c.delete_table();
+            Ok(rows)
+        });
+        match rows {
+            Ok(rows) => {
+                for [full, sys, a, rm] in rows {
+                    let ms = |x: f64| Duration::from_secs_f64(x / 1e3);
+                    r.prog(n, &format!("full sync × {e}"), ms(full));
+                    r.prog(n, &format!("full sync × {e}: kernel (system) time"), ms(sys));
+                    r.prog(n, &format!("add one × {e}"), ms(a));
+                    r.prog(n, &format!("remove one × {e}"), ms(rm));
+                }
+            }
+            Err(err) => r.note(format!("scale programming at N={n} × {e}: {err}")),
+        }
+    }
+}
+
+/// Every part of the scale mode at each N of `--scale-sizes`.
+fn run_scale(cfg: &Config, r: &mut Results, t: Instant) {
+    for &n in &cfg.scale_sizes {
+        if cfg.wants("dataplane") {
+            eprintln!("[{:>6.1}s] scale N = {n}: programming", t.elapsed().as_secs_f64());
+            run_scale_programming(cfg, n, r);
+            for rep in 0..cfg.reps {
+                eprintln!(
+                    "[{:>6.1}s] scale N = {n}: NAT floor, repetition {}",
+                    t.elapsed().as_secs_f64(),
+                    rep + 1
+                );
+                run_rep(cfg, n, rep, r);
+            }
+        }
+        let (reaction, footprint) = (cfg.wants("reaction"), cfg.wants("footprint"));
+        if reaction || footprint {
+            eprintln!("[{:>6.1}s] scale N = {n}: agent (manifests mode)", t.elapsed().as_secs_f64());
+            run_agent(cfg, n, footprint, reaction, r);
+        }
+        if cfg.wants("kube-reaction") {
+            eprintln!("[{:>6.1}s] scale N = {n}: agent (Kubernetes mode)", t.elapsed().as_secs_f64());
+            // A failure of the API server part (it is the longest) keeps what was measured before it.
+            let mut part = Results::default();
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_kube(cfg, n, &mut part))) {
+                Ok(()) => {
+                    r.kube_reaction = part.kube_reaction.take();
+                    r.kube_setup = part.kube_setup.take();
+                    part.notes.into_iter().for_each(|s| r.note(s));
+                }
+                Err(_) => r.note(format!("Kubernetes mode at N={n} failed (see the log above)")),
+            }
+        }
+        let a = r.scale.entry(n).or_default();
+        a.footprint = r.footprint.take();
+        a.reaction = r.reaction.take();
+        a.kube_reaction = r.kube_reaction.take();
+        a.kube_setup = r.kube_setup.take();
     }
 }
 
@@ -1006,7 +1167,9 @@ fn run_agent(cfg: &Config, n: usize, footprint: bool, reaction: bool, r: &mut Re
     let files = agent_manifests(n, cfg.footprint_endpoints);
     let refs: Vec<(&str, String)> = files.iter().map(|(a, b)| (a.as_str(), b.clone())).collect();
     let t0 = Instant::now();
-    let mut agent = Agent::start(b.node(), &refs, &["--resync-period", "10s"]);
+    let mut args = vec!["--resync-period", "10s"];
+    args.extend(cfg.agent_args.iter().map(String::as_str));
+    let mut agent = Agent::start(b.node(), &refs, &args);
     agent.wait_ready(Duration::from_secs(300));
     let ready_s = t0.elapsed().as_secs_f64();
     let pid = agent.pid().expect("agent pid");
@@ -1031,11 +1194,11 @@ fn run_agent(cfg: &Config, n: usize, footprint: bool, reaction: bool, r: &mut Re
     }
 
     if reaction && cfg.reaction_changes > 0 {
-        let addr = SocketAddr::new(IpAddr::V4(NODE_V4), REACTION_NODE_PORT);
+        let addr = SocketAddr::new(IpAddr::V4(NODE_V4), cfg.reaction_port);
         let (mut add_ms, mut remove_ms, mut timeouts) = (Vec::new(), Vec::new(), 0);
         for k in 0..cfg.reaction_changes / 2 {
             let s = ServiceSpec::new(&format!("react-{k}"))
-                .port(PortSpec::tcp(80, Some(REACTION_NODE_PORT)))
+                .port(PortSpec::tcp(80, Some(cfg.reaction_port)))
                 .endpoint(EndpointSpec::local(backend_v4(0)));
             agent.write_manifest("react.yaml", &s.render());
             match poll_live(b.client(), addr, true, Duration::from_secs(5)) {
@@ -1059,28 +1222,63 @@ fn run_agent(cfg: &Config, n: usize, footprint: bool, reaction: bool, r: &mut Re
 /// tests (`tests/common/cluster.rs`), with `n` Services + EndpointSlices. Each change is timed from the
 /// API call to a connection through the node succeeding (create) or being refused (delete).
 fn run_kube(cfg: &Config, n: usize, r: &mut Results) {
-    let c = Cluster::with_nodes(1, 1, &["--resync-period", "10s"]);
+    let mut args = vec!["--resync-period", "10s"];
+    args.extend(cfg.agent_args.iter().map(String::as_str));
+    let c = Cluster::with_nodes(1, 1, &args);
+    // The N Services are single-stack IPv6: their cluster IPs come from the test API server's
+    // IPv6 service range (65,536 addresses; the IPv4 one, a documentation /24, holds 254). The
+    // node gets an IPv6 address so that it serves them; the measured Service is IPv4.
+    c.nodes[0].ip(&["addr", "add", &format!("{KUBE_NODE_V6}/64"), "dev", "eth0", "nodad"]);
+    c.api.patch_status(
+        "v1",
+        "Node",
+        "",
+        &common::cluster::node_name(0),
+        serde_json::json!({"status": {"addresses": [
+            {"type": "InternalIP", "address": node_v4(0).to_string()},
+            {"type": "InternalIP", "address": KUBE_NODE_V6},
+            {"type": "Hostname", "address": common::cluster::node_name(0)},
+        ]}}),
+    );
     let t0 = Instant::now();
-    for i in 0..n {
-        c.create(&agent_service(i, cfg.footprint_endpoints));
-    }
+    // Created by parallel requests (the API server takes them concurrently; one at a time, 50,000
+    // Services and their slices would take most of an hour).
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        for _ in 0..KUBE_CREATE_THREADS {
+            scope.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= n {
+                        break;
+                    }
+                    c.create(&kube_filler(i, cfg.footprint_endpoints));
+                }
+            });
+        }
+    });
+    let created_s = t0.elapsed().as_secs_f64();
+    eprintln!("  {n} Services + EndpointSlices created in {created_s:.1}s");
     let programmed = || {
         c.agents[0].status().map_or(0, |st| {
             st["services"].as_array().map_or(0, |v| v.iter().filter(|s| s["state"] == "programmed").count())
         })
     };
-    if !common::topology::wait_until(Duration::from_secs(300), || programmed() >= n) {
-        r.note(format!("Kubernetes mode: only {} of {n} Services programmed after 300 s", programmed()));
+    let limit = Duration::from_secs(300.max(n as u64 / 20));
+    if !common::topology::wait_until(limit, || programmed() >= n) {
+        r.note(format!("Kubernetes mode: only {} of {n} Services programmed after {limit:?}", programmed()));
     }
-    eprintln!("  {n} Services allocated and programmed in {:.2}s", t0.elapsed().as_secs_f64());
+    let programmed_s = t0.elapsed().as_secs_f64();
+    eprintln!("  {n} Services allocated and programmed in {programmed_s:.2}s");
+    r.kube_setup = Some((created_s, programmed_s));
 
-    let addr = SocketAddr::new(IpAddr::V4(node_v4(0)), REACTION_NODE_PORT);
+    let addr = SocketAddr::new(IpAddr::V4(node_v4(0)), cfg.reaction_port);
     let backend = c.backends[0].v4;
     let (mut add_ms, mut remove_ms, mut allocated_ms, mut timeouts) = (Vec::new(), Vec::new(), Vec::new(), 0);
     for k in 0..cfg.reaction_changes / 2 {
         let name = format!("react-{k}");
         let s = ServiceSpec::new(&name)
-            .port(PortSpec::tcp(80, Some(REACTION_NODE_PORT)))
+            .port(PortSpec::tcp(80, Some(cfg.reaction_port)))
             .endpoint(EndpointSpec::local(backend));
         let start = Instant::now();
         c.create(&s);
@@ -1121,6 +1319,34 @@ fn run_kube(cfg: &Config, n: usize, r: &mut Results) {
     }
     r.kube_reaction = Some(Reaction { n, add_ms, remove_ms, allocated_ms, timeouts });
     keep_log(cfg, "kube-agent.log", &c.agents[0].logs());
+}
+
+/// The node's IPv6 address in Kubernetes mode (for the IPv6 fillers).
+const KUBE_NODE_V6: &str = "2001:db8:f::1";
+/// Parallel requests creating the Kubernetes-mode Services.
+const KUBE_CREATE_THREADS: usize = 16;
+
+/// Filler `svc-<i>` of the Kubernetes mode: [`agent_service`], single-stack IPv6, endpoints at
+/// unused documentation addresses.
+fn kube_filler(i: usize, endpoints: usize) -> ServiceSpec {
+    let mut s = ServiceSpec::new(&format!("svc-{i}"))
+        .port(PortSpec::tcp(80, None))
+        .ipv6_only()
+        .without_kube_node_ports();
+    for e in 0..endpoints {
+        let a = std::net::Ipv6Addr::new(
+            0x2001,
+            0xdb8,
+            0xe,
+            0,
+            0,
+            0,
+            0,
+            1 + ((i * endpoints + e) % 60_000) as u16,
+        );
+        s = s.endpoint(EndpointSpec::local(a));
+    }
+    s
 }
 
 /// Copies an agent's log into `--agent-log DIR`, if given.
@@ -1468,6 +1694,186 @@ fn reaction_table(w: &mut String, x: &Reaction, rows: &[(&str, &Vec<f64>)]) {
     }
 }
 
+/// The scale section: the targets of issue 15 at each N, then what they were measured from.
+fn report_scale(cfg: &Config, r: &Results) -> String {
+    use std::fmt::Write as _;
+    let mut o = String::new();
+    let w = &mut o;
+    let med = |n: usize, op: &str| r.prog.get(&(n, op.to_string())).map_or(f64::NAN, |v| median(v));
+    let fmt = |x: f64, unit: &str| if x.is_nan() { "–".to_string() } else { format!("{x:.1} {unit}") };
+    let sizes = &cfg.scale_sizes;
+    let _ = writeln!(
+        w,
+        "Scale mode: N = {sizes:?} Services, one TCP port each, 5 endpoints each unless said; {} repetitions \
+         (programming, NAT floor); {} changes (half adds, half removals) per reaction run.\n",
+        cfg.reps, cfg.reaction_changes
+    );
+    // Targets of issue 15: (10,000, 50,000).
+    let target = |n: usize, small: f64, large: f64| if n <= 10_000 { small } else { large };
+    let _ = writeln!(w, "| target (issue 15) | N | target | measured | verdict |");
+    let _ = writeln!(w, "|---|---:|---:|---|---|");
+    for &n in sizes {
+        let a = r.scale.get(&n);
+        let fp = a.and_then(|a| a.footprint.as_ref());
+        if let Some(f) = fp {
+            let (t, p) = (target(n, 64.0, 256.0), target(n, 96.0, 384.0));
+            let _ = writeln!(
+                w,
+                "| RSS steady (peak) | {n} | ≤ {t:.0} (≤ {p:.0}) MiB | {:.1} ({:.1}) MiB | {} |",
+                f.rss_mib,
+                f.hwm_mib,
+                verdict(f.rss_mib <= t && f.hwm_mib <= p)
+            );
+            let t = target(n, 3.0, 15.0);
+            let _ = writeln!(
+                w,
+                "| start → ready | {n} | ≤ {t:.0} s | {:.2} s | {} |",
+                f.ready_s,
+                verdict(f.ready_s <= t)
+            );
+        }
+        // Full sync: × 1 endpoint at 10,000, × 5 at 50,000 (the issue's rows).
+        let e = if n <= 10_000 { 1 } else { 5 };
+        let full = med(n, &format!("full sync × {e}"));
+        if !full.is_nan() {
+            let t = target(n, 200.0, 5_000.0);
+            let _ = writeln!(
+                w,
+                "| full sync (one batch, kernel included), × {e} endpoint{} | {n} | ≤ {t:.0} ms | {} (kernel {}) | {} |",
+                if e == 1 { "" } else { "s" },
+                fmt(full, "ms"),
+                fmt(med(n, &format!("full sync × {e}: kernel (system) time")), "ms"),
+                verdict(full <= t)
+            );
+            let (add, rm) = (med(n, "add one × 5"), med(n, "remove one × 5"));
+            let (ta, tr) = (target(n, 5.0, 15.0), target(n, 1.0, 2.0));
+            let _ = writeln!(
+                w,
+                "| add / remove one Service (× 5) | {n} | ≤ {ta:.0} / ≤ {tr:.0} ms | {add:.2} / {rm:.2} ms | {} |",
+                verdict(add <= ta && rm <= tr)
+            );
+        }
+        for (mode, x) in [
+            ("manifests", a.and_then(|a| a.reaction.as_ref())),
+            ("Kubernetes, real API server", a.and_then(|a| a.kube_reaction.as_ref())),
+        ] {
+            let Some(x) = x else { continue };
+            let all: Vec<f64> = x.add_ms.iter().chain(&x.remove_ms).copied().collect();
+            let (p99, t) = (percentile(&all, 0.99), target(n, 150.0, 300.0));
+            let _ = writeln!(
+                w,
+                "| change → rule live p99 ({mode}) | {n} | ≤ {t:.0} ms | {p99:.1} ms (p50 {:.1}; {} not live in 5 s) | {} |",
+                percentile(&all, 0.5),
+                x.timeouts,
+                verdict(p99 <= t && x.timeouts == 0)
+            );
+        }
+        if let Some(f) = fp {
+            let t = target(n, 0.1, 0.5);
+            let _ = writeln!(
+                w,
+                "| steady CPU ({:.0} s window) | {n} | {} | {:.2}% of a core | {} |",
+                f.steady_window_s,
+                if n <= 10_000 { "≈ 0 (≤ 0.1%)" } else { "≤ 0.5%" },
+                f.cpu_steady_pct,
+                verdict(f.cpu_steady_pct <= t)
+            );
+        }
+        let floor = r.paired(n, "nodelb", "nat-floor", |a, f| a - f);
+        if !floor.0.is_nan() {
+            let _ = writeln!(
+                w,
+                "| per-connection cost over the NAT floor (p50, median of repetitions) | {n} | ≤ +3 µs | {:+.1} µs ({:+.1}…{:+.1}) | {} |",
+                floor.0,
+                floor.1,
+                floor.2,
+                verdict(floor.0 <= 3.0)
+            );
+        }
+    }
+
+    let _ = writeln!(w, "\nProgramming (ms, median of {} repetitions; pure rows: one sample):\n", cfg.reps);
+    let mut ops: Vec<&String> = r.prog.keys().filter(|(n, _)| sizes.contains(n)).map(|(_, op)| op).collect();
+    ops.sort();
+    ops.dedup();
+    let _ = writeln!(w, "| operation |{}", sizes.iter().map(|n| format!(" N = {n} |")).collect::<String>());
+    let _ = writeln!(w, "|---|{}", "---:|".repeat(sizes.len()));
+    for op in ops {
+        let cells: String = sizes.iter().map(|&n| format!(" {} |", fmt(med(n, op), "").trim())).collect();
+        let _ = writeln!(w, "| {op} |{cells}");
+    }
+    let _ = writeln!(w, "\nPer-connection cost (p50 µs, differences per repetition, median):\n");
+    let _ = writeln!(w, "| N | nat-floor − direct | nodelb − direct | nodelb − nat-floor (range) |");
+    let _ = writeln!(w, "|---:|---:|---:|---:|");
+    for &n in sizes {
+        let f = r.paired(n, "nodelb", "nat-floor", |a, f| a - f);
+        if f.0.is_nan() {
+            continue;
+        }
+        let _ = writeln!(
+            w,
+            "| {n} | {:+.1} | {:+.1} | {:+.1} ({:+.1}…{:+.1}) |",
+            r.over_direct(n, "nat-floor"),
+            r.over_direct(n, "nodelb"),
+            f.0,
+            f.1,
+            f.2
+        );
+    }
+    for &n in sizes {
+        let Some(a) = r.scale.get(&n) else { continue };
+        if let Some(x) = &a.reaction {
+            let _ = writeln!(w, "\nReaction, manifests mode, N = {n} × 5:\n");
+            reaction_table(
+                w,
+                x,
+                &[("add Service (file written)", &x.add_ms), ("remove Service (file deleted)", &x.remove_ms)],
+            );
+        }
+        if let Some(x) = &a.kube_reaction {
+            let _ = writeln!(
+                w,
+                "\nReaction, Kubernetes mode (real kube-apiserver + etcd; the agent is the leader), N = {n} × 5:\n"
+            );
+            if let Some((created, programmed)) = a.kube_setup {
+                let _ = writeln!(
+                    w,
+                    "Setup: {n} Services + EndpointSlices created in {created:.1} s ({KUBE_CREATE_THREADS} parallel requests), all allocated and programmed {programmed:.1} s after the first create.\n"
+                );
+            }
+            reaction_table(
+                w,
+                x,
+                &[
+                    ("create Service + EndpointSlice", &x.add_ms),
+                    ("… of which: until the allocation is written", &x.allocated_ms),
+                    ("delete Service", &x.remove_ms),
+                ],
+            );
+        }
+        if let Some(f) = &a.footprint {
+            let _ = writeln!(
+                w,
+                "\nFootprint, manifests mode, N = {n} × {}: ready {:.2} s, RSS {:.1} MiB, peak {:.1} MiB, CPU {:.2} s since start, {:.2}% of a core over {:.0} s.",
+                f.endpoints,
+                f.ready_s,
+                f.rss_mib,
+                f.hwm_mib,
+                f.cpu_total_s,
+                f.cpu_steady_pct,
+                f.steady_window_s
+            );
+        }
+    }
+    if !r.notes.is_empty() {
+        let _ = writeln!(w, "\nNotes from the run:\n");
+        for n in &r.notes {
+            let _ = writeln!(w, "- {n}");
+        }
+    }
+    o
+}
+
 fn verdict(ok: bool) -> &'static str {
     if ok { "met" } else { "**missed**" }
 }
@@ -1671,6 +2077,11 @@ fn main() {
         };
         let mut r = Results { legacy, ..Default::default() };
         let t = Instant::now();
+        if cfg.scale {
+            run_scale(&cfg, &mut r, t);
+            eprintln!("[{:>6.1}s] done", t.elapsed().as_secs_f64());
+            return r;
+        }
         let sizes: &[usize] = if cfg.wants("dataplane") { &cfg.sizes } else { &[] };
         for &n in sizes {
             for rep in 0..cfg.reps {
@@ -1715,12 +2126,12 @@ fn main() {
         Ok(r) => r,
         Err(e) => std::panic::resume_unwind(e),
     };
-    let md = report(&cfg, &r);
+    let md = if cfg.scale { report_scale(&cfg, &r) } else { report(&cfg, &r) };
     println!("{md}");
     if let Some(p) = &cfg.out {
         std::fs::write(p, &md).expect("write --out");
     }
-    if let Some(p) = &cfg.svg {
+    if let Some(p) = cfg.svg.as_ref().filter(|_| !cfg.scale) {
         std::fs::write(p, svg(&cfg, &r)).expect("write --svg");
     }
 }

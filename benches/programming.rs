@@ -11,39 +11,13 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use std::collections::BTreeMap;
-use std::net::Ipv4Addr;
 use std::time::Instant;
 
 use common::netns::NetNs;
-use common::scenarios::{ep, node as node_facts, svc};
+use common::scenarios::scale_ruleset;
 use nix::sys::resource::{UsageWho, getrusage};
-use nodelb::domain::{Family, PortId, Protocol};
 use nodelb::encode::nft::NftClient;
-use nodelb::ir::Ruleset;
-use nodelb::model::LbService;
-use nodelb::plan::{self, ServicePlan};
-
-/// `affinity`: every Service with `sessionAffinity: ClientIP` (a dynamic set per endpoint).
-fn ruleset(n: usize, endpoints: usize, affinity: bool) -> Ruleset {
-    let lb: Vec<(LbService, BTreeMap<PortId, u16>)> = (0..n)
-        .map(|i| {
-            let eps = (0..endpoints)
-                .map(|k| {
-                    let a = Ipv4Addr::new(198, 51, 100, 100 + ((i + k) % 150) as u8);
-                    ep(&a.to_string(), 10000 + (i % 50000) as u16, "node-1", true)
-                })
-                .collect();
-            let mut l = svc(&format!("s{i}"), vec![(80, Protocol::Tcp, eps)]);
-            l.session_affinity = affinity.then_some(10_800);
-            let ports = BTreeMap::from([(l.ports[0].id, 20000 + i as u16)]);
-            (l, ports)
-        })
-        .collect();
-    let plans: Vec<ServicePlan<'_>> =
-        lb.iter().map(|(s, p)| ServicePlan { service: s, node_ports: p }).collect();
-    plan::plan(&plans, &node_facts(&[Family::Ipv4]))
-}
+use nodelb::plan;
 
 /// (user, system) CPU time of the calling thread, in ms.
 fn thread_cpu_ms() -> (f64, f64) {
@@ -63,8 +37,8 @@ fn main() {
         args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)?.parse().ok()).unwrap_or(default)
     };
     let (n, endpoints, reps) = (value("--services", 10_000), value("--endpoints", 1), value("--reps", 5));
-    if n == 0 || n > 40_000 || endpoints == 0 || reps == 0 {
-        eprintln!("--services 1..=40000, --endpoints ≥ 1, --reps ≥ 1");
+    if n == 0 || n >= 64_000 || endpoints == 0 || reps == 0 {
+        eprintln!("--services 1..64000, --endpoints ≥ 1, --reps ≥ 1");
         std::process::exit(2);
     }
     if !nix::unistd::Uid::effective().is_root() {
@@ -73,8 +47,8 @@ fn main() {
     }
     let affinity = args.iter().any(|a| a == "--affinity");
     let t = Instant::now();
-    let base = ruleset(n, endpoints, affinity);
-    let plus = ruleset(n + 1, endpoints, affinity);
+    let base = scale_ruleset(n, endpoints, affinity);
+    let plus = scale_ruleset(n + 1, endpoints, affinity);
     let plan_ms = t.elapsed().as_secs_f64() * 1e3 / 2.0;
     let add = plan::diff(&base, &plus);
     let remove = plan::diff(&plus, &base);

@@ -490,3 +490,39 @@ fn affinity_draws_are_the_plain_cascade() {
         );
     }
 }
+
+/// The names derived from a port's identity built once (`plan::PortNames`) are the names the
+/// kernels of running nodes hold: 32 bits of FNV-1a over `kind|family|ns/name/proto/port`
+/// (`|node port` for chains), then the sanitized identity, cut to 200 bytes. A change here would
+/// rename every chain and counter of every node on upgrade.
+#[test]
+fn port_names_are_the_hash_of_the_formatted_identity() {
+    let mut long = svc("web", vec![(80, Protocol::Tcp, vec![])]);
+    long.key.namespace = "n".repeat(63);
+    long.key.name = "x.y z".repeat(40);
+    for s in [svc("web", vec![(8443, Protocol::Udp, vec![])]), long] {
+        let port = &s.ports[0];
+        let identity =
+            format!("{}/{}/{}/{}", s.key.namespace, s.key.name, port.id.protocol.name(), port.id.port);
+        let readable: String = identity
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() || "/-_.".contains(c) { c } else { '.' })
+            .collect();
+        for (f, digit) in [(Family::Ipv4, '4'), (Family::Ipv6, '6')] {
+            let want = |kind: &str, key: String| {
+                let hash = nodelb::domain::fnv1a(key.as_bytes()) as u32;
+                let mut n = format!("{kind}{digit}-{hash:08x}-{readable}");
+                n.truncate(200);
+                n
+            };
+            let names = plan::PortNames::new(f, &s, port);
+            let fam = f.name();
+            assert_eq!(names.connections_counter(), want("conn", format!("conn|{fam}|{identity}")));
+            assert_eq!(names.forwarded_counter(), want("fwd", format!("fwd|{fam}|{identity}")));
+            assert_eq!(names.refused_counter(), want("refused", format!("refused|{fam}|{identity}")));
+            assert_eq!(names.service_chain(20001), want("svc", format!("svc|{fam}|{identity}|20001")));
+            assert_eq!(names.firewall_chain(20001), want("fw", format!("fw|{fam}|{identity}|20001")));
+            assert_eq!(names.port_comment(20001, ""), plan::port_comment(&s, port, 20001, ""));
+        }
+    }
+}

@@ -86,6 +86,9 @@ pub struct ServiceSpec {
     pub with_slices: bool,
     /// `sessionAffinity: ClientIP` with this `timeoutSeconds` (`None`: no affinity).
     pub affinity_timeout: Option<u32>,
+    /// `allocateLoadBalancerNodePorts: false` (the API server's NodePort range, 30000-32767,
+    /// holds 2,768 Services; nodelb does not use those ports).
+    pub no_kube_node_ports: bool,
 }
 
 impl ServiceSpec {
@@ -101,6 +104,7 @@ impl ServiceSpec {
             endpoints: Vec::new(),
             with_slices: true,
             affinity_timeout: None,
+            no_kube_node_ports: false,
         }
     }
     pub fn client_ip_affinity(mut self, timeout_seconds: u32) -> Self {
@@ -129,6 +133,10 @@ impl ServiceSpec {
     }
     pub fn dual_stack(mut self) -> Self {
         self.ip_families = vec!["IPv4".into(), "IPv6".into()];
+        self
+    }
+    pub fn without_kube_node_ports(mut self) -> Self {
+        self.no_kube_node_ports = true;
         self
     }
     pub fn ipv6_only(mut self) -> Self {
@@ -167,6 +175,9 @@ impl ServiceSpec {
             "ipFamilyPolicy": if self.ip_families.len() > 1 { "RequireDualStack" } else { "SingleStack" },
             "ports": ports,
         });
+        if self.no_kube_node_ports {
+            spec["allocateLoadBalancerNodePorts"] = json!(false);
+        }
         if !self.source_ranges.is_empty() {
             spec["loadBalancerSourceRanges"] = json!(self.source_ranges);
         }

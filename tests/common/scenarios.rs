@@ -195,3 +195,27 @@ pub fn plan_of(s: &Scenario) -> Ruleset {
         s.services.iter().map(|(svc, p)| ServicePlan { service: svc, node_ports: p }).collect();
     plan::plan_with(&plans, &s.node, &s.addresses)
 }
+
+/// The benchmarks' scale ruleset: `n` Services `s<i>`, one TCP port each, `endpoints` endpoints at
+/// unused documentation addresses, node ports from 1024 up (distinct up to 64,000 Services);
+/// `affinity`: every Service with `sessionAffinity: ClientIP` (a dynamic set per endpoint).
+pub fn scale_ruleset(n: usize, endpoints: usize, affinity: bool) -> Ruleset {
+    assert!(n <= 64_000, "scale_ruleset: at most 64,000 Services (one node port each)");
+    let lb: Vec<(LbService, BTreeMap<PortId, u16>)> = (0..n)
+        .map(|i| {
+            let eps = (0..endpoints)
+                .map(|k| {
+                    let a = std::net::Ipv4Addr::new(198, 51, 100, 100 + ((i + k) % 150) as u8);
+                    ep(&a.to_string(), 10000 + (i % 50000) as u16, NODE, true)
+                })
+                .collect();
+            let mut l = svc(&format!("s{i}"), vec![(80, Protocol::Tcp, eps)]);
+            l.session_affinity = affinity.then_some(10_800);
+            let ports = BTreeMap::from([(l.ports[0].id, 1024 + i as u16)]);
+            (l, ports)
+        })
+        .collect();
+    let plans: Vec<ServicePlan<'_>> =
+        lb.iter().map(|(s, p)| ServicePlan { service: s, node_ports: p }).collect();
+    plan::plan(&plans, &node(&[Family::Ipv4]))
+}

@@ -553,10 +553,11 @@ fn counter_index(services: &[LbService], ruleset: &Ruleset) -> CounterIndex {
             let key = SeriesKey { service: svc.key.clone(), port: port.id };
             // The planner names counters only for the Service's own families.
             for &f in &svc.families {
+                let names = plan::PortNames::new(f, svc, port);
                 for (counter, kind) in [
-                    (plan::connections_counter(f, svc, port), CounterKind::Connections),
-                    (plan::forwarded_counter(f, svc, port), CounterKind::Traffic),
-                    (plan::refused_counter(f, svc, port), CounterKind::Refused),
+                    (names.connections_counter(), CounterKind::Connections),
+                    (names.forwarded_counter(), CounterKind::Traffic),
+                    (names.refused_counter(), CounterKind::Refused),
                 ] {
                     if ruleset.counters.contains_key(&counter) {
                         index.counters.insert(counter, (key.clone(), kind));

@@ -256,7 +256,15 @@ impl FromStr for PortId {
 
 /// FNV-1a, 64 bit: stable across runs and versions (unlike `DefaultHasher`).
 pub fn fnv1a(data: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    fnv1a_extend(FNV1A_OFFSET, data)
+}
+
+/// FNV-1a's initial state.
+pub const FNV1A_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// FNV-1a state `h` after `data`: `fnv1a_extend(fnv1a(a), b) == fnv1a(a ++ b)`, so a key can be
+/// hashed in parts without building it.
+pub fn fnv1a_extend(mut h: u64, data: &[u8]) -> u64 {
     for b in data {
         h ^= u64::from(*b);
         h = h.wrapping_mul(0x0000_0100_0000_01b3);

@@ -36,7 +36,7 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 
-use crate::domain::{Family, PortId, Protocol, fnv1a};
+use crate::domain::{FNV1A_OFFSET, Family, PortId, Protocol, fnv1a, fnv1a_extend};
 use crate::ir::{
     BaseChain, Chain, ChainType, Change, CtState, Expr, Hook, Key, KeyPart, KeyType, Mapped, NamedCounter,
     Rule, Ruleset, Set, SetKind, Verdict, priority,
@@ -127,22 +127,6 @@ fn sanitize(s: &str) -> String {
     s.chars().map(|c| if c.is_ascii_alphanumeric() || "/-_.".contains(c) { c } else { '.' }).collect()
 }
 
-/// `<kind><4|6>-<hash>-<readable suffix>`: the hash makes it unique and stable, the suffix makes
-/// `nft list ruleset` readable. Truncated to a safe length (the hash keeps it unique).
-fn chain_name(kind: &str, family: Family, identity: &str) -> String {
-    let hash = fnv1a(format!("{kind}|{}|{identity}", family.name()).as_bytes());
-    readable_chain(kind, family, hash, identity)
-}
-
-/// `<kind><4|6>-<32 bits of hash>-<identity, sanitized>`, cut to [`MAX_CHAIN_NAME`].
-fn readable_chain(kind: &str, family: Family, hash: u64, identity: &str) -> String {
-    let mut name = format!("{kind}{}-{:08x}-{}", fam_digit(family), hash as u32, sanitize(identity));
-    if name.len() > MAX_CHAIN_NAME {
-        name.truncate(MAX_CHAIN_NAME);
-    }
-    name
-}
-
 /// Control characters (NUL included) become `?`: a NUL ends a comment in the kernel's user data
 /// and nft cannot print the others. `"` becomes `'`, as [`crate::ir`]'s rendering quotes it, so
 /// the kernel and the rendering agree.
@@ -183,16 +167,20 @@ pub fn port_comment(svc: &LbService, port: &LbPort, node_port: u16, what: &str) 
 
 /// `<ns>/<name><tail>` in at most [`MAX_COMMENT`] bytes, shortening the namespace and name only.
 fn identity_comment(svc: &LbService, tail: &str) -> String {
+    comment_of(&printable(&svc.key.namespace), &printable(&svc.key.name), tail)
+}
+
+/// [`identity_comment`] of an already [`printable`] namespace and name.
+fn comment_of(ns: &str, name: &str, tail: &str) -> String {
     let tail = printable(tail);
-    let (ns, name) = (printable(&svc.key.namespace), printable(&svc.key.name));
     let budget = MAX_COMMENT.saturating_sub(tail.len() + 1); // 1 for the '/'
     let identity = if ns.len() + name.len() <= budget {
         format!("{ns}/{name}")
     } else {
         // The namespace gets half, or more when the name needs less than the other half.
         let ns_max = (budget / 2).max(budget.saturating_sub(name.len()));
-        let ns = fit(&ns, ns_max);
-        let name = fit(&name, budget.saturating_sub(ns.len()));
+        let ns = fit(ns, ns_max);
+        let name = fit(name, budget.saturating_sub(ns.len()));
         format!("{ns}/{name}")
     };
     fit(&format!("{identity}{tail}"), MAX_COMMENT)
@@ -202,23 +190,93 @@ fn port_identity(svc: &LbService, port: &LbPort) -> String {
     format!("{}/{}/{}/{}", svc.key.namespace, svc.key.name, port.id.protocol.name(), port.id.port)
 }
 
+/// Every name and comment of one service port in one family, derived from its identity, which is
+/// built, sanitized and made printable once (a full plan at 50,000 Services names each port's
+/// chain, counters and comments: formatting the identity again for each was a fifth of the plan).
+pub struct PortNames<'a> {
+    family: Family,
+    port: &'a LbPort,
+    /// `ns/name/proto/port`: what the hashes cover.
+    identity: String,
+    /// [`sanitize`]d identity: the readable suffix of chain and counter names.
+    readable: String,
+    /// [`printable`] namespace and name, for comments.
+    ns: String,
+    name: String,
+}
+
+impl<'a> PortNames<'a> {
+    pub fn new(family: Family, svc: &LbService, port: &'a LbPort) -> PortNames<'a> {
+        let identity = port_identity(svc, port);
+        PortNames {
+            family,
+            port,
+            readable: sanitize(&identity),
+            identity,
+            ns: printable(&svc.key.namespace),
+            name: printable(&svc.key.name),
+        }
+    }
+
+    /// `<kind><4|6>-<hash>-<readable suffix>`: the hash (32 bits of FNV-1a over
+    /// `kind|family|identity[|node port]`, hashed in parts) makes it unique and stable, the suffix
+    /// makes `nft list ruleset` readable; cut to [`MAX_CHAIN_NAME`] (the hash keeps it unique).
+    fn named(&self, kind: &str, node_port: Option<u16>) -> String {
+        let mut h = fnv1a_extend(FNV1A_OFFSET, kind.as_bytes());
+        for part in [b"|".as_slice(), self.family.name().as_bytes(), b"|", self.identity.as_bytes()] {
+            h = fnv1a_extend(h, part);
+        }
+        if let Some(np) = node_port {
+            h = fnv1a_extend(fnv1a_extend(h, b"|"), np.to_string().as_bytes());
+        }
+        let mut name = format!("{kind}{}-{:08x}-{}", fam_digit(self.family), h as u32, self.readable);
+        if name.len() > MAX_CHAIN_NAME {
+            name.truncate(MAX_CHAIN_NAME);
+        }
+        name
+    }
+
+    /// The DNAT chain ([`service_chain`]).
+    pub fn service_chain(&self, node_port: u16) -> String {
+        self.named("svc", Some(node_port))
+    }
+    /// The source-range chain ([`firewall_chain`]).
+    pub fn firewall_chain(&self, node_port: u16) -> String {
+        self.named("fw", Some(node_port))
+    }
+    /// [`connections_counter`].
+    pub fn connections_counter(&self) -> String {
+        self.named("conn", None)
+    }
+    /// [`forwarded_counter`].
+    pub fn forwarded_counter(&self) -> String {
+        self.named("fwd", None)
+    }
+    /// [`refused_counter`].
+    pub fn refused_counter(&self) -> String {
+        self.named("refused", None)
+    }
+    /// [`port_comment`].
+    pub fn port_comment(&self, node_port: u16, what: &str) -> String {
+        comment_of(&self.ns, &self.name, &format!(" {}: node port {node_port}{what}", self.port.id))
+    }
+    /// A counter's comment, `<ns>/<name> <port>: <what>`.
+    fn counter_comment(&self, what: &str) -> String {
+        comment_of(&self.ns, &self.name, &format!(" {}: {what}", self.port.id))
+    }
+}
+
 /// A service port's DNAT chain. The node port is part of its identity (in the hash, not the
 /// readable suffix): the chain's comment names the node port, and the kernel keeps a chain's
 /// comment when the chain is added again, so a new node port must be a new chain (the diff adds
 /// it and deletes the old one) for the table to say what it does.
 pub fn service_chain(f: Family, svc: &LbService, port: &LbPort, node_port: u16) -> String {
-    numbered_chain("svc", f, svc, port, node_port)
+    PortNames::new(f, svc, port).service_chain(node_port)
 }
 /// A service port's source-range chain; the node port is part of its identity as for
 /// [`service_chain`].
 pub fn firewall_chain(f: Family, svc: &LbService, port: &LbPort, node_port: u16) -> String {
-    numbered_chain("fw", f, svc, port, node_port)
-}
-
-fn numbered_chain(kind: &str, f: Family, svc: &LbService, port: &LbPort, node_port: u16) -> String {
-    let identity = port_identity(svc, port);
-    let hash = fnv1a(format!("{kind}|{}|{identity}|{node_port}", f.name()).as_bytes());
-    readable_chain(kind, f, hash, &identity)
+    PortNames::new(f, svc, port).firewall_chain(node_port)
 }
 
 /// Dynamic set of the clients whose last connection to a service port went to `ep`
@@ -235,15 +293,15 @@ pub fn affinity_set(f: Family, svc: &LbService, port: &LbPort, ep: &Endpoint, ti
 
 /// Named counter of the new connections a service port's chain DNATs.
 pub fn connections_counter(f: Family, svc: &LbService, port: &LbPort) -> String {
-    chain_name("conn", f, &port_identity(svc, port))
+    PortNames::new(f, svc, port).connections_counter()
 }
 /// Named counter of the packets and bytes forwarded for a service port's connections.
 pub fn forwarded_counter(f: Family, svc: &LbService, port: &LbPort) -> String {
-    chain_name("fwd", f, &port_identity(svc, port))
+    PortNames::new(f, svc, port).forwarded_counter()
 }
 /// Named counter of the new connections a service port's source ranges drop.
 pub fn refused_counter(f: Family, svc: &LbService, port: &LbPort) -> String {
-    chain_name("refused", f, &port_identity(svc, port))
+    PortNames::new(f, svc, port).refused_counter()
 }
 
 /// The endpoints a service port uses on this node for one family: ready ones; if none is ready,
@@ -577,7 +635,8 @@ fn plan_port(
 ) {
     let node_port = at.port.1;
     let key: Key = vec![KeyPart::Proto(port.id.protocol), KeyPart::Port(node_port)];
-    let comment = |what: &str| Some(port_comment(svc, port, node_port, what));
+    let names = PortNames::new(f, svc, port);
+    let comment = |what: &str| Some(names.port_comment(node_port, what));
     let endpoints = usable_endpoints(svc, port, f, &node.node_name);
 
     // Source ranges and the no-endpoint reject run in filter-prerouting, before any DNAT.
@@ -586,19 +645,17 @@ fn plan_port(
         if endpoints.is_empty() { Verdict::Goto(CHAIN_NO_ENDPOINTS.into()) } else { Verdict::Return };
     // A counter's comment never changes for its name (no node port in it): the diff only adds
     // and deletes counters, it never rewrites one.
-    let counter = |name: String, what: &str| NamedCounter {
-        name,
-        comment: Some(identity_comment(svc, &format!(" {}: {what}", port.id))),
-    };
-    let connections = connections_counter(f, svc, port);
+    let counter =
+        |name: String, what: &str| NamedCounter { name, comment: Some(names.counter_comment(what)) };
+    let connections = names.connections_counter();
     rs.add_counter(counter(connections.clone(), "new connections"));
-    let forwarded = forwarded_counter(f, svc, port);
+    let forwarded = names.forwarded_counter();
     rs.add_counter(counter(forwarded.clone(), "forwarded traffic"));
     if !svc.source_ranges.is_empty() {
         // Ranges of the other family only ⇒ nobody of this family is allowed: fail closed.
-        let refused = refused_counter(f, svc, port);
+        let refused = names.refused_counter();
         rs.add_counter(counter(refused.clone(), "refused by source ranges"));
-        let fw = firewall_chain(f, svc, port, node_port);
+        let fw = names.firewall_chain(node_port);
         let mut rules: Vec<Rule> = ranges
             .iter()
             .map(|r| {
@@ -641,7 +698,7 @@ fn plan_port(
         None => draw_rules(first, port, &endpoints),
         Some(timeout) => affinity_rules(rs, first, svc, port, &endpoints, f, timeout),
     };
-    let svc_chain = service_chain(f, svc, port, node_port);
+    let svc_chain = names.service_chain(node_port);
     rs.add_chain(regular(svc_chain.clone(), comment(""), rules));
     at.insert(rs, f, false, Verdict::Goto(svc_chain));
     insert_element(rs, &forward_counters_map(f), key, Mapped::Counter(forwarded));
