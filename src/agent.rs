@@ -331,6 +331,23 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         changed
     }
 
+    /// What this node now serves each address-restricted pool on, for its node Lease (the leader
+    /// lists exactly these in the Services' status). Too many to publish: not published, logged
+    /// once; the leader then judges from the Node object.
+    fn publish_pool_addresses(&mut self, pools: Option<&crate::pool::PoolContext>, host: &HostFacts) {
+        let selected = pools.map(|c| c.selected_addresses(&host.addresses.own)).unwrap_or_default();
+        let value = crate::k8s::nodes::format_pool_addresses(&selected);
+        let mut status = crate::locks::write(&self.status);
+        if value.is_none() && status.pool_addresses.is_some() {
+            warn!(
+                annotation = crate::k8s::nodes::ANNOTATION_POOL_ADDRESSES,
+                limit = crate::k8s::nodes::MAX_POOL_ADDRESSES_LEN,
+                "the addresses this node serves per pool are too many to publish; the leader lists the Node object's instead"
+            );
+        }
+        status.pool_addresses = value;
+    }
+
     /// This node's addresses (read now; the last ones when the read fails, logged once) and, in
     /// Kubernetes mode, every Node object's.
     fn host_facts(&mut self) -> HostFacts {
@@ -466,6 +483,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         // Report.
         self.update_service_gauges(&desired, loaded.pools.as_deref(), problems.len());
         if programmed.result.is_ok() {
+            self.publish_pool_addresses(loaded.pools.as_deref(), &host);
             if changes > 0 {
                 let ms = attempt.started.elapsed().as_secs_f64() * 1000.0;
                 info!(kind, changes, ms, "synced");

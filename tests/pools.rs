@@ -334,6 +334,8 @@ fn servicelb_labels_choose_the_nodes_as_k3s_does() {
 /// node-1's second address, on a link of its own (`edge0`), published in its Node
 /// object as its ExternalIP; the client reaches it through node-1.
 const SECOND_V4: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
+/// node-2's ExternalIP in the `types` step: on no interface of any node (NATed by a cloud).
+const NATED_V4: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 200);
 
 /// `GET /` from the client to `addr:port` served, within `CHANGE`.
 fn wait_served_at(c: &Cluster, addr: Ipv4Addr, port: u16) {
@@ -432,18 +434,42 @@ fn pool_addresses_choose_which_node_address_answers() {
     let ok = wait_until(CHANGE, || sorted_nodes() == ["node-1", "node-2", "node-3"]);
     assert!(ok, "edge pool status: {:#}", pool_status(&c, "edge"));
 
-    // types: the Node object's ExternalIP (node-1's second address; the others have none).
+    // types: the Node object's ExternalIP (node-1's second address). node-2's Node object has
+    // an ExternalIP no interface of node-2 has (a cloud's NATed address): node-2 serves nothing,
+    // so the status must not list it.
+    c.api.patch_status(
+        "v1",
+        "Node",
+        "",
+        "node-2",
+        json!({"status": {"addresses": [
+            {"type": "InternalIP", "address": nodes[1].to_string()},
+            {"type": "ExternalIP", "address": NATED_V4.to_string()},
+            {"type": "Hostname", "address": "node-2"},
+        ]}}),
+    );
     apply(&c, &edge(json!({"types": ["ExternalIP"]})));
     wait_served_at(&c, SECOND_V4, port);
     for n in &nodes {
         refused_at(&c, *n, port);
     }
     wait_ingress(&c, "edge", &[SECOND_V4]);
+    let ok = wait_until(CHANGE, || pool_status(&c, "edge")["nodes"] == json!(["node-1"]));
+    assert!(ok, "edge pool status: {:#}", pool_status(&c, "edge"));
+    // interfaces: node-1's edge0 (its second address); the other nodes have no edge0, and the
+    // Node objects' addresses are not on it: the status lists the second address only.
+    apply(&c, &edge(json!({"interfaces": ["edge0"]})));
+    wait_ingress(&c, "edge", &[SECOND_V4]);
+    wait_served_at(&c, SECOND_V4, port);
+    for n in &nodes {
+        refused_at(&c, *n, port);
+    }
     // interfaces: node-1's eth0 (its first address), nobody else's edge0.
     apply(&c, &edge(json!({"interfaces": ["eth0"], "cidrs": ["203.0.113.1/32"]})));
     wait_served_at(&c, nodes[0], port);
     refused_at(&c, SECOND_V4, port);
     refused_at(&c, nodes[1], port);
+    wait_ingress(&c, "edge", &nodes[..1]);
     assert_eq!(c.allocated("edge").unwrap()["80/TCP"], port, "an addresses edit does not move the port");
 }
 

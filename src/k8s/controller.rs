@@ -367,14 +367,15 @@ async fn node_lease(
     let mut last_families = None;
     // Families as last written: a change (ready at start, forwarding switched off, sync failing)
     // is written at once, not at the next renewal, so the leader's status follows within a second.
-    let mut written: Option<(String, String)> = None;
+    let mut written: Option<(String, String, Option<String>)> = None;
     let listening = || crate::locks::read(&status).listening_ports.clone();
+    let pool_addresses = || crate::locks::read(&status).pool_addresses.clone();
     loop {
         tokio::select! {
             _ = tick.tick() => {}
             _ = tokio::time::sleep(FAMILIES_POLL) => {
                 let (families, _) = served_families(&status);
-                let now = (nodes::format_families(&families), listening());
+                let now = (nodes::format_families(&families), listening(), pool_addresses());
                 if failing.since.is_some() || written.as_ref() == Some(&now) {
                     continue;
                 }
@@ -383,6 +384,7 @@ async fn node_lease(
         let (families, off) = served_families(&status);
         let value = nodes::format_families(&families);
         let ports = listening();
+        let selected = pool_addresses();
         if last_families.as_ref() != Some(&value) {
             info!(lease = %name, families = %value, "node Lease: serving families");
             last_families = Some(value.clone());
@@ -391,6 +393,9 @@ async fn node_lease(
             (ANNOTATION_FAMILIES.to_string(), value.clone()),
             (nodes::ANNOTATION_LISTENING.to_string(), ports.clone()),
         ]);
+        if let Some(v) = &selected {
+            annotations.insert(nodes::ANNOTATION_POOL_ADDRESSES.to_string(), v.clone());
+        }
         let stamp = Some(MicroTime(Timestamp::now()));
         let result = match api.get_opt(&name).await {
             Ok(None) => {
@@ -412,7 +417,10 @@ async fn node_lease(
                 api.create(&post_params(), &lease).await.map(|_| ())
             }
             Ok(Some(mut lease)) => {
-                lease.metadata.annotations.get_or_insert_default().append(&mut annotations);
+                let existing = lease.metadata.annotations.get_or_insert_default();
+                // Not published (yet, or too long): the leader must not read an old selection.
+                existing.remove(nodes::ANNOTATION_POOL_ADDRESSES);
+                existing.append(&mut annotations);
                 lease
                     .metadata
                     .labels
@@ -429,7 +437,7 @@ async fn node_lease(
         match result {
             Ok(()) => {
                 failing.ok();
-                written = Some((value, ports));
+                written = Some((value, ports, selected));
             }
             Err(e) if is_conflict(&e) => {
                 debug!(lease = %name, "node Lease changed under us (409); next tick")
@@ -657,9 +665,10 @@ pub fn plan_round(
     };
     let pool_nodes = assignment.as_ref().map(|a| super::pools::selected_nodes(&pool_ctx, a, &snap.nodes));
     let pool_nodes = super::pools::narrow_by_servicelb(&pool_ctx, &snap.services, &snap.nodes, pool_nodes);
-    let pool_addresses = assignment
-        .as_ref()
-        .map(|a| super::pools::published_addresses(&pool_ctx, a, &snap.nodes, &cfg.node_addresses));
+    let pool_addresses = assignment.as_ref().map(|a| {
+        let published = super::pools::published_selections(&snap.leases);
+        super::pools::published_addresses(&pool_ctx, a, &snap.nodes, &published, &cfg.node_addresses)
+    });
     let constraints = alloc::Constraints {
         policy: Some(&cfg.policy.ports),
         in_use: Some(&in_use),

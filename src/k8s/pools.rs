@@ -5,13 +5,15 @@
 //! also writes each pool's status ([`write_statuses`]).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
 
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
 use serde_json::json;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::alloc::Allocations;
 use crate::domain::ServiceKey;
@@ -20,7 +22,7 @@ use crate::pool::{
 };
 use crate::port_policy::PortRange;
 
-use super::nodes::ServingNode;
+use super::nodes::{PoolSelections, ServingNode};
 use super::source::KubeSnapshot;
 
 /// The pools in force for `snap` (an invalid edit keeps `last_valid`'s version), resolved
@@ -76,11 +78,13 @@ pub fn selected_nodes<N: std::borrow::Borrow<Node>>(
 }
 
 /// Per Service whose pool restricts node addresses (`addresses`), per Node, the addresses its
-/// status lists ([`crate::k8s::nodes::pool_addresses`]; `allowed`: `--node-addresses`).
+/// status lists ([`crate::k8s::nodes::pool_addresses_of`]: what the node published on its Lease,
+/// else the Node object's; `published`: [`published_selections`]; `allowed`: `--node-addresses`).
 pub fn published_addresses<N: std::borrow::Borrow<Node>>(
     ctx: &PoolContext,
     assignment: &Assignment,
     nodes: &[N],
+    published: &BTreeMap<String, PoolSelections>,
     allowed: &[ipnet::IpNet],
 ) -> BTreeMap<ServiceKey, BTreeMap<String, Vec<std::net::IpAddr>>> {
     let mut out = BTreeMap::new();
@@ -94,10 +98,37 @@ pub fn published_addresses<N: std::borrow::Borrow<Node>>(
             .map(|n| n.borrow())
             .filter_map(|n| {
                 let name = n.metadata.name.clone()?;
-                Some((name, crate::k8s::nodes::pool_addresses(n, &pool.pool.addresses, allowed)))
+                let addrs = crate::k8s::nodes::pool_addresses_of(
+                    n,
+                    published.get(&name),
+                    &pool.pool.name,
+                    &pool.pool.addresses,
+                    allowed,
+                );
+                Some((name, addrs))
             })
             .collect();
         out.insert(key.clone(), per_node);
+    }
+    out
+}
+
+/// Per node, the addresses it published per pool on its Lease
+/// ([`crate::k8s::nodes::published_pool_addresses`]). A malformed value is logged (once per
+/// node and value) and counts as not published.
+pub fn published_selections(leases: &[Arc<Lease>]) -> BTreeMap<String, PoolSelections> {
+    static LOGGED: Mutex<BTreeSet<(String, String)>> = Mutex::new(BTreeSet::new());
+    let (out, malformed) = crate::k8s::nodes::published_pool_addresses(leases);
+    let mut logged = LOGGED.lock().unwrap_or_else(|e| e.into_inner());
+    for (node, why) in malformed {
+        if logged.len() < 1024 && logged.insert((node.clone(), why.clone())) {
+            warn!(
+                node,
+                annotation = crate::k8s::nodes::ANNOTATION_POOL_ADDRESSES,
+                error = %why,
+                "a node Lease's pool addresses are malformed; listing that node's Node-object addresses instead"
+            );
+        }
     }
     out
 }
@@ -150,6 +181,7 @@ pub async fn write_statuses(client: &Client, round: &StatusRound<'_>) -> Result<
         PatchParams { field_manager: Some(super::controller::FIELD_MANAGER.into()), ..Default::default() };
     let mut stale = false;
     let empty = BTreeMap::new();
+    let published = published_selections(&round.snap.leases);
     for obj in &round.snap.pools {
         let Some(name) = obj.metadata.name.as_deref() else { continue };
         let resolved = round.ctx.set.get(name);
@@ -164,10 +196,19 @@ pub async fn write_statuses(client: &Client, round: &StatusRound<'_>) -> Result<
                 .nodes
                 .iter()
                 .filter(|n| r.pool.nodes.matches(n.metadata.labels.as_ref().unwrap_or(&empty)))
-                // With `addresses`: only nodes whose Node object has an address the pool selects.
+                // With `addresses`: only nodes that published an address for it (not published
+                // yet: whose Node object has an address the pool selects).
                 .filter(|n| {
+                    let name = n.metadata.name.as_deref().unwrap_or_default();
                     r.pool.addresses.is_everything()
-                        || !crate::k8s::nodes::pool_addresses(n, &r.pool.addresses, &[]).is_empty()
+                        || !crate::k8s::nodes::pool_addresses_of(
+                            n,
+                            published.get(name),
+                            &r.pool.name,
+                            &r.pool.addresses,
+                            &[],
+                        )
+                        .is_empty()
                 })
                 .filter_map(|n| n.metadata.name.clone())
                 .filter(|n| round.serving.contains_key(n))

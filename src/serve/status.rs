@@ -101,6 +101,11 @@ pub struct Status {
     /// (`22/TCP,20005/UDP`): never taken here; in Kubernetes mode published on the node Lease.
     #[serde(default)]
     pub listening_ports: String,
+    /// Per address-restricted node port pool, the addresses this node serves it on
+    /// (`nodelb.io/pool-addresses` format); `None` until the first successful sync, or when too
+    /// long to publish. In Kubernetes mode published on the node Lease.
+    #[serde(default)]
+    pub pool_addresses: Option<String>,
     #[serde(default)]
     pub host_firewall: HostFirewallStatus,
     #[serde(skip)]

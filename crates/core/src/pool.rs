@@ -723,6 +723,21 @@ pub struct PoolContext {
     pub servicelb: bool,
 }
 
+impl PoolContext {
+    /// Per pool that restricts node addresses and selects this node, the addresses of this node
+    /// that serve it ([`AddressFilter::select`]; pools selecting none are left out): what this
+    /// node publishes on its Lease, so the leader lists exactly what answers.
+    pub fn selected_addresses(&self, own: &NodeAddresses) -> BTreeMap<String, BTreeSet<IpAddr>> {
+        self.set
+            .pools
+            .iter()
+            .filter(|p| !p.pool.addresses.is_everything() && p.pool.nodes.matches(&self.node_labels))
+            .map(|p| (p.pool.name.clone(), p.pool.addresses.select(own)))
+            .filter(|(_, addrs)| !addrs.is_empty())
+            .collect()
+    }
+}
+
 /// What [`context`] builds a [`PoolContext`] from, in either mode.
 pub struct ContextInput<'a> {
     /// The pool objects as read (Kubernetes: the cache; manifests: the directory).
@@ -1424,6 +1439,42 @@ mod tests {
             want.sort();
             assert_eq!(got, want, "{name}");
         }
+    }
+
+    /// What a node publishes on its Lease: per address-restricted pool that selects it, what
+    /// it serves the pool on.
+    #[test]
+    fn selected_addresses_per_pool() {
+        let mut own = NodeAddresses::default();
+        for (a, i) in [("192.0.2.10", "eth0"), ("203.0.113.10", "edge0")] {
+            own.interfaces.entry(a.parse().unwrap()).or_default().insert(i.to_string());
+        }
+        let zone = |z: &str| json!({"matchLabels": {"zone": z}});
+        let pools = vec![
+            pool("all", 1, json!({"ports": [{"start": 1, "end": 2}]})),
+            pool(
+                "edge",
+                2,
+                json!({"ports": [{"start": 3, "end": 4}], "addresses": {"interfaces": ["edge0"]}}),
+            ),
+            pool(
+                "elsewhere",
+                3,
+                json!({"ports": [{"start": 5, "end": 6}], "addresses": {"interfaces": ["edge0"]}, "nodeSelector": zone("b")}),
+            ),
+            pool(
+                "none",
+                4,
+                json!({"ports": [{"start": 7, "end": 8}], "addresses": {"cidrs": ["198.51.100.0/24"]}}),
+            ),
+        ];
+        let me = labels(&[("zone", "a")]);
+        let set = PoolSet::resolve(pools, true, PortRange::default(), &[&me]);
+        let ctx = PoolContext { set, namespaces: BTreeMap::new(), node_labels: me.clone(), servicelb: false };
+        let got = ctx.selected_addresses(&own);
+        let want: BTreeMap<String, BTreeSet<IpAddr>> =
+            [("edge".to_string(), BTreeSet::from(["203.0.113.10".parse().unwrap()]))].into();
+        assert_eq!(got, want);
     }
 
     /// What the leader publishes: it sees Node objects, not interfaces.

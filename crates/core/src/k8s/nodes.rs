@@ -37,6 +37,17 @@ pub const ANNOTATION_FAMILIES: &str = "nodelb.io/families";
 /// otherwise allocate (`22/TCP,20005/UDP`; [`crate::port_policy::Listeners::format_relevant`]).
 /// The leader treats them as taken on every node.
 pub const ANNOTATION_LISTENING: &str = "nodelb.io/listening-ports";
+/// Annotation on a node Lease: the addresses this node's agent selected (and serves) for each
+/// node port pool that restricts addresses and selects this node
+/// (`edge=192.0.2.1,2001:db8::1;other=198.51.100.7`; [`format_pool_addresses`]). A pool it
+/// does not name: this node serves none of its addresses. Absent: not published (an agent
+/// before this annotation, one not synced yet, or a value that would exceed
+/// [`MAX_POOL_ADDRESSES_LEN`]); the leader then judges from the Node object
+/// ([`pool_addresses_of`]).
+pub const ANNOTATION_POOL_ADDRESSES: &str = "nodelb.io/pool-addresses";
+/// Longest [`ANNOTATION_POOL_ADDRESSES`] value written or read (all of a Lease's annotations
+/// share the API server's 256 KiB limit).
+pub const MAX_POOL_ADDRESSES_LEN: usize = 16 * 1024;
 /// Label on node Leases, so the leader can watch only them.
 pub const LABEL_NODE_LEASE: &str = "nodelb.io/node-lease";
 
@@ -166,6 +177,110 @@ pub fn listening_ports<L: Borrow<Lease>>(leases: &[L]) -> BTreeMap<(Protocol, u1
         .collect()
 }
 
+/// Per node port pool, the addresses a node serves it on.
+pub type PoolSelections = BTreeMap<String, BTreeSet<IpAddr>>;
+
+/// Formats [`ANNOTATION_POOL_ADDRESSES`]: pools sorted by name, `;`-separated, each
+/// `name=addr,addr` (a pool with no address is left out). `None` when longer than
+/// [`MAX_POOL_ADDRESSES_LEN`]: then nothing is published.
+pub fn format_pool_addresses(selected: &PoolSelections) -> Option<String> {
+    let value = selected
+        .iter()
+        .filter(|(_, addrs)| !addrs.is_empty())
+        .map(|(pool, addrs)| {
+            let addrs: Vec<String> = addrs.iter().map(IpAddr::to_string).collect();
+            format!("{pool}={}", addrs.join(","))
+        })
+        .collect::<Vec<_>>()
+        .join(";");
+    (value.len() <= MAX_POOL_ADDRESSES_LEN).then_some(value)
+}
+
+/// Parses [`ANNOTATION_POOL_ADDRESSES`] (written by another node: anything may be in it). An
+/// error says what is wrong; the caller treats the node as not having published.
+pub fn parse_pool_addresses(value: &str) -> Result<PoolSelections, String> {
+    if value.len() > MAX_POOL_ADDRESSES_LEN {
+        return Err(format!("{} bytes, more than the {MAX_POOL_ADDRESSES_LEN} allowed", value.len()));
+    }
+    let mut out = PoolSelections::new();
+    for entry in value.split(';').map(str::trim).filter(|e| !e.is_empty()) {
+        let Some((pool, addrs)) = entry.split_once('=') else {
+            return Err(format!("entry {entry:?} is not pool=address,..."));
+        };
+        let pool = pool.trim();
+        if pool.is_empty() {
+            return Err(format!("entry {entry:?} names no pool"));
+        }
+        if out.contains_key(pool) {
+            return Err(format!("pool {pool:?} is listed twice"));
+        }
+        let addrs = addrs
+            .split(',')
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+            .map(|a| a.parse::<IpAddr>().map_err(|_| format!("pool {pool:?}: {a:?} is not an IP address")))
+            .collect::<Result<BTreeSet<IpAddr>, String>>()?;
+        out.insert(pool.to_string(), addrs);
+    }
+    Ok(out)
+}
+
+/// What a node Lease says its node selected per pool ([`ANNOTATION_POOL_ADDRESSES`]):
+/// `Ok(None)` when it does not say.
+pub fn lease_pool_addresses(lease: &Lease) -> Result<Option<PoolSelections>, String> {
+    match lease.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION_POOL_ADDRESSES)) {
+        None => Ok(None),
+        Some(v) => parse_pool_addresses(v).map(Some),
+    }
+}
+
+/// Per node, what its Lease says it selected per pool ([`lease_pool_addresses`]); nodes whose
+/// Lease does not say are absent. A malformed value counts as not published and comes back as
+/// `(node, why)` for the log.
+pub fn published_pool_addresses<L: Borrow<Lease>>(
+    leases: &[L],
+) -> (BTreeMap<String, PoolSelections>, Vec<(String, String)>) {
+    let mut out = BTreeMap::new();
+    let mut malformed = Vec::new();
+    for lease in leases.iter().map(Borrow::borrow) {
+        let Some(node) = lease.metadata.name.as_deref().and_then(|n| n.strip_prefix(NODE_LEASE_PREFIX))
+        else {
+            continue;
+        };
+        match lease_pool_addresses(lease) {
+            Ok(Some(p)) => {
+                out.insert(node.to_string(), p);
+            }
+            Ok(None) => {}
+            Err(why) => malformed.push((node.to_string(), why)),
+        }
+    }
+    (out, malformed)
+}
+
+/// The leader's choice of the addresses a node's status entry lists for a Service of node port
+/// pool `pool` (with address filter `filter`), restricted to `allowed` (`--node-addresses`) when
+/// not empty, sorted: what the node published for that pool (`published`: its Lease's
+/// [`ANNOTATION_POOL_ADDRESSES`]; a pool it does not name: nothing) — the addresses that
+/// answer there. A node that has not published (`None`) is judged from its Node object
+/// ([`pool_addresses`]), as before the annotation existed.
+pub fn pool_addresses_of(
+    node: &Node,
+    published: Option<&PoolSelections>,
+    pool: &str,
+    filter: &crate::pool::AddressFilter,
+    allowed: &[IpNet],
+) -> Vec<IpAddr> {
+    let Some(published) = published else { return pool_addresses(node, filter, allowed) };
+    published
+        .get(pool)
+        .into_iter()
+        .flatten()
+        .copied()
+        .filter(|ip| allowed.is_empty() || allowed.iter().any(|n| n.contains(ip)))
+        .collect()
+}
+
 /// Formats families for [`ANNOTATION_FAMILIES`].
 pub fn format_families(families: &BTreeSet<Family>) -> String {
     families.iter().map(|f| f.name()).collect::<Vec<_>>().join(",")
@@ -261,6 +376,84 @@ mod tests {
             ips(&["2001:db8::1"])
         );
         assert!(pool_addresses(&n, &filter(json!({"cidrs": ["198.51.100.0/24"]})), &[]).is_empty());
+    }
+
+    #[test]
+    fn pool_addresses_annotation_round_trips_and_refuses_garbage() {
+        let sel = |v: &[(&str, &[&str])]| -> PoolSelections {
+            v.iter().map(|(p, a)| (p.to_string(), a.iter().map(|a| a.parse().unwrap()).collect())).collect()
+        };
+        let both = sel(&[("edge", &["192.0.2.1", "2001:db8::1"]), ("other", &["198.51.100.7"])]);
+        let text = format_pool_addresses(&both).unwrap();
+        assert_eq!(text, "edge=192.0.2.1,2001:db8::1;other=198.51.100.7");
+        assert_eq!(parse_pool_addresses(&text), Ok(both));
+        // A pool with no address is left out; nothing selected is an empty value (published).
+        assert_eq!(format_pool_addresses(&sel(&[("edge", &[])])).as_deref(), Some(""));
+        assert_eq!(parse_pool_addresses(""), Ok(PoolSelections::new()));
+        assert_eq!(parse_pool_addresses(" edge = 192.0.2.1 , ; "), Ok(sel(&[("edge", &["192.0.2.1"])])));
+        // Too long to publish: not published (never truncated: a cut list would lie).
+        let many: BTreeSet<IpAddr> = (0..4096u32)
+            .map(|i| IpAddr::V6(std::net::Ipv6Addr::from(0x2001_0db8_u128 << 96 | u128::from(i))))
+            .collect();
+        assert_eq!(format_pool_addresses(&[("edge".to_string(), many)].into()), None);
+        let cases: Vec<(&str, String)> = vec![
+            ("no =", "edge".into()),
+            ("no pool", "=192.0.2.1".into()),
+            ("not an address", "edge=192.0.2.300".into()),
+            ("a CIDR is not an address", "edge=192.0.2.0/24".into()),
+            ("listed twice", "edge=192.0.2.1;edge=192.0.2.2".into()),
+            ("too long", format!("edge={}", "1".repeat(MAX_POOL_ADDRESSES_LEN))),
+        ];
+        for (name, value) in cases {
+            assert!(parse_pool_addresses(&value).is_err(), "{name}");
+        }
+    }
+
+    #[test]
+    fn leader_lists_what_each_node_published() {
+        let n = node("n", &[("InternalIP", "203.0.113.1"), ("ExternalIP", "198.51.100.200")]);
+        let spec = serde_json::from_value(
+            json!({"ports": [{"start": 1, "end": 2}], "addresses": {"types": ["ExternalIP"]}}),
+        )
+        .unwrap();
+        let filter = crate::pool::validate("edge", None, None, &spec).unwrap().addresses;
+        let published = |v: &str| parse_pool_addresses(v).unwrap();
+        let allowed: Vec<IpNet> = vec!["192.0.2.0/25".parse().unwrap()];
+        type Case = (&'static str, Option<PoolSelections>, &'static [IpNet], Vec<&'static str>);
+        let cases: Vec<Case> = vec![
+            ("not published: the Node object's ExternalIP", None, &[], vec!["198.51.100.200"]),
+            (
+                "published: exactly that",
+                Some(published("edge=192.0.2.1,192.0.2.200")),
+                &[],
+                vec!["192.0.2.1", "192.0.2.200"],
+            ),
+            ("published for other pools only: nothing", Some(published("other=192.0.2.1")), &[], vec![]),
+            ("published nothing: nothing (the NATed ExternalIP)", Some(published("")), &[], vec![]),
+        ];
+        for (name, p, allowed, want) in cases {
+            assert_eq!(pool_addresses_of(&n, p.as_ref(), "edge", &filter, allowed), ips(&want), "{name}");
+        }
+        let p = published("edge=192.0.2.1,192.0.2.200");
+        assert_eq!(
+            pool_addresses_of(&n, Some(&p), "edge", &filter, &allowed),
+            ips(&["192.0.2.1"]),
+            "--node-addresses"
+        );
+
+        // From the Leases: a malformed value is reported and counts as not published.
+        let mut good = lease("a", 0, 15, Some("ipv4"));
+        let mut bad = lease("b", 0, 15, Some("ipv4"));
+        let set = |l: &mut Lease, v: &str| {
+            l.metadata.annotations.get_or_insert_default().insert(ANNOTATION_POOL_ADDRESSES.into(), v.into());
+        };
+        set(&mut good, "edge=192.0.2.1");
+        set(&mut bad, "edge=nope");
+        let (by_node, malformed) = published_pool_addresses(&[good, bad, lease("c", 0, 15, Some("ipv4"))]);
+        assert_eq!(by_node.keys().collect::<Vec<_>>(), ["a"]);
+        assert_eq!(malformed.len(), 1);
+        assert_eq!(malformed[0].0, "b");
+        assert!(malformed[0].1.contains("nope"), "{}", malformed[0].1);
     }
 
     fn t(s: i64) -> Timestamp {
