@@ -652,14 +652,19 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         m.allocations.set(numbers.len() as i64);
         let in_range = numbers.iter().filter(|n| self.cfg.port_range.contains(**n)).count();
         m.free_ports.set(self.cfg.port_range.len().saturating_sub(in_range) as i64);
-        let keys: Vec<(ServiceKey, &str)> = desired
-            .services
-            .iter()
-            .filter_map(|s| Some((ServiceKey::new(&s.namespace, &s.name), s.pool.as_deref()?)))
-            .collect();
-        let usage = pools.map_or_else(Vec::new, |p| {
-            crate::pool::usage(&p.set, &desired.allocations, keys.iter().map(|(k, p)| (k, *p)))
-        });
+        // Without pool objects (the flags' pool) there is nothing to count: no per-Service keys
+        // are built on every sync.
+        let usage = match pools.filter(|p| !p.set.implicit) {
+            Some(p) => {
+                let keys: Vec<(ServiceKey, &str)> = desired
+                    .services
+                    .iter()
+                    .filter_map(|s| Some((ServiceKey::new(&s.namespace, &s.name), s.pool.as_deref()?)))
+                    .collect();
+                crate::pool::usage(&p.set, &desired.allocations, keys.iter().map(|(k, p)| (k, *p)))
+            }
+            None => Vec::new(),
+        };
         let series: BTreeSet<String> = usage.iter().map(|u| u.name.clone()).collect();
         for gone in self.pool_series.difference(&series) {
             for state in ["allocated", "free"] {

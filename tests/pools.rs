@@ -366,6 +366,18 @@ fn wait_ingress(c: &Cluster, name: &str, want: &[Ipv4Addr]) {
     assert!(ok, "default/{name}: ingress {:?}, want {want:?}", c.ingress_ips(name));
 }
 
+/// Only node-1's second address answers on `port` (every node's first address refuses), the
+/// Service `edge` lists only it, and the `edge` pool's status only node-1.
+fn served_only_at_second_address(c: &Cluster, port: u16, nodes: &[Ipv4Addr]) {
+    wait_served_at(c, SECOND_V4, port);
+    for n in nodes {
+        refused_at(c, *n, port);
+    }
+    wait_ingress(c, "edge", &[SECOND_V4]);
+    let ok = wait_until(CHANGE, || pool_status(c, "edge")["nodes"] == json!(["node-1"]));
+    assert!(ok, "edge pool status: {:#}", pool_status(c, "edge"));
+}
+
 #[test]
 fn pool_addresses_choose_which_node_address_answers() {
     require_root!();
@@ -408,13 +420,7 @@ fn pool_addresses_choose_which_node_address_answers() {
     apply(&c, &edge(json!({"cidrs": ["192.0.2.0/24"]})));
     create_labelled(&c, "edge", 0, json!({}));
     let port = wait_allocated_in(&c, "edge", (20300, 20399));
-    wait_served_at(&c, SECOND_V4, port);
-    for n in &nodes {
-        refused_at(&c, *n, port);
-    }
-    wait_ingress(&c, "edge", &[SECOND_V4]);
-    let ok = wait_until(CHANGE, || pool_status(&c, "edge")["nodes"] == json!(["node-1"]));
-    assert!(ok, "edge pool status: {:#}", pool_status(&c, "edge"));
+    served_only_at_second_address(&c, port, &nodes);
 
     // Hot reload: the CIDR of the first addresses moves it there, on every node.
     let started = Instant::now();
@@ -449,13 +455,7 @@ fn pool_addresses_choose_which_node_address_answers() {
         ]}}),
     );
     apply(&c, &edge(json!({"types": ["ExternalIP"]})));
-    wait_served_at(&c, SECOND_V4, port);
-    for n in &nodes {
-        refused_at(&c, *n, port);
-    }
-    wait_ingress(&c, "edge", &[SECOND_V4]);
-    let ok = wait_until(CHANGE, || pool_status(&c, "edge")["nodes"] == json!(["node-1"]));
-    assert!(ok, "edge pool status: {:#}", pool_status(&c, "edge"));
+    served_only_at_second_address(&c, port, &nodes);
     // interfaces: node-1's edge0 (its second address); the other nodes have no edge0, and the
     // Node objects' addresses are not on it: the status lists the second address only.
     apply(&c, &edge(json!({"interfaces": ["edge0"]})));
