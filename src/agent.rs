@@ -125,6 +125,8 @@ struct Agent<K, N> {
     services_series: BTreeSet<(&'static str, String)>,
     /// The pools `nodelb_pool_ports` has series for.
     pool_series: BTreeSet<String>,
+    /// Each Service's plan as of the last sync, reused while its inputs are unchanged.
+    planner: crate::plan::Planner,
 }
 
 /// The host-firewall check (its own netlink socket: it reads and writes other tables, never
@@ -261,6 +263,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             listeners_failing: false,
             services_series: BTreeSet::new(),
             pool_series: BTreeSet::new(),
+            planner: Default::default(),
         }
     }
 
@@ -524,7 +527,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
     }
 
     /// Everything the node should do, computed from the snapshot (pure).
-    fn desired(&self, loaded: &Snapshot, node: &NodeFacts, host: &HostFacts) -> Desired {
+    fn desired(&mut self, loaded: &Snapshot, node: &NodeFacts, host: &HostFacts) -> Desired {
         let inputs = Inputs {
             mode: self.source.mode(),
             services: &loaded.services,
@@ -539,7 +542,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             host,
             pools: loaded.pools.as_deref(),
         };
-        desired::compute_with(&inputs, self.metrics.per_service)
+        desired::compute_with(&inputs, self.metrics.per_service, Some(&mut self.planner))
     }
 
     /// Keeps the allocations (manifests mode: in the state file, before anything is programmed

@@ -145,6 +145,74 @@ fn diff_between_any_two_scenarios_equals_full_replace() {
     }
 }
 
+/// The memoizing planner of the agent is the pure planner: from any scenario to any other (node
+/// facts, pool addresses, Services added, removed and edited between them) its plan equals a
+/// fresh one; an unchanged Service's chains are reused (the same allocation), an edited one's are
+/// not.
+#[test]
+fn planner_equals_a_fresh_plan() {
+    let all = scenarios();
+    for a in &all {
+        for b in &all {
+            let mut planner = plan::Planner::default();
+            for s in [a, b, a, a] {
+                let plans: Vec<ServicePlan<'_>> =
+                    s.services.iter().map(|(svc, p)| ServicePlan { service: svc, node_ports: p }).collect();
+                assert_eq!(
+                    planner.plan(&plans, &s.node, &s.addresses),
+                    plan_of(s),
+                    "{} → {}: {}",
+                    a.name,
+                    b.name,
+                    s.name
+                );
+            }
+        }
+    }
+
+    let web = svc("web", vec![(80, Protocol::Tcp, two_backends())]);
+    let mut api = svc("api", vec![(443, Protocol::Tcp, two_backends())]);
+    let node = node(&[Family::Ipv4]);
+    let (web_ports, api_ports) = (ports(&web, 20000), ports(&api, 20001));
+    let chain_of = |rs: &Ruleset, name: &str| {
+        let found = rs.chains.values().find(|c| c.name.starts_with("svc4-") && c.name.ends_with(name));
+        found.cloned().unwrap_or_else(|| panic!("no service chain for {name}"))
+    };
+    let mut planner = plan::Planner::default();
+    let plan = |planner: &mut plan::Planner, api: &nodelb::model::LbService| {
+        let plans = [
+            ServicePlan { service: &web, node_ports: &web_ports },
+            ServicePlan { service: api, node_ports: &api_ports },
+        ];
+        planner.plan(&plans, &node, &BTreeMap::new())
+    };
+    let first = plan(&mut planner, &api);
+    api.ports[0].endpoints.pop();
+    let second = plan(&mut planner, &api);
+    assert!(std::sync::Arc::ptr_eq(&chain_of(&first, "/web/tcp/80"), &chain_of(&second, "/web/tcp/80")));
+    assert!(!std::sync::Arc::ptr_eq(&chain_of(&first, "/api/tcp/443"), &chain_of(&second, "/api/tcp/443")));
+    assert_ne!(chain_of(&first, "/api/tcp/443").rules, chain_of(&second, "/api/tcp/443").rules);
+
+    // Each input of a Service on its own: node port, pool addresses, node facts.
+    let mut planner = plan::Planner::default();
+    let v4: std::net::IpAddr = "192.0.2.1".parse().unwrap();
+    let restricted = BTreeMap::from([(web.key.clone(), BTreeSet::from([v4]))]);
+    let mut other_node = node.clone();
+    other_node.node_name = "node-2".into();
+    let steps = [
+        (ports(&web, 20000), BTreeMap::new(), node.clone()),
+        (ports(&web, 20005), BTreeMap::new(), node.clone()),
+        (ports(&web, 20005), restricted.clone(), node.clone()),
+        (ports(&web, 20005), BTreeMap::new(), node.clone()),
+        (ports(&web, 20005), BTreeMap::new(), other_node),
+    ];
+    for (i, (web_ports, addresses, node)) in steps.iter().enumerate() {
+        let plans = [ServicePlan { service: &web, node_ports: web_ports }];
+        let fresh = plan::plan_with(&plans, node, addresses);
+        assert_eq!(planner.plan(&plans, node, addresses), fresh, "step {i}");
+    }
+}
+
 #[test]
 fn one_endpoint_added_is_a_small_batch() {
     let mut web = svc("web", vec![(80, Protocol::Tcp, two_backends())]);

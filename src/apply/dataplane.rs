@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use tracing::{debug, warn};
 
 use crate::apply::kernel::Kernel;
-use crate::counters::CounterIndex;
+use crate::counters::{CounterIndex, CounterState};
 use crate::encode::nft::{self, NftError};
 use crate::ir::{Carried, Change, KeyType, Ruleset, SetKind};
 use crate::plan;
@@ -65,18 +65,19 @@ pub fn next_batch(applied: Option<&Ruleset>, tampered: bool, desired: &Ruleset) 
     }
 }
 
-/// Named counters (among `tracked`) that this batch deletes: the whole table on a full replace,
-/// else the counters of Service ports that stop being programmed. Flushing or replacing chains
-/// does not touch them.
-pub fn resetting_counters(batch: &Batch, tracked: &BTreeSet<String>) -> BTreeSet<String> {
+/// Named counters whose series outlive this batch ([`CounterState::is_kept`]) and that it
+/// deletes: every one on a full replace, else the counters of Service ports that stop being
+/// programmed. Flushing or replacing chains does not touch them. A diff looks at its own deletions
+/// only (the whole index is tens of thousands of names at 10,000 Services).
+pub fn resetting_counters(batch: &Batch, state: &CounterState, next: &CounterIndex) -> BTreeSet<String> {
     let changes = match batch {
-        Batch::FullReplace => return tracked.clone(),
+        Batch::FullReplace => return state.kept_counters(next),
         Batch::Diff(changes) => changes,
     };
     changes
         .iter()
         .filter_map(|c| match c {
-            Change::DeleteCounter(n) if tracked.contains(n) => Some(n.clone()),
+            Change::DeleteCounter(n) if state.is_kept(n, next) => Some(n.clone()),
             _ => None,
         })
         .collect()
@@ -184,7 +185,7 @@ impl<K: Kernel> Dataplane<K> {
         // Counters that this batch resets (table replaced, counter deleted) and whose series stay:
         // read them first and fold them into the exported totals once the batch is in.
         let resetting = match &counters {
-            Some(c) => resetting_counters(&batch, &c.kept_counters(&counter_index)),
+            Some(c) => resetting_counters(&batch, c, &counter_index),
             None => BTreeSet::new(),
         };
         let before = if resetting.is_empty() {

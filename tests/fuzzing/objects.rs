@@ -115,6 +115,15 @@ pub fn check(world: &World, h: &Hostile) {
     world::assert_good_served(world, &alone, &with, "manifests mode");
     world::assert_messages_bounded(&with, "manifests mode");
     world::assert_ruleset_sound(&alone.ruleset, &with, "manifests mode");
+    let (before, after) = ((gs, ge), (slim_services.as_slice(), slim_slices.as_slice()));
+    world::assert_planner_changes_nothing(
+        AllocationMode::Allocate,
+        before,
+        after,
+        &world.allocations,
+        &with,
+        "manifests mode",
+    );
 
     // Kubernetes mode: last good first (as the node's source does), then the annotations. A
     // hostile object with an older creationTimestamp and the same annotated port would rightly
@@ -137,6 +146,15 @@ pub fn check(world: &World, h: &Hostile) {
     world::assert_good_served(world, &alone, &with, "Kubernetes mode");
     world::assert_messages_bounded(&with, "Kubernetes mode");
     world::assert_ruleset_sound(&alone.ruleset, &with, "Kubernetes mode");
+    let after = (kube.as_slice(), slim_slices.as_slice());
+    world::assert_planner_changes_nothing(
+        AllocationMode::Annotated,
+        (gs, ge),
+        after,
+        &none,
+        &with,
+        "Kubernetes mode",
+    );
 
     // A good Service edited into each hostile shape (same uid): served from its last good spec,
     // or valid as edited; never dropped, never half-applied.

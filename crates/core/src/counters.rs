@@ -81,6 +81,14 @@ impl CounterState {
             .collect()
     }
 
+    /// Whether counter `name` is one of [`CounterState::kept_counters`], without listing them.
+    pub fn is_kept(&self, name: &str, next: &CounterIndex) -> bool {
+        [self.index.get(name), next.counters.get(name)]
+            .into_iter()
+            .flatten()
+            .any(|(key, _)| next.ports.contains(key))
+    }
+
     /// Adds the values `table` holds for the counters in `resetting` to the base of their series
     /// (a batch resets them).
     pub fn fold(&mut self, kernel: &CounterValues, resetting: &BTreeSet<String>, next: &CounterIndex) {
@@ -101,7 +109,11 @@ impl CounterState {
     pub fn install(&mut self, next: CounterIndex) {
         self.base.retain(|(key, _), _| next.ports.contains(key));
         for series in next.counters.values() {
-            self.base.entry(series.clone()).or_default();
+            // Looked up first: a clone of every series key per sync was a tenth of a
+            // one-Service sync at 10,000 Services.
+            if !self.base.contains_key(series) {
+                self.base.insert(series.clone(), Totals::default());
+            }
         }
         self.index = next.counters;
     }
@@ -151,8 +163,11 @@ mod tests {
     /// One batch as the sync loop does it: read what it resets, fold, install.
     fn sync(st: &mut CounterState, before: &CounterValues, resetting: &[&str], next: CounterIndex) {
         let kept = st.kept_counters(&next);
+        for name in resetting.iter().chain(["svc-a", "fwd-a", "fw-b", "gone"].iter()) {
+            assert_eq!(st.is_kept(name, &next), kept.contains(*name), "{name}");
+        }
         let resetting: BTreeSet<String> =
-            resetting.iter().map(|s| s.to_string()).filter(|s| kept.contains(s)).collect();
+            resetting.iter().map(|s| s.to_string()).filter(|s| st.is_kept(s, &next)).collect();
         st.fold(before, &resetting, &next);
         st.install(next);
     }

@@ -1,0 +1,134 @@
+//! The agent's own (pure) work for one Service added or removed among N Services × E endpoints,
+//! as its sync loop does it after the source's snapshot: `desired` (model, allocation, plan,
+//! status, counter index) with the planner the agent keeps, then the diff against the last ruleset,
+//! then dropping the last one. No root, no kernel: the A/B loop for issue 15's "recompute only what
+//! changed" (docs/benchmarks.md). `--fresh` plans every Service again each sync (no planner), as
+//! before the planner.
+//!
+//! ```text
+//! cargo bench --bench sync -- --services 10000 --endpoints 5 --changes 20
+//! cargo bench --bench sync -- --services 10000 --endpoints 5 --changes 20 --fresh
+//! ```
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::Ipv4Addr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use common::args::ProgramArgs;
+use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use nodelb::desired::{self, AllocationMode, HostFacts, HostPolicy, Inputs, SourceNotes};
+use nodelb::domain::Family;
+use nodelb::model::ModelOptions;
+use nodelb::plan::{self, NodeFacts, Planner};
+use nodelb::port_policy::PortRange;
+
+fn service(i: usize, endpoints: usize) -> ServiceSpec {
+    let mut s = ServiceSpec::new(&format!("svc-{i}")).port(PortSpec::tcp(80, None));
+    for e in 0..endpoints {
+        s = s.endpoint(EndpointSpec::local(Ipv4Addr::new(
+            198,
+            51,
+            100,
+            100 + ((i * endpoints + e) % 150) as u8,
+        )));
+    }
+    s
+}
+
+fn objects(text: &str) -> (Vec<Arc<Service>>, Vec<Arc<EndpointSlice>>) {
+    let m = nodelb::manifests::parse(Path::new("bench.yaml"), "bench.yaml", text);
+    assert!(m.problems.is_empty(), "{:?}", m.problems);
+    (m.services, m.slices)
+}
+
+/// The middle value (the upper one of an even count).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+fn main() {
+    let args = ProgramArgs::from_env();
+    let n = args.number("--services", 10_000);
+    let (endpoints, changes) = (args.number("--endpoints", 5), args.number("--changes", 20));
+    let fresh = std::env::args().any(|a| a == "--fresh");
+    let text: String = (0..n).map(|i| service(i, endpoints).render()).collect();
+    let (services, slices) = objects(&text);
+    let (extra_svc, extra_slices) = objects(&service(n, endpoints).render());
+    let with_extra: Vec<Arc<Service>> = services.iter().chain(&extra_svc).cloned().collect();
+    let slices_with_extra: Vec<Arc<EndpointSlice>> = slices.iter().chain(&extra_slices).cloned().collect();
+
+    let range = PortRange::new(1024, 64999).expect("range");
+    let model = ModelOptions::default();
+    let node = NodeFacts {
+        node_name: "node-1".into(),
+        families: BTreeSet::from([Family::Ipv4, Family::Ipv6]),
+        masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
+        forward_mark: None,
+    };
+    let policy =
+        HostPolicy { ports: nodelb::port_policy::PortPolicy::with_range(range), ..Default::default() };
+    let (host, notes) = (HostFacts::default(), SourceNotes::default());
+    let mut planner = Planner::default();
+    let mut previous = BTreeMap::new();
+    let mut last: Option<desired::Desired> = None;
+    let (mut desired_ms, mut diff_ms, mut drop_ms, mut sizes) = (vec![], vec![], vec![], vec![]);
+    for k in 0..=changes {
+        let (svcs, slcs) = if k % 2 == 1 { (&with_extra, &slices_with_extra) } else { (&services, &slices) };
+        let inputs = Inputs {
+            mode: AllocationMode::Allocate,
+            services: svcs.as_slice(),
+            slices: slcs.as_slice(),
+            notes: &notes,
+            previous: &previous,
+            since: &BTreeMap::new(),
+            range: &range,
+            model: &model,
+            node: &node,
+            policy: &policy,
+            host: &host,
+            pools: None,
+        };
+        let t = Instant::now();
+        let d = desired::compute_with(&inputs, true, (!fresh).then_some(&mut planner));
+        let t_desired = t.elapsed();
+        if let Some(old) = last.take() {
+            let t = Instant::now();
+            let batch = plan::diff(&old.ruleset, &d.ruleset);
+            let t_diff = t.elapsed();
+            let t = Instant::now();
+            drop(old);
+            drop_ms.push(t.elapsed().as_secs_f64() * 1e3);
+            desired_ms.push(t_desired.as_secs_f64() * 1e3);
+            diff_ms.push(t_diff.as_secs_f64() * 1e3);
+            sizes.push(batch.len() as f64);
+        }
+        if k == 0 {
+            let served = d.services.iter().filter(|s| s.ports.iter().any(|p| p.node_port.is_some())).count();
+            assert_eq!(served, n, "every Service allocated: {:?}", d.services.first());
+            assert!(
+                d.refused_ports.is_empty() && d.refused_endpoints.is_empty(),
+                "{:?}",
+                d.refused_ports.first()
+            );
+            assert_eq!(d.ruleset.chains.len(), n + 8, "a service chain per Service");
+        }
+        previous = d.allocations.clone();
+        last = Some(d);
+    }
+    let how = if fresh { "every Service planned again" } else { "planner" };
+    println!(
+        "{n} Services × {endpoints} endpoints, one Service added or removed, {changes} changes, {how}; median ms:"
+    );
+    println!("  desired (model, allocation, plan, status, counter index)  {:8.1}", median(desired_ms));
+    println!("  diff against the last ruleset                             {:8.1}", median(diff_ms));
+    println!("  drop the last desired state                               {:8.1}", median(drop_ms));
+    println!("  changes per batch                                         {:8.0}", median(sizes));
+}
