@@ -1,9 +1,9 @@
 //! The agent's own (pure) work for one Service added or removed among N Services × E endpoints,
 //! as its sync loop does it after the source's snapshot: `desired` (model, allocation, plan,
-//! status, counter index) with the planner the agent keeps, then the diff against the last ruleset,
-//! then dropping the last one. No root, no kernel: the A/B loop for issue 15's "recompute only what
-//! changed" (docs/benchmarks.md). `--fresh` plans every Service again each sync (no planner), as
-//! before the planner.
+//! status, counter index) with the model cache and planner the agent keeps, then the diff against
+//! the last ruleset, then dropping the last one. No root, no kernel: the A/B loop for issue 15's
+//! "recompute only what changed" (docs/benchmarks.md). `--fresh` builds and plans every Service
+//! again each sync (no cache, no planner), as before them.
 //!
 //! ```text
 //! cargo bench --bench sync -- --services 10000 --endpoints 5 --changes 20
@@ -25,7 +25,7 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use nodelb::desired::{self, AllocationMode, HostFacts, HostPolicy, Inputs, SourceNotes};
 use nodelb::domain::Family;
-use nodelb::model::ModelOptions;
+use nodelb::model::{ModelCache, ModelOptions};
 use nodelb::plan::{self, NodeFacts, Planner};
 use nodelb::port_policy::PortRange;
 
@@ -77,6 +77,7 @@ fn main() {
         HostPolicy { ports: nodelb::port_policy::PortPolicy::with_range(range), ..Default::default() };
     let (host, notes) = (HostFacts::default(), SourceNotes::default());
     let mut planner = Planner::default();
+    let mut model_cache = ModelCache::default();
     let mut previous = BTreeMap::new();
     let mut last: Option<desired::Desired> = None;
     let (mut desired_ms, mut diff_ms, mut drop_ms, mut sizes) = (vec![], vec![], vec![], vec![]);
@@ -97,7 +98,8 @@ fn main() {
             pools: None,
         };
         let t = Instant::now();
-        let d = desired::compute_with(&inputs, true, (!fresh).then_some(&mut planner));
+        let built = (!fresh).then(|| model_cache.build(svcs, slcs, &model));
+        let d = desired::compute_with(&inputs, true, (!fresh).then_some(&mut planner), built);
         let t_desired = t.elapsed();
         if let Some(old) = last.take() {
             let t = Instant::now();

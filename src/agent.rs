@@ -125,7 +125,8 @@ struct Agent<K, N> {
     services_series: BTreeSet<(&'static str, String)>,
     /// The pools `nodelb_pool_ports` has series for.
     pool_series: BTreeSet<String>,
-    /// Each Service's plan as of the last sync, reused while its inputs are unchanged.
+    /// Each Service's model and plan as of the last sync, reused while its inputs are unchanged.
+    model_cache: crate::model::ModelCache,
     planner: crate::plan::Planner,
 }
 
@@ -263,6 +264,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             listeners_failing: false,
             services_series: BTreeSet::new(),
             pool_series: BTreeSet::new(),
+            model_cache: Default::default(),
             planner: Default::default(),
         }
     }
@@ -470,7 +472,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         let mut desired = self.desired(&loaded, &node, &host);
         phases.mark("desired");
         self.report_refusals(&desired);
-        self.persist(&desired)?;
+        self.persist(&mut desired)?;
         phases.mark("state");
         // Apply.
         let programmed = self.dataplane.program(
@@ -542,12 +544,13 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             host,
             pools: loaded.pools.as_deref(),
         };
-        desired::compute_with(&inputs, self.metrics.per_service, Some(&mut self.planner))
+        let built = self.model_cache.build(&loaded.services, &loaded.slices, &self.cfg.model);
+        desired::compute_with(&inputs, self.metrics.per_service, Some(&mut self.planner), Some(built))
     }
 
     /// Keeps the allocations (manifests mode: in the state file, before anything is programmed
-    /// with them).
-    fn persist(&mut self, desired: &Desired) -> Result<(), AgentError> {
+    /// with them), taken out of `desired`: from here on they are `self.allocations`.
+    fn persist(&mut self, desired: &mut Desired) -> Result<(), AgentError> {
         if desired.allocations != self.allocations.allocations {
             // Never silently (manifests mode has no Events): a number no longer valid for its
             // Service, e.g. outside its pool's ranges after an edit.
@@ -558,7 +561,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
                     warn!(service = %key, port = %id, old, new, "node port reallocated: {old} is no longer valid for it (its pool's ranges or its pool changed)");
                 }
             }
-            let next = self.allocations.stamp(&desired.allocations, Timestamp::now());
+            let next = self.allocations.stamp(std::mem::take(&mut desired.allocations), Timestamp::now());
             if let Some(state) = &self.state
                 && self.source.mode() == AllocationMode::Allocate
             {
@@ -651,7 +654,8 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         let ports = desired.services.iter().flat_map(|s| s.ports.iter());
         m.service_ports.set(ports.clone().filter(|p| p.node_port.is_some()).count() as i64);
         m.endpoints.set(ports.map(|p| p.endpoints as i64).sum());
-        let numbers: BTreeSet<u16> = desired.allocations.values().flat_map(|p| p.values().copied()).collect();
+        let allocations = &self.allocations.allocations;
+        let numbers: BTreeSet<u16> = allocations.values().flat_map(|p| p.values().copied()).collect();
         m.allocations.set(numbers.len() as i64);
         let in_range = numbers.iter().filter(|n| self.cfg.port_range.contains(**n)).count();
         m.free_ports.set(self.cfg.port_range.len().saturating_sub(in_range) as i64);
@@ -664,7 +668,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
                     .iter()
                     .filter_map(|s| Some((ServiceKey::new(&s.namespace, &s.name), s.pool.as_deref()?)))
                     .collect();
-                crate::pool::usage(&p.set, &desired.allocations, keys.iter().map(|(k, p)| (k, *p)))
+                crate::pool::usage(&p.set, allocations, keys.iter().map(|(k, p)| (k, *p)))
             }
             None => Vec::new(),
         };
@@ -790,7 +794,7 @@ fn migrate(file: &StateFile, state: State) -> State {
     if missing == 0 {
         return state;
     }
-    let stamped = state.stamp(&state.allocations, Timestamp::now());
+    let stamped = state.stamp(state.allocations.clone(), Timestamp::now());
     info!(
         file = %file.path().display(),
         services = missing,

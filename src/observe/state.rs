@@ -70,6 +70,30 @@ struct OnDisk {
     since: BTreeMap<String, serde_json::Value>,
 }
 
+/// [`OnDisk`] as written: the same text, without building a JSON value per
+/// entry (written after every allocation change; at 10,000 Services the values were most of it).
+#[derive(serde::Serialize)]
+struct OnDiskOut {
+    version: u32,
+    allocations: BTreeMap<String, BTreeMap<String, u16>>,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    since: BTreeMap<String, String>,
+}
+
+impl OnDiskOut {
+    fn of(state: &State) -> OnDiskOut {
+        OnDiskOut {
+            version: STATE_VERSION,
+            allocations: state
+                .allocations
+                .iter()
+                .map(|(k, m)| (k.to_string(), m.iter().map(|(id, n)| (id.to_string(), *n)).collect()))
+                .collect(),
+            since: state.since.iter().map(|(k, t)| (k.to_string(), t.to_string())).collect(),
+        }
+    }
+}
+
 /// What the state file holds.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct State {
@@ -83,10 +107,10 @@ impl State {
     /// The state after a sync: `allocations`, with the time of every Service that had one kept
     /// and `now` for the others (new allocations, and entries migrated from an older file).
     /// Services no longer allocated lose theirs. Pure.
-    pub fn stamp(&self, allocations: &Allocations, now: Timestamp) -> State {
+    pub fn stamp(&self, allocations: Allocations, now: Timestamp) -> State {
         let since =
             allocations.keys().map(|k| (k.clone(), self.since.get(k).copied().unwrap_or(now))).collect();
-        State { allocations: allocations.clone(), since }
+        State { allocations, since }
     }
 
     /// The allocation time of `key` as [`crate::model::LbService::allocated_since`] carries it.
@@ -200,20 +224,7 @@ impl StateFile {
 
     /// Replaces the file atomically with `state`.
     pub fn save(&self, state: &State) -> Result<(), StateError> {
-        let disk = OnDisk {
-            version: STATE_VERSION,
-            allocations: state
-                .allocations
-                .iter()
-                .map(|(k, m)| {
-                    let ports: serde_json::Map<String, serde_json::Value> =
-                        m.iter().map(|(id, n)| (id.to_string(), (*n).into())).collect();
-                    (k.to_string(), ports.into())
-                })
-                .collect(),
-            since: state.since.iter().map(|(k, t)| (k.to_string(), t.to_string().into())).collect(),
-        };
-        let mut text = serde_json::to_string_pretty(&disk)
+        let mut text = serde_json::to_string_pretty(&OnDiskOut::of(state))
             .map_err(|e| StateError::Write { path: self.path.clone(), source: io::Error::other(e) })?;
         text.push('\n');
         self.write_atomically(text.as_bytes())
@@ -443,7 +454,7 @@ mod tests {
         assert!(old.since.is_empty());
         let web = ServiceKey::new("default", "web");
         let db = ServiceKey::new("default", "db");
-        let migrated = old.stamp(&old.allocations, t(5));
+        let migrated = old.stamp(old.allocations.clone(), t(5));
         assert_eq!(migrated.since, BTreeMap::from([(db.clone(), t(5)), (web.clone(), t(5))]));
         st.save(&migrated).expect("save");
         assert_eq!(st.load().expect("load"), migrated, "round trip with times");
@@ -452,7 +463,7 @@ mod tests {
         next.remove(&db);
         let new = ServiceKey::new("default", "new");
         next.insert(new.clone(), BTreeMap::from([(PortId::tcp(80), 20003)]));
-        let later = migrated.stamp(&next, t(9));
+        let later = migrated.stamp(next.clone(), t(9));
         assert_eq!(later.since, BTreeMap::from([(new, t(9)), (web.clone(), t(5))]));
         assert_eq!(later.since_of(&web), Some(t(5).to_string()));
         // Bad times are skipped, named, and the allocation stays.

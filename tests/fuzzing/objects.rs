@@ -106,6 +106,29 @@ pub fn check(world: &World, h: &Hostile) {
     let slim = model::build(&slim_services, &slim_slices, &opts);
     assert_eq!(full, slim, "model of slimmed objects differs from the model of the full objects");
 
+    // The agent's model cache: the good world first, then the same (shared) objects with the
+    // hostile ones among them, then with the good slices replaced by copies (new objects, same
+    // content): each equals a fresh build.
+    let shared = |v: &[Service]| v.iter().cloned().map(Arc::new).collect::<Vec<_>>();
+    let (good_svc, hostile_svc) = (shared(&good_services), shared(&services[good_services.len()..]));
+    let good_sl: Vec<Arc<EndpointSlice>> = good_slices.iter().cloned().map(Arc::new).collect();
+    let hostile_sl: Vec<Arc<EndpointSlice>> =
+        slices[good_slices.len()..].iter().cloned().map(Arc::new).collect();
+    let mixed_svc: Vec<Arc<Service>> = hostile_svc.iter().chain(&good_svc).cloned().collect();
+    let mixed_sl: Vec<Arc<EndpointSlice>> = good_sl.iter().chain(&hostile_sl).cloned().collect();
+    let copied_sl: Vec<Arc<EndpointSlice>> =
+        mixed_sl.iter().map(|s| Arc::new(EndpointSlice::clone(s))).collect();
+    let mut cache = model::ModelCache::default();
+    for (svcs, sls) in
+        [(&good_svc, &good_sl), (&mixed_svc, &mixed_sl), (&mixed_svc, &copied_sl), (&good_svc, &good_sl)]
+    {
+        assert_eq!(
+            cache.build(svcs, sls, &opts),
+            model::build(svcs, sls, &opts),
+            "the model cache differs from a fresh build"
+        );
+    }
+
     // Manifests mode: the agent allocates, the good allocations are the state file.
     let notes = SourceNotes::default();
     let (gs, ge) = (good_services.as_slice(), good_slices.as_slice());

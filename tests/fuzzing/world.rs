@@ -178,7 +178,7 @@ pub fn compute_planned(
         host: &host,
         pools: None,
     };
-    desired::compute_with(&inputs, true, planner)
+    desired::compute_with(&inputs, true, planner, None)
 }
 
 /// A planner that planned `before` then `after` gives the same desired state for `after` as a

@@ -119,19 +119,21 @@ pub struct Inputs<'a, S = Service, E = EndpointSlice> {
 }
 
 pub fn compute<S: Borrow<Service>, E: Borrow<EndpointSlice>>(inputs: &Inputs<'_, S, E>) -> Desired {
-    compute_with(inputs, true, None)
+    compute_with(inputs, true, None, None)
 }
 
 /// [`compute`]; `counter_index: false` leaves [`Desired::counter_index`] empty (per-Service
 /// metrics off: at 10,000 Services the index is tens of thousands of chain names). With a
 /// `planner` (the agent keeps one across syncs), Services whose plan inputs did not change since
-/// its last plan are not planned again; the result is the same.
+/// its last plan are not planned again; `built`: [`model::build`] of these inputs, already done
+/// (by the agent's [`model::ModelCache`]). The result is the same.
 pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     inputs: &Inputs<'_, S, E>,
     counter_index: bool,
     planner: Option<&mut plan::Planner>,
+    built: Option<model::ModelOutput>,
 ) -> Desired {
-    let mut out = model::build(inputs.services, inputs.slices, inputs.model);
+    let mut out = built.unwrap_or_else(|| model::build(inputs.services, inputs.slices, inputs.model));
     out.refused.extend(
         inputs.notes.refused.iter().filter(|r| !out.services.iter().any(|s| &s.key == r.service())).cloned(),
     );
@@ -157,9 +159,9 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 pools: assignment.as_ref().map(|a| &a.ranges),
             };
             // A Service no pool serves is not allocated (it says why instead).
-            let pooled: Vec<LbService> = match &assignment {
-                Some(a) => out.services.iter().filter(|s| a.has_pool(&s.key)).cloned().collect(),
-                None => out.services.clone(),
+            let pooled: Vec<&LbService> = match &assignment {
+                Some(a) => out.services.iter().filter(|s| a.has_pool(&s.key)).collect(),
+                None => out.services.iter().collect(),
             };
             let result = alloc::allocate_with(inputs.range, &pooled, inputs.previous, constraints);
             let mut allocations = result.allocations;
