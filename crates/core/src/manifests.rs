@@ -309,19 +309,24 @@ impl Taken {
     fn take(&mut self, kind: &'static str, meta: &ObjectMeta, file: &Path) -> Result<(), String> {
         let ns = meta.namespace.clone().unwrap_or_default();
         let name = meta.name.clone().unwrap_or_default();
-        let duplicate = match ns.is_empty() {
-            true => format!("duplicate {kind} {}", crate::domain::quoted(&name)),
-            false => format!("duplicate {kind} {}", ServiceKey::new(ns.clone(), name.clone())),
+        // Formatted for duplicates only (a merge at 10,000 Services takes 20,000 objects).
+        let duplicate = |ns: &str, name: &str| match ns.is_empty() {
+            true => format!("duplicate {kind} {}", crate::domain::quoted(name)),
+            false => format!("duplicate {kind} {}", ServiceKey::new(ns, name)),
         };
         match self.0.entry((kind, ns, name)) {
             Entry::Vacant(e) => {
                 e.insert(file.to_path_buf());
                 Ok(())
             }
-            Entry::Occupied(e) if e.get() == file => Err(format!("{duplicate}; the first one is used")),
-            Entry::Occupied(e) => {
-                Err(format!("{duplicate} (first defined in {}); the first one is used", e.get().display()))
+            Entry::Occupied(e) if e.get() == file => {
+                Err(format!("{}; the first one is used", duplicate(&e.key().1, &e.key().2)))
             }
+            Entry::Occupied(e) => Err(format!(
+                "{} (first defined in {}); the first one is used",
+                duplicate(&e.key().1, &e.key().2),
+                e.get().display()
+            )),
         }
     }
 }
