@@ -1,13 +1,11 @@
 //! The agent's own (pure) work for one Service added or removed among N Services × E endpoints,
 //! as its sync loop does it after the source's snapshot: `desired` (model, allocation, plan,
-//! status, counter index) with the model cache and planner the agent keeps, then the diff against
-//! the last ruleset, then dropping the last one. No root, no kernel: the A/B loop for issue 15's
-//! "recompute only what changed" (docs/benchmarks.md). `--fresh` builds and plans every Service
-//! again each sync (no cache, no planner), as before them.
+//! status, counter index), then the diff against the last ruleset, then dropping the last one. No
+//! root, no kernel: the A/B loop for issue 15's "recompute only what changed" (docs/benchmarks.md;
+//! build it on two commits and alternate the binaries).
 //!
 //! ```text
 //! cargo bench --bench sync -- --services 10000 --endpoints 5 --changes 20
-//! cargo bench --bench sync -- --services 10000 --endpoints 5 --changes 20 --fresh
 //! ```
 
 #[path = "../tests/common/mod.rs"]
@@ -25,8 +23,8 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use nodelb::desired::{self, AllocationMode, HostFacts, HostPolicy, Inputs, SourceNotes};
 use nodelb::domain::Family;
-use nodelb::model::{ModelCache, ModelOptions};
-use nodelb::plan::{self, NodeFacts, Planner};
+use nodelb::model::ModelOptions;
+use nodelb::plan::{self, NodeFacts};
 use nodelb::port_policy::PortRange;
 
 fn service(i: usize, endpoints: usize) -> ServiceSpec {
@@ -58,7 +56,6 @@ fn main() {
     let args = ProgramArgs::from_env();
     let n = args.number("--services", 10_000);
     let (endpoints, changes) = (args.number("--endpoints", 5), args.number("--changes", 20));
-    let fresh = std::env::args().any(|a| a == "--fresh");
     let text: String = (0..n).map(|i| service(i, endpoints).render()).collect();
     let (services, slices) = objects(&text);
     let (extra_svc, extra_slices) = objects(&service(n, endpoints).render());
@@ -76,8 +73,6 @@ fn main() {
     let policy =
         HostPolicy { ports: nodelb::port_policy::PortPolicy::with_range(range), ..Default::default() };
     let (host, notes) = (HostFacts::default(), SourceNotes::default());
-    let mut planner = Planner::default();
-    let mut model_cache = ModelCache::default();
     let mut previous = BTreeMap::new();
     let mut last: Option<desired::Desired> = None;
     let (mut desired_ms, mut diff_ms, mut drop_ms, mut sizes) = (vec![], vec![], vec![], vec![]);
@@ -98,8 +93,7 @@ fn main() {
             pools: None,
         };
         let t = Instant::now();
-        let built = (!fresh).then(|| model_cache.build(svcs, slcs, &model));
-        let d = desired::compute_with(&inputs, true, (!fresh).then_some(&mut planner), built);
+        let d = desired::compute_with(&inputs, true);
         let t_desired = t.elapsed();
         if let Some(old) = last.take() {
             let t = Instant::now();
@@ -125,9 +119,8 @@ fn main() {
         previous = d.allocations.clone();
         last = Some(d);
     }
-    let how = if fresh { "every Service planned again" } else { "planner" };
     println!(
-        "{n} Services × {endpoints} endpoints, one Service added or removed, {changes} changes, {how}; median ms:"
+        "{n} Services × {endpoints} endpoints, one Service added or removed, {changes} changes; median ms:"
     );
     println!("  desired (model, allocation, plan, status, counter index)  {:8.1}", median(desired_ms));
     println!("  diff against the last ruleset                             {:8.1}", median(diff_ms));

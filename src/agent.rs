@@ -125,9 +125,6 @@ struct Agent<K, N> {
     services_series: BTreeSet<(&'static str, String)>,
     /// The pools `nodelb_pool_ports` has series for.
     pool_series: BTreeSet<String>,
-    /// Each Service's model and plan as of the last sync, reused while its inputs are unchanged.
-    model_cache: crate::model::ModelCache,
-    planner: crate::plan::Planner,
 }
 
 /// The host-firewall check (its own netlink socket: it reads and writes other tables, never
@@ -264,8 +261,6 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             listeners_failing: false,
             services_series: BTreeSet::new(),
             pool_series: BTreeSet::new(),
-            model_cache: Default::default(),
-            planner: Default::default(),
         }
     }
 
@@ -529,7 +524,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
     }
 
     /// Everything the node should do, computed from the snapshot (pure).
-    fn desired(&mut self, loaded: &Snapshot, node: &NodeFacts, host: &HostFacts) -> Desired {
+    fn desired(&self, loaded: &Snapshot, node: &NodeFacts, host: &HostFacts) -> Desired {
         let inputs = Inputs {
             mode: self.source.mode(),
             services: &loaded.services,
@@ -544,8 +539,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             host,
             pools: loaded.pools.as_deref(),
         };
-        let built = self.model_cache.build(&loaded.services, &loaded.slices, &self.cfg.model);
-        desired::compute_with(&inputs, self.metrics.per_service, Some(&mut self.planner), Some(built))
+        desired::compute_with(&inputs, self.metrics.per_service)
     }
 
     /// Keeps the allocations (manifests mode: in the state file, before anything is programmed

@@ -339,7 +339,7 @@ fn diff_after_full_replace_matches_nft() {
 
     let mut rs2 = rs1.clone();
     // svc-a loses an endpoint and gains a comment-less counter rule; ep-a-2 goes away.
-    let svc_a = std::sync::Arc::make_mut(rs2.chains.get_mut("svc-a").expect("svc-a"));
+    let svc_a = rs2.chains.get_mut("svc-a").expect("svc-a");
     svc_a.rules = vec![
         r(vec![Expr::Counter]),
         r(vec![
@@ -519,7 +519,7 @@ fn counter_ruleset() -> Ruleset {
         comment: None,
     });
     rs.add_counter(NamedCounter { name: "loopback-udp".into(), comment: Some("named".into()) });
-    std::sync::Arc::make_mut(rs.chains.get_mut("filter-output").expect("chain")).rules.push(r(vec![
+    rs.chains.get_mut("filter-output").expect("chain").rules.push(r(vec![
         Expr::L4Proto(Protocol::Udp),
         Expr::DaddrInPrefix { prefix: "127.0.0.0/8".parse().expect("cidr"), negate: false },
         Expr::CounterRef("loopback-udp".into()),

@@ -263,7 +263,7 @@ async fn counters_survive_a_full_replace() {
     h.kernel().count(&conn, 5);
     assert_eq!(h.connections(), vec![5]);
 
-    h.kernel().tamper(|t| t.chains.values_mut().for_each(|c| std::sync::Arc::make_mut(c).rules.clear()));
+    h.kernel().tamper(|t| t.chains.values_mut().for_each(|c| c.rules.clear()));
     h.sync(true).await.expect("repair");
     assert_eq!(full_replaces(h.kernel()), 2);
     assert_eq!(h.kernel().counters[&conn].packets, 0, "the kernel's counter restarted");
@@ -312,7 +312,7 @@ async fn affinities_are_carried_across_a_full_replace() {
     h.kernel().dynamic.insert(second.clone(), vec![(client("203.0.113.8"), 7_000)]);
     let held = h.kernel().dynamic.clone();
 
-    h.kernel().tamper(|t| t.chains.values_mut().for_each(|c| std::sync::Arc::make_mut(c).rules.clear()));
+    h.kernel().tamper(|t| t.chains.values_mut().for_each(|c| c.rules.clear()));
     h.sync(true).await.expect("repair");
     assert_eq!(h.kernel().batches.last(), Some(&Batch::FullReplace { carried: held.clone() }));
     assert_eq!(h.kernel().dynamic, held, "the clients' affinities are back in their sets");

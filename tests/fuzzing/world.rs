@@ -142,18 +142,6 @@ pub fn compute(
     notes: &SourceNotes,
     previous: &Allocations,
 ) -> Desired {
-    compute_planned(mode, services, slices, notes, previous, None)
-}
-
-/// [`compute`] with the agent's planner (kept across syncs), which must make no difference.
-pub fn compute_planned(
-    mode: AllocationMode,
-    services: &[Service],
-    slices: &[EndpointSlice],
-    notes: &SourceNotes,
-    previous: &Allocations,
-    planner: Option<&mut nodelb::plan::Planner>,
-) -> Desired {
     // Manifests mode: the state file says since when the good Services hold their ports.
     let since: BTreeMap<ServiceKey, Timestamp> = match mode {
         AllocationMode::Allocate => previous.keys().map(|k| (k.clone(), Timestamp::UNIX_EPOCH)).collect(),
@@ -178,25 +166,7 @@ pub fn compute_planned(
         host: &host,
         pools: None,
     };
-    desired::compute_with(&inputs, true, planner, None)
-}
-
-/// A planner that planned `before` then `after` gives the same desired state for `after` as a
-/// fresh computation (the agent's planner reuses the plans of Services that did not change).
-pub fn assert_planner_changes_nothing(
-    mode: AllocationMode,
-    before: (&[Service], &[EndpointSlice]),
-    after: (&[Service], &[EndpointSlice]),
-    previous: &Allocations,
-    fresh: &Desired,
-    what: &str,
-) {
-    let notes = SourceNotes::default();
-    let mut planner = nodelb::plan::Planner::default();
-    compute_planned(mode, before.0, before.1, &notes, previous, Some(&mut planner));
-    let planned = compute_planned(mode, after.0, after.1, &notes, previous, Some(&mut planner));
-    assert_eq!(planned.ruleset, fresh.ruleset, "{what}: the planner's ruleset differs from a fresh plan");
-    assert_eq!(planned.counter_index, fresh.counter_index, "{what}: the planner's counter index differs");
+    desired::compute(&inputs)
 }
 
 /// The good Services are planned exactly as when alone: programmed, on their node ports, with the

@@ -119,21 +119,16 @@ pub struct Inputs<'a, S = Service, E = EndpointSlice> {
 }
 
 pub fn compute<S: Borrow<Service>, E: Borrow<EndpointSlice>>(inputs: &Inputs<'_, S, E>) -> Desired {
-    compute_with(inputs, true, None, None)
+    compute_with(inputs, true)
 }
 
 /// [`compute`]; `counter_index: false` leaves [`Desired::counter_index`] empty (per-Service
-/// metrics off: at 10,000 Services the index is tens of thousands of chain names). With a
-/// `planner` (the agent keeps one across syncs), Services whose plan inputs did not change since
-/// its last plan are not planned again; `built`: [`model::build`] of these inputs, already done
-/// (by the agent's [`model::ModelCache`]). The result is the same.
+/// metrics off: at 10,000 Services the index is tens of thousands of chain names).
 pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     inputs: &Inputs<'_, S, E>,
     counter_index: bool,
-    planner: Option<&mut plan::Planner>,
-    built: Option<model::ModelOutput>,
 ) -> Desired {
-    let mut out = built.unwrap_or_else(|| model::build(inputs.services, inputs.slices, inputs.model));
+    let mut out = model::build(inputs.services, inputs.slices, inputs.model);
     out.refused.extend(
         inputs.notes.refused.iter().filter(|r| !out.services.iter().any(|s| &s.key == r.service())).cloned(),
     );
@@ -243,11 +238,7 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         .iter()
         .map(|s| ServicePlan { service: s, node_ports: programmed.get(&s.key).unwrap_or(&empty) })
         .collect();
-    let mut planner = planner;
-    let ruleset = match planner.as_deref_mut() {
-        Some(planner) => planner.plan(&plans, inputs.node, &restricted),
-        None => plan::plan_with(&plans, inputs.node, &restricted),
-    };
+    let ruleset = plan::plan_with(&plans, inputs.node, &restricted);
 
     // Each Service's faults, looked up once each (not a scan of every fault per Service).
     let refused_by = by_service(&refused_endpoints, |r| &r.service);
@@ -289,11 +280,8 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         });
     }
     services.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-    let counter_index = match (counter_index, planner) {
-        (false, _) => CounterIndex::default(),
-        (true, Some(planner)) => planner.counter_index(&out.services),
-        (true, None) => self::counter_index(&out.services, &ruleset),
-    };
+    let counter_index =
+        if counter_index { self::counter_index(&out.services, &ruleset) } else { CounterIndex::default() };
     let needed_families = out.services.iter().flat_map(|s| s.families.iter().copied()).collect();
     Desired {
         ruleset,

@@ -7,7 +7,6 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::IpAddr;
-use std::sync::Arc;
 
 use ipnet::IpNet;
 
@@ -324,16 +323,14 @@ static NO_CARRIED: Carried = BTreeMap::new();
 /// The complete desired content of the `nodelb` table.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Ruleset {
-    /// Shared (`Arc`): the planner reuses an unchanged Service's chains from its last plan, and
-    /// the diff skips a chain that is the same allocation as the applied one without comparing it.
-    pub chains: BTreeMap<String, Arc<Chain>>,
+    pub chains: BTreeMap<String, Chain>,
     pub sets: BTreeMap<String, Set>,
     pub counters: BTreeMap<String, NamedCounter>,
 }
 
 impl Ruleset {
     pub fn add_chain(&mut self, chain: Chain) {
-        self.chains.insert(chain.name.clone(), Arc::new(chain));
+        self.chains.insert(chain.name.clone(), chain);
     }
 
     pub fn add_set(&mut self, set: Set) {
@@ -743,7 +740,7 @@ impl Ruleset {
             .flat_map(|c| c.rules.iter().map(move |rule| ChangeRef::AddRule { chain: &c.name, rule }));
         start
             .into_iter()
-            .chain(self.chains.values().map(|c| ChangeRef::AddChain(c)))
+            .chain(self.chains.values().map(ChangeRef::AddChain))
             .chain(self.counters.values().map(ChangeRef::AddCounter))
             .chain(sets)
             .chain(rules)

@@ -53,10 +53,9 @@
 //! are capped per Service. All work is linear in the input.
 
 use std::borrow::Borrow;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
-use std::sync::Arc;
 
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Service, ServicePort};
@@ -379,32 +378,24 @@ pub fn build<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 .push(Refusal::Invalid { service: key, reason: "duplicate Service object".to_string() });
             continue;
         }
-        let svc_slices: Vec<&EndpointSlice> =
-            slices_by_service.get(&key).into_iter().flatten().map(|s| (*s).borrow()).collect();
-        match build_one(svc, key, &svc_slices, &mut out.warnings) {
+        let no_slices = Vec::new();
+        let svc_slices = slices_by_service.get(&key).unwrap_or(&no_slices);
+        match build_one(svc, key, svc_slices, &mut out.warnings) {
             Ok(lb) => out.services.push(lb),
             Err(refusal) => out.refused.push(refusal),
         }
     }
-    out.sort();
+    out.services.sort_by(|a, b| a.key.cmp(&b.key));
+    out.refused.sort_by(|a, b| a.service().cmp(b.service()));
+    out.warnings.sort_by(|a, b| a.service.cmp(&b.service));
     out
-}
-
-impl ModelOutput {
-    /// By Service; the order of [`build`]'s output whatever the order of its input.
-    fn sort(&mut self) {
-        self.services.sort_by(|a, b| a.key.cmp(&b.key));
-        self.refused.sort_by(|a, b| a.service().cmp(b.service()));
-        self.warnings.sort_by(|a, b| a.service.cmp(&b.service));
-    }
 }
 
 /// EndpointSlices grouped by the Service they belong to. Slices without the label are not part of
 /// any Service.
-fn index_slices<E: Borrow<EndpointSlice>>(slices: &[E]) -> BTreeMap<ServiceKey, Vec<&E>> {
-    let mut map: BTreeMap<ServiceKey, Vec<&E>> = BTreeMap::new();
-    for shared in slices {
-        let slice = shared.borrow();
+fn index_slices<E: Borrow<EndpointSlice>>(slices: &[E]) -> BTreeMap<ServiceKey, Vec<&EndpointSlice>> {
+    let mut map: BTreeMap<ServiceKey, Vec<&EndpointSlice>> = BTreeMap::new();
+    for slice in slices.iter().map(Borrow::borrow) {
         let Some(name) = slice.metadata.labels.as_ref().and_then(|l| l.get(LABEL_SERVICE_NAME)) else {
             continue;
         };
@@ -412,80 +403,9 @@ fn index_slices<E: Borrow<EndpointSlice>>(slices: &[E]) -> BTreeMap<ServiceKey, 
             continue;
         }
         let key = ServiceKey { namespace: namespace_of(&slice.metadata.namespace), name: name.clone() };
-        map.entry(key).or_default().push(shared);
+        map.entry(key).or_default().push(slice);
     }
     map
-}
-
-/// [`build`] of the objects as the sources share them, remembering each Service's result while
-/// the very same objects come again: its Service and its EndpointSlices, by pointer (a source
-/// hands out the same `Arc` for an object that did not change, a new one for any change). Held
-/// by the agent across syncs, so a one-Service change validates one Service. Always equal to
-/// [`build`] (the `objects` fuzz target checks it on hostile objects).
-#[derive(Debug, Default)]
-pub struct ModelCache {
-    opts: Option<ModelOptions>,
-    entries: HashMap<ServiceKey, Built>,
-}
-
-/// One Service's objects at its last build, and what it built to.
-#[derive(Debug)]
-struct Built {
-    service: Arc<Service>,
-    slices: Vec<Arc<EndpointSlice>>,
-    result: Result<LbService, Refusal>,
-    warnings: Vec<ModelWarning>,
-}
-
-impl ModelCache {
-    pub fn build(
-        &mut self,
-        services: &[Arc<Service>],
-        slices: &[Arc<EndpointSlice>],
-        opts: &ModelOptions,
-    ) -> ModelOutput {
-        if self.opts.as_ref() != Some(opts) {
-            self.entries.clear();
-            self.opts = Some(opts.clone());
-        }
-        let mut out = ModelOutput::default();
-        let slices_by_service = index_slices(slices);
-        let mut seen = BTreeSet::new();
-        let mut next = HashMap::with_capacity(self.entries.len());
-        for svc in services.iter().filter(|s| is_ours(s, opts)) {
-            let key = service_key(svc);
-            if !seen.insert(key.clone()) {
-                out.refused
-                    .push(Refusal::Invalid { service: key, reason: "duplicate Service object".to_string() });
-                continue;
-            }
-            let svc_slices = slices_by_service.get(&key).map(Vec::as_slice).unwrap_or(&[]);
-            let same = |b: &Built| {
-                Arc::ptr_eq(&b.service, svc)
-                    && b.slices.len() == svc_slices.len()
-                    && b.slices.iter().zip(svc_slices).all(|(a, b)| Arc::ptr_eq(a, b))
-            };
-            let built = match self.entries.remove(&key) {
-                Some(b) if same(&b) => b,
-                _ => {
-                    let refs: Vec<&EndpointSlice> = svc_slices.iter().map(|s| s.as_ref()).collect();
-                    let mut warnings = Vec::new();
-                    let result = build_one(svc, key.clone(), &refs, &mut warnings);
-                    let slices = svc_slices.iter().map(|s| Arc::clone(s)).collect();
-                    Built { service: Arc::clone(svc), slices, result, warnings }
-                }
-            };
-            match &built.result {
-                Ok(lb) => out.services.push(lb.clone()),
-                Err(refusal) => out.refused.push(refusal.clone()),
-            }
-            out.warnings.extend(built.warnings.iter().cloned());
-            next.insert(key, built);
-        }
-        self.entries = next;
-        out.sort();
-        out
-    }
 }
 
 fn build_one(
@@ -1060,45 +980,6 @@ mod tests {
 
     fn key(name: &str) -> ServiceKey {
         ServiceKey::new("default", name)
-    }
-
-    /// The agent's cache equals a fresh build at every step: unchanged objects (reused), a
-    /// Service's slice replaced, a slice added, a Service replaced, a duplicate, other options.
-    #[test]
-    fn model_cache_equals_a_fresh_build() {
-        let ep = |addr: &str| {
-            json!({"endpoints": [{"addresses": [addr], "conditions": {"ready": true}}],
-                   "ports": [{"port": 8080, "protocol": "TCP"}]})
-        };
-        let a = Arc::new(svc_with("a", |_| {}));
-        let b = Arc::new(svc_with("b", |_| {}));
-        let a_classed = Arc::new(svc_with("a", |v| v["spec"]["loadBalancerClass"] = json!("other.io/lb")));
-        let a_bad = Arc::new(svc_with("a", |v| v["spec"]["externalTrafficPolicy"] = json!("Sometimes")));
-        let a1 = Arc::new(slice("a-1", "a", ep("198.51.100.1")));
-        let a1_moved = Arc::new(slice("a-1", "a", ep("198.51.100.2")));
-        let a2 = Arc::new(slice("a-2", "a", ep("198.51.100.3")));
-        let b1 = Arc::new(slice("b-1", "b", ep("198.51.100.9")));
-        let strict = ModelOptions { ignore_unclassed: true, ..ModelOptions::default() };
-        let usual = ModelOptions::default();
-        let steps: Vec<(Vec<&Arc<Service>>, Vec<&Arc<EndpointSlice>>, &ModelOptions)> = vec![
-            (vec![&a, &b], vec![&a1, &b1], &usual),
-            (vec![&a, &b], vec![&a1, &b1], &usual),
-            (vec![&a, &b], vec![&a1_moved, &b1], &usual),
-            (vec![&a, &b], vec![&a1_moved, &a2, &b1], &usual),
-            (vec![&a_bad, &b], vec![&a1_moved, &a2, &b1], &usual),
-            (vec![&a, &b, &a_bad], vec![&a1, &b1], &usual),
-            (vec![&b, &a], vec![&b1, &a1], &usual),
-            (vec![&a_classed, &b], vec![&a1, &b1], &usual),
-            (vec![&a, &b], vec![&a1, &b1], &strict),
-            (vec![&a, &b], vec![&a1, &b1], &usual),
-        ];
-        let mut cache = ModelCache::default();
-        for (i, (services, slices, opts)) in steps.into_iter().enumerate() {
-            let services: Vec<Arc<Service>> = services.into_iter().cloned().collect();
-            let slices: Vec<Arc<EndpointSlice>> = slices.into_iter().cloned().collect();
-            let fresh = build(&services, &slices, opts);
-            assert_eq!(cache.build(&services, &slices, opts), fresh, "step {i}");
-        }
     }
 
     fn tcp(port: u16) -> PortId {

@@ -31,13 +31,11 @@
 //! port is programmed for the family, with or without endpoints, and keep counting when its rules
 //! are replaced.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
-use std::sync::Arc;
 
 use ipnet::IpNet;
 
-use crate::counters::{CounterIndex, CounterKind, SeriesKey};
 use crate::domain::{FNV1A_OFFSET, Family, PortId, Protocol, fnv1a, fnv1a_extend};
 use crate::ir::{
     BaseChain, Chain, ChainType, Change, CtState, Expr, Hook, Key, KeyPart, KeyType, Mapped, NamedCounter,
@@ -517,187 +515,21 @@ pub fn plan_with(
         ],
     ));
 
-    let names = shared_set_names();
     for sp in services {
-        plan_service(sp, addresses.get(&sp.service.key), node).merge_into(&mut rs, &names);
+        let restricted = addresses.get(&sp.service.key);
+        for port in &sp.service.ports {
+            let Some(&node_port) = sp.node_ports.get(&port.id) else { continue };
+            for &f in &sp.service.families {
+                let on: Option<Vec<IpAddr>> =
+                    restricted.map(|a| a.iter().copied().filter(|a| Family::of(a) == f).collect());
+                if node.families.contains(&f) && on.as_ref().is_none_or(|a| !a.is_empty()) {
+                    let at = Dispatch { port: (port.id.protocol, node_port), addresses: on.as_deref() };
+                    plan_port(&mut rs, sp.service, port, &at, f, node);
+                }
+            }
+        }
     }
     rs
-}
-
-/// [`plan_with`] that remembers what each Service contributed and reuses it while the Service's
-/// inputs (its model, node ports, restricted addresses, and the node facts) are unchanged: a
-/// one-Service change replans one Service, and the unchanged chains are the same allocations as
-/// in the last plan, which [`diff`] then skips without comparing them. Always equal to
-/// [`plan_with`] of the same input (`tests::planner_equals_a_fresh_plan`).
-#[derive(Debug, Default)]
-pub struct Planner {
-    node: Option<NodeFacts>,
-    memo: HashMap<crate::domain::ServiceKey, Planned>,
-}
-
-/// One Service's inputs at its last plan, and what it contributed.
-#[derive(Debug)]
-struct Planned {
-    service: LbService,
-    node_ports: BTreeMap<PortId, u16>,
-    addresses: Option<BTreeSet<IpAddr>>,
-    part: ServicePart,
-}
-
-impl Planner {
-    pub fn plan(
-        &mut self,
-        services: &[ServicePlan<'_>],
-        node: &NodeFacts,
-        addresses: &BTreeMap<crate::domain::ServiceKey, BTreeSet<IpAddr>>,
-    ) -> Ruleset {
-        if self.node.as_ref() != Some(node) {
-            self.memo.clear();
-            self.node = Some(node.clone());
-        }
-        let mut rs = plan_with(&[], node, addresses);
-        let mut next = HashMap::with_capacity(services.len());
-        let names = shared_set_names();
-        for sp in services {
-            let restricted = addresses.get(&sp.service.key);
-            let planned = match self.memo.remove(&sp.service.key) {
-                Some(p)
-                    if p.service == *sp.service
-                        && p.node_ports == *sp.node_ports
-                        && p.addresses.as_ref() == restricted =>
-                {
-                    p
-                }
-                _ => Planned {
-                    service: sp.service.clone(),
-                    node_ports: sp.node_ports.clone(),
-                    addresses: restricted.cloned(),
-                    part: plan_service(sp, restricted, node),
-                },
-            };
-            planned.part.merge_into(&mut rs, &names);
-            next.insert(sp.service.key.clone(), planned);
-        }
-        self.memo = next;
-        rs
-    }
-}
-
-impl Planner {
-    /// The named counters of each served Service port in the last plan, and every Service port
-    /// of `services` (the Services of that plan; a port without a node port has a series but no
-    /// counter): what `desired` otherwise derives from the ruleset by naming every counter again.
-    pub fn counter_index(&self, services: &[LbService]) -> CounterIndex {
-        let mut index = CounterIndex::default();
-        for svc in services {
-            let part = self.memo.get(&svc.key).map(|p| &p.part);
-            for (counter, port, kind) in part.iter().flat_map(|p| &p.counters) {
-                let key = SeriesKey { service: svc.key.clone(), port: *port };
-                index.counters.insert(counter.name.clone(), (key, *kind));
-            }
-            for port in &svc.ports {
-                index.ports.insert(SeriesKey { service: svc.key.clone(), port: port.id });
-            }
-        }
-        index
-    }
-}
-
-/// A map or set of the skeleton that Service ports add elements to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum SharedSet {
-    ServicePorts,
-    FirewallPorts,
-    ServiceAddressPorts,
-    FirewallAddressPorts,
-    ForwardCounters,
-    Endpoints,
-}
-
-impl SharedSet {
-    const ALL: [SharedSet; 6] = [
-        SharedSet::ServicePorts,
-        SharedSet::FirewallPorts,
-        SharedSet::ServiceAddressPorts,
-        SharedSet::FirewallAddressPorts,
-        SharedSet::ForwardCounters,
-        SharedSet::Endpoints,
-    ];
-
-    fn name(self, f: Family) -> String {
-        match self {
-            SharedSet::ServicePorts => service_ports_map(f),
-            SharedSet::FirewallPorts => firewall_ports_map(f),
-            SharedSet::ServiceAddressPorts => service_address_ports_map(f),
-            SharedSet::FirewallAddressPorts => firewall_address_ports_map(f),
-            SharedSet::ForwardCounters => forward_counters_map(f),
-            SharedSet::Endpoints => endpoints_set(f),
-        }
-    }
-}
-
-/// The names of the shared sets, by [`SharedSet`] and family: formatted once per plan, not per
-/// element.
-type SharedSetNames = [[String; 2]; 6];
-
-fn shared_set_names() -> SharedSetNames {
-    SharedSet::ALL.map(|s| [s.name(Family::Ipv4), s.name(Family::Ipv6)])
-}
-
-/// What one Service adds to the skeleton: its chains, counters and affinity sets, and its elements
-/// of the shared maps and sets.
-#[derive(Debug, Default)]
-struct ServicePart {
-    chains: Vec<Arc<Chain>>,
-    /// With the Service port and what each counts: the counter index comes from here.
-    counters: Vec<(NamedCounter, PortId, CounterKind)>,
-    sets: Vec<Set>,
-    elements: Vec<(SharedSet, Family, Key, Option<Mapped>)>,
-}
-
-impl ServicePart {
-    fn add_chain(&mut self, chain: Chain) {
-        self.chains.push(Arc::new(chain));
-    }
-
-    /// Adds this part to `rs` (names: [`shared_set_names`]).
-    fn merge_into(&self, rs: &mut Ruleset, names: &SharedSetNames) {
-        for c in &self.chains {
-            rs.chains.insert(c.name.clone(), c.clone());
-        }
-        for (c, _, _) in &self.counters {
-            rs.counters.insert(c.name.clone(), c.clone());
-        }
-        for s in &self.sets {
-            rs.sets.insert(s.name.clone(), s.clone());
-        }
-        for (set, f, key, value) in &self.elements {
-            if let Some(set) = rs.sets.get_mut(&names[*set as usize][usize::from(*f == Family::Ipv6)]) {
-                set.elements.insert(key.clone(), value.clone());
-            }
-        }
-    }
-}
-
-/// Everything one Service adds to the skeleton on this node.
-fn plan_service(
-    sp: &ServicePlan<'_>,
-    restricted: Option<&BTreeSet<IpAddr>>,
-    node: &NodeFacts,
-) -> ServicePart {
-    let mut part = ServicePart::default();
-    for port in &sp.service.ports {
-        let Some(&node_port) = sp.node_ports.get(&port.id) else { continue };
-        for &f in &sp.service.families {
-            let on: Option<Vec<IpAddr>> =
-                restricted.map(|a| a.iter().copied().filter(|a| Family::of(a) == f).collect());
-            if node.families.contains(&f) && on.as_ref().is_none_or(|a| !a.is_empty()) {
-                let at = Dispatch { port: (port.id.protocol, node_port), addresses: on.as_deref() };
-                plan_port(&mut part, sp.service, port, &at, f, node);
-            }
-        }
-    }
-    part
 }
 
 /// The forward path: `filter-forward` runs before every other forward chain of the node
@@ -775,19 +607,18 @@ struct Dispatch<'a> {
 
 impl Dispatch<'_> {
     /// Puts `verdict` in the firewall (`firewall: true`) or service dispatch map of family `f`.
-    fn insert(&self, part: &mut ServicePart, f: Family, firewall: bool, verdict: Verdict) {
+    fn insert(&self, rs: &mut Ruleset, f: Family, firewall: bool, verdict: Verdict) {
         let (proto, port) = (KeyPart::Proto(self.port.0), KeyPart::Port(self.port.1));
-        let mapped = Some(Mapped::Verdict(verdict));
+        let mapped = Mapped::Verdict(verdict);
         match self.addresses {
             None => {
-                let map = if firewall { SharedSet::FirewallPorts } else { SharedSet::ServicePorts };
-                part.elements.push((map, f, vec![proto, port], mapped));
+                let map = if firewall { firewall_ports_map(f) } else { service_ports_map(f) };
+                insert_element(rs, &map, vec![proto, port], mapped);
             }
             Some(addrs) => {
-                let map =
-                    if firewall { SharedSet::FirewallAddressPorts } else { SharedSet::ServiceAddressPorts };
+                let map = if firewall { firewall_address_ports_map(f) } else { service_address_ports_map(f) };
                 for a in addrs {
-                    part.elements.push((map, f, vec![KeyPart::Addr(*a), proto, port], mapped.clone()));
+                    insert_element(rs, &map, vec![KeyPart::Addr(*a), proto, port], mapped.clone());
                 }
             }
         }
@@ -795,7 +626,7 @@ impl Dispatch<'_> {
 }
 
 fn plan_port(
-    rs: &mut ServicePart,
+    rs: &mut Ruleset,
     svc: &LbService,
     port: &LbPort,
     at: &Dispatch<'_>,
@@ -817,17 +648,13 @@ fn plan_port(
     let counter =
         |name: String, what: &str| NamedCounter { name, comment: Some(names.counter_comment(what)) };
     let connections = names.connections_counter();
-    rs.counters.push((counter(connections.clone(), "new connections"), port.id, CounterKind::Connections));
+    rs.add_counter(counter(connections.clone(), "new connections"));
     let forwarded = names.forwarded_counter();
-    rs.counters.push((counter(forwarded.clone(), "forwarded traffic"), port.id, CounterKind::Traffic));
+    rs.add_counter(counter(forwarded.clone(), "forwarded traffic"));
     if !svc.source_ranges.is_empty() {
         // Ranges of the other family only ⇒ nobody of this family is allowed: fail closed.
         let refused = names.refused_counter();
-        rs.counters.push((
-            counter(refused.clone(), "refused by source ranges"),
-            port.id,
-            CounterKind::Refused,
-        ));
+        rs.add_counter(counter(refused.clone(), "refused by source ranges"));
         let fw = names.firewall_chain(node_port);
         let mut rules: Vec<Rule> = ranges
             .iter()
@@ -848,10 +675,12 @@ fn plan_port(
         return;
     }
 
-    for ep in &endpoints {
-        let addr = KeyPart::Addr(ep.addr);
-        let key = vec![addr, addr, KeyPart::Proto(port.id.protocol), KeyPart::Port(ep.port)];
-        rs.elements.push((SharedSet::Endpoints, f, key, None));
+    if let Some(set) = rs.sets.get_mut(&endpoints_set(f)) {
+        for ep in &endpoints {
+            let addr = KeyPart::Addr(ep.addr);
+            set.elements
+                .insert(vec![addr, addr, KeyPart::Proto(port.id.protocol), KeyPart::Port(ep.port)], None);
+        }
     }
     // Count and mark for masquerade, then one DNAT rule per endpoint, picked by independent draws
     // (`Expr::NumgenRandomIs`). No chain per endpoint: every chain a verdict map reaches is walked
@@ -872,7 +701,7 @@ fn plan_port(
     let svc_chain = names.service_chain(node_port);
     rs.add_chain(regular(svc_chain.clone(), comment(""), rules));
     at.insert(rs, f, false, Verdict::Goto(svc_chain));
-    rs.elements.push((SharedSet::ForwardCounters, f, key, Some(Mapped::Counter(forwarded))));
+    insert_element(rs, &forward_counters_map(f), key, Mapped::Counter(forwarded));
 }
 
 /// `meta l4proto <p> dnat to <endpoint>` (nft needs the transport protocol known before a DNAT
@@ -908,7 +737,7 @@ fn draw_rules(first: Vec<Expr>, port: &LbPort, endpoints: &[&Endpoint]) -> Vec<R
 /// then the last rule must still DNAT (a full set of an earlier endpoint only makes its draw rule
 /// fall through to the next draw). An endpoint that goes takes its set, and its affinities, with it.
 fn affinity_rules(
-    rs: &mut ServicePart,
+    rs: &mut Ruleset,
     first: Vec<Expr>,
     svc: &LbService,
     port: &LbPort,
@@ -922,7 +751,7 @@ fn affinity_rules(
     };
     let sets: Vec<String> = endpoints.iter().map(|ep| affinity_set(f, svc, port, ep, timeout)).collect();
     for (set, ep) in sets.iter().zip(endpoints) {
-        rs.sets.push(Set {
+        rs.add_set(Set {
             name: set.clone(),
             key: vec![key],
             kind: SetKind::Dynamic { timeout },
@@ -956,6 +785,12 @@ fn affinity_rules(
 /// `198.51.100.11:8080`, `[2001:db8::1]:8080`.
 fn endpoint_text(ep: &Endpoint) -> String {
     std::net::SocketAddr::new(ep.addr, ep.port).to_string()
+}
+
+fn insert_element(rs: &mut Ruleset, set: &str, key: Key, value: Mapped) {
+    if let Some(set) = rs.sets.get_mut(set) {
+        set.elements.insert(key, Some(value));
+    }
 }
 
 /// Whether going from `old` to `new` changes a base chain's hook or a set's type, which an
@@ -996,7 +831,7 @@ pub fn diff(old: &Ruleset, new: &Ruleset) -> Vec<Change> {
     }
     for (name, o, chain) in &chains {
         match (o, chain) {
-            (Some(o), Some(chain)) if Arc::ptr_eq(o, chain) || o.rules == chain.rules => {}
+            (Some(o), Some(chain)) if o.rules == chain.rules => {}
             (Some(_), Some(chain)) => {
                 changes.push(Change::FlushChain((*name).clone()));
                 push_rules(&mut changes, chain);
@@ -1030,7 +865,7 @@ pub fn diff(old: &Ruleset, new: &Ruleset) -> Vec<Change> {
         }
     }
     changes.extend(additions);
-    let gone: Vec<(&String, &Arc<Chain>)> =
+    let gone: Vec<(&String, &Chain)> =
         chains.iter().filter_map(|(name, o, n)| Some((*name, (*o)?)).filter(|_| n.is_none())).collect();
     for (name, chain) in &gone {
         if !chain.rules.is_empty() {

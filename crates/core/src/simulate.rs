@@ -4,9 +4,8 @@
 //! and with the `testing` feature.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
-use crate::ir::{Change, Expr, Mapped, Rule, Ruleset, Set, SetKind, Verdict};
+use crate::ir::{Chain, Change, Expr, Mapped, Rule, Ruleset, Set, SetKind, Verdict};
 
 /// Applies changes to an in-memory ruleset the way the kernel would (a model for tests: a diff
 /// applied to `old` must give exactly `new`). Returns an error naming the first change the kernel
@@ -26,10 +25,10 @@ pub fn simulate(start: &Ruleset, changes: &[Change]) -> Result<Ruleset, String> 
             }
             _ if !exists => return Err(format!("{change:?}: no table")),
             Change::AddChain(c) => {
-                rs.chains.entry(c.name.clone()).or_insert_with(|| Arc::new(c.header()));
+                rs.chains.entry(c.name.clone()).or_insert_with(|| Chain { rules: vec![], ..c.clone() });
             }
             Change::FlushChain(n) => {
-                Arc::make_mut(rs.chains.get_mut(n).ok_or(format!("flush chain {n}: missing"))?).rules.clear();
+                rs.chains.get_mut(n).ok_or(format!("flush chain {n}: missing"))?.rules.clear();
             }
             Change::DeleteChain(n) => {
                 let c = rs.chains.get(n).ok_or(format!("delete chain {n}: missing"))?;
@@ -57,7 +56,9 @@ pub fn simulate(start: &Ruleset, changes: &[Change]) -> Result<Ruleset, String> 
                         return Err(format!("add rule to {chain}: missing counter {name}"));
                     }
                 }
-                Arc::make_mut(rs.chains.get_mut(chain).ok_or(format!("add rule: chain {chain} missing"))?)
+                rs.chains
+                    .get_mut(chain)
+                    .ok_or(format!("add rule: chain {chain} missing"))?
                     .rules
                     .push(rule.clone());
             }
