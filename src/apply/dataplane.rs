@@ -83,13 +83,6 @@ pub fn resetting_counters(batch: &Batch, state: &CounterState, next: &CounterInd
         .collect()
 }
 
-/// Frees `value` on a thread of its own: the ruleset a batch replaced is tens of thousands of
-/// allocations at 10,000 Services (~25 ms to free), and the sync has no reason to wait for that.
-/// If no thread can be started, it is freed here.
-fn free_elsewhere<T: Send + 'static>(value: T) {
-    let _ = std::thread::Builder::new().name("nodelb-free".into()).spawn(move || drop(value));
-}
-
 /// The batch one [`Dataplane::program`] sent, and how it went.
 pub struct Programmed {
     /// `full` or `incremental`.
@@ -248,7 +241,7 @@ impl<K: Kernel> Dataplane<K> {
                     );
                 }
             }
-            free_elsewhere(self.applied.replace(desired));
+            self.applied = Some(desired);
         }
         Ok(Programmed { kind, changes, result: result.map(|_| ()).map_err(DataplaneError::Batch) })
     }
