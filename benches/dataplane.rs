@@ -146,6 +146,24 @@ fn config() -> Config {
             reaction_port: REACTION_NODE_PORT,
         }
     };
+    // Scale defaults first: the flags below override them.
+    if args.iter().any(|a| a == "--scale") {
+        // Up to 50,000 Services: node ports from 1024 (the default range holds 10,000), the
+        // reaction Service's port outside the range so no filler can hold it.
+        c.scale = true;
+        c.scale_sizes = vec![10_000, 50_000];
+        c.reps = 3;
+        c.conns = 3_000;
+        c.warmup = 300;
+        c.reaction_changes = 40;
+        c.footprint_endpoints = 5;
+        c.agent_args =
+            ["--port-range", "1024-64999", "--allowed-node-ports", "65000"].map(String::from).to_vec();
+        c.reaction_port = 65_000;
+        if let Some(s) = value("--scale-sizes") {
+            c.scale_sizes = s.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+        }
+    }
     if let Some(s) = value("--sizes") {
         c.sizes = s.split(',').filter_map(|x| x.trim().parse().ok()).collect();
     }
@@ -169,29 +187,6 @@ fn config() -> Config {
         }
     }
     c.agent_log = value("--agent-log");
-    if args.iter().any(|a| a == "--scale") {
-        // Up to 50,000 Services: node ports from 1024 (the default range holds 10,000), the
-        // reaction Service's port outside the range so no filler can hold it.
-        c.scale = true;
-        c.scale_sizes = vec![10_000, 50_000];
-        c.reps = 3;
-        c.conns = 3_000;
-        c.warmup = 300;
-        c.reaction_changes = 40;
-        c.footprint_endpoints = 5;
-        c.agent_args =
-            ["--port-range", "1024-64999", "--allowed-node-ports", "65000"].map(String::from).to_vec();
-        c.reaction_port = 65_000;
-        if let Some(s) = value("--scale-sizes") {
-            c.scale_sizes = s.split(',').filter_map(|x| x.trim().parse().ok()).collect();
-        }
-        if let Some(r) = value("--reps").and_then(|r| r.parse().ok()) {
-            c.reps = r;
-        }
-        if let Some(n) = value("--changes").and_then(|r| r.parse().ok()) {
-            c.reaction_changes = n;
-        }
-    }
     c.out = value("--out");
     c.svg = svg;
     c.svg_link = svg_link.unwrap_or_default();

@@ -58,31 +58,25 @@ pub enum StateError {
     Write { path: PathBuf, source: io::Error },
 }
 
-/// On-disk shape; keys are the human spellings `namespace/name` and `80/TCP`.
+/// On-disk shape; keys are the human spellings `namespace/name` and `80/TCP`. Read with JSON values
+/// (`A`, `T`: checked entry by entry on load, a bad one is skipped, not a parse error), written
+/// with typed ones ([`OnDiskOut`]: no JSON value built per entry).
 #[derive(serde::Serialize, serde::Deserialize)]
-struct OnDisk {
+struct OnDisk<A = serde_json::Value, T = serde_json::Value> {
     version: u32,
-    /// Values are checked entry by entry on load (a bad one is skipped, not a parse error).
-    #[serde(default)]
-    allocations: BTreeMap<String, serde_json::Value>,
+    #[serde(default = "BTreeMap::new")]
+    allocations: BTreeMap<String, A>,
     /// Allocation time per Service (RFC 3339); absent in files of older versions.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    since: BTreeMap<String, serde_json::Value>,
+    #[serde(default = "BTreeMap::new", skip_serializing_if = "BTreeMap::is_empty")]
+    since: BTreeMap<String, T>,
 }
 
-/// [`OnDisk`] as written: the same text, without building a JSON value per
-/// entry (written after every allocation change; at 10,000 Services the values were most of it).
-#[derive(serde::Serialize)]
-struct OnDiskOut {
-    version: u32,
-    allocations: BTreeMap<String, BTreeMap<String, u16>>,
-    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
-    since: BTreeMap<String, String>,
-}
+/// [`OnDisk`] as written.
+type OnDiskOut = OnDisk<BTreeMap<String, u16>, String>;
 
 impl OnDiskOut {
     fn of(state: &State) -> OnDiskOut {
-        OnDiskOut {
+        OnDisk {
             version: STATE_VERSION,
             allocations: state
                 .allocations

@@ -58,6 +58,15 @@ pub struct Scenario {
     pub addresses: BTreeMap<ServiceKey, BTreeSet<std::net::IpAddr>>,
 }
 
+/// A scenario whose Services are served on every local address (no pool restricts them).
+fn scenario(
+    name: &'static str,
+    services: Vec<(LbService, BTreeMap<PortId, u16>)>,
+    node: NodeFacts,
+) -> Scenario {
+    Scenario { name, services, node, addresses: BTreeMap::new() }
+}
+
 pub fn ports(svc: &LbService, first: u16) -> BTreeMap<PortId, u16> {
     svc.ports.iter().enumerate().map(|(i, p)| (p.id, first + i as u16)).collect()
 }
@@ -118,75 +127,38 @@ pub fn scenarios() -> Vec<Scenario> {
             node: node(&all),
             addresses: BTreeMap::from([(edge.key.clone(), BTreeSet::from([second]))]),
         },
-        Scenario { addresses: BTreeMap::new(), name: "empty", services: vec![], node: node(&all) },
-        Scenario {
-            addresses: BTreeMap::new(),
-            name: "web",
-            services: vec![(web.clone(), ports(&web, 20001))],
-            node: node(&all),
-        },
-        Scenario {
-            addresses: BTreeMap::new(),
-            name: "local",
-            services: vec![(local.clone(), ports(&local, 20002))],
-            node: node(&all),
-        },
-        Scenario {
-            addresses: BTreeMap::new(),
-            name: "ranged",
-            services: vec![(ranged.clone(), ports(&ranged, 20003))],
-            node: node(&all),
-        },
-        Scenario {
-            addresses: BTreeMap::new(),
-            name: "no_endpoints",
-            services: vec![(empty.clone(), ports(&empty, 20004))],
-            node: node(&all),
-        },
-        Scenario {
-            addresses: BTreeMap::new(),
-            name: "dns",
-            services: vec![(
-                dns.clone(),
-                BTreeMap::from([(dns.ports[0].id, 20053), (dns.ports[1].id, 20053)]),
-            )],
-            node: node(&all),
-        },
-        Scenario {
-            addresses: BTreeMap::new(),
-            name: "dual_stack",
-            services: vec![(dual.clone(), ports(&dual, 20006))],
-            node: node(&all),
-        },
-        Scenario {
-            addresses: BTreeMap::new(),
-            name: "dual_stack_v4_forwarding_off",
-            services: vec![(dual.clone(), ports(&dual, 20006))],
-            node: node(&[Family::Ipv6]),
-        },
-        Scenario {
-            addresses: BTreeMap::new(),
-            name: "web_iptables_forward_accept",
-            services: vec![(web.clone(), ports(&web, 20001))],
-            node: NodeFacts { forward_mark: Some(0x2000), ..node(&all) },
-        },
-        Scenario {
-            addresses: BTreeMap::new(),
-            name: "affinity",
-            services: vec![(sticky.clone(), ports(&sticky, 20008))],
-            node: node(&all),
-        },
-        Scenario {
-            addresses: BTreeMap::new(),
-            name: "mixed",
-            services: vec![
+        scenario("empty", vec![], node(&all)),
+        scenario("web", vec![(web.clone(), ports(&web, 20001))], node(&all)),
+        scenario("local", vec![(local.clone(), ports(&local, 20002))], node(&all)),
+        scenario("ranged", vec![(ranged.clone(), ports(&ranged, 20003))], node(&all)),
+        scenario("no_endpoints", vec![(empty.clone(), ports(&empty, 20004))], node(&all)),
+        scenario(
+            "dns",
+            vec![(dns.clone(), BTreeMap::from([(dns.ports[0].id, 20053), (dns.ports[1].id, 20053)]))],
+            node(&all),
+        ),
+        scenario("dual_stack", vec![(dual.clone(), ports(&dual, 20006))], node(&all)),
+        scenario(
+            "dual_stack_v4_forwarding_off",
+            vec![(dual.clone(), ports(&dual, 20006))],
+            node(&[Family::Ipv6]),
+        ),
+        scenario(
+            "web_iptables_forward_accept",
+            vec![(web.clone(), ports(&web, 20001))],
+            NodeFacts { forward_mark: Some(0x2000), ..node(&all) },
+        ),
+        scenario("affinity", vec![(sticky.clone(), ports(&sticky, 20008))], node(&all)),
+        scenario(
+            "mixed",
+            vec![
                 (web.clone(), ports(&web, 20001)),
                 (local.clone(), ports(&local, 20002)),
                 (ranged.clone(), ports(&ranged, 20003)),
                 (empty.clone(), ports(&empty, 20004)),
             ],
-            node: node(&all),
-        },
+            node(&all),
+        ),
     ]
 }
 

@@ -73,12 +73,7 @@ impl CounterState {
     /// that goes away takes its series with it, so its counters need no read (at 1,000 Services ×
     /// 5 endpoints, reading the table costs ~40 ms of a removal's reaction time).
     pub fn kept_counters(&self, next: &CounterIndex) -> BTreeSet<String> {
-        self.index
-            .iter()
-            .chain(&next.counters)
-            .filter(|(_, (key, _))| next.ports.contains(key))
-            .map(|(name, _)| name.clone())
-            .collect()
+        self.index.keys().chain(next.counters.keys()).filter(|n| self.is_kept(n, next)).cloned().collect()
     }
 
     /// Whether counter `name` is one of [`CounterState::kept_counters`], without listing them.

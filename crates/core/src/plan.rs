@@ -865,8 +865,13 @@ pub fn diff(old: &Ruleset, new: &Ruleset) -> Vec<Change> {
         }
     }
     changes.extend(additions);
-    let gone: Vec<(&String, &Chain)> =
-        chains.iter().filter_map(|(name, o, n)| Some((*name, (*o)?)).filter(|_| n.is_none())).collect();
+    let gone: Vec<(&String, &Chain)> = chains
+        .iter()
+        .filter_map(|&(name, o, n)| match (o, n) {
+            (Some(o), None) => Some((name, o)),
+            _ => None,
+        })
+        .collect();
     for (name, chain) in &gone {
         if !chain.rules.is_empty() {
             changes.push(Change::FlushChain((*name).clone()));
