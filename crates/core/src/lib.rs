@@ -7,7 +7,7 @@
 //! - What the inputs mean: [`model`] (a Service and its EndpointSlices, validated), [`slim`]
 //!   (the fields kept), [`manifests`] (YAML/JSON text), [`k8s`] (Kubernetes mode's decisions).
 //! - What to program: [`pool`] (node port pools), [`port_policy`], [`alloc`], [`endpoint_policy`], [`desired`] (one sync's
-//!   decision), [`plan`] → [`ir`] (the ruleset), [`hairpin`], [`hostfw`] (the host firewall
+//!   decision), [`plan`] → [`ir`] (the ruleset), [`replan`] (only what changed), [`hairpin`], [`hostfw`] (the host firewall
 //!   diagnosis), [`kernel_support`] (what the kernel must have).
 //! - What to report: [`counters`], [`report`].
 //! - Test oracles (feature `testing`): [`simulate`], [`trace`].
@@ -27,6 +27,7 @@ pub mod model;
 pub mod plan;
 pub mod pool;
 pub mod port_policy;
+pub mod replan;
 pub mod report;
 pub mod servicelb;
 #[cfg(any(test, feature = "testing"))]

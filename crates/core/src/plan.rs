@@ -410,6 +410,16 @@ pub fn plan_with(
     node: &NodeFacts,
     addresses: &BTreeMap<crate::domain::ServiceKey, BTreeSet<IpAddr>>,
 ) -> Ruleset {
+    let mut rs = skeleton(node);
+    for sp in services {
+        plan_service(&mut rs, sp, addresses.get(&sp.service.key), node);
+    }
+    rs
+}
+
+/// The part of the ruleset that does not depend on the Services: the base chains, the
+/// no-endpoints chain, the node-level counters and every dispatch set and map (empty).
+pub fn skeleton(node: &NodeFacts) -> Ruleset {
     let mut rs = Ruleset::default();
 
     // Skeleton: always present, so the table's shape does not depend on the services.
@@ -514,22 +524,40 @@ pub fn plan_with(
             Rule::new(vec![Expr::RejectIcmpPortUnreachable]),
         ],
     ));
+    rs
+}
 
-    for sp in services {
-        let restricted = addresses.get(&sp.service.key);
-        for port in &sp.service.ports {
-            let Some(&node_port) = sp.node_ports.get(&port.id) else { continue };
-            for &f in &sp.service.families {
-                let on: Option<Vec<IpAddr>> =
-                    restricted.map(|a| a.iter().copied().filter(|a| Family::of(a) == f).collect());
-                if node.families.contains(&f) && on.as_ref().is_none_or(|a| !a.is_empty()) {
-                    let at = Dispatch { port: (port.id.protocol, node_port), addresses: on.as_deref() };
-                    plan_port(&mut rs, sp.service, port, &at, f, node);
-                }
+/// Adds one Service's part to `rs` (a [`skeleton`] and what other Services added): its chains,
+/// counters and affinity sets, and its elements of the skeleton's sets. `restricted`: the node
+/// addresses serving it when its pool restricts them.
+pub fn plan_service(
+    rs: &mut Ruleset,
+    sp: &ServicePlan<'_>,
+    restricted: Option<&BTreeSet<IpAddr>>,
+    node: &NodeFacts,
+) {
+    for port in &sp.service.ports {
+        let Some(&node_port) = sp.node_ports.get(&port.id) else { continue };
+        for &f in &sp.service.families {
+            if let Some(on) = served_on(restricted, f, node) {
+                let at = Dispatch { port: (port.id.protocol, node_port), addresses: on.as_deref() };
+                plan_port(rs, sp.service, port, &at, f, node);
             }
         }
     }
-    rs
+}
+
+/// Whether a Service port of family `f` is programmed on this node, and on which of its
+/// addresses (`None`: every local address): the family is forwarded here and, when a pool
+/// restricts the Service's addresses, one of them is of this family.
+fn served_on(
+    restricted: Option<&BTreeSet<IpAddr>>,
+    f: Family,
+    node: &NodeFacts,
+) -> Option<Option<Vec<IpAddr>>> {
+    let on: Option<Vec<IpAddr>> =
+        restricted.map(|a| a.iter().copied().filter(|a| Family::of(a) == f).collect());
+    (node.families.contains(&f) && on.as_ref().is_none_or(|a| !a.is_empty())).then_some(on)
 }
 
 /// The forward path: `filter-forward` runs before every other forward chain of the node
