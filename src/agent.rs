@@ -17,6 +17,7 @@ use crate::agent::schedule::Schedule;
 use crate::apply::dataplane::{Dataplane, DataplaneError};
 use crate::apply::firewall::{self, Checker};
 use crate::apply::kernel::{Kernel, LocalNode, Netlink, NodeReads};
+use crate::counters::IndexUpdate;
 use crate::desired::{self, AllocationMode, Desired, HostFacts, HostPolicy, Inputs};
 use crate::domain::{Family, ServiceKey};
 use crate::encode::nft::{self, NftClient};
@@ -30,6 +31,7 @@ use crate::observe::state::{State, StateFile};
 use crate::observe::sysctl::{Sysctls, forwarding_sysctl};
 use crate::plan::NodeFacts;
 use crate::port_policy::{Listeners, PortRange};
+use crate::replan::{Planned, Planner};
 use crate::report::{ServiceState, ServiceStatus};
 use crate::serve::metrics::Metrics;
 use crate::serve::status::{SharedStatus, SyncStatus};
@@ -68,6 +70,10 @@ pub enum AgentError {
     State(#[from] crate::observe::state::StateError),
     #[error(transparent)]
     KernelSupport(#[from] crate::apply::kernel::SupportError),
+    /// The planner and the kernel's known content disagree (a bug): the sync fails, the next one
+    /// replaces the whole table.
+    #[error("{0}")]
+    Internal(DataplaneError),
 }
 
 impl From<DataplaneError> for AgentError {
@@ -75,6 +81,7 @@ impl From<DataplaneError> for AgentError {
         match e {
             DataplaneError::Batch(e) => AgentError::Nft(e),
             DataplaneError::KernelRead(e) => AgentError::KernelRead(e),
+            e @ DataplaneError::NoBase => AgentError::Internal(e),
         }
     }
 }
@@ -89,6 +96,7 @@ impl AgentError {
             AgentError::State(_) => "state_file",
             // Only at start, before any sync: never counted.
             AgentError::KernelSupport(_) => "kernel_support",
+            AgentError::Internal(_) => "internal",
         }
     }
 }
@@ -105,6 +113,8 @@ struct Agent<K, N> {
     state: Option<StateFile>,
     /// The allocations (and their times) of the last sync, as in the state file.
     allocations: State,
+    /// What the last sync planned, for the next one to plan only what changed.
+    planner: Planner,
     families: BTreeMap<Family, bool>,
     /// Refusals and input problems currently reported, to log each once per occurrence.
     logged_refusals: BTreeSet<String>,
@@ -250,6 +260,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             source,
             state,
             allocations,
+            planner: Planner::new(),
             families: BTreeMap::new(),
             logged_refusals: BTreeSet::new(),
             logged_problems: BTreeSet::new(),
@@ -470,12 +481,9 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         self.persist(&mut desired)?;
         phases.mark("state");
         // Apply.
-        let programmed = self.dataplane.program(
-            std::mem::take(&mut desired.ruleset),
-            std::mem::take(&mut desired.counter_index),
-            verify,
-            &self.metrics,
-        )?;
+        let planned = std::mem::replace(&mut desired.ruleset, Planned::Patch(Default::default()));
+        let index = std::mem::replace(&mut desired.counter_index, IndexUpdate::Full(Default::default()));
+        let programmed = self.dataplane.program(planned, index, verify, &self.metrics)?;
         let (kind, changes) = (programmed.kind, programmed.changes);
         attempt.kind = kind;
         attempt.changes = changes;
@@ -523,8 +531,14 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         })
     }
 
-    /// Everything the node should do, computed from the snapshot (pure).
-    fn desired(&self, loaded: &Snapshot, node: &NodeFacts, host: &HostFacts) -> Desired {
+    /// Everything the node should do, computed from the snapshot (pure): the ruleset as a patch
+    /// of the one the kernel holds where only Services changed.
+    fn desired(
+        &mut self,
+        loaded: &Snapshot,
+        node: &NodeFacts,
+        host: &HostFacts,
+    ) -> Desired<Planned, IndexUpdate> {
         let inputs = Inputs {
             mode: self.source.mode(),
             services: &loaded.services,
@@ -539,12 +553,12 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             host,
             pools: loaded.pools.as_deref(),
         };
-        desired::compute_with(&inputs, self.metrics.per_service)
+        desired::compute_next(&inputs, self.metrics.per_service, &mut self.planner, self.dataplane.applied())
     }
 
     /// Keeps the allocations (manifests mode: in the state file, before anything is programmed
     /// with them), taken out of `desired`: from here on they are `self.allocations`.
-    fn persist(&mut self, desired: &mut Desired) -> Result<(), AgentError> {
+    fn persist<R, I>(&mut self, desired: &mut Desired<R, I>) -> Result<(), AgentError> {
         if desired.allocations != self.allocations.allocations {
             // Never silently (manifests mode has no Events): a number no longer valid for its
             // Service, e.g. outside its pool's ranges after an edit.
@@ -622,9 +636,9 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
 
     /// The gauges computed from the desired state. `nodelb_services` series are set in place and
     /// only the label sets that are gone are removed, so a scrape never sees them missing.
-    fn update_service_gauges(
+    fn update_service_gauges<R, I>(
         &mut self,
-        desired: &Desired,
+        desired: &Desired<R, I>,
         pools: Option<&crate::pool::PoolContext>,
         manifest_problems: usize,
     ) {
@@ -704,7 +718,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         }
     }
 
-    fn report_refusals(&mut self, desired: &Desired) {
+    fn report_refusals<R, I>(&mut self, desired: &Desired<R, I>) {
         let current = desired
             .refusals
             .iter()

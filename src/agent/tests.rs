@@ -356,3 +356,38 @@ async fn a_udp_endpoint_that_goes_has_its_conntrack_entries_deleted_after_the_ba
     let gone: Vec<_> = flushed[0].iter().map(|(_, addr, port)| (addr.to_string(), *port)).collect();
     assert_eq!(gone, [("198.51.100.12".to_string(), 5353)]);
 }
+
+/// Services added, changed and removed one sync after another: each sync after the first is a
+/// patch of the last ruleset, its batch takes the kernel (the planner's model of it) to exactly
+/// what the agent then believes it holds, and that is the whole plan of the same input.
+#[tokio::test]
+async fn changes_in_a_row_are_patches_that_the_kernel_follows() {
+    let steps = [
+        web(&["198.51.100.11"]),
+        [web(&["198.51.100.11"]), dns(&["198.51.100.11"])].join("---"),
+        [web(&["198.51.100.11", "198.51.100.12"]), dns(&["198.51.100.11"]), sticky(&["198.51.100.11"])]
+            .join("---"),
+        [dns(&["198.51.100.12"]), sticky(&["198.51.100.11", "198.51.100.12"])].join("---"),
+        sticky(&[]),
+        web(&["198.51.100.12"]),
+    ];
+    let mut h = Harness::new(FakeKernel::default(), &steps[0]).await;
+    h.sync(false).await.expect("first sync");
+    for (i, step) in steps.iter().enumerate().skip(1) {
+        h.write(step);
+        h.sync(false).await.unwrap_or_else(|e| panic!("step {i}: {e}"));
+        let applied = h.applied();
+        assert_eq!(
+            h.kernel().table.as_ref(),
+            Some(&applied),
+            "step {i}: the kernel holds what the agent believes"
+        );
+        h.agent.dataplane.forget();
+        h.agent.planner = Planner::new();
+        h.agent.last_input = None;
+        h.sync(false).await.expect("the same input planned whole");
+        assert_eq!(h.applied(), applied, "step {i}: the patched ruleset is the whole plan");
+    }
+    assert_eq!(h.syncs("incremental", "success"), steps.len() as u64 - 1);
+    assert_eq!(full_replaces(h.kernel()), steps.len(), "the first sync and each whole plan to compare with");
+}

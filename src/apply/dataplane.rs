@@ -10,10 +10,11 @@ use std::collections::BTreeSet;
 use tracing::{debug, warn};
 
 use crate::apply::kernel::Kernel;
-use crate::counters::{CounterIndex, CounterState};
+use crate::counters::{CounterState, IndexUpdate};
 use crate::encode::nft::{self, NftError};
 use crate::ir::{Carried, Change, KeyType, Ruleset, SetKind};
-use crate::plan;
+use crate::plan::{self, UdpBackend};
+use crate::replan::{Planned, RulesetPatch};
 use crate::serve::metrics::Metrics;
 
 #[derive(Debug, thiserror::Error)]
@@ -24,6 +25,10 @@ pub enum DataplaneError {
     /// Reading the ruleset generation or our table back failed.
     #[error("reading the ruleset back from the kernel: {0}")]
     KernelRead(#[source] NftError),
+    /// A patch came for a ruleset the kernel is not known to hold (the sync loop plans against
+    /// [`Dataplane::applied`], so only a bug gets here); the next sync replaces the whole table.
+    #[error("a patch of the ruleset came without the ruleset it patches")]
+    NoBase,
 }
 
 /// What a sync sends.
@@ -65,11 +70,21 @@ pub fn next_batch(applied: Option<&Ruleset>, tampered: bool, desired: &Ruleset) 
     }
 }
 
+/// [`next_batch`] for a patch of the ruleset the kernel holds: the diff of the names it touches
+/// (every other name is the same on both sides), unless the table was `tampered` with.
+pub fn patch_batch(patch: &RulesetPatch, tampered: bool) -> Batch {
+    if tampered || plan::needs_full_replace(&patch.old, &patch.new) {
+        Batch::FullReplace
+    } else {
+        Batch::Diff(plan::diff(&patch.old, &patch.new))
+    }
+}
+
 /// Named counters whose series outlive this batch ([`CounterState::is_kept`]) and that it
 /// deletes: every one on a full replace, else the counters of Service ports that stop being
 /// programmed. Flushing or replacing chains does not touch them. A diff looks at its own deletions
 /// only (the whole index is tens of thousands of names at 10,000 Services).
-pub fn resetting_counters(batch: &Batch, state: &CounterState, next: &CounterIndex) -> BTreeSet<String> {
+pub fn resetting_counters(batch: &Batch, state: &CounterState, next: &IndexUpdate) -> BTreeSet<String> {
     let changes = match batch {
         Batch::FullReplace => return state.kept_counters(next),
         Batch::Diff(changes) => changes,
@@ -148,15 +163,15 @@ impl<K: Kernel> Dataplane<K> {
         Ok(verify && self.generation_changed()? && self.tampered(applied)?)
     }
 
-    /// Brings the kernel to `desired` in one batch ([`next_batch`]). With per-Service metrics,
-    /// the counters the batch resets are read first and folded into the exported totals once it
-    /// is in, and `counter_index` is installed. On success `desired` is what we know the kernel
-    /// holds; on failure nothing of the batch was applied. An error is a failed check of the
-    /// kernel on a resync (`verify`), before any batch.
+    /// Brings the kernel to the planned ruleset in one batch ([`next_batch`], [`patch_batch`]).
+    /// With per-Service metrics, the counters the batch resets are read first and folded into
+    /// the exported totals once it is in, and `counter_index` is installed. On success the
+    /// planned ruleset is what we know the kernel holds; on failure nothing of the batch was
+    /// applied. An error is a failed check of the kernel on a resync (`verify`), before any batch.
     pub fn program(
         &mut self,
-        desired: Ruleset,
-        counter_index: CounterIndex,
+        planned: Planned,
+        counter_index: IndexUpdate,
         verify: bool,
         metrics: &Metrics,
     ) -> Result<Programmed, DataplaneError> {
@@ -165,19 +180,33 @@ impl<K: Kernel> Dataplane<K> {
             None => Ok(false),
             Some(a) => self.check(verify, a),
         };
-        let batch = match checked {
-            Ok(tampered) => {
-                if tampered {
-                    metrics.repairs.inc();
-                }
-                next_batch(applied.as_ref(), tampered, &desired)
-            }
+        let tampered = match checked {
+            Ok(tampered) => tampered,
             Err(e) => {
                 self.applied = applied;
                 return Err(e);
             }
         };
-        self.applied = applied;
+        if tampered {
+            metrics.repairs.inc();
+        }
+        // The batch, the UDP backends it takes away, and the whole ruleset it leads to.
+        let (batch, gone_udp, desired) = match planned {
+            Planned::Full(desired) => {
+                let batch = next_batch(applied.as_ref(), tampered, &desired);
+                let gone = applied.as_ref().map(|a| stale_udp(a, &desired)).unwrap_or_default();
+                self.applied = applied;
+                (batch, gone, desired)
+            }
+            Planned::Patch(patch) => {
+                let Some(mut desired) = applied else { return Err(DataplaneError::NoBase) };
+                let batch = patch_batch(&patch, tampered);
+                let gone = stale_udp(&patch.old, &patch.new);
+                // The kernel's content is unknown until the batch is in.
+                patch.apply(&mut desired);
+                (batch, gone, desired)
+            }
+        };
         let kind = batch.kind();
         let changes = batch.len(&desired);
         // Held until the fold: a scrape sees the counters of one side of the batch.
@@ -227,7 +256,7 @@ impl<K: Kernel> Dataplane<K> {
         }
         drop(counters);
         if result.is_ok() {
-            self.flush_stale_udp(&desired);
+            self.flush_stale_udp(&gone_udp);
             // Our table is as we left it only if our batch was the one commit since we last knew
             // it; else (someone committed before or after our batch, or we cannot tell) the next
             // resync reads it back and compares. Taking the generation after the batch as ours
@@ -246,17 +275,13 @@ impl<K: Kernel> Dataplane<K> {
         Ok(Programmed { kind, changes, result: result.map(|_| ()).map_err(DataplaneError::Batch) })
     }
 
-    /// UDP endpoints that left a node port since the last batch: delete their conntrack entries
+    /// Deletes the conntrack entries of UDP endpoints that left a node port with the last batch,
     /// so clients that keep their source port are re-balanced instead of black-holed.
-    fn flush_stale_udp(&mut self, desired: &Ruleset) {
-        let Some(applied) = &self.applied else { return };
-        let before = plan::udp_backends(applied);
-        let after = plan::udp_backends(desired);
-        let gone: BTreeSet<_> = before.difference(&after).copied().collect();
+    fn flush_stale_udp(&mut self, gone: &BTreeSet<UdpBackend>) {
         if gone.is_empty() {
             return;
         }
-        match self.kernel.delete_stale_udp(&gone) {
+        match self.kernel.delete_stale_udp(gone) {
             Ok(n) => debug!(entries = n, backends = gone.len(), "deleted stale UDP conntrack entries"),
             Err(e) => warn!(error = %e, "could not delete stale UDP conntrack entries"),
         }
@@ -290,6 +315,12 @@ impl<K: Kernel> Dataplane<K> {
             }
         }
     }
+}
+
+/// The UDP (node port → endpoint) pairs `old` programs and `new` does not.
+fn stale_udp(old: &Ruleset, new: &Ruleset) -> BTreeSet<UdpBackend> {
+    let after = plan::udp_backends(new);
+    plan::udp_backends(old).into_iter().filter(|b| !after.contains(b)).collect()
 }
 
 /// The ruleset generation after one commit at `g` (the kernel skips 0 when it wraps).

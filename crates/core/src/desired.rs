@@ -10,20 +10,23 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
 
 use crate::alloc::{self, AllocProblem, Allocations};
-use crate::counters::{CounterIndex, CounterKind, SeriesKey};
+use crate::counters::{CounterIndex, IndexUpdate};
 use crate::domain::{Family, PortId, ServiceKey};
 use crate::endpoint_policy::{self, EndpointPolicy, HostAddresses, RefusedEndpoint};
 use crate::ir::Ruleset;
 use crate::model::{self, LbService, ModelOptions, Refusal};
-use crate::plan::{self, NodeFacts, ServicePlan};
+use crate::plan::{self, NodeFacts};
 use crate::pool::PoolContext;
 use crate::port_policy::{self, Listeners, PortPolicy, PortRange, PortRefusal};
+use crate::replan::{PlanInput, Planned, Planner};
 use crate::report::{EndpointRefusalStatus, PortStatus, ServiceState, ServiceStatus};
 
-/// Everything computed from one snapshot.
+/// Everything computed from one snapshot. `R`/`I`: the ruleset and counter index whole
+/// ([`compute`]), or as the incremental planner gives them ([`compute_next`]: [`Planned`],
+/// [`IndexUpdate`]).
 #[derive(Debug, Clone)]
-pub struct Desired {
-    pub ruleset: Ruleset,
+pub struct Desired<R = Ruleset, I = CounterIndex> {
+    pub ruleset: R,
     pub allocations: Allocations,
     pub services: Vec<ServiceStatus>,
     /// Families the valid Services ask for.
@@ -36,7 +39,7 @@ pub struct Desired {
     pub refused_ports: Vec<RefusedPort>,
     /// Which counter feeds which per-Service-port series, and which Service ports exist (for
     /// `/metrics`); empty when computed without it ([`compute_with`]).
-    pub counter_index: CounterIndex,
+    pub counter_index: I,
     /// Non-fatal input problems (e.g. a bad endpoint address skipped).
     pub warnings: Vec<String>,
 }
@@ -128,6 +131,47 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     inputs: &Inputs<'_, S, E>,
     counter_index: bool,
 ) -> Desired {
+    let (decided, plans) = decide(inputs);
+    let (ruleset, index) = Planner::new().full(plans, inputs.node, counter_index);
+    decided.with(ruleset, index)
+}
+
+/// [`compute_with`] for the sync loop: the ruleset and the counter index as `planner` gives them,
+/// a patch of `applied` (what the kernel holds, the planner's last plan) where only Services
+/// changed (module [`crate::replan`]).
+pub fn compute_next<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
+    inputs: &Inputs<'_, S, E>,
+    counter_index: bool,
+    planner: &mut Planner,
+    applied: Option<&Ruleset>,
+) -> Desired<Planned, IndexUpdate> {
+    let (decided, plans) = decide(inputs);
+    let (ruleset, index) = planner.plan(plans, inputs.node, applied, counter_index);
+    decided.with(ruleset, index)
+}
+
+impl Desired<(), ()> {
+    fn with<R, I>(self, ruleset: R, counter_index: I) -> Desired<R, I> {
+        Desired {
+            ruleset,
+            counter_index,
+            allocations: self.allocations,
+            services: self.services,
+            needed_families: self.needed_families,
+            refusals: self.refusals,
+            alloc_problems: self.alloc_problems,
+            refused_endpoints: self.refused_endpoints,
+            refused_ports: self.refused_ports,
+            warnings: self.warnings,
+        }
+    }
+}
+
+/// Everything but the ruleset and its counter index, and what the planner needs for those: each
+/// valid Service with the node ports this node programs for it.
+fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
+    inputs: &Inputs<'_, S, E>,
+) -> (Desired<(), ()>, Vec<PlanInput>) {
     let mut out = model::build(inputs.services, inputs.slices, inputs.model);
     out.refused.extend(
         inputs.notes.refused.iter().filter(|r| !out.services.iter().any(|s| &s.key == r.service())).cloned(),
@@ -233,13 +277,6 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     }
 
     let empty = BTreeMap::new();
-    let plans: Vec<ServicePlan<'_>> = out
-        .services
-        .iter()
-        .map(|s| ServicePlan { service: s, node_ports: programmed.get(&s.key).unwrap_or(&empty) })
-        .collect();
-    let ruleset = plan::plan_with(&plans, inputs.node, &restricted);
-
     // Each Service's faults, looked up once each (not a scan of every fault per Service).
     let refused_by = by_service(&refused_endpoints, |r| &r.service);
     let not_taken_by = by_service(&refused_ports, |r| &r.service);
@@ -280,13 +317,20 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         });
     }
     services.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-    let counter_index =
-        if counter_index { self::counter_index(&out.services, &ruleset) } else { CounterIndex::default() };
     let needed_families = out.services.iter().flat_map(|s| s.families.iter().copied()).collect();
-    Desired {
-        ruleset,
+    let plans = out
+        .services
+        .into_iter()
+        .map(|service| PlanInput {
+            node_ports: programmed.remove(&service.key).unwrap_or_default(),
+            addresses: restricted.remove(&service.key),
+            service,
+        })
+        .collect();
+    let decided = Desired {
+        ruleset: (),
         needed_families,
-        counter_index,
+        counter_index: (),
         allocations,
         services,
         refusals: out.refused,
@@ -299,7 +343,8 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             .map(|w| w.to_string())
             .chain(duplicates.iter().map(|d| format!("duplicate {d}")))
             .collect(),
-    }
+    };
+    (decided, plans)
 }
 
 /// The port policy of a Service's pool on this node (its ranges, plus `--allowed-node-ports`) and,
@@ -542,32 +587,6 @@ fn allocation_refused(svc: &Service) -> Option<(ServiceKey, String)> {
     let conditions = svc.status.as_ref()?.conditions.as_ref()?;
     let c = conditions.iter().find(|c| c.type_ == model::CONDITION_ALLOCATED && c.status == "False")?;
     Some((model::service_key(svc), format!("{}: {}", c.reason, c.message)))
-}
-
-/// The named counters of each served Service port that the ruleset contains, and every Service
-/// port (whose series outlive its counters: a port that lost its node port has none).
-fn counter_index(services: &[LbService], ruleset: &Ruleset) -> CounterIndex {
-    let mut index = CounterIndex::default();
-    for svc in services {
-        for port in &svc.ports {
-            let key = SeriesKey { service: svc.key.clone(), port: port.id };
-            // The planner names counters only for the Service's own families.
-            for &f in &svc.families {
-                let names = plan::PortNames::new(f, svc, port);
-                for (counter, kind) in [
-                    (names.connections_counter(), CounterKind::Connections),
-                    (names.forwarded_counter(), CounterKind::Traffic),
-                    (names.refused_counter(), CounterKind::Refused),
-                ] {
-                    if ruleset.counters.contains_key(&counter) {
-                        index.counters.insert(counter, (key.clone(), kind));
-                    }
-                }
-            }
-            index.ports.insert(key);
-        }
-    }
-    index
 }
 
 #[cfg(test)]

@@ -23,7 +23,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
-use crate::counters::{CounterIndex, CounterKind, SeriesKey};
+use crate::counters::{CounterIndex, CounterKind, IndexUpdate, SeriesKey};
 use crate::domain::{PortId, ServiceKey};
 use crate::ir::{Chain, Key, Mapped, NamedCounter, Ruleset, Set};
 use crate::model::LbService;
@@ -94,33 +94,6 @@ pub enum Planned {
     Patch(RulesetPatch),
 }
 
-/// What a sync's counter index is: the whole index, or the entries of the Service ports it
-/// replans (`removed`: as they were, `added`: as they are; a port still there is in both).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum IndexUpdate {
-    Full(CounterIndex),
-    Patch { removed: CounterIndex, added: CounterIndex },
-}
-
-impl IndexUpdate {
-    /// Brings `index` (the last plan's) to this plan's.
-    pub fn apply(self, index: &mut CounterIndex) {
-        match self {
-            IndexUpdate::Full(next) => *index = next,
-            IndexUpdate::Patch { removed, added } => {
-                for name in removed.counters.keys() {
-                    index.counters.remove(name);
-                }
-                index.counters.extend(added.counters);
-                for port in &removed.ports {
-                    index.ports.remove(port);
-                }
-                index.ports.extend(added.ports);
-            }
-        }
-    }
-}
-
 /// The planner's memory between syncs (see the module's documentation).
 #[derive(Debug, Default)]
 pub struct Planner {
@@ -171,15 +144,12 @@ impl Planner {
                 && self.shape.is_some_and(|s| s == Shape::of(a))
         });
         if let Some(applied) = patchable {
-            match self.patch(&inputs, node, applied, index) {
-                Ok((patch, update)) => {
-                    let shape = Shape::of(applied).plus(Shape::of(&patch.new)).minus(Shape::of(&patch.old));
-                    self.shape = Some(shape);
-                    self.services = inputs;
-                    return (Planned::Patch(patch), update);
-                }
-                // Two Services claim one name: planned whole, as `plan_with` does.
-                Err(Clash) => {}
+            // Err: two Services claim one name; planned whole below, as `plan_with` does.
+            if let Ok((patch, update)) = self.patch(&inputs, node, applied, index) {
+                let shape = Shape::of(applied).plus(Shape::of(&patch.new)).minus(Shape::of(&patch.old));
+                self.shape = Some(shape);
+                self.services = inputs;
+                return (Planned::Patch(patch), update);
             }
         }
         let (rs, counter_index) = self.full(inputs, node, index);
