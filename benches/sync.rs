@@ -1,8 +1,9 @@
 //! The agent's own (pure) work for one Service added or removed among N Services × E endpoints,
-//! as its sync loop does it after the source's snapshot: `desired` (model, allocation, plan,
-//! status, counter index), then the diff against the last ruleset, then dropping the last one. No
-//! root, no kernel: the A/B loop for issue 15's "recompute only what changed" (docs/benchmarks.md;
-//! build it on two commits and alternate the binaries).
+//! after the source's snapshot, two ways in one run: planned whole (`desired::compute_with`, the
+//! diff against the last ruleset, dropping the last one: how the sync loop worked before the
+//! incremental planner) and as the sync loop does it now (`desired::compute_next`: the patch, its
+//! batch, the patch applied to the last ruleset, the counter index patched). No root, no kernel:
+//! the A/B loop for issue 15's "recompute only what changed" (docs/benchmarks.md).
 //!
 //! ```text
 //! cargo bench --bench sync -- --services 10000 --endpoints 5 --changes 20
@@ -21,11 +22,14 @@ use common::args::ProgramArgs;
 use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use nodelb::counters::CounterIndex;
 use nodelb::desired::{self, AllocationMode, HostFacts, HostPolicy, Inputs, SourceNotes};
 use nodelb::domain::Family;
+use nodelb::ir::Ruleset;
 use nodelb::model::ModelOptions;
 use nodelb::plan::{self, NodeFacts};
 use nodelb::port_policy::PortRange;
+use nodelb::replan::{Planned, Planner};
 
 fn service(i: usize, endpoints: usize) -> ServiceSpec {
     let mut s = ServiceSpec::new(&format!("svc-{i}")).port(PortSpec::tcp(80, None));
@@ -76,6 +80,9 @@ fn main() {
     let mut previous = BTreeMap::new();
     let mut last: Option<desired::Desired> = None;
     let (mut desired_ms, mut diff_ms, mut drop_ms, mut sizes) = (vec![], vec![], vec![], vec![]);
+    let mut planner = Planner::new();
+    let (mut applied, mut index): (Option<Ruleset>, CounterIndex) = (None, CounterIndex::default());
+    let (mut next_ms, mut patch_ms, mut patch_sizes) = (vec![], vec![], vec![]);
     for k in 0..=changes {
         let (svcs, slcs) = if k % 2 == 1 { (&with_extra, &slices_with_extra) } else { (&services, &slices) };
         let inputs = Inputs {
@@ -92,6 +99,7 @@ fn main() {
             host: &host,
             pools: None,
         };
+        // Planned whole.
         let t = Instant::now();
         let d = desired::compute_with(&inputs, true);
         let t_desired = t.elapsed();
@@ -116,14 +124,47 @@ fn main() {
             );
             assert_eq!(d.ruleset.chains.len(), n + 8, "a service chain per Service");
         }
+        // As the sync loop does it.
+        let t = Instant::now();
+        let next = desired::compute_next(&inputs, true, &mut planner, applied.as_ref());
+        let t_next = t.elapsed();
+        let t = Instant::now();
+        let batch = match next.ruleset {
+            Planned::Full(rs) => {
+                assert_eq!(k, 0, "only the first plan is whole");
+                applied = Some(rs);
+                vec![]
+            }
+            Planned::Patch(patch) => {
+                let batch = plan::diff(&patch.old, &patch.new);
+                if let Some(rs) = applied.as_mut() {
+                    patch.apply(rs);
+                }
+                batch
+            }
+        };
+        next.counter_index.apply(&mut index);
+        let t_patch = t.elapsed();
+        assert_eq!(applied.as_ref(), Some(&d.ruleset), "the patched ruleset is the whole plan");
+        assert_eq!(index, d.counter_index, "the patched index is the whole index");
+        if k > 0 {
+            next_ms.push(t_next.as_secs_f64() * 1e3);
+            patch_ms.push(t_patch.as_secs_f64() * 1e3);
+            patch_sizes.push(batch.len() as f64);
+        }
         previous = d.allocations.clone();
         last = Some(d);
     }
     println!(
         "{n} Services × {endpoints} endpoints, one Service added or removed, {changes} changes; median ms:"
     );
+    println!("planned whole (before the incremental planner):");
     println!("  desired (model, allocation, plan, status, counter index)  {:8.1}", median(desired_ms));
     println!("  diff against the last ruleset                             {:8.1}", median(diff_ms));
     println!("  drop the last desired state                               {:8.1}", median(drop_ms));
     println!("  changes per batch                                         {:8.0}", median(sizes));
+    println!("incremental (the sync loop):");
+    println!("  desired (model, allocation, status, the planner's patch)  {:8.1}", median(next_ms));
+    println!("  batch of the patch, patch and index applied               {:8.1}", median(patch_ms));
+    println!("  changes per batch                                         {:8.0}", median(patch_sizes));
 }
