@@ -29,7 +29,7 @@ use nodelb::ir::Ruleset;
 use nodelb::model::ModelOptions;
 use nodelb::plan::{self, NodeFacts};
 use nodelb::port_policy::PortRange;
-use nodelb::replan::{Planned, Planner};
+use nodelb::replan::Planned;
 
 fn service(i: usize, endpoints: usize) -> ServiceSpec {
     let mut s = ServiceSpec::new(&format!("svc-{i}")).port(PortSpec::tcp(80, None));
@@ -80,7 +80,7 @@ fn main() {
     let mut previous = BTreeMap::new();
     let mut last: Option<desired::Desired> = None;
     let (mut desired_ms, mut diff_ms, mut drop_ms, mut sizes) = (vec![], vec![], vec![], vec![]);
-    let mut planner = Planner::new();
+    let mut kept = desired::Kept::default();
     let (mut applied, mut index): (Option<Ruleset>, CounterIndex) = (None, CounterIndex::default());
     let (mut next_ms, mut patch_ms, mut patch_sizes) = (vec![], vec![], vec![]);
     for k in 0..=changes {
@@ -126,7 +126,7 @@ fn main() {
         }
         // As the sync loop does it.
         let t = Instant::now();
-        let next = desired::compute_next(&inputs, true, &mut planner, applied.as_ref());
+        let next = desired::compute_next(&inputs, true, &mut kept, applied.as_ref());
         let t_next = t.elapsed();
         let t = Instant::now();
         let batch = match next.ruleset {

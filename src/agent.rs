@@ -31,7 +31,7 @@ use crate::observe::state::{State, StateFile};
 use crate::observe::sysctl::{Sysctls, forwarding_sysctl};
 use crate::plan::NodeFacts;
 use crate::port_policy::{Listeners, PortRange};
-use crate::replan::{Planned, Planner};
+use crate::replan::Planned;
 use crate::report::{ServiceState, ServiceStatus};
 use crate::serve::metrics::Metrics;
 use crate::serve::status::{SharedStatus, SyncStatus};
@@ -113,8 +113,8 @@ struct Agent<K, N> {
     state: Option<StateFile>,
     /// The allocations (and their times) of the last sync, as in the state file.
     allocations: State,
-    /// What the last sync planned, for the next one to plan only what changed.
-    planner: Planner,
+    /// What the last sync modeled and planned, for the next one to compute only what changed.
+    kept: desired::Kept,
     families: BTreeMap<Family, bool>,
     /// Refusals and input problems currently reported, to log each once per occurrence.
     logged_refusals: BTreeSet<String>,
@@ -260,7 +260,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             source,
             state,
             allocations,
-            planner: Planner::new(),
+            kept: desired::Kept::default(),
             families: BTreeMap::new(),
             logged_refusals: BTreeSet::new(),
             logged_problems: BTreeSet::new(),
@@ -553,7 +553,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             host,
             pools: loaded.pools.as_deref(),
         };
-        desired::compute_next(&inputs, self.metrics.per_service, &mut self.planner, self.dataplane.applied())
+        desired::compute_next(&inputs, self.metrics.per_service, &mut self.kept, self.dataplane.applied())
     }
 
     /// Keeps the allocations (manifests mode: in the state file, before anything is programmed

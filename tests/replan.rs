@@ -6,8 +6,10 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use nodelb::counters::{CounterIndex, CounterKind, SeriesKey};
+use nodelb::desired::Desired;
 use nodelb::domain::{Family, PortId, Protocol, ServiceKey};
 use nodelb::ir::Ruleset;
 use nodelb::model::{LbService, TrafficPolicy};
@@ -25,7 +27,7 @@ fn inputs(
     let mut out: Vec<PlanInput> = services
         .iter()
         .map(|(s, p)| PlanInput {
-            service: s.clone(),
+            service: Arc::new(s.clone()),
             node_ports: p.clone(),
             addresses: addresses.get(&s.key).cloned(),
         })
@@ -232,7 +234,7 @@ fn random_walks_patch_to_the_full_plan() {
                     .map(|(i, p)| (p.id, first + i as u16))
                     .collect();
                 let addresses = rng.chance(0.15).then(|| BTreeSet::from([second]));
-                current.insert(s.key.clone(), PlanInput { service: s, node_ports, addresses });
+                current.insert(s.key.clone(), PlanInput { service: Arc::new(s), node_ports, addresses });
             }
             if rng.chance(0.03) {
                 node.families = if node.families.len() == 2 {
@@ -260,8 +262,11 @@ fn a_clash_is_planned_whole_until_it_is_gone() {
     let node = node(&[Family::Ipv4]);
     let a = svc("a", vec![(53, Protocol::Udp, two_backends())]);
     let b = svc("b", vec![(53, Protocol::Udp, vec![ep("198.51.100.20", 53, NODE, true)])]);
-    let one =
-        |s: &LbService, p: u16| PlanInput { service: s.clone(), node_ports: ports(s, p), addresses: None };
+    let one = |s: &LbService, p: u16| PlanInput {
+        service: Arc::new(s.clone()),
+        node_ports: ports(s, p),
+        addresses: None,
+    };
     let mut planner = Planner::new();
     let (rs, index) = planner.full(vec![one(&a, 20001)], &node, true);
     let (rs, index, patch) =
@@ -272,4 +277,158 @@ fn a_clash_is_planned_whole_until_it_is_gone() {
     assert!(!patch, "the plan after a clash is full");
     let (_, _, patch) = step(&mut planner, &rs, &index, &[one(&a, 20001)], &node, "after");
     assert!(patch, "then patches again");
+}
+
+/// Everything a sync decides but the ruleset and its counter index (as text: the two sides are
+/// of different types).
+fn rest<R, I>(d: &Desired<R, I>) -> String {
+    let fields = (
+        &d.allocations,
+        &d.services,
+        &d.needed_families,
+        &d.refusals,
+        &d.alloc_problems,
+        &d.refused_endpoints,
+        &d.refused_ports,
+        &d.warnings,
+    );
+    format!("{fields:#?}")
+}
+
+/// Random sequences of snapshots as the sources hand them over (each object an `Arc`, the same
+/// `Arc` while it is unchanged): `desired::compute_next` with what it keeps between syncs (the
+/// model cache, the planner) gives what `desired::compute_with` gives from scratch, field by
+/// field, its patch applied to the last ruleset the whole ruleset and its index patch the whole
+/// index. Objects are replaced by edited ones, by equal copies (a new `Arc`), dropped and
+/// duplicated; node addresses (an endpoint that becomes a node's address is refused) and
+/// allocation ages change underneath.
+#[test]
+fn compute_next_gives_what_compute_gives() {
+    use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
+    use k8s_openapi::api::core::v1::Service;
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    use nodelb::desired::{self, AllocationMode, HostFacts, HostPolicy, Inputs, Kept, SourceNotes};
+    use nodelb::model::ModelOptions;
+    use nodelb::port_policy::{PortPolicy, PortRange};
+
+    let spec = |i: u64, v: u64| -> ServiceSpec {
+        // Some ask for one of three node ports: conflicts that the Services' ages decide.
+        let asked = (v % 6 == 5).then_some(20090 + (i % 3) as u16);
+        let mut s = ServiceSpec::new(&format!("s{i}")).port(PortSpec::tcp(80, asked));
+        let eps = (0..1 + (i + v) % 3).map(|e| {
+            EndpointSpec::local(std::net::Ipv4Addr::new(198, 51, 100, (10 + (i + e + v) % 20) as u8))
+        });
+        s = s.endpoints(eps);
+        match v % 6 {
+            1 => s.port(PortSpec::udp(53, None)),
+            2 => s.client_ip_affinity(600),
+            3 => s.source_range("203.0.113.0/24"),
+            4 => s.local_policy(),
+            _ => s,
+        }
+    };
+    type Objects = (Vec<Arc<Service>>, Vec<Arc<EndpointSlice>>);
+    let parse = |s: &ServiceSpec| -> Objects {
+        let m = nodelb::manifests::parse(std::path::Path::new("t.yaml"), "t.yaml", &s.render());
+        assert!(m.problems.is_empty(), "{:?}", m.problems);
+        (m.services, m.slices)
+    };
+    let range = PortRange::new(20000, 20099).unwrap();
+    let policy = HostPolicy { ports: PortPolicy::with_range(range), ..Default::default() };
+    let model = ModelOptions::default();
+    let node = node(&[Family::Ipv4, Family::Ipv6]);
+    let notes = SourceNotes::default();
+    for seed in [7u64, 8, 9] {
+        let mut rng = Rng::new(seed);
+        // Service number → its objects as the source holds them.
+        let mut objects: BTreeMap<u64, Objects> = BTreeMap::new();
+        let mut host = HostFacts::default();
+        let mut previous = BTreeMap::new();
+        let mut since = BTreeMap::new();
+        let mut kept = Kept::default();
+        let (mut applied, mut index): (Option<Ruleset>, CounterIndex) = (None, CounterIndex::default());
+        let mut patches = 0;
+        for step in 0..120 {
+            for _ in 0..rng.range(1, 4) {
+                let i = rng.below(30);
+                match rng.below(10) {
+                    0 | 1 => {
+                        objects.remove(&i);
+                    }
+                    2 => {
+                        // An equal copy: a new Arc, the same content.
+                        if let Some(s) = objects.get(&i).map(|(s, _)| s[0].clone()) {
+                            objects.get_mut(&i).unwrap().0 = vec![Arc::new((*s).clone())];
+                        }
+                    }
+                    3 => {
+                        // The same Service twice (the second is refused as a duplicate).
+                        if let Some((s, _)) = objects.get_mut(&i) {
+                            let copy = s[0].clone();
+                            s.push(copy);
+                        }
+                    }
+                    _ => {
+                        let (svcs, slices) = parse(&spec(i, rng.below(12)));
+                        // Sometimes only the EndpointSlice is new.
+                        match objects.get_mut(&i) {
+                            Some(o) if rng.chance(0.3) => o.1 = slices,
+                            _ => {
+                                objects.insert(i, (svcs, slices));
+                            }
+                        }
+                    }
+                }
+            }
+            if rng.chance(0.05) {
+                host = HostFacts::default();
+                if rng.chance(0.5) {
+                    // An endpoint address becomes a node's: refused from then on.
+                    let a = std::net::Ipv4Addr::new(198, 51, 100, 10 + rng.below(20) as u8);
+                    host.addresses.add(a.into(), "Node node-2");
+                }
+            }
+            // Allocation ages come and go (the state file's record of when each was allocated).
+            if rng.chance(0.3)
+                && let Some(k) =
+                    previous.keys().nth(rng.below(previous.len().max(1) as u64) as usize).cloned()
+            {
+                let at = 1_700_000_000 + rng.below(1000) as i64;
+                since.insert(k, k8s_openapi::jiff::Timestamp::from_second(at).unwrap());
+            }
+            let services: Vec<Arc<Service>> = objects.values().flat_map(|(s, _)| s.iter().cloned()).collect();
+            let slices: Vec<Arc<EndpointSlice>> =
+                objects.values().flat_map(|(_, e)| e.iter().cloned()).collect();
+            let inputs = Inputs {
+                mode: AllocationMode::Allocate,
+                services: services.as_slice(),
+                slices: slices.as_slice(),
+                notes: &notes,
+                previous: &previous,
+                since: &since,
+                range: &range,
+                model: &model,
+                node: &node,
+                policy: &policy,
+                host: &host,
+                pools: None,
+            };
+            let what = format!("seed {seed} step {step}");
+            let whole = desired::compute_with(&inputs, true);
+            let next = desired::compute_next(&inputs, true, &mut kept, applied.as_ref());
+            assert_eq!(rest(&next), rest(&whole), "{what}: everything but the ruleset");
+            match next.ruleset {
+                Planned::Full(rs) => applied = Some(rs),
+                Planned::Patch(p) => {
+                    patches += 1;
+                    p.apply(applied.as_mut().expect("a patch of the last ruleset"));
+                }
+            }
+            next.counter_index.apply(&mut index);
+            assert_eq!(applied.as_ref(), Some(&whole.ruleset), "{what}: ruleset");
+            assert_eq!(index, whole.counter_index, "{what}: counter index");
+            previous = whole.allocations;
+        }
+        assert!(patches > 100, "seed {seed}: {patches} patches");
+    }
 }

@@ -383,7 +383,7 @@ async fn changes_in_a_row_are_patches_that_the_kernel_follows() {
             "step {i}: the kernel holds what the agent believes"
         );
         h.agent.dataplane.forget();
-        h.agent.planner = Planner::new();
+        h.agent.kept = desired::Kept::default();
         h.agent.last_input = None;
         h.sync(false).await.expect("the same input planned whole");
         assert_eq!(h.applied(), applied, "step {i}: the patched ruleset is the whole plan");

@@ -4,6 +4,7 @@
 
 use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -15,6 +16,7 @@ use crate::domain::{Family, PortId, ServiceKey};
 use crate::endpoint_policy::{self, EndpointPolicy, HostAddresses, RefusedEndpoint};
 use crate::ir::Ruleset;
 use crate::model::{self, LbService, ModelOptions, Refusal};
+use crate::model_cache::{self, ModelCache, ModelContext, Modeled};
 use crate::plan::{self, NodeFacts};
 use crate::pool::PoolContext;
 use crate::port_policy::{self, Listeners, PortPolicy, PortRange, PortRefusal};
@@ -24,7 +26,7 @@ use crate::report::{EndpointRefusalStatus, PortStatus, ServiceState, ServiceStat
 /// Everything computed from one snapshot. `R`/`I`: the ruleset and counter index whole
 /// ([`compute`]), or as the incremental planner gives them ([`compute_next`]: [`Planned`],
 /// [`IndexUpdate`]).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Desired<R = Ruleset, I = CounterIndex> {
     pub ruleset: R,
     pub allocations: Allocations,
@@ -131,23 +133,43 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     inputs: &Inputs<'_, S, E>,
     counter_index: bool,
 ) -> Desired {
-    let (decided, plans) = decide(inputs);
+    let modeled = model_cache::build(inputs.services, inputs.slices, &model_context(inputs));
+    let (decided, plans) = decide(inputs, modeled);
     let (ruleset, index) = Planner::new().full(plans, inputs.node, counter_index);
     decided.with(ruleset, index)
 }
 
-/// [`compute_with`] for the sync loop: the ruleset and the counter index as `planner` gives them,
-/// a patch of `applied` (what the kernel holds, the planner's last plan) where only Services
-/// changed (module [`crate::replan`]).
-pub fn compute_next<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
-    inputs: &Inputs<'_, S, E>,
+/// What the sync loop keeps from one sync to the next, to compute only what changed: each
+/// Service's model ([`ModelCache`]) and what was planned ([`Planner`]).
+#[derive(Debug, Default)]
+pub struct Kept {
+    pub models: ModelCache,
+    pub planner: Planner,
+}
+
+/// [`compute_with`] for the sync loop: each Service modeled again only when its objects changed,
+/// and the ruleset and the counter index as a patch of `applied` (what the kernel holds, the
+/// planner's last plan) where only Services changed (modules [`model_cache`], [`crate::replan`]).
+/// The same result as [`compute_with`] for the same inputs (tests/replan.rs).
+pub fn compute_next(
+    inputs: &Inputs<'_, Arc<Service>, Arc<EndpointSlice>>,
     counter_index: bool,
-    planner: &mut Planner,
+    kept: &mut Kept,
     applied: Option<&Ruleset>,
 ) -> Desired<Planned, IndexUpdate> {
-    let (decided, plans) = decide(inputs);
-    let (ruleset, index) = planner.plan(plans, inputs.node, applied, counter_index);
+    let modeled = kept.models.build(inputs.services, inputs.slices, &model_context(inputs));
+    let (decided, plans) = decide(inputs, modeled);
+    let (ruleset, index) = kept.planner.plan(plans, inputs.node, applied, counter_index);
     decided.with(ruleset, index)
+}
+
+fn model_context<'a, S, E>(inputs: &Inputs<'a, S, E>) -> ModelContext<'a> {
+    ModelContext {
+        opts: inputs.model,
+        since: inputs.since,
+        addresses: &inputs.host.addresses,
+        policy: &inputs.policy.endpoints,
+    }
 }
 
 impl Desired<(), ()> {
@@ -171,16 +193,12 @@ impl Desired<(), ()> {
 /// valid Service with the node ports this node programs for it.
 fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     inputs: &Inputs<'_, S, E>,
+    mut out: Modeled,
 ) -> (Desired<(), ()>, Vec<PlanInput>) {
-    let mut out = model::build(inputs.services, inputs.slices, inputs.model);
     out.refused.extend(
         inputs.notes.refused.iter().filter(|r| !out.services.iter().any(|s| &s.key == r.service())).cloned(),
     );
-    for svc in &mut out.services {
-        svc.allocated_since = inputs.since.get(&svc.key).map(|t| t.to_string());
-    }
-    let refused_endpoints =
-        endpoint_policy::filter(&mut out.services, &inputs.host.addresses, &inputs.policy.endpoints);
+    let refused_endpoints = std::mem::take(&mut out.refused_endpoints);
     let pools = inputs.pools.filter(|c| !c.set.implicit);
     let assignment =
         pools.map(|c| crate::pool::assign_services(c, inputs.services, &out.services, inputs.previous));
@@ -199,8 +217,8 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             };
             // A Service no pool serves is not allocated (it says why instead).
             let pooled: Vec<&LbService> = match &assignment {
-                Some(a) => out.services.iter().filter(|s| a.has_pool(&s.key)).collect(),
-                None => out.services.iter().collect(),
+                Some(a) => out.services.iter().map(|s| &**s).filter(|s| a.has_pool(&s.key)).collect(),
+                None => out.services.iter().map(|s| &**s).collect(),
             };
             let result = alloc::allocate_with(inputs.range, &pooled, inputs.previous, constraints);
             let mut allocations = result.allocations;

@@ -6,9 +6,11 @@
 //! - The shared words: [`domain`].
 //! - What the inputs mean: [`model`] (a Service and its EndpointSlices, validated), [`slim`]
 //!   (the fields kept), [`manifests`] (YAML/JSON text), [`k8s`] (Kubernetes mode's decisions).
-//! - What to program: [`pool`] (node port pools), [`port_policy`], [`alloc`], [`endpoint_policy`], [`desired`] (one sync's
-//!   decision), [`plan`] → [`ir`] (the ruleset), [`replan`] (only what changed), [`hairpin`], [`hostfw`] (the host firewall
-//!   diagnosis), [`kernel_support`] (what the kernel must have).
+//! - What to program: [`pool`] (node port pools), [`port_policy`], [`alloc`], [`endpoint_policy`],
+//!   [`desired`] (one sync's decision), [`plan`] → [`ir`] (the ruleset), [`hairpin`], [`hostfw`]
+//!   (the host firewall diagnosis), [`kernel_support`] (what the kernel must have).
+//! - Only what changed, between syncs: [`model_cache`] (each Service's model), [`replan`] (the
+//!   ruleset patched per Service).
 //! - What to report: [`counters`], [`report`].
 //! - Test oracles (feature `testing`): [`simulate`], [`trace`].
 
@@ -24,6 +26,7 @@ pub mod k8s;
 pub mod kernel_support;
 pub mod manifests;
 pub mod model;
+pub mod model_cache;
 pub mod plan;
 pub mod pool;
 pub mod port_policy;

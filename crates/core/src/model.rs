@@ -378,9 +378,9 @@ pub fn build<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 .push(Refusal::Invalid { service: key, reason: "duplicate Service object".to_string() });
             continue;
         }
-        let no_slices = Vec::new();
-        let svc_slices = slices_by_service.get(&key).unwrap_or(&no_slices);
-        match build_one(svc, key, svc_slices, &mut out.warnings) {
+        let svc_slices: Vec<&EndpointSlice> =
+            slices_by_service.get(&key).into_iter().flatten().map(|s| (*s).borrow()).collect();
+        match build_one(svc, key, &svc_slices, &mut out.warnings) {
             Ok(lb) => out.services.push(lb),
             Err(refusal) => out.refused.push(refusal),
         }
@@ -393,9 +393,10 @@ pub fn build<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
 
 /// EndpointSlices grouped by the Service they belong to. Slices without the label are not part of
 /// any Service.
-fn index_slices<E: Borrow<EndpointSlice>>(slices: &[E]) -> BTreeMap<ServiceKey, Vec<&EndpointSlice>> {
-    let mut map: BTreeMap<ServiceKey, Vec<&EndpointSlice>> = BTreeMap::new();
-    for slice in slices.iter().map(Borrow::borrow) {
+pub(crate) fn index_slices<E: Borrow<EndpointSlice>>(slices: &[E]) -> BTreeMap<ServiceKey, Vec<&E>> {
+    let mut map: BTreeMap<ServiceKey, Vec<&E>> = BTreeMap::new();
+    for object in slices {
+        let slice: &EndpointSlice = object.borrow();
         let Some(name) = slice.metadata.labels.as_ref().and_then(|l| l.get(LABEL_SERVICE_NAME)) else {
             continue;
         };
@@ -403,12 +404,12 @@ fn index_slices<E: Borrow<EndpointSlice>>(slices: &[E]) -> BTreeMap<ServiceKey, 
             continue;
         }
         let key = ServiceKey { namespace: namespace_of(&slice.metadata.namespace), name: name.clone() };
-        map.entry(key).or_default().push(slice);
+        map.entry(key).or_default().push(object);
     }
     map
 }
 
-fn build_one(
+pub(crate) fn build_one(
     svc: &Service,
     key: ServiceKey,
     slices: &[&EndpointSlice],

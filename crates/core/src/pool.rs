@@ -805,17 +805,17 @@ impl Assignment {
 
 /// [`assign`] for every Service: `services` are the objects (labels, `nodelb.io/pool`), `valid`
 /// the validated ones (ports, the numbers they hold), `previous` what the state file holds.
-pub fn assign_services<S: Borrow<Service>>(
+pub fn assign_services<S: Borrow<Service>, V: Borrow<LbService>>(
     ctx: &PoolContext,
     services: &[S],
-    valid: &[LbService],
+    valid: &[V],
     previous: &Allocations,
 ) -> Assignment {
     let empty = BTreeMap::new();
     let by_key: BTreeMap<ServiceKey, &Service> =
         services.iter().map(|s| (crate::model::service_key(s.borrow()), s.borrow())).collect();
     let mut out = Assignment::default();
-    for svc in valid {
+    for svc in valid.iter().map(Borrow::borrow) {
         let meta = by_key.get(&svc.key).map(|s| &s.metadata);
         let labels = meta.and_then(|m| m.labels.as_ref()).unwrap_or(&empty);
         let requested = meta.and_then(|m| m.annotations.as_ref()).and_then(|a| a.get(ANNOTATION_POOL));

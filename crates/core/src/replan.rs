@@ -22,6 +22,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use crate::counters::{CounterIndex, CounterKind, IndexUpdate, SeriesKey};
 use crate::domain::{PortId, ServiceKey};
@@ -33,7 +34,9 @@ use crate::plan::{self, NodeFacts, ServicePlan};
 /// it and, when its pool restricts node addresses, the addresses of this node that serve it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PlanInput {
-    pub service: LbService,
+    /// Shared with the model cache: an unchanged Service is the same `Arc` (compared by pointer
+    /// first).
+    pub service: Arc<LbService>,
     pub node_ports: BTreeMap<PortId, u16>,
     pub addresses: Option<BTreeSet<IpAddr>>,
 }

@@ -36,19 +36,13 @@ impl std::fmt::Display for Duplicate {
     }
 }
 
-/// Services oldest first (the allocator's order, [`crate::alloc::older_first`]).
-pub fn age_order(services: &[LbService]) -> Vec<&LbService> {
-    let mut ordered: Vec<&LbService> = services.iter().collect();
-    ordered.sort_by(|a, b| crate::alloc::older_first(a, b));
-    ordered
-}
-
 /// The annotated allocations with every duplicate settled, and the duplicates found (sorted).
-pub fn settle(services: &[LbService]) -> (Allocations, Vec<Duplicate>) {
+pub fn settle<S: std::borrow::Borrow<LbService>>(services: &[S]) -> (Allocations, Vec<Duplicate>) {
     let mut owners: BTreeMap<u16, (ServiceKey, BTreeSet<Protocol>)> = BTreeMap::new();
     let mut kept = Allocations::new();
     let mut dups = Vec::new();
-    for svc in age_order(services) {
+    // Oldest first, the allocator's order.
+    for svc in crate::alloc::age_order(services) {
         for (port, number) in &svc.previous_allocation {
             match owners.get_mut(number) {
                 None => {

@@ -1,0 +1,245 @@
+//! Each Service's model as a sync serves it ([`model::build`], its allocation age, its endpoints
+//! filtered by the endpoint policy), shared as `Arc<LbService>` and, in the sync loop, kept
+//! between syncs (issue 15, "recompute only what changed"). Pure.
+//!
+//! The sources hand over their objects as `Arc`s and keep the same `Arc` while an object does
+//! not change, so a Service whose object, EndpointSlices (the same `Arc`s, in the same order) and
+//! allocation age are the ones its model was built from has the same model: the [`ModelCache`]
+//! hands the kept `Arc` out again, and the planner finds it unchanged by pointer. Anything every
+//! model depends on (the model options, the node addresses, the endpoint policy) empties the
+//! cache when it changes. The cache holds the `Arc`s it compares, so an address is never reused
+//! by a new object while it is kept.
+
+use std::borrow::Borrow;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::jiff::Timestamp;
+
+use crate::domain::ServiceKey;
+use crate::endpoint_policy::{self, EndpointPolicy, HostAddresses, RefusedEndpoint};
+use crate::model::{self, LbService, ModelOptions, ModelWarning, Refusal};
+
+/// The models of one snapshot's Services.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Modeled {
+    /// The valid Services, sorted by key.
+    pub services: Vec<Arc<LbService>>,
+    /// The refused ones, sorted by key.
+    pub refused: Vec<Refusal>,
+    /// Sorted by Service (each Service's in the order they were found).
+    pub warnings: Vec<ModelWarning>,
+    /// Endpoint addresses the policy refused, taken out of the Services (sorted).
+    pub refused_endpoints: Vec<RefusedEndpoint>,
+}
+
+/// What every model depends on besides its own objects.
+#[derive(Debug, Clone, Copy)]
+pub struct ModelContext<'a> {
+    pub opts: &'a ModelOptions,
+    /// Manifests mode: when this node first allocated each Service (its age).
+    pub since: &'a BTreeMap<ServiceKey, Timestamp>,
+    pub addresses: &'a HostAddresses,
+    pub policy: &'a EndpointPolicy,
+}
+
+/// Every Service's model, built now (no cache).
+pub fn build<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
+    services: &[S],
+    slices: &[E],
+    ctx: &ModelContext<'_>,
+) -> Modeled {
+    let mut out = model::build(services, slices, ctx.opts);
+    for svc in &mut out.services {
+        svc.allocated_since = ctx.since.get(&svc.key).map(|t| t.to_string());
+    }
+    let refused_endpoints = endpoint_policy::filter(&mut out.services, ctx.addresses, ctx.policy);
+    Modeled {
+        services: out.services.into_iter().map(Arc::new).collect(),
+        refused: out.refused,
+        warnings: out.warnings,
+        refused_endpoints,
+    }
+}
+
+/// The last sync's models, by Service (see the module's documentation).
+#[derive(Debug, Default)]
+pub struct ModelCache {
+    /// The options, node addresses and endpoint policy the entries were built with.
+    context: Option<(ModelOptions, HostAddresses, EndpointPolicy)>,
+    entries: BTreeMap<ServiceKey, Entry>,
+}
+
+/// One Service's model and what it was built from.
+#[derive(Debug)]
+struct Entry {
+    service: Arc<Service>,
+    slices: Vec<Arc<EndpointSlice>>,
+    since: Option<Timestamp>,
+    model: Result<Arc<LbService>, Refusal>,
+    warnings: Vec<ModelWarning>,
+    refused_endpoints: Vec<RefusedEndpoint>,
+}
+
+impl ModelCache {
+    pub fn new() -> ModelCache {
+        ModelCache::default()
+    }
+
+    /// [`build`], rebuilding only the Services whose objects or age changed; the cache then holds
+    /// this snapshot's.
+    pub fn build(
+        &mut self,
+        services: &[Arc<Service>],
+        slices: &[Arc<EndpointSlice>],
+        ctx: &ModelContext<'_>,
+    ) -> Modeled {
+        let same_context = self
+            .context
+            .as_ref()
+            .is_some_and(|(o, a, p)| o == ctx.opts && a == ctx.addresses && p == ctx.policy);
+        if !same_context {
+            self.entries.clear();
+            self.context = Some((ctx.opts.clone(), ctx.addresses.clone(), ctx.policy.clone()));
+        }
+        let slices_by_service = model::index_slices(slices);
+        let mut out = Modeled::default();
+        let mut seen = BTreeSet::new();
+        let mut kept = BTreeMap::new();
+        for svc in services.iter().filter(|s| model::is_ours(s, ctx.opts)) {
+            let key = model::service_key(svc);
+            if !seen.insert(key.clone()) {
+                out.refused
+                    .push(Refusal::Invalid { service: key, reason: "duplicate Service object".to_string() });
+                continue;
+            }
+            let svc_slices: &[&Arc<EndpointSlice>] = slices_by_service.get(&key).map_or(&[], Vec::as_slice);
+            let since = ctx.since.get(&key).copied();
+            let entry = match self.entries.remove(&key) {
+                Some(e)
+                    if Arc::ptr_eq(&e.service, svc)
+                        && e.since == since
+                        && e.slices.len() == svc_slices.len()
+                        && e.slices.iter().zip(svc_slices).all(|(a, b)| Arc::ptr_eq(a, b)) =>
+                {
+                    e
+                }
+                _ => build_entry(svc, svc_slices, key.clone(), since, ctx),
+            };
+            match &entry.model {
+                Ok(m) => out.services.push(m.clone()),
+                Err(r) => out.refused.push(r.clone()),
+            }
+            out.warnings.extend(entry.warnings.iter().cloned());
+            out.refused_endpoints.extend(entry.refused_endpoints.iter().cloned());
+            kept.insert(key, entry);
+        }
+        self.entries = kept;
+        out.services.sort_by(|a, b| a.key.cmp(&b.key));
+        out.refused.sort_by(|a, b| a.service().cmp(b.service()));
+        out.warnings.sort_by(|a, b| a.service.cmp(&b.service));
+        out.refused_endpoints.sort();
+        out
+    }
+}
+
+fn build_entry(
+    svc: &Arc<Service>,
+    slices: &[&Arc<EndpointSlice>],
+    key: ServiceKey,
+    since: Option<Timestamp>,
+    ctx: &ModelContext<'_>,
+) -> Entry {
+    let objects: Vec<&EndpointSlice> = slices.iter().map(|s| s.as_ref()).collect();
+    let mut warnings = Vec::new();
+    let mut refused_endpoints = Vec::new();
+    let model = model::build_one(svc, key, &objects, &mut warnings).map(|mut m| {
+        m.allocated_since = since.map(|t| t.to_string());
+        refused_endpoints = endpoint_policy::filter(std::slice::from_mut(&mut m), ctx.addresses, ctx.policy);
+        Arc::new(m)
+    });
+    Entry {
+        service: svc.clone(),
+        slices: slices.iter().map(|s| Arc::clone(s)).collect(),
+        since,
+        model,
+        warnings,
+        refused_endpoints,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn objects(name: &str, endpoint: &str) -> (Arc<Service>, Arc<EndpointSlice>) {
+        let svc = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"type": "LoadBalancer", "ports": [{"name": "p", "port": 80}]}
+        }))
+        .expect("service");
+        let slice = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": format!("{name}-1"), "namespace": "default",
+                         "labels": {model::LABEL_SERVICE_NAME: name}},
+            "addressType": "IPv4",
+            "ports": [{"name": "p", "port": 8080}],
+            "endpoints": [{"addresses": [endpoint]}]
+        }))
+        .expect("slice");
+        (Arc::new(svc), Arc::new(slice))
+    }
+
+    /// Each reason to build a Service's model again, and only those: the cache hands out the
+    /// kept `Arc` otherwise, and always what [`build`] gives.
+    #[test]
+    fn a_model_is_rebuilt_exactly_when_what_it_is_built_from_changes() {
+        let opts = ModelOptions::default();
+        let (policy, mut addresses) = (EndpointPolicy::default(), HostAddresses::default());
+        let mut since = BTreeMap::new();
+        let (a, a_slice) = objects("a", "198.51.100.11");
+        let (b, b_slice) = objects("b", "198.51.100.12");
+        let mut services = vec![a.clone(), b.clone()];
+        let mut slices = vec![a_slice, b_slice];
+        let mut cache = ModelCache::new();
+        let mut last: Option<Modeled> = None;
+        // (what changes, whether a's model is new, whether b's is)
+        let steps: Vec<(&str, bool, bool)> = vec![
+            ("first build", true, true),
+            ("nothing", false, false),
+            ("a's Service object (an equal copy)", true, false),
+            ("b's EndpointSlice", false, true),
+            ("a's allocation age", true, false),
+            ("the node addresses", true, true),
+            ("nothing again", false, false),
+        ];
+        for (what, a_new, b_new) in steps {
+            match what {
+                "a's Service object (an equal copy)" => services[0] = Arc::new((*a).clone()),
+                "b's EndpointSlice" => slices[1] = objects("b", "198.51.100.13").1,
+                "a's allocation age" => {
+                    since.insert(
+                        ServiceKey::new("default", "a"),
+                        Timestamp::from_second(1_700_000_000).unwrap(),
+                    );
+                }
+                "the node addresses" => addresses.add("198.51.100.11".parse().unwrap(), "Node node-2"),
+                _ => {}
+            }
+            let ctx = ModelContext { opts: &opts, since: &since, addresses: &addresses, policy: &policy };
+            let got = cache.build(&services, &slices, &ctx);
+            assert_eq!(got, super::build(&services, &slices, &ctx), "{what}: as built afresh");
+            if let Some(last) = &last {
+                let renewed: Vec<bool> =
+                    got.services.iter().zip(&last.services).map(|(g, l)| !Arc::ptr_eq(g, l)).collect();
+                assert_eq!(renewed, [a_new, b_new], "{what}: which models are new");
+            }
+            last = Some(got);
+        }
+        let last = last.unwrap();
+        assert_eq!(last.services[0].allocated_since.as_deref(), Some("2023-11-14T22:13:20Z"));
+        assert_eq!(last.services[0].ports[0].endpoints, [], "a's endpoint is a node's address now");
+        assert_eq!(last.refused_endpoints.len(), 1);
+    }
+}
