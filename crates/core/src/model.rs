@@ -378,8 +378,12 @@ pub fn build<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 .push(Refusal::Invalid { service: key, reason: "duplicate Service object".to_string() });
             continue;
         }
-        let svc_slices: Vec<&EndpointSlice> =
-            slices_by_service.get(&key).into_iter().flatten().map(|s| (*s).borrow()).collect();
+        let svc_slices: Vec<&EndpointSlice> = slices_by_service
+            .get(&(key.namespace.as_str(), key.name.as_str()))
+            .into_iter()
+            .flatten()
+            .map(|s| (*s).borrow())
+            .collect();
         match build_one(svc, key, &svc_slices, &mut out.warnings) {
             Ok(lb) => out.services.push(lb),
             Err(refusal) => out.refused.push(refusal),
@@ -391,10 +395,10 @@ pub fn build<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     out
 }
 
-/// EndpointSlices grouped by the Service they belong to. Slices without the label are not part of
-/// any Service.
-pub(crate) fn index_slices<E: Borrow<EndpointSlice>>(slices: &[E]) -> BTreeMap<ServiceKey, Vec<&E>> {
-    let mut map: BTreeMap<ServiceKey, Vec<&E>> = BTreeMap::new();
+/// EndpointSlices grouped by the Service they belong to (its namespace and name, borrowed from
+/// the slices). Slices without the label are not part of any Service.
+pub(crate) fn index_slices<E: Borrow<EndpointSlice>>(slices: &[E]) -> BTreeMap<(&str, &str), Vec<&E>> {
+    let mut map: BTreeMap<(&str, &str), Vec<&E>> = BTreeMap::new();
     for object in slices {
         let slice: &EndpointSlice = object.borrow();
         let Some(name) = slice.metadata.labels.as_ref().and_then(|l| l.get(LABEL_SERVICE_NAME)) else {
@@ -403,10 +407,22 @@ pub(crate) fn index_slices<E: Borrow<EndpointSlice>>(slices: &[E]) -> BTreeMap<S
         if name.is_empty() {
             continue;
         }
-        let key = ServiceKey { namespace: namespace_of(&slice.metadata.namespace), name: name.clone() };
-        map.entry(key).or_default().push(object);
+        map.entry((namespace_str(&slice.metadata.namespace), name.as_str())).or_default().push(object);
     }
     map
+}
+
+/// The namespace and name of an object, borrowed ([`service_key`] without the copies).
+pub(crate) fn borrowed_key<'a>(namespace: &'a Option<String>, name: Option<&'a str>) -> (&'a str, &'a str) {
+    (namespace_str(namespace), name.unwrap_or_default())
+}
+
+/// [`namespace_of`], borrowed.
+fn namespace_str(ns: &Option<String>) -> &str {
+    match ns.as_deref() {
+        None | Some("") => "default",
+        Some(ns) => ns,
+    }
 }
 
 pub(crate) fn build_one(

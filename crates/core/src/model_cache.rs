@@ -11,7 +11,7 @@
 //! by a new object while it is kept.
 
 use std::borrow::Borrow;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Service;
@@ -69,12 +69,14 @@ pub fn build<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
 pub struct ModelCache {
     /// The options, node addresses and endpoint policy the entries were built with.
     context: Option<(ModelOptions, HostAddresses, EndpointPolicy)>,
-    entries: BTreeMap<ServiceKey, Entry>,
+    /// Sorted by key, each key once.
+    entries: Vec<Entry>,
 }
 
 /// One Service's model and what it was built from.
 #[derive(Debug)]
 struct Entry {
+    key: ServiceKey,
     service: Arc<Service>,
     slices: Vec<Arc<EndpointSlice>>,
     since: Option<Timestamp>,
@@ -83,13 +85,29 @@ struct Entry {
     refused_endpoints: Vec<RefusedEndpoint>,
 }
 
+impl Entry {
+    /// Whether it was built from exactly these objects and this age.
+    fn built_from(
+        &self,
+        service: &Arc<Service>,
+        slices: &[&Arc<EndpointSlice>],
+        since: Option<Timestamp>,
+    ) -> bool {
+        Arc::ptr_eq(&self.service, service)
+            && self.since == since
+            && self.slices.len() == slices.len()
+            && self.slices.iter().zip(slices).all(|(a, b)| Arc::ptr_eq(a, b))
+    }
+}
+
 impl ModelCache {
     pub fn new() -> ModelCache {
         ModelCache::default()
     }
 
     /// [`build`], rebuilding only the Services whose objects or age changed; the cache then holds
-    /// this snapshot's.
+    /// this snapshot's. The Services are walked in key order next to the kept entries, with keys
+    /// borrowed from the objects: an unchanged Service costs no allocation.
     pub fn build(
         &mut self,
         services: &[Arc<Service>],
@@ -104,29 +122,38 @@ impl ModelCache {
             self.entries.clear();
             self.context = Some((ctx.opts.clone(), ctx.addresses.clone(), ctx.policy.clone()));
         }
+        let mut ours: Vec<((&str, &str), &Arc<Service>)> = services
+            .iter()
+            .filter(|s| model::is_ours(s, ctx.opts))
+            .map(|s| (model::borrowed_key(&s.metadata.namespace, s.metadata.name.as_deref()), s))
+            .collect();
+        // Stable: of two objects with one key the first is served, as `model::build` does.
+        if !ours.is_sorted_by(|a, b| a.0 <= b.0) {
+            ours.sort_by(|a, b| a.0.cmp(&b.0));
+        }
         let slices_by_service = model::index_slices(slices);
+        // The ages, walked in key order too.
+        let mut ages = ctx.since.iter().peekable();
+        let mut old = std::mem::take(&mut self.entries).into_iter().peekable();
         let mut out = Modeled::default();
-        let mut seen = BTreeSet::new();
-        let mut kept = BTreeMap::new();
-        for svc in services.iter().filter(|s| model::is_ours(s, ctx.opts)) {
-            let key = model::service_key(svc);
-            if !seen.insert(key.clone()) {
+        let mut last: Option<(&str, &str)> = None;
+        for (key, svc) in ours {
+            if last == Some(key) {
+                let service = ServiceKey::new(key.0, key.1);
                 out.refused
-                    .push(Refusal::Invalid { service: key, reason: "duplicate Service object".to_string() });
+                    .push(Refusal::Invalid { service, reason: "duplicate Service object".to_string() });
                 continue;
             }
+            last = Some(key);
+            while old.next_if(|e| (e.key.namespace.as_str(), e.key.name.as_str()) < key).is_some() {}
             let svc_slices: &[&Arc<EndpointSlice>] = slices_by_service.get(&key).map_or(&[], Vec::as_slice);
-            let since = ctx.since.get(&key).copied();
-            let entry = match self.entries.remove(&key) {
-                Some(e)
-                    if Arc::ptr_eq(&e.service, svc)
-                        && e.since == since
-                        && e.slices.len() == svc_slices.len()
-                        && e.slices.iter().zip(svc_slices).all(|(a, b)| Arc::ptr_eq(a, b)) =>
-                {
-                    e
-                }
-                _ => build_entry(svc, svc_slices, key.clone(), since, ctx),
+            while ages.next_if(|(k, _)| (k.namespace.as_str(), k.name.as_str()) < key).is_some() {}
+            let since =
+                ages.peek().filter(|(k, _)| (k.namespace.as_str(), k.name.as_str()) == key).map(|(_, t)| **t);
+            let kept = old.next_if(|e| (e.key.namespace.as_str(), e.key.name.as_str()) == key);
+            let entry = match kept {
+                Some(e) if e.built_from(svc, svc_slices, since) => e,
+                _ => build_entry(svc, svc_slices, ServiceKey::new(key.0, key.1), since, ctx),
             };
             match &entry.model {
                 Ok(m) => out.services.push(m.clone()),
@@ -134,10 +161,9 @@ impl ModelCache {
             }
             out.warnings.extend(entry.warnings.iter().cloned());
             out.refused_endpoints.extend(entry.refused_endpoints.iter().cloned());
-            kept.insert(key, entry);
+            self.entries.push(entry);
         }
-        self.entries = kept;
-        out.services.sort_by(|a, b| a.key.cmp(&b.key));
+        // Walked in key order: these are sorted already (kept as the contract of `build`).
         out.refused.sort_by(|a, b| a.service().cmp(b.service()));
         out.warnings.sort_by(|a, b| a.service.cmp(&b.service));
         out.refused_endpoints.sort();
@@ -155,7 +181,7 @@ fn build_entry(
     let objects: Vec<&EndpointSlice> = slices.iter().map(|s| s.as_ref()).collect();
     let mut warnings = Vec::new();
     let mut refused_endpoints = Vec::new();
-    let model = model::build_one(svc, key, &objects, &mut warnings).map(|mut m| {
+    let model = model::build_one(svc, key.clone(), &objects, &mut warnings).map(|mut m| {
         m.allocated_since = since.map(|t| t.to_string());
         refused_endpoints = endpoint_policy::filter(std::slice::from_mut(&mut m), ctx.addresses, ctx.policy);
         Arc::new(m)
@@ -163,6 +189,7 @@ fn build_entry(
     Entry {
         service: svc.clone(),
         slices: slices.iter().map(|s| Arc::clone(s)).collect(),
+        key,
         since,
         model,
         warnings,
