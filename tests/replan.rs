@@ -432,3 +432,27 @@ fn compute_next_gives_what_compute_gives() {
         assert!(patches > 100, "seed {seed}: {patches} patches");
     }
 }
+
+/// A patch plans each changed Service twice; when most Services changed (every allocation age
+/// stamped after the first round, say) the plan is whole instead, and the same.
+#[test]
+fn most_services_changed_is_planned_whole() {
+    let node = node(&[Family::Ipv4]);
+    let services = |changed: usize| -> Vec<PlanInput> {
+        (0..200)
+            .map(|i| {
+                let mut s = svc(&format!("s{i:03}"), vec![(80, Protocol::Tcp, two_backends())]);
+                if i < changed {
+                    s.traffic_policy = TrafficPolicy::Local;
+                }
+                PlanInput { node_ports: ports(&s, 20000 + i as u16), service: Arc::new(s), addresses: None }
+            })
+            .collect()
+    };
+    let mut planner = Planner::new();
+    let (rs, index) = planner.full(services(0), &node, true);
+    let (rs, index, patch) = step(&mut planner, &rs, &index, &services(20), &node, "20 of 200");
+    assert!(patch, "20 of 200 changed: a patch");
+    let (_, _, patch) = step(&mut planner, &rs, &index, &services(150), &node, "150 of 200");
+    assert!(!patch, "130 of 200 changed: planned whole");
+}

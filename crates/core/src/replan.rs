@@ -147,7 +147,7 @@ impl Planner {
                 && self.shape.is_some_and(|s| s == Shape::of(a))
         });
         if let Some(applied) = patchable {
-            // Err: two Services claim one name; planned whole below, as `plan_with` does.
+            // Err: two Services claim one name, or most changed; planned whole below.
             if let Ok((patch, update)) = self.patch(&inputs, node, applied, index) {
                 let shape = Shape::of(applied).plus(Shape::of(&patch.new)).minus(Shape::of(&patch.old));
                 self.shape = Some(shape);
@@ -222,7 +222,7 @@ impl Planner {
         node: &NodeFacts,
         applied: &Ruleset,
         index: bool,
-    ) -> Result<(RulesetPatch, IndexUpdate), Clash> {
+    ) -> Result<(RulesetPatch, IndexUpdate), NoPatch> {
         let mut b =
             Builder { applied, patch: RulesetPatch::default(), shared: &self.shared, delta: BTreeMap::new() };
         let (mut removed, mut added) = (CounterIndex::default(), CounterIndex::default());
@@ -244,6 +244,12 @@ impl Planner {
                 changed.push(step);
             }
         }
+        // A patch plans each changed Service twice: past a third of them, planning whole is
+        // cheaper (every Service's age is stamped after the first allocation round, say).
+        if changed.len() > MAX_PATCHED_SHARE * inputs.len().max(old.len()) / 100 + MIN_PATCHED {
+            self.services = old;
+            return Err(NoPatch::TooMany);
+        }
         let mut result = Ok(());
         for (was, is) in changed {
             if let Some(was) = was {
@@ -263,7 +269,7 @@ impl Planner {
         }
         let Builder { patch, delta, .. } = b;
         self.services = old;
-        result?;
+        result.map_err(|Clash| NoPatch::Clash)?;
         for (key, d) in delta {
             let n = i64::from(self.shared.get(&key).copied().unwrap_or(0)) + d;
             match u32::try_from(n) {
@@ -299,6 +305,18 @@ impl Scratch {
 /// Two Services claim one name (chain, counter, set) or one set element with different values.
 #[derive(Debug)]
 struct Clash;
+
+/// Why a plan is whole although a patch was possible.
+#[derive(Debug)]
+enum NoPatch {
+    Clash,
+    /// More Services changed than a patch is worth.
+    TooMany,
+}
+
+/// A patch is made while at most this share (%) of the Services changed, plus [`MIN_PATCHED`].
+const MAX_PATCHED_SHARE: usize = 33;
+const MIN_PATCHED: usize = 16;
 
 /// What one Service adds to the ruleset.
 struct Part {
