@@ -456,3 +456,30 @@ fn most_services_changed_is_planned_whole() {
     let (_, _, patch) = step(&mut planner, &rs, &index, &services(150), &node, "150 of 200");
     assert!(!patch, "130 of 200 changed: planned whole");
 }
+
+/// What only the allocator reads (the allocation age, creationTimestamp, the allocation found on
+/// the object, the request) plans nothing again: a Service whose age is stamped after the first
+/// round is not in the patch.
+#[test]
+fn what_only_the_allocator_reads_plans_nothing_again() {
+    let node = node(&[Family::Ipv4]);
+    let web = svc("web", vec![(80, Protocol::Tcp, two_backends())]);
+    let input = |s: &LbService| PlanInput {
+        service: Arc::new(s.clone()),
+        node_ports: ports(s, 20001),
+        addresses: None,
+    };
+    let mut planner = Planner::new();
+    let (rs, _) = planner.full(vec![input(&web)], &node, true);
+    let mut aged = web.clone();
+    aged.allocated_since = Some("2024-01-02T00:00:00Z".into());
+    aged.created = Some("2024-01-01T00:00:00Z".into());
+    aged.previous_allocation = ports(&web, 20001);
+    aged.port_request = nodelb::model::PortRequest::ServicePorts;
+    aged.uid = Some("u".into());
+    let (planned, _) = planner.plan(vec![input(&aged)], &node, Some(&rs), true);
+    assert!(
+        matches!(&planned, Planned::Patch(p) if p.old.chains.is_empty() && p.new.chains.is_empty()),
+        "{planned:?}"
+    );
+}

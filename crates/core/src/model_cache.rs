@@ -100,6 +100,18 @@ impl Entry {
     }
 }
 
+impl Entry {
+    /// The same model with another allocation age (after the first allocation round every
+    /// Service's age is stamped: a copy each, not a rebuild each).
+    fn aged(mut self, since: Option<Timestamp>) -> Entry {
+        if let Ok(m) = &mut self.model {
+            Arc::make_mut(m).allocated_since = since.map(|t| t.to_string());
+        }
+        self.since = since;
+        self
+    }
+}
+
 impl ModelCache {
     pub fn new() -> ModelCache {
         ModelCache::default()
@@ -152,6 +164,7 @@ impl ModelCache {
                 ages.peek().filter(|(k, _)| (k.namespace.as_str(), k.name.as_str()) == key).map(|(_, t)| **t);
             let kept = old.next_if(|e| (e.key.namespace.as_str(), e.key.name.as_str()) == key);
             let entry = match kept {
+                Some(e) if e.built_from(svc, svc_slices, e.since) && e.since != since => e.aged(since),
                 Some(e) if e.built_from(svc, svc_slices, since) => e,
                 _ => build_entry(svc, svc_slices, ServiceKey::new(key.0, key.1), since, ctx),
             };

@@ -32,13 +32,44 @@ use crate::plan::{self, NodeFacts, ServicePlan};
 
 /// One Service as the planner takes it: validated, with the node ports this node programs for
 /// it and, when its pool restricts node addresses, the addresses of this node that serve it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Two are equal when they plan the same (see [`plans_the_same`]).
+#[derive(Debug, Clone)]
 pub struct PlanInput {
     /// Shared with the model cache: an unchanged Service is the same `Arc` (compared by pointer
     /// first).
     pub service: Arc<LbService>,
     pub node_ports: BTreeMap<PortId, u16>,
     pub addresses: Option<BTreeSet<IpAddr>>,
+}
+
+impl PartialEq for PlanInput {
+    fn eq(&self, other: &PlanInput) -> bool {
+        self.node_ports == other.node_ports
+            && self.addresses == other.addresses
+            && (Arc::ptr_eq(&self.service, &other.service) || plans_the_same(&self.service, &other.service))
+    }
+}
+
+/// Whether two models plan the same ruleset: equal in every field the planner reads. What only
+/// the allocator reads (age, requests, the allocation found on the object) does not count, so a
+/// Service whose allocation age is stamped is not planned again. Destructured whole: a field
+/// added to [`LbService`] must be sorted here before this compiles.
+fn plans_the_same(a: &LbService, b: &LbService) -> bool {
+    let LbService {
+        key,
+        uid: _,
+        created: _,
+        allocated_since: _,
+        ports,
+        families,
+        source_ranges,
+        traffic_policy,
+        session_affinity,
+        port_request: _,
+        previous_allocation: _,
+    } = a;
+    (key, ports, families, source_ranges, traffic_policy, session_affinity)
+        == (&b.key, &b.ports, &b.families, &b.source_ranges, &b.traffic_policy, &b.session_affinity)
 }
 
 /// The old and the new value of every chain, counter, set and set element a sync changes; each
