@@ -3,7 +3,9 @@
 //! never drops traffic), later batches are diffs, a kernel that no longer holds what we
 //! programmed (someone deleted or edited our table) is repaired with a full replace, a full
 //! replace puts the client affinities back, and the named counters a batch resets are folded
-//! into the exported totals. What to send is decided by a pure function, [`next_batch`].
+//! into the exported totals. What to send is decided by pure functions: [`next_batch`] for a
+//! whole ruleset, [`patch_batch`] for a patch of the one the kernel holds (the incremental
+//! planner's, `crate::replan`), which is then applied to it in place.
 
 use std::collections::BTreeSet;
 

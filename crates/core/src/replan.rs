@@ -16,9 +16,9 @@
 //! element in `endpoints-*`. The planner counts those holders, so the element goes only with its
 //! last one. Whenever the patch would not be exact the plan is full instead, as kube-proxy's
 //! nftables mode falls back to a full sync: no ruleset to patch (the first sync, after a failure),
-//! other node facts, a ruleset that is not the one last planned, or two Services claiming one
-//! name differently (a hash collision, a node port in two allocations): those are planned whole,
-//! in order, as before.
+//! other node facts, a ruleset that is not the one last planned, two Services claiming one name
+//! differently (a hash collision, a node port in two allocations: planned whole, in order, as
+//! before), or more than a third of the Services changed (a patch plans each twice).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
