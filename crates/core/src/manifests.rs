@@ -291,7 +291,7 @@ pub fn unreadable(path: &Path, error: &str) -> Manifests {
 /// copied; an object an earlier file already defined is dropped with a problem.
 pub fn merge<'a>(files: impl IntoIterator<Item = (&'a Path, &'a Manifests)>) -> Manifests {
     let mut out = Manifests::default();
-    let mut taken = Taken::default();
+    let mut taken = Taken::<&str, &Path>::default();
     for (path, file) in files {
         merge_file(&mut out, &mut taken, path, file);
     }
@@ -299,40 +299,51 @@ pub fn merge<'a>(files: impl IntoIterator<Item = (&'a Path, &'a Manifests)>) -> 
 }
 
 /// The objects defined so far, by kind and namespace/name, with the file that defined each: the
-/// one duplicate check, within a file and across files (the first definition wins).
-#[derive(Debug, Default)]
-struct Taken(BTreeMap<(&'static str, String, String), PathBuf>);
+/// one duplicate check, within a file and across files (the first definition wins). `K`: the
+/// names and file owned (while a file is parsed) or borrowed from the parsed files (a merge at
+/// 10,000 Services takes 20,000 objects: three copies each were a good part of its time).
+#[derive(Debug)]
+struct Taken<S, P>(BTreeMap<(&'static str, S, S), P>);
 
-impl Taken {
-    /// Takes `kind` namespace/name of `meta` for `file`; when an earlier definition has it, the
-    /// problem's message.
-    fn take(&mut self, kind: &'static str, meta: &ObjectMeta, file: &Path) -> Result<(), String> {
-        let ns = meta.namespace.clone().unwrap_or_default();
-        let name = meta.name.clone().unwrap_or_default();
-        // Formatted for duplicates only (a merge at 10,000 Services takes 20,000 objects).
-        let duplicate = |ns: &str, name: &str| match ns.is_empty() {
-            true => format!("duplicate {kind} {}", crate::domain::quoted(name)),
-            false => format!("duplicate {kind} {}", ServiceKey::new(ns, name)),
-        };
+impl<S, P> Default for Taken<S, P> {
+    fn default() -> Self {
+        Taken(BTreeMap::new())
+    }
+}
+
+impl<S: Ord + std::ops::Deref<Target = str>, P: std::ops::Deref<Target = Path>> Taken<S, P> {
+    /// Takes `kind` `ns`/`name` for `file`; when an earlier definition has it, the problem's
+    /// message.
+    fn take(&mut self, kind: &'static str, ns: S, name: S, file: P) -> Result<(), String> {
         match self.0.entry((kind, ns, name)) {
             Entry::Vacant(e) => {
-                e.insert(file.to_path_buf());
+                e.insert(file);
                 Ok(())
             }
-            Entry::Occupied(e) if e.get() == file => {
-                Err(format!("{}; the first one is used", duplicate(&e.key().1, &e.key().2)))
+            Entry::Occupied(e) => {
+                // Formatted for duplicates only.
+                let (_, ns, name) = e.key();
+                let what = match ns.is_empty() {
+                    true => format!("duplicate {kind} {}", crate::domain::quoted(name)),
+                    false => format!("duplicate {kind} {}", ServiceKey::new(&**ns, &**name)),
+                };
+                if **e.get() == *file {
+                    Err(format!("{what}; the first one is used"))
+                } else {
+                    Err(format!("{what} (first defined in {}); the first one is used", e.get().display()))
+                }
             }
-            Entry::Occupied(e) => Err(format!(
-                "{} (first defined in {}); the first one is used",
-                duplicate(&e.key().1, &e.key().2),
-                e.get().display()
-            )),
         }
     }
 }
 
 /// Adds one file's objects to `out`, dropping objects an earlier file already defined.
-fn merge_file(out: &mut Manifests, taken: &mut Taken, path: &Path, file: &Manifests) {
+fn merge_file<'a>(
+    out: &mut Manifests,
+    taken: &mut Taken<&'a str, &'a Path>,
+    path: &'a Path,
+    file: &'a Manifests,
+) {
     let mut objs = FileObjects {
         had_problem: !file.problems.is_empty(),
         first_problem: file.problems.first().map(ToString::to_string),
@@ -341,9 +352,11 @@ fn merge_file(out: &mut Manifests, taken: &mut Taken, path: &Path, file: &Manife
     out.problems.extend(file.problems.iter().cloned());
     out.ignored.extend(file.ignored.iter().cloned());
     out.invalid_services.extend(file.invalid_services.iter().cloned());
-    let mut admit = |kind: &'static str, meta: &ObjectMeta, problems: &mut Vec<ManifestProblem>| {
+    let mut admit = |kind: &'static str, meta: &'a ObjectMeta, problems: &mut Vec<ManifestProblem>| {
+        let (ns, name) =
+            (meta.namespace.as_deref().unwrap_or_default(), meta.name.as_deref().unwrap_or_default());
         taken
-            .take(kind, meta, path)
+            .take(kind, ns, name, path)
             .map_err(|message| problems.push(ManifestProblem::new(path, 0, None, message)))
             .is_ok()
     };
@@ -380,7 +393,7 @@ fn merge_file(out: &mut Manifests, taken: &mut Taken, path: &Path, file: &Manife
 #[derive(Default)]
 struct Loader {
     out: Manifests,
-    taken: Taken,
+    taken: Taken<String, PathBuf>,
 }
 
 /// Where a value came from, for messages.
@@ -564,7 +577,8 @@ impl Loader {
             self.problem(origin.file, origin.document, None, msg);
             return false;
         }
-        if let Err(duplicate) = self.taken.take(kind, meta, origin.file) {
+        let (ns, name) = (meta.namespace.clone().unwrap_or_default(), meta.name.clone().unwrap_or_default());
+        if let Err(duplicate) = self.taken.take(kind, ns, name, origin.file.to_path_buf()) {
             let msg = format!("{}{duplicate}", origin.prefix);
             self.problem(origin.file, origin.document, None, msg);
             return false;
