@@ -5,7 +5,8 @@
 //! The sources hand over their objects as `Arc`s and keep the same `Arc` while an object does
 //! not change, so a Service whose object, EndpointSlices (the same `Arc`s, in the same order) and
 //! allocation age are the ones its model was built from has the same model: the [`ModelCache`]
-//! hands the kept `Arc` out again, and the planner finds it unchanged by pointer. Anything every
+//! hands the kept `Arc` out again, and the planner finds it unchanged by pointer (a new age alone
+//! is set on a copy of the model, not built again). Anything every
 //! model depends on (the model options, the node addresses, the endpoint policy) empties the
 //! cache when it changes. The cache holds the `Arc`s it compares, so an address is never reused
 //! by a new object while it is kept.
