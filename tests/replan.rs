@@ -320,6 +320,17 @@ fn compute_next_gives_what_compute_gives() {
         });
         s = s.endpoints(eps);
         match v % 6 {
+            // Two EndpointSlices (one per family).
+            0 if v % 12 == 6 => s.dual_stack().endpoint(EndpointSpec::local(std::net::Ipv6Addr::new(
+                0x2001,
+                0xdb8,
+                2,
+                0,
+                0,
+                0,
+                0,
+                0x10 + i as u16,
+            ))),
             1 => s.port(PortSpec::udp(53, None)),
             2 => s.client_ip_affinity(600),
             3 => s.source_range("203.0.113.0/24"),
@@ -352,20 +363,29 @@ fn compute_next_gives_what_compute_gives() {
             for _ in 0..rng.range(1, 4) {
                 let i = rng.below(30);
                 match rng.below(10) {
-                    0 | 1 => {
+                    0 => {
                         objects.remove(&i);
+                    }
+                    1 => {
+                        // The Service goes, its EndpointSlices stay (they belong to nothing).
+                        if let Some(o) = objects.get_mut(&i) {
+                            o.0.clear();
+                        }
                     }
                     2 => {
                         // An equal copy: a new Arc, the same content.
-                        if let Some(s) = objects.get(&i).map(|(s, _)| s[0].clone()) {
-                            objects.get_mut(&i).unwrap().0 = vec![Arc::new((*s).clone())];
+                        if let Some((s, _)) = objects.get_mut(&i)
+                            && let Some(first) = s.first().cloned()
+                        {
+                            *s = vec![Arc::new((*first).clone())];
                         }
                     }
                     3 => {
                         // The same Service twice (the second is refused as a duplicate).
-                        if let Some((s, _)) = objects.get_mut(&i) {
-                            let copy = s[0].clone();
-                            s.push(copy);
+                        if let Some((s, _)) = objects.get_mut(&i)
+                            && let Some(first) = s.first().cloned()
+                        {
+                            s.push(first);
                         }
                     }
                     _ => {

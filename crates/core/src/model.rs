@@ -400,16 +400,18 @@ pub fn build<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
 pub(crate) fn index_slices<E: Borrow<EndpointSlice>>(slices: &[E]) -> BTreeMap<(&str, &str), Vec<&E>> {
     let mut map: BTreeMap<(&str, &str), Vec<&E>> = BTreeMap::new();
     for object in slices {
-        let slice: &EndpointSlice = object.borrow();
-        let Some(name) = slice.metadata.labels.as_ref().and_then(|l| l.get(LABEL_SERVICE_NAME)) else {
-            continue;
-        };
-        if name.is_empty() {
-            continue;
+        if let Some(key) = slice_service(object.borrow()) {
+            map.entry(key).or_default().push(object);
         }
-        map.entry((namespace_str(&slice.metadata.namespace), name.as_str())).or_default().push(object);
     }
     map
+}
+
+/// The namespace and name of the Service an EndpointSlice belongs to (its label), borrowed;
+/// `None` without the label.
+pub(crate) fn slice_service(slice: &EndpointSlice) -> Option<(&str, &str)> {
+    let name = slice.metadata.labels.as_ref()?.get(LABEL_SERVICE_NAME)?;
+    (!name.is_empty()).then(|| (namespace_str(&slice.metadata.namespace), name.as_str()))
 }
 
 /// The namespace and name of an object, borrowed ([`service_key`] without the copies).

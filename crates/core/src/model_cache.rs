@@ -91,13 +91,13 @@ impl Entry {
     fn built_from(
         &self,
         service: &Arc<Service>,
-        slices: &[&Arc<EndpointSlice>],
+        slices: &[KeyedSlice<'_>],
         since: Option<Timestamp>,
     ) -> bool {
         Arc::ptr_eq(&self.service, service)
             && self.since == since
             && self.slices.len() == slices.len()
-            && self.slices.iter().zip(slices).all(|(a, b)| Arc::ptr_eq(a, b))
+            && self.slices.iter().zip(slices).all(|(a, (_, b))| Arc::ptr_eq(a, b))
     }
 }
 
@@ -144,10 +144,20 @@ impl ModelCache {
         if !ours.is_sorted_by(|a, b| a.0 <= b.0) {
             ours.sort_by(|a, b| a.0.cmp(&b.0));
         }
-        let slices_by_service = model::index_slices(slices);
+        // Each slice with its Service's key, in key order (the sources' order usually is; a stable
+        // sort keeps each Service's slices in input order, as `model::build` takes them): one
+        // vector walked next to the Services, no map or list per Service.
+        let mut keyed: Vec<KeyedSlice<'_>> =
+            slices.iter().filter_map(|s| Some((model::slice_service(s)?, s))).collect();
+        if !keyed.is_sorted_by(|a, b| a.0 <= b.0) {
+            keyed.sort_by(|a, b| a.0.cmp(&b.0));
+        }
+        let mut keyed = keyed.as_slice();
         // The ages, walked in key order too.
         let mut ages = ctx.since.iter().peekable();
-        let mut old = std::mem::take(&mut self.entries).into_iter().peekable();
+        let old = std::mem::take(&mut self.entries);
+        self.entries.reserve(old.len());
+        let mut old = old.into_iter().peekable();
         let mut out = Modeled::default();
         let mut last: Option<(&str, &str)> = None;
         for (key, svc) in ours {
@@ -159,7 +169,11 @@ impl ModelCache {
             }
             last = Some(key);
             while old.next_if(|e| (e.key.namespace.as_str(), e.key.name.as_str()) < key).is_some() {}
-            let svc_slices: &[&Arc<EndpointSlice>] = slices_by_service.get(&key).map_or(&[], Vec::as_slice);
+            // Both in key order: slices of keys before this one belong to no Service of ours.
+            let skip = keyed.iter().take_while(|(k, _)| *k < key).count();
+            let take = keyed[skip..].iter().take_while(|(k, _)| *k == key).count();
+            let svc_slices = &keyed[skip..skip + take];
+            keyed = &keyed[skip + take..];
             while ages.next_if(|(k, _)| (k.namespace.as_str(), k.name.as_str()) < key).is_some() {}
             let since =
                 ages.peek().filter(|(k, _)| (k.namespace.as_str(), k.name.as_str()) == key).map(|(_, t)| **t);
@@ -185,14 +199,17 @@ impl ModelCache {
     }
 }
 
+/// An EndpointSlice with the key of its Service.
+type KeyedSlice<'a> = ((&'a str, &'a str), &'a Arc<EndpointSlice>);
+
 fn build_entry(
     svc: &Arc<Service>,
-    slices: &[&Arc<EndpointSlice>],
+    slices: &[KeyedSlice<'_>],
     key: ServiceKey,
     since: Option<Timestamp>,
     ctx: &ModelContext<'_>,
 ) -> Entry {
-    let objects: Vec<&EndpointSlice> = slices.iter().map(|s| s.as_ref()).collect();
+    let objects: Vec<&EndpointSlice> = slices.iter().map(|(_, s)| s.as_ref()).collect();
     let mut warnings = Vec::new();
     let mut refused_endpoints = Vec::new();
     let model = model::build_one(svc, key.clone(), &objects, &mut warnings).map(|mut m| {
@@ -202,7 +219,7 @@ fn build_entry(
     });
     Entry {
         service: svc.clone(),
-        slices: slices.iter().map(|s| Arc::clone(s)).collect(),
+        slices: slices.iter().map(|(_, s)| Arc::clone(s)).collect(),
         key,
         since,
         model,
