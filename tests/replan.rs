@@ -8,13 +8,13 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use nodelb::counters::{CounterIndex, CounterKind, SeriesKey};
+use nodelb::counters::CounterIndex;
 use nodelb::desired::Desired;
 use nodelb::domain::{Family, PortId, Protocol, ServiceKey};
 use nodelb::ir::Ruleset;
 use nodelb::model::{LbService, TrafficPolicy};
 use nodelb::plan::{self, NodeFacts, ServicePlan};
-use nodelb::replan::{PlanInput, Planned, Planner};
+use nodelb::replan::{self, PlanInput, Planned, Planner};
 use nodelb::simulate::simulate;
 
 use common::rng::Rng;
@@ -46,26 +46,11 @@ fn full_plan(inputs: &[PlanInput], node: &NodeFacts) -> Ruleset {
 }
 
 /// The counter index of a full ruleset, as the agent computed it before the planner kept one:
-/// every counter the ruleset has under a Service port's names, and every Service port.
+/// every counter the whole ruleset has under a Service port's names, and every Service port.
 fn index_of(inputs: &[PlanInput], rs: &Ruleset) -> CounterIndex {
     let mut index = CounterIndex::default();
-    for svc in inputs.iter().map(|i| &i.service) {
-        for port in &svc.ports {
-            let key = SeriesKey { service: svc.key.clone(), port: port.id };
-            for &f in &svc.families {
-                let names = plan::PortNames::new(f, svc, port);
-                for (counter, kind) in [
-                    (names.connections_counter(), CounterKind::Connections),
-                    (names.forwarded_counter(), CounterKind::Traffic),
-                    (names.refused_counter(), CounterKind::Refused),
-                ] {
-                    if rs.counters.contains_key(&counter) {
-                        index.counters.insert(counter, (key.clone(), kind));
-                    }
-                }
-            }
-            index.ports.insert(key);
-        }
+    for input in inputs {
+        replan::index_entries(&input.service, &rs.counters, &mut index);
     }
     index
 }

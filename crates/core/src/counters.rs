@@ -68,6 +68,14 @@ pub enum IndexUpdate {
 }
 
 impl IndexUpdate {
+    /// The entries it brings: every counter of a whole index, the replanned ones of a patch.
+    fn new_counters(&self) -> &BTreeMap<String, Series> {
+        match self {
+            IndexUpdate::Full(i) => &i.counters,
+            IndexUpdate::Patch { added, .. } => &added.counters,
+        }
+    }
+
     /// Brings `index` (the installed one) to the next one.
     pub fn apply(self, index: &mut CounterIndex) {
         match self {
@@ -102,20 +110,16 @@ impl CounterState {
     /// that goes away takes its series with it, so its counters need no read (at 1,000 Services ×
     /// 5 endpoints, reading the table costs ~40 ms of a removal's reaction time).
     pub fn kept_counters(&self, next: &IndexUpdate) -> BTreeSet<String> {
-        let new = match next {
-            IndexUpdate::Full(i) => &i.counters,
-            IndexUpdate::Patch { added, .. } => &added.counters,
-        };
-        self.index.counters.keys().chain(new.keys()).filter(|n| self.is_kept(n, next)).cloned().collect()
+        let new = next.new_counters().keys();
+        self.index.counters.keys().chain(new).filter(|n| self.is_kept(n, next)).cloned().collect()
     }
 
     /// Whether counter `name` is one of [`CounterState::kept_counters`], without listing them.
     pub fn is_kept(&self, name: &str, next: &IndexUpdate) -> bool {
-        let new = match next {
-            IndexUpdate::Full(i) => i.counters.get(name),
-            IndexUpdate::Patch { added, .. } => added.counters.get(name),
-        };
-        [self.index.counters.get(name), new].into_iter().flatten().any(|(key, _)| self.has_port(key, next))
+        [self.index.counters.get(name), next.new_counters().get(name)]
+            .into_iter()
+            .flatten()
+            .any(|(key, _)| self.has_port(key, next))
     }
 
     /// Whether Service port `key` is there once `next` is installed.
@@ -135,11 +139,7 @@ impl CounterState {
             if !resetting.contains(name) {
                 continue;
             }
-            let new = match next {
-                IndexUpdate::Full(i) => i.counters.get(name),
-                IndexUpdate::Patch { added, .. } => added.counters.get(name),
-            };
-            if let Some(series) = new.or_else(|| self.index.counters.get(name)) {
+            if let Some(series) = next.new_counters().get(name).or_else(|| self.index.counters.get(name)) {
                 let t = self.base.entry(series.clone()).or_default();
                 t.packets += c.packets;
                 t.bytes += c.bytes;
@@ -161,11 +161,7 @@ impl CounterState {
                 }
             }
         }
-        let new = match &next {
-            IndexUpdate::Full(i) => &i.counters,
-            IndexUpdate::Patch { added, .. } => &added.counters,
-        };
-        for series in new.values() {
+        for series in next.new_counters().values() {
             // Looked up first: a clone of every series key per sync was a tenth of a
             // one-Service sync at 10,000 Services.
             if !self.base.contains_key(series) {

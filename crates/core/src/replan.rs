@@ -225,25 +225,18 @@ impl Planner {
         (rs, counter_index)
     }
 
-    /// Forgets everything: the next plan is full.
-    pub fn forget(&mut self) {
-        self.node = None;
-        self.services.clear();
-        self.shared.clear();
-        self.shape = None;
-    }
-
+    /// Starts a whole plan for `node`: the scratch skeleton is `node`'s, nothing is shared or
+    /// clashing yet (the services and the shape are set by the plan).
     fn reset(&mut self, node: &NodeFacts) {
-        let same_node = self.node.as_ref() == Some(node);
-        self.forget();
-        self.clashed = false;
-        if !same_node || self.scratch.skeleton_sets.is_empty() {
+        if self.node.as_ref() != Some(node) || self.scratch.skeleton_sets.is_empty() {
             let mut rs = plan::skeleton(node);
             rs.chains.clear();
             rs.counters.clear();
             self.scratch = Scratch { skeleton_sets: rs.sets.keys().cloned().collect(), rs };
         }
         self.node = Some(node.clone());
+        self.shared.clear();
+        self.clashed = false;
     }
 
     /// The patch from the last plan (`self.services`, whose ruleset is `applied`) to `inputs`.
@@ -531,10 +524,11 @@ fn current<'a, V>(
     }
 }
 
-/// The named counters of each served Service port that `counters` (the Service's part) has,
-/// and every Service port (whose series outlive its counters: a port that lost its node port has
-/// none).
-fn index_entries(svc: &LbService, counters: &BTreeMap<String, NamedCounter>, index: &mut CounterIndex) {
+/// Adds to `index` the named counters of each served Service port that `counters` has (the
+/// Service's part; or a whole ruleset's, as the agent built the index before the planner kept
+/// one), and every Service port (whose series outlive its counters: a port that lost its node
+/// port has none).
+pub fn index_entries(svc: &LbService, counters: &BTreeMap<String, NamedCounter>, index: &mut CounterIndex) {
     for port in &svc.ports {
         let key = SeriesKey { service: svc.key.clone(), port: port.id };
         // The planner names counters only for the Service's own families.
