@@ -21,7 +21,7 @@ use std::time::Instant;
 use common::args::ProgramArgs;
 use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
 use k8s_openapi::api::core::v1::Service;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use nodelb::compact::EndpointSlice;
 use nodelb::counters::CounterIndex;
 use nodelb::desired::{self, AllocationMode, HostFacts, HostPolicy, Inputs, SourceNotes};
 use nodelb::domain::Family;

@@ -351,9 +351,7 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
             let lp = kube::api::ListParams::default();
             let services =
                 kube::Api::<k8s_openapi::api::core::v1::Service>::all(client.clone()).list(&lp).await;
-            let slices = kube::Api::<k8s_openapi::api::discovery::v1::EndpointSlice>::all(client.clone())
-                .list(&lp)
-                .await;
+            let slices = kube::Api::<crate::compact::EndpointSlice>::all(client.clone()).list(&lp).await;
             let nodes = kube::Api::<k8s_openapi::api::core::v1::Node>::all(client.clone()).list(&lp).await;
             let (services, slices, nodes) = (
                 services.context("cannot list Services")?.items,

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use fuzzing::world::{self, MAX_MESSAGE, World};
 use k8s_openapi::api::core::v1::Service;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use nodelb::compact::EndpointSlice;
 use nodelb::desired::{AllocationMode, Desired, SourceNotes};
 use nodelb::model::{self, MAX_ANNOTATION_BYTES, MAX_SERVICE_BACKENDS, ModelOptions, Refusal};
 use serde_json::{Value, json};

@@ -291,7 +291,7 @@ fn rest<R, I>(d: &Desired<R, I>) -> String {
 fn compute_next_gives_what_compute_gives() {
     use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
     use k8s_openapi::api::core::v1::Service;
-    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    use nodelb::compact::EndpointSlice;
     use nodelb::desired::{self, AllocationMode, HostFacts, HostPolicy, Inputs, Kept, SourceNotes};
     use nodelb::model::ModelOptions;
     use nodelb::port_policy::{PortPolicy, PortRange};

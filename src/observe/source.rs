@@ -6,8 +6,8 @@ use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use crate::compact::EndpointSlice;
 use k8s_openapi::api::core::v1::Service;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use crate::desired::{AllocationMode, SourceNotes};
 use crate::k8s::lastgood::LastGoodServices;

@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use k8s_openapi::api::core::v1::Service;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use nodelb::compact::EndpointSlice;
 use nodelb::desired::{AllocationMode, Desired, SourceNotes};
 use nodelb::manifests::{LastGood, Manifests};
 use nodelb::observe::state::StateFile;

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
+use nodelb::compact::EndpointSlice;
 use nodelb::desired::HostPolicy;
 use nodelb::k8s::claims::{Registry, Token};
 use nodelb::k8s::controller::{ClaimInputs, ControllerConfig, RoundPlan, plan_round};

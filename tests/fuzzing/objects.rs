@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use arbitrary::Unstructured;
 use k8s_openapi::api::core::v1::Service;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 use nodelb::alloc::Allocations;
+use nodelb::compact::EndpointSlice;
 use nodelb::desired::{AllocationMode, SourceNotes};
 use nodelb::k8s::lastgood::LastGoodServices;
 use nodelb::model::{self, ModelOptions, NO_SLICES};

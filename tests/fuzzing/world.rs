@@ -5,9 +5,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::Service;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
 use nodelb::alloc::Allocations;
+use nodelb::compact::EndpointSlice;
 use nodelb::desired::{self, AllocationMode, Desired, HostFacts, HostPolicy, Inputs, SourceNotes};
 use nodelb::domain::{Family, PortId, ServiceKey};
 use nodelb::model::ModelOptions;

@@ -5,7 +5,7 @@
 //!
 //! - The shared words: [`domain`].
 //! - What the inputs mean: [`model`] (a Service and its EndpointSlices, validated), [`slim`]
-//!   (the fields kept), [`manifests`] (YAML/JSON text), [`k8s`] (Kubernetes mode's decisions).
+//!   (the fields kept), [`compact`] (the objects' own compact forms), [`manifests`] (YAML/JSON text), [`k8s`] (Kubernetes mode's decisions).
 //! - What to program: [`pool`] (node port pools), [`port_policy`], [`alloc`], [`endpoint_policy`],
 //!   [`desired`] (one sync's decision), [`plan`] → [`ir`] (the ruleset), [`hairpin`], [`hostfw`]
 //!   (the host firewall diagnosis), [`kernel_support`] (what the kernel must have).
@@ -15,6 +15,7 @@
 //! - Test oracles (feature `testing`): [`simulate`], [`trace`].
 
 pub mod alloc;
+pub mod compact;
 pub mod counters;
 pub mod desired;
 pub mod domain;

@@ -57,9 +57,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
 
+use crate::compact::{Address, EndpointPort, EndpointSlice};
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Service, ServicePort};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 use crate::domain::{
     Family, ParseError, PortId, Protocol, ServiceKey, check_dns_label, parse_port_number, parse_protocol,
@@ -831,7 +831,7 @@ fn parse_previous_allocation(
 struct ParsedSlice<'a> {
     slice: &'a EndpointSlice,
     /// The slice's ports by name (a manifest's slice is not limited to the API's 100 ports).
-    ports: BTreeMap<&'a str, Vec<&'a k8s_openapi::api::discovery::v1::EndpointPort>>,
+    ports: BTreeMap<&'a str, Vec<&'a EndpointPort>>,
     /// Per endpoint of the slice, its usable addresses.
     addresses: Vec<Vec<IpAddr>>,
 }
@@ -863,14 +863,14 @@ fn parse_slices<'a>(
         let mut addresses = Vec::new();
         for ep in slice.endpoints.iter().flatten() {
             let mut usable = Vec::new();
-            for text in &ep.addresses {
-                let problem = match text.parse::<IpAddr>() {
-                    Ok(addr) if Family::of(&addr) == family => {
-                        usable.push(addr);
+            for address in &ep.addresses {
+                let problem = match address {
+                    Address::Ip(addr) if Family::of(addr) == family => {
+                        usable.push(*addr);
                         continue;
                     }
-                    Ok(_) => format!("address {} is not {family}", quoted(text)),
-                    Err(_) => format!("bad address {}", quoted(text)),
+                    Address::Ip(addr) => format!("address {} is not {family}", quoted(&addr.to_string())),
+                    Address::Unparsed(text) => format!("bad address {}", quoted(text)),
                 };
                 skipped += 1;
                 if skipped <= MAX_ADDRESS_WARNINGS {

@@ -15,8 +15,8 @@ use std::borrow::Borrow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use crate::compact::EndpointSlice;
 use k8s_openapi::api::core::v1::Service;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
 
 use crate::domain::ServiceKey;
@@ -156,7 +156,8 @@ impl ModelCache {
         // The ages, walked in key order too.
         let mut ages = ctx.since.iter().peekable();
         let old = std::mem::take(&mut self.entries);
-        self.entries.reserve(old.len());
+        // Kept for as long as the Services exist: sized once, no growth's spare capacity.
+        self.entries.reserve_exact(ours.len());
         let mut old = old.into_iter().peekable();
         let mut out = Modeled::default();
         let mut last: Option<(&str, &str)> = None;

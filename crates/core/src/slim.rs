@@ -15,9 +15,9 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{
     ClientIPConfig, Namespace, Node, NodeStatus, Service, ServicePort, ServiceSpec, SessionAffinityConfig,
 };
-use k8s_openapi::api::discovery::v1::{Endpoint, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
+use crate::compact::EndpointSlice;
 use crate::model::{
     ANNOTATION_ALLOCATED, ANNOTATION_IGNORE, ANNOTATION_LEGACY_SOURCE_RANGES, ANNOTATION_PORTS,
     LABEL_SERVICE_NAME,
@@ -76,36 +76,16 @@ impl Slim for Service {
 }
 
 impl Slim for EndpointSlice {
-    /// Keeps: identity and versions, the `kubernetes.io/service-name` label, the address type, the
-    /// ports (name, port, protocol) and per endpoint its addresses, conditions and nodeName.
+    /// Its own compact type ([`crate::compact`]) reads only what nodelb uses; of its metadata,
+    /// identity, versions and the `kubernetes.io/service-name` label stay.
     fn slim(&mut self) {
         slim_meta(&mut self.metadata, |_| false, |k| k == LABEL_SERVICE_NAME);
-        self.ports = self.ports.take().map(|ports| {
-            shrunk(
-                ports
-                    .into_iter()
-                    .map(|p| EndpointPort {
-                        name: p.name,
-                        port: p.port,
-                        protocol: p.protocol,
-                        ..Default::default()
-                    })
-                    .collect(),
-            )
-        });
-        self.endpoints = self.endpoints.take().map(|endpoints| {
-            shrunk(
-                endpoints
-                    .into_iter()
-                    .map(|e| Endpoint {
-                        addresses: shrunk(e.addresses),
-                        conditions: e.conditions,
-                        node_name: e.node_name,
-                        ..Default::default()
-                    })
-                    .collect(),
-            )
-        });
+        if let Some(endpoints) = &mut self.endpoints {
+            endpoints.shrink_to_fit();
+        }
+        if let Some(ports) = &mut self.ports {
+            ports.shrink_to_fit();
+        }
     }
 }
 
@@ -400,12 +380,9 @@ mod tests {
         assert!(slice.metadata.annotations.is_none() && slice.metadata.owner_references.is_none());
         let endpoints = slice.endpoints.as_ref().unwrap();
         assert_eq!(endpoints.capacity(), 3, "no spare capacity");
-        for e in endpoints {
-            assert!(e.target_ref.is_none() && e.hints.is_none() && e.zone.is_none() && e.hostname.is_none());
-            assert!(e.deprecated_topology.is_none() && e.node_name.is_some() && e.conditions.is_some());
-            assert_eq!(e.addresses.capacity(), e.addresses.len());
-        }
-        assert!(slice.ports.as_ref().unwrap().iter().all(|p| p.app_protocol.is_none()));
+        // The fields it does not read are not in its type (crate::compact).
+        assert!(endpoints.iter().all(|e| e.node_name.is_some() && e.conditions.is_some()));
+        assert_eq!(slice.ports.as_ref().unwrap().capacity(), 2, "no spare capacity");
     }
 
     #[test]

@@ -1,0 +1,232 @@
+//! nodelb's own compact forms of the Kubernetes objects it keeps for as long as they exist,
+//! deserialized straight from the API's JSON (a list, a watch event) or a manifest's YAML: only
+//! the fields nodelb reads, in types sized for them. The generated k8s-openapi types carry every
+//! field of the API (an EndpointSlice endpoint is ~0.3 KiB before its strings: topology, hints,
+//! target reference, zone, hostname); at 10,000 Services × 5 endpoints the slices alone were
+//! the largest part of the agent's heap (docs/benchmarks.md, "Lever (d)").
+//!
+//! The types implement the Kubernetes resource traits, so kube-runtime lists, watches and
+//! reflects them like the generated ones. Fields keep the API's names and optionality, and read
+//! the way the generated types read them (unknown fields ignored, `null` or a missing required
+//! field as its default), so the model reads the same values. One difference, on purpose: an
+//! endpoint address is parsed once, here, instead of kept as text and parsed by every sync; an
+//! address that does not parse keeps its text, so the model still names it in its warning.
+//! Pure.
+
+use std::fmt;
+use std::net::IpAddr;
+
+use k8s_openapi::api::discovery::v1::EndpointConditions;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde::{Deserialize, Deserializer};
+
+/// An EndpointSlice (`discovery.k8s.io/v1`) as nodelb keeps it: its metadata (slimmed like every
+/// cached object's, [`crate::slim`]), address type, ports and per endpoint its addresses,
+/// conditions and node.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EndpointSlice {
+    #[serde(default, deserialize_with = "nullable")]
+    pub metadata: ObjectMeta,
+    #[serde(default, deserialize_with = "nullable")]
+    pub address_type: String,
+    #[serde(default)]
+    pub endpoints: Option<Vec<Endpoint>>,
+    #[serde(default)]
+    pub ports: Option<Vec<EndpointPort>>,
+}
+
+/// One endpoint of a slice.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Endpoint {
+    /// Parsed when read; exactly as many as the API's list (usually one).
+    #[serde(default, deserialize_with = "nullable")]
+    pub addresses: Box<[Address]>,
+    #[serde(default)]
+    pub conditions: Option<EndpointConditions>,
+    #[serde(default)]
+    pub node_name: Option<String>,
+}
+
+/// One port of a slice: what a Service port's target port resolves through.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+pub struct EndpointPort {
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub port: Option<i32>,
+    #[serde(default)]
+    pub protocol: Option<String>,
+}
+
+/// An endpoint address: an IP address, or the text that is not one (kept for the warning that
+/// skips it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Address {
+    Ip(IpAddr),
+    Unparsed(Box<str>),
+}
+
+impl From<&str> for Address {
+    /// What `str::parse::<IpAddr>` accepts is an IP address; anything else is kept as text.
+    fn from(text: &str) -> Address {
+        match text.parse() {
+            Ok(ip) => Address::Ip(ip),
+            Err(_) => Address::Unparsed(text.into()),
+        }
+    }
+}
+
+impl fmt::Display for Address {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Address::Ip(ip) => ip.fmt(f),
+            Address::Unparsed(text) => f.write_str(text),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Address {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Address, D::Error> {
+        struct Text;
+        impl serde::de::Visitor<'_> for Text {
+            type Value = Address;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an IP address (a string)")
+            }
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Address, E> {
+                Ok(Address::from(text))
+            }
+        }
+        deserializer.deserialize_str(Text)
+    }
+}
+
+/// A required field as k8s-openapi reads it: missing (with `#[serde(default)]`) or `null` is
+/// its default.
+fn nullable<'de, D: Deserializer<'de>, T: Default + Deserialize<'de>>(
+    deserializer: D,
+) -> Result<T, D::Error> {
+    Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
+}
+
+impl k8s_openapi::Resource for EndpointSlice {
+    const API_VERSION: &'static str = "discovery.k8s.io/v1";
+    const GROUP: &'static str = "discovery.k8s.io";
+    const KIND: &'static str = "EndpointSlice";
+    const VERSION: &'static str = "v1";
+    const URL_PATH_SEGMENT: &'static str = "endpointslices";
+    type Scope = k8s_openapi::NamespaceResourceScope;
+}
+
+impl k8s_openapi::ListableResource for EndpointSlice {
+    const LIST_KIND: &'static str = "EndpointSliceList";
+}
+
+impl k8s_openapi::Metadata for EndpointSlice {
+    type Ty = ObjectMeta;
+
+    fn metadata(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+
+    fn metadata_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// A slice as the API server returns it, with the fields nodelb does not read filled in.
+    fn full() -> serde_json::Value {
+        json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "web-abc", "namespace": "prod", "uid": "u-1", "resourceVersion": "7",
+                         "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4",
+            "endpoints": [
+                {"addresses": ["198.51.100.11"], "conditions": {"ready": true, "serving": true, "terminating": false},
+                 "nodeName": "n1", "zone": "z", "hostname": "h", "hints": {"forZones": [{"name": "z"}]},
+                 "targetRef": {"kind": "Pod", "name": "web-1", "namespace": "prod", "uid": "p"},
+                 "deprecatedTopology": {"a": "b"}},
+                {"addresses": ["2001:db8::1", "not-an-ip", "198.51.100.012"]}
+            ],
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP", "appProtocol": "http"}]
+        })
+    }
+
+    #[test]
+    fn reads_what_the_generated_type_reads() {
+        let generated: k8s_openapi::api::discovery::v1::EndpointSlice =
+            serde_json::from_value(full()).expect("generated");
+        let compact: EndpointSlice = serde_json::from_value(full()).expect("compact");
+        assert_eq!(compact.metadata, generated.metadata);
+        assert_eq!(compact.address_type, generated.address_type);
+        let ports: Vec<_> = generated
+            .ports
+            .iter()
+            .flatten()
+            .map(|p| EndpointPort { name: p.name.clone(), port: p.port, protocol: p.protocol.clone() })
+            .collect();
+        assert_eq!(compact.ports, Some(ports));
+        let endpoints = generated.endpoints.iter().flatten();
+        let compact_endpoints = compact.endpoints.iter().flatten();
+        assert_eq!(endpoints.clone().count(), 2);
+        for (g, c) in endpoints.zip(compact_endpoints) {
+            let texts: Vec<String> = c.addresses.iter().map(Address::to_string).collect();
+            assert_eq!(texts, g.addresses);
+            assert_eq!(c.conditions, g.conditions);
+            assert_eq!(c.node_name, g.node_name);
+        }
+        let second = &compact.endpoints.as_ref().unwrap()[1].addresses;
+        assert_eq!(second[0], Address::Ip("2001:db8::1".parse().unwrap()));
+        assert_eq!(second[1], Address::Unparsed("not-an-ip".into()));
+        // A leading zero is not an IPv4 address to Rust (nor to Kubernetes' validation).
+        assert_eq!(second[2], Address::Unparsed("198.51.100.012".into()));
+    }
+
+    #[test]
+    fn missing_or_null_fields_read_as_the_generated_type_reads_them() {
+        for text in [
+            json!({}),
+            json!({"metadata": null, "addressType": null, "endpoints": null, "ports": null}),
+            json!({"endpoints": [{"addresses": null, "conditions": null, "nodeName": null}], "ports": [{}]}),
+        ] {
+            let generated: k8s_openapi::api::discovery::v1::EndpointSlice =
+                serde_json::from_value(text.clone()).expect("generated");
+            let compact: EndpointSlice = serde_json::from_value(text.clone()).expect("compact");
+            assert_eq!(compact.metadata, generated.metadata, "{text}");
+            assert_eq!(compact.address_type, generated.address_type, "{text}");
+            assert_eq!(compact.endpoints.as_ref().map(Vec::len), generated.endpoints.as_ref().map(Vec::len));
+            assert_eq!(compact.ports.as_ref().map(Vec::len), generated.ports.as_ref().map(Vec::len));
+        }
+    }
+
+    #[test]
+    fn wrong_types_are_errors_that_say_what_was_expected() {
+        for (text, expected) in [
+            (json!({"endpoints": [{"addresses": "198.51.100.1"}]}), "a sequence"),
+            (json!({"endpoints": [{"addresses": [7]}]}), "an IP address"),
+            (json!({"ports": [{"port": "http"}]}), "i32"),
+            (json!({"addressType": 4}), "a string"),
+        ] {
+            let err = serde_json::from_value::<EndpointSlice>(text.clone()).expect_err("refused");
+            assert!(err.to_string().contains(expected), "{text}: {err}");
+            serde_json::from_value::<k8s_openapi::api::discovery::v1::EndpointSlice>(text)
+                .expect_err("the generated type refuses it too");
+        }
+    }
+
+    #[test]
+    fn an_endpoint_is_a_fraction_of_the_generated_one() {
+        // What the scale benchmark keeps 50,000 of; the heap parts come on top (one address
+        // allocation here, a vector and a string per address there).
+        let compact = std::mem::size_of::<Endpoint>();
+        let generated = std::mem::size_of::<k8s_openapi::api::discovery::v1::Endpoint>();
+        assert!(compact * 4 <= generated, "compact {compact} B, generated {generated} B");
+    }
+}
