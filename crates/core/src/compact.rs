@@ -20,20 +20,44 @@ use k8s_openapi::api::discovery::v1::EndpointConditions;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::{Deserialize, Deserializer};
 
+use crate::model::LABEL_SERVICE_NAME;
+
 /// An EndpointSlice (`discovery.k8s.io/v1`) as nodelb keeps it: its metadata (slimmed like every
-/// cached object's, [`crate::slim`]), address type, ports and per endpoint its addresses,
-/// conditions and node.
+/// cached object's, [`crate::slim`]), the Service it belongs to, address type, ports and per
+/// endpoint its addresses, conditions and node.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
-#[serde(rename_all = "camelCase")]
+#[serde(from = "WireSlice")]
 pub struct EndpointSlice {
-    #[serde(default, deserialize_with = "nullable")]
+    /// Without labels: the one nodelb reads is [`EndpointSlice::service_name`].
     pub metadata: ObjectMeta,
-    #[serde(default, deserialize_with = "nullable")]
+    /// The `kubernetes.io/service-name` label, moved out of the label map when read (a map
+    /// holding one label is a B-tree node of ~0.5 KiB per slice).
+    pub service_name: Option<String>,
     pub address_type: String,
-    #[serde(default)]
     pub endpoints: Option<Vec<Endpoint>>,
-    #[serde(default)]
     pub ports: Option<Vec<EndpointPort>>,
+}
+
+/// An EndpointSlice as the API writes it (the fields nodelb reads).
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct WireSlice {
+    #[serde(default, deserialize_with = "nullable")]
+    metadata: ObjectMeta,
+    #[serde(default, deserialize_with = "nullable")]
+    address_type: String,
+    #[serde(default)]
+    endpoints: Option<Vec<Endpoint>>,
+    #[serde(default)]
+    ports: Option<Vec<EndpointPort>>,
+}
+
+impl From<WireSlice> for EndpointSlice {
+    fn from(wire: WireSlice) -> EndpointSlice {
+        let WireSlice { mut metadata, address_type, endpoints, ports } = wire;
+        let service_name = metadata.labels.take().and_then(|mut l| l.remove(LABEL_SERVICE_NAME));
+        EndpointSlice { metadata, service_name, address_type, endpoints, ports }
+    }
 }
 
 /// One endpoint of a slice.
@@ -164,7 +188,11 @@ mod tests {
         let generated: k8s_openapi::api::discovery::v1::EndpointSlice =
             serde_json::from_value(full()).expect("generated");
         let compact: EndpointSlice = serde_json::from_value(full()).expect("compact");
-        assert_eq!(compact.metadata, generated.metadata);
+        let mut metadata = generated.metadata.clone();
+        let mut labels = metadata.labels.take().unwrap_or_default();
+        assert_eq!(compact.metadata, metadata);
+        assert_eq!(compact.service_name, labels.remove(LABEL_SERVICE_NAME));
+        assert_eq!(compact.service_name.as_deref(), Some("web"));
         assert_eq!(compact.address_type, generated.address_type);
         let ports: Vec<_> = generated
             .ports

@@ -410,8 +410,8 @@ pub(crate) fn index_slices<E: Borrow<EndpointSlice>>(slices: &[E]) -> BTreeMap<(
 /// The namespace and name of the Service an EndpointSlice belongs to (its label), borrowed;
 /// `None` without the label.
 pub(crate) fn slice_service(slice: &EndpointSlice) -> Option<(&str, &str)> {
-    let name = slice.metadata.labels.as_ref()?.get(LABEL_SERVICE_NAME)?;
-    (!name.is_empty()).then(|| (namespace_str(&slice.metadata.namespace), name.as_str()))
+    let name = slice.service_name.as_deref()?;
+    (!name.is_empty()).then(|| (namespace_str(&slice.metadata.namespace), name))
 }
 
 /// The namespace and name of an object, borrowed ([`service_key`] without the copies).
@@ -1726,7 +1726,7 @@ mod tests {
                             "web",
                             json!({"ports": [{"port": 3}], "endpoints": [{"addresses": ["198.51.100.3"]}]}),
                         );
-                        s.metadata.labels = None;
+                        s.service_name = None;
                         s
                     },
                     slice(

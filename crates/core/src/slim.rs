@@ -20,7 +20,6 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use crate::compact::EndpointSlice;
 use crate::model::{
     ANNOTATION_ALLOCATED, ANNOTATION_IGNORE, ANNOTATION_LEGACY_SOURCE_RANGES, ANNOTATION_PORTS,
-    LABEL_SERVICE_NAME,
 };
 
 /// The Service annotations nodelb reads (model, leader, pool selection).
@@ -76,10 +75,10 @@ impl Slim for Service {
 }
 
 impl Slim for EndpointSlice {
-    /// Its own compact type ([`crate::compact`]) reads only what nodelb uses; of its metadata,
-    /// identity, versions and the `kubernetes.io/service-name` label stay.
+    /// Its own compact type ([`crate::compact`]) reads only what nodelb uses (its Service's
+    /// label moved to a field of its own); of its metadata, identity and versions stay.
     fn slim(&mut self) {
-        slim_meta(&mut self.metadata, |_| false, |k| k == LABEL_SERVICE_NAME);
+        slim_meta(&mut self.metadata, |_| false, |_| false);
         if let Some(endpoints) = &mut self.endpoints {
             endpoints.shrink_to_fit();
         }
@@ -173,7 +172,7 @@ mod tests {
     use crate::alloc::Allocations;
     use crate::k8s::nodes;
     use crate::k8s::publish::{self, Round};
-    use crate::model::{self, LABEL_EXCLUDE_LB, ModelOptions};
+    use crate::model::{self, LABEL_EXCLUDE_LB, LABEL_SERVICE_NAME, ModelOptions};
     use serde_json::{Value, json};
 
     /// A Service as the API server returns it, with every field nodelb does not read filled in.
@@ -376,7 +375,8 @@ mod tests {
 
         let mut slice = full_slice("web-1", "web", "IPv4", &["198.51.100.1", "198.51.100.2", "198.51.100.3"]);
         slice.slim();
-        assert_eq!(slice.metadata.labels, Some([(LABEL_SERVICE_NAME.to_string(), "web".to_string())].into()));
+        assert_eq!(slice.service_name.as_deref(), Some("web"));
+        assert!(slice.metadata.labels.is_none());
         assert!(slice.metadata.annotations.is_none() && slice.metadata.owner_references.is_none());
         let endpoints = slice.endpoints.as_ref().unwrap();
         assert_eq!(endpoints.capacity(), 3, "no spare capacity");
