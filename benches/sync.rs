@@ -7,7 +7,13 @@
 //!
 //! ```text
 //! cargo bench --bench sync -- --services 10000 --endpoints 5 --changes 20
+//! cargo bench --bench sync -- --services 10000 --endpoints 5 --changes 20 --leader
 //! ```
+//!
+//! `--leader`: the Kubernetes-mode leader's pure round instead (`k8s::controller::plan_round`:
+//! model, allocation, claims, status and Events of every Service), on Services that already carry
+//! what an earlier round wrote (so a round writes only the changed Service), two Nodes with
+//! their Leases; median of `--changes` rounds, one Service added or removed each.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -20,12 +26,21 @@ use std::time::Instant;
 
 use common::args::ProgramArgs;
 use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::jiff::Timestamp;
 use nodelb::compact::EndpointSlice;
 use nodelb::counters::CounterIndex;
 use nodelb::desired::{self, AllocationMode, HostFacts, HostPolicy, Inputs, SourceNotes};
 use nodelb::domain::Family;
+use nodelb::domain::ServiceKey;
 use nodelb::ir::Ruleset;
+use nodelb::k8s::claims::{Registry, Token};
+use nodelb::k8s::controller::{ClaimInputs, ControllerConfig, plan_round};
+use nodelb::k8s::lastgood::LastGoodServices;
+use nodelb::k8s::publish::ServiceWrite;
+use nodelb::k8s::source::KubeSnapshot;
 use nodelb::model::ModelOptions;
 use nodelb::plan::{self, NodeFacts};
 use nodelb::port_policy::PortRange;
@@ -58,6 +73,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() {
     let args = ProgramArgs::from_env();
+    if args.flag("--leader") {
+        return leader(&args);
+    }
     let n = args.number("--services", 10_000);
     let (endpoints, changes) = (args.number("--endpoints", 5), args.number("--changes", 20));
     let text: String = (0..n).map(|i| service(i, endpoints).render()).collect();
@@ -167,4 +185,111 @@ fn main() {
     println!("  desired (model, allocation, status, the planner's patch)  {:8.1}", median(next_ms));
     println!("  batch of the patch, patch and index applied               {:8.1}", median(patch_ms));
     println!("  changes per batch                                         {:8.0}", median(patch_sizes));
+}
+
+/// A Node with an InternalIP and its Lease, as a serving node's agent keeps it.
+fn node_and_lease(i: usize) -> (Arc<Node>, Arc<Lease>) {
+    let node = serde_json::json!({
+        "apiVersion": "v1", "kind": "Node", "metadata": {"name": format!("node-{i}")},
+        "status": {"addresses": [{"type": "InternalIP", "address": format!("192.0.2.{i}")}]}
+    });
+    let lease = serde_json::json!({
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": format!("nodelb-node-node-{i}"), "namespace": "nodelb-system",
+                     "annotations": {"nodelb.io/families": "ipv4"}},
+        "spec": {"holderIdentity": format!("node-{i}"), "leaseDurationSeconds": 15,
+                 "renewTime": "2027-01-15T08:00:00.000000Z"}
+    });
+    (
+        Arc::new(serde_json::from_value(node).expect("node")),
+        Arc::new(serde_json::from_value(lease).expect("lease")),
+    )
+}
+
+/// `services` after `writes`, as the API server would store them (annotation, status, a new
+/// resourceVersion).
+fn written(services: &[Arc<Service>], writes: &[ServiceWrite]) -> Vec<Arc<Service>> {
+    let by_key: BTreeMap<&ServiceKey, &ServiceWrite> = writes.iter().map(|w| (&w.key, w)).collect();
+    services
+        .iter()
+        .map(|svc| {
+            let Some(w) = by_key.get(&nodelb::model::service_key(svc)) else { return svc.clone() };
+            let mut svc = Service::clone(svc);
+            if let Some(a) = &w.annotation {
+                let ann = svc.metadata.annotations.get_or_insert_default();
+                match a {
+                    Some(v) => ann.insert(nodelb::model::ANNOTATION_ALLOCATED.into(), v.clone()),
+                    None => ann.remove(nodelb::model::ANNOTATION_ALLOCATED),
+                };
+            }
+            if let Some(st) = &w.status {
+                let status = svc.status.get_or_insert_default();
+                status.load_balancer.get_or_insert_default().ingress = Some(st.ingress.clone());
+                status.conditions = Some(st.conditions.clone());
+            }
+            let rv = svc.metadata.resource_version.as_deref().unwrap_or("1").parse::<u64>().unwrap_or(1);
+            svc.metadata.resource_version = Some((rv + 1).to_string());
+            Arc::new(svc)
+        })
+        .collect()
+}
+
+fn leader(args: &ProgramArgs) {
+    let n = args.number("--services", 10_000);
+    let (endpoints, changes) = (args.number("--endpoints", 5), args.number("--changes", 20));
+    let text: String = (0..n).map(|i| service(i, endpoints).render()).collect();
+    let (mut services, slices) = objects(&text);
+    let (extra_svc, extra_slices) = objects(&service(n, endpoints).render());
+    let (nodes, leases): (Vec<_>, Vec<_>) = (1..=2).map(node_and_lease).unzip();
+    let cfg = ControllerConfig {
+        node_name: "node-1".into(),
+        namespace: "nodelb-system".into(),
+        lease_duration: std::time::Duration::from_secs(15),
+        node_addresses: vec![],
+        port_range: PortRange::new(1024, 64999).expect("range"),
+        model: ModelOptions::default(),
+        policy: HostPolicy::default(),
+    };
+    let now = Timestamp::from_second(1_800_000_000).expect("time");
+    let (registry, token) = (Registry::default(), Token::new("bench", 1, 0));
+    let (gone, expired) = (Default::default(), Default::default());
+    let claims = ClaimInputs { registry: Some(&registry), token: &token, gone: &gone, expired: &expired };
+    let mut last_good = LastGoodServices::default();
+    let mut pools = Default::default();
+    let mut models = nodelb::model_cache::ModelCache::new();
+    let mut round = |services: &[Arc<Service>], slices: &[Arc<EndpointSlice>]| {
+        let snap = KubeSnapshot {
+            services: services.to_vec(),
+            slices: slices.to_vec(),
+            nodes: nodes.clone(),
+            leases: leases.clone(),
+            pools: Vec::new(),
+            namespaces: Vec::new(),
+        };
+        let t = Instant::now();
+        let plan = plan_round(&snap, &cfg, &mut last_good, &mut pools, &mut models, Some(now), now, &claims);
+        (plan, t.elapsed().as_secs_f64() * 1e3)
+    };
+    // What earlier rounds wrote: every Service annotated, with its status.
+    let (first, first_ms) = round(&services, &slices);
+    assert_eq!(first.writes.len(), n, "the first round writes every Service");
+    services = written(&services, &first.writes);
+    let (steady, _) = round(&services, &slices);
+    assert!(
+        steady.writes.is_empty(),
+        "a round over written Services writes nothing: {:?}",
+        steady.writes.first()
+    );
+    let with_extra: Vec<Arc<Service>> = services.iter().chain(&extra_svc).cloned().collect();
+    let slices_with_extra: Vec<Arc<EndpointSlice>> = slices.iter().chain(&extra_slices).cloned().collect();
+    let mut ms = vec![];
+    for k in 1..=changes {
+        let (svcs, slcs) = if k % 2 == 1 { (&with_extra, &slices_with_extra) } else { (&services, &slices) };
+        let (plan, t) = round(svcs, slcs);
+        assert_eq!(plan.writes.len(), k % 2, "only the added Service is written");
+        ms.push(t);
+    }
+    println!("{n} Services × {endpoints} endpoints, the leader's pure round (plan_round); ms:");
+    println!("  first round (every Service allocated and written)         {first_ms:8.1}");
+    println!("  one Service added or removed, median of {changes:<3}              {:8.1}", median(ms));
 }

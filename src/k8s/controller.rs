@@ -28,6 +28,7 @@ use tracing::{debug, info, warn};
 use crate::alloc::{self, Allocations};
 use crate::domain::{Family, ServiceKey};
 use crate::model::{self, ANNOTATION_ALLOCATED, ModelOptions};
+use crate::model_cache::{ModelCache, ModelContext};
 use crate::port_policy::PortRange;
 use crate::serve::metrics::Metrics;
 use crate::serve::status::SharedStatus;
@@ -554,6 +555,8 @@ pub struct LeaderState {
     pub last_good: LastGoodServices,
     /// Each NodePortPool's last valid version ([`crate::pool::LastValid`]).
     pub pools_last_valid: crate::pool::LastValid,
+    /// The last round's models ([`plan_round`]).
+    pub models: ModelCache,
     /// What it knows of the node-port registry's Services ([`claims::Keeper`]).
     pub claims: claims::Keeper,
     /// Names this process in the claims it leaves pending.
@@ -568,6 +571,7 @@ impl LeaderState {
         LeaderState {
             last_good: LastGoodServices::default(),
             pools_last_valid: Default::default(),
+            models: ModelCache::new(),
             claims: claims::Keeper::default(),
             token: claims::Token::new(node_name, std::process::id(), started.as_nanos()),
             logged: Default::default(),
@@ -617,26 +621,37 @@ pub struct ClaimInputs<'a> {
 /// (`pools_last_valid`: each pool's last valid version, kept across rounds), duplicate repair,
 /// allocation within what the registry allows, status, conditions, Events, and the registry changes that
 /// must be written before the Services. `leases_now`: the time to judge node-Lease expiry by,
-/// `None` while the Lease cache may be behind (see [`nodes::serving_nodes`]).
+/// `None` while the Lease cache may be behind (see [`nodes::serving_nodes`]). `models`: the
+/// last round's models, each kept while its Service and EndpointSlice objects are the same
+/// (as the nodes keep theirs: [`ModelCache`]).
+#[allow(clippy::too_many_arguments)]
 pub fn plan_round(
     snap: &KubeSnapshot,
     cfg: &ControllerConfig,
     last_good: &mut LastGoodServices,
     pools_last_valid: &mut crate::pool::LastValid,
+    models: &mut ModelCache,
     leases_now: Option<Timestamp>,
     now: Timestamp,
     registry: &ClaimInputs<'_>,
 ) -> RoundPlan {
     let subst = last_good.apply(&snap.services, &cfg.model);
-    let mut out = model::build(&subst.services, &snap.slices, &cfg.model);
     // The nodes refuse these endpoints (each also its own addresses): the status, the
     // conditions and the Events say so, and Local-policy ingress counts only usable endpoints.
     let node_addresses = nodes::cluster_node_addresses(&snap.nodes);
-    let refused_endpoints =
-        crate::endpoint_policy::filter(&mut out.services, &node_addresses, &cfg.policy.endpoints);
+    let no_ages = BTreeMap::new();
+    let ctx = ModelContext {
+        opts: &cfg.model,
+        since: &no_ages,
+        addresses: &node_addresses,
+        policy: &cfg.policy.endpoints,
+    };
+    let out = models.build(&subst.services, &snap.slices, &ctx);
+    let refused_endpoints = out.refused_endpoints;
     let (_, duplicates) = dupes::settle(&out.services);
     let stubs = publish::reserved(&snap.services, &out.refused);
-    let mut all: Vec<model::LbService> = out.services.iter().cloned().chain(stubs).collect();
+    let mut all: Vec<Arc<model::LbService>> =
+        out.services.iter().cloned().chain(stubs.into_iter().map(Arc::new)).collect();
     let holders: Vec<claims::Holder> = snap.services.iter().map(|s| claims::Holder::of(s)).collect();
     // What processes listen on, on any node (their Leases say): never handed out, and a request
     // for it is refused. Each node refuses locally anyway, whatever is decided here.
@@ -659,7 +674,7 @@ pub fn plan_round(
     );
     let assignment = (!pool_ctx.set.implicit)
         .then(|| crate::pool::assign_services(&pool_ctx, &snap.services, &all, &Allocations::new()));
-    let all: Vec<model::LbService> = match &assignment {
+    let all: Vec<Arc<model::LbService>> = match &assignment {
         Some(a) => all.into_iter().filter(|s| a.has_pool(&s.key)).collect(),
         None => all,
     };
@@ -749,6 +764,7 @@ pub async fn leader_round(
     services_current: bool,
     metrics: Option<&Metrics>,
 ) -> (bool, Vec<publish::ServiceEvent>) {
+    let started = Instant::now();
     let registry = match read_registry(client, &cfg.namespace).await {
         Ok((r, problems)) => {
             let problems: std::collections::BTreeSet<String> = problems.into_iter().collect();
@@ -764,6 +780,7 @@ pub async fn leader_round(
             None
         }
     };
+    let registry_read = started.elapsed();
     let holders: Vec<claims::Holder> = snap.services.iter().map(|s| claims::Holder::of(s)).collect();
     state.claims.observe_view(&holders);
     let expired = match &registry {
@@ -778,10 +795,12 @@ pub async fn leader_round(
         cfg,
         &mut state.last_good,
         &mut state.pools_last_valid,
+        &mut state.models,
         leases_now,
         Timestamp::now(),
         &inputs,
     );
+    let planned = started.elapsed();
     // The registry first: if another leader changed it since we read it, we write nothing.
     for (b, block) in &plan.claims.blocks {
         match write_block(client, &cfg.namespace, *b, block).await {
@@ -820,6 +839,13 @@ pub async fn leader_round(
     if let Some(r) = &registry {
         state.claims.forget(r);
     }
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+    let (read, plan_ms, writes) =
+        (ms(registry_read), ms(planned - registry_read), ms(started.elapsed() - planned));
+    debug!(
+        phases = format!("registry={read:.2} plan={plan_ms:.2} writes={writes:.2}"),
+        "allocation round breakdown (ms)"
+    );
     (stale, std::mem::take(&mut plan.events))
 }
 

@@ -15,6 +15,11 @@ impl ProgramArgs {
         self.0.iter().position(|a| a == flag).and_then(|i| self.0.get(i + 1)).cloned()
     }
 
+    /// Whether `flag` (one without a value) is given.
+    pub fn flag(&self, flag: &str) -> bool {
+        self.0.iter().any(|a| a == flag)
+    }
+
     /// `flag`'s value parsed, or `default`; a value that does not parse stops the program.
     pub fn number<T: std::str::FromStr>(&self, flag: &str, default: T) -> T {
         self.value(flag).map_or(default, |v| v.parse().unwrap_or_else(|_| panic!("{flag} {v}: not a number")))

@@ -85,6 +85,7 @@ fn plan(services: &[Service], slices: &[EndpointSlice], nodes: &[Value], leases:
         &config(),
         &mut LastGoodServices::default(),
         &mut Default::default(),
+        &mut Default::default(),
         None,
         now,
         &claims,

@@ -33,6 +33,7 @@
 //!   nodes ([`super::dupes`]); a Service holding a number another Service claims loses it.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Service;
@@ -265,7 +266,7 @@ fn holders_by_number(holders: &[Holder]) -> BTreeMap<u16, Vec<&Holder>> {
 /// Services holding a number its claimant holds, the allocator then keeps it for the older, as
 /// the nodes do; claims of `gone` owners do not count), and lists what nobody may be given.
 pub fn screen(
-    services: &mut [LbService],
+    services: &mut [Arc<LbService>],
     holders: &[Holder],
     registry: &Registry,
     gone: &BTreeSet<Owner>,
@@ -287,7 +288,8 @@ pub fn screen(
     }
     for svc in services.iter_mut() {
         if let Some(ns) = lose.get(&svc.key) {
-            svc.previous_allocation.retain(|_, n| !ns.contains(n));
+            // A copy of the (shared) model, for the few that lose a number.
+            Arc::make_mut(svc).previous_allocation.retain(|_, n| !ns.contains(n));
             out.lost.extend(ns.iter().map(|n| (svc.key.clone(), *n)));
         }
     }
@@ -714,11 +716,16 @@ mod tests {
         ];
         for (name, holders, reg, gone, keeps, in_use) in cases {
             let gone: BTreeSet<Owner> = gone.into_iter().collect();
-            let mut services: Vec<LbService> = holders.iter().map(lb).collect();
+            let mut services: Vec<Arc<LbService>> = holders.iter().map(|h| Arc::new(lb(h))).collect();
+            let before = services.clone();
             let s = screen(&mut services, &holders, &reg, &gone);
             let got: Vec<Vec<u16>> =
                 services.iter().map(|s| s.previous_allocation.values().copied().collect()).collect();
             assert_eq!(got, keeps, "{name}");
+            for (b, a) in before.iter().zip(&services) {
+                let same = b.previous_allocation == a.previous_allocation;
+                assert_eq!(Arc::ptr_eq(b, a), same, "{name}: only a model that loses a number is copied");
+            }
             let used: BTreeSet<u16> = s.in_use.keys().map(|(_, n)| *n).collect();
             assert_eq!(used, in_use.into_iter().collect(), "{name}");
         }

@@ -281,11 +281,11 @@ pub struct ServiceWrite {
 
 /// Everything the leader decided for one round. `S`: the Services owned or shared (`Arc`, as
 /// the reflector store holds them).
-pub struct Round<'a, S = Service> {
+pub struct Round<'a, S = Service, V = LbService> {
     pub services: &'a [S],
     pub model: &'a ModelOptions,
-    /// Valid Services we serve (after last-good substitution).
-    pub valid: &'a [LbService],
+    /// Valid Services we serve (after last-good substitution), owned or shared.
+    pub valid: &'a [V],
     /// Services refused for invalid input (left as they were, condition says why).
     pub refused: &'a [Refusal],
     pub allocations: &'a Allocations,
@@ -305,7 +305,7 @@ pub struct Round<'a, S = Service> {
     pub now: Timestamp,
 }
 
-impl<S> Round<'_, S> {
+impl<S, V> Round<'_, S, V> {
     /// The serving nodes of `key`'s pool, with the addresses it publishes.
     fn serving_of(&self, key: &ServiceKey) -> std::borrow::Cow<'_, BTreeMap<String, ServingNode>> {
         let nodes = self.nodes_of(key);
@@ -410,8 +410,15 @@ fn annotation_of(svc: &Service) -> Option<&String> {
 /// The writes of one round, sorted by Service key. Services we serve get their annotation,
 /// ingress and condition; refused ones only the condition (their annotation and ingress stay);
 /// Services that are no longer ours but carry our marks get them removed.
-pub fn plan_writes<S: Borrow<Service>>(round: &Round<'_, S>) -> Vec<ServiceWrite> {
-    let valid: BTreeMap<&ServiceKey, &LbService> = round.valid.iter().map(|s| (&s.key, s)).collect();
+pub fn plan_writes<S: Borrow<Service>, V: Borrow<LbService>>(round: &Round<'_, S, V>) -> Vec<ServiceWrite> {
+    let valid: BTreeMap<&ServiceKey, &LbService> = round
+        .valid
+        .iter()
+        .map(|s| {
+            let s = s.borrow();
+            (&s.key, s)
+        })
+        .collect();
     let refused: BTreeMap<&ServiceKey, &Refusal> = round.refused.iter().map(|r| (r.service(), r)).collect();
     let empty = BTreeMap::new();
     let mut out = Vec::new();
@@ -519,9 +526,12 @@ pub struct ServiceEvent {
 pub const ONE_TIME_REASONS: &[&str] = &["NodePortReallocated"];
 
 /// The Events describing a round's state; the deduper turns them into "once per change".
-pub fn service_events<S>(round: &Round<'_, S>, duplicates: &[Duplicate]) -> Vec<ServiceEvent> {
+pub fn service_events<S, V: Borrow<LbService>>(
+    round: &Round<'_, S, V>,
+    duplicates: &[Duplicate],
+) -> Vec<ServiceEvent> {
     let mut out = Vec::new();
-    for svc in round.valid {
+    for svc in round.valid.iter().map(Borrow::borrow) {
         let refused = round.refused_endpoints_of(&svc.key);
         if !refused.is_empty() {
             out.push(ServiceEvent {
