@@ -293,3 +293,7 @@ fn leader(args: &ProgramArgs) {
     println!("  first round (every Service allocated and written)         {first_ms:8.1}");
     println!("  one Service added or removed, median of {changes:<3}              {:8.1}", median(ms));
 }
+
+/// The agent's allocator (src/main.rs), so the pure work is timed as the agent does it.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;

@@ -439,14 +439,10 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             report: None,
         };
         let result = self.sync_once(verify, &mut attempt).await;
-        let big = attempt.changes >= BIG_SYNC_CHANGES;
         match &result {
             Ok(Synced::Waiting | Synced::Unchanged) => {}
             Ok(Synced::Applied) => self.record(attempt, None),
             Err(e) => self.record(attempt, Some(e)),
-        }
-        if big {
-            release_freed_memory();
         }
         result.map(|_| ())
     }
@@ -812,21 +808,6 @@ fn migrate(file: &StateFile, state: State) -> State {
         warn!(error = %e, "cannot write the allocation times yet; retrying at the next allocation change");
     }
     stamped
-}
-
-/// A sync this large (changes in its batch) leaves a transient peak behind: the batch buffer, the
-/// change list of a diff, the previous ruleset.
-const BIG_SYNC_CHANGES: usize = 1000;
-
-/// Returns the heap pages freed after a big sync to the kernel. glibc keeps freed memory in its
-/// arenas (a full sync of 10,000 Services left RSS at the size of its peak); musl (the container
-/// image) unmaps freed memory itself.
-fn release_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only walks glibc's own arenas; it has no preconditions.
-    unsafe {
-        libc::malloc_trim(0);
-    }
 }
 
 /// Where a sync's time went, for a debug line: `load=1.2 desired=8.0 …` (ms per phase).

@@ -5,6 +5,12 @@ use nodelb::cli::{Cli, Command, LogFormat};
 use nodelb::commands;
 use tracing_subscriber::EnvFilter;
 
+/// mimalloc, not the C library's malloc: one sync at 10,000 Services frees and allocates hundreds
+/// of thousands of small objects, and glibc's malloc spent ~40% of the agent's CPU on them
+/// (`malloc_consolidate` walking its fast bins on every large allocation); docs/benchmarks.md.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
