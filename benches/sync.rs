@@ -11,9 +11,10 @@
 //! ```
 //!
 //! `--leader`: the Kubernetes-mode leader's pure round instead (`k8s::controller::plan_round`:
-//! model, allocation, claims, status and Events of every Service), on Services that already carry
-//! what an earlier round wrote (so a round writes only the changed Service), two Nodes with
-//! their Leases; median of `--changes` rounds, one Service added or removed each.
+//! model, allocation, claims, status and Events of every Service, then which Events to record),
+//! on Services that already carry what an earlier round wrote (so a round writes only the
+//! changed Service), two Nodes with their Leases; median of `--changes` rounds, one Service
+//! added or removed each.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -36,9 +37,11 @@ use nodelb::desired::{self, AllocationMode, HostFacts, HostPolicy, Inputs, Sourc
 use nodelb::domain::Family;
 use nodelb::domain::ServiceKey;
 use nodelb::ir::Ruleset;
-use nodelb::k8s::claims::{Registry, Token};
-use nodelb::k8s::controller::{ClaimInputs, ControllerConfig, plan_round};
-use nodelb::k8s::lastgood::LastGoodServices;
+use nodelb::k8s::claims::{Holder, Registry, Token};
+use nodelb::k8s::controller::{
+    ClaimInputs, ControllerConfig, RoundMemory, event_key, events_to_send, plan_round,
+};
+use nodelb::k8s::events::{Deduper, Outbox};
 use nodelb::k8s::publish::ServiceWrite;
 use nodelb::k8s::source::KubeSnapshot;
 use nodelb::model::ModelOptions;
@@ -254,9 +257,8 @@ fn leader(args: &ProgramArgs) {
     let (registry, token) = (Registry::default(), Token::new("bench", 1, 0));
     let (gone, expired) = (Default::default(), Default::default());
     let claims = ClaimInputs { registry: Some(&registry), token: &token, gone: &gone, expired: &expired };
-    let mut last_good = LastGoodServices::default();
-    let mut pools = Default::default();
-    let mut models = nodelb::model_cache::ModelCache::new();
+    let mut memory = RoundMemory::default();
+    let (mut deduper, mut outbox) = (Deduper::default(), Outbox::default());
     let mut round = |services: &[Arc<Service>], slices: &[Arc<EndpointSlice>]| {
         let snap = KubeSnapshot {
             services: services.to_vec(),
@@ -267,7 +269,14 @@ fn leader(args: &ProgramArgs) {
             namespaces: Vec::new(),
         };
         let t = Instant::now();
-        let plan = plan_round(&snap, &cfg, &mut last_good, &mut pools, &mut models, Some(now), now, &claims);
+        let holders: Vec<Holder> = snap.services.iter().map(|s| Holder::of(s)).collect();
+        let plan = plan_round(&snap, &cfg, &mut memory, &holders, Some(now), now, &claims);
+        // The Events to record, each recorded (as when the API accepts them).
+        for e in events_to_send(&mut deduper, &mut outbox, &plan.events, |_| true) {
+            let key = event_key(&e);
+            outbox.sent(&key);
+            deduper.sent(key);
+        }
         (plan, t.elapsed().as_secs_f64() * 1e3)
     };
     // What earlier rounds wrote: every Service annotated, with its status.

@@ -452,7 +452,7 @@ async fn node_lease(
         let events: Vec<(String, &'static str, String)> =
             off.iter().map(|(f, reason, why)| (f.name().to_string(), *reason, why.clone())).collect();
         let key = |(f, reason, why): &(String, &'static str, String)| (f.clone(), *reason, why.clone());
-        let pending = node_events.pending(&events, key);
+        let pending = node_events.pending(&events, |(f, reason, why)| (f, *reason, why.as_str()));
         if pending.is_empty() {
             continue;
         }
@@ -550,13 +550,23 @@ async fn allocate_loop(
     }
 }
 
-/// What a leader keeps between rounds.
-pub struct LeaderState {
+/// What the leader's pure round ([`plan_round`]) keeps from one round to the next.
+#[derive(Debug, Default)]
+pub struct RoundMemory {
     pub last_good: LastGoodServices,
     /// Each NodePortPool's last valid version ([`crate::pool::LastValid`]).
     pub pools_last_valid: crate::pool::LastValid,
-    /// The last round's models ([`plan_round`]).
+    /// The last round's models, each kept while its Service and EndpointSlice objects are the
+    /// same (as the nodes keep theirs).
     pub models: ModelCache,
+    /// Each Service's status and Events, kept while its inputs are the same
+    /// ([`publish::plan_services`]).
+    pub published: publish::Published,
+}
+
+/// What a leader keeps between rounds.
+pub struct LeaderState {
+    pub memory: RoundMemory,
     /// What it knows of the node-port registry's Services ([`claims::Keeper`]).
     pub claims: claims::Keeper,
     /// Names this process in the claims it leaves pending.
@@ -569,9 +579,7 @@ impl LeaderState {
     pub fn new(node_name: &str) -> LeaderState {
         let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         LeaderState {
-            last_good: LastGoodServices::default(),
-            pools_last_valid: Default::default(),
-            models: ModelCache::new(),
+            memory: RoundMemory::default(),
             claims: claims::Keeper::default(),
             token: claims::Token::new(node_name, std::process::id(), started.as_nanos()),
             logged: Default::default(),
@@ -617,25 +625,22 @@ pub struct ClaimInputs<'a> {
 }
 
 /// The leader's decisions for one round, from the caches and the node-port registry alone
-/// (pure): last-good substitution, the model, endpoint policy, node port pools
-/// (`pools_last_valid`: each pool's last valid version, kept across rounds), duplicate repair,
-/// allocation within what the registry allows, status, conditions, Events, and the registry changes that
-/// must be written before the Services. `leases_now`: the time to judge node-Lease expiry by,
-/// `None` while the Lease cache may be behind (see [`nodes::serving_nodes`]). `models`: the
-/// last round's models, each kept while its Service and EndpointSlice objects are the same
-/// (as the nodes keep theirs: [`ModelCache`]).
-#[allow(clippy::too_many_arguments)]
+/// (pure): last-good substitution, the model, endpoint policy, node port pools, duplicate
+/// repair, allocation within what the registry allows, status, conditions, Events, and the
+/// registry changes that must be written before the Services. `memory`: what the last rounds
+/// left ([`RoundMemory`]). `holders`: what each Service of `snap` holds ([`claims::Holder::of`],
+/// in `snap`'s order). `leases_now`: the time to judge node-Lease expiry by, `None` while the
+/// Lease cache may be behind (see [`nodes::serving_nodes`]).
 pub fn plan_round(
     snap: &KubeSnapshot,
     cfg: &ControllerConfig,
-    last_good: &mut LastGoodServices,
-    pools_last_valid: &mut crate::pool::LastValid,
-    models: &mut ModelCache,
+    memory: &mut RoundMemory,
+    holders: &[claims::Holder],
     leases_now: Option<Timestamp>,
     now: Timestamp,
     registry: &ClaimInputs<'_>,
 ) -> RoundPlan {
-    let subst = last_good.apply(&snap.services, &cfg.model);
+    let subst = memory.last_good.apply(&snap.services, &cfg.model);
     // The nodes refuse these endpoints (each also its own addresses): the status, the
     // conditions and the Events say so, and Local-policy ingress counts only usable endpoints.
     let node_addresses = nodes::cluster_node_addresses(&snap.nodes);
@@ -646,19 +651,18 @@ pub fn plan_round(
         addresses: &node_addresses,
         policy: &cfg.policy.endpoints,
     };
-    let out = models.build(&subst.services, &snap.slices, &ctx);
+    let out = memory.models.build(&subst.services, &snap.slices, &ctx);
     let refused_endpoints = out.refused_endpoints;
     let (_, duplicates) = dupes::settle(&out.services);
     let stubs = publish::reserved(&snap.services, &out.refused);
     let mut all: Vec<Arc<model::LbService>> =
         out.services.iter().cloned().chain(stubs.into_iter().map(Arc::new)).collect();
-    let holders: Vec<claims::Holder> = snap.services.iter().map(|s| claims::Holder::of(s)).collect();
     // What processes listen on, on any node (their Leases say): never handed out, and a request
     // for it is refused. Each node refuses locally anyway, whatever is decided here.
     let mut in_use = nodes::listening_ports(&snap.leases);
     if let Some(r) = registry.registry {
         // Numbers another Service claims are not this one's to keep, nor anyone's to take.
-        let screened = claims::screen(&mut all, &holders, r, registry.gone);
+        let screened = claims::screen(&mut all, holders, r, registry.gone);
         for (k, why) in screened.in_use {
             in_use.entry(k).or_insert(why);
         }
@@ -667,7 +671,7 @@ pub fn plan_round(
     // says why), and which nodes its status may list.
     let (pool_ctx, invalid_pools) = super::pools::context(
         snap,
-        pools_last_valid,
+        &mut memory.pools_last_valid,
         cfg.port_range,
         &cfg.node_name,
         cfg.model.servicelb_labels,
@@ -712,8 +716,7 @@ pub fn plan_round(
         pool_addresses: pool_addresses.as_ref(),
         now,
     };
-    let mut writes = publish::plan_writes(&round);
-    let mut events = publish::service_events(&round, &duplicates);
+    let (mut writes, mut events) = publish::plan_services(&round, &duplicates, &mut memory.published);
     // The registry side of the annotation writes.
     let by_key: BTreeMap<&ServiceKey, &claims::Holder> = holders.iter().map(|h| (&h.key, h)).collect();
     let changes: Vec<claims::AnnotationChange<'_>> = writes
@@ -727,7 +730,7 @@ pub fn plan_round(
         })
         .collect();
     let claim_plan = match registry.registry {
-        Some(r) => claims::plan(r, &holders, &changes, registry.token, registry.gone, registry.expired),
+        Some(r) => claims::plan(r, holders, &changes, registry.token, registry.gone, registry.expired),
         None => claims::ClaimPlan {
             blocked: changes
                 .iter()
@@ -790,16 +793,7 @@ pub async fn leader_round(
     let gone = state.claims.gone().clone();
     let inputs =
         ClaimInputs { registry: registry.as_ref(), token: &state.token, gone: &gone, expired: &expired };
-    let mut plan = plan_round(
-        snap,
-        cfg,
-        &mut state.last_good,
-        &mut state.pools_last_valid,
-        &mut state.models,
-        leases_now,
-        Timestamp::now(),
-        &inputs,
-    );
+    let mut plan = plan_round(snap, cfg, &mut state.memory, &holders, leases_now, Timestamp::now(), &inputs);
     let planned = started.elapsed();
     // The registry first: if another leader changed it since we read it, we write nothing.
     for (b, block) in &plan.claims.blocks {
@@ -882,27 +876,43 @@ async fn round(
     )
     .await;
     debug!(ms = started.elapsed().as_secs_f64() * 1e3, "allocation round");
-    let key = |e: &publish::ServiceEvent| (e.service.clone(), e.reason, e.message.clone());
-    let mut sending: Vec<publish::ServiceEvent> = Vec::new();
-    for e in ev.deduper.pending(&events, key) {
-        match publish::ONE_TIME_REASONS.contains(&e.reason) {
-            true => ev.outbox.add(key(e), e.clone()),
-            false => sending.push(e.clone()),
-        }
-    }
-    let services: BTreeMap<ServiceKey, &Arc<Service>> =
-        snap.services.iter().map(|s| (model::service_key(s), s)).collect();
-    ev.outbox.retain_objects(|k| services.contains_key(k));
-    sending.extend(ev.outbox.waiting().map(|(_, e)| e.clone()));
-    for e in &sending {
-        let Some(svc) = services.get(&e.service) else { continue };
+    for e in events_to_send(ev.deduper, ev.outbox, &events, |k| source.service(k).is_some()) {
+        let Some(svc) = source.service(&e.service) else { continue };
         // Recorded only once sent: an Event the API refused is tried again next round.
         if publish_event(ev.recorder, metrics, &svc.object_ref(&()), e.warning, e.reason, &e.message).await {
-            ev.deduper.sent(key(e));
-            ev.outbox.sent(&key(e));
+            let key = event_key(&e);
+            ev.outbox.sent(&key);
+            ev.deduper.sent(key);
         }
     }
     stale
+}
+
+/// An Event's (Service, reason, message), as the deduper and the outbox remember it.
+pub fn event_key(e: &publish::ServiceEvent) -> (ServiceKey, &'static str, String) {
+    (e.service.clone(), e.reason, e.message.clone())
+}
+
+/// Which of a round's Events to record now (pure): the state Events not recorded with the same
+/// message ([`Deduper`]), and the one-time ones waiting in the outbox (queued there first, so a
+/// failed write keeps them) for Services that still `exist`. Each sent one is to be marked
+/// with [`Deduper::sent`] and [`Outbox::sent`].
+pub fn events_to_send(
+    deduper: &mut Deduper<ServiceKey>,
+    outbox: &mut Outbox<ServiceKey, publish::ServiceEvent>,
+    events: &[publish::ServiceEvent],
+    exist: impl Fn(&ServiceKey) -> bool,
+) -> Vec<publish::ServiceEvent> {
+    let mut sending: Vec<publish::ServiceEvent> = Vec::new();
+    for e in deduper.pending(events, |e| (&e.service, e.reason, e.message.as_str())) {
+        match publish::ONE_TIME_REASONS.contains(&e.reason) {
+            true => outbox.add(event_key(e), e.clone()),
+            false => sending.push(e.clone()),
+        }
+    }
+    outbox.retain_objects(exist);
+    sending.extend(outbox.waiting().map(|(_, e)| e.clone()));
+    sending
 }
 
 fn count_api_error(metrics: Option<&Metrics>, operation: &str) {

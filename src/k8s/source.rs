@@ -205,6 +205,11 @@ impl KubeSource {
         self.nodes.get(&reflector::ObjectRef::new(name))
     }
 
+    /// The cached Service `key` (a hash lookup: no snapshot).
+    pub fn service(&self, key: &crate::domain::ServiceKey) -> Option<Arc<Service>> {
+        self.services.get(&reflector::ObjectRef::new(&key.name).within(&key.namespace))
+    }
+
     /// Every address of every cached Node ([`super::nodes::cluster_node_addresses`]), and the
     /// typed addresses of `own`'s Node object ([`super::nodes::address_types`]).
     pub fn node_addresses(&self, own: &str) -> crate::endpoint_policy::HostAddresses {

@@ -3,7 +3,8 @@
 //! accepted it ([`Deduper::sent`]), so one that could not be sent (API error, object not in the
 //! cache yet) stays pending and is tried again at the next round. Pure.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::hash::Hash;
 
 /// Longest Event note the API server accepts (`events.k8s.io/v1`: 1 KiB, in bytes).
 pub const MAX_NOTE_BYTES: usize = 1024;
@@ -19,39 +20,46 @@ pub fn event_note(message: &str) -> String {
 
 /// Remembers the last message recorded per (object, reason).
 #[derive(Debug)]
-pub struct Deduper<K: Ord + Clone> {
-    last: BTreeMap<(K, &'static str), String>,
+pub struct Deduper<K: Eq + Hash> {
+    last: HashMap<K, BTreeMap<&'static str, String>>,
 }
 
-impl<K: Ord + Clone> Default for Deduper<K> {
+impl<K: Eq + Hash> Default for Deduper<K> {
     fn default() -> Self {
-        Deduper { last: BTreeMap::new() }
+        Deduper { last: HashMap::new() }
     }
 }
 
-impl<K: Ord + Clone> Deduper<K> {
+impl<K: Eq + Hash> Deduper<K> {
     /// Of the `current` (object, reason, message) triples, those not recorded with the same
     /// message. States that no longer hold are forgotten, so a recurrence is recorded again.
     /// Nothing is marked recorded here: call [`Deduper::sent`] once the API accepted an Event.
+    /// Nothing is copied: a leader's round holds one state Event per Service.
     pub fn pending<'a, T>(
         &mut self,
         current: &'a [T],
-        key: impl Fn(&T) -> (K, &'static str, String),
-    ) -> Vec<&'a T> {
-        let keys: Vec<(K, &'static str, String)> = current.iter().map(&key).collect();
-        let live: BTreeSet<(K, &'static str)> = keys.iter().map(|(k, r, _)| (k.clone(), *r)).collect();
-        self.last.retain(|k, _| live.contains(k));
+        key: impl Fn(&'a T) -> (&'a K, &'static str, &'a str),
+    ) -> Vec<&'a T>
+    where
+        K: 'a,
+    {
+        let live: HashSet<(&K, &str)> = current.iter().map(&key).map(|(k, r, _)| (k, r)).collect();
+        self.last.retain(|k, reasons| {
+            reasons.retain(|r, _| live.contains(&(k, *r)));
+            !reasons.is_empty()
+        });
         current
             .iter()
-            .zip(keys)
-            .filter(|(_, (k, r, msg))| self.last.get(&(k.clone(), *r)) != Some(msg))
-            .map(|(item, _)| item)
+            .filter(|t| {
+                let (k, r, msg) = key(t);
+                self.last.get(k).and_then(|m| m.get(r)).map(String::as_str) != Some(msg)
+            })
             .collect()
     }
 
     /// The Event for this (object, reason, message) was recorded.
     pub fn sent(&mut self, (k, reason, msg): (K, &'static str, String)) {
-        self.last.insert((k, reason), msg);
+        self.last.entry(k).or_default().insert(reason, msg);
     }
 }
 
@@ -124,9 +132,13 @@ mod tests {
         (e.0, e.1, e.2.to_string())
     }
 
+    fn b<'e>(e: &'e Ev) -> (&'e &'static str, &'static str, &'e str) {
+        (&e.0, e.1, e.2)
+    }
+
     /// A round where every pending Event is sent successfully.
     fn round<'a>(d: &mut Deduper<&'static str>, current: &'a [Ev]) -> Vec<&'a Ev> {
-        let out = d.pending(current, k);
+        let out = d.pending(current, b);
         for e in &out {
             d.sent(k(e));
         }
@@ -154,24 +166,24 @@ mod tests {
         let mut out: Outbox<&str, Ev> = Outbox::default();
         let moved = ("web", "NodePortReallocated", "80/TCP: 20001 → 20101");
         // Round 1: computed, queued, the send fails.
-        for e in d.pending(&[moved], k) {
+        for e in d.pending(&[moved], b) {
             out.add(k(e), *e);
         }
         assert_eq!(out.len(), 1);
         // Round 2: still computed (the annotation write failed too): not queued twice.
-        for e in d.pending(&[moved], k) {
+        for e in d.pending(&[moved], b) {
             out.add(k(e), *e);
         }
         assert_eq!(out.len(), 1, "once");
         // Round 3: the annotation is written, the state no longer shows it: it still waits.
-        assert!(d.pending(&[], k).is_empty());
+        assert!(d.pending(&[], b).is_empty());
         let waiting: Vec<Ev> = out.waiting().map(|(_, e)| *e).collect();
         assert_eq!(waiting, [moved]);
         // Sent: gone, and the deduper knows it (not queued again if computed once more).
         out.sent(&k(&moved));
         d.sent(k(&moved));
         assert!(out.is_empty());
-        assert!(d.pending(&[moved], k).is_empty());
+        assert!(d.pending(&[moved], b).is_empty());
         // A Service deleted while its Event waits: nothing to record it on.
         out.add(k(&moved), moved);
         out.retain_objects(|o| *o != "web");
@@ -183,16 +195,16 @@ mod tests {
         let mut d: Deduper<&str> = Deduper::default();
         let off = [("node-1", "ForwardingDisabled", "ipv4 off")];
         // First attempt fails (API error, Node not in the cache yet): still pending next round.
-        assert_eq!(d.pending(&off, k).len(), 1);
-        assert_eq!(d.pending(&off, k).len(), 1, "retried until sent");
+        assert_eq!(d.pending(&off, b).len(), 1);
+        assert_eq!(d.pending(&off, b).len(), 1, "retried until sent");
         d.sent(k(&off[0]));
-        assert!(d.pending(&off, k).is_empty(), "sent once, not again");
+        assert!(d.pending(&off, b).is_empty(), "sent once, not again");
         // A changed message that cannot be sent stays pending; the old one is not resent.
         let changed = [("node-1", "ForwardingDisabled", "ipv4 off: sysctl unreadable")];
-        assert_eq!(d.pending(&changed, k), vec![&changed[0]]);
-        assert_eq!(d.pending(&changed, k), vec![&changed[0]]);
+        assert_eq!(d.pending(&changed, b), vec![&changed[0]]);
+        assert_eq!(d.pending(&changed, b), vec![&changed[0]]);
         // The state ends before it could be sent: forgotten, nothing to send.
-        assert!(d.pending(&[], k).is_empty());
-        assert_eq!(d.pending(&off, k).len(), 1, "a recurrence after it ended is new");
+        assert!(d.pending(&[], b).is_empty());
+        assert_eq!(d.pending(&off, b).len(), 1, "a recurrence after it ended is new");
     }
 }
