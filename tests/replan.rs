@@ -477,8 +477,8 @@ fn what_only_the_allocator_reads_plans_nothing_again() {
     let mut planner = Planner::new();
     let (rs, _) = planner.full(vec![input(&web)], &node, true);
     let mut aged = web.clone();
-    aged.allocated_since = Some("2024-01-02T00:00:00Z".into());
-    aged.created = Some("2024-01-01T00:00:00Z".into());
+    aged.allocated_since = Some("2024-01-02T00:00:00Z".parse().unwrap());
+    aged.created = Some("2024-01-01T00:00:00Z".parse().unwrap());
     aged.previous_allocation = ports(&web, 20001);
     aged.port_request = nodelb::model::PortRequest::ServicePorts;
     aged.uid = Some("u".into());

@@ -210,10 +210,6 @@ impl<'a> Table<'a> {
     }
 }
 
-fn timestamp(value: Option<&str>) -> Option<k8s_openapi::jiff::Timestamp> {
-    value.and_then(|c| c.parse::<k8s_openapi::jiff::Timestamp>().ok())
-}
-
 /// Compares two Services by age, oldest first: when this node first allocated them a port
 /// (manifests mode's state file; a Service with that record is older than one without), then
 /// creationTimestamp (none: youngest), then namespace/name. In Kubernetes mode nothing has the
@@ -227,8 +223,7 @@ type Age = (bool, Option<k8s_openapi::jiff::Timestamp>, bool, Option<k8s_openapi
 /// What [`older_first`] compares before the key. `None` sorts after every time: a Service
 /// without one counts as the youngest.
 fn age(s: &LbService) -> Age {
-    let since = timestamp(s.allocated_since.as_deref());
-    let created = timestamp(s.created.as_deref());
+    let (since, created) = (s.allocated_since, s.created);
     (since.is_none(), since, created.is_none(), created)
 }
 
@@ -450,7 +445,7 @@ mod tests {
         let ports =
             ports.iter().map(|id| LbPort { id: *id, name: String::new(), endpoints: vec![] }).collect();
         let mut s = LbService::with_defaults(key(name), ports);
-        s.created = age.map(|s| format!("2024-01-01T00:{:02}:{:02}Z", s / 60, s % 60));
+        s.created = age.map(|s| format!("2024-01-01T00:{:02}:{:02}Z", s / 60, s % 60).parse().unwrap());
         s
     }
 
@@ -466,7 +461,7 @@ mod tests {
 
     /// Allocated by this node first at second `secs` of 2024-01-02 (manifests mode's state file).
     fn since(mut s: LbService, secs: u32) -> LbService {
-        s.allocated_since = Some(format!("2024-01-02T00:00:{secs:02}Z"));
+        s.allocated_since = Some(format!("2024-01-02T00:00:{secs:02}Z").parse().unwrap());
         s
     }
 

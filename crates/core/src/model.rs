@@ -60,6 +60,7 @@ use std::net::IpAddr;
 use crate::compact::{Address, EndpointPort, EndpointSlice};
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Service, ServicePort};
+use k8s_openapi::jiff::Timestamp;
 
 use crate::domain::{
     Family, ParseError, PortId, Protocol, ServiceKey, check_dns_label, parse_port_number, parse_protocol,
@@ -126,17 +127,28 @@ pub struct LbPort {
     pub endpoints: Vec<Endpoint>,
 }
 
+/// A time as RFC 3339 text (the form the status and the goldens show).
+fn rfc3339<S: serde::Serializer>(t: &Option<Timestamp>, s: S) -> Result<S::Ok, S::Error> {
+    match t {
+        Some(t) => s.collect_str(t),
+        None => s.serialize_none(),
+    }
+}
+
 /// A validated LoadBalancer Service that this agent serves.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct LbService {
     pub key: ServiceKey,
     pub uid: Option<String>,
-    /// RFC 3339 creation timestamp, for "older Service keeps the port" ordering.
-    pub created: Option<String>,
-    /// Manifests mode: when this node first allocated the Service a port (RFC 3339, from the
-    /// state file). Manifests have no creationTimestamp, so this is their age (see
-    /// the allocator); `None` in Kubernetes mode and for Services never allocated.
-    pub allocated_since: Option<String>,
+    /// Creation timestamp, for "older Service keeps the port" ordering (kept parsed: the
+    /// allocator orders every Service by it every round).
+    #[serde(serialize_with = "rfc3339")]
+    pub created: Option<Timestamp>,
+    /// Manifests mode: when this node first allocated the Service a port (from the state
+    /// file). Manifests have no creationTimestamp, so this is their age (see the allocator);
+    /// `None` in Kubernetes mode and for Services never allocated.
+    #[serde(serialize_with = "rfc3339")]
+    pub allocated_since: Option<Timestamp>,
     pub ports: Vec<LbPort>,
     /// From `spec.ipFamilies` (default: IPv4), in spec order, deduplicated.
     pub families: Vec<Family>,
@@ -528,7 +540,7 @@ pub(crate) fn build_one(
         .collect();
 
     Ok(LbService {
-        created: svc.metadata.creation_timestamp.as_ref().map(|t| t.0.to_string()),
+        created: svc.metadata.creation_timestamp.as_ref().map(|t| t.0),
         uid: svc.metadata.uid.clone(),
         allocated_since: None,
         key,
@@ -1271,7 +1283,7 @@ mod tests {
         assert_eq!(s.traffic_policy, TrafficPolicy::Local);
         let ranges: Vec<String> = s.source_ranges.iter().map(|n| n.to_string()).collect();
         assert_eq!(ranges, vec!["10.0.0.0/8", "192.0.2.7/32", "2001:db8::1/128", "2001:db8:1::/48"]);
-        assert_eq!(s.created.as_deref(), Some("2024-05-06T07:08:09Z"));
+        assert_eq!(s.created.map(|t| t.to_string()).as_deref(), Some("2024-05-06T07:08:09Z"));
         assert_eq!(s.uid.as_deref(), Some("u-1"));
         assert_eq!(s.port_request, PortRequest::Auto);
     }

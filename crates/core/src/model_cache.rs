@@ -54,7 +54,7 @@ pub fn build<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
 ) -> Modeled {
     let mut out = model::build(services, slices, ctx.opts);
     for svc in &mut out.services {
-        svc.allocated_since = ctx.since.get(&svc.key).map(|t| t.to_string());
+        svc.allocated_since = ctx.since.get(&svc.key).copied();
     }
     let refused_endpoints = endpoint_policy::filter(&mut out.services, ctx.addresses, ctx.policy);
     Modeled {
@@ -106,7 +106,7 @@ impl Entry {
     /// Service's age is stamped: a copy each, not a rebuild each).
     fn aged(mut self, since: Option<Timestamp>) -> Entry {
         if let Ok(m) = &mut self.model {
-            Arc::make_mut(m).allocated_since = since.map(|t| t.to_string());
+            Arc::make_mut(m).allocated_since = since;
         }
         self.since = since;
         self
@@ -214,7 +214,7 @@ fn build_entry(
     let mut warnings = Vec::new();
     let mut refused_endpoints = Vec::new();
     let model = model::build_one(svc, key.clone(), &objects, &mut warnings).map(|mut m| {
-        m.allocated_since = since.map(|t| t.to_string());
+        m.allocated_since = since;
         refused_endpoints = endpoint_policy::filter(std::slice::from_mut(&mut m), ctx.addresses, ctx.policy);
         Arc::new(m)
     });
@@ -297,7 +297,7 @@ mod tests {
             last = Some(got);
         }
         let last = last.unwrap();
-        assert_eq!(last.services[0].allocated_since.as_deref(), Some("2023-11-14T22:13:20Z"));
+        assert_eq!(last.services[0].allocated_since.map(|t| t.to_string()).as_deref(), Some("2023-11-14T22:13:20Z"));
         assert_eq!(last.services[0].ports[0].endpoints, [], "a's endpoint is a node's address now");
         assert_eq!(last.refused_endpoints.len(), 1);
     }

@@ -590,7 +590,7 @@ mod tests {
         LbService {
             key: h.key.clone(),
             uid: Some(h.owner.0.clone()),
-            created: h.created.map(|t| t.to_string()),
+            created: h.created,
             allocated_since: None,
             previous_allocation: h
                 .numbers

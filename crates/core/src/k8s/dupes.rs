@@ -77,7 +77,7 @@ mod tests {
         let ports =
             ann.iter().map(|(id, _)| LbPort { id: *id, name: String::new(), endpoints: vec![] }).collect();
         let mut s = LbService::with_defaults(ServiceKey::new("default", name), ports);
-        s.created = age.map(|a| format!("2024-01-01T00:00:{a:02}Z"));
+        s.created = age.map(|a| format!("2024-01-01T00:00:{a:02}Z").parse().unwrap());
         s.previous_allocation = ann.iter().copied().collect();
         s
     }

@@ -687,7 +687,7 @@ pub fn reserved<S: Borrow<Service>>(services: &[S], refused: &[Refusal]) -> Vec<
                 .map(|id| model::LbPort { id: *id, name: String::new(), endpoints: vec![] })
                 .collect();
             let mut lb = LbService::with_defaults(model::service_key(s), ports);
-            lb.created = s.metadata.creation_timestamp.as_ref().map(|t| t.0.to_string());
+            lb.created = s.metadata.creation_timestamp.as_ref().map(|t| t.0);
             lb.port_request = model::PortRequest::Explicit(map);
             Some(lb)
         })
