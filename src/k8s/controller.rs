@@ -653,7 +653,7 @@ pub fn plan_round(
     };
     let out = memory.models.build(&subst.services, &snap.slices, &ctx);
     let refused_endpoints = out.refused_endpoints;
-    let (_, duplicates) = dupes::settle(&out.services);
+    let duplicates = dupes::duplicates(&out.services);
     let stubs = publish::reserved(&snap.services, &out.refused);
     let mut all: Vec<Arc<model::LbService>> =
         out.services.iter().cloned().chain(stubs.into_iter().map(Arc::new)).collect();

@@ -54,17 +54,19 @@ impl KubeSnapshot {
     /// resourceVersion of each): what a node programs depends on those only. A relist that
     /// brings nothing new keeps it, so nothing is recomputed.
     pub fn fingerprint(&self) -> u64 {
-        fn keys<K: Resource>(objs: &[Arc<K>]) -> Vec<(Option<&str>, Option<&str>)> {
-            let mut v: Vec<_> = objs
-                .iter()
-                .map(|o| (o.meta().uid.as_deref(), o.meta().resource_version.as_deref()))
-                .collect();
-            v.sort();
-            v
+        // A sum of each object's hash: the same for any order of the cache, so nothing is
+        // sorted (sorting 20,000 uid strings took a node ~10 ms per sync at 10,000 Services).
+        fn sum<K: Resource>(objs: &[Arc<K>]) -> u64 {
+            objs.iter()
+                .map(|o| {
+                    let mut h = std::collections::hash_map::DefaultHasher::new();
+                    (o.meta().uid.as_deref(), o.meta().resource_version.as_deref()).hash(&mut h);
+                    h.finish()
+                })
+                .fold(0, u64::wrapping_add)
         }
         let mut h = std::collections::hash_map::DefaultHasher::new();
-        keys(&self.services).hash(&mut h);
-        keys(&self.slices).hash(&mut h);
+        (self.services.len(), sum(&self.services), self.slices.len(), sum(&self.slices)).hash(&mut h);
         h.finish()
     }
 }
@@ -399,6 +401,36 @@ mod tests {
         ];
         for (name, err, want) in cases {
             assert_eq!(relist_at_once(&err), want, "{name}");
+        }
+    }
+
+    /// The fingerprint follows every add, removal and modification, and not the cache's order.
+    #[test]
+    fn fingerprint_follows_objects_not_order() {
+        let svc = |uid: &str, rv: &str| {
+            let mut s = Service::default();
+            s.metadata.uid = Some(uid.into());
+            s.metadata.resource_version = Some(rv.into());
+            Arc::new(s)
+        };
+        let snap = |services: Vec<Arc<Service>>| KubeSnapshot {
+            services,
+            slices: vec![],
+            nodes: vec![],
+            leases: vec![],
+            pools: vec![],
+            namespaces: vec![],
+        };
+        let base = snap(vec![svc("a", "1"), svc("b", "2")]).fingerprint();
+        assert_eq!(snap(vec![svc("b", "2"), svc("a", "1")]).fingerprint(), base, "order");
+        for (name, services) in [
+            ("modified", vec![svc("a", "1"), svc("b", "3")]),
+            ("removed", vec![svc("a", "1")]),
+            ("added", vec![svc("a", "1"), svc("b", "2"), svc("c", "1")]),
+            ("re-created", vec![svc("a", "1"), svc("b2", "2")]),
+            ("two swapped versions", vec![svc("a", "2"), svc("b", "1")]),
+        ] {
+            assert_ne!(snap(services).fingerprint(), base, "{name}");
         }
     }
 }

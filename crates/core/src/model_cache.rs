@@ -297,7 +297,10 @@ mod tests {
             last = Some(got);
         }
         let last = last.unwrap();
-        assert_eq!(last.services[0].allocated_since.map(|t| t.to_string()).as_deref(), Some("2023-11-14T22:13:20Z"));
+        assert_eq!(
+            last.services[0].allocated_since.map(|t| t.to_string()).as_deref(),
+            Some("2023-11-14T22:13:20Z")
+        );
         assert_eq!(last.services[0].ports[0].endpoints, [], "a's endpoint is a node's address now");
         assert_eq!(last.refused_endpoints.len(), 1);
     }

@@ -5,7 +5,7 @@
 //! Pure.
 
 use std::borrow::Borrow;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Service;
@@ -15,9 +15,12 @@ use crate::model::{self, ANNOTATION_ALLOCATED, ModelOptions, Refusal};
 
 #[derive(Debug, Default)]
 pub struct LastGoodServices {
-    /// Last valid object per key (same uid required to reuse it: a re-created Service is new).
-    /// Shared with the cache it came from: remembering it copies nothing.
-    good: BTreeMap<ServiceKey, Arc<Service>>,
+    /// Last valid object per key (same uid required to reuse it: a re-created Service is new),
+    /// with the last [`LastGoodServices::apply`] that saw its key. Shared with the cache it came
+    /// from: remembering it copies nothing.
+    good: HashMap<ServiceKey, (Arc<Service>, u64)>,
+    /// Counts the calls of [`LastGoodServices::apply`]: what a call did not see is forgotten.
+    round: u64,
 }
 
 /// The Services to use, and the refusals that a last good version is masking.
@@ -35,7 +38,8 @@ impl LastGoodServices {
         S: Borrow<Service> + Clone + Into<Arc<Service>>,
     {
         let mut out = Substituted::default();
-        let mut seen = BTreeSet::new();
+        self.round += 1;
+        let round = self.round;
         for shared in services {
             let svc: &Service = shared.borrow();
             if !model::is_ours(svc, opts) {
@@ -46,9 +50,13 @@ impl LastGoodServices {
             // The very object that was found valid last time needs no check (nor copy) again:
             // at 1,000 Services the per-Service check was a good part of every sync.
             let unchanged = svc.metadata.resource_version.is_some()
-                && self.good.get(&key).is_some_and(|g| {
-                    g.metadata.uid == svc.metadata.uid
-                        && g.metadata.resource_version == svc.metadata.resource_version
+                && self.good.get_mut(&key).is_some_and(|(g, seen)| {
+                    let same = g.metadata.uid == svc.metadata.uid
+                        && g.metadata.resource_version == svc.metadata.resource_version;
+                    if same {
+                        *seen = round;
+                    }
+                    same
                 });
             let refusal = if unchanged {
                 None
@@ -59,34 +67,35 @@ impl LastGoodServices {
                 None => {
                     let shared: Arc<Service> = shared.clone().into();
                     if !unchanged {
-                        self.good.insert(key.clone(), shared.clone());
+                        self.good.insert(key, (shared.clone(), round));
                     }
-                    seen.insert(key);
                     out.services.push(shared);
                 }
-                Some(refusal) => match self.good.get(&key).filter(|g| g.metadata.uid == svc.metadata.uid) {
-                    Some(good) => {
-                        // The one copy: the last good spec with the current allocation and status.
-                        let mut kept = Service::clone(good);
-                        let current =
-                            svc.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION_ALLOCATED));
-                        let ann = kept.metadata.annotations.get_or_insert_default();
-                        match current {
-                            Some(v) => ann.insert(ANNOTATION_ALLOCATED.to_string(), v.clone()),
-                            None => ann.remove(ANNOTATION_ALLOCATED),
-                        };
-                        kept.metadata.resource_version = svc.metadata.resource_version.clone();
-                        kept.status = svc.status.clone();
-                        seen.insert(key);
-                        out.services.push(Arc::new(kept));
-                        out.masked.push(refusal);
+                Some(refusal) => {
+                    match self.good.get_mut(&key).filter(|(g, _)| g.metadata.uid == svc.metadata.uid) {
+                        Some((good, seen)) => {
+                            *seen = round;
+                            // The one copy: the last good spec with the current allocation and status.
+                            let mut kept = Service::clone(good);
+                            let current =
+                                svc.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION_ALLOCATED));
+                            let ann = kept.metadata.annotations.get_or_insert_default();
+                            match current {
+                                Some(v) => ann.insert(ANNOTATION_ALLOCATED.to_string(), v.clone()),
+                                None => ann.remove(ANNOTATION_ALLOCATED),
+                            };
+                            kept.metadata.resource_version = svc.metadata.resource_version.clone();
+                            kept.status = svc.status.clone();
+                            out.services.push(Arc::new(kept));
+                            out.masked.push(refusal);
+                        }
+                        None => out.services.push(shared.clone().into()),
                     }
-                    None => out.services.push(shared.clone().into()),
-                },
+                }
             }
         }
         // Gone, or replaced by a Service never seen valid: forgotten.
-        self.good.retain(|key, _| seen.contains(key));
+        self.good.retain(|_, (_, seen)| *seen == round);
         out
     }
 }
