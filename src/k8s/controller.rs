@@ -9,7 +9,7 @@
 //!   [`super::publish::plan_writes`] → merge patches with a `metadata.resourceVersion`
 //!   precondition (409 ⇒ retried on the next round), Events deduplicated per change.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -40,7 +40,7 @@ use super::lastgood::LastGoodServices;
 use super::leader::{self, Decision, LeaseRecord, Observed};
 use super::nodes::{self, ANNOTATION_FAMILIES, LABEL_NODE_LEASE};
 use super::publish::{self, Round, ServiceWrite};
-use super::source::{KubeSnapshot, KubeSource};
+use super::source::{Journal, KubeSnapshot, KubeSource};
 
 /// Name of the leader-election Lease in the agent namespace.
 pub const LEADER_LEASE: &str = "nodelb-leader";
@@ -520,18 +520,28 @@ async fn allocate_loop(
     let mut outbox: Outbox<ServiceKey, publish::ServiceEvent> = Outbox::default();
     let mut was_leader = false;
     loop {
-        tokio::select! {
-            _ = source.changed() => {}
-            _ = tokio::time::sleep(Duration::from_secs(2)) => {}
-        }
+        let changed = tokio::select! {
+            _ = source.changed() => true,
+            _ = tokio::time::sleep(Duration::from_secs(2)) => false,
+        };
+        let changes = source.take_changes();
         let leading = leadership.get();
         if leading && !was_leader {
             // A new term: re-announce the current state.
             deduper = Deduper::default();
+            state.clean = false;
         }
         was_leader = leading;
         if !source.complete() {
             continue;
+        }
+        if leading && changed && state.only_echoes(&changes) {
+            debug!(services = changes.services.len(), "only the leader's own writes came back: no round");
+            continue;
+        }
+        if leading {
+            let others: Vec<&str> = changes.others.iter().copied().collect();
+            debug!(timer = !changed, services = changes.services.len(), others = ?others, "allocation round cause");
         }
         // Every agent remembers the Services it saw, so that as leader it knows which were
         // deleted (their node ports are free) without guessing from one view.
@@ -567,6 +577,10 @@ pub struct RoundMemory {
 /// What a leader keeps between rounds.
 pub struct LeaderState {
     pub memory: RoundMemory,
+    /// The resourceVersions the last round's Service writes made ([`write_services`]).
+    echoes: HashMap<ServiceKey, Vec<String>>,
+    /// The last round read the registry and all its writes succeeded.
+    clean: bool,
     /// What it knows of the node-port registry's Services ([`claims::Keeper`]).
     pub claims: claims::Keeper,
     /// Names this process in the claims it leaves pending.
@@ -580,10 +594,24 @@ impl LeaderState {
         let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         LeaderState {
             memory: RoundMemory::default(),
+            echoes: HashMap::new(),
+            clean: false,
             claims: claims::Keeper::default(),
             token: claims::Token::new(node_name, std::process::id(), started.as_nanos()),
             logged: Default::default(),
         }
+    }
+
+    /// Whether `changes` are only the last round's own writes coming back through the watch, that
+    /// round having read the registry and written everything it planned: a round on them would
+    /// plan nothing (the timer's rounds still run, for what changes with time).
+    pub fn only_echoes(&self, changes: &Journal) -> bool {
+        self.clean
+            && changes.others.is_empty()
+            && !changes.services.is_empty()
+            && changes.services.iter().all(|(key, rv)| {
+                rv.as_ref().is_some_and(|rv| self.echoes.get(key).is_some_and(|made| made.contains(rv)))
+            })
     }
 
     /// Records the Services of a view (see [`claims::Keeper::observe_view`]).
@@ -768,6 +796,8 @@ pub async fn leader_round(
     metrics: Option<&Metrics>,
 ) -> (bool, Vec<publish::ServiceEvent>) {
     let started = Instant::now();
+    state.clean = false;
+    state.echoes.clear();
     let registry = match read_registry(client, &cfg.namespace).await {
         Ok((r, problems)) => {
             let problems: std::collections::BTreeSet<String> = problems.into_iter().collect();
@@ -810,8 +840,10 @@ pub async fn leader_round(
             }
         }
     }
-    let outcomes = write_services(client, &plan.writes, metrics).await;
+    let outcomes = write_services(client, &plan.writes, metrics, &mut state.echoes).await;
     let mut stale = outcomes.iter().any(|o| matches!(o, WriteOutcome::Conflict));
+    // The watch brings each write back; a round on nothing else would plan nothing.
+    state.clean = registry.is_some() && outcomes.iter().all(|o| *o == WriteOutcome::Written);
     resolve_claims(client, &cfg.namespace, &plan, &outcomes, &state.token, metrics).await;
     if let Some(p) = &plan.pools {
         let pools = super::pools::StatusRound {
@@ -949,14 +981,16 @@ impl WriteOutcome {
 /// The Service writes of one round, each with its resourceVersion precondition, in order; how
 /// each ended. A 409 means the Service changed since it was read (the round is retried from a
 /// fresh cache); other failures are logged and counted (`metrics`), and retried at the next round.
+/// `echoes`: the resourceVersions the writes made, per Service (what the watch will bring back).
 pub async fn write_services(
     client: &Client,
     writes: &[ServiceWrite],
     metrics: Option<&Metrics>,
+    echoes: &mut HashMap<ServiceKey, Vec<String>>,
 ) -> Vec<WriteOutcome> {
     let mut out = Vec::with_capacity(writes.len());
     for w in writes {
-        let outcome = match write(client, w).await {
+        let outcome = match write(client, w, echoes.entry(w.key.clone()).or_default()).await {
             (_, Ok(())) => WriteOutcome::Written,
             (annotated, Err(e)) => {
                 if is_conflict(&e) {
@@ -984,8 +1018,9 @@ pub async fn write_services(
 
 /// Annotation first (merge patch, resourceVersion precondition), then status through the status
 /// subresource with the resourceVersion the first patch returned. Also says whether an
-/// annotation patch was applied (the status may still have failed).
-async fn write(client: &Client, w: &ServiceWrite) -> (bool, Result<(), kube::Error>) {
+/// annotation patch was applied (the status may still have failed). The resourceVersion of
+/// each patched object goes to `made`.
+async fn write(client: &Client, w: &ServiceWrite, made: &mut Vec<String>) -> (bool, Result<(), kube::Error>) {
     let api: Api<Service> = Api::namespaced(client.clone(), &w.key.namespace);
     let params = PatchParams { field_manager: Some(FIELD_MANAGER.into()), ..Default::default() };
     let mut rv = w.resource_version.clone().filter(|_| PRECONDITIONS);
@@ -996,7 +1031,10 @@ async fn write(client: &Client, w: &ServiceWrite) -> (bool, Result<(), kube::Err
             patch["metadata"]["resourceVersion"] = json!(rv);
         }
         match api.patch(&w.key.name, &params, &Patch::Merge(&patch)).await {
-            Ok(svc) => rv = svc.metadata.resource_version.filter(|_| PRECONDITIONS),
+            Ok(svc) => {
+                made.extend(svc.metadata.resource_version.clone());
+                rv = svc.metadata.resource_version.filter(|_| PRECONDITIONS);
+            }
             Err(e) => return (false, Err(e)),
         }
         annotated = true;
@@ -1011,8 +1049,9 @@ async fn write(client: &Client, w: &ServiceWrite) -> (bool, Result<(), kube::Err
         if let Some(rv) = &rv {
             patch["metadata"] = json!({"resourceVersion": rv});
         }
-        if let Err(e) = api.patch_status(&w.key.name, &params, &Patch::Merge(&patch)).await {
-            return (annotated, Err(e));
+        match api.patch_status(&w.key.name, &params, &Patch::Merge(&patch)).await {
+            Ok(svc) => made.extend(svc.metadata.resource_version),
+            Err(e) => return (annotated, Err(e)),
         }
     }
     (annotated, Ok(()))
@@ -1137,6 +1176,45 @@ async fn resolve_claims(
                     break;
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A round is skipped only for the very versions the last round's writes made, after a
+    /// round that read the registry and wrote everything it planned.
+    #[test]
+    fn only_the_leaders_own_writes_skip_a_round() {
+        let web = ServiceKey::new("default", "web");
+        let db = ServiceKey::new("default", "db");
+        let mut state = LeaderState::new("node-a");
+        state.echoes = [(web.clone(), vec!["11".to_string(), "12".to_string()])].into();
+        let changes = |services: &[(&ServiceKey, Option<&str>)], others: bool| Journal {
+            services: services.iter().map(|(k, rv)| ((*k).clone(), rv.map(String::from))).collect(),
+            others: if others { ["Node"].into() } else { Default::default() },
+        };
+        // (name, last round clean, changes, skip)
+        let cases: Vec<(&str, bool, Journal, bool)> = vec![
+            ("both writes came back", true, changes(&[(&web, Some("11")), (&web, Some("12"))], false), true),
+            ("the last write came back", true, changes(&[(&web, Some("12"))], false), true),
+            ("the last round failed a write", false, changes(&[(&web, Some("12"))], false), false),
+            ("someone else wrote it after us", true, changes(&[(&web, Some("13"))], false), false),
+            (
+                "and another Service changed",
+                true,
+                changes(&[(&web, Some("12")), (&db, Some("5"))], false),
+                false,
+            ),
+            ("and something else changed", true, changes(&[(&web, Some("12"))], true), false),
+            ("no resourceVersion", true, changes(&[(&web, None)], false), false),
+            ("nothing recorded (a timer wake)", true, changes(&[], false), false),
+        ];
+        for (name, clean, journal, want) in cases {
+            state.clean = clean;
+            assert_eq!(state.only_echoes(&journal), want, "{name}");
         }
     }
 }

@@ -5,6 +5,7 @@
 //! view once each has finished its first list.
 
 use crate::serve::metrics::Metrics;
+use std::collections::BTreeSet;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -85,6 +86,8 @@ const LEASES: usize = 3;
 const POOLS: usize = 4;
 /// Number of reflectors: Services, EndpointSlices, Nodes, Leases, NodePortPools, Namespaces.
 const N: usize = 6;
+/// The reflectors' kinds, by index.
+pub const KINDS: [&str; N] = ["Service", "EndpointSlice", "Node", "Lease", "NodePortPool", "Namespace"];
 
 /// Handle on the running reflectors. Cheap to clone; every clone has its own change cursor.
 #[derive(Clone)]
@@ -101,6 +104,41 @@ pub struct KubeSource {
     cursor: Cursor,
     /// The burst of changes not yet reported ([`KubeSource::changed`]).
     burst: Burst,
+    /// What changed, for the one handle that takes it ([`KubeSource::take_changes`]).
+    journal: Arc<Mutex<Option<Journal>>>,
+}
+
+/// What changed in the caches since [`KubeSource::take_changes`] was last called: each Service
+/// written (its key and resourceVersion), and which caches changed otherwise (another kind, a
+/// deletion, a relist, or more Service writes than it keeps).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Journal {
+    pub services: Vec<(crate::domain::ServiceKey, Option<String>)>,
+    /// The kinds (as [`KINDS`] names them) that changed otherwise.
+    pub others: BTreeSet<&'static str>,
+}
+
+impl Journal {
+    /// Service writes it keeps; past that it only says that much changed.
+    const MAX: usize = 1024;
+
+    fn note<K: Resource>(&mut self, index: usize, event: &watcher::Event<K>) {
+        match event {
+            watcher::Event::Apply(o) if index == 0 && self.services.len() < Journal::MAX => {
+                let meta = o.meta();
+                let key = crate::domain::ServiceKey::new(
+                    meta.namespace.as_deref().unwrap_or_default(),
+                    meta.name.as_deref().unwrap_or_default(),
+                );
+                self.services.push((key, meta.resource_version.clone()));
+            }
+            // Only fills the relist buffer; the store changes on InitDone.
+            watcher::Event::Init | watcher::Event::InitApply(_) => {}
+            _ => {
+                self.others.insert(KINDS[index]);
+            }
+        }
+    }
 }
 
 /// Where a [`KubeSource`] handle is in the stream of reflector changes.
@@ -123,7 +161,9 @@ impl KubeSource {
         let tx = Arc::new(tx);
         let synced: Arc<[AtomicBool; N]> = Arc::new(Default::default());
         let health: Arc<Mutex<[Health; N]>> = Arc::default();
-        let shared = Shared { synced: synced.clone(), health: health.clone(), tx, metrics };
+        let journal: Arc<Mutex<Option<Journal>>> = Arc::default();
+        let shared =
+            Shared { synced: synced.clone(), journal: journal.clone(), health: health.clone(), tx, metrics };
         let services =
             spawn_reflector(Api::all(client.clone()), watcher::Config::default(), 0, "Service", &shared);
         let slices = spawn_reflector(
@@ -161,7 +201,15 @@ impl KubeSource {
             health,
             cursor: Cursor { synced, changes, interest: [true; N], seen: [0; N], was_complete: false },
             burst: Burst::new(DEBOUNCE_QUIET, DEBOUNCE_MAX),
+            journal,
         }
+    }
+
+    /// What changed since the last call ([`Journal`]). The first call starts the record and says
+    /// that anything may have changed. For one consumer: every call takes what the last left.
+    pub fn take_changes(&self) -> Journal {
+        let mut journal = lock(&self.journal);
+        journal.replace(Journal::default()).unwrap_or(Journal { services: vec![], others: KINDS.into() })
     }
 
     /// A handle whose [`KubeSource::changed`] reports what a node programs from (Services,
@@ -279,6 +327,7 @@ impl Events for Cursor {
 /// What the reflector tasks report into.
 struct Shared {
     synced: Arc<[AtomicBool; N]>,
+    journal: Arc<Mutex<Option<Journal>>>,
     health: Arc<Mutex<[Health; N]>>,
     tx: Arc<watch::Sender<[u64; N]>>,
     metrics: Arc<Metrics>,
@@ -321,6 +370,7 @@ where
     let objects = watcher(api, config).modify(|o: &mut K| o.slim());
     let stream = reflector::reflector(writer, objects);
     let synced = shared.synced.clone();
+    let journal = shared.journal.clone();
     let health = shared.health.clone();
     let tx = shared.tx.clone();
     let errors = shared.metrics.watch_errors.with_label_values(&[kind]);
@@ -343,6 +393,9 @@ where
                     }
                     if matches!(ev, watcher::Event::InitDone) && !synced[index].swap(true, Ordering::AcqRel) {
                         info!(kind, "initial list complete");
+                    }
+                    if let Some(j) = lock(&journal).as_mut() {
+                        j.note(index, &ev);
                     }
                     // InitApply only fills the relist buffer; the store changes on InitDone.
                     if !matches!(ev, watcher::Event::InitApply(_)) {
