@@ -549,7 +549,11 @@ pub fn plan_writes<S: Borrow<Service>, V: Borrow<LbService>>(round: &Round<'_, S
 pub struct Published {
     /// The round's inputs shared by every Service, as of the kept parts.
     shared: Option<Shared>,
-    parts: HashMap<ServiceKey, Part>,
+    /// By the address of the Service object (held in the part: no other object can have it
+    /// meanwhile), so that finding a part builds no key.
+    parts: HashMap<usize, Part>,
+    /// Counts the rounds: a part no round saw is dropped.
+    round: u64,
     /// How many parts the last round took from the one before.
     reused: usize,
 }
@@ -571,6 +575,11 @@ struct Shared {
 /// One Service's inputs (the very objects: the cache's `Arc`s) and its state Events.
 #[derive(Debug)]
 struct Part {
+    key: ServiceKey,
+    /// The last round that saw it.
+    seen: u64,
+    /// Held, never read: while it lives, no other object has the address that keys the part.
+    #[expect(dead_code, reason = "held for its address")]
     service: Arc<Service>,
     model: Option<Arc<LbService>>,
     ports: Option<BTreeMap<PortId, u16>>,
@@ -587,15 +596,14 @@ impl Part {
         &self,
         round: &Round<'_, Arc<Service>, Arc<LbService>>,
         idx: &Index<'_, Arc<LbService>>,
-        svc: &Arc<Service>,
-        key: &ServiceKey,
     ) -> bool {
-        Arc::ptr_eq(&self.service, svc)
-            && match (&self.model, idx.valid.get(key)) {
-                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
-                (None, None) => true,
-                _ => false,
-            }
+        let key = &self.key;
+        let same_model = match (&self.model, idx.valid.get(key)) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            (None, None) => true,
+            _ => false,
+        };
+        same_model
             && self.ports.as_ref() == round.allocations.get(key)
             && self.problems.iter().eq(idx.problems(key).iter().copied())
             && self.refused.as_ref() == idx.refused.get(key).copied()
@@ -622,17 +630,19 @@ pub fn plan_services(
         kept.shared = Some(shared);
     }
     let idx = Index::of(round);
-    let mut parts = HashMap::with_capacity(round.services.len());
     let (mut writes, mut events) = (Vec::new(), Vec::new());
     kept.reused = 0;
+    kept.round += 1;
+    let this_round = kept.round;
     for svc in round.services {
-        let key = model::service_key(svc);
-        if let Some(part) = kept.parts.remove(&key).filter(|p| p.same_inputs(round, &idx, svc, &key)) {
+        let address = Arc::as_ptr(svc) as usize;
+        if let Some(part) = kept.parts.get_mut(&address).filter(|p| p.same_inputs(round, &idx)) {
             events.extend(part.events.iter().cloned());
-            parts.insert(key, part);
+            part.seen = this_round;
             kept.reused += 1;
             continue;
         }
+        let key = model::service_key(svc);
         let model = idx.valid.get(&key).map(|m| Arc::clone(m));
         let ports = round.allocations.get(&key);
         let served = model.as_ref().map(|lb| served(round, lb, ports.unwrap_or(&NO_PORTS)));
@@ -647,6 +657,7 @@ pub fn plan_services(
             Some(write) => writes.push(write),
             None => {
                 let part = Part {
+                    seen: this_round,
                     service: Arc::clone(svc),
                     model,
                     ports: ports.cloned(),
@@ -656,12 +667,14 @@ pub fn plan_services(
                     pool_nodes: round.pool_nodes.and_then(|m| m.get(&key)).cloned(),
                     pool_addresses: round.pool_addresses.and_then(|m| m.get(&key)).cloned(),
                     events: own_events,
+                    key,
                 };
-                parts.insert(key, part);
+                kept.parts.insert(address, part);
             }
         }
     }
-    kept.parts = parts;
+    // Gone, replaced by a newer object, or written.
+    kept.parts.retain(|_, p| p.seen == this_round);
     writes.sort_by(|a, b| a.key.cmp(&b.key));
     events.extend(round_events(round, duplicates));
     (writes, merge_events(events))
