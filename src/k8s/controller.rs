@@ -535,9 +535,13 @@ async fn allocate_loop(
         if !source.complete() {
             continue;
         }
-        if leading && changed && state.only_echoes(&changes) {
-            debug!(services = changes.services.len(), "only the leader's own writes came back: no round");
-            continue;
+        if leading {
+            let (nodes, leases) = source.nodes_and_leases();
+            let view = LeaseView::of(&nodes, &leases, leases_now(&source, &cfg), &cfg);
+            if state.nothing_to_do(&changes, &view, Instant::now()) {
+                debug!(timer = !changed, services = changes.services.len(), "nothing for a round to do");
+                continue;
+            }
         }
         if leading {
             let others: Vec<&str> = changes.others.iter().copied().collect();
@@ -545,7 +549,9 @@ async fn allocate_loop(
         }
         // Every agent remembers the Services it saw, so that as leader it knows which were
         // deleted (their node ports are free) without guessing from one view.
-        state.observe(&source.snapshot());
+        if !changes.services.is_empty() || changes.others.contains("Service") {
+            state.observe(&source.snapshot());
+        }
         if !leading {
             continue;
         }
@@ -558,6 +564,42 @@ async fn allocate_loop(
             }
         }
     }
+}
+
+/// The longest the leader goes without a whole round while nothing seems to change (what is not
+/// watched, e.g. the registry edited by hand, is repaired within this).
+const FULL_ROUND_EVERY: Duration = Duration::from_secs(60);
+
+/// What a round reads from the node Leases (and Nodes) at a moment: the serving nodes (which
+/// change when a Lease expires, with time), the ports processes listen on, the pool addresses
+/// each node publishes. A renewal that changes none of them changes nothing for the round.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LeaseView {
+    serving: BTreeMap<String, nodes::ServingNode>,
+    listening: BTreeMap<(crate::domain::Protocol, u16), String>,
+    published: BTreeMap<String, nodes::PoolSelections>,
+}
+
+impl LeaseView {
+    pub fn of(
+        nodes: &[Arc<Node>],
+        leases: &[Arc<Lease>],
+        leases_now: Option<Timestamp>,
+        cfg: &ControllerConfig,
+    ) -> LeaseView {
+        LeaseView {
+            serving: nodes::serving_nodes(nodes, leases, leases_now, &cfg.node_addresses),
+            listening: nodes::listening_ports(leases),
+            published: nodes::published_pool_addresses(leases).0,
+        }
+    }
+}
+
+/// The time to judge node-Lease expiry by: now, once the Lease cache has been current for a
+/// lease duration (after an API outage every Lease looks expired until the agents' renewals
+/// arrive); else `None`.
+fn leases_now(source: &KubeSource, cfg: &ControllerConfig) -> Option<Timestamp> {
+    source.leases_current_for().is_some_and(|d| d >= cfg.lease_duration).then(Timestamp::now)
 }
 
 /// What the leader's pure round ([`plan_round`]) keeps from one round to the next.
@@ -579,8 +621,12 @@ pub struct LeaderState {
     pub memory: RoundMemory,
     /// The resourceVersions the last round's Service writes made ([`write_services`]).
     echoes: HashMap<ServiceKey, Vec<String>>,
-    /// The last round read the registry and all its writes succeeded.
+    /// The last round read the registry, found every claim in it resolved, and all its writes
+    /// (registry, Services, pools) and Events succeeded.
     clean: bool,
+    /// What the last round read from the node Leases ([`LeaseView`]), and when it started.
+    lease_view: Option<LeaseView>,
+    last_round: Option<Instant>,
     /// What it knows of the node-port registry's Services ([`claims::Keeper`]).
     pub claims: claims::Keeper,
     /// Names this process in the claims it leaves pending.
@@ -596,22 +642,26 @@ impl LeaderState {
             memory: RoundMemory::default(),
             echoes: HashMap::new(),
             clean: false,
+            lease_view: None,
+            last_round: None,
             claims: claims::Keeper::default(),
             token: claims::Token::new(node_name, std::process::id(), started.as_nanos()),
             logged: Default::default(),
         }
     }
 
-    /// Whether `changes` are only the last round's own writes coming back through the watch, that
-    /// round having read the registry and written everything it planned: a round on them would
-    /// plan nothing (the timer's rounds still run, for what changes with time).
-    pub fn only_echoes(&self, changes: &Journal) -> bool {
+    /// Whether a round now would plan nothing: the last one was [`LeaderState::clean`] and recent
+    /// ([`FULL_ROUND_EVERY`]), and since then only its own writes came back through the watch
+    /// (the versions they made) and node Leases were renewed without changing what the round
+    /// reads from them (`view`, taken now: a Lease that expired with time changes it).
+    pub fn nothing_to_do(&self, changes: &Journal, view: &LeaseView, now: Instant) -> bool {
         self.clean
-            && changes.others.is_empty()
-            && !changes.services.is_empty()
+            && self.last_round.is_some_and(|t| now.saturating_duration_since(t) < FULL_ROUND_EVERY)
+            && changes.others.iter().all(|kind| *kind == "Lease")
             && changes.services.iter().all(|(key, rv)| {
                 rv.as_ref().is_some_and(|rv| self.echoes.get(key).is_some_and(|made| made.contains(rv)))
             })
+            && self.lease_view.as_ref() == Some(view)
     }
 
     /// Records the Services of a view (see [`claims::Keeper::observe_view`]).
@@ -798,6 +848,8 @@ pub async fn leader_round(
     let started = Instant::now();
     state.clean = false;
     state.echoes.clear();
+    state.last_round = Some(started);
+    state.lease_view = Some(LeaseView::of(&snap.nodes, &snap.leases, leases_now, cfg));
     let registry = match read_registry(client, &cfg.namespace).await {
         Ok((r, problems)) => {
             let problems: std::collections::BTreeSet<String> = problems.into_iter().collect();
@@ -843,8 +895,10 @@ pub async fn leader_round(
     let outcomes = write_services(client, &plan.writes, metrics, &mut state.echoes).await;
     let mut stale = outcomes.iter().any(|o| matches!(o, WriteOutcome::Conflict));
     // The watch brings each write back; a round on nothing else would plan nothing.
-    state.clean = registry.is_some() && outcomes.iter().all(|o| *o == WriteOutcome::Written);
-    resolve_claims(client, &cfg.namespace, &plan, &outcomes, &state.token, metrics).await;
+    state.clean = registry.is_some()
+        && state.claims.all_resolved()
+        && outcomes.iter().all(|o| *o == WriteOutcome::Written);
+    state.clean &= resolve_claims(client, &cfg.namespace, &plan, &outcomes, &state.token, metrics).await;
     if let Some(p) = &plan.pools {
         let pools = super::pools::StatusRound {
             snap,
@@ -857,6 +911,7 @@ pub async fn leader_round(
         match super::pools::write_statuses(client, &pools).await {
             Ok(s) => stale |= s,
             Err(e) => {
+                state.clean = false;
                 count_api_error(metrics, "nodeportpool");
                 warn!(error = %e, "cannot update NodePortPool status");
             }
@@ -894,15 +949,12 @@ async fn round(
 ) -> bool {
     let started = Instant::now();
     let snap = source.snapshot();
-    // Lease expiry is judged only from a view known to be current for a lease duration (after an
-    // API outage every Lease looks expired until the agents' renewals arrive).
-    let current = source.leases_current_for().is_some_and(|d| d >= cfg.lease_duration);
     let (stale, events) = leader_round(
         client,
         cfg,
         &snap,
         state,
-        current.then(Timestamp::now),
+        leases_now(source, cfg),
         source.services_current(),
         Some(metrics),
     )
@@ -915,8 +967,11 @@ async fn round(
             let key = event_key(&e);
             ev.outbox.sent(&key);
             ev.deduper.sent(key);
+        } else {
+            state.clean = false;
         }
     }
+    state.clean &= ev.outbox.is_empty();
     stale
 }
 
@@ -1131,7 +1186,7 @@ async fn write_block(
 
 /// After the Service writes: each claim left pending by this round becomes what the write's
 /// outcome says ([`claims::resolve`]), on a fresh read of its block (retried on 409; what is
-/// not resolved here is settled after [`claims::GRACE`]).
+/// not resolved here is settled after [`claims::GRACE`]). Whether every block was resolved.
 async fn resolve_claims(
     client: &Client,
     namespace: &str,
@@ -1139,7 +1194,8 @@ async fn resolve_claims(
     outcomes: &[WriteOutcome],
     token: &claims::Token,
     metrics: Option<&Metrics>,
-) {
+) -> bool {
+    let mut resolved = true;
     let mut by_block: BTreeMap<u16, Vec<(&claims::ServiceClaims, claims::Outcome)>> = BTreeMap::new();
     for (w, o) in plan.writes.iter().zip(outcomes) {
         let Some(sc) = plan.claims.services.get(&w.key) else { continue };
@@ -1173,48 +1229,118 @@ async fn resolve_claims(
                 Err(e) => {
                     count_api_error(metrics, "registry");
                     warn!(error = %e, block = b, "cannot resolve pending node-port claims; they settle after the grace period");
+                    resolved = false;
                     break;
                 }
             }
         }
     }
+    resolved
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// A round is skipped only for the very versions the last round's writes made, after a
-    /// round that read the registry and wrote everything it planned.
+    /// A round is skipped only after a clean, recent round, for the very versions its writes
+    /// made and for Lease renewals that change nothing the round reads.
     #[test]
-    fn only_the_leaders_own_writes_skip_a_round() {
+    fn a_round_is_skipped_only_when_it_would_plan_nothing() {
         let web = ServiceKey::new("default", "web");
         let db = ServiceKey::new("default", "db");
+        let view = |nodes: &[&str]| LeaseView {
+            serving: nodes
+                .iter()
+                .map(|n| {
+                    let node = nodes::ServingNode {
+                        name: n.to_string(),
+                        families: [crate::domain::Family::Ipv4].into(),
+                        addresses: vec!["192.0.2.1".parse().unwrap()],
+                    };
+                    (n.to_string(), node)
+                })
+                .collect(),
+            listening: BTreeMap::new(),
+            published: BTreeMap::new(),
+        };
+        let t0 = Instant::now();
         let mut state = LeaderState::new("node-a");
         state.echoes = [(web.clone(), vec!["11".to_string(), "12".to_string()])].into();
-        let changes = |services: &[(&ServiceKey, Option<&str>)], others: bool| Journal {
+        state.lease_view = Some(view(&["a", "b"]));
+        state.last_round = Some(t0);
+        let changes = |services: &[(&ServiceKey, Option<&str>)], others: &[&'static str]| Journal {
             services: services.iter().map(|(k, rv)| ((*k).clone(), rv.map(String::from))).collect(),
-            others: if others { ["Node"].into() } else { Default::default() },
+            others: others.iter().copied().collect(),
         };
-        // (name, last round clean, changes, skip)
-        let cases: Vec<(&str, bool, Journal, bool)> = vec![
-            ("both writes came back", true, changes(&[(&web, Some("11")), (&web, Some("12"))], false), true),
-            ("the last write came back", true, changes(&[(&web, Some("12"))], false), true),
-            ("the last round failed a write", false, changes(&[(&web, Some("12"))], false), false),
-            ("someone else wrote it after us", true, changes(&[(&web, Some("13"))], false), false),
+        let soon = t0 + Duration::from_secs(2);
+        let echo = changes(&[(&web, Some("11")), (&web, Some("12"))], &[]);
+        // (name, last round clean, changes, the Lease view now, now, skip)
+        let cases: Vec<(&str, bool, Journal, LeaseView, Instant, bool)> = vec![
+            ("both writes came back", true, echo.clone(), view(&["a", "b"]), soon, true),
+            (
+                "the last write came back",
+                true,
+                changes(&[(&web, Some("12"))], &[]),
+                view(&["a", "b"]),
+                soon,
+                true,
+            ),
+            ("a timer wake, nothing changed", true, changes(&[], &[]), view(&["a", "b"]), soon, true),
+            (
+                "a renewal that changes nothing read",
+                true,
+                changes(&[], &["Lease"]),
+                view(&["a", "b"]),
+                soon,
+                true,
+            ),
+            ("a node's Lease expired", true, changes(&[], &[]), view(&["a"]), soon, false),
+            ("the last round failed something", false, echo.clone(), view(&["a", "b"]), soon, false),
+            (
+                "the last whole round is too old",
+                true,
+                echo.clone(),
+                view(&["a", "b"]),
+                t0 + FULL_ROUND_EVERY,
+                false,
+            ),
+            (
+                "someone else wrote it after us",
+                true,
+                changes(&[(&web, Some("13"))], &[]),
+                view(&["a", "b"]),
+                soon,
+                false,
+            ),
             (
                 "and another Service changed",
                 true,
-                changes(&[(&web, Some("12")), (&db, Some("5"))], false),
+                changes(&[(&web, Some("12")), (&db, Some("5"))], &[]),
+                view(&["a", "b"]),
+                soon,
                 false,
             ),
-            ("and something else changed", true, changes(&[(&web, Some("12"))], true), false),
-            ("no resourceVersion", true, changes(&[(&web, None)], false), false),
-            ("nothing recorded (a timer wake)", true, changes(&[], false), false),
+            (
+                "and an EndpointSlice changed",
+                true,
+                changes(&[(&web, Some("12"))], &["EndpointSlice"]),
+                view(&["a", "b"]),
+                soon,
+                false,
+            ),
+            (
+                "a Service deleted or relisted",
+                true,
+                changes(&[], &["Service"]),
+                view(&["a", "b"]),
+                soon,
+                false,
+            ),
+            ("no resourceVersion", true, changes(&[(&web, None)], &[]), view(&["a", "b"]), soon, false),
         ];
-        for (name, clean, journal, want) in cases {
+        for (name, clean, journal, now_view, now, want) in cases {
             state.clean = clean;
-            assert_eq!(state.only_echoes(&journal), want, "{name}");
+            assert_eq!(state.nothing_to_do(&journal, &now_view, now), want, "{name}");
         }
     }
 }

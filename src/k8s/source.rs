@@ -255,6 +255,11 @@ impl KubeSource {
         self.nodes.get(&reflector::ObjectRef::new(name))
     }
 
+    /// The cached Nodes and node Leases (what [`super::controller::LeaseView`] reads).
+    pub fn nodes_and_leases(&self) -> (Vec<Arc<Node>>, Vec<Arc<Lease>>) {
+        (self.nodes.state(), self.leases.state())
+    }
+
     /// The cached Service `key` (a hash lookup: no snapshot).
     pub fn service(&self, key: &crate::domain::ServiceKey) -> Option<Arc<Service>> {
         self.services.get(&reflector::ObjectRef::new(&key.name).within(&key.namespace))

@@ -515,6 +515,11 @@ impl Keeper {
         self.seen = now;
     }
 
+    /// Whether every claim of the registry, as last seen by [`Keeper::expired`], was resolved.
+    pub fn all_resolved(&self) -> bool {
+        self.unresolved.is_empty()
+    }
+
     /// The owners known to be deleted.
     pub fn gone(&self) -> &BTreeSet<Owner> {
         &self.gone
