@@ -1272,75 +1272,29 @@ mod tests {
             services: services.iter().map(|(k, rv)| ((*k).clone(), rv.map(String::from))).collect(),
             others: others.iter().copied().collect(),
         };
-        let soon = t0 + Duration::from_secs(2);
-        let echo = changes(&[(&web, Some("11")), (&web, Some("12"))], &[]);
-        // (name, last round clean, changes, the Lease view now, now, skip)
-        let cases: Vec<(&str, bool, Journal, LeaseView, Instant, bool)> = vec![
-            ("both writes came back", true, echo.clone(), view(&["a", "b"]), soon, true),
-            (
-                "the last write came back",
-                true,
-                changes(&[(&web, Some("12"))], &[]),
-                view(&["a", "b"]),
-                soon,
-                true,
-            ),
-            ("a timer wake, nothing changed", true, changes(&[], &[]), view(&["a", "b"]), soon, true),
-            (
-                "a renewal that changes nothing read",
-                true,
-                changes(&[], &["Lease"]),
-                view(&["a", "b"]),
-                soon,
-                true,
-            ),
-            ("a node's Lease expired", true, changes(&[], &[]), view(&["a"]), soon, false),
-            ("the last round failed something", false, echo.clone(), view(&["a", "b"]), soon, false),
-            (
-                "the last whole round is too old",
-                true,
-                echo.clone(),
-                view(&["a", "b"]),
-                t0 + FULL_ROUND_EVERY,
-                false,
-            ),
-            (
-                "someone else wrote it after us",
-                true,
-                changes(&[(&web, Some("13"))], &[]),
-                view(&["a", "b"]),
-                soon,
-                false,
-            ),
-            (
-                "and another Service changed",
-                true,
-                changes(&[(&web, Some("12")), (&db, Some("5"))], &[]),
-                view(&["a", "b"]),
-                soon,
-                false,
-            ),
-            (
-                "and an EndpointSlice changed",
-                true,
-                changes(&[(&web, Some("12"))], &["EndpointSlice"]),
-                view(&["a", "b"]),
-                soon,
-                false,
-            ),
-            (
-                "a Service deleted or relisted",
-                true,
-                changes(&[], &["Service"]),
-                view(&["a", "b"]),
-                soon,
-                false,
-            ),
-            ("no resourceVersion", true, changes(&[(&web, None)], &[]), view(&["a", "b"]), soon, false),
+        let (soon, late) = (t0 + Duration::from_secs(2), t0 + FULL_ROUND_EVERY);
+        let echo = || changes(&[(&web, Some("11")), (&web, Some("12"))], &[]);
+        let last = || changes(&[(&web, Some("12"))], &[]);
+        const AB: &[&str] = &["a", "b"];
+        // (name, last round clean, changes, the serving nodes now, now, skip)
+        type Case = (&'static str, bool, Journal, &'static [&'static str], Instant, bool);
+        let cases: Vec<Case> = vec![
+            ("both writes came back", true, echo(), AB, soon, true),
+            ("the last write came back", true, last(), AB, soon, true),
+            ("a timer wake, nothing changed", true, changes(&[], &[]), AB, soon, true),
+            ("a renewal that changes nothing read", true, changes(&[], &["Lease"]), AB, soon, true),
+            ("a node's Lease expired", true, changes(&[], &[]), &["a"], soon, false),
+            ("the last round failed something", false, echo(), AB, soon, false),
+            ("the last whole round is too old", true, echo(), AB, late, false),
+            ("someone else wrote it after us", true, changes(&[(&web, Some("13"))], &[]), AB, soon, false),
+            ("another Service changed", true, changes(&[(&db, Some("5"))], &[]), AB, soon, false),
+            ("an EndpointSlice changed", true, changes(&[], &["EndpointSlice"]), AB, soon, false),
+            ("a Service deleted or relisted", true, changes(&[], &["Service"]), AB, soon, false),
+            ("no resourceVersion", true, changes(&[(&web, None)], &[]), AB, soon, false),
         ];
-        for (name, clean, journal, now_view, now, want) in cases {
+        for (name, clean, journal, serving, now, want) in cases {
             state.clean = clean;
-            assert_eq!(state.nothing_to_do(&journal, &now_view, now), want, "{name}");
+            assert_eq!(state.nothing_to_do(&journal, &view(serving), now), want, "{name}");
         }
     }
 }
