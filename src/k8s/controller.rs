@@ -506,7 +506,8 @@ async fn publish_event(
 }
 
 /// The leader's work, whenever the caches change (coalesced) and every couple of seconds (node
-/// Leases expire with time, not with an event).
+/// Leases expire with time, not with an event); no round when it would plan nothing
+/// ([`LeaderState::nothing_to_do`]).
 async fn allocate_loop(
     client: Client,
     mut source: KubeSource,
