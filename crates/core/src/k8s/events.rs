@@ -132,7 +132,7 @@ mod tests {
         (e.0, e.1, e.2.to_string())
     }
 
-    fn b<'e>(e: &'e Ev) -> (&'e &'static str, &'static str, &'e str) {
+    fn b(e: &Ev) -> (&&'static str, &'static str, &str) {
         (&e.0, e.1, e.2)
     }
 
