@@ -88,8 +88,8 @@ impl Agent {
         Agent {
             ns_name: node.name.clone(),
             ns_path: format!("/run/netns/{}", node.name),
-            manifests: tempfile::Builder::new().prefix("nodelb-manifests-").tempdir().unwrap(),
-            state_dir: tempfile::Builder::new().prefix("nodelb-state-").tempdir().unwrap(),
+            manifests: super::cleanup::temp_dir("nodelb-manifests-"),
+            state_dir: super::cleanup::temp_dir("nodelb-state-"),
             extra_args: extra.iter().map(|s| s.to_string()).collect(),
             kube,
             daemonset,

@@ -208,7 +208,7 @@ impl Cluster {
             );
         }
         setup(&api);
-        let kubeconfig_dir = tempfile::Builder::new().prefix("nodelb-kube-").tempdir().unwrap();
+        let kubeconfig_dir = super::cleanup::temp_dir("nodelb-kube-");
         let mut agent_args = vec!["--lease-duration".to_string(), LEASE_DURATION.to_string()];
         agent_args.extend(extra.iter().map(|s| s.to_string()));
         let mut c = Cluster {

@@ -177,7 +177,7 @@ impl ControlPlane {
             client: None,
             audit_from: 0,
             rt,
-            data: tempfile::Builder::new().prefix("nodelb-testkube-").tempdir().unwrap(),
+            data: super::cleanup::temp_dir("nodelb-testkube-"),
         };
         cp.spawn();
         cp
