@@ -532,30 +532,35 @@ async fn allocate_loop(
             deduper = Deduper::default();
             state.clean = false;
         }
+        let stepped_down = was_leader && !leading;
+        if stepped_down {
+            // What only a leader needs (its last round's models, statuses and Events) is let go:
+            // a follower holds no copy of every Service beyond its caches.
+            state.step_down();
+            deduper = Deduper::default();
+            outbox = Outbox::default();
+        }
         was_leader = leading;
         if !source.complete() {
             continue;
         }
-        if leading {
-            let (nodes, leases) = source.nodes_and_leases();
-            let view = LeaseView::of(&nodes, &leases, leases_now(&source, &cfg), &cfg);
-            if state.nothing_to_do(&changes, &view, Instant::now()) {
-                debug!(timer = !changed, services = changes.services.len(), "nothing for a round to do");
-                continue;
-            }
-        }
-        if leading {
-            let others: Vec<&str> = changes.others.iter().copied().collect();
-            debug!(timer = !changed, services = changes.services.len(), others = ?others, "allocation round cause");
-        }
-        // Every agent remembers the Services it saw, so that as leader it knows which were
-        // deleted (their node ports are free) without guessing from one view.
-        if !changes.services.is_empty() || changes.others.contains("Service") {
-            state.observe(&source.snapshot());
-        }
         if !leading {
+            // Every agent remembers the Services it saw, so that as leader it knows which were
+            // deleted (their node ports are free) without guessing from one view. (A leader's
+            // round records them itself, unless it stepped down before its round.)
+            if stepped_down || !changes.services.is_empty() || changes.others.contains("Service") {
+                state.observe(&source.snapshot());
+            }
             continue;
         }
+        let (nodes, leases) = source.nodes_and_leases();
+        let view = LeaseView::of(&nodes, &leases, leases_now(&source, &cfg), &cfg);
+        if state.nothing_to_do(&changes, &view, Instant::now()) {
+            debug!(timer = !changed, services = changes.services.len(), "nothing for a round to do");
+            continue;
+        }
+        let others: Vec<&str> = changes.others.iter().copied().collect();
+        debug!(timer = !changed, services = changes.services.len(), others = ?others, "allocation round cause");
         let mut again = true;
         while again && leadership.get() {
             let events = Events { deduper: &mut deduper, outbox: &mut outbox, recorder: &recorder };
@@ -665,10 +670,20 @@ impl LeaderState {
             && self.lease_view.as_ref() == Some(view)
     }
 
+    /// Forgets what only leading needs (the round memory, the last round's writes and view);
+    /// keeps what every agent records ([`LeaderState::observe`]).
+    pub fn step_down(&mut self) {
+        self.memory = RoundMemory::default();
+        self.echoes = HashMap::new();
+        self.clean = false;
+        self.lease_view = None;
+        self.last_round = None;
+    }
+
     /// Records the Services of a view (see [`claims::Keeper::observe_view`]).
     pub fn observe(&mut self, snap: &KubeSnapshot) {
         let holders: Vec<claims::Holder> = snap.services.iter().map(|s| claims::Holder::of(s)).collect();
-        self.claims.observe_view(&holders);
+        self.claims.observe_view(&holders, Instant::now());
     }
 }
 
@@ -868,7 +883,7 @@ pub async fn leader_round(
     };
     let registry_read = started.elapsed();
     let holders: Vec<claims::Holder> = snap.services.iter().map(|s| claims::Holder::of(s)).collect();
-    state.claims.observe_view(&holders);
+    state.claims.observe_view(&holders, Instant::now());
     let expired = match &registry {
         Some(r) => state.claims.expired(r, &holders, services_current, Instant::now()),
         None => Default::default(),

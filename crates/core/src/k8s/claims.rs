@@ -504,15 +504,33 @@ pub struct Keeper {
     /// Owners seen once and absent since (deleted: a view never loses a Service that still
     /// exists), until no claim names them.
     gone: BTreeSet<Owner>,
+    /// When each of `gone` was found deleted, oldest first: a follower never reads the registry
+    /// (never [`Keeper::forget`]s), so it forgets deletions after [`REMEMBER_GONE`] instead.
+    gone_since: std::collections::VecDeque<(Instant, Owner)>,
     unresolved: BTreeMap<u16, (Claim, Instant)>,
 }
 
+/// How long a deletion is remembered. Forgetting one is safe: a claim of a Service nobody knows
+/// to be deleted is settled after [`GRACE`] like any unresolved claim; remembering only makes
+/// that immediate. A leader forgets a deletion as soon as no claim names it.
+pub const REMEMBER_GONE: Duration = Duration::from_secs(600);
+
 impl Keeper {
-    /// Records the Services of a view.
-    pub fn observe_view(&mut self, holders: &[Holder]) {
-        let now: BTreeSet<Owner> = holders.iter().map(|h| h.owner.clone()).collect();
-        self.gone.extend(self.seen.difference(&now).cloned());
-        self.seen = now;
+    /// Records the Services of a view taken at `now`.
+    pub fn observe_view(&mut self, holders: &[Holder], now: Instant) {
+        let owners: BTreeSet<Owner> = holders.iter().map(|h| h.owner.clone()).collect();
+        for o in self.seen.difference(&owners) {
+            self.gone.insert(o.clone());
+            self.gone_since.push_back((now, o.clone()));
+        }
+        self.seen = owners;
+        while let Some((at, o)) = self.gone_since.front() {
+            if now.saturating_duration_since(*at) < REMEMBER_GONE {
+                break;
+            }
+            self.gone.remove(o);
+            self.gone_since.pop_front();
+        }
     }
 
     /// Whether every claim of the registry, as last seen by [`Keeper::expired`], was resolved.
@@ -529,6 +547,7 @@ impl Keeper {
     pub fn forget(&mut self, registry: &Registry) {
         let named: BTreeSet<&Owner> = registry.iter().map(|(_, c)| &c.owner).collect();
         self.gone.retain(|o| named.contains(o));
+        self.gone_since.retain(|(_, o)| named.contains(o));
     }
 
     /// The claims that have been unresolved (pending, or held by a Service that does not hold
@@ -895,23 +914,40 @@ mod tests {
         let mut k = Keeper::default();
         let a = holder('a', 1, &[20000]);
         let b = holder('b', 1, &[]);
-        k.observe_view(&[a.clone(), b.clone()]);
+        let t0 = Instant::now();
+        k.observe_view(&[a.clone(), b.clone()], t0);
         assert!(k.gone().is_empty());
-        k.observe_view(std::slice::from_ref(&a));
+        k.observe_view(std::slice::from_ref(&a), t0);
         assert_eq!(k.gone(), &BTreeSet::from([owner('b')]));
-        k.observe_view(std::slice::from_ref(&a));
+        k.observe_view(std::slice::from_ref(&a), t0);
         assert_eq!(k.gone(), &BTreeSet::from([owner('b')]), "until no claim names it");
         k.forget(&registry(&[(20001, Claim::held(owner('b')))]));
         assert_eq!(k.gone(), &BTreeSet::from([owner('b')]));
         k.forget(&registry(&[]));
         assert!(k.gone().is_empty());
         let reg = registry(&[(20000, Claim::held(owner('a'))), (20001, Claim::held(owner('a')))]);
-        let t0 = Instant::now();
         let view = std::slice::from_ref(&a);
         assert!(k.expired(&reg, view, true, t0).is_empty(), "20001 unresolved since now");
         assert!(k.expired(&reg, view, true, t0 + GRACE / 2).is_empty());
         assert_eq!(k.expired(&reg, view, true, t0 + GRACE), BTreeSet::from([20001]));
         assert!(k.expired(&reg, view, false, t0 + GRACE * 2).is_empty(), "watch failing");
         assert!(k.expired(&reg, view, true, t0 + GRACE * 2).is_empty(), "and the wait starts over");
+    }
+
+    #[test]
+    fn a_follower_forgets_deletions_with_time() {
+        // A follower never reads the registry, so its memory of deletions is bounded by time.
+        let mut k = Keeper::default();
+        let (a, b, c) = (holder('a', 1, &[]), holder('b', 1, &[]), holder('c', 1, &[]));
+        let t0 = Instant::now();
+        k.observe_view(&[a.clone(), b.clone(), c.clone()], t0);
+        k.observe_view(&[a.clone(), c.clone()], t0);
+        k.observe_view(std::slice::from_ref(&a), t0 + REMEMBER_GONE / 2);
+        assert_eq!(k.gone(), &BTreeSet::from([owner('b'), owner('c')]));
+        k.observe_view(std::slice::from_ref(&a), t0 + REMEMBER_GONE);
+        assert_eq!(k.gone(), &BTreeSet::from([owner('c')]), "b deleted REMEMBER_GONE ago");
+        k.observe_view(std::slice::from_ref(&a), t0 + REMEMBER_GONE * 2);
+        assert!(k.gone().is_empty());
+        assert!(k.gone_since.is_empty());
     }
 }

@@ -457,7 +457,8 @@ fn served<S, V>(round: &Round<'_, S, V>, lb: &LbService, ports: &BTreeMap<PortId
 static NO_PORTS: BTreeMap<PortId, u16> = BTreeMap::new();
 
 /// One Service's write: its annotation, ingress and conditions where they differ from what it
-/// carries; `None` when nothing does. `served`: computed for a valid Service we serve.
+/// carries; `None` when nothing does. `served`: computed exactly for the valid Services
+/// (`idx.valid`), which we serve.
 fn write_for<S, V: Borrow<LbService>>(
     round: &Round<'_, S, V>,
     idx: &Index<'_, V>,
@@ -486,7 +487,7 @@ fn write_for<S, V: Borrow<LbService>>(
                 merge_conditions(cur_conditions, &none, generation, round.now).unwrap_or_default();
             write.status = Some(StatusWrite { ingress: vec![], conditions });
         }
-    } else if let (Some(_), Some(served)) = (idx.valid.get(key), served) {
+    } else if let Some(served) = served {
         let ports = round.allocations.get(key).unwrap_or(&NO_PORTS);
         let value = model::format_port_map(ports);
         let wanted_annotation = if value.is_empty() { None } else { Some(value) };
