@@ -693,6 +693,8 @@ fn soak(a: &Args) -> (String, Vec<String>) {
     if !doubles.is_empty() {
         failures.push(format!("node ports held twice in stored Services: {doubles:?}"));
     }
+    // Taken as the start was, 5 s after the last change.
+    std::thread::sleep(Duration::from_secs(5));
     let rss_end = rss_kib(c.agents[WITNESS].pid()).unwrap_or(0);
     let drift = rss_end as i64 - rss_start as i64;
     if rss_end == 0 || drift > rss_margin(rss_start) as i64 {
