@@ -234,8 +234,8 @@ pub fn age_order<S: Borrow<LbService>>(services: &[S]) -> Vec<&LbService> {
         services.iter().map(|s| (age(s.borrow()), s.borrow())).collect();
     ordered.sort_by(|(age_a, a), (age_b, b)| age_a.cmp(age_b).then_with(|| a.key.cmp(&b.key)));
     // Two objects with one key cannot both be served (the model refuses the second); keep the
-    // allocator total anyway.
-    let mut seen = BTreeSet::new();
+    // allocator total anyway (a hash set: a tree of 10,000 keys was a tenth of the leader's round).
+    let mut seen = std::collections::HashSet::with_capacity(ordered.len());
     ordered.retain(|(_, s)| seen.insert(&s.key));
     ordered.into_iter().map(|(_, s)| s).collect()
 }
@@ -264,10 +264,11 @@ pub fn allocate_with<S: Borrow<LbService>>(
     let ordered = age_order(services);
     let mut table = Table::default();
     let mut result = AllocationResult::default();
-    // Service ports that are settled (allocated, or refused by a conflict), and what each
-    // Service holds, by its position in `ordered`: no key is compared or cloned per port.
-    let mut settled: BTreeSet<(usize, PortId)> = BTreeSet::new();
+    // What each Service holds, and its explicit requests refused in phase 2, by its position in
+    // `ordered`: no key is compared or cloned per port. A port is settled when it holds a number
+    // or its request was refused.
     let mut held: Vec<BTreeMap<PortId, u16>> = vec![BTreeMap::new(); ordered.len()];
+    let mut refused: BTreeSet<(usize, PortId)> = BTreeSet::new();
 
     // Phase 1: allocations that exist (annotation, then state file), oldest Service first. An
     // existing allocation of a port is one of its previous numbers, unless the port now asks
@@ -301,7 +302,6 @@ pub fn allocate_with<S: Borrow<LbService>>(
                 };
                 if usable && table.claim(number, port.id.protocol, &svc.key).is_ok() {
                     held[i].insert(port.id, number);
-                    settled.insert((i, port.id));
                     break;
                 }
             }
@@ -316,30 +316,37 @@ pub fn allocate_with<S: Borrow<LbService>>(
             let Some(wanted) = explicit_request(svc, port.id) else {
                 continue;
             };
-            if !settled.insert((i, port.id)) {
+            if held[i].contains_key(&port.id) || refused.contains(&(i, port.id)) {
                 continue;
             }
-            let (service, id) = (svc.key.clone(), port.id);
+            let id = port.id;
             if !constraints.allows(&svc.key, wanted)
                 && let Some(allowed) = constraints.describe_allowed(&svc.key)
             {
+                let service = svc.key.clone();
                 result.problems.push(AllocProblem::NotAllowed { service, port: id, wanted, allowed });
+                refused.insert((i, id));
                 continue;
             }
             if let Some(by) = constraints.in_use(id.protocol, wanted) {
+                let service = svc.key.clone();
                 result.problems.push(AllocProblem::InUse { service, port: id, wanted, by: by.clone() });
+                refused.insert((i, id));
                 continue;
             }
             match table.claim(wanted, port.id.protocol, &svc.key) {
                 Ok(()) => {
                     held[i].insert(port.id, wanted);
                 }
-                Err(holder) => result.problems.push(AllocProblem::Conflict {
-                    service: svc.key.clone(),
-                    port: port.id,
-                    wanted,
-                    holder,
-                }),
+                Err(holder) => {
+                    result.problems.push(AllocProblem::Conflict {
+                        service: svc.key.clone(),
+                        port: port.id,
+                        wanted,
+                        holder,
+                    });
+                    refused.insert((i, id));
+                }
             }
         }
     }
@@ -352,7 +359,7 @@ pub fn allocate_with<S: Borrow<LbService>>(
         let pool = constraints.pool_of(&svc.key);
         let take: &[PortRange] = pool.map_or(std::slice::from_ref(range), |p| p.take.as_slice());
         for port in &svc.ports {
-            if settled.contains(&(i, port.id)) {
+            if held[i].contains_key(&port.id) || refused.contains(&(i, port.id)) {
                 continue;
             }
             let sibling = [Protocol::Tcp, Protocol::Udp, Protocol::Sctp]
