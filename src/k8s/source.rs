@@ -51,10 +51,11 @@ pub struct KubeSnapshot {
 }
 
 impl KubeSnapshot {
-    /// Changes whenever a Service or EndpointSlice is added, removed or modified (uid +
-    /// resourceVersion of each): what a node programs depends on those only. A relist that
-    /// brings nothing new keeps it, so nothing is recomputed.
-    pub fn fingerprint(&self) -> u64 {
+    /// Changes whenever a Service or EndpointSlice is added or removed, an EndpointSlice is
+    /// modified (uid + resourceVersion), or a Service changes in what a node reads of it
+    /// ([`crate::slim::node_view_hash`]: not its ingress or the leader's other conditions). A
+    /// relist that brings nothing new keeps it, so nothing is recomputed.
+    pub fn fingerprint(&self, views: &mut NodeViews) -> u64 {
         // A sum of each object's hash: the same for any order of the cache, so nothing is
         // sorted (sorting 20,000 uid strings took a node ~10 ms per sync at 10,000 Services).
         fn sum<K: Resource>(objs: &[Arc<K>]) -> u64 {
@@ -67,8 +68,39 @@ impl KubeSnapshot {
                 .fold(0, u64::wrapping_add)
         }
         let mut h = std::collections::hash_map::DefaultHasher::new();
-        (self.services.len(), sum(&self.services), self.slices.len(), sum(&self.slices)).hash(&mut h);
+        let services = views.sum(&self.services);
+        (self.services.len(), services, self.slices.len(), sum(&self.slices)).hash(&mut h);
         h.finish()
+    }
+}
+
+/// Each cached Service's [`crate::slim::node_view_hash`], computed once per object version: kept
+/// by the object's address (the entry holds the object, so no other can have that address
+/// meanwhile) while the cache holds it.
+#[derive(Debug, Default)]
+pub struct NodeViews {
+    by_address: std::collections::HashMap<usize, (Arc<Service>, u64, u64)>,
+    /// Counts the calls: an entry the last call did not see is dropped.
+    round: u64,
+}
+
+impl NodeViews {
+    fn sum(&mut self, services: &[Arc<Service>]) -> u64 {
+        self.round += 1;
+        let round = self.round;
+        let total = services
+            .iter()
+            .map(|s| {
+                let e = self
+                    .by_address
+                    .entry(Arc::as_ptr(s) as usize)
+                    .or_insert_with(|| (Arc::clone(s), crate::slim::node_view_hash(s), round));
+                e.2 = round;
+                e.1
+            })
+            .fold(0, u64::wrapping_add);
+        self.by_address.retain(|_, e| e.2 == round);
+        total
     }
 }
 
@@ -462,13 +494,17 @@ mod tests {
         }
     }
 
-    /// The fingerprint follows every add, removal and modification, and not the cache's order.
+    /// The fingerprint follows every add, removal and modification a node reads, and not the
+    /// cache's order nor a new resourceVersion alone (the leader's status write).
     #[test]
     fn fingerprint_follows_objects_not_order() {
-        let svc = |uid: &str, rv: &str| {
+        // `version`: the generation (a spec change); each object its own resourceVersion.
+        let rv = std::sync::atomic::AtomicU64::new(1);
+        let svc = |uid: &str, version: &str| {
             let mut s = Service::default();
             s.metadata.uid = Some(uid.into());
-            s.metadata.resource_version = Some(rv.into());
+            s.metadata.generation = version.parse().ok();
+            s.metadata.resource_version = Some(rv.fetch_add(1, Ordering::Relaxed).to_string());
             Arc::new(s)
         };
         let snap = |services: Vec<Arc<Service>>| KubeSnapshot {
@@ -479,8 +515,13 @@ mod tests {
             pools: vec![],
             namespaces: vec![],
         };
-        let base = snap(vec![svc("a", "1"), svc("b", "2")]).fingerprint();
-        assert_eq!(snap(vec![svc("b", "2"), svc("a", "1")]).fingerprint(), base, "order");
+        let views = &mut NodeViews::default();
+        let base = snap(vec![svc("a", "1"), svc("b", "2")]).fingerprint(views);
+        assert_eq!(snap(vec![svc("b", "2"), svc("a", "1")]).fingerprint(views), base, "order, new versions");
+        let mut written = Service::clone(&svc("b", "2"));
+        written.status.get_or_insert_default().load_balancer = Some(Default::default());
+        let status_only = snap(vec![svc("a", "1"), Arc::new(written)]).fingerprint(views);
+        assert_eq!(status_only, base, "a status write");
         for (name, services) in [
             ("modified", vec![svc("a", "1"), svc("b", "3")]),
             ("removed", vec![svc("a", "1")]),
@@ -488,7 +529,7 @@ mod tests {
             ("re-created", vec![svc("a", "1"), svc("b2", "2")]),
             ("two swapped versions", vec![svc("a", "2"), svc("b", "1")]),
         ] {
-            assert_ne!(snap(services).fingerprint(), base, "{name}");
+            assert_ne!(snap(services).fingerprint(views), base, "{name}");
         }
     }
 }

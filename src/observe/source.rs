@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::Service;
 
 use crate::desired::{AllocationMode, SourceNotes};
 use crate::k8s::lastgood::LastGoodServices;
-use crate::k8s::source::KubeSource;
+use crate::k8s::source::{KubeSource, NodeViews};
 use crate::manifests::{IgnoredLog, LastGood};
 use crate::model::{ModelOptions, Refusal};
 use crate::observe::dir_watch::{DirWatcher, WatchError};
@@ -67,6 +67,7 @@ pub enum Source {
     Kube {
         source: KubeSource,
         last_good: LastGoodServices,
+        views: NodeViews,
         /// This node (pools select nodes by label) and the flags' range (no pool object).
         node: String,
         port_range: PortRange,
@@ -93,6 +94,7 @@ impl Source {
         Source::Kube {
             source,
             last_good: LastGoodServices::default(),
+            views: NodeViews::default(),
             node,
             port_range,
             pools_last_valid: LastValid::default(),
@@ -155,7 +157,7 @@ impl Source {
                     pools: Some(Box::new(ctx)),
                 }))
             }
-            Source::Kube { source, last_good, node, port_range, pools_last_valid } => {
+            Source::Kube { source, last_good, views, node, port_range, pools_last_valid } => {
                 if !source.complete() {
                     return Ok(Loaded::Waiting);
                 }
@@ -169,7 +171,7 @@ impl Source {
                 );
                 let fingerprint = {
                     let mut h = std::collections::hash_map::DefaultHasher::new();
-                    (snap.fingerprint(), &pools).hash(&mut h);
+                    (snap.fingerprint(views), &pools).hash(&mut h);
                     h.finish()
                 };
                 if known == Some(fingerprint) {

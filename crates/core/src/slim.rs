@@ -166,6 +166,31 @@ fn shrunk<T>(mut v: Vec<T>) -> Vec<T> {
     v
 }
 
+/// A hash of what a node reads of a (slimmed) Service: all of it but its resourceVersion, its
+/// ingress and its conditions, except the leader's refusal of an allocation (its message is the
+/// node's status line). The leader's status writes change none of it, so a node skips the sync
+/// they would cause (a node joining or leaving makes the leader rewrite every Service's ingress).
+pub fn node_view_hash(svc: &Service) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let refused = svc
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| {
+            cs.iter().find(|c| c.type_ == crate::model::CONDITION_ALLOCATED && c.status == "False")
+        })
+        .map(|c| (&c.reason, &c.message));
+    let meta = ObjectMeta { resource_version: None, ..svc.metadata.clone() };
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    // JSON: the k8s-openapi types are not `Hash`; maps serialize in key order.
+    match serde_json::to_vec(&(&meta, &svc.spec, refused)) {
+        Ok(bytes) => bytes.hash(&mut h),
+        // Not serializable (never for these types): a hash no other version shares.
+        Err(_) => (&svc.metadata.uid, &svc.metadata.resource_version).hash(&mut h),
+    }
+    h.finish()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -173,6 +198,8 @@ mod tests {
     use crate::k8s::nodes;
     use crate::k8s::publish::{self, Round};
     use crate::model::{self, LABEL_EXCLUDE_LB, LABEL_SERVICE_NAME, ModelOptions};
+    use k8s_openapi::api::core::v1::{LoadBalancerIngress, LoadBalancerStatus};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
     use serde_json::{Value, json};
 
     /// A Service as the API server returns it, with every field nodelb does not read filled in.
@@ -428,5 +455,86 @@ mod tests {
         assert!(status.images.is_none() && status.conditions.is_none() && slim[0].spec.is_none());
         // Labels stay (pools' nodeSelector); annotations go.
         assert!(slim[0].metadata.labels.is_some() && slim[0].metadata.annotations.is_none());
+    }
+
+    /// The node's view ignores what only the leader's status write changes, and follows
+    /// everything else a node reads.
+    #[test]
+    fn node_view_follows_what_a_node_reads() {
+        let base = || {
+            let mut s = full_service("web", |_| {});
+            s.slim();
+            s
+        };
+        let condition = |status: &str, message: &str| Condition {
+            type_: model::CONDITION_ALLOCATED.into(),
+            status: status.into(),
+            reason: "R".into(),
+            message: message.into(),
+            last_transition_time: Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH),
+            observed_generation: None,
+        };
+        let set_conditions = |s: &mut Service, cs: Vec<Condition>| {
+            s.status.get_or_insert_default().conditions = Some(cs);
+        };
+        let h0 = node_view_hash(&base());
+        let same: Vec<(&str, Box<dyn Fn(&mut Service)>)> = vec![
+            ("resourceVersion", Box::new(|s| s.metadata.resource_version = Some("43".into()))),
+            (
+                "ingress",
+                Box::new(|s| {
+                    s.status.get_or_insert_default().load_balancer = Some(LoadBalancerStatus {
+                        ingress: Some(vec![LoadBalancerIngress {
+                            ip: Some("192.0.2.9".into()),
+                            ..Default::default()
+                        }]),
+                    })
+                }),
+            ),
+            ("Allocated True", Box::new(move |s| set_conditions(s, vec![condition("True", "ok")]))),
+        ];
+        for (name, change) in same {
+            let mut s = base();
+            change(&mut s);
+            assert_eq!(node_view_hash(&s), h0, "{name}");
+        }
+        let refused = |m: &'static str| move |s: &mut Service| set_conditions(s, vec![condition("False", m)]);
+        let mut refused_a = base();
+        refused("no port")(&mut refused_a);
+        let differ: Vec<(&str, Box<dyn Fn(&mut Service)>)> = vec![
+            ("uid", Box::new(|s| s.metadata.uid = Some("other".into()))),
+            ("generation", Box::new(|s| s.metadata.generation = Some(4))),
+            (
+                "label",
+                Box::new(|s| {
+                    s.metadata.labels.get_or_insert_default().insert("team".into(), "b".into());
+                }),
+            ),
+            (
+                "annotation",
+                Box::new(|s| {
+                    s.metadata
+                        .annotations
+                        .get_or_insert_default()
+                        .insert(ANNOTATION_ALLOCATED.into(), "80/TCP=20081".into());
+                }),
+            ),
+            (
+                "deletion",
+                Box::new(|s| {
+                    s.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH))
+                }),
+            ),
+            ("spec", Box::new(|s| s.spec.as_mut().unwrap().external_traffic_policy = Some("Local".into()))),
+            ("Allocated False", Box::new(refused("no port"))),
+        ];
+        for (name, change) in differ {
+            let mut s = base();
+            change(&mut s);
+            assert_ne!(node_view_hash(&s), h0, "{name}");
+        }
+        let mut refused_b = base();
+        refused("range exhausted")(&mut refused_b);
+        assert_ne!(node_view_hash(&refused_a), node_view_hash(&refused_b), "the refusal's message");
     }
 }
