@@ -66,7 +66,8 @@ pub enum Source {
     },
     Kube {
         source: KubeSource,
-        last_good: LastGoodServices,
+        /// Boxed: the largest part of the variant, and only ever used through a reference.
+        last_good: Box<LastGoodServices>,
         views: NodeViews,
         /// This node (pools select nodes by label) and the flags' range (no pool object).
         node: String,
@@ -93,7 +94,7 @@ impl Source {
     pub fn kube(source: KubeSource, node: String, port_range: PortRange) -> Source {
         Source::Kube {
             source,
-            last_good: LastGoodServices::default(),
+            last_good: Box::default(),
             views: NodeViews::default(),
             node,
             port_range,

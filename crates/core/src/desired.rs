@@ -309,7 +309,7 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             let not_taken = not_taken_by.get(&s.key).unwrap_or(&none.1);
             let problems = problems_by.get(&s.key).unwrap_or(&none.2);
             let fault = Faults { problems, endpoints: refused, ports: not_taken };
-            let mut status = service_status(s, ports, &fault, inputs.node, &no_allocation(&s.key));
+            let mut status = service_status(s, ports, &fault, inputs.node, || no_allocation(&s.key));
             status.pool = assignment.as_ref().and_then(|a| a.ranges.get(&s.key)).map(|r| r.pool.clone());
             if let Some(note) = inputs.notes.stale.get(&s.key) {
                 status.reason = Some(match status.reason.take() {
@@ -475,7 +475,7 @@ fn service_status(
     node_ports: &BTreeMap<PortId, u16>,
     fault: &Faults<'_>,
     node: &NodeFacts,
-    no_allocation: &str,
+    no_allocation: impl FnOnce() -> String,
 ) -> ServiceStatus {
     let refused_endpoints = fault.endpoints;
     // Kept (in /status) until the next sync: no spare capacity.
@@ -531,7 +531,7 @@ fn service_status(
     let (state, reason_code, reason) = if !any_allocated && !fault.ports.is_empty() {
         (ServiceState::Refused, Some("node_port_refused"), Some(not_taken()))
     } else if !any_allocated {
-        let reason = if own.is_empty() { no_allocation.to_string() } else { port_problems() };
+        let reason = if own.is_empty() { no_allocation() } else { port_problems() };
         (ServiceState::Refused, Some(problem_code()), Some(reason))
     } else if served.is_empty() {
         let fams: Vec<&str> = svc.families.iter().map(|f| f.name()).collect();
