@@ -478,7 +478,8 @@ mod tests {
             s.status.get_or_insert_default().conditions = Some(cs);
         };
         let h0 = node_view_hash(&base());
-        let same: Vec<(&str, Box<dyn Fn(&mut Service)>)> = vec![
+        type Edit = Box<dyn Fn(&mut Service)>;
+        let same: Vec<(&str, Edit)> = vec![
             ("resourceVersion", Box::new(|s| s.metadata.resource_version = Some("43".into()))),
             (
                 "ingress",
@@ -501,7 +502,7 @@ mod tests {
         let refused = |m: &'static str| move |s: &mut Service| set_conditions(s, vec![condition("False", m)]);
         let mut refused_a = base();
         refused("no port")(&mut refused_a);
-        let differ: Vec<(&str, Box<dyn Fn(&mut Service)>)> = vec![
+        let differ: Vec<(&str, Edit)> = vec![
             ("uid", Box::new(|s| s.metadata.uid = Some("other".into()))),
             ("generation", Box::new(|s| s.metadata.generation = Some(4))),
             (
