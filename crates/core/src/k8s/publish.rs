@@ -411,6 +411,8 @@ struct Index<'r, V> {
     refused: HashMap<&'r ServiceKey, &'r Refusal>,
     problems: HashMap<&'r ServiceKey, Vec<&'r AllocProblem>>,
     refused_endpoints: HashMap<&'r ServiceKey, Vec<&'r RefusedEndpoint>>,
+    /// `round.allocations` hashed: a tree lookup per Service compared ~30 key strings at 50,000.
+    ports: HashMap<&'r ServiceKey, &'r BTreeMap<PortId, u16>>,
 }
 
 impl<'r, V: Borrow<LbService>> Index<'r, V> {
@@ -428,7 +430,12 @@ impl<'r, V: Borrow<LbService>> Index<'r, V> {
             refused: round.refused.iter().map(|r| (r.service(), r)).collect(),
             problems,
             refused_endpoints,
+            ports: round.allocations.iter().collect(),
         }
+    }
+
+    fn ports(&self, key: &ServiceKey) -> Option<&'r BTreeMap<PortId, u16>> {
+        self.ports.get(key).copied()
     }
 
     fn problems(&self, key: &ServiceKey) -> &[&'r AllocProblem] {
@@ -488,7 +495,7 @@ fn write_for<S, V: Borrow<LbService>>(
             write.status = Some(StatusWrite { ingress: vec![], conditions });
         }
     } else if let Some(served) = served {
-        let ports = round.allocations.get(key).unwrap_or(&NO_PORTS);
+        let ports = idx.ports(key).unwrap_or(&NO_PORTS);
         let value = model::format_port_map(ports);
         let wanted_annotation = if value.is_empty() { None } else { Some(value) };
         if annotation_of(svc) != wanted_annotation.as_ref() {
@@ -605,7 +612,7 @@ impl Part {
             _ => false,
         };
         same_model
-            && self.ports.as_ref() == round.allocations.get(key)
+            && self.ports.as_ref() == idx.ports(key)
             && self.problems.iter().eq(idx.problems(key).iter().copied())
             && self.refused.as_ref() == idx.refused.get(key).copied()
             && self.refused_endpoints.iter().eq(idx.refused_endpoints(key).iter().copied())
@@ -645,7 +652,7 @@ pub fn plan_services(
         }
         let key = model::service_key(svc);
         let model = idx.valid.get(&key).map(|m| Arc::clone(m));
-        let ports = round.allocations.get(&key);
+        let ports = idx.ports(&key);
         let served = model.as_ref().map(|lb| served(round, lb, ports.unwrap_or(&NO_PORTS)));
         let own_events = match (&model, &served) {
             (Some(lb), Some(served)) => {
