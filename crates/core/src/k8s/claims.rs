@@ -69,7 +69,9 @@ pub struct Owner(pub String);
 
 impl Owner {
     pub fn of_uid(uid: &str) -> Owner {
-        Owner(uid.chars().filter(char::is_ascii_hexdigit).take(12).collect::<String>().to_ascii_lowercase())
+        // Bytes, not chars: a byte of a multi-byte character is never an ASCII hex digit.
+        let hex = uid.bytes().filter(u8::is_ascii_hexdigit).take(12);
+        Owner(hex.map(|b| char::from(b.to_ascii_lowercase())).collect())
     }
 
     /// The owner of the Service `key` with `uid` (a Service without one, which the API server
@@ -932,6 +934,18 @@ mod tests {
         assert_eq!(k.expired(&reg, view, true, t0 + GRACE), BTreeSet::from([20001]));
         assert!(k.expired(&reg, view, false, t0 + GRACE * 2).is_empty(), "watch failing");
         assert!(k.expired(&reg, view, true, t0 + GRACE * 2).is_empty(), "and the wait starts over");
+    }
+
+    #[test]
+    fn owners_are_the_uids_first_twelve_hex_digits() {
+        for (uid, want) in [
+            ("3F2504E0-4F89-11D3-9A0C-0305E82C3301", "3f2504e04f89"),
+            ("3f2504e0-4f89-11d3-9a0c-0305e82c3301", "3f2504e04f89"),
+            ("é1a-2ßB", "1a2b"),
+            ("", ""),
+        ] {
+            assert_eq!(Owner::of_uid(uid), Owner(want.to_string()), "{uid}");
+        }
     }
 
     #[test]
