@@ -527,15 +527,11 @@ async fn allocate_loop(
         };
         let changes = source.take_changes();
         let leading = leadership.get();
-        if leading && !was_leader {
-            // A new term: re-announce the current state.
-            deduper = Deduper::default();
-            state.clean = false;
-        }
         let stepped_down = was_leader && !leading;
         if stepped_down {
             // What only a leader needs (its last round's models, statuses and Events) is let go:
-            // a follower holds no copy of every Service beyond its caches.
+            // a follower holds no copy of every Service beyond its caches. A new term then
+            // starts as the first does, with nothing announced and no clean round.
             state.step_down();
             deduper = Deduper::default();
             outbox = Outbox::default();
@@ -680,10 +676,12 @@ impl LeaderState {
         self.last_round = None;
     }
 
-    /// Records the Services of a view (see [`claims::Keeper::observe_view`]).
-    pub fn observe(&mut self, snap: &KubeSnapshot) {
+    /// Records the Services of a view (see [`claims::Keeper::observe_view`]); returns what each
+    /// holds, in the view's order.
+    pub fn observe(&mut self, snap: &KubeSnapshot) -> Vec<claims::Holder> {
         let holders: Vec<claims::Holder> = snap.services.iter().map(|s| claims::Holder::of(s)).collect();
         self.claims.observe_view(&holders, Instant::now());
+        holders
     }
 }
 
@@ -882,8 +880,7 @@ pub async fn leader_round(
         }
     };
     let registry_read = started.elapsed();
-    let holders: Vec<claims::Holder> = snap.services.iter().map(|s| claims::Holder::of(s)).collect();
-    state.claims.observe_view(&holders, Instant::now());
+    let holders = state.observe(snap);
     let expired = match &registry {
         Some(r) => state.claims.expired(r, &holders, services_current, Instant::now()),
         None => Default::default(),

@@ -13,7 +13,7 @@ use std::sync::Mutex;
 static OWN_DIRS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
 /// Registers `dir` (a temporary directory this process created) for removal on Ctrl-C/SIGTERM.
-pub fn remove_on_signal(dir: &Path) {
+fn remove_on_signal(dir: &Path) {
     OWN_DIRS.lock().unwrap_or_else(|e| e.into_inner()).push(dir.to_path_buf());
 }
 

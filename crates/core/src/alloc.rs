@@ -240,6 +240,17 @@ pub fn age_order<S: Borrow<LbService>>(services: &[S]) -> Vec<&LbService> {
     ordered.into_iter().map(|(_, s)| s).collect()
 }
 
+/// Whether the port `id` of the `i`th Service (in age order) is settled: it holds a number, or
+/// its explicit request was refused.
+fn settled(
+    held: &[BTreeMap<PortId, u16>],
+    refused: &BTreeSet<(usize, PortId)>,
+    i: usize,
+    id: PortId,
+) -> bool {
+    held[i].contains_key(&id) || refused.contains(&(i, id))
+}
+
 fn explicit_request(svc: &LbService, id: PortId) -> Option<u16> {
     match &svc.port_request {
         PortRequest::Auto => None,
@@ -316,37 +327,30 @@ pub fn allocate_with<S: Borrow<LbService>>(
             let Some(wanted) = explicit_request(svc, port.id) else {
                 continue;
             };
-            if held[i].contains_key(&port.id) || refused.contains(&(i, port.id)) {
+            if settled(&held, &refused, i, port.id) {
                 continue;
             }
-            let id = port.id;
-            if !constraints.allows(&svc.key, wanted)
+            let (service, id) = (|| svc.key.clone(), port.id);
+            let problem = if !constraints.allows(&svc.key, wanted)
                 && let Some(allowed) = constraints.describe_allowed(&svc.key)
             {
-                let service = svc.key.clone();
-                result.problems.push(AllocProblem::NotAllowed { service, port: id, wanted, allowed });
-                refused.insert((i, id));
-                continue;
-            }
-            if let Some(by) = constraints.in_use(id.protocol, wanted) {
-                let service = svc.key.clone();
-                result.problems.push(AllocProblem::InUse { service, port: id, wanted, by: by.clone() });
-                refused.insert((i, id));
-                continue;
-            }
-            match table.claim(wanted, port.id.protocol, &svc.key) {
-                Ok(()) => {
-                    held[i].insert(port.id, wanted);
+                Some(AllocProblem::NotAllowed { service: service(), port: id, wanted, allowed })
+            } else if let Some(by) = constraints.in_use(id.protocol, wanted) {
+                Some(AllocProblem::InUse { service: service(), port: id, wanted, by: by.clone() })
+            } else {
+                match table.claim(wanted, id.protocol, &svc.key) {
+                    Ok(()) => {
+                        held[i].insert(id, wanted);
+                        None
+                    }
+                    Err(holder) => {
+                        Some(AllocProblem::Conflict { service: service(), port: id, wanted, holder })
+                    }
                 }
-                Err(holder) => {
-                    result.problems.push(AllocProblem::Conflict {
-                        service: svc.key.clone(),
-                        port: port.id,
-                        wanted,
-                        holder,
-                    });
-                    refused.insert((i, id));
-                }
+            };
+            if let Some(p) = problem {
+                result.problems.push(p);
+                refused.insert((i, id));
             }
         }
     }
@@ -359,7 +363,7 @@ pub fn allocate_with<S: Borrow<LbService>>(
         let pool = constraints.pool_of(&svc.key);
         let take: &[PortRange] = pool.map_or(std::slice::from_ref(range), |p| p.take.as_slice());
         for port in &svc.ports {
-            if held[i].contains_key(&port.id) || refused.contains(&(i, port.id)) {
+            if settled(&held, &refused, i, port.id) {
                 continue;
             }
             let sibling = [Protocol::Tcp, Protocol::Udp, Protocol::Sctp]

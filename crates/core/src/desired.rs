@@ -602,8 +602,7 @@ fn service_status(
 /// `reason: message` of a Service's `nodelb.io/Allocated` condition when the leader could not
 /// allocate (Kubernetes mode): what a node's status line says for a Service it does not program.
 fn allocation_refused(svc: &Service) -> Option<(ServiceKey, String)> {
-    let conditions = svc.status.as_ref()?.conditions.as_ref()?;
-    let c = conditions.iter().find(|c| c.type_ == model::CONDITION_ALLOCATED && c.status == "False")?;
+    let c = model::refused_allocation(svc)?;
     Some((model::service_key(svc), format!("{}: {}", c.reason, c.message)))
 }
 

@@ -172,14 +172,7 @@ fn shrunk<T>(mut v: Vec<T>) -> Vec<T> {
 /// they would cause (a node joining or leaving makes the leader rewrite every Service's ingress).
 pub fn node_view_hash(svc: &Service) -> u64 {
     use std::hash::{Hash, Hasher};
-    let refused = svc
-        .status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .and_then(|cs| {
-            cs.iter().find(|c| c.type_ == crate::model::CONDITION_ALLOCATED && c.status == "False")
-        })
-        .map(|c| (&c.reason, &c.message));
+    let refused = crate::model::refused_allocation(svc).map(|c| (&c.reason, &c.message));
     let meta = ObjectMeta { resource_version: None, ..svc.metadata.clone() };
     let mut h = std::collections::hash_map::DefaultHasher::new();
     // JSON: the k8s-openapi types are not `Hash`; maps serialize in key order.

@@ -75,6 +75,9 @@ impl LastGoodServices {
                     let same = g.metadata.uid == svc.metadata.uid
                         && g.metadata.resource_version == svc.metadata.resource_version;
                     if same {
+                        // The same version, maybe another object after a relist: the one
+                        // remembered is the one passed on by address.
+                        *g = Arc::clone(&object);
                         *seen = round;
                     }
                     same
@@ -86,9 +89,9 @@ impl LastGoodServices {
             };
             match refusal {
                 None => {
-                    // Also when unchanged (the same version, maybe another object after a
-                    // relist): the object remembered is the one passed on by address.
-                    self.good.insert(key, (Arc::clone(&object), round));
+                    if !unchanged {
+                        self.good.insert(key, (Arc::clone(&object), round));
+                    }
                     self.passed.insert(address, (Arc::clone(&object), round, true));
                     out.services.push(object);
                 }
