@@ -18,7 +18,7 @@ pub mod serve;
 /// The pure core (`crates/core`), under the paths the agent and the tests name it by.
 pub use nodelb_core::{
     alloc, compact, counters, desired, domain, endpoint_policy, hairpin, hostfw, ir, kernel_support,
-    manifests, model, model_cache, plan, pool, port_policy, replan, report, servicelb, slim,
+    manifests, model, model_cache, per_object, plan, pool, port_policy, replan, report, servicelb, slim,
 };
 /// Test oracles: the packet tracer and the planner's model of the kernel (feature `testing`).
 #[cfg(any(test, feature = "testing"))]

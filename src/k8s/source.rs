@@ -74,32 +74,19 @@ impl KubeSnapshot {
     }
 }
 
-/// Each cached Service's [`crate::slim::node_view_hash`], computed once per object version: kept
-/// by the object's address (the entry holds the object, so no other can have that address
-/// meanwhile) while the cache holds it.
+/// Each cached Service's [`crate::slim::node_view_hash`], computed once per object version (kept
+/// while the cache holds the object).
 #[derive(Debug, Default)]
-pub struct NodeViews {
-    by_address: std::collections::HashMap<usize, (Arc<Service>, u64, u64)>,
-    /// Counts the calls: an entry the last call did not see is dropped.
-    round: u64,
-}
+pub struct NodeViews(crate::per_object::PerObject<Service, u64>);
 
 impl NodeViews {
     fn sum(&mut self, services: &[Arc<Service>]) -> u64 {
-        self.round += 1;
-        let round = self.round;
+        self.0.begin();
         let total = services
             .iter()
-            .map(|s| {
-                let e = self
-                    .by_address
-                    .entry(Arc::as_ptr(s) as usize)
-                    .or_insert_with(|| (Arc::clone(s), crate::slim::node_view_hash(s), round));
-                e.2 = round;
-                e.1
-            })
+            .map(|s| *self.0.get_or_insert_with(s, || crate::slim::node_view_hash(s)))
             .fold(0, u64::wrapping_add);
-        self.by_address.retain(|_, e| e.2 == round);
+        self.0.end();
         total
     }
 }

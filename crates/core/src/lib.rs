@@ -10,7 +10,7 @@
 //!   [`desired`] (one sync's decision), [`plan`] → [`ir`] (the ruleset), [`hairpin`], [`hostfw`]
 //!   (the host firewall diagnosis), [`kernel_support`] (what the kernel must have).
 //! - Only what changed, between syncs: [`model_cache`] (each Service's model), [`replan`] (the
-//!   ruleset patched per Service).
+//!   ruleset patched per Service), [`per_object`] (values kept per unchanged object).
 //! - What to report: [`counters`], [`report`].
 //! - Test oracles (feature `testing`): [`simulate`], [`trace`].
 
@@ -28,6 +28,7 @@ pub mod kernel_support;
 pub mod manifests;
 pub mod model;
 pub mod model_cache;
+pub mod per_object;
 pub mod plan;
 pub mod pool;
 pub mod port_policy;

@@ -12,6 +12,7 @@ use k8s_openapi::api::core::v1::Service;
 
 use crate::domain::ServiceKey;
 use crate::model::{self, ANNOTATION_ALLOCATED, ModelOptions, Refusal};
+use crate::per_object::PerObject;
 
 #[derive(Debug, Default)]
 pub struct LastGoodServices {
@@ -19,12 +20,10 @@ pub struct LastGoodServices {
     /// with the last [`LastGoodServices::apply`] that saw its key. Shared with the cache it came
     /// from: remembering it copies nothing.
     good: HashMap<ServiceKey, (Arc<Service>, u64)>,
-    /// The objects the last call passed on as they are (not ours, or valid: `true`), by address,
-    /// with the last call that saw each: the very same object again is passed on without a look at
-    /// it (no key built and hashed, no field read: at 10,000 Services in Kubernetes mode this
-    /// call was a twelfth of the agent's CPU). The entry holds the object, so no other object
-    /// can have its address meanwhile.
-    passed: HashMap<usize, (Arc<Service>, u64, bool)>,
+    /// The objects the last call passed on as they are (not ours, or valid: `true`): the very
+    /// same object again is passed on without a look at it (no key built and hashed, no field
+    /// read: at 10,000 Services in Kubernetes mode this call was a twelfth of the agent's CPU).
+    passed: PerObject<Service, bool>,
     /// The options `passed` was decided with.
     opts: Option<ModelOptions>,
     /// Counts the calls of [`LastGoodServices::apply`]: what a call did not see is forgotten.
@@ -48,6 +47,7 @@ impl LastGoodServices {
         let mut out = Substituted::default();
         self.round += 1;
         let round = self.round;
+        self.passed.begin();
         if self.opts.as_ref() != Some(opts) {
             self.passed.clear();
             self.opts = Some(opts.clone());
@@ -55,15 +55,13 @@ impl LastGoodServices {
         for shared in services {
             // Shared objects stay shared; an owned one becomes a new object (never found below).
             let object: Arc<Service> = shared.clone().into();
-            let address = Arc::as_ptr(&object) as usize;
-            if let Some((_, seen, _)) = self.passed.get_mut(&address) {
-                *seen = round;
+            if self.passed.get(&object).is_some() {
                 out.services.push(object);
                 continue;
             }
             let svc: &Service = &object;
             if !model::is_ours(svc, opts) {
-                self.passed.insert(address, (Arc::clone(&object), round, false));
+                self.passed.insert(&object, false);
                 out.services.push(object);
                 continue;
             }
@@ -92,7 +90,7 @@ impl LastGoodServices {
                     if !unchanged {
                         self.good.insert(key, (Arc::clone(&object), round));
                     }
-                    self.passed.insert(address, (Arc::clone(&object), round, true));
+                    self.passed.insert(&object, true);
                     out.services.push(object);
                 }
                 Some(refusal) => {
@@ -120,11 +118,9 @@ impl LastGoodServices {
         }
         // Gone, or replaced by a Service never seen valid: forgotten. (A valid object passed on
         // by address is the one its key remembers.)
-        self.passed.retain(|_, (_, seen, _)| *seen == round);
+        self.passed.end();
         let passed = &self.passed;
-        self.good.retain(|_, (good, seen)| {
-            *seen == round || passed.get(&(Arc::as_ptr(good) as usize)).is_some_and(|(_, _, valid)| *valid)
-        });
+        self.good.retain(|_, (good, seen)| *seen == round || passed.peek(good).is_some_and(|valid| *valid));
         out
     }
 }

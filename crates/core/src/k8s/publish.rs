@@ -15,6 +15,7 @@ use crate::alloc::{AllocProblem, Allocations};
 use crate::domain::{Family, PortId, ServiceKey};
 use crate::endpoint_policy::{self, RefusedEndpoint};
 use crate::model::{self, ANNOTATION_ALLOCATED, LbService, ModelOptions, Refusal, TrafficPolicy};
+use crate::per_object::PerObject;
 use crate::plan;
 
 use super::dupes::Duplicate;
@@ -557,11 +558,8 @@ pub fn plan_writes<S: Borrow<Service>, V: Borrow<LbService>>(round: &Round<'_, S
 pub struct Published {
     /// The round's inputs shared by every Service, as of the kept parts.
     shared: Option<Shared>,
-    /// By the address of the Service object (held in the part: no other object can have it
-    /// meanwhile), so that finding a part builds no key.
-    parts: HashMap<usize, Part>,
-    /// Counts the rounds: a part no round saw is dropped.
-    round: u64,
+    /// By Service object: finding a part builds no key.
+    parts: PerObject<Service, Part>,
     /// How many parts the last round took from the one before.
     reused: usize,
 }
@@ -584,11 +582,6 @@ struct Shared {
 #[derive(Debug)]
 struct Part {
     key: ServiceKey,
-    /// The last round that saw it.
-    seen: u64,
-    /// Held, never read: while it lives, no other object has the address that keys the part.
-    #[expect(dead_code, reason = "held for its address")]
-    service: Arc<Service>,
     model: Option<Arc<LbService>>,
     ports: Option<BTreeMap<PortId, u16>>,
     problems: Vec<AllocProblem>,
@@ -640,13 +633,10 @@ pub fn plan_services(
     let idx = Index::of(round);
     let (mut writes, mut events) = (Vec::new(), Vec::new());
     kept.reused = 0;
-    kept.round += 1;
-    let this_round = kept.round;
+    kept.parts.begin();
     for svc in round.services {
-        let address = Arc::as_ptr(svc) as usize;
-        if let Some(part) = kept.parts.get_mut(&address).filter(|p| p.same_inputs(round, &idx)) {
+        if let Some(part) = kept.parts.get(svc).filter(|p| p.same_inputs(round, &idx)) {
             events.extend(part.events.iter().cloned());
-            part.seen = this_round;
             kept.reused += 1;
             continue;
         }
@@ -662,11 +652,13 @@ pub fn plan_services(
         };
         events.extend(own_events.iter().cloned());
         match write_for(round, &idx, svc, &key, served) {
-            Some(write) => writes.push(write),
+            Some(write) => {
+                // The write changes the Service: its next object is computed anew.
+                kept.parts.remove(svc);
+                writes.push(write);
+            }
             None => {
                 let part = Part {
-                    seen: this_round,
-                    service: Arc::clone(svc),
                     model,
                     ports: ports.cloned(),
                     problems: idx.problems(&key).iter().map(|p| (*p).clone()).collect(),
@@ -677,12 +669,12 @@ pub fn plan_services(
                     events: own_events,
                     key,
                 };
-                kept.parts.insert(address, part);
+                kept.parts.insert(svc, part);
             }
         }
     }
-    // Gone, replaced by a newer object, or written.
-    kept.parts.retain(|_, p| p.seen == this_round);
+    // Gone, or replaced by a newer object.
+    kept.parts.end();
     writes.sort_by(|a, b| a.key.cmp(&b.key));
     events.extend(round_events(round, duplicates));
     (writes, merge_events(events))

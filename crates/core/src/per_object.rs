@@ -1,0 +1,157 @@
+//! Values kept per shared object (`Arc`) while the object is still seen: what the caches'
+//! unchanged objects already cost once is not computed again. Kept by the object's address, not
+//! by a key built from it, so that finding a value hashes one word and reads no field of the
+//! object (at 10,000 Services, building and hashing keys was a visible share of every round). The
+//! entry holds the object, so no other object can have its address while the value is kept; an
+//! object replaced by a newer version (another `Arc`) simply finds nothing.
+//!
+//! Used in passes: [`PerObject::begin`], then [`PerObject::get`] / [`PerObject::insert`] for each
+//! object of the pass, then [`PerObject::end`] forgets the objects the pass did not see (gone, or
+//! replaced by a newer version).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+#[derive(Debug)]
+pub struct PerObject<T, V> {
+    entries: HashMap<usize, Entry<T, V>>,
+    /// Counts the passes; an entry remembers the last pass that saw it.
+    pass: u64,
+}
+
+#[derive(Debug)]
+struct Entry<T, V> {
+    /// Held, never read: while it lives, no other object has the address that keys the entry.
+    #[expect(dead_code, reason = "held for its address")]
+    object: Arc<T>,
+    seen: u64,
+    value: V,
+}
+
+impl<T, V> Default for PerObject<T, V> {
+    fn default() -> Self {
+        PerObject { entries: HashMap::new(), pass: 0 }
+    }
+}
+
+fn address<T>(object: &Arc<T>) -> usize {
+    Arc::as_ptr(object) as usize
+}
+
+impl<T, V> PerObject<T, V> {
+    /// Starts a pass.
+    pub fn begin(&mut self) {
+        self.pass += 1;
+    }
+
+    /// Forgets every object this pass did not see.
+    pub fn end(&mut self) {
+        let pass = self.pass;
+        self.entries.retain(|_, e| e.seen == pass);
+    }
+
+    /// The value kept for this very object, which this pass has now seen.
+    pub fn get(&mut self, object: &Arc<T>) -> Option<&mut V> {
+        let pass = self.pass;
+        self.entries.get_mut(&address(object)).map(|e| {
+            e.seen = pass;
+            &mut e.value
+        })
+    }
+
+    /// The value kept for this very object, without counting it as seen.
+    pub fn peek(&self, object: &Arc<T>) -> Option<&V> {
+        self.entries.get(&address(object)).map(|e| &e.value)
+    }
+
+    /// Keeps `value` for `object` (seen by this pass), replacing what was kept.
+    pub fn insert(&mut self, object: &Arc<T>, value: V) -> &mut V {
+        let entry = Entry { object: Arc::clone(object), seen: self.pass, value };
+        match self.entries.entry(address(object)) {
+            std::collections::hash_map::Entry::Occupied(mut o) => {
+                o.insert(entry);
+                &mut o.into_mut().value
+            }
+            std::collections::hash_map::Entry::Vacant(v) => &mut v.insert(entry).value,
+        }
+    }
+
+    /// The value kept for `object`, computed by `compute` if there is none (seen by this pass).
+    pub fn get_or_insert_with(&mut self, object: &Arc<T>, compute: impl FnOnce() -> V) -> &mut V {
+        let pass = self.pass;
+        let e = self.entries.entry(address(object)).or_insert_with(|| Entry {
+            object: Arc::clone(object),
+            seen: pass,
+            value: compute(),
+        });
+        e.seen = pass;
+        &mut e.value
+    }
+
+    /// Forgets `object` now (its value no longer holds).
+    pub fn remove(&mut self, object: &Arc<T>) {
+        self.entries.remove(&address(object));
+    }
+
+    pub fn clear(&mut self) {
+        self.entries.clear();
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pass_keeps_what_it_saw_and_forgets_the_rest() {
+        let (a, b) = (Arc::new("a".to_string()), Arc::new("b".to_string()));
+        let mut kept = PerObject::default();
+        kept.begin();
+        kept.insert(&a, 1);
+        *kept.get_or_insert_with(&b, || 2) += 10;
+        kept.end();
+        assert_eq!((kept.peek(&a), kept.peek(&b)), (Some(&1), Some(&12)));
+
+        // An equal but other object (a newer version of the same thing) finds nothing.
+        let a2 = Arc::new("a".to_string());
+        assert_eq!(kept.peek(&a2), None);
+
+        // Seen by get, b by nothing: b is forgotten, a kept; peek does not count as seen.
+        kept.begin();
+        assert_eq!(kept.get(&a).copied(), Some(1));
+        assert_eq!(kept.peek(&b), Some(&12));
+        assert_eq!(*kept.get_or_insert_with(&a2, || 3), 3);
+        kept.end();
+        assert_eq!((kept.peek(&a), kept.peek(&b), kept.peek(&a2), kept.len()), (Some(&1), None, Some(&3), 2));
+
+        // Removed now; replaced by insert; a pass that sees nothing forgets everything.
+        kept.begin();
+        kept.remove(&a);
+        assert_eq!(kept.get(&a), None);
+        kept.insert(&a2, 4);
+        assert_eq!(kept.peek(&a2), Some(&4));
+        kept.begin();
+        kept.end();
+        assert!(kept.is_empty());
+    }
+
+    #[test]
+    fn a_kept_object_lives_as_long_as_its_entry() {
+        let a = Arc::new(7u32);
+        let mut kept = PerObject::default();
+        kept.begin();
+        kept.insert(&a, ());
+        assert_eq!(Arc::strong_count(&a), 2);
+        kept.begin();
+        kept.end();
+        assert_eq!(Arc::strong_count(&a), 1);
+    }
+}
