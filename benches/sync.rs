@@ -14,7 +14,8 @@
 //! model, allocation, claims, status and Events of every Service, then which Events to record),
 //! on Services that already carry what an earlier round wrote (so a round writes only the
 //! changed Service), two Nodes with their Leases; median of `--changes` rounds, one Service
-//! added or removed each.
+//! added or removed each. `--hash-order` (with `--leader`): the objects in the order a reflector's
+//! store gives them (a fixed shuffle), as the agent's round gets them, not in key order.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -237,11 +238,27 @@ fn written(services: &[Arc<Service>], writes: &[ServiceWrite]) -> Vec<Arc<Servic
         .collect()
 }
 
+/// `v` in a fixed pseudo-random order: the order of a reflector's store (a hash map), which is
+/// what the agent's Kubernetes source hands over, where a manifest file gives key order.
+fn hash_order<T>(v: &mut [T]) {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    for i in (1..v.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+}
+
 fn leader(args: &ProgramArgs) {
     let n = args.number("--services", 10_000);
     let (endpoints, changes) = (args.number("--endpoints", 5), args.number("--changes", 20));
     let text: String = (0..n).map(|i| service(i, endpoints).render()).collect();
-    let (mut services, slices) = objects(&text);
+    let (mut services, mut slices) = objects(&text);
+    if args.flag("--hash-order") {
+        hash_order(&mut services);
+        hash_order(&mut slices);
+    }
     let (extra_svc, extra_slices) = objects(&service(n, endpoints).render());
     let (nodes, leases): (Vec<_>, Vec<_>) = (1..=2).map(node_and_lease).unzip();
     let cfg = ControllerConfig {

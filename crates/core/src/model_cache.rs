@@ -140,17 +140,24 @@ impl ModelCache {
             .filter(|s| model::is_ours(s, ctx.opts))
             .map(|s| (model::borrowed_key(&s.metadata.namespace, s.metadata.name.as_deref()), s))
             .collect();
-        // Stable: of two objects with one key the first is served, as `model::build` does.
+        // As a stable sort: of two objects with one key the first is served, as `model::build`
+        // does. The references point into `services`, so their addresses are the input order:
+        // the unstable sort with that tie-break gives the stable order, without the stable
+        // sort's buffer and merges (the Kubernetes source hands over a reflector's hash order).
         if !ours.is_sorted_by(|a, b| a.0 <= b.0) {
-            ours.sort_by(|a, b| a.0.cmp(&b.0));
+            ours.sort_unstable_by(|a, b| {
+                a.0.cmp(&b.0).then_with(|| std::ptr::from_ref(a.1).cmp(&std::ptr::from_ref(b.1)))
+            });
         }
-        // Each slice with its Service's key, in key order (the sources' order usually is; a stable
-        // sort keeps each Service's slices in input order, as `model::build` takes them): one
-        // vector walked next to the Services, no map or list per Service.
+        // Each slice with its Service's key, in key order (the sources' order usually is; sorted
+        // as the Services are, each Service's slices stay in input order, as `model::build`
+        // takes them): one vector walked next to the Services, no map or list per Service.
         let mut keyed: Vec<KeyedSlice<'_>> =
             slices.iter().filter_map(|s| Some((model::slice_service(s)?, s))).collect();
         if !keyed.is_sorted_by(|a, b| a.0 <= b.0) {
-            keyed.sort_by(|a, b| a.0.cmp(&b.0));
+            keyed.sort_unstable_by(|a, b| {
+                a.0.cmp(&b.0).then_with(|| std::ptr::from_ref(a.1).cmp(&std::ptr::from_ref(b.1)))
+            });
         }
         let mut keyed = keyed.as_slice();
         // The ages, walked in key order too.
@@ -234,20 +241,58 @@ mod tests {
     use super::*;
 
     fn objects(name: &str, endpoint: &str) -> (Arc<Service>, Arc<EndpointSlice>) {
-        let svc = serde_json::from_value(serde_json::json!({
-            "metadata": {"name": name, "namespace": "default"},
-            "spec": {"type": "LoadBalancer", "ports": [{"name": "p", "port": 80}]}
-        }))
-        .expect("service");
-        let slice = serde_json::from_value(serde_json::json!({
-            "metadata": {"name": format!("{name}-1"), "namespace": "default",
-                         "labels": {model::LABEL_SERVICE_NAME: name}},
-            "addressType": "IPv4",
-            "ports": [{"name": "p", "port": 8080}],
-            "endpoints": [{"addresses": [endpoint]}]
-        }))
-        .expect("slice");
-        (Arc::new(svc), Arc::new(slice))
+        (service(name, 80), slice(name, &format!("{name}-1"), endpoint))
+    }
+
+    fn service(name: &str, port: u16) -> Arc<Service> {
+        Arc::new(
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name, "namespace": "default"},
+                "spec": {"type": "LoadBalancer", "ports": [{"name": "p", "port": port}]}
+            }))
+            .expect("service"),
+        )
+    }
+
+    fn slice(service: &str, name: &str, endpoint: &str) -> Arc<EndpointSlice> {
+        Arc::new(
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name, "namespace": "default",
+                             "labels": {model::LABEL_SERVICE_NAME: service}},
+                "addressType": "IPv4",
+                "ports": [{"name": "p", "port": 8080}],
+                "endpoints": [{"addresses": [endpoint]}]
+            }))
+            .expect("slice"),
+        )
+    }
+
+    /// Inputs out of key order (the Kubernetes source hands over a reflector's hash order) are
+    /// taken as [`build`] takes them: of two objects with one key the first is served, whichever
+    /// of the two it is, and each Service's slices are taken in input order.
+    #[test]
+    fn inputs_out_of_key_order_are_taken_as_build_takes_them() {
+        let opts = ModelOptions::default();
+        let (policy, addresses, since) =
+            (EndpointPolicy::default(), HostAddresses::default(), BTreeMap::new());
+        let ctx = ModelContext { opts: &opts, since: &since, addresses: &addresses, policy: &policy };
+        let (a80, a81, b, c) = (service("a", 80), service("a", 81), service("b", 80), service("c", 80));
+        let (a_1, a_2) = (slice("a", "a-1", "198.51.100.11"), slice("a", "a-2", "198.51.100.12"));
+        let (b_1, c_1) = (slice("b", "b-1", "198.51.100.13"), slice("c", "c-1", "198.51.100.14"));
+        let mut cache = ModelCache::new();
+        let cases = [
+            (vec![&c, &a80, &b, &a81], vec![&b_1, &a_2, &c_1, &a_1], 80),
+            (vec![&c, &a81, &b, &a80], vec![&a_1, &c_1, &b_1, &a_2], 81),
+            (vec![&a80, &c, &a81, &b], vec![&c_1, &a_1, &a_2, &b_1], 80),
+        ];
+        for (services, slices, served) in cases {
+            let services: Vec<Arc<Service>> = services.into_iter().cloned().collect();
+            let slices: Vec<Arc<EndpointSlice>> = slices.into_iter().cloned().collect();
+            let got = cache.build(&services, &slices, &ctx);
+            assert_eq!(got, super::build(&services, &slices, &ctx), "{served}: as built afresh");
+            let a = got.services.iter().find(|m| m.key == ServiceKey::new("default", "a")).expect("a");
+            assert_eq!(a.ports[0].id.port, served, "the first object of the key is served");
+        }
     }
 
     /// Each reason to build a Service's model again, and only those: the cache hands out the

@@ -251,15 +251,18 @@ pub struct Screened {
     pub lost: Vec<(ServiceKey, u16)>,
 }
 
-/// Who holds each number in `holders`, oldest first.
+/// Who holds each number in `holders`, oldest first. Only a number held twice needs ordering:
+/// sorting every holder by age (a round's whole view, in a reflector's order) was a sixth of the
+/// leader's sorting at 10,000 Services.
 fn holders_by_number(holders: &[Holder]) -> BTreeMap<u16, Vec<&Holder>> {
-    let mut ordered: Vec<&Holder> = holders.iter().collect();
-    ordered.sort_by(|a, b| Holder::older_first(a, b));
     let mut out: BTreeMap<u16, Vec<&Holder>> = BTreeMap::new();
-    for h in ordered {
+    for h in holders {
         for n in &h.numbers {
             out.entry(*n).or_default().push(h);
         }
+    }
+    for hs in out.values_mut().filter(|hs| hs.len() > 1) {
+        hs.sort_by(|a, b| Holder::older_first(a, b));
     }
     out
 }
@@ -844,6 +847,26 @@ mod tests {
                 "two hold a number the younger claims: the claim moves to the older",
                 registry(&[(20000, Claim::held(owner('b')))]),
                 vec![a.clone(), b_dup.clone()],
+                vec![],
+                vec![],
+                vec![],
+                Some(Claims::from([(20000, Claim::held(owner('a')))])),
+                false,
+            ),
+            (
+                "the same, the younger seen first (a reflector's order): the older still keeps it",
+                registry(&[(20000, Claim::held(owner('b')))]),
+                vec![b_dup.clone(), a.clone()],
+                vec![],
+                vec![],
+                vec![],
+                Some(Claims::from([(20000, Claim::held(owner('a')))])),
+                false,
+            ),
+            (
+                "two hold a number nobody claims, the younger seen first: the older claims it",
+                registry(&[]),
+                vec![b_dup.clone(), a.clone()],
                 vec![],
                 vec![],
                 vec![],

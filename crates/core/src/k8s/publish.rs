@@ -852,7 +852,8 @@ fn round_events<S, V>(round: &Round<'_, S, V>, duplicates: &[Duplicate]) -> Vec<
 /// Sorted, one Event per Service and reason (two ports in conflict are one message): the
 /// deduper remembers one message per (Service, reason), so two would be re-sent every round.
 fn merge_events(mut out: Vec<ServiceEvent>) -> Vec<ServiceEvent> {
-    out.sort();
+    // Unstable is exact here: equal Events are the same in every field (and deduplicated).
+    out.sort_unstable();
     out.dedup();
     let mut merged: Vec<ServiceEvent> = Vec::with_capacity(out.len());
     for e in out {
