@@ -38,7 +38,7 @@ use nodelb::desired::{self, AllocationMode, HostFacts, HostPolicy, Inputs, Sourc
 use nodelb::domain::Family;
 use nodelb::domain::ServiceKey;
 use nodelb::ir::Ruleset;
-use nodelb::k8s::claims::{Holder, Registry, Token};
+use nodelb::k8s::claims::{Registry, Token};
 use nodelb::k8s::controller::{
     ClaimInputs, ControllerConfig, RoundMemory, event_key, events_to_send, plan_round,
 };
@@ -286,7 +286,8 @@ fn leader(args: &ProgramArgs) {
             namespaces: Vec::new(),
         };
         let t = Instant::now();
-        let holders: Vec<Holder> = snap.services.iter().map(|s| Holder::of(s)).collect();
+        // Kept per object between rounds, in the round memory, as the agent's round does.
+        let holders = memory.holders.of_view(&snap.services);
         let plan = plan_round(&snap, &cfg, &mut memory, &holders, Some(now), now, &claims);
         // The Events to record, each recorded (as when the API accepts them).
         for e in events_to_send(&mut deduper, &mut outbox, &plan.events, |_| true) {

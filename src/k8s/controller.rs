@@ -9,6 +9,7 @@
 //!   [`super::publish::plan_writes`] → merge patches with a `metadata.resourceVersion`
 //!   precondition (409 ⇒ retried on the next round), Events deduplicated per change.
 
+use std::borrow::Borrow;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -616,6 +617,8 @@ pub struct RoundMemory {
     /// Each Service's status and Events, kept while its inputs are the same
     /// ([`publish::plan_services`]).
     pub published: publish::Published,
+    /// Each Service's registry holder ([`claims::Holders`]).
+    pub holders: claims::Holders,
 }
 
 /// What a leader keeps between rounds.
@@ -676,10 +679,17 @@ impl LeaderState {
         self.last_round = None;
     }
 
-    /// Records the Services of a view (see [`claims::Keeper::observe_view`]); returns what each
-    /// holds, in the view's order.
-    pub fn observe(&mut self, snap: &KubeSnapshot) -> Vec<claims::Holder> {
+    /// Records the Services of a view (see [`claims::Keeper::observe_view`]), as a follower:
+    /// nothing is kept of them but their owners.
+    pub fn observe(&mut self, snap: &KubeSnapshot) {
         let holders: Vec<claims::Holder> = snap.services.iter().map(|s| claims::Holder::of(s)).collect();
+        self.claims.observe_view(&holders, Instant::now());
+    }
+
+    /// [`LeaderState::observe`] for a round: returns what each Service holds, in the view's
+    /// order, each holder kept per object in the round memory.
+    fn observe_for_round(&mut self, snap: &KubeSnapshot) -> Vec<Arc<claims::Holder>> {
+        let holders = self.memory.holders.of_view(&snap.services);
         self.claims.observe_view(&holders, Instant::now());
         holders
     }
@@ -723,11 +733,11 @@ pub struct ClaimInputs<'a> {
 /// left ([`RoundMemory`]). `holders`: what each Service of `snap` holds ([`claims::Holder::of`],
 /// in `snap`'s order). `leases_now`: the time to judge node-Lease expiry by, `None` while the
 /// Lease cache may be behind (see [`nodes::serving_nodes`]).
-pub fn plan_round(
+pub fn plan_round<H: Borrow<claims::Holder>>(
     snap: &KubeSnapshot,
     cfg: &ControllerConfig,
     memory: &mut RoundMemory,
-    holders: &[claims::Holder],
+    holders: &[H],
     leases_now: Option<Timestamp>,
     now: Timestamp,
     registry: &ClaimInputs<'_>,
@@ -810,7 +820,8 @@ pub fn plan_round(
     };
     let (mut writes, mut events) = publish::plan_services(&round, &duplicates, &mut memory.published);
     // The registry side of the annotation writes.
-    let by_key: BTreeMap<&ServiceKey, &claims::Holder> = holders.iter().map(|h| (&h.key, h)).collect();
+    let by_key: BTreeMap<&ServiceKey, &claims::Holder> =
+        holders.iter().map(Borrow::borrow).map(|h: &claims::Holder| (&h.key, h)).collect();
     let changes: Vec<claims::AnnotationChange<'_>> = writes
         .iter()
         .filter_map(|w| {
@@ -880,7 +891,7 @@ pub async fn leader_round(
         }
     };
     let registry_read = started.elapsed();
-    let holders = state.observe(snap);
+    let holders = state.observe_for_round(snap);
     let expired = match &registry {
         Some(r) => state.claims.expired(r, &holders, services_current, Instant::now()),
         None => Default::default(),
