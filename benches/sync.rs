@@ -14,8 +14,8 @@
 //! model, allocation, claims, status and Events of every Service, then which Events to record),
 //! on Services that already carry what an earlier round wrote (so a round writes only the
 //! changed Service), two Nodes with their Leases; median of `--changes` rounds, one Service
-//! added or removed each. `--hash-order` (with `--leader`): the objects in the order a reflector's
-//! store gives them (a fixed shuffle), as the agent's round gets them, not in key order.
+//! added or removed each. `--hash-order`: the objects in the order a reflector's store gives them
+//! (a fixed shuffle), as the agent gets them in Kubernetes mode, not in key order.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -83,7 +83,11 @@ fn main() {
     let n = args.number("--services", 10_000);
     let (endpoints, changes) = (args.number("--endpoints", 5), args.number("--changes", 20));
     let text: String = (0..n).map(|i| service(i, endpoints).render()).collect();
-    let (services, slices) = objects(&text);
+    let (mut services, mut slices) = objects(&text);
+    if args.flag("--hash-order") {
+        hash_order(&mut services);
+        hash_order(&mut slices);
+    }
     let (extra_svc, extra_slices) = objects(&service(n, endpoints).render());
     let with_extra: Vec<Arc<Service>> = services.iter().chain(&extra_svc).cloned().collect();
     let slices_with_extra: Vec<Arc<EndpointSlice>> = slices.iter().chain(&extra_slices).cloned().collect();
