@@ -38,7 +38,7 @@ use nodelb::desired::{self, AllocationMode, HostFacts, HostPolicy, Inputs, Sourc
 use nodelb::domain::Family;
 use nodelb::domain::ServiceKey;
 use nodelb::ir::Ruleset;
-use nodelb::k8s::claims::{Registry, Token};
+use nodelb::k8s::claims::{Keeper, Registry, Token};
 use nodelb::k8s::controller::{
     ClaimInputs, ControllerConfig, RoundMemory, event_key, events_to_send, plan_round,
 };
@@ -280,6 +280,7 @@ fn leader(args: &ProgramArgs) {
     let claims = ClaimInputs { registry: Some(&registry), token: &token, gone: &gone, expired: &expired };
     let mut memory = RoundMemory::default();
     let (mut deduper, mut outbox) = (Deduper::default(), Outbox::default());
+    let mut keeper = Keeper::default();
     let mut round = |services: &[Arc<Service>], slices: &[Arc<EndpointSlice>]| {
         let snap = KubeSnapshot {
             services: services.to_vec(),
@@ -290,8 +291,10 @@ fn leader(args: &ProgramArgs) {
             namespaces: Vec::new(),
         };
         let t = Instant::now();
-        // Kept per object between rounds, in the round memory, as the agent's round does.
+        // Kept per object between rounds, in the round memory, and the view recorded, as the
+        // agent's round does.
         let holders = memory.holders.of_view(&snap.services);
+        keeper.observe_view(&holders, std::time::Instant::now());
         let plan = plan_round(&snap, &cfg, &mut memory, &holders, Some(now), now, &claims);
         // The Events to record, each recorded (as when the API accepts them).
         for e in events_to_send(&mut deduper, &mut outbox, &plan.events, |_| true) {
