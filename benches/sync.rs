@@ -85,8 +85,8 @@ fn main() {
     let text: String = (0..n).map(|i| service(i, endpoints).render()).collect();
     let (mut services, mut slices) = objects(&text);
     if args.flag("--hash-order") {
-        hash_order(&mut services);
-        hash_order(&mut slices);
+        hash_order(&mut services, 1);
+        hash_order(&mut slices, 2);
     }
     let (extra_svc, extra_slices) = objects(&service(n, endpoints).render());
     let with_extra: Vec<Arc<Service>> = services.iter().chain(&extra_svc).cloned().collect();
@@ -244,8 +244,8 @@ fn written(services: &[Arc<Service>], writes: &[ServiceWrite]) -> Vec<Arc<Servic
 
 /// `v` in a fixed pseudo-random order: the order of a reflector's store (a hash map), which is
 /// what the agent's Kubernetes source hands over, where a manifest file gives key order.
-fn hash_order<T>(v: &mut [T]) {
-    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+fn hash_order<T>(v: &mut [T], seed: u64) {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15 ^ seed;
     for i in (1..v.len()).rev() {
         x ^= x << 13;
         x ^= x >> 7;
@@ -260,8 +260,8 @@ fn leader(args: &ProgramArgs) {
     let text: String = (0..n).map(|i| service(i, endpoints).render()).collect();
     let (mut services, mut slices) = objects(&text);
     if args.flag("--hash-order") {
-        hash_order(&mut services);
-        hash_order(&mut slices);
+        hash_order(&mut services, 1);
+        hash_order(&mut slices, 2);
     }
     let (extra_svc, extra_slices) = objects(&service(n, endpoints).render());
     let (nodes, leases): (Vec<_>, Vec<_>) = (1..=2).map(node_and_lease).unzip();

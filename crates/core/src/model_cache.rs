@@ -293,6 +293,29 @@ mod tests {
             let a = got.services.iter().find(|m| m.key == ServiceKey::new("default", "a")).expect("a");
             assert_eq!(a.ports[0].id.port, served, "the first object of the key is served");
         }
+        // Above 32 elements, where the standard library's unstable sort stops keeping ties in
+        // order by itself: 40 Services, every fourth twice (50 objects; ports 80 and 81, in turn
+        // first), out of key order.
+        let mut services = Vec::new();
+        for i in 0..40u16 {
+            let name = format!("s{:02}", (i * 17) % 40);
+            let twice = i % 4 == 0;
+            let first = if twice && i % 8 == 0 { 81 } else { 80 };
+            services.push(service(&name, first));
+            if twice {
+                services.push(service(&name, 161 - first));
+            }
+        }
+        services.rotate_left(7);
+        let no_slices: [Arc<EndpointSlice>; 0] = [];
+        let got = cache.build(&services, &no_slices, &ctx);
+        assert_eq!(got, super::build(&services, &no_slices, &ctx), "50 objects: as built afresh");
+        for m in &got.services {
+            let first =
+                services.iter().find(|s| s.metadata.name.as_deref() == Some(m.key.name.as_str())).unwrap();
+            let port = first.spec.as_ref().unwrap().ports.as_ref().unwrap()[0].port;
+            assert_eq!(i32::from(m.ports[0].id.port), port, "{}: the first object of the key", m.key);
+        }
     }
 
     /// Each reason to build a Service's model again, and only those: the cache hands out the

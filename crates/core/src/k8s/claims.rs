@@ -274,8 +274,8 @@ pub struct Screened {
 }
 
 /// Who holds each number in `holders`, oldest first. Only a number held twice needs ordering:
-/// sorting every holder by age (a round's whole view, in a reflector's order) was a sixth of the
-/// leader's sorting at 10,000 Services.
+/// sorting every holder by age (a round's whole view, in a reflector's order) was 6% of the
+/// leader's round at 10,000 Services.
 fn holders_by_number<H: Borrow<Holder>>(holders: &[H]) -> BTreeMap<u16, Vec<&Holder>> {
     let mut out: BTreeMap<u16, Vec<&Holder>> = BTreeMap::new();
     for h in holders.iter().map(Borrow::borrow) {
