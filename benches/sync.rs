@@ -82,12 +82,7 @@ fn main() {
     }
     let n = args.number("--services", 10_000);
     let (endpoints, changes) = (args.number("--endpoints", 5), args.number("--changes", 20));
-    let text: String = (0..n).map(|i| service(i, endpoints).render()).collect();
-    let (mut services, mut slices) = objects(&text);
-    if args.flag("--hash-order") {
-        hash_order(&mut services, 1);
-        hash_order(&mut slices, 2);
-    }
+    let (services, slices) = cluster(n, endpoints, args.flag("--hash-order"));
     let (extra_svc, extra_slices) = objects(&service(n, endpoints).render());
     let with_extra: Vec<Arc<Service>> = services.iter().chain(&extra_svc).cloned().collect();
     let slices_with_extra: Vec<Arc<EndpointSlice>> = slices.iter().chain(&extra_slices).cloned().collect();
@@ -242,6 +237,17 @@ fn written(services: &[Arc<Service>], writes: &[ServiceWrite]) -> Vec<Arc<Servic
         .collect()
 }
 
+/// `n` Services × `endpoints` with their slices, in key order or (`hash`) a reflector's order.
+fn cluster(n: usize, endpoints: usize, hash: bool) -> (Vec<Arc<Service>>, Vec<Arc<EndpointSlice>>) {
+    let text: String = (0..n).map(|i| service(i, endpoints).render()).collect();
+    let (mut services, mut slices) = objects(&text);
+    if hash {
+        hash_order(&mut services, 1);
+        hash_order(&mut slices, 2);
+    }
+    (services, slices)
+}
+
 /// `v` in a fixed pseudo-random order: the order of a reflector's store (a hash map), which is
 /// what the agent's Kubernetes source hands over, where a manifest file gives key order.
 fn hash_order<T>(v: &mut [T], seed: u64) {
@@ -257,12 +263,7 @@ fn hash_order<T>(v: &mut [T], seed: u64) {
 fn leader(args: &ProgramArgs) {
     let n = args.number("--services", 10_000);
     let (endpoints, changes) = (args.number("--endpoints", 5), args.number("--changes", 20));
-    let text: String = (0..n).map(|i| service(i, endpoints).render()).collect();
-    let (mut services, mut slices) = objects(&text);
-    if args.flag("--hash-order") {
-        hash_order(&mut services, 1);
-        hash_order(&mut slices, 2);
-    }
+    let (mut services, slices) = cluster(n, endpoints, args.flag("--hash-order"));
     let (extra_svc, extra_slices) = objects(&service(n, endpoints).render());
     let (nodes, leases): (Vec<_>, Vec<_>) = (1..=2).map(node_and_lease).unzip();
     let cfg = ControllerConfig {

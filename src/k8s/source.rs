@@ -81,13 +81,7 @@ pub struct NodeViews(crate::per_object::PerObject<Service, u64>);
 
 impl NodeViews {
     fn sum(&mut self, services: &[Arc<Service>]) -> u64 {
-        self.0.begin();
-        let total = services
-            .iter()
-            .map(|s| *self.0.get_or_insert_with(s, || crate::slim::node_view_hash(s)))
-            .fold(0, u64::wrapping_add);
-        self.0.end();
-        total
+        self.0.pass(services, |s| crate::slim::node_view_hash(s)).into_iter().fold(0, u64::wrapping_add)
     }
 }
 

@@ -330,7 +330,8 @@ pub fn allocate_with<S: Borrow<LbService>>(
             if settled(&held, &refused, i, port.id) {
                 continue;
             }
-            let (service, id) = (|| svc.key.clone(), port.id);
+            let id = port.id;
+            let service = || svc.key.clone();
             let problem = if !constraints.allows(&svc.key, wanted)
                 && let Some(allowed) = constraints.describe_allowed(&svc.key)
             {

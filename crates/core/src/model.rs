@@ -80,6 +80,10 @@ pub const ANNOTATION_IGNORE: &str = "nodelb.io/ignore";
 pub const ANNOTATION_LEGACY_SOURCE_RANGES: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
 /// Service condition the leader sets: are node ports allocated (`False` says why).
 pub const CONDITION_ALLOCATED: &str = "nodelb.io/Allocated";
+/// Label linking an EndpointSlice to its Service.
+pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
+/// Nodes with this label are never listed in a Service's status (the Kubernetes convention).
+pub const LABEL_EXCLUDE_LB: &str = "node.kubernetes.io/exclude-from-external-load-balancers";
 
 /// The leader's `Allocated=False` condition on a Service (why it has no node port), if any: what a
 /// node says for a Service it does not program, so part of what a node reads of it.
@@ -89,10 +93,6 @@ pub fn refused_allocation(
     let conditions = svc.status.as_ref()?.conditions.as_ref()?;
     conditions.iter().find(|c| c.type_ == CONDITION_ALLOCATED && c.status == "False")
 }
-/// Label linking an EndpointSlice to its Service.
-pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
-/// Nodes with this label are never listed in a Service's status (the Kubernetes convention).
-pub const LABEL_EXCLUDE_LB: &str = "node.kubernetes.io/exclude-from-external-load-balancers";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
 pub enum TrafficPolicy {

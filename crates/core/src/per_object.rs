@@ -88,6 +88,18 @@ impl<T, V> PerObject<T, V> {
         &mut e.value
     }
 
+    /// A whole pass over `objects`: the value of each, `compute`d for those not kept, in their
+    /// order; the objects not among them are forgotten.
+    pub fn pass(&mut self, objects: &[Arc<T>], compute: impl Fn(&Arc<T>) -> V) -> Vec<V>
+    where
+        V: Clone,
+    {
+        self.begin();
+        let out = objects.iter().map(|o| self.get_or_insert_with(o, || compute(o)).clone()).collect();
+        self.end();
+        out
+    }
+
     /// Forgets `object` now (its value no longer holds).
     pub fn remove(&mut self, object: &Arc<T>) {
         self.entries.remove(&address(object));
@@ -141,6 +153,22 @@ mod tests {
         kept.begin();
         kept.end();
         assert!(kept.is_empty());
+    }
+
+    #[test]
+    fn a_whole_pass_computes_only_what_it_does_not_keep() {
+        let (a, b) = (Arc::new(1u32), Arc::new(2u32));
+        let mut kept = PerObject::default();
+        let computed = std::cell::Cell::new(0);
+        let double = |o: &Arc<u32>| {
+            computed.set(computed.get() + 1);
+            **o * 2
+        };
+        assert_eq!(kept.pass(&[Arc::clone(&a), Arc::clone(&b)], double), [2, 4]);
+        assert_eq!(kept.pass(&[Arc::clone(&b), Arc::clone(&a)], double), [4, 2]);
+        assert_eq!(computed.get(), 2, "the second pass computed nothing");
+        assert_eq!(kept.pass(std::slice::from_ref(&b), double), [4]);
+        assert_eq!((kept.len(), Arc::strong_count(&a)), (1, 1), "a forgotten");
     }
 
     #[test]

@@ -138,13 +138,7 @@ impl Holders {
     /// The holder of each of `services`, in their order (what the view does not hold any more is
     /// forgotten).
     pub fn of_view(&mut self, services: &[Arc<Service>]) -> Vec<Arc<Holder>> {
-        self.0.begin();
-        let out = services
-            .iter()
-            .map(|s| Arc::clone(self.0.get_or_insert_with(s, || Arc::new(Holder::of(s)))))
-            .collect();
-        self.0.end();
-        out
+        self.0.pass(services, |s| Arc::new(Holder::of(s)))
     }
 }
 
