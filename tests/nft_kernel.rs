@@ -203,9 +203,9 @@ fn full_ruleset() -> Ruleset {
         Hook::Forward,
         ir::priority::FILTER,
         vec![
-            r(vec![CtState(vec![S::Invalid]), Verdict(V::Drop)]),
-            r(vec![CtState(vec![S::Established, S::Related]), Counter, Verdict(V::Accept)]),
-            r(vec![CtState(vec![S::New]), CtStatusDnat, Verdict(V::Jump("no-endpoints".into()))]),
+            r(vec![CtState(Box::new([S::Invalid])), Verdict(V::Drop)]),
+            r(vec![CtState(Box::new([S::Established, S::Related])), Counter, Verdict(V::Accept)]),
+            r(vec![CtState(Box::new([S::New])), CtStatusDnat, Verdict(V::Jump("no-endpoints".into()))]),
             r(vec![
                 NfProto(Family::Ipv4),
                 CtStatusDnat,
@@ -432,7 +432,7 @@ fn full_replace_from_the_ruleset_matches_the_change_list_and_names_failures() {
     let want = broken
         .full_replace()
         .iter()
-        .position(|c| matches!(c, Change::AddRule { chain, .. } if chain == "fresh"))
+        .position(|c| matches!(c, Change::AddRule { chain, .. } if &**chain == "fresh"))
         .expect("the rule is in the full replace");
     let gen_before = a.run(|| NftClient::new().and_then(|mut c| c.generation())).expect("gen");
     let err = a

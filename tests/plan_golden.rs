@@ -123,7 +123,7 @@ fn full_chain_names(ruleset: &Ruleset, want: &str) -> String {
     let Some((head, prefix)) = want.rsplit_once(' ').filter(|(_, last)| last.ends_with('-')) else {
         return want.to_string();
     };
-    let named: Vec<&String> = ruleset.chains.keys().filter(|c| c.starts_with(prefix)).collect();
+    let named: Vec<&nodelb::ir::Name> = ruleset.chains.keys().filter(|c| c.starts_with(prefix)).collect();
     assert_eq!(named.len(), 1, "{want:?}: chains named {prefix}*: {named:?}");
     format!("{head} {}", named[0])
 }
@@ -159,7 +159,7 @@ fn one_endpoint_added_is_a_small_batch() {
     assert_eq!(changes.len(), 6, "{changes:#?}");
     assert!(matches!(&changes[0], Change::FlushChain(c) if c.starts_with("svc4-")), "{changes:#?}");
     assert!(
-        matches!(&changes[5], Change::AddElements { set, elements } if set == "endpoints-ipv4" && elements.len() == 1),
+        matches!(&changes[5], Change::AddElements { set, elements } if &**set == "endpoints-ipv4" && elements.len() == 1),
         "{changes:#?}"
     );
     assert!(
@@ -218,7 +218,7 @@ fn long_names_plan_and_encode() {
         let rs =
             plan::plan(&[ServicePlan { service: &s, node_ports: &p }], &node(&[Family::Ipv4, Family::Ipv6]));
         let per_port: Vec<_> =
-            rs.chains.values().filter(|c| c.base.is_none() && c.name != plan::CHAIN_NO_ENDPOINTS).collect();
+            rs.chains.values().filter(|c| c.base.is_none() && &*c.name != plan::CHAIN_NO_ENDPOINTS).collect();
         assert_eq!(per_port.len(), 4, "svc and fw chain per family");
         for c in per_port {
             let comment = c.comment.as_deref().expect("per-port chains have a comment");
@@ -382,7 +382,7 @@ fn affinity_is_followed_or_drawn_and_recorded() {
     };
     let two = sticky(&["198.51.100.11", "198.51.100.12"]);
     let aff = |s: &nodelb::model::LbService, i: usize| {
-        plan::affinity_set(Family::Ipv4, s, &s.ports[0], &s.ports[0].endpoints[i], 600)
+        plan::affinity_set(Family::Ipv4, s, &s.ports[0], &s.ports[0].endpoints[i], 600).to_string()
     };
     let (aff11, aff12) = (aff(&two, 0), aff(&two, 1));
     let client = packet(Protocol::Tcp, "203.0.113.7", NODE_V4, 20008);
@@ -419,7 +419,7 @@ fn affinity_is_followed_or_drawn_and_recorded() {
     // .12 goes: its set goes with it, so the client is drawn again (and recorded at .11).
     let one = sticky(&["198.51.100.11"]);
     let rs_one = plan_of(&one);
-    assert!(!rs_one.sets.contains_key(&aff12) && rs_one.sets.contains_key(&aff11));
+    assert!(!rs_one.sets.contains_key(aff12.as_str()) && rs_one.sets.contains_key(aff11.as_str()));
     assert_eq!(
         run(&rs_one, &env(0, &[&aff12])),
         ("DNAT 198.51.100.11:8080, masquerade".into(), vec![aff11.clone()])
@@ -432,13 +432,13 @@ fn affinity_is_followed_or_drawn_and_recorded() {
     let sets_touched: Vec<&Change> =
         changes.iter().filter(|c| matches!(c, Change::AddSet(_) | Change::DeleteSet(_))).collect();
     assert!(
-        matches!(sets_touched.as_slice(), [Change::AddSet(s)] if s.name == aff(&three, 2)),
+        matches!(sets_touched.as_slice(), [Change::AddSet(s)] if *s.name == *aff(&three, 2)),
         "only the new endpoint's set is created: {sets_touched:?}"
     );
     let changes = plan::diff(&rs, &rs_one);
     assert!(
-        changes.iter().any(|c| matches!(c, Change::DeleteSet(s) if *s == aff12))
-            && !changes.iter().any(|c| matches!(c, Change::DeleteSet(s) if *s == aff11)),
+        changes.iter().any(|c| matches!(c, Change::DeleteSet(s) if **s == *aff12))
+            && !changes.iter().any(|c| matches!(c, Change::DeleteSet(s) if **s == *aff11)),
         "only the leaving endpoint's set is deleted: {changes:?}"
     );
 }
@@ -513,7 +513,7 @@ fn port_names_are_the_hash_of_the_formatted_identity() {
                 let hash = nodelb::domain::fnv1a(key.as_bytes()) as u32;
                 let mut n = format!("{kind}{digit}-{hash:08x}-{readable}");
                 n.truncate(200);
-                n
+                nodelb::ir::Name::from(n)
             };
             let names = plan::PortNames::new(f, &s, port);
             let fam = f.name();

@@ -266,7 +266,7 @@ async fn counters_survive_a_full_replace() {
     h.kernel().tamper(|t| t.chains.values_mut().for_each(|c| c.rules.clear()));
     h.sync(true).await.expect("repair");
     assert_eq!(full_replaces(h.kernel()), 2);
-    assert_eq!(h.kernel().counters[&conn].packets, 0, "the kernel's counter restarted");
+    assert_eq!(h.kernel().counters[&*conn].packets, 0, "the kernel's counter restarted");
     assert_eq!(h.connections(), vec![5], "the exported total did not");
     h.kernel().count(&conn, 2);
     assert_eq!(h.connections(), vec![7]);

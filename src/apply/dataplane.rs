@@ -14,7 +14,7 @@ use tracing::{debug, warn};
 use crate::apply::kernel::Kernel;
 use crate::counters::{CounterState, IndexUpdate};
 use crate::encode::nft::{self, NftError};
-use crate::ir::{Carried, Change, KeyType, Ruleset, SetKind};
+use crate::ir::{Carried, Change, KeyType, Name, Ruleset, SetKind};
 use crate::plan::{self, UdpBackend};
 use crate::replan::{Planned, RulesetPatch};
 use crate::serve::metrics::Metrics;
@@ -86,7 +86,7 @@ pub fn patch_batch(patch: &RulesetPatch, tampered: bool) -> Batch {
 /// deletes: every one on a full replace, else the counters of Service ports that stop being
 /// programmed. Flushing or replacing chains does not touch them. A diff looks at its own deletions
 /// only (the whole index is tens of thousands of names at 10,000 Services).
-pub fn resetting_counters(batch: &Batch, state: &CounterState, next: &IndexUpdate) -> BTreeSet<String> {
+pub fn resetting_counters(batch: &Batch, state: &CounterState, next: &IndexUpdate) -> BTreeSet<Name> {
     let changes = match batch {
         Batch::FullReplace => return state.kept_counters(next),
         Batch::Diff(changes) => changes,
@@ -298,7 +298,7 @@ impl<K: Kernel> Dataplane<K> {
             .sets
             .values()
             .filter(|s| matches!(s.kind, SetKind::Dynamic { .. }))
-            .map(|s| (s.name.as_str(), s.key.as_slice()))
+            .map(|s| (&*s.name, s.key.as_slice()))
             .collect();
         if sets.is_empty() {
             return Carried::new();

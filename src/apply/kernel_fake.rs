@@ -92,7 +92,7 @@ fn read_failure(what: &str) -> NftError {
 impl FakeKernel {
     /// A kernel that already holds `table` (rules an earlier agent left).
     pub fn holding(table: Ruleset) -> FakeKernel {
-        let counters = table.counters.keys().map(|n| (n.clone(), Counter::default())).collect();
+        let counters = table.counters.keys().map(|n| (n.to_string(), Counter::default())).collect();
         FakeKernel { table: Some(table), generation: 1, counters, ..Default::default() }
     }
 
@@ -134,10 +134,10 @@ impl FakeKernel {
                     self.dynamic.remove(name);
                 }
                 Change::DeleteCounter(name) => {
-                    self.counters.remove(name);
+                    self.counters.remove(&**name);
                 }
                 Change::AddCounter(c) => {
-                    self.counters.entry(c.name.clone()).or_default();
+                    self.counters.entry(c.name.to_string()).or_default();
                 }
                 Change::AddDynamicElements { set, elements } => {
                     self.dynamic.entry(set.clone()).or_default().extend(elements.iter().cloned());
@@ -177,8 +177,8 @@ fn read_back(rs: &Ruleset, counters: &CounterValues) -> KernelTable {
                 policy: Some(1),
             });
             let chain =
-                KernelChain { name: c.name.clone(), handle: 0, base, comment: c.comment.clone(), rules };
-            (c.name.clone(), chain)
+                KernelChain { name: c.name.to_string(), handle: 0, base, comment: c.comment.clone(), rules };
+            (c.name.to_string(), chain)
         })
         .collect();
     let sets = rs
@@ -190,7 +190,7 @@ fn read_back(rs: &Ruleset, counters: &CounterValues) -> KernelTable {
                 _ => s.elements.clone(),
             };
             let set = KernelSet {
-                name: s.name.clone(),
+                name: s.name.to_string(),
                 flags: 0,
                 key: Some(s.key.clone()),
                 key_type_id: key_type_id(&s.key),
@@ -199,7 +199,7 @@ fn read_back(rs: &Ruleset, counters: &CounterValues) -> KernelTable {
                 comment: s.comment.clone(),
                 elements,
             };
-            (s.name.clone(), set)
+            (s.name.to_string(), set)
         })
         .collect();
     let counters = rs
@@ -207,11 +207,11 @@ fn read_back(rs: &Ruleset, counters: &CounterValues) -> KernelTable {
         .values()
         .map(|c| {
             let counter = KernelCounter {
-                name: c.name.clone(),
+                name: c.name.to_string(),
                 comment: c.comment.clone(),
-                counter: counters.get(&c.name).copied().unwrap_or_default(),
+                counter: counters.get(&*c.name).copied().unwrap_or_default(),
             };
-            (c.name.clone(), counter)
+            (c.name.to_string(), counter)
         })
         .collect();
     KernelTable { chains, sets, counters, ..Default::default() }
@@ -265,7 +265,7 @@ impl Kernel for FakeKernel {
         }
         Ok(sets
             .iter()
-            .filter_map(|(name, _)| self.dynamic.get(*name).map(|e| (name.to_string(), e.clone())))
+            .filter_map(|(name, _)| self.dynamic.get(*name).map(|e| ((*name).into(), e.clone())))
             .filter(|(_, e)| !e.is_empty())
             .collect())
     }

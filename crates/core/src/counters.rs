@@ -9,6 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::domain::{PortId, ServiceKey};
+use crate::ir::Name;
 
 /// Counter values of a rule's `counter` expression or of a named counter.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -52,7 +53,7 @@ pub type Series = (SeriesKey, CounterKind);
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CounterIndex {
     /// Named counter in the kernel → the series it feeds.
-    pub counters: BTreeMap<String, Series>,
+    pub counters: BTreeMap<Name, Series>,
     /// Every Service port of the valid Services. A series of one of these stays exported with its
     /// total while no counter feeds it; a series goes when its Service port goes.
     pub ports: BTreeSet<SeriesKey>,
@@ -69,7 +70,7 @@ pub enum IndexUpdate {
 
 impl IndexUpdate {
     /// The entries it brings: every counter of a whole index, the replanned ones of a patch.
-    fn new_counters(&self) -> &BTreeMap<String, Series> {
+    fn new_counters(&self) -> &BTreeMap<Name, Series> {
         match self {
             IndexUpdate::Full(i) => &i.counters,
             IndexUpdate::Patch { added, .. } => &added.counters,
@@ -109,7 +110,7 @@ impl CounterState {
     /// `next` is installed: their values must be read before a batch resets them. A Service port
     /// that goes away takes its series with it, so its counters need no read (at 1,000 Services ×
     /// 5 endpoints, reading the table costs ~40 ms of a removal's reaction time).
-    pub fn kept_counters(&self, next: &IndexUpdate) -> BTreeSet<String> {
+    pub fn kept_counters(&self, next: &IndexUpdate) -> BTreeSet<Name> {
         let new = next.new_counters().keys();
         self.index.counters.keys().chain(new).filter(|n| self.is_kept(n, next)).cloned().collect()
     }
@@ -134,12 +135,14 @@ impl CounterState {
 
     /// Adds the values `table` holds for the counters in `resetting` to the base of their series
     /// (a batch resets them).
-    pub fn fold(&mut self, kernel: &CounterValues, resetting: &BTreeSet<String>, next: &IndexUpdate) {
+    pub fn fold(&mut self, kernel: &CounterValues, resetting: &BTreeSet<Name>, next: &IndexUpdate) {
         for (name, &c) in kernel {
-            if !resetting.contains(name) {
+            if !resetting.contains(name.as_str()) {
                 continue;
             }
-            if let Some(series) = next.new_counters().get(name).or_else(|| self.index.counters.get(name)) {
+            if let Some(series) =
+                next.new_counters().get(name.as_str()).or_else(|| self.index.counters.get(name.as_str()))
+            {
                 let t = self.base.entry(series.clone()).or_default();
                 t.packets += c.packets;
                 t.bytes += c.bytes;
@@ -175,7 +178,7 @@ impl CounterState {
     pub fn totals(&self, kernel: &CounterValues) -> BTreeMap<Series, Totals> {
         let mut out = self.base.clone();
         for (name, &Counter { packets, bytes }) in kernel {
-            if let Some(series) = self.index.counters.get(name)
+            if let Some(series) = self.index.counters.get(name.as_str())
                 && let Some(t) = out.get_mut(series)
             {
                 t.packets += packets;
@@ -208,7 +211,7 @@ mod tests {
 
     fn index(counters: &[(&str, &str, CounterKind)], ports: &[&str]) -> CounterIndex {
         CounterIndex {
-            counters: counters.iter().map(|&(c, s, k)| (c.to_string(), (key(s), k))).collect(),
+            counters: counters.iter().map(|&(c, s, k)| (c.into(), (key(s), k))).collect(),
             ports: ports.iter().map(|p| key(p)).collect(),
         }
     }
@@ -231,13 +234,13 @@ mod tests {
         before: &CounterValues,
         resetting: &[&str],
         next: IndexUpdate,
-    ) -> BTreeSet<String> {
+    ) -> BTreeSet<Name> {
         let kept = st.kept_counters(&next);
         for name in resetting.iter().chain(["svc-a", "fwd-a", "fw-b", "gone"].iter()) {
             assert_eq!(st.is_kept(name, &next), kept.contains(*name), "{name}");
         }
-        let resetting: BTreeSet<String> =
-            resetting.iter().map(|s| s.to_string()).filter(|s| st.is_kept(s, &next)).collect();
+        let resetting: BTreeSet<Name> =
+            resetting.iter().map(|&s| Name::from(s)).filter(|s| st.is_kept(s, &next)).collect();
         st.fold(before, &resetting, &next);
         st.install(next);
         kept
@@ -245,7 +248,7 @@ mod tests {
 
     /// The patch from `old` to `new` that replans every Service port whose entries differ.
     fn patch_between(old: &CounterIndex, new: &CounterIndex) -> IndexUpdate {
-        let entries = |i: &CounterIndex, port: &SeriesKey| -> Vec<(String, Series)> {
+        let entries = |i: &CounterIndex, port: &SeriesKey| -> Vec<(Name, Series)> {
             i.counters.iter().filter(|(_, (k, _))| k == port).map(|(n, s)| (n.clone(), s.clone())).collect()
         };
         let (mut removed, mut added) = (CounterIndex::default(), CounterIndex::default());
@@ -285,7 +288,7 @@ mod tests {
         let no_endpoints = index(&[("fw-b", "b", R)], &["a", "b"]);
         assert_eq!(
             st.kept_counters(&IndexUpdate::Full(no_endpoints.clone())),
-            ["fw-b", "fwd-a", "svc-a"].map(String::from).into()
+            ["fw-b", "fwd-a", "svc-a"].map(Name::from).into()
         );
         sync(&mut st, &k1, &["svc-a", "fwd-a"], no_endpoints);
         let k2 = kernel(&[("fw-b", 2, 120)]);
@@ -306,7 +309,7 @@ mod tests {
         let only_b = index(&[("fw-b", "b", R)], &["b"]);
         assert_eq!(
             st.kept_counters(&IndexUpdate::Full(only_b.clone())),
-            BTreeSet::from(["fw-b".to_string()])
+            BTreeSet::from([Name::from("fw-b")])
         );
         sync(&mut st, &k4, &["svc-a", "fwd-a"], only_b);
         assert_eq!(exported(&st, &k2), vec![("b".into(), R, 2, 120)]);

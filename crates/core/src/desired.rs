@@ -748,7 +748,7 @@ mod tests {
                 pools: Some(&ctx),
             })
         };
-        let elements = |d: &Desired, map: String| -> Vec<String> {
+        let elements = |d: &Desired, map: crate::ir::Name| -> Vec<String> {
             d.ruleset.sets[&map].elements.keys().map(|k| format!("{k:?}")).collect()
         };
         let served = run("192.0.2.0/24");

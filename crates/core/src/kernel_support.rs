@@ -79,28 +79,25 @@ pub fn probe() -> Vec<(Change, Feature)> {
     const COUNTER: &str = "probe-counter";
     let comment = Some("nodelb kernel probe".to_string());
     let set = |name: &str, key: Vec<KeyType>, kind| Set {
-        name: name.to_string(),
+        name: name.into(),
         key,
         kind,
         elements: BTreeMap::new(),
         comment: comment.clone(),
     };
     let base = |name: &str, chain_type, hook, priority| Chain {
-        name: name.to_string(),
+        name: name.into(),
         base: Some(BaseChain { chain_type, hook, priority }),
         rules: vec![],
         comment: comment.clone(),
     };
     let rule =
-        |chain: &str, exprs: Vec<Expr>| Change::AddRule { chain: chain.to_string(), rule: Rule::new(exprs) };
+        |chain: &str, exprs: Vec<Expr>| Change::AddRule { chain: chain.into(), rule: Rule::new(exprs) };
     let v4 = Family::Ipv4;
     let proto_port = vec![KeyType::InetProto, KeyType::InetService];
     vec![
         (Change::AddTable, TABLE),
-        (
-            Change::AddCounter(NamedCounter { name: COUNTER.to_string(), comment: comment.clone() }),
-            COUNTER_OBJECT,
-        ),
+        (Change::AddCounter(NamedCounter { name: COUNTER.into(), comment: comment.clone() }), COUNTER_OBJECT),
         (
             Change::AddSet(set(AFFINITY, vec![KeyType::Ipv4Addr], SetKind::Dynamic { timeout: 10 })),
             DYNAMIC_SET,
@@ -110,23 +107,20 @@ pub fn probe() -> Vec<(Change, Feature)> {
         (Change::AddChain(base(NAT, ChainType::Nat, Hook::Prerouting, priority::DSTNAT)), NAT_CHAIN),
         (Change::AddChain(base(FILTER, ChainType::Filter, Hook::Forward, priority::FILTER)), FILTER_CHAIN),
         (rule(NAT, vec![Expr::FibDaddrLocal]), FIB),
-        (rule(NAT, vec![Expr::CtState(vec![crate::ir::CtState::New]), Expr::CtStatusDnat]), CT_STATUS),
+        (rule(NAT, vec![Expr::CtState(Box::new([crate::ir::CtState::New])), Expr::CtStatusDnat]), CT_STATUS),
         (
-            rule(NAT, vec![Expr::L4Proto(Protocol::Tcp), Expr::L4ProtoDportVmap { map: PORTS.to_string() }]),
+            rule(NAT, vec![Expr::L4Proto(Protocol::Tcp), Expr::L4ProtoDportVmap { map: PORTS.into() }]),
             TH_VMAP,
         ),
-        (
-            rule(NAT, vec![Expr::NfProto(v4), Expr::UpdateSaddr { family: v4, set: AFFINITY.to_string() }]),
-            DYNSET,
-        ),
-        (rule(NAT, vec![Expr::L4ProtoCtOrigDportCounterMap { map: COUNTERS.to_string() }]), OBJREF_MAP),
+        (rule(NAT, vec![Expr::NfProto(v4), Expr::UpdateSaddr { family: v4, set: AFFINITY.into() }]), DYNSET),
+        (rule(NAT, vec![Expr::L4ProtoCtOrigDportCounterMap { map: COUNTERS.into() }]), OBJREF_MAP),
         (
             rule(
                 NAT,
                 vec![
                     Expr::NfProto(v4),
                     Expr::L4Proto(Protocol::Tcp),
-                    Expr::CounterRef(COUNTER.to_string()),
+                    Expr::CounterRef(COUNTER.into()),
                     Expr::NumgenRandomIs { modulus: 2, value: 0 },
                     Expr::Dnat { addr: IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1)), port: 8080 },
                 ],

@@ -38,8 +38,8 @@ use ipnet::IpNet;
 
 use crate::domain::{FNV1A_OFFSET, Family, PortId, Protocol, fnv1a, fnv1a_extend};
 use crate::ir::{
-    BaseChain, Chain, ChainType, Change, CtState, Expr, Hook, Key, KeyPart, KeyType, Mapped, NamedCounter,
-    Rule, Ruleset, Set, SetKind, Verdict, priority,
+    BaseChain, Chain, ChainType, Change, CtState, Expr, Hook, Key, KeyPart, KeyType, Mapped, Name,
+    NamedCounter, Rule, Ruleset, Set, SetKind, Verdict, priority,
 };
 use crate::model::{Endpoint, LbPort, LbService, TrafficPolicy};
 
@@ -85,34 +85,34 @@ pub struct ServicePlan<'a> {
 }
 
 /// Names of the per-family sets and maps.
-pub fn service_ports_map(f: Family) -> String {
-    format!("service-ports-{}", f.name())
+pub fn service_ports_map(f: Family) -> Name {
+    format!("service-ports-{}", f.name()).into()
 }
-pub fn firewall_ports_map(f: Family) -> String {
-    format!("firewall-ports-{}", f.name())
+pub fn firewall_ports_map(f: Family) -> Name {
+    format!("firewall-ports-{}", f.name()).into()
 }
 /// [`service_ports_map`] for node ports whose pool restricts node addresses: keyed by
 /// `address . protocol . node port`, one element per address that serves it.
-pub fn service_address_ports_map(f: Family) -> String {
-    format!("service-address-ports-{}", f.name())
+pub fn service_address_ports_map(f: Family) -> Name {
+    format!("service-address-ports-{}", f.name()).into()
 }
 /// [`firewall_ports_map`] for node ports whose pool restricts node addresses.
-pub fn firewall_address_ports_map(f: Family) -> String {
-    format!("firewall-address-ports-{}", f.name())
+pub fn firewall_address_ports_map(f: Family) -> Name {
+    format!("firewall-address-ports-{}", f.name()).into()
 }
-pub fn forward_counters_map(f: Family) -> String {
-    format!("forward-counters-{}", f.name())
+pub fn forward_counters_map(f: Family) -> Name {
+    format!("forward-counters-{}", f.name()).into()
 }
-pub fn endpoints_set(f: Family) -> String {
-    format!("endpoints-{}", f.name())
+pub fn endpoints_set(f: Family) -> Name {
+    format!("endpoints-{}", f.name()).into()
 }
 /// Node-level named counter: new connections of our Services entering the forward path.
-pub fn forward_entered_counter(f: Family) -> String {
-    format!("forward-entered-{}", f.name())
+pub fn forward_entered_counter(f: Family) -> Name {
+    format!("forward-entered-{}", f.name()).into()
 }
 /// Node-level named counter: new connections of our Services leaving the forward path.
-pub fn forward_passed_counter(f: Family) -> String {
-    format!("forward-passed-{}", f.name())
+pub fn forward_passed_counter(f: Family) -> Name {
+    format!("forward-passed-{}", f.name()).into()
 }
 
 fn fam_digit(f: Family) -> char {
@@ -221,7 +221,7 @@ impl<'a> PortNames<'a> {
     /// `<kind><4|6>-<hash>-<readable suffix>`: the hash (32 bits of FNV-1a over
     /// `kind|family|identity[|node port]`, hashed in parts) makes it unique and stable, the suffix
     /// makes `nft list ruleset` readable; cut to [`MAX_CHAIN_NAME`] (the hash keeps it unique).
-    fn named(&self, kind: &str, node_port: Option<u16>) -> String {
+    fn named(&self, kind: &str, node_port: Option<u16>) -> Name {
         let mut h = fnv1a_extend(FNV1A_OFFSET, kind.as_bytes());
         for part in [b"|".as_slice(), self.family.name().as_bytes(), b"|", self.identity.as_bytes()] {
             h = fnv1a_extend(h, part);
@@ -233,27 +233,27 @@ impl<'a> PortNames<'a> {
         if name.len() > MAX_CHAIN_NAME {
             name.truncate(MAX_CHAIN_NAME);
         }
-        name
+        name.into()
     }
 
     /// The DNAT chain ([`service_chain`]).
-    pub fn service_chain(&self, node_port: u16) -> String {
+    pub fn service_chain(&self, node_port: u16) -> Name {
         self.named("svc", Some(node_port))
     }
     /// The source-range chain ([`firewall_chain`]).
-    pub fn firewall_chain(&self, node_port: u16) -> String {
+    pub fn firewall_chain(&self, node_port: u16) -> Name {
         self.named("fw", Some(node_port))
     }
     /// [`connections_counter`].
-    pub fn connections_counter(&self) -> String {
+    pub fn connections_counter(&self) -> Name {
         self.named("conn", None)
     }
     /// [`forwarded_counter`].
-    pub fn forwarded_counter(&self) -> String {
+    pub fn forwarded_counter(&self) -> Name {
         self.named("fwd", None)
     }
     /// [`refused_counter`].
-    pub fn refused_counter(&self) -> String {
+    pub fn refused_counter(&self) -> Name {
         self.named("refused", None)
     }
     /// [`port_comment`].
@@ -270,12 +270,12 @@ impl<'a> PortNames<'a> {
 /// readable suffix): the chain's comment names the node port, and the kernel keeps a chain's
 /// comment when the chain is added again, so a new node port must be a new chain (the diff adds
 /// it and deletes the old one) for the table to say what it does.
-pub fn service_chain(f: Family, svc: &LbService, port: &LbPort, node_port: u16) -> String {
+pub fn service_chain(f: Family, svc: &LbService, port: &LbPort, node_port: u16) -> Name {
     PortNames::new(f, svc, port).service_chain(node_port)
 }
 /// A service port's source-range chain; the node port is part of its identity as for
 /// [`service_chain`].
-pub fn firewall_chain(f: Family, svc: &LbService, port: &LbPort, node_port: u16) -> String {
+pub fn firewall_chain(f: Family, svc: &LbService, port: &LbPort, node_port: u16) -> Name {
     PortNames::new(f, svc, port).firewall_chain(node_port)
 }
 
@@ -285,22 +285,22 @@ pub fn firewall_chain(f: Family, svc: &LbService, port: &LbPort, node_port: u16)
 /// `aff<4|6>-<64-bit hash>`, no readable suffix (its comment has one): the kernel finds a set by
 /// comparing its name with every set name of the table, `strlen` included, once per set added and
 /// per rule using one, so at thousands of affinity endpoints short names halve a full replace.
-pub fn affinity_set(f: Family, svc: &LbService, port: &LbPort, ep: &Endpoint, timeout: u32) -> String {
+pub fn affinity_set(f: Family, svc: &LbService, port: &LbPort, ep: &Endpoint, timeout: u32) -> Name {
     let identity =
         format!("aff|{}|{}/{}/{}/{timeout}s", f.name(), port_identity(svc, port), ep.addr, ep.port);
-    format!("aff{}-{:016x}", fam_digit(f), fnv1a(identity.as_bytes()))
+    format!("aff{}-{:016x}", fam_digit(f), fnv1a(identity.as_bytes())).into()
 }
 
 /// Named counter of the new connections a service port's chain DNATs.
-pub fn connections_counter(f: Family, svc: &LbService, port: &LbPort) -> String {
+pub fn connections_counter(f: Family, svc: &LbService, port: &LbPort) -> Name {
     PortNames::new(f, svc, port).connections_counter()
 }
 /// Named counter of the packets and bytes forwarded for a service port's connections.
-pub fn forwarded_counter(f: Family, svc: &LbService, port: &LbPort) -> String {
+pub fn forwarded_counter(f: Family, svc: &LbService, port: &LbPort) -> Name {
     PortNames::new(f, svc, port).forwarded_counter()
 }
 /// Named counter of the new connections a service port's source ranges drop.
-pub fn refused_counter(f: Family, svc: &LbService, port: &LbPort) -> String {
+pub fn refused_counter(f: Family, svc: &LbService, port: &LbPort) -> Name {
     PortNames::new(f, svc, port).refused_counter()
 }
 
@@ -339,7 +339,7 @@ fn loopback(f: Family) -> IpNet {
 /// Each rule first asks whether the map has the packet's key at all: a packet to any other port
 /// (all of the node's other traffic) stops at that hash lookup and never costs a route lookup
 /// (`fib`), which still guards every DNAT.
-fn dispatch_rules(f: Family, pre: &[Expr], map: String, address_map: String) -> [Rule; 2] {
+fn dispatch_rules(f: Family, pre: &[Expr], map: Name, address_map: Name) -> [Rule; 2] {
     let guard = |known: Expr, last: Expr| {
         let mut exprs = pre.to_vec();
         exprs.push(Expr::NfProto(f));
@@ -359,19 +359,14 @@ fn dispatch_rules(f: Family, pre: &[Expr], map: String, address_map: String) -> 
 }
 
 fn base(name: &str, chain_type: ChainType, hook: Hook, priority: i32, rules: Vec<Rule>) -> Chain {
-    Chain {
-        name: name.to_string(),
-        base: Some(BaseChain { chain_type, hook, priority }),
-        rules,
-        comment: None,
-    }
+    Chain { name: name.into(), base: Some(BaseChain { chain_type, hook, priority }), rules, comment: None }
 }
 
-fn regular(name: String, comment: Option<String>, rules: Vec<Rule>) -> Chain {
+fn regular(name: Name, comment: Option<String>, rules: Vec<Rule>) -> Chain {
     Chain { name, base: None, rules, comment }
 }
 
-fn port_map(name: String, kind: SetKind, comment: &str) -> Set {
+fn port_map(name: Name, kind: SetKind, comment: &str) -> Set {
     Set {
         name,
         key: vec![KeyType::InetProto, KeyType::InetService],
@@ -381,7 +376,7 @@ fn port_map(name: String, kind: SetKind, comment: &str) -> Set {
     }
 }
 
-fn address_port_map(f: Family, name: String, comment: &str) -> Set {
+fn address_port_map(f: Family, name: Name, comment: &str) -> Set {
     let addr = match f {
         Family::Ipv4 => KeyType::Ipv4Addr,
         Family::Ipv6 => KeyType::Ipv6Addr,
@@ -463,7 +458,7 @@ pub fn skeleton(node: &NodeFacts) -> Ruleset {
             comment: Some("address . address . protocol . port of every programmed endpoint".into()),
         });
     }
-    let new_state = [Expr::CtState(vec![CtState::New])];
+    let new_state = [Expr::CtState(Box::new([CtState::New]))];
     let filter_dispatch: Vec<Rule> = Family::ALL
         .iter()
         .flat_map(|&f| dispatch_rules(f, &new_state, firewall_ports_map(f), firewall_address_ports_map(f)))
@@ -517,7 +512,7 @@ pub fn skeleton(node: &NodeFacts) -> Ruleset {
     ));
     plan_forward(&mut rs, node);
     rs.add_chain(regular(
-        CHAIN_NO_ENDPOINTS.to_string(),
+        CHAIN_NO_ENDPOINTS.into(),
         Some("service port has no usable endpoint: refuse, never black-hole".into()),
         vec![
             Rule::new(vec![Expr::L4Proto(Protocol::Tcp), Expr::RejectTcpReset]),
@@ -581,7 +576,7 @@ fn plan_forward(rs: &mut Ruleset, node: &NodeFacts) {
         vec![
             Expr::NfProto(f),
             Expr::CtStatusDnat,
-            Expr::CtState(vec![CtState::New]),
+            Expr::CtState(Box::new([CtState::New])),
             Expr::L4ProtoCtOrigDportInSet { set: forward_counters_map(f) },
         ]
     };
@@ -592,7 +587,7 @@ fn plan_forward(rs: &mut Ruleset, node: &NodeFacts) {
         // `ct state invalid drop` fix), scoped to packets from our endpoints.
         first.push(Rule::new(vec![
             Expr::NfProto(f),
-            Expr::CtState(vec![CtState::Invalid]),
+            Expr::CtState(Box::new([CtState::Invalid])),
             Expr::SaddrTwiceL4ProtoSportInSet { family: f, set: endpoints_set(f) },
             Expr::Counter,
             Expr::Verdict(Verdict::Drop),
@@ -673,8 +668,7 @@ fn plan_port(
         if endpoints.is_empty() { Verdict::Goto(CHAIN_NO_ENDPOINTS.into()) } else { Verdict::Return };
     // A counter's comment never changes for its name (no node port in it): the diff only adds
     // and deletes counters, it never rewrites one.
-    let counter =
-        |name: String, what: &str| NamedCounter { name, comment: Some(names.counter_comment(what)) };
+    let counter = |name: Name, what: &str| NamedCounter { name, comment: Some(names.counter_comment(what)) };
     let connections = names.connections_counter();
     rs.add_counter(counter(connections.clone(), "new connections"));
     let forwarded = names.forwarded_counter();
@@ -777,7 +771,7 @@ fn affinity_rules(
         Family::Ipv4 => KeyType::Ipv4Addr,
         Family::Ipv6 => KeyType::Ipv6Addr,
     };
-    let sets: Vec<String> = endpoints.iter().map(|ep| affinity_set(f, svc, port, ep, timeout)).collect();
+    let sets: Vec<Name> = endpoints.iter().map(|ep| affinity_set(f, svc, port, ep, timeout)).collect();
     for (set, ep) in sets.iter().zip(endpoints) {
         rs.add_set(Set {
             name: set.clone(),
@@ -787,7 +781,7 @@ fn affinity_rules(
             comment: Some(identity_comment(svc, &format!(" {}: clients of {}", port.id, endpoint_text(ep)))),
         });
     }
-    let update = |set: &String| Expr::UpdateSaddr { family: f, set: set.clone() };
+    let update = |set: &Name| Expr::UpdateSaddr { family: f, set: set.clone() };
     let n = endpoints.len();
     let mut rules = Vec::with_capacity(2 * n + 2);
     rules.push(Rule::new(first));
@@ -893,7 +887,7 @@ pub fn diff(old: &Ruleset, new: &Ruleset) -> Vec<Change> {
         }
     }
     changes.extend(additions);
-    let gone: Vec<(&String, &Chain)> = chains
+    let gone: Vec<(&Name, &Chain)> = chains
         .iter()
         .filter_map(|&(name, o, n)| match (o, n) {
             (Some(o), None) => Some((name, o)),

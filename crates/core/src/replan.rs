@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use crate::counters::{CounterIndex, CounterKind, IndexUpdate, SeriesKey};
 use crate::domain::{PortId, ServiceKey};
-use crate::ir::{Chain, Key, Mapped, NamedCounter, Ruleset, Set};
+use crate::ir::{Chain, Key, Mapped, Name, NamedCounter, Ruleset, Set};
 use crate::model::LbService;
 use crate::plan::{self, NodeFacts, ServicePlan};
 
@@ -136,7 +136,7 @@ pub struct Planner {
     /// Every Service of the last plan, sorted by key.
     services: Vec<PlanInput>,
     /// Elements of the skeleton's sets that more than one Service holds: how many besides one.
-    shared: BTreeMap<(String, Key), u32>,
+    shared: BTreeMap<(Name, Key), u32>,
     /// The last full plan had two Services claiming one name differently: only a full plan, in
     /// order, reproduces that, so every plan is full until one has no such clash.
     clashed: bool,
@@ -151,7 +151,7 @@ pub struct Planner {
 struct Scratch {
     rs: Ruleset,
     /// The names of the skeleton's sets (every other set is one Service's own).
-    skeleton_sets: BTreeSet<String>,
+    skeleton_sets: BTreeSet<Name>,
 }
 
 impl Planner {
@@ -312,7 +312,7 @@ impl Scratch {
         plan::plan_service(&mut self.rs, &sp, input.addresses.as_ref(), node);
         let chains = std::mem::take(&mut self.rs.chains);
         let counters = std::mem::take(&mut self.rs.counters);
-        let own: Vec<String> =
+        let own: Vec<Name> =
             self.rs.sets.keys().filter(|n| !self.skeleton_sets.contains(*n)).cloned().collect();
         let sets = own.iter().filter_map(|n| self.rs.sets.remove(n)).collect();
         let elements = self
@@ -344,17 +344,17 @@ const MIN_PATCHED: usize = 16;
 
 /// What one Service adds to the ruleset.
 struct Part {
-    chains: BTreeMap<String, Chain>,
-    counters: BTreeMap<String, NamedCounter>,
+    chains: BTreeMap<Name, Chain>,
+    counters: BTreeMap<Name, NamedCounter>,
     /// Its own sets (client affinity), whole.
     sets: Vec<Set>,
     /// Its elements of the skeleton's sets, by set.
-    elements: Vec<(String, BTreeMap<Key, Option<Mapped>>)>,
+    elements: Vec<(Name, BTreeMap<Key, Option<Mapped>>)>,
 }
 
 /// Adds `part` to the ruleset being planned whole, counting the elements it shares with earlier
 /// Services in `shared`. A clash is reported; the part is added anyway (the caller plans again).
-fn merge(rs: &mut Ruleset, part: Part, shared: &mut BTreeMap<(String, Key), u32>) -> Result<(), Clash> {
+fn merge(rs: &mut Ruleset, part: Part, shared: &mut BTreeMap<(Name, Key), u32>) -> Result<(), Clash> {
     let mut clash = false;
     for (name, chain) in part.chains {
         clash |= rs.chains.insert(name, chain).is_some();
@@ -387,13 +387,13 @@ fn merge(rs: &mut Ruleset, part: Part, shared: &mut BTreeMap<(String, Key), u32>
 struct Builder<'a> {
     applied: &'a Ruleset,
     patch: RulesetPatch,
-    shared: &'a BTreeMap<(String, Key), u32>,
+    shared: &'a BTreeMap<(Name, Key), u32>,
     /// Changes to `shared` made by this patch.
-    delta: BTreeMap<(String, Key), i64>,
+    delta: BTreeMap<(Name, Key), i64>,
 }
 
 impl Builder<'_> {
-    fn holders_besides_one(&self, key: &(String, Key)) -> i64 {
+    fn holders_besides_one(&self, key: &(Name, Key)) -> i64 {
         i64::from(self.shared.get(key).copied().unwrap_or(0)) + self.delta.get(key).copied().unwrap_or(0)
     }
 
@@ -481,8 +481,8 @@ impl Builder<'_> {
             elements: BTreeMap::new(),
             comment: set.comment.clone(),
         };
-        let old = self.patch.old.sets.entry(name.to_string()).or_insert_with(header);
-        let new = self.patch.new.sets.entry(name.to_string()).or_insert_with(header);
+        let old = self.patch.old.sets.entry(set.name.clone()).or_insert_with(header);
+        let new = self.patch.new.sets.entry(set.name.clone()).or_insert_with(header);
         if !old.elements.contains_key(key)
             && !new.elements.contains_key(key)
             && let Some(value) = set.elements.get(key)
@@ -496,25 +496,25 @@ impl Builder<'_> {
 
 /// Puts `applied`'s value of `name` on both sides the first time it is touched.
 fn touch<V: Clone>(
-    applied: &BTreeMap<String, V>,
-    old: &mut BTreeMap<String, V>,
-    new: &mut BTreeMap<String, V>,
+    applied: &BTreeMap<Name, V>,
+    old: &mut BTreeMap<Name, V>,
+    new: &mut BTreeMap<Name, V>,
     name: &str,
 ) {
     if !old.contains_key(name)
         && !new.contains_key(name)
-        && let Some(v) = applied.get(name)
+        && let Some((name, v)) = applied.get_key_value(name)
     {
-        old.insert(name.to_string(), v.clone());
-        new.insert(name.to_string(), v.clone());
+        old.insert(name.clone(), v.clone());
+        new.insert(name.clone(), v.clone());
     }
 }
 
 /// The current value of `name` while a patch is built (see [`Builder`]).
 fn current<'a, V>(
-    applied: &'a BTreeMap<String, V>,
-    old: &'a BTreeMap<String, V>,
-    new: &'a BTreeMap<String, V>,
+    applied: &'a BTreeMap<Name, V>,
+    old: &'a BTreeMap<Name, V>,
+    new: &'a BTreeMap<Name, V>,
     name: &str,
 ) -> Option<&'a V> {
     match new.get(name) {
@@ -528,7 +528,7 @@ fn current<'a, V>(
 /// Service's part; or a whole ruleset's, as the agent built the index before the planner kept
 /// one), and every Service port (whose series outlive its counters: a port that lost its node
 /// port has none).
-pub fn index_entries(svc: &LbService, counters: &BTreeMap<String, NamedCounter>, index: &mut CounterIndex) {
+pub fn index_entries(svc: &LbService, counters: &BTreeMap<Name, NamedCounter>, index: &mut CounterIndex) {
     for port in &svc.ports {
         let key = SeriesKey { service: svc.key.clone(), port: port.id };
         // The planner names counters only for the Service's own families.
@@ -539,8 +539,9 @@ pub fn index_entries(svc: &LbService, counters: &BTreeMap<String, NamedCounter>,
                 (names.forwarded_counter(), CounterKind::Traffic),
                 (names.refused_counter(), CounterKind::Refused),
             ] {
-                if counters.contains_key(&counter) {
-                    index.counters.insert(counter, (key.clone(), kind));
+                // The part's own name, shared with the ruleset's counter.
+                if let Some((name, _)) = counters.get_key_value(&counter) {
+                    index.counters.insert(name.clone(), (key.clone(), kind));
                 }
             }
         }

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::ir::{Chain, Change, Expr, Mapped, Rule, Ruleset, Set, SetKind, Verdict};
+use crate::ir::{Chain, Change, Expr, Mapped, Name, Rule, Ruleset, Set, SetKind, Verdict};
 
 /// Applies changes to an in-memory ruleset the way the kernel would (a model for tests: a diff
 /// applied to `old` must give exactly `new`). Returns an error naming the first change the kernel
@@ -130,7 +130,7 @@ pub fn simulate(start: &Ruleset, changes: &[Change]) -> Result<Ruleset, String> 
 }
 
 /// Chains a rule sends packets to (its goto/jump verdict).
-fn rule_targets(rule: &Rule) -> Vec<&String> {
+fn rule_targets(rule: &Rule) -> Vec<&Name> {
     rule.exprs
         .iter()
         .filter_map(|e| match e {
@@ -141,7 +141,7 @@ fn rule_targets(rule: &Rule) -> Vec<&String> {
 }
 
 /// Sets and maps a rule looks up or updates.
-fn rule_sets(rule: &Rule) -> Vec<&String> {
+fn rule_sets(rule: &Rule) -> Vec<&Name> {
     rule.exprs
         .iter()
         .filter_map(|e| match e {
@@ -161,7 +161,7 @@ fn rule_sets(rule: &Rule) -> Vec<&String> {
 }
 
 /// Named counters a rule counts in by name.
-fn rule_counters(rule: &Rule) -> Vec<&String> {
+fn rule_counters(rule: &Rule) -> Vec<&Name> {
     rule.exprs
         .iter()
         .filter_map(|e| match e {
@@ -172,18 +172,18 @@ fn rule_counters(rule: &Rule) -> Vec<&String> {
 }
 
 fn references(rs: &Ruleset, chain: &str) -> bool {
-    rs.chains.values().any(|c| c.rules.iter().any(|r| rule_targets(r).iter().any(|t| *t == chain)))
+    rs.chains.values().any(|c| c.rules.iter().any(|r| rule_targets(r).iter().any(|t| &***t == chain)))
         || rs.sets.values().any(|s| {
             s.elements.values().any(
-                |v| matches!(v, Some(Mapped::Verdict(Verdict::Goto(c) | Verdict::Jump(c))) if c == chain),
+                |v| matches!(v, Some(Mapped::Verdict(Verdict::Goto(c) | Verdict::Jump(c))) if &**c == chain),
             )
         })
 }
 
 fn counter_referenced(rs: &Ruleset, counter: &str) -> bool {
-    rs.chains.values().any(|c| c.rules.iter().any(|r| rule_counters(r).iter().any(|n| *n == counter)))
+    rs.chains.values().any(|c| c.rules.iter().any(|r| rule_counters(r).iter().any(|n| &***n == counter)))
         || rs
             .sets
             .values()
-            .any(|s| s.elements.values().any(|v| matches!(v, Some(Mapped::Counter(c)) if c == counter)))
+            .any(|s| s.elements.values().any(|v| matches!(v, Some(Mapped::Counter(c)) if &**c == counter)))
 }

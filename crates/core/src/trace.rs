@@ -129,7 +129,7 @@ pub fn trace(rs: &Ruleset, pkt: &Packet, env: &Env) -> Trace {
                 continue;
             }
         }
-        let mut bases: Vec<(&BaseChain, &String)> = rs
+        let mut bases: Vec<(&BaseChain, &crate::ir::Name)> = rs
             .chains
             .values()
             .filter_map(|c| c.base.as_ref().map(|b| (b, &c.name)))
@@ -176,7 +176,7 @@ enum RuleEnd {
 
 fn run_chain(rs: &Ruleset, start: &str, st: &mut State<'_>) -> ChainEnd {
     // (chain, next rule index) frames for `jump`; `goto` replaces the top frame.
-    let mut stack: Vec<(String, usize)> = vec![(start.to_string(), 0)];
+    let mut stack: Vec<(crate::ir::Name, usize)> = vec![(start.into(), 0)];
     let mut guard = 0;
     while let Some((chain_name, idx)) = stack.pop() {
         guard += 1;
@@ -187,7 +187,7 @@ fn run_chain(rs: &Ruleset, start: &str, st: &mut State<'_>) -> ChainEnd {
             return ChainEnd::Drop(format!("{chain_name} (missing)"));
         };
         if idx == 0 {
-            st.visited.push(chain_name.clone());
+            st.visited.push(chain_name.to_string());
         }
         let Some(rule) = chain.rules.get(idx) else {
             continue; // end of chain: return to caller (or policy accept for the base chain)
@@ -198,7 +198,7 @@ fn run_chain(rs: &Ruleset, start: &str, st: &mut State<'_>) -> ChainEnd {
             RuleEnd::Terminal(end) => return end,
             RuleEnd::Verdict(v) => match v {
                 Verdict::Accept => return ChainEnd::Continue,
-                Verdict::Drop => return ChainEnd::Drop(chain_name),
+                Verdict::Drop => return ChainEnd::Drop(chain_name.to_string()),
                 Verdict::Return => {}
                 Verdict::Jump(target) => {
                     stack.push((chain_name, idx + 1));
@@ -244,7 +244,7 @@ fn run_rule(rs: &Ruleset, rule: &crate::ir::Rule, st: &mut State<'_>) -> RuleEnd
             }
             Expr::Counter => true,
             Expr::CounterRef(name) => {
-                st.counters.push(name.clone());
+                st.counters.push(name.to_string());
                 true
             }
             Expr::L4ProtoDportVmap { map } | Expr::L4ProtoCtOrigDportVmap { map } => {
@@ -274,7 +274,7 @@ fn run_rule(rs: &Ruleset, rule: &crate::ir::Rule, st: &mut State<'_>) -> RuleEnd
                 let key = vec![KeyPart::Proto(pkt.protocol), KeyPart::Port(pkt.dport)];
                 match rs.sets.get(map).and_then(|s| s.elements.get(&key)) {
                     Some(Some(Mapped::Counter(name))) => {
-                        st.counters.push(name.clone());
+                        st.counters.push(name.to_string());
                         true
                     }
                     _ => false,
@@ -298,9 +298,11 @@ fn run_rule(rs: &Ruleset, rule: &crate::ir::Rule, st: &mut State<'_>) -> RuleEnd
                 let key = vec![from, from, KeyPart::Proto(pkt.protocol), KeyPart::Port(pkt.sport)];
                 rs.sets.get(set).is_some_and(|s| s.elements.contains_key(&key))
             }
-            Expr::SaddrInSet { set, .. } => st.env.dynamic.get(set).is_some_and(|s| s.contains(&pkt.saddr)),
+            Expr::SaddrInSet { set, .. } => {
+                st.env.dynamic.get(&**set).is_some_and(|s| s.contains(&pkt.saddr))
+            }
             Expr::UpdateSaddr { set, .. } => {
-                st.updates.push(set.clone());
+                st.updates.push(set.to_string());
                 true
             }
             // Every draw of one trace is `env.numgen`: with N endpoints, draw d picks the first i

@@ -193,7 +193,7 @@ impl NftClient {
                 }
             }
             if !elements.is_empty() {
-                out.insert(set.to_string(), elements);
+                out.insert((*set).into(), elements);
             }
         }
         Ok(out)

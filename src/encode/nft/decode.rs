@@ -197,8 +197,8 @@ fn verdict(data: &[u8]) -> Result<Verdict, NftError> {
         NF_ACCEPT => Verdict::Accept,
         NF_DROP => Verdict::Drop,
         NFT_RETURN => Verdict::Return,
-        NFT_JUMP => Verdict::Jump(chain()?),
-        NFT_GOTO => Verdict::Goto(chain()?),
+        NFT_JUMP => Verdict::Jump(chain()?.into()),
+        NFT_GOTO => Verdict::Goto(chain()?.into()),
         other => return Err(NftError::Malformed(format!("verdict code {other}"))),
     })
 }
@@ -228,7 +228,7 @@ pub fn elements(payload: &[u8]) -> Result<Vec<RawElement>, NftError> {
     map_elements(payload, |k, et| {
         let v = match (get(et, NFTA_SET_ELEM_DATA), get(et, NFTA_SET_ELEM_OBJREF)) {
             (Some(d), _) => Some(Mapped::Verdict(verdict(d)?)),
-            (None, Some(o)) => Some(Mapped::Counter(as_str(o))),
+            (None, Some(o)) => Some(Mapped::Counter(as_str(o).into())),
             (None, None) => None,
         };
         Ok((k, v))

@@ -176,8 +176,8 @@ struct Enc {
     next_set_id: u32,
     /// Sets created in this batch: name → NFTA_SET_ID (lookups and elements reference them by id too,
     /// as nft does, so they resolve inside the transaction).
-    set_ids: HashMap<String, u32>,
-    set_keys: HashMap<String, Vec<KeyType>>,
+    set_ids: HashMap<ir::Name, u32>,
+    set_keys: HashMap<ir::Name, Vec<KeyType>>,
 }
 
 /// What an element carries besides its key.
@@ -1233,7 +1233,7 @@ mod tests {
         let rule = Rule::new(vec![
             Expr::L4Proto(Protocol::Tcp),
             Expr::SaddrInPrefix { prefix: "192.0.2.0/24".parse().expect("cidr"), negate: true },
-            Expr::CtState(vec![CtState::Established, CtState::Related]),
+            Expr::CtState(Box::new([CtState::Established, CtState::Related])),
             Expr::CtStatusDnat,
             Expr::Counter,
         ])
@@ -1364,7 +1364,7 @@ mod tests {
         let mut set = svc_ports();
         for port in 1..=6000u16 {
             let key = vec![KeyPart::Proto(Protocol::Tcp), KeyPart::Port(port)];
-            set.elements.insert(key, Some(Mapped::Verdict(Verdict::Goto(format!("svc-{port}")))));
+            set.elements.insert(key, Some(Mapped::Verdict(Verdict::Goto(format!("svc-{port}").into()))));
         }
         rs.add_set(set);
         rs.add_chain(ir::Chain {

@@ -15,7 +15,7 @@ pub fn verify(expected: &Ruleset, actual: Option<&KernelTable>) -> Vec<String> {
     };
     out.extend(actual.problems.iter().cloned());
     for (name, chain) in &expected.chains {
-        let Some(k) = actual.chains.get(name) else {
+        let Some(k) = actual.chains.get(&**name) else {
             out.push(format!("chain {name} is missing"));
             continue;
         };
@@ -65,19 +65,19 @@ pub fn verify(expected: &Ruleset, actual: Option<&KernelTable>) -> Vec<String> {
         }
     }
     for name in actual.chains.keys() {
-        if !expected.chains.contains_key(name) {
+        if !expected.chains.contains_key(name.as_str()) {
             out.push(format!("chain {name} is unexpected"));
         }
     }
     for (name, counter) in &expected.counters {
-        match actual.counters.get(name) {
+        match actual.counters.get(&**name) {
             None => out.push(format!("counter {name} is missing")),
             Some(k) if k.comment != counter.comment => out.push(format!("counter {name}: comment differs")),
             Some(_) => {}
         }
     }
     for name in actual.counters.keys() {
-        if !expected.counters.contains_key(name) {
+        if !expected.counters.contains_key(name.as_str()) {
             out.push(format!("counter {name} is unexpected"));
         }
     }
@@ -86,7 +86,7 @@ pub fn verify(expected: &Ruleset, actual: Option<&KernelTable>) -> Vec<String> {
     }
     for (name, set) in &expected.sets {
         let kind = set.kind.word();
-        let Some(k) = actual.sets.get(name) else {
+        let Some(k) = actual.sets.get(&**name) else {
             out.push(format!("{kind} {name} is missing"));
             continue;
         };
@@ -117,7 +117,7 @@ pub fn verify(expected: &Ruleset, actual: Option<&KernelTable>) -> Vec<String> {
         }
     }
     for (name, s) in &actual.sets {
-        if !expected.sets.contains_key(name) {
+        if !expected.sets.contains_key(name.as_str()) {
             out.push(format!("{} {name} is unexpected", s.kind.map_or("set", |k| k.word())));
         }
     }
