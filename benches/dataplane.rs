@@ -572,7 +572,7 @@ const AFFINITY_TIMEOUT: u32 = 10_800;
 fn nodelb_affinity_ruleset(svcs: &[BenchSvc], client: Ipv4Addr) -> (Ruleset, Carried) {
     let mut lb = nodelb_services(svcs);
     let mut carried = Carried::new();
-    for (s, _) in lb.iter_mut().filter(|(s, _)| s.key.name == "target") {
+    for (s, _) in lb.iter_mut().filter(|(s, _)| &*s.key.name == "target") {
         s.session_affinity = Some(AFFINITY_TIMEOUT);
         let port = &mut s.ports[0];
         let backend = port.endpoints.remove(0);

@@ -670,7 +670,9 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
                 let keys: Vec<(ServiceKey, &str)> = desired
                     .services
                     .iter()
-                    .filter_map(|s| Some((ServiceKey::new(&s.namespace, &s.name), s.pool.as_deref()?)))
+                    .filter_map(|s| {
+                        Some((ServiceKey::new(s.namespace.clone(), s.name.clone()), s.pool.as_deref()?))
+                    })
                     .collect();
                 crate::pool::usage(&p.set, allocations, keys.iter().map(|(k, p)| (k, *p)))
             }

@@ -21,7 +21,7 @@ fn examples_are_valid() {
         assert_eq!(s.ports.len(), 1);
         let eps: Vec<String> =
             s.ports[0].endpoints.iter().map(|e| format!("{}:{}", e.addr, e.port)).collect();
-        let port = if s.key.name == "web" { 8080 } else { 5353 };
+        let port = if &*s.key.name == "web" { 8080 } else { 5353 };
         assert_eq!(eps, vec![format!("198.51.100.11:{port}"), format!("198.51.100.12:{port}")]);
         assert!(s.ports[0].endpoints.iter().all(|e| e.ready && e.node_name.as_deref() == Some("node-1")));
     }

@@ -80,7 +80,7 @@ fn rules_of(d: &Desired, needle: &str) -> usize {
 }
 
 fn refusal_of<'a>(d: &'a Desired, name: &str) -> &'a Refusal {
-    d.refusals.iter().find(|r| r.service().name == name).unwrap_or_else(|| panic!("{name} not refused"))
+    d.refusals.iter().find(|r| &*r.service().name == name).unwrap_or_else(|| panic!("{name} not refused"))
 }
 
 /// 20,000 ports (the most a Service may have) are modelled and allocated without blowing up:
@@ -93,7 +93,7 @@ fn a_service_with_thousands_of_ports() {
     let names: Vec<String> = (0..MAX_SERVICE_BACKENDS).map(|i| format!("p{i}")).collect();
     let backends = slice("many-1", "many", &names, addrs(1));
     let d = next_to_good("20,000 ports", vec![many, too_many], vec![backends]);
-    let status = d.services.iter().find(|s| s.name == "many").expect("status");
+    let status = d.services.iter().find(|s| &*s.name == "many").expect("status");
     let allocated = status.ports.iter().filter(|p| p.node_port.is_some()).count();
     assert_eq!(allocated, 10_000 - 3, "the default range, less the good Services' ports");
     assert_eq!(d.alloc_problems.len(), MAX_SERVICE_BACKENDS - allocated);
@@ -131,13 +131,13 @@ fn an_endpointslice_set_with_thousands_of_endpoints() {
     let per_port = MAX_SERVICE_BACKENDS / 2;
     let chain_rules = rules_of(&d, "-big/two/udp/1");
     assert!(chain_rules >= per_port && chain_rules <= per_port + 2, "{chain_rules} rules for port 1");
-    let status = d.services.iter().find(|s| s.name == "two").expect("status");
+    let status = d.services.iter().find(|s| &*s.name == "two").expect("status");
     assert!(status.ports.iter().all(|p| p.endpoints == per_port), "{:?}", status.ports);
     assert!(!d.ruleset.render().contains("198.18.0.0:"), "the not-ready endpoint was kept over ready ones");
     let cut: Vec<&String> = d.warnings.iter().filter(|w| w.contains("endpoints,")).collect();
     assert_eq!(cut.len(), 2, "one warning per cut port: {cut:?}");
     assert!(cut[0].contains("30001 endpoints, 10000 programmed"), "{}", cut[0]);
-    let one = d.services.iter().find(|s| s.name == "one").expect("status");
+    let one = d.services.iter().find(|s| &*s.name == "one").expect("status");
     assert_eq!(one.ports[0].endpoints, 5000);
 }
 
@@ -187,7 +187,7 @@ fn megabyte_annotations() {
     );
     let w = warnings("bad-alloc");
     assert!(w.len() == 1 && w[0].contains("and 19999 more bad entries"), "{w:?}");
-    assert!(d.services.iter().any(|s| s.name == "max-requests"), "a 256 KiB valid request refused");
+    assert!(d.services.iter().any(|s| &*s.name == "max-requests"), "a 256 KiB valid request refused");
 }
 
 /// Source ranges are one rule per range and port: more than the bound refuses the Service (it
@@ -201,7 +201,9 @@ fn source_ranges_times_ports_are_bounded() {
     let over = svc("ranges-over", ports(20), |v| v["spec"]["loadBalancerSourceRanges"] = json!(more));
     let d = next_to_good("source ranges", vec![ok, over], vec![]);
     assert!(
-        d.services.iter().any(|s| s.name == "ranges-ok" && s.state != nodelb::report::ServiceState::Refused)
+        d.services
+            .iter()
+            .any(|s| &*s.name == "ranges-ok" && s.state != nodelb::report::ServiceState::Refused)
     );
     let msg = refusal_of(&d, "ranges-over").to_string();
     assert!(

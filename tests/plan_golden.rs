@@ -190,7 +190,7 @@ fn a_node_port_change_leaves_no_stale_comment() {
 fn chain_names_are_stable_and_bounded() {
     let long = "x".repeat(253);
     let mut s = svc(&long, vec![(80, Protocol::Tcp, two_backends())]);
-    s.key.namespace = "n".repeat(63);
+    s.key.namespace = "n".repeat(63).into();
     let p = ports(&s, 20001);
     let rs = plan::plan(&[ServicePlan { service: &s, node_ports: &p }], &node(&[Family::Ipv4]));
     for name in rs.chains.keys() {
@@ -210,7 +210,7 @@ fn chain_names_are_stable_and_bounded() {
 fn long_names_plan_and_encode() {
     for name_len in [63, 253] {
         let mut s = svc(&"x".repeat(name_len), vec![(80, Protocol::Tcp, two_backends())]);
-        s.key.namespace = "n".repeat(63);
+        s.key.namespace = "n".repeat(63).into();
         s.families = vec![Family::Ipv4, Family::Ipv6];
         s.ports[0].endpoints.push(ep("2001:db8:2::11", 8080, NODE, true));
         s.source_ranges = vec!["203.0.113.0/24".parse().unwrap(), "2001:db8::/32".parse().unwrap()];
@@ -256,7 +256,7 @@ fn port_comments_fit_and_stay_readable() {
     let mut failures = vec![];
     for (desc, ns, name, what, want) in cases {
         let mut s = svc(&name, vec![(80, Protocol::Tcp, two_backends())]);
-        s.key.namespace = ns;
+        s.key.namespace = ns.into();
         let got = plan::port_comment(&s, &s.ports[0], 20001, what);
         if got.len() > plan::MAX_COMMENT || got != want {
             failures.push(format!("{desc}: want {want:?}, got {got:?} ({} bytes)", got.len()));
@@ -498,8 +498,8 @@ fn affinity_draws_are_the_plain_cascade() {
 #[test]
 fn port_names_are_the_hash_of_the_formatted_identity() {
     let mut long = svc("web", vec![(80, Protocol::Tcp, vec![])]);
-    long.key.namespace = "n".repeat(63);
-    long.key.name = "x.y z".repeat(40);
+    long.key.namespace = "n".repeat(63).into();
+    long.key.name = "x.y z".repeat(40).into();
     for s in [svc("web", vec![(8443, Protocol::Udp, vec![])]), long] {
         let port = &s.ports[0];
         let identity =

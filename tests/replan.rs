@@ -203,7 +203,7 @@ fn random_walks_patch_to_the_full_plan() {
                 let base = &bases[usize::from(which)];
                 let copy = rng.below(6);
                 let mut s = variant(base, rng.below(8), &mut rng);
-                s.key.name = format!("{}-{copy}", s.key.name);
+                s.key.name = format!("{}-{copy}", s.key.name).into();
                 if rng.chance(0.25) {
                     current.remove(&s.key);
                     continue;

@@ -454,8 +454,8 @@ fn counter_metric(key: &SeriesKey, value: u64) -> prometheus::proto::Metric {
     };
     let mut m = prometheus::proto::Metric::default();
     m.set_label(vec![
-        label("namespace", key.service.namespace.clone()),
-        label("service", key.service.name.clone()),
+        label("namespace", key.service.namespace.to_string()),
+        label("service", key.service.name.to_string()),
         label("port", key.port.port.to_string()),
         label("protocol", key.port.protocol.k8s_name().to_string()),
     ]);

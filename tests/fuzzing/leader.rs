@@ -139,7 +139,7 @@ pub fn check(
     let alone = plan(good.0, good.1, &nodes, &leases);
     let with = plan(all.0, all.1, &nodes, &leases);
     assert_acceptable(&with, "leader");
-    let is_good = |k: &nodelb::domain::ServiceKey| k.namespace == GOOD_NS;
+    let is_good = |k: &nodelb::domain::ServiceKey| &*k.namespace == GOOD_NS;
     let good_writes =
         |p: &RoundPlan| p.writes.iter().filter(|w| is_good(&w.key)).cloned().collect::<Vec<_>>();
     assert_eq!(good_writes(&alone), good_writes(&with), "leader: the good Services' writes changed");

@@ -1006,8 +1006,10 @@ mod tests {
         };
         let before = map(&[("web", 80, 20001), ("web", 443, 20002), ("dns", 53, 20003), ("gone", 1, 20004)]);
         let after = map(&[("web", 80, 21001), ("web", 443, 20002), ("new", 8, 20005), ("dns", 54, 20003)]);
-        let got: Vec<_> =
-            moved(&before, &after).into_iter().map(|(k, id, a, b)| (k.name.clone(), id.port, a, b)).collect();
+        let got: Vec<_> = moved(&before, &after)
+            .into_iter()
+            .map(|(k, id, a, b)| (k.name.to_string(), id.port, a, b))
+            .collect();
         assert_eq!(got, [("web".to_string(), 80, 20001, 21001)]);
     }
 }

@@ -270,7 +270,10 @@ mod tests {
     }
 
     fn exported(st: &CounterState, now: &CounterValues) -> Vec<(String, CounterKind, u64, u64)> {
-        st.totals(now).into_iter().map(|((k, kind), t)| (k.service.name, kind, t.packets, t.bytes)).collect()
+        st.totals(now)
+            .into_iter()
+            .map(|((k, kind), t)| (k.service.name.to_string(), kind, t.packets, t.bytes))
+            .collect()
     }
 
     use CounterKind::{Connections as C, Refused as R, Traffic as T};

@@ -371,10 +371,7 @@ fn namespace_of(ns: &Option<String>) -> String {
 
 /// Key of a Service object.
 pub fn service_key(svc: &Service) -> ServiceKey {
-    ServiceKey {
-        namespace: namespace_of(&svc.metadata.namespace),
-        name: svc.metadata.name.clone().unwrap_or_default(),
-    }
+    ServiceKey::new(namespace_of(&svc.metadata.namespace), svc.metadata.name.as_deref().unwrap_or_default())
 }
 
 /// No EndpointSlices, for [`build`] of Services alone (`&[]` does not say what it is a slice of).
@@ -400,7 +397,7 @@ pub fn build<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             continue;
         }
         let svc_slices: Vec<&EndpointSlice> = slices_by_service
-            .get(&(key.namespace.as_str(), key.name.as_str()))
+            .get(&(&*key.namespace, &*key.name))
             .into_iter()
             .flatten()
             .map(|s| (*s).borrow())

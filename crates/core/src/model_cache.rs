@@ -176,16 +176,15 @@ impl ModelCache {
                 continue;
             }
             last = Some(key);
-            while old.next_if(|e| (e.key.namespace.as_str(), e.key.name.as_str()) < key).is_some() {}
+            while old.next_if(|e| (&*e.key.namespace, &*e.key.name) < key).is_some() {}
             // Both in key order: slices of keys before this one belong to no Service of ours.
             let skip = keyed.iter().take_while(|(k, _)| *k < key).count();
             let take = keyed[skip..].iter().take_while(|(k, _)| *k == key).count();
             let svc_slices = &keyed[skip..skip + take];
             keyed = &keyed[skip + take..];
-            while ages.next_if(|(k, _)| (k.namespace.as_str(), k.name.as_str()) < key).is_some() {}
-            let since =
-                ages.peek().filter(|(k, _)| (k.namespace.as_str(), k.name.as_str()) == key).map(|(_, t)| **t);
-            let kept = old.next_if(|e| (e.key.namespace.as_str(), e.key.name.as_str()) == key);
+            while ages.next_if(|(k, _)| (&*k.namespace, &*k.name) < key).is_some() {}
+            let since = ages.peek().filter(|(k, _)| (&*k.namespace, &*k.name) == key).map(|(_, t)| **t);
+            let kept = old.next_if(|e| (&*e.key.namespace, &*e.key.name) == key);
             let entry = match kept {
                 Some(e) if e.built_from(svc, svc_slices, e.since) && e.since != since => e.aged(since),
                 Some(e) if e.built_from(svc, svc_slices, since) => e,
@@ -311,8 +310,7 @@ mod tests {
         let got = cache.build(&services, &no_slices, &ctx);
         assert_eq!(got, super::build(&services, &no_slices, &ctx), "50 objects: as built afresh");
         for m in &got.services {
-            let first =
-                services.iter().find(|s| s.metadata.name.as_deref() == Some(m.key.name.as_str())).unwrap();
+            let first = services.iter().find(|s| s.metadata.name.as_deref() == Some(&*m.key.name)).unwrap();
             let port = first.spec.as_ref().unwrap().ports.as_ref().unwrap()[0].port;
             assert_eq!(i32::from(m.ports[0].id.port), port, "{}: the first object of the key", m.key);
         }

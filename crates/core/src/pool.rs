@@ -823,7 +823,7 @@ pub fn assign_services<S: Borrow<Service>, V: Borrow<LbService>>(
         held.extend(previous.get(&svc.key).into_iter().flat_map(|m| m.values().copied()));
         let facts = ServiceFacts {
             labels,
-            namespace_labels: ctx.namespaces.get(&svc.key.namespace).unwrap_or(&empty),
+            namespace_labels: ctx.namespaces.get(&*svc.key.namespace).unwrap_or(&empty),
             requested: requested.map(String::as_str),
             held: &held,
         };

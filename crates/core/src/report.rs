@@ -49,8 +49,9 @@ pub struct EndpointRefusalStatus {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ServiceStatus {
-    pub namespace: String,
-    pub name: String,
+    /// Shared with the Service's key.
+    pub namespace: std::sync::Arc<str>,
+    pub name: std::sync::Arc<str>,
     pub state: ServiceState,
     /// Short machine-readable reason (`invalid_source_range`, `no_endpoints`, ...), the
     /// `reason` label of `nodelb_services`.

@@ -1150,7 +1150,7 @@ mod tests {
                         .services
                         .iter()
                         .map(|s| s.metadata.name.as_deref().unwrap())
-                        .find(|n| *n == w.key.name)
+                        .find(|n| *n == &*w.key.name)
                         .unwrap();
                     (name, w.annotation.as_ref().map(|a| a.as_deref()), w.status.is_some())
                 })
@@ -1446,7 +1446,7 @@ mod tests {
             apply(&mut plain, &last_writes);
             for (svc, old) in services.iter_mut().zip(plain) {
                 let name = svc.metadata.name.clone().unwrap();
-                if last_writes.iter().any(|w| w.key.name == name) || edited.contains(&name.as_str()) {
+                if last_writes.iter().any(|w| *w.key.name == *name) || edited.contains(&name.as_str()) {
                     let mut new = old;
                     new.metadata.resource_version =
                         Some(format!("{}{}", new.metadata.resource_version.unwrap(), 1));
