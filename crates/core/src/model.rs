@@ -116,7 +116,8 @@ pub enum PortRequest {
 pub struct Endpoint {
     pub addr: IpAddr,
     pub port: u16,
-    pub node_name: Option<String>,
+    /// Shared with the EndpointSlice's endpoint.
+    pub node_name: Option<std::sync::Arc<str>>,
     /// `conditions.ready` (nil counts as true, per the EndpointSlice API).
     pub ready: bool,
     /// `conditions.serving` (nil: same as ready).
