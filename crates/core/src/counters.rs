@@ -59,6 +59,15 @@ pub struct CounterIndex {
     pub ports: BTreeSet<SeriesKey>,
 }
 
+impl CounterIndex {
+    /// The same index with its maps' B-tree nodes full (see [`crate::ir::Ruleset::packed`]).
+    pub fn packed(mut self) -> CounterIndex {
+        crate::ir::pack(&mut self.counters);
+        self.ports = std::mem::take(&mut self.ports).into_iter().collect();
+        self
+    }
+}
+
 /// The counter index of the next ruleset: whole, or as a patch of the installed one (the
 /// entries of the Service ports a sync replans: `removed` as they were, `added` as they are; a
 /// port still there is in both).
@@ -170,6 +179,9 @@ impl CounterState {
             if !self.base.contains_key(series) {
                 self.base.insert(series.clone(), Totals::default());
             }
+        }
+        if matches!(next, IndexUpdate::Full(_)) {
+            crate::ir::pack(&mut self.base);
         }
         next.apply(&mut self.index);
     }

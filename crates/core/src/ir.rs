@@ -348,6 +348,20 @@ impl Ruleset {
         self.counters.insert(counter.name.clone(), counter);
     }
 
+    /// The same ruleset with its maps rebuilt full. A map grown by inserts keeps its B-tree
+    /// nodes half to two-thirds full; one built from its sorted entries packs them. A whole
+    /// plan is kept until the next sync (at 10,000 Services × 5 endpoints its maps' nodes were
+    /// ~5 MB of the agent's heap); a patch inserts into the packed maps as before.
+    pub fn packed(mut self) -> Ruleset {
+        pack(&mut self.chains);
+        pack(&mut self.counters);
+        for set in self.sets.values_mut() {
+            pack(&mut set.elements);
+        }
+        pack(&mut self.sets);
+        self
+    }
+
     /// Renders the ruleset in `nft` syntax, loadable with `nft -f` (sets, then chains sorted by
     /// name, so the output is stable for golden tests). Chains come in the order
     /// [`Ruleset::full_replace`] creates them, because `nft list` prints chains in creation order:
@@ -371,6 +385,12 @@ impl Ruleset {
         out.push_str("}\n");
         out
     }
+}
+
+/// Rebuilds `map` from its entries in order (the standard library builds a B-tree from sorted
+/// entries with full nodes).
+pub fn pack<K: Ord, V>(map: &mut BTreeMap<K, V>) {
+    *map = std::mem::take(map).into_iter().collect();
 }
 
 fn render_set(out: &mut String, set: &Set) {

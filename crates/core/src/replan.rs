@@ -222,7 +222,7 @@ impl Planner {
         self.clashed |= inputs.windows(2).any(|w| w[0].service.key == w[1].service.key);
         self.services = inputs;
         self.shape = Some(Shape::of(&rs));
-        (rs, counter_index)
+        (rs.packed(), counter_index.packed())
     }
 
     /// Starts a whole plan for `node`: the scratch skeleton is `node`'s, nothing is shared or
