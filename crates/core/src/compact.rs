@@ -55,9 +55,8 @@ struct WireSlice {
 
 impl From<WireSlice> for EndpointSlice {
     fn from(wire: WireSlice) -> EndpointSlice {
-        let WireSlice { mut metadata, address_type, endpoints, ports } = wire;
+        let WireSlice { mut metadata, address_type, mut endpoints, ports } = wire;
         let service_name = metadata.labels.take().and_then(|mut l| l.remove(LABEL_SERVICE_NAME));
-        let mut endpoints = endpoints;
         share_node_names(endpoints.as_deref_mut().unwrap_or_default());
         EndpointSlice { metadata, service_name, address_type, endpoints, ports }
     }
@@ -65,17 +64,23 @@ impl From<WireSlice> for EndpointSlice {
 
 /// Makes the endpoints of one slice that are on the same node share one copy of its name: a
 /// slice's endpoints are mostly on a few nodes (all of them on one, often), and the name is kept
-/// with every endpoint and again in every model built from it. Linear in the endpoints times
-/// the distinct nodes among them, which a slice (≤ 1,000 endpoints) keeps small.
+/// with every endpoint and again in every model built from it. Only the first
+/// [`SHARED_NODE_NAMES`] distinct names are shared, so that a slice of a manifest file (which no
+/// API server limits to 1,000 endpoints) with a node per endpoint costs a linear pass, not a
+/// quadratic one.
 fn share_node_names(endpoints: &mut [Endpoint]) {
     let mut seen: Vec<Arc<str>> = Vec::new();
     for name in endpoints.iter_mut().filter_map(|e| e.node_name.as_mut()) {
         match seen.iter().find(|s| ***s == **name) {
             Some(first) => *name = first.clone(),
-            None => seen.push(name.clone()),
+            None if seen.len() < SHARED_NODE_NAMES => seen.push(name.clone()),
+            None => {}
         }
     }
 }
+
+/// See [`share_node_names`].
+const SHARED_NODE_NAMES: usize = 16;
 
 /// One endpoint of a slice.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
@@ -295,5 +300,18 @@ mod tests {
         let (a, b) = (names[0].unwrap(), names[1].unwrap());
         assert!(Arc::ptr_eq(a, names[2].unwrap()) && Arc::ptr_eq(a, names[4].unwrap()));
         assert!(!Arc::ptr_eq(a, b));
+
+        // Past the first 16 distinct nodes, names are kept as read (values unchanged).
+        let mut eps: Vec<_> =
+            (0..20).map(|i| ep(&format!("198.51.100.{i}"), Some(&format!("n{i}")))).collect();
+        eps.extend([ep("198.51.100.100", Some("n0")), ep("198.51.100.119", Some("n19"))]);
+        let slice: EndpointSlice = serde_json::from_value(json!({ "endpoints": eps })).expect("slice");
+        let names: Vec<&Arc<str>> =
+            slice.endpoints.iter().flatten().filter_map(|e| e.node_name.as_ref()).collect();
+        let text: Vec<&str> = names.iter().map(|n| &***n).collect();
+        let want: Vec<String> = (0..20).map(|i| format!("n{i}")).chain(["n0".into(), "n19".into()]).collect();
+        assert_eq!(text, want);
+        assert!(Arc::ptr_eq(names[0], names[20]), "one of the first 16 is shared");
+        assert!(!Arc::ptr_eq(names[19], names[21]), "the 20th distinct name is not looked for");
     }
 }

@@ -15,8 +15,9 @@ use crate::domain::{Family, Protocol};
 
 /// The name of a chain, set, map or named counter. Shared, not copied: a ruleset names each
 /// object in its map's key, in the object and in every rule and element that refers to it (a
-/// Service's connection counter once per endpoint rule), and the counter index names it again;
-/// at 10,000 Services × 5 endpoints the copies were ~3 MB of the agent's heap.
+/// service port's chain in the dispatch map, its counters in its first rule and the forward
+/// counter map), and the counter index names its counters again; at 10,000 Services × 5
+/// endpoints the copies were ~3 MB of the agent's heap.
 pub type Name = Arc<str>;
 
 /// The one table nodelb owns. `inet` so one table serves IPv4 and IPv6.
