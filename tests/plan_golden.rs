@@ -484,10 +484,7 @@ fn affinity_draws_are_the_plain_cascade() {
             .count();
         assert_eq!(lookups, if n > 1 { n as usize } else { 0 }, "a lookup per endpoint (N = {n})");
         let last_update = &chain.rules[chain.rules.len() - 2];
-        assert!(
-            matches!(last_update.exprs.as_slice(), [Expr::UpdateSaddr { .. }]),
-            "N = {n}: {last_update:?}"
-        );
+        assert!(matches!(&*last_update.exprs, [Expr::UpdateSaddr { .. }]), "N = {n}: {last_update:?}");
     }
 }
 

@@ -164,7 +164,7 @@ fn read_back(rs: &Ruleset, counters: &CounterValues) -> KernelTable {
                 .enumerate()
                 .map(|(i, r)| KernelRule {
                     handle: i as u64 + 1,
-                    comment: r.comment.clone(),
+                    comment: r.comment.as_deref().map(String::from),
                     fingerprint: Some(fingerprint(r)),
                     counter: None,
                     exprs: vec![],
