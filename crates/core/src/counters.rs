@@ -63,7 +63,7 @@ impl CounterIndex {
     /// The same index with its maps' B-tree nodes full (see [`crate::ir::Ruleset::packed`]).
     pub fn packed(mut self) -> CounterIndex {
         crate::ir::pack(&mut self.counters);
-        self.ports = std::mem::take(&mut self.ports).into_iter().collect();
+        crate::ir::pack(&mut self.ports);
         self
     }
 }

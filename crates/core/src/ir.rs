@@ -391,10 +391,10 @@ impl Ruleset {
     }
 }
 
-/// Rebuilds `map` from its entries in order (the standard library builds a B-tree from sorted
-/// entries with full nodes).
-pub fn pack<K: Ord, V>(map: &mut BTreeMap<K, V>) {
-    *map = std::mem::take(map).into_iter().collect();
+/// Rebuilds a B-tree map or set from its entries in order (the standard library builds one from
+/// sorted entries with full nodes).
+pub fn pack<C: Default + IntoIterator + FromIterator<C::Item>>(tree: &mut C) {
+    *tree = std::mem::take(tree).into_iter().collect();
 }
 
 fn render_set(out: &mut String, set: &Set) {

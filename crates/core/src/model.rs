@@ -362,17 +362,9 @@ fn parse_ignore(value: &str) -> Result<bool, String> {
     }
 }
 
-/// Namespace of an object, `default` when unset (manifests often omit it).
-fn namespace_of(ns: &Option<String>) -> String {
-    match ns.as_deref() {
-        None | Some("") => "default".to_string(),
-        Some(ns) => ns.to_string(),
-    }
-}
-
 /// Key of a Service object.
 pub fn service_key(svc: &Service) -> ServiceKey {
-    ServiceKey::new(namespace_of(&svc.metadata.namespace), svc.metadata.name.as_deref().unwrap_or_default())
+    ServiceKey::new(namespace_str(&svc.metadata.namespace), svc.metadata.name.as_deref().unwrap_or_default())
 }
 
 /// No EndpointSlices, for [`build`] of Services alone (`&[]` does not say what it is a slice of).
@@ -438,7 +430,7 @@ pub(crate) fn borrowed_key<'a>(namespace: &'a Option<String>, name: Option<&'a s
     (namespace_str(namespace), name.unwrap_or_default())
 }
 
-/// [`namespace_of`], borrowed.
+/// Namespace of an object, `default` when unset (manifests often omit it).
 fn namespace_str(ns: &Option<String>) -> &str {
     match ns.as_deref() {
         None | Some("") => "default",
