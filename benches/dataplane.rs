@@ -35,7 +35,7 @@ use common::scenarios::{ep, node as node_facts, svc};
 use common::topology::{NODE_V4, Topology, backend_v4, client_v4};
 use nodelb::domain::{Family, PortId, Protocol};
 use nodelb::encode::nft::NftClient;
-use nodelb::ir::{Carried, KeyPart, Ruleset};
+use nodelb::ir::{Carried, Key, Ruleset};
 use nodelb::model::LbService;
 use nodelb::plan::{self, ServicePlan};
 
@@ -581,7 +581,7 @@ fn nodelb_affinity_ruleset(svcs: &[BenchSvc], client: Ipv4Addr) -> (Ruleset, Car
             .chain([backend.clone()])
             .collect();
         let set = plan::affinity_set(Family::Ipv4, s, &s.ports[0], &backend, AFFINITY_TIMEOUT);
-        let key = vec![KeyPart::Addr(IpAddr::V4(client))];
+        let key = Key::addr(IpAddr::V4(client));
         carried.insert(set, vec![(key, u64::from(AFFINITY_TIMEOUT) * 1000)]);
     }
     (nodelb_plan(&lb), carried)

@@ -11,8 +11,8 @@ use common::netns::NetNs;
 use nodelb::domain::{Family, Protocol};
 use nodelb::encode::nft::{NftClient, NftError, verify};
 use nodelb::ir::{
-    self, BaseChain, Chain, ChainType, Change, CtState, Expr, Hook, KeyPart, KeyType, Mapped, NamedCounter,
-    Rule, Ruleset, Set, SetKind, Verdict,
+    self, BaseChain, Chain, ChainType, Change, CtState, Expr, Hook, Key, KeyType, Mapped, NamedCounter, Rule,
+    Ruleset, Set, SetKind, Verdict,
 };
 
 type V = Verdict;
@@ -47,7 +47,7 @@ fn r(exprs: Vec<Expr>) -> Rule {
 fn full_ruleset() -> Ruleset {
     use Expr::*;
     let mut rs = Ruleset::default();
-    let pp = |p: Protocol, port: u16| vec![KeyPart::Proto(p), KeyPart::Port(port)];
+    let pp = Key::proto_port;
     rs.add_set(Set {
         name: "service-ports".into(),
         key: vec![KeyType::InetProto, KeyType::InetService],
@@ -78,9 +78,7 @@ fn full_ruleset() -> Ruleset {
         ]),
         comment: Some("forwarded".into()),
     });
-    let ep = |a: &str, p: Protocol, port: u16| {
-        vec![KeyPart::Addr(ip(a)), KeyPart::Addr(ip(a)), KeyPart::Proto(p), KeyPart::Port(port)]
-    };
+    let ep = |a: &str, p: Protocol, port: u16| Key::addrs_proto_port(ip(a), ip(a), p, port);
     rs.add_set(Set {
         name: "endpoints-ipv4".into(),
         key: vec![KeyType::Ipv4Addr, KeyType::Ipv4Addr, KeyType::InetProto, KeyType::InetService],
@@ -117,11 +115,7 @@ fn full_ruleset() -> Ruleset {
         key: vec![KeyType::Ipv6Addr, KeyType::InetProto, KeyType::InetService],
         kind: SetKind::VerdictMap,
         elements: BTreeMap::from([(
-            vec![
-                KeyPart::Addr("2001:db8::1".parse().unwrap()),
-                KeyPart::Proto(Protocol::Tcp),
-                KeyPart::Port(20004),
-            ],
+            Key::addr_proto_port("2001:db8::1".parse().unwrap(), Protocol::Tcp, 20004),
             Some(goto("svc-a")),
         )]),
         comment: None,
@@ -353,10 +347,10 @@ fn diff_after_full_replace_matches_nft() {
     // 65535`, one nft loads fresh does not: the kernel sets the size at the first binding).
     rs2.sets.remove("aff-a");
     let ports = rs2.sets.get_mut("service-ports").expect("map");
-    let gone = vec![KeyPart::Proto(Protocol::Udp), KeyPart::Port(20002)];
-    let new = vec![KeyPart::Proto(Protocol::Tcp), KeyPart::Port(20004)];
+    let gone = Key::proto_port(Protocol::Udp, 20002);
+    let new = Key::proto_port(Protocol::Tcp, 20004);
     ports.elements.remove(&gone);
-    ports.elements.insert(new.clone(), Some(goto("svc-b")));
+    ports.elements.insert(new, Some(goto("svc-b")));
 
     let mut changes = vec![Change::FlushChain("svc-a".into())];
     changes.extend(
@@ -459,10 +453,7 @@ fn big_batch_is_one_transaction() {
         let name = format!("svc-{i:05}");
         rs.add_chain(regular(&name, vec![r(vec![Expr::Counter, Expr::Verdict(Verdict::Accept)])]));
         elements.insert(
-            vec![
-                KeyPart::Proto(if i % 2 == 0 { Protocol::Tcp } else { Protocol::Udp }),
-                KeyPart::Port(10_000 + i as u16),
-            ],
+            Key::proto_port(if i % 2 == 0 { Protocol::Tcp } else { Protocol::Udp }, 10_000 + i as u16),
             Some(goto(&name)),
         );
     }
@@ -513,8 +504,8 @@ fn counter_ruleset() -> Ruleset {
         key: vec![KeyType::InetProto, KeyType::InetService],
         kind: SetKind::VerdictMap,
         elements: BTreeMap::from([
-            (vec![KeyPart::Proto(Protocol::Tcp), KeyPart::Port(20001)], Some(goto("svc-x"))),
-            (vec![KeyPart::Proto(Protocol::Udp), KeyPart::Port(20001)], Some(goto("svc-x"))),
+            (Key::proto_port(Protocol::Tcp, 20001), Some(goto("svc-x"))),
+            (Key::proto_port(Protocol::Udp, 20001), Some(goto("svc-x"))),
         ]),
         comment: None,
     });
@@ -648,7 +639,7 @@ fn dynamic_elements_are_ignored_by_verify_and_put_back_by_a_full_replace() {
         .run(move || NftClient::new().and_then(|mut c| c.read_dynamic_elements(&sets)))
         .expect("read dynamic elements");
     let left = |set: &str, addr: &str| {
-        carried[set].iter().find(|(k, _)| *k == vec![KeyPart::Addr(ip(addr))]).map(|(_, ms)| *ms)
+        carried[set].iter().find(|(k, _)| *k == Key::addr(ip(addr))).map(|(_, ms)| *ms)
     };
     let (a10, a11, b10) =
         (left("aff-a", "203.0.113.10"), left("aff-a", "203.0.113.11"), left("aff-b", "2001:db8:1::10"));

@@ -8,7 +8,7 @@ use std::sync::RwLock;
 use super::*;
 use crate::apply::kernel_fake::{Batch, Failing, FakeKernel, FakeNode};
 use crate::counters::CounterKind;
-use crate::ir::{Carried, Change, KeyPart, Ruleset, SetKind};
+use crate::ir::{Carried, Change, Key, Ruleset, SetKind};
 use crate::observe::source::ManifestPools;
 use crate::port_policy::{PortPolicy, PortRange};
 use crate::serve::status::Status;
@@ -307,7 +307,7 @@ async fn affinities_are_carried_across_a_full_replace() {
     let (first, second) =
         (set_of(&h.applied(), "198.51.100.11:8080"), set_of(&h.applied(), "198.51.100.12:8080"));
     let (Some(first), Some(second)) = (first, second) else { panic!("a set of clients per endpoint") };
-    let client = |a: &str| vec![KeyPart::Addr(a.parse().unwrap())];
+    let client = |a: &str| Key::addr(a.parse().unwrap());
     h.kernel().dynamic.insert(first.clone(), vec![(client("203.0.113.7"), 5_000)]);
     h.kernel().dynamic.insert(second.clone(), vec![(client("203.0.113.8"), 7_000)]);
     let held = h.kernel().dynamic.clone();

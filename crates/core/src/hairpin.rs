@@ -75,7 +75,7 @@ pub fn programmed_endpoints(rs: &Ruleset) -> BTreeSet<IpAddr> {
         .filter_map(|f| rs.sets.get(&plan::endpoints_set(*f)))
         .flat_map(|s| s.elements.keys())
         .filter_map(|k| match k.first() {
-            Some(KeyPart::Addr(a)) => Some(*a),
+            Some(KeyPart::Addr(a)) => Some(a),
             _ => None,
         })
         .collect()

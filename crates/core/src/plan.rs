@@ -631,17 +631,17 @@ struct Dispatch<'a> {
 impl Dispatch<'_> {
     /// Puts `verdict` in the firewall (`firewall: true`) or service dispatch map of family `f`.
     fn insert(&self, rs: &mut Ruleset, f: Family, firewall: bool, verdict: Verdict) {
-        let (proto, port) = (KeyPart::Proto(self.port.0), KeyPart::Port(self.port.1));
+        let (proto, port) = self.port;
         let mapped = Mapped::Verdict(verdict);
         match self.addresses {
             None => {
                 let map = if firewall { firewall_ports_map(f) } else { service_ports_map(f) };
-                insert_element(rs, &map, vec![proto, port], mapped);
+                insert_element(rs, &map, Key::proto_port(proto, port), mapped);
             }
             Some(addrs) => {
                 let map = if firewall { firewall_address_ports_map(f) } else { service_address_ports_map(f) };
                 for a in addrs {
-                    insert_element(rs, &map, vec![KeyPart::Addr(*a), proto, port], mapped.clone());
+                    insert_element(rs, &map, Key::addr_proto_port(*a, proto, port), mapped.clone());
                 }
             }
         }
@@ -657,7 +657,7 @@ fn plan_port(
     node: &NodeFacts,
 ) {
     let node_port = at.port.1;
-    let key: Key = vec![KeyPart::Proto(port.id.protocol), KeyPart::Port(node_port)];
+    let key = Key::proto_port(port.id.protocol, node_port);
     let names = PortNames::new(f, svc, port);
     let comment = |what: &str| Some(names.port_comment(node_port, what));
     let endpoints = usable_endpoints(svc, port, f, &node.node_name);
@@ -699,9 +699,7 @@ fn plan_port(
 
     if let Some(set) = rs.sets.get_mut(&endpoints_set(f)) {
         for ep in &endpoints {
-            let addr = KeyPart::Addr(ep.addr);
-            set.elements
-                .insert(vec![addr, addr, KeyPart::Proto(port.id.protocol), KeyPart::Port(ep.port)], None);
+            set.elements.insert(Key::addrs_proto_port(ep.addr, ep.addr, port.id.protocol, ep.port), None);
         }
     }
     // Count and mark for masquerade, then one DNAT rule per endpoint, picked by independent draws
@@ -957,7 +955,7 @@ pub fn udp_backends(rs: &Ruleset) -> BTreeSet<UdpBackend> {
         let Some(map) = rs.sets.get(&name) else { continue };
         for (key, verdict) in &map.elements {
             // protocol . port, or address . protocol . port
-            let tail = key.iter().skip_while(|k| matches!(k, KeyPart::Addr(_)));
+            let tail = key.parts().skip_while(|k| matches!(k, KeyPart::Addr(_)));
             let [KeyPart::Proto(Protocol::Udp), KeyPart::Port(node_port)] = tail.collect::<Vec<_>>()[..]
             else {
                 continue;
@@ -966,7 +964,7 @@ pub fn udp_backends(rs: &Ruleset) -> BTreeSet<UdpBackend> {
             let rules = rs.chains.get(svc).map(|c| c.rules.as_slice()).unwrap_or_default();
             for e in rules.iter().flat_map(|r| &r.exprs) {
                 if let Expr::Dnat { addr, port } = e {
-                    out.insert((*node_port, *addr, *port));
+                    out.insert((node_port, *addr, *port));
                 }
             }
         }

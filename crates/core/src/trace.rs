@@ -8,7 +8,7 @@ use std::fmt;
 use std::net::IpAddr;
 
 use crate::domain::{Family, Protocol};
-use crate::ir::{BaseChain, ChainType, CtState, Expr, Hook, KeyPart, Mapped, Ruleset, Verdict};
+use crate::ir::{BaseChain, ChainType, CtState, Expr, Hook, Key, Mapped, Ruleset, Verdict};
 
 /// Where the packet comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -249,29 +249,29 @@ fn run_rule(rs: &Ruleset, rule: &crate::ir::Rule, st: &mut State<'_>) -> RuleEnd
             }
             Expr::L4ProtoDportVmap { map } | Expr::L4ProtoCtOrigDportVmap { map } => {
                 let port = if matches!(e, Expr::L4ProtoDportVmap { .. }) { dport } else { pkt.dport };
-                let key = vec![KeyPart::Proto(pkt.protocol), KeyPart::Port(port)];
+                let key = Key::proto_port(pkt.protocol, port);
                 match rs.sets.get(map).and_then(|s| s.elements.get(&key)) {
                     Some(Some(Mapped::Verdict(v))) => return RuleEnd::Verdict(v.clone()),
                     _ => false,
                 }
             }
             Expr::L4ProtoDportInSet { set } => {
-                let key = vec![KeyPart::Proto(pkt.protocol), KeyPart::Port(dport)];
+                let key = Key::proto_port(pkt.protocol, dport);
                 rs.sets.get(set).is_some_and(|s| s.elements.contains_key(&key))
             }
             Expr::DaddrL4ProtoDportInSet { set, .. } => {
-                let key = vec![KeyPart::Addr(daddr), KeyPart::Proto(pkt.protocol), KeyPart::Port(dport)];
+                let key = Key::addr_proto_port(daddr, pkt.protocol, dport);
                 rs.sets.get(set).is_some_and(|s| s.elements.contains_key(&key))
             }
             Expr::DaddrL4ProtoDportVmap { map, .. } => {
-                let key = vec![KeyPart::Addr(daddr), KeyPart::Proto(pkt.protocol), KeyPart::Port(dport)];
+                let key = Key::addr_proto_port(daddr, pkt.protocol, dport);
                 match rs.sets.get(map).and_then(|s| s.elements.get(&key)) {
                     Some(Some(Mapped::Verdict(v))) => return RuleEnd::Verdict(v.clone()),
                     _ => false,
                 }
             }
             Expr::L4ProtoCtOrigDportCounterMap { map } => {
-                let key = vec![KeyPart::Proto(pkt.protocol), KeyPart::Port(pkt.dport)];
+                let key = Key::proto_port(pkt.protocol, pkt.dport);
                 match rs.sets.get(map).and_then(|s| s.elements.get(&key)) {
                     Some(Some(Mapped::Counter(name))) => {
                         st.counters.push(name.to_string());
@@ -281,21 +281,15 @@ fn run_rule(rs: &Ruleset, rule: &crate::ir::Rule, st: &mut State<'_>) -> RuleEnd
                 }
             }
             Expr::L4ProtoCtOrigDportInSet { set } => {
-                let key = vec![KeyPart::Proto(pkt.protocol), KeyPart::Port(pkt.dport)];
+                let key = Key::proto_port(pkt.protocol, pkt.dport);
                 rs.sets.get(set).is_some_and(|s| s.elements.contains_key(&key))
             }
             Expr::SaddrDaddrL4ProtoDportInSet { set, .. } => {
-                let key = vec![
-                    KeyPart::Addr(pkt.saddr),
-                    KeyPart::Addr(daddr),
-                    KeyPart::Proto(pkt.protocol),
-                    KeyPart::Port(dport),
-                ];
+                let key = Key::addrs_proto_port(pkt.saddr, daddr, pkt.protocol, dport);
                 rs.sets.get(set).is_some_and(|s| s.elements.contains_key(&key))
             }
             Expr::SaddrTwiceL4ProtoSportInSet { set, .. } => {
-                let from = KeyPart::Addr(pkt.saddr);
-                let key = vec![from, from, KeyPart::Proto(pkt.protocol), KeyPart::Port(pkt.sport)];
+                let key = Key::addrs_proto_port(pkt.saddr, pkt.saddr, pkt.protocol, pkt.sport);
                 rs.sets.get(set).is_some_and(|s| s.elements.contains_key(&key))
             }
             Expr::SaddrInSet { set, .. } => {

@@ -181,7 +181,7 @@ pub fn key(types: &[KeyType], bytes: &[u8]) -> Option<Key> {
             }
         });
     }
-    if rest.is_empty() { Some(key) } else { None }
+    if rest.is_empty() { Key::new(&key) } else { None }
 }
 
 fn verdict(data: &[u8]) -> Result<Verdict, NftError> {

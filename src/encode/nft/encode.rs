@@ -328,7 +328,7 @@ impl Enc {
     fn key_types_hint(&self, set: &str, first: Option<&Key>) -> Option<Vec<KeyType>> {
         match self.set_keys.get(set) {
             Some(k) => Some(k.clone()),
-            None => first.map(|k| k.iter().map(part_type).collect()),
+            None => first.map(|k| k.parts().map(part_type).collect()),
         }
     }
 
@@ -507,7 +507,7 @@ fn comment_bytes(c: &str) -> Result<Vec<u8>, NftError> {
     Ok(v)
 }
 
-fn part_type(p: &KeyPart) -> KeyType {
+fn part_type(p: KeyPart) -> KeyType {
     match p {
         KeyPart::Proto(_) => KeyType::InetProto,
         KeyPart::Port(_) => KeyType::InetService,
@@ -562,7 +562,7 @@ pub fn key_bytes(types: Option<&[KeyType]>, key: &Key) -> Result<Vec<u8>, NftErr
         return Err(NftError::Encode("empty element key".into()));
     }
     if let Some(types) = types
-        && (types.len() != key.len() || types.iter().zip(key).any(|(t, p)| *t != part_type(p)))
+        && (types.len() != key.len() || types.iter().zip(key.parts()).any(|(t, p)| *t != part_type(p)))
     {
         return Err(NftError::Encode(format!(
             "element key `{}` does not match the set's key type",
@@ -571,7 +571,7 @@ pub fn key_bytes(types: Option<&[KeyType]>, key: &Key) -> Result<Vec<u8>, NftErr
     }
     let concat = key.len() > 1;
     let mut out = Vec::new();
-    for p in key {
+    for p in key.parts() {
         let start = out.len();
         match p {
             KeyPart::Proto(pr) => out.push(pr.number()),
@@ -1050,7 +1050,7 @@ mod tests {
             Change::AddElements {
                 set: "svc-ports".into(),
                 elements: vec![(
-                    vec![KeyPart::Proto(Protocol::Tcp), KeyPart::Port(20001)],
+                    Key::proto_port(Protocol::Tcp, 20001),
                     Some(Mapped::Verdict(Verdict::Jump("svc-a".into()))),
                 )],
             },
@@ -1082,7 +1082,7 @@ mod tests {
             Change::AddElements {
                 set: "fc".into(),
                 elements: vec![(
-                    vec![KeyPart::Proto(Protocol::Tcp), KeyPart::Port(20001)],
+                    Key::proto_port(Protocol::Tcp, 20001),
                     Some(Mapped::Counter("svc4-a".into())),
                 )],
             },
@@ -1209,7 +1209,7 @@ mod tests {
             },
             Change::AddDynamicElements {
                 set: "aff".into(),
-                elements: vec![(vec![KeyPart::Addr("203.0.113.10".parse().expect("ip"))], 3_600_000)],
+                elements: vec![(Key::addr("203.0.113.10".parse().expect("ip")), 3_600_000)],
             },
         ]);
         assert_eq!(m[0].0, msg_type(NFT_MSG_NEWSET));
@@ -1308,11 +1308,7 @@ mod tests {
         assert_eq!(key_type_id(&[InetProto, InetService]), 0x30d);
         assert_eq!(key_type_id(&[Ipv4Addr, InetProto, InetService]), 0x730d);
         assert_eq!(key_type_id(&[Ipv6Addr, InetProto, InetService]), 0x830d);
-        let k = vec![
-            KeyPart::Addr("2001:db8::1".parse().expect("ip")),
-            KeyPart::Proto(Protocol::Udp),
-            KeyPart::Port(53),
-        ];
+        let k = Key::addr_proto_port("2001:db8::1".parse().expect("ip"), Protocol::Udp, 53);
         let b = key_bytes(Some(&[Ipv6Addr, InetProto, InetService]), &k).expect("key");
         assert_eq!(b.len(), 24);
         assert_eq!(crate::encode::nft::decode::key(&[Ipv6Addr, InetProto, InetService], &b), Some(k));
@@ -1321,18 +1317,13 @@ mod tests {
             Some(vec![Ipv6Addr, InetProto, InetService])
         );
         // A key that does not fit the set is an error, not a panic.
-        assert!(key_bytes(Some(&[Ipv4Addr]), &vec![KeyPart::Port(1)]).is_err());
+        assert!(key_bytes(Some(&[Ipv4Addr]), &Key::new(&[KeyPart::Port(1)]).expect("key")).is_err());
     }
 
     #[test]
     fn big_element_lists_are_split_under_the_attribute_limit() {
         let elements: Vec<_> = (0..5000u16)
-            .map(|p| {
-                (
-                    vec![KeyPart::Proto(Protocol::Tcp), KeyPart::Port(p)],
-                    Some(Mapped::Verdict(Verdict::Accept)),
-                )
-            })
+            .map(|p| (Key::proto_port(Protocol::Tcp, p), Some(Mapped::Verdict(Verdict::Accept))))
             .collect();
         let m = encode(&[Change::AddElements { set: "m".into(), elements }]);
         assert!(m.len() > 1);
@@ -1363,7 +1354,7 @@ mod tests {
         let mut rs = ir::Ruleset::default();
         let mut set = svc_ports();
         for port in 1..=6000u16 {
-            let key = vec![KeyPart::Proto(Protocol::Tcp), KeyPart::Port(port)];
+            let key = Key::proto_port(Protocol::Tcp, port);
             set.elements.insert(key, Some(Mapped::Verdict(Verdict::Goto(format!("svc-{port}").into()))));
         }
         rs.add_set(set);
