@@ -29,8 +29,8 @@ ARG NODELB_GIT_COMMIT=""
 # Everything the workspace manifest names must be present for cargo to build.
 COPY . .
 RUN target=$(cat /rust-target) \
-    && cargo build --release --locked --target "$target" --bin nodelb \
-    && install -D -m 0755 "target/$target/release/nodelb" /out/nodelb
+    && cargo build --profile dist --locked --target "$target" --bin nodelb \
+    && install -D -m 0755 "target/$target/dist/nodelb" /out/nodelb
 
 # Multi-platform base (amd64, arm64, …): buildx picks the one of TARGETPLATFORM.
 FROM gcr.io/distroless/static-debian12:nonroot

@@ -49,8 +49,11 @@ fi
 . scripts/lib.sh
 nodelb_ensure_rust || exit 1
 
-log "building (release)"
-cargo build --release --bin nodelb
+# The agent measured is the one that ships (the Dockerfile's `dist` profile: fat LTO, one codegen
+# unit); the benchmark itself is an ordinary `cargo bench` build.
+log "building the agent (--profile dist)"
+cargo build --profile dist --bin nodelb
+export NODELB_TEST_BIN=${NODELB_TEST_BIN:-$PWD/target/dist/nodelb}
 exe=$(cargo bench --bench dataplane --no-run --message-format=json 2>/dev/null |
     sed -n 's/.*"executable":"\([^"]*dataplane[^"]*\)".*/\1/p' | tail -n1)
 [ -x "$exe" ] || { echo "scripts/bench.sh: could not build the benchmark" >&2; exit 1; }
@@ -85,6 +88,7 @@ machine() {
     echo "iptables: $(iptables-nft --version 2>/dev/null), $(iptables-legacy --version 2>/dev/null || echo 'no legacy')"
     echo "iperf3: $(iperf3 --version | head -n1)"
     echo "rustc: $(rustc --version)"
+    echo "agent: $NODELB_TEST_BIN ($(stat -c %s "$NODELB_TEST_BIN") bytes)"
     echo '```'
 }
 
