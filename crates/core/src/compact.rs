@@ -13,9 +13,9 @@
 //! address that does not parse keeps its text, so the model still names it in its warning.
 //! Pure.
 
+use arcstr::ArcStr;
 use std::fmt;
 use std::net::IpAddr;
-use std::sync::Arc;
 
 use k8s_openapi::api::discovery::v1::EndpointConditions;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -69,7 +69,7 @@ impl From<WireSlice> for EndpointSlice {
 /// API server limits to 1,000 endpoints) with a node per endpoint costs a linear pass, not a
 /// quadratic one.
 fn share_node_names(endpoints: &mut [Endpoint]) {
-    let mut seen: Vec<Arc<str>> = Vec::new();
+    let mut seen: Vec<ArcStr> = Vec::new();
     for name in endpoints.iter_mut().filter_map(|e| e.node_name.as_mut()) {
         match seen.iter().find(|s| ***s == **name) {
             Some(first) => *name = first.clone(),
@@ -94,7 +94,7 @@ pub struct Endpoint {
     /// Shared by the endpoints of the slice on the same node (see [`EndpointSlice`]'s `From`) and
     /// with the models built from them.
     #[serde(default)]
-    pub node_name: Option<Arc<str>>,
+    pub node_name: Option<ArcStr>,
 }
 
 /// One port of a slice: what a Service port's target port resolves through.
@@ -293,25 +293,25 @@ mod tests {
             ep("198.51.100.5", Some("node-a")),
         ]}))
         .expect("slice");
-        let names: Vec<Option<&Arc<str>>> =
+        let names: Vec<Option<&ArcStr>> =
             slice.endpoints.iter().flatten().map(|e| e.node_name.as_ref()).collect();
         let text: Vec<Option<&str>> = names.iter().map(|n| n.map(|n| &**n)).collect();
         assert_eq!(text, [Some("node-a"), Some("node-b"), Some("node-a"), None, Some("node-a")]);
         let (a, b) = (names[0].unwrap(), names[1].unwrap());
-        assert!(Arc::ptr_eq(a, names[2].unwrap()) && Arc::ptr_eq(a, names[4].unwrap()));
-        assert!(!Arc::ptr_eq(a, b));
+        assert!(ArcStr::ptr_eq(a, names[2].unwrap()) && ArcStr::ptr_eq(a, names[4].unwrap()));
+        assert!(!ArcStr::ptr_eq(a, b));
 
         // Past the first 16 distinct nodes, names are kept as read (values unchanged).
         let mut eps: Vec<_> =
             (0..20).map(|i| ep(&format!("198.51.100.{i}"), Some(&format!("n{i}")))).collect();
         eps.extend([ep("198.51.100.100", Some("n0")), ep("198.51.100.119", Some("n19"))]);
         let slice: EndpointSlice = serde_json::from_value(json!({ "endpoints": eps })).expect("slice");
-        let names: Vec<&Arc<str>> =
+        let names: Vec<&ArcStr> =
             slice.endpoints.iter().flatten().filter_map(|e| e.node_name.as_ref()).collect();
         let text: Vec<&str> = names.iter().map(|n| &***n).collect();
         let want: Vec<String> = (0..20).map(|i| format!("n{i}")).chain(["n0".into(), "n19".into()]).collect();
         assert_eq!(text, want);
-        assert!(Arc::ptr_eq(names[0], names[20]), "one of the first 16 is shared");
-        assert!(!Arc::ptr_eq(names[19], names[21]), "the 20th distinct name is not looked for");
+        assert!(ArcStr::ptr_eq(names[0], names[20]), "one of the first 16 is shared");
+        assert!(!ArcStr::ptr_eq(names[19], names[21]), "the 20th distinct name is not looked for");
     }
 }

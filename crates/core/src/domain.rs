@@ -3,10 +3,10 @@
 //! them) and how they parse; and the stable hash behind generated names and fingerprints. No
 //! stage owns them, so none depends on another's vocabulary to speak of a Service port.
 
+use arcstr::ArcStr;
 use std::fmt;
 use std::net::IpAddr;
 use std::str::FromStr;
-use std::sync::Arc;
 
 /// Address family of a packet (`meta nfproto`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
@@ -113,8 +113,8 @@ impl fmt::Display for Protocol {
 /// the status lines, the leader's registry), and at 10,000 Services the copies were megabytes.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
 pub struct ServiceKey {
-    pub namespace: Arc<str>,
-    pub name: Arc<str>,
+    pub namespace: ArcStr,
+    pub name: ArcStr,
 }
 
 impl fmt::Display for ServiceKey {
@@ -168,7 +168,7 @@ impl fmt::Display for PortId {
 }
 
 impl ServiceKey {
-    pub fn new(namespace: impl Into<Arc<str>>, name: impl Into<Arc<str>>) -> ServiceKey {
+    pub fn new(namespace: impl Into<ArcStr>, name: impl Into<ArcStr>) -> ServiceKey {
         ServiceKey { namespace: namespace.into(), name: name.into() }
     }
 }

@@ -7,7 +7,6 @@
 use std::collections::BTreeMap;
 use std::fmt::{self, Write as _};
 use std::net::IpAddr;
-use std::sync::Arc;
 
 use ipnet::IpNet;
 
@@ -17,8 +16,10 @@ use crate::domain::{Family, Protocol};
 /// object in its map's key, in the object and in every rule and element that refers to it (a
 /// service port's chain in the dispatch map, its counters in its first rule and the forward
 /// counter map), and the counter index names its counters again; at 10,000 Services × 5
-/// endpoints the copies were ~3 MB of the agent's heap.
-pub type Name = Arc<str>;
+/// endpoints the copies were ~3 MB of the agent's heap. A thin pointer (`arcstr`: the length
+/// lives with the count and the bytes), so that a `Verdict` naming a chain is 16 bytes and an
+/// `Expr` 24, where `Arc<str>`'s pointer and length made them 24 and 32.
+pub type Name = arcstr::ArcStr;
 
 /// The one table nodelb owns. `inet` so one table serves IPv4 and IPv6.
 pub const TABLE_NAME: &str = "nodelb";
@@ -112,11 +113,12 @@ impl Chain {
 
 /// A rule: its statements, in order. Boxed slices rather than vectors: a kept ruleset holds six
 /// rules per Service at × 5 endpoints, and a vector's capacity field (and any spare capacity)
-/// was 16 bytes and more of each.
+/// was 16 bytes and more of each. The comment (only the skeleton's rules have one) is a thin
+/// pointer: 8 bytes of every rule, not 16.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Rule {
     pub exprs: Box<[Expr]>,
-    pub comment: Option<Box<str>>,
+    pub comment: Option<Name>,
 }
 
 impl Rule {
@@ -124,7 +126,7 @@ impl Rule {
         Rule { exprs: exprs.into_boxed_slice(), comment: None }
     }
 
-    pub fn with_comment(mut self, comment: impl Into<Box<str>>) -> Rule {
+    pub fn with_comment(mut self, comment: impl Into<Name>) -> Rule {
         self.comment = Some(comment.into());
         self
     }
@@ -948,14 +950,18 @@ mod tests {
 
     /// The applied ruleset is kept between syncs: at 10,000 Services × 5 endpoints it holds
     /// ~200,000 expressions, so each byte of `Expr` is ~0.2 MB of the agent's heap. Names are
-    /// shared (`Name`), the connection states boxed; a variant that makes it grow again must say
+    /// shared thin pointers (`Name`), the connection states boxed; a variant that makes it grow again must say
     /// why here.
     #[test]
     fn kept_ruleset_types_stay_small() {
-        assert!(size_of::<Expr>() <= 32, "Expr is {} bytes", size_of::<Expr>());
-        assert!(size_of::<Rule>() <= 32, "Rule is {} bytes", size_of::<Rule>());
-        assert!(size_of::<Verdict>() <= 24, "Verdict is {} bytes", size_of::<Verdict>());
-        assert!(size_of::<Mapped>() <= 24, "Mapped is {} bytes", size_of::<Mapped>());
+        assert!(size_of::<Name>() <= 8, "Name is {} bytes", size_of::<Name>());
+        // Cloned into every structure that names a Service (see its documentation).
+        let key = size_of::<crate::domain::ServiceKey>();
+        assert!(key <= 16, "ServiceKey is {key} bytes");
+        assert!(size_of::<Expr>() <= 24, "Expr is {} bytes", size_of::<Expr>());
+        assert!(size_of::<Rule>() <= 24, "Rule is {} bytes", size_of::<Rule>());
+        assert!(size_of::<Verdict>() <= 16, "Verdict is {} bytes", size_of::<Verdict>());
+        assert!(size_of::<Mapped>() <= 16, "Mapped is {} bytes", size_of::<Mapped>());
         // Inline, no allocation of its own: ~70,000 elements at 10,000 × 5.
         assert!(size_of::<Key>() <= 40, "Key is {} bytes", size_of::<Key>());
     }

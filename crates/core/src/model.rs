@@ -117,7 +117,7 @@ pub struct Endpoint {
     pub addr: IpAddr,
     pub port: u16,
     /// Shared with the EndpointSlice's endpoint.
-    pub node_name: Option<std::sync::Arc<str>>,
+    pub node_name: Option<arcstr::ArcStr>,
     /// `conditions.ready` (nil counts as true, per the EndpointSlice API).
     pub ready: bool,
     /// `conditions.serving` (nil: same as ready).

@@ -50,8 +50,8 @@ pub struct EndpointRefusalStatus {
 #[serde(rename_all = "camelCase")]
 pub struct ServiceStatus {
     /// Shared with the Service's key.
-    pub namespace: std::sync::Arc<str>,
-    pub name: std::sync::Arc<str>,
+    pub namespace: arcstr::ArcStr,
+    pub name: arcstr::ArcStr,
     pub state: ServiceState,
     /// Short machine-readable reason (`invalid_source_range`, `no_endpoints`, ...), the
     /// `reason` label of `nodelb_services`.
