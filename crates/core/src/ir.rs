@@ -884,7 +884,7 @@ impl ChangeRef<'_> {
             ChangeRef::DeleteSet(s) => Change::DeleteSet(s.into()),
             ChangeRef::AddElements { set, elements } => Change::AddElements {
                 set: set.into(),
-                elements: elements.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+                elements: elements.iter().map(|(k, v)| (*k, v.clone())).collect(),
             },
             ChangeRef::DeleteElements { set, keys } => {
                 Change::DeleteElements { set: set.into(), keys: keys.to_vec() }

@@ -870,10 +870,10 @@ pub fn diff(old: &Ruleset, new: &Ruleset) -> Vec<Change> {
         for (key, was, is) in join(old_elems, &set.elements) {
             if was != is {
                 if was.is_some() {
-                    removed.push(key.clone());
+                    removed.push(*key);
                 }
                 if let Some(v) = is {
-                    added.push((key.clone(), v.clone()));
+                    added.push((*key, v.clone()));
                 }
             }
         }

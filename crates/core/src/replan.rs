@@ -487,8 +487,8 @@ impl Builder<'_> {
             && !new.elements.contains_key(key)
             && let Some(value) = set.elements.get(key)
         {
-            old.elements.insert(key.clone(), value.clone());
-            new.elements.insert(key.clone(), value.clone());
+            old.elements.insert(*key, value.clone());
+            new.elements.insert(*key, value.clone());
         }
         Some(new)
     }

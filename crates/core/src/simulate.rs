@@ -87,7 +87,7 @@ pub fn simulate(start: &Ruleset, changes: &[Change]) -> Result<Ruleset, String> 
                     if s.elements.contains_key(k) {
                         return Err(format!("add element to {set}: {k:?} exists"));
                     }
-                    s.elements.insert(k.clone(), v.clone());
+                    s.elements.insert(*k, v.clone());
                 }
                 for (_, v) in elements {
                     match v {
