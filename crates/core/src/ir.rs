@@ -113,8 +113,8 @@ impl Chain {
 
 /// A rule: its statements, in order. Boxed slices rather than vectors: a kept ruleset holds six
 /// rules per Service at × 5 endpoints, and a vector's capacity field (and any spare capacity)
-/// was 16 bytes and more of each. The comment (only the skeleton's rules have one) is a thin
-/// pointer: 8 bytes of every rule, not 16.
+/// was 16 bytes and more of each. The comment (the planner writes none) is a thin pointer: 8
+/// bytes of every rule, not 16.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Rule {
     pub exprs: Box<[Expr]>,
@@ -390,20 +390,26 @@ impl Iterator for KeyParts<'_> {
     fn next(&mut self) -> Option<KeyPart> {
         // Only `Key::new` writes the bytes: every tag is one of the four, with its whole value.
         let (&tag, rest) = self.rest.split_first()?;
-        let n = match tag {
-            Key::PROTO => 1,
-            Key::PORT => 2,
-            Key::V4 => 4,
-            _ => 16,
+        let (part, rest) = match tag {
+            Key::PROTO => {
+                let (&n, rest) = rest.split_first()?;
+                (KeyPart::Proto(Protocol::from_number(n)?), rest)
+            }
+            Key::PORT => {
+                let (v, rest) = rest.split_first_chunk::<2>()?;
+                (KeyPart::Port(u16::from_be_bytes(*v)), rest)
+            }
+            Key::V4 => {
+                let (v, rest) = rest.split_first_chunk::<4>()?;
+                (KeyPart::Addr(IpAddr::from(*v)), rest)
+            }
+            _ => {
+                let (v, rest) = rest.split_first_chunk::<16>()?;
+                (KeyPart::Addr(IpAddr::from(*v)), rest)
+            }
         };
-        let (value, rest) = rest.split_at_checked(n)?;
         self.rest = rest;
-        Some(match tag {
-            Key::PROTO => KeyPart::Proto(Protocol::from_number(value[0])?),
-            Key::PORT => KeyPart::Port(u16::from_be_bytes([value[0], value[1]])),
-            Key::V4 => KeyPart::Addr(IpAddr::from(<[u8; 4]>::try_from(value).ok()?)),
-            _ => KeyPart::Addr(IpAddr::from(<[u8; 16]>::try_from(value).ok()?)),
-        })
+        Some(part)
     }
 }
 
