@@ -81,6 +81,19 @@ struct Config {
     agent_args: Vec<String>,
     /// Node port the reaction benchmark requests (by annotation).
     reaction_port: u16,
+    /// `--kube-setup live|existing`: how the Kubernetes mode's N Services come to be.
+    kube_setup: KubeSetupMode,
+}
+
+/// How the Kubernetes-mode part gets its N Services.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum KubeSetupMode {
+    /// Created while the agent runs: it allocates and programs them as they arrive (the API
+    /// server's create rate and the agent share the machine).
+    Live,
+    /// Created with the agent stopped, then the agent started: an agent installed into (or
+    /// restarted in) a cluster that already has them. Its first round allocates all N at once.
+    Existing,
 }
 
 impl Config {
@@ -121,6 +134,7 @@ fn config() -> Config {
             scale_sizes: Vec::new(),
             agent_args: Vec::new(),
             reaction_port: REACTION_NODE_PORT,
+            kube_setup: KubeSetupMode::Live,
         }
     } else {
         Config {
@@ -144,6 +158,7 @@ fn config() -> Config {
             scale_sizes: Vec::new(),
             agent_args: Vec::new(),
             reaction_port: REACTION_NODE_PORT,
+            kube_setup: KubeSetupMode::Live,
         }
     };
     // Scale defaults first: the flags below override them.
@@ -160,6 +175,9 @@ fn config() -> Config {
         c.agent_args =
             ["--port-range", "1024-64999", "--allowed-node-ports", "65000"].map(String::from).to_vec();
         c.reaction_port = 65_000;
+        // Created live, 50,000 Services took the API server over half an hour on two cores it
+        // shares with the agent (docs/benchmarks.md): the scale mode creates them first.
+        c.kube_setup = KubeSetupMode::Existing;
         if let Some(s) = value("--scale-sizes") {
             c.scale_sizes = s.split(',').filter_map(|x| x.trim().parse().ok()).collect();
         }
@@ -184,6 +202,15 @@ fn config() -> Config {
                 eprintln!("dataplane bench: --only {p}: unknown part (known: {})", PARTS.join(", "));
                 std::process::exit(2);
             }
+        }
+    }
+    match value("--kube-setup").as_deref() {
+        None => {}
+        Some("live") => c.kube_setup = KubeSetupMode::Live,
+        Some("existing") => c.kube_setup = KubeSetupMode::Existing,
+        Some(other) => {
+            eprintln!("dataplane bench: --kube-setup {other}: unknown (known: live, existing)");
+            std::process::exit(2);
         }
     }
     c.agent_log = value("--agent-log");
@@ -672,8 +699,8 @@ struct Results {
     reaction: Option<Reaction>,
     kube_reaction: Option<Reaction>,
     footprint: Option<Footprint>,
-    /// Kubernetes mode: (Services + slices created, all programmed), seconds from the first create.
-    kube_setup: Option<(f64, f64)>,
+    /// Kubernetes mode: how its N Services came to be, and how long it took.
+    kube_setup: Option<KubeSetup>,
     /// The scale mode: N → what the agents measured at N.
     scale: BTreeMap<usize, ScaleAgents>,
     legacy: bool,
@@ -717,7 +744,20 @@ struct ScaleAgents {
     footprint: Option<Footprint>,
     reaction: Option<Reaction>,
     kube_reaction: Option<Reaction>,
-    kube_setup: Option<(f64, f64)>,
+    kube_setup: Option<KubeSetup>,
+}
+
+/// The Kubernetes mode's setup, in seconds.
+#[derive(Debug, Clone, Copy)]
+struct KubeSetup {
+    mode: KubeSetupMode,
+    /// The N Services and their slices created, from the first create.
+    created_s: f64,
+    /// [`KubeSetupMode::Existing`]: the agent started → ready (its readiness probe).
+    ready_s: Option<f64>,
+    /// All N allocated and programmed: from the first create ([`KubeSetupMode::Live`]) or from
+    /// the agent's start ([`KubeSetupMode::Existing`]).
+    programmed_s: f64,
 }
 
 struct Reaction {
@@ -1240,7 +1280,7 @@ fn run_agent(cfg: &Config, n: usize, footprint: bool, reaction: bool, r: &mut Re
 fn run_kube(cfg: &Config, n: usize, r: &mut Results) {
     let mut args = vec!["--resync-period", "10s"];
     args.extend(cfg.agent_args.iter().map(String::as_str));
-    let c = Cluster::with_nodes(1, 1, &args);
+    let mut c = Cluster::with_nodes(1, 1, &args);
     // The N Services are single-stack IPv6: their cluster IPs come from the test API server's
     // IPv6 service range (65,536 addresses; the IPv4 one, a documentation /24, holds 254). The
     // node gets an IPv6 address so that it serves them; the measured Service is IPv4.
@@ -1256,6 +1296,11 @@ fn run_kube(cfg: &Config, n: usize, r: &mut Results) {
             {"type": "Hostname", "address": common::cluster::node_name(0)},
         ]}}),
     );
+    if cfg.kube_setup == KubeSetupMode::Existing {
+        // Stopped as the kubelet stops it (it releases its leadership); the rules it programmed
+        // stay, as on a node whose agent restarts.
+        c.stop_agent(0, Duration::from_secs(10));
+    }
     let t0 = Instant::now();
     // Created by parallel requests (the API server takes them concurrently; one at a time, 50,000
     // Services and their slices would take most of an hour).
@@ -1275,18 +1320,28 @@ fn run_kube(cfg: &Config, n: usize, r: &mut Results) {
     });
     let created_s = t0.elapsed().as_secs_f64();
     eprintln!("  {n} Services + EndpointSlices created in {created_s:.1}s");
+    let limit = Duration::from_secs(300.max(n as u64 / 20));
+    let (t0, ready_s) = match cfg.kube_setup {
+        KubeSetupMode::Live => (t0, None),
+        KubeSetupMode::Existing => {
+            let started = Instant::now();
+            c.start_agent(0, limit);
+            let ready_s = started.elapsed().as_secs_f64();
+            eprintln!("  agent started with {n} Services in the API server: ready in {ready_s:.2}s");
+            (started, Some(ready_s))
+        }
+    };
     let programmed = || {
         c.agents[0].status().map_or(0, |st| {
             st["services"].as_array().map_or(0, |v| v.iter().filter(|s| s["state"] == "programmed").count())
         })
     };
-    let limit = Duration::from_secs(300.max(n as u64 / 20));
     if !common::topology::wait_until(limit, || programmed() >= n) {
         r.note(format!("Kubernetes mode: only {} of {n} Services programmed after {limit:?}", programmed()));
     }
     let programmed_s = t0.elapsed().as_secs_f64();
     eprintln!("  {n} Services allocated and programmed in {programmed_s:.2}s");
-    r.kube_setup = Some((created_s, programmed_s));
+    r.kube_setup = Some(KubeSetup { mode: cfg.kube_setup, created_s, ready_s, programmed_s });
 
     let addr = SocketAddr::new(IpAddr::V4(node_v4(0)), cfg.reaction_port);
     let backend = c.backends[0].v4;
@@ -1850,11 +1905,21 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
                 w,
                 "\nReaction, Kubernetes mode (real kube-apiserver + etcd; the agent is the leader), N = {n} × 5:\n"
             );
-            if let Some((created, programmed)) = a.kube_setup {
-                let _ = writeln!(
-                    w,
-                    "Setup: {n} Services + EndpointSlices created in {created:.1} s ({KUBE_CREATE_THREADS} parallel requests), all allocated and programmed {programmed:.1} s after the first create.\n"
-                );
+            match a.kube_setup {
+                Some(KubeSetup { mode: KubeSetupMode::Live, created_s, programmed_s, .. }) => {
+                    let _ = writeln!(
+                        w,
+                        "Setup (`--kube-setup live`): {n} Services + EndpointSlices created in {created_s:.1} s ({KUBE_CREATE_THREADS} parallel requests) while the agent ran, all allocated and programmed {programmed_s:.1} s after the first create.\n"
+                    );
+                }
+                Some(KubeSetup { mode: KubeSetupMode::Existing, created_s, ready_s, programmed_s }) => {
+                    let ready = ready_s.map_or("–".to_string(), |s| format!("{s:.2}"));
+                    let _ = writeln!(
+                        w,
+                        "Setup (`--kube-setup existing`): {n} Services + EndpointSlices created in {created_s:.1} s ({KUBE_CREATE_THREADS} parallel requests) with the agent stopped; the agent then started with them in the API server: ready in {ready} s, all {n} allocated (the leader's writes) and programmed {programmed_s:.1} s after its start.\n"
+                    );
+                }
+                None => {}
             }
             reaction_table(
                 w,
