@@ -199,7 +199,7 @@ fn node_and_lease(i: usize) -> (Arc<Node>, Arc<Lease>) {
     let lease = serde_json::json!({
         "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
         "metadata": {"name": format!("nodelb-node-node-{i}"), "namespace": "nodelb-system",
-                     "annotations": {"nodelb.io/families": "ipv4"}},
+                     "annotations": {"nodelb.io/families": "ipv4", "nodelb.io/listening-ports": ""}},
         "spec": {"holderIdentity": format!("node-{i}"), "leaseDurationSeconds": 15,
                  "renewTime": "2027-01-15T08:00:00.000000Z"}
     });

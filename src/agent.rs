@@ -389,7 +389,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             Err(_) => {}
         }
         let listening = self.listeners.format_relevant(&self.cfg.policy.ports);
-        crate::locks::write(&self.status).listening_ports = listening;
+        crate::locks::write(&self.status).listening_ports = Some(listening);
         HostFacts {
             addresses: self.local_addresses.merged(&self.source.node_addresses()),
             listeners: self.listeners.clone(),

@@ -676,6 +676,46 @@ fn node_ports_in_use_or_not_allowed_are_refused_by_the_leader_and_every_node() {
     assert_only_leaders_wrote(&c, &[leader]);
 }
 
+/// An agent that starts (restarted, on a new node, installed into a cluster whose Services wait
+/// for numbers) runs before it has read its node's sockets; its health and metrics listeners
+/// (0.0.0.0:9471 and :9472 here) are in the range. The leader hands out no number a running
+/// agent has not said is free: a restarted agent's Lease keeps what its predecessor published
+/// until it has read its own, and a new Lease holds the Services waiting until it says. Found by
+/// the scale benchmark (`--kube-setup existing`): two of 10,000 Services got the agent's ports.
+#[test]
+fn a_starting_agent_reports_its_listeners_before_the_leader_hands_out_a_number() {
+    require_root!();
+    let mut c = Cluster::with_nodes(1, 1, &["--port-range", "9471-9474"]);
+    let lease = |c: &Cluster| {
+        c.api
+            .get_typed::<k8s_openapi::api::coordination::v1::Lease>("nodelb-system", "nodelb-node-node-1")
+            .and_then(|l| l.metadata.annotations?.get("nodelb.io/listening-ports").cloned())
+    };
+    let ok =
+        wait_until(CHANGE, || lease(&c).is_some_and(|v| v.contains("9471/TCP") && v.contains("9472/TCP")));
+    assert!(ok, "the agent does not publish its own listeners: {:?}", lease(&c));
+
+    // Restarted: the Service created meanwhile is allocated by the new agent at its first round.
+    c.stop_agent(0, Duration::from_secs(10));
+    c.create(&web("restart", &[(0, 0)]));
+    c.start_agent(0, CHANGE);
+    let port = c.wait_allocated("restart", 1, CHANGE)["80/TCP"];
+    assert_eq!(port, 9473, "allocated a port the agent listens on");
+    c.wait_served(0, port, CHANGE);
+
+    // A new node: no Lease at all when its agent starts.
+    c.stop_agent(0, Duration::from_secs(10));
+    c.api
+        .delete("coordination.k8s.io/v1", "Lease", "nodelb-system", "nodelb-node-node-1")
+        .expect("delete the node Lease");
+    c.create(&web("new-node", &[(0, 0)]));
+    c.start_agent(0, CHANGE);
+    let port = c.wait_allocated("new-node", 1, CHANGE)["80/TCP"];
+    assert_eq!(port, 9474, "allocated a port the agent listens on");
+    c.wait_served(0, port, CHANGE);
+    assert!(lease(&c).is_some_and(|v| v.contains("9471/TCP")), "{:?}", lease(&c));
+}
+
 #[test]
 fn five_hundred_services_at_once() {
     require_root!();

@@ -369,7 +369,7 @@ async fn node_lease(
     let mut last_families = None;
     // Families as last written: a change (ready at start, forwarding switched off, sync failing)
     // is written at once, not at the next renewal, so the leader's status follows within a second.
-    let mut written: Option<(String, String, Option<String>)> = None;
+    let mut written: Option<(String, Option<String>, Option<String>)> = None;
     let listening = || crate::locks::read(&status).listening_ports.clone();
     let pool_addresses = || crate::locks::read(&status).pool_addresses.clone();
     loop {
@@ -391,10 +391,12 @@ async fn node_lease(
             info!(lease = %name, families = %value, "node Lease: serving families");
             last_families = Some(value.clone());
         }
-        let mut annotations = BTreeMap::from([
-            (ANNOTATION_FAMILIES.to_string(), value.clone()),
-            (nodes::ANNOTATION_LISTENING.to_string(), ports.clone()),
-        ]);
+        let mut annotations = BTreeMap::from([(ANNOTATION_FAMILIES.to_string(), value.clone())]);
+        // Not read yet: what the Lease says stays (an agent restarting keeps the listeners its
+        // predecessor published; a new Lease has none, and the leader waits for them).
+        if let Some(p) = &ports {
+            annotations.insert(nodes::ANNOTATION_LISTENING.to_string(), p.clone());
+        }
         if let Some(v) = &selected {
             annotations.insert(nodes::ANNOTATION_POOL_ADDRESSES.to_string(), v.clone());
         }
@@ -580,6 +582,8 @@ const FULL_ROUND_EVERY: Duration = Duration::from_secs(60);
 pub struct LeaseView {
     serving: BTreeMap<String, nodes::ServingNode>,
     listening: BTreeMap<(crate::domain::Protocol, u16), String>,
+    /// Nodes whose listeners are not known yet ([`nodes::listeners_unreported`]).
+    unreported: Vec<String>,
     published: BTreeMap<String, nodes::PoolSelections>,
 }
 
@@ -593,6 +597,7 @@ impl LeaseView {
         LeaseView {
             serving: nodes::serving_nodes(nodes, leases, leases_now, &cfg.node_addresses),
             listening: nodes::listening_ports(leases),
+            unreported: nodes::listeners_unreported(leases, leases_now),
             published: nodes::published_pool_addresses(leases).0,
         }
     }
@@ -638,6 +643,8 @@ pub struct LeaderState {
     pub token: claims::Token,
     /// Registry problems last logged (each logged once while it lasts).
     logged: std::collections::BTreeSet<String>,
+    /// The nodes the last round waited for ([`RoundPlan::listeners_unreported`]; logged once).
+    unreported: Vec<String>,
 }
 
 impl LeaderState {
@@ -652,6 +659,7 @@ impl LeaderState {
             claims: claims::Keeper::default(),
             token: claims::Token::new(node_name, std::process::id(), started.as_nanos()),
             logged: Default::default(),
+            unreported: Vec::new(),
         }
     }
 
@@ -704,6 +712,9 @@ pub struct RoundPlan {
     pub claims: claims::ClaimPlan,
     /// What the pools' status is written from, when NodePortPool objects exist.
     pub pools: Option<PoolRound>,
+    /// Nodes whose agent runs but has not reported its listeners yet: no new number was handed
+    /// out this round (the Services that need one wait, in `claims.blocked`).
+    pub listeners_unreported: Vec<String>,
 }
 
 /// The round's decisions the pools' status is computed from ([`super::pools::StatusRound`]).
@@ -822,7 +833,7 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
     // The registry side of the annotation writes.
     let by_key: BTreeMap<&ServiceKey, &claims::Holder> =
         holders.iter().map(Borrow::borrow).map(|h: &claims::Holder| (&h.key, h)).collect();
-    let changes: Vec<claims::AnnotationChange<'_>> = writes
+    let mut changes: Vec<claims::AnnotationChange<'_>> = writes
         .iter()
         .filter_map(|w| {
             let after = match w.annotation.as_ref()? {
@@ -832,7 +843,21 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
             Some(claims::AnnotationChange { holder: by_key.get(&w.key)?, after })
         })
         .collect();
-    let claim_plan = match registry.registry {
+    // A number no node has said is free of listeners is not handed out: a running agent that has
+    // not read its sockets yet (just started: a new node, a restart, an install into a cluster
+    // whose Services all wait for numbers) has at least its own health and metrics listeners.
+    let unreported = nodes::listeners_unreported(&snap.leases, leases_now);
+    let mut waiting = Vec::new();
+    if !unreported.is_empty() {
+        changes.retain(|c| {
+            let adds = !c.after.is_subset(&c.holder.numbers);
+            if adds {
+                waiting.push(c.holder.key.clone());
+            }
+            !adds
+        });
+    }
+    let mut claim_plan = match registry.registry {
         Some(r) => claims::plan(r, holders, &changes, registry.token, registry.gone, registry.expired),
         None => claims::ClaimPlan {
             blocked: changes
@@ -843,6 +868,7 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
             ..Default::default()
         },
     };
+    claim_plan.blocked.extend(waiting);
     // A Service whose new numbers are not free now waits for the next round (its Events too).
     writes.retain(|w| !claim_plan.blocked.contains(&w.key));
     events.retain(|e| !claim_plan.blocked.contains(&e.service));
@@ -853,7 +879,7 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
         assignment,
         serving,
     });
-    RoundPlan { writes, events, claims: claim_plan, pools }
+    RoundPlan { writes, events, claims: claim_plan, pools, listeners_unreported: unreported }
 }
 
 /// One round of the leader's work on `snap`: read the node-port registry, decide
@@ -901,6 +927,16 @@ pub async fn leader_round(
         ClaimInputs { registry: registry.as_ref(), token: &state.token, gone: &gone, expired: &expired };
     let mut plan = plan_round(snap, cfg, &mut state.memory, &holders, leases_now, Timestamp::now(), &inputs);
     let planned = started.elapsed();
+    if plan.listeners_unreported != state.unreported {
+        if !plan.listeners_unreported.is_empty() {
+            info!(
+                nodes = %plan.listeners_unreported.join(","),
+                waiting = plan.claims.blocked.len(),
+                "no new node port until these nodes report their listening ports (their agents just started)"
+            );
+        }
+        state.unreported = std::mem::take(&mut plan.listeners_unreported);
+    }
     // The registry first: if another leader changed it since we read it, we write nothing.
     for (b, block) in &plan.claims.blocks {
         match write_block(client, &cfg.namespace, *b, block).await {
@@ -920,6 +956,7 @@ pub async fn leader_round(
     let mut stale = outcomes.iter().any(|o| matches!(o, WriteOutcome::Conflict));
     // The watch brings each write back; a round on nothing else would plan nothing.
     state.clean = registry.is_some()
+        && state.unreported.is_empty()
         && state.claims.all_resolved()
         && outcomes.iter().all(|o| *o == WriteOutcome::Written);
     state.clean &= resolve_claims(client, &cfg.namespace, &plan, &outcomes, &state.token, metrics).await;
@@ -1285,6 +1322,7 @@ mod tests {
                 })
                 .collect(),
             listening: BTreeMap::new(),
+            unreported: Vec::new(),
             published: BTreeMap::new(),
         };
         let t0 = Instant::now();
@@ -1320,5 +1358,93 @@ mod tests {
             state.clean = clean;
             assert_eq!(state.nothing_to_do(&journal, &view(serving), now), want, "{name}");
         }
+        // A node's agent reported its listeners, none (so `listening` is the same).
+        let waiting = LeaseView { unreported: vec!["b".to_string()], ..view(AB) };
+        state.clean = true;
+        state.lease_view = Some(waiting);
+        assert!(!state.nothing_to_do(&changes(&[], &["Lease"]), &view(AB), soon), "listeners reported");
+    }
+
+    /// A node whose agent runs but has not published its listeners yet (just started) could have
+    /// a process on any number: the round hands out none until it has, and the Service waits;
+    /// then it gets a number no node listens on. A Service that keeps its numbers is not held.
+    #[test]
+    fn no_new_number_until_every_running_agent_has_reported_its_listeners() {
+        let service = |name: &str, annotation: Option<&str>| -> Arc<Service> {
+            let mut v = json!({
+                "metadata": {"name": name, "namespace": "default", "uid": format!("uid-{name}")},
+                "spec": {"type": "LoadBalancer", "ports": [{"port": 80, "protocol": "TCP"}]}
+            });
+            if let Some(a) = annotation {
+                v["metadata"]["annotations"] = json!({ANNOTATION_ALLOCATED: a});
+            }
+            Arc::new(serde_json::from_value(v).unwrap())
+        };
+        let node: Arc<Node> = Arc::new(
+            serde_json::from_value(json!({
+                "metadata": {"name": "node-1"},
+                "status": {"addresses": [{"type": "InternalIP", "address": "192.0.2.1"}]}
+            }))
+            .unwrap(),
+        );
+        let lease = |listening: Option<&str>| -> Arc<Lease> {
+            let mut annotations = json!({ANNOTATION_FAMILIES: "ipv4"});
+            if let Some(l) = listening {
+                annotations[nodes::ANNOTATION_LISTENING] = json!(l);
+            }
+            Arc::new(
+                serde_json::from_value(json!({
+                    "metadata": {"name": "nodelb-node-node-1", "annotations": annotations},
+                    "spec": {"holderIdentity": "node-1", "leaseDurationSeconds": 15,
+                             "renewTime": "2030-01-01T00:00:00.000000Z"}
+                }))
+                .unwrap(),
+            )
+        };
+        let cfg = ControllerConfig {
+            node_name: "node-1".into(),
+            namespace: "nodelb-system".into(),
+            lease_duration: Duration::from_secs(15),
+            node_addresses: vec![],
+            port_range: PortRange::new(9471, 9473).unwrap(),
+            model: ModelOptions::default(),
+            policy: Default::default(),
+        };
+        let now: Timestamp = "2030-01-01T00:00:01Z".parse().unwrap();
+        let round = |lease: Arc<Lease>| -> RoundPlan {
+            let snap = KubeSnapshot {
+                services: vec![service("new", None), service("kept", Some("80/TCP=9472"))],
+                nodes: vec![node.clone()],
+                leases: vec![lease],
+                ..Default::default()
+            };
+            let registry = claims::Registry::default();
+            let token = claims::Token::new("test", 1, 0);
+            let (gone, expired) = (Default::default(), Default::default());
+            let inputs =
+                ClaimInputs { registry: Some(&registry), token: &token, gone: &gone, expired: &expired };
+            let holders: Vec<claims::Holder> = snap.services.iter().map(|s| claims::Holder::of(s)).collect();
+            plan_round(&snap, &cfg, &mut RoundMemory::default(), &holders, Some(now), now, &inputs)
+        };
+        let written = |p: &RoundPlan, name: &str| -> Option<Option<String>> {
+            p.writes.iter().find(|w| &*w.key.name == name).and_then(|w| w.annotation.clone())
+        };
+
+        let waiting = round(lease(None));
+        assert_eq!(waiting.listeners_unreported, ["node-1"]);
+        assert_eq!(written(&waiting, "new"), None, "a number handed out before node-1 said what listens");
+        assert!(waiting.claims.blocked.contains(&ServiceKey::new("default", "new")));
+        assert!(!waiting.claims.blocked.contains(&ServiceKey::new("default", "kept")));
+        assert!(
+            waiting.writes.iter().any(|w| &*w.key.name == "kept"),
+            "kept is not held: {:?}",
+            waiting.writes
+        );
+
+        // node-1's agent listens on 9471 (its health listener, say): the Service gets 9473.
+        let reported = round(lease(Some("9471/TCP")));
+        assert!(reported.listeners_unreported.is_empty());
+        assert_eq!(written(&reported, "new"), Some(Some("80/TCP=9473".to_string())));
+        assert!(reported.claims.blocked.is_empty(), "{:?}", reported.claims.blocked);
     }
 }

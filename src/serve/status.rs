@@ -99,8 +99,11 @@ pub struct Status {
     pub source_synced: bool,
     /// Ports processes on this node listen on that nodelb could otherwise allocate
     /// (`22/TCP,20005/UDP`): never taken here; in Kubernetes mode published on the node Lease.
+    /// `None` until this agent has read its node's sockets (tried, at its first sync): until
+    /// then it publishes nothing, so that the leader neither reads an empty list as "no
+    /// listeners" nor loses what the agent before it published.
     #[serde(default)]
-    pub listening_ports: String,
+    pub listening_ports: Option<String>,
     /// Per address-restricted node port pool, the addresses this node serves it on
     /// (`nodelb.io/pool-addresses` format); `None` until the first successful sync, or when too
     /// long to publish. In Kubernetes mode published on the node Lease.

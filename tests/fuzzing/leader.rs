@@ -53,7 +53,8 @@ pub fn good_leases() -> Vec<Value> {
             json!({
                 "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                 "metadata": {"name": format!("nodelb-node-node-{i}"), "namespace": "nodelb-system",
-                             "annotations": {"nodelb.io/families": "ipv4,ipv6"}},
+                             "annotations": {"nodelb.io/families": "ipv4,ipv6",
+                                             "nodelb.io/listening-ports": ""}},
                 "spec": {"holderIdentity": format!("node-{i}"), "leaseDurationSeconds": 15,
                          "renewTime": "2030-01-01T00:00:00.000000Z"}
             })

@@ -134,12 +134,7 @@ pub fn cluster_node_addresses<N: Borrow<Node>>(nodes: &[N]) -> HostAddresses {
 /// that may be behind, e.g. just after the API came back from an outage, during which no agent
 /// could renew (see [`serving_nodes`]).
 pub fn lease_families(lease: &Lease, now: Option<Timestamp>) -> Option<BTreeSet<Family>> {
-    let spec = lease.spec.as_ref()?;
-    let renewed = spec.renew_time.as_ref()?.0;
-    let duration = SignedDuration::from_secs(i64::from(spec.lease_duration_seconds?.max(0)));
-    if let Some(now) = now
-        && renewed + duration <= now
-    {
+    if !lease_fresh(lease, now)? {
         return None;
     }
     let value = lease.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION_FAMILIES))?;
@@ -153,6 +148,32 @@ pub fn lease_families(lease: &Lease, now: Option<Timestamp>) -> Option<BTreeSet<
             })
             .collect(),
     )
+}
+
+/// Whether a Lease was renewed less than its duration before `now` (`None`: judged fresh, see
+/// [`lease_families`]); `None` when it has no renewal time or duration.
+fn lease_fresh(lease: &Lease, now: Option<Timestamp>) -> Option<bool> {
+    let spec = lease.spec.as_ref()?;
+    let renewed = spec.renew_time.as_ref()?.0;
+    let duration = SignedDuration::from_secs(i64::from(spec.lease_duration_seconds?.max(0)));
+    Some(now.is_none_or(|now| renewed + duration > now))
+}
+
+/// The nodes whose agent runs (its per-node Lease is fresh at `now`, as [`lease_families`] judges
+/// it) but has not said yet which ports processes there listen on: no [`ANNOTATION_LISTENING`],
+/// which an agent publishes once it has read its node's sockets, in its first sync. Until then
+/// a new number could be one such a process holds (the agent's own health and metrics
+/// listeners, at least), so the leader hands out none. Sorted.
+pub fn listeners_unreported<L: Borrow<Lease>>(leases: &[L], now: Option<Timestamp>) -> Vec<String> {
+    let mut out: Vec<String> = leases
+        .iter()
+        .map(Borrow::borrow)
+        .filter(|l| lease_fresh(l, now) == Some(true))
+        .filter(|l| l.metadata.annotations.as_ref().is_none_or(|a| !a.contains_key(ANNOTATION_LISTENING)))
+        .filter_map(|l| l.metadata.name.as_deref()?.strip_prefix(NODE_LEASE_PREFIX).map(str::to_string))
+        .collect();
+    out.sort();
+    out
 }
 
 /// The ports some node's agent says a process there listens on ([`ANNOTATION_LISTENING`]), with
@@ -561,6 +582,30 @@ mod tests {
         ]
         .into();
         assert_eq!(got, want);
+    }
+
+    #[test]
+    fn nodes_whose_agent_runs_and_has_not_reported_its_listeners() {
+        let listening = |mut l: Lease, v: &str| {
+            l.metadata.annotations.get_or_insert_default().insert(ANNOTATION_LISTENING.into(), v.into());
+            l
+        };
+        let mut other = lease("x", 0, 15, Some("ipv4"));
+        other.metadata.name = Some("nodelb-leader".into());
+        let leases = vec![
+            lease("new", 0, 15, Some("")),
+            listening(lease("none-listen", 0, 15, Some("ipv4")), ""),
+            listening(lease("some", 0, 15, Some("ipv4")), "22/TCP"),
+            lease("gone", -100, 15, Some("ipv4")),
+            lease("a-starting", 0, 15, None),
+            other,
+        ];
+        assert_eq!(listeners_unreported(&leases, Some(t(1))), ["a-starting", "new"]);
+        // A view that may be behind judges no expiry: the one gone counts too.
+        assert_eq!(listeners_unreported(&leases, None), ["a-starting", "gone", "new"]);
+        let mut no_spec = lease("n", 0, 15, Some("ipv4"));
+        no_spec.spec = None;
+        assert!(listeners_unreported(&[no_spec], Some(t(1))).is_empty());
     }
 
     #[test]
