@@ -758,6 +758,8 @@ struct KubeSetup {
     /// All N allocated and programmed: from the first create ([`KubeSetupMode::Live`]) or from
     /// the agent's start ([`KubeSetupMode::Existing`]).
     programmed_s: f64,
+    /// The leader had nothing left to write or record (same origin).
+    settled_s: f64,
 }
 
 struct Reaction {
@@ -1341,7 +1343,19 @@ fn run_kube(cfg: &Config, n: usize, r: &mut Results) {
     }
     let programmed_s = t0.elapsed().as_secs_f64();
     eprintln!("  {n} Services allocated and programmed in {programmed_s:.2}s");
-    r.kube_setup = Some(KubeSetup { mode: cfg.kube_setup, created_s, ready_s, programmed_s });
+    // The leader then writes every Service's status and records its Events (a second or so of
+    // them per round, rounds back to back); the reaction is measured once it has nothing left to
+    // do, as it says in its log (a round it skips: everything written and sent).
+    let seen = c.agents[0].logs().len();
+    let settled = common::topology::wait_until(limit, || {
+        c.agents[0].logs().rfind("nothing for a round to do").is_some_and(|at| at >= seen)
+    });
+    if !settled {
+        r.note(format!("Kubernetes mode: the leader had statuses or Events left after {limit:?}"));
+    }
+    let settled_s = t0.elapsed().as_secs_f64();
+    eprintln!("  the leader settled (statuses and Events of all {n} written) in {settled_s:.2}s");
+    r.kube_setup = Some(KubeSetup { mode: cfg.kube_setup, created_s, ready_s, programmed_s, settled_s });
 
     let addr = SocketAddr::new(IpAddr::V4(node_v4(0)), cfg.reaction_port);
     let backend = c.backends[0].v4;
@@ -1906,17 +1920,23 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
                 "\nReaction, Kubernetes mode (real kube-apiserver + etcd; the agent is the leader), N = {n} × 5:\n"
             );
             match a.kube_setup {
-                Some(KubeSetup { mode: KubeSetupMode::Live, created_s, programmed_s, .. }) => {
+                Some(KubeSetup { mode: KubeSetupMode::Live, created_s, programmed_s, settled_s, .. }) => {
                     let _ = writeln!(
                         w,
-                        "Setup (`--kube-setup live`): {n} Services + EndpointSlices created in {created_s:.1} s ({KUBE_CREATE_THREADS} parallel requests) while the agent ran, all allocated and programmed {programmed_s:.1} s after the first create.\n"
+                        "Setup (`--kube-setup live`): {n} Services + EndpointSlices created in {created_s:.1} s ({KUBE_CREATE_THREADS} parallel requests) while the agent ran, all allocated and programmed {programmed_s:.1} s after the first create, every status and Event written {settled_s:.1} s after it.\n"
                     );
                 }
-                Some(KubeSetup { mode: KubeSetupMode::Existing, created_s, ready_s, programmed_s }) => {
+                Some(KubeSetup {
+                    mode: KubeSetupMode::Existing,
+                    created_s,
+                    ready_s,
+                    programmed_s,
+                    settled_s,
+                }) => {
                     let ready = ready_s.map_or("–".to_string(), |s| format!("{s:.2}"));
                     let _ = writeln!(
                         w,
-                        "Setup (`--kube-setup existing`): {n} Services + EndpointSlices created in {created_s:.1} s ({KUBE_CREATE_THREADS} parallel requests) with the agent stopped; the agent then started with them in the API server: ready in {ready} s, all {n} allocated (the leader's writes) and programmed {programmed_s:.1} s after its start.\n"
+                        "Setup (`--kube-setup existing`): {n} Services + EndpointSlices created in {created_s:.1} s ({KUBE_CREATE_THREADS} parallel requests) with the agent stopped; the agent then started with them in the API server: ready in {ready} s, all {n} allocated (the leader's writes) and programmed {programmed_s:.1} s after its start, every status and Event written {settled_s:.1} s after it. The changes below are measured after that.\n"
                     );
                 }
                 None => {}

@@ -597,7 +597,7 @@ impl LeaseView {
         LeaseView {
             serving: nodes::serving_nodes(nodes, leases, leases_now, &cfg.node_addresses),
             listening: nodes::listening_ports(leases),
-            unreported: nodes::listeners_unreported(leases, leases_now),
+            unreported: nodes::listeners_unreported(leases, leases_now, &cfg.node_name),
             published: nodes::published_pool_addresses(leases).0,
         }
     }
@@ -846,7 +846,7 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
     // A number no node has said is free of listeners is not handed out: a running agent that has
     // not read its sockets yet (just started: a new node, a restart, an install into a cluster
     // whose Services all wait for numbers) has at least its own health and metrics listeners.
-    let unreported = nodes::listeners_unreported(&snap.leases, leases_now);
+    let unreported = nodes::listeners_unreported(&snap.leases, leases_now, &cfg.node_name);
     let mut waiting = Vec::new();
     if !unreported.is_empty() {
         changes.retain(|c| {
@@ -885,8 +885,9 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
 /// One round of the leader's work on `snap`: read the node-port registry, decide
 /// ([`plan_round`]), write the registry (resourceVersion precondition: a 409 means another
 /// leader wrote it since, and nothing else is written), then the Services, then resolve the
-/// claims left pending. Returns the Events to record, and `true` when a write met a stale
-/// resourceVersion (the round is to be retried from a fresh view).
+/// claims left pending. Returns the Events to record, and `true` when the round is to be run
+/// again at once, from a fresh view: a write met a stale resourceVersion, or statuses were left
+/// for the next round.
 pub async fn leader_round(
     client: &Client,
     cfg: &ControllerConfig,
@@ -952,8 +953,21 @@ pub async fn leader_round(
             }
         }
     }
-    let outcomes = write_services(client, &plan.writes, metrics, &mut state.echoes).await;
-    let mut stale = outcomes.iter().any(|o| matches!(o, WriteOutcome::Conflict));
+    // Allocations first; a status that only follows (all of them, when the node serving every
+    // Service starts) is written for at most STATUS_WRITES_FOR a round, the rest in the rounds
+    // that follow at once, so that a new Service never waits behind thousands of them.
+    plan.writes.sort_by_key(|w| w.annotation.is_none());
+    let status_until = Instant::now() + STATUS_WRITES_FOR;
+    let outcomes = write_services(client, &plan.writes, metrics, &mut state.echoes, status_until).await;
+    let deferred: std::collections::BTreeSet<&ServiceKey> = (plan.writes.iter().zip(&outcomes))
+        .filter(|(_, o)| **o == WriteOutcome::Deferred)
+        .map(|(w, _)| &w.key)
+        .collect();
+    if !deferred.is_empty() {
+        debug!(deferred = deferred.len(), "status writes left for the next round");
+        plan.events.retain(|e| !deferred.contains(&e.service));
+    }
+    let mut stale = outcomes.iter().any(|o| matches!(o, WriteOutcome::Conflict | WriteOutcome::Deferred));
     // The watch brings each write back; a round on nothing else would plan nothing.
     state.clean = registry.is_some()
         && state.unreported.is_empty()
@@ -1021,10 +1035,29 @@ async fn round(
     )
     .await;
     debug!(ms = started.elapsed().as_secs_f64() * 1e3, "allocation round");
-    for e in events_to_send(ev.deduper, ev.outbox, &events, |k| source.service(k).is_some()) {
-        let Some(svc) = source.service(&e.service) else { continue };
+    // Side by side, and for at most EVENTS_FOR a round: an install into 10,000 Services records
+    // 10,000 Events, and the Services created meanwhile are not to wait for them. What is not
+    // sent stays pending (deduper, outbox) for the round that follows at once.
+    use futures::StreamExt as _;
+    let until = Instant::now() + EVENTS_FOR;
+    let mut next =
+        events_to_send(ev.deduper, ev.outbox, &events, |k| source.service(k).is_some()).into_iter();
+    let mut in_flight = futures::stream::FuturesUnordered::new();
+    let mut left = false;
+    loop {
+        while in_flight.len() < WRITES_IN_FLIGHT
+            && let Some(e) = next.next()
+        {
+            if Instant::now() >= until {
+                left = true;
+                break;
+            }
+            let Some(svc) = source.service(&e.service) else { continue };
+            in_flight.push(send_event(ev.recorder, metrics, svc, e));
+        }
+        let Some((e, sent)) = in_flight.next().await else { break };
         // Recorded only once sent: an Event the API refused is tried again next round.
-        if publish_event(ev.recorder, metrics, &svc.object_ref(&()), e.warning, e.reason, &e.message).await {
+        if sent {
             let key = event_key(&e);
             ev.outbox.sent(&key);
             ev.deduper.sent(key);
@@ -1032,8 +1065,25 @@ async fn round(
             state.clean = false;
         }
     }
-    state.clean &= ev.outbox.is_empty();
-    stale
+    if left {
+        debug!("Events left for the next round");
+    }
+    state.clean &= !left && ev.outbox.is_empty();
+    stale || left
+}
+
+/// How long a round records Events ([`round`]).
+const EVENTS_FOR: Duration = Duration::from_secs(1);
+
+/// Records `e` on `svc` ([`publish_event`]); whether the API accepted it.
+async fn send_event(
+    recorder: &Recorder,
+    metrics: &Metrics,
+    svc: Arc<Service>,
+    e: publish::ServiceEvent,
+) -> (publish::ServiceEvent, bool) {
+    let sent = publish_event(recorder, metrics, &svc.object_ref(&()), e.warning, e.reason, &e.message).await;
+    (e, sent)
 }
 
 /// An Event's (Service, reason, message), as the deduper and the outbox remember it.
@@ -1081,6 +1131,9 @@ pub enum WriteOutcome {
     Unknown,
     /// The annotation was written, the status was not.
     StatusFailed,
+    /// Not tried: a status-only write when the round's time for those was up (the next round,
+    /// at once, writes it).
+    Deferred,
 }
 
 impl WriteOutcome {
@@ -1088,7 +1141,9 @@ impl WriteOutcome {
     fn claims(self) -> claims::Outcome {
         match self {
             WriteOutcome::Written | WriteOutcome::StatusFailed => claims::Outcome::Written,
-            WriteOutcome::Conflict | WriteOutcome::Refused => claims::Outcome::Refused,
+            WriteOutcome::Conflict | WriteOutcome::Refused | WriteOutcome::Deferred => {
+                claims::Outcome::Refused
+            }
             WriteOutcome::Unknown => claims::Outcome::Unknown,
         }
     }
@@ -1103,10 +1158,33 @@ pub async fn write_services(
     writes: &[ServiceWrite],
     metrics: Option<&Metrics>,
     echoes: &mut HashMap<ServiceKey, Vec<String>>,
+    status_until: Instant,
 ) -> Vec<WriteOutcome> {
+    use futures::StreamExt as _;
+    // Each Service's two patches in order; Services side by side, results in `writes`' order.
+    // Each write's future is made when it starts (a round can write 50,000 Services).
+    let mut in_flight = futures::stream::FuturesOrdered::new();
+    let mut next = writes.iter();
+    let mut results = Vec::with_capacity(writes.len());
+    loop {
+        while in_flight.len() < WRITES_IN_FLIGHT
+            && let Some(w) = next.next()
+        {
+            in_flight.push_back(write_one(client, w, status_until));
+        }
+        match in_flight.next().await {
+            Some(r) => results.push(r),
+            None => break,
+        }
+    }
     let mut out = Vec::with_capacity(writes.len());
-    for w in writes {
-        let outcome = match write(client, w, echoes.entry(w.key.clone()).or_default()).await {
+    for (w, result) in writes.iter().zip(results) {
+        let Some((annotated, result, made)) = result else {
+            out.push(WriteOutcome::Deferred);
+            continue;
+        };
+        echoes.entry(w.key.clone()).or_default().extend(made);
+        let outcome = match (annotated, result) {
             (_, Ok(())) => WriteOutcome::Written,
             (annotated, Err(e)) => {
                 if is_conflict(&e) {
@@ -1126,11 +1204,35 @@ pub async fn write_services(
         };
         out.push(outcome);
     }
-    if !writes.is_empty() {
-        info!(services = writes.len(), "published allocations and status");
+    let written = out.iter().filter(|o| **o != WriteOutcome::Deferred).count();
+    if written > 0 {
+        info!(services = written, "published allocations and status");
     }
     out
 }
+
+/// Service writes the leader keeps in flight at once. One at a time, a round that allocates a
+/// whole cluster (an install into 10,000 waiting Services) took 37 s of the API server's ~3.7 ms
+/// round trip per Service; the API server's default limit is 200 mutating requests in flight,
+/// shared by everyone, of which this takes a few (docs/benchmarks.md).
+const WRITES_IN_FLIGHT: usize = 8;
+
+/// How long a round writes statuses that come with no allocation ([`leader_round`]).
+const STATUS_WRITES_FOR: Duration = Duration::from_secs(1);
+
+/// [`write`], with the resourceVersions it made; `None` when it was not tried (a status-only
+/// write after `status_until`).
+async fn write_one(client: &Client, w: &ServiceWrite, status_until: Instant) -> Option<WriteResult> {
+    if w.annotation.is_none() && Instant::now() >= status_until {
+        return None;
+    }
+    let mut made = Vec::new();
+    let (annotated, result) = write(client, w, &mut made).await;
+    Some((annotated, result, made))
+}
+
+/// Whether the annotation was patched, how the write ended, the resourceVersions it made.
+type WriteResult = (bool, Result<(), kube::Error>, Vec<String>);
 
 /// Annotation first (merge patch, resourceVersion precondition), then status through the status
 /// subresource with the resourceVersion the first patch returned. Also says whether an
