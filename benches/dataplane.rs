@@ -103,7 +103,9 @@ impl Config {
 }
 
 /// What `--only` can select.
-const PARTS: [&str; 4] = ["dataplane", "reaction", "kube-reaction", "footprint"];
+/// `programming` is the scale mode's kernel programming alone (part of `dataplane`, which also
+/// runs the connections over the NAT floor).
+const PARTS: [&str; 5] = ["dataplane", "programming", "reaction", "kube-reaction", "footprint"];
 
 fn config() -> Config {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -1020,9 +1022,79 @@ fn thread_cpu_ms() -> (f64, f64) {
     (ms(u.user_time()), ms(u.system_time()))
 }
 
+/// The steps from the kernel's floor to nodelb's ruleset, each adding one part of what nodelb
+/// programs for the same Services ([`ladder_ruleset`]). The scale mode programs each step the
+/// same way, so the gap between nodelb and the floor is split into what each part costs.
+const LADDER: [&str; 6] = [
+    "floor: the dispatch verdict map, each Service chain's endpoint draws and DNATs",
+    "+ `meta l4proto` before each DNAT (nft's syntax needs it; the kernel does not)",
+    "+ the connection counter and masquerade mark (a named counter per Service port)",
+    "+ the dispatch rule as nodelb writes it (port first, loopback, `fib`; both families' maps)",
+    "+ the same dispatch in nat output (node-originated connections)",
+    "nodelb: + forward counters, endpoint set, masquerade, filter chains",
+];
+
+/// Step `step` of [`LADDER`] for nodelb's ruleset `full`: step 0 is the least ruleset the kernel
+/// needs to do what `full` does for its Services (the nat prerouting base chain with only
+/// `meta l4proto . th dport vmap @service-ports-ipv4`, that map, and each Service chain's draws
+/// and DNATs); each later step puts back one part of `full`, with the sets and named counters
+/// its rules use; the last step is `full` itself.
+fn ladder_ruleset(full: &Ruleset, step: usize) -> Ruleset {
+    use nodelb::ir::{BaseChain, Chain, ChainType, Expr, Hook, Mapped, Rule};
+    if step + 1 >= LADDER.len() {
+        return full.clone();
+    }
+    let mut out = Ruleset::default();
+    let nat_pre = plan::CHAIN_NAT_PREROUTING;
+    if step < 3 {
+        out.add_chain(Chain {
+            name: nat_pre.into(),
+            base: Some(BaseChain { chain_type: ChainType::Nat, hook: Hook::Prerouting, priority: -100 }),
+            rules: vec![Rule::new(vec![Expr::L4ProtoDportVmap {
+                map: plan::service_ports_map(Family::Ipv4),
+            }])],
+            comment: None,
+        });
+    } else {
+        let base = if step < 4 { &[nat_pre][..] } else { &[nat_pre, plan::CHAIN_NAT_OUTPUT][..] };
+        for name in base {
+            if let Some(c) = full.chains.get(*name) {
+                out.add_chain(c.clone());
+            }
+        }
+    }
+    let keep = |e: &&Expr| match e {
+        Expr::NumgenRandomIs { .. } | Expr::Dnat { .. } => true,
+        Expr::L4Proto(_) => step >= 1,
+        _ => step >= 2,
+    };
+    for chain in full.chains.values().filter(|c| c.base.is_none() && c.name.starts_with("svc")) {
+        let rules = chain
+            .rules
+            .iter()
+            .map(|r| Rule::new(r.exprs.iter().filter(keep).cloned().collect()))
+            .filter(|r| step >= 2 || r.exprs.iter().any(|e| matches!(e, Expr::Dnat { .. })))
+            .collect();
+        out.add_chain(Chain { rules, ..chain.header() });
+    }
+    // The sets and named counters the kept rules use (and the counters their maps name).
+    let rules = || out.chains.values().flat_map(|c| &c.rules);
+    let sets: Vec<_> = rules().flat_map(Rule::sets).filter_map(|n| full.sets.get(n)).cloned().collect();
+    let mut counters: Vec<_> = rules().flat_map(Rule::counters).cloned().collect();
+    counters.extend(sets.iter().flat_map(|s| s.elements.values()).filter_map(|v| match v {
+        Some(Mapped::Counter(c)) => Some(c.clone()),
+        _ => None,
+    }));
+    sets.into_iter().for_each(|s| out.add_set(s));
+    counters.iter().filter_map(|n| full.counters.get(n)).for_each(|c| out.add_counter(c.clone()));
+    out
+}
+
 /// Kernel programming at N × 1 and N × 5 endpoints, in a namespace of its own: the pure plan, one
 /// full replace through `NftClient::apply` (wall and kernel time of the thread), then adding and
 /// removing one Service as a diff; `cfg.reps` times each (`scale_ruleset`, the programming bench's).
+/// The same for every step of [`LADDER`] from the kernel's floor up, through the same client:
+/// nodelb's rows are the last step's, the floor's rows are named "… floor", the others "… step K".
 fn run_scale_programming(cfg: &Config, n: usize, r: &mut Results) {
     for e in SCALE_ENDPOINTS {
         let t = Instant::now();
@@ -1030,52 +1102,68 @@ fn run_scale_programming(cfg: &Config, n: usize, r: &mut Results) {
         r.prog(n, &format!("plan (pure) × {e}"), t.elapsed());
         let plus = common::scenarios::scale_ruleset(n + 1, e, false);
         let t = Instant::now();
-        let add = plan::diff(&base, &plus);
+        let _ = plan::diff(&base, &plus);
         r.prog(n, &format!("diff (pure, add one) × {e}"), t.elapsed());
-        let remove = plan::diff(&plus, &base);
-        drop(plus);
-        let ns = NetNs::new("scp");
-        let reps = cfg.reps;
-        let rows = ns.run(move || -> Result<Vec<[f64; 4]>, String> {
-            let mut c = NftClient::new().map_err(|e| e.to_string())?;
-            let mut rows = Vec::new();
-            for _ in 0..reps {
-                let (_, s0) = thread_cpu_ms();
-                let t = Instant::now();
-                c.apply(&base.full_replace()).map_err(|e| format!("full replace: {e}"))?;
-                let full = t.elapsed().as_secs_f64() * 1e3;
-                let sys = thread_cpu_ms().1 - s0;
-                let t = Instant::now();
-                c.apply(&add).map_err(|e| format!("add one: {e}"))?;
-                let a = t.elapsed().as_secs_f64() * 1e3;
-                let t = Instant::now();
-                c.apply(&remove).map_err(|e| format!("remove one: {e}"))?;
-                rows.push([full, sys, a, t.elapsed().as_secs_f64() * 1e3]);
-            }
-            let _ = c.delete_table();
-            Ok(rows)
-        });
-        match rows {
-            Ok(rows) => {
-                for [full, sys, a, rm] in rows {
-                    let ms = |x: f64| Duration::from_secs_f64(x / 1e3);
-                    r.prog(n, &format!("full sync × {e}"), ms(full));
-                    r.prog(n, &format!("full sync × {e}: kernel (system) time"), ms(sys));
-                    r.prog(n, &format!("add one × {e}"), ms(a));
-                    r.prog(n, &format!("remove one × {e}"), ms(rm));
+        for step in 0..LADDER.len() {
+            let (base, plus) = (ladder_ruleset(&base, step), ladder_ruleset(&plus, step));
+            let (add, remove) = (plan::diff(&base, &plus), plan::diff(&plus, &base));
+            drop(plus);
+            let ns = NetNs::new("scp");
+            let reps = cfg.reps;
+            let rows = ns.run(move || -> Result<Vec<[f64; 4]>, String> {
+                let mut c = NftClient::new().map_err(|e| e.to_string())?;
+                let mut rows = Vec::new();
+                for _ in 0..reps {
+                    let (_, s0) = thread_cpu_ms();
+                    let t = Instant::now();
+                    c.apply(&base.full_replace()).map_err(|e| format!("full replace: {e}"))?;
+                    let full = t.elapsed().as_secs_f64() * 1e3;
+                    let sys = thread_cpu_ms().1 - s0;
+                    let t = Instant::now();
+                    c.apply(&add).map_err(|e| format!("add one: {e}"))?;
+                    let a = t.elapsed().as_secs_f64() * 1e3;
+                    let t = Instant::now();
+                    c.apply(&remove).map_err(|e| format!("remove one: {e}"))?;
+                    rows.push([full, sys, a, t.elapsed().as_secs_f64() * 1e3]);
                 }
+                let _ = c.delete_table();
+                Ok(rows)
+            });
+            let suffix = ladder_suffix(step);
+            match rows {
+                Ok(rows) => {
+                    for [full, sys, a, rm] in rows {
+                        let ms = |x: f64| Duration::from_secs_f64(x / 1e3);
+                        r.prog(n, &format!("full sync × {e}{suffix}"), ms(full));
+                        r.prog(n, &format!("full sync × {e}{suffix}: kernel (system) time"), ms(sys));
+                        r.prog(n, &format!("add one × {e}{suffix}"), ms(a));
+                        r.prog(n, &format!("remove one × {e}{suffix}"), ms(rm));
+                    }
+                }
+                Err(err) => r.note(format!("scale programming{suffix} at N={n} × {e}: {err}")),
             }
-            Err(err) => r.note(format!("scale programming at N={n} × {e}: {err}")),
         }
+    }
+}
+
+/// How the programming rows of [`LADDER`]'s step `step` are named: nodelb's own rows have no
+/// suffix.
+fn ladder_suffix(step: usize) -> String {
+    match step {
+        0 => " floor".to_string(),
+        s if s + 1 == LADDER.len() => String::new(),
+        s => format!(" step {s}"),
     }
 }
 
 /// Every part of the scale mode at each N of `--scale-sizes`.
 fn run_scale(cfg: &Config, r: &mut Results, t: Instant) {
     for &n in &cfg.scale_sizes {
-        if cfg.wants("dataplane") {
+        if cfg.wants("dataplane") || cfg.wants("programming") {
             eprintln!("[{:>6.1}s] scale N = {n}: programming", t.elapsed().as_secs_f64());
             run_scale_programming(cfg, n, r);
+        }
+        if cfg.wants("dataplane") {
             for rep in 0..cfg.reps {
                 eprintln!(
                     "[{:>6.1}s] scale N = {n}: NAT floor, repetition {}",
@@ -1821,20 +1909,24 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
         let full = med(n, &format!("full sync × {e}"));
         if !full.is_nan() {
             let t = target(n, 200.0, 5_000.0);
+            let floor = med(n, &format!("full sync × {e} floor"));
             let _ = writeln!(
                 w,
-                "| full sync (one batch, kernel included), × {e} endpoint{} | {n} | ≤ {t:.0} ms | {} (kernel {}) | {} |",
+                "| full sync (one batch, kernel included), × {e} endpoint{} | {n} | ≤ {t:.0} ms | {} (kernel {}); kernel floor {} (kernel {}) | {} |",
                 if e == 1 { "" } else { "s" },
                 fmt(full, "ms"),
                 fmt(med(n, &format!("full sync × {e}: kernel (system) time")), "ms"),
-                verdict(full <= t)
+                fmt(floor, "ms"),
+                fmt(med(n, &format!("full sync × {e} floor: kernel (system) time")), "ms"),
+                floor_verdict(&[(full, floor, t)])
             );
             let (add, rm) = (med(n, "add one × 5"), med(n, "remove one × 5"));
+            let (add_floor, rm_floor) = (med(n, "add one × 5 floor"), med(n, "remove one × 5 floor"));
             let (ta, tr) = (target(n, 5.0, 15.0), target(n, 1.0, 2.0));
             let _ = writeln!(
                 w,
-                "| add / remove one Service (× 5) | {n} | ≤ {ta:.0} / ≤ {tr:.0} ms | {add:.2} / {rm:.2} ms | {} |",
-                verdict(add <= ta && rm <= tr)
+                "| add / remove one Service (× 5) | {n} | ≤ {ta:.0} / ≤ {tr:.0} ms | {add:.2} / {rm:.2} ms; kernel floor {add_floor:.2} / {rm_floor:.2} ms | {} |",
+                floor_verdict(&[(add, add_floor, ta), (rm, rm_floor, tr)])
             );
         }
         for (mode, x) in [
@@ -1877,7 +1969,12 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
     }
 
     let _ = writeln!(w, "\nProgramming (ms, median of {} repetitions; pure rows: one sample):\n", cfg.reps);
-    let mut ops: Vec<&String> = r.prog.keys().filter(|(n, _)| sizes.contains(n)).map(|(_, op)| op).collect();
+    let mut ops: Vec<&String> = r
+        .prog
+        .keys()
+        .filter(|(n, op)| sizes.contains(n) && !op.contains(" step "))
+        .map(|(_, op)| op)
+        .collect();
     ops.sort();
     ops.dedup();
     let _ = writeln!(w, "| operation |{}", sizes.iter().map(|n| format!(" N = {n} |")).collect::<String>());
@@ -1885,6 +1982,36 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
     for op in ops {
         let cells: String = sizes.iter().map(|&n| format!(" {} |", fmt(med(n, op), "").trim())).collect();
         let _ = writeln!(w, "| {op} |{cells}");
+    }
+    if r.prog.keys().any(|(n, op)| sizes.contains(n) && op.ends_with(" floor")) {
+        let _ = writeln!(
+            w,
+            "\nFrom the kernel's floor to nodelb's ruleset, one part at a time (ms, median of {} repetitions; \
+             full sync: the kernel's (system) time of the batch; add one: wall time, almost all of it the \
+             kernel validating the table):\n",
+            cfg.reps
+        );
+        let cols = ["full sync × 1", "add one × 1", "full sync × 5", "add one × 5"];
+        let head: String =
+            sizes.iter().flat_map(|n| cols.iter().map(move |c| format!(" {c}, N = {n} |"))).collect();
+        let _ = writeln!(w, "| ruleset |{head}");
+        let _ = writeln!(w, "|---|{}", "---:|".repeat(sizes.len() * cols.len()));
+        for (step, what) in LADDER.iter().enumerate() {
+            let sfx = ladder_suffix(step);
+            let cells: String = sizes
+                .iter()
+                .flat_map(|&n| {
+                    [
+                        med(n, &format!("full sync × 1{sfx}: kernel (system) time")),
+                        med(n, &format!("add one × 1{sfx}")),
+                        med(n, &format!("full sync × 5{sfx}: kernel (system) time")),
+                        med(n, &format!("add one × 5{sfx}")),
+                    ]
+                })
+                .map(|x| format!(" {} |", fmt(x, "").trim()))
+                .collect();
+            let _ = writeln!(w, "| {what} |{cells}");
+        }
     }
     let _ = writeln!(w, "\nPer-connection cost (p50 µs, differences per repetition, median):\n");
     let _ = writeln!(w, "| N | nat-floor − direct | nodelb − direct | nodelb − nat-floor (range) |");
@@ -1976,6 +2103,22 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
 
 fn verdict(ok: bool) -> &'static str {
     if ok { "met" } else { "**missed**" }
+}
+
+/// The verdict of rows that have a kernel floor, from (measured, floor, target) triples: met when
+/// every measurement is within its target; otherwise missed, and when a floor is itself above its
+/// target, by how much nodelb is above that floor (the issue asks for the gap to the floor where
+/// the kernel does not allow the target).
+fn floor_verdict(rows: &[(f64, f64, f64)]) -> String {
+    if rows.iter().all(|(x, _, t)| x <= t) {
+        return "met".to_string();
+    }
+    let gaps: Vec<String> = rows
+        .iter()
+        .filter(|(x, f, t)| x > t && f > t)
+        .map(|(x, f, _)| format!("floor above the target; nodelb {:+.1} ms ({:.2}×) over it", x - f, x / f))
+        .collect();
+    if gaps.is_empty() { "**missed**".to_string() } else { format!("**missed**: {}", gaps.join("; ")) }
 }
 
 /// The rows of the Targets table about the dataplane and programming time.

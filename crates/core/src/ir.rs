@@ -130,6 +130,39 @@ impl Rule {
         self.comment = Some(comment.into());
         self
     }
+
+    /// Chains the rule sends packets to (its goto/jump verdict).
+    pub fn targets(&self) -> impl Iterator<Item = &Name> {
+        self.exprs.iter().filter_map(|e| match e {
+            Expr::Verdict(Verdict::Goto(c) | Verdict::Jump(c)) => Some(c),
+            _ => None,
+        })
+    }
+
+    /// Sets and maps the rule looks up or updates.
+    pub fn sets(&self) -> impl Iterator<Item = &Name> {
+        self.exprs.iter().filter_map(|e| match e {
+            Expr::L4ProtoDportVmap { map }
+            | Expr::DaddrL4ProtoDportVmap { map, .. }
+            | Expr::L4ProtoCtOrigDportVmap { map }
+            | Expr::L4ProtoCtOrigDportCounterMap { map } => Some(map),
+            Expr::SaddrTwiceL4ProtoSportInSet { set, .. }
+            | Expr::L4ProtoDportInSet { set }
+            | Expr::DaddrL4ProtoDportInSet { set, .. }
+            | Expr::SaddrDaddrL4ProtoDportInSet { set, .. }
+            | Expr::SaddrInSet { set, .. }
+            | Expr::UpdateSaddr { set, .. } => Some(set),
+            _ => None,
+        })
+    }
+
+    /// Named counters the rule counts in by name.
+    pub fn counters(&self) -> impl Iterator<Item = &Name> {
+        self.exprs.iter().filter_map(|e| match e {
+            Expr::CounterRef(c) => Some(c),
+            _ => None,
+        })
+    }
 }
 
 /// A verdict, as a rule's final statement or as the data of a verdict map element.

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::ir::{Chain, Change, Expr, Mapped, Name, Rule, Ruleset, Set, SetKind, Verdict};
+use crate::ir::{Chain, Change, Mapped, Ruleset, Set, SetKind, Verdict};
 
 /// Applies changes to an in-memory ruleset the way the kernel would (a model for tests: a diff
 /// applied to `old` must give exactly `new`). Returns an error naming the first change the kernel
@@ -41,17 +41,17 @@ pub fn simulate(start: &Ruleset, changes: &[Change]) -> Result<Ruleset, String> 
                 rs.chains.remove(n);
             }
             Change::AddRule { chain, rule } => {
-                for target in rule_targets(rule) {
+                for target in rule.targets() {
                     if !rs.chains.contains_key(target) {
                         return Err(format!("add rule to {chain}: jump to missing chain {target}"));
                     }
                 }
-                for set in rule_sets(rule) {
+                for set in rule.sets() {
                     if !rs.sets.contains_key(set) {
                         return Err(format!("add rule to {chain}: missing set {set}"));
                     }
                 }
-                for name in rule_counters(rule) {
+                for name in rule.counters() {
                     if !rs.counters.contains_key(name) {
                         return Err(format!("add rule to {chain}: missing counter {name}"));
                     }
@@ -68,7 +68,7 @@ pub fn simulate(start: &Ruleset, changes: &[Change]) -> Result<Ruleset, String> 
                     .or_insert_with(|| Set { elements: BTreeMap::new(), ..s.clone() });
             }
             Change::DeleteSet(n) => {
-                if rs.chains.values().any(|c| c.rules.iter().any(|r| rule_sets(r).contains(&n))) {
+                if rs.chains.values().any(|c| c.rules.iter().any(|r| r.sets().any(|s| s == n))) {
                     return Err(format!("delete set {n}: still referenced"));
                 }
                 rs.sets.remove(n).ok_or(format!("delete set {n}: missing"))?;
@@ -129,50 +129,8 @@ pub fn simulate(start: &Ruleset, changes: &[Change]) -> Result<Ruleset, String> 
     Ok(rs)
 }
 
-/// Chains a rule sends packets to (its goto/jump verdict).
-fn rule_targets(rule: &Rule) -> Vec<&Name> {
-    rule.exprs
-        .iter()
-        .filter_map(|e| match e {
-            Expr::Verdict(Verdict::Goto(c) | Verdict::Jump(c)) => Some(c),
-            _ => None,
-        })
-        .collect()
-}
-
-/// Sets and maps a rule looks up or updates.
-fn rule_sets(rule: &Rule) -> Vec<&Name> {
-    rule.exprs
-        .iter()
-        .filter_map(|e| match e {
-            Expr::L4ProtoDportVmap { map }
-            | Expr::DaddrL4ProtoDportVmap { map, .. }
-            | Expr::L4ProtoCtOrigDportVmap { map }
-            | Expr::L4ProtoCtOrigDportCounterMap { map } => Some(map),
-            Expr::SaddrTwiceL4ProtoSportInSet { set, .. }
-            | Expr::L4ProtoDportInSet { set }
-            | Expr::DaddrL4ProtoDportInSet { set, .. }
-            | Expr::SaddrDaddrL4ProtoDportInSet { set, .. }
-            | Expr::SaddrInSet { set, .. }
-            | Expr::UpdateSaddr { set, .. } => Some(set),
-            _ => None,
-        })
-        .collect()
-}
-
-/// Named counters a rule counts in by name.
-fn rule_counters(rule: &Rule) -> Vec<&Name> {
-    rule.exprs
-        .iter()
-        .filter_map(|e| match e {
-            Expr::CounterRef(c) => Some(c),
-            _ => None,
-        })
-        .collect()
-}
-
 fn references(rs: &Ruleset, chain: &str) -> bool {
-    rs.chains.values().any(|c| c.rules.iter().any(|r| rule_targets(r).iter().any(|t| &***t == chain)))
+    rs.chains.values().any(|c| c.rules.iter().any(|r| r.targets().any(|t| &**t == chain)))
         || rs.sets.values().any(|s| {
             s.elements.values().any(
                 |v| matches!(v, Some(Mapped::Verdict(Verdict::Goto(c) | Verdict::Jump(c))) if &**c == chain),
@@ -181,7 +139,7 @@ fn references(rs: &Ruleset, chain: &str) -> bool {
 }
 
 fn counter_referenced(rs: &Ruleset, counter: &str) -> bool {
-    rs.chains.values().any(|c| c.rules.iter().any(|r| rule_counters(r).iter().any(|n| &***n == counter)))
+    rs.chains.values().any(|c| c.rules.iter().any(|r| r.counters().any(|n| &**n == counter)))
         || rs
             .sets
             .values()
