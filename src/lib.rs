@@ -12,6 +12,7 @@ pub mod commands;
 pub mod encode;
 pub mod k8s;
 pub mod locks;
+pub mod memory;
 pub mod observe;
 pub mod serve;
 

@@ -65,6 +65,9 @@ impl Kernel for Netlink {
     }
 
     fn apply_full_replace(&mut self, ruleset: &Ruleset, carried: &Carried) -> Result<ApplyStats, NftError> {
+        // The batch of a whole table is the agent's largest allocation: build it on what is
+        // live, not on what the sync that planned it freed.
+        crate::memory::release_freed();
         self.nft.apply_full_replace(ruleset, carried)
     }
 
