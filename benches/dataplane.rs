@@ -771,6 +771,81 @@ struct Reaction {
     /// Kubernetes mode: Service created → the leader's allocation annotation in the API server.
     allocated_ms: Vec<f64>,
     timeouts: usize,
+    /// Where the time went, from the agent's log during the changes: each sync that programmed
+    /// something, and (Kubernetes mode) each allocation round of the leader.
+    syncs: Vec<Breakdown>,
+    rounds: Vec<Breakdown>,
+}
+
+/// One "… breakdown (ms)" line of the agent's log: its phases in order, in ms.
+type Breakdown = Vec<(String, f64)>;
+
+/// The phases of a breakdown line, `phases=load=1.0 desired=2.0` (text log) or
+/// `"phases":"load=1.0 desired=2.0"` (JSON log).
+fn breakdown_of(line: &str) -> Option<Breakdown> {
+    let rest = &line[line.find("phases")? + "phases".len()..];
+    let rest = rest.trim_start_matches(['=', '"', ':']);
+    let rest = rest.split('"').next().unwrap_or(rest);
+    let phases: Breakdown = rest
+        .split_whitespace()
+        .filter_map(|kv| {
+            let (k, v) = kv.split_once('=')?;
+            Some((k.to_string(), v.parse().ok()?))
+        })
+        .collect();
+    (!phases.is_empty()).then_some(phases)
+}
+
+/// A number field of a log line, `key=12` (text log) or `"key":12` (JSON log).
+fn log_number(line: &str, key: &str) -> Option<f64> {
+    [format!(" {key}="), format!("\"{key}\":")].iter().find_map(|k| {
+        let rest = &line[line.find(k.as_str())? + k.len()..];
+        let end = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(rest.len());
+        rest[..end].parse().ok()
+    })
+}
+
+/// The syncs that programmed changes and the leader's allocation rounds in `log`.
+fn breakdowns(log: &str) -> (Vec<Breakdown>, Vec<Breakdown>) {
+    let syncs = log
+        .lines()
+        .filter(|l| l.contains("sync breakdown") && log_number(l, "changes").is_some_and(|c| c > 0.0))
+        .filter_map(breakdown_of)
+        .collect();
+    let rounds =
+        log.lines().filter(|l| l.contains("allocation round breakdown")).filter_map(breakdown_of).collect();
+    (syncs, rounds)
+}
+
+/// Where a reaction's time went, after its table: the agent's syncs that programmed a change and
+/// (Kubernetes mode) the leader's allocation rounds, from its log.
+fn where_line(w: &mut String, x: &Reaction) {
+    use std::fmt::Write as _;
+    let _ =
+        write!(w, "\nThe agent's syncs that programmed a change (ms, its log): {}.", where_it_goes(&x.syncs));
+    if !x.rounds.is_empty() {
+        let _ = write!(w, " The leader's allocation rounds: {}.", where_it_goes(&x.rounds));
+    }
+    let _ = writeln!(w);
+}
+
+/// "median of K (total T ms): a 1.0, b 2.0; slowest (T ms): a 1.0, b 2.0" over `b`.
+fn where_it_goes(b: &[Breakdown]) -> String {
+    let total = |x: &Breakdown| x.iter().map(|(_, v)| v).sum::<f64>();
+    let show = |x: &Breakdown| x.iter().map(|(k, v)| format!("{k} {v:.1}")).collect::<Vec<_>>().join(", ");
+    let mut sorted: Vec<&Breakdown> = b.iter().collect();
+    sorted.sort_by(|x, y| total(x).total_cmp(&total(y)));
+    match (sorted.get(sorted.len() / 2), sorted.last()) {
+        (Some(mid), Some(max)) => format!(
+            "median of {} ({:.1} ms): {}; slowest ({:.1} ms): {}",
+            b.len(),
+            total(mid),
+            show(mid),
+            total(max),
+            show(max)
+        ),
+        _ => "not in the log".to_string(),
+    }
 }
 
 struct Footprint {
@@ -782,6 +857,8 @@ struct Footprint {
     cpu_total_s: f64,
     cpu_steady_pct: f64,
     steady_window_s: f64,
+    /// The bytes of the first (full) sync's batch, from the agent's log.
+    first_batch_bytes: Option<f64>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1336,10 +1413,16 @@ fn run_agent(cfg: &Config, n: usize, footprint: bool, reaction: bool, r: &mut Re
             cpu_total_s: c1,
             cpu_steady_pct: (c1 - c0) / window * 100.0,
             steady_window_s: window,
+            first_batch_bytes: agent
+                .logs()
+                .lines()
+                .find(|l| l.contains("synced") && l.contains("full"))
+                .and_then(|l| log_number(l, "bytes")),
         });
     }
 
     if reaction && cfg.reaction_changes > 0 {
+        let seen = agent.logs().len();
         let addr = SocketAddr::new(IpAddr::V4(NODE_V4), cfg.reaction_port);
         let (mut add_ms, mut remove_ms, mut timeouts) = (Vec::new(), Vec::new(), 0);
         for k in 0..cfg.reaction_changes / 2 {
@@ -1357,7 +1440,9 @@ fn run_agent(cfg: &Config, n: usize, footprint: bool, reaction: bool, r: &mut Re
             record_removal(live.is_some(), removed, &mut remove_ms, &mut timeouts);
             settle(b.client(), addr, live.is_some());
         }
-        r.reaction = Some(Reaction { n, add_ms, remove_ms, allocated_ms: Vec::new(), timeouts });
+        let (syncs, rounds) = breakdowns(&agent.logs()[seen..]);
+        r.reaction =
+            Some(Reaction { n, add_ms, remove_ms, allocated_ms: Vec::new(), timeouts, syncs, rounds });
     }
     agent.kill9();
     keep_log(cfg, "manifests-agent.log", &agent.logs());
@@ -1447,6 +1532,7 @@ fn run_kube(cfg: &Config, n: usize, r: &mut Results) {
 
     let addr = SocketAddr::new(IpAddr::V4(node_v4(0)), cfg.reaction_port);
     let backend = c.backends[0].v4;
+    let seen = c.agents[0].logs().len();
     let (mut add_ms, mut remove_ms, mut allocated_ms, mut timeouts) = (Vec::new(), Vec::new(), Vec::new(), 0);
     for k in 0..cfg.reaction_changes / 2 {
         let name = format!("react-{k}");
@@ -1489,7 +1575,8 @@ fn run_kube(cfg: &Config, n: usize, r: &mut Results) {
             let _ = c.api.delete("discovery.k8s.io/v1", "EndpointSlice", "default", &slice_name);
         }
     }
-    r.kube_reaction = Some(Reaction { n, add_ms, remove_ms, allocated_ms, timeouts });
+    let (syncs, rounds) = breakdowns(&c.agents[0].logs()[seen..]);
+    r.kube_reaction = Some(Reaction { n, add_ms, remove_ms, allocated_ms, timeouts, syncs, rounds });
     keep_log(cfg, "kube-agent.log", &c.agents[0].logs());
 }
 
@@ -1557,6 +1644,7 @@ fn report(cfg: &Config, r: &Results) -> String {
                 x,
                 &[("add Service (file written)", &x.add_ms), ("remove Service (file deleted)", &x.remove_ms)],
             );
+            where_line(w, x);
         }
         None => {
             let _ = writeln!(w, "Manifests mode: not measured.");
@@ -1578,6 +1666,7 @@ fn report(cfg: &Config, r: &Results) -> String {
                     ("delete Service", &x.remove_ms),
                 ],
             );
+            where_line(w, x);
         }
         None => {
             let _ = writeln!(w, "\nKubernetes mode: not measured.");
@@ -1889,12 +1978,21 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
         let fp = a.and_then(|a| a.footprint.as_ref());
         if let Some(f) = fp {
             let (t, p) = (target(n, 64.0, 256.0), target(n, 96.0, 384.0));
+            let met = f.rss_mib <= t && f.hwm_mib <= p;
+            let why = match f.first_batch_bytes {
+                Some(b) if !met => format!(
+                    ": peak − steady {:.1} MiB, the start's full-sync batch {:.1} MiB of it (one datagram: the kernel's transaction)",
+                    f.hwm_mib - f.rss_mib,
+                    b / 1048576.0
+                ),
+                _ => String::new(),
+            };
             let _ = writeln!(
                 w,
-                "| RSS steady (peak) | {n} | ≤ {t:.0} (≤ {p:.0}) MiB | {:.1} ({:.1}) MiB | {} |",
+                "| RSS steady (peak) | {n} | ≤ {t:.0} (≤ {p:.0}) MiB | {:.1} ({:.1}) MiB | {}{why} |",
                 f.rss_mib,
                 f.hwm_mib,
-                verdict(f.rss_mib <= t && f.hwm_mib <= p)
+                verdict(met)
             );
             let t = target(n, 3.0, 15.0);
             let _ = writeln!(
@@ -1936,12 +2034,27 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
             let Some(x) = x else { continue };
             let all: Vec<f64> = x.add_ms.iter().chain(&x.remove_ms).copied().collect();
             let (p99, t) = (percentile(&all, 0.99), target(n, 150.0, 300.0));
+            let met = p99 <= t && x.timeouts == 0;
+            let slowest = |b: &[Breakdown]| {
+                let total = |x: &&Breakdown| x.iter().map(|(_, v)| v).sum::<f64>();
+                b.iter()
+                    .max_by(|a, b| total(a).total_cmp(&total(b)))
+                    .map(|x| x.iter().map(|(k, v)| format!("{k} {v:.0}")).collect::<Vec<_>>().join(", "))
+            };
+            let why = match (met, slowest(&x.syncs), slowest(&x.rounds)) {
+                (true, ..) | (false, None, None) => String::new(),
+                (false, sync, round) => format!(
+                    ": the slowest sync {} ms{}",
+                    sync.unwrap_or_else(|| "–".to_string()),
+                    round.map(|r| format!(", the slowest leader round {r} ms")).unwrap_or_default()
+                ),
+            };
             let _ = writeln!(
                 w,
-                "| change → rule live p99 ({mode}) | {n} | ≤ {t:.0} ms | {p99:.1} ms (p50 {:.1}; {} not live in 5 s) | {} |",
+                "| change → rule live p99 ({mode}) | {n} | ≤ {t:.0} ms | {p99:.1} ms (p50 {:.1}; {} not live in 5 s) | {}{why} |",
                 percentile(&all, 0.5),
                 x.timeouts,
-                verdict(p99 <= t && x.timeouts == 0)
+                verdict(met)
             );
         }
         if let Some(f) = fp {
@@ -2040,6 +2153,7 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
                 x,
                 &[("add Service (file written)", &x.add_ms), ("remove Service (file deleted)", &x.remove_ms)],
             );
+            where_line(w, x);
         }
         if let Some(x) = &a.kube_reaction {
             let _ = writeln!(
@@ -2077,6 +2191,7 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
                     ("delete Service", &x.remove_ms),
                 ],
             );
+            where_line(w, x);
         }
         if let Some(f) = &a.footprint {
             let _ = writeln!(

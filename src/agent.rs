@@ -490,7 +490,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             self.publish_pool_addresses(loaded.pools.as_deref(), &host);
             if changes > 0 {
                 let ms = attempt.started.elapsed().as_secs_f64() * 1000.0;
-                info!(kind, changes, ms, "synced");
+                info!(kind, changes, bytes = programmed.bytes, ms, "synced");
             }
             self.last_input = loaded.fingerprint.map(|fp| (fp, node.clone(), host.clone()));
         }

@@ -230,6 +230,7 @@ fn exposition_is_complete_and_service_series_go_with_the_service() {
         "nodelb_watch_restarts_total",
         "nodelb_api_errors_total",
         "nodelb_netlink_batch_messages",
+        "nodelb_netlink_batch_bytes",
         "nodelb_forwarding_enabled",
         "nodelb_family_served",
         "nodelb_build_info",
@@ -241,6 +242,15 @@ fn exposition_is_complete_and_service_series_go_with_the_service() {
     ] {
         assert!(sampled.contains(required), "metric {required} missing from /metrics:\n{text}");
     }
+    // Every batch is counted in both batch histograms; the first, a full replace of a table with
+    // two Services, is kilobytes.
+    let plain = |name: &str| {
+        text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse::<f64>().ok())
+    };
+    let batches = plain("nodelb_netlink_batch_bytes_count").expect("batch bytes count");
+    assert!(batches >= 1.0, "no batch in nodelb_netlink_batch_bytes:\n{text}");
+    assert_eq!(Some(batches), plain("nodelb_netlink_batch_messages_count"), "{text}");
+    assert!(plain("nodelb_netlink_batch_bytes_sum").is_some_and(|b| b > 1_000.0), "{text}");
     let s = scrape(&agent);
     let build = s.samples.iter().find(|x| x.metric == "nodelb_build_info").expect("build info");
     assert_eq!(build.labels.get("version"), Some(env!("CARGO_PKG_VERSION")));

@@ -105,6 +105,8 @@ pub struct Programmed {
     /// `full` or `incremental`.
     pub kind: &'static str,
     pub changes: usize,
+    /// Bytes of the batch sent (0: none was).
+    pub bytes: usize,
     /// `Err`: the kernel refused it (nothing of it was applied).
     pub result: Result<(), DataplaneError>,
 }
@@ -231,6 +233,7 @@ impl<K: Kernel> Dataplane<K> {
         // last one we saw ours; a full replace builds on nothing, so anything committed before it
         // does not matter.
         let mut known_before = self.generation;
+        let mut bytes = 0;
         let result = if changes == 0 {
             Ok(None)
         } else {
@@ -244,6 +247,8 @@ impl<K: Kernel> Dataplane<K> {
             };
             stats.map(|stats| {
                 metrics.batch_messages.observe(stats.messages as f64);
+                metrics.batch_bytes.observe(stats.bytes as f64);
+                bytes = stats.bytes;
                 Some(stats.generation)
             })
         };
@@ -274,7 +279,7 @@ impl<K: Kernel> Dataplane<K> {
             }
             self.applied = Some(desired);
         }
-        Ok(Programmed { kind, changes, result: result.map(|_| ()).map_err(DataplaneError::Batch) })
+        Ok(Programmed { kind, changes, bytes, result: result.map(|_| ()).map_err(DataplaneError::Batch) })
     }
 
     /// Deletes the conntrack entries of UDP endpoints that left a node port with the last batch,
