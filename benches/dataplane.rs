@@ -683,8 +683,19 @@ fn klipper_restore(svcs: &[BenchSvc]) -> String {
 // ---------------------------------------------------------------------------------------------
 // Results
 
-const VARIANTS: [&str; 6] =
-    ["direct", "nodelb", "nodelb-affinity", "nat-floor", "klipper-nft", "klipper-legacy"];
+/// `other-via-nodelb` and `other-via-nat-floor`: the direct route (client → backend, routed by the
+/// node, no node port) with nodelb's table, or the NAT floor's, loaded: what each costs the node's
+/// other traffic (both turn conntrack on in the node, which the direct route has off).
+const VARIANTS: [&str; 8] = [
+    "direct",
+    "other-via-nat-floor",
+    "other-via-nodelb",
+    "nodelb",
+    "nodelb-affinity",
+    "nat-floor",
+    "klipper-nft",
+    "klipper-legacy",
+];
 
 #[derive(Default)]
 struct Results {
@@ -903,6 +914,9 @@ fn run_nat_floor(
     flush_conntrack(b.node());
     let s = connects(b.client(), target_lb, cfg.warmup, cfg.conns);
     rep.entry("nat-floor").or_default().extend(s);
+    let target_direct = SocketAddr::new(IpAddr::V4(backend_v4(0)), HTTP_PORT);
+    let s = connects(b.client(), target_direct, cfg.warmup, cfg.conns);
+    rep.entry("other-via-nat-floor").or_default().extend(s);
     if tput_now && let Some(bps) = iperf(b.client(), NODE_V4, IPERF_NODE_PORT, cfg.iperf_secs) {
         r.tput.entry((n, "nat-floor")).or_default().push(bps);
     }
@@ -979,6 +993,10 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
     flush_conntrack(b.node());
     let s = connects(b.client(), target_lb, cfg.warmup, cfg.conns);
     rep.entry("nodelb").or_default().extend(s);
+    // The node's other traffic crosses nodelb's filter chains too (not its nat chains: no node
+    // port): the direct route again, with the table loaded.
+    let s = connects(b.client(), target_direct, cfg.warmup, cfg.conns);
+    rep.entry("other-via-nodelb").or_default().extend(s);
     if tput_now && let Some(bps) = iperf(b.client(), NODE_V4, IPERF_NODE_PORT, cfg.iperf_secs) {
         r.tput.entry((n, "nodelb")).or_default().push(bps);
     }
@@ -2127,21 +2145,28 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
         }
     }
     let _ = writeln!(w, "\nPer-connection cost (p50 µs, differences per repetition, median):\n");
-    let _ = writeln!(w, "| N | nat-floor − direct | nodelb − direct | nodelb − nat-floor (range) |");
-    let _ = writeln!(w, "|---:|---:|---:|---:|");
+    let _ = writeln!(
+        w,
+        "| N | nat-floor − direct | nodelb − direct | nodelb − nat-floor (range) | other traffic: with nodelb − with the NAT floor (range) |"
+    );
+    let _ = writeln!(w, "|---:|---:|---:|---:|---:|");
     for &n in sizes {
         let f = r.paired(n, "nodelb", "nat-floor", |a, f| a - f);
         if f.0.is_nan() {
             continue;
         }
+        let o = r.paired(n, "other-via-nodelb", "other-via-nat-floor", |a, f| a - f);
         let _ = writeln!(
             w,
-            "| {n} | {:+.1} | {:+.1} | {:+.1} ({:+.1}…{:+.1}) |",
+            "| {n} | {:+.1} | {:+.1} | {:+.1} ({:+.1}…{:+.1}) | {:+.1} ({:+.1}…{:+.1}) |",
             r.over_direct(n, "nat-floor"),
             r.over_direct(n, "nodelb"),
             f.0,
             f.1,
-            f.2
+            f.2,
+            o.0,
+            o.1,
+            o.2
         );
     }
     for &n in sizes {
@@ -2373,6 +2398,8 @@ fn svg(cfg: &Config, r: &Results) -> String {
     );
     let colors = [
         ("direct", "#888"),
+        ("other-via-nat-floor", "#bcbd22"),
+        ("other-via-nodelb", "#17becf"),
         ("nodelb", "#1f77b4"),
         ("nodelb-affinity", "#9467bd"),
         ("nat-floor", "#2ca02c"),
