@@ -621,15 +621,17 @@ const NAT_FLOOR_TABLE: &str = "natfloor";
 
 /// Variant (d): the least nftables NAT that makes `svcs` reachable at their node ports, as `nft -f`
 /// input — one DNAT rule per Service in a nat prerouting chain (dstnat, as nodelb's) and one
-/// masquerade rule per Service in nat postrouting (srcnat), in a table of its own. No fib check, no
-/// verdict map, no mark, no filter chain, no counter: what any NAT dataplane pays at least
-/// (conntrack + DNAT + masquerade). Only the first packet of a connection walks NAT chains, so the
+/// masquerade rule per Service in nat postrouting (srcnat; `ct status dnat`: only what it DNATed),
+/// in a table of its own. No fib check, no verdict map, no mark, no filter chain, no counter: what
+/// any NAT dataplane pays at least (conntrack + DNAT + masquerade). Only the first packet of a connection walks NAT chains, so the
 /// rule count does not matter; the target's rules come first anyway.
 fn nat_floor_rules(svcs: &[BenchSvc]) -> String {
     let (mut pre, mut post) = (String::new(), String::new());
     for s in svcs {
         pre += &format!("        tcp dport {} dnat to {}:{}\n", s.node_port, s.dest, s.dest_port);
-        post += &format!("        ip daddr {} tcp dport {} masquerade\n", s.dest, s.dest_port);
+        // Only the connections it DNATs: the node's other traffic to the same backend (the
+        // direct route) stays unNATed, as with nodelb, so the two tables' other traffic compares.
+        post += &format!("        ct status dnat ip daddr {} tcp dport {} masquerade\n", s.dest, s.dest_port);
     }
     format!(
         "table ip {NAT_FLOOR_TABLE} {{\n    chain pre {{\n        type nat hook prerouting priority -100; policy accept;\n{pre}    }}\n    chain post {{\n        type nat hook postrouting priority 100; policy accept;\n{post}    }}\n}}\n"
@@ -1907,7 +1909,7 @@ fn report_nat_floor(cfg: &Config, r: &Results, w: &mut String) {
     let _ = writeln!(
         w,
         "nat-floor is the least nftables NAT for the target Service: one `dnat` rule in a nat prerouting \
-         chain and one `masquerade` rule in nat postrouting, in a table of its own (nodelb's table absent), \
+         chain and one `masquerade` rule (of the connections it DNATed) in nat postrouting, in a table of its own (nodelb's table absent), \
          measured on the same topology next to nodelb (alternately before and after it). nat-floor − direct \
          is what conntrack + DNAT + masquerade cost per connection here; nodelb − nat-floor is nodelb's own \
          work (fib + verdict-map lookups in filter and nat prerouting, the service chain's counter, mark and \
