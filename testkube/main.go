@@ -116,12 +116,20 @@ func loadOrChoosePorts(path, controlAddress string) (ports, error) {
 		}
 		return p, nil
 	}
+	// Each chosen port stays bound until all are chosen: a port closed at once can be handed out
+	// again by the next bind, and two components on one port fail to start.
+	var held []net.Listener
+	defer func() {
+		for _, l := range held {
+			l.Close()
+		}
+	}()
 	free := func() (int, error) {
 		l, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			return 0, err
 		}
-		defer l.Close()
+		held = append(held, l)
 		return l.Addr().(*net.TCPAddr).Port, nil
 	}
 	var err error
