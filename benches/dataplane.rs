@@ -471,6 +471,88 @@ fn one_request(addr: SocketAddr) -> Result<(), String> {
 }
 
 /// Sequential connections from the client namespace: `warmup` unmeasured, then `n` measured.
+/// Waits until the machine is idle (at most [`QUIET_WAIT_MAX`]): the kernel frees a replaced or
+/// deleted table, and a deleted namespace, after the transaction or the `ip netns del` returned
+/// (deferred work; at 10,000 Services a table is ~10,000 chains and 50,000 rules).
+fn wait_quiet() {
+    let busy_total = || -> Option<(u64, u64)> {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let cpu: Vec<u64> =
+            stat.lines().next()?.split_whitespace().skip(1).take(8).filter_map(|v| v.parse().ok()).collect();
+        // user nice system idle iowait irq softirq steal
+        let total: u64 = cpu.iter().sum();
+        Some((total - cpu.get(3)? - cpu.get(4)?, total))
+    };
+    let start = Instant::now();
+    while start.elapsed() < QUIET_WAIT_MAX {
+        let Some((b0, t0)) = busy_total() else { return };
+        std::thread::sleep(Duration::from_millis(200));
+        let Some((b1, t1)) = busy_total() else { return };
+        if t1 > t0 && (b1 - b0) * 100 < (t1 - t0) * QUIET_BUSY_PERCENT {
+            return;
+        }
+    }
+}
+
+/// Busy share of all CPUs under which the machine counts as idle ([`wait_quiet`]).
+const QUIET_BUSY_PERCENT: u64 = 5;
+const QUIET_WAIT_MAX: Duration = Duration::from_secs(10);
+
+/// Connections to `a` and to `b` (each target from its own client namespace, on its own topology),
+/// one after the other in turn: both are measured in the same time window, so whatever the
+/// machine does meanwhile (another guest on the host, the kernel freeing a replaced table or a
+/// deleted namespace) weighs on both alike. Measured one after the other instead, the variant
+/// measured first on a fresh topology was up to ~10 µs a connection slower, whichever it was, and
+/// a difference of 1 µs was lost in the noise.
+fn interleaved(
+    a: (&NetNs, SocketAddr),
+    b: (&NetNs, SocketAddr),
+    warmup: usize,
+    n: usize,
+) -> (ConnSamples, ConnSamples) {
+    use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+    fn side(
+        ns: String,
+        addr: SocketAddr,
+        turns: usize,
+        warmup: usize,
+        mine: Receiver<()>,
+        theirs: SyncSender<()>,
+    ) -> JoinHandle<ConnSamples> {
+        std::thread::spawn(move || {
+            NetNs::enter_path(&ns);
+            let mut out = ConnSamples::default();
+            for i in 0..turns {
+                if mine.recv().is_err() {
+                    break;
+                }
+                let t = Instant::now();
+                let ok = one_request(addr).is_ok();
+                let d = t.elapsed();
+                let _ = theirs.send(());
+                match (i < warmup, ok) {
+                    (true, _) => {}
+                    (false, true) => {
+                        out.us.push(d.as_secs_f64() * 1e6);
+                        out.wall += d;
+                    }
+                    (false, false) => out.errors += 1,
+                }
+            }
+            out
+        })
+    }
+    let (to_a, a_turn) = sync_channel(1);
+    let (to_b, b_turn) = sync_channel(1);
+    let turns = warmup + n;
+    let ha = side(a.0.name.clone(), a.1, turns, warmup, a_turn, to_b.clone());
+    let hb = side(b.0.name.clone(), b.1, turns, warmup, b_turn, to_a.clone());
+    let _ = to_a.send(());
+    drop((to_a, to_b));
+    let join = |h: JoinHandle<ConnSamples>| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+    (join(ha), join(hb))
+}
+
 fn connects(client: &NetNs, addr: SocketAddr, warmup: usize, n: usize) -> ConnSamples {
     in_ns(client, move || {
         let mut errors = 0;
@@ -690,8 +772,8 @@ fn klipper_restore(svcs: &[BenchSvc]) -> String {
 /// node, no node port) with nodelb's table, or the NAT floor's, loaded: what each costs the node's
 /// other traffic (both turn conntrack on in the node, which the direct route has off).
 /// `nodelb-nat-only` (scale mode): nodelb's ruleset without its filter chains, so that the gap
-/// to the floor is split between its nat chains and its filter chains (firewall, invalid drop,
-/// forward counters) in the same repetition.
+/// to the floor is split between its nat chains (firewall and DNAT) and its filter chains (the
+/// forward path: invalid drop, forward counters) in the same repetition.
 const VARIANTS: [&str; 9] = [
     "direct",
     "other-via-nat-floor",
@@ -1138,6 +1220,91 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
 // ---------------------------------------------------------------------------------------------
 // The scale mode (issue 15)
 
+/// One repetition of the scale mode at N: nodelb's programming on a fresh topology (full sync,
+/// add and remove one Service), then the per-connection comparison with the NAT floor on two
+/// topologies at once: nodelb's ruleset on one node, the floor's on the other, connections to
+/// both [`interleaved`], then the roles swapped (neither topology is always nodelb's). The same
+/// for nodelb without its filter chains, the direct route with no table on either node, and the
+/// node's other traffic (the direct route) with each table loaded.
+fn run_scale_rep(cfg: &Config, n: usize, rep_no: usize, r: &mut Results) {
+    let (one, two) = (Bench::new(false), Bench::new(false));
+    let svcs = bench_services(n);
+    let t = Instant::now();
+    let rs = nodelb_ruleset(&svcs);
+    r.prog(n, "nodelb plan (pure)", t.elapsed());
+    match nodelb_apply(one.node(), rs.full_replace()) {
+        Ok(d) => r.prog(n, "nodelb full sync (1 batch)", d),
+        Err(e) => r.note(format!("nodelb apply at N={n}: {e}")),
+    }
+    let mut plus = svcs.clone();
+    plus.push(filler(n + 1));
+    let rs_plus = nodelb_ruleset(&plus);
+    let t = Instant::now();
+    let add = plan::diff(&rs, &rs_plus);
+    let remove = plan::diff(&rs_plus, &rs);
+    r.prog(n, "nodelb plan + diff (pure, both)", t.elapsed());
+    drop(rs_plus);
+    match nodelb_apply(one.node(), add) {
+        Ok(d) => r.prog(n, "nodelb add one Service (diff)", d),
+        Err(e) => r.note(format!("nodelb add one at N={n}: {e}")),
+    }
+    match nodelb_apply(one.node(), remove) {
+        Ok(d) => r.prog(n, "nodelb remove one Service (diff)", d),
+        Err(e) => r.note(format!("nodelb remove one at N={n}: {e}")),
+    }
+    nodelb_delete(one.node());
+
+    let mut nat_only = rs.clone();
+    nat_only.chains.retain(|_, c| c.base.as_ref().is_none_or(|b| b.chain_type == ChainType::Nat));
+    let (lb, direct) = (target_lb(), target_direct());
+    let mut rep: BTreeMap<&'static str, ConnSamples> = BTreeMap::new();
+    let mut add = |v: &'static str, s: ConnSamples| rep.entry(v).or_default().extend(s);
+    wait_quiet();
+    let (a, b) = interleaved((one.client(), direct), (two.client(), direct), cfg.warmup, cfg.conns);
+    add("direct", a);
+    add("direct", b);
+    let floor = nat_floor_rules(&[target_svc(), iperf_svc()]);
+    for (variant, other, ruleset) in
+        [("nodelb", Some("other-via-nodelb"), &rs), ("nodelb-nat-only", None, &nat_only)]
+    {
+        let orders = [(&one, &two), (&two, &one)];
+        for k in 0..2 {
+            // Which orientation goes first alternates with the repetition.
+            let (with, without) = orders[(k + rep_no) % 2];
+            if let Err(e) = nodelb_apply(with.node(), ruleset.full_replace()) {
+                r.note(format!("{variant} apply at N={n}: {e}"));
+                continue;
+            }
+            if let Err(e) = run_in_stdin(without.node(), "nft", &["-f", "-"], floor.clone()) {
+                r.note(format!("nat-floor: nft -f at N={n}: {e}"));
+                nodelb_delete(with.node());
+                continue;
+            }
+            flush_conntrack(with.node());
+            flush_conntrack(without.node());
+            wait_quiet();
+            let (a, b) = interleaved((with.client(), lb), (without.client(), lb), cfg.warmup, cfg.conns);
+            add(variant, a);
+            add("nat-floor", b);
+            if let Some(other) = other {
+                let (a, b) =
+                    interleaved((with.client(), direct), (without.client(), direct), cfg.warmup, cfg.conns);
+                add(other, a);
+                add("other-via-nat-floor", b);
+            }
+            nodelb_delete(with.node());
+            let del = ["delete".into(), "table".into(), "ip".into(), NAT_FLOOR_TABLE.into()];
+            if let Err(e) = run_in(without.node(), "nft", &del) {
+                r.note(format!("nat-floor: delete table at N={n}: {e}"));
+            }
+        }
+    }
+    for (v, s) in rep {
+        r.rep_p50.entry((n, rep_no)).or_default().insert(v, s.p(0.5));
+        r.conn.entry((n, v)).or_default().extend(s);
+    }
+}
+
 /// Endpoints per Service of the scale mode's programming rows: × 1 and × 5.
 const SCALE_ENDPOINTS: [usize; 2] = [1, 5];
 
@@ -1156,7 +1323,7 @@ const LADDER: [&str; 6] = [
     "floor: the dispatch verdict map, each Service chain's endpoint draws and DNATs",
     "+ `meta l4proto` before each DNAT (nft's syntax needs it; the kernel does not)",
     "+ the connection counter and masquerade mark (a named counter per Service port)",
-    "+ the dispatch rule as nodelb writes it (port first, loopback, `fib`; both families' maps)",
+    "+ the dispatch rules as nodelb writes them (the firewall's, then the DNAT's: port first, loopback, `fib`; both families' maps)",
     "+ the same dispatch in nat output (node-originated connections)",
     "nodelb: + forward counters, endpoint set, masquerade, filter chains",
 ];
@@ -1297,7 +1464,7 @@ fn run_scale(cfg: &Config, r: &mut Results, t: Instant) {
                     t.elapsed().as_secs_f64(),
                     rep + 1
                 );
-                run_rep(cfg, n, rep, r);
+                run_scale_rep(cfg, n, rep, r);
             }
         }
         let (reaction, footprint) = (cfg.wants("reaction"), cfg.wants("footprint"));
@@ -2125,7 +2292,7 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
                 String::new()
             } else {
                 format!(
-                    ": without its filter chains (firewall, invalid drop, forward counters) nodelb is {:+.1} µs ({:+.1}…{:+.1}) over the floor in the same repetitions",
+                    ": without its filter chains (the forward path's two: invalid drop, forward counters) nodelb is {:+.1} µs ({:+.1}…{:+.1}) over the floor in the same repetitions",
                     nat_only.0, nat_only.1, nat_only.2
                 )
             };
