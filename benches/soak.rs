@@ -511,10 +511,10 @@ fn fault(
             }
             let added = c.nodes[TAMPERED].exec(
                 "nft",
-                &["add", "rule", "inet", "nodelb", "filter-prerouting", "meta", "mark", "0x1234", "counter"],
+                &["add", "rule", "inet", "nodelb", "filter-forward", "meta", "mark", "0x1234", "counter"],
             );
             if added.status.success() {
-                done.push("foreign rule in filter-prerouting".into());
+                done.push("foreign rule in filter-forward".into());
             }
             churn_for(c, churn, rng, Duration::from_secs(3));
             format!("node-{}: {}", TAMPERED + 1, done.join(", "))

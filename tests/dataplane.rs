@@ -518,7 +518,7 @@ fn tampering_just_before_a_change_is_still_repaired() {
         let backends = if round % 2 == 0 { 2 } else { 1 };
         nft(
             &topo.node,
-            &["add", "rule", "inet", "nodelb", "filter-prerouting", "meta", "mark", "0x1234", "counter"],
+            &["add", "rule", "inet", "nodelb", "filter-forward", "meta", "mark", "0x1234", "counter"],
         );
         agent.write_manifest("web.yaml", &web("web", 20080, backends).render());
         let expected = normalize_ruleset(&planned_listing(&web("web", 20080, backends).render()));

@@ -5,9 +5,9 @@
 //! Layout (see docs/design.md for why each piece sits where it does):
 //!
 //! ```text
-//! filter-prerouting  filter  prerouting -110  ct state new, local daddr → vmap @firewall-ports-<fam>
-//! filter-output      filter  output     -110  same, for node-originated traffic
-//! nat-prerouting     nat     prerouting -100  local daddr → vmap @service-ports-<fam> (goto svc chain)
+//! nat-prerouting     nat     prerouting -100  a connection's first packet, to a local daddr: vmap
+//!                                             @firewall-ports-<fam> (jump fw chain / goto no-endpoints),
+//!                                             then vmap @service-ports-<fam> (goto svc chain)
 //! nat-output         nat     output     -100  same, for node-originated traffic
 //! nat-postrouting    nat     postrouting 100  masquerade what a svc chain marked, and hairpin
 //!                                             connections (`@endpoints-<fam>`: endpoint to itself)
@@ -47,8 +47,6 @@ use crate::model::{Endpoint, LbPort, LbService, TrafficPolicy};
 /// Same bit and meaning as kube-proxy's masquerade mark, so the two agree if both see it.
 pub const DEFAULT_MASQUERADE_MARK: u32 = 0x4000;
 
-pub const CHAIN_FILTER_PREROUTING: &str = "filter-prerouting";
-pub const CHAIN_FILTER_OUTPUT: &str = "filter-output";
 pub const CHAIN_FILTER_FORWARD: &str = "filter-forward";
 pub const CHAIN_FILTER_FORWARD_LAST: &str = "filter-forward-last";
 pub const CHAIN_NAT_PREROUTING: &str = "nat-prerouting";
@@ -339,15 +337,15 @@ fn loopback(f: Family) -> IpNet {
 /// Each rule first asks whether the map has the packet's key at all: a packet to any other port
 /// (all of the node's other traffic) stops at that hash lookup and never costs a route lookup
 /// (`fib`), which still guards every DNAT.
-fn dispatch_rules(f: Family, pre: &[Expr], map: Name, address_map: Name) -> [Rule; 2] {
+fn dispatch_rules(f: Family, map: Name, address_map: Name) -> [Rule; 2] {
     let guard = |known: Expr, last: Expr| {
-        let mut exprs = pre.to_vec();
-        exprs.push(Expr::NfProto(f));
-        exprs.push(known);
-        exprs.push(Expr::DaddrInPrefix { prefix: loopback(f), negate: true });
-        exprs.push(Expr::FibDaddrLocal);
-        exprs.push(last);
-        Rule::new(exprs)
+        Rule::new(vec![
+            Expr::NfProto(f),
+            known,
+            Expr::DaddrInPrefix { prefix: loopback(f), negate: true },
+            Expr::FibDaddrLocal,
+            last,
+        ])
     };
     [
         guard(Expr::L4ProtoDportInSet { set: map.clone() }, Expr::L4ProtoDportVmap { map }),
@@ -458,29 +456,19 @@ pub fn skeleton(node: &NodeFacts) -> Ruleset {
             comment: Some("address . address . protocol . port of every programmed endpoint".into()),
         });
     }
-    let new_state = [Expr::CtState(Box::new([CtState::New]))];
-    let filter_dispatch: Vec<Rule> = Family::ALL
-        .iter()
-        .flat_map(|&f| dispatch_rules(f, &new_state, firewall_ports_map(f), firewall_address_ports_map(f)))
-        .collect();
+    // The firewall (source ranges, the no-endpoint reject) first, then the DNAT dispatch, in the
+    // nat chains: they see only a connection's first packet, so no other packet of the node pays
+    // a hook or a rule for the firewall (a filter chain at -110 was one more hook on every packet
+    // the node receives or sends, its `ct state new` one more test).
     let nat_dispatch: Vec<Rule> = Family::ALL
         .iter()
-        .flat_map(|&f| dispatch_rules(f, &[], service_ports_map(f), service_address_ports_map(f)))
+        .flat_map(|&f| dispatch_rules(f, firewall_ports_map(f), firewall_address_ports_map(f)))
+        .chain(
+            Family::ALL
+                .iter()
+                .flat_map(|&f| dispatch_rules(f, service_ports_map(f), service_address_ports_map(f))),
+        )
         .collect();
-    rs.add_chain(base(
-        CHAIN_FILTER_PREROUTING,
-        ChainType::Filter,
-        Hook::Prerouting,
-        priority::DSTNAT - 10,
-        filter_dispatch.clone(),
-    ));
-    rs.add_chain(base(
-        CHAIN_FILTER_OUTPUT,
-        ChainType::Filter,
-        Hook::Output,
-        priority::DSTNAT - 10,
-        filter_dispatch,
-    ));
     rs.add_chain(base(
         CHAIN_NAT_PREROUTING,
         ChainType::Nat,
@@ -580,8 +568,35 @@ fn plan_forward(rs: &mut Ruleset, node: &NodeFacts) {
             Expr::L4ProtoCtOrigDportInSet { set: forward_counters_map(f) },
         ]
     };
-    let mut first = Vec::new();
-    let mut last = Vec::new();
+    // Most packets of the forward path belong to established flows, for which only the
+    // per-packet work (the mark, the traffic counters) is to be done: the gate ends our chain
+    // for them after one conntrack test instead of every rule's (an accept in our table ends
+    // only our own chain).
+    let established = || {
+        Rule::new(vec![
+            Expr::CtState(Box::new([CtState::Established, CtState::Related])),
+            Expr::Verdict(Verdict::Accept),
+        ])
+    };
+    let (mut first, mut last) = (Vec::new(), Vec::new());
+    for f in Family::ALL {
+        if let Some(bit) = node.forward_mark {
+            first.push(Rule::new([ours(f), vec![Expr::MarkSet(bit)]].concat()));
+        }
+        // Counted per service port without a chain per Service (every chain a verdict map
+        // reaches is re-validated by the kernel in each transaction that adds a Service).
+        let mut count = vec![
+            Expr::NfProto(f),
+            Expr::CtStatusDnat,
+            Expr::L4ProtoCtOrigDportCounterMap { map: forward_counters_map(f) },
+        ];
+        if let Some(bit) = node.forward_mark {
+            count.push(Expr::MarkClear(bit));
+        }
+        last.push(Rule::new(count));
+    }
+    first.push(established());
+    last.push(established());
     for f in Family::ALL {
         // A reply that conntrack finds out of window would leave un-NATed (the kube-proxy
         // `ct state invalid drop` fix), scoped to packets from our endpoints.
@@ -601,20 +616,6 @@ fn plan_forward(rs: &mut Ruleset, node: &NodeFacts) {
             comment: Some(format!("new {f} connections of nodelb Services leaving the forward path")),
         });
         first.push(Rule::new([new_ours(f), vec![Expr::CounterRef(forward_entered_counter(f))]].concat()));
-        if let Some(bit) = node.forward_mark {
-            first.push(Rule::new([ours(f), vec![Expr::MarkSet(bit)]].concat()));
-        }
-        // Counted per service port without a chain per Service (every chain a verdict map
-        // reaches is re-validated by the kernel in each transaction that adds a Service).
-        let mut count = vec![
-            Expr::NfProto(f),
-            Expr::CtStatusDnat,
-            Expr::L4ProtoCtOrigDportCounterMap { map: forward_counters_map(f) },
-        ];
-        if let Some(bit) = node.forward_mark {
-            count.push(Expr::MarkClear(bit));
-        }
-        last.push(Rule::new(count));
         last.push(Rule::new([new_ours(f), vec![Expr::CounterRef(forward_passed_counter(f))]].concat()));
     }
     rs.add_chain(base(CHAIN_FILTER_FORWARD, ChainType::Filter, Hook::Forward, priority::FIRST, first));
@@ -662,7 +663,7 @@ fn plan_port(
     let comment = |what: &str| Some(names.port_comment(node_port, what));
     let endpoints = usable_endpoints(svc, port, f, &node.node_name);
 
-    // Source ranges and the no-endpoint reject run in filter-prerouting, before any DNAT.
+    // Source ranges and the no-endpoint reject run in the nat chains, before their DNAT dispatch.
     let ranges: Vec<&IpNet> = svc.source_ranges.iter().filter(|r| Family::of(&r.addr()) == f).collect();
     let after_allowed =
         if endpoints.is_empty() { Verdict::Goto(CHAIN_NO_ENDPOINTS.into()) } else { Verdict::Return };
@@ -689,7 +690,8 @@ fn plan_port(
             .collect();
         rules.push(Rule::new(vec![Expr::CounterRef(refused), Expr::Verdict(Verdict::Drop)]));
         rs.add_chain(regular(fw.clone(), comment(": source ranges"), rules));
-        at.insert(rs, f, true, Verdict::Goto(fw));
+        // `jump`: an allowed client returns to the nat chain, whose next rules DNAT it.
+        at.insert(rs, f, true, Verdict::Jump(fw));
     } else if endpoints.is_empty() {
         at.insert(rs, f, true, Verdict::Goto(CHAIN_NO_ENDPOINTS.into()));
     }
