@@ -1075,9 +1075,8 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
         run_nat_floor(cfg, &b, n, tput_now, &mut rep, r);
     }
     // (e) nodelb with ClientIP affinity, likewise before and after nodelb in turn.
-    // The scale mode compares nodelb with the NAT floor only (no affinity, no klipper).
     let affinity_first = floor_first;
-    if affinity_first && !cfg.scale {
+    if affinity_first {
         run_affinity(cfg, &b, n, &svcs, &mut rep, r);
     }
 
@@ -1096,21 +1095,6 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
     // port): the direct route again, with the table loaded.
     let s = connects(b.client(), target_direct, cfg.warmup, cfg.conns);
     rep.entry("other-via-nodelb").or_default().extend(s);
-    if cfg.scale {
-        let mut nat_only = rs.clone();
-        nat_only.chains.retain(|_, c| c.base.as_ref().is_none_or(|b| b.chain_type == ChainType::Nat));
-        match nodelb_apply(b.node(), nat_only.full_replace()) {
-            Ok(_) => {
-                flush_conntrack(b.node());
-                let s = connects(b.client(), target_lb, cfg.warmup, cfg.conns);
-                rep.entry("nodelb-nat-only").or_default().extend(s);
-            }
-            Err(e) => r.note(format!("nodelb without its filter chains at N={n}: {e}")),
-        }
-        if let Err(e) = nodelb_apply(b.node(), rs.full_replace()) {
-            r.note(format!("nodelb apply again at N={n}: {e}"));
-        }
-    }
     if tput_now && let Some(bps) = iperf(b.client(), NODE_V4, IPERF_NODE_PORT, cfg.iperf_secs) {
         r.tput.entry((n, "nodelb")).or_default().push(bps);
     }
@@ -1130,14 +1114,12 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
         Err(e) => r.note(format!("nodelb remove one at N={n}: {e}")),
     }
     nodelb_delete(b.node());
-    if !cfg.scale {
-        match run_in_stdin(b.node(), "nft", &["-f", "-"], rs.render()) {
-            Ok(d) => r.prog(n, "nft -f of render() (same ruleset)", d),
-            Err(e) => r.note(format!("nft -f at N={n}: {e}")),
-        }
-        nodelb_delete(b.node());
+    match run_in_stdin(b.node(), "nft", &["-f", "-"], rs.render()) {
+        Ok(d) => r.prog(n, "nft -f of render() (same ruleset)", d),
+        Err(e) => r.note(format!("nft -f at N={n}: {e}")),
     }
-    if !affinity_first && !cfg.scale {
+    nodelb_delete(b.node());
+    if !affinity_first {
         run_affinity(cfg, &b, n, &svcs, &mut rep, r);
     }
     if !floor_first {
@@ -1155,7 +1137,7 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
         ("klipper-nft", "iptables-nft", "iptables-nft-restore"),
         ("klipper-legacy", "iptables-legacy", "iptables-legacy-restore"),
     ] {
-        if cfg.scale || (variant == "klipper-legacy" && !r.legacy) {
+        if variant == "klipper-legacy" && !r.legacy {
             continue;
         }
         if rep_no == 0 && n <= cfg.per_command_max {
