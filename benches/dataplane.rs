@@ -1530,6 +1530,19 @@ fn proc_cpu_s(pid: u32) -> Option<f64> {
     Some((u + st) / hz)
 }
 
+/// CPU time of every thread of `pid` now, in seconds, from the scheduler's nanosecond counts
+/// (`/proc/PID/task/*/schedstat`): `/proc/PID/stat` counts in clock ticks (10 ms), and the steady
+/// window's whole CPU time is a few ticks. A thread that exits within a window takes its time
+/// with it (the agent's threads live as long as it does).
+fn proc_cpu_precise_s(pid: u32) -> Option<f64> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    let ns: u64 = tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum();
+    Some(ns as f64 / 1e9)
+}
+
 /// Polls a connection to `addr` every millisecond until it succeeds (`want_ok`) or is refused.
 fn poll_live(client: &NetNs, addr: SocketAddr, want_ok: bool, timeout: Duration) -> Option<Duration> {
     poll_live_since(client, addr, want_ok, Instant::now(), timeout)
@@ -1600,16 +1613,16 @@ fn run_agent(cfg: &Config, n: usize, footprint: bool, reaction: bool, r: &mut Re
     if footprint {
         std::thread::sleep(Duration::from_secs(2));
         let window = if cfg.quick { 10.0 } else { 30.0 };
-        let c0 = proc_cpu_s(pid).unwrap_or(f64::NAN);
+        let c0 = proc_cpu_precise_s(pid).unwrap_or(f64::NAN);
         std::thread::sleep(Duration::from_secs_f64(window));
-        let c1 = proc_cpu_s(pid).unwrap_or(f64::NAN);
+        let c1 = proc_cpu_precise_s(pid).unwrap_or(f64::NAN);
         r.footprint = Some(Footprint {
             n,
             endpoints: cfg.footprint_endpoints,
             ready_s,
             rss_mib: proc_status_kib(pid, "VmRSS:").unwrap_or(f64::NAN) / 1024.0,
             hwm_mib: proc_status_kib(pid, "VmHWM:").unwrap_or(f64::NAN) / 1024.0,
-            cpu_total_s: c1,
+            cpu_total_s: proc_cpu_s(pid).unwrap_or(f64::NAN),
             cpu_steady_pct: (c1 - c0) / window * 100.0,
             steady_window_s: window,
             first_batch_bytes: agent
