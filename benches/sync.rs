@@ -38,7 +38,7 @@ use nodelb::desired::{self, AllocationMode, HostFacts, HostPolicy, Inputs, Sourc
 use nodelb::domain::Family;
 use nodelb::domain::ServiceKey;
 use nodelb::ir::Ruleset;
-use nodelb::k8s::claims::{Keeper, Registry, Token};
+use nodelb::k8s::claims::{Claim, Holder, Keeper, Registry, Token, block_of};
 use nodelb::k8s::controller::{
     ClaimInputs, ControllerConfig, RoundMemory, event_key, events_to_send, plan_round,
 };
@@ -276,13 +276,13 @@ fn leader(args: &ProgramArgs) {
         policy: HostPolicy::default(),
     };
     let now = Timestamp::from_second(1_800_000_000).expect("time");
-    let (registry, token) = (Registry::default(), Token::new("bench", 1, 0));
+    let token = Token::new("bench", 1, 0);
     let (gone, expired) = (Default::default(), Default::default());
-    let claims = ClaimInputs { registry: Some(&registry), token: &token, gone: &gone, expired: &expired };
     let mut memory = RoundMemory::default();
     let (mut deduper, mut outbox) = (Deduper::default(), Outbox::default());
     let mut keeper = Keeper::default();
-    let mut round = |services: &[Arc<Service>], slices: &[Arc<EndpointSlice>]| {
+    let mut round = |services: &[Arc<Service>], slices: &[Arc<EndpointSlice>], registry: &Registry| {
+        let claims = ClaimInputs { registry: Some(registry), token: &token, gone: &gone, expired: &expired };
         let snap = KubeSnapshot {
             services: services.to_vec(),
             slices: slices.to_vec(),
@@ -306,10 +306,12 @@ fn leader(args: &ProgramArgs) {
         (plan, t.elapsed().as_secs_f64() * 1e3)
     };
     // What earlier rounds wrote: every Service annotated, with its status.
-    let (first, first_ms) = round(&services, &slices);
+    let (first, first_ms) = round(&services, &slices, &Registry::default());
     assert_eq!(first.writes.len(), n, "the first round writes every Service");
     services = written(&services, &first.writes);
-    let (steady, _) = round(&services, &slices);
+    // The registry as the agents leave it: every Service's numbers claimed for it.
+    let registry = registry_of(&services);
+    let (steady, _) = round(&services, &slices, &registry);
     assert!(
         steady.writes.is_empty(),
         "a round over written Services writes nothing: {:?}",
@@ -320,13 +322,26 @@ fn leader(args: &ProgramArgs) {
     let mut ms = vec![];
     for k in 1..=changes {
         let (svcs, slcs) = if k % 2 == 1 { (&with_extra, &slices_with_extra) } else { (&services, &slices) };
-        let (plan, t) = round(svcs, slcs);
+        let (plan, t) = round(svcs, slcs, &registry);
         assert_eq!(plan.writes.len(), k % 2, "only the added Service is written");
         ms.push(t);
     }
     println!("{n} Services × {endpoints} endpoints, the leader's pure round (plan_round); ms:");
     println!("  first round (every Service allocated and written)         {first_ms:8.1}");
     println!("  one Service added or removed, median of {changes:<3}              {:8.1}", median(ms));
+}
+
+/// The node-port registry holding a settled claim for every number the `services` hold.
+fn registry_of(services: &[Arc<Service>]) -> Registry {
+    let mut registry = Registry::default();
+    for h in services.iter().map(|s| Holder::of(s)) {
+        for n in &h.numbers {
+            let block = registry.blocks.entry(block_of(*n)).or_default();
+            block.resource_version = Some("1".into());
+            block.claims.insert(*n, Claim::held(h.owner.clone()));
+        }
+    }
+    registry
 }
 
 /// The agent's allocator (src/main.rs), so the pure work is timed as the agent does it.

@@ -768,6 +768,7 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
     let refused_endpoints = out.refused_endpoints;
     let duplicates = dupes::duplicates(&out.services);
     let stubs = publish::reserved(&snap.services, &out.refused);
+    let stub_keys: Vec<ServiceKey> = stubs.iter().map(|s| s.key.clone()).collect();
     let mut all: Vec<Arc<model::LbService>> =
         out.services.iter().cloned().chain(stubs.into_iter().map(Arc::new)).collect();
     // What processes listen on, on any node (their Leases say): never handed out, and a request
@@ -808,11 +809,19 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
     };
     let mut result = alloc::allocate_with(&cfg.port_range, &all, &Allocations::new(), constraints);
     result.problems.extend(assignment.iter().flat_map(|a| a.problems.iter().cloned()));
-    let valid: std::collections::BTreeSet<&ServiceKey> = out.services.iter().map(|s| &s.key).collect();
+    // The stand-ins of refused Services held their numbers for the allocator; nothing else of
+    // theirs goes on, unless a valid Service has the same key. There are few: no set of every
+    // valid key is built.
+    let mut stand_ins: std::collections::HashSet<&ServiceKey> = stub_keys.iter().collect();
+    if !stand_ins.is_empty() {
+        for s in &out.services {
+            stand_ins.remove(&s.key);
+        }
+    }
     let allocations: Allocations =
-        result.allocations.into_iter().filter(|(k, _)| valid.contains(k)).collect();
+        result.allocations.into_iter().filter(|(k, _)| !stand_ins.contains(k)).collect();
     let problems: Vec<alloc::AllocProblem> =
-        result.problems.into_iter().filter(|p| valid.contains(p.service())).collect();
+        result.problems.into_iter().filter(|p| !stand_ins.contains(p.service())).collect();
     let refused: Vec<model::Refusal> = out.refused.iter().cloned().chain(subst.masked).collect();
     let serving = nodes::serving_nodes(&snap.nodes, &snap.leases, leases_now, &cfg.node_addresses);
     let round = Round {
@@ -830,9 +839,20 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
         now,
     };
     let (mut writes, mut events) = publish::plan_services(&round, &duplicates, &mut memory.published);
-    // The registry side of the annotation writes.
-    let by_key: BTreeMap<&ServiceKey, &claims::Holder> =
-        holders.iter().map(Borrow::borrow).map(|h: &claims::Holder| (&h.key, h)).collect();
+    // The registry side of the annotation writes: the holders of the Services written (a map of
+    // those only, not of every Service).
+    let annotated: std::collections::HashSet<&ServiceKey> =
+        writes.iter().filter(|w| w.annotation.is_some()).map(|w| &w.key).collect();
+    let by_key: HashMap<&ServiceKey, &claims::Holder> = if annotated.is_empty() {
+        HashMap::new()
+    } else {
+        holders
+            .iter()
+            .map(Borrow::borrow)
+            .filter(|h: &&claims::Holder| annotated.contains(&h.key))
+            .map(|h| (&h.key, h))
+            .collect()
+    };
     let mut changes: Vec<claims::AnnotationChange<'_>> = writes
         .iter()
         .filter_map(|w| {
