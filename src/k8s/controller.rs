@@ -560,6 +560,25 @@ async fn allocate_loop(
         }
         let others: Vec<&str> = changes.others.iter().copied().collect();
         debug!(timer = !changed, services = changes.services.len(), others = ?others, "allocation round cause");
+        if state.can_wait(&changes, &view) {
+            // Until a change that cannot wait (a deletion's other events, endpoints, renewals
+            // and our own writes coming back can), or the time is up. The round reads the whole
+            // view when it runs: what arrived meanwhile is in it.
+            let until = tokio::time::Instant::now() + NOT_URGENT_WAIT;
+            loop {
+                tokio::select! {
+                    _ = source.changed() => {}
+                    _ = tokio::time::sleep_until(until) => break,
+                }
+                let more = source.take_changes();
+                let (nodes, leases) = source.nodes_and_leases();
+                let view = LeaseView::of(&nodes, &leases, leases_now(&source, &cfg), &cfg);
+                if !state.can_wait(&more, &view) {
+                    debug!("a change that cannot wait arrived; the round that waited runs now");
+                    break;
+                }
+            }
+        }
         let mut again = true;
         while again && leadership.get() {
             let events = Events { deduper: &mut deduper, outbox: &mut outbox, recorder: &recorder };
@@ -570,6 +589,10 @@ async fn allocate_loop(
         }
     }
 }
+
+/// How long a round that gives no Service a number may wait for the next change
+/// ([`LeaderState::can_wait`]).
+const NOT_URGENT_WAIT: Duration = Duration::from_secs(1);
 
 /// The longest the leader goes without a whole round while nothing seems to change (what is not
 /// watched, e.g. the registry edited by hand, is repaired within this).
@@ -671,9 +694,29 @@ impl LeaderState {
         self.clean
             && self.last_round.is_some_and(|t| now.saturating_duration_since(t) < FULL_ROUND_EVERY)
             && changes.others.iter().all(|kind| *kind == "Lease")
-            && changes.services.iter().all(|(key, rv)| {
-                rv.as_ref().is_some_and(|rv| self.echoes.get(key).is_some_and(|made| made.contains(rv)))
-            })
+            && self.only_echoes(changes)
+            && self.lease_view.as_ref() == Some(view)
+    }
+
+    /// Whether every Service version in `changes` is one the last round's writes made.
+    fn only_echoes(&self, changes: &Journal) -> bool {
+        changes.services.iter().all(|(key, rv)| {
+            rv.as_ref().is_some_and(|rv| self.echoes.get(key).is_some_and(|made| made.contains(rv)))
+        })
+    }
+
+    /// Whether the round these changes call for may wait a little ([`NOT_URGENT_WAIT`], or until
+    /// the next change, which it then covers too): nothing in them can give a Service a number
+    /// (what the last round left unfinished cannot either: a stale write or a status left over
+    /// reruns the round at once, in the round loop). Services deleted (their numbers stay claimed a moment longer, which
+    /// only keeps them from being handed out), EndpointSlices changed (statuses and Events
+    /// follow; the nodes program endpoints on their own), Lease renewals that change nothing the
+    /// round reads. A Service created or changed, a Node, a pool, a namespace or a changed view
+    /// of the Leases does not wait. Why: a round takes time linear in the Services (~80 ms at
+    /// 10,000), and a create arriving while a deletion's round runs waited for it.
+    pub fn can_wait(&self, changes: &Journal, view: &LeaseView) -> bool {
+        self.only_echoes(changes)
+            && changes.others.iter().all(|kind| matches!(*kind, "Service" | "EndpointSlice" | "Lease"))
             && self.lease_view.as_ref() == Some(view)
     }
 
@@ -1485,6 +1528,46 @@ mod tests {
         state.clean = true;
         state.lease_view = Some(waiting);
         assert!(!state.nothing_to_do(&changes(&[], &["Lease"]), &view(AB), soon), "listeners reported");
+
+        // Which rounds may wait for the next change: those that give no Service a number.
+        state.lease_view = Some(view(AB));
+        // (name, last round clean, changes, the serving nodes now, may wait)
+        type Wait = (&'static str, bool, Journal, &'static [&'static str], bool);
+        let cases: Vec<Wait> = vec![
+            (
+                "a Service deleted (and its slices)",
+                true,
+                changes(&[], &["Service", "EndpointSlice"]),
+                AB,
+                true,
+            ),
+            ("endpoints changed", true, changes(&[], &["EndpointSlice"]), AB, true),
+            ("with a renewal that changes nothing read", true, changes(&[], &["Service", "Lease"]), AB, true),
+            ("with our writes coming back", true, changes(&[(&web, Some("12"))], &["Service"]), AB, true),
+            ("with someone else's write", true, changes(&[(&web, Some("13"))], &["Service"]), AB, false),
+            (
+                "a Service created or changed",
+                true,
+                changes(&[(&db, Some("5"))], &["EndpointSlice"]),
+                AB,
+                false,
+            ),
+            ("a deletion, and a node's Lease expired", true, changes(&[], &["Service"]), &["a"], false),
+            ("a Node changed", true, changes(&[], &["Service", "Node"]), AB, false),
+            ("a pool changed", true, changes(&[], &["NodePortPool"]), AB, false),
+            ("a namespace changed", true, changes(&[], &["Namespace"]), AB, false),
+            (
+                "the last round left work (claims to settle, Events to send)",
+                false,
+                changes(&[], &["Service"]),
+                AB,
+                true,
+            ),
+        ];
+        for (name, clean, journal, serving, want) in cases {
+            state.clean = clean;
+            assert_eq!(state.can_wait(&journal, &view(serving)), want, "{name}");
+        }
     }
 
     /// A node whose agent runs but has not published its listeners yet (just started) could have
