@@ -706,14 +706,17 @@ impl LeaderState {
     }
 
     /// Whether the round these changes call for may wait a little ([`NOT_URGENT_WAIT`], or until
-    /// the next change, which it then covers too): nothing in them can give a Service a number
-    /// (what the last round left unfinished cannot either: a stale write or a status left over
-    /// reruns the round at once, in the round loop). Services deleted (their numbers stay claimed a moment longer, which
-    /// only keeps them from being handed out), EndpointSlices changed (statuses and Events
-    /// follow; the nodes program endpoints on their own), Lease renewals that change nothing the
-    /// round reads. A Service created or changed, a Node, a pool, a namespace or a changed view
-    /// of the Leases does not wait. Why: a round takes time linear in the Services (~80 ms at
-    /// 10,000), and a create arriving while a deletion's round runs waited for it.
+    /// the next change, which it then covers too): nothing in them can give a Service a number.
+    /// Services deleted (their numbers stay claimed a moment longer, which only keeps them from
+    /// being handed out), EndpointSlices changed (statuses and Events follow; the nodes program
+    /// endpoints on their own), the last round's writes coming back, Lease renewals that change
+    /// nothing the round reads. A Service created or changed, a Node, a pool, a namespace or a
+    /// changed view of the Leases does not wait; a relist of the Services (after a watch
+    /// restart: the journal does not itemize it) does, for at most that second. What the last
+    /// round left unfinished (claims to settle, Events to send) waits as well: a stale write or
+    /// statuses left over rerun the round at once, in the round loop. Why: a round takes time
+    /// linear in the Services (~80 ms at 10,000), and a create arriving while a deletion's round
+    /// ran waited for all of it.
     pub fn can_wait(&self, changes: &Journal, view: &LeaseView) -> bool {
         self.only_echoes(changes)
             && changes.others.iter().all(|kind| matches!(*kind, "Service" | "EndpointSlice" | "Lease"))

@@ -457,9 +457,9 @@ pub fn skeleton(node: &NodeFacts) -> Ruleset {
         });
     }
     // The firewall (source ranges, the no-endpoint reject) first, then the DNAT dispatch, in the
-    // nat chains: they see only a connection's first packet, so no other packet of the node pays
-    // a hook or a rule for the firewall (a filter chain at -110 was one more hook on every packet
-    // the node receives or sends, its `ct state new` one more test).
+    // nat chains: they see only a connection's first packet, which is all the firewall judges, so
+    // no other packet of the node pays a hook or a rule for it (a filter chain would be one more
+    // hook on every packet the node receives or sends).
     let nat_dispatch: Vec<Rule> = Family::ALL
         .iter()
         .flat_map(|&f| dispatch_rules(f, firewall_ports_map(f), firewall_address_ports_map(f)))
