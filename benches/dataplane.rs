@@ -470,7 +470,6 @@ fn one_request(addr: SocketAddr) -> Result<(), String> {
     Ok(())
 }
 
-/// Sequential connections from the client namespace: `warmup` unmeasured, then `n` measured.
 /// Waits until the machine is idle (at most [`QUIET_WAIT_MAX`]): the kernel frees a replaced or
 /// deleted table, and a deleted namespace, after the transaction or the `ip netns del` returned
 /// (deferred work; at 10,000 Services a table is ~10,000 chains and 50,000 rules).
@@ -553,6 +552,7 @@ fn interleaved(
     (join(ha), join(hb))
 }
 
+/// Sequential connections from the client namespace: `warmup` unmeasured, then `n` measured.
 fn connects(client: &NetNs, addr: SocketAddr, warmup: usize, n: usize) -> ConnSamples {
     in_ns(client, move || {
         let mut errors = 0;
@@ -987,6 +987,49 @@ fn target_direct() -> SocketAddr {
     SocketAddr::new(IpAddr::V4(backend_v4(0)), HTTP_PORT)
 }
 
+/// Variant (b)'s programming on `node`: the plan of `svcs` (pure) and its full replace in one
+/// batch, each timed; returns the ruleset, now in the kernel.
+fn nodelb_full_sync(node: &NetNs, n: usize, svcs: &[BenchSvc], r: &mut Results) -> Ruleset {
+    let t = Instant::now();
+    let rs = nodelb_ruleset(svcs);
+    r.prog(n, "nodelb plan (pure)", t.elapsed());
+    match nodelb_apply(node, rs.full_replace()) {
+        Ok(d) => r.prog(n, "nodelb full sync (1 batch)", d),
+        Err(e) => r.note(format!("nodelb apply at N={n}: {e}")),
+    }
+    rs
+}
+
+/// One more Service than `svcs` added to the kernel's `rs` as a diff, then removed again, each
+/// timed (and both diffs, pure).
+fn nodelb_add_remove_one(node: &NetNs, n: usize, svcs: &[BenchSvc], rs: &Ruleset, r: &mut Results) {
+    let mut plus = svcs.to_vec();
+    plus.push(filler(n + 1));
+    let rs_plus = nodelb_ruleset(&plus);
+    let t = Instant::now();
+    let add = plan::diff(rs, &rs_plus);
+    let remove = plan::diff(&rs_plus, rs);
+    r.prog(n, "nodelb plan + diff (pure, both)", t.elapsed());
+    drop(rs_plus);
+    match nodelb_apply(node, add) {
+        Ok(d) => r.prog(n, "nodelb add one Service (diff)", d),
+        Err(e) => r.note(format!("nodelb add one at N={n}: {e}")),
+    }
+    match nodelb_apply(node, remove) {
+        Ok(d) => r.prog(n, "nodelb remove one Service (diff)", d),
+        Err(e) => r.note(format!("nodelb remove one at N={n}: {e}")),
+    }
+}
+
+/// Variant (d)'s table on `node` ([`nat_floor_rules`] for the target and iperf Services).
+fn nat_floor_load(node: &NetNs) -> Result<Duration, String> {
+    run_in_stdin(node, "nft", &["-f", "-"], nat_floor_rules(&[target_svc(), iperf_svc()]))
+}
+
+fn nat_floor_delete(node: &NetNs) -> Result<Duration, String> {
+    run_in(node, "nft", &["delete".into(), "table".into(), "ip".into(), NAT_FLOOR_TABLE.into()])
+}
+
 /// Variant (d) on the node of `b`: load [`nat_floor_rules`] for the target and iperf Services with
 /// `nft -f` (no other table may be there: nodelb's is deleted before), measure connections and
 /// throughput like the other variants, delete the table.
@@ -999,8 +1042,7 @@ fn run_nat_floor(
     r: &mut Results,
 ) {
     let target_lb = target_lb();
-    if let Err(e) = run_in_stdin(b.node(), "nft", &["-f", "-"], nat_floor_rules(&[target_svc(), iperf_svc()]))
-    {
+    if let Err(e) = nat_floor_load(b.node()) {
         r.note(format!("nat-floor: nft -f at N={n}: {e}"));
         return;
     }
@@ -1019,9 +1061,7 @@ fn run_nat_floor(
     if tput_now && let Some(bps) = iperf(b.client(), NODE_V4, IPERF_NODE_PORT, cfg.iperf_secs) {
         r.tput.entry((n, "nat-floor")).or_default().push(bps);
     }
-    if let Err(e) =
-        run_in(b.node(), "nft", &["delete".into(), "table".into(), "ip".into(), NAT_FLOOR_TABLE.into()])
-    {
+    if let Err(e) = nat_floor_delete(b.node()) {
         r.note(format!("nat-floor: delete table at N={n}: {e}"));
     }
     flush_conntrack(b.node());
@@ -1081,13 +1121,7 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
     }
 
     // (b) nodelb: plan, one netlink batch, measure; then diff add/remove one; nft -f of render().
-    let t = Instant::now();
-    let rs = nodelb_ruleset(&svcs);
-    r.prog(n, "nodelb plan (pure)", t.elapsed());
-    match nodelb_apply(b.node(), rs.full_replace()) {
-        Ok(d) => r.prog(n, "nodelb full sync (1 batch)", d),
-        Err(e) => r.note(format!("nodelb apply at N={n}: {e}")),
-    }
+    let rs = nodelb_full_sync(b.node(), n, &svcs, r);
     flush_conntrack(b.node());
     let s = connects(b.client(), target_lb, cfg.warmup, cfg.conns);
     rep.entry("nodelb").or_default().extend(s);
@@ -1098,21 +1132,7 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
     if tput_now && let Some(bps) = iperf(b.client(), NODE_V4, IPERF_NODE_PORT, cfg.iperf_secs) {
         r.tput.entry((n, "nodelb")).or_default().push(bps);
     }
-    let mut plus = svcs.clone();
-    plus.push(filler(n + 1));
-    let rs_plus = nodelb_ruleset(&plus);
-    let t = Instant::now();
-    let add = plan::diff(&rs, &rs_plus);
-    let remove = plan::diff(&rs_plus, &rs);
-    r.prog(n, "nodelb plan + diff (pure, both)", t.elapsed());
-    match nodelb_apply(b.node(), add) {
-        Ok(d) => r.prog(n, "nodelb add one Service (diff)", d),
-        Err(e) => r.note(format!("nodelb add one at N={n}: {e}")),
-    }
-    match nodelb_apply(b.node(), remove) {
-        Ok(d) => r.prog(n, "nodelb remove one Service (diff)", d),
-        Err(e) => r.note(format!("nodelb remove one at N={n}: {e}")),
-    }
+    nodelb_add_remove_one(b.node(), n, &svcs, &rs, r);
     nodelb_delete(b.node());
     match run_in_stdin(b.node(), "nft", &["-f", "-"], rs.render()) {
         Ok(d) => r.prog(n, "nft -f of render() (same ruleset)", d),
@@ -1211,29 +1231,8 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
 fn run_scale_rep(cfg: &Config, n: usize, rep_no: usize, r: &mut Results) {
     let (one, two) = (Bench::new(false), Bench::new(false));
     let svcs = bench_services(n);
-    let t = Instant::now();
-    let rs = nodelb_ruleset(&svcs);
-    r.prog(n, "nodelb plan (pure)", t.elapsed());
-    match nodelb_apply(one.node(), rs.full_replace()) {
-        Ok(d) => r.prog(n, "nodelb full sync (1 batch)", d),
-        Err(e) => r.note(format!("nodelb apply at N={n}: {e}")),
-    }
-    let mut plus = svcs.clone();
-    plus.push(filler(n + 1));
-    let rs_plus = nodelb_ruleset(&plus);
-    let t = Instant::now();
-    let add = plan::diff(&rs, &rs_plus);
-    let remove = plan::diff(&rs_plus, &rs);
-    r.prog(n, "nodelb plan + diff (pure, both)", t.elapsed());
-    drop(rs_plus);
-    match nodelb_apply(one.node(), add) {
-        Ok(d) => r.prog(n, "nodelb add one Service (diff)", d),
-        Err(e) => r.note(format!("nodelb add one at N={n}: {e}")),
-    }
-    match nodelb_apply(one.node(), remove) {
-        Ok(d) => r.prog(n, "nodelb remove one Service (diff)", d),
-        Err(e) => r.note(format!("nodelb remove one at N={n}: {e}")),
-    }
+    let rs = nodelb_full_sync(one.node(), n, &svcs, r);
+    nodelb_add_remove_one(one.node(), n, &svcs, &rs, r);
     nodelb_delete(one.node());
 
     let mut nat_only = rs.clone();
@@ -1245,7 +1244,6 @@ fn run_scale_rep(cfg: &Config, n: usize, rep_no: usize, r: &mut Results) {
     let (a, b) = interleaved((one.client(), direct), (two.client(), direct), cfg.warmup, cfg.conns);
     add("direct", a);
     add("direct", b);
-    let floor = nat_floor_rules(&[target_svc(), iperf_svc()]);
     for (variant, other, ruleset) in
         [("nodelb", Some("other-via-nodelb"), &rs), ("nodelb-nat-only", None, &nat_only)]
     {
@@ -1257,7 +1255,7 @@ fn run_scale_rep(cfg: &Config, n: usize, rep_no: usize, r: &mut Results) {
                 r.note(format!("{variant} apply at N={n}: {e}"));
                 continue;
             }
-            if let Err(e) = run_in_stdin(without.node(), "nft", &["-f", "-"], floor.clone()) {
+            if let Err(e) = nat_floor_load(without.node()) {
                 r.note(format!("nat-floor: nft -f at N={n}: {e}"));
                 nodelb_delete(with.node());
                 continue;
@@ -1275,8 +1273,7 @@ fn run_scale_rep(cfg: &Config, n: usize, rep_no: usize, r: &mut Results) {
                 add("other-via-nat-floor", b);
             }
             nodelb_delete(with.node());
-            let del = ["delete".into(), "table".into(), "ip".into(), NAT_FLOOR_TABLE.into()];
-            if let Err(e) = run_in(without.node(), "nft", &del) {
+            if let Err(e) = nat_floor_delete(without.node()) {
                 r.note(format!("nat-floor: delete table at N={n}: {e}"));
             }
         }
@@ -2085,7 +2082,7 @@ fn report_nat_floor(cfg: &Config, r: &Results, w: &mut String) {
          chain and one `masquerade` rule (of the connections it DNATed) in nat postrouting, in a table of its own (nodelb's table absent), \
          measured on the same topology next to nodelb (alternately before and after it). nat-floor − direct \
          is what conntrack + DNAT + masquerade cost per connection here; nodelb − nat-floor is nodelb's own \
-         work (fib + verdict-map lookups in filter and nat prerouting, the service chain's counter, mark and \
+         work (fib + verdict-map lookups in nat prerouting, the firewall's and the DNAT's, the service chain's counter, mark and \
          DNAT, the mark-matched masquerade, the forward chain's ct checks and counter map). Differences and \
          ratios are per repetition, median (range) over repetitions.\n"
     );
@@ -2347,7 +2344,11 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
             let _ = writeln!(w, "| {what} |{cells}");
         }
     }
-    let _ = writeln!(w, "\nPer-connection cost (p50 µs, differences per repetition, median):\n");
+    let _ = writeln!(
+        w,
+        "\nPer-connection cost (p50 µs, differences per repetition, median; each variant measured at \
+         the same time as the NAT floor on a second topology, connections in turn, roles swapped):\n"
+    );
     let _ = writeln!(
         w,
         "| N | nat-floor − direct | nodelb − direct | nodelb − nat-floor (range) | other traffic: with nodelb − with the NAT floor (range) |"

@@ -814,7 +814,15 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
     let refused_endpoints = out.refused_endpoints;
     let duplicates = dupes::duplicates(&out.services);
     let stubs = publish::reserved(&snap.services, &out.refused);
-    let stub_keys: Vec<ServiceKey> = stubs.iter().map(|s| s.key.clone()).collect();
+    // The stand-ins of refused Services hold their numbers for the allocator; nothing else of
+    // theirs goes on, unless a valid Service has the same key. There are few: no set of every
+    // valid key is built.
+    let mut stand_ins: std::collections::HashSet<ServiceKey> = stubs.iter().map(|s| s.key.clone()).collect();
+    if !stand_ins.is_empty() {
+        for s in &out.services {
+            stand_ins.remove(&s.key);
+        }
+    }
     let mut all: Vec<Arc<model::LbService>> =
         out.services.iter().cloned().chain(stubs.into_iter().map(Arc::new)).collect();
     // What processes listen on, on any node (their Leases say): never handed out, and a request
@@ -855,15 +863,6 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
     };
     let mut result = alloc::allocate_with(&cfg.port_range, &all, &Allocations::new(), constraints);
     result.problems.extend(assignment.iter().flat_map(|a| a.problems.iter().cloned()));
-    // The stand-ins of refused Services held their numbers for the allocator; nothing else of
-    // theirs goes on, unless a valid Service has the same key. There are few: no set of every
-    // valid key is built.
-    let mut stand_ins: std::collections::HashSet<&ServiceKey> = stub_keys.iter().collect();
-    if !stand_ins.is_empty() {
-        for s in &out.services {
-            stand_ins.remove(&s.key);
-        }
-    }
     let allocations: Allocations =
         result.allocations.into_iter().filter(|(k, _)| !stand_ins.contains(k)).collect();
     let problems: Vec<alloc::AllocProblem> =
@@ -889,16 +888,12 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
     // those only, not of every Service).
     let annotated: std::collections::HashSet<&ServiceKey> =
         writes.iter().filter(|w| w.annotation.is_some()).map(|w| &w.key).collect();
-    let by_key: HashMap<&ServiceKey, &claims::Holder> = if annotated.is_empty() {
-        HashMap::new()
-    } else {
-        holders
-            .iter()
-            .map(Borrow::borrow)
-            .filter(|h: &&claims::Holder| annotated.contains(&h.key))
-            .map(|h| (&h.key, h))
-            .collect()
-    };
+    let by_key: HashMap<&ServiceKey, &claims::Holder> = holders
+        .iter()
+        .map(Borrow::borrow)
+        .filter(|h: &&claims::Holder| annotated.contains(&h.key))
+        .map(|h| (&h.key, h))
+        .collect();
     let mut changes: Vec<claims::AnnotationChange<'_>> = writes
         .iter()
         .filter_map(|w| {

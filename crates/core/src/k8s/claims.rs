@@ -389,10 +389,20 @@ pub fn plan<H: Borrow<Holder>>(
     gone: &BTreeSet<Owner>,
     expired: &BTreeSet<u16>,
 ) -> ClaimPlan {
-    // The registry as this round leaves it: what it read, with `next`'s entries over it (`None`:
-    // the claim goes). Only the claims that change are copied (the registry holds one per node
-    // port of the cluster: copying them all was a tenth of the round at 50,000 Services).
-    let mut next = Overlay { read: registry, changed: BTreeMap::new() };
+    let next = Overlay { read: registry, changed: BTreeMap::new() };
+    plan_in(next, registry, holders, changes, token, gone, expired)
+}
+
+/// [`plan`], with the registry as the round leaves it kept in `next` (starting as `registry`).
+fn plan_in<S: ClaimStore, H: Borrow<Holder>>(
+    mut next: S,
+    registry: &Registry,
+    holders: &[H],
+    changes: &[AnnotationChange<'_>],
+    token: &Token,
+    gone: &BTreeSet<Owner>,
+    expired: &BTreeSet<u16>,
+) -> ClaimPlan {
     let mut out = ClaimPlan::default();
     let by_number = holders_by_number(holders);
     let holds =
@@ -409,9 +419,7 @@ pub fn plan<H: Borrow<Holder>>(
         }
     }
     if !gone.is_empty() {
-        let dropped: Vec<u16> =
-            next.iter().filter(|(_, c)| gone.contains(&c.owner)).map(|(n, _)| n).collect();
-        for n in dropped {
+        for n in next.claimed_by(gone) {
             next.set(n, None);
         }
     }
@@ -464,19 +472,8 @@ pub fn plan<H: Borrow<Holder>>(
             out.blocked.insert(ch.holder.key.clone());
         }
     }
-    // The blocks that change: only those with a changed claim can.
-    let touched: BTreeSet<u16> = next.changed.keys().map(|n| block_of(*n)).collect();
-    for b in touched {
+    for (b, new) in next.blocks(registry) {
         let old = registry.blocks.get(&b);
-        let mut new = old.map(|o| o.claims.clone()).unwrap_or_default();
-        let first = u16::try_from(u32::from(b) * BLOCK_SIZE).unwrap_or(u16::MAX);
-        let last = u16::try_from((u32::from(b) + 1) * BLOCK_SIZE - 1).unwrap_or(u16::MAX);
-        for (n, c) in next.changed.range(first..=last) {
-            match c {
-                Some(c) => new.insert(*n, c.clone()),
-                None => new.remove(n),
-            };
-        }
         if old.map(|o| &o.claims) != Some(&new) && !(old.is_none() && new.is_empty()) {
             let resource_version = old.and_then(|o| o.resource_version.clone());
             out.blocks.insert(b, Block { claims: new, resource_version });
@@ -485,14 +482,26 @@ pub fn plan<H: Borrow<Holder>>(
     out
 }
 
-/// The registry as read, with the claims a round changes over it ([`plan`]).
+/// Where [`plan`] keeps the registry as the round leaves it.
+trait ClaimStore {
+    fn get(&self, n: u16) -> Option<&Claim>;
+    /// `None`: the claim goes.
+    fn set(&mut self, n: u16, claim: Option<Claim>);
+    /// The numbers one of `owners` claims.
+    fn claimed_by(&self, owners: &BTreeSet<Owner>) -> Vec<u16>;
+    /// Every block whose claims may differ from `read`'s, with its claims now.
+    fn blocks(&self, read: &Registry) -> Vec<(u16, Claims)>;
+}
+
+/// The registry as read, with the claims a round changes over it: only those are copied, and
+/// only their blocks can change (the registry holds one claim per node port of the cluster:
+/// copying them all was a tenth of the leader's round at 50,000 Services).
 struct Overlay<'a> {
     read: &'a Registry,
-    /// `None`: the claim goes.
     changed: BTreeMap<u16, Option<Claim>>,
 }
 
-impl Overlay<'_> {
+impl ClaimStore for Overlay<'_> {
     fn get(&self, n: u16) -> Option<&Claim> {
         match self.changed.get(&n) {
             Some(c) => c.as_ref(),
@@ -504,11 +513,29 @@ impl Overlay<'_> {
         self.changed.insert(n, claim);
     }
 
-    /// Every claim, as it stands.
-    fn iter(&self) -> impl Iterator<Item = (u16, &Claim)> {
+    fn claimed_by(&self, owners: &BTreeSet<Owner>) -> Vec<u16> {
         let read = self.read.iter().filter(|(n, _)| !self.changed.contains_key(n));
         let changed = self.changed.iter().filter_map(|(n, c)| c.as_ref().map(|c| (*n, c)));
-        read.chain(changed)
+        read.chain(changed).filter(|(_, c)| owners.contains(&c.owner)).map(|(n, _)| n).collect()
+    }
+
+    fn blocks(&self, read: &Registry) -> Vec<(u16, Claims)> {
+        let touched: BTreeSet<u16> = self.changed.keys().map(|n| block_of(*n)).collect();
+        touched
+            .into_iter()
+            .map(|b| {
+                let mut claims = read.blocks.get(&b).map(|o| o.claims.clone()).unwrap_or_default();
+                let first = u16::try_from(u32::from(b) * BLOCK_SIZE).unwrap_or(u16::MAX);
+                let last = u16::try_from((u32::from(b) + 1) * BLOCK_SIZE - 1).unwrap_or(u16::MAX);
+                for (n, c) in self.changed.range(first..=last) {
+                    match c {
+                        Some(c) => claims.insert(*n, c.clone()),
+                        None => claims.remove(n),
+                    };
+                }
+                (b, claims)
+            })
+            .collect()
     }
 }
 
@@ -710,97 +737,34 @@ mod tests {
         Claim { owner: owner(c), state: state(tok(t)) }
     }
 
-    /// [`plan`] as it was before the overlay: the whole registry copied, changed, and every
-    /// block compared. The oracle of `only_changed_claims_are_copied_and_the_plan_is_the_same`.
-    fn plan_by_copy(
-        registry: &Registry,
-        holders: &[Holder],
-        changes: &[AnnotationChange<'_>],
-        token: &Token,
-        gone: &BTreeSet<Owner>,
-        expired: &BTreeSet<u16>,
-    ) -> ClaimPlan {
-        let mut next: BTreeMap<u16, Claim> = registry.iter().map(|(n, c)| (n, c.clone())).collect();
-        let mut out = ClaimPlan::default();
-        let by_number = holders_by_number(holders);
-        let holds =
-            |owner: &Owner, n: u16| by_number.get(&n).is_some_and(|hs| hs.iter().any(|h| &h.owner == owner));
-        let changing: BTreeMap<&ServiceKey, &BTreeSet<u16>> =
-            changes.iter().map(|c| (&c.holder.key, &c.after)).collect();
-        for n in expired {
-            let Some(c) = next.get(n).cloned() else { continue };
-            match c.state {
-                State::Adding(_) | State::Removing(_) => {
-                    next.insert(*n, Claim::held(c.owner));
-                }
-                State::Held if !holds(&c.owner, *n) => {
-                    next.remove(n);
-                }
-                State::Held => {}
-            }
+    /// The whole registry copied, every block compared: how [`plan`] kept it before [`Overlay`],
+    /// the oracle of `only_changed_claims_are_copied_and_the_plan_is_the_same`.
+    struct FullCopy(Claims);
+
+    impl ClaimStore for FullCopy {
+        fn get(&self, n: u16) -> Option<&Claim> {
+            self.0.get(&n)
         }
-        next.retain(|_, c| !gone.contains(&c.owner));
-        for (n, hs) in &by_number {
-            let keepers: Vec<&&Holder> =
-                hs.iter().filter(|h| changing.get(&h.key).is_none_or(|after| after.contains(n))).collect();
-            let Some(oldest) = keepers.first() else { continue };
-            match next.get(n) {
-                None => {
-                    next.insert(*n, Claim::held(oldest.owner.clone()));
-                }
-                Some(c)
-                    if c.state == State::Held
-                        && c.owner != oldest.owner
-                        && keepers.iter().any(|h| h.owner == c.owner) =>
-                {
-                    next.insert(*n, Claim::held(oldest.owner.clone()));
-                }
-                Some(_) => {}
-            }
+
+        fn set(&mut self, n: u16, claim: Option<Claim>) {
+            match claim {
+                Some(c) => self.0.insert(n, c),
+                None => self.0.remove(&n),
+            };
         }
-        for ch in changes {
-            let owner = &ch.holder.owner;
-            let before = &ch.holder.numbers;
-            let mut sc = ServiceClaims { owner: owner.clone(), adds: Vec::new(), removes: Vec::new() };
-            let mut staged = Vec::new();
-            let mut ok = true;
-            for n in ch.after.difference(before) {
-                match next.get(n) {
-                    None => sc.adds.push((*n, None)),
-                    Some(c) if &c.owner == owner && c.state == State::Held => {
-                        sc.adds.push((*n, Some(c.clone())))
-                    }
-                    Some(_) => ok = false,
-                }
-                staged.push((*n, Claim { owner: owner.clone(), state: State::Adding(token.clone()) }));
-            }
-            for n in before.difference(&ch.after) {
-                if next.get(n).is_some_and(|c| &c.owner == owner && c.state == State::Held) {
-                    sc.removes.push(*n);
-                    staged.push((*n, Claim { owner: owner.clone(), state: State::Removing(token.clone()) }));
-                }
-            }
-            if ok {
-                next.extend(staged);
-                out.services.insert(ch.holder.key.clone(), sc);
-            } else {
-                out.blocked.insert(ch.holder.key.clone());
-            }
+
+        fn claimed_by(&self, owners: &BTreeSet<Owner>) -> Vec<u16> {
+            self.0.iter().filter(|(_, c)| owners.contains(&c.owner)).map(|(n, _)| *n).collect()
         }
-        let mut by_block: BTreeMap<u16, Claims> = BTreeMap::new();
-        for (n, c) in next {
-            by_block.entry(block_of(n)).or_default().insert(n, c);
-        }
-        let blocks: BTreeSet<u16> = by_block.keys().chain(registry.blocks.keys()).copied().collect();
-        for b in blocks {
-            let new = by_block.remove(&b).unwrap_or_default();
-            let old = registry.blocks.get(&b);
-            if old.map(|o| &o.claims) != Some(&new) && !(old.is_none() && new.is_empty()) {
-                let resource_version = old.and_then(|o| o.resource_version.clone());
-                out.blocks.insert(b, Block { claims: new, resource_version });
+
+        fn blocks(&self, read: &Registry) -> Vec<(u16, Claims)> {
+            let mut by_block: BTreeMap<u16, Claims> =
+                read.blocks.keys().map(|b| (*b, Claims::new())).collect();
+            for (n, c) in &self.0 {
+                by_block.entry(block_of(*n)).or_default().insert(*n, c.clone());
             }
+            by_block.into_iter().collect()
         }
-        out
     }
 
     #[test]
@@ -857,7 +821,15 @@ mod tests {
             let expired: BTreeSet<u16> = pick(&mut rng, 3).into_iter().collect();
             assert_eq!(
                 plan(&reg, &holders, &changes, &t, &gone, &expired),
-                plan_by_copy(&reg, &holders, &changes, &t, &gone, &expired),
+                plan_in(
+                    FullCopy(reg.iter().map(|(n, c)| (n, c.clone())).collect()),
+                    &reg,
+                    &holders,
+                    &changes,
+                    &t,
+                    &gone,
+                    &expired
+                ),
                 "case {case}: registry {reg:?}, holders {holders:?}, gone {gone:?}, expired {expired:?}"
             );
         }
