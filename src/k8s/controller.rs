@@ -817,7 +817,7 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
     // The stand-ins of refused Services hold their numbers for the allocator; nothing else of
     // theirs goes on, unless a valid Service has the same key. There are few: no set of every
     // valid key is built.
-    let mut stand_ins: std::collections::HashSet<ServiceKey> = stubs.iter().map(|s| s.key.clone()).collect();
+    let mut stand_ins: foldhash::HashSet<ServiceKey> = stubs.iter().map(|s| s.key.clone()).collect();
     if !stand_ins.is_empty() {
         for s in &out.services {
             stand_ins.remove(&s.key);
@@ -828,9 +828,10 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
     // What processes listen on, on any node (their Leases say): never handed out, and a request
     // for it is refused. Each node refuses locally anyway, whatever is decided here.
     let mut in_use = nodes::listening_ports(&snap.leases);
-    if let Some(r) = registry.registry {
+    let held = registry.registry.map(|_| claims::HeldNumbers::of(holders));
+    if let (Some(r), Some(held)) = (registry.registry, &held) {
         // Numbers another Service claims are not this one's to keep, nor anyone's to take.
-        let screened = claims::screen(&mut all, holders, r, registry.gone);
+        let screened = claims::screen(&mut all, held, r, registry.gone);
         for (k, why) in screened.in_use {
             in_use.entry(k).or_insert(why);
         }
@@ -886,9 +887,9 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
     let (mut writes, mut events) = publish::plan_services(&round, &duplicates, &mut memory.published);
     // The registry side of the annotation writes: the holders of the Services written (a map of
     // those only, not of every Service).
-    let annotated: std::collections::HashSet<&ServiceKey> =
+    let annotated: foldhash::HashSet<&ServiceKey> =
         writes.iter().filter(|w| w.annotation.is_some()).map(|w| &w.key).collect();
-    let by_key: HashMap<&ServiceKey, &claims::Holder> = holders
+    let by_key: foldhash::HashMap<&ServiceKey, &claims::Holder> = holders
         .iter()
         .map(Borrow::borrow)
         .filter(|h: &&claims::Holder| annotated.contains(&h.key))
@@ -918,9 +919,11 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
             !adds
         });
     }
-    let mut claim_plan = match registry.registry {
-        Some(r) => claims::plan(r, holders, &changes, registry.token, registry.gone, registry.expired),
-        None => claims::ClaimPlan {
+    let mut claim_plan = match (registry.registry, &held) {
+        (Some(r), Some(held)) => {
+            claims::plan(r, held, &changes, registry.token, registry.gone, registry.expired)
+        }
+        _ => claims::ClaimPlan {
             blocked: changes
                 .iter()
                 .filter(|c| !c.after.is_subset(&c.holder.numbers))

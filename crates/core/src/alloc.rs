@@ -235,7 +235,7 @@ pub fn age_order<S: Borrow<LbService>>(services: &[S]) -> Vec<&LbService> {
     ordered.sort_by(|(age_a, a), (age_b, b)| age_a.cmp(age_b).then_with(|| a.key.cmp(&b.key)));
     // Two objects with one key cannot both be served (the model refuses the second); keep the
     // allocator total anyway (a hash set: a tree of 10,000 keys was a tenth of the leader's round).
-    let mut seen = std::collections::HashSet::with_capacity(ordered.len());
+    let mut seen = foldhash::HashSet::with_capacity_and_hasher(ordered.len(), Default::default());
     ordered.retain(|(_, s)| seen.insert(&s.key));
     ordered.into_iter().map(|(_, s)| s).collect()
 }

@@ -9,7 +9,7 @@
 //! object of the pass, then [`PerObject::end`] forgets the objects the pass did not see (gone, or
 //! replaced by a newer version).
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
 
 #[derive(Debug)]

@@ -3,7 +3,8 @@
 //! accepted it ([`Deduper::sent`]), so one that could not be sent (API error, object not in the
 //! cache yet) stays pending and is tried again at the next round. Pure.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use foldhash::{HashMap, HashMapExt, HashSet};
+use std::collections::BTreeMap;
 use std::hash::Hash;
 
 /// Longest Event note the API server accepts (`events.k8s.io/v1`: 1 KiB, in bytes).

@@ -5,7 +5,7 @@
 //! Pure.
 
 use std::borrow::Borrow;
-use std::collections::HashMap;
+use foldhash::HashMap;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Service;

@@ -4,7 +4,8 @@
 //! [`ServiceWrite`] into patches with a resourceVersion precondition.
 
 use std::borrow::Borrow;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use foldhash::{HashMap, HashMapExt};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{LoadBalancerIngress, PortStatus, Service};
