@@ -584,6 +584,41 @@ impl ControlPlane {
         serde_json::from_value(v).ok()
     }
 
+    /// How long after `start` the object `namespace/name` first satisfied `done`, as seen through
+    /// a watch on it (one request: its current state, then each change as it comes), or `None`
+    /// if it did not within `timeout` of `start`. A poll loop of GETs instead is a quorum read
+    /// of etcd each time, and loads the very API server and etcd the benchmark times.
+    pub fn watch_until(
+        &self,
+        (api_version, kind, namespace, name): (&str, &str, &str, &str),
+        start: std::time::Instant,
+        timeout: Duration,
+        done: impl Fn(&Value) -> bool + Send + 'static,
+    ) -> Option<Duration> {
+        use futures::StreamExt as _;
+        let api = self.dynamic(api_version, kind, Some(namespace));
+        let params = kube::api::WatchParams::default().fields(&format!("metadata.name={name}"));
+        let left = timeout.checked_sub(start.elapsed())?;
+        let watch = async move {
+            let mut events = api.watch(&params, "0").await.ok()?.boxed();
+            while let Some(event) = events.next().await {
+                match event.ok()? {
+                    kube::core::WatchEvent::Added(o) | kube::core::WatchEvent::Modified(o) => {
+                        if done(&serde_json::to_value(o).ok()?) {
+                            return Some(start.elapsed());
+                        }
+                    }
+                    kube::core::WatchEvent::Error(_) => return None,
+                    _ => {}
+                }
+            }
+            None
+        };
+        // Spawned: polled by the runtime's threads, whose sockets live in the API namespace.
+        let task = self.rt.spawn(async move { tokio::time::timeout(left, watch).await });
+        self.rt.block_on(task).ok()?.ok()?
+    }
+
     /// Every object of a kind (in `namespace`, or everywhere).
     pub fn list(&self, api_version: &str, kind: &str, namespace: Option<&str>) -> Vec<Value> {
         let api = self.dynamic(api_version, kind, namespace);
