@@ -1755,7 +1755,8 @@ fn run_kube(cfg: &Config, n: usize, r: &mut Results) {
         // client polls the node.
         let (live, allocated) = std::thread::scope(|scope| {
             let allocated = scope.spawn(|| {
-                let written = |v: &serde_json::Value| v["metadata"]["annotations"][ANNOTATION_ALLOCATED].is_string();
+                let written =
+                    |v: &serde_json::Value| v["metadata"]["annotations"][ANNOTATION_ALLOCATED].is_string();
                 c.api.watch_until(("v1", "Service", "default", &name), start, Duration::from_secs(5), written)
             });
             let live = poll_live_since(&c.client, addr, true, start, Duration::from_secs(5));

@@ -4,8 +4,8 @@
 //! is simply not programmed (fail closed). Same idea as the manifests mode's per-file last good.
 //! Pure.
 
-use std::borrow::Borrow;
 use foldhash::HashMap;
+use std::borrow::Borrow;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Service;

@@ -3,8 +3,8 @@
 //! (does any node serve them), and only where something changed. Pure: the edge turns each
 //! [`ServiceWrite`] into patches with a resourceVersion precondition.
 
-use std::borrow::Borrow;
 use foldhash::{HashMap, HashMapExt};
+use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
