@@ -603,10 +603,10 @@ impl ControlPlane {
             let mut events = api.watch(&params, "0").await.ok()?.boxed();
             while let Some(event) = events.next().await {
                 match event.ok()? {
-                    kube::core::WatchEvent::Added(o) | kube::core::WatchEvent::Modified(o) => {
-                        if done(&serde_json::to_value(o).ok()?) {
-                            return Some(start.elapsed());
-                        }
+                    kube::core::WatchEvent::Added(o) | kube::core::WatchEvent::Modified(o)
+                        if serde_json::to_value(&o).is_ok_and(|v| done(&v)) =>
+                    {
+                        return Some(start.elapsed());
                     }
                     kube::core::WatchEvent::Error(_) => return None,
                     _ => {}
