@@ -828,10 +828,10 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
     // What processes listen on, on any node (their Leases say): never handed out, and a request
     // for it is refused. Each node refuses locally anyway, whatever is decided here.
     let mut in_use = nodes::listening_ports(&snap.leases);
-    let held = registry.registry.map(|_| claims::HeldNumbers::of(holders));
-    if let (Some(r), Some(held)) = (registry.registry, &held) {
+    let held = claims::HeldNumbers::of(holders);
+    if let Some(r) = registry.registry {
         // Numbers another Service claims are not this one's to keep, nor anyone's to take.
-        let screened = claims::screen(&mut all, held, r, registry.gone);
+        let screened = claims::screen(&mut all, &held, r, registry.gone);
         for (k, why) in screened.in_use {
             in_use.entry(k).or_insert(why);
         }
@@ -919,11 +919,9 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
             !adds
         });
     }
-    let mut claim_plan = match (registry.registry, &held) {
-        (Some(r), Some(held)) => {
-            claims::plan(r, held, &changes, registry.token, registry.gone, registry.expired)
-        }
-        _ => claims::ClaimPlan {
+    let mut claim_plan = match registry.registry {
+        Some(r) => claims::plan(r, &held, &changes, registry.token, registry.gone, registry.expired),
+        None => claims::ClaimPlan {
             blocked: changes
                 .iter()
                 .filter(|c| !c.after.is_subset(&c.holder.numbers))
