@@ -172,7 +172,7 @@ fn config() -> Config {
         c.reps = 3;
         c.conns = 3_000;
         c.warmup = 300;
-        c.reaction_changes = 40;
+        c.reaction_changes = 200;
         c.footprint_endpoints = 5;
         c.agent_args =
             ["--port-range", "1024-64999", "--allowed-node-ports", "65000"].map(String::from).to_vec();
