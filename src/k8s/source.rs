@@ -31,13 +31,14 @@ use crate::slim::Slim;
 /// Quiet time that ends a burst of changes, and the longest a burst may delay a sync. The watch
 /// delivers one event per object change; the quiet time is paid on every change, twice on a
 /// create (once before the leader allocates, once before the node programs the allocation), so
-/// it is short: 2 ms coalesces what arrives together (a relist, many objects of one apply) and
-/// does not wait for what comes one API round trip later (a Service's EndpointSlice, the
-/// leader's status patch after its annotation patch: 10 ms merged those, at ~20 ms of every
-/// create; docs/benchmarks.md, "Debounce"). What it splits costs little: the leader's round of an
-/// EndpointSlice waits for the next change ([`crate::k8s::controller::LeaderState::can_wait`]),
-/// a node's sync of a status write finds its fingerprint unchanged, and the leader writes only
-/// Services whose annotation or status must change, however many rounds a burst is split into.
+/// it is short: 2 ms does not wait for what comes one API round trip later (a Service's
+/// EndpointSlice, the leader's status patch after its annotation patch: 10 ms merged those, at
+/// ~20 ms of every create; docs/benchmarks.md, "Debounce"). What it splits costs little: the
+/// leader's round of an EndpointSlice waits for the next change, ≤ 1 s
+/// ([`crate::k8s::controller::LeaderState::can_wait`]: a Local-policy Service's status then
+/// follows its first endpoints within that second), a node's sync of a status write finds its
+/// fingerprint unchanged, and the leader writes only Services whose annotation or status must
+/// change, however many rounds a burst is split into.
 pub const DEBOUNCE_QUIET: Duration = Duration::from_millis(2);
 pub const DEBOUNCE_MAX: Duration = Duration::from_millis(250);
 

@@ -1,8 +1,9 @@
 //! Coalescing bursts of change notifications, for both sources of desired state: the manifests
-//! directory's inotify events and the Kubernetes reflectors' changes. One writer's burst (an
-//! editor's temp file and rename; a Service and its EndpointSlice; the leader's annotation and
-//! status patches) becomes one notification, at most `max` after its first event so that a
-//! steady stream of changes cannot starve the sync.
+//! directory's inotify events and the Kubernetes reflectors' changes. Events less than the quiet
+//! time apart (an editor's temp file and rename: 10 ms; watch events in Kubernetes mode: 2 ms,
+//! so a Service's EndpointSlice or the leader's status patch, an API round trip later, are a
+//! burst of their own) become one notification, at most `max` after the first so that a steady
+//! stream of changes cannot starve the sync.
 
 use std::time::Duration;
 
