@@ -38,7 +38,7 @@ use nodelb::desired::{self, AllocationMode, HostFacts, HostPolicy, Inputs, Sourc
 use nodelb::domain::Family;
 use nodelb::domain::ServiceKey;
 use nodelb::ir::Ruleset;
-use nodelb::k8s::claims::{Claim, Holder, Keeper, Registry, Token, block_of};
+use nodelb::k8s::claims::{self, Block, HeldNumbers, Holder, Keeper, Registry, Token};
 use nodelb::k8s::controller::{
     ClaimInputs, ControllerConfig, RoundMemory, event_key, events_to_send, plan_round,
 };
@@ -314,7 +314,7 @@ fn leader(args: &ProgramArgs) {
     assert_eq!(first.writes.len(), n, "the first round writes every Service");
     services = written(&services, &first.writes);
     // The registry as the agents leave it: every Service's numbers claimed for it.
-    let registry = registry_of(&services);
+    let registry = registry_of(&services, &token);
     let (steady, _) = round(&services, &slices, &registry);
     assert!(
         steady.writes.is_empty(),
@@ -335,17 +335,17 @@ fn leader(args: &ProgramArgs) {
     println!("  one Service added or removed, median of {changes:<3}              {:8.1}", median(ms));
 }
 
-/// The node-port registry holding a settled claim for every number the `services` hold.
-fn registry_of(services: &[Arc<Service>]) -> Registry {
-    let mut registry = Registry::default();
-    for h in services.iter().map(|s| Holder::of(s)) {
-        for n in &h.numbers {
-            let block = registry.blocks.entry(block_of(*n)).or_default();
-            block.resource_version = Some("1".into());
-            block.claims.insert(*n, Claim::held(h.owner.clone()));
-        }
-    }
-    registry
+/// The node-port registry as a leader leaves it over `services`: the blocks `claims::plan` writes
+/// from an empty one (a settled claim for every number held), each as stored.
+fn registry_of(services: &[Arc<Service>], token: &Token) -> Registry {
+    let holders: Vec<Holder> = services.iter().map(|s| Holder::of(s)).collect();
+    let (gone, expired) = (Default::default(), Default::default());
+    let plan = claims::plan(&Registry::default(), &HeldNumbers::of(&holders), &[], token, &gone, &expired);
+    let stored = |mut block: Block| {
+        block.resource_version = Some("1".into());
+        block
+    };
+    Registry { blocks: plan.blocks.into_iter().map(|(b, block)| (b, stored(block))).collect() }
 }
 
 /// The agent's allocator (src/main.rs), so the pure work is timed as the agent does it.
