@@ -26,7 +26,7 @@ use crate::hairpin;
 use crate::model::ModelOptions;
 use crate::observe::bridge::BridgeReader;
 use crate::observe::manifest_dir::ManifestError;
-use crate::observe::source::{Loaded, Snapshot, Source};
+use crate::observe::source::{Fingerprint, Loaded, Snapshot, Source};
 use crate::observe::state::{State, StateFile};
 use crate::observe::sysctl::{Sysctls, forwarding_sysctl};
 use crate::plan::NodeFacts;
@@ -103,6 +103,15 @@ impl AgentError {
 
 const SYSCTL_PERIOD: Duration = Duration::from_secs(1);
 
+/// How long a node leaves a change it cannot program yet (Kubernetes mode: a Service created,
+/// its EndpointSlice, before the leader writes its node ports; [`Loaded::Deferred`]). No rule
+/// comes of it, and recomputing everything for it cost ~20 ms at 10,000 Services, twice per
+/// create, on the CPU the leader's round needed at that moment, delaying the sync of the
+/// allocation itself. What waits is this node's report of such a Service (`nodelb status`, the
+/// `nodelb_services` gauge, the families its Services need): it follows within this time even
+/// while no leader decides.
+const UNDECIDED_WAIT: Duration = Duration::from_secs(1);
+
 struct Agent<K, N> {
     cfg: AgentConfig,
     metrics: Arc<Metrics>,
@@ -123,7 +132,9 @@ struct Agent<K, N> {
     logged_hairpin: BTreeSet<String>,
     /// Source fingerprint and node facts of the last successful sync: the same again (a relist
     /// that brought nothing new) means nothing to recompute.
-    last_input: Option<(u64, NodeFacts, HostFacts)>,
+    last_input: Option<(Fingerprint, NodeFacts, HostFacts)>,
+    /// Since when a change the node cannot program yet has been left waiting ([`Loaded::Deferred`]).
+    deferred_since: Option<Instant>,
     /// This node's addresses as last read (kept when a read fails), and whether that failure
     /// was logged.
     local_addresses: HostAddresses,
@@ -169,6 +180,9 @@ enum Synced {
     Waiting,
     /// Same input as the last good sync and our table untouched: not counted as a sync.
     Unchanged,
+    /// Only Services waiting for the leader's node ports changed: left until this time, or until
+    /// a change the node programs, whichever is first ([`UNDECIDED_WAIT`]). Not counted as a sync.
+    Deferred(Instant),
     /// The batch (possibly empty) is in the kernel.
     Applied,
 }
@@ -215,7 +229,7 @@ pub async fn run(
         if schedule.take_firewall(agent.dataplane.applied().is_some()) {
             firewall.check(&agent.metrics, &agent.status);
         }
-        let retry_at = schedule.retry_at();
+        let retry_at = schedule.wake_at();
         let retry_sleep = async {
             match retry_at {
                 Some(t) => tokio::time::sleep_until(t).await,
@@ -266,6 +280,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             logged_problems: BTreeSet::new(),
             logged_hairpin: BTreeSet::new(),
             last_input: None,
+            deferred_since: None,
             local_addresses: HostAddresses::default(),
             local_addresses_failing: false,
             listeners: Listeners::default(),
@@ -280,7 +295,11 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
     async fn sync_if_due(&mut self, schedule: &mut Schedule, now: tokio::time::Instant) {
         let Some(verify) = schedule.due(now) else { return };
         match self.sync(verify).await {
-            Ok(()) => schedule.succeeded(),
+            Ok(Synced::Deferred(until)) => {
+                schedule.succeeded();
+                schedule.wake(tokio::time::Instant::from_std(until));
+            }
+            Ok(_) => schedule.succeeded(),
             Err(e) => {
                 let retry_in = schedule.failed(now);
                 error!(error = %e, ?retry_in, "sync failed; next attempt is a full resync");
@@ -431,7 +450,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
 
     /// One sync attempt. Whatever happens, an attempt that got past "nothing to do" is recorded
     /// exactly once, in [`Agent::record`].
-    async fn sync(&mut self, verify: bool) -> Result<(), AgentError> {
+    async fn sync(&mut self, verify: bool) -> Result<Synced, AgentError> {
         let mut attempt = Attempt {
             started: Instant::now(),
             kind: if self.dataplane.applied().is_none() { "full" } else { "incremental" },
@@ -440,11 +459,11 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         };
         let result = self.sync_once(verify, &mut attempt).await;
         match &result {
-            Ok(Synced::Waiting | Synced::Unchanged) => {}
+            Ok(Synced::Waiting | Synced::Unchanged | Synced::Deferred(_)) => {}
             Ok(Synced::Applied) => self.record(attempt, None),
             Err(e) => self.record(attempt, Some(e)),
         }
-        result.map(|_| ())
+        result
     }
 
     /// Reads the input, computes the desired state and programs it. Returns at the first error;
@@ -457,6 +476,10 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         let loaded = match self.observe(verify, &node, &host)? {
             Loaded::Snapshot(loaded) => loaded,
             Loaded::Unchanged => return Ok(Synced::Unchanged),
+            Loaded::Deferred => {
+                let since = *self.deferred_since.get_or_insert(attempt.started);
+                return Ok(Synced::Deferred(since + UNDECIDED_WAIT));
+            }
             Loaded::Waiting => {
                 // Never program from a partial view: the old rules stay until the caches are complete.
                 debug!("source not complete yet; waiting");
@@ -464,6 +487,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             }
         };
         phases.mark("load");
+        self.deferred_since = None;
         let problems: Vec<String> = loaded.problems.clone();
         log_new(
             &mut self.logged_problems,
@@ -519,10 +543,12 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             }
             _ => None,
         };
-        Ok(match self.load(known)? {
+        // A resync computes everything, and so does a change once one has waited long enough.
+        let may_defer = !verify && self.deferred_since.is_none_or(|t| t.elapsed() < UNDECIDED_WAIT);
+        Ok(match self.load(known, may_defer)? {
             Loaded::Unchanged if !verify || !self.dataplane.generation_changed()? => Loaded::Unchanged,
             // Someone committed a transaction since our batch: the full path checks our table.
-            Loaded::Unchanged => self.load(None)?,
+            Loaded::Unchanged => self.load(None, false)?,
             other => other,
         })
     }
@@ -579,8 +605,8 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
     /// The source's snapshot ([`Loaded::Unchanged`] when its fingerprint is `known`). An error
     /// (the source could not be read at all) is reported in the status; the caller keeps the
     /// kernel as it is.
-    fn load(&mut self, known: Option<u64>) -> Result<Loaded, AgentError> {
-        self.source.snapshot(&self.cfg.model, known).map_err(|e| {
+    fn load(&mut self, known: Option<Fingerprint>, may_defer: bool) -> Result<Loaded, AgentError> {
+        self.source.snapshot(&self.cfg.model, known, may_defer).map_err(|e| {
             self.set_problems(vec![e.to_string()]);
             e.into()
         })

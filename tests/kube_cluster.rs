@@ -1001,7 +1001,9 @@ fn micro_time_now() -> String {
 #[test]
 fn the_leader_lease_deleted_or_stolen_by_hand() {
     require_root!();
-    let mut c = Cluster::new(1);
+    // A resync recomputes everything: a long period, so that what is checked below is the
+    // node's own bound on a Service waiting for the leader.
+    let mut c = Cluster::with_agent_args(1, &["--resync-period", "60s"]);
     c.create(&web("web", &[(0, 0)]));
     let before = c.wait_allocated("web", 1, CHANGE);
     c.wait_leader(CHANGE);
@@ -1029,6 +1031,13 @@ fn the_leader_lease_deleted_or_stolen_by_hand() {
     let ok = wait_until(Duration::from_secs(5), || (0..3).all(|i| c.metric_sum(i, "nodelb_leader") == 0.0));
     assert!(ok, "an agent still acts as leader after the Lease was stolen");
     c.create(&web("during", &[(0, 0)]));
+    // Nobody decides for it, yet each node reports it, and why it is not served, within the
+    // second a node leaves a Service that waits for the leader (plus a sync; UNDECIDED_WAIT).
+    for (i, a) in c.agents.iter().enumerate() {
+        a.wait_state("default/during", "refused", Duration::from_secs(3));
+        let reason = a.service_status("default/during").unwrap()["reason"].to_string();
+        assert!(reason.contains("written by the leader"), "node-{}: {reason}", i + 1);
+    }
     std::thread::sleep(Duration::from_secs(7).saturating_sub(stolen.elapsed()));
     assert_eq!(c.allocated("during"), None, "allocated while the intruder held the Lease");
     assert_eq!(c.service_writers(), BTreeSet::new(), "Services written while the intruder held the Lease");
@@ -1244,6 +1253,52 @@ fn quiet_counters(c: &Cluster) -> Vec<(f64, f64)> {
         last = now;
     }
     panic!("sync counters keep moving: {last:?}");
+}
+
+/// Most of a cluster's Services are not nodelb's (ClusterIP, another class): their changes and
+/// their endpoints' cost a node no recompute, and a LoadBalancer Service is programmed from the
+/// leader's decision, not from its creation (a node leaves that waiting, docs/design.md,
+/// "Coalescing").
+#[test]
+fn services_nodelb_does_not_serve_cost_the_nodes_no_sync() {
+    require_root!();
+    let c = Cluster::new(2);
+    serve_web(&c);
+    let before = quiet_counters(&c);
+
+    // A ClusterIP Service: created with its EndpointSlice, its endpoints changed, its labels
+    // edited, then deleted with its slice.
+    let mut spec = web("internal", &[(0, 0)]);
+    let mut svc = spec.service();
+    svc["spec"]["type"] = serde_json::json!("ClusterIP");
+    for field in ["selector", "externalTrafficPolicy", "allocateLoadBalancerNodePorts"] {
+        svc["spec"].as_object_mut().unwrap().remove(field);
+    }
+    c.api.create(svc).expect("ClusterIP Service");
+    for s in spec.slices() {
+        c.api.create(s).expect("its EndpointSlice");
+    }
+    spec = spec.endpoint(EndpointSpec::remote(backend_v4(1), "node-2"));
+    for s in spec.slices() {
+        c.api.apply(s).expect("its EndpointSlice, scaled");
+    }
+    c.api.kubectl_ok(&["label", "service", "internal", "-n", "default", "tier=backend"]);
+    c.api.delete_now("v1", "Service", "default", "internal").expect("delete");
+    for s in spec.slices() {
+        let name = s["metadata"]["name"].as_str().unwrap().to_string();
+        c.api.delete_now("discovery.k8s.io/v1", "EndpointSlice", "default", &name).expect("delete slice");
+    }
+    let after = quiet_counters(&c);
+    assert_eq!(after, before, "(syncs, kernel batches) per node moved for a Service nodelb does not serve");
+
+    // A LoadBalancer Service is served on every node as soon as the leader has decided for it,
+    // which moves the counters.
+    c.create(&web("after", &[(0, 0)]));
+    let np = c.wait_allocated("after", 1, CHANGE)["80/TCP"];
+    for (i, (syncs, _)) in before.iter().enumerate() {
+        c.wait_served(i, np, CHANGE);
+        assert!(c.metric_sum(i, "nodelb_syncs_total") > *syncs, "node-{}", i + 1);
+    }
 }
 
 #[test]

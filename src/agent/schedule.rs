@@ -2,7 +2,8 @@
 //! the sync says how it went, this says when the next one is due). A change makes the next sync
 //! due at once; a resync period makes one due that also verifies the kernel; a failed sync is
 //! retried after a backoff that doubles from [`MIN_BACKOFF`] to [`MAX_BACKOFF`] and resets after
-//! a success. Pure: time is passed in.
+//! a success; a sync that left a change for later ([`Schedule::wake`]) makes one due at that time.
+//! Pure: time is passed in.
 
 use std::time::Duration;
 
@@ -21,6 +22,8 @@ pub struct Schedule {
     firewall: bool,
     /// After a failure: not before this.
     retry_at: Option<Instant>,
+    /// A change was left for later: sync at this time.
+    wake: Option<Instant>,
     /// The delay after the next failure.
     backoff: Duration,
 }
@@ -34,7 +37,14 @@ impl Default for Schedule {
 impl Schedule {
     /// The first sync is due at once.
     pub fn new() -> Schedule {
-        Schedule { dirty: true, verify: false, firewall: true, retry_at: None, backoff: MIN_BACKOFF }
+        Schedule {
+            dirty: true,
+            verify: false,
+            firewall: true,
+            retry_at: None,
+            wake: None,
+            backoff: MIN_BACKOFF,
+        }
     }
 
     /// The input changed: sync.
@@ -51,15 +61,23 @@ impl Schedule {
     /// `Some(verify)` when a sync is due at `now`: something to do, and no backoff pending.
     pub fn due(&self, now: Instant) -> Option<bool> {
         let waiting = self.retry_at.is_some_and(|t| now < t);
-        ((self.dirty || self.verify) && !waiting).then_some(self.verify)
+        let woken = self.wake.is_some_and(|t| now >= t);
+        ((self.dirty || self.verify || woken) && !waiting).then_some(self.verify)
     }
 
     /// The sync due at `now` went through.
     pub fn succeeded(&mut self) {
         self.retry_at = None;
+        self.wake = None;
         self.backoff = MIN_BACKOFF;
         self.dirty = false;
         self.verify = false;
+    }
+
+    /// The sync that just went through left a change for later: another is due at `at`, if
+    /// nothing makes one due before.
+    pub fn wake(&mut self, at: Instant) {
+        self.wake = Some(at);
     }
 
     /// The sync due at `now` failed: the next attempt (a full replace) waits the backoff, which
@@ -76,6 +94,15 @@ impl Schedule {
     /// When a failed sync is retried.
     pub fn retry_at(&self) -> Option<Instant> {
         self.retry_at
+    }
+
+    /// When the loop must wake up for a sync that no event announces: a retry, or a change left
+    /// for later.
+    pub fn wake_at(&self) -> Option<Instant> {
+        match (self.retry_at, self.wake) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Whether the host-firewall check is due, given whether our table is programmed (it reads
@@ -141,6 +168,29 @@ mod tests {
         s.resync();
         assert_eq!(s.due(now), None);
         assert_eq!(s.due(now + wait), Some(true));
+    }
+
+    #[test]
+    fn a_change_left_for_later_makes_a_sync_due_at_its_time_unless_one_comes_first() {
+        let now = Instant::now();
+        let later = now + Duration::from_secs(1);
+        let mut s = Schedule::new();
+        s.succeeded();
+        s.wake(later);
+        assert_eq!(s.wake_at(), Some(later));
+        assert_eq!(s.due(now), None, "not before its time");
+        assert_eq!(s.due(later), Some(false));
+        s.succeeded();
+        assert_eq!((s.due(later), s.wake_at()), (None, None), "a sync took it");
+        s.wake(later);
+        s.changed();
+        assert_eq!(s.due(now), Some(false), "a change does not wait for it");
+        // A failure's backoff holds it back too.
+        let mut s = Schedule::new();
+        s.wake(now);
+        let wait = s.failed(now);
+        assert_eq!(s.due(now), None);
+        assert_eq!(s.wake_at(), Some(now + wait));
     }
 
     #[test]

@@ -106,7 +106,7 @@ impl Harness {
     }
 
     async fn sync(&mut self, verify: bool) -> Result<(), AgentError> {
-        self.agent.sync(verify).await
+        self.agent.sync(verify).await.map(|_| ())
     }
 
     fn kernel(&mut self) -> &mut FakeKernel {

@@ -25,6 +25,7 @@ use tracing::{debug, info, warn};
 use super::nodes::LABEL_NODE_LEASE;
 use crate::locks::lock;
 use crate::observe::debounce::{Burst, Events};
+use crate::observe::source::Fingerprint;
 use crate::pool::NodePortPool;
 use crate::slim::Slim;
 
@@ -55,37 +56,106 @@ pub struct KubeSnapshot {
 }
 
 impl KubeSnapshot {
-    /// Changes whenever a Service or EndpointSlice is added or removed, an EndpointSlice is
-    /// modified (uid + resourceVersion), or a Service changes in what a node reads of it
-    /// ([`crate::slim::node_view_hash`]: not its ingress or the leader's other conditions). A
-    /// relist that brings nothing new keeps it, so nothing is recomputed.
-    pub fn fingerprint(&self, views: &mut NodeViews) -> u64 {
-        // A sum of each object's hash: the same for any order of the cache, so nothing is
-        // sorted (sorting 20,000 uid strings took a node ~10 ms per sync at 10,000 Services).
-        fn sum<K: Resource>(objs: &[Arc<K>]) -> u64 {
-            objs.iter()
-                .map(|o| {
-                    let mut h = std::collections::hash_map::DefaultHasher::new();
-                    (o.meta().uid.as_deref(), o.meta().resource_version.as_deref()).hash(&mut h);
-                    h.finish()
-                })
-                .fold(0, u64::wrapping_add)
+    /// What a node programs from, in two parts ([`Fingerprint`]). `programmed` changes whenever
+    /// a Service that carries the leader's decision (an allocation annotation or an `Allocated`
+    /// condition saying why not), or an EndpointSlice of one, is added, removed or modified
+    /// (uid + resourceVersion; a Service only in what a node reads of it,
+    /// [`crate::slim::node_view_hash`]: not its ingress or the leader's other conditions).
+    /// `pending` follows the Services that are nodelb's but wait for the leader's decision, and
+    /// their EndpointSlices: no rule can come of them until it is written. Services nodelb does
+    /// not serve ([`crate::model::is_ours`]) with no decision on them, and EndpointSlices of
+    /// those or of no Service (the model reads a slice only through its Service: the slices of
+    /// a deleted Service outlive it a moment), are in neither: a node computes nothing from
+    /// them. A relist that brings nothing new keeps both, so nothing is recomputed.
+    pub fn fingerprint(&self, views: &mut NodeViews, opts: &crate::model::ModelOptions) -> Fingerprint {
+        #[derive(Default, Hash)]
+        struct Part {
+            services: (usize, u64),
+            slices: (usize, u64),
         }
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        let services = views.sum(&self.services);
-        (self.services.len(), services, self.slices.len(), sum(&self.slices)).hash(&mut h);
-        h.finish()
+        fn add(to: &mut (usize, u64), hash: u64) {
+            to.0 += 1;
+            to.1 = to.1.wrapping_add(hash);
+        }
+        // Sums of each object's hash: the same for any order of the cache, so nothing is sorted
+        // (sorting 20,000 uid strings took a node ~10 ms per sync at 10,000 Services).
+        let (mut programmed, mut pending) = (Part::default(), Part::default());
+        let mut standing: foldhash::HashMap<(&str, &str), Standing> =
+            foldhash::HashMap::with_capacity_and_hasher(self.services.len(), Default::default());
+        for (svc, view) in self.services.iter().zip(views.pass(&self.services, opts)) {
+            match view.standing {
+                Standing::Decided => add(&mut programmed.services, view.hash),
+                Standing::Undecided => add(&mut pending.services, view.hash),
+                Standing::NotOurs => {}
+            }
+            let meta = &svc.metadata;
+            standing.insert(crate::model::borrowed_key(&meta.namespace, meta.name.as_deref()), view.standing);
+        }
+        for slice in &self.slices {
+            let part = match crate::model::slice_service(slice).and_then(|key| standing.get(&key)) {
+                Some(Standing::Decided) => &mut programmed.slices,
+                Some(Standing::Undecided) => &mut pending.slices,
+                Some(Standing::NotOurs) | None => continue,
+            };
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            (slice.metadata.uid.as_deref(), slice.metadata.resource_version.as_deref()).hash(&mut h);
+            add(part, h.finish());
+        }
+        let hash = |part: &Part| {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            part.hash(&mut h);
+            h.finish()
+        };
+        Fingerprint { programmed: hash(&programmed), pending: hash(&pending) }
     }
 }
 
-/// Each cached Service's [`crate::slim::node_view_hash`], computed once per object version (kept
-/// while the cache holds the object).
+/// Where a Service version stands for a node ([`KubeSnapshot::fingerprint`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Standing {
+    /// The leader's decision is on it: an allocation annotation, or why there is none.
+    Decided,
+    /// nodelb's ([`crate::model::is_ours`]), waiting for the leader's decision.
+    Undecided,
+    /// Not nodelb's, and no decision on it: nothing of it is computed.
+    NotOurs,
+}
+
+impl Standing {
+    fn of(svc: &Service, opts: &crate::model::ModelOptions) -> Standing {
+        let annotated = svc
+            .metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.contains_key(crate::model::ANNOTATION_ALLOCATED));
+        if annotated || crate::model::refused_allocation(svc).is_some() {
+            Standing::Decided
+        } else if crate::model::is_ours(svc, opts) {
+            Standing::Undecided
+        } else {
+            Standing::NotOurs
+        }
+    }
+}
+
+/// A Service version as a node's fingerprint reads it.
+#[derive(Debug, Clone, Copy)]
+struct NodeView {
+    hash: u64,
+    standing: Standing,
+}
+
+/// Each cached Service's [`NodeView`], computed once per object version (kept while the cache
+/// holds the object).
 #[derive(Debug, Default)]
-pub struct NodeViews(crate::per_object::PerObject<Service, u64>);
+pub struct NodeViews(crate::per_object::PerObject<Service, NodeView>);
 
 impl NodeViews {
-    fn sum(&mut self, services: &[Arc<Service>]) -> u64 {
-        self.0.pass(services, |s| crate::slim::node_view_hash(s)).into_iter().fold(0, u64::wrapping_add)
+    fn pass(&mut self, services: &[Arc<Service>], opts: &crate::model::ModelOptions) -> Vec<NodeView> {
+        self.0.pass(services, |s| NodeView {
+            hash: crate::slim::node_view_hash(s),
+            standing: Standing::of(s, opts),
+        })
     }
 }
 
@@ -479,42 +549,151 @@ mod tests {
         }
     }
 
-    /// The fingerprint follows every add, removal and modification a node reads, and not the
-    /// cache's order nor a new resourceVersion alone (the leader's status write).
+    /// The fingerprint's programmed part follows every add, removal and modification a node
+    /// reads, and not the cache's order nor a new resourceVersion alone (the leader's status
+    /// write); its pending part follows the Services waiting for the leader's decision and their
+    /// EndpointSlices; Services that are not nodelb's, with their EndpointSlices, are in neither.
     #[test]
-    fn fingerprint_follows_objects_not_order() {
+    fn fingerprint_parts_follow_what_a_node_programs_and_what_waits_for_the_leader() {
+        use crate::model::ANNOTATION_ALLOCATED;
+        use serde_json::json;
         // `version`: the generation (a spec change); each object its own resourceVersion.
         let rv = std::sync::atomic::AtomicU64::new(1);
-        let svc = |uid: &str, version: &str| {
-            let mut s = Service::default();
-            s.metadata.uid = Some(uid.into());
-            s.metadata.generation = version.parse().ok();
-            s.metadata.resource_version = Some(rv.fetch_add(1, Ordering::Relaxed).to_string());
+        let next_rv = || rv.fetch_add(1, Ordering::Relaxed).to_string();
+        // `kind`: "decided" (annotated), "undecided" (a LoadBalancer without it), "not-ours" (a
+        // ClusterIP), "not-ours-annotated" (a ClusterIP the leader has not cleared yet).
+        let svc = |name: &str, version: i64, kind: &str| {
+            let mut v = json!({
+                "metadata": {"name": name, "namespace": "ns", "uid": format!("uid-{name}"),
+                             "generation": version, "resourceVersion": next_rv()},
+                "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]}
+            });
+            match kind {
+                "decided" => v["metadata"]["annotations"] = json!({ANNOTATION_ALLOCATED: "80/TCP=20080"}),
+                "undecided" => {}
+                "not-ours" => v["spec"]["type"] = json!("ClusterIP"),
+                _ => {
+                    v["metadata"]["annotations"] = json!({ANNOTATION_ALLOCATED: "80/TCP=20080"});
+                    v["spec"]["type"] = json!("ClusterIP");
+                }
+            }
+            Arc::new(serde_json::from_value::<Service>(v).expect("test Service"))
+        };
+        let slice = |name: &str, service: &str| {
+            let mut s = EndpointSlice::default();
+            s.metadata.namespace = Some("ns".into());
+            s.metadata.uid = Some(format!("uid-{name}"));
+            s.metadata.resource_version = Some(next_rv());
+            s.service_name = Some(service.into());
             Arc::new(s)
         };
-        let snap = |services: Vec<Arc<Service>>| KubeSnapshot {
+        let snap = |services: Vec<Arc<Service>>, slices: Vec<Arc<EndpointSlice>>| KubeSnapshot {
             services,
-            slices: vec![],
-            nodes: vec![],
-            leases: vec![],
-            pools: vec![],
-            namespaces: vec![],
+            slices,
+            ..Default::default()
         };
-        let views = &mut NodeViews::default();
-        let base = snap(vec![svc("a", "1"), svc("b", "2")]).fingerprint(views);
-        assert_eq!(snap(vec![svc("b", "2"), svc("a", "1")]).fingerprint(views), base, "order, new versions");
-        let mut written = Service::clone(&svc("b", "2"));
+        let (views, opts) = (&mut NodeViews::default(), &crate::model::ModelOptions::default());
+        let (a, b, sa) = (svc("a", 1, "decided"), svc("b", 2, "decided"), slice("sa", "a"));
+        let base = snap(vec![a.clone(), b.clone()], vec![sa.clone()]).fingerprint(views, opts);
+        let mut fp = |services, slices| snap(services, slices).fingerprint(views, opts);
+
+        // (name, services, slices, programmed part the same, pending part the same)
+        type Case = (&'static str, Vec<Arc<Service>>, Vec<Arc<EndpointSlice>>, bool, bool);
+        let unlabeled = {
+            let mut s = EndpointSlice::clone(&slice("sl", "a"));
+            s.service_name = None;
+            Arc::new(s)
+        };
+        let mut written = Service::clone(&b);
+        written.metadata.resource_version = Some(next_rv());
         written.status.get_or_insert_default().load_balancer = Some(Default::default());
-        let status_only = snap(vec![svc("a", "1"), Arc::new(written)]).fingerprint(views);
-        assert_eq!(status_only, base, "a status write");
-        for (name, services) in [
-            ("modified", vec![svc("a", "1"), svc("b", "3")]),
-            ("removed", vec![svc("a", "1")]),
-            ("added", vec![svc("a", "1"), svc("b", "2"), svc("c", "1")]),
-            ("re-created", vec![svc("a", "1"), svc("b2", "2")]),
-            ("two swapped versions", vec![svc("a", "2"), svc("b", "1")]),
-        ] {
-            assert_ne!(snap(services).fingerprint(views), base, "{name}");
+        let cases: Vec<Case> = vec![
+            (
+                "order, new versions",
+                vec![svc("b", 2, "decided"), svc("a", 1, "decided")],
+                vec![sa.clone()],
+                true,
+                true,
+            ),
+            ("a status write", vec![a.clone(), Arc::new(written)], vec![sa.clone()], true, true),
+            ("modified", vec![a.clone(), svc("b", 3, "decided")], vec![sa.clone()], false, true),
+            ("removed", vec![a.clone()], vec![sa.clone()], false, true),
+            ("added", vec![a.clone(), b.clone(), svc("c", 1, "decided")], vec![sa.clone()], false, true),
+            ("re-created", vec![a.clone(), svc("b2", 2, "decided")], vec![sa.clone()], false, true),
+            (
+                "two swapped versions",
+                vec![svc("a", 2, "decided"), svc("b", 1, "decided")],
+                vec![sa.clone()],
+                false,
+                true,
+            ),
+            ("its slice modified", vec![a.clone(), b.clone()], vec![slice("sa", "a")], false, true),
+            (
+                "a slice of no Service",
+                vec![a.clone(), b.clone()],
+                vec![sa.clone(), slice("sx", "x")],
+                true,
+                true,
+            ),
+            (
+                "a slice without its label",
+                vec![a.clone(), b.clone()],
+                vec![sa.clone(), unlabeled],
+                true,
+                true,
+            ),
+            ("the slice of a Service deleted", vec![b.clone()], vec![], false, true),
+            ("the Service deleted, its slice left", vec![b.clone()], vec![sa.clone()], false, true),
+            (
+                "undecided added",
+                vec![a.clone(), b.clone(), svc("u", 1, "undecided")],
+                vec![sa.clone()],
+                true,
+                false,
+            ),
+            (
+                "undecided and its slice",
+                vec![a.clone(), b.clone(), svc("u", 1, "undecided")],
+                vec![sa.clone(), slice("su", "u")],
+                true,
+                false,
+            ),
+            (
+                "the same decided",
+                vec![a.clone(), b.clone(), svc("u", 1, "decided")],
+                vec![sa.clone()],
+                false,
+                true,
+            ),
+            (
+                "not ours added",
+                vec![a.clone(), b.clone(), svc("n", 1, "not-ours")],
+                vec![sa.clone()],
+                true,
+                true,
+            ),
+            (
+                "not ours and its slice",
+                vec![a.clone(), b.clone(), svc("n", 1, "not-ours")],
+                vec![sa.clone(), slice("sn", "n")],
+                true,
+                true,
+            ),
+            (
+                "a decided one turned ClusterIP, still annotated",
+                vec![a.clone(), svc("b", 2, "not-ours-annotated")],
+                vec![sa.clone()],
+                false,
+                true,
+            ),
+        ];
+        for (name, services, slices, programmed, pending) in cases {
+            let got = fp(services, slices);
+            assert_eq!(
+                (got.programmed == base.programmed, got.pending == base.pending),
+                (programmed, pending),
+                "{name}"
+            );
         }
     }
 }

@@ -30,9 +30,19 @@ pub struct Snapshot {
     /// Services refused before the model sees them, and Services served from a last good version.
     pub notes: SourceNotes,
     /// Same value ⇒ same content; `None` ⇒ always recompute.
-    pub fingerprint: Option<u64>,
+    pub fingerprint: Option<Fingerprint>,
     /// Node port pools (`None`: the flags' range for everything).
     pub pools: Option<Box<PoolContext>>,
+}
+
+/// Identifies a snapshot's content: equal values, the same desired state. In two parts, so that
+/// a change of what the node cannot program yet (Kubernetes mode: Services waiting for the
+/// leader's node ports, [`crate::k8s::source::KubeSnapshot::fingerprint`]) can be told from one
+/// that changes its rules. Manifests mode allocates by itself: all of it is `programmed`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fingerprint {
+    pub programmed: u64,
+    pub pending: u64,
 }
 
 /// Manifests mode's pool facts that come from flags: there is no Node object.
@@ -51,6 +61,9 @@ pub enum Loaded {
     Waiting,
     /// The fingerprint is the one the caller already has: nothing was built.
     Unchanged,
+    /// Only what the node cannot program yet changed ([`Fingerprint::pending`]), and the caller
+    /// allowed that to wait: nothing was built.
+    Deferred,
     Snapshot(Snapshot),
 }
 
@@ -118,14 +131,20 @@ impl Source {
 
     /// The current desired state. When its fingerprint equals `known` (what the caller built its
     /// last state from), [`Loaded::Unchanged`]: the object lists are not even assembled (a resync
-    /// every 10 s at 10,000 Services). An error means the source could not be read at all (keep
-    /// the kernel as it is).
-    pub fn snapshot(&mut self, opts: &ModelOptions, known: Option<u64>) -> Result<Loaded, ManifestError> {
+    /// every 10 s at 10,000 Services); when only its pending part differs and `may_defer`,
+    /// [`Loaded::Deferred`]. An error means the source could not be read at all (keep the kernel
+    /// as it is).
+    pub fn snapshot(
+        &mut self,
+        opts: &ModelOptions,
+        known: Option<Fingerprint>,
+        may_defer: bool,
+    ) -> Result<Loaded, ManifestError> {
         match self {
             Source::Manifests { dir, last_good, cache, ignored, pools, pools_last_valid, .. } => {
                 // Only files whose stamp changed are parsed again.
                 cache.refresh(dir)?;
-                let fingerprint = cache.fingerprint();
+                let fingerprint = Fingerprint { programmed: cache.fingerprint(), pending: 0 };
                 if known == Some(fingerprint) {
                     return Ok(Loaded::Unchanged);
                 }
@@ -171,12 +190,16 @@ impl Source {
                     opts.servicelb_labels,
                 );
                 let fingerprint = {
+                    let objects = snap.fingerprint(views, opts);
                     let mut h = std::collections::hash_map::DefaultHasher::new();
-                    (snap.fingerprint(views), &pools).hash(&mut h);
-                    h.finish()
+                    (objects.programmed, &pools).hash(&mut h);
+                    Fingerprint { programmed: h.finish(), pending: objects.pending }
                 };
                 if known == Some(fingerprint) {
                     return Ok(Loaded::Unchanged);
+                }
+                if may_defer && known.is_some_and(|k| k.programmed == fingerprint.programmed) {
+                    return Ok(Loaded::Deferred);
                 }
                 let subst = last_good.apply(&snap.services, opts);
                 let stale = subst
@@ -231,8 +254,8 @@ mod tests {
 
     const SVC: &str = "apiVersion: v1\nkind: Service\nmetadata:\n  name: web\nspec:\n  type: LoadBalancer\n  ports:\n  - port: 80\n";
 
-    fn snapshot(source: &mut Source, known: Option<u64>) -> Snapshot {
-        match source.snapshot(&ModelOptions::default(), known).expect("readable") {
+    fn snapshot(source: &mut Source, known: Option<Fingerprint>) -> Snapshot {
+        match source.snapshot(&ModelOptions::default(), known, true).expect("readable") {
             Loaded::Snapshot(s) => s,
             other => panic!("expected a snapshot, got {other:?}"),
         }
@@ -249,7 +272,7 @@ mod tests {
         let mut source = Source::manifests(dir.path().to_path_buf(), pools).expect("watch");
         let first = snapshot(&mut source, None);
         let fp = first.fingerprint.expect("manifests have a fingerprint");
-        assert!(matches!(source.snapshot(&ModelOptions::default(), Some(fp)), Ok(Loaded::Unchanged)));
+        assert!(matches!(source.snapshot(&ModelOptions::default(), Some(fp), true), Ok(Loaded::Unchanged)));
         let again = snapshot(&mut source, None);
         assert_eq!(again.fingerprint, Some(fp), "same files, same fingerprint");
         assert!(first.services.iter().zip(&again.services).all(|(a, b)| Arc::ptr_eq(a, b)));

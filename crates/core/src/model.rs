@@ -420,13 +420,13 @@ pub(crate) fn index_slices<E: Borrow<EndpointSlice>>(slices: &[E]) -> BTreeMap<(
 
 /// The namespace and name of the Service an EndpointSlice belongs to (its label), borrowed;
 /// `None` without the label.
-pub(crate) fn slice_service(slice: &EndpointSlice) -> Option<(&str, &str)> {
+pub fn slice_service(slice: &EndpointSlice) -> Option<(&str, &str)> {
     let name = slice.service_name.as_deref()?;
     (!name.is_empty()).then(|| (namespace_str(&slice.metadata.namespace), name))
 }
 
 /// The namespace and name of an object, borrowed ([`service_key`] without the copies).
-pub(crate) fn borrowed_key<'a>(namespace: &'a Option<String>, name: Option<&'a str>) -> (&'a str, &'a str) {
+pub fn borrowed_key<'a>(namespace: &'a Option<String>, name: Option<&'a str>) -> (&'a str, &'a str) {
     (namespace_str(namespace), name.unwrap_or_default())
 }
 
