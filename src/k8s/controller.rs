@@ -523,6 +523,8 @@ async fn allocate_loop(
     let mut deduper: Deduper<ServiceKey> = Deduper::default();
     let mut outbox: Outbox<ServiceKey, publish::ServiceEvent> = Outbox::default();
     let mut was_leader = false;
+    // The caches, read while `source` waits for changes.
+    let cache = source.clone();
     loop {
         let changed = tokio::select! {
             _ = source.changed() => true,
@@ -560,7 +562,12 @@ async fn allocate_loop(
         }
         let others: Vec<&str> = changes.others.iter().copied().collect();
         debug!(timer = !changed, services = changes.services.len(), others = ?others, "allocation round cause");
-        if state.can_wait(&changes, &view) {
+        // A Service gone from the cache since is a deletion (the store is written before the
+        // journal notes the event).
+        let not_ours = |key: &ServiceKey| {
+            cache.service(key).is_none_or(|s| model::Standing::of(&s, &cfg.model) == model::Standing::NotOurs)
+        };
+        if state.can_wait(&changes, &view, not_ours) {
             // Until a change that cannot wait (a deletion's other events, endpoints, renewals
             // and our own writes coming back can), or the time is up. The round reads the whole
             // view when it runs: what arrived meanwhile is in it.
@@ -573,7 +580,7 @@ async fn allocate_loop(
                 let more = source.take_changes();
                 let (nodes, leases) = source.nodes_and_leases();
                 let view = LeaseView::of(&nodes, &leases, leases_now(&source, &cfg), &cfg);
-                if !state.can_wait(&more, &view) {
+                if !state.can_wait(&more, &view, not_ours) {
                     debug!("a change that cannot wait arrived; the round that waited runs now");
                     break;
                 }
@@ -700,25 +707,36 @@ impl LeaderState {
 
     /// Whether every Service version in `changes` is one the last round's writes made.
     fn only_echoes(&self, changes: &Journal) -> bool {
-        changes.services.iter().all(|(key, rv)| {
-            rv.as_ref().is_some_and(|rv| self.echoes.get(key).is_some_and(|made| made.contains(rv)))
-        })
+        changes.services.iter().all(|(key, rv)| self.is_echo(key, rv.as_deref()))
+    }
+
+    /// Whether this version of the Service is one the last round's writes made.
+    fn is_echo(&self, key: &ServiceKey, rv: Option<&str>) -> bool {
+        rv.is_some_and(|rv| self.echoes.get(key).is_some_and(|made| made.iter().any(|m| m == rv)))
     }
 
     /// Whether the round these changes call for may wait a little ([`NOT_URGENT_WAIT`], or until
     /// the next change, which it then covers too): nothing in them can give a Service a number.
     /// Services deleted (their numbers stay claimed a moment longer, which only keeps them from
     /// being handed out), EndpointSlices changed (statuses and Events follow; the nodes program
-    /// endpoints on their own), the last round's writes coming back, Lease renewals that change
-    /// nothing the round reads. A Service created or changed, a Node, a pool, a namespace or a
+    /// endpoints on their own), the last round's writes coming back, Services written that are
+    /// not nodelb's and carry no decision of a leader (`not_ours`, of the cache's version:
+    /// ClusterIP Services, most of a cluster's, with their labels and annotations edited by
+    /// every deploy tool), Lease renewals that change nothing the round reads. A Service of
+    /// nodelb's created or changed, a Node, a pool, a namespace or a
     /// changed view of the Leases does not wait; a relist of the Services (after a watch
     /// restart: the journal does not itemize it) does, for at most that second. What the last
     /// round left unfinished (claims to settle, Events to send) waits as well: a stale write or
     /// statuses left over rerun the round at once, in the round loop. Why: a round takes time
     /// linear in the Services (~80 ms at 10,000), and a create arriving while a deletion's round
     /// ran waited for all of it.
-    pub fn can_wait(&self, changes: &Journal, view: &LeaseView) -> bool {
-        self.only_echoes(changes)
+    pub fn can_wait(
+        &self,
+        changes: &Journal,
+        view: &LeaseView,
+        not_ours: impl Fn(&ServiceKey) -> bool,
+    ) -> bool {
+        changes.services.iter().all(|(key, rv)| self.is_echo(key, rv.as_deref()) || not_ours(key))
             && changes.others.iter().all(|kind| matches!(*kind, "Service" | "EndpointSlice" | "Lease"))
             && self.lease_view.as_ref() == Some(view)
     }
@@ -1473,6 +1491,7 @@ mod tests {
     fn a_round_is_skipped_only_when_it_would_plan_nothing() {
         let web = ServiceKey::new("default", "web");
         let db = ServiceKey::new("default", "db");
+        let internal = ServiceKey::new("default", "internal");
         let view = |nodes: &[&str]| LeaseView {
             serving: nodes
                 .iter()
@@ -1551,6 +1570,20 @@ mod tests {
                 AB,
                 false,
             ),
+            (
+                "a Service that is not nodelb's changed",
+                true,
+                changes(&[(&internal, Some("7")), (&web, Some("12"))], &["EndpointSlice"]),
+                AB,
+                true,
+            ),
+            (
+                "one that is not, one that is",
+                true,
+                changes(&[(&internal, Some("7")), (&db, Some("5"))], &[]),
+                AB,
+                false,
+            ),
             ("a deletion, and a node's Lease expired", true, changes(&[], &["Service"]), &["a"], false),
             ("a Node changed", true, changes(&[], &["Service", "Node"]), AB, false),
             ("a pool changed", true, changes(&[], &["NodePortPool"]), AB, false),
@@ -1565,7 +1598,7 @@ mod tests {
         ];
         for (name, clean, journal, serving, want) in cases {
             state.clean = clean;
-            assert_eq!(state.can_wait(&journal, &view(serving)), want, "{name}");
+            assert_eq!(state.can_wait(&journal, &view(serving), |k| *k == internal), want, "{name}");
         }
     }
 

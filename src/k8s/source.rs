@@ -24,6 +24,7 @@ use tracing::{debug, info, warn};
 
 use super::nodes::LABEL_NODE_LEASE;
 use crate::locks::lock;
+use crate::model::Standing;
 use crate::observe::debounce::{Burst, Events};
 use crate::observe::source::Fingerprint;
 use crate::pool::NodePortPool;
@@ -78,28 +79,28 @@ impl KubeSnapshot {
             to.1 = to.1.wrapping_add(hash);
         }
         // Sums of each object's hash: the same for any order of the cache, so nothing is sorted
-        // (sorting 20,000 uid strings took a node ~10 ms per sync at 10,000 Services).
+        // (sorting 20,000 uid strings took a node ~10 ms per sync at 10,000 Services). What is
+        // hashed is hashed once per object version ([`NodeViews`]): a Service's standing is
+        // found for each slice by its key's hash.
         let (mut programmed, mut pending) = (Part::default(), Part::default());
-        let mut standing: foldhash::HashMap<(&str, &str), Standing> =
-            foldhash::HashMap::with_capacity_and_hasher(self.services.len(), Default::default());
-        for (svc, view) in self.services.iter().zip(views.pass(&self.services, opts)) {
+        let (services, slices) = views.pass(self, opts);
+        let mut standing: foldhash::HashMap<u64, Standing> =
+            foldhash::HashMap::with_capacity_and_hasher(services.len(), Default::default());
+        for view in services {
             match view.standing {
                 Standing::Decided => add(&mut programmed.services, view.hash),
                 Standing::Undecided => add(&mut pending.services, view.hash),
                 Standing::NotOurs => {}
             }
-            let meta = &svc.metadata;
-            standing.insert(crate::model::borrowed_key(&meta.namespace, meta.name.as_deref()), view.standing);
+            standing.insert(view.key, view.standing);
         }
-        for slice in &self.slices {
-            let part = match crate::model::slice_service(slice).and_then(|key| standing.get(&key)) {
+        for view in slices {
+            let part = match view.service.and_then(|key| standing.get(&key)) {
                 Some(Standing::Decided) => &mut programmed.slices,
                 Some(Standing::Undecided) => &mut pending.slices,
                 Some(Standing::NotOurs) | None => continue,
             };
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            (slice.metadata.uid.as_deref(), slice.metadata.resource_version.as_deref()).hash(&mut h);
-            add(part, h.finish());
+            add(part, view.hash);
         }
         let hash = |part: &Part| {
             let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -110,52 +111,53 @@ impl KubeSnapshot {
     }
 }
 
-/// Where a Service version stands for a node ([`KubeSnapshot::fingerprint`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Standing {
-    /// The leader's decision is on it: an allocation annotation, or why there is none.
-    Decided,
-    /// nodelb's ([`crate::model::is_ours`]), waiting for the leader's decision.
-    Undecided,
-    /// Not nodelb's, and no decision on it: nothing of it is computed.
-    NotOurs,
-}
-
-impl Standing {
-    fn of(svc: &Service, opts: &crate::model::ModelOptions) -> Standing {
-        let annotated = svc
-            .metadata
-            .annotations
-            .as_ref()
-            .is_some_and(|a| a.contains_key(crate::model::ANNOTATION_ALLOCATED));
-        if annotated || crate::model::refused_allocation(svc).is_some() {
-            Standing::Decided
-        } else if crate::model::is_ours(svc, opts) {
-            Standing::Undecided
-        } else {
-            Standing::NotOurs
-        }
-    }
-}
-
 /// A Service version as a node's fingerprint reads it.
 #[derive(Debug, Clone, Copy)]
 struct NodeView {
     hash: u64,
+    /// The hash of its namespace and name ([`NodeViews::keys`]).
+    key: u64,
     standing: Standing,
 }
 
-/// Each cached Service's [`NodeView`], computed once per object version (kept while the cache
-/// holds the object).
+/// An EndpointSlice version as a node's fingerprint reads it.
+#[derive(Debug, Clone, Copy)]
+struct SliceView {
+    /// Of its uid and resourceVersion.
+    hash: u64,
+    /// The hash of its Service's namespace and name, when it names one.
+    service: Option<u64>,
+}
+
+/// Each cached Service's [`NodeView`] and EndpointSlice's [`SliceView`], computed once per object
+/// version (kept while the cache holds the object).
 #[derive(Debug, Default)]
-pub struct NodeViews(crate::per_object::PerObject<Service, NodeView>);
+pub struct NodeViews {
+    services: crate::per_object::PerObject<Service, NodeView>,
+    slices: crate::per_object::PerObject<EndpointSlice, SliceView>,
+    /// Hashes the Services' keys, the same way for both kinds.
+    keys: foldhash::fast::RandomState,
+}
 
 impl NodeViews {
-    fn pass(&mut self, services: &[Arc<Service>], opts: &crate::model::ModelOptions) -> Vec<NodeView> {
-        self.0.pass(services, |s| NodeView {
+    fn pass(
+        &mut self,
+        snap: &KubeSnapshot,
+        opts: &crate::model::ModelOptions,
+    ) -> (Vec<NodeView>, Vec<SliceView>) {
+        use std::hash::BuildHasher;
+        let keys = &self.keys;
+        let services = self.services.pass(&snap.services, |s| NodeView {
             hash: crate::slim::node_view_hash(s),
+            key: keys.hash_one(crate::model::borrowed_key(&s.metadata.namespace, s.metadata.name.as_deref())),
             standing: Standing::of(s, opts),
-        })
+        });
+        let slices = self.slices.pass(&snap.slices, |s| {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            (s.metadata.uid.as_deref(), s.metadata.resource_version.as_deref()).hash(&mut h);
+            SliceView { hash: h.finish(), service: crate::model::slice_service(s).map(|k| keys.hash_one(k)) }
+        });
+        (services, slices)
     }
 }
 

@@ -85,6 +85,33 @@ pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 /// Nodes with this label are never listed in a Service's status (the Kubernetes convention).
 pub const LABEL_EXCLUDE_LB: &str = "node.kubernetes.io/exclude-from-external-load-balancers";
 
+/// Where a Service stands with the leader's decision on its node ports, which is all that can
+/// make a node program it in Kubernetes mode (or make the leader act on it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Standing {
+    /// The decision is on it: an allocation annotation, or an `Allocated=False` condition saying
+    /// why there is none ([`refused_allocation`]).
+    Decided,
+    /// nodelb's ([`is_ours`]), waiting for the decision.
+    Undecided,
+    /// Not nodelb's, and no decision on it: nothing is computed from it.
+    NotOurs,
+}
+
+impl Standing {
+    pub fn of(svc: &Service, opts: &ModelOptions) -> Standing {
+        let annotated =
+            svc.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(ANNOTATION_ALLOCATED));
+        if annotated || refused_allocation(svc).is_some() {
+            Standing::Decided
+        } else if is_ours(svc, opts) {
+            Standing::Undecided
+        } else {
+            Standing::NotOurs
+        }
+    }
+}
+
 /// The leader's `Allocated=False` condition on a Service (why it has no node port), if any: what a
 /// node says for a Service it does not program, so part of what a node reads of it.
 pub fn refused_allocation(
