@@ -3,7 +3,7 @@
 //! accepted it ([`Deduper::sent`]), so one that could not be sent (API error, object not in the
 //! cache yet) stays pending and is tried again at the next round. Pure.
 
-use foldhash::{HashMap, HashMapExt, HashSet};
+use foldhash::{HashMap, HashMapExt};
 use std::collections::BTreeMap;
 use std::hash::Hash;
 
@@ -22,12 +22,23 @@ pub fn event_note(message: &str) -> String {
 /// Remembers the last message recorded per (object, reason).
 #[derive(Debug)]
 pub struct Deduper<K: Eq + Hash> {
-    last: HashMap<K, BTreeMap<&'static str, String>>,
+    /// Per object, each reason's last recorded message and the last [`Deduper::pending`] call
+    /// that computed it (a few reasons per object: a list, not a map).
+    last: HashMap<K, Vec<Recorded>>,
+    /// Counts the calls to [`Deduper::pending`].
+    pass: u64,
+}
+
+#[derive(Debug)]
+struct Recorded {
+    reason: &'static str,
+    message: String,
+    seen: u64,
 }
 
 impl<K: Eq + Hash> Default for Deduper<K> {
     fn default() -> Self {
-        Deduper { last: HashMap::new() }
+        Deduper { last: HashMap::new(), pass: 0 }
     }
 }
 
@@ -35,7 +46,8 @@ impl<K: Eq + Hash> Deduper<K> {
     /// Of the `current` (object, reason, message) triples, those not recorded with the same
     /// message. States that no longer hold are forgotten, so a recurrence is recorded again.
     /// Nothing is marked recorded here: call [`Deduper::sent`] once the API accepted an Event.
-    /// Nothing is copied: a leader's round holds one state Event per Service.
+    /// Nothing is copied, and each triple costs one lookup (what is recorded is marked as seen,
+    /// the rest swept after): a leader's round holds one state Event per Service.
     pub fn pending<'a, T>(
         &mut self,
         current: &'a [T],
@@ -44,23 +56,37 @@ impl<K: Eq + Hash> Deduper<K> {
     where
         K: 'a,
     {
-        let live: HashSet<(&K, &str)> = current.iter().map(&key).map(|(k, r, _)| (k, r)).collect();
-        self.last.retain(|k, reasons| {
-            reasons.retain(|r, _| live.contains(&(k, *r)));
+        self.pass += 1;
+        let pass = self.pass;
+        let mut out = Vec::new();
+        for t in current {
+            let (k, reason, message) = key(t);
+            let recorded = self.last.get_mut(k).and_then(|rs| rs.iter_mut().find(|r| r.reason == reason));
+            match recorded {
+                Some(r) => {
+                    r.seen = pass;
+                    if r.message != message {
+                        out.push(t);
+                    }
+                }
+                None => out.push(t),
+            }
+        }
+        self.last.retain(|_, reasons| {
+            reasons.retain(|r| r.seen == pass);
             !reasons.is_empty()
         });
-        current
-            .iter()
-            .filter(|t| {
-                let (k, r, msg) = key(t);
-                self.last.get(k).and_then(|m| m.get(r)).map(String::as_str) != Some(msg)
-            })
-            .collect()
+        out
     }
 
     /// The Event for this (object, reason, message) was recorded.
-    pub fn sent(&mut self, (k, reason, msg): (K, &'static str, String)) {
-        self.last.entry(k).or_default().insert(reason, msg);
+    pub fn sent(&mut self, (k, reason, message): (K, &'static str, String)) {
+        let seen = self.pass;
+        let reasons = self.last.entry(k).or_default();
+        match reasons.iter_mut().find(|r| r.reason == reason) {
+            Some(r) => *r = Recorded { reason, message, seen },
+            None => reasons.push(Recorded { reason, message, seen }),
+        }
     }
 }
 

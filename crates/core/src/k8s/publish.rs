@@ -616,7 +616,8 @@ impl Part {
 }
 
 /// [`plan_writes`] and [`service_events`] of a round of shared objects, each Service's part
-/// reused from `kept` while its inputs are the very same objects and values.
+/// reused from `kept` while its inputs are the very same objects and values. The Events are
+/// [`service_events`]' in another order: Service by Service, as `round.services` has them.
 pub fn plan_services(
     round: &Round<'_, Arc<Service>, Arc<LbService>>,
     duplicates: &[Duplicate],
@@ -633,11 +634,19 @@ pub fn plan_services(
     }
     let idx = Index::of(round);
     let (mut writes, mut events) = (Vec::new(), Vec::new());
+    // The round's own Events (allocation problems, refused input, duplicates; few) by Service,
+    // merged with that Service's part: Events are merged Service by Service, and the round's
+    // (one or more per Service) are never sorted as a whole.
+    let mut extra: foldhash::HashMap<ServiceKey, Vec<ServiceEvent>> = Default::default();
+    for e in round_events(round, duplicates) {
+        extra.entry(e.service.clone()).or_default().push(e);
+    }
+    let mut take_extra = |key: &ServiceKey| if extra.is_empty() { None } else { extra.remove(key) };
     kept.reused = 0;
     kept.parts.begin();
     for svc in round.services {
         if let Some(part) = kept.parts.get(svc).filter(|p| p.same_inputs(round, &idx)) {
-            events.extend(part.events.iter().cloned());
+            push_merged(&mut events, &part.events, take_extra(&part.key));
             kept.reused += 1;
             continue;
         }
@@ -651,7 +660,7 @@ pub fn plan_services(
             }
             _ => Vec::new(),
         };
-        events.extend(own_events.iter().cloned());
+        push_merged(&mut events, &own_events, take_extra(&key));
         match write_for(round, &idx, svc, &key, served) {
             Some(write) => {
                 // The write changes the Service: its next object is computed anew.
@@ -677,8 +686,19 @@ pub fn plan_services(
     // Gone, or replaced by a newer object.
     kept.parts.end();
     writes.sort_by(|a, b| a.key.cmp(&b.key));
-    events.extend(round_events(round, duplicates));
-    (writes, merge_events(events))
+    for (_, group) in extra {
+        events.extend(merge_events(group));
+    }
+    (writes, events)
+}
+
+/// Appends one Service's Events, `own` and the round's `extra`, merged as [`merge_events`]
+/// merges them (which never merges two Services' Events): one Event, the usual case, as it is.
+fn push_merged(out: &mut Vec<ServiceEvent>, own: &[ServiceEvent], extra: Option<Vec<ServiceEvent>>) {
+    match extra {
+        None if own.len() <= 1 => out.extend(own.iter().cloned()),
+        extra => out.extend(merge_events(own.iter().cloned().chain(extra.into_iter().flatten()).collect())),
+    }
 }
 
 /// Stand-ins for refused Services that carry an allocation: they keep holding their numbers
@@ -1385,6 +1405,36 @@ mod tests {
         assert!(events[0].message.contains("22/TCP") && events[0].message.contains("23/TCP"), "{events:?}");
     }
 
+    /// A Service's own Events of one reason (two ports in use) are merged as a whole round
+    /// merges them, though `plan_services` merges Service by Service.
+    #[test]
+    fn one_services_events_are_merged_as_a_whole_round_merges_them() {
+        let services = vec![Arc::new(service("web", |v| {
+            v["spec"]["ports"] = json!([{"name": "a", "port": 80}, {"name": "b", "port": 81}]);
+            v["metadata"]["annotations"] = json!({ANNOTATION_ALLOCATED: "80/TCP=20005,81/TCP=20006"});
+        }))];
+        use crate::model_cache::{ModelCache, ModelContext};
+        let opts = ModelOptions::default();
+        let (since, addresses, policy) = (BTreeMap::new(), Default::default(), Default::default());
+        let ctx = ModelContext { opts: &opts, since: &since, addresses: &addresses, policy: &policy };
+        let out = ModelCache::new().build(&services, &[], &ctx);
+        let result =
+            crate::alloc::allocate_with(&Default::default(), &out.services, &Allocations::new(), Default::default());
+        let listening: BTreeMap<(crate::domain::Protocol, u16), String> =
+            [20005, 20006].into_iter().map(|n| ((crate::domain::Protocol::Tcp, n), format!("pid {n}"))).collect();
+        let none = BTreeMap::new();
+        let round = Round {
+            listening: &listening,
+            ..plain_round(&services, &opts, (&out.services, &out.refused), &result, &none)
+        };
+        let (_, mut events) = plan_services(&round, &[], &mut Published::default());
+        events.sort();
+        let whole = service_events(&round, &[]);
+        assert_eq!(events, whole);
+        let in_use: Vec<&ServiceEvent> = whole.iter().filter(|e| e.reason == "NodePortInUse").collect();
+        assert!(in_use.len() == 1 && in_use[0].message.contains("20006"), "{whole:?}");
+    }
+
     /// The kept parts are what a whole round computes: a sequence of rounds, each planned both
     /// ways on the same objects; what nothing happened to is reused, a change of the shared
     /// inputs (nodes, listeners) starts over.
@@ -1440,6 +1490,18 @@ mod tests {
             ("nothing happened: every part kept", &two, &in_use, &refused_web, &[], 4),
         ];
         let (mut models, mut kept) = (ModelCache::new(), Published::default());
+        let mut kept_extra = Published::default();
+        let key = |name: &str| ServiceKey::new("default", name);
+        let problems = [
+            AllocProblem::InUse { service: key("web"), port: PortId::tcp(80), wanted: 22, by: "sshd".into() },
+            AllocProblem::InUse { service: key("db"), port: PortId::tcp(80), wanted: 20005, by: "nc".into() },
+        ];
+        let duplicates = [Duplicate {
+            node_port: 20005,
+            keeper: key("db"),
+            loser: key("other"),
+            loser_port: PortId::tcp(80),
+        }];
         let mut last_writes: Vec<ServiceWrite> = vec![];
         for (step, nodes, listening, refused_endpoints, edited, reused) in steps {
             // What the API server makes of the last round's writes and of the edits: new objects.
@@ -1469,10 +1531,17 @@ mod tests {
                 listening,
                 ..plain_round(&services, &opts, (&out.services, &out.refused), &result, nodes)
             };
-            let (writes, events) = plan_services(&round, &[], &mut kept);
+            let (writes, mut events) = plan_services(&round, &[], &mut kept);
             assert_eq!(writes, plan_writes(&round), "{step}: writes");
+            events.sort();
             assert_eq!(events, service_events(&round, &[]), "{step}: events");
             assert_eq!(kept.reused(), reused, "{step}: parts reused");
+            // With the round's own Events too, for the same Services and reasons as their parts'
+            // (db's port in use, as the listener on it says in the later steps).
+            let with_extra = Round { problems: &problems, ..round };
+            let (_, mut events) = plan_services(&with_extra, &duplicates, &mut kept_extra);
+            events.sort();
+            assert_eq!(events, service_events(&with_extra, &duplicates), "{step}: events with the round's");
             last_writes = writes;
         }
     }
