@@ -473,7 +473,12 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         // Observe.
         let node = self.node_facts();
         let host = self.host_facts();
-        let loaded = match self.observe(verify, &node, &host)? {
+        let observed = self.observe(verify, &node, &host)?;
+        if !matches!(observed, Loaded::Deferred) {
+            // Nothing waits any more (computed now, or the change that waited was undone).
+            self.deferred_since = None;
+        }
+        let loaded = match observed {
             Loaded::Snapshot(loaded) => loaded,
             Loaded::Unchanged => return Ok(Synced::Unchanged),
             Loaded::Deferred => {
@@ -487,7 +492,6 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             }
         };
         phases.mark("load");
-        self.deferred_since = None;
         let problems: Vec<String> = loaded.problems.clone();
         log_new(
             &mut self.logged_problems,

@@ -1256,9 +1256,8 @@ fn quiet_counters(c: &Cluster) -> Vec<(f64, f64)> {
 }
 
 /// Most of a cluster's Services are not nodelb's (ClusterIP, another class): their changes and
-/// their endpoints' cost a node no recompute, and a LoadBalancer Service is programmed from the
-/// leader's decision, not from its creation (a node leaves that waiting, docs/design.md,
-/// "Coalescing").
+/// their endpoints' cost a node no recompute (docs/design.md, "Nothing computed for what no rule
+/// can come of"); a LoadBalancer Service created after them is served everywhere as before.
 #[test]
 fn services_nodelb_does_not_serve_cost_the_nodes_no_sync() {
     require_root!();

@@ -86,6 +86,8 @@ impl Schedule {
         let wait = self.backoff;
         self.retry_at = Some(now + wait);
         self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+        // The retry is a whole sync: it covers a change left for later.
+        self.wake = None;
         self.dirty = true;
         self.verify = false;
         wait
@@ -99,10 +101,7 @@ impl Schedule {
     /// When the loop must wake up for a sync that no event announces: a retry, or a change left
     /// for later.
     pub fn wake_at(&self) -> Option<Instant> {
-        match (self.retry_at, self.wake) {
-            (Some(a), Some(b)) => Some(a.max(b)),
-            (a, b) => a.or(b),
-        }
+        self.retry_at.or(self.wake)
     }
 
     /// Whether the host-firewall check is due, given whether our table is programmed (it reads
@@ -185,12 +184,13 @@ mod tests {
         s.wake(later);
         s.changed();
         assert_eq!(s.due(now), Some(false), "a change does not wait for it");
-        // A failure's backoff holds it back too.
+        // A failure's retry covers it, at the retry's time however late the wake was.
         let mut s = Schedule::new();
-        s.wake(now);
+        s.wake(later);
         let wait = s.failed(now);
         assert_eq!(s.due(now), None);
         assert_eq!(s.wake_at(), Some(now + wait));
+        assert_eq!(s.due(now + wait), Some(false));
     }
 
     #[test]

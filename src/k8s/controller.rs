@@ -722,8 +722,9 @@ impl LeaderState {
     /// endpoints on their own), the last round's writes coming back, Services written that are
     /// not nodelb's and carry no decision of a leader (`not_ours`, of the cache's version:
     /// ClusterIP Services, most of a cluster's, with their labels and annotations edited by
-    /// every deploy tool), Lease renewals that change nothing the round reads. A Service of
-    /// nodelb's created or changed, a Node, a pool, a namespace or a
+    /// every deploy tool; one replaced whole without its annotation is a deletion here), Lease
+    /// renewals that change nothing the round reads. A Service of nodelb's created or changed,
+    /// more Service writes than the journal itemizes, a Node, a pool, a namespace or a
     /// changed view of the Leases does not wait; a relist of the Services (after a watch
     /// restart: the journal does not itemize it) does, for at most that second. What the last
     /// round left unfinished (claims to settle, Events to send) waits as well: a stale write or
@@ -736,7 +737,8 @@ impl LeaderState {
         view: &LeaseView,
         not_ours: impl Fn(&ServiceKey) -> bool,
     ) -> bool {
-        changes.services.iter().all(|(key, rv)| self.is_echo(key, rv.as_deref()) || not_ours(key))
+        !changes.truncated
+            && changes.services.iter().all(|(key, rv)| self.is_echo(key, rv.as_deref()) || not_ours(key))
             && changes.others.iter().all(|kind| matches!(*kind, "Service" | "EndpointSlice" | "Lease"))
             && self.lease_view.as_ref() == Some(view)
     }
@@ -1516,6 +1518,7 @@ mod tests {
         let changes = |services: &[(&ServiceKey, Option<&str>)], others: &[&'static str]| Journal {
             services: services.iter().map(|(k, rv)| ((*k).clone(), rv.map(String::from))).collect(),
             others: others.iter().copied().collect(),
+            truncated: false,
         };
         let (soon, late) = (t0 + Duration::from_secs(2), t0 + FULL_ROUND_EVERY);
         let echo = || changes(&[(&web, Some("11")), (&web, Some("12"))], &[]);
@@ -1581,6 +1584,13 @@ mod tests {
                 "one that is not, one that is",
                 true,
                 changes(&[(&internal, Some("7")), (&db, Some("5"))], &[]),
+                AB,
+                false,
+            ),
+            (
+                "more Service writes than the journal itemizes",
+                true,
+                Journal { truncated: true, ..changes(&[(&internal, Some("7"))], &["Service"]) },
                 AB,
                 false,
             ),

@@ -205,6 +205,8 @@ pub struct Journal {
     pub services: Vec<(crate::domain::ServiceKey, Option<String>)>,
     /// The kinds (as [`KINDS`] names them) that changed otherwise.
     pub others: BTreeSet<&'static str>,
+    /// More Service writes came than it itemizes (`services` holds the first).
+    pub truncated: bool,
 }
 
 impl Journal {
@@ -220,6 +222,10 @@ impl Journal {
                     meta.name.as_deref().unwrap_or_default(),
                 );
                 self.services.push((key, meta.resource_version.clone()));
+            }
+            watcher::Event::Apply(_) if index == 0 => {
+                self.truncated = true;
+                self.others.insert(KINDS[index]);
             }
             // Only fills the relist buffer; the store changes on InitDone.
             watcher::Event::Init | watcher::Event::InitApply(_) => {}
@@ -298,7 +304,11 @@ impl KubeSource {
     /// that anything may have changed. For one consumer: every call takes what the last left.
     pub fn take_changes(&self) -> Journal {
         let mut journal = lock(&self.journal);
-        journal.replace(Journal::default()).unwrap_or(Journal { services: vec![], others: KINDS.into() })
+        journal.replace(Journal::default()).unwrap_or(Journal {
+            services: vec![],
+            others: KINDS.into(),
+            truncated: true,
+        })
     }
 
     /// A handle whose [`KubeSource::changed`] reports what a node programs from (Services,
@@ -668,6 +678,13 @@ mod tests {
                 true,
             ),
             (
+                "the same decided, with its slice",
+                vec![a.clone(), b.clone(), svc("u", 1, "decided")],
+                vec![sa.clone(), slice("su", "u")],
+                false,
+                true,
+            ),
+            (
                 "not ours added",
                 vec![a.clone(), b.clone(), svc("n", 1, "not-ours")],
                 vec![sa.clone()],
@@ -689,6 +706,17 @@ mod tests {
                 true,
             ),
         ];
+        // An undecided Service's slice changed: the pending part only; decided, it moves over.
+        let (u, su) = (svc("u", 1, "undecided"), slice("su", "u"));
+        let with = |s: &Arc<EndpointSlice>| vec![sa.clone(), s.clone()];
+        let undecided = fp(vec![a.clone(), b.clone(), u.clone()], with(&su));
+        let changed = fp(vec![a.clone(), b.clone(), u.clone()], with(&slice("su", "u")));
+        assert_eq!(changed.programmed, undecided.programmed, "an undecided Service's slice changed");
+        assert_ne!(changed.pending, undecided.pending, "an undecided Service's slice changed");
+        let decided = fp(vec![a.clone(), b.clone(), svc("u", 1, "decided")], with(&su));
+        let decided_alone = fp(vec![a.clone(), b.clone(), svc("u", 1, "decided")], vec![sa.clone()]);
+        assert_ne!(decided.programmed, decided_alone.programmed, "a decided Service's slice is programmed");
+        assert_eq!(decided.pending, base.pending, "nothing pending once decided");
         for (name, services, slices, programmed, pending) in cases {
             let got = fp(services, slices);
             assert_eq!(

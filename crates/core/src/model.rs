@@ -1056,6 +1056,67 @@ mod tests {
         }
     }
 
+    /// Where a Service stands with the leader's decision: the decision (an allocation annotation,
+    /// even empty, or an `Allocated=False` condition) whatever the Service is now; else
+    /// undecided when nodelb's ([`is_ours`]), and not nodelb's otherwise.
+    #[test]
+    fn standing() {
+        let annotated =
+            |v: &mut Value| v["metadata"]["annotations"][ANNOTATION_ALLOCATED] = json!("80/TCP=20080");
+        let refused = |v: &mut Value| {
+            v["status"] = json!({"conditions": [{"type": CONDITION_ALLOCATED, "status": "False", "reason": "R",
+                "message": "m", "lastTransitionTime": "2024-01-02T03:04:05Z"}]})
+        };
+        let cases: Vec<(&str, Mutate, Standing)> = vec![
+            ("a LoadBalancer", Box::new(|_| {}), Standing::Undecided),
+            ("allocated", Box::new(annotated), Standing::Decided),
+            (
+                "allocated nothing (an empty annotation)",
+                Box::new(|v| v["metadata"]["annotations"][ANNOTATION_ALLOCATED] = json!("")),
+                Standing::Decided,
+            ),
+            ("refused by the leader", Box::new(refused), Standing::Decided),
+            (
+                "allocated, then not refused",
+                Box::new(move |v| {
+                    refused(v);
+                    v["status"]["conditions"][0]["status"] = json!("True");
+                }),
+                Standing::Undecided,
+            ),
+            ("a ClusterIP", Box::new(|v| v["spec"]["type"] = json!("ClusterIP")), Standing::NotOurs),
+            (
+                "a ClusterIP still annotated",
+                Box::new(move |v| {
+                    annotated(v);
+                    v["spec"]["type"] = json!("ClusterIP");
+                }),
+                Standing::Decided,
+            ),
+            (
+                "another class",
+                Box::new(|v| v["spec"]["loadBalancerClass"] = json!("other.io/lb")),
+                Standing::NotOurs,
+            ),
+            (
+                "opted out",
+                Box::new(|v| v["metadata"]["annotations"][ANNOTATION_IGNORE] = json!("true")),
+                Standing::NotOurs,
+            ),
+            (
+                "opted out, still annotated",
+                Box::new(move |v| {
+                    annotated(v);
+                    v["metadata"]["annotations"][ANNOTATION_IGNORE] = json!("true");
+                }),
+                Standing::Decided,
+            ),
+        ];
+        for (name, f, want) in cases {
+            assert_eq!(Standing::of(&svc_with("web", f), &ModelOptions::default()), want, "{name}");
+        }
+    }
+
     #[test]
     fn selection() {
         let cases: Vec<(&str, Mutate, ModelOptions, bool)> = vec![
