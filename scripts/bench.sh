@@ -49,6 +49,10 @@ fi
 . scripts/lib.sh
 nodelb_ensure_rust || exit 1
 
+# The commit measured is the one built now (the run takes over an hour; HEAD may move meanwhile).
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo '?')
+[ -z "$(git status --porcelain -- . ':!docs' 2>/dev/null)" ] || commit="$commit with uncommitted changes"
+
 # The agent measured is the one that ships (the Dockerfile's `dist` profile: fat LTO, one codegen
 # unit); the benchmark itself is an ordinary `cargo bench` build.
 log "building the agent (--profile dist)"
@@ -101,7 +105,7 @@ if [ "$docs" = 1 ]; then
     {
         echo "<!-- $marker: begin (do not edit by hand) -->"
         echo
-        echo "Run: \`sudo scripts/bench.sh${args[*]:+ ${args[*]}}\` on $(date -u +%Y-%m-%d), ${elapsed} s, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')."
+        echo "Run: \`sudo scripts/bench.sh${args[*]:+ ${args[*]}}\` on $(date -u +%Y-%m-%d), ${elapsed} s, commit $commit."
         echo
         machine
         echo
