@@ -1418,10 +1418,16 @@ mod tests {
         let (since, addresses, policy) = (BTreeMap::new(), Default::default(), Default::default());
         let ctx = ModelContext { opts: &opts, since: &since, addresses: &addresses, policy: &policy };
         let out = ModelCache::new().build(&services, &[], &ctx);
-        let result =
-            crate::alloc::allocate_with(&Default::default(), &out.services, &Allocations::new(), Default::default());
-        let listening: BTreeMap<(crate::domain::Protocol, u16), String> =
-            [20005, 20006].into_iter().map(|n| ((crate::domain::Protocol::Tcp, n), format!("pid {n}"))).collect();
+        let result = crate::alloc::allocate_with(
+            &Default::default(),
+            &out.services,
+            &Allocations::new(),
+            Default::default(),
+        );
+        let listening: BTreeMap<(crate::domain::Protocol, u16), String> = [20005, 20006]
+            .into_iter()
+            .map(|n| ((crate::domain::Protocol::Tcp, n), format!("pid {n}")))
+            .collect();
         let none = BTreeMap::new();
         let round = Round {
             listening: &listening,
