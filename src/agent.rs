@@ -105,11 +105,10 @@ const SYSCTL_PERIOD: Duration = Duration::from_secs(1);
 
 /// How long a node leaves a change it cannot program yet (Kubernetes mode: a Service created,
 /// its EndpointSlice, before the leader writes its node ports; [`Loaded::Deferred`]). No rule
-/// comes of it, and recomputing everything for it cost ~20 ms at 10,000 Services, twice per
-/// create, on the CPU the leader's round needed at that moment, delaying the sync of the
-/// allocation itself. What waits is this node's report of such a Service (`nodelb status`, the
-/// `nodelb_services` gauge, the families its Services need): it follows within this time even
-/// while no leader decides.
+/// comes of it, and recomputing everything for it cost every node ~24 ms at 10,000 Services,
+/// twice per create (docs/benchmarks.md, "Nothing computed for what no rule can come of"). What
+/// waits is this node's report of such a Service (`nodelb status`, the `nodelb_services` gauge,
+/// the families its Services need): it follows within this time even while no leader decides.
 const UNDECIDED_WAIT: Duration = Duration::from_secs(1);
 
 struct Agent<K, N> {
@@ -229,9 +228,9 @@ pub async fn run(
         if schedule.take_firewall(agent.dataplane.applied().is_some()) {
             firewall.check(&agent.metrics, &agent.status);
         }
-        let retry_at = schedule.wake_at();
-        let retry_sleep = async {
-            match retry_at {
+        let wake_at = schedule.wake_at();
+        let wake_sleep = async {
+            match wake_at {
                 Some(t) => tokio::time::sleep_until(t).await,
                 None => std::future::pending().await,
             }
@@ -244,7 +243,7 @@ pub async fn run(
             _ = agent.source.changed() => { debug!("source changed"); schedule.changed(); }
             _ = resync.tick() => schedule.resync(),
             _ = sysctl_tick.tick() => {}
-            _ = retry_sleep => {}
+            _ = wake_sleep => {}
         }
     }
 }
