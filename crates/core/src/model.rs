@@ -85,6 +85,11 @@ pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 /// Nodes with this label are never listed in a Service's status (the Kubernetes convention).
 pub const LABEL_EXCLUDE_LB: &str = "node.kubernetes.io/exclude-from-external-load-balancers";
 
+/// The leader's allocation annotation on a Service ([`ANNOTATION_ALLOCATED`]), if any.
+pub fn allocated_annotation(svc: &Service) -> Option<&String> {
+    svc.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION_ALLOCATED))
+}
+
 /// Where a Service stands with the leader's decision on its node ports, which is all that can
 /// make a node program it in Kubernetes mode (or make the leader act on it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,9 +105,7 @@ pub enum Standing {
 
 impl Standing {
     pub fn of(svc: &Service, opts: &ModelOptions) -> Standing {
-        let annotated =
-            svc.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(ANNOTATION_ALLOCATED));
-        if annotated || refused_allocation(svc).is_some() {
+        if allocated_annotation(svc).is_some() || refused_allocation(svc).is_some() {
             Standing::Decided
         } else if is_ours(svc, opts) {
             Standing::Undecided

@@ -42,7 +42,7 @@ use k8s_openapi::jiff::Timestamp;
 
 use crate::domain::Protocol;
 use crate::domain::ServiceKey;
-use crate::model::{self, ANNOTATION_ALLOCATED, LbService};
+use crate::model::{self, LbService};
 use crate::per_object::PerObject;
 
 /// Name prefix of the registry Leases (`nodelb-node-ports-2` holds 16384–24575).
@@ -107,11 +107,7 @@ pub struct Holder {
 impl Holder {
     pub fn of(svc: &Service) -> Holder {
         let key = model::service_key(svc);
-        let numbers = svc
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(ANNOTATION_ALLOCATED))
+        let numbers = model::allocated_annotation(svc)
             .map(|v| model::parse_allocated_ports(v).into_values().collect())
             .unwrap_or_default();
         Holder {
@@ -682,6 +678,7 @@ impl Keeper {
 mod tests {
     use super::*;
     use crate::domain::PortId;
+    use crate::model::ANNOTATION_ALLOCATED;
     use crate::model::{LbPort, PortRequest, TrafficPolicy};
 
     fn uid(c: char) -> String {

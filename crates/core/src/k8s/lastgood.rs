@@ -99,8 +99,7 @@ impl LastGoodServices {
                             *seen = round;
                             // The one copy: the last good spec with the current allocation and status.
                             let mut kept = Service::clone(good);
-                            let current =
-                                svc.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION_ALLOCATED));
+                            let current = crate::model::allocated_annotation(svc);
                             let ann = kept.metadata.annotations.get_or_insert_default();
                             match current {
                                 Some(v) => ann.insert(ANNOTATION_ALLOCATED.to_string(), v.clone()),

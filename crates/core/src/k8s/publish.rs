@@ -15,7 +15,7 @@ use k8s_openapi::jiff::Timestamp;
 use crate::alloc::{AllocProblem, Allocations};
 use crate::domain::{Family, PortId, ServiceKey};
 use crate::endpoint_policy::{self, RefusedEndpoint};
-use crate::model::{self, ANNOTATION_ALLOCATED, LbService, ModelOptions, Refusal, TrafficPolicy};
+use crate::model::{self, LbService, ModelOptions, Refusal, TrafficPolicy};
 use crate::per_object::PerObject;
 use crate::plan;
 
@@ -402,10 +402,6 @@ fn merge_conditions(
     changed.then_some(out)
 }
 
-fn annotation_of(svc: &Service) -> Option<&String> {
-    svc.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION_ALLOCATED))
-}
-
 /// One round's per-Service inputs, each list indexed by Service once (a linear search per
 /// Service was quadratic when many Services have a problem).
 struct Index<'r, V> {
@@ -487,7 +483,7 @@ fn write_for<S, V: Borrow<LbService>>(
         status: None,
     };
     if !model::is_ours(svc, round.model) {
-        if annotation_of(svc).is_some() {
+        if model::allocated_annotation(svc).is_some() {
             write.annotation = Some(None);
         }
         if cur_conditions.iter().any(|c| OUR_CONDITIONS.contains(&c.type_.as_str())) {
@@ -500,7 +496,7 @@ fn write_for<S, V: Borrow<LbService>>(
         let ports = idx.ports(key).unwrap_or(&NO_PORTS);
         let value = model::format_port_map(ports);
         let wanted_annotation = if value.is_empty() { None } else { Some(value) };
-        if annotation_of(svc) != wanted_annotation.as_ref() {
+        if model::allocated_annotation(svc) != wanted_annotation.as_ref() {
             write.annotation = Some(wanted_annotation);
         }
         // A Service served from its last valid spec still reports why its edit was refused.
@@ -711,7 +707,7 @@ pub fn reserved<S: Borrow<Service>>(services: &[S], refused: &[Refusal]) -> Vec<
         .map(Borrow::borrow)
         .filter(|s| refused.contains(&model::service_key(s)))
         .filter_map(|s| {
-            let value = annotation_of(s)?;
+            let value = model::allocated_annotation(s)?;
             let map = model::parse_allocated_ports(value);
             if map.is_empty() {
                 return None;
@@ -891,6 +887,7 @@ fn merge_events(mut out: Vec<ServiceEvent>) -> Vec<ServiceEvent> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::ANNOTATION_ALLOCATED;
     use crate::model::{Endpoint, LbPort};
     use serde_json::json;
 
