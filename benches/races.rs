@@ -200,7 +200,7 @@ impl Leader {
             ..Default::default()
         };
         self.state.observe(&snap);
-        controller::leader_round(client, &self.cfg, &snap, &mut self.state, None, true, None).await.0
+        controller::leader_round(client, &self.cfg, &snap, &mut self.state, None, true, None).await.again
     }
 }
 

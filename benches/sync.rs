@@ -300,9 +300,9 @@ fn leader(args: &ProgramArgs) {
         // agent's round does.
         let holders = memory.holders.of_view(&snap.services);
         keeper.observe_view(&holders, std::time::Instant::now());
-        let plan = plan_round(&snap, &cfg, &mut memory, &holders, Some(now), now, &claims);
+        let plan = plan_round(&snap, &cfg, &mut memory, &holders, Some(now), now, &claims, false);
         // The Events to record, each recorded (as when the API accepts them).
-        for e in events_to_send(&mut deduper, &mut outbox, &plan.events, |_| true) {
+        for e in events_to_send(&mut deduper, &mut outbox, &plan.events, |_| true, plan.scope.as_ref()) {
             let key = event_key(&e);
             outbox.sent(&key);
             deduper.sent(key);

@@ -27,9 +27,11 @@ use serde_json::json;
 use tracing::{debug, info, warn};
 
 use crate::alloc::{self, Allocations};
+use crate::compact::EndpointSlice;
 use crate::domain::{Family, ServiceKey};
 use crate::model::{self, ANNOTATION_ALLOCATED, ModelOptions};
 use crate::model_cache::{ModelCache, ModelContext};
+use crate::per_object::PerObject;
 use crate::port_policy::PortRange;
 use crate::serve::metrics::Metrics;
 use crate::serve::status::SharedStatus;
@@ -41,6 +43,7 @@ use super::lastgood::LastGoodServices;
 use super::leader::{self, Decision, LeaseRecord, Observed};
 use super::nodes::{self, ANNOTATION_FAMILIES, LABEL_NODE_LEASE};
 use super::publish::{self, Round, ServiceWrite};
+use super::scope;
 use super::source::{Journal, KubeSnapshot, KubeSource};
 
 /// Name of the leader-election Lease in the agent namespace.
@@ -652,8 +655,119 @@ pub struct RoundMemory {
     /// Each Service's status and Events, kept while its inputs are the same
     /// ([`publish::plan_services`]).
     pub published: publish::Published,
-    /// Each Service's registry holder ([`claims::Holders`]).
+    /// Each Service's registry holder ([`claims::Holders`]); its pass also says which Services
+    /// changed since the last round.
     pub holders: claims::Holders,
+    /// The last rounds' decisions for every Service ([`scope::RoundBook`]), and what every
+    /// Service's part read then: a round that finds the same plans only a scope.
+    pub book: scope::RoundBook,
+    shared: Option<SharedInputs>,
+    /// Each EndpointSlice's Service, per object (the slices that changed name theirs), and the
+    /// slices of each Service in the last view.
+    slices: PerObject<EndpointSlice, Option<ServiceKey>>,
+    slices_by_key: foldhash::HashMap<ServiceKey, Vec<Arc<EndpointSlice>>>,
+    /// The last good copies the last round planned in place of invalid Services: new objects
+    /// every round, so a scoped round lets go of what they left ([`plan_round`]).
+    substituted: Vec<Arc<Service>>,
+}
+
+impl RoundMemory {
+    /// Keeps each EndpointSlice's Service and each Service's slices; returns the Services whose
+    /// slices changed since the last call.
+    fn observe_slices(&mut self, slices: &[Arc<EndpointSlice>]) -> Vec<ServiceKey> {
+        let service = |s: &Arc<EndpointSlice>| model::slice_service(s).map(|(ns, n)| ServiceKey::new(ns, n));
+        let pass = self.slices.pass_changes(slices, service);
+        let mut changed = Vec::new();
+        for (object, key) in pass.dropped {
+            let Some(key) = key else { continue };
+            if let Some(list) = self.slices_by_key.get_mut(&key) {
+                list.retain(|s| !Arc::ptr_eq(s, &object));
+                if list.is_empty() {
+                    self.slices_by_key.remove(&key);
+                }
+            }
+            changed.push(key);
+        }
+        for (object, key) in pass.computed {
+            let Some(key) = key else { continue };
+            self.slices_by_key.entry(key.clone()).or_default().push(object);
+            changed.push(key);
+        }
+        changed
+    }
+}
+
+/// The objects a round plans: its Services (a last good copy where one stands in), their
+/// EndpointSlices, and (a scoped round) the objects that left the view since the last round.
+struct RoundObjects {
+    services: Vec<Arc<Service>>,
+    slices: Vec<Arc<EndpointSlice>>,
+    dropped: Vec<Arc<Service>>,
+}
+
+impl RoundMemory {
+    /// The objects of the Services of `keys` in the view the holders' pass saw, in key order,
+    /// `substituted` (last good copies) in place of theirs.
+    fn objects_of(&self, keys: &foldhash::HashSet<ServiceKey>, substituted: &[Arc<Service>]) -> RoundObjects {
+        let substituted: foldhash::HashMap<ServiceKey, &Arc<Service>> =
+            substituted.iter().map(|s| (model::service_key(s), s)).collect();
+        let mut sorted: Vec<&ServiceKey> = keys.iter().collect();
+        sorted.sort_unstable();
+        let services = sorted
+            .iter()
+            .filter_map(|k| match substituted.get(*k) {
+                Some(s) => Some(Arc::clone(s)),
+                None => self.holders.of_key(k).map(|(s, _)| Arc::clone(s)),
+            })
+            .collect();
+        let slices = sorted
+            .iter()
+            .filter_map(|k| self.slices_by_key.get(*k))
+            .flat_map(|list| list.iter().cloned())
+            .collect();
+        let dropped = (self.holders.changes().dropped.iter().map(|(o, _)| Arc::clone(o)))
+            .chain(self.substituted.iter().cloned())
+            .collect();
+        RoundObjects { services, slices, dropped }
+    }
+}
+
+/// What every Service's part of a round reads besides its own objects: a round plans only a
+/// scope ([`scope::RoundBook::closure`]) when these are what the last round read.
+#[derive(Debug, PartialEq)]
+struct SharedInputs {
+    /// Every Node's name, labels and addresses, hashed.
+    nodes: u64,
+    pools: crate::pool::PoolContext,
+    invalid_pools: Vec<crate::pool::InvalidPool>,
+    serving: BTreeMap<String, nodes::ServingNode>,
+    listening: BTreeMap<(crate::domain::Protocol, u16), String>,
+    unreported: Vec<String>,
+    published: BTreeMap<String, nodes::PoolSelections>,
+}
+
+/// A hash of what a round reads of the Nodes: names, labels, addresses.
+fn node_facts<N: Borrow<Node>>(nodes: &[N]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut per_node: Vec<u64> = nodes
+        .iter()
+        .map(|n| {
+            let n = n.borrow();
+            let mut h = std::hash::DefaultHasher::new();
+            n.metadata.name.hash(&mut h);
+            n.metadata.labels.hash(&mut h);
+            if let Some(addresses) = n.status.as_ref().and_then(|s| s.addresses.as_ref()) {
+                for a in addresses {
+                    (&a.type_, &a.address).hash(&mut h);
+                }
+            }
+            h.finish()
+        })
+        .collect();
+    per_node.sort_unstable();
+    let mut h = std::hash::DefaultHasher::new();
+    per_node.hash(&mut h);
+    h.finish()
 }
 
 /// What a leader keeps between rounds.
@@ -664,9 +778,10 @@ pub struct LeaderState {
     /// The last round read the registry, found every claim in it resolved, and all its writes
     /// (registry, Services, pools) and Events succeeded.
     clean: bool,
-    /// What the last round read from the node Leases ([`LeaseView`]), and when it started.
+    /// What the last round read from the node Leases ([`LeaseView`]), and when the last whole
+    /// round started (a scoped one plans only what changed: [`plan_round`]).
     lease_view: Option<LeaseView>,
-    last_round: Option<Instant>,
+    last_whole_round: Option<Instant>,
     /// What it knows of the node-port registry's Services ([`claims::Keeper`]).
     pub claims: claims::Keeper,
     /// Names this process in the claims it leaves pending.
@@ -685,7 +800,7 @@ impl LeaderState {
             echoes: HashMap::new(),
             clean: false,
             lease_view: None,
-            last_round: None,
+            last_whole_round: None,
             claims: claims::Keeper::default(),
             token: claims::Token::new(node_name, std::process::id(), started.as_nanos()),
             logged: Default::default(),
@@ -693,16 +808,21 @@ impl LeaderState {
         }
     }
 
-    /// Whether a round now would plan nothing: the last one was [`LeaderState::clean`] and recent
-    /// ([`FULL_ROUND_EVERY`]), and since then only its own writes came back through the watch
+    /// Whether a round now would plan nothing: the last one was [`LeaderState::clean`], the last
+    /// whole one recent ([`FULL_ROUND_EVERY`]), and since then only its own writes came back through the watch
     /// (the versions they made) and node Leases were renewed without changing what the round
     /// reads from them (`view`, taken now: a Lease that expired with time changes it).
     pub fn nothing_to_do(&self, changes: &Journal, view: &LeaseView, now: Instant) -> bool {
         self.clean
-            && self.last_round.is_some_and(|t| now.saturating_duration_since(t) < FULL_ROUND_EVERY)
+            && self.whole_round_within(now)
             && changes.others.iter().all(|kind| *kind == "Lease")
             && self.only_echoes(changes)
             && self.lease_view.as_ref() == Some(view)
+    }
+
+    /// Whether the last whole round started less than [`FULL_ROUND_EVERY`] before `now`.
+    fn whole_round_within(&self, now: Instant) -> bool {
+        self.last_whole_round.is_some_and(|t| now.saturating_duration_since(t) < FULL_ROUND_EVERY)
     }
 
     /// Whether every Service version in `changes` is one the last round's writes made.
@@ -750,7 +870,7 @@ impl LeaderState {
         self.echoes = HashMap::new();
         self.clean = false;
         self.lease_view = None;
-        self.last_round = None;
+        self.last_whole_round = None;
     }
 
     /// Records the Services of a view (see [`claims::Keeper::observe_view`]), as a follower:
@@ -781,6 +901,9 @@ pub struct RoundPlan {
     /// Nodes whose agent runs but has not reported its listeners yet: no new number was handed
     /// out this round (the Services that need one wait, in `claims.blocked`).
     pub listeners_unreported: Vec<String>,
+    /// The Services the round planned, when not all of them ([`plan_round`]'s `may_scope`):
+    /// its writes and Events are theirs.
+    pub scope: Option<foldhash::HashSet<ServiceKey>>,
 }
 
 /// The round's decisions the pools' status is computed from ([`super::pools::StatusRound`]).
@@ -810,6 +933,13 @@ pub struct ClaimInputs<'a> {
 /// left ([`RoundMemory`]). `holders`: what each Service of `snap` holds ([`claims::Holder::of`],
 /// in `snap`'s order). `leases_now`: the time to judge node-Lease expiry by, `None` while the
 /// Lease cache may be behind (see [`nodes::serving_nodes`]).
+///
+/// `may_scope`: the last round ended clean (every write and Event went through, every claim
+/// resolved) and `holders` are `memory.holders`' pass over `snap.services`. Then, if what every
+/// Service's part reads is what the last round read, the round plans only the Services that
+/// changed and those that share a number with them (docs/design.md, "The round scoped to what
+/// changed"); the plan says which ([`RoundPlan::scope`]).
+#[allow(clippy::too_many_arguments)]
 pub fn plan_round<H: Borrow<claims::Holder>>(
     snap: &KubeSnapshot,
     cfg: &ControllerConfig,
@@ -818,6 +948,7 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
     leases_now: Option<Timestamp>,
     now: Timestamp,
     registry: &ClaimInputs<'_>,
+    may_scope: bool,
 ) -> RoundPlan {
     let subst = memory.last_good.apply(&snap.services, &cfg.model);
     // The nodes refuse these endpoints (each also its own addresses): the status, the
@@ -830,10 +961,66 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
         addresses: &node_addresses,
         policy: &cfg.policy.endpoints,
     };
-    let out = memory.models.build(&subst.services, &snap.slices, &ctx);
+    let held = claims::HeldNumbers::of(holders);
+    let screen = registry.registry.map(|r| claims::Screen::of(&held, r, registry.gone));
+    let slices_changed = memory.observe_slices(&snap.slices);
+    // Node port pools: which pool each Service gets (a Service none accepts is not allocated, and
+    // says why), and which nodes its status may list.
+    let (pool_ctx, invalid_pools) = super::pools::context(
+        snap,
+        &mut memory.pools_last_valid,
+        cfg.port_range,
+        &cfg.node_name,
+        cfg.model.servicelb_labels,
+    );
+    let serving = nodes::serving_nodes(&snap.nodes, &snap.leases, leases_now, &cfg.node_addresses);
+    // What processes listen on, on any node (their Leases say): never handed out, and a request
+    // for it is refused. Each node refuses locally anyway, whatever is decided here.
+    let listening = nodes::listening_ports(&snap.leases);
+    let unreported = nodes::listeners_unreported(&snap.leases, leases_now, &cfg.node_name);
+    let shared = SharedInputs {
+        nodes: node_facts(&snap.nodes),
+        pools: pool_ctx.clone(),
+        invalid_pools: invalid_pools.clone(),
+        serving: serving.clone(),
+        listening: listening.clone(),
+        unreported: unreported.clone(),
+        published: nodes::published_pool_addresses(&snap.leases).0,
+    };
+    let same_shared = memory.shared.as_ref() == Some(&shared);
+    memory.shared = Some(shared);
+    // The Services this round plans: all of them, or a scope.
+    let scope: Option<foldhash::HashSet<ServiceKey>> =
+        (may_scope && same_shared && memory.models.has_context(&ctx)).then(|| {
+            let changes = memory.holders.changes();
+            let seed = |key: &ServiceKey, numbers: &std::collections::BTreeSet<u16>| scope::Seed {
+                key: key.clone(),
+                numbers: numbers.clone(),
+            };
+            let mut seeds: Vec<scope::Seed> =
+                changes.added.iter().map(|h| seed(&h.key, &h.numbers)).collect();
+            seeds.extend(changes.dropped.iter().map(|(_, h)| seed(&h.key, &h.numbers)));
+            seeds.extend(slices_changed.iter().map(|k| seed(k, &Default::default())));
+            seeds.extend(screen.iter().flat_map(|s| s.losers()).map(|k| seed(k, &Default::default())));
+            let holders = &memory.holders;
+            memory.book.closure(seeds, &held, |k| holders.of_key(k).map(|(_, h)| &h.numbers))
+        });
+    let RoundObjects { services, slices, dropped } = match &scope {
+        None => RoundObjects {
+            services: subst.services.clone(),
+            slices: snap.slices.clone(),
+            dropped: Vec::new(),
+        },
+        Some(keys) => memory.objects_of(keys, &subst.substituted),
+    };
+    memory.substituted = subst.substituted;
+    let out = match &scope {
+        Some(keys) => memory.models.build_scoped(keys, &services, &slices, &ctx).unwrap_or_default(),
+        None => memory.models.build(&services, &slices, &ctx),
+    };
     let refused_endpoints = out.refused_endpoints;
     let duplicates = dupes::duplicates(&out.services);
-    let stubs = publish::reserved(&snap.services, &out.refused);
+    let stubs = publish::reserved(&services, &out.refused);
     // The stand-ins of refused Services hold their numbers for the allocator; nothing else of
     // theirs goes on, unless a valid Service has the same key. There are few: no set of every
     // valid key is built.
@@ -845,34 +1032,23 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
     }
     let mut all: Vec<Arc<model::LbService>> =
         out.services.iter().cloned().chain(stubs.into_iter().map(Arc::new)).collect();
-    // What processes listen on, on any node (their Leases say): never handed out, and a request
-    // for it is refused. Each node refuses locally anyway, whatever is decided here.
-    let mut in_use = nodes::listening_ports(&snap.leases);
-    let held = claims::HeldNumbers::of(holders);
-    if let Some(r) = registry.registry {
+    let mut in_use = listening.clone();
+    let mut lost = Vec::new();
+    if let Some(screen) = &screen {
         // Numbers another Service claims are not this one's to keep, nor anyone's to take.
-        let screened = claims::screen(&mut all, &held, r, registry.gone);
-        for (k, why) in screened.in_use {
-            in_use.entry(k).or_insert(why);
+        lost = screen.apply(&mut all);
+        for (k, why) in &screen.in_use {
+            in_use.entry(*k).or_insert_with(|| why.clone());
         }
     }
-    // Node port pools: which pool each Service gets (a Service none accepts is not allocated, and
-    // says why), and which nodes its status may list.
-    let (pool_ctx, invalid_pools) = super::pools::context(
-        snap,
-        &mut memory.pools_last_valid,
-        cfg.port_range,
-        &cfg.node_name,
-        cfg.model.servicelb_labels,
-    );
     let assignment = (!pool_ctx.set.implicit)
-        .then(|| crate::pool::assign_services(&pool_ctx, &snap.services, &all, &Allocations::new()));
+        .then(|| crate::pool::assign_services(&pool_ctx, &services, &all, &Allocations::new()));
     let all: Vec<Arc<model::LbService>> = match &assignment {
         Some(a) => all.into_iter().filter(|s| a.has_pool(&s.key)).collect(),
         None => all,
     };
     let pool_nodes = assignment.as_ref().map(|a| super::pools::selected_nodes(&pool_ctx, a, &snap.nodes));
-    let pool_nodes = super::pools::narrow_by_servicelb(&pool_ctx, &snap.services, &snap.nodes, pool_nodes);
+    let pool_nodes = super::pools::narrow_by_servicelb(&pool_ctx, &services, &snap.nodes, pool_nodes);
     let pool_addresses = assignment.as_ref().map(|a| {
         let published = super::pools::published_selections(&snap.leases);
         super::pools::published_addresses(&pool_ctx, a, &snap.nodes, &published, &cfg.node_addresses)
@@ -881,6 +1057,7 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
         policy: Some(&cfg.policy.ports),
         in_use: Some(&in_use),
         pools: assignment.as_ref().map(|a| &a.ranges),
+        elsewhere: scope.as_ref().map(|keys| memory.book.elsewhere(keys)),
     };
     let mut result = alloc::allocate_with(&cfg.port_range, &all, &Allocations::new(), constraints);
     result.problems.extend(assignment.iter().flat_map(|a| a.problems.iter().cloned()));
@@ -889,9 +1066,8 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
     let problems: Vec<alloc::AllocProblem> =
         result.problems.into_iter().filter(|p| !stand_ins.contains(p.service())).collect();
     let refused: Vec<model::Refusal> = out.refused.iter().cloned().chain(subst.masked).collect();
-    let serving = nodes::serving_nodes(&snap.nodes, &snap.leases, leases_now, &cfg.node_addresses);
     let round = Round {
-        services: &snap.services,
+        services: &services,
         model: &cfg.model,
         valid: &out.services,
         refused: &refused,
@@ -904,17 +1080,23 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
         pool_addresses: pool_addresses.as_ref(),
         now,
     };
-    let (mut writes, mut events) = publish::plan_services(&round, &duplicates, &mut memory.published);
+    let (mut writes, mut events) = match &scope {
+        None => publish::plan_services(&round, &duplicates, &mut memory.published),
+        Some(_) => publish::plan_services_within(&round, &duplicates, &mut memory.published, &dropped),
+    };
     // The registry side of the annotation writes: the holders of the Services written (a map of
     // those only, not of every Service).
     let annotated: foldhash::HashSet<&ServiceKey> =
         writes.iter().filter(|w| w.annotation.is_some()).map(|w| &w.key).collect();
-    let by_key: foldhash::HashMap<&ServiceKey, &claims::Holder> = holders
-        .iter()
-        .map(Borrow::borrow)
-        .filter(|h: &&claims::Holder| annotated.contains(&h.key))
-        .map(|h| (&h.key, h))
-        .collect();
+    let by_key: foldhash::HashMap<&ServiceKey, &claims::Holder> = match &scope {
+        Some(_) => annotated.iter().filter_map(|k| Some((*k, &*memory.holders.of_key(k)?.1))).collect(),
+        None => holders
+            .iter()
+            .map(Borrow::borrow)
+            .filter(|h: &&claims::Holder| annotated.contains(&h.key))
+            .map(|h| (&h.key, h))
+            .collect(),
+    };
     let mut changes: Vec<claims::AnnotationChange<'_>> = writes
         .iter()
         .filter_map(|w| {
@@ -928,7 +1110,6 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
     // A number no node has said is free of listeners is not handed out: a running agent that has
     // not read its sockets yet (just started: a new node, a restart, an install into a cluster
     // whose Services all wait for numbers) has at least its own health and metrics listeners.
-    let unreported = nodes::listeners_unreported(&snap.leases, leases_now, &cfg.node_name);
     let mut waiting = Vec::new();
     if !unreported.is_empty() {
         changes.retain(|c| {
@@ -954,14 +1135,45 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
     // A Service whose new numbers are not free now waits for the next round (its Events too).
     writes.retain(|w| !claim_plan.blocked.contains(&w.key));
     events.retain(|e| !claim_plan.blocked.contains(&e.service));
-    let pools = (!snap.pools.is_empty()).then_some(PoolRound {
-        ctx: pool_ctx,
-        invalid: invalid_pools,
-        allocations,
-        assignment,
-        serving,
-    });
-    RoundPlan { writes, events, claims: claim_plan, pools, listeners_unreported: unreported }
+    // What the next round plans whatever changes: every Service this one left anything to do
+    // for, or that anything stands in the way of.
+    let unsettled: foldhash::HashSet<ServiceKey> = (problems.iter().map(|p| p.service()))
+        .chain(duplicates.iter().flat_map(|d| [&d.keeper, &d.loser]))
+        .chain(refused.iter().map(|r| r.service()))
+        .chain(stand_ins.iter())
+        .chain(lost.iter().map(|(k, _)| k))
+        .chain(claim_plan.blocked.iter())
+        .chain(writes.iter().map(|w| &w.key))
+        .cloned()
+        .collect();
+    let pool_ranges = assignment.as_ref().map(|a| a.ranges.clone()).unwrap_or_default();
+    let pools = match &scope {
+        None => {
+            memory.book.replace(allocations.clone(), unsettled, pool_ranges);
+            (!snap.pools.is_empty()).then_some(PoolRound {
+                ctx: pool_ctx,
+                invalid: invalid_pools,
+                allocations,
+                assignment,
+                serving,
+            })
+        }
+        Some(keys) => {
+            memory.book.patch(keys, allocations, unsettled, pool_ranges);
+            // The pools' status counts every Service's numbers: the book's.
+            (!snap.pools.is_empty()).then(|| PoolRound {
+                ctx: pool_ctx,
+                invalid: invalid_pools,
+                allocations: memory.book.allocations().clone(),
+                assignment: assignment.map(|_| crate::pool::Assignment {
+                    ranges: memory.book.pools().clone(),
+                    problems: Vec::new(),
+                }),
+                serving,
+            })
+        }
+    };
+    RoundPlan { writes, events, claims: claim_plan, pools, listeners_unreported: unreported, scope }
 }
 
 /// One round of the leader's work on `snap`: read the node-port registry, decide
@@ -978,11 +1190,10 @@ pub async fn leader_round(
     leases_now: Option<Timestamp>,
     services_current: bool,
     metrics: Option<&Metrics>,
-) -> (bool, Vec<publish::ServiceEvent>) {
+) -> RoundOutcome {
     let started = Instant::now();
-    state.clean = false;
+    let was_clean = std::mem::replace(&mut state.clean, false);
     state.echoes.clear();
-    state.last_round = Some(started);
     state.lease_view = Some(LeaseView::of(&snap.nodes, &snap.leases, leases_now, cfg));
     let registry = match read_registry(client, &cfg.namespace).await {
         Ok((r, problems)) => {
@@ -1008,7 +1219,19 @@ pub async fn leader_round(
     let gone = state.claims.gone().clone();
     let inputs =
         ClaimInputs { registry: registry.as_ref(), token: &state.token, gone: &gone, expired: &expired };
-    let mut plan = plan_round(snap, cfg, &mut state.memory, &holders, leases_now, Timestamp::now(), &inputs);
+    // A round plans only what changed when the last one left nothing undone, the registry as
+    // read now has every claim resolved, and a whole round ran within FULL_ROUND_EVERY (what is
+    // not watched, such as the registry edited by hand, is repaired by that).
+    let may_scope = was_clean
+        && state.whole_round_within(started)
+        && registry.is_some()
+        && expired.is_empty()
+        && state.claims.all_resolved();
+    let mut plan =
+        plan_round(snap, cfg, &mut state.memory, &holders, leases_now, Timestamp::now(), &inputs, may_scope);
+    if plan.scope.is_none() {
+        state.last_whole_round = Some(started);
+    }
     let planned = started.elapsed();
     if plan.listeners_unreported != state.unreported {
         if !plan.listeners_unreported.is_empty() {
@@ -1026,12 +1249,12 @@ pub async fn leader_round(
             Ok(()) => {}
             Err(e) if is_conflict(&e) => {
                 debug!(block = b, "node-port registry changed since read (409); retrying the round");
-                return (true, Vec::new());
+                return RoundOutcome { again: true, ..Default::default() };
             }
             Err(e) => {
                 count_api_error(metrics, "registry");
                 warn!(error = %e, block = b, "cannot write the node-port registry; retrying the round later");
-                return (false, Vec::new());
+                return RoundOutcome::default();
             }
         }
     }
@@ -1084,7 +1307,19 @@ pub async fn leader_round(
         phases = format!("registry={read:.2} plan={plan_ms:.2} writes={writes:.2}"),
         "allocation round breakdown (ms)"
     );
-    (stale, std::mem::take(&mut plan.events))
+    RoundOutcome { again: stale, events: std::mem::take(&mut plan.events), scope: plan.scope }
+}
+
+/// How a leader round ended ([`leader_round`]).
+#[derive(Debug, Default)]
+pub struct RoundOutcome {
+    /// Run the round again at once, from a fresh view: a write met a stale resourceVersion, or
+    /// statuses were left for the next round.
+    pub again: bool,
+    /// The Events to record.
+    pub events: Vec<publish::ServiceEvent>,
+    /// The Services the round planned, when not all ([`RoundPlan::scope`]): the Events are theirs.
+    pub scope: Option<foldhash::HashSet<ServiceKey>>,
 }
 
 /// How the leader records Service Events: state Events once per change ([`Deduper`]),
@@ -1106,7 +1341,7 @@ async fn round(
 ) -> bool {
     let started = Instant::now();
     let snap = source.snapshot();
-    let (stale, events) = leader_round(
+    let RoundOutcome { again: stale, events, scope } = leader_round(
         client,
         cfg,
         &snap,
@@ -1123,7 +1358,8 @@ async fn round(
     use futures::StreamExt as _;
     let until = Instant::now() + EVENTS_FOR;
     let mut next =
-        events_to_send(ev.deduper, ev.outbox, &events, |k| source.service(k).is_some()).into_iter();
+        events_to_send(ev.deduper, ev.outbox, &events, |k| source.service(k).is_some(), scope.as_ref())
+            .into_iter();
     let mut in_flight = futures::stream::FuturesUnordered::new();
     let mut left = false;
     loop {
@@ -1168,6 +1404,11 @@ async fn send_event(
     (e, sent)
 }
 
+/// An Event's (Service, reason, message), borrowed: what the deduper compares.
+fn event_triple(e: &publish::ServiceEvent) -> (&ServiceKey, &'static str, &str) {
+    (&e.service, e.reason, e.message.as_str())
+}
+
 /// An Event's (Service, reason, message), as the deduper and the outbox remember it.
 pub fn event_key(e: &publish::ServiceEvent) -> (ServiceKey, &'static str, String) {
     (e.service.clone(), e.reason, e.message.clone())
@@ -1176,15 +1417,21 @@ pub fn event_key(e: &publish::ServiceEvent) -> (ServiceKey, &'static str, String
 /// Which of a round's Events to record now (pure): the state Events not recorded with the same
 /// message ([`Deduper`]), and the one-time ones waiting in the outbox (queued there first, so a
 /// failed write keeps them) for Services that still `exist`. Each sent one is to be marked
-/// with [`Deduper::sent`] and [`Outbox::sent`].
+/// with [`Deduper::sent`] and [`Outbox::sent`]. `within`: the round planned these Services
+/// only ([`RoundPlan::scope`]): the others' states are as recorded.
 pub fn events_to_send(
     deduper: &mut Deduper<ServiceKey>,
     outbox: &mut Outbox<ServiceKey, publish::ServiceEvent>,
     events: &[publish::ServiceEvent],
     exist: impl Fn(&ServiceKey) -> bool,
+    within: Option<&foldhash::HashSet<ServiceKey>>,
 ) -> Vec<publish::ServiceEvent> {
     let mut sending: Vec<publish::ServiceEvent> = Vec::new();
-    for e in deduper.pending(events, |e| (&e.service, e.reason, e.message.as_str())) {
+    let pending = match within {
+        None => deduper.pending(events, event_triple),
+        Some(scope) => deduper.pending_within(events, event_triple, scope),
+    };
+    for e in pending {
         match publish::ONE_TIME_REASONS.contains(&e.reason) {
             true => outbox.add(event_key(e), e.clone()),
             false => sending.push(e.clone()),
@@ -1514,7 +1761,7 @@ mod tests {
         let mut state = LeaderState::new("node-a");
         state.echoes = [(web.clone(), vec!["11".to_string(), "12".to_string()])].into();
         state.lease_view = Some(view(&["a", "b"]));
-        state.last_round = Some(t0);
+        state.last_whole_round = Some(t0);
         let changes = |services: &[(&ServiceKey, Option<&str>)], others: &[&'static str]| Journal {
             services: services.iter().map(|(k, rv)| ((*k).clone(), rv.map(String::from))).collect(),
             others: others.iter().copied().collect(),
@@ -1671,7 +1918,7 @@ mod tests {
             let inputs =
                 ClaimInputs { registry: Some(&registry), token: &token, gone: &gone, expired: &expired };
             let holders: Vec<claims::Holder> = snap.services.iter().map(|s| claims::Holder::of(s)).collect();
-            plan_round(&snap, &cfg, &mut RoundMemory::default(), &holders, Some(now), now, &inputs)
+            plan_round(&snap, &cfg, &mut RoundMemory::default(), &holders, Some(now), now, &inputs, false)
         };
         let written = |p: &RoundPlan, name: &str| -> Option<Option<String>> {
             p.writes.iter().find(|w| &*w.key.name == name).and_then(|w| w.annotation.clone())

@@ -15,4 +15,4 @@ pub mod review;
 pub mod source;
 
 /// The pure decisions of Kubernetes mode (`crates/core/src/k8s`).
-pub use nodelb_core::k8s::{claims, dupes, events, lastgood, leader, nodes, publish, uninstall};
+pub use nodelb_core::k8s::{claims, dupes, events, lastgood, leader, nodes, publish, scope, uninstall};

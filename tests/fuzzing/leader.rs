@@ -81,7 +81,7 @@ fn plan(services: &[Service], slices: &[EndpointSlice], nodes: &[Value], leases:
     let (gone, expired) = (Default::default(), Default::default());
     let claims = ClaimInputs { registry: Some(&registry), token: &token, gone: &gone, expired: &expired };
     let holders: Vec<Holder> = snap.services.iter().map(|s| Holder::of(s)).collect();
-    plan_round(&snap, &config(), &mut Default::default(), &holders, None, now, &claims)
+    plan_round(&snap, &config(), &mut Default::default(), &holders, None, now, &claims, false)
 }
 
 fn reason_ok(r: &str) -> bool {

@@ -103,6 +103,25 @@ pub struct Constraints<'a> {
     /// Per Service, its node port pool ([`crate::pool`]); `None`: every Service allocates from
     /// the range (no pool object: the flags' pool).
     pub pools: Option<&'a BTreeMap<ServiceKey, PoolRanges>>,
+    /// Numbers held by Services this allocation does not see, which keep them (the leader's
+    /// scoped round: docs/design.md, "The round scoped to what changed"): a request for one is a
+    /// conflict naming its holder, and no port is given one, exactly as when their holders are
+    /// allocated too and keep what exists.
+    pub elsewhere: Option<Elsewhere<'a>>,
+}
+
+/// Numbers held outside an allocation, each with its holder ([`Constraints::elsewhere`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Elsewhere<'a> {
+    pub held: &'a foldhash::HashMap<u16, ServiceKey>,
+    /// Holders of `held` that the allocation sees after all: their numbers are its to decide.
+    pub except: &'a foldhash::HashSet<ServiceKey>,
+}
+
+impl<'a> Elsewhere<'a> {
+    fn holder(&self, number: u16) -> Option<&'a ServiceKey> {
+        self.held.get(&number).filter(|k| !self.except.contains(*k))
+    }
 }
 
 /// The ranges of a Service's pool.
@@ -178,6 +197,8 @@ impl AllocationResult {
 #[derive(Default)]
 struct Table<'a> {
     owners: BTreeMap<u16, (&'a ServiceKey, u8)>,
+    /// Numbers held outside the allocation: never free, never claimed.
+    elsewhere: Option<Elsewhere<'a>>,
 }
 
 fn protocol_bit(p: Protocol) -> u8 {
@@ -191,6 +212,9 @@ fn protocol_bit(p: Protocol) -> u8 {
 impl<'a> Table<'a> {
     /// Takes `number` for `proto` on behalf of `key`, or returns the holder that prevents it.
     fn claim(&mut self, number: u16, proto: Protocol, key: &'a ServiceKey) -> Result<(), ServiceKey> {
+        if let Some(holder) = self.elsewhere.and_then(|e| e.holder(number)) {
+            return Err(holder.clone());
+        }
         let bit = protocol_bit(proto);
         match self.owners.get_mut(&number) {
             None => {
@@ -206,7 +230,7 @@ impl<'a> Table<'a> {
     }
 
     fn is_free(&self, number: u16) -> bool {
-        !self.owners.contains_key(&number)
+        !self.owners.contains_key(&number) && self.elsewhere.is_none_or(|e| e.holder(number).is_none())
     }
 }
 
@@ -273,7 +297,7 @@ pub fn allocate_with<S: Borrow<LbService>>(
     constraints: Constraints<'_>,
 ) -> AllocationResult {
     let ordered = age_order(services);
-    let mut table = Table::default();
+    let mut table = Table { elsewhere: constraints.elsewhere, ..Table::default() };
     let mut result = AllocationResult::default();
     // What each Service holds, and its explicit requests refused in phase 2, by its position in
     // `ordered`: no key is compared or cloned per port. A port is settled when it holds a number
@@ -854,7 +878,7 @@ mod tests {
             ((Protocol::Tcp, 20003), "web".to_string()),
         ]
         .into();
-        let c = Constraints { policy: Some(&policy), in_use: Some(&in_use), pools: None };
+        let c = Constraints { policy: Some(&policy), in_use: Some(&in_use), ..Default::default() };
         let service = |s: LbService| {
             let mut s = s;
             s.port_request = PortRequest::ServicePorts;
@@ -972,7 +996,7 @@ mod tests {
             explicit(svc("explicit", Some(8), &[tcp(80)]), &[(tcp(80), 80)]),
         ];
         let policy = PortPolicy::default();
-        let c = Constraints { policy: Some(&policy), in_use: None, pools: Some(&pools) };
+        let c = Constraints { policy: Some(&policy), pools: Some(&pools), ..Default::default() };
         let got = allocate_with(&PortRange::default(), &services, &Allocations::new(), c);
         let want = allocs(&[
             ("new-a", &[(tcp(80), 21000)]),

@@ -107,17 +107,36 @@ impl Entry {
     /// The same model with another allocation age (after the first allocation round every
     /// Service's age is stamped: a copy each, not a rebuild each).
     fn aged(mut self, since: Option<Timestamp>) -> Entry {
+        self.age_in_place(since);
+        self
+    }
+
+    fn age_in_place(&mut self, since: Option<Timestamp>) {
         if let Ok(m) = &mut self.model {
             Arc::make_mut(m).allocated_since = since;
         }
         self.since = since;
-        self
     }
 }
 
 impl ModelCache {
     pub fn new() -> ModelCache {
         ModelCache::default()
+    }
+
+    /// How many Services' models are kept.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Whether the entries were built in `ctx`'s context (options, node addresses, endpoint
+    /// policy): only then can [`ModelCache::build_scoped`] keep the others.
+    pub fn has_context(&self, ctx: &ModelContext<'_>) -> bool {
+        self.context.as_ref().is_some_and(|(o, a, p)| o == ctx.opts && a == ctx.addresses && p == ctx.policy)
     }
 
     /// [`build`], rebuilding only the Services whose objects or age changed; the cache then holds
@@ -129,38 +148,12 @@ impl ModelCache {
         slices: &[Arc<EndpointSlice>],
         ctx: &ModelContext<'_>,
     ) -> Modeled {
-        let same_context = self
-            .context
-            .as_ref()
-            .is_some_and(|(o, a, p)| o == ctx.opts && a == ctx.addresses && p == ctx.policy);
-        if !same_context {
+        if !self.has_context(ctx) {
             self.entries.clear();
             self.context = Some((ctx.opts.clone(), ctx.addresses.clone(), ctx.policy.clone()));
         }
-        let mut ours: Vec<((&str, &str), &Arc<Service>)> = services
-            .iter()
-            .filter(|s| model::is_ours(s, ctx.opts))
-            .map(|s| (model::borrowed_key(&s.metadata.namespace, s.metadata.name.as_deref()), s))
-            .collect();
-        // As a stable sort: of two objects with one key the first is served, as `model::build`
-        // does. The references point into `services`, so their addresses are the input order:
-        // the unstable sort with that tie-break gives the stable order, without the stable
-        // sort's buffer and merges (the Kubernetes source hands over a reflector's hash order).
-        if !ours.is_sorted_by(|a, b| a.0 <= b.0) {
-            ours.sort_unstable_by(|a, b| {
-                a.0.cmp(&b.0).then_with(|| std::ptr::from_ref(a.1).cmp(&std::ptr::from_ref(b.1)))
-            });
-        }
-        // Each slice with its Service's key, in key order (the sources' order usually is; sorted
-        // as the Services are, each Service's slices stay in input order, as `model::build`
-        // takes them): one vector walked next to the Services, no map or list per Service.
-        let mut keyed: Vec<KeyedSlice<'_>> =
-            slices.iter().filter_map(|s| Some((model::slice_service(s)?, s))).collect();
-        if !keyed.is_sorted_by(|a, b| a.0 <= b.0) {
-            keyed.sort_unstable_by(|a, b| {
-                a.0.cmp(&b.0).then_with(|| std::ptr::from_ref(a.1).cmp(&std::ptr::from_ref(b.1)))
-            });
-        }
+        let ours = ours_in_key_order(services, ctx.opts);
+        let keyed = slices_in_key_order(slices);
         let mut keyed = keyed.as_slice();
         // The ages, walked in key order too.
         let mut ages = ctx.since.iter().peekable();
@@ -206,6 +199,122 @@ impl ModelCache {
         out.refused_endpoints.sort();
         out
     }
+    /// [`ModelCache::build`] for the Services of `keys` alone (the leader's scoped round:
+    /// docs/design.md, "The round scoped to what changed"): `services` are the objects of those
+    /// keys in the view, `slices` their EndpointSlices, each in the view's order. The entries of
+    /// other keys stay as they are; that of a key in `keys` with no Service of ours now goes.
+    /// Returns the scope's models, sorted as [`build`] sorts them; `None` when the context is
+    /// not the one the entries were built with (then only a whole build will do).
+    pub fn build_scoped(
+        &mut self,
+        keys: &foldhash::HashSet<ServiceKey>,
+        services: &[Arc<Service>],
+        slices: &[Arc<EndpointSlice>],
+        ctx: &ModelContext<'_>,
+    ) -> Option<Modeled> {
+        if !self.has_context(ctx) {
+            return None;
+        }
+        let ours = ours_in_key_order(services, ctx.opts);
+        let keyed = slices_in_key_order(slices);
+        let mut keyed = keyed.as_slice();
+        let position = |entries: &[Entry], key: (&str, &str)| {
+            entries.binary_search_by(|e| (&*e.key.namespace, &*e.key.name).cmp(&key))
+        };
+        let mut out = Modeled::default();
+        let mut present: foldhash::HashSet<(&str, &str)> = Default::default();
+        let mut last: Option<(&str, &str)> = None;
+        for (key, svc) in ours {
+            if last == Some(key) {
+                let service = ServiceKey::new(key.0, key.1);
+                out.refused
+                    .push(Refusal::Invalid { service, reason: "duplicate Service object".to_string() });
+                continue;
+            }
+            last = Some(key);
+            present.insert(key);
+            let skip = keyed.iter().take_while(|(k, _)| *k < key).count();
+            let take = keyed[skip..].iter().take_while(|(k, _)| *k == key).count();
+            let svc_slices = &keyed[skip..skip + take];
+            keyed = &keyed[skip + take..];
+            let since = match ctx.since.is_empty() {
+                true => None,
+                false => ctx.since.get(&ServiceKey::new(key.0, key.1)).copied(),
+            };
+            let entry = match position(&self.entries, key) {
+                Ok(i) => {
+                    let e = &mut self.entries[i];
+                    if e.built_from(svc, svc_slices, e.since) {
+                        if e.since != since {
+                            e.age_in_place(since);
+                        }
+                    } else {
+                        *e = build_entry(svc, svc_slices, ServiceKey::new(key.0, key.1), since, ctx);
+                    }
+                    &self.entries[i]
+                }
+                Err(i) => {
+                    let e = build_entry(svc, svc_slices, ServiceKey::new(key.0, key.1), since, ctx);
+                    self.entries.insert(i, e);
+                    &self.entries[i]
+                }
+            };
+            match &entry.model {
+                Ok(m) => out.services.push(m.clone()),
+                Err(r) => out.refused.push(Refusal::clone(r)),
+            }
+            out.warnings.extend(entry.warnings.iter().cloned());
+            out.refused_endpoints.extend(entry.refused_endpoints.iter().cloned());
+        }
+        for key in keys {
+            let borrowed = (&*key.namespace, &*key.name);
+            if !present.contains(&borrowed)
+                && let Ok(i) = position(&self.entries, borrowed)
+            {
+                self.entries.remove(i);
+            }
+        }
+        out.refused.sort_by(|a, b| a.service().cmp(b.service()));
+        out.warnings.sort_by(|a, b| a.service.cmp(&b.service));
+        out.refused_endpoints.sort();
+        Some(out)
+    }
+}
+
+/// The Services of `services` that are ours, each with its key, in key order: as a stable sort
+/// (of two objects with one key the first is served, as `model::build` does). The references
+/// point into `services`, so their addresses are the input order: the unstable sort with that
+/// tie-break gives the stable order, without the stable sort's buffer and merges (the
+/// Kubernetes source hands over a reflector's hash order).
+fn ours_in_key_order<'a>(
+    services: &'a [Arc<Service>],
+    opts: &ModelOptions,
+) -> Vec<((&'a str, &'a str), &'a Arc<Service>)> {
+    let mut ours: Vec<((&str, &str), &Arc<Service>)> = services
+        .iter()
+        .filter(|s| model::is_ours(s, opts))
+        .map(|s| (model::borrowed_key(&s.metadata.namespace, s.metadata.name.as_deref()), s))
+        .collect();
+    if !ours.is_sorted_by(|a, b| a.0 <= b.0) {
+        ours.sort_unstable_by(|a, b| {
+            a.0.cmp(&b.0).then_with(|| std::ptr::from_ref(a.1).cmp(&std::ptr::from_ref(b.1)))
+        });
+    }
+    ours
+}
+
+/// Each slice with its Service's key, in key order (the sources' order usually is; sorted as the
+/// Services are, each Service's slices stay in input order, as `model::build` takes them): one
+/// vector walked next to the Services, no map or list per Service.
+fn slices_in_key_order(slices: &[Arc<EndpointSlice>]) -> Vec<KeyedSlice<'_>> {
+    let mut keyed: Vec<KeyedSlice<'_>> =
+        slices.iter().filter_map(|s| Some((model::slice_service(s)?, s))).collect();
+    if !keyed.is_sorted_by(|a, b| a.0 <= b.0) {
+        keyed.sort_unstable_by(|a, b| {
+            a.0.cmp(&b.0).then_with(|| std::ptr::from_ref(a.1).cmp(&std::ptr::from_ref(b.1)))
+        });
+    }
+    keyed
 }
 
 /// An EndpointSlice with the key of its Service.
@@ -326,6 +435,61 @@ mod tests {
             let port = first.spec.as_ref().unwrap().ports.as_ref().unwrap()[0].port;
             assert_eq!(i32::from(m.ports[0].id.port), port, "{}: the first object of the key", m.key);
         }
+    }
+
+    /// A scoped build touches the scope's entries only: it builds what changed in the scope,
+    /// drops the entries of scope keys that are gone (or no longer ours), keeps every other
+    /// entry (even one whose objects changed: not its to see), and leaves the cache as a whole
+    /// build of the same view would.
+    #[test]
+    fn a_scoped_build_keeps_every_entry_outside_its_scope() {
+        let opts = ModelOptions::default();
+        let (policy, addresses, since) =
+            (EndpointPolicy::default(), HostAddresses::default(), BTreeMap::new());
+        let ctx = ModelContext { opts: &opts, since: &since, addresses: &addresses, policy: &policy };
+        let (a, a_1) = objects("a", "198.51.100.11");
+        let (b, b_1) = objects("b", "198.51.100.12");
+        let (c, c_1) = objects("c", "198.51.100.13");
+        let mut cache = ModelCache::new();
+        let keys = |names: &[&str]| -> foldhash::HashSet<ServiceKey> {
+            names.iter().map(|n| ServiceKey::new("default", *n)).collect()
+        };
+        assert!(
+            cache.build_scoped(&keys(&["a"]), &[], &[], &ctx).is_none(),
+            "no context yet: only a whole build"
+        );
+        let first =
+            cache.build(&[a.clone(), b.clone(), c.clone()], &[a_1.clone(), b_1.clone(), c_1.clone()], &ctx);
+        let mut moved = addresses.clone();
+        moved.add("198.51.100.99".parse().unwrap(), "Node node-9");
+        assert!(!cache.has_context(&ModelContext { addresses: &moved, ..ctx }), "another context");
+        // b gets a new slice, c is deleted, d is new, a is not in the scope.
+        let b_2 = slice("b", "b-1", "198.51.100.22");
+        let (d, d_1) = objects("d", "198.51.100.14");
+        let got = cache
+            .build_scoped(&keys(&["b", "c", "d"]), &[d.clone(), b.clone()], &[b_2.clone(), d_1.clone()], &ctx)
+            .expect("same context");
+        let names: Vec<&str> = got.services.iter().map(|m| &*m.key.name).collect();
+        assert_eq!(names, ["b", "d"], "the scope's models, in key order");
+        assert_eq!(got.services[0].ports[0].endpoints[0].addr.to_string(), "198.51.100.22");
+        let kept: Vec<&str> = cache.entries.iter().map(|e| &*e.key.name).collect();
+        assert_eq!(kept, ["a", "b", "d"], "c dropped, a kept");
+        assert!(Arc::ptr_eq(cache.entries[0].model.as_ref().unwrap(), &first.services[0]), "a untouched");
+        // What a whole build of the view now gives, with every model kept.
+        let services = [a.clone(), b.clone(), d.clone()];
+        let slices = [a_1.clone(), b_2.clone(), d_1.clone()];
+        let whole = cache.build(&services, &slices, &ctx);
+        assert_eq!(whole, super::build(&services, &slices, &ctx));
+        assert!(
+            Arc::ptr_eq(&whole.services[1], &got.services[0])
+                && Arc::ptr_eq(&whole.services[2], &got.services[1])
+        );
+        // A Service of the scope that is no longer ours goes too.
+        let mut cluster_ip = (*b).clone();
+        cluster_ip.spec.as_mut().unwrap().type_ = Some("ClusterIP".into());
+        let got = cache.build_scoped(&keys(&["b"]), &[Arc::new(cluster_ip)], &[b_2], &ctx).unwrap();
+        assert!(got.services.is_empty());
+        assert_eq!(cache.entries.iter().map(|e| &*e.key.name).collect::<Vec<_>>(), ["a", "d"]);
     }
 
     /// Each reason to build a Service's model again, and only those: the cache hands out the

@@ -21,8 +21,8 @@ pub struct PerObject<T, V> {
 
 #[derive(Debug)]
 struct Entry<T, V> {
-    /// Held, never read: while it lives, no other object has the address that keys the entry.
-    #[expect(dead_code, reason = "held for its address")]
+    /// Held: while it lives, no other object has the address that keys the entry (and a pass
+    /// that drops it hands it back: [`PerObject::pass_changes`]).
     object: Arc<T>,
     seen: u64,
     value: V,
@@ -100,6 +100,39 @@ impl<T, V> PerObject<T, V> {
         out
     }
 
+    /// [`PerObject::pass`], also saying what changed since the last pass: the values it had to
+    /// compute (objects it did not keep: new, or new versions) and the objects it forgot, with
+    /// their values (gone, or replaced by a newer version).
+    pub fn pass_changes(&mut self, objects: &[Arc<T>], compute: impl Fn(&Arc<T>) -> V) -> PassChanges<T, V>
+    where
+        V: Clone,
+    {
+        self.begin();
+        let pass = self.pass;
+        let mut computed = Vec::new();
+        let values = objects
+            .iter()
+            .map(|o| {
+                let e = self.entries.entry(address(o)).or_insert_with(|| {
+                    let value = compute(o);
+                    computed.push((Arc::clone(o), value.clone()));
+                    Entry { object: Arc::clone(o), seen: pass, value }
+                });
+                e.seen = pass;
+                e.value.clone()
+            })
+            .collect();
+        let mut dropped = Vec::new();
+        self.entries.retain(|_, e| {
+            let keep = e.seen == pass;
+            if !keep {
+                dropped.push((Arc::clone(&e.object), e.value.clone()));
+            }
+            keep
+        });
+        PassChanges { values, computed, dropped }
+    }
+
     /// Forgets `object` now (its value no longer holds).
     pub fn remove(&mut self, object: &Arc<T>) {
         self.entries.remove(&address(object));
@@ -116,6 +149,17 @@ impl<T, V> PerObject<T, V> {
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
+}
+
+/// What [`PerObject::pass_changes`] found.
+#[derive(Debug)]
+pub struct PassChanges<T, V> {
+    /// The value of each object of the pass, in its order.
+    pub values: Vec<V>,
+    /// The objects whose values it computed (they were not kept), with their values.
+    pub computed: Vec<(Arc<T>, V)>,
+    /// The objects forgotten, with their values.
+    pub dropped: Vec<(Arc<T>, V)>,
 }
 
 #[cfg(test)]
@@ -169,6 +213,29 @@ mod tests {
         assert_eq!(computed.get(), 2, "the second pass computed nothing");
         assert_eq!(kept.pass(std::slice::from_ref(&b), double), [4]);
         assert_eq!((kept.len(), Arc::strong_count(&a)), (1, 1), "a forgotten");
+    }
+
+    #[test]
+    fn a_pass_says_what_it_computed_and_what_it_dropped() {
+        let (a, b, b2) = (Arc::new(1u32), Arc::new(2u32), Arc::new(2u32));
+        let mut kept = PerObject::default();
+        let values = |c: &[(Arc<u32>, u32)]| c.iter().map(|(_, v)| *v).collect::<Vec<_>>();
+        let first = kept.pass_changes(&[Arc::clone(&a), Arc::clone(&b)], |o| **o * 10);
+        assert_eq!(
+            (first.values, values(&first.computed), first.dropped.len()),
+            (vec![10, 20], vec![10, 20], 0)
+        );
+        let same = kept.pass_changes(&[Arc::clone(&b), Arc::clone(&a)], |o| **o * 10);
+        assert_eq!((same.values, values(&same.computed), same.dropped.len()), (vec![20, 10], vec![], 0));
+        // b replaced by a new version, a gone.
+        let next = kept.pass_changes(std::slice::from_ref(&b2), |o| **o * 10);
+        assert_eq!((next.values, values(&next.computed)), (vec![20], vec![20]));
+        assert!(Arc::ptr_eq(&next.computed[0].0, &b2));
+        let mut dropped: Vec<(u32, u32)> = next.dropped.iter().map(|(o, v)| (**o, *v)).collect();
+        dropped.sort();
+        assert_eq!(dropped, [(1, 10), (2, 20)]);
+        assert!(next.dropped.iter().any(|(o, _)| Arc::ptr_eq(o, &b)), "the old version is handed back");
+        assert_eq!(kept.len(), 1);
     }
 
     #[test]

@@ -127,14 +127,52 @@ impl Holder {
 /// Each Service's [`Holder`], built once per object version: a round needs the holder of every
 /// Service of its view, and building one (the key, the owner, the annotation parsed) for each of
 /// 10,000 Services per round was a twentieth of the agent's CPU during creates.
+///
+/// The same pass finds what changed in the view since the last one, by object address: the
+/// leader's round is scoped to those Services ([`Holders::changes`]).
 #[derive(Debug, Default)]
-pub struct Holders(PerObject<Service, Arc<Holder>>);
+pub struct Holders {
+    kept: PerObject<Service, Arc<Holder>>,
+    changes: ViewChanges,
+    /// The object of each key in the last view, with its holder (patched by the changes).
+    by_key: foldhash::HashMap<ServiceKey, (Arc<Service>, Arc<Holder>)>,
+}
+
+/// What changed between two views of the Services, by object.
+#[derive(Debug, Default)]
+pub struct ViewChanges {
+    /// The holders of the objects new to the view (new Services, new versions).
+    pub added: Vec<Arc<Holder>>,
+    /// The objects no longer in it (deleted, or replaced by a newer version), with their holders.
+    pub dropped: Vec<(Arc<Service>, Arc<Holder>)>,
+}
 
 impl Holders {
     /// The holder of each of `services`, in their order (what the view does not hold any more is
     /// forgotten).
     pub fn of_view(&mut self, services: &[Arc<Service>]) -> Vec<Arc<Holder>> {
-        self.0.pass(services, |s| Arc::new(Holder::of(s)))
+        let pass = self.kept.pass_changes(services, |s| Arc::new(Holder::of(s)));
+        for (object, holder) in &pass.dropped {
+            if self.by_key.get(&holder.key).is_some_and(|(o, _)| Arc::ptr_eq(o, object)) {
+                self.by_key.remove(&holder.key);
+            }
+        }
+        for (object, holder) in &pass.computed {
+            self.by_key.insert(holder.key.clone(), (Arc::clone(object), Arc::clone(holder)));
+        }
+        let added = pass.computed.into_iter().map(|(_, h)| h).collect();
+        self.changes = ViewChanges { added, dropped: pass.dropped };
+        pass.values
+    }
+
+    /// The object of `key` in the last view, and its holder.
+    pub fn of_key(&self, key: &ServiceKey) -> Option<&(Arc<Service>, Arc<Holder>)> {
+        self.by_key.get(key)
+    }
+
+    /// What changed between the view of the last [`Holders::of_view`] and the one before.
+    pub fn changes(&self) -> &ViewChanges {
+        &self.changes
     }
 }
 
@@ -268,6 +306,11 @@ pub struct Screened {
 pub struct HeldNumbers<'h>(BTreeMap<u16, Vec<&'h Holder>>);
 
 impl<'h> HeldNumbers<'h> {
+    /// The Services whose annotation names `number`, oldest first.
+    pub fn holders_of(&self, number: u16) -> &[&'h Holder] {
+        self.0.get(&number).map_or(&[], Vec::as_slice)
+    }
+
     /// Only a number held twice needs ordering: sorting every holder by age (a round's whole
     /// view, in a reflector's order) was 6% of the leader's round at 10,000 Services.
     pub fn of<H: Borrow<Holder>>(holders: &'h [H]) -> HeldNumbers<'h> {
@@ -293,49 +336,79 @@ pub fn screen(
     registry: &Registry,
     gone: &BTreeSet<Owner>,
 ) -> Screened {
-    let mut out = Screened::default();
-    let by_number = &held.0;
-    let mut lose: BTreeMap<&ServiceKey, BTreeSet<u16>> = BTreeMap::new();
-    for (n, hs) in by_number {
-        let Some(c) = registry.get(*n).filter(|c| !gone.contains(&c.owner)) else { continue };
-        let claimant_holds = hs.iter().any(|h| h.owner == c.owner);
-        for h in hs {
-            // Two holders of a settled claim: the allocator's older-keeps decides. Otherwise
-            // only the claimant may hold it (a pending claim is its leader's business).
-            let keeps = h.owner == c.owner || (claimant_holds && c.state == State::Held);
-            if !keeps {
-                lose.entry(&h.key).or_default().insert(*n);
+    let screen = Screen::of(held, registry, gone);
+    let lost = screen.apply(services);
+    Screened { in_use: screen.in_use, lost }
+}
+
+/// [`screen`] in two steps: what the registry decides for the view (who loses which numbers,
+/// what nobody may be given), then applied to the models of the Services a round plans.
+pub struct Screen<'h> {
+    lose: BTreeMap<&'h ServiceKey, BTreeSet<u16>>,
+    /// As [`Screened::in_use`].
+    pub in_use: BTreeMap<(Protocol, u16), String>,
+}
+
+impl<'h> Screen<'h> {
+    pub fn of(held: &HeldNumbers<'h>, registry: &Registry, gone: &BTreeSet<Owner>) -> Screen<'h> {
+        let by_number = &held.0;
+        let mut lose: BTreeMap<&ServiceKey, BTreeSet<u16>> = BTreeMap::new();
+        for (n, hs) in by_number {
+            let Some(c) = registry.get(*n).filter(|c| !gone.contains(&c.owner)) else { continue };
+            let claimant_holds = hs.iter().any(|h| h.owner == c.owner);
+            for h in hs {
+                // Two holders of a settled claim: the allocator's older-keeps decides. Otherwise
+                // only the claimant may hold it (a pending claim is its leader's business).
+                let keeps = h.owner == c.owner || (claimant_holds && c.state == State::Held);
+                if !keeps {
+                    lose.entry(&h.key).or_default().insert(*n);
+                }
             }
         }
+        let mut in_use = BTreeMap::new();
+        for (n, c) in registry.iter() {
+            if gone.contains(&c.owner) {
+                continue;
+            }
+            let held_by_claimant = by_number.get(&n).is_some_and(|hs| hs.iter().any(|h| h.owner == c.owner));
+            if held_by_claimant && c.state == State::Held {
+                continue;
+            }
+            // A claimant holding a pending number keeps it (the allocator keeps what exists);
+            // nobody else may be given it.
+            let why = match &c.state {
+                State::Held => "claimed by a Service that does not hold it in this view (being released)",
+                State::Adding(_) => "being given to a Service by a leader",
+                State::Removing(_) => "being released by a leader",
+            };
+            for p in [Protocol::Tcp, Protocol::Udp, Protocol::Sctp] {
+                in_use
+                    .insert((p, n), format!("{why} (node-port registry, Lease {})", lease_name(block_of(n))));
+            }
+        }
+        Screen { lose, in_use }
     }
-    for svc in services.iter_mut() {
-        if let Some(ns) = lose.get(&svc.key) {
-            // A copy of the (shared) model, for the few that lose a number.
-            Arc::make_mut(svc).previous_allocation.retain(|_, n| !ns.contains(n));
-            out.lost.extend(ns.iter().map(|n| (svc.key.clone(), *n)));
-        }
+
+    /// The Services that lose a number.
+    pub fn losers(&self) -> impl Iterator<Item = &'h ServiceKey> + '_ {
+        self.lose.keys().copied()
     }
-    for (n, c) in registry.iter() {
-        if gone.contains(&c.owner) {
-            continue;
+
+    /// Takes the numbers off the models of `services` that lose them; returns what each lost.
+    pub fn apply(&self, services: &mut [Arc<LbService>]) -> Vec<(ServiceKey, u16)> {
+        let mut lost = Vec::new();
+        if self.lose.is_empty() {
+            return lost;
         }
-        let held_by_claimant = by_number.get(&n).is_some_and(|hs| hs.iter().any(|h| h.owner == c.owner));
-        if held_by_claimant && c.state == State::Held {
-            continue;
+        for svc in services.iter_mut() {
+            if let Some(ns) = self.lose.get(&svc.key) {
+                // A copy of the (shared) model, for the few that lose a number.
+                Arc::make_mut(svc).previous_allocation.retain(|_, n| !ns.contains(n));
+                lost.extend(ns.iter().map(|n| (svc.key.clone(), *n)));
+            }
         }
-        // A claimant holding a pending number keeps it (the allocator keeps what exists); nobody
-        // else may be given it.
-        let why = match &c.state {
-            State::Held => "claimed by a Service that does not hold it in this view (being released)",
-            State::Adding(_) => "being given to a Service by a leader",
-            State::Removing(_) => "being released by a leader",
-        };
-        for p in [Protocol::Tcp, Protocol::Udp, Protocol::Sctp] {
-            out.in_use
-                .insert((p, n), format!("{why} (node-port registry, Lease {})", lease_name(block_of(n))));
-        }
+        lost
     }
-    out
 }
 
 /// How the write of one Service ended, for [`resolve`].
@@ -1166,7 +1239,21 @@ mod tests {
         let v2 = svc("80/TCP=20002");
         let next = memo.of_view(std::slice::from_ref(&v2));
         assert_eq!(next[0].numbers, BTreeSet::from([20002]), "a new version: a new holder");
+        // What changed, for the round: v2 is new, v1 went (the last pass held it).
+        let changes = memo.changes();
+        assert_eq!(
+            changes.added.iter().map(|h| h.numbers.clone()).collect::<Vec<_>>(),
+            [BTreeSet::from([20002])]
+        );
+        assert!(changes.dropped.iter().any(|(o, _)| Arc::ptr_eq(o, &v1)));
+        assert!(Arc::ptr_eq(&memo.of_key(&v2_key()).unwrap().0, &v2));
+        memo.of_view(std::slice::from_ref(&v2));
+        assert!(memo.changes().added.is_empty() && memo.changes().dropped.is_empty());
         assert_eq!((Arc::strong_count(&v1), Arc::strong_count(&other)), (1, 1), "the others let go");
+    }
+
+    fn v2_key() -> ServiceKey {
+        ServiceKey::new("default", "web")
     }
 
     #[test]

@@ -56,6 +56,50 @@ impl<K: Eq + Hash> Deduper<K> {
     where
         K: 'a,
     {
+        let out = self.mark(current, key);
+        let pass = self.pass;
+        self.last.retain(|_, reasons| {
+            reasons.retain(|r| r.seen == pass);
+            !reasons.is_empty()
+        });
+        out
+    }
+
+    /// [`Deduper::pending`] of a round that computed the states of the objects of `within` alone
+    /// (the leader's scoped round): only their records are forgotten when not computed again;
+    /// every other object's stay as they are.
+    pub fn pending_within<'a, 'w, T>(
+        &mut self,
+        current: &'a [T],
+        key: impl Fn(&'a T) -> (&'a K, &'static str, &'a str),
+        within: impl IntoIterator<Item = &'w K>,
+    ) -> Vec<&'a T>
+    where
+        K: 'a + 'w,
+    {
+        let out = self.mark(current, key);
+        let pass = self.pass;
+        for k in within {
+            if let Some(reasons) = self.last.get_mut(k) {
+                reasons.retain(|r| r.seen == pass);
+                if reasons.is_empty() {
+                    self.last.remove(k);
+                }
+            }
+        }
+        out
+    }
+
+    /// Starts a pass: the triples of `current` not recorded with their message, and every
+    /// recorded one marked as seen.
+    fn mark<'a, T>(
+        &mut self,
+        current: &'a [T],
+        key: impl Fn(&'a T) -> (&'a K, &'static str, &'a str),
+    ) -> Vec<&'a T>
+    where
+        K: 'a,
+    {
         self.pass += 1;
         let pass = self.pass;
         let mut out = Vec::new();
@@ -72,10 +116,6 @@ impl<K: Eq + Hash> Deduper<K> {
                 None => out.push(t),
             }
         }
-        self.last.retain(|_, reasons| {
-            reasons.retain(|r| r.seen == pass);
-            !reasons.is_empty()
-        });
         out
     }
 

@@ -35,6 +35,9 @@ pub struct LastGoodServices {
 pub struct Substituted {
     pub services: Vec<Arc<Service>>,
     pub masked: Vec<Refusal>,
+    /// The Services of `services` that are a last good spec, not the object as it is (one per
+    /// refusal of `masked`).
+    pub substituted: Vec<Arc<Service>>,
 }
 
 impl LastGoodServices {
@@ -107,7 +110,9 @@ impl LastGoodServices {
                             };
                             kept.metadata.resource_version = svc.metadata.resource_version.clone();
                             kept.status = svc.status.clone();
-                            out.services.push(Arc::new(kept));
+                            let kept = Arc::new(kept);
+                            out.substituted.push(Arc::clone(&kept));
+                            out.services.push(kept);
                             out.masked.push(refusal);
                         }
                         None => out.services.push(object),

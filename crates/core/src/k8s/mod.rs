@@ -1,7 +1,8 @@
 //! Kubernetes mode's pure decisions; the agent's `k8s` module talks to the API server around
 //! them: [`dupes`] (duplicate node ports), [`nodes`] (which nodes serve), [`publish`] (what the
 //! leader writes), [`events`] (once per change), [`leader`] (the Lease election rules),
-//! [`lastgood`] (the last valid spec of a Service), [`uninstall`] (uninstall or restart).
+//! [`lastgood`] (the last valid spec of a Service), [`scope`] (what a leader's round must plan),
+//! [`uninstall`] (uninstall or restart).
 
 pub mod claims;
 pub mod dupes;
@@ -10,4 +11,5 @@ pub mod lastgood;
 pub mod leader;
 pub mod nodes;
 pub mod publish;
+pub mod scope;
 pub mod uninstall;

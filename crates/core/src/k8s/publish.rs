@@ -566,6 +566,15 @@ impl Published {
     pub fn reused(&self) -> usize {
         self.reused
     }
+
+    /// How many Services' parts are kept.
+    pub fn len(&self) -> usize {
+        self.parts.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.parts.is_empty()
+    }
 }
 
 #[derive(Debug, PartialEq)]
@@ -619,6 +628,28 @@ pub fn plan_services(
     duplicates: &[Duplicate],
     kept: &mut Published,
 ) -> (Vec<ServiceWrite>, Vec<ServiceEvent>) {
+    plan_parts(round, duplicates, kept, None)
+}
+
+/// [`plan_services`] of a round that sees only some Services (the leader's scoped round:
+/// `round.services` are the scope's objects): the other Services' parts stay as they are, and
+/// those of `dropped` objects (deleted, or replaced by newer versions) go.
+pub fn plan_services_within(
+    round: &Round<'_, Arc<Service>, Arc<LbService>>,
+    duplicates: &[Duplicate],
+    kept: &mut Published,
+    dropped: &[Arc<Service>],
+) -> (Vec<ServiceWrite>, Vec<ServiceEvent>) {
+    plan_parts(round, duplicates, kept, Some(dropped))
+}
+
+/// [`plan_services`], or with `dropped` [`plan_services_within`].
+fn plan_parts(
+    round: &Round<'_, Arc<Service>, Arc<LbService>>,
+    duplicates: &[Duplicate],
+    kept: &mut Published,
+    dropped: Option<&[Arc<Service>]>,
+) -> (Vec<ServiceWrite>, Vec<ServiceEvent>) {
     let shared = Shared {
         model: round.model.clone(),
         listening: round.listening.clone(),
@@ -639,7 +670,10 @@ pub fn plan_services(
     }
     let mut take_extra = |key: &ServiceKey| if extra.is_empty() { None } else { extra.remove(key) };
     kept.reused = 0;
-    kept.parts.begin();
+    match dropped {
+        None => kept.parts.begin(),
+        Some(dropped) => dropped.iter().for_each(|o| kept.parts.remove(o)),
+    }
     for svc in round.services {
         if let Some(part) = kept.parts.get(svc).filter(|p| p.same_inputs(round, &idx)) {
             push_merged(&mut events, &part.events, take_extra(&part.key));
@@ -680,7 +714,9 @@ pub fn plan_services(
         }
     }
     // Gone, or replaced by a newer object.
-    kept.parts.end();
+    if dropped.is_none() {
+        kept.parts.end();
+    }
     writes.sort_by(|a, b| a.key.cmp(&b.key));
     for (_, group) in extra {
         events.extend(merge_events(group));
