@@ -38,12 +38,12 @@ use nodelb::desired::{self, AllocationMode, HostFacts, HostPolicy, Inputs, Sourc
 use nodelb::domain::Family;
 use nodelb::domain::ServiceKey;
 use nodelb::ir::Ruleset;
-use nodelb::k8s::claims::{self, Block, HeldNumbers, Holder, Keeper, Registry, Token};
+use nodelb::k8s::claims::{self, Block, HeldNumbers, Holder, Holders, Keeper, Registry, Token};
 use nodelb::k8s::controller::{
     ClaimInputs, ControllerConfig, RoundMemory, event_key, events_to_send, plan_round,
 };
 use nodelb::k8s::events::{Deduper, Outbox};
-use nodelb::k8s::publish::ServiceWrite;
+use nodelb::k8s::publish::{ServiceEvent, ServiceWrite};
 use nodelb::k8s::source::KubeSnapshot;
 use nodelb::model::ModelOptions;
 use nodelb::plan::{self, NodeFacts};
@@ -281,12 +281,22 @@ fn leader(args: &ProgramArgs) {
     };
     let now = Timestamp::from_second(1_800_000_000).expect("time");
     let token = Token::new("bench", 1, 0);
-    let (gone, expired) = (Default::default(), Default::default());
-    let mut memory = RoundMemory::default();
-    let (mut deduper, mut outbox) = (Deduper::default(), Outbox::default());
-    let mut keeper = Keeper::default();
-    let mut round = |services: &[Arc<Service>], slices: &[Arc<EndpointSlice>], registry: &Registry| {
-        let claims = ClaimInputs { registry: Some(registry), token: &token, gone: &gone, expired: &expired };
+    // One leader's memories, and its round as the agent's `leader_round` runs it between the
+    // registry read and the writes: the holders kept per object and the view recorded, the
+    // claims nobody resolved, the plan, the Events to record (each recorded, as when the API
+    // accepts them).
+    struct Leader {
+        memory: RoundMemory,
+        holders: Holders,
+        keeper: Keeper,
+        deduper: Deduper<ServiceKey>,
+        outbox: Outbox<ServiceKey, ServiceEvent>,
+    }
+    let round = |leader: &mut Leader,
+                 services: &[Arc<Service>],
+                 slices: &[Arc<EndpointSlice>],
+                 registry: &Registry,
+                 may_scope: bool| {
         let snap = KubeSnapshot {
             services: services.to_vec(),
             slices: slices.to_vec(),
@@ -296,43 +306,79 @@ fn leader(args: &ProgramArgs) {
             namespaces: Vec::new(),
         };
         let t = Instant::now();
-        // Kept per object between rounds, in the round memory, and the view recorded, as the
-        // agent's round does.
-        let holders = memory.holders.of_view(&snap.services);
-        keeper.observe_view(&holders, std::time::Instant::now());
-        let plan = plan_round(&snap, &cfg, &mut memory, &holders, Some(now), now, &claims, false);
-        // The Events to record, each recorded (as when the API accepts them).
-        for e in events_to_send(&mut deduper, &mut outbox, &plan.events, |_| true, plan.scope.as_ref()) {
-            let key = event_key(&e);
-            outbox.sent(&key);
-            deduper.sent(key);
+        let holders = leader.holders.of_view(&snap.services);
+        match may_scope {
+            false => leader.keeper.observe_view(&holders, std::time::Instant::now()),
+            true => {
+                leader.keeper.observe_changes(leader.holders.changes(), &holders, std::time::Instant::now())
+            }
         }
+        let expired =
+            leader.keeper.expired(registry, &leader.holders.held(), true, std::time::Instant::now());
+        let gone = leader.keeper.gone().clone();
+        let claims = ClaimInputs { registry: Some(registry), token: &token, gone: &gone, expired: &expired };
+        let may_scope = may_scope && expired.is_empty() && leader.keeper.resolved_but_deletions();
+        let plan =
+            plan_round(&snap, &cfg, &mut leader.memory, &leader.holders, Some(now), now, &claims, may_scope);
+        let scope = plan.scope.as_ref();
+        for e in events_to_send(&mut leader.deduper, &mut leader.outbox, &plan.events, |_| true, scope) {
+            let key = event_key(&e);
+            leader.outbox.sent(&key);
+            leader.deduper.sent(key);
+        }
+        leader.keeper.forget(registry);
         (plan, t.elapsed().as_secs_f64() * 1e3)
     };
+    let new_leader = || Leader {
+        memory: RoundMemory::default(),
+        holders: Holders::default(),
+        keeper: Keeper::default(),
+        deduper: Deduper::default(),
+        outbox: Outbox::default(),
+    };
+    let (mut whole, mut scoped) = (new_leader(), new_leader());
     // What earlier rounds wrote: every Service annotated, with its status.
-    let (first, first_ms) = round(&services, &slices, &Registry::default());
+    let (first, first_ms) = round(&mut whole, &services, &slices, &Registry::default(), false);
     assert_eq!(first.writes.len(), n, "the first round writes every Service");
+    round(&mut scoped, &services, &slices, &Registry::default(), false);
     services = written(&services, &first.writes);
     // The registry as the agents leave it: every Service's numbers claimed for it.
     let registry = registry_of(&services, &token);
-    let (steady, _) = round(&services, &slices, &registry);
-    assert!(
-        steady.writes.is_empty(),
-        "a round over written Services writes nothing: {:?}",
-        steady.writes.first()
-    );
+    for leader in [&mut whole, &mut scoped] {
+        let (steady, _) = round(leader, &services, &slices, &registry, false);
+        assert!(
+            steady.writes.is_empty(),
+            "a round over written Services writes nothing: {:?}",
+            steady.writes.first()
+        );
+    }
     let with_extra: Vec<Arc<Service>> = services.iter().chain(&extra_svc).cloned().collect();
     let slices_with_extra: Vec<Arc<EndpointSlice>> = slices.iter().chain(&extra_slices).cloned().collect();
-    let mut ms = vec![];
+    // The two ways alternated, change by change: whole rounds, and rounds scoped to what changed
+    // (the agent's, after a clean round).
+    // `--scoped-only`: no whole rounds in between (for a profile of the scoped ones).
+    let scoped_only = args.flag("--scoped-only");
+    let (mut whole_ms, mut scoped_ms, mut planned) = (vec![], vec![], vec![]);
     for k in 1..=changes {
         let (svcs, slcs) = if k % 2 == 1 { (&with_extra, &slices_with_extra) } else { (&services, &slices) };
-        let (plan, t) = round(svcs, slcs, &registry);
+        if !scoped_only {
+            let (plan, t) = round(&mut whole, svcs, slcs, &registry, false);
+            assert_eq!(plan.writes.len(), k % 2, "only the added Service is written");
+            whole_ms.push(t);
+        }
+        let (plan, t) = round(&mut scoped, svcs, slcs, &registry, true);
         assert_eq!(plan.writes.len(), k % 2, "only the added Service is written");
-        ms.push(t);
+        let scope = plan.scope.as_ref().expect("a round after a clean one, nothing shared changed: scoped");
+        planned.push(scope.len() as f64);
+        scoped_ms.push(t);
     }
-    println!("{n} Services × {endpoints} endpoints, the leader's pure round (plan_round); ms:");
+    println!("{n} Services × {endpoints} endpoints, the leader's pure round (plan_round, with the");
+    println!("holders' pass, the view recorded, unresolved claims and Events to record); ms:");
     println!("  first round (every Service allocated and written)         {first_ms:8.1}");
-    println!("  one Service added or removed, median of {changes:<3}              {:8.1}", median(ms));
+    println!("  one Service added or removed, median of {changes:<3}:");
+    println!("    whole                                                   {:8.1}", median(whole_ms));
+    println!("    scoped to what changed                                  {:8.1}", median(scoped_ms));
+    println!("    Services the scoped round planned (median)              {:8.0}", median(planned));
 }
 
 /// The node-port registry as a leader leaves it over `services`: the blocks `claims::plan` writes

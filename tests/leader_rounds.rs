@@ -28,7 +28,7 @@ use k8s_openapi::jiff::Timestamp;
 use nodelb::compact::EndpointSlice;
 use nodelb::desired::HostPolicy;
 use nodelb::domain::ServiceKey;
-use nodelb::k8s::claims::{self, Claim, Keeper, Registry, Token};
+use nodelb::k8s::claims::{self, Claim, Holders, Keeper, Registry, Token};
 use nodelb::k8s::controller::{
     ClaimInputs, ControllerConfig, RoundMemory, RoundPlan, event_key, events_to_send, plan_round,
 };
@@ -333,8 +333,8 @@ impl World {
                 block.claims.insert(n, Claim::held(claims::Owner::of_uid("ffffffff-0000")));
             }
         }
-        block.resource_version = Some(self.rv.to_string());
         self.rv += 1;
+        block.resource_version = Some(self.rv.to_string());
     }
 
     /// The reflectors' view, in an order of their own (a hash map's).
@@ -409,8 +409,12 @@ impl World {
             let numbers = sc.adds.iter().map(|(n, _)| *n).chain(sc.removes.iter().copied());
             let blocks: BTreeSet<u16> = numbers.map(claims::block_of).collect();
             for b in blocks {
-                if let Some(block) = self.registry.blocks.get_mut(&b) {
-                    claims::resolve(&mut block.claims, sc, claims::Outcome::Written, token);
+                let rv = self.rv + 1;
+                if let Some(block) = self.registry.blocks.get_mut(&b)
+                    && claims::resolve(&mut block.claims, sc, claims::Outcome::Written, token)
+                {
+                    block.resource_version = Some(rv.to_string());
+                    self.rv = rv;
                 }
             }
         }
@@ -433,6 +437,10 @@ fn apply_write(svc: &mut Value, w: &ServiceWrite) {
     }
 }
 
+fn versions(registry: &Registry) -> BTreeMap<u16, Option<String>> {
+    registry.blocks.iter().map(|(b, block)| (*b, block.resource_version.clone())).collect()
+}
+
 fn parse<T: serde::de::DeserializeOwned>(v: &Value) -> T {
     serde_json::from_value(v.clone()).unwrap_or_else(|e| panic!("{e}: {v}"))
 }
@@ -444,15 +452,18 @@ fn shuffle<T>(rng: &mut Rng, v: &mut [T]) {
 }
 
 /// One leader: its round memory, registry memory, Event records; `scoping`: whether it plans a
-/// scope when it may (the agent's rule: the last round was clean; the registry read, no claim
-/// in it expired or unresolved).
+/// scope when it may (the agent's rule: the last round was clean; the registry read, as that
+/// round left it, no claim in it expired or unresolved but a deleted Service's).
 struct Leader {
     memory: RoundMemory,
+    holders: Holders,
     keeper: Keeper,
     deduper: Deduper<ServiceKey>,
     outbox: Outbox<ServiceKey, ServiceEvent>,
     scoping: bool,
     clean: bool,
+    /// The registry's block versions as its last round left them (nobody else wrote since).
+    versions: Option<BTreeMap<u16, Option<String>>>,
 }
 
 /// What a round decided, as compared between the two leaders.
@@ -466,17 +477,21 @@ struct Decided {
     /// lets go of what went, as a whole one does).
     models_kept: usize,
     parts_kept: usize,
+    /// The deleted Services' owners (the scoped leader records them from what changed).
+    gone: BTreeSet<claims::Owner>,
 }
 
 impl Leader {
     fn new(scoping: bool) -> Leader {
         Leader {
             memory: RoundMemory::default(),
+            holders: Holders::default(),
             keeper: Keeper::default(),
             deduper: Deduper::default(),
             outbox: Outbox::default(),
             scoping,
             clean: false,
+            versions: None,
         }
     }
 
@@ -488,14 +503,28 @@ impl Leader {
         at: Instant,
         now: Timestamp,
     ) -> (RoundPlan, Decided) {
-        let holders = self.memory.holders.of_view(&snap.services);
-        self.keeper.observe_view(&holders, at);
-        let expired = self.keeper.expired(registry, &holders, true, at);
+        // The whole leader builds what it knows of the view afresh every round (the index of held
+        // numbers included) and records the view whole; the other keeps both from round to
+        // round, from what changed, as the agent does.
+        if !self.scoping {
+            self.holders = Holders::default();
+        }
+        let holders = self.holders.of_view(&snap.services);
+        match self.scoping {
+            false => self.keeper.observe_view(&holders, at),
+            true => self.keeper.observe_changes(self.holders.changes(), &holders, at),
+        }
+        let expired = self.keeper.expired(registry, &self.holders.held(), true, at);
         let gone = self.keeper.gone().clone();
         let inputs = ClaimInputs { registry: Some(registry), token, gone: &gone, expired: &expired };
-        let may_scope = self.scoping && self.clean && expired.is_empty() && self.keeper.all_resolved();
+        let as_left = self.versions.take() == Some(versions(registry));
+        let may_scope = self.scoping
+            && self.clean
+            && as_left
+            && expired.is_empty()
+            && self.keeper.resolved_but_deletions();
         let plan =
-            plan_round(snap, &config(), &mut self.memory, &holders, Some(now), now, &inputs, may_scope);
+            plan_round(snap, &config(), &mut self.memory, &self.holders, Some(now), now, &inputs, may_scope);
         assert!(self.scoping || plan.scope.is_none(), "a leader that does not scope planned a scope");
         let exist = |k: &ServiceKey| snap.services.iter().any(|s| model::service_key(s) == *k);
         let mut events: Vec<_> =
@@ -508,7 +537,7 @@ impl Leader {
             self.outbox.sent(e);
             self.deduper.sent(e.clone());
         }
-        self.clean = plan.listeners_unreported.is_empty() && self.keeper.all_resolved();
+        self.clean = plan.listeners_unreported.is_empty() && self.keeper.resolved_but_deletions();
         self.keeper.forget(registry);
         let decided = Decided {
             writes: plan.writes.clone(),
@@ -517,6 +546,7 @@ impl Leader {
             listeners_unreported: plan.listeners_unreported.clone(),
             models_kept: self.memory.models.len(),
             parts_kept: self.memory.published.len(),
+            gone: gone.clone(),
         };
         (plan, decided)
     }
@@ -546,6 +576,12 @@ fn history(seed: u64, steps: usize, with_pools: bool) -> (usize, usize, usize, u
         let (plan, a) = whole.round(&snap, &registry, &token, at, now);
         let (scoped_plan, b) = scoped.round(&snap, &registry, &token, at, now);
         if a != b {
+            let claims: Vec<String> =
+                registry.iter().map(|(n, c)| format!("{n}={}:{:?}", c.owner.0, c.state)).collect();
+            let held: Vec<String> = (snap.services.iter().map(|s| claims::Holder::of(s)))
+                .map(|h| format!("{} ({}) {:?}", h.key, h.owner.0, h.numbers))
+                .collect();
+            eprintln!("registry: {claims:?}\nannotations: {held:?}");
             panic!(
                 "seed {seed} (pools: {with_pools}), step {step}: the scoped round (scope {:?}) decided otherwise\n\
                  whole:  {a:#?}\nscoped: {b:#?}",
@@ -558,6 +594,9 @@ fn history(seed: u64, steps: usize, with_pools: bool) -> (usize, usize, usize, u
             seen += snap.services.len();
         }
         world.apply(&plan, &token);
+        // The versions its writes made: what both leaders know of the registry.
+        whole.versions = Some(versions(&world.registry));
+        scoped.versions = Some(versions(&world.registry));
     }
     (steps, scoped_rounds, planned, seen)
 }

@@ -655,9 +655,6 @@ pub struct RoundMemory {
     /// Each Service's status and Events, kept while its inputs are the same
     /// ([`publish::plan_services`]).
     pub published: publish::Published,
-    /// Each Service's registry holder ([`claims::Holders`]); its pass also says which Services
-    /// changed since the last round.
-    pub holders: claims::Holders,
     /// The last rounds' decisions for every Service ([`scope::RoundBook`]), and what every
     /// Service's part read then: a round that finds the same plans only a scope.
     pub book: scope::RoundBook,
@@ -706,26 +703,19 @@ struct RoundObjects {
 }
 
 impl RoundMemory {
-    /// The objects of the Services of `keys` in the view the holders' pass saw, in key order,
-    /// `substituted` (last good copies) in place of theirs.
-    fn objects_of(&self, keys: &foldhash::HashSet<ServiceKey>, substituted: &[Arc<Service>]) -> RoundObjects {
-        let substituted: foldhash::HashMap<ServiceKey, &Arc<Service>> =
-            substituted.iter().map(|s| (model::service_key(s), s)).collect();
+    /// The objects of the Services of `keys` in the view `holders` passed over, in key order,
+    /// their EndpointSlices, and what left the view since the last round (with the last good
+    /// copies the last round planned in place of invalid Services: new objects every round).
+    fn objects_of(&self, keys: &foldhash::HashSet<ServiceKey>, holders: &claims::Holders) -> RoundObjects {
         let mut sorted: Vec<&ServiceKey> = keys.iter().collect();
         sorted.sort_unstable();
-        let services = sorted
-            .iter()
-            .filter_map(|k| match substituted.get(*k) {
-                Some(s) => Some(Arc::clone(s)),
-                None => self.holders.of_key(k).map(|(s, _)| Arc::clone(s)),
-            })
-            .collect();
+        let services = sorted.iter().filter_map(|k| holders.of_key(k)).map(|(s, _)| Arc::clone(s)).collect();
         let slices = sorted
             .iter()
             .filter_map(|k| self.slices_by_key.get(*k))
             .flat_map(|list| list.iter().cloned())
             .collect();
-        let dropped = (self.holders.changes().dropped.iter().map(|(o, _)| Arc::clone(o)))
+        let dropped = (holders.changes().dropped.iter().map(|(o, _)| Arc::clone(o)))
             .chain(self.substituted.iter().cloned())
             .collect();
         RoundObjects { services, slices, dropped }
@@ -770,6 +760,26 @@ fn node_facts<N: Borrow<Node>>(nodes: &[N]) -> u64 {
     h.finish()
 }
 
+/// Each registry block's resourceVersion (`None`: the block did not exist when read).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegistryVersions(BTreeMap<u16, Option<String>>);
+
+impl RegistryVersions {
+    fn of(registry: &claims::Registry) -> RegistryVersions {
+        RegistryVersions(
+            registry.blocks.iter().map(|(b, block)| (*b, block.resource_version.clone())).collect(),
+        )
+    }
+
+    fn get(&self, block: &u16) -> Option<&Option<String>> {
+        self.0.get(block)
+    }
+
+    fn insert(&mut self, block: u16, version: Option<String>) {
+        self.0.insert(block, version);
+    }
+}
+
 /// What a leader keeps between rounds.
 pub struct LeaderState {
     pub memory: RoundMemory,
@@ -782,8 +792,15 @@ pub struct LeaderState {
     /// round started (a scoped one plans only what changed: [`plan_round`]).
     lease_view: Option<LeaseView>,
     last_whole_round: Option<Instant>,
+    /// Each Service's registry holder ([`claims::Holders`]); its pass also says which Services
+    /// changed since the last round.
+    pub holders: claims::Holders,
     /// What it knows of the node-port registry's Services ([`claims::Keeper`]).
     pub claims: claims::Keeper,
+    /// Each registry block's resourceVersion as the last round left it (its own writes
+    /// included), when that round knows it: a registry read that differs was written by someone
+    /// else (a human, another leader), and a round after that is whole.
+    registry_versions: Option<RegistryVersions>,
     /// Names this process in the claims it leaves pending.
     pub token: claims::Token,
     /// Registry problems last logged (each logged once while it lasts).
@@ -801,7 +818,9 @@ impl LeaderState {
             clean: false,
             lease_view: None,
             last_whole_round: None,
+            holders: claims::Holders::default(),
             claims: claims::Keeper::default(),
+            registry_versions: None,
             token: claims::Token::new(node_name, std::process::id(), started.as_nanos()),
             logged: Default::default(),
             unreported: Vec::new(),
@@ -867,6 +886,8 @@ impl LeaderState {
     /// keeps what every agent records ([`LeaderState::observe`]).
     pub fn step_down(&mut self) {
         self.memory = RoundMemory::default();
+        self.holders = claims::Holders::default();
+        self.registry_versions = None;
         self.echoes = HashMap::new();
         self.clean = false;
         self.lease_view = None;
@@ -880,12 +901,11 @@ impl LeaderState {
         self.claims.observe_view(&holders, Instant::now());
     }
 
-    /// [`LeaderState::observe`] for a round: returns what each Service holds, in the view's
-    /// order, each holder kept per object in the round memory.
-    fn observe_for_round(&mut self, snap: &KubeSnapshot) -> Vec<Arc<claims::Holder>> {
-        let holders = self.memory.holders.of_view(&snap.services);
-        self.claims.observe_view(&holders, Instant::now());
-        holders
+    /// [`LeaderState::observe`] for a round, from what changed since the last one: each holder
+    /// kept per object ([`LeaderState::holders`]).
+    fn observe_for_round(&mut self, snap: &KubeSnapshot) {
+        let holders = self.holders.of_view(&snap.services);
+        self.claims.observe_changes(self.holders.changes(), &holders, Instant::now());
     }
 }
 
@@ -940,17 +960,16 @@ pub struct ClaimInputs<'a> {
 /// changed and those that share a number with them (docs/design.md, "The round scoped to what
 /// changed"); the plan says which ([`RoundPlan::scope`]).
 #[allow(clippy::too_many_arguments)]
-pub fn plan_round<H: Borrow<claims::Holder>>(
+pub fn plan_round(
     snap: &KubeSnapshot,
     cfg: &ControllerConfig,
     memory: &mut RoundMemory,
-    holders: &[H],
+    holders: &claims::Holders,
     leases_now: Option<Timestamp>,
     now: Timestamp,
     registry: &ClaimInputs<'_>,
     may_scope: bool,
 ) -> RoundPlan {
-    let subst = memory.last_good.apply(&snap.services, &cfg.model);
     // The nodes refuse these endpoints (each also its own addresses): the status, the
     // conditions and the Events say so, and Local-policy ingress counts only usable endpoints.
     let node_addresses = nodes::cluster_node_addresses(&snap.nodes);
@@ -961,8 +980,7 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
         addresses: &node_addresses,
         policy: &cfg.policy.endpoints,
     };
-    let held = claims::HeldNumbers::of(holders);
-    let screen = registry.registry.map(|r| claims::Screen::of(&held, r, registry.gone));
+    let held = holders.held();
     let slices_changed = memory.observe_slices(&snap.slices);
     // Node port pools: which pool each Service gets (a Service none accepts is not allocated, and
     // says why), and which nodes its status may list.
@@ -992,7 +1010,7 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
     // The Services this round plans: all of them, or a scope.
     let scope: Option<foldhash::HashSet<ServiceKey>> =
         (may_scope && same_shared && memory.models.has_context(&ctx)).then(|| {
-            let changes = memory.holders.changes();
+            let changes = holders.changes();
             let seed = |key: &ServiceKey, numbers: &std::collections::BTreeSet<u16>| scope::Seed {
                 key: key.clone(),
                 numbers: numbers.clone(),
@@ -1001,17 +1019,36 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
                 changes.added.iter().map(|h| seed(&h.key, &h.numbers)).collect();
             seeds.extend(changes.dropped.iter().map(|(_, h)| seed(&h.key, &h.numbers)));
             seeds.extend(slices_changed.iter().map(|k| seed(k, &Default::default())));
-            seeds.extend(screen.iter().flat_map(|s| s.losers()).map(|k| seed(k, &Default::default())));
-            let holders = &memory.holders;
             memory.book.closure(seeds, &held, |k| holders.of_key(k).map(|(_, h)| &h.numbers))
         });
-    let RoundObjects { services, slices, dropped } = match &scope {
-        None => RoundObjects {
-            services: subst.services.clone(),
-            slices: snap.slices.clone(),
-            dropped: Vec::new(),
-        },
-        Some(keys) => memory.objects_of(keys, &subst.substituted),
+    // What the registry takes off the Services and lets nobody have. A scoped round runs only
+    // when every claim names a Service that holds its number, or a deleted one (`may_scope`):
+    // then nobody loses a number and nothing is in use (debug builds check it).
+    let screen = match (&scope, registry.registry) {
+        (None, Some(r)) => Some(claims::Screen::of(&held, r, registry.gone)),
+        (Some(_), Some(r)) => {
+            debug_assert!(
+                claims::Screen::of(&held, r, registry.gone).is_quiet(),
+                "a scoped round's registry"
+            );
+            None
+        }
+        (_, None) => None,
+    };
+    let (subst, RoundObjects { services, slices, dropped }) = match &scope {
+        None => {
+            let subst = memory.last_good.apply(&snap.services, &cfg.model);
+            let services = subst.services.clone();
+            (subst, RoundObjects { services, slices: snap.slices.clone(), dropped: Vec::new() })
+        }
+        Some(keys) => {
+            let objects = memory.objects_of(keys, holders);
+            let gone: Vec<Arc<Service>> =
+                holders.changes().dropped.iter().map(|(o, _)| Arc::clone(o)).collect();
+            let subst = memory.last_good.apply_within(&objects.services, &gone, &cfg.model);
+            let services = subst.services.clone();
+            (subst, RoundObjects { services, ..objects })
+        }
     };
     memory.substituted = subst.substituted;
     let out = match &scope {
@@ -1088,15 +1125,8 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
     // those only, not of every Service).
     let annotated: foldhash::HashSet<&ServiceKey> =
         writes.iter().filter(|w| w.annotation.is_some()).map(|w| &w.key).collect();
-    let by_key: foldhash::HashMap<&ServiceKey, &claims::Holder> = match &scope {
-        Some(_) => annotated.iter().filter_map(|k| Some((*k, &*memory.holders.of_key(k)?.1))).collect(),
-        None => holders
-            .iter()
-            .map(Borrow::borrow)
-            .filter(|h: &&claims::Holder| annotated.contains(&h.key))
-            .map(|h| (&h.key, h))
-            .collect(),
-    };
+    let by_key: foldhash::HashMap<&ServiceKey, &claims::Holder> =
+        annotated.iter().filter_map(|k| Some((*k, &*holders.of_key(k)?.1))).collect();
     let mut changes: Vec<claims::AnnotationChange<'_>> = writes
         .iter()
         .filter_map(|w| {
@@ -1120,9 +1150,17 @@ pub fn plan_round<H: Borrow<claims::Holder>>(
             !adds
         });
     }
-    let mut claim_plan = match registry.registry {
-        Some(r) => claims::plan(r, &held, &changes, registry.token, registry.gone, registry.expired),
-        None => claims::ClaimPlan {
+    let mut claim_plan = match (registry.registry, &scope) {
+        (Some(r), None) => claims::plan(r, &held, &changes, registry.token, registry.gone, registry.expired),
+        (Some(r), Some(keys)) => {
+            // The numbers the scope's Services hold: every other one has its claim.
+            let numbers: std::collections::BTreeSet<u16> = (keys.iter())
+                .filter_map(|k| holders.of_key(k))
+                .flat_map(|(_, h)| h.numbers.iter().copied())
+                .collect();
+            claims::plan_within(r, &held, &changes, registry.token, registry.gone, &numbers)
+        }
+        (None, _) => claims::ClaimPlan {
             blocked: changes
                 .iter()
                 .filter(|c| !c.after.is_subset(&c.holder.numbers))
@@ -1211,24 +1249,36 @@ pub async fn leader_round(
         }
     };
     let registry_read = started.elapsed();
-    let holders = state.observe_for_round(snap);
+    state.observe_for_round(snap);
     let expired = match &registry {
-        Some(r) => state.claims.expired(r, &holders, services_current, Instant::now()),
+        Some(r) => state.claims.expired(r, &state.holders.held(), services_current, Instant::now()),
         None => Default::default(),
     };
     let gone = state.claims.gone().clone();
     let inputs =
         ClaimInputs { registry: registry.as_ref(), token: &state.token, gone: &gone, expired: &expired };
-    // A round plans only what changed when the last one left nothing undone, the registry as
-    // read now has every claim resolved, and a whole round ran within FULL_ROUND_EVERY (what is
-    // not watched, such as the registry edited by hand, is repaired by that).
+    // A round plans only what changed when the last one left nothing undone, the registry is
+    // as the last round left it (no one else wrote it) with every claim resolved (a deleted
+    // Service's aside: every round lets those go), and a whole round ran within
+    // FULL_ROUND_EVERY.
+    let mut versions = registry.as_ref().map(RegistryVersions::of);
+    let as_left = std::mem::take(&mut state.registry_versions);
     let may_scope = was_clean
         && state.whole_round_within(started)
-        && registry.is_some()
+        && versions.is_some()
+        && as_left == versions
         && expired.is_empty()
-        && state.claims.all_resolved();
-    let mut plan =
-        plan_round(snap, cfg, &mut state.memory, &holders, leases_now, Timestamp::now(), &inputs, may_scope);
+        && state.claims.resolved_but_deletions();
+    let mut plan = plan_round(
+        snap,
+        cfg,
+        &mut state.memory,
+        &state.holders,
+        leases_now,
+        Timestamp::now(),
+        &inputs,
+        may_scope,
+    );
     if plan.scope.is_none() {
         state.last_whole_round = Some(started);
     }
@@ -1246,7 +1296,11 @@ pub async fn leader_round(
     // The registry first: if another leader changed it since we read it, we write nothing.
     for (b, block) in &plan.claims.blocks {
         match write_block(client, &cfg.namespace, *b, block).await {
-            Ok(()) => {}
+            Ok(written) => {
+                if let Some(v) = versions.as_mut() {
+                    v.insert(*b, written);
+                }
+            }
             Err(e) if is_conflict(&e) => {
                 debug!(block = b, "node-port registry changed since read (409); retrying the round");
                 return RoundOutcome { again: true, ..Default::default() };
@@ -1276,9 +1330,11 @@ pub async fn leader_round(
     // The watch brings each write back; a round on nothing else would plan nothing.
     state.clean = registry.is_some()
         && state.unreported.is_empty()
-        && state.claims.all_resolved()
+        && state.claims.resolved_but_deletions()
         && outcomes.iter().all(|o| *o == WriteOutcome::Written);
-    state.clean &= resolve_claims(client, &cfg.namespace, &plan, &outcomes, &state.token, metrics).await;
+    state.clean &=
+        resolve_claims(client, &cfg.namespace, &plan, &outcomes, &state.token, metrics, &mut versions).await;
+    state.registry_versions = versions;
     if let Some(p) = &plan.pools {
         let pools = super::pools::StatusRound {
             snap,
@@ -1636,13 +1692,14 @@ async fn read_registry(
 }
 
 /// Writes one registry block: created when it did not exist, else replaced with the
-/// resourceVersion it was read at (409 when anyone wrote it since).
+/// resourceVersion it was read at (409 when anyone wrote it since). Returns the
+/// resourceVersion the write made.
 async fn write_block(
     client: &Client,
     namespace: &str,
     block: u16,
     b: &claims::Block,
-) -> Result<(), kube::Error> {
+) -> Result<Option<String>, kube::Error> {
     let api: Api<Lease> = Api::namespaced(client.clone(), namespace);
     let name = claims::lease_name(block);
     let lease = |resource_version: Option<String>| Lease {
@@ -1666,19 +1723,22 @@ async fn write_block(
             };
             match r {
                 Err(kube::Error::Api(e)) if e.code == 409 => continue,
-                r => return r.map(|_| ()),
+                r => return r.map(|l| l.metadata.resource_version),
             }
         }
     }
-    match &b.resource_version {
-        None => api.create(&post_params(), &lease(None)).await.map(|_| ()),
-        Some(_) => api.replace(&name, &post_params(), &lease(b.resource_version.clone())).await.map(|_| ()),
-    }
+    let written = match &b.resource_version {
+        None => api.create(&post_params(), &lease(None)).await?,
+        Some(_) => api.replace(&name, &post_params(), &lease(b.resource_version.clone())).await?,
+    };
+    Ok(written.metadata.resource_version)
 }
 
 /// After the Service writes: each claim left pending by this round becomes what the write's
 /// outcome says ([`claims::resolve`]), on a fresh read of its block (retried on 409; what is
 /// not resolved here is settled after [`claims::GRACE`]). Whether every block was resolved.
+/// `versions`: each block's resourceVersion as this leader left it, kept up to date (`None`
+/// when a block read shows a write of someone else's).
 async fn resolve_claims(
     client: &Client,
     namespace: &str,
@@ -1686,6 +1746,7 @@ async fn resolve_claims(
     outcomes: &[WriteOutcome],
     token: &claims::Token,
     metrics: Option<&Metrics>,
+    versions: &mut Option<RegistryVersions>,
 ) -> bool {
     let mut resolved = true;
     let mut by_block: BTreeMap<u16, Vec<(&claims::ServiceClaims, claims::Outcome)>> = BTreeMap::new();
@@ -1701,7 +1762,13 @@ async fn resolve_claims(
     for (b, items) in by_block {
         for attempt in 0..5 {
             let result = async {
-                let Some(lease) = api.get_opt(&claims::lease_name(b)).await? else { return Ok(true) };
+                let Some(lease) = api.get_opt(&claims::lease_name(b)).await? else {
+                    *versions = None;
+                    return Ok(true);
+                };
+                if versions.as_ref().and_then(|v| v.get(&b)) != Some(&lease.metadata.resource_version) {
+                    *versions = None;
+                }
                 let value = lease.metadata.annotations.as_ref().and_then(|a| a.get(claims::ANNOTATION));
                 let (mut c, _) = claims::parse(value.map_or("", String::as_str));
                 let mut changed = false;
@@ -1712,13 +1779,21 @@ async fn resolve_claims(
                     return Ok(true);
                 }
                 let block = claims::Block { claims: c, resource_version: lease.metadata.resource_version };
-                write_block(client, namespace, b, &block).await.map(|()| true)
+                let written = write_block(client, namespace, b, &block).await?;
+                if let Some(v) = versions.as_mut() {
+                    v.insert(b, written);
+                }
+                Ok(true)
             }
             .await;
             match result {
                 Ok(_) => break,
-                Err(e) if is_conflict(&e) && attempt < 4 => continue,
+                Err(e) if is_conflict(&e) && attempt < 4 => {
+                    *versions = None;
+                    continue;
+                }
                 Err(e) => {
+                    *versions = None;
                     count_api_error(metrics, "registry");
                     warn!(error = %e, block = b, "cannot resolve pending node-port claims; they settle after the grace period");
                     resolved = false;
@@ -1917,7 +1992,8 @@ mod tests {
             let (gone, expired) = (Default::default(), Default::default());
             let inputs =
                 ClaimInputs { registry: Some(&registry), token: &token, gone: &gone, expired: &expired };
-            let holders: Vec<claims::Holder> = snap.services.iter().map(|s| claims::Holder::of(s)).collect();
+            let mut holders = claims::Holders::default();
+            holders.of_view(&snap.services);
             plan_round(&snap, &cfg, &mut RoundMemory::default(), &holders, Some(now), now, &inputs, false)
         };
         let written = |p: &RoundPlan, name: &str| -> Option<Option<String>> {

@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::jiff::Timestamp;
 use nodelb::compact::EndpointSlice;
 use nodelb::desired::HostPolicy;
-use nodelb::k8s::claims::{Holder, Registry, Token};
+use nodelb::k8s::claims::{Holders, Registry, Token};
 use nodelb::k8s::controller::{ClaimInputs, ControllerConfig, RoundPlan, plan_round};
 use nodelb::k8s::events::{MAX_NOTE_BYTES, event_note};
 use nodelb::k8s::source::KubeSnapshot;
@@ -80,7 +80,8 @@ fn plan(services: &[Service], slices: &[EndpointSlice], nodes: &[Value], leases:
     let (registry, token) = (Registry::default(), Token::new("fuzz", 1, 0));
     let (gone, expired) = (Default::default(), Default::default());
     let claims = ClaimInputs { registry: Some(&registry), token: &token, gone: &gone, expired: &expired };
-    let holders: Vec<Holder> = snap.services.iter().map(|s| Holder::of(s)).collect();
+    let mut holders = Holders::default();
+    holders.of_view(&snap.services);
     plan_round(&snap, &config(), &mut Default::default(), &holders, None, now, &claims, false)
 }
 

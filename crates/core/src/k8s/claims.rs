@@ -136,11 +136,17 @@ pub struct Holders {
     changes: ViewChanges,
     /// The object of each key in the last view, with its holder (patched by the changes).
     by_key: foldhash::HashMap<ServiceKey, (Arc<Service>, Arc<Holder>)>,
+    /// Who holds each number in the last view (patched by the changes).
+    held: HeldIndex,
+    /// A pass has been made.
+    passed: bool,
 }
 
 /// What changed between two views of the Services, by object.
 #[derive(Debug, Default)]
 pub struct ViewChanges {
+    /// There was no view before this one (every holder is `added`).
+    pub first: bool,
     /// The holders of the objects new to the view (new Services, new versions).
     pub added: Vec<Arc<Holder>>,
     /// The objects no longer in it (deleted, or replaced by a newer version), with their holders.
@@ -156,13 +162,21 @@ impl Holders {
             if self.by_key.get(&holder.key).is_some_and(|(o, _)| Arc::ptr_eq(o, object)) {
                 self.by_key.remove(&holder.key);
             }
+            self.held.remove(holder);
         }
         for (object, holder) in &pass.computed {
             self.by_key.insert(holder.key.clone(), (Arc::clone(object), Arc::clone(holder)));
+            self.held.add(holder);
         }
         let added = pass.computed.into_iter().map(|(_, h)| h).collect();
-        self.changes = ViewChanges { added, dropped: pass.dropped };
+        let first = !std::mem::replace(&mut self.passed, true);
+        self.changes = ViewChanges { first, added, dropped: pass.dropped };
         pass.values
+    }
+
+    /// Who holds each number in the last view.
+    pub fn held(&self) -> HeldNumbers<'_> {
+        HeldNumbers(std::borrow::Cow::Borrowed(&self.held))
     }
 
     /// The object of `key` in the last view, and its holder.
@@ -301,29 +315,56 @@ pub struct Screened {
     pub lost: Vec<(ServiceKey, u16)>,
 }
 
-/// Who holds each number of a view, oldest first: built once a round, read by [`screen`] and
-/// [`plan`] (each built it: ~5% of the leader's round at 10,000 Services).
-pub struct HeldNumbers<'h>(BTreeMap<u16, Vec<&'h Holder>>);
+/// Who holds each number of a view, oldest first, read by [`screen`] and [`plan`]: kept by
+/// [`Holders`] from one view to the next (patched by what changed: building it for every round
+/// was ~5% of the leader's round at 10,000 Services, and most of a scoped one), or built for a
+/// list of holders ([`HeldNumbers::of`]).
+pub struct HeldNumbers<'h>(std::borrow::Cow<'h, HeldIndex>);
+
+/// The map behind [`HeldNumbers`].
+#[derive(Debug, Clone, Default)]
+pub struct HeldIndex(BTreeMap<u16, Vec<Arc<Holder>>>);
+
+impl HeldIndex {
+    fn add(&mut self, holder: &Arc<Holder>) {
+        for n in &holder.numbers {
+            let hs = self.0.entry(*n).or_default();
+            // Only a number held twice needs ordering.
+            let at = hs.partition_point(|h| Holder::older_first(h, holder) != std::cmp::Ordering::Greater);
+            hs.insert(at, Arc::clone(holder));
+        }
+    }
+
+    fn remove(&mut self, holder: &Arc<Holder>) {
+        for n in &holder.numbers {
+            if let Some(hs) = self.0.get_mut(n) {
+                hs.retain(|h| !Arc::ptr_eq(h, holder));
+                if hs.is_empty() {
+                    self.0.remove(n);
+                }
+            }
+        }
+    }
+}
 
 impl<'h> HeldNumbers<'h> {
     /// The Services whose annotation names `number`, oldest first.
-    pub fn holders_of(&self, number: u16) -> &[&'h Holder] {
-        self.0.get(&number).map_or(&[], Vec::as_slice)
+    pub fn holders_of(&self, number: u16) -> &[Arc<Holder>] {
+        self.0.0.get(&number).map_or(&[], Vec::as_slice)
     }
 
-    /// Only a number held twice needs ordering: sorting every holder by age (a round's whole
-    /// view, in a reflector's order) was 6% of the leader's round at 10,000 Services.
-    pub fn of<H: Borrow<Holder>>(holders: &'h [H]) -> HeldNumbers<'h> {
-        let mut out: BTreeMap<u16, Vec<&Holder>> = BTreeMap::new();
+    /// Built for `holders` (a copy of each: for one-off callers; a leader's rounds read the
+    /// index [`Holders`] keeps).
+    pub fn of<H: Borrow<Holder>>(holders: &[H]) -> HeldNumbers<'h> {
+        let mut out = HeldIndex::default();
         for h in holders.iter().map(Borrow::borrow) {
-            for n in &h.numbers {
-                out.entry(*n).or_default().push(h);
-            }
+            out.add(&Arc::new(h.clone()));
         }
-        for hs in out.values_mut().filter(|hs| hs.len() > 1) {
-            hs.sort_by(|a, b| Holder::older_first(a, b));
-        }
-        HeldNumbers(out)
+        HeldNumbers(std::borrow::Cow::Owned(out))
+    }
+
+    fn by_number(&self) -> &BTreeMap<u16, Vec<Arc<Holder>>> {
+        &self.0.0
     }
 }
 
@@ -350,8 +391,8 @@ pub struct Screen<'h> {
 }
 
 impl<'h> Screen<'h> {
-    pub fn of(held: &HeldNumbers<'h>, registry: &Registry, gone: &BTreeSet<Owner>) -> Screen<'h> {
-        let by_number = &held.0;
+    pub fn of(held: &'h HeldNumbers<'_>, registry: &Registry, gone: &BTreeSet<Owner>) -> Screen<'h> {
+        let by_number = held.by_number();
         let mut lose: BTreeMap<&ServiceKey, BTreeSet<u16>> = BTreeMap::new();
         for (n, hs) in by_number {
             let Some(c) = registry.get(*n).filter(|c| !gone.contains(&c.owner)) else { continue };
@@ -387,6 +428,11 @@ impl<'h> Screen<'h> {
             }
         }
         Screen { lose, in_use }
+    }
+
+    /// Whether nobody loses a number and nothing is in use.
+    pub fn is_quiet(&self) -> bool {
+        self.lose.is_empty() && self.in_use.is_empty()
     }
 
     /// The Services that lose a number.
@@ -464,10 +510,29 @@ pub fn plan(
     expired: &BTreeSet<u16>,
 ) -> ClaimPlan {
     let next = Overlay { read: registry, changed: BTreeMap::new() };
-    plan_in(next, registry, held, changes, token, gone, expired)
+    plan_in(next, registry, held, changes, token, gone, expired, None)
 }
 
-/// [`plan`], with the registry as the round leaves it kept in `next` (starting as `registry`).
+/// [`plan`] of a round that planned a scope of the Services (the leader's scoped round): only
+/// the numbers the scope's Services hold (`numbers`, by annotation) are looked at for claims
+/// held without one or held twice. The round is scoped only when every other claim is
+/// settled and names a Service that holds its number (or a deleted one), and the Services
+/// outside the scope hold what they held: none of their numbers can be missing a claim.
+pub fn plan_within(
+    registry: &Registry,
+    held: &HeldNumbers<'_>,
+    changes: &[AnnotationChange<'_>],
+    token: &Token,
+    gone: &BTreeSet<Owner>,
+    numbers: &BTreeSet<u16>,
+) -> ClaimPlan {
+    let next = Overlay { read: registry, changed: BTreeMap::new() };
+    plan_in(next, registry, held, changes, token, gone, &BTreeSet::new(), Some(numbers))
+}
+
+/// [`plan`], with the registry as the round leaves it kept in `next` (starting as `registry`);
+/// `only`: [`plan_within`]'s numbers.
+#[allow(clippy::too_many_arguments)]
 fn plan_in<S: ClaimStore>(
     mut next: S,
     registry: &Registry,
@@ -476,9 +541,10 @@ fn plan_in<S: ClaimStore>(
     token: &Token,
     gone: &BTreeSet<Owner>,
     expired: &BTreeSet<u16>,
+    only: Option<&BTreeSet<u16>>,
 ) -> ClaimPlan {
     let mut out = ClaimPlan::default();
-    let by_number = &held.0;
+    let by_number = held.by_number();
     let holds =
         |owner: &Owner, n: u16| by_number.get(&n).is_some_and(|hs| hs.iter().any(|h| &h.owner == owner));
     let changing: BTreeMap<&ServiceKey, &BTreeSet<u16>> =
@@ -499,8 +565,12 @@ fn plan_in<S: ClaimStore>(
     }
     // Claims for what is held without one (not what a write of this round takes off); of two
     // holders of a settled claim, the older keeps it.
-    for (n, hs) in by_number {
-        let keepers: Vec<&&Holder> =
+    let numbers: Box<dyn Iterator<Item = (&u16, &Vec<Arc<Holder>>)>> = match only {
+        None => Box::new(by_number.iter()),
+        Some(only) => Box::new(only.iter().filter_map(|n| by_number.get_key_value(n))),
+    };
+    for (n, hs) in numbers {
+        let keepers: Vec<&Arc<Holder>> =
             hs.iter().filter(|h| changing.get(&h.key).is_none_or(|after| after.contains(n))).collect();
         let Some(oldest) = keepers.first() else { continue };
         match next.get(*n) {
@@ -682,6 +752,31 @@ impl Keeper {
             self.gone_since.push_back((now, o.clone()));
         }
         self.seen = owners;
+        self.forget_old(now);
+    }
+
+    /// [`Keeper::observe_view`] of the view [`Holders::of_view`] just passed over, from what
+    /// changed since the one before (`holders`: that view's): a leader's round does not build
+    /// the set of every owner again. The first pass of `Holders` has nothing to compare with:
+    /// the whole view is observed.
+    pub fn observe_changes(&mut self, changes: &ViewChanges, holders: &[Arc<Holder>], now: Instant) {
+        if changes.first {
+            return self.observe_view(holders, now);
+        }
+        let added: BTreeSet<&Owner> = changes.added.iter().map(|h| &h.owner).collect();
+        for (_, h) in &changes.dropped {
+            // A new version of the same Service (one uid) is not a deletion.
+            if !added.contains(&h.owner) && self.seen.remove(&h.owner) {
+                self.gone.insert(h.owner.clone());
+                self.gone_since.push_back((now, h.owner.clone()));
+            }
+        }
+        self.seen.extend(added.into_iter().cloned());
+        self.forget_old(now);
+    }
+
+    /// Forgets deletions older than [`REMEMBER_GONE`].
+    fn forget_old(&mut self, now: Instant) {
         while let Some((at, o)) = self.gone_since.front() {
             if now.saturating_duration_since(*at) < REMEMBER_GONE {
                 break;
@@ -696,6 +791,13 @@ impl Keeper {
         self.unresolved.is_empty()
     }
 
+    /// Whether every claim of the registry, as last seen by [`Keeper::expired`], was resolved or
+    /// is a deleted Service's ([`Keeper::gone`]: a round lets those go, and nothing else reads
+    /// them): then every other claim names a Service that holds its number.
+    pub fn resolved_but_deletions(&self) -> bool {
+        self.unresolved.values().all(|(c, _)| self.gone.contains(&c.owner))
+    }
+
     /// The owners known to be deleted.
     pub fn gone(&self) -> &BTreeSet<Owner> {
         &self.gone
@@ -703,7 +805,11 @@ impl Keeper {
 
     /// Forgets deleted owners no claim names any more.
     pub fn forget(&mut self, registry: &Registry) {
-        let named: BTreeSet<&Owner> = registry.iter().map(|(_, c)| &c.owner).collect();
+        if self.gone.is_empty() {
+            return;
+        }
+        let named: BTreeSet<&Owner> =
+            registry.iter().map(|(_, c)| &c.owner).filter(|o| self.gone.contains(*o)).collect();
         self.gone.retain(|o| named.contains(o));
         self.gone_since.retain(|(_, o)| named.contains(o));
     }
@@ -711,10 +817,10 @@ impl Keeper {
     /// The claims that have been unresolved (pending, or held by a Service that does not hold
     /// the number in this view) and unchanged for [`GRACE`], watching continuously (`healthy`:
     /// the Service watch works; else everything starts over).
-    pub fn expired<H: Borrow<Holder>>(
+    pub fn expired(
         &mut self,
         registry: &Registry,
-        holders: &[H],
+        held: &HeldNumbers<'_>,
         healthy: bool,
         now: Instant,
     ) -> BTreeSet<u16> {
@@ -722,15 +828,10 @@ impl Keeper {
             self.unresolved.clear();
             return BTreeSet::new();
         }
-        let holds: BTreeSet<(&Owner, u16)> = holders
-            .iter()
-            .map(Borrow::borrow)
-            .flat_map(|h| h.numbers.iter().map(move |n| (&h.owner, *n)))
-            .collect();
         let mut next = BTreeMap::new();
         let mut out = BTreeSet::new();
         for (n, c) in registry.iter() {
-            if c.state == State::Held && holds.contains(&(&c.owner, n)) {
+            if c.state == State::Held && held.holders_of(n).iter().any(|h| h.owner == c.owner) {
                 continue;
             }
             let since = match self.unresolved.get(&n) {
@@ -903,7 +1004,8 @@ mod tests {
                     &changes,
                     &t,
                     &gone,
-                    &expired
+                    &expired,
+                    None
                 ),
                 "case {case}: registry {reg:?}, holders {holders:?}, gone {gone:?}, expired {expired:?}"
             );
@@ -1206,7 +1308,7 @@ mod tests {
         k.forget(&registry(&[]));
         assert!(k.gone().is_empty());
         let reg = registry(&[(20000, Claim::held(owner('a'))), (20001, Claim::held(owner('a')))]);
-        let view = std::slice::from_ref(&a);
+        let view = &HeldNumbers::of(std::slice::from_ref(&a));
         assert!(k.expired(&reg, view, true, t0).is_empty(), "20001 unresolved since now");
         assert!(k.expired(&reg, view, true, t0 + GRACE / 2).is_empty());
         assert_eq!(k.expired(&reg, view, true, t0 + GRACE), BTreeSet::from([20001]));

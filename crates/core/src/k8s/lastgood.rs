@@ -57,68 +57,7 @@ impl LastGoodServices {
         }
         for shared in services {
             // Shared objects stay shared; an owned one becomes a new object (never found below).
-            let object: Arc<Service> = shared.clone().into();
-            if self.passed.get(&object).is_some() {
-                out.services.push(object);
-                continue;
-            }
-            let svc: &Service = &object;
-            if !model::is_ours(svc, opts) {
-                self.passed.insert(&object, false);
-                out.services.push(object);
-                continue;
-            }
-            let key = model::service_key(svc);
-            // The very object that was found valid last time needs no check (nor copy) again:
-            // at 1,000 Services the per-Service check was a good part of every sync.
-            let unchanged = svc.metadata.resource_version.is_some()
-                && self.good.get_mut(&key).is_some_and(|(g, seen)| {
-                    let same = g.metadata.uid == svc.metadata.uid
-                        && g.metadata.resource_version == svc.metadata.resource_version;
-                    if same {
-                        // The same version, maybe another object after a relist: the one
-                        // remembered is the one passed on by address.
-                        *g = Arc::clone(&object);
-                        *seen = round;
-                    }
-                    same
-                });
-            let refusal = if unchanged {
-                None
-            } else {
-                model::build(std::slice::from_ref(svc), model::NO_SLICES, opts).refused.into_iter().next()
-            };
-            match refusal {
-                None => {
-                    if !unchanged {
-                        self.good.insert(key, (Arc::clone(&object), round));
-                    }
-                    self.passed.insert(&object, true);
-                    out.services.push(object);
-                }
-                Some(refusal) => {
-                    match self.good.get_mut(&key).filter(|(g, _)| g.metadata.uid == svc.metadata.uid) {
-                        Some((good, seen)) => {
-                            *seen = round;
-                            // The one copy: the last good spec with the current allocation and status.
-                            let mut kept = Service::clone(good);
-                            let current = crate::model::allocated_annotation(svc);
-                            let ann = kept.metadata.annotations.get_or_insert_default();
-                            match current {
-                                Some(v) => ann.insert(ANNOTATION_ALLOCATED.to_string(), v.clone()),
-                                None => ann.remove(ANNOTATION_ALLOCATED),
-                            };
-                            kept.metadata.resource_version = svc.metadata.resource_version.clone();
-                            kept.status = svc.status.clone();
-                            let kept = Arc::new(kept);
-                            out.substituted.push(Arc::clone(&kept));
-                            out.services.push(kept);
-                            out.masked.push(refusal);
-                        }
-                        None => out.services.push(object),
-                    }
-                }
-            }
+            self.one(shared.clone().into(), opts, round, &mut out);
         }
         // Gone, or replaced by a Service never seen valid: forgotten. (A valid object passed on
         // by address is the one its key remembers.)
@@ -126,6 +65,110 @@ impl LastGoodServices {
         let passed = &self.passed;
         self.good.retain(|_, (good, seen)| *seen == round || passed.peek(good).is_some_and(|valid| *valid));
         out
+    }
+
+    /// [`LastGoodServices::apply`] of the Services a scoped round plans (`services`: their
+    /// objects in the view), keeping what it knows of every other Service; `gone`: the objects
+    /// that left the view since the last call (deleted, or replaced by a newer version), each
+    /// forgotten, and a deleted Service's last good spec with it.
+    pub fn apply_within(
+        &mut self,
+        services: &[Arc<Service>],
+        gone: &[Arc<Service>],
+        opts: &ModelOptions,
+    ) -> Substituted {
+        let mut out = Substituted::default();
+        self.round += 1;
+        let round = self.round;
+        if self.opts.as_ref() != Some(opts) {
+            self.passed.clear();
+            self.opts = Some(opts.clone());
+        }
+        for object in services {
+            self.one(Arc::clone(object), opts, round, &mut out);
+        }
+        for object in gone {
+            self.passed.remove(object);
+        }
+        // What `apply` forgets of the keys it saw: the last good spec of a Service gone, or
+        // replaced by one never seen valid (not ours any more, another uid).
+        let keys = services.iter().chain(gone).map(|s| model::service_key(s));
+        for key in keys {
+            let passed = &self.passed;
+            if self
+                .good
+                .get(&key)
+                .is_some_and(|(good, seen)| *seen != round && !passed.peek(good).is_some_and(|v| *v))
+            {
+                self.good.remove(&key);
+            }
+        }
+        out
+    }
+
+    /// One Service of a call: passed on as it is, or its last good spec in its place.
+    fn one(&mut self, object: Arc<Service>, opts: &ModelOptions, round: u64, out: &mut Substituted) {
+        if self.passed.get(&object).is_some() {
+            out.services.push(object);
+            return;
+        }
+        let svc: &Service = &object;
+        if !model::is_ours(svc, opts) {
+            self.passed.insert(&object, false);
+            out.services.push(object);
+            return;
+        }
+        let key = model::service_key(svc);
+        // The very object that was found valid last time needs no check (nor copy) again:
+        // at 1,000 Services the per-Service check was a good part of every sync.
+        let unchanged = svc.metadata.resource_version.is_some()
+            && self.good.get_mut(&key).is_some_and(|(g, seen)| {
+                let same = g.metadata.uid == svc.metadata.uid
+                    && g.metadata.resource_version == svc.metadata.resource_version;
+                if same {
+                    // The same version, maybe another object after a relist: the one
+                    // remembered is the one passed on by address.
+                    *g = Arc::clone(&object);
+                    *seen = round;
+                }
+                same
+            });
+        let refusal = if unchanged {
+            None
+        } else {
+            model::build(std::slice::from_ref(svc), model::NO_SLICES, opts).refused.into_iter().next()
+        };
+        match refusal {
+            None => {
+                if !unchanged {
+                    self.good.insert(key, (Arc::clone(&object), round));
+                }
+                self.passed.insert(&object, true);
+                out.services.push(object);
+            }
+            Some(refusal) => {
+                match self.good.get_mut(&key).filter(|(g, _)| g.metadata.uid == svc.metadata.uid) {
+                    Some((good, seen)) => {
+                        *seen = round;
+                        // The one copy: the last good spec with the current allocation and status.
+                        let mut kept = Service::clone(good);
+                        let current = crate::model::allocated_annotation(svc);
+                        let ann = kept.metadata.annotations.get_or_insert_default();
+                        match current {
+                            Some(v) => ann.insert(ANNOTATION_ALLOCATED.to_string(), v.clone()),
+                            None => ann.remove(ANNOTATION_ALLOCATED),
+                        };
+                        kept.metadata.resource_version = svc.metadata.resource_version.clone();
+                        kept.status = svc.status.clone();
+                        let kept = Arc::new(kept);
+                        out.substituted.push(Arc::clone(&kept));
+                        out.services.push(kept);
+                        out.masked.push(refusal);
+                    }
+                    None => out.services.push(object),
+                }
+            }
+        }
     }
 }
 
