@@ -306,6 +306,14 @@ fn leader(args: &ProgramArgs) {
             namespaces: Vec::new(),
         };
         let t = Instant::now();
+        let mut phases = [0.0f64; 4];
+        let mut lap = {
+            let mut last = Instant::now();
+            move |i: usize, phases: &mut [f64; 4]| {
+                phases[i] = last.elapsed().as_secs_f64() * 1e3;
+                last = Instant::now();
+            }
+        };
         let holders = leader.holders.of_view(&snap.services);
         match may_scope {
             false => leader.keeper.observe_view(&holders, std::time::Instant::now()),
@@ -313,13 +321,29 @@ fn leader(args: &ProgramArgs) {
                 leader.keeper.observe_changes(leader.holders.changes(), &holders, std::time::Instant::now())
             }
         }
-        let expired =
-            leader.keeper.expired(registry, &leader.holders.held(), true, std::time::Instant::now());
+        lap(0, &mut phases);
+        let touched = leader.holders.changes().numbers().filter(|_| may_scope);
+        let expired = leader.keeper.expired(
+            registry,
+            &leader.holders.held(),
+            touched.as_ref(),
+            true,
+            std::time::Instant::now(),
+        );
+        lap(1, &mut phases);
         let gone = leader.keeper.gone().clone();
-        let claims = ClaimInputs { registry: Some(registry), token: &token, gone: &gone, expired: &expired };
+        let gone_claims = leader.keeper.claims_of_gone().filter(|_| may_scope);
+        let claims = ClaimInputs {
+            registry: Some(registry),
+            token: &token,
+            gone: &gone,
+            gone_claims: gone_claims.as_deref(),
+            expired: &expired,
+        };
         let may_scope = may_scope && expired.is_empty() && leader.keeper.resolved_but_deletions();
         let plan =
             plan_round(&snap, &cfg, &mut leader.memory, &leader.holders, Some(now), now, &claims, may_scope);
+        lap(2, &mut phases);
         let scope = plan.scope.as_ref();
         for e in events_to_send(&mut leader.deduper, &mut leader.outbox, &plan.events, |_| true, scope) {
             let key = event_key(&e);
@@ -327,7 +351,8 @@ fn leader(args: &ProgramArgs) {
             leader.deduper.sent(key);
         }
         leader.keeper.forget(registry);
-        (plan, t.elapsed().as_secs_f64() * 1e3)
+        lap(3, &mut phases);
+        (plan, t.elapsed().as_secs_f64() * 1e3, phases)
     };
     let new_leader = || Leader {
         memory: RoundMemory::default(),
@@ -338,14 +363,14 @@ fn leader(args: &ProgramArgs) {
     };
     let (mut whole, mut scoped) = (new_leader(), new_leader());
     // What earlier rounds wrote: every Service annotated, with its status.
-    let (first, first_ms) = round(&mut whole, &services, &slices, &Registry::default(), false);
+    let (first, first_ms, _) = round(&mut whole, &services, &slices, &Registry::default(), false);
     assert_eq!(first.writes.len(), n, "the first round writes every Service");
     round(&mut scoped, &services, &slices, &Registry::default(), false);
     services = written(&services, &first.writes);
     // The registry as the agents leave it: every Service's numbers claimed for it.
     let registry = registry_of(&services, &token);
     for leader in [&mut whole, &mut scoped] {
-        let (steady, _) = round(leader, &services, &slices, &registry, false);
+        let (steady, _, _) = round(leader, &services, &slices, &registry, false);
         assert!(
             steady.writes.is_empty(),
             "a round over written Services writes nothing: {:?}",
@@ -359,14 +384,18 @@ fn leader(args: &ProgramArgs) {
     // `--scoped-only`: no whole rounds in between (for a profile of the scoped ones).
     let scoped_only = args.flag("--scoped-only");
     let (mut whole_ms, mut scoped_ms, mut planned) = (vec![], vec![], vec![]);
+    let mut scoped_phases: [Vec<f64>; 4] = Default::default();
     for k in 1..=changes {
         let (svcs, slcs) = if k % 2 == 1 { (&with_extra, &slices_with_extra) } else { (&services, &slices) };
         if !scoped_only {
-            let (plan, t) = round(&mut whole, svcs, slcs, &registry, false);
+            let (plan, t, _) = round(&mut whole, svcs, slcs, &registry, false);
             assert_eq!(plan.writes.len(), k % 2, "only the added Service is written");
             whole_ms.push(t);
         }
-        let (plan, t) = round(&mut scoped, svcs, slcs, &registry, true);
+        let (plan, t, p) = round(&mut scoped, svcs, slcs, &registry, true);
+        for (all, one) in scoped_phases.iter_mut().zip(p) {
+            all.push(one);
+        }
         assert_eq!(plan.writes.len(), k % 2, "only the added Service is written");
         let scope = plan.scope.as_ref().expect("a round after a clean one, nothing shared changed: scoped");
         planned.push(scope.len() as f64);
@@ -379,6 +408,11 @@ fn leader(args: &ProgramArgs) {
     println!("    whole                                                   {:8.1}", median(whole_ms));
     println!("    scoped to what changed                                  {:8.1}", median(scoped_ms));
     println!("    Services the scoped round planned (median)              {:8.0}", median(planned));
+    let [view, expired, plan, events] = scoped_phases.map(median);
+    println!(
+        "    scoped, by phase: holders' pass and view recorded {view:.1}, unresolved claims {expired:.1},"
+    );
+    println!("      plan_round {plan:.1}, Events {events:.1}");
 }
 
 /// The node-port registry as a leader leaves it over `services`: the blocks `claims::plan` writes

@@ -514,9 +514,18 @@ impl Leader {
             false => self.keeper.observe_view(&holders, at),
             true => self.keeper.observe_changes(self.holders.changes(), &holders, at),
         }
-        let expired = self.keeper.expired(registry, &self.holders.held(), true, at);
+        // The whole leader looks at every claim, the other at what changed.
+        let touched = self.holders.changes().numbers();
+        let expired = self.keeper.expired(registry, &self.holders.held(), touched.as_ref(), true, at);
         let gone = self.keeper.gone().clone();
-        let inputs = ClaimInputs { registry: Some(registry), token, gone: &gone, expired: &expired };
+        let gone_claims = if self.scoping { self.keeper.claims_of_gone() } else { None };
+        let inputs = ClaimInputs {
+            registry: Some(registry),
+            token,
+            gone: &gone,
+            gone_claims: gone_claims.as_deref(),
+            expired: &expired,
+        };
         let as_left = self.versions.take() == Some(versions(registry));
         let may_scope = self.scoping
             && self.clean

@@ -943,6 +943,9 @@ pub struct ClaimInputs<'a> {
     pub registry: Option<&'a claims::Registry>,
     pub token: &'a claims::Token,
     pub gone: &'a std::collections::BTreeSet<claims::Owner>,
+    /// The numbers `gone` owners claim, when known without a walk of the registry
+    /// ([`claims::Keeper::claims_of_gone`]).
+    pub gone_claims: Option<&'a [u16]>,
     pub expired: &'a std::collections::BTreeSet<u16>,
 }
 
@@ -1158,7 +1161,15 @@ pub fn plan_round(
                 .filter_map(|k| holders.of_key(k))
                 .flat_map(|(_, h)| h.numbers.iter().copied())
                 .collect();
-            claims::plan_within(r, &held, &changes, registry.token, registry.gone, &numbers)
+            claims::plan_within(
+                r,
+                &held,
+                &changes,
+                registry.token,
+                registry.gone,
+                registry.gone_claims,
+                &numbers,
+            )
         }
         (None, _) => claims::ClaimPlan {
             blocked: changes
@@ -1250,13 +1261,25 @@ pub async fn leader_round(
     };
     let registry_read = started.elapsed();
     state.observe_for_round(snap);
+    let touched = state.holders.changes().numbers();
     let expired = match &registry {
-        Some(r) => state.claims.expired(r, &state.holders.held(), services_current, Instant::now()),
-        None => Default::default(),
+        Some(r) => {
+            state.claims.expired(r, &state.holders.held(), touched.as_ref(), services_current, Instant::now())
+        }
+        None => {
+            state.claims.lose_track();
+            Default::default()
+        }
     };
     let gone = state.claims.gone().clone();
-    let inputs =
-        ClaimInputs { registry: registry.as_ref(), token: &state.token, gone: &gone, expired: &expired };
+    let gone_claims = state.claims.claims_of_gone();
+    let inputs = ClaimInputs {
+        registry: registry.as_ref(),
+        token: &state.token,
+        gone: &gone,
+        gone_claims: gone_claims.as_deref(),
+        expired: &expired,
+    };
     // A round plans only what changed when the last one left nothing undone, the registry is
     // as the last round left it (no one else wrote it) with every claim resolved (a deleted
     // Service's aside: every round lets those go), and a whole round ran within
@@ -1990,8 +2013,13 @@ mod tests {
             let registry = claims::Registry::default();
             let token = claims::Token::new("test", 1, 0);
             let (gone, expired) = (Default::default(), Default::default());
-            let inputs =
-                ClaimInputs { registry: Some(&registry), token: &token, gone: &gone, expired: &expired };
+            let inputs = ClaimInputs {
+                registry: Some(&registry),
+                token: &token,
+                gone: &gone,
+                gone_claims: None,
+                expired: &expired,
+            };
             let mut holders = claims::Holders::default();
             holders.of_view(&snap.services);
             plan_round(&snap, &cfg, &mut RoundMemory::default(), &holders, Some(now), now, &inputs, false)

@@ -79,7 +79,13 @@ fn plan(services: &[Service], slices: &[EndpointSlice], nodes: &[Value], leases:
     // A leader whose node-port registry is empty: every number it allocates can be claimed.
     let (registry, token) = (Registry::default(), Token::new("fuzz", 1, 0));
     let (gone, expired) = (Default::default(), Default::default());
-    let claims = ClaimInputs { registry: Some(&registry), token: &token, gone: &gone, expired: &expired };
+    let claims = ClaimInputs {
+        registry: Some(&registry),
+        token: &token,
+        gone: &gone,
+        gone_claims: None,
+        expired: &expired,
+    };
     let mut holders = Holders::default();
     holders.of_view(&snap.services);
     plan_round(&snap, &config(), &mut Default::default(), &holders, None, now, &claims, false)

@@ -153,6 +153,16 @@ pub struct ViewChanges {
     pub dropped: Vec<(Arc<Service>, Arc<Holder>)>,
 }
 
+impl ViewChanges {
+    /// The numbers whose holders changed (those the added and the dropped holders name), or
+    /// `None` for a first view.
+    pub fn numbers(&self) -> Option<BTreeSet<u16>> {
+        let dropped = self.dropped.iter().map(|(_, h)| h);
+        (!self.first)
+            .then(|| self.added.iter().chain(dropped).flat_map(|h| h.numbers.iter().copied()).collect())
+    }
+}
+
 impl Holders {
     /// The holder of each of `services`, in their order (what the view does not hold any more is
     /// forgotten).
@@ -518,20 +528,24 @@ pub fn plan(
 /// held without one or held twice. The round is scoped only when every other claim is
 /// settled and names a Service that holds its number (or a deleted one), and the Services
 /// outside the scope hold what they held: none of their numbers can be missing a claim.
+/// `gone_claims`: the numbers `gone` owners claim ([`Keeper::claims_of_gone`]), found without a
+/// walk of the registry (`None`: walked).
+#[allow(clippy::too_many_arguments)]
 pub fn plan_within(
     registry: &Registry,
     held: &HeldNumbers<'_>,
     changes: &[AnnotationChange<'_>],
     token: &Token,
     gone: &BTreeSet<Owner>,
+    gone_claims: Option<&[u16]>,
     numbers: &BTreeSet<u16>,
 ) -> ClaimPlan {
     let next = Overlay { read: registry, changed: BTreeMap::new() };
-    plan_in(next, registry, held, changes, token, gone, &BTreeSet::new(), Some(numbers))
+    plan_in(next, registry, held, changes, token, gone, &BTreeSet::new(), Some((numbers, gone_claims)))
 }
 
 /// [`plan`], with the registry as the round leaves it kept in `next` (starting as `registry`);
-/// `only`: [`plan_within`]'s numbers.
+/// `only`: [`plan_within`]'s numbers and deleted Services' claims.
 #[allow(clippy::too_many_arguments)]
 fn plan_in<S: ClaimStore>(
     mut next: S,
@@ -541,7 +555,7 @@ fn plan_in<S: ClaimStore>(
     token: &Token,
     gone: &BTreeSet<Owner>,
     expired: &BTreeSet<u16>,
-    only: Option<&BTreeSet<u16>>,
+    only: Option<(&BTreeSet<u16>, Option<&[u16]>)>,
 ) -> ClaimPlan {
     let mut out = ClaimPlan::default();
     let by_number = held.by_number();
@@ -559,7 +573,11 @@ fn plan_in<S: ClaimStore>(
         }
     }
     if !gone.is_empty() {
-        for n in next.claimed_by(gone) {
+        let claimed = match only {
+            Some((_, Some(gone_claims))) => gone_claims.to_vec(),
+            _ => next.claimed_by(gone),
+        };
+        for n in claimed {
             next.set(n, None);
         }
     }
@@ -567,7 +585,7 @@ fn plan_in<S: ClaimStore>(
     // holders of a settled claim, the older keeps it.
     let numbers: Box<dyn Iterator<Item = (&u16, &Vec<Arc<Holder>>)>> = match only {
         None => Box::new(by_number.iter()),
-        Some(only) => Box::new(only.iter().filter_map(|n| by_number.get_key_value(n))),
+        Some((only, _)) => Box::new(only.iter().filter_map(|n| by_number.get_key_value(n))),
     };
     for (n, hs) in numbers {
         let keepers: Vec<&Arc<Holder>> =
@@ -736,6 +754,11 @@ pub struct Keeper {
     /// (never [`Keeper::forget`]s), so it forgets deletions after [`REMEMBER_GONE`] instead.
     gone_since: std::collections::VecDeque<(Instant, Owner)>,
     unresolved: BTreeMap<u16, (Claim, Instant)>,
+    /// Each registry block's resourceVersion at the last [`Keeper::expired`] (`None`: that call
+    /// did not look at the registry, the Service watch failing): a block read again at the same
+    /// version holds the same claims, and only those whose numbers changed holders are looked at
+    /// again.
+    versions: Option<BTreeMap<u16, Option<String>>>,
 }
 
 /// How long a deletion is remembered. Forgetting one is safe: a claim of a Service nobody knows
@@ -808,8 +831,14 @@ impl Keeper {
         if self.gone.is_empty() {
             return;
         }
-        let named: BTreeSet<&Owner> =
-            registry.iter().map(|(_, c)| &c.owner).filter(|o| self.gone.contains(*o)).collect();
+        // A deleted Service's claims are unresolved ones, when the last look at the registry
+        // (this one) found them.
+        let named: BTreeSet<&Owner> = match &self.versions {
+            Some(_) => {
+                self.unresolved.values().map(|(c, _)| &c.owner).filter(|o| self.gone.contains(*o)).collect()
+            }
+            None => registry.iter().map(|(_, c)| &c.owner).filter(|o| self.gone.contains(*o)).collect(),
+        };
         self.gone.retain(|o| named.contains(o));
         self.gone_since.retain(|(_, o)| named.contains(o));
     }
@@ -817,34 +846,87 @@ impl Keeper {
     /// The claims that have been unresolved (pending, or held by a Service that does not hold
     /// the number in this view) and unchanged for [`GRACE`], watching continuously (`healthy`:
     /// the Service watch works; else everything starts over).
+    ///
+    /// `touched`: the numbers whose holders changed since the last call (`None`: anything may
+    /// have): claims of a block read at the version the last call saw are looked at again only
+    /// for those numbers (a leader's round writes a block or two; walking every claim of 50,000
+    /// was half of a scoped round).
     pub fn expired(
         &mut self,
         registry: &Registry,
         held: &HeldNumbers<'_>,
+        touched: Option<&BTreeSet<u16>>,
         healthy: bool,
         now: Instant,
     ) -> BTreeSet<u16> {
         if !healthy {
             self.unresolved.clear();
+            self.versions = None;
             return BTreeSet::new();
         }
-        let mut next = BTreeMap::new();
-        let mut out = BTreeSet::new();
-        for (n, c) in registry.iter() {
-            if c.state == State::Held && held.holders_of(n).iter().any(|h| h.owner == c.owner) {
+        let last = self.versions.take();
+        let unresolved = |c: &Claim, n: u16| {
+            !(c.state == State::Held && held.holders_of(n).iter().any(|h| h.owner == c.owner))
+        };
+        let check = |n: u16, c: Option<&Claim>, kept: &mut BTreeMap<u16, (Claim, Instant)>| match c {
+            Some(c) if unresolved(c, n) => {
+                let since = match kept.get(&n) {
+                    Some((prev, t)) if prev == c => *t,
+                    _ => now,
+                };
+                kept.insert(n, (c.clone(), since));
+            }
+            _ => {
+                kept.remove(&n);
+            }
+        };
+        let mut kept = std::mem::take(&mut self.unresolved);
+        // Blocks gone since: their claims too.
+        kept.retain(|n, _| registry.blocks.contains_key(&block_of(*n)));
+        for (b, block) in &registry.blocks {
+            let same =
+                touched.is_some() && last.as_ref().and_then(|l| l.get(b)) == Some(&block.resource_version);
+            if !same {
+                let first = u16::try_from(u32::from(*b) * BLOCK_SIZE).unwrap_or(u16::MAX);
+                let end = u16::try_from((u32::from(*b) + 1) * BLOCK_SIZE - 1).unwrap_or(u16::MAX);
+                kept.retain(|n, _| *n < first || *n > end || block.claims.contains_key(n));
+                for (n, c) in &block.claims {
+                    check(*n, Some(c), &mut kept);
+                }
                 continue;
             }
-            let since = match self.unresolved.get(&n) {
-                Some((prev, t)) if prev == c => *t,
-                _ => now,
-            };
-            if now.saturating_duration_since(since) >= GRACE {
-                out.insert(n);
+            // The same claims: only a number whose holders changed can change its standing.
+            for n in touched.into_iter().flatten().copied().filter(|n| block_of(*n) == *b) {
+                check(n, block.claims.get(&n), &mut kept);
             }
-            next.insert(n, (c.clone(), since));
         }
-        self.unresolved = next;
-        out
+        self.unresolved = kept;
+        self.versions =
+            Some(registry.blocks.iter().map(|(b, block)| (*b, block.resource_version.clone())).collect());
+        (self.unresolved.iter())
+            .filter(|(_, (_, since))| now.saturating_duration_since(*since) >= GRACE)
+            .map(|(n, _)| *n)
+            .collect()
+    }
+
+    /// Forgets what the last [`Keeper::expired`] saw of the registry: the next one looks at
+    /// every claim (a round that could not read the registry saw the holders change without it).
+    pub fn lose_track(&mut self) {
+        self.versions = None;
+    }
+
+    /// The numbers claimed by deleted Services ([`Keeper::gone`]) in the registry the last
+    /// [`Keeper::expired`] saw: such a claim never names a holder, so it is among the unresolved
+    /// ones. `None` when that call did not look at the registry.
+    pub fn claims_of_gone(&self) -> Option<Vec<u16>> {
+        self.versions.as_ref()?;
+        Some(
+            self.unresolved
+                .iter()
+                .filter(|(_, (c, _))| self.gone.contains(&c.owner))
+                .map(|(n, _)| *n)
+                .collect(),
+        )
     }
 }
 
@@ -1309,11 +1391,11 @@ mod tests {
         assert!(k.gone().is_empty());
         let reg = registry(&[(20000, Claim::held(owner('a'))), (20001, Claim::held(owner('a')))]);
         let view = &HeldNumbers::of(std::slice::from_ref(&a));
-        assert!(k.expired(&reg, view, true, t0).is_empty(), "20001 unresolved since now");
-        assert!(k.expired(&reg, view, true, t0 + GRACE / 2).is_empty());
-        assert_eq!(k.expired(&reg, view, true, t0 + GRACE), BTreeSet::from([20001]));
-        assert!(k.expired(&reg, view, false, t0 + GRACE * 2).is_empty(), "watch failing");
-        assert!(k.expired(&reg, view, true, t0 + GRACE * 2).is_empty(), "and the wait starts over");
+        assert!(k.expired(&reg, view, None, true, t0).is_empty(), "20001 unresolved since now");
+        assert!(k.expired(&reg, view, None, true, t0 + GRACE / 2).is_empty());
+        assert_eq!(k.expired(&reg, view, None, true, t0 + GRACE), BTreeSet::from([20001]));
+        assert!(k.expired(&reg, view, None, false, t0 + GRACE * 2).is_empty(), "watch failing");
+        assert!(k.expired(&reg, view, None, true, t0 + GRACE * 2).is_empty(), "and the wait starts over");
     }
 
     /// A view's holders are built once per Service object: the same object again gives the kept
@@ -1352,6 +1434,170 @@ mod tests {
         memo.of_view(std::slice::from_ref(&v2));
         assert!(memo.changes().added.is_empty() && memo.changes().dropped.is_empty());
         assert_eq!((Arc::strong_count(&v1), Arc::strong_count(&other)), (1, 1), "the others let go");
+    }
+
+    /// What [`Keeper::expired`] finds when it looks again only at the claims of blocks written
+    /// since and at the numbers whose holders changed is what a look at every claim finds: the
+    /// claims expired, all resolved or not, the deleted Services' claims. Random registries
+    /// (claims held, pending, of unknown owners; blocks written at new versions or not) and
+    /// random views (Services created, deleted, their numbers changed), over time.
+    #[test]
+    fn looking_again_at_what_changed_is_looking_at_everything() {
+        let mut rng = crate::domain::fnv1a(b"expired");
+        let mut next = |below: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % below
+        };
+        let letters: Vec<char> = "abcdef".chars().collect();
+        let t0 = Instant::now();
+        let (mut full, mut incremental) = (Keeper::default(), Keeper::default());
+        let mut view: BTreeMap<char, BTreeSet<u16>> = BTreeMap::new();
+        let mut reg = Registry::default();
+        let mut version = 0u64;
+        let mut memo = Holders::default();
+        // Every Service created gets a uid of its own (a deleted Service's never comes back).
+        let uid_of = |i: u64| format!("{i:08x}-0000-0000-0000-000000000000");
+        let mut created = 0u64;
+        let svc = |c: char, i: u64, numbers: &BTreeSet<u16>| -> Arc<Service> {
+            let value: Vec<String> =
+                numbers.iter().enumerate().map(|(i, n)| format!("{}/TCP={n}", 80 + i)).collect();
+            Arc::new(
+                serde_json::from_value(serde_json::json!({
+                    "metadata": {"name": c.to_string(), "namespace": "default", "uid": uid_of(i),
+                                 "annotations": {ANNOTATION_ALLOCATED: value.join(",")}},
+                    "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]}
+                }))
+                .unwrap(),
+            )
+        };
+        let mut objects: BTreeMap<char, Arc<Service>> = BTreeMap::new();
+        // Numbers in two blocks (8191 is block 0, 8192 block 1).
+        let numbers = [8189u16, 8190, 8191, 8192, 8193, 8194];
+        for step in 0..600 {
+            // The view changes now and then.
+            if next(3) == 0 {
+                let c = letters[next(letters.len() as u64) as usize];
+                match next(3) {
+                    0 => {
+                        view.remove(&c);
+                        objects.remove(&c);
+                    }
+                    1 if view.contains_key(&c) => {
+                        // A new version of the same Service.
+                        let held: BTreeSet<u16> = (0..next(3)).map(|_| numbers[next(6) as usize]).collect();
+                        let i = objects[&c]
+                            .metadata
+                            .uid
+                            .as_deref()
+                            .map_or(0, |u| u64::from_str_radix(&u[..8], 16).unwrap());
+                        objects.insert(c, svc(c, i, &held));
+                        view.insert(c, held);
+                    }
+                    _ => {
+                        created += 1;
+                        let held: BTreeSet<u16> = (0..next(3)).map(|_| numbers[next(6) as usize]).collect();
+                        objects.insert(c, svc(c, created, &held));
+                        view.insert(c, held);
+                    }
+                }
+            }
+            // A block written now and then: claims added, changed, dropped.
+            if next(2) == 0 {
+                let b = next(2) as u16;
+                let block = reg.blocks.entry(b).or_default();
+                for _ in 0..next(3) {
+                    let n = numbers[next(6) as usize];
+                    if block_of(n) != b {
+                        continue;
+                    }
+                    // Mostly a Service that holds the number now, else one created (maybe deleted
+                    // since), or nobody's.
+                    let holding: Vec<&Arc<Service>> =
+                        objects.values().filter(|o| Holder::of(o).numbers.contains(&n)).collect();
+                    let owner = match (next(4), holding.is_empty()) {
+                        (0, _) | (_, true) => Owner::of_uid(&uid_of(next(created + 2))),
+                        _ => Holder::of(holding[next(holding.len() as u64) as usize]).owner,
+                    };
+                    let state = match next(4) {
+                        0 => State::Adding(Token::new("x", 1, 0)),
+                        1 => State::Removing(Token::new("x", 1, 0)),
+                        _ => State::Held,
+                    };
+                    match next(4) {
+                        0 => block.claims.remove(&n),
+                        _ => block.claims.insert(n, Claim { owner, state }),
+                    };
+                }
+                version += 1;
+                block.resource_version = Some(version.to_string());
+            }
+            let list: Vec<Arc<Service>> = objects.values().cloned().collect();
+            let holders = memo.of_view(&list);
+            let now = t0 + Duration::from_secs(7 * step);
+            full.observe_view(&holders, now);
+            incremental.observe_changes(memo.changes(), &holders, now);
+            let touched = memo.changes().numbers();
+            let held = memo.held();
+            let a = full.expired(&reg, &held, None, true, now);
+            let b = incremental.expired(&reg, &held, touched.as_ref(), true, now);
+            assert_eq!(a, b, "step {step}: expired");
+            assert_eq!(full.unresolved, incremental.unresolved, "step {step}: unresolved");
+            assert_eq!(full.gone(), incremental.gone(), "step {step}: gone");
+            let mut gone_claims: Vec<u16> =
+                reg.iter().filter(|(_, c)| full.gone().contains(&c.owner)).map(|(n, _)| n).collect();
+            gone_claims.sort();
+            assert_eq!(
+                incremental.claims_of_gone(),
+                Some(gone_claims),
+                "step {step}: deleted Services' claims"
+            );
+            full.forget(&reg);
+            incremental.forget(&reg);
+            assert_eq!(full.gone(), incremental.gone(), "step {step}: forgotten");
+        }
+    }
+
+    /// The index of held numbers that [`Holders`] keeps, patched by each view's changes, is the
+    /// one built afresh for the view, holders oldest first, over random views.
+    #[test]
+    fn the_kept_index_of_held_numbers_is_the_one_built_for_the_view() {
+        let svc = |name: char, day: u8, numbers: &[u16]| -> Arc<Service> {
+            let value: Vec<String> =
+                numbers.iter().enumerate().map(|(i, n)| format!("{}/TCP={n}", 80 + i)).collect();
+            Arc::new(
+                serde_json::from_value(serde_json::json!({
+                    "metadata": {"name": name.to_string(), "namespace": "default", "uid": uid(name),
+                                 "creationTimestamp": format!("2024-01-{day:02}T00:00:00Z"),
+                                 "annotations": {ANNOTATION_ALLOCATED: value.join(",")}},
+                    "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]}
+                }))
+                .unwrap(),
+            )
+        };
+        let index = |held: &HeldNumbers<'_>| -> Vec<(u16, Vec<ServiceKey>)> {
+            held.by_number().iter().map(|(n, hs)| (*n, hs.iter().map(|h| h.key.clone()).collect())).collect()
+        };
+        let mut rng = crate::domain::fnv1a(b"seed");
+        let mut next = |below: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % below
+        };
+        let mut memo = Holders::default();
+        let mut view: Vec<Arc<Service>> = Vec::new();
+        for step in 0..400 {
+            let name = (b'a' + next(8) as u8) as char;
+            view.retain(|s| s.metadata.name.as_deref() != Some(&name.to_string()));
+            if next(4) != 0 {
+                let numbers: Vec<u16> = (0..next(3)).map(|_| 20000 + next(6) as u16).collect();
+                view.push(svc(name, 1 + next(3) as u8, &numbers));
+            }
+            let holders = memo.of_view(&view);
+            assert_eq!(index(&memo.held()), index(&HeldNumbers::of(&holders)), "step {step}");
+        }
     }
 
     fn v2_key() -> ServiceKey {
