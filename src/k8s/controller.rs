@@ -801,6 +801,8 @@ pub struct LeaderState {
     /// included), when that round knows it: a registry read that differs was written by someone
     /// else (a human, another leader), and a round after that is whole.
     registry_versions: Option<RegistryVersions>,
+    /// The registry as the last round read it, parsed ([`read_registry`]).
+    registry_read: Option<KeptRegistry>,
     /// Names this process in the claims it leaves pending.
     pub token: claims::Token,
     /// Registry problems last logged (each logged once while it lasts).
@@ -821,6 +823,7 @@ impl LeaderState {
             holders: claims::Holders::default(),
             claims: claims::Keeper::default(),
             registry_versions: None,
+            registry_read: None,
             token: claims::Token::new(node_name, std::process::id(), started.as_nanos()),
             logged: Default::default(),
             unreported: Vec::new(),
@@ -888,6 +891,7 @@ impl LeaderState {
         self.memory = RoundMemory::default();
         self.holders = claims::Holders::default();
         self.registry_versions = None;
+        self.registry_read = None;
         self.echoes = HashMap::new();
         self.clean = false;
         self.lease_view = None;
@@ -1244,7 +1248,7 @@ pub async fn leader_round(
     let was_clean = std::mem::replace(&mut state.clean, false);
     state.echoes.clear();
     state.lease_view = Some(LeaseView::of(&snap.nodes, &snap.leases, leases_now, cfg));
-    let registry = match read_registry(client, &cfg.namespace).await {
+    let read = match read_registry(client, &cfg.namespace, state.registry_read.take()).await {
         Ok((r, problems)) => {
             let problems: std::collections::BTreeSet<String> = problems.into_iter().collect();
             for p in problems.difference(&state.logged) {
@@ -1259,10 +1263,11 @@ pub async fn leader_round(
             None
         }
     };
+    let registry = read.as_ref().map(|r| &r.registry);
     let registry_read = started.elapsed();
     state.observe_for_round(snap);
     let touched = state.holders.changes().numbers();
-    let expired = match &registry {
+    let expired = match registry {
         Some(r) => {
             state.claims.expired(r, &state.holders.held(), touched.as_ref(), services_current, Instant::now())
         }
@@ -1274,7 +1279,7 @@ pub async fn leader_round(
     let gone = state.claims.gone().clone();
     let gone_claims = state.claims.claims_of_gone();
     let inputs = ClaimInputs {
-        registry: registry.as_ref(),
+        registry,
         token: &state.token,
         gone: &gone,
         gone_claims: gone_claims.as_deref(),
@@ -1284,7 +1289,7 @@ pub async fn leader_round(
     // as the last round left it (no one else wrote it) with every claim resolved (a deleted
     // Service's aside: every round lets those go), and a whole round ran within
     // FULL_ROUND_EVERY.
-    let mut versions = registry.as_ref().map(RegistryVersions::of);
+    let mut versions = registry.map(RegistryVersions::of);
     let as_left = std::mem::take(&mut state.registry_versions);
     let may_scope = was_clean
         && state.whole_round_within(started)
@@ -1376,9 +1381,10 @@ pub async fn leader_round(
             }
         }
     }
-    if let Some(r) = &registry {
+    if let Some(r) = registry {
         state.claims.forget(r);
     }
+    state.registry_read = read;
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
     let (read, plan_ms, writes) =
         (ms(registry_read), ms(planned - registry_read), ms(started.elapsed() - planned));
@@ -1693,10 +1699,12 @@ const PRECONDITIONS: bool = !cfg!(feature = "race-demo-without-preconditions");
 async fn read_registry(
     client: &Client,
     namespace: &str,
-) -> Result<(claims::Registry, Vec<String>), kube::Error> {
+    kept: Option<KeptRegistry>,
+) -> Result<(KeptRegistry, Vec<String>), kube::Error> {
     let api: Api<Lease> = Api::namespaced(client.clone(), namespace);
     let list = api.list(&kube::api::ListParams::default().labels(claims::LABEL)).await?;
-    let mut registry = claims::Registry::default();
+    let mut kept = kept.unwrap_or_default();
+    let mut read = KeptRegistry::default();
     let mut problems = Vec::new();
     for lease in list.items {
         let name = lease.metadata.name.clone().unwrap_or_default();
@@ -1704,14 +1712,32 @@ async fn read_registry(
             problems.push(format!("Lease {name} is labelled {} but is not a registry block", claims::LABEL));
             continue;
         };
-        let value = lease.metadata.annotations.as_ref().and_then(|a| a.get(claims::ANNOTATION));
-        let (claims, p) = claims::parse(value.map_or("", String::as_str));
-        problems.extend(p.into_iter().map(|p| format!("Lease {name}: {p}")));
-        registry
-            .blocks
-            .insert(block, claims::Block { claims, resource_version: lease.metadata.resource_version });
+        // A block at the version already parsed is taken as it was (a round writes a block or
+        // two; parsing every claim of 50,000 was most of a read).
+        let resource_version = lease.metadata.resource_version;
+        let (parsed, p) = match kept.registry.blocks.remove(&block) {
+            Some(b) if b.resource_version == resource_version && resource_version.is_some() => {
+                (b.claims, kept.problems.remove(&block).unwrap_or_default())
+            }
+            _ => {
+                let value = lease.metadata.annotations.as_ref().and_then(|a| a.get(claims::ANNOTATION));
+                let (claims, p) = claims::parse(value.map_or("", String::as_str));
+                (claims, p.into_iter().map(|p| format!("Lease {name}: {p}")).collect())
+            }
+        };
+        problems.extend(p.iter().cloned());
+        read.problems.insert(block, p);
+        read.registry.blocks.insert(block, claims::Block { claims: parsed, resource_version });
     }
-    Ok((registry, problems))
+    Ok((read, problems))
+}
+
+/// The registry as last read, each block with the problems of its parse: a block read again at
+/// the same resourceVersion is not parsed again ([`read_registry`]).
+#[derive(Debug, Default)]
+struct KeptRegistry {
+    registry: claims::Registry,
+    problems: BTreeMap<u16, Vec<String>>,
 }
 
 /// Writes one registry block: created when it did not exist, else replaced with the
