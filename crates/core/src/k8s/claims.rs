@@ -816,9 +816,11 @@ impl Keeper {
 
     /// Whether every claim of the registry, as last seen by [`Keeper::expired`], was resolved or
     /// is a deleted Service's ([`Keeper::gone`]: a round lets those go, and nothing else reads
-    /// them): then every other claim names a Service that holds its number.
+    /// them): then every other claim names a Service that holds its number. `false` when that
+    /// call did not look at the claims (the Service watch failing: it forgets them all, so
+    /// nothing is known to be resolved).
     pub fn resolved_but_deletions(&self) -> bool {
-        self.unresolved.values().all(|(c, _)| self.gone.contains(&c.owner))
+        self.versions.is_some() && self.unresolved.values().all(|(c, _)| self.gone.contains(&c.owner))
     }
 
     /// The owners known to be deleted.
