@@ -8,6 +8,7 @@
 //! ```text
 //! cargo bench --bench sync -- --services 10000 --endpoints 5 --changes 20
 //! cargo bench --bench sync -- --services 10000 --endpoints 5 --changes 20 --leader
+//! cargo bench --bench sync -- --services 10000 --endpoints 5 --changes 20 --annotated
 //! ```
 //!
 //! `--leader`: the Kubernetes-mode leader's pure round instead (`k8s::controller::plan_round`:
@@ -16,6 +17,9 @@
 //! changed Service), two Nodes with their Leases; median of `--changes` rounds, one Service
 //! added or removed each. `--hash-order`: the objects in the order a reflector's store gives them
 //! (a fixed shuffle), as the agent gets them in Kubernetes mode, not in key order.
+//! `--annotated`: a node agent in Kubernetes mode (each Service carries the leader's allocation
+//! annotation; the node reads it instead of allocating). `--next-only`: the sync loop's way
+//! alone, unchecked and untimed (to profile it: `perf record -g target/release/deps/sync-… …`).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -82,11 +86,8 @@ fn main() {
     }
     let n = args.number("--services", 10_000);
     let (endpoints, changes) = (args.number("--endpoints", 5), args.number("--changes", 20));
-    let (services, slices) = cluster(n, endpoints, args.flag("--hash-order"));
-    let (extra_svc, extra_slices) = objects(&service(n, endpoints).render());
-    let with_extra: Vec<Arc<Service>> = services.iter().chain(&extra_svc).cloned().collect();
-    let slices_with_extra: Vec<Arc<EndpointSlice>> = slices.iter().chain(&extra_slices).cloned().collect();
-
+    let (mut services, slices) = cluster(n, endpoints, args.flag("--hash-order"));
+    let (mut extra_svc, extra_slices) = objects(&service(n, endpoints).render());
     let range = PortRange::new(1024, 64999).expect("range");
     let model = ModelOptions::default();
     let node = NodeFacts {
@@ -98,6 +99,17 @@ fn main() {
     let policy =
         HostPolicy { ports: nodelb::port_policy::PortPolicy::with_range(range), ..Default::default() };
     let (host, notes) = (HostFacts::default(), SourceNotes::default());
+    let annotated = args.flag("--annotated");
+    if annotated {
+        // As a node agent in Kubernetes mode gets them: each Service with the leader's annotation
+        // (each Service has one port, 80/TCP: numbers from the range's start, in turn).
+        services = annotate(&services, 0);
+        extra_svc = annotate(&extra_svc, services.len());
+    }
+    let mode = if annotated { AllocationMode::Annotated } else { AllocationMode::Allocate };
+    let next_only = args.flag("--next-only");
+    let with_extra: Vec<Arc<Service>> = services.iter().chain(&extra_svc).cloned().collect();
+    let slices_with_extra: Vec<Arc<EndpointSlice>> = slices.iter().chain(&extra_slices).cloned().collect();
     let mut previous = BTreeMap::new();
     let mut last: Option<desired::Desired> = None;
     let (mut desired_ms, mut diff_ms, mut drop_ms, mut sizes) = (vec![], vec![], vec![], vec![]);
@@ -107,7 +119,7 @@ fn main() {
     for k in 0..=changes {
         let (svcs, slcs) = if k % 2 == 1 { (&with_extra, &slices_with_extra) } else { (&services, &slices) };
         let inputs = Inputs {
-            mode: AllocationMode::Allocate,
+            mode,
             services: svcs.as_slice(),
             slices: slcs.as_slice(),
             notes: &notes,
@@ -120,7 +132,16 @@ fn main() {
             host: &host,
             pools: None,
         };
-        // Planned whole.
+        // Planned whole (`--next-only`: not at all, for a profile of the sync loop's way alone).
+        if next_only {
+            let next = desired::compute_next(&inputs, true, &mut kept, applied.as_ref());
+            match next.ruleset {
+                Planned::Full(rs) => applied = Some(rs),
+                Planned::Patch(patch) => patch.apply(applied.as_mut().expect("a ruleset to patch")),
+            }
+            previous = next.allocations;
+            continue;
+        }
         let t = Instant::now();
         let d = desired::compute_with(&inputs, true);
         let t_desired = t.elapsed();
@@ -192,6 +213,20 @@ fn main() {
     println!("  desired (model, allocation, status, the planner's patch)  {:8.1}", median(next_ms));
     println!("  batch of the patch, patch and index applied               {:8.1}", median(patch_ms));
     println!("  changes per batch                                         {:8.0}", median(patch_sizes));
+}
+
+/// `services` (one port each, 80/TCP) with the leader's allocation annotation: node ports 1024
+/// + `first`, 1025 + `first`, …
+fn annotate(services: &[Arc<Service>], first: usize) -> Vec<Arc<Service>> {
+    (services.iter().enumerate())
+        .map(|(i, svc)| {
+            let mut svc = Service::clone(svc);
+            let value = format!("80/TCP={}", 1024 + first + i);
+            let annotations = svc.metadata.annotations.get_or_insert_default();
+            annotations.insert(nodelb::model::ANNOTATION_ALLOCATED.into(), value);
+            Arc::new(svc)
+        })
+        .collect()
 }
 
 /// A Node with an InternalIP and its Lease, as a serving node's agent keeps it.

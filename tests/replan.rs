@@ -285,8 +285,8 @@ fn rest<R, I>(d: &Desired<R, I>) -> String {
 /// model cache, the planner) gives what `desired::compute_with` gives from scratch, field by
 /// field, its patch applied to the last ruleset the whole ruleset and its index patch the whole
 /// index. Objects are replaced by edited ones, by equal copies (a new `Arc`), dropped and
-/// duplicated; node addresses (an endpoint that becomes a node's address is refused) and
-/// allocation ages change underneath.
+/// duplicated, and handed over in another order; node addresses (an endpoint that becomes a
+/// node's address is refused) and allocation ages change underneath.
 #[test]
 fn compute_next_gives_what_compute_gives() {
     use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
@@ -401,9 +401,19 @@ fn compute_next_gives_what_compute_gives() {
                 let at = 1_700_000_000 + rng.below(1000) as i64;
                 since.insert(k, k8s_openapi::jiff::Timestamp::from_second(at).unwrap());
             }
-            let services: Vec<Arc<Service>> = objects.values().flat_map(|(s, _)| s.iter().cloned()).collect();
-            let slices: Vec<Arc<EndpointSlice>> =
+            let mut services: Vec<Arc<Service>> =
+                objects.values().flat_map(|(s, _)| s.iter().cloned()).collect();
+            let mut slices: Vec<Arc<EndpointSlice>> =
                 objects.values().flat_map(|(_, e)| e.iter().cloned()).collect();
+            // Half the time in another order each sync, as a reflector's hash map hands them over.
+            if rng.chance(0.5) {
+                for i in (1..services.len()).rev() {
+                    services.swap(i, rng.below(i as u64 + 1) as usize);
+                }
+                for i in (1..slices.len()).rev() {
+                    slices.swap(i, rng.below(i as u64 + 1) as usize);
+                }
+            }
             let inputs = Inputs {
                 mode: AllocationMode::Allocate,
                 services: services.as_slice(),
