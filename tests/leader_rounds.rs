@@ -437,10 +437,6 @@ fn apply_write(svc: &mut Value, w: &ServiceWrite) {
     }
 }
 
-fn versions(registry: &Registry) -> BTreeMap<u16, Option<String>> {
-    registry.blocks.iter().map(|(b, block)| (*b, block.resource_version.clone())).collect()
-}
-
 fn parse<T: serde::de::DeserializeOwned>(v: &Value) -> T {
     serde_json::from_value(v.clone()).unwrap_or_else(|e| panic!("{e}: {v}"))
 }
@@ -527,7 +523,7 @@ impl Leader {
             gone_claims: gone_claims.as_deref(),
             expired: &expired,
         };
-        let as_left = self.versions.take() == Some(versions(registry));
+        let as_left = self.versions.take() == Some(registry.versions());
         let may_scope = self.scoping
             && self.clean
             && as_left
@@ -607,8 +603,8 @@ fn history(seed: u64, steps: usize, with_pools: bool) -> (usize, usize, usize, u
         }
         world.apply(&plan, &token);
         // The versions its writes made: what both leaders know of the registry.
-        whole.versions = Some(versions(&world.registry));
-        scoped.versions = Some(versions(&world.registry));
+        whole.versions = Some(world.registry.versions());
+        scoped.versions = Some(world.registry.versions());
     }
     (steps, scoped_rounds, planned, seen)
 }

@@ -766,9 +766,7 @@ pub struct RegistryVersions(BTreeMap<u16, Option<String>>);
 
 impl RegistryVersions {
     fn of(registry: &claims::Registry) -> RegistryVersions {
-        RegistryVersions(
-            registry.blocks.iter().map(|(b, block)| (*b, block.resource_version.clone())).collect(),
-        )
+        RegistryVersions(registry.versions())
     }
 
     fn get(&self, block: &u16) -> Option<&Option<String>> {

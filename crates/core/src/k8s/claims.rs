@@ -313,6 +313,11 @@ impl Registry {
     pub fn iter(&self) -> impl Iterator<Item = (u16, &Claim)> {
         self.blocks.values().flat_map(|b| b.claims.iter().map(|(n, c)| (*n, c)))
     }
+
+    /// Each block's resourceVersion (`None`: the block did not exist when read).
+    pub fn versions(&self) -> BTreeMap<u16, Option<String>> {
+        self.blocks.iter().map(|(b, block)| (*b, block.resource_version.clone())).collect()
+    }
 }
 
 /// What the registry lets each Service keep, before the allocator runs.
@@ -443,11 +448,6 @@ impl<'h> Screen<'h> {
     /// Whether nobody loses a number and nothing is in use.
     pub fn is_quiet(&self) -> bool {
         self.lose.is_empty() && self.in_use.is_empty()
-    }
-
-    /// The Services that lose a number.
-    pub fn losers(&self) -> impl Iterator<Item = &'h ServiceKey> + '_ {
-        self.lose.keys().copied()
     }
 
     /// Takes the numbers off the models of `services` that lose them; returns what each lost.
@@ -809,11 +809,6 @@ impl Keeper {
         }
     }
 
-    /// Whether every claim of the registry, as last seen by [`Keeper::expired`], was resolved.
-    pub fn all_resolved(&self) -> bool {
-        self.unresolved.is_empty()
-    }
-
     /// Whether every claim of the registry, as last seen by [`Keeper::expired`], was resolved or
     /// is a deleted Service's ([`Keeper::gone`]: a round lets those go, and nothing else reads
     /// them): then every other claim names a Service that holds its number. `false` when that
@@ -903,8 +898,7 @@ impl Keeper {
             }
         }
         self.unresolved = kept;
-        self.versions =
-            Some(registry.blocks.iter().map(|(b, block)| (*b, block.resource_version.clone())).collect());
+        self.versions = Some(registry.versions());
         (self.unresolved.iter())
             .filter(|(_, (_, since))| now.saturating_duration_since(*since) >= GRACE)
             .map(|(n, _)| *n)
