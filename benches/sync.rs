@@ -42,9 +42,9 @@ use nodelb::desired::{self, AllocationMode, HostFacts, HostPolicy, Inputs, Sourc
 use nodelb::domain::Family;
 use nodelb::domain::ServiceKey;
 use nodelb::ir::Ruleset;
-use nodelb::k8s::claims::{self, Block, HeldNumbers, Holder, Holders, Keeper, Registry, Token};
+use nodelb::k8s::claims::{self, Block, HeldNumbers, Holder, Registry, Token};
 use nodelb::k8s::controller::{
-    ClaimInputs, ControllerConfig, RoundMemory, event_key, events_to_send, plan_round,
+    ControllerConfig, LeaderState, RegistryVersions, RoundClock, event_key, events_to_send,
 };
 use nodelb::k8s::events::{Deduper, Outbox};
 use nodelb::k8s::publish::{ServiceEvent, ServiceWrite};
@@ -316,14 +316,12 @@ fn leader(args: &ProgramArgs) {
     };
     let now = Timestamp::from_second(1_800_000_000).expect("time");
     let token = Token::new("bench", 1, 0);
-    // One leader's memories, and its round as the agent's `leader_round` runs it between the
-    // registry read and the writes: the holders kept per object and the view recorded, the
-    // claims nobody resolved, the plan, the Events to record (each recorded, as when the API
-    // accepts them).
+    // One leader: the agent's own round between the registry read and the writes
+    // (`LeaderState::begin_round`: the holders kept per object and the view recorded, the claims
+    // nobody resolved, the plan), the Events to record (each recorded, as when the API accepts
+    // them), and its end with every write through. `whole`: the next round is made whole first.
     struct Leader {
-        memory: RoundMemory,
-        holders: Holders,
-        keeper: Keeper,
+        state: LeaderState,
         deduper: Deduper<ServiceKey>,
         outbox: Outbox<ServiceKey, ServiceEvent>,
     }
@@ -331,7 +329,7 @@ fn leader(args: &ProgramArgs) {
                  services: &[Arc<Service>],
                  slices: &[Arc<EndpointSlice>],
                  registry: &Registry,
-                 may_scope: bool| {
+                 whole: bool| {
         let snap = KubeSnapshot {
             services: services.to_vec(),
             slices: slices.to_vec(),
@@ -340,72 +338,40 @@ fn leader(args: &ProgramArgs) {
             pools: Vec::new(),
             namespaces: Vec::new(),
         };
-        let t = Instant::now();
-        let mut phases = [0.0f64; 4];
-        let mut lap = {
-            let mut last = Instant::now();
-            move |i: usize, phases: &mut [f64; 4]| {
-                phases[i] = last.elapsed().as_secs_f64() * 1e3;
-                last = Instant::now();
-            }
-        };
-        let holders = leader.holders.of_view(&snap.services);
-        match may_scope {
-            false => leader.keeper.observe_view(&holders, std::time::Instant::now()),
-            true => {
-                leader.keeper.observe_changes(leader.holders.changes(), &holders, std::time::Instant::now())
-            }
+        if whole {
+            leader.state.next_round_whole();
         }
-        lap(0, &mut phases);
-        let touched = leader.holders.changes().numbers().filter(|_| may_scope);
-        let expired = leader.keeper.expired(
-            registry,
-            &leader.holders.held(),
-            touched.as_ref(),
-            true,
-            std::time::Instant::now(),
-        );
-        lap(1, &mut phases);
-        let gone = leader.keeper.gone().clone();
-        let gone_claims = leader.keeper.claims_of_gone().filter(|_| may_scope);
-        let claims = ClaimInputs {
-            registry: Some(registry),
-            token: &token,
-            gone: &gone,
-            gone_claims: gone_claims.as_deref(),
-            expired: &expired,
-        };
-        let may_scope = may_scope && expired.is_empty() && leader.keeper.resolved_but_deletions();
-        let plan =
-            plan_round(&snap, &cfg, &mut leader.memory, &leader.holders, Some(now), now, &claims, may_scope);
-        lap(2, &mut phases);
+        let t = Instant::now();
+        let clock = RoundClock { leases_now: Some(now), now, at: std::time::Instant::now() };
+        let plan = leader.state.begin_round(&snap, &cfg, Some(registry), clock, true).plan;
+        let planned = t.elapsed().as_secs_f64() * 1e3;
         let scope = plan.scope.as_ref();
         for e in events_to_send(&mut leader.deduper, &mut leader.outbox, &plan.events, |_| true, scope) {
             let key = event_key(&e);
             leader.outbox.sent(&key);
             leader.deduper.sent(key);
         }
-        leader.keeper.forget(registry);
-        lap(3, &mut phases);
-        (plan, t.elapsed().as_secs_f64() * 1e3, phases)
+        let events = t.elapsed().as_secs_f64() * 1e3 - planned;
+        // Every write went through and left the registry as it is (the Services' claims are
+        // there already).
+        leader.state.end_round(Some(registry), true, Some(RegistryVersions::of(registry)));
+        (plan, t.elapsed().as_secs_f64() * 1e3, [planned, events])
     };
-    let new_leader = || Leader {
-        memory: RoundMemory::default(),
-        holders: Holders::default(),
-        keeper: Keeper::default(),
-        deduper: Deduper::default(),
-        outbox: Outbox::default(),
+    let new_leader = || {
+        let mut state = LeaderState::new("node-1");
+        state.token = token.clone();
+        Leader { state, deduper: Deduper::default(), outbox: Outbox::default() }
     };
     let (mut whole, mut scoped) = (new_leader(), new_leader());
     // What earlier rounds wrote: every Service annotated, with its status.
-    let (first, first_ms, _) = round(&mut whole, &services, &slices, &Registry::default(), false);
+    let (first, first_ms, _) = round(&mut whole, &services, &slices, &Registry::default(), true);
     assert_eq!(first.writes.len(), n, "the first round writes every Service");
-    round(&mut scoped, &services, &slices, &Registry::default(), false);
+    round(&mut scoped, &services, &slices, &Registry::default(), true);
     services = written(&services, &first.writes);
     // The registry as the agents leave it: every Service's numbers claimed for it.
     let registry = registry_of(&services, &token);
     for leader in [&mut whole, &mut scoped] {
-        let (steady, _, _) = round(leader, &services, &slices, &registry, false);
+        let (steady, _, _) = round(leader, &services, &slices, &registry, true);
         assert!(
             steady.writes.is_empty(),
             "a round over written Services writes nothing: {:?}",
@@ -419,15 +385,15 @@ fn leader(args: &ProgramArgs) {
     // `--scoped-only`: no whole rounds in between (for a profile of the scoped ones).
     let scoped_only = args.flag("--scoped-only");
     let (mut whole_ms, mut scoped_ms, mut planned) = (vec![], vec![], vec![]);
-    let mut scoped_phases: [Vec<f64>; 4] = Default::default();
+    let mut scoped_phases: [Vec<f64>; 2] = Default::default();
     for k in 1..=changes {
         let (svcs, slcs) = if k % 2 == 1 { (&with_extra, &slices_with_extra) } else { (&services, &slices) };
         if !scoped_only {
-            let (plan, t, _) = round(&mut whole, svcs, slcs, &registry, false);
+            let (plan, t, _) = round(&mut whole, svcs, slcs, &registry, true);
             assert_eq!(plan.writes.len(), k % 2, "only the added Service is written");
             whole_ms.push(t);
         }
-        let (plan, t, p) = round(&mut scoped, svcs, slcs, &registry, true);
+        let (plan, t, p) = round(&mut scoped, svcs, slcs, &registry, false);
         for (all, one) in scoped_phases.iter_mut().zip(p) {
             all.push(one);
         }
@@ -443,11 +409,9 @@ fn leader(args: &ProgramArgs) {
     println!("    whole                                                   {:8.1}", median(whole_ms));
     println!("    scoped to what changed                                  {:8.1}", median(scoped_ms));
     println!("    Services the scoped round planned (median)              {:8.0}", median(planned));
-    let [view, expired, plan, events] = scoped_phases.map(median);
-    println!(
-        "    scoped, by phase: holders' pass and view recorded {view:.1}, unresolved claims {expired:.1},"
-    );
-    println!("      plan_round {plan:.1}, Events {events:.1}");
+    let [plan, events] = scoped_phases.map(median);
+    println!("    scoped, by phase: the round begun (holders' pass, view recorded, unresolved claims,");
+    println!("      plan_round) {plan:.1}, Events {events:.1}");
 }
 
 /// The node-port registry as a leader leaves it over `services`: the blocks `claims::plan` writes

@@ -765,7 +765,7 @@ fn node_facts<N: Borrow<Node>>(nodes: &[N]) -> u64 {
 pub struct RegistryVersions(BTreeMap<u16, Option<String>>);
 
 impl RegistryVersions {
-    fn of(registry: &claims::Registry) -> RegistryVersions {
+    pub fn of(registry: &claims::Registry) -> RegistryVersions {
         RegistryVersions(registry.versions())
     }
 
@@ -905,9 +905,131 @@ impl LeaderState {
 
     /// [`LeaderState::observe`] for a round, from what changed since the last one: each holder
     /// kept per object ([`LeaderState::holders`]).
-    fn observe_for_round(&mut self, snap: &KubeSnapshot) {
+    fn observe_for_round(&mut self, snap: &KubeSnapshot, at: Instant) {
         let holders = self.holders.of_view(&snap.services);
-        self.claims.observe_changes(self.holders.changes(), &holders, Instant::now());
+        self.claims.observe_changes(self.holders.changes(), &holders, at);
+    }
+}
+
+/// The times a round judges by ([`LeaderState::begin_round`]).
+#[derive(Debug, Clone, Copy)]
+pub struct RoundClock {
+    /// The time to judge node-Lease expiry by, `None` while the Lease cache may be behind (see
+    /// [`nodes::serving_nodes`]).
+    pub leases_now: Option<Timestamp>,
+    /// The time written in conditions and statuses.
+    pub now: Timestamp,
+    /// When the round started: claim clocks and the whole-round timer count from it.
+    pub at: Instant,
+}
+
+/// A round's decisions before its writes ([`LeaderState::begin_round`]).
+pub struct BegunRound {
+    pub plan: RoundPlan,
+    /// Each registry block's resourceVersion as read; the round's own writes are added to it and
+    /// it goes back to [`LeaderState::end_round`]. `None`: the registry could not be read.
+    pub versions: Option<RegistryVersions>,
+    /// The nodes the round waits for (`plan.listeners_unreported`) are not those of the last
+    /// round (the agent logs them once).
+    pub unreported_changed: bool,
+}
+
+impl LeaderState {
+    /// The pure part of a round, between the registry read and the writes: what the view
+    /// changed since the last round is recorded, the claims nobody resolved are found, and
+    /// [`plan_round`] decides, planning only what changed when the agent's rule allows it: the
+    /// last round was clean, a whole round ran within [`FULL_ROUND_EVERY`], the registry is the
+    /// one the last round left (nobody else wrote it), no claim expired and every claim is
+    /// resolved but a deleted Service's. `registry`: as read, `None` when it could not be.
+    /// `services_current`: the Service watch is not failing (else the claims' clocks start over).
+    /// Every round that begins is ended by [`LeaderState::end_round`] unless a registry write
+    /// fails, after which the next round is whole.
+    pub fn begin_round(
+        &mut self,
+        snap: &KubeSnapshot,
+        cfg: &ControllerConfig,
+        registry: Option<&claims::Registry>,
+        clock: RoundClock,
+        services_current: bool,
+    ) -> BegunRound {
+        let was_clean = std::mem::replace(&mut self.clean, false);
+        self.echoes.clear();
+        self.lease_view = Some(LeaseView::of(&snap.nodes, &snap.leases, clock.leases_now, cfg));
+        self.observe_for_round(snap, clock.at);
+        let touched = self.holders.changes().numbers();
+        let expired = match registry {
+            Some(r) => {
+                self.claims.expired(r, &self.holders.held(), touched.as_ref(), services_current, clock.at)
+            }
+            None => {
+                self.claims.lose_track();
+                Default::default()
+            }
+        };
+        let gone = self.claims.gone().clone();
+        let gone_claims = self.claims.claims_of_gone();
+        let inputs = ClaimInputs {
+            registry,
+            token: &self.token,
+            gone: &gone,
+            gone_claims: gone_claims.as_deref(),
+            expired: &expired,
+        };
+        let versions = registry.map(RegistryVersions::of);
+        let as_left = std::mem::take(&mut self.registry_versions);
+        let may_scope = was_clean
+            && self.whole_round_within(clock.at)
+            && versions.is_some()
+            && as_left == versions
+            && expired.is_empty()
+            && self.claims.resolved_but_deletions();
+        let plan = plan_round(
+            snap,
+            cfg,
+            &mut self.memory,
+            &self.holders,
+            clock.leases_now,
+            clock.now,
+            &inputs,
+            may_scope,
+        );
+        if plan.scope.is_none() {
+            self.last_whole_round = Some(clock.at);
+        }
+        let unreported_changed = plan.listeners_unreported != self.unreported;
+        if unreported_changed {
+            self.unreported = plan.listeners_unreported.clone();
+        }
+        BegunRound { plan, versions, unreported_changed }
+    }
+
+    /// The end of a round [`LeaderState::begin_round`] began, once its writes are done:
+    /// `all_written`: every Service write went through and every pending claim was resolved;
+    /// `versions`: the registry's block versions as the round left them (`None` when someone
+    /// else's write showed). The round is clean (the next may be skipped or scoped) when it read
+    /// the registry, waited for no node's listeners, and left every claim resolved but a deleted
+    /// Service's. What the Events and the pools' status do after this can still make it unclean
+    /// ([`LeaderState::next_round_whole`]).
+    pub fn end_round(
+        &mut self,
+        registry: Option<&claims::Registry>,
+        all_written: bool,
+        versions: Option<RegistryVersions>,
+    ) {
+        self.clean = registry.is_some()
+            && self.unreported.is_empty()
+            && self.claims.resolved_but_deletions()
+            && all_written;
+        self.registry_versions = versions;
+        if let Some(r) = registry {
+            self.claims.forget(r);
+        }
+    }
+
+    /// Something the round left undone (an Event not sent, a pools' status not written): the
+    /// next round is whole and is not skipped.
+    pub fn next_round_whole(&mut self) {
+        self.clean = false;
     }
 }
 
@@ -1243,9 +1365,6 @@ pub async fn leader_round(
     metrics: Option<&Metrics>,
 ) -> RoundOutcome {
     let started = Instant::now();
-    let was_clean = std::mem::replace(&mut state.clean, false);
-    state.echoes.clear();
-    state.lease_view = Some(LeaseView::of(&snap.nodes, &snap.leases, leases_now, cfg));
     let read = match read_registry(client, &cfg.namespace, state.registry_read.take()).await {
         Ok((r, problems)) => {
             let problems: std::collections::BTreeSet<String> = problems.into_iter().collect();
@@ -1263,61 +1382,20 @@ pub async fn leader_round(
     };
     let registry = read.as_ref().map(|r| &r.registry);
     let registry_read = started.elapsed();
-    state.observe_for_round(snap);
-    let touched = state.holders.changes().numbers();
-    let expired = match registry {
-        Some(r) => {
-            state.claims.expired(r, &state.holders.held(), touched.as_ref(), services_current, Instant::now())
-        }
-        None => {
-            state.claims.lose_track();
-            Default::default()
-        }
-    };
-    let gone = state.claims.gone().clone();
-    let gone_claims = state.claims.claims_of_gone();
-    let inputs = ClaimInputs {
-        registry,
-        token: &state.token,
-        gone: &gone,
-        gone_claims: gone_claims.as_deref(),
-        expired: &expired,
-    };
-    // A round plans only what changed when the last one left nothing undone, the registry is
-    // as the last round left it (no one else wrote it) with every claim resolved (a deleted
-    // Service's aside: every round lets those go), and a whole round ran within
-    // FULL_ROUND_EVERY.
-    let mut versions = registry.map(RegistryVersions::of);
-    let as_left = std::mem::take(&mut state.registry_versions);
-    let may_scope = was_clean
-        && state.whole_round_within(started)
-        && versions.is_some()
-        && as_left == versions
-        && expired.is_empty()
-        && state.claims.resolved_but_deletions();
-    let mut plan = plan_round(
+    let BegunRound { mut plan, mut versions, unreported_changed } = state.begin_round(
         snap,
         cfg,
-        &mut state.memory,
-        &state.holders,
-        leases_now,
-        Timestamp::now(),
-        &inputs,
-        may_scope,
+        registry,
+        RoundClock { leases_now, now: Timestamp::now(), at: started },
+        services_current,
     );
-    if plan.scope.is_none() {
-        state.last_whole_round = Some(started);
-    }
     let planned = started.elapsed();
-    if plan.listeners_unreported != state.unreported {
-        if !plan.listeners_unreported.is_empty() {
-            info!(
-                nodes = %plan.listeners_unreported.join(","),
-                waiting = plan.claims.blocked.len(),
-                "no new node port until these nodes report their listening ports (their agents just started)"
-            );
-        }
-        state.unreported = std::mem::take(&mut plan.listeners_unreported);
+    if unreported_changed && !plan.listeners_unreported.is_empty() {
+        info!(
+            nodes = %plan.listeners_unreported.join(","),
+            waiting = plan.claims.blocked.len(),
+            "no new node port until these nodes report their listening ports (their agents just started)"
+        );
     }
     // The registry first: if another leader changed it since we read it, we write nothing.
     for (b, block) in &plan.claims.blocks {
@@ -1353,14 +1431,10 @@ pub async fn leader_round(
         plan.events.retain(|e| !deferred.contains(&e.service));
     }
     let mut stale = outcomes.iter().any(|o| matches!(o, WriteOutcome::Conflict | WriteOutcome::Deferred));
-    // The watch brings each write back; a round on nothing else would plan nothing.
-    state.clean = registry.is_some()
-        && state.unreported.is_empty()
-        && state.claims.resolved_but_deletions()
-        && outcomes.iter().all(|o| *o == WriteOutcome::Written);
-    state.clean &=
+    let written = outcomes.iter().all(|o| *o == WriteOutcome::Written);
+    let resolved =
         resolve_claims(client, &cfg.namespace, &plan, &outcomes, &state.token, metrics, &mut versions).await;
-    state.registry_versions = versions;
+    state.end_round(registry, written && resolved, versions);
     if let Some(p) = &plan.pools {
         let pools = super::pools::StatusRound {
             snap,
@@ -1373,14 +1447,11 @@ pub async fn leader_round(
         match super::pools::write_statuses(client, &pools).await {
             Ok(s) => stale |= s,
             Err(e) => {
-                state.clean = false;
+                state.next_round_whole();
                 count_api_error(metrics, "nodeportpool");
                 warn!(error = %e, "cannot update NodePortPool status");
             }
         }
-    }
-    if let Some(r) = registry {
-        state.claims.forget(r);
     }
     state.registry_read = read;
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
@@ -1463,13 +1534,15 @@ async fn round(
             ev.outbox.sent(&key);
             ev.deduper.sent(key);
         } else {
-            state.clean = false;
+            state.next_round_whole();
         }
     }
     if left {
         debug!("Events left for the next round");
     }
-    state.clean &= !left && ev.outbox.is_empty();
+    if left || !ev.outbox.is_empty() {
+        state.next_round_whole();
+    }
     stale || left
 }
 
