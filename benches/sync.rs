@@ -134,7 +134,7 @@ fn main() {
         };
         // Planned whole (`--next-only`: not at all, for a profile of the sync loop's way alone).
         if next_only {
-            let next = desired::compute_next(&inputs, true, &mut kept, applied.as_ref());
+            let (next, _) = desired::compute_next(&inputs, true, &mut kept, applied.as_ref());
             match next.ruleset {
                 Planned::Full(rs) => applied = Some(rs),
                 Planned::Patch(patch) => patch.apply(applied.as_mut().expect("a ruleset to patch")),
@@ -172,7 +172,7 @@ fn main() {
         }
         // As the sync loop does it.
         let t = Instant::now();
-        let next = desired::compute_next(&inputs, true, &mut kept, applied.as_ref());
+        let (next, _) = desired::compute_next(&inputs, true, &mut kept, applied.as_ref());
         let t_next = t.elapsed();
         let t = Instant::now();
         let batch = match next.ruleset {

@@ -168,7 +168,7 @@ struct Attempt {
 
 /// What a sync computed for `/status`.
 struct Report {
-    services: Vec<ServiceStatus>,
+    services: Vec<Arc<ServiceStatus>>,
     needed_families: Vec<String>,
     problems: Vec<String>,
 }
@@ -497,8 +497,12 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             problems.iter().cloned().collect(),
             |p| warn!(problem = %p, "input problem"),
         );
-        // Plan.
-        let mut desired = self.desired(&loaded, &node, &host);
+        // Plan. A resync that computes (the input or our table changed) decides every Service
+        // again: the whole decision is the oracle of the scoped one.
+        if verify {
+            self.kept.next_sync_whole();
+        }
+        let (mut desired, scope) = self.desired(&loaded, &node, &host);
         phases.mark("desired");
         self.report_refusals(&desired);
         self.persist(&mut desired)?;
@@ -527,7 +531,11 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             problems: problems.into_iter().chain(desired.warnings.iter().cloned()).collect(),
         });
         phases.mark("after");
-        debug!(kind, changes, phases = %phases, "sync breakdown (ms)");
+        let decided = match scope {
+            desired::Scope::Whole => "all".to_string(),
+            desired::Scope::Services(n) => n.to_string(),
+        };
+        debug!(kind, changes, decided, phases = %phases, "sync breakdown (ms)");
         programmed.result.map(|()| Synced::Applied).map_err(AgentError::from)
     }
 
@@ -563,7 +571,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         loaded: &Snapshot,
         node: &NodeFacts,
         host: &HostFacts,
-    ) -> Desired<Planned, IndexUpdate> {
+    ) -> (Desired<Planned, IndexUpdate>, desired::Scope) {
         let inputs = Inputs {
             mode: self.source.mode(),
             services: &loaded.services,
@@ -584,23 +592,30 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
     /// Keeps the allocations (manifests mode: in the state file, before anything is programmed
     /// with them), taken out of `desired`: from here on they are `self.allocations`.
     fn persist<R, I>(&mut self, desired: &mut Desired<R, I>) -> Result<(), AgentError> {
-        if desired.allocations != self.allocations.allocations {
-            // Never silently (manifests mode has no Events): a number no longer valid for its
-            // Service, e.g. outside its pool's ranges after an edit.
-            if self.source.mode() == AllocationMode::Allocate {
+        if desired.allocations == self.allocations.allocations {
+            return Ok(());
+        }
+        match self.source.mode() {
+            AllocationMode::Allocate => {
+                // Never silently (manifests mode has no Events): a number no longer valid for
+                // its Service, e.g. outside its pool's ranges after an edit.
                 for (key, id, old, new) in
                     crate::alloc::moved(&self.allocations.allocations, &desired.allocations)
                 {
                     warn!(service = %key, port = %id, old, new, "node port reallocated: {old} is no longer valid for it (its pool's ranges or its pool changed)");
                 }
+                let next = self.allocations.stamp(std::mem::take(&mut desired.allocations), Timestamp::now());
+                if let Some(state) = &self.state {
+                    state.save(&next)?;
+                }
+                self.allocations = next;
             }
-            let next = self.allocations.stamp(std::mem::take(&mut desired.allocations), Timestamp::now());
-            if let Some(state) = &self.state
-                && self.source.mode() == AllocationMode::Allocate
-            {
-                state.save(&next)?;
+            // The leader's annotations are the record, and nothing reads an allocation's age
+            // (duplicates are settled by creationTimestamp): nothing is stamped or saved.
+            AllocationMode::Annotated => {
+                self.allocations.allocations = std::mem::take(&mut desired.allocations);
+                self.allocations.since.clear();
             }
-            self.allocations = next;
         }
         Ok(())
     }

@@ -280,6 +280,47 @@ fn rest<R, I>(d: &Desired<R, I>) -> String {
     format!("{fields:#?}")
 }
 
+/// One sync both ways: `compute_with` from scratch, and `compute_next` with what the sync loop
+/// keeps; everything but the ruleset must be the same, and the patch applied to the last
+/// ruleset (`applied`, `index`: as the kernel holds them) the whole ruleset. Returns the whole
+/// result, how `compute_next` decided, and whether it patched.
+fn both_ways(
+    inputs: &nodelb::desired::Inputs<
+        '_,
+        Arc<k8s_openapi::api::core::v1::Service>,
+        Arc<nodelb::compact::EndpointSlice>,
+    >,
+    kept: &mut nodelb::desired::Kept,
+    applied: &mut Option<Ruleset>,
+    index: &mut CounterIndex,
+    what: &str,
+) -> (Desired, nodelb::desired::Scope, bool) {
+    let whole = nodelb::desired::compute_with(inputs, true);
+    let (next, scope) = nodelb::desired::compute_next(inputs, true, kept, applied.as_ref());
+    assert_eq!(rest(&next), rest(&whole), "{what} ({scope:?}): everything but the ruleset");
+    let patched = match next.ruleset {
+        Planned::Full(rs) => {
+            *applied = Some(rs);
+            false
+        }
+        Planned::Patch(p) => {
+            p.apply(applied.as_mut().expect("a patch of the last ruleset"));
+            true
+        }
+    };
+    next.counter_index.apply(index);
+    assert_eq!(applied.as_ref(), Some(&whole.ruleset), "{what} ({scope:?}): ruleset");
+    assert_eq!(*index, whole.counter_index, "{what} ({scope:?}): counter index");
+    (whole, scope, patched)
+}
+
+/// `v` in another order, as a reflector's hash map hands its objects over.
+fn shuffle<T>(rng: &mut Rng, v: &mut [T]) {
+    for i in (1..v.len()).rev() {
+        v.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+}
+
 /// Random sequences of snapshots as the sources hand them over (each object an `Arc`, the same
 /// `Arc` while it is unchanged): `desired::compute_next` with what it keeps between syncs (the
 /// model cache, the planner) gives what `desired::compute_with` gives from scratch, field by
@@ -292,7 +333,7 @@ fn compute_next_gives_what_compute_gives() {
     use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
     use k8s_openapi::api::core::v1::Service;
     use nodelb::compact::EndpointSlice;
-    use nodelb::desired::{self, AllocationMode, HostFacts, HostPolicy, Inputs, Kept, SourceNotes};
+    use nodelb::desired::{AllocationMode, HostFacts, HostPolicy, Inputs, Kept, SourceNotes};
     use nodelb::model::ModelOptions;
     use nodelb::port_policy::{PortPolicy, PortRange};
 
@@ -407,12 +448,8 @@ fn compute_next_gives_what_compute_gives() {
                 objects.values().flat_map(|(_, e)| e.iter().cloned()).collect();
             // Half the time in another order each sync, as a reflector's hash map hands them over.
             if rng.chance(0.5) {
-                for i in (1..services.len()).rev() {
-                    services.swap(i, rng.below(i as u64 + 1) as usize);
-                }
-                for i in (1..slices.len()).rev() {
-                    slices.swap(i, rng.below(i as u64 + 1) as usize);
-                }
+                shuffle(&mut rng, &mut services);
+                shuffle(&mut rng, &mut slices);
             }
             let inputs = Inputs {
                 mode: AllocationMode::Allocate,
@@ -429,19 +466,8 @@ fn compute_next_gives_what_compute_gives() {
                 pools: None,
             };
             let what = format!("seed {seed} step {step}");
-            let whole = desired::compute_with(&inputs, true);
-            let next = desired::compute_next(&inputs, true, &mut kept, applied.as_ref());
-            assert_eq!(rest(&next), rest(&whole), "{what}: everything but the ruleset");
-            match next.ruleset {
-                Planned::Full(rs) => applied = Some(rs),
-                Planned::Patch(p) => {
-                    patches += 1;
-                    p.apply(applied.as_mut().expect("a patch of the last ruleset"));
-                }
-            }
-            next.counter_index.apply(&mut index);
-            assert_eq!(applied.as_ref(), Some(&whole.ruleset), "{what}: ruleset");
-            assert_eq!(index, whole.counter_index, "{what}: counter index");
+            let (whole, _, patched) = both_ways(&inputs, &mut kept, &mut applied, &mut index, &what);
+            patches += usize::from(patched);
             previous = whole.allocations;
         }
         assert!(patches > 100, "seed {seed}: {patches} patches");
@@ -497,4 +523,270 @@ fn what_only_the_allocator_reads_plans_nothing_again() {
         matches!(&planned, Planned::Patch(p) if p.old.chains.is_empty() && p.new.chains.is_empty()),
         "{planned:?}"
     );
+}
+
+/// Kubernetes mode, where the sync loop decides only a scope: the Services whose objects
+/// changed, and whoever shares a node port number with them (docs/design.md, "The node's sync
+/// scoped to what changed"). Random histories of a small cluster as a node's Kubernetes source
+/// hands it over: Services created, deleted, re-annotated by the leader or by hand (numbers
+/// another Service holds: duplicates settled by age; one number twice in one Service),
+/// undecided, refused by the leader (its `Allocated` condition), edited into invalid input,
+/// turned into ClusterIP, relabelled (pools, the k3s ServiceLB labels), given Local policy;
+/// EndpointSlices added, split in two, dropped, orphaned; last-good notes set and cleared;
+/// listeners and node addresses that change; pools in force or not; equal copies (new `Arc`s)
+/// and another order every sync. `compute_next` must give what `compute_with` gives, field by
+/// field, its patch applied to the last ruleset the whole ruleset; and most syncs must be
+/// scoped, to a few Services.
+#[test]
+fn scoped_syncs_decide_what_whole_syncs_decide() {
+    use k8s_openapi::api::core::v1::Service;
+    use nodelb::compact::EndpointSlice;
+    use nodelb::desired::{AllocationMode, HostFacts, HostPolicy, Inputs, Kept, Scope, SourceNotes};
+    use nodelb::model::{ANNOTATION_ALLOCATED, CONDITION_ALLOCATED, ModelOptions};
+    use nodelb::pool::{self, PoolContext, PoolSet};
+    use nodelb::port_policy::{PortPolicy, PortRange};
+    use serde_json::{Value, json};
+
+    const NAMES: u64 = 24;
+    let range = PortRange::new(20000, 20099).unwrap();
+    let policy = HostPolicy { ports: PortPolicy::with_range(range), ..Default::default() };
+    let model = ModelOptions::default();
+    let pools_ctx = |servicelb: bool| -> PoolContext {
+        let spec = |v: Value| serde_json::from_value(v).expect("pool spec");
+        let low = pool::validate(
+            "low",
+            Some("2024-01-01T00:00:00Z".into()),
+            None,
+            &spec(json!({"ports": [{"start": 20000, "end": 20007}],
+                         "serviceSelector": {"matchLabels": {"tier": "a"}}, "priority": 1})),
+        )
+        .expect("valid");
+        let high = pool::validate(
+            "high",
+            Some("2024-01-02T00:00:00Z".into()),
+            None,
+            &spec(json!({"ports": [{"start": 20008, "end": 20015}], "priority": 2})),
+        )
+        .expect("valid");
+        PoolContext {
+            set: PoolSet::resolve(vec![low, high], true, range, &[]),
+            namespaces: BTreeMap::new(),
+            node_labels: [("svccontroller.k3s.cattle.io/lbpool".to_string(), "edge".to_string())].into(),
+            servicelb,
+        }
+    };
+    let parse_service = |v: &Value| -> Arc<Service> { Arc::new(serde_json::from_value(v.clone()).unwrap()) };
+    let parse_slice =
+        |v: &Value| -> Arc<EndpointSlice> { Arc::new(serde_json::from_value(v.clone()).unwrap()) };
+    let (mut syncs, mut scoped, mut decided, mut seen) = (0, 0, 0, 0);
+    for seed in 0..24u64 {
+        let mut rng = Rng::new(1000 + seed);
+        let node = node(&[Family::Ipv4, Family::Ipv6]);
+        // Service number → its object and its EndpointSlices, as JSON (the source's cache).
+        let mut services: BTreeMap<u64, Value> = BTreeMap::new();
+        let mut slices: BTreeMap<u64, Vec<Value>> = BTreeMap::new();
+        // The objects as shared with the last snapshot (by resourceVersion): unchanged ones are
+        // the same `Arc` again, as a reflector's store hands them over.
+        type Shared = (Option<Arc<Service>>, Option<Arc<EndpointSlice>>);
+        let mut cached: BTreeMap<String, Shared> = BTreeMap::new();
+        let mut rv = 0u64;
+        let mut next_rv = || {
+            rv += 1;
+            rv.to_string()
+        };
+        let mut notes = SourceNotes::default();
+        let mut host = HostFacts::default();
+        let mut pools: Option<PoolContext> = None;
+        let mut previous = BTreeMap::new();
+        let mut kept = Kept::default();
+        let (mut applied, mut index): (Option<Ruleset>, CounterIndex) = (None, CounterIndex::default());
+        for step in 0..150 {
+            for _ in 0..rng.range(1, 2) {
+                let i = rng.below(NAMES);
+                let name = format!("s{i}");
+                let ns = if i.is_multiple_of(3) { "team" } else { "default" };
+                let number = |rng: &mut Rng| 20000 + rng.below(18) as u16;
+                match rng.below(20) {
+                    0 | 1 => {
+                        services.remove(&i);
+                        if rng.chance(0.5) {
+                            slices.remove(&i);
+                        }
+                    }
+                    2..=6 => {
+                        // A new Service, or a new version: annotated by the leader (often with a
+                        // number another Service has), or undecided, or refused by it.
+                        let mut ports = vec![json!({"name": "http", "port": 80, "protocol": "TCP"})];
+                        let udp = rng.chance(0.3);
+                        if udp {
+                            ports.push(json!({"name": "dns", "port": 53, "protocol": "UDP"}));
+                        }
+                        let mut svc = json!({
+                            "apiVersion": "v1", "kind": "Service",
+                            "metadata": {"name": name, "namespace": ns, "uid": format!("uid-{i}-{step}"),
+                                         "resourceVersion": next_rv(),
+                                         "creationTimestamp": format!("2024-01-0{}T00:00:00Z", 1 + rng.below(3)),
+                                         "annotations": {}, "labels": {}},
+                            "spec": {"type": "LoadBalancer", "ports": ports}
+                        });
+                        match rng.below(10) {
+                            0 => {}
+                            1 => {
+                                svc["status"] = json!({"conditions": [{
+                                    "type": CONDITION_ALLOCATED, "status": "False", "reason": "RangeExhausted",
+                                    "message": "no free node port", "lastTransitionTime": "2024-01-01T00:00:00Z"}]});
+                            }
+                            _ => {
+                                let mut value = format!("80/TCP={}", number(&mut rng));
+                                if udp {
+                                    // Now and then the same number for both protocols (allowed).
+                                    let n = if rng.chance(0.3) {
+                                        value[7..].parse().unwrap()
+                                    } else {
+                                        number(&mut rng)
+                                    };
+                                    value += &format!(",53/UDP={n}");
+                                }
+                                svc["metadata"]["annotations"][ANNOTATION_ALLOCATED] = json!(value);
+                            }
+                        }
+                        if rng.chance(0.3) {
+                            svc["metadata"]["labels"]["tier"] = json!("a");
+                        }
+                        if rng.chance(0.15) {
+                            svc["metadata"]["labels"]["svccontroller.k3s.cattle.io/lbpool"] = json!("other");
+                        }
+                        match rng.below(8) {
+                            0 => svc["spec"]["externalTrafficPolicy"] = json!("Local"),
+                            1 => svc["spec"]["loadBalancerSourceRanges"] = json!(["10.0.0.0/33"]),
+                            2 => svc["spec"]["type"] = json!("ClusterIP"),
+                            3 => {
+                                svc["spec"]["sessionAffinity"] = json!("ClientIP");
+                            }
+                            _ => {}
+                        }
+                        services.insert(i, svc);
+                    }
+                    7..=11 => {
+                        // Its EndpointSlices: one or two, addresses that may be refused.
+                        let addresses = ["198.51.100.1", "198.51.100.2", "198.51.100.3", "127.0.0.1"];
+                        let mut list = Vec::new();
+                        for part in 0..rng.range(1, 2) {
+                            let endpoints: Vec<Value> = (0..rng.range(1, 3))
+                                .map(|_| {
+                                    json!({"addresses": [*rng.pick(&addresses)],
+                                           "conditions": {"ready": rng.chance(0.8)},
+                                           "nodeName": format!("node-{}", rng.range(1, 2))})
+                                })
+                                .collect();
+                            list.push(json!({
+                                "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                                "metadata": {"name": format!("{name}-{part}"), "namespace": ns,
+                                             "resourceVersion": next_rv(),
+                                             "labels": {"kubernetes.io/service-name": name}},
+                                "addressType": "IPv4", "endpoints": endpoints,
+                                "ports": [{"name": "http", "port": 8080, "protocol": "TCP"},
+                                          {"name": "dns", "port": 5353, "protocol": "UDP"}]
+                            }));
+                        }
+                        slices.insert(i, list);
+                    }
+                    12 => {
+                        slices.remove(&i);
+                    }
+                    13 => {
+                        // An equal copy of the object (a relist): a new `Arc`, the same content.
+                        if let Some(svc) = services.get_mut(&i) {
+                            svc["metadata"]["resourceVersion"] = json!(next_rv());
+                        }
+                    }
+                    14 => {
+                        let key = ServiceKey::new(ns, &name);
+                        match notes.stale.remove(&key) {
+                            Some(_) => {}
+                            None => {
+                                notes.stale.insert(key, "served from its last valid spec: x".into());
+                            }
+                        }
+                    }
+                    15 if rng.chance(0.3) => {
+                        // Something every Service reads: a listener, a node address, the pools.
+                        match rng.below(3) {
+                            0 => {
+                                let port = number(&mut rng);
+                                let listening = rng.chance(0.5).then_some(nodelb::port_policy::Listener {
+                                    protocol: Protocol::Tcp,
+                                    port,
+                                    addr: "0.0.0.0".parse().unwrap(),
+                                });
+                                host.listeners = nodelb::port_policy::Listeners::from_sockets(listening);
+                            }
+                            1 => {
+                                host = HostFacts { listeners: host.listeners.clone(), ..Default::default() };
+                                if rng.chance(0.5) {
+                                    host.addresses.add("198.51.100.2".parse().unwrap(), "Node node-2");
+                                }
+                            }
+                            _ => {
+                                pools = match (&pools, rng.chance(0.5)) {
+                                    (Some(_), _) => None,
+                                    (None, servicelb) => Some(pools_ctx(servicelb)),
+                                }
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            // The snapshot: unchanged objects the same `Arc`s, in another order now and then.
+            let mut fresh = BTreeMap::new();
+            let mut svc_objects = Vec::new();
+            for v in services.values() {
+                let rv = v["metadata"]["resourceVersion"].as_str().unwrap().to_string();
+                let o = cached.remove(&rv).and_then(|c| c.0).unwrap_or_else(|| parse_service(v));
+                fresh.insert(rv, (Some(o.clone()), None));
+                svc_objects.push(o);
+            }
+            let mut slice_objects = Vec::new();
+            for v in slices.values().flatten() {
+                let rv = v["metadata"]["resourceVersion"].as_str().unwrap().to_string();
+                let o = cached.remove(&rv).and_then(|c| c.1).unwrap_or_else(|| parse_slice(v));
+                fresh.insert(rv, (None, Some(o.clone())));
+                slice_objects.push(o);
+            }
+            cached = fresh;
+            if rng.chance(0.5) {
+                shuffle(&mut rng, &mut svc_objects);
+                shuffle(&mut rng, &mut slice_objects);
+            }
+            let inputs = Inputs {
+                mode: AllocationMode::Annotated,
+                services: svc_objects.as_slice(),
+                slices: slice_objects.as_slice(),
+                notes: &notes,
+                previous: &previous,
+                since: &BTreeMap::new(),
+                range: &range,
+                model: &model,
+                node: &node,
+                policy: &policy,
+                host: &host,
+                pools: pools.as_ref(),
+            };
+            let what = format!("seed {seed} step {step}");
+            let (whole, scope, _) = both_ways(&inputs, &mut kept, &mut applied, &mut index, &what);
+            syncs += 1;
+            if let Scope::Services(n) = scope {
+                scoped += 1;
+                decided += n;
+                seen += svc_objects.len();
+            }
+            previous = whole.allocations;
+        }
+    }
+    println!(
+        "{syncs} syncs, {scoped} scoped; the scoped ones decided {decided} Services of {seen} in their views"
+    );
+    assert!(scoped * 3 > syncs * 2, "only {scoped} of {syncs} syncs were scoped");
+    assert!(decided * 3 < seen, "the scoped syncs decided {decided} Services of {seen}");
 }

@@ -76,6 +76,7 @@ async fn status_json(State(app): State<AppState>) -> impl IntoResponse {
 /// Puts each Service port's connection and source-range refusal totals on its status line.
 fn add_counters(st: &mut Status, totals: &BTreeMap<Series, Totals>) {
     for svc in &mut st.services {
+        let svc = Arc::make_mut(svc);
         let service = ServiceKey::new(svc.namespace.clone(), svc.name.clone());
         for port in &mut svc.ports {
             let Ok(protocol) = parse_protocol(&port.protocol) else { continue };

@@ -84,7 +84,8 @@ pub struct SyncStatus {
 #[serde(rename_all = "camelCase")]
 pub struct Status {
     pub node_name: String,
-    pub services: Vec<ServiceStatus>,
+    /// Shared with the sync loop's decision: a Service it did not decide again keeps its line.
+    pub services: Vec<Arc<ServiceStatus>>,
     pub families: BTreeMap<String, FamilyStatus>,
     /// Families the served Services ask for (`spec.ipFamilies`), e.g. `["ipv4", "ipv6"]`.
     pub needed_families: Vec<String>,

@@ -1,6 +1,11 @@
 //! From a snapshot of the desired state (Services + EndpointSlices) to everything the node should
 //! do: validated services, port allocations, the ruleset, and a status line per Service. Pure: the
 //! agent loop feeds it and applies the result.
+//!
+//! Everything but the ruleset is decided per Service ([`Part`]) and kept by key in a
+//! [`NodeBook`]; the sync loop's [`compute_next`] decides again only the Services whose inputs
+//! changed, and those that share a node port number with them, when nothing every Service reads
+//! changed (docs/design.md, "The node's sync scoped to what changed").
 
 use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
@@ -15,6 +20,7 @@ use crate::counters::{CounterIndex, IndexUpdate};
 use crate::domain::{Family, PortId, ServiceKey};
 use crate::endpoint_policy::{self, EndpointPolicy, HostAddresses, RefusedEndpoint};
 use crate::ir::Ruleset;
+use crate::k8s::dupes::Duplicate;
 use crate::model::{self, LbService, ModelOptions, Refusal};
 use crate::model_cache::{self, ModelCache, ModelContext, Modeled};
 use crate::plan::{self, NodeFacts};
@@ -22,6 +28,7 @@ use crate::pool::PoolContext;
 use crate::port_policy::{self, Listeners, PortPolicy, PortRange, PortRefusal};
 use crate::replan::{PlanInput, Planned, Planner};
 use crate::report::{EndpointRefusalStatus, PortStatus, ServiceState, ServiceStatus};
+use crate::view::SourceView;
 
 /// Everything computed from one snapshot. `R`/`I`: the ruleset and counter index whole
 /// ([`compute`]), or as the incremental planner gives them ([`compute_next`]: [`Planned`],
@@ -30,10 +37,14 @@ use crate::report::{EndpointRefusalStatus, PortStatus, ServiceState, ServiceStat
 pub struct Desired<R = Ruleset, I = CounterIndex> {
     pub ruleset: R,
     pub allocations: Allocations,
-    pub services: Vec<ServiceStatus>,
+    /// One line per Service, sorted by key (shared with the sync loop's [`NodeBook`]: a Service
+    /// not decided again keeps its line).
+    pub services: Vec<Arc<ServiceStatus>>,
     /// Families the valid Services ask for.
     pub needed_families: BTreeSet<Family>,
+    /// Sorted by Service.
     pub refusals: Vec<Refusal>,
+    /// Sorted by Service.
     pub alloc_problems: Vec<AllocProblem>,
     /// Endpoint addresses the policy refused (taken out of the Services; each logged once).
     pub refused_endpoints: Vec<RefusedEndpoint>,
@@ -110,8 +121,12 @@ pub struct Inputs<'a, S = Service, E = EndpointSlice> {
     pub services: &'a [S],
     pub slices: &'a [E],
     pub notes: &'a SourceNotes,
+    /// The allocations of the last sync (manifests mode: as the state file keeps them). The sync
+    /// loop passes what its last [`compute_next`] gave: a Service's pool is chosen with the
+    /// numbers it held then.
     pub previous: &'a Allocations,
     /// Manifests mode: when this node first allocated each Service (the state file), its age.
+    /// Kubernetes mode reads no age of its own (duplicates are settled by creationTimestamp).
     pub since: &'a BTreeMap<ServiceKey, Timestamp>,
     pub range: &'a PortRange,
     pub model: &'a ModelOptions,
@@ -134,39 +149,111 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     counter_index: bool,
 ) -> Desired {
     let modeled = model_cache::build(inputs.services, inputs.slices, &model_context(inputs));
-    let (decided, plans) = decide(inputs, modeled);
+    let decided = decide(inputs, inputs.services, modeled);
+    let mut book = NodeBook::default();
+    let plans = book.replace(decided, None);
     let (ruleset, index) = Planner::new().full(plans, inputs.node, counter_index);
-    decided.with(ruleset, index)
+    book.desired().with(ruleset, index)
 }
 
-/// What the sync loop keeps from one sync to the next, to compute only what changed: each
-/// Service's model ([`ModelCache`]) and what was planned ([`Planner`]).
+/// What the sync loop keeps from one sync to the next, to compute only what changed: what
+/// changed in the source's view ([`SourceView`]), each Service's model ([`ModelCache`]), its part
+/// of the decision ([`NodeBook`]) and what was planned ([`Planner`]).
 #[derive(Debug, Default)]
 pub struct Kept {
     pub models: ModelCache,
     pub planner: Planner,
+    pub view: SourceView,
+    pub book: NodeBook,
+    /// The next sync is whole ([`Kept::next_sync_whole`]).
+    whole: bool,
+}
+
+impl Kept {
+    /// Makes the next [`compute_next`] decide every Service again (a periodic verification: the
+    /// whole decision is the oracle of the scoped one).
+    pub fn next_sync_whole(&mut self) {
+        self.whole = true;
+    }
+}
+
+/// How the last sync decided, for the sync loop's log and tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// Every Service.
+    Whole,
+    /// Only these many Services (those that changed, and those sharing a number with them).
+    Services(usize),
 }
 
 /// [`compute_with`] for the sync loop: each Service modeled again only when its objects changed,
-/// and the ruleset and the counter index as a patch of `applied` (what the kernel holds, the
-/// planner's last plan) where only Services changed (modules [`model_cache`], [`crate::replan`]).
-/// The same result as [`compute_with`] for the same inputs (tests/replan.rs).
+/// in Kubernetes mode only the Services whose inputs changed (and those that share a node port
+/// number with them) decided again, and the ruleset and the counter index as a patch of
+/// `applied` (what the kernel holds, the planner's last plan) where only Services changed
+/// (modules [`model_cache`], [`crate::replan`], [`crate::view`]). The same result as
+/// [`compute_with`] for the same inputs (tests/replan.rs), given `inputs.previous` is what the
+/// last call gave.
 pub fn compute_next(
     inputs: &Inputs<'_, Arc<Service>, Arc<EndpointSlice>>,
     counter_index: bool,
     kept: &mut Kept,
     applied: Option<&Ruleset>,
-) -> Desired<Planned, IndexUpdate> {
-    let modeled = kept.models.build(inputs.services, inputs.slices, &model_context(inputs));
-    let (decided, plans) = decide(inputs, modeled);
-    let (ruleset, index) = kept.planner.plan(plans, inputs.node, applied, counter_index);
-    decided.with(ruleset, index)
+) -> (Desired<Planned, IndexUpdate>, Scope) {
+    let ctx = model_context(inputs);
+    let scope = match inputs.mode {
+        // Manifests mode allocates: every Service is decided (the allocator couples them all).
+        AllocationMode::Allocate => None,
+        AllocationMode::Annotated => {
+            let changes = kept.view.pass(inputs.services, inputs.slices);
+            let whole = std::mem::take(&mut kept.whole)
+                || changes.first
+                || applied.is_none()
+                || !kept.book.same_shared(inputs)
+                || !kept.models.has_context(&ctx)
+                || kept.view.has_shared_keys();
+            (!whole).then(|| kept.book.scope(&kept.view, changes, inputs))
+        }
+    };
+    let (plans, scope) = match scope {
+        None => {
+            let modeled = kept.models.build(inputs.services, inputs.slices, &ctx);
+            let decided = decide(inputs, inputs.services, modeled);
+            let moves = (inputs.mode == AllocationMode::Annotated).then_some(inputs.previous);
+            let plans = kept.book.replace(decided, moves);
+            kept.book.keep_read(inputs);
+            (Plans::Whole(plans), Scope::Whole)
+        }
+        Some(keys) => {
+            let (services, slices) = kept.view.objects_of(&keys);
+            let modeled = (kept.models.build_scoped(&keys, &services, &slices, &ctx))
+                .expect("the model cache's context was checked");
+            let decided = decide(inputs, &services, modeled);
+            let plans = kept.book.patch(&keys, decided, inputs.previous);
+            (Plans::Changed(plans), Scope::Services(keys.len()))
+        }
+    };
+    let (ruleset, index) = match plans {
+        Plans::Whole(plans) => kept.planner.plan(plans, inputs.node, applied, counter_index),
+        Plans::Changed(changes) => kept.planner.plan_changes(changes, inputs.node, applied, counter_index),
+    };
+    (kept.book.desired().with(ruleset, index), scope)
+}
+
+/// What the planner is given: every Service's input, or the inputs of the Services decided
+/// again (`None`: no longer planned).
+enum Plans {
+    Whole(Vec<PlanInput>),
+    Changed(Vec<(ServiceKey, Option<PlanInput>)>),
 }
 
 fn model_context<'a, S, E>(inputs: &Inputs<'a, S, E>) -> ModelContext<'a> {
+    static NO_AGES: BTreeMap<ServiceKey, Timestamp> = BTreeMap::new();
     ModelContext {
         opts: inputs.model,
-        since: inputs.since,
+        since: match inputs.mode {
+            AllocationMode::Allocate => inputs.since,
+            AllocationMode::Annotated => &NO_AGES,
+        },
         addresses: &inputs.host.addresses,
         policy: &inputs.policy.endpoints,
     }
@@ -189,19 +276,315 @@ impl Desired<(), ()> {
     }
 }
 
-/// Everything but the ruleset and its counter index, and what the planner needs for those: each
-/// valid Service with the node ports this node programs for it.
+/// One Service's part of a sync's decision, everything but the ruleset. Kept for every Service
+/// for as long as it exists, so sized for the usual one: a status line and what it asks for;
+/// anything wrong with it boxed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Part {
+    /// The valid Service's line, then one per refusal (a second object with its key), or the
+    /// refusal's alone.
+    statuses: Box<[Arc<ServiceStatus>]>,
+    /// The families the valid Service asks for.
+    families: FamilySet,
+    faults: Option<Box<PartFaults>>,
+}
+
+/// What is wrong with one Service, in the order the whole decision lists it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct PartFaults {
+    refusals: Vec<Refusal>,
+    alloc_problems: Vec<AllocProblem>,
+    refused_endpoints: Vec<RefusedEndpoint>,
+    refused_ports: Vec<RefusedPort>,
+    /// The model's warnings, as reported.
+    warnings: Vec<String>,
+}
+
+/// A set of [`Family`] in a byte.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct FamilySet(u8);
+
+impl FamilySet {
+    fn bit(f: Family) -> u8 {
+        match f {
+            Family::Ipv4 => 1,
+            Family::Ipv6 => 2,
+        }
+    }
+
+    fn of(families: impl IntoIterator<Item = Family>) -> FamilySet {
+        FamilySet(families.into_iter().map(FamilySet::bit).fold(0, |a, b| a | b))
+    }
+
+    fn contains(self, f: Family) -> bool {
+        self.0 & FamilySet::bit(f) != 0
+    }
+}
+
+/// A sync's decision by Service, before it is kept: each Service's part, allocation and
+/// planner input, and the duplicates settled among them.
+#[derive(Debug, Default)]
+struct Decided {
+    parts: BTreeMap<ServiceKey, Part>,
+    allocations: Allocations,
+    plans: Vec<PlanInput>,
+    duplicates: Vec<Duplicate>,
+}
+
+impl Decided {
+    fn part(&mut self, key: &ServiceKey) -> &mut Part {
+        if !self.parts.contains_key(key) {
+            self.parts.insert(key.clone(), Part::default());
+        }
+        self.parts.get_mut(key).expect("inserted")
+    }
+
+    fn faults(&mut self, key: &ServiceKey) -> &mut PartFaults {
+        self.part(key).faults.get_or_insert_default()
+    }
+}
+
+/// What the node decided, by Service: the last sync's parts, allocations and duplicates, and
+/// what every Service's part read then. [`NodeBook::replace`] after a whole sync,
+/// [`NodeBook::patch`] after a scoped one; [`NodeBook::desired`] gives the whole decision.
+#[derive(Debug, Default)]
+pub struct NodeBook {
+    parts: BTreeMap<ServiceKey, Part>,
+    allocations: Allocations,
+    /// Sorted.
+    duplicates: Vec<Duplicate>,
+    /// How many valid Services ask for each family.
+    families: BTreeMap<Family, usize>,
+    /// The Services whose allocation is not what the sync was given as the last one: their pool
+    /// is chosen again with it ([`Inputs::previous`]).
+    moved: Vec<ServiceKey>,
+    /// The notes of the Services served from a last good version, as the last sync read them.
+    stale: BTreeMap<ServiceKey, String>,
+    shared: Option<SharedInputs>,
+}
+
+/// What every Service's part of a sync reads besides its own objects: a sync decides only a
+/// scope when these are what the last one read.
+#[derive(Debug, Clone, PartialEq)]
+struct SharedInputs {
+    mode: AllocationMode,
+    refused: Vec<Refusal>,
+    range: PortRange,
+    model: ModelOptions,
+    node: NodeFacts,
+    policy: HostPolicy,
+    host: HostFacts,
+    pools: Option<PoolContext>,
+}
+
+impl SharedInputs {
+    fn of<S, E>(inputs: &Inputs<'_, S, E>) -> SharedInputs {
+        SharedInputs {
+            mode: inputs.mode,
+            refused: inputs.notes.refused.clone(),
+            range: *inputs.range,
+            model: inputs.model.clone(),
+            node: inputs.node.clone(),
+            policy: inputs.policy.clone(),
+            host: inputs.host.clone(),
+            pools: inputs.pools.cloned(),
+        }
+    }
+
+    fn is<S, E>(&self, inputs: &Inputs<'_, S, E>) -> bool {
+        self.mode == inputs.mode
+            && self.refused == inputs.notes.refused
+            && self.range == *inputs.range
+            && self.model == *inputs.model
+            && self.node == *inputs.node
+            && self.policy == *inputs.policy
+            && self.host == *inputs.host
+            && self.pools.as_ref() == inputs.pools
+    }
+}
+
+impl NodeBook {
+    /// Whether what every Service's part reads is what the last whole sync read.
+    fn same_shared<S, E>(&self, inputs: &Inputs<'_, S, E>) -> bool {
+        self.shared.as_ref().is_some_and(|s| s.is(inputs))
+    }
+
+    /// After a whole sync: what every Service's part read, and the last-good notes.
+    fn keep_read<S, E>(&mut self, inputs: &Inputs<'_, S, E>) {
+        if !self.same_shared(inputs) {
+            self.shared = Some(SharedInputs::of(inputs));
+        }
+        if self.stale != inputs.notes.stale {
+            self.stale = inputs.notes.stale.clone();
+        }
+    }
+
+    /// The Services a scoped sync decides: those whose objects came, went or changed
+    /// (`changes`), those whose allocation moved in the last sync, those whose last-good note
+    /// changed, and every Service whose allocation annotation names a number one of those names
+    /// or named, until no more come. A Service outside it reads what it read in the last sync,
+    /// and no member shares a number with it: deciding it again would give what it has.
+    fn scope(
+        &mut self,
+        view: &SourceView,
+        changes: crate::view::ViewChanges,
+        inputs: &Inputs<'_, Arc<Service>, Arc<EndpointSlice>>,
+    ) -> foldhash::HashSet<ServiceKey> {
+        let mut todo: Vec<ServiceKey> = changes.keys.into_iter().collect();
+        todo.append(&mut self.moved);
+        let notes = &inputs.notes.stale;
+        if *notes != self.stale {
+            let differs = |a: &BTreeMap<ServiceKey, String>, b: &BTreeMap<ServiceKey, String>| {
+                a.iter().filter(|(k, v)| b.get(*k) != Some(*v)).map(|(k, _)| k.clone()).collect::<Vec<_>>()
+            };
+            todo.extend(differs(notes, &self.stale));
+            todo.extend(differs(&self.stale, notes));
+            self.stale = notes.clone();
+        }
+        let mut scope: foldhash::HashSet<ServiceKey> = Default::default();
+        let mut numbers: Vec<u16> = changes.numbers.into_iter().collect();
+        let mut seen: foldhash::HashSet<u16> = Default::default();
+        loop {
+            while let Some(key) = todo.pop() {
+                if scope.insert(key.clone()) {
+                    numbers.extend(view.numbers_of(&key));
+                }
+            }
+            let Some(n) = numbers.pop() else { break };
+            if seen.insert(n) {
+                todo.extend(view.holders_of(n).iter().filter(|k| !scope.contains(*k)).cloned());
+            }
+        }
+        scope
+    }
+
+    /// Keeps a whole sync's decision; returns every Service's planner input. `previous`: the
+    /// allocations the sync was given, to find those that moved (only a scoped sync needs them).
+    fn replace(&mut self, decided: Decided, previous: Option<&Allocations>) -> Vec<PlanInput> {
+        let Decided { parts, allocations, plans, duplicates } = decided;
+        self.moved = match previous {
+            Some(previous) => moved(previous, &allocations, allocations.keys().chain(previous.keys())),
+            None => Vec::new(),
+        };
+        self.families.clear();
+        for part in parts.values() {
+            count_families(&mut self.families, part.families, 1);
+        }
+        self.parts = parts;
+        self.allocations = allocations;
+        self.duplicates = duplicates;
+        plans
+    }
+
+    /// Keeps a scoped sync's decision for the Services of `scope` (`decided` holds theirs);
+    /// returns their planner inputs (`None`: no longer planned).
+    fn patch(
+        &mut self,
+        scope: &foldhash::HashSet<ServiceKey>,
+        decided: Decided,
+        previous: &Allocations,
+    ) -> Vec<(ServiceKey, Option<PlanInput>)> {
+        let Decided { mut parts, mut allocations, plans, duplicates } = decided;
+        let mut by_key: BTreeMap<ServiceKey, Option<PlanInput>> =
+            scope.iter().map(|k| (k.clone(), None)).collect();
+        for plan in plans {
+            by_key.insert(plan.service.key.clone(), Some(plan));
+        }
+        self.moved = moved(previous, &allocations, scope.iter());
+        for key in scope {
+            if let Some(old) = self.parts.remove(key) {
+                count_families(&mut self.families, old.families, -1);
+            }
+            if let Some(part) = parts.remove(key) {
+                count_families(&mut self.families, part.families, 1);
+                self.parts.insert(key.clone(), part);
+            }
+            match allocations.remove(key) {
+                Some(ports) => self.allocations.insert(key.clone(), ports),
+                None => self.allocations.remove(key),
+            };
+        }
+        // A duplicate names two Services that share a number: both in the scope, or neither.
+        self.duplicates.retain(|d| !scope.contains(&d.keeper) && !scope.contains(&d.loser));
+        self.duplicates.extend(duplicates);
+        self.duplicates.sort();
+        by_key.into_iter().collect()
+    }
+
+    /// The whole decision (but the ruleset), from every Service's kept part.
+    fn desired(&self) -> Desired<(), ()> {
+        let mut d = Desired {
+            ruleset: (),
+            counter_index: (),
+            allocations: self.allocations.clone(),
+            services: Vec::with_capacity(self.parts.len()),
+            needed_families: self.families.keys().copied().collect(),
+            refusals: vec![],
+            alloc_problems: vec![],
+            refused_endpoints: vec![],
+            refused_ports: vec![],
+            warnings: vec![],
+        };
+        for part in self.parts.values() {
+            d.services.extend(part.statuses.iter().cloned());
+            if let Some(f) = &part.faults {
+                d.refusals.extend(f.refusals.iter().cloned());
+                d.alloc_problems.extend(f.alloc_problems.iter().cloned());
+                d.refused_endpoints.extend(f.refused_endpoints.iter().cloned());
+                d.refused_ports.extend(f.refused_ports.iter().cloned());
+                d.warnings.extend(f.warnings.iter().cloned());
+            }
+        }
+        d.warnings.extend(self.duplicates.iter().map(|d| format!("duplicate {d}")));
+        d
+    }
+
+    /// How many Services' parts are kept.
+    pub fn len(&self) -> usize {
+        self.parts.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.parts.is_empty()
+    }
+}
+
+/// The Services among `keys` whose allocation in `now` is not the one in `previous`.
+fn moved<'a>(
+    previous: &Allocations,
+    now: &Allocations,
+    keys: impl Iterator<Item = &'a ServiceKey>,
+) -> Vec<ServiceKey> {
+    let mut out: Vec<ServiceKey> = keys.filter(|k| previous.get(*k) != now.get(*k)).cloned().collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+fn count_families(counts: &mut BTreeMap<Family, usize>, families: FamilySet, by: isize) {
+    for f in Family::ALL.into_iter().filter(|f| families.contains(*f)) {
+        let n = counts.entry(f).or_default();
+        *n = n.saturating_add_signed(by);
+        if *n == 0 {
+            counts.remove(&f);
+        }
+    }
+}
+
+/// Every Service's part of the decision (everything but the ruleset) and what the planner
+/// needs: each valid Service with the node ports this node programs for it. `services`: the
+/// objects decided (the snapshot's, or a scope's), modeled in `out`.
 fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     inputs: &Inputs<'_, S, E>,
+    services: &[S],
     mut out: Modeled,
-) -> (Desired<(), ()>, Vec<PlanInput>) {
+) -> Decided {
     out.refused.extend(
         inputs.notes.refused.iter().filter(|r| !out.services.iter().any(|s| &s.key == r.service())).cloned(),
     );
     let refused_endpoints = std::mem::take(&mut out.refused_endpoints);
     let pools = inputs.pools.filter(|c| !c.set.implicit);
-    let assignment =
-        pools.map(|c| crate::pool::assign_services(c, inputs.services, &out.services, inputs.previous));
+    let assignment = pools.map(|c| crate::pool::assign_services(c, services, &out.services, inputs.previous));
     let (allocations, alloc_problems, duplicates) = match inputs.mode {
         AllocationMode::Allocate => {
             let in_use: BTreeMap<(crate::domain::Protocol, u16), String> = inputs
@@ -236,9 +619,7 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     // In Kubernetes mode the leader says why on the Service (its Allocated condition).
     let leader_says: BTreeMap<ServiceKey, String> = match inputs.mode {
         AllocationMode::Allocate => BTreeMap::new(),
-        AllocationMode::Annotated => {
-            inputs.services.iter().filter_map(|s| allocation_refused(s.borrow())).collect()
-        }
+        AllocationMode::Annotated => services.iter().filter_map(|s| allocation_refused(s.borrow())).collect(),
     };
     let no_allocation = |key: &ServiceKey| match inputs.mode {
         AllocationMode::Allocate => "no node port could be allocated".to_string(),
@@ -256,7 +637,7 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     let mut refused_ports = Vec::new();
     let mut programmed = allocations.clone();
     let mut restricted: BTreeMap<ServiceKey, BTreeSet<std::net::IpAddr>> = BTreeMap::new();
-    let servicelb = inputs.pools.map(|c| servicelb_refusals(c, inputs.services)).unwrap_or_default();
+    let servicelb = inputs.pools.map(|c| servicelb_refusals(c, services)).unwrap_or_default();
     for (key, ports) in programmed.iter_mut() {
         let pool_policy = match (servicelb.get(key), pools, &assignment) {
             (Some(why), _, _) => Some(Err(PortRefusal::NotSelected(format!("ServiceLB labels: {why}")))),
@@ -301,29 +682,28 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     let not_taken_by = by_service(&refused_ports, |r| &r.service);
     let problems_by = by_service(&alloc_problems, AllocProblem::service);
     let none = (Vec::new(), Vec::new(), Vec::new());
-    let mut services: Vec<ServiceStatus> = out
-        .services
-        .iter()
-        .map(|s| {
-            let ports = allocations.get(&s.key).unwrap_or(&empty);
-            let refused = refused_by.get(&s.key).unwrap_or(&none.0);
-            let not_taken = not_taken_by.get(&s.key).unwrap_or(&none.1);
-            let problems = problems_by.get(&s.key).unwrap_or(&none.2);
-            let fault = Faults { problems, endpoints: refused, ports: not_taken };
-            let mut status = service_status(s, ports, &fault, inputs.node, || no_allocation(&s.key));
-            status.pool = assignment.as_ref().and_then(|a| a.ranges.get(&s.key)).map(|r| r.pool.clone());
-            if let Some(note) = inputs.notes.stale.get(&s.key) {
-                status.reason = Some(match status.reason.take() {
-                    Some(r) => format!("{r}; {note}"),
-                    None => note.clone(),
-                });
-                status.reason_code.get_or_insert_with(|| "last_good_spec".to_string());
-            }
-            status
-        })
-        .collect();
+    let mut decided = Decided::default();
+    for s in &out.services {
+        let ports = allocations.get(&s.key).unwrap_or(&empty);
+        let refused = refused_by.get(&s.key).unwrap_or(&none.0);
+        let not_taken = not_taken_by.get(&s.key).unwrap_or(&none.1);
+        let problems = problems_by.get(&s.key).unwrap_or(&none.2);
+        let fault = Faults { problems, endpoints: refused, ports: not_taken };
+        let mut status = service_status(s, ports, &fault, inputs.node, || no_allocation(&s.key));
+        status.pool = assignment.as_ref().and_then(|a| a.ranges.get(&s.key)).map(|r| r.pool.clone());
+        if let Some(note) = inputs.notes.stale.get(&s.key) {
+            status.reason = Some(match status.reason.take() {
+                Some(r) => format!("{r}; {note}"),
+                None => note.clone(),
+            });
+            status.reason_code.get_or_insert_with(|| "last_good_spec".to_string());
+        }
+        let part = decided.part(&s.key);
+        part.statuses = Box::new([Arc::new(status)]);
+        part.families = FamilySet::of(s.families.iter().copied());
+    }
     for r in &out.refused {
-        services.push(ServiceStatus {
+        let status = ServiceStatus {
             namespace: r.service().namespace.clone(),
             name: r.service().name.clone(),
             state: ServiceState::Refused,
@@ -333,11 +713,24 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             refused_endpoints: vec![],
             session_affinity_seconds: None,
             pool: None,
-        });
+        };
+        let part = decided.part(r.service());
+        part.statuses = part.statuses.iter().cloned().chain([Arc::new(status)]).collect();
+        decided.faults(r.service()).refusals.push(r.clone());
     }
-    services.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-    let needed_families = out.services.iter().flat_map(|s| s.families.iter().copied()).collect();
-    let plans = out
+    for p in alloc_problems {
+        decided.faults(p.service()).alloc_problems.push(p);
+    }
+    for r in refused_endpoints {
+        decided.faults(&r.service.clone()).refused_endpoints.push(r);
+    }
+    for r in refused_ports {
+        decided.faults(&r.service.clone()).refused_ports.push(r);
+    }
+    for w in &out.warnings {
+        decided.faults(&w.service).warnings.push(w.to_string());
+    }
+    decided.plans = out
         .services
         .into_iter()
         .map(|service| PlanInput {
@@ -346,24 +739,9 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             service,
         })
         .collect();
-    let decided = Desired {
-        ruleset: (),
-        needed_families,
-        counter_index: (),
-        allocations,
-        services,
-        refusals: out.refused,
-        alloc_problems,
-        refused_endpoints,
-        refused_ports,
-        warnings: out
-            .warnings
-            .iter()
-            .map(|w| w.to_string())
-            .chain(duplicates.iter().map(|d| format!("duplicate {d}")))
-            .collect(),
-    };
-    (decided, plans)
+    decided.allocations = allocations;
+    decided.duplicates = duplicates;
+    decided
 }
 
 /// The port policy of a Service's pool on this node (its ranges, plus `--allowed-node-ports`) and,

@@ -10,7 +10,8 @@
 //!   [`desired`] (one sync's decision), [`plan`] → [`ir`] (the ruleset), [`hairpin`], [`hostfw`]
 //!   (the host firewall diagnosis), [`kernel_support`] (what the kernel must have).
 //! - Only what changed, between syncs: [`model_cache`] (each Service's model), [`replan`] (the
-//!   ruleset patched per Service), [`per_object`] (values kept per unchanged object).
+//!   ruleset patched per Service), [`per_object`] (values kept per unchanged object), [`view`]
+//!   (what changed in a source's view, by object).
 //! - What to report: [`counters`], [`report`].
 //! - Test oracles (feature `testing`): [`simulate`], [`trace`].
 
@@ -40,3 +41,4 @@ pub mod simulate;
 pub mod slim;
 #[cfg(any(test, feature = "testing"))]
 pub mod trace;
+pub mod view;

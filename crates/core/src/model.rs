@@ -437,7 +437,8 @@ pub fn build<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
 }
 
 /// EndpointSlices grouped by the Service they belong to (its namespace and name, borrowed from
-/// the slices). Slices without the label are not part of any Service.
+/// the slices), each Service's in [`slice_order`]. Slices without the label are not part of any
+/// Service.
 pub(crate) fn index_slices<E: Borrow<EndpointSlice>>(slices: &[E]) -> BTreeMap<(&str, &str), Vec<&E>> {
     let mut map: BTreeMap<(&str, &str), Vec<&E>> = BTreeMap::new();
     for object in slices {
@@ -445,7 +446,19 @@ pub(crate) fn index_slices<E: Borrow<EndpointSlice>>(slices: &[E]) -> BTreeMap<(
             map.entry(key).or_default().push(object);
         }
     }
+    for list in map.values_mut() {
+        list.sort_by(|a, b| slice_order((*a).borrow(), (*b).borrow()));
+    }
     map
+}
+
+/// The order a Service's EndpointSlices are read in: by name (a stable sort keeps two of one
+/// name in the order given). An address two slices name (an endpoint moving from one to
+/// another) is taken from the one [`resolve_endpoints`]'s ranking prefers and, on a tie, from the
+/// first by name: never from whichever a cache happens to hand over first (a reflector's order
+/// changes when its map grows), so the same objects always give the same rules.
+pub fn slice_order(a: &EndpointSlice, b: &EndpointSlice) -> std::cmp::Ordering {
+    a.metadata.name.cmp(&b.metadata.name)
 }
 
 /// The namespace and name of the Service an EndpointSlice belongs to (its label), borrowed;

@@ -303,16 +303,20 @@ fn ours_in_key_order<'a>(
     ours
 }
 
-/// Each slice with its Service's key, in key order (the sources' order usually is; sorted as the
-/// Services are, each Service's slices stay in input order, as `model::build` takes them): one
-/// vector walked next to the Services, no map or list per Service.
+/// Each slice with its Service's key, in key order and each Service's in [`model::slice_order`],
+/// as `model::build` takes them (two of one name in input order: the references point into
+/// `slices`, so their addresses are the input order): one vector walked next to the Services,
+/// no map or list per Service.
 fn slices_in_key_order(slices: &[Arc<EndpointSlice>]) -> Vec<KeyedSlice<'_>> {
     let mut keyed: Vec<KeyedSlice<'_>> =
         slices.iter().filter_map(|s| Some((model::slice_service(s)?, s))).collect();
-    if !keyed.is_sorted_by(|a, b| a.0 <= b.0) {
-        keyed.sort_unstable_by(|a, b| {
-            a.0.cmp(&b.0).then_with(|| std::ptr::from_ref(a.1).cmp(&std::ptr::from_ref(b.1)))
-        });
+    let order = |a: &KeyedSlice<'_>, b: &KeyedSlice<'_>| {
+        (a.0.cmp(&b.0))
+            .then_with(|| model::slice_order(a.1, b.1))
+            .then_with(|| std::ptr::from_ref(a.1).cmp(&std::ptr::from_ref(b.1)))
+    };
+    if !keyed.is_sorted_by(|a, b| order(a, b).is_le()) {
+        keyed.sort_unstable_by(order);
     }
     keyed
 }

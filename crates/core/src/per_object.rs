@@ -50,6 +50,12 @@ impl<T, V> PerObject<T, V> {
         self.entries.retain(|_, e| e.seen == pass);
     }
 
+    /// [`PerObject::end`], handing back the objects it forgets, with their values.
+    pub fn end_changes(&mut self) -> Vec<(Arc<T>, V)> {
+        let pass = self.pass;
+        self.entries.extract_if(|_, e| e.seen != pass).map(|(_, e)| (e.object, e.value)).collect()
+    }
+
     /// The value kept for this very object, which this pass has now seen.
     pub fn get(&mut self, object: &Arc<T>) -> Option<&mut V> {
         let pass = self.pass;

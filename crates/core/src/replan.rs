@@ -239,6 +239,58 @@ impl Planner {
         self.clashed = false;
     }
 
+    /// [`Planner::plan`] given what changed only: the inputs of the Services decided again
+    /// (`None`: no longer planned), each key once; every other Service's input is the one last
+    /// planned. The same plan as [`Planner::plan`] of every input.
+    pub fn plan_changes(
+        &mut self,
+        changes: Vec<(ServiceKey, Option<PlanInput>)>,
+        node: &NodeFacts,
+        applied: Option<&Ruleset>,
+        index: bool,
+    ) -> (Planned, IndexUpdate) {
+        let patchable = applied.filter(|a| {
+            !self.clashed && self.node.as_ref() == Some(node) && self.shape.is_some_and(|s| s == Shape::of(a))
+        });
+        if let Some(applied) = patchable {
+            let old = std::mem::take(&mut self.services);
+            let changed: Vec<(Option<&PlanInput>, Option<&PlanInput>)> = changes
+                .iter()
+                .map(|(key, is)| {
+                    let was = old.binary_search_by(|p| p.service.key.cmp(key)).ok().map(|i| &old[i]);
+                    (was, is.as_ref())
+                })
+                .filter(|(was, is)| was != is)
+                .collect();
+            let result = self.patch_changed(changed, old.len(), node, applied, index);
+            self.services = old;
+            if let Ok((patch, update)) = result {
+                let shape = Shape::of(applied).plus(Shape::of(&patch.new)).minus(Shape::of(&patch.old));
+                self.shape = Some(shape);
+                self.update_services(changes);
+                return (Planned::Patch(patch), update);
+            }
+        }
+        self.update_services(changes);
+        let inputs = std::mem::take(&mut self.services);
+        let (rs, counter_index) = self.full(inputs, node, index);
+        (Planned::Full(rs), IndexUpdate::Full(counter_index))
+    }
+
+    /// Puts `changes` into the inputs last planned (sorted by key).
+    fn update_services(&mut self, changes: Vec<(ServiceKey, Option<PlanInput>)>) {
+        for (key, is) in changes {
+            match (self.services.binary_search_by(|p| p.service.key.cmp(&key)), is) {
+                (Ok(i), Some(is)) => self.services[i] = is,
+                (Ok(i), None) => {
+                    self.services.remove(i);
+                }
+                (Err(i), Some(is)) => self.services.insert(i, is),
+                (Err(_), None) => {}
+            }
+        }
+    }
+
     /// The patch from the last plan (`self.services`, whose ruleset is `applied`) to `inputs`.
     fn patch(
         &mut self,
@@ -247,9 +299,6 @@ impl Planner {
         applied: &Ruleset,
         index: bool,
     ) -> Result<(RulesetPatch, IndexUpdate), NoPatch> {
-        let mut b =
-            Builder { applied, patch: RulesetPatch::default(), shared: &self.shared, delta: BTreeMap::new() };
-        let (mut removed, mut added) = (CounterIndex::default(), CounterIndex::default());
         let old = std::mem::take(&mut self.services);
         let mut changed: Vec<(Option<&PlanInput>, Option<&PlanInput>)> = Vec::new();
         let (mut o, mut n) = (old.iter().peekable(), inputs.iter().peekable());
@@ -268,12 +317,29 @@ impl Planner {
                 changed.push(step);
             }
         }
+        let result = self.patch_changed(changed, inputs.len().max(old.len()), node, applied, index);
+        self.services = old;
+        result
+    }
+
+    /// The patch of `applied` for the Services of `changed` (each as it was and as it is;
+    /// `services` of them in all), or why there is none.
+    fn patch_changed(
+        &mut self,
+        changed: Vec<(Option<&PlanInput>, Option<&PlanInput>)>,
+        services: usize,
+        node: &NodeFacts,
+        applied: &Ruleset,
+        index: bool,
+    ) -> Result<(RulesetPatch, IndexUpdate), NoPatch> {
         // A patch plans each changed Service twice: past a third of them, planning whole is
         // cheaper (every Service's age is stamped after the first allocation round, say).
-        if changed.len() > MAX_PATCHED_SHARE * inputs.len().max(old.len()) / 100 + MIN_PATCHED {
-            self.services = old;
+        if changed.len() > MAX_PATCHED_SHARE * services / 100 + MIN_PATCHED {
             return Err(NoPatch::TooMany);
         }
+        let mut b =
+            Builder { applied, patch: RulesetPatch::default(), shared: &self.shared, delta: BTreeMap::new() };
+        let (mut removed, mut added) = (CounterIndex::default(), CounterIndex::default());
         let mut result = Ok(());
         for (was, is) in changed {
             if let Some(was) = was {
@@ -292,7 +358,6 @@ impl Planner {
             }
         }
         let Builder { patch, delta, .. } = b;
-        self.services = old;
         result.map_err(|Clash| NoPatch::Clash)?;
         for (key, d) in delta {
             let n = i64::from(self.shared.get(&key).copied().unwrap_or(0)) + d;
