@@ -56,18 +56,23 @@ fn index_of(inputs: &[PlanInput], rs: &Ruleset) -> CounterIndex {
 }
 
 /// One step of the planner from `applied` (its last plan) to `next`, checked against the full
-/// planner; returns the new applied ruleset and index.
+/// planner; returns the new applied ruleset and index. `changes`: the planner is given only
+/// these Services' inputs ([`Planner::plan_changes`]), not every one.
 fn step(
     planner: &mut Planner,
     applied: &Ruleset,
     index: &CounterIndex,
     next: &[PlanInput],
+    changes: Option<Vec<(ServiceKey, Option<PlanInput>)>>,
     node: &NodeFacts,
     what: &str,
 ) -> (Ruleset, CounterIndex, bool) {
     let want = full_plan(next, node);
     let want_index = index_of(next, &want);
-    let (planned, update) = planner.plan(next.to_vec(), node, Some(applied), true);
+    let (planned, update) = match changes {
+        None => planner.plan(next.to_vec(), node, Some(applied), true),
+        Some(changes) => planner.plan_changes(changes, node, Some(applied), true),
+    };
     let mut got_index = index.clone();
     update.apply(&mut got_index);
     assert_eq!(got_index, want_index, "{what}: counter index");
@@ -107,7 +112,7 @@ fn every_scenario_to_every_other_patches_to_the_full_plan() {
             assert_eq!(rs, plan_of(a), "{what}: full plan of {}", a.name);
             assert_eq!(index, index_of(&from, &rs), "{what}: index of {}", a.name);
             let to = inputs(&b.services, &b.addresses);
-            let (rs, index, was_patch) = step(&mut planner, &rs, &index, &to, &b.node, &what);
+            let (rs, index, was_patch) = step(&mut planner, &rs, &index, &to, None, &b.node, &what);
             assert_eq!(was_patch, a.node == b.node, "{what}: a patch exactly when the node is the same");
             patched += usize::from(was_patch);
             // Nothing changed: an empty patch.
@@ -198,12 +203,17 @@ fn random_walks_patch_to_the_full_plan() {
         let (mut applied, mut index) = planner.full(vec![], &node, true);
         let (mut patches, mut fulls) = (0, 0);
         for n in 0..300 {
-            for _ in 0..rng.range(1, 3) {
+            // Now and then a burst (a redeploy); the keys touched, for the planner given only
+            // what changed.
+            let edits = if rng.chance(0.05) { rng.range(20, 40) } else { rng.range(1, 3) };
+            let mut touched = BTreeSet::new();
+            for _ in 0..edits {
                 let which = rng.below(bases.len() as u64) as u16;
                 let base = &bases[usize::from(which)];
                 let copy = rng.below(6);
                 let mut s = variant(base, rng.below(8), &mut rng);
                 s.key.name = format!("{}-{copy}", s.key.name).into();
+                touched.insert(s.key.clone());
                 if rng.chance(0.25) {
                     current.remove(&s.key);
                     continue;
@@ -230,8 +240,11 @@ fn random_walks_patch_to_the_full_plan() {
             }
             let next: Vec<PlanInput> = current.values().cloned().collect();
             let what = format!("seed {seed} step {n}");
+            let changes = rng
+                .chance(0.5)
+                .then(|| touched.into_iter().map(|k| (k.clone(), current.get(&k).cloned())).collect());
             let was_patch;
-            (applied, index, was_patch) = step(&mut planner, &applied, &index, &next, &node, &what);
+            (applied, index, was_patch) = step(&mut planner, &applied, &index, &next, changes, &node, &what);
             if was_patch { patches += 1 } else { fulls += 1 }
         }
         eprintln!("seed {seed}: {patches} patches, {fulls} full plans");
@@ -255,12 +268,12 @@ fn a_clash_is_planned_whole_until_it_is_gone() {
     let mut planner = Planner::new();
     let (rs, index) = planner.full(vec![one(&a, 20001)], &node, true);
     let (rs, index, patch) =
-        step(&mut planner, &rs, &index, &[one(&a, 20001), one(&b, 20001)], &node, "clash");
+        step(&mut planner, &rs, &index, &[one(&a, 20001), one(&b, 20001)], None, &node, "clash");
     assert!(!patch, "a clash is planned whole");
     let (rs, index, patch) =
-        step(&mut planner, &rs, &index, &[one(&a, 20001), one(&b, 20002)], &node, "resolved");
+        step(&mut planner, &rs, &index, &[one(&a, 20001), one(&b, 20002)], None, &node, "resolved");
     assert!(!patch, "the plan after a clash is full");
-    let (_, _, patch) = step(&mut planner, &rs, &index, &[one(&a, 20001)], &node, "after");
+    let (_, _, patch) = step(&mut planner, &rs, &index, &[one(&a, 20001)], None, &node, "after");
     assert!(patch, "then patches again");
 }
 
@@ -492,9 +505,9 @@ fn most_services_changed_is_planned_whole() {
     };
     let mut planner = Planner::new();
     let (rs, index) = planner.full(services(0), &node, true);
-    let (rs, index, patch) = step(&mut planner, &rs, &index, &services(20), &node, "20 of 200");
+    let (rs, index, patch) = step(&mut planner, &rs, &index, &services(20), None, &node, "20 of 200");
     assert!(patch, "20 of 200 changed: a patch");
-    let (_, _, patch) = step(&mut planner, &rs, &index, &services(150), &node, "150 of 200");
+    let (_, _, patch) = step(&mut planner, &rs, &index, &services(150), None, &node, "150 of 200");
     assert!(!patch, "130 of 200 changed: planned whole");
 }
 

@@ -240,8 +240,8 @@ impl Planner {
     }
 
     /// [`Planner::plan`] given what changed only: the inputs of the Services decided again
-    /// (`None`: no longer planned), each key once; every other Service's input is the one last
-    /// planned. The same plan as [`Planner::plan`] of every input.
+    /// (`None`: no longer planned), each key once, sorted by key; every other Service's input is
+    /// the one last planned. The same plan as [`Planner::plan`] of every input.
     pub fn plan_changes(
         &mut self,
         changes: Vec<(ServiceKey, Option<PlanInput>)>,
@@ -277,8 +277,24 @@ impl Planner {
         (Planned::Full(rs), IndexUpdate::Full(counter_index))
     }
 
-    /// Puts `changes` into the inputs last planned (sorted by key).
+    /// Puts `changes` (sorted by key) into the inputs last planned (sorted by key): one at a
+    /// time when they are few, else in one merge (a burst of creates inserts each in the middle).
     fn update_services(&mut self, changes: Vec<(ServiceKey, Option<PlanInput>)>) {
+        if changes.len() > MIN_PATCHED {
+            let old = std::mem::take(&mut self.services);
+            let mut merged = Vec::with_capacity(old.len() + changes.len());
+            let mut old = old.into_iter().peekable();
+            for (key, is) in changes {
+                while let Some(p) = old.next_if(|p| p.service.key < key) {
+                    merged.push(p);
+                }
+                old.next_if(|p| p.service.key == key);
+                merged.extend(is);
+            }
+            merged.extend(old);
+            self.services = merged;
+            return;
+        }
         for (key, is) in changes {
             match (self.services.binary_search_by(|p| p.service.key.cmp(&key)), is) {
                 (Ok(i), Some(is)) => self.services[i] = is,
