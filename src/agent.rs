@@ -103,6 +103,12 @@ impl AgentError {
 
 const SYSCTL_PERIOD: Duration = Duration::from_secs(1);
 
+/// How often a resync that computes decides every Service again, in Kubernetes mode where a sync
+/// decides only what changed ([`desired::compute_next`]): a whole decision is linear in the
+/// Services (~60 ms at 10,000 in the agent), and at every 10 s resync it was the slowest sync
+/// of a busy minute. The leader's whole rounds keep the same pace.
+const WHOLE_SYNC_EVERY: Duration = Duration::from_secs(60);
+
 /// How long a node leaves a change it cannot program yet (Kubernetes mode: a Service created,
 /// its EndpointSlice, before the leader writes its node ports; [`Loaded::Deferred`]). No rule
 /// comes of it, and recomputing everything for it cost every node ~24 ms at 10,000 Services,
@@ -123,6 +129,8 @@ struct Agent<K, N> {
     allocations: State,
     /// What the last sync modeled and planned, for the next one to compute only what changed.
     kept: desired::Kept,
+    /// When the last sync decided every Service ([`WHOLE_SYNC_EVERY`]).
+    last_whole: Option<Instant>,
     families: BTreeMap<Family, bool>,
     /// Refusals and input problems currently reported, to log each once per occurrence.
     logged_refusals: BTreeSet<String>,
@@ -274,6 +282,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             state,
             allocations,
             kept: desired::Kept::default(),
+            last_whole: None,
             families: BTreeMap::new(),
             logged_refusals: BTreeSet::new(),
             logged_problems: BTreeSet::new(),
@@ -498,11 +507,15 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             |p| warn!(problem = %p, "input problem"),
         );
         // Plan. A resync that computes (the input or our table changed) decides every Service
-        // again: the whole decision is the oracle of the scoped one.
-        if verify {
+        // again when the last whole decision is WHOLE_SYNC_EVERY old: the whole decision is the
+        // oracle of the scoped one.
+        if verify && self.last_whole.is_none_or(|t| t.elapsed() >= WHOLE_SYNC_EVERY) {
             self.kept.next_sync_whole();
         }
         let (mut desired, scope) = self.desired(&loaded, &node, &host);
+        if scope == desired::Scope::Whole {
+            self.last_whole = Some(attempt.started);
+        }
         phases.mark("desired");
         self.report_refusals(&desired);
         self.persist(&mut desired)?;
