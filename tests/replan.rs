@@ -542,7 +542,8 @@ fn what_only_the_allocator_reads_plans_nothing_again() {
 /// changed, and whoever shares a node port number with them (docs/design.md, "The node's sync
 /// scoped to what changed"). Random histories of a small cluster as a node's Kubernetes source
 /// hands it over: Services created, deleted, re-annotated by the leader or by hand (numbers
-/// another Service holds: duplicates settled by age; one number twice in one Service),
+/// another Service holds: duplicates settled by age; one number twice in one Service; entries
+/// without a protocol, a port listed twice, a bad entry),
 /// undecided, refused by the leader (its `Allocated` condition), edited into invalid input,
 /// turned into ClusterIP, relabelled (pools, the k3s ServiceLB labels), given Local policy;
 /// EndpointSlices added, split in two, dropped, orphaned; last-good notes set and cleared;
@@ -659,6 +660,14 @@ fn scoped_syncs_decide_what_whole_syncs_decide() {
                                         number(&mut rng)
                                     };
                                     value += &format!(",53/UDP={n}");
+                                }
+                                // Edited by hand now and then: an entry without a protocol, the
+                                // port listed twice (the model keeps the first), a bad entry.
+                                match rng.below(8) {
+                                    0 => value = format!("80={}", number(&mut rng)),
+                                    1 => value += &format!(",80/TCP={}", number(&mut rng)),
+                                    2 => value = format!("80/TCP=x,{value}"),
+                                    _ => {}
                                 }
                                 svc["metadata"]["annotations"][ANNOTATION_ALLOCATED] = json!(value);
                             }

@@ -311,6 +311,22 @@ fn parse_port_map_entry(item: &str) -> Result<PortMapEntry, ParseError> {
     Ok(PortMapEntry { port, protocol, node_port })
 }
 
+/// Every node port number a port-map annotation can give its Service, as the model reads it
+/// (entries with or without a protocol, a port listed twice: each of its numbers), sorted, each
+/// once. A superset of what [`parse_allocated_ports`] keeps: what couples two Services through
+/// one number must never be missed.
+pub fn annotated_numbers(value: &str) -> Vec<u16> {
+    let mut numbers: Vec<u16> = value
+        .split(',')
+        .map(str::trim)
+        .filter_map(|item| parse_port_map_entry(item).ok())
+        .map(|e| e.node_port)
+        .collect();
+    numbers.sort_unstable();
+    numbers.dedup();
+    numbers
+}
+
 /// Formats an allocation the way [`ANNOTATION_ALLOCATED`] and [`ANNOTATION_PORTS`] write it:
 /// `53/UDP=20002,80/TCP=20001` (sorted by port, then protocol).
 pub fn format_port_map(map: &BTreeMap<PortId, u16>) -> String {

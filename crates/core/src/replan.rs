@@ -262,7 +262,11 @@ impl Planner {
                 })
                 .filter(|(was, is)| was != is)
                 .collect();
-            let result = self.patch_changed(changed, old.len(), node, applied, index);
+            // As many Services as `plan` would count: the most of the old and the new inputs.
+            let added = changed.iter().filter(|(was, is)| was.is_none() && is.is_some()).count();
+            let removed = changed.iter().filter(|(was, is)| was.is_some() && is.is_none()).count();
+            let services = old.len().max(old.len() + added - removed);
+            let result = self.patch_changed(changed, services, node, applied, index);
             self.services = old;
             if let Ok((patch, update)) = result {
                 let shape = Shape::of(applied).plus(Shape::of(&patch.new)).minus(Shape::of(&patch.old));

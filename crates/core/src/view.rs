@@ -24,7 +24,8 @@ use crate::per_object::PerObject;
 #[derive(Debug, Clone)]
 struct ServiceFacts {
     key: ServiceKey,
-    /// The numbers its allocation annotation names (`nodelb.io/allocated-ports`).
+    /// Every number its allocation annotation names (`nodelb.io/allocated-ports`) as the model
+    /// may read it ([`model::annotated_numbers`]).
     numbers: Box<[u16]>,
 }
 
@@ -125,7 +126,7 @@ impl SourceView {
                 let facts = ServiceFacts {
                     key: model::service_key(s),
                     numbers: model::allocated_annotation(s)
-                        .map(|v| model::parse_allocated_ports(v).into_values().collect())
+                        .map(|v| model::annotated_numbers(v).into())
                         .unwrap_or_default(),
                 };
                 computed.push((Arc::clone(s), facts.clone()));
@@ -270,6 +271,12 @@ mod tests {
         assert_eq!(holders, [key("a"), key("b")]);
         assert!(view.holders_of(20002).is_empty());
         assert_eq!(view.numbers_of(&key("b")).collect::<Vec<_>>(), [20001]);
+        // Hand-written forms: every number the model may read (no protocol, a port twice).
+        let b3 = service("b", Some("80=20005,80/TCP=20006,bad"), "3");
+        view.pass(&[a.clone(), b3.clone(), c.clone()], &[sb1.clone(), sb2.clone()]);
+        assert_eq!(view.numbers_of(&key("b")).collect::<Vec<_>>(), [20005, 20006]);
+        assert_eq!(view.holders_of(20005), [key("b")]);
+        view.pass(&[a.clone(), b2.clone(), c.clone()], &[sb1.clone(), sb2.clone()]);
         assert!(view.objects_of([&key("a")]).1.is_empty(), "a's slice is gone");
 
         // Two objects with one key; then one of them gone.
