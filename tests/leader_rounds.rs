@@ -9,7 +9,8 @@
 //! What the histories do: Services created, deleted and created again under the same name (new
 //! uid), explicit node port requests (numbers of the range, numbers another Service holds, the
 //! Service's own ports, numbers outside the range), allocation annotations edited by hand
-//! (another Service's number: a duplicate; a random one; removed), invalid edits that last good
+//! (another Service's number: a duplicate, also written without a protocol or after another
+//! number for the same port; a random one; removed), invalid edits that last good
 //! masks and their fixes, type and class changes, ports added and removed, EndpointSlices with
 //! allowed and refused addresses, orphan slices, a node port range small enough to run out,
 //! listeners appearing on a node, statuses cleared by hand, the registry edited by hand, and
@@ -195,9 +196,14 @@ impl World {
             }
             40..=45 => {
                 // The allocation edited by hand: a duplicate, a random number, removed.
-                let value = match self.rng.below(3) {
+                let value = match self.rng.below(5) {
                     0 => self.allocated_elsewhere(&key).map(|n| format!("80/TCP={n}")),
                     1 => Some(format!("80/TCP={}", self.number())),
+                    // Hand-written forms: no protocol, the port listed twice.
+                    2 => self.allocated_elsewhere(&key).map(|n| format!("80={n}")),
+                    3 => {
+                        self.allocated_elsewhere(&key).map(|n| format!("80/TCP={},80/TCP={n}", self.number()))
+                    }
                     _ => None,
                 };
                 match value {

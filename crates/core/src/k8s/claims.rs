@@ -93,8 +93,8 @@ impl Owner {
 }
 
 /// A Service as the registry sees it: every Service of the view, whatever its type (one that
-/// stopped being ours holds its numbers until the leader takes them off), with the numbers its
-/// annotation names as stored.
+/// stopped being ours holds its numbers until the leader takes them off), with every number its
+/// annotation names as stored ([`model::annotated_numbers`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Holder {
     pub key: ServiceKey,
@@ -107,8 +107,10 @@ pub struct Holder {
 impl Holder {
     pub fn of(svc: &Service) -> Holder {
         let key = model::service_key(svc);
+        // Every number a node may program from the annotation (an entry without a protocol, a
+        // port listed twice): held, and what ties this Service to another's in a scoped round.
         let numbers = model::allocated_annotation(svc)
-            .map(|v| model::parse_allocated_ports(v).into_values().collect())
+            .map(|v| model::annotated_numbers(v).into_iter().collect())
             .unwrap_or_default();
         Holder {
             owner: Owner::of(&key, svc.metadata.uid.as_deref()),
