@@ -196,7 +196,7 @@ impl World {
             }
             40..=45 => {
                 // The allocation edited by hand: a duplicate, a random number, removed.
-                let value = match self.rng.below(5) {
+                let value = match self.rng.below(8) {
                     0 => self.allocated_elsewhere(&key).map(|n| format!("80/TCP={n}")),
                     1 => Some(format!("80/TCP={}", self.number())),
                     // Hand-written forms: no protocol, the port listed twice.
@@ -647,9 +647,10 @@ fn run(with_pools: bool) {
     // The comparison means something only if the scoped leader really scoped, and planned less
     // than everything. The agent's rule makes a round whole after any round that left a claim
     // unresolved (until it is settled or expires) and at least every minute: ~40–45% of these
-    // histories' rounds are scoped.
+    // histories' rounds are scoped, planning ~35% (without pools) to ~50% (with: a Service's pool
+    // changes with its labels, and duplicates hold their holders in the scope) of their views.
     assert!(scoped * 3 > rounds, "only {scoped} of {rounds} rounds were scoped");
-    assert!(planned * 2 < seen, "the scoped rounds planned {planned} of {seen} Services");
+    assert!(planned * 5 < seen * 3, "the scoped rounds planned {planned} of {seen} Services");
 }
 
 #[test]
