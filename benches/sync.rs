@@ -95,6 +95,7 @@ fn main() {
         families: BTreeSet::from([Family::Ipv4, Family::Ipv6]),
         masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
         forward_mark: None,
+        nat_shards: 1,
     };
     let policy =
         HostPolicy { ports: nodelb::port_policy::PortPolicy::with_range(range), ..Default::default() };

@@ -48,6 +48,8 @@ pub struct AgentConfig {
     pub masquerade_mark: u32,
     /// `--iptables-forward-accept`: the mark bit of our flows (see [`NodeFacts::forward_mark`]).
     pub forward_mark: Option<u32>,
+    /// `--nat-shards` (see [`NodeFacts::nat_shards`]).
+    pub nat_shards: u8,
     pub model: ModelOptions,
     pub sysctls: Sysctls,
     pub policy: HostPolicy,
@@ -453,6 +455,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             families: self.families.iter().filter(|(_, on)| **on).map(|(f, _)| *f).collect(),
             masquerade_mark: self.cfg.masquerade_mark,
             forward_mark: self.cfg.forward_mark,
+            nat_shards: self.cfg.nat_shards,
         }
     }
 

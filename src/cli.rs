@@ -79,6 +79,13 @@ pub struct CommonArgs {
     /// Packet-mark bit that tells postrouting to masquerade (same meaning as kube-proxy's 0x4000).
     #[arg(long, default_value = "0x4000", value_parser = parse_mark, env = "NODELB_MASQUERADE_MARK")]
     pub masquerade_mark: u32,
+    /// Spread the Services' nat chains over this many nf_tables tables (`nodelb-s0`…), 1 to 32;
+    /// 1 keeps them in table `nodelb`. The kernel validates only the tables a change touches, so
+    /// adding or changing one Service among 10,000 costs about 1/N of one table's validation;
+    /// each new connection passes every table's nat chains until one translates it
+    /// (docs/design.md, "Sharding the nat chains"; docs/benchmarks.md has both measured).
+    #[arg(long, default_value = "1", value_parser = clap::value_parser!(u8).range(1..=32), env = "NODELB_NAT_SHARDS")]
+    pub nat_shards: u8,
     /// Insert an ACCEPT for nodelb's forwarded flows at the head of the host's iptables FORWARD
     /// chain (iptables-nft: table ip/ip6 filter; iptables-legacy: the x_tables filter table), for
     /// hosts whose firewall drops forwarded traffic (Docker, ufw). Removed by `nodelb cleanup` and

@@ -100,6 +100,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         enable_forwarding: args.enable_forwarding,
         masquerade_mark: args.common.masquerade_mark,
         forward_mark: forward_mark(&args.common)?,
+        nat_shards: args.common.nat_shards,
         model: model_options(&args.common),
         sysctls: Sysctls::default(),
         policy: host_policy(&args.common),
@@ -373,6 +374,7 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
         families: Family::ALL.into_iter().collect::<BTreeSet<_>>(),
         masquerade_mark: args.common.masquerade_mark,
         forward_mark: forward_mark(&args.common)?,
+        nat_shards: args.common.nat_shards,
     };
     let host = HostFacts {
         addresses: host_addresses.merged(&cluster_addresses),
@@ -434,9 +436,13 @@ fn remove_rules() -> (Vec<String>, Vec<String>) {
     // nodelb's ACCEPTs in iptables' FORWARD chains first: they match a mark only our table sets.
     let xtables = crate::apply::xtables::Xtables::new(crate::apply::xtables::default_lockfile());
     let (mut removed, mut problems) = crate::apply::firewall::remove_accepts(&mut nft, &xtables);
+    let tables = nft.our_tables().unwrap_or_default();
     match nft.delete_table() {
-        Ok(true) => removed.push(format!("removed table inet {}", crate::ir::TABLE_NAME)),
-        Ok(false) => {
+        Ok(_) if !tables.is_empty() => {
+            let names: Vec<String> = tables.iter().map(|t| t.name()).collect();
+            removed.push(format!("removed table inet {}", names.join(", ")));
+        }
+        Ok(_) => {
             removed.push(format!("nothing to remove: table inet {} does not exist", crate::ir::TABLE_NAME))
         }
         Err(e) => problems.push(format!("table inet {}: {e}", crate::ir::TABLE_NAME)),

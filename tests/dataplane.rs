@@ -250,18 +250,7 @@ fn no_ready_endpoint_is_refused_not_dropped() {
     // request the agent does not reject in prerouting times out, so a refusal can only come from
     // the agent's rules. (Listeners on the node would not do: nodelb never takes a port a process
     // on the node listens on.)
-    nft(
-        &topo.node,
-        &[
-            "add table inet decoy",
-            ";",
-            "add chain inet decoy in { type filter hook input priority 0 ; }",
-            ";",
-            "add rule inet decoy in tcp dport { 20080, 20081 } drop",
-            ";",
-            "add rule inet decoy in udp dport 20053 drop",
-        ],
-    );
+    decoy(&topo, "tcp dport { 20080, 20081 } drop ; add rule inet decoy in udp dport 20053 drop");
     assert_eq!(http_get(c, v4(NODE_V4), 20080, SHORT), Err(ClientError::Timeout), "decoy control");
     let agent = start(&topo, &[("svc.yaml", render_all(&[&notready, &noslice]))], &[]);
     agent.wait_state("default/notready", "no-endpoints", CHANGE);
@@ -286,6 +275,15 @@ fn no_ready_endpoint_is_refused_not_dropped() {
     let ready = ServiceSpec { endpoints: vec![EndpointSpec::local(backend_v4(0))], ..notready };
     agent.write_manifest("svc.yaml", &render_all(&[&ready, &noslice]));
     assert!(wait_until(CHANGE, || http_get(c, v4(NODE_V4), 20080, SHORT).is_ok()), "endpoint became ready");
+}
+
+/// A table of the test's own dropping `rule` on input, after prerouting: a request the agent
+/// does not reject in prerouting then times out.
+fn decoy(topo: &Topology, rule: &str) {
+    let add = format!("add rule inet decoy in {rule}");
+    let script =
+        ["add table inet decoy", "add chain inet decoy in { type filter hook input priority 0 ; }", &add];
+    nft(&topo.node, &[script.join(" ; ").as_str()]);
 }
 
 #[test]
@@ -1071,4 +1069,102 @@ fn a_listener_on_an_allocated_port_stops_it_here_and_the_allocation_stays() {
     agent.wait_state("default/auto", "programmed", CHANGE);
     assert_eq!(agent.node_port("default/auto", 80, "TCP"), Some(port));
     assert!(wait_until(CHANGE, || http_get(c, v4(NODE_V4), port, T).is_ok_and(|b| b.contains("backend=be1"))));
+}
+
+/// `--nat-shards`: the Services' nat chains spread over shard tables (docs/design.md, "Sharding
+/// the nat chains"). Real packets: both endpoints of a Service, the node's own connections
+/// (nat output of a shard), source ranges, the no-endpoint refusal; a shard table deleted by
+/// hand is restored; back to one table on a restart with `--nat-shards 1`, the shard tables
+/// are gone and traffic flows; `nodelb cleanup` removes every table of nodelb's.
+#[test]
+fn sharded_nat_chains_serve_refuse_and_repair() {
+    require_root!();
+    let topo = Topology::new(2, 2);
+    let (c0, c1) = (topo.client(0), topo.client(1));
+    let web = web("web", 20080, 2);
+    let inside = format!("{}/32", topo.clients[0].v4);
+    let allowed = self::web("allowed", 20081, 1).source_range(&inside);
+    let empty = ServiceSpec::new("empty")
+        .port(PortSpec::tcp(80, Some(20082)))
+        .endpoint(EndpointSpec::local(backend_v4(0)).not_ready());
+    let more: Vec<ServiceSpec> = (0..6).map(|i| self::web(&format!("more{i}"), 20090 + i, 1)).collect();
+    // A request the agent does not reject in prerouting times out (the decoy drops it on input),
+    // so a refusal can only come from the agent's rules.
+    decoy(&topo, "tcp dport 20082 drop");
+    let all: Vec<&ServiceSpec> = [&web, &allowed, &empty].into_iter().chain(&more).collect();
+    let mut agent =
+        start(&topo, &[("svc.yaml", render_all(&all))], &["--nat-shards", "4", "--resync-period", "1s"]);
+    for s in &all {
+        let want = if s.name == "empty" { "no-endpoints" } else { "programmed" };
+        agent.wait_state(&format!("default/{}", s.name), want, CHANGE);
+    }
+    let tables = nft(&topo.node, &["list", "tables"]);
+    let ours: Vec<&str> = tables.lines().filter(|l| l.contains("nodelb")).collect();
+    assert_eq!(
+        ours,
+        [
+            "table inet nodelb",
+            "table inet nodelb-s0",
+            "table inet nodelb-s1",
+            "table inet nodelb-s2",
+            "table inet nodelb-s3"
+        ],
+        "{tables}"
+    );
+    let main = nft_list(&topo.node).expect("table inet nodelb");
+    assert!(!main.contains("nat-prerouting") && main.contains("nat-postrouting"), "main table:\n{main}");
+
+    let served = |port: u16| {
+        let answers = get_n(c0, v4(NODE_V4), port, 30);
+        backends(&answers)
+    };
+    assert_eq!(served(20080).len(), 2, "web over both endpoints");
+    for i in 0..6 {
+        assert_eq!(served(20090 + i).len(), 1, "more{i}");
+    }
+    assert_eq!(backends(&get_n(&topo.node, v4(NODE_V4), 20080, 20)).len(), 2, "from the node itself");
+    assert!(http_get(c1, v4(NODE_V4), 20081, SHORT).is_err(), "outside the source range, served");
+    get_n(c0, v4(NODE_V4), 20081, 3);
+    assert_eq!(http_get(c0, v4(NODE_V4), 20082, T), Err(ClientError::Refused), "no endpoint: refused");
+
+    // The shard holding web's chain, deleted by hand: web is no longer served, then restored.
+    let shard = (0..4)
+        .find(|k| {
+            nft_list_table(&topo.node, "inet", &format!("nodelb-s{k}"))
+                .is_some_and(|l| l.contains("default/web "))
+        })
+        .expect("web's shard");
+    nft(&topo.node, &["delete", "table", "inet", &format!("nodelb-s{shard}")]);
+    assert!(http_get(c0, v4(NODE_V4), 20080, SHORT).is_err(), "shard deleted, yet served");
+    assert!(
+        wait_until(CHANGE, || http_get(c0, v4(NODE_V4), 20080, SHORT).is_ok()),
+        "shard {shard} not restored:\n{}",
+        nft(&topo.node, &["list", "tables"])
+    );
+
+    // One table again: the shards go with the first sync, and nothing stops being served.
+    agent.kill9();
+    agent.extra_args = vec!["--nat-shards".into(), "1".into()];
+    agent.restart();
+    agent.wait_ready(READY);
+    assert!(
+        wait_until(CHANGE, || !nft(&topo.node, &["list", "tables"]).contains("nodelb-s")),
+        "shard tables left:\n{}",
+        nft(&topo.node, &["list", "tables"])
+    );
+    assert_eq!(served(20080).len(), 2, "web in one table");
+    assert!(nft_list(&topo.node).expect("table").contains("nat-prerouting"));
+
+    // And spread again, then `nodelb cleanup` takes every table of nodelb's.
+    agent.kill9();
+    agent.extra_args = vec!["--nat-shards".into(), "3".into()];
+    agent.restart();
+    agent.wait_ready(READY);
+    assert!(wait_until(CHANGE, || nft(&topo.node, &["list", "tables"]).contains("nodelb-s2")));
+    assert_eq!(served(20080).len(), 2, "web over three shards");
+    agent.kill9();
+    let out = nodelb(&topo.node, &["cleanup"]);
+    assert!(out.status.success(), "nodelb cleanup failed: {}", String::from_utf8_lossy(&out.stderr));
+    let tables = nft(&topo.node, &["list", "tables"]);
+    assert_eq!(tables.trim(), "table inet decoy", "tables after cleanup");
 }

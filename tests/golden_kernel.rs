@@ -17,8 +17,9 @@ fn apply(ns: &NetNs, changes: Vec<Change>) {
         .unwrap_or_else(|e| panic!("apply in {}: {e}", ns.name));
 }
 
+/// Every table in the namespace: nodelb's, and its nat shards' when it has them.
 fn list(ns: &NetNs) -> String {
-    ns.exec_ok("nft", &["list", "table", "inet", "nodelb"])
+    ns.exec_ok("nft", &["list", "ruleset"])
 }
 
 fn nft_listing_of(rs: &Ruleset) -> String {
@@ -39,6 +40,16 @@ fn golden_rulesets_load_identically_through_netlink_and_nft() {
         assert_eq!(list(&ns), nft_listing_of(&rs), "scenario {}", s.name);
         let table = ns.run(|| NftClient::new().and_then(|mut c| c.read_table())).unwrap();
         assert_eq!(verify(&rs, table.as_ref()), Vec::<String>::new(), "scenario {}", s.name);
+        // The uninstall's delete takes every table of nodelb's, shards included, and only those.
+        ns.exec_ok("nft", &["add", "table", "inet", "nodelb-other"]);
+        let existed = ns.run(|| NftClient::new().and_then(|mut c| c.delete_table())).unwrap();
+        assert!(existed, "scenario {}", s.name);
+        assert_eq!(
+            ns.exec_ok("nft", &["list", "tables"]).trim(),
+            "table inet nodelb-other",
+            "scenario {}",
+            s.name
+        );
     }
 }
 

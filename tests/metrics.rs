@@ -76,9 +76,16 @@ fn svc_labels(name: &str) -> Vec<(&'static str, &str)> {
 #[test]
 fn traffic_counters_come_from_the_kernel_and_grow_with_requests() {
     require_root!();
+    traffic_counters_grow_with_requests("1");
+    // The connection counter in a nat shard table, the traffic counter in the main one.
+    traffic_counters_grow_with_requests("4");
+}
+
+fn traffic_counters_grow_with_requests(nat_shards: &str) {
     let topo = Topology::new(1, 2);
     let c = topo.client(0);
-    let mut agent = Agent::start(&topo.node, &[("web.yaml", web("web", 20080, 2).render())], &[]);
+    let files = [("web.yaml", web("web", 20080, 2).render())];
+    let mut agent = Agent::start(&topo.node, &files, &["--nat-shards", nat_shards]);
     agent.wait_ready(READY);
     let before = scrape(&agent);
     let l = svc_labels("web");

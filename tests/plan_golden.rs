@@ -105,6 +105,7 @@ fn tracer_table() {
         ("hairpin, v6: an endpoint drawn itself is masqueraded", "dual_stack", packet(Protocol::Tcp, "2001:db8:2::11", NODE_V6, 20006), 0, "DNAT [2001:db8:2::11]:8080, masquerade"),
     ];
     let mut failures = vec![];
+    let all = scenarios();
     for (desc, scenario, pkt, numgen, want) in cases {
         let ruleset = &by_name[scenario];
         let t = trace::trace(ruleset, &pkt, &env(numgen));
@@ -113,8 +114,86 @@ fn tracer_table() {
         if got != want {
             failures.push(format!("{desc}: want {want:?}, got {got:?} via {:?}", t.chains));
         }
+        // The same packet, the nat chains spread over tables: the same outcome, in the shard's
+        // chain of the same name.
+        let s = all.iter().find(|s| s.name == scenario).expect("scenario");
+        for shards in [2, 5, 32] {
+            let sharded = plan_sharded(s, shards);
+            let t = trace::trace(&sharded, &pkt, &env(numgen));
+            let got = unsharded_names(&t.outcome.to_string());
+            if got != want {
+                failures
+                    .push(format!("{desc}, {shards} shards: want {want:?}, got {got:?} via {:?}", t.chains));
+            }
+        }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// `text` with the shard prefix (`s3.`) of every object name taken out.
+fn unsharded_names(text: &str) -> String {
+    text.split(' ')
+        .map(|word| match word.split_once('.') {
+            Some((k, rest))
+                if k.len() > 1 && k.starts_with('s') && k[1..].bytes().all(|b| b.is_ascii_digit()) =>
+            {
+                rest.to_string()
+            }
+            _ => word.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// With the nat chains sharded, a Service port's nat part (its chains, connection and refused
+/// counters, affinity sets and dispatch elements) is in one shard table, which has its own nat
+/// base chains, dispatch maps and no-endpoints chain; the rest stays in the main table; and
+/// every scenario's sharded plan takes the same packets the same way (`tracer_table`).
+#[test]
+fn sharded_plans_keep_each_port_in_one_table() {
+    use nodelb::ir::Table;
+    for s in scenarios() {
+        for shards in [2u8, 3, 32] {
+            let rs = plan_sharded(&s, shards);
+            let want_tables: BTreeSet<Table> =
+                std::iter::once(Table::Main).chain((0..shards).map(Table::Shard)).collect();
+            assert_eq!(rs.tables(), want_tables, "{} with {shards} shards", s.name);
+            for t in (0..shards).map(Table::Shard) {
+                let p = t.prefix();
+                for base in [plan::CHAIN_NAT_PREROUTING, plan::CHAIN_NAT_OUTPUT] {
+                    assert!(rs.chains[format!("{p}{base}").as_str()].base.is_some(), "{} {p}{base}", s.name);
+                }
+                assert!(rs.chains.contains_key(format!("{p}{}", plan::CHAIN_NO_ENDPOINTS).as_str()));
+            }
+            for name in [plan::CHAIN_NAT_PREROUTING, plan::CHAIN_NAT_OUTPUT, plan::CHAIN_NO_ENDPOINTS] {
+                assert!(!rs.chains.contains_key(name), "{}: {name} in the main table", s.name);
+            }
+            // Only the forward path, postrouting and the forwarded-traffic parts stay main.
+            for name in rs.chains.keys().chain(rs.sets.keys()).chain(rs.counters.keys()) {
+                if Table::of_name(name) == Table::Main {
+                    let main = name.starts_with("filter-forward")
+                        || name.starts_with("nat-postrouting")
+                        || name.starts_with("forward-")
+                        || name.starts_with("endpoints-")
+                        || name.starts_with("fwd");
+                    assert!(main, "{} with {shards} shards: {name} in the main table", s.name);
+                }
+            }
+            // Every port's parts in one shard: the same as unsharded, names aside.
+            let flat = plan_of(&s);
+            let strip = |names: Vec<&nodelb::ir::Name>| -> BTreeSet<String> {
+                names.into_iter().map(|n| unsharded_names(n)).collect()
+            };
+            let per_port = |rs: &Ruleset| {
+                strip(rs.chains.keys().chain(rs.counters.keys()).chain(rs.sets.keys()).collect())
+            };
+            let (mut a, b) = (per_port(&flat), per_port(&rs));
+            a.insert(plan::CHAIN_NO_ENDPOINTS.into());
+            assert_eq!(a, b, "{} with {shards} shards: the same objects", s.name);
+            let from_nothing = simulate(&Ruleset::default(), &rs.full_replace());
+            assert_eq!(from_nothing.as_ref(), Ok(&rs), "{}: full replace", s.name);
+        }
+    }
 }
 
 /// `want` with a trailing chain-name prefix (`drop in fw4-`) replaced by the one chain of
@@ -163,7 +242,7 @@ fn one_endpoint_added_is_a_small_batch() {
         "{changes:#?}"
     );
     assert!(
-        !changes.iter().any(|c| matches!(c, Change::DeleteTable | Change::DeleteChain(_))),
+        !changes.iter().any(|c| matches!(c, Change::DeleteTable(_) | Change::DeleteChain(_))),
         "{changes:#?}"
     );
 }

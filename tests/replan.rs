@@ -47,10 +47,10 @@ fn full_plan(inputs: &[PlanInput], node: &NodeFacts) -> Ruleset {
 
 /// The counter index of a full ruleset, as the agent computed it before the planner kept one:
 /// every counter the whole ruleset has under a Service port's names, and every Service port.
-fn index_of(inputs: &[PlanInput], rs: &Ruleset) -> CounterIndex {
+fn index_of(inputs: &[PlanInput], rs: &Ruleset, node: &NodeFacts) -> CounterIndex {
     let mut index = CounterIndex::default();
     for input in inputs {
-        replan::index_entries(&input.service, &rs.counters, &mut index);
+        replan::index_entries(&input.service, &rs.counters, node, &mut index);
     }
     index
 }
@@ -68,7 +68,7 @@ fn step(
     what: &str,
 ) -> (Ruleset, CounterIndex, bool) {
     let want = full_plan(next, node);
-    let want_index = index_of(next, &want);
+    let want_index = index_of(next, &want, node);
     let (planned, update) = match changes {
         None => planner.plan(next.to_vec(), node, Some(applied), true),
         Some(changes) => planner.plan_changes(changes, node, Some(applied), true),
@@ -110,7 +110,7 @@ fn every_scenario_to_every_other_patches_to_the_full_plan() {
             let from = inputs(&a.services, &a.addresses);
             let (rs, index) = planner.full(from.clone(), &a.node, true);
             assert_eq!(rs, plan_of(a), "{what}: full plan of {}", a.name);
-            assert_eq!(index, index_of(&from, &rs), "{what}: index of {}", a.name);
+            assert_eq!(index, index_of(&from, &rs, &a.node), "{what}: index of {}", a.name);
             let to = inputs(&b.services, &b.addresses);
             let (rs, index, was_patch) = step(&mut planner, &rs, &index, &to, None, &b.node, &what);
             assert_eq!(was_patch, a.node == b.node, "{what}: a patch exactly when the node is the same");
@@ -198,6 +198,8 @@ fn random_walks_patch_to_the_full_plan() {
     for seed in [1u64, 2, 3, 4] {
         let mut rng = Rng::new(seed);
         let mut node = node(&[Family::Ipv4, Family::Ipv6]);
+        // Seeds 3 and 4 with the nat chains sharded; seed 4 changes the shard count now and then.
+        node.nat_shards = if seed >= 3 { 4 } else { 1 };
         let mut planner = Planner::new();
         let mut current: BTreeMap<ServiceKey, PlanInput> = BTreeMap::new();
         let (mut applied, mut index) = planner.full(vec![], &node, true);
@@ -237,6 +239,9 @@ fn random_walks_patch_to_the_full_plan() {
                 } else {
                     [Family::Ipv4, Family::Ipv6].into()
                 };
+            }
+            if seed == 4 && rng.chance(0.02) {
+                node.nat_shards = if node.nat_shards == 4 { 7 } else { 4 };
             }
             let next: Vec<PlanInput> = current.values().cloned().collect();
             let what = format!("seed {seed} step {n}");

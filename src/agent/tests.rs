@@ -78,6 +78,7 @@ impl Harness {
             enable_forwarding: false,
             masquerade_mark: crate::plan::DEFAULT_MASQUERADE_MARK,
             forward_mark: None,
+            nat_shards: 1,
             model: ModelOptions::default(),
             sysctls: Sysctls::with_root(dir.path().join("proc-sys")),
             policy: HostPolicy {
@@ -180,7 +181,7 @@ async fn later_syncs_are_diffs() {
     let k = h.kernel();
     assert_eq!(k.batches.len(), 2);
     let Batch::Diff(diff) = &k.batches[1] else { panic!("a diff, got {:?}", k.batches[1]) };
-    assert!(!diff.is_empty() && !diff.contains(&Change::DeleteTable), "{diff:?}");
+    assert!(!diff.is_empty() && !diff.contains(&Change::DeleteTable(crate::ir::Table::Main)), "{diff:?}");
     assert_eq!(k.table.as_ref(), Some(&applied));
     assert_eq!(h.syncs("incremental", "success"), 1);
     assert_eq!(h.last_sync().kind, "incremental");

@@ -20,7 +20,7 @@ use crate::encode::nft::{
     KernelTable, NftError,
 };
 use crate::endpoint_policy::HostAddresses;
-use crate::ir::{Carried, Change, KeyType, Ruleset, SetKind};
+use crate::ir::{Carried, Change, KeyType, Ruleset, SetKind, Table};
 use crate::observe::hostaddrs::HostAddrError;
 use crate::observe::listeners::ListenersError;
 use crate::plan::UdpBackend;
@@ -120,15 +120,15 @@ impl FakeKernel {
     fn commit(&mut self, changes: &[Change]) -> Result<ApplyStats, NftError> {
         let start = match (&self.table, changes.first()) {
             (Some(t), _) => t.clone(),
-            (None, Some(Change::AddTable)) => Ruleset::default(),
+            (None, Some(Change::AddTable(_))) => Ruleset::default(),
             (None, _) => return Err(refused("no table inet nodelb")),
         };
         let next = simulate(&start, changes).map_err(|e| refused(&e))?;
         for change in changes {
             match change {
-                Change::DeleteTable => {
-                    self.counters.clear();
-                    self.dynamic.clear();
+                Change::DeleteTable(t) => {
+                    self.counters.retain(|n, _| Table::of_name(n) != *t);
+                    self.dynamic.retain(|n, _| Table::of_name(n) != *t);
                 }
                 Change::DeleteSet(name) => {
                     self.dynamic.remove(name);

@@ -46,6 +46,7 @@ pub fn node(families: &[Family]) -> NodeFacts {
         families: families.iter().copied().collect::<BTreeSet<_>>(),
         masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
         forward_mark: None,
+        nat_shards: 1,
     }
 }
 
@@ -159,7 +160,30 @@ pub fn scenarios() -> Vec<Scenario> {
             ],
             node(&all),
         ),
+        // The nat chains spread over three tables (`--nat-shards 3`): every kind of Service
+        // port (source ranges, no endpoints, affinity, a pool's addresses, a shared node port).
+        Scenario {
+            name: "sharded",
+            services: vec![
+                (web.clone(), ports(&web, 20001)),
+                (local.clone(), ports(&local, 20002)),
+                (ranged.clone(), ports(&ranged, 20003)),
+                (empty.clone(), ports(&empty, 20004)),
+                (dns.clone(), BTreeMap::from([(dns.ports[0].id, 20053), (dns.ports[1].id, 20053)])),
+                (sticky.clone(), ports(&sticky, 20008)),
+                (edge.clone(), ports(&edge, 20010)),
+            ],
+            node: NodeFacts { nat_shards: 3, ..node(&all) },
+            addresses: BTreeMap::from([(edge.key.clone(), BTreeSet::from([second]))]),
+        },
     ]
+}
+
+/// `s` planned with its nat chains spread over `shards` tables.
+pub fn plan_sharded(s: &Scenario, shards: u8) -> Ruleset {
+    let plans: Vec<ServicePlan<'_>> =
+        s.services.iter().map(|(svc, p)| ServicePlan { service: svc, node_ports: p }).collect();
+    plan::plan_with(&plans, &NodeFacts { nat_shards: shards, ..s.node.clone() }, &s.addresses)
 }
 
 pub fn plan_of(s: &Scenario) -> Ruleset {

@@ -126,6 +126,7 @@ pub fn node() -> NodeFacts {
         families: BTreeSet::from([Family::Ipv4, Family::Ipv6]),
         masquerade_mark: 0x4000,
         forward_mark: None,
+        nat_shards: 1,
     }
 }
 

@@ -996,6 +996,7 @@ mod tests {
             families: [Family::Ipv4].into(),
             masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
             forward_mark: None,
+            nat_shards: 1,
         };
         compute(&Inputs {
             mode,
@@ -1099,6 +1100,7 @@ mod tests {
             families: [Family::Ipv4].into(),
             masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
             forward_mark: None,
+            nat_shards: 1,
         };
         let run = |cidr: &str| {
             let spec = serde_json::from_value(serde_json::json!({

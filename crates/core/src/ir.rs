@@ -21,8 +21,75 @@ use crate::domain::{Family, Protocol};
 /// `Expr` 24, where `Arc<str>`'s pointer and length made them 24 and 32.
 pub type Name = arcstr::ArcStr;
 
-/// The one table nodelb owns. `inet` so one table serves IPv4 and IPv6.
+/// The table nodelb always owns (`inet`, so one table serves IPv4 and IPv6): everything, or with
+/// the nat chains sharded ([`Table::Shard`]) everything but them.
 pub const TABLE_NAME: &str = "nodelb";
+
+/// The most nat shard tables a node may have (`--nat-shards`). A full replace deletes every one
+/// of them that exists, whatever the shard count before it was.
+pub const MAX_NAT_SHARDS: u8 = 32;
+
+/// A table nodelb owns. With its nat chains sharded (docs/design.md, "Sharding the nat chains")
+/// each Service port's nat part (its chains, connection and refused counters, affinity sets and
+/// dispatch elements) lives in shard table `nodelb-s<k>`, with that shard's own base chains and
+/// dispatch maps, because the kernel validates only the tables a transaction changes.
+///
+/// An object's table is part of its name: a shard's objects are named `s<k>.<name>`, in the
+/// kernel as in the IR ([`Table::of_name`]), so names stay unique across tables, a [`Ruleset`]
+/// holds every table, and a change names its object as before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Table {
+    Main,
+    Shard(u8),
+}
+
+impl Table {
+    /// The table's kernel name: `nodelb`, `nodelb-s<k>`.
+    pub fn name(self) -> String {
+        match self {
+            Table::Main => TABLE_NAME.to_string(),
+            Table::Shard(k) => format!("{TABLE_NAME}-s{k}"),
+        }
+    }
+
+    /// The table of an inet table name, if nodelb owns it.
+    pub fn of_table_name(name: &str) -> Option<Table> {
+        if name == TABLE_NAME {
+            return Some(Table::Main);
+        }
+        let k = name.strip_prefix(TABLE_NAME)?.strip_prefix("-s")?;
+        shard_number(k)
+    }
+
+    /// The table an object named `name` lives in.
+    pub fn of_name(name: &str) -> Table {
+        name.strip_prefix('s')
+            .and_then(|rest| rest.split_once('.'))
+            .and_then(|(k, _)| shard_number(k))
+            .unwrap_or(Table::Main)
+    }
+
+    /// What a shard's object names start with (`s<k>.`); nothing for the main table.
+    pub fn prefix(self) -> String {
+        match self {
+            Table::Main => String::new(),
+            Table::Shard(k) => format!("s{k}."),
+        }
+    }
+
+    /// Every table nodelb may own, the main one first.
+    pub fn all() -> impl Iterator<Item = Table> + Clone {
+        std::iter::once(Table::Main).chain((0..MAX_NAT_SHARDS).map(Table::Shard))
+    }
+}
+
+/// `k` as a shard number: digits only, no leading zero, below [`MAX_NAT_SHARDS`].
+fn shard_number(k: &str) -> Option<Table> {
+    if k.is_empty() || !k.bytes().all(|b| b.is_ascii_digit()) || (k.len() > 1 && k.starts_with('0')) {
+        return None;
+    }
+    k.parse::<u8>().ok().filter(|&k| k < MAX_NAT_SHARDS).map(Table::Shard)
+}
 
 /// Netfilter hooks used by base chains.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -577,23 +644,39 @@ impl Ruleset {
     /// name, so the output is stable for golden tests). Chains come in the order
     /// [`Ruleset::full_replace`] creates them, because `nft list` prints chains in creation order:
     /// `nft -f` of this text and a netlink full replace then list identically.
+    /// With the nat chains sharded, one `table` block per table, the main one first.
     pub fn render(&self) -> String {
         let mut out = String::new();
-        let _ = writeln!(out, "table inet {TABLE_NAME} {{");
-        for counter in self.counters.values() {
-            let _ = writeln!(out, "\tcounter {} {{", counter.name);
-            if let Some(c) = &counter.comment {
-                let _ = writeln!(out, "\t\tcomment {}", quote(c));
+        for table in self.tables() {
+            let ours = |name: &Name| Table::of_name(name) == table;
+            let _ = writeln!(out, "table inet {} {{", table.name());
+            for counter in self.counters.values().filter(|c| ours(&c.name)) {
+                let _ = writeln!(out, "\tcounter {} {{", counter.name);
+                if let Some(c) = &counter.comment {
+                    let _ = writeln!(out, "\t\tcomment {}", quote(c));
+                }
+                out.push_str("\t}\n");
             }
-            out.push_str("\t}\n");
+            for set in self.sets.values().filter(|s| ours(&s.name)) {
+                render_set(&mut out, set);
+            }
+            for chain in self.chains.values().filter(|c| ours(&c.name)) {
+                render_chain(&mut out, chain);
+            }
+            out.push_str("}\n");
         }
-        for set in self.sets.values() {
-            render_set(&mut out, set);
-        }
-        for chain in self.chains.values() {
-            render_chain(&mut out, chain);
-        }
-        out.push_str("}\n");
+        out
+    }
+
+    /// The tables the ruleset has objects in, and always the main one (in order: main first).
+    pub fn tables(&self) -> std::collections::BTreeSet<Table> {
+        let mut out = std::collections::BTreeSet::from([Table::Main]);
+        // Shard objects are named `s<k>.…`: only names from "s0." to "s9…" can be one.
+        use std::ops::Bound::Included;
+        let shards = (Included("s0."), Included("s9~"));
+        out.extend(self.chains.range::<str, _>(shards).map(|(n, _)| Table::of_name(n)));
+        out.extend(self.sets.range::<str, _>(shards).map(|(n, _)| Table::of_name(n)));
+        out.extend(self.counters.range::<str, _>(shards).map(|(n, _)| Table::of_name(n)));
         out
     }
 }
@@ -783,14 +866,15 @@ pub fn render_expr(e: &Expr) -> String {
     }
 }
 
-/// One step of a netlink transaction against the `nodelb` table. The planner emits a list of these
-/// (a full replace or a diff); the `nft` module encodes the whole list as ONE batch, in order.
+/// One step of a netlink transaction against nodelb's tables (an object's table is named by its
+/// name, [`Table::of_name`]). The planner emits a list of these (a full replace or a diff); the
+/// `nft` module encodes the whole list as ONE batch, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
     /// Create the table if missing (no-op if present).
-    AddTable,
+    AddTable(Table),
     /// Delete the table and everything in it.
-    DeleteTable,
+    DeleteTable(Table),
     /// Create a chain (its `rules` are ignored here; they come as [`Change::AddRule`]).
     AddChain(Chain),
     /// Remove every rule of a chain.
@@ -830,8 +914,8 @@ pub enum Change {
 /// copies no chain, rule or element. The encoder works on these.
 #[derive(Debug, Clone, Copy)]
 pub enum ChangeRef<'a> {
-    AddTable,
-    DeleteTable,
+    AddTable(Table),
+    DeleteTable(Table),
     /// The chain's `rules` are ignored, as in [`Change::AddChain`].
     AddChain(&'a Chain),
     FlushChain(&'a str),
@@ -890,8 +974,8 @@ impl<'a> Elements<'a> {
 impl Change {
     pub fn as_ref(&self) -> ChangeRef<'_> {
         match self {
-            Change::AddTable => ChangeRef::AddTable,
-            Change::DeleteTable => ChangeRef::DeleteTable,
+            Change::AddTable(t) => ChangeRef::AddTable(*t),
+            Change::DeleteTable(t) => ChangeRef::DeleteTable(*t),
             Change::AddChain(c) => ChangeRef::AddChain(c),
             Change::FlushChain(c) => ChangeRef::FlushChain(c),
             Change::DeleteChain(c) => ChangeRef::DeleteChain(c),
@@ -913,8 +997,8 @@ impl ChangeRef<'_> {
     /// The owned [`Change`] (a copy of the data it borrows).
     pub fn to_change(self) -> Change {
         match self {
-            ChangeRef::AddTable => Change::AddTable,
-            ChangeRef::DeleteTable => Change::DeleteTable,
+            ChangeRef::AddTable(t) => Change::AddTable(t),
+            ChangeRef::DeleteTable(t) => Change::DeleteTable(t),
             ChangeRef::AddChain(c) => Change::AddChain(c.clone()),
             ChangeRef::FlushChain(c) => Change::FlushChain(c.into()),
             ChangeRef::DeleteChain(c) => Change::DeleteChain(c.into()),
@@ -939,7 +1023,8 @@ impl ChangeRef<'_> {
 
 impl Ruleset {
     /// The changes that replace whatever the kernel holds with exactly `self`, atomically:
-    /// create-if-missing, delete, then build everything. Chains and counters come before sets
+    /// create-if-missing, delete (every table nodelb may own, so shards of an earlier shard count
+    /// go too), then build everything. Chains and counters come before sets
     /// (map elements point at them) and sets before rules (rules look up sets).
     pub fn full_replace(&self) -> Vec<Change> {
         self.full_replace_refs().map(ChangeRef::to_change).collect()
@@ -958,7 +1043,9 @@ impl Ruleset {
         &'a self,
         carried: &'a Carried,
     ) -> impl Iterator<Item = ChangeRef<'a>> + Clone {
-        let start = [ChangeRef::AddTable, ChangeRef::DeleteTable, ChangeRef::AddTable];
+        let start = Table::all()
+            .flat_map(|t| [ChangeRef::AddTable(t), ChangeRef::DeleteTable(t)])
+            .chain(self.tables().into_iter().map(ChangeRef::AddTable).collect::<Vec<_>>());
         let sets = self.sets.values().flat_map(move |set| {
             let elements = (!set.elements.is_empty())
                 .then_some(ChangeRef::AddElements { set: &set.name, elements: Elements::Set(&set.elements) });
@@ -975,7 +1062,6 @@ impl Ruleset {
             .values()
             .flat_map(|c| c.rules.iter().map(move |rule| ChangeRef::AddRule { chain: &c.name, rule }));
         start
-            .into_iter()
             .chain(self.chains.values().map(ChangeRef::AddChain))
             .chain(self.counters.values().map(ChangeRef::AddCounter))
             .chain(sets)

@@ -96,7 +96,7 @@ pub fn probe() -> Vec<(Change, Feature)> {
     let v4 = Family::Ipv4;
     let proto_port = vec![KeyType::InetProto, KeyType::InetService];
     vec![
-        (Change::AddTable, TABLE),
+        (Change::AddTable(crate::ir::Table::Main), TABLE),
         (Change::AddCounter(NamedCounter { name: COUNTER.into(), comment: comment.clone() }), COUNTER_OBJECT),
         (
             Change::AddSet(set(AFFINITY, vec![KeyType::Ipv4Addr], SetKind::Dynamic { timeout: 10 })),

@@ -39,7 +39,7 @@ use ipnet::IpNet;
 use crate::domain::{FNV1A_OFFSET, Family, PortId, Protocol, fnv1a, fnv1a_extend};
 use crate::ir::{
     BaseChain, Chain, ChainType, Change, CtState, Expr, Hook, Key, KeyPart, KeyType, Mapped, Name,
-    NamedCounter, Rule, Ruleset, Set, SetKind, Verdict, priority,
+    NamedCounter, Rule, Ruleset, Set, SetKind, Table, Verdict, priority,
 };
 use crate::model::{Endpoint, LbPort, LbService, TrafficPolicy};
 
@@ -72,6 +72,38 @@ pub struct NodeFacts {
     /// `--iptables-forward-accept`: the packet-mark bit our flows carry through the forward hook,
     /// which the accept nodelb inserts into the host's iptables FORWARD chain matches.
     pub forward_mark: Option<u32>,
+    /// `--nat-shards`: over how many tables the Service ports' nat parts are spread (0 and 1: all
+    /// in the main table; docs/design.md, "Sharding the nat chains"), at most
+    /// [`crate::ir::MAX_NAT_SHARDS`].
+    pub nat_shards: u8,
+}
+
+impl NodeFacts {
+    /// The tables holding nat base chains and dispatch maps: the main table, or every shard.
+    pub fn nat_tables(&self) -> Vec<Table> {
+        match self.nat_shards.min(crate::ir::MAX_NAT_SHARDS) {
+            0 | 1 => vec![Table::Main],
+            k => (0..k).map(Table::Shard).collect(),
+        }
+    }
+}
+
+/// The table of a service port's nat part: a stable hash of its identity (`ns/name/proto/port`,
+/// what its counters' names hash too), so the port stays in its shard while it exists, both
+/// families share it, and only its shard is validated when it changes.
+pub fn nat_table_of(identity: &str, node: &NodeFacts) -> Table {
+    match node.nat_shards.min(crate::ir::MAX_NAT_SHARDS) {
+        0 | 1 => Table::Main,
+        k => Table::Shard((fnv1a(identity.as_bytes()) % u64::from(k)) as u8),
+    }
+}
+
+/// `name` in table `t` (a shard's objects carry its prefix, [`Table::of_name`]).
+pub fn in_table(t: Table, name: &str) -> Name {
+    match t {
+        Table::Main => name.into(),
+        t => format!("{}{name}", t.prefix()).into(),
+    }
 }
 
 /// One service to program, with the node ports allocated to its ports (a port without an
@@ -194,6 +226,8 @@ fn port_identity(svc: &LbService, port: &LbPort) -> String {
 pub struct PortNames<'a> {
     family: Family,
     port: &'a LbPort,
+    /// The table of its nat part (chains, connection and refused counters, affinity sets).
+    table: Table,
     /// `ns/name/proto/port`: what the hashes cover.
     identity: String,
     /// [`sanitize`]d identity: the readable suffix of chain and counter names.
@@ -209,11 +243,24 @@ impl<'a> PortNames<'a> {
         PortNames {
             family,
             port,
+            table: Table::Main,
             readable: sanitize(&identity),
             identity,
             ns: printable(&svc.key.namespace),
             name: printable(&svc.key.name),
         }
+    }
+
+    /// The names of a node whose nat parts are spread over `node.nat_shards` tables.
+    pub fn on(family: Family, svc: &LbService, port: &'a LbPort, node: &NodeFacts) -> PortNames<'a> {
+        let mut names = PortNames::new(family, svc, port);
+        names.table = nat_table_of(&names.identity, node);
+        names
+    }
+
+    /// The table of the port's nat part.
+    pub fn table(&self) -> Table {
+        self.table
     }
 
     /// `<kind><4|6>-<hash>-<readable suffix>`: the hash (32 bits of FNV-1a over
@@ -234,17 +281,23 @@ impl<'a> PortNames<'a> {
         name.into()
     }
 
+    /// `named` in the table of the port's nat part.
+    fn nat_named(&self, kind: &str, node_port: Option<u16>) -> Name {
+        let name = self.named(kind, node_port);
+        if self.table == Table::Main { name } else { in_table(self.table, &name) }
+    }
+
     /// The DNAT chain ([`service_chain`]).
     pub fn service_chain(&self, node_port: u16) -> Name {
-        self.named("svc", Some(node_port))
+        self.nat_named("svc", Some(node_port))
     }
     /// The source-range chain ([`firewall_chain`]).
     pub fn firewall_chain(&self, node_port: u16) -> Name {
-        self.named("fw", Some(node_port))
+        self.nat_named("fw", Some(node_port))
     }
     /// [`connections_counter`].
     pub fn connections_counter(&self) -> Name {
-        self.named("conn", None)
+        self.nat_named("conn", None)
     }
     /// [`forwarded_counter`].
     pub fn forwarded_counter(&self) -> Name {
@@ -252,7 +305,12 @@ impl<'a> PortNames<'a> {
     }
     /// [`refused_counter`].
     pub fn refused_counter(&self) -> Name {
-        self.named("refused", None)
+        self.nat_named("refused", None)
+    }
+    /// [`affinity_set`], in the table of the port's nat part.
+    pub fn affinity_set(&self, svc: &LbService, ep: &Endpoint, timeout: u32) -> Name {
+        let name = affinity_set(self.family, svc, self.port, ep, timeout);
+        if self.table == Table::Main { name } else { in_table(self.table, &name) }
     }
     /// [`port_comment`].
     pub fn port_comment(&self, node_port: u16, what: &str) -> String {
@@ -416,27 +474,10 @@ pub fn skeleton(node: &NodeFacts) -> Ruleset {
     let mut rs = Ruleset::default();
 
     // Skeleton: always present, so the table's shape does not depend on the services.
+    for t in node.nat_tables() {
+        nat_skeleton(&mut rs, t);
+    }
     for f in Family::ALL {
-        rs.add_set(port_map(
-            service_ports_map(f),
-            SetKind::VerdictMap,
-            "protocol . node port: service chain (DNAT)",
-        ));
-        rs.add_set(port_map(
-            firewall_ports_map(f),
-            SetKind::VerdictMap,
-            "protocol . node port: source-range check / no-endpoint reject",
-        ));
-        rs.add_set(address_port_map(
-            f,
-            service_address_ports_map(f),
-            "node address . protocol . node port (pools with addresses): service chain (DNAT)",
-        ));
-        rs.add_set(address_port_map(
-            f,
-            firewall_address_ports_map(f),
-            "node address . protocol . node port (pools with addresses): source-range check / no-endpoint reject",
-        ));
         rs.add_set(port_map(
             forward_counters_map(f),
             SetKind::CounterMap,
@@ -456,27 +497,6 @@ pub fn skeleton(node: &NodeFacts) -> Ruleset {
             comment: Some("address . address . protocol . port of every programmed endpoint".into()),
         });
     }
-    // The firewall (source ranges, the no-endpoint reject) first, then the DNAT dispatch, in the
-    // nat chains: they see only a connection's first packet, which is all the firewall judges, so
-    // no other packet of the node pays a hook or a rule for it (a filter chain would be one more
-    // hook on every packet the node receives or sends).
-    let nat_dispatch: Vec<Rule> = Family::ALL
-        .iter()
-        .flat_map(|&f| dispatch_rules(f, firewall_ports_map(f), firewall_address_ports_map(f)))
-        .chain(
-            Family::ALL
-                .iter()
-                .flat_map(|&f| dispatch_rules(f, service_ports_map(f), service_address_ports_map(f))),
-        )
-        .collect();
-    rs.add_chain(base(
-        CHAIN_NAT_PREROUTING,
-        ChainType::Nat,
-        Hook::Prerouting,
-        priority::DSTNAT,
-        nat_dispatch.clone(),
-    ));
-    rs.add_chain(base(CHAIN_NAT_OUTPUT, ChainType::Nat, Hook::Output, priority::DSTNAT, nat_dispatch));
     let mark = node.masquerade_mark;
     let mut postrouting = vec![Rule::new(vec![Expr::MarkHas(mark), Expr::MarkXor(mark), Expr::Masquerade])];
     // Hairpin: an endpoint that reaches its own Service through the node and is drawn itself
@@ -499,15 +519,72 @@ pub fn skeleton(node: &NodeFacts) -> Ruleset {
         postrouting,
     ));
     plan_forward(&mut rs, node);
+    rs
+}
+
+/// The nat part of the skeleton in table `t` (the main one, or each shard): the dispatch maps,
+/// the nat base chains using them and the no-endpoints chain. A shard's base chains see every
+/// new connection as the main table's would; the kernel's NAT stops at the first nat chain of a
+/// hook that translates a connection, and a node port is in one shard only.
+fn nat_skeleton(rs: &mut Ruleset, t: Table) {
+    let name = |n: Name| in_table(t, &n);
+    for f in Family::ALL {
+        rs.add_set(port_map(
+            name(service_ports_map(f)),
+            SetKind::VerdictMap,
+            "protocol . node port: service chain (DNAT)",
+        ));
+        rs.add_set(port_map(
+            name(firewall_ports_map(f)),
+            SetKind::VerdictMap,
+            "protocol . node port: source-range check / no-endpoint reject",
+        ));
+        rs.add_set(address_port_map(
+            f,
+            name(service_address_ports_map(f)),
+            "node address . protocol . node port (pools with addresses): service chain (DNAT)",
+        ));
+        rs.add_set(address_port_map(
+            f,
+            name(firewall_address_ports_map(f)),
+            "node address . protocol . node port (pools with addresses): source-range check / no-endpoint reject",
+        ));
+    }
+    // The firewall (source ranges, the no-endpoint reject) first, then the DNAT dispatch, in the
+    // nat chains: they see only a connection's first packet, which is all the firewall judges, so
+    // no other packet of the node pays a hook or a rule for it (a filter chain would be one more
+    // hook on every packet the node receives or sends).
+    let nat_dispatch: Vec<Rule> = Family::ALL
+        .iter()
+        .flat_map(|&f| dispatch_rules(f, name(firewall_ports_map(f)), name(firewall_address_ports_map(f))))
+        .chain(
+            Family::ALL.iter().flat_map(|&f| {
+                dispatch_rules(f, name(service_ports_map(f)), name(service_address_ports_map(f)))
+            }),
+        )
+        .collect();
+    rs.add_chain(base(
+        &in_table(t, CHAIN_NAT_PREROUTING),
+        ChainType::Nat,
+        Hook::Prerouting,
+        priority::DSTNAT,
+        nat_dispatch.clone(),
+    ));
+    rs.add_chain(base(
+        &in_table(t, CHAIN_NAT_OUTPUT),
+        ChainType::Nat,
+        Hook::Output,
+        priority::DSTNAT,
+        nat_dispatch,
+    ));
     rs.add_chain(regular(
-        CHAIN_NO_ENDPOINTS.into(),
+        in_table(t, CHAIN_NO_ENDPOINTS),
         Some("service port has no usable endpoint: refuse, never black-hole".into()),
         vec![
             Rule::new(vec![Expr::L4Proto(Protocol::Tcp), Expr::RejectTcpReset]),
             Rule::new(vec![Expr::RejectIcmpPortUnreachable]),
         ],
     ));
-    rs
 }
 
 /// Adds one Service's part to `rs` (a [`skeleton`] and what other Services added): its chains,
@@ -523,8 +600,13 @@ pub fn plan_service(
         let Some(&node_port) = sp.node_ports.get(&port.id) else { continue };
         for &f in &sp.service.families {
             if let Some(on) = served_on(restricted, f, node) {
-                let at = Dispatch { port: (port.id.protocol, node_port), addresses: on.as_deref() };
-                plan_port(rs, sp.service, port, &at, f, node);
+                let names = PortNames::on(f, sp.service, port, node);
+                let at = Dispatch {
+                    port: (port.id.protocol, node_port),
+                    addresses: on.as_deref(),
+                    table: names.table(),
+                };
+                plan_port(rs, sp.service, port, names, &at, f, node);
             }
         }
     }
@@ -627,6 +709,8 @@ fn plan_forward(rs: &mut Ruleset, node: &NodeFacts) {
 struct Dispatch<'a> {
     port: (Protocol, u16),
     addresses: Option<&'a [IpAddr]>,
+    /// The table whose dispatch maps take the port (its nat part's).
+    table: Table,
 }
 
 impl Dispatch<'_> {
@@ -637,10 +721,12 @@ impl Dispatch<'_> {
         match self.addresses {
             None => {
                 let map = if firewall { firewall_ports_map(f) } else { service_ports_map(f) };
+                let map = in_table(self.table, &map);
                 insert_element(rs, &map, Key::proto_port(proto, port), mapped);
             }
             Some(addrs) => {
                 let map = if firewall { firewall_address_ports_map(f) } else { service_address_ports_map(f) };
+                let map = in_table(self.table, &map);
                 for a in addrs {
                     insert_element(rs, &map, Key::addr_proto_port(*a, proto, port), mapped.clone());
                 }
@@ -653,20 +739,21 @@ fn plan_port(
     rs: &mut Ruleset,
     svc: &LbService,
     port: &LbPort,
+    names: PortNames<'_>,
     at: &Dispatch<'_>,
     f: Family,
     node: &NodeFacts,
 ) {
     let node_port = at.port.1;
     let key = Key::proto_port(port.id.protocol, node_port);
-    let names = PortNames::new(f, svc, port);
+    let no_endpoints = in_table(names.table(), CHAIN_NO_ENDPOINTS);
     let comment = |what: &str| Some(names.port_comment(node_port, what));
     let endpoints = usable_endpoints(svc, port, f, &node.node_name);
 
     // Source ranges and the no-endpoint reject run in the nat chains, before their DNAT dispatch.
     let ranges: Vec<&IpNet> = svc.source_ranges.iter().filter(|r| Family::of(&r.addr()) == f).collect();
     let after_allowed =
-        if endpoints.is_empty() { Verdict::Goto(CHAIN_NO_ENDPOINTS.into()) } else { Verdict::Return };
+        if endpoints.is_empty() { Verdict::Goto(no_endpoints.clone()) } else { Verdict::Return };
     // A counter's comment never changes for its name (no node port in it): the diff only adds
     // and deletes counters, it never rewrites one.
     let counter = |name: Name, what: &str| NamedCounter { name, comment: Some(names.counter_comment(what)) };
@@ -693,7 +780,7 @@ fn plan_port(
         // `jump`: an allowed client returns to the nat chain, whose next rules DNAT it.
         at.insert(rs, f, true, Verdict::Jump(fw));
     } else if endpoints.is_empty() {
-        at.insert(rs, f, true, Verdict::Goto(CHAIN_NO_ENDPOINTS.into()));
+        at.insert(rs, f, true, Verdict::Goto(no_endpoints));
     }
     if endpoints.is_empty() {
         return;
@@ -718,7 +805,7 @@ fn plan_port(
     }
     let rules = match svc.session_affinity {
         None => draw_rules(first, port, &endpoints),
-        Some(timeout) => affinity_rules(rs, first, svc, port, &endpoints, f, timeout),
+        Some(timeout) => affinity_rules(rs, first, svc, &names, port, &endpoints, f, timeout),
     };
     let svc_chain = names.service_chain(node_port);
     rs.add_chain(regular(svc_chain.clone(), comment(""), rules));
@@ -758,10 +845,12 @@ fn draw_rules(first: Vec<Expr>, port: &LbPort, endpoints: &[&Endpoint]) -> Vec<R
 /// update is a rule of its own: `update` does not match when the set is full (65,535 clients), and
 /// then the last rule must still DNAT (a full set of an earlier endpoint only makes its draw rule
 /// fall through to the next draw). An endpoint that goes takes its set, and its affinities, with it.
+#[allow(clippy::too_many_arguments)]
 fn affinity_rules(
     rs: &mut Ruleset,
     first: Vec<Expr>,
     svc: &LbService,
+    names: &PortNames<'_>,
     port: &LbPort,
     endpoints: &[&Endpoint],
     f: Family,
@@ -771,7 +860,7 @@ fn affinity_rules(
         Family::Ipv4 => KeyType::Ipv4Addr,
         Family::Ipv6 => KeyType::Ipv6Addr,
     };
-    let sets: Vec<Name> = endpoints.iter().map(|ep| affinity_set(f, svc, port, ep, timeout)).collect();
+    let sets: Vec<Name> = endpoints.iter().map(|ep| names.affinity_set(svc, ep, timeout)).collect();
     for (set, ep) in sets.iter().zip(endpoints) {
         rs.add_set(Set {
             name: set.clone(),
@@ -815,10 +904,12 @@ fn insert_element(rs: &mut Ruleset, set: &str, key: Key, value: Mapped) {
     }
 }
 
-/// Whether going from `old` to `new` changes a base chain's hook or a set's type, which an
-/// incremental update cannot express: then only a full replace will do.
+/// Whether going from `old` to `new` changes a base chain's hook, a set's type or the tables
+/// (another `--nat-shards`), which an incremental update cannot express: then only a full
+/// replace will do.
 pub fn needs_full_replace(old: &Ruleset, new: &Ruleset) -> bool {
-    old.chains.iter().any(|(name, c)| new.chains.get(name).is_some_and(|n| n.base != c.base))
+    old.tables() != new.tables()
+        || old.chains.iter().any(|(name, c)| new.chains.get(name).is_some_and(|n| n.base != c.base))
         || old
             .sets
             .iter()
@@ -952,7 +1043,11 @@ pub type UdpBackend = (u16, IpAddr, u16);
 /// `service-ports-*` maps lead to service chains, whose DNAT rules name the endpoints.
 pub fn udp_backends(rs: &Ruleset) -> BTreeSet<UdpBackend> {
     let mut out = BTreeSet::new();
-    let maps = Family::ALL.into_iter().flat_map(|f| [service_ports_map(f), service_address_ports_map(f)]);
+    let maps = rs.tables().into_iter().flat_map(|t| {
+        Family::ALL.into_iter().flat_map(move |f| {
+            [in_table(t, &service_ports_map(f)), in_table(t, &service_address_ports_map(f))]
+        })
+    });
     for name in maps {
         let Some(map) = rs.sets.get(&name) else { continue };
         for (key, verdict) in &map.elements {

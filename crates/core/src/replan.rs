@@ -204,7 +204,7 @@ impl Planner {
         for input in &inputs {
             let part = self.scratch.part(input, node);
             if index {
-                index_entries(&input.service, &part.counters, &mut counter_index);
+                index_entries(&input.service, &part.counters, node, &mut counter_index);
             }
             self.clashed |= merge(&mut rs, part, &mut self.shared).is_err();
         }
@@ -365,14 +365,14 @@ impl Planner {
             if let Some(was) = was {
                 let part = self.scratch.part(was, node);
                 if index {
-                    index_entries(&was.service, &part.counters, &mut removed);
+                    index_entries(&was.service, &part.counters, node, &mut removed);
                 }
                 b.remove(part);
             }
             if let Some(is) = is {
                 let part = self.scratch.part(is, node);
                 if index {
-                    index_entries(&is.service, &part.counters, &mut added);
+                    index_entries(&is.service, &part.counters, node, &mut added);
                 }
                 result = result.and(b.add(part));
             }
@@ -613,12 +613,17 @@ fn current<'a, V>(
 /// Service's part; or a whole ruleset's, as the agent built the index before the planner kept
 /// one), and every Service port (whose series outlive its counters: a port that lost its node
 /// port has none).
-pub fn index_entries(svc: &LbService, counters: &BTreeMap<Name, NamedCounter>, index: &mut CounterIndex) {
+pub fn index_entries(
+    svc: &LbService,
+    counters: &BTreeMap<Name, NamedCounter>,
+    node: &NodeFacts,
+    index: &mut CounterIndex,
+) {
     for port in &svc.ports {
         let key = SeriesKey { service: svc.key.clone(), port: port.id };
         // The planner names counters only for the Service's own families.
         for &f in &svc.families {
-            let names = plan::PortNames::new(f, svc, port);
+            let names = plan::PortNames::on(f, svc, port, node);
             for (counter, kind) in [
                 (names.connections_counter(), CounterKind::Connections),
                 (names.forwarded_counter(), CounterKind::Traffic),

@@ -5,25 +5,34 @@
 
 use std::collections::BTreeMap;
 
-use crate::ir::{Chain, Change, Mapped, Ruleset, Set, SetKind, Verdict};
+use crate::ir::{Chain, Change, Mapped, Ruleset, Set, SetKind, Table, Verdict};
 
 /// Applies changes to an in-memory ruleset the way the kernel would (a model for tests: a diff
 /// applied to `old` must give exactly `new`). Returns an error naming the first change the kernel
-/// would refuse (missing object, object still referenced, duplicate).
+/// would refuse (missing object or table, object still referenced, a reference to another
+/// table, duplicate). `start`'s tables exist (the main one always).
 pub fn simulate(start: &Ruleset, changes: &[Change]) -> Result<Ruleset, String> {
     let mut rs = start.clone();
-    let mut exists = true;
+    let mut exists = start.tables();
     for change in changes {
+        if let Some(name) = object_of(change)
+            && !exists.contains(&Table::of_name(name))
+        {
+            return Err(format!("{change:?}: no table {}", Table::of_name(name).name()));
+        }
         match change {
-            Change::AddTable => exists = true,
-            Change::DeleteTable => {
-                if !exists {
-                    return Err("delete table: no such table".into());
-                }
-                rs = Ruleset::default();
-                exists = false;
+            Change::AddTable(t) => {
+                exists.insert(*t);
             }
-            _ if !exists => return Err(format!("{change:?}: no table")),
+            Change::DeleteTable(t) => {
+                if !exists.remove(t) {
+                    return Err(format!("delete table {}: no such table", t.name()));
+                }
+                let other = |name: &str| Table::of_name(name) != *t;
+                rs.chains.retain(|n, _| other(n));
+                rs.sets.retain(|n, _| other(n));
+                rs.counters.retain(|n, _| other(n));
+            }
             Change::AddChain(c) => {
                 rs.chains.entry(c.name.clone()).or_insert_with(|| Chain { rules: vec![], ..c.clone() });
             }
@@ -41,6 +50,15 @@ pub fn simulate(start: &Ruleset, changes: &[Change]) -> Result<Ruleset, String> 
                 rs.chains.remove(n);
             }
             Change::AddRule { chain, rule } => {
+                let table = Table::of_name(chain);
+                if let Some(n) = rule
+                    .targets()
+                    .chain(rule.sets())
+                    .chain(rule.counters())
+                    .find(|n| Table::of_name(n) != table)
+                {
+                    return Err(format!("add rule to {chain}: {n} is in table {}", Table::of_name(n).name()));
+                }
                 for target in rule.targets() {
                     if !rs.chains.contains_key(target) {
                         return Err(format!("add rule to {chain}: jump to missing chain {target}"));
@@ -90,6 +108,18 @@ pub fn simulate(start: &Ruleset, changes: &[Change]) -> Result<Ruleset, String> 
                     s.elements.insert(*k, v.clone());
                 }
                 for (_, v) in elements {
+                    let named = match v {
+                        Some(Mapped::Verdict(Verdict::Goto(c) | Verdict::Jump(c)) | Mapped::Counter(c)) => {
+                            Some(c)
+                        }
+                        _ => None,
+                    };
+                    if let Some(c) = named.filter(|c| Table::of_name(c) != Table::of_name(set)) {
+                        return Err(format!(
+                            "add element to {set}: {c} is in table {}",
+                            Table::of_name(c).name()
+                        ));
+                    }
                     match v {
                         Some(Mapped::Verdict(Verdict::Goto(c) | Verdict::Jump(c)))
                             if !rs.chains.contains_key(c) =>
@@ -123,10 +153,27 @@ pub fn simulate(start: &Ruleset, changes: &[Change]) -> Result<Ruleset, String> 
             }
         }
     }
-    if !exists {
+    if !exists.contains(&Table::Main) {
         return Err("table deleted at the end".into());
     }
     Ok(rs)
+}
+
+/// The object a change adds, changes or deletes, by name (its table must exist).
+fn object_of(change: &Change) -> Option<&str> {
+    match change {
+        Change::AddTable(_) | Change::DeleteTable(_) => None,
+        Change::AddChain(c) => Some(&c.name),
+        Change::AddSet(s) => Some(&s.name),
+        Change::AddCounter(c) => Some(&c.name),
+        Change::FlushChain(n) | Change::DeleteChain(n) | Change::DeleteSet(n) | Change::DeleteCounter(n) => {
+            Some(n)
+        }
+        Change::AddRule { chain, .. } => Some(chain),
+        Change::AddElements { set, .. }
+        | Change::DeleteElements { set, .. }
+        | Change::AddDynamicElements { set, .. } => Some(set),
+    }
 }
 
 fn references(rs: &Ruleset, chain: &str) -> bool {

@@ -136,9 +136,17 @@ pub fn trace(rs: &Ruleset, pkt: &Packet, env: &Env) -> Trace {
             .filter(|(b, _)| b.hook == hook)
             .collect();
         bases.sort_by_key(|(b, n)| (b.priority, (*n).clone()));
+        // The kernel runs a hook's nat chains (of every table) until one translates the
+        // connection, and no further (nf_nat_inet_fn): with the nat chains sharded, a node port's
+        // DNAT is in one shard and the others' chains after it are not run.
+        let translated = |st: &State<'_>| match hook {
+            Hook::Postrouting => st.masquerade,
+            _ => st.dnat.is_some(),
+        };
+        let before = translated(&st);
         for (b, name) in bases {
             // NAT chains see only the first packet of a connection.
-            if b.chain_type == ChainType::Nat && pkt.ct_state != CtState::New {
+            if b.chain_type == ChainType::Nat && (pkt.ct_state != CtState::New || translated(&st) != before) {
                 continue;
             }
             match run_chain(rs, name, &mut st) {

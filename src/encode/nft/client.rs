@@ -14,7 +14,7 @@ use super::encode::{self, Encoded, describe_ref, msg_type};
 use super::nla::{Writer, messages};
 use super::{ApplyStats, Counter, CounterValues, KernelTable, NftError, decode, foreign};
 use crate::hostfw::{Action, HostBase, HostChain, Source, TableFamily};
-use crate::ir::{self, Carried, Change, ChangeRef, KeyType, Ruleset};
+use crate::ir::{self, Carried, Change, ChangeRef, KeyType, Ruleset, Table};
 
 /// Most foreign chains [`NftClient::read_forward_chains`] reads (base chains first); a jump to a
 /// chain beyond it makes the analysis uncertain, never wrong.
@@ -170,9 +170,9 @@ impl NftClient {
     /// with the milliseconds until it expires; a set (or the table) that does not exist has none.
     /// Read just before a full replace, which deletes them with the table, to put them back.
     pub fn read_dynamic_elements(&mut self, sets: &[(&str, &[KeyType])]) -> Result<Carried, NftError> {
-        let name = ir::TABLE_NAME;
         let mut out = Carried::new();
         for (set, types) in sets {
+            let name = &Table::of_name(set).name();
             let what = format!("list elements of {set}");
             let replies = match self.request(NFT_MSG_GETSETELEM, true, &what, |w| {
                 w.put_str(NFTA_SET_ELEM_LIST_TABLE, name);
@@ -293,7 +293,7 @@ impl NftClient {
         let mut heads = std::collections::BTreeMap::new();
         for p in self.request_family(NFT_MSG_GETCHAIN, NFPROTO_UNSPEC, true, "list every chain", |_| {})? {
             let h = foreign::chain_head(&p)?;
-            let ours = h.nfproto == NFPROTO_INET && h.table == ir::TABLE_NAME;
+            let ours = h.nfproto == NFPROTO_INET && Table::of_table_name(&h.table).is_some();
             if h.family().is_some() && !ours {
                 heads.insert((h.nfproto, h.table.clone(), h.name.clone()), h);
             }
@@ -462,15 +462,59 @@ impl NftClient {
         Ok(last.flatten())
     }
 
-    fn read_table_once(&mut self) -> Result<Option<KernelTable>, NftError> {
-        let name = ir::TABLE_NAME;
-        match self.request(NFT_MSG_GETTABLE, false, "get table", |w| w.put_str(NFTA_TABLE_NAME, name)) {
-            Ok(_) => {}
-            Err(NftError::Request { errno, .. }) if errno == nix::errno::Errno::ENOENT as i32 => {
-                return Ok(None);
+    /// The inet tables nodelb owns that exist: `nodelb` and its nat shards ([`Table`]).
+    pub fn our_tables(&mut self) -> Result<Vec<Table>, NftError> {
+        let mut out = Vec::new();
+        for p in self.request(NFT_MSG_GETTABLE, true, "list tables", |_| {})? {
+            if let Some(t) = Table::of_table_name(&decode::table_of(&p)?) {
+                out.push(t);
             }
-            Err(e) => return Err(e),
         }
+        out.sort();
+        Ok(out)
+    }
+
+    /// Every table nodelb owns, read into one view (an object's table is in its name); `None`
+    /// when table `nodelb` does not exist. An object in a table its name does not belong to
+    /// (made by hand) is reported as a problem, not read.
+    fn read_table_once(&mut self) -> Result<Option<KernelTable>, NftError> {
+        let tables = self.our_tables()?;
+        if !tables.contains(&Table::Main) {
+            return Ok(None);
+        }
+        let mut out = KernelTable::default();
+        for t in tables {
+            let one = self.read_one_table(&t.name())?;
+            let misplaced = |kind: &str, name: &str| {
+                (Table::of_name(name) != t)
+                    .then(|| format!("{kind} {name} in table {} is not ours", t.name()))
+            };
+            for (name, c) in one.chains {
+                match misplaced("chain", &name) {
+                    Some(p) => out.problems.push(p),
+                    None => drop(out.chains.insert(name, c)),
+                }
+            }
+            for (name, set) in one.sets {
+                match misplaced("set", &name) {
+                    Some(p) => out.problems.push(p),
+                    None => drop(out.sets.insert(name, set)),
+                }
+            }
+            for (name, c) in one.counters {
+                match misplaced("counter", &name) {
+                    Some(p) => out.problems.push(p),
+                    None => drop(out.counters.insert(name, c)),
+                }
+            }
+            out.anonymous_sets += one.anonymous_sets;
+            out.other_objects.extend(one.other_objects);
+            out.problems.extend(one.problems);
+        }
+        Ok(Some(out))
+    }
+
+    fn read_one_table(&mut self, name: &str) -> Result<KernelTable, NftError> {
         let chains =
             self.request(NFT_MSG_GETCHAIN, true, "list chains", |w| w.put_str(NFTA_CHAIN_TABLE, name))?;
         let rules =
@@ -486,33 +530,41 @@ impl NftClient {
                 w.put_str(NFTA_SET_ELEM_LIST_SET, set_name);
             })
         })?;
-        Ok(Some(t))
+        Ok(t)
     }
 
-    /// The named counters of table inet nodelb (none when the table does not exist): one object
+    /// The named counters of the tables nodelb owns (none when they do not exist): one object
     /// dump, what a scrape and the fold before a full replace need, without reading the rules and
-    /// set elements.
+    /// set elements. Without nat shards the dump asks for table nodelb alone; with them, for the
+    /// family's counters, of which those of nodelb's tables are kept.
     pub fn read_counters(&mut self) -> Result<CounterValues, NftError> {
-        let name = ir::TABLE_NAME;
         let mut out = CounterValues::new();
+        let sharded = self.sharded()?;
         let replies = self.request(NFT_MSG_GETOBJ, true, "list counters", |w| {
-            w.put_str(NFTA_OBJ_TABLE, name);
+            if !sharded {
+                w.put_str(NFTA_OBJ_TABLE, ir::TABLE_NAME);
+            }
             w.put_u32(NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER);
         })?;
         for p in replies {
-            if decode::table_of(&p)? != name {
-                continue;
-            }
-            if let Ok(c) = decode::object(&p)? {
+            let Some(table) = Table::of_table_name(&decode::table_of(&p)?) else { continue };
+            if let Ok(c) = decode::object(&p)?
+                && Table::of_name(&c.name) == table
+            {
                 out.insert(c.name, c.counter);
             }
         }
         Ok(out)
     }
 
+    /// Whether a nat shard table of nodelb exists (one table listing).
+    fn sharded(&mut self) -> Result<bool, NftError> {
+        Ok(self.our_tables()?.iter().any(|t| *t != Table::Main))
+    }
+
     /// One named counter of table inet nodelb; `None` when it (or the table) does not exist.
     pub fn read_counter(&mut self, counter: &str) -> Result<Option<Counter>, NftError> {
-        let name = ir::TABLE_NAME;
+        let name = &Table::of_name(counter).name();
         let replies = match self.request(NFT_MSG_GETOBJ, false, "get counter", |w| {
             w.put_str(NFTA_OBJ_TABLE, name);
             w.put_str(NFTA_OBJ_NAME, counter);
@@ -534,13 +586,15 @@ impl NftClient {
         Ok(None)
     }
 
-    /// Deletes table inet nodelb (and nothing else). Returns whether it existed.
+    /// Deletes table inet nodelb and its nat shards (and nothing else), in one batch. Returns
+    /// whether table nodelb existed.
     pub fn delete_table(&mut self) -> Result<bool, NftError> {
-        match self.apply(&[Change::DeleteTable]) {
-            Ok(_) => Ok(true),
-            Err(NftError::Kernel { errno, .. }) if errno == nix::errno::Errno::ENOENT as i32 => Ok(false),
-            Err(e) => Err(e),
-        }
+        let existed = self.our_tables()?.contains(&Table::Main);
+        // Each table created if missing, then deleted: the batch fails on no missing table.
+        let changes: Vec<Change> =
+            Table::all().flat_map(|t| [Change::AddTable(t), Change::DeleteTable(t)]).collect();
+        self.apply(&changes)?;
+        Ok(existed)
     }
 }
 

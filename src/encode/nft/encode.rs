@@ -13,7 +13,9 @@ use super::NftError;
 use super::consts::*;
 use super::nla::{Writer, udata_put};
 use crate::domain::{Family, Protocol, fnv1a};
-use crate::ir::{self, Change, ChangeRef, Expr, Key, KeyPart, KeyType, Mapped, Rule, SetKind, Verdict};
+use crate::ir::{
+    self, Change, ChangeRef, Expr, Key, KeyPart, KeyType, Mapped, Rule, SetKind, Table, Verdict,
+};
 
 /// Netlink caps one attribute at 64 KiB; element lists are split into messages well below that.
 const MAX_ELEMENTS_NEST: usize = 48 * 1024;
@@ -74,8 +76,8 @@ pub fn describe(change: &Change) -> String {
 /// [`describe`] of a borrowed change.
 pub fn describe_ref(change: ChangeRef<'_>) -> String {
     match change {
-        ChangeRef::AddTable => format!("add table inet {}", ir::TABLE_NAME),
-        ChangeRef::DeleteTable => format!("delete table inet {}", ir::TABLE_NAME),
+        ChangeRef::AddTable(t) => format!("add table inet {}", t.name()),
+        ChangeRef::DeleteTable(t) => format!("delete table inet {}", t.name()),
         ChangeRef::AddChain(c) => format!("add chain {}", c.name),
         ChangeRef::FlushChain(c) => format!("flush chain {c}"),
         ChangeRef::DeleteChain(c) => format!("delete chain {c}"),
@@ -96,6 +98,11 @@ pub fn describe_ref(change: ChangeRef<'_>) -> String {
         ChangeRef::AddCounter(c) => format!("add counter {}", c.name),
         ChangeRef::DeleteCounter(c) => format!("delete counter {c}"),
     }
+}
+
+/// The kernel name of the table an object named `name` lives in ([`Table::of_name`]).
+fn table_of(name: &str) -> String {
+    Table::of_name(name).name()
 }
 
 pub fn msg_type(msg: u8) -> u16 {
@@ -209,22 +216,22 @@ impl Enc {
 
     fn change(&mut self, change: ChangeRef<'_>) -> Result<(), NftError> {
         match change {
-            ChangeRef::AddTable => {
+            ChangeRef::AddTable(t) => {
                 // NLM_F_CREATE without NLM_F_EXCL: adding an existing table is a no-op.
                 self.begin(NFT_MSG_NEWTABLE, NLM_F_CREATE);
-                self.w.put_str(NFTA_TABLE_NAME, ir::TABLE_NAME);
+                self.w.put_str(NFTA_TABLE_NAME, &t.name());
                 self.w.put_u32(NFTA_TABLE_FLAGS, 0);
                 self.w.end_msg();
             }
-            ChangeRef::DeleteTable => {
+            ChangeRef::DeleteTable(t) => {
                 self.begin(NFT_MSG_DELTABLE, 0);
-                self.w.put_str(NFTA_TABLE_NAME, ir::TABLE_NAME);
+                self.w.put_str(NFTA_TABLE_NAME, &t.name());
                 self.w.end_msg();
-                self.set_ids.clear();
+                self.set_ids.retain(|name, _| Table::of_name(name) != t);
             }
             ChangeRef::AddChain(chain) => {
                 self.begin(NFT_MSG_NEWCHAIN, NLM_F_CREATE);
-                self.w.put_str(NFTA_CHAIN_TABLE, ir::TABLE_NAME);
+                self.w.put_str(NFTA_CHAIN_TABLE, &table_of(&chain.name));
                 self.w.put_str(NFTA_CHAIN_NAME, &chain.name);
                 if let Some(c) = &chain.comment {
                     self.put_comment(NFTA_CHAIN_USERDATA, NFTNL_UDATA_CHAIN_COMMENT, c)?;
@@ -241,13 +248,13 @@ impl Enc {
             }
             ChangeRef::FlushChain(name) => {
                 self.begin(NFT_MSG_DELRULE, 0);
-                self.w.put_str(NFTA_RULE_TABLE, ir::TABLE_NAME);
+                self.w.put_str(NFTA_RULE_TABLE, &table_of(name));
                 self.w.put_str(NFTA_RULE_CHAIN, name);
                 self.w.end_msg();
             }
             ChangeRef::DeleteChain(name) => {
                 self.begin(NFT_MSG_DELCHAIN, 0);
-                self.w.put_str(NFTA_CHAIN_TABLE, ir::TABLE_NAME);
+                self.w.put_str(NFTA_CHAIN_TABLE, &table_of(name));
                 self.w.put_str(NFTA_CHAIN_NAME, name);
                 self.w.end_msg();
             }
@@ -255,7 +262,7 @@ impl Enc {
             ChangeRef::AddSet(set) => self.named_set(set)?,
             ChangeRef::DeleteSet(name) => {
                 self.begin(NFT_MSG_DELSET, 0);
-                self.w.put_str(NFTA_SET_TABLE, ir::TABLE_NAME);
+                self.w.put_str(NFTA_SET_TABLE, &table_of(name));
                 self.w.put_str(NFTA_SET_NAME, name);
                 self.w.end_msg();
                 self.set_ids.remove(name);
@@ -268,7 +275,7 @@ impl Enc {
                 }
                 let id = self.set_ids.get(set).copied();
                 let list = encoded.iter().map(|(k, v)| (k.as_slice(), v.map(ElemData::Mapped)));
-                self.elements(NFT_MSG_NEWSETELEM, NLM_F_CREATE, set, id, list);
+                self.elements(NFT_MSG_NEWSETELEM, NLM_F_CREATE, (&table_of(set), set), id, list);
             }
             ChangeRef::AddDynamicElements { set, elements } => {
                 let types = self.key_types_hint(set, elements.first().map(|(k, _)| k));
@@ -278,7 +285,7 @@ impl Enc {
                 }
                 let id = self.set_ids.get(set).copied();
                 let list = encoded.iter().map(|(k, ms)| (k.as_slice(), Some(ElemData::Expires(*ms))));
-                self.elements(NFT_MSG_NEWSETELEM, NLM_F_CREATE, set, id, list);
+                self.elements(NFT_MSG_NEWSETELEM, NLM_F_CREATE, (&table_of(set), set), id, list);
             }
             ChangeRef::DeleteElements { set, keys } => {
                 let types = self.key_types_hint(set, keys.first());
@@ -288,11 +295,11 @@ impl Enc {
                 }
                 let id = self.set_ids.get(set).copied();
                 let list = encoded.iter().map(|k| (k.as_slice(), None));
-                self.elements(NFT_MSG_DELSETELEM, 0, set, id, list);
+                self.elements(NFT_MSG_DELSETELEM, 0, (&table_of(set), set), id, list);
             }
             ChangeRef::AddCounter(counter) => {
                 self.begin(NFT_MSG_NEWOBJ, NLM_F_CREATE);
-                self.w.put_str(NFTA_OBJ_TABLE, ir::TABLE_NAME);
+                self.w.put_str(NFTA_OBJ_TABLE, &table_of(&counter.name));
                 self.w.put_str(NFTA_OBJ_NAME, &counter.name);
                 self.w.put_u32(NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER);
                 if let Some(c) = &counter.comment {
@@ -306,7 +313,7 @@ impl Enc {
             }
             ChangeRef::DeleteCounter(name) => {
                 self.begin(NFT_MSG_DELOBJ, 0);
-                self.w.put_str(NFTA_OBJ_TABLE, ir::TABLE_NAME);
+                self.w.put_str(NFTA_OBJ_TABLE, &table_of(name));
                 self.w.put_str(NFTA_OBJ_NAME, name);
                 self.w.put_u32(NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER);
                 self.w.end_msg();
@@ -343,7 +350,7 @@ impl Enc {
         let concat = set.key.len() > 1;
         let key_len: usize = set.key.iter().map(|t| part_len(*t, concat)).sum();
         self.begin(NFT_MSG_NEWSET, NLM_F_CREATE);
-        self.w.put_str(NFTA_SET_TABLE, ir::TABLE_NAME);
+        self.w.put_str(NFTA_SET_TABLE, &table_of(&set.name));
         self.w.put_str(NFTA_SET_NAME, &set.name);
         let flags = match set.kind {
             SetKind::Set => 0,
@@ -390,9 +397,10 @@ impl Enc {
         Ok(())
     }
 
-    fn anon_set(&mut self, s: &AnonSet) {
+    /// An anonymous set of a rule of `chain`, in the chain's table.
+    fn anon_set(&mut self, s: &AnonSet, chain: &str) {
         self.begin(NFT_MSG_NEWSET, NLM_F_CREATE);
-        self.w.put_str(NFTA_SET_TABLE, ir::TABLE_NAME);
+        self.w.put_str(NFTA_SET_TABLE, &table_of(chain));
         self.w.put_str(NFTA_SET_NAME, s.name);
         self.w.put_u32(NFTA_SET_FLAGS, s.flags);
         self.w.put_u32(NFTA_SET_KEY_TYPE, s.key_type);
@@ -404,7 +412,7 @@ impl Enc {
         self.w.put(NFTA_SET_USERDATA, &s.udata);
         self.w.end_msg();
         let list = s.elements.iter().map(|(k, v)| (k.as_slice(), v.as_ref().map(ElemData::Mapped)));
-        self.elements(NFT_MSG_NEWSETELEM, NLM_F_CREATE, s.name, Some(s.id), list);
+        self.elements(NFT_MSG_NEWSETELEM, NLM_F_CREATE, (&table_of(chain), s.name), Some(s.id), list);
     }
 
     /// NEWSETELEM/DELSETELEM messages for `elements`, split so no attribute exceeds 64 KiB.
@@ -412,14 +420,14 @@ impl Enc {
         &mut self,
         msg: u8,
         flags: u16,
-        set: &str,
+        (table, set): (&str, &str),
         id: Option<u32>,
         elements: impl Iterator<Item = (&'m [u8], Option<ElemData<'m>>)>,
     ) {
         let mut rest = elements.peekable();
         while rest.peek().is_some() {
             self.begin(msg, flags);
-            self.w.put_str(NFTA_SET_ELEM_LIST_TABLE, ir::TABLE_NAME);
+            self.w.put_str(NFTA_SET_ELEM_LIST_TABLE, table);
             self.w.put_str(NFTA_SET_ELEM_LIST_SET, set);
             if let Some(id) = id {
                 self.w.put_u32(NFTA_SET_ELEM_LIST_SET_ID, id);
@@ -462,10 +470,10 @@ impl Enc {
         }
         let anon = std::mem::take(&mut l.anon);
         for s in &anon {
-            self.anon_set(s);
+            self.anon_set(s, chain);
         }
         self.begin(NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND);
-        self.w.put_str(NFTA_RULE_TABLE, ir::TABLE_NAME);
+        self.w.put_str(NFTA_RULE_TABLE, &table_of(chain));
         self.w.put_str(NFTA_RULE_CHAIN, chain);
         let n = self.w.begin_nest(NFTA_RULE_EXPRESSIONS);
         self.w.buf.extend_from_slice(&l.w.buf);
@@ -1333,7 +1341,7 @@ mod tests {
     #[test]
     fn errors_map_back_to_changes() {
         let changes = vec![
-            Change::AddTable,
+            Change::AddTable(Table::Main),
             Change::AddSet(svc_ports()),
             Change::AddRule {
                 chain: "c".into(),
