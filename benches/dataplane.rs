@@ -83,6 +83,10 @@ struct Config {
     reaction_port: u16,
     /// `--kube-setup live|existing`: how the Kubernetes mode's N Services come to be.
     kube_setup: KubeSetupMode,
+    /// `--nat-shards K` (scale mode; default 16): the agents run with it, and the programming and
+    /// per-connection rows are measured with the nat chains in one table and over K tables,
+    /// side by side. 1: one table only.
+    nat_shards: u8,
 }
 
 /// How the Kubernetes-mode part gets its N Services.
@@ -137,6 +141,7 @@ fn config() -> Config {
             agent_args: Vec::new(),
             reaction_port: REACTION_NODE_PORT,
             kube_setup: KubeSetupMode::Live,
+            nat_shards: 1,
         }
     } else {
         Config {
@@ -161,6 +166,7 @@ fn config() -> Config {
             agent_args: Vec::new(),
             reaction_port: REACTION_NODE_PORT,
             kube_setup: KubeSetupMode::Live,
+            nat_shards: 1,
         }
     };
     // Scale defaults first: the flags below override them.
@@ -183,6 +189,8 @@ fn config() -> Config {
         if let Some(s) = value("--scale-sizes") {
             c.scale_sizes = s.split(',').filter_map(|x| x.trim().parse().ok()).collect();
         }
+        c.nat_shards = value("--nat-shards").and_then(|k| k.parse().ok()).unwrap_or(SCALE_NAT_SHARDS);
+        c.agent_args.extend(["--nat-shards".to_string(), c.nat_shards.to_string()]);
     }
     if let Some(s) = value("--sizes") {
         c.sizes = s.split(',').filter_map(|x| x.trim().parse().ok()).collect();
@@ -661,9 +669,14 @@ fn nodelb_services(svcs: &[BenchSvc]) -> Vec<(LbService, BTreeMap<PortId, u16>)>
 }
 
 fn nodelb_plan(lb: &[(LbService, BTreeMap<PortId, u16>)]) -> Ruleset {
+    nodelb_plan_sharded(lb, 1)
+}
+
+/// [`nodelb_plan`] with the nat chains over `nat_shards` tables.
+fn nodelb_plan_sharded(lb: &[(LbService, BTreeMap<PortId, u16>)], nat_shards: u8) -> Ruleset {
     let plans: Vec<ServicePlan<'_>> =
         lb.iter().map(|(s, p)| ServicePlan { service: s, node_ports: p }).collect();
-    plan::plan(&plans, &node_facts(&[Family::Ipv4]))
+    plan::plan(&plans, &plan::NodeFacts { nat_shards, ..node_facts(&[Family::Ipv4]) })
 }
 
 fn nodelb_ruleset(svcs: &[BenchSvc]) -> Ruleset {
@@ -773,13 +786,17 @@ fn klipper_restore(svcs: &[BenchSvc]) -> String {
 /// other traffic (both turn conntrack on in the node, which the direct route has off).
 /// `nodelb-nat-only` (scale mode): nodelb's ruleset without its filter chains, so that the gap
 /// to the floor is split between its nat chains (firewall and DNAT) and its filter chains (the
-/// forward path: invalid drop, forward counters) in the same repetition.
-const VARIANTS: [&str; 9] = [
+/// forward path: invalid drop, forward counters) in the same repetition. `nodelb-sharded` and
+/// `other-via-nodelb-sharded` (scale mode): the same with the nat chains over `--nat-shards`
+/// tables.
+const VARIANTS: [&str; 11] = [
     "direct",
     "other-via-nat-floor",
     "other-via-nodelb",
+    "other-via-nodelb-sharded",
     "nodelb",
     "nodelb-nat-only",
+    "nodelb-sharded",
     "nodelb-affinity",
     "nat-floor",
     "klipper-nft",
@@ -1237,6 +1254,7 @@ fn run_scale_rep(cfg: &Config, n: usize, rep_no: usize, r: &mut Results) {
 
     let mut nat_only = rs.clone();
     nat_only.chains.retain(|_, c| c.base.as_ref().is_none_or(|b| b.chain_type == ChainType::Nat));
+    let sharded = (cfg.nat_shards > 1).then(|| nodelb_plan_sharded(&nodelb_services(&svcs), cfg.nat_shards));
     let (lb, direct) = (target_lb(), target_direct());
     let mut rep: BTreeMap<&'static str, ConnSamples> = BTreeMap::new();
     let mut add = |v: &'static str, s: ConnSamples| rep.entry(v).or_default().extend(s);
@@ -1244,9 +1262,13 @@ fn run_scale_rep(cfg: &Config, n: usize, rep_no: usize, r: &mut Results) {
     let (a, b) = interleaved((one.client(), direct), (two.client(), direct), cfg.warmup, cfg.conns);
     add("direct", a);
     add("direct", b);
-    for (variant, other, ruleset) in
-        [("nodelb", Some("other-via-nodelb"), &rs), ("nodelb-nat-only", None, &nat_only)]
-    {
+    let variants = [
+        ("nodelb", Some("other-via-nodelb"), Some(&rs)),
+        ("nodelb-nat-only", None, Some(&nat_only)),
+        ("nodelb-sharded", Some("other-via-nodelb-sharded"), sharded.as_ref()),
+    ];
+    for (variant, other, ruleset) in variants {
+        let Some(ruleset) = ruleset else { continue };
         let orders = [(&one, &two), (&two, &one)];
         for k in 0..2 {
             // Which orientation goes first alternates with the repetition.
@@ -1283,6 +1305,10 @@ fn run_scale_rep(cfg: &Config, n: usize, rep_no: usize, r: &mut Results) {
         r.conn.entry((n, v)).or_default().extend(s);
     }
 }
+
+/// The scale mode's default `--nat-shards`: the most that docs/benchmarks.md found to pay at
+/// 10,000 and 50,000 Services.
+const SCALE_NAT_SHARDS: u8 = 16;
 
 /// Endpoints per Service of the scale mode's programming rows: × 1 and × 5.
 const SCALE_ENDPOINTS: [usize; 2] = [1, 5];
@@ -1371,51 +1397,71 @@ fn ladder_ruleset(full: &Ruleset, step: usize) -> Ruleset {
 fn run_scale_programming(cfg: &Config, n: usize, r: &mut Results) {
     for e in SCALE_ENDPOINTS {
         let t = Instant::now();
-        let base = common::scenarios::scale_ruleset(n, e, false);
+        let base = common::scenarios::scale_ruleset(n, e, false, 1);
         r.prog(n, &format!("plan (pure) × {e}"), t.elapsed());
-        let plus = common::scenarios::scale_ruleset(n + 1, e, false);
+        let plus = common::scenarios::scale_ruleset(n + 1, e, false, 1);
         let t = Instant::now();
         let _ = plan::diff(&base, &plus);
         r.prog(n, &format!("diff (pure, add one) × {e}"), t.elapsed());
         for step in 0..LADDER.len() {
             let (base, plus) = (ladder_ruleset(&base, step), ladder_ruleset(&plus, step));
-            let (add, remove) = (plan::diff(&base, &plus), plan::diff(&plus, &base));
-            drop(plus);
-            let ns = NetNs::new("scp");
-            let reps = cfg.reps;
-            let rows = ns.run(move || -> Result<Vec<[f64; 4]>, String> {
-                let mut c = NftClient::new().map_err(|e| e.to_string())?;
-                let mut rows = Vec::new();
-                for _ in 0..reps {
-                    let (_, s0) = thread_cpu_ms();
-                    let t = Instant::now();
-                    c.apply(&base.full_replace()).map_err(|e| format!("full replace: {e}"))?;
-                    let full = t.elapsed().as_secs_f64() * 1e3;
-                    let sys = thread_cpu_ms().1 - s0;
-                    let t = Instant::now();
-                    c.apply(&add).map_err(|e| format!("add one: {e}"))?;
-                    let a = t.elapsed().as_secs_f64() * 1e3;
-                    let t = Instant::now();
-                    c.apply(&remove).map_err(|e| format!("remove one: {e}"))?;
-                    rows.push([full, sys, a, t.elapsed().as_secs_f64() * 1e3]);
-                }
-                let _ = c.delete_table();
-                Ok(rows)
-            });
-            let suffix = ladder_suffix(step);
-            match rows {
-                Ok(rows) => {
-                    for [full, sys, a, rm] in rows {
-                        let ms = |x: f64| Duration::from_secs_f64(x / 1e3);
-                        r.prog(n, &format!("full sync × {e}{suffix}"), ms(full));
-                        r.prog(n, &format!("full sync × {e}{suffix}: kernel (system) time"), ms(sys));
-                        r.prog(n, &format!("add one × {e}{suffix}"), ms(a));
-                        r.prog(n, &format!("remove one × {e}{suffix}"), ms(rm));
-                    }
-                }
-                Err(err) => r.note(format!("scale programming{suffix} at N={n} × {e}: {err}")),
+            program_pair(cfg, n, e, &ladder_suffix(step), base, plus, r);
+        }
+        if cfg.nat_shards > 1 {
+            let k = cfg.nat_shards;
+            let base = common::scenarios::scale_ruleset(n, e, false, k);
+            let plus = common::scenarios::scale_ruleset(n + 1, e, false, k);
+            program_pair(cfg, n, e, &format!(", {k} nat shards"), base, plus, r);
+        }
+    }
+}
+
+/// `base` fully replaced, then `plus` added and removed as diffs, in a namespace of its own,
+/// `cfg.reps` times: rows "full sync × {e}{suffix}" (and its kernel time), "add one × …",
+/// "remove one × …".
+fn program_pair(
+    cfg: &Config,
+    n: usize,
+    e: usize,
+    suffix: &str,
+    base: Ruleset,
+    plus: Ruleset,
+    r: &mut Results,
+) {
+    let (add, remove) = (plan::diff(&base, &plus), plan::diff(&plus, &base));
+    drop(plus);
+    let ns = NetNs::new("scp");
+    let reps = cfg.reps;
+    let rows = ns.run(move || -> Result<Vec<[f64; 4]>, String> {
+        let mut c = NftClient::new().map_err(|e| e.to_string())?;
+        let mut rows = Vec::new();
+        for _ in 0..reps {
+            let (_, s0) = thread_cpu_ms();
+            let t = Instant::now();
+            c.apply(&base.full_replace()).map_err(|e| format!("full replace: {e}"))?;
+            let full = t.elapsed().as_secs_f64() * 1e3;
+            let sys = thread_cpu_ms().1 - s0;
+            let t = Instant::now();
+            c.apply(&add).map_err(|e| format!("add one: {e}"))?;
+            let a = t.elapsed().as_secs_f64() * 1e3;
+            let t = Instant::now();
+            c.apply(&remove).map_err(|e| format!("remove one: {e}"))?;
+            rows.push([full, sys, a, t.elapsed().as_secs_f64() * 1e3]);
+        }
+        let _ = c.delete_table();
+        Ok(rows)
+    });
+    match rows {
+        Ok(rows) => {
+            for [full, sys, a, rm] in rows {
+                let ms = |x: f64| Duration::from_secs_f64(x / 1e3);
+                r.prog(n, &format!("full sync × {e}{suffix}"), ms(full));
+                r.prog(n, &format!("full sync × {e}{suffix}: kernel (system) time"), ms(sys));
+                r.prog(n, &format!("add one × {e}{suffix}"), ms(a));
+                r.prog(n, &format!("remove one × {e}{suffix}"), ms(rm));
             }
         }
+        Err(err) => r.note(format!("scale programming{suffix} at N={n} × {e}: {err}")),
     }
 }
 
@@ -2240,6 +2286,19 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
                 "| add / remove one Service (× 5) | {n} | ≤ {ta:.0} / ≤ {tr:.0} ms | {add:.2} / {rm:.2} ms; kernel floor {add_floor:.2} / {rm_floor:.2} ms | {} |",
                 floor_verdict(&[(add, add_floor, ta), (rm, rm_floor, tr)])
             );
+            let k = cfg.nat_shards;
+            let sharded = (
+                med(n, &format!("add one × 5, {k} nat shards")),
+                med(n, &format!("remove one × 5, {k} nat shards")),
+            );
+            if k > 1 && !sharded.0.is_nan() {
+                let (add, rm) = sharded;
+                let _ = writeln!(
+                    w,
+                    "| add / remove one Service (× 5), `--nat-shards {k}` | {n} | ≤ {ta:.0} / ≤ {tr:.0} ms | {add:.2} / {rm:.2} ms | {} |",
+                    verdict(add <= ta && rm <= tr)
+                );
+            }
         }
         for (mode, x) in [
             ("manifests", a.and_then(|a| a.reaction.as_ref())),
@@ -2377,6 +2436,22 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
             o.1,
             o.2
         );
+        let f = r.paired(n, "nodelb-sharded", "nat-floor", |a, f| a - f);
+        if !f.0.is_nan() {
+            let o = r.paired(n, "other-via-nodelb-sharded", "other-via-nat-floor", |a, f| a - f);
+            let _ = writeln!(
+                w,
+                "| {n}, `--nat-shards {}` | | {:+.1} | {:+.1} ({:+.1}…{:+.1}) | {:+.1} ({:+.1}…{:+.1}) |",
+                cfg.nat_shards,
+                r.over_direct(n, "nodelb-sharded"),
+                f.0,
+                f.1,
+                f.2,
+                o.0,
+                o.1,
+                o.2
+            );
+        }
     }
     for &n in sizes {
         let Some(a) = r.scale.get(&n) else { continue };

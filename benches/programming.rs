@@ -6,6 +6,7 @@
 //! ```text
 //! sudo cargo bench --bench programming -- --services 10000 --endpoints 5 --reps 5
 //! sudo cargo bench --bench programming -- --services 1000 --endpoints 5 --affinity   # ClientIP on all
+//! sudo cargo bench --bench programming -- --services 10000 --endpoints 5 --nat-shards 1,4,16  # side by side
 //! ```
 
 #[path = "../tests/common/mod.rs"]
@@ -46,14 +47,32 @@ fn main() {
         std::process::exit(1);
     }
     let affinity = args.iter().any(|a| a == "--affinity");
+    let shards: Vec<u8> = match args.iter().position(|a| a == "--nat-shards").and_then(|i| args.get(i + 1)) {
+        None => vec![1],
+        Some(list) => list.split(',').map(|k| k.trim().parse().expect("--nat-shards 1,4,16")).collect(),
+    };
+    let with = if affinity { ", all with ClientIP affinity" } else { "" };
+    println!("{n} Services × {endpoints} endpoints{with}, median of {reps} (ms):");
+    println!(
+        "  {:>10} {:>10} {:>14} {:>12} {:>10} {:>10}",
+        "nat shards", "plan", "full replace", "(kernel)", "add one", "remove one"
+    );
+    for k in shards {
+        let (plan_ms, full, full_sys, add_ms, remove_ms) = measure(n, endpoints, affinity, k, reps);
+        println!("  {k:>10} {plan_ms:>10.1} {full:>14.1} {full_sys:>12.1} {add_ms:>10.2} {remove_ms:>10.2}");
+    }
+}
+
+/// (plan, full replace, its kernel time, add one, remove one), ms, medians of `reps`.
+fn measure(n: usize, endpoints: usize, affinity: bool, shards: u8, reps: usize) -> (f64, f64, f64, f64, f64) {
     let t = Instant::now();
-    let base = scale_ruleset(n, endpoints, affinity);
-    let plus = scale_ruleset(n + 1, endpoints, affinity);
+    let base = scale_ruleset(n, endpoints, affinity, shards);
+    let plus = scale_ruleset(n + 1, endpoints, affinity, shards);
     let plan_ms = t.elapsed().as_secs_f64() * 1e3 / 2.0;
     let add = plan::diff(&base, &plus);
     let remove = plan::diff(&plus, &base);
     let ns = NetNs::new("prog");
-    let rows = ns.run(move || {
+    let (full, full_sys, add_ms, remove_ms) = ns.run(move || {
         let mut c = NftClient::new().expect("netlink socket");
         let (mut full, mut full_sys, mut adds, mut removes) = (vec![], vec![], vec![], vec![]);
         for _ in 0..reps {
@@ -72,11 +91,5 @@ fn main() {
         c.delete_table().expect("delete table");
         (median(full), median(full_sys), median(adds), median(removes))
     });
-    let (full, full_sys, add_ms, remove_ms) = rows;
-    let with = if affinity { ", all with ClientIP affinity" } else { "" };
-    println!("{n} Services × {endpoints} endpoints{with}, median of {reps} (ms):");
-    println!("  plan (pure, per ruleset)      {plan_ms:10.1}");
-    println!("  full replace, one batch       {full:10.1}   (kernel/system time {full_sys:.1})");
-    println!("  add one Service (diff)        {add_ms:10.2}");
-    println!("  remove one Service (diff)     {remove_ms:10.2}");
+    (plan_ms, full, full_sys, add_ms, remove_ms)
 }

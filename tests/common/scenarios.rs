@@ -194,8 +194,9 @@ pub fn plan_of(s: &Scenario) -> Ruleset {
 
 /// The benchmarks' scale ruleset: `n` Services `s<i>`, one TCP port each, `endpoints` endpoints at
 /// unused documentation addresses, node ports from 1024 up (distinct up to 64,000 Services);
-/// `affinity`: every Service with `sessionAffinity: ClientIP` (a dynamic set per endpoint).
-pub fn scale_ruleset(n: usize, endpoints: usize, affinity: bool) -> Ruleset {
+/// `affinity`: every Service with `sessionAffinity: ClientIP` (a dynamic set per endpoint);
+/// `nat_shards`: the node's `--nat-shards`.
+pub fn scale_ruleset(n: usize, endpoints: usize, affinity: bool, nat_shards: u8) -> Ruleset {
     assert!(n <= 64_000, "scale_ruleset: at most 64,000 Services (one node port each)");
     let lb: Vec<(LbService, BTreeMap<PortId, u16>)> = (0..n)
         .map(|i| {
@@ -213,5 +214,5 @@ pub fn scale_ruleset(n: usize, endpoints: usize, affinity: bool) -> Ruleset {
         .collect();
     let plans: Vec<ServicePlan<'_>> =
         lb.iter().map(|(s, p)| ServicePlan { service: s, node_ports: p }).collect();
-    plan::plan(&plans, &node(&[Family::Ipv4]))
+    plan::plan(&plans, &NodeFacts { nat_shards, ..node(&[Family::Ipv4]) })
 }
