@@ -79,12 +79,13 @@ pub struct CommonArgs {
     /// Packet-mark bit that tells postrouting to masquerade (same meaning as kube-proxy's 0x4000).
     #[arg(long, default_value = "0x4000", value_parser = parse_mark, env = "NODELB_MASQUERADE_MARK")]
     pub masquerade_mark: u32,
-    /// Spread the Services' nat chains over this many nf_tables tables (`nodelb-s0`…), 1 to 32;
-    /// 1 keeps them in table `nodelb`. The kernel validates only the tables a change touches, so
-    /// adding or changing one Service among 10,000 costs about 1/N of one table's validation;
-    /// each new connection passes every table's nat chains until one translates it
-    /// (docs/design.md, "Sharding the nat chains"; docs/benchmarks.md has both measured).
-    #[arg(long, default_value = "1", value_parser = clap::value_parser!(u8).range(1..=32), env = "NODELB_NAT_SHARDS")]
+    /// Spread the Services' nat chains over this many nf_tables tables (`nodelb-s0`…): 1, 2, 4, 8,
+    /// 16 or 32 (a node port's table is its low bits); 1 keeps them in table `nodelb`. The
+    /// kernel validates only the tables a change touches, so adding or changing one Service
+    /// among 10,000 costs about 1/N of one table's validation; each new connection meets one
+    /// masked compare per table besides (docs/design.md, "Sharding the nat chains";
+    /// docs/benchmarks.md has both measured).
+    #[arg(long, default_value = "1", value_parser = parse_nat_shards, env = "NODELB_NAT_SHARDS")]
     pub nat_shards: u8,
     /// Insert an ACCEPT for nodelb's forwarded flows at the head of the host's iptables FORWARD
     /// chain (iptables-nft: table ip/ip6 filter; iptables-legacy: the x_tables filter table), for
@@ -243,6 +244,13 @@ fn parse_node_labels(s: &str) -> Result<NodeLabels, String> {
     Ok(NodeLabels(out))
 }
 
+fn parse_nat_shards(s: &str) -> Result<u8, String> {
+    match s.parse::<u8>() {
+        Ok(k) if k.is_power_of_two() && k <= crate::ir::MAX_NAT_SHARDS => Ok(k),
+        _ => Err(format!("invalid nat shard count {s:?}: 1, 2, 4, 8, 16 or 32")),
+    }
+}
+
 fn parse_mark(s: &str) -> Result<u32, String> {
     let v = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
         Some(hex) => u32::from_str_radix(hex, 16),
@@ -265,6 +273,17 @@ mod tests {
         assert_eq!(parse_mark("16384"), Ok(0x4000));
         assert!(parse_mark("0x6000").unwrap_err().contains("single bit"));
         assert!(parse_mark("zz").unwrap_err().contains("\"zz\""));
+    }
+
+    #[test]
+    fn nat_shards_are_a_power_of_two_up_to_32() {
+        for k in [1u8, 2, 4, 8, 16, 32] {
+            assert_eq!(parse_nat_shards(&k.to_string()), Ok(k));
+        }
+        for bad in ["0", "3", "64", "-1", "x", ""] {
+            let e = parse_nat_shards(bad).unwrap_err();
+            assert!(e.contains(&format!("{bad:?}")) && e.contains("1, 2, 4, 8, 16 or 32"), "{bad}: {e}");
+        }
     }
 
     #[test]

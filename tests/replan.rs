@@ -50,7 +50,7 @@ fn full_plan(inputs: &[PlanInput], node: &NodeFacts) -> Ruleset {
 fn index_of(inputs: &[PlanInput], rs: &Ruleset, node: &NodeFacts) -> CounterIndex {
     let mut index = CounterIndex::default();
     for input in inputs {
-        replan::index_entries(&input.service, &rs.counters, node, &mut index);
+        replan::index_entries(&input.service, &input.node_ports, &rs.counters, node, &mut index);
     }
     index
 }
@@ -241,7 +241,7 @@ fn random_walks_patch_to_the_full_plan() {
                 };
             }
             if seed == 4 && rng.chance(0.02) {
-                node.nat_shards = if node.nat_shards == 4 { 7 } else { 4 };
+                node.nat_shards = if node.nat_shards == 4 { 8 } else { 4 };
             }
             let next: Vec<PlanInput> = current.values().cloned().collect();
             let what = format!("seed {seed} step {n}");

@@ -160,7 +160,7 @@ pub fn scenarios() -> Vec<Scenario> {
             ],
             node(&all),
         ),
-        // The nat chains spread over three tables (`--nat-shards 3`): every kind of Service
+        // The nat chains spread over four tables (`--nat-shards 4`): every kind of Service
         // port (source ranges, no endpoints, affinity, a pool's addresses, a shared node port).
         Scenario {
             name: "sharded",
@@ -173,7 +173,7 @@ pub fn scenarios() -> Vec<Scenario> {
                 (sticky.clone(), ports(&sticky, 20008)),
                 (edge.clone(), ports(&edge, 20010)),
             ],
-            node: NodeFacts { nat_shards: 3, ..node(&all) },
+            node: NodeFacts { nat_shards: 4, ..node(&all) },
             addresses: BTreeMap::from([(edge.key.clone(), BTreeSet::from([second]))]),
         },
     ]

@@ -283,6 +283,10 @@ pub enum Expr {
     CtStatusDnat,
     /// `meta mark & bit == bit`
     MarkHas(u32),
+    /// `th dport & mask != value`: the packet's destination port is not one of a nat shard's
+    /// ([`Table::Shard`]: the shard of a node port is its low bits). Two bytes of the transport
+    /// header, whatever the protocol; a packet without one does not match.
+    DportMaskIsNot { mask: u16, value: u16 },
     /// `meta mark set mark | bit`
     MarkSet(u32),
     /// `meta mark set mark ^ bit` (clears a bit known to be set)
@@ -815,6 +819,7 @@ pub fn render_expr(e: &Expr) -> String {
         }
         Expr::CtStatusDnat => "ct status dnat".into(),
         Expr::MarkHas(bit) => format!("meta mark & {bit:#010x} == {bit:#010x}"),
+        Expr::DportMaskIsNot { mask, value } => format!("th dport & {mask} != {value}"),
         Expr::MarkSet(bit) => format!("meta mark set meta mark | {bit:#010x}"),
         Expr::MarkXor(bit) => format!("meta mark set meta mark ^ {bit:#010x}"),
         Expr::MarkClear(bit) => format!("meta mark set meta mark & {:#010x}", !bit),

@@ -26,6 +26,11 @@
 //! no-endpoints       reject (TCP reset / ICMP port unreachable)
 //! ```
 //!
+//! With `--nat-shards K` (K > 1), `nat-prerouting`, `nat-output`, `no-endpoints`, the dispatch
+//! maps and every service port's svc/fw chains, `conn`/`refused` counters and `aff` sets are in
+//! table `nodelb-s<k>` instead, named `s<k>.…`, k a hash of the port's identity
+//! ([`nat_table_of`]); the rest stays in `nodelb` (docs/design.md, "Sharding the nat chains").
+//!
 //! Per-service counters are named counter objects (`conn<4|6>-…` new connections, `fwd<4|6>-…`
 //! forwarded packets and bytes, `refused<4|6>-…` source-range drops): they exist while the Service
 //! port is programmed for the family, with or without endpoints, and keep counting when its rules
@@ -73,28 +78,36 @@ pub struct NodeFacts {
     /// which the accept nodelb inserts into the host's iptables FORWARD chain matches.
     pub forward_mark: Option<u32>,
     /// `--nat-shards`: over how many tables the Service ports' nat parts are spread (0 and 1: all
-    /// in the main table; docs/design.md, "Sharding the nat chains"), at most
-    /// [`crate::ir::MAX_NAT_SHARDS`].
+    /// in the main table; docs/design.md, "Sharding the nat chains"): a power of two, at most
+    /// [`crate::ir::MAX_NAT_SHARDS`] (another number counts as the power of two below it).
     pub nat_shards: u8,
 }
 
 impl NodeFacts {
+    /// The number of nat shard tables: [`NodeFacts::nat_shards`] as a power of two, 1 for none.
+    pub fn nat_shard_count(&self) -> u8 {
+        let k = self.nat_shards.clamp(1, crate::ir::MAX_NAT_SHARDS);
+        1 << (7 - k.leading_zeros())
+    }
+
     /// The tables holding nat base chains and dispatch maps: the main table, or every shard.
     pub fn nat_tables(&self) -> Vec<Table> {
-        match self.nat_shards.min(crate::ir::MAX_NAT_SHARDS) {
-            0 | 1 => vec![Table::Main],
+        match self.nat_shard_count() {
+            1 => vec![Table::Main],
             k => (0..k).map(Table::Shard).collect(),
         }
     }
 }
 
-/// The table of a service port's nat part: a stable hash of its identity (`ns/name/proto/port`,
-/// what its counters' names hash too), so the port stays in its shard while it exists, both
-/// families share it, and only its shard is validated when it changes.
-pub fn nat_table_of(identity: &str, node: &NodeFacts) -> Table {
-    match node.nat_shards.min(crate::ir::MAX_NAT_SHARDS) {
-        0 | 1 => Table::Main,
-        k => Table::Shard((fnv1a(identity.as_bytes()) % u64::from(k)) as u8),
+/// The table of the nat part of a service port with node port `node_port`: the shard its low
+/// bits name, so each shard's nat chains can let every other port go with one masked compare
+/// (`th dport & K-1 != k`) before any lookup. Both families and every protocol of a node port
+/// share it; a new node port may move the port's chains and counters (whose totals the counter
+/// fold keeps, `counters`).
+pub fn nat_table_of(node_port: u16, node: &NodeFacts) -> Table {
+    match node.nat_shard_count() {
+        1 => Table::Main,
+        k => Table::Shard((node_port & u16::from(k - 1)) as u8),
     }
 }
 
@@ -251,10 +264,17 @@ impl<'a> PortNames<'a> {
         }
     }
 
-    /// The names of a node whose nat parts are spread over `node.nat_shards` tables.
-    pub fn on(family: Family, svc: &LbService, port: &'a LbPort, node: &NodeFacts) -> PortNames<'a> {
+    /// The names on a node whose nat parts are spread over `node.nat_shards` tables, for node
+    /// port `node_port`.
+    pub fn on(
+        family: Family,
+        svc: &LbService,
+        port: &'a LbPort,
+        node_port: u16,
+        node: &NodeFacts,
+    ) -> PortNames<'a> {
         let mut names = PortNames::new(family, svc, port);
-        names.table = nat_table_of(&names.identity, node);
+        names.table = nat_table_of(node_port, node);
         names
     }
 
@@ -474,8 +494,9 @@ pub fn skeleton(node: &NodeFacts) -> Ruleset {
     let mut rs = Ruleset::default();
 
     // Skeleton: always present, so the table's shape does not depend on the services.
+    let mask = u16::from(node.nat_shard_count() - 1);
     for t in node.nat_tables() {
-        nat_skeleton(&mut rs, t);
+        nat_skeleton(&mut rs, t, mask);
     }
     for f in Family::ALL {
         rs.add_set(port_map(
@@ -524,9 +545,10 @@ pub fn skeleton(node: &NodeFacts) -> Ruleset {
 
 /// The nat part of the skeleton in table `t` (the main one, or each shard): the dispatch maps,
 /// the nat base chains using them and the no-endpoints chain. A shard's base chains see every
-/// new connection as the main table's would; the kernel's NAT stops at the first nat chain of a
-/// hook that translates a connection, and a node port is in one shard only.
-fn nat_skeleton(rs: &mut Ruleset, t: Table) {
+/// new connection as the main table's would: their first rule lets go every packet to a port
+/// of another shard (`th dport & mask != k`, no lookup); the kernel's NAT stops at the first
+/// nat chain of a hook that translates a connection, and a node port is in one shard only.
+fn nat_skeleton(rs: &mut Ruleset, t: Table, mask: u16) {
     let name = |n: Name| in_table(t, &n);
     for f in Family::ALL {
         rs.add_set(port_map(
@@ -554,15 +576,23 @@ fn nat_skeleton(rs: &mut Ruleset, t: Table) {
     // nat chains: they see only a connection's first packet, which is all the firewall judges, so
     // no other packet of the node pays a hook or a rule for it (a filter chain would be one more
     // hook on every packet the node receives or sends).
-    let nat_dispatch: Vec<Rule> = Family::ALL
-        .iter()
-        .flat_map(|&f| dispatch_rules(f, name(firewall_ports_map(f)), name(firewall_address_ports_map(f))))
-        .chain(
-            Family::ALL.iter().flat_map(|&f| {
+    let guard = match t {
+        Table::Main => None,
+        Table::Shard(k) => Some(Rule::new(vec![
+            Expr::DportMaskIsNot { mask, value: u16::from(k) },
+            Expr::Verdict(Verdict::Return),
+        ])),
+    };
+    let nat_dispatch: Vec<Rule> =
+        guard
+            .into_iter()
+            .chain(Family::ALL.iter().flat_map(|&f| {
+                dispatch_rules(f, name(firewall_ports_map(f)), name(firewall_address_ports_map(f)))
+            }))
+            .chain(Family::ALL.iter().flat_map(|&f| {
                 dispatch_rules(f, name(service_ports_map(f)), name(service_address_ports_map(f)))
-            }),
-        )
-        .collect();
+            }))
+            .collect();
     rs.add_chain(base(
         &in_table(t, CHAIN_NAT_PREROUTING),
         ChainType::Nat,
@@ -600,7 +630,7 @@ pub fn plan_service(
         let Some(&node_port) = sp.node_ports.get(&port.id) else { continue };
         for &f in &sp.service.families {
             if let Some(on) = served_on(restricted, f, node) {
-                let names = PortNames::on(f, sp.service, port, node);
+                let names = PortNames::on(f, sp.service, port, node_port, node);
                 let at = Dispatch {
                     port: (port.id.protocol, node_port),
                     addresses: on.as_deref(),

@@ -204,7 +204,7 @@ impl Planner {
         for input in &inputs {
             let part = self.scratch.part(input, node);
             if index {
-                index_entries(&input.service, &part.counters, node, &mut counter_index);
+                index_entries(&input.service, &input.node_ports, &part.counters, node, &mut counter_index);
             }
             self.clashed |= merge(&mut rs, part, &mut self.shared).is_err();
         }
@@ -365,14 +365,14 @@ impl Planner {
             if let Some(was) = was {
                 let part = self.scratch.part(was, node);
                 if index {
-                    index_entries(&was.service, &part.counters, node, &mut removed);
+                    index_entries(&was.service, &was.node_ports, &part.counters, node, &mut removed);
                 }
                 b.remove(part);
             }
             if let Some(is) = is {
                 let part = self.scratch.part(is, node);
                 if index {
-                    index_entries(&is.service, &part.counters, node, &mut added);
+                    index_entries(&is.service, &is.node_ports, &part.counters, node, &mut added);
                 }
                 result = result.and(b.add(part));
             }
@@ -615,6 +615,7 @@ fn current<'a, V>(
 /// port has none).
 pub fn index_entries(
     svc: &LbService,
+    node_ports: &BTreeMap<PortId, u16>,
     counters: &BTreeMap<Name, NamedCounter>,
     node: &NodeFacts,
     index: &mut CounterIndex,
@@ -622,8 +623,13 @@ pub fn index_entries(
     for port in &svc.ports {
         let key = SeriesKey { service: svc.key.clone(), port: port.id };
         // The planner names counters only for the Service's own families.
+        // Without a node port, the port has no counters (and no shard).
+        let Some(&node_port) = node_ports.get(&port.id) else {
+            index.ports.insert(key);
+            continue;
+        };
         for &f in &svc.families {
-            let names = plan::PortNames::on(f, svc, port, node);
+            let names = plan::PortNames::on(f, svc, port, node_port, node);
             for (counter, kind) in [
                 (names.connections_counter(), CounterKind::Connections),
                 (names.forwarded_counter(), CounterKind::Traffic),

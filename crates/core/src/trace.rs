@@ -238,6 +238,7 @@ fn run_rule(rs: &Ruleset, rule: &crate::ir::Rule, st: &mut State<'_>) -> RuleEnd
             Expr::CtState(states) => states.contains(&pkt.ct_state),
             Expr::CtStatusDnat => st.dnat.is_some(),
             Expr::MarkHas(bit) => st.mark & bit == *bit,
+            Expr::DportMaskIsNot { mask, value } => st.pkt.dport & mask != *value,
             Expr::MarkSet(bit) => {
                 st.mark |= bit;
                 true

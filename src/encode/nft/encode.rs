@@ -864,6 +864,11 @@ impl Lower {
                 self.ct_flags(NFT_CT_STATE, bits);
             }
             Expr::CtStatusDnat => self.ct_flags(NFT_CT_STATUS, IPS_DST_NAT),
+            Expr::DportMaskIsNot { mask, value } => {
+                self.payload(NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2, 0);
+                self.bitwise(&mask.to_be_bytes(), &[0, 0], true);
+                self.cmp(NFT_CMP_NEQ, &value.to_be_bytes());
+            }
             Expr::MarkHas(bit) => {
                 self.meta_load(NFT_META_MARK, 0);
                 self.bitwise(&bit.to_ne_bytes(), &0u32.to_ne_bytes(), true);
