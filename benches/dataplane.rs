@@ -788,15 +788,18 @@ fn klipper_restore(svcs: &[BenchSvc]) -> String {
 /// to the floor is split between its nat chains (firewall and DNAT) and its filter chains (the
 /// forward path: invalid drop, forward counters) in the same repetition. `nodelb-sharded` and
 /// `other-via-nodelb-sharded` (scale mode): the same with the nat chains over `--nat-shards`
-/// tables.
-const VARIANTS: [&str; 11] = [
+/// tables, against `nodelb-one-table` and `other-via-nodelb-one-table`: the one-table layout on
+/// the other topology at the same time.
+const VARIANTS: [&str; 13] = [
     "direct",
     "other-via-nat-floor",
     "other-via-nodelb",
     "other-via-nodelb-sharded",
+    "other-via-nodelb-one-table",
     "nodelb",
     "nodelb-nat-only",
     "nodelb-sharded",
+    "nodelb-one-table",
     "nodelb-affinity",
     "nat-floor",
     "klipper-nft",
@@ -1262,12 +1265,17 @@ fn run_scale_rep(cfg: &Config, n: usize, rep_no: usize, r: &mut Results) {
     let (a, b) = interleaved((one.client(), direct), (two.client(), direct), cfg.warmup, cfg.conns);
     add("direct", a);
     add("direct", b);
+    // (variant, its other traffic, its ruleset, the baseline on the other node: the NAT floor,
+    // or for the sharded layout nodelb's own in one table, so that the two layouts are measured
+    // at the same time and their difference is not the VM's drift between two comparisons).
+    let floor = ("nat-floor", "other-via-nat-floor", None);
+    let one_table = ("nodelb-one-table", "other-via-nodelb-one-table", Some(&rs));
     let variants = [
-        ("nodelb", Some("other-via-nodelb"), Some(&rs)),
-        ("nodelb-nat-only", None, Some(&nat_only)),
-        ("nodelb-sharded", Some("other-via-nodelb-sharded"), sharded.as_ref()),
+        ("nodelb", Some("other-via-nodelb"), Some(&rs), floor),
+        ("nodelb-nat-only", None, Some(&nat_only), floor),
+        ("nodelb-sharded", Some("other-via-nodelb-sharded"), sharded.as_ref(), one_table),
     ];
-    for (variant, other, ruleset) in variants {
+    for (variant, other, ruleset, (base, base_other, base_rs)) in variants {
         let Some(ruleset) = ruleset else { continue };
         let orders = [(&one, &two), (&two, &one)];
         for k in 0..2 {
@@ -1277,8 +1285,12 @@ fn run_scale_rep(cfg: &Config, n: usize, rep_no: usize, r: &mut Results) {
                 r.note(format!("{variant} apply at N={n}: {e}"));
                 continue;
             }
-            if let Err(e) = nat_floor_load(without.node()) {
-                r.note(format!("nat-floor: nft -f at N={n}: {e}"));
+            let loaded = match base_rs {
+                None => nat_floor_load(without.node()),
+                Some(b) => nodelb_apply(without.node(), b.full_replace()),
+            };
+            if let Err(e) = loaded {
+                r.note(format!("{base}: load at N={n}: {e}"));
                 nodelb_delete(with.node());
                 continue;
             }
@@ -1287,15 +1299,17 @@ fn run_scale_rep(cfg: &Config, n: usize, rep_no: usize, r: &mut Results) {
             wait_quiet();
             let (a, b) = interleaved((with.client(), lb), (without.client(), lb), cfg.warmup, cfg.conns);
             add(variant, a);
-            add("nat-floor", b);
+            add(base, b);
             if let Some(other) = other {
                 let (a, b) =
                     interleaved((with.client(), direct), (without.client(), direct), cfg.warmup, cfg.conns);
                 add(other, a);
-                add("other-via-nat-floor", b);
+                add(base_other, b);
             }
             nodelb_delete(with.node());
-            if let Err(e) = nat_floor_delete(without.node()) {
+            if base_rs.is_some() {
+                nodelb_delete(without.node());
+            } else if let Err(e) = nat_floor_delete(without.node()) {
                 r.note(format!("nat-floor: delete table at N={n}: {e}"));
             }
         }
@@ -2436,20 +2450,29 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
             o.1,
             o.2
         );
-        let f = r.paired(n, "nodelb-sharded", "nat-floor", |a, f| a - f);
-        if !f.0.is_nan() {
-            let o = r.paired(n, "other-via-nodelb-sharded", "other-via-nat-floor", |a, f| a - f);
+    }
+    let k = cfg.nat_shards;
+    if sizes.iter().any(|&n| !r.pairs(n, "nodelb-sharded", "nodelb-one-table").is_empty()) {
+        let _ = writeln!(
+            w,
+            "\nThe nat chains over {k} tables (`--nat-shards {k}`) against one table, the two layouts of the \
+             same Services loaded on the two topologies at the same time (p50 µs, differences per repetition, median):\n"
+        );
+        let _ = writeln!(
+            w,
+            "| N | sharded − one table, to the node port (range) | other traffic: with sharded − with one table (range) |"
+        );
+        let _ = writeln!(w, "|---:|---:|---:|");
+        for &n in sizes {
+            let f = r.paired(n, "nodelb-sharded", "nodelb-one-table", |a, b| a - b);
+            if f.0.is_nan() {
+                continue;
+            }
+            let o = r.paired(n, "other-via-nodelb-sharded", "other-via-nodelb-one-table", |a, b| a - b);
             let _ = writeln!(
                 w,
-                "| {n}, `--nat-shards {}` | | {:+.1} | {:+.1} ({:+.1}…{:+.1}) | {:+.1} ({:+.1}…{:+.1}) |",
-                cfg.nat_shards,
-                r.over_direct(n, "nodelb-sharded"),
-                f.0,
-                f.1,
-                f.2,
-                o.0,
-                o.1,
-                o.2
+                "| {n} | {:+.1} ({:+.1}…{:+.1}) | {:+.1} ({:+.1}…{:+.1}) |",
+                f.0, f.1, f.2, o.0, o.1, o.2
             );
         }
     }
