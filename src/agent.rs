@@ -29,7 +29,7 @@ use crate::observe::manifest_dir::ManifestError;
 use crate::observe::source::{Fingerprint, Loaded, Snapshot, Source};
 use crate::observe::state::{State, StateFile};
 use crate::observe::sysctl::{Sysctls, forwarding_sysctl};
-use crate::plan::NodeFacts;
+use crate::plan::{self, NatShards, NodeFacts};
 use crate::port_policy::{Listeners, PortRange};
 use crate::replan::Planned;
 use crate::report::{ServiceState, ServiceStatus};
@@ -49,7 +49,7 @@ pub struct AgentConfig {
     /// `--iptables-forward-accept`: the mark bit of our flows (see [`NodeFacts::forward_mark`]).
     pub forward_mark: Option<u32>,
     /// `--nat-shards` (see [`NodeFacts::nat_shards`]).
-    pub nat_shards: u8,
+    pub nat_shards: NatShards,
     pub model: ModelOptions,
     pub sysctls: Sysctls,
     pub policy: HostPolicy,
@@ -133,6 +133,8 @@ struct Agent<K, N> {
     kept: desired::Kept,
     /// When the last sync decided every Service ([`WHOLE_SYNC_EVERY`]).
     last_whole: Option<Instant>,
+    /// The nat shard tables the node has now (`--nat-shards`, or what `auto` chose last).
+    nat_shards: u8,
     families: BTreeMap<Family, bool>,
     /// Refusals and input problems currently reported, to log each once per occurrence.
     logged_refusals: BTreeSet<String>,
@@ -274,6 +276,10 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             let mut st = crate::locks::write(&status);
             st.node_name = cfg.node_name.clone();
         }
+        let nat_shards = match cfg.nat_shards {
+            NatShards::Fixed(k) => k,
+            NatShards::Auto => 1,
+        };
         Agent {
             cfg,
             metrics,
@@ -285,6 +291,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             allocations,
             kept: desired::Kept::default(),
             last_whole: None,
+            nat_shards,
             families: BTreeMap::new(),
             logged_refusals: BTreeSet::new(),
             logged_problems: BTreeSet::new(),
@@ -455,7 +462,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             families: self.families.iter().filter(|(_, on)| **on).map(|(f, _)| *f).collect(),
             masquerade_mark: self.cfg.masquerade_mark,
             forward_mark: self.cfg.forward_mark,
-            nat_shards: self.cfg.nat_shards,
+            nat_shards: self.nat_shards,
         }
     }
 
@@ -503,6 +510,22 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             }
         };
         phases.mark("load");
+        // `--nat-shards auto`: the shards for the Service ports of this snapshot, before it is
+        // planned (an unchanged snapshot has the same ports, and the same shards).
+        let node = match self.cfg.nat_shards {
+            NatShards::Auto => {
+                let k = plan::auto_nat_shards(
+                    lb_service_ports(loaded.services.iter().map(|s| &**s)),
+                    self.nat_shards,
+                );
+                if k != self.nat_shards {
+                    info!(from = self.nat_shards, to = k, "nat shard tables (--nat-shards auto)");
+                    self.nat_shards = k;
+                }
+                NodeFacts { nat_shards: k, ..node }
+            }
+            NatShards::Fixed(_) => node,
+        };
         let problems: Vec<String> = loaded.problems.clone();
         log_new(
             &mut self.logged_problems,
@@ -913,3 +936,16 @@ fn log_new(reported: &mut BTreeSet<String>, current: BTreeSet<String>, log: impl
 pub mod schedule;
 #[cfg(test)]
 mod tests;
+
+/// The ports of the snapshot's `type: LoadBalancer` Services: what `--nat-shards auto` sizes the
+/// shards for (an upper bound of the ports programmed: some may be refused or unallocated).
+pub fn lb_service_ports<'a>(
+    services: impl IntoIterator<Item = &'a k8s_openapi::api::core::v1::Service>,
+) -> usize {
+    services
+        .into_iter()
+        .filter_map(|s| s.spec.as_ref())
+        .filter(|spec| spec.type_.as_deref() == Some("LoadBalancer"))
+        .map(|spec| spec.ports.as_ref().map_or(0, Vec::len))
+        .sum()
+}

@@ -80,13 +80,14 @@ pub struct CommonArgs {
     #[arg(long, default_value = "0x4000", value_parser = parse_mark, env = "NODELB_MASQUERADE_MARK")]
     pub masquerade_mark: u32,
     /// Spread the Services' nat chains over this many nf_tables tables (`nodelb-s0`…): 1, 2, 4, 8,
-    /// 16 or 32 (a node port's table is its low bits); 1 keeps them in table `nodelb`. The
+    /// 16 or 32 (a node port's table is its low bits), or `auto`: one per 1,000 Service ports
+    /// (rounded up to a power of two; none up to 1,000). 1 keeps them in table `nodelb`. The
     /// kernel validates only the tables a change touches, so adding or changing one Service
     /// among 10,000 costs about 1/N of one table's validation; each new connection meets one
     /// masked compare per table besides (docs/design.md, "Sharding the nat chains";
     /// docs/benchmarks.md has both measured).
-    #[arg(long, default_value = "1", value_parser = parse_nat_shards, env = "NODELB_NAT_SHARDS")]
-    pub nat_shards: u8,
+    #[arg(long, default_value = "auto", value_parser = parse_nat_shards, env = "NODELB_NAT_SHARDS")]
+    pub nat_shards: crate::plan::NatShards,
     /// Insert an ACCEPT for nodelb's forwarded flows at the head of the host's iptables FORWARD
     /// chain (iptables-nft: table ip/ip6 filter; iptables-legacy: the x_tables filter table), for
     /// hosts whose firewall drops forwarded traffic (Docker, ufw). Removed by `nodelb cleanup` and
@@ -244,10 +245,12 @@ fn parse_node_labels(s: &str) -> Result<NodeLabels, String> {
     Ok(NodeLabels(out))
 }
 
-fn parse_nat_shards(s: &str) -> Result<u8, String> {
+fn parse_nat_shards(s: &str) -> Result<crate::plan::NatShards, String> {
+    use crate::plan::NatShards;
     match s.parse::<u8>() {
-        Ok(k) if k.is_power_of_two() && k <= crate::ir::MAX_NAT_SHARDS => Ok(k),
-        _ => Err(format!("invalid nat shard count {s:?}: 1, 2, 4, 8, 16 or 32")),
+        _ if s == "auto" => Ok(NatShards::Auto),
+        Ok(k) if k.is_power_of_two() && k <= crate::ir::MAX_NAT_SHARDS => Ok(NatShards::Fixed(k)),
+        _ => Err(format!("invalid nat shard count {s:?}: auto, 1, 2, 4, 8, 16 or 32")),
     }
 }
 
@@ -277,12 +280,17 @@ mod tests {
 
     #[test]
     fn nat_shards_are_a_power_of_two_up_to_32() {
+        use crate::plan::NatShards;
         for k in [1u8, 2, 4, 8, 16, 32] {
-            assert_eq!(parse_nat_shards(&k.to_string()), Ok(k));
+            assert_eq!(parse_nat_shards(&k.to_string()), Ok(NatShards::Fixed(k)));
         }
-        for bad in ["0", "3", "64", "-1", "x", ""] {
+        assert_eq!(parse_nat_shards("auto"), Ok(NatShards::Auto));
+        for bad in ["0", "3", "64", "-1", "x", "", "Auto"] {
             let e = parse_nat_shards(bad).unwrap_err();
-            assert!(e.contains(&format!("{bad:?}")) && e.contains("1, 2, 4, 8, 16 or 32"), "{bad}: {e}");
+            assert!(
+                e.contains(&format!("{bad:?}")) && e.contains("auto, 1, 2, 4, 8, 16 or 32"),
+                "{bad}: {e}"
+            );
         }
     }
 

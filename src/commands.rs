@@ -374,7 +374,12 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
         families: Family::ALL.into_iter().collect::<BTreeSet<_>>(),
         masquerade_mark: args.common.masquerade_mark,
         forward_mark: forward_mark(&args.common)?,
-        nat_shards: args.common.nat_shards,
+        nat_shards: match args.common.nat_shards {
+            crate::plan::NatShards::Fixed(k) => k,
+            crate::plan::NatShards::Auto => {
+                crate::plan::auto_nat_shards(crate::agent::lb_service_ports(&services), 1)
+            }
+        },
     };
     let host = HostFacts {
         addresses: host_addresses.merged(&cluster_addresses),

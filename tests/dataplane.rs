@@ -1168,3 +1168,52 @@ fn sharded_nat_chains_serve_refuse_and_repair() {
     let tables = nft(&topo.node, &["list", "tables"]);
     assert_eq!(tables.trim(), "table inet decoy", "tables after cleanup");
 }
+
+/// `--nat-shards auto` (the default): one table up to 1,000 Service ports; past it the same
+/// Services spread over shard tables in one sync, still served; well below it (a quarter of what
+/// the shards hold) back to one table.
+#[test]
+fn auto_nat_shards_follow_the_number_of_service_ports() {
+    require_root!();
+    let topo = Topology::new(1, 1);
+    let c = topo.client(0);
+    let batch = |from: u16, n: u16| {
+        let specs: Vec<ServiceSpec> = (from..from + n).map(|i| web(&format!("s{i}"), 20000 + i, 1)).collect();
+        render_all(&specs.iter().collect::<Vec<_>>())
+    };
+    let ours = |ns: &common::netns::NetNs| -> Vec<String> {
+        nft(ns, &["list", "tables"]).lines().filter(|l| l.contains("nodelb")).map(String::from).collect()
+    };
+    let mut agent = start(&topo, &[("a.yaml", batch(0, 900))], &[]);
+    agent.wait_state("default/s899", "programmed", CHANGE);
+    assert_eq!(ours(&topo.node), ["table inet nodelb"], "900 ports: one table");
+    get_n(c, v4(NODE_V4), 20899, 2);
+
+    agent.write_manifest("b.yaml", &batch(900, 200));
+    agent.wait_state("default/s1099", "programmed", CHANGE);
+    assert!(
+        wait_until(CHANGE, || ours(&topo.node).len() == 3),
+        "1,100 ports: two shards: {:?}",
+        ours(&topo.node)
+    );
+    for port in [20000, 20899, 20900, 21099] {
+        get_n(c, v4(NODE_V4), port, 2);
+    }
+    assert!(agent.logs().contains("nat shard tables"), "the change is logged");
+
+    // 1,000 again: still two shards (no move back and forth at the boundary)…
+    agent.remove_manifest("b.yaml");
+    agent.write_manifest("a.yaml", &batch(0, 1000));
+    assert!(wait_until(CHANGE, || agent.service_state("default/s1099").is_none()));
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(ours(&topo.node).len(), 3, "1,000 ports after 1,100: {:?}", ours(&topo.node));
+    // …and 400: one table.
+    agent.write_manifest("a.yaml", &batch(0, 400));
+    assert!(
+        wait_until(CHANGE, || ours(&topo.node) == ["table inet nodelb"]),
+        "400 ports: one table: {:?}",
+        ours(&topo.node)
+    );
+    get_n(c, v4(NODE_V4), 20399, 2);
+    assert!(http_get(c, v4(NODE_V4), 20899, SHORT).is_err(), "a removed Service still answers");
+}

@@ -78,7 +78,7 @@ impl Harness {
             enable_forwarding: false,
             masquerade_mark: crate::plan::DEFAULT_MASQUERADE_MARK,
             forward_mark: None,
-            nat_shards: 1,
+            nat_shards: crate::plan::NatShards::Fixed(1),
             model: ModelOptions::default(),
             sysctls: Sysctls::with_root(dir.path().join("proc-sys")),
             policy: HostPolicy {

@@ -99,6 +99,34 @@ impl NodeFacts {
     }
 }
 
+/// `--nat-shards`: a fixed number of nat shard tables, or as many as the Services need.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NatShards {
+    Fixed(u8),
+    /// [`auto_nat_shards`] of the Service ports the node sees.
+    Auto,
+}
+
+/// `--nat-shards auto`: the most Service ports a shard table is given before the shards double
+/// (adding one at 1,000 per table costs the kernel ~3 ms; docs/benchmarks.md).
+pub const PORTS_PER_NAT_SHARD: usize = 1_000;
+
+/// `--nat-shards auto`: how many shard tables for `ports` Service ports when there are `current`
+/// now. The least power of two giving each at most [`PORTS_PER_NAT_SHARD`] (at most
+/// [`crate::ir::MAX_NAT_SHARDS`]; 1 is the main table alone); more at once when the ports need
+/// them, fewer only once the ports would fill a quarter of what the current ones hold, so a
+/// count moving around a boundary does not move every port back and forth (a new count is a full
+/// replace).
+pub fn auto_nat_shards(ports: usize, current: u8) -> u8 {
+    let max = crate::ir::MAX_NAT_SHARDS;
+    let mut want: u8 = 1;
+    while want < max && ports > PORTS_PER_NAT_SHARD * usize::from(want) {
+        want *= 2;
+    }
+    let current = current.clamp(1, max);
+    if want >= current || ports * 4 <= PORTS_PER_NAT_SHARD * usize::from(current) { want } else { current }
+}
+
 /// The table of the nat part of a service port with node port `node_port`: the shard its low
 /// bits name, so each shard's nat chains can let every other port go with one masked compare
 /// (`th dport & K-1 != k`) before any lookup. Both families and every protocol of a node port
@@ -1097,4 +1125,38 @@ pub fn udp_backends(rs: &Ruleset) -> BTreeSet<UdpBackend> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--nat-shards auto`: (ports, current shards) → shards. Up at once, down only well below.
+    #[test]
+    fn auto_nat_shards_grow_at_once_and_shrink_with_hysteresis() {
+        let max = crate::ir::MAX_NAT_SHARDS;
+        #[rustfmt::skip]
+        let cases: &[(usize, u8, u8)] = &[
+            (0, 1, 1), (1_000, 1, 1), (1_001, 1, 2), (2_001, 1, 4), (10_000, 1, 16),
+            (10_000, 4, 16), (16_001, 16, 32), (50_000, 1, max), (1_000_000, max, max),
+            // Down: only once the ports would fill a quarter of the current shards.
+            (10_000, 32, 32), (8_001, 32, 32), (8_000, 32, 8), (5_000, 16, 16), (4_000, 16, 4),
+            (999, 2, 2), (500, 2, 1), (0, 16, 1),
+            // Just above a boundary and back just below it: no move back.
+            (4_001, 4, 8), (4_000, 8, 8), (2_000, 8, 2),
+            // A current count out of range counts as its clamp.
+            (0, 0, 1), (10, 200, 1),
+        ];
+        for &(ports, current, want) in cases {
+            assert_eq!(auto_nat_shards(ports, current), want, "{ports} ports, {current} shards now");
+        }
+        // Every result is a power of two the node can have, and stable: asked again, the same.
+        for ports in (0..70_000).step_by(250) {
+            for current in [1u8, 2, 4, 8, 16, 32] {
+                let k = auto_nat_shards(ports, current);
+                assert!(k.is_power_of_two() && k <= max, "{ports}, {current}: {k}");
+                assert_eq!(auto_nat_shards(ports, k), k, "{ports} ports: {current} → {k} is not stable");
+            }
+        }
+    }
 }
