@@ -1184,7 +1184,7 @@ fn auto_nat_shards_follow_the_number_of_service_ports() {
     let ours = |ns: &common::netns::NetNs| -> Vec<String> {
         nft(ns, &["list", "tables"]).lines().filter(|l| l.contains("nodelb")).map(String::from).collect()
     };
-    let mut agent = start(&topo, &[("a.yaml", batch(0, 900))], &[]);
+    let agent = start(&topo, &[("a.yaml", batch(0, 900))], &[]);
     agent.wait_state("default/s899", "programmed", CHANGE);
     assert_eq!(ours(&topo.node), ["table inet nodelb"], "900 ports: one table");
     get_n(c, v4(NODE_V4), 20899, 2);
