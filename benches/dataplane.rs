@@ -83,10 +83,11 @@ struct Config {
     reaction_port: u16,
     /// `--kube-setup live|existing`: how the Kubernetes mode's N Services come to be.
     kube_setup: KubeSetupMode,
-    /// `--nat-shards K` (scale mode; default 16): the agents run with it, and the programming and
+    /// `--nat-shards K` (scale mode): the agents run with it, and the programming and
     /// per-connection rows are measured with the nat chains in one table and over K tables,
-    /// side by side. 1: one table only.
-    nat_shards: u8,
+    /// side by side (1: one table only). Without it the agents run with their default (`auto`)
+    /// and K at N is what `auto` gives N Services ([`shards_at`]).
+    nat_shards: Option<u8>,
 }
 
 /// How the Kubernetes-mode part gets its N Services.
@@ -141,7 +142,7 @@ fn config() -> Config {
             agent_args: Vec::new(),
             reaction_port: REACTION_NODE_PORT,
             kube_setup: KubeSetupMode::Live,
-            nat_shards: 1,
+            nat_shards: None,
         }
     } else {
         Config {
@@ -166,7 +167,7 @@ fn config() -> Config {
             agent_args: Vec::new(),
             reaction_port: REACTION_NODE_PORT,
             kube_setup: KubeSetupMode::Live,
-            nat_shards: 1,
+            nat_shards: None,
         }
     };
     // Scale defaults first: the flags below override them.
@@ -189,8 +190,10 @@ fn config() -> Config {
         if let Some(s) = value("--scale-sizes") {
             c.scale_sizes = s.split(',').filter_map(|x| x.trim().parse().ok()).collect();
         }
-        c.nat_shards = value("--nat-shards").and_then(|k| k.parse().ok()).unwrap_or(SCALE_NAT_SHARDS);
-        c.agent_args.extend(["--nat-shards".to_string(), c.nat_shards.to_string()]);
+        c.nat_shards = value("--nat-shards").and_then(|k| k.parse().ok());
+        if let Some(k) = c.nat_shards {
+            c.agent_args.extend(["--nat-shards".to_string(), k.to_string()]);
+        }
     }
     if let Some(s) = value("--sizes") {
         c.sizes = s.split(',').filter_map(|x| x.trim().parse().ok()).collect();
@@ -1257,7 +1260,8 @@ fn run_scale_rep(cfg: &Config, n: usize, rep_no: usize, r: &mut Results) {
 
     let mut nat_only = rs.clone();
     nat_only.chains.retain(|_, c| c.base.as_ref().is_none_or(|b| b.chain_type == ChainType::Nat));
-    let sharded = (cfg.nat_shards > 1).then(|| nodelb_plan_sharded(&nodelb_services(&svcs), cfg.nat_shards));
+    let k = shards_at(cfg, n);
+    let sharded = (k > 1).then(|| nodelb_plan_sharded(&nodelb_services(&svcs), k));
     let (lb, direct) = (target_lb(), target_direct());
     let mut rep: BTreeMap<&'static str, ConnSamples> = BTreeMap::new();
     let mut add = |v: &'static str, s: ConnSamples| rep.entry(v).or_default().extend(s);
@@ -1320,9 +1324,11 @@ fn run_scale_rep(cfg: &Config, n: usize, rep_no: usize, r: &mut Results) {
     }
 }
 
-/// The scale mode's default `--nat-shards`: the most that docs/benchmarks.md found to pay at
-/// 10,000 and 50,000 Services.
-const SCALE_NAT_SHARDS: u8 = 16;
+/// The nat shard tables of the scale mode's sharded rows at N Services: `--nat-shards`, else
+/// what the agent's `auto` gives them (the N, the target and the iperf Service).
+fn shards_at(cfg: &Config, n: usize) -> u8 {
+    cfg.nat_shards.unwrap_or_else(|| plan::auto_nat_shards(n + 2, 1))
+}
 
 /// Endpoints per Service of the scale mode's programming rows: × 1 and × 5.
 const SCALE_ENDPOINTS: [usize; 2] = [1, 5];
@@ -1421,8 +1427,8 @@ fn run_scale_programming(cfg: &Config, n: usize, r: &mut Results) {
             let (base, plus) = (ladder_ruleset(&base, step), ladder_ruleset(&plus, step));
             program_pair(cfg, n, e, &ladder_suffix(step), base, plus, r);
         }
-        if cfg.nat_shards > 1 {
-            let k = cfg.nat_shards;
+        let k = shards_at(cfg, n);
+        if k > 1 {
             let base = common::scenarios::scale_ruleset(n, e, false, k);
             let plus = common::scenarios::scale_ruleset(n + 1, e, false, k);
             program_pair(cfg, n, e, &format!(", {k} nat shards"), base, plus, r);
@@ -2300,7 +2306,7 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
                 "| add / remove one Service (× 5) | {n} | ≤ {ta:.0} / ≤ {tr:.0} ms | {add:.2} / {rm:.2} ms; kernel floor {add_floor:.2} / {rm_floor:.2} ms | {} |",
                 floor_verdict(&[(add, add_floor, ta), (rm, rm_floor, tr)])
             );
-            let k = cfg.nat_shards;
+            let k = shards_at(cfg, n);
             let sharded = (
                 med(n, &format!("add one × 5, {k} nat shards")),
                 med(n, &format!("remove one × 5, {k} nat shards")),
@@ -2451,18 +2457,17 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
             o.2
         );
     }
-    let k = cfg.nat_shards;
     if sizes.iter().any(|&n| !r.pairs(n, "nodelb-sharded", "nodelb-one-table").is_empty()) {
         let _ = writeln!(
             w,
-            "\nThe nat chains over {k} tables (`--nat-shards {k}`) against one table, the two layouts of the \
+            "\nThe nat chains over K tables (`--nat-shards K`) against one table, the two layouts of the \
              same Services loaded on the two topologies at the same time (p50 µs, differences per repetition, median):\n"
         );
         let _ = writeln!(
             w,
-            "| N | sharded − one table, to the node port (range) | other traffic: with sharded − with one table (range) |"
+            "| N | K | sharded − one table, to the node port (range) | other traffic: with sharded − with one table (range) |"
         );
-        let _ = writeln!(w, "|---:|---:|---:|");
+        let _ = writeln!(w, "|---:|---:|---:|---:|");
         for &n in sizes {
             let f = r.paired(n, "nodelb-sharded", "nodelb-one-table", |a, b| a - b);
             if f.0.is_nan() {
@@ -2471,8 +2476,14 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
             let o = r.paired(n, "other-via-nodelb-sharded", "other-via-nodelb-one-table", |a, b| a - b);
             let _ = writeln!(
                 w,
-                "| {n} | {:+.1} ({:+.1}…{:+.1}) | {:+.1} ({:+.1}…{:+.1}) |",
-                f.0, f.1, f.2, o.0, o.1, o.2
+                "| {n} | {} | {:+.1} ({:+.1}…{:+.1}) | {:+.1} ({:+.1}…{:+.1}) |",
+                shards_at(cfg, n),
+                f.0,
+                f.1,
+                f.2,
+                o.0,
+                o.1,
+                o.2
             );
         }
     }
