@@ -740,6 +740,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         self.services_series = by_state.into_keys().collect();
         let ports = desired.services.iter().flat_map(|s| s.ports.iter());
         m.service_ports.set(ports.clone().filter(|p| p.node_port.is_some()).count() as i64);
+        m.nat_shard_tables.set(i64::from(self.nat_shards));
         m.endpoints.set(ports.map(|p| p.endpoints as i64).sum());
         let allocations = &self.allocations.allocations;
         let numbers: BTreeSet<u16> = allocations.values().flat_map(|p| p.values().copied()).collect();

@@ -1200,6 +1200,8 @@ fn auto_nat_shards_follow_the_number_of_service_ports() {
         get_n(c, v4(NODE_V4), port, 2);
     }
     assert!(agent.logs().contains("nat shard tables"), "the change is logged");
+    let metrics = agent.http("/metrics").expect("/metrics").body;
+    assert!(metrics.lines().any(|l| l == "nodelb_nat_shard_tables 2"), "the gauge says 2 tables");
 
     // 1,000 again: still two shards (no move back and forth at the boundary)…
     agent.remove_manifest("b.yaml");

@@ -28,6 +28,7 @@ pub struct Metrics {
     pub registry: Registry,
     pub services: IntGaugeVec,
     pub service_ports: IntGauge,
+    pub nat_shard_tables: IntGauge,
     pub endpoints: IntGauge,
     pub allocations: IntGauge,
     pub free_ports: IntGauge,
@@ -152,6 +153,10 @@ impl Metrics {
         )?;
         let service_ports =
             IntGauge::new("nodelb_service_ports", "Service ports with an allocated node port on this node.")?;
+        let nat_shard_tables = IntGauge::new(
+            "nodelb_nat_shard_tables",
+            "Tables the Services' nat chains are spread over (--nat-shards); 1: all in table nodelb.",
+        )?;
         let endpoints =
             IntGauge::new("nodelb_endpoints", "Endpoints usable on this node, summed over Service ports.")?;
         let allocations = IntGauge::new(
@@ -281,6 +286,7 @@ impl Metrics {
 
         registry.register(Box::new(services.clone()))?;
         registry.register(Box::new(service_ports.clone()))?;
+        registry.register(Box::new(nat_shard_tables.clone()))?;
         registry.register(Box::new(endpoints.clone()))?;
         registry.register(Box::new(allocations.clone()))?;
         registry.register(Box::new(free_ports.clone()))?;
@@ -333,6 +339,7 @@ impl Metrics {
             registry,
             services,
             service_ports,
+            nat_shard_tables,
             endpoints,
             allocations,
             free_ports,
