@@ -583,8 +583,12 @@ fn plan_in<S: ClaimStore>(
             next.set(n, None);
         }
     }
-    // Claims for what is held without one (not what a write of this round takes off); of two
-    // holders of a settled claim, the older keeps it.
+    // Claims for what is held without one; of two holders of a settled claim, the older keeps
+    // it. A number every holder gives up in this round is claimed for its oldest holder too,
+    // whose write then marks it Removing: no other Service's addition takes it before that
+    // write is seen (with the registry lost, a Lease deleted, the number was otherwise free to
+    // an addition of the same round while the holder's annotation still named it: the chaos
+    // soak's double allocation, seed 1795815239939159639).
     let numbers: Box<dyn Iterator<Item = (&u16, &Vec<Arc<Holder>>)>> = match only {
         None => Box::new(by_number.iter()),
         Some((only, _)) => Box::new(only.iter().filter_map(|n| by_number.get_key_value(n))),
@@ -592,7 +596,7 @@ fn plan_in<S: ClaimStore>(
     for (n, hs) in numbers {
         let keepers: Vec<&Arc<Holder>> =
             hs.iter().filter(|h| changing.get(&h.key).is_none_or(|after| after.contains(n))).collect();
-        let Some(oldest) = keepers.first() else { continue };
+        let Some(oldest) = keepers.first().copied().or_else(|| hs.first()) else { continue };
         match next.get(*n) {
             None => next.set(*n, Some(Claim::held(oldest.owner.clone()))),
             Some(c)
@@ -1090,6 +1094,29 @@ mod tests {
                 "case {case}: registry {reg:?}, holders {holders:?}, gone {gone:?}, expired {expired:?}"
             );
         }
+    }
+
+    /// The registry lost (its Lease deleted): `a` gives 20008 up in the round in which `b` asks
+    /// for it. `b` waits until `a`'s write is seen; `a`'s write marks the number Removing.
+    #[test]
+    fn a_number_given_up_without_a_claim_is_not_taken_in_the_same_round() {
+        let (a, b) = (holder('a', 1, &[20008]), holder('b', 2, &[]));
+        let holders = [a.clone(), b.clone()];
+        let changes = vec![
+            AnnotationChange { holder: &a, after: BTreeSet::from([20009]) },
+            AnnotationChange { holder: &b, after: BTreeSet::from([20008]) },
+        ];
+        let (gone, expired) = (BTreeSet::new(), BTreeSet::new());
+        let p = plan(&registry(&[]), &HeldNumbers::of(&holders), &changes, &tok("me"), &gone, &expired);
+        assert!(p.blocked.contains(&b.key), "{p:?}");
+        assert_eq!(p.services[&a.key].removes, [20008], "{p:?}");
+        // Once `a`'s write is seen (it holds 20009, the claim is gone), `b` takes 20008.
+        let a2 = holder('a', 1, &[20009]);
+        let holders = [a2.clone(), b.clone()];
+        let changes = vec![AnnotationChange { holder: &b, after: BTreeSet::from([20008]) }];
+        let reg = registry(&[(20009, Claim::held(owner('a')))]);
+        let p = plan(&reg, &HeldNumbers::of(&holders), &changes, &tok("me"), &gone, &expired);
+        assert!(p.blocked.is_empty() && p.services[&b.key].adds == [(20008, None)], "{p:?}");
     }
 
     #[test]
