@@ -1324,6 +1324,11 @@ fn run_scale_rep(cfg: &Config, n: usize, rep_no: usize, r: &mut Results) {
     }
 }
 
+/// A paired difference (median, low, high) as `+1.2 (+0.3…+2.5)`.
+fn with_range((mid, lo, hi): (f64, f64, f64)) -> String {
+    format!("{mid:+.1} ({lo:+.1}…{hi:+.1})")
+}
+
 /// The nat shard tables of the scale mode's sharded rows at N Services: `--nat-shards`, else
 /// what the agent's `auto` gives them (the N, the target and the iperf Service).
 fn shards_at(cfg: &Config, n: usize) -> u8 {
@@ -2446,15 +2451,11 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
         let o = r.paired(n, "other-via-nodelb", "other-via-nat-floor", |a, f| a - f);
         let _ = writeln!(
             w,
-            "| {n} | {:+.1} | {:+.1} | {:+.1} ({:+.1}…{:+.1}) | {:+.1} ({:+.1}…{:+.1}) |",
+            "| {n} | {:+.1} | {:+.1} | {} | {} |",
             r.over_direct(n, "nat-floor"),
             r.over_direct(n, "nodelb"),
-            f.0,
-            f.1,
-            f.2,
-            o.0,
-            o.1,
-            o.2
+            with_range(f),
+            with_range(o)
         );
     }
     if sizes.iter().any(|&n| !r.pairs(n, "nodelb-sharded", "nodelb-one-table").is_empty()) {
@@ -2474,17 +2475,7 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
                 continue;
             }
             let o = r.paired(n, "other-via-nodelb-sharded", "other-via-nodelb-one-table", |a, b| a - b);
-            let _ = writeln!(
-                w,
-                "| {n} | {} | {:+.1} ({:+.1}…{:+.1}) | {:+.1} ({:+.1}…{:+.1}) |",
-                shards_at(cfg, n),
-                f.0,
-                f.1,
-                f.2,
-                o.0,
-                o.1,
-                o.2
-            );
+            let _ = writeln!(w, "| {n} | {} | {} | {} |", shards_at(cfg, n), with_range(f), with_range(o));
         }
     }
     for &n in sizes {

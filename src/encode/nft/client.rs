@@ -14,7 +14,7 @@ use super::encode::{self, Encoded, describe_ref, msg_type};
 use super::nla::{Writer, messages};
 use super::{ApplyStats, Counter, CounterValues, KernelTable, NftError, decode, foreign};
 use crate::hostfw::{Action, HostBase, HostChain, Source, TableFamily};
-use crate::ir::{self, Carried, Change, ChangeRef, KeyType, Ruleset, Table};
+use crate::ir::{Carried, Change, ChangeRef, KeyType, Ruleset, Table};
 
 /// Most foreign chains [`NftClient::read_forward_chains`] reads (base chains first); a jump to a
 /// chain beyond it makes the analysis uncertain, never wrong.
@@ -534,16 +534,11 @@ impl NftClient {
     }
 
     /// The named counters of the tables nodelb owns (none when they do not exist): one object
-    /// dump, what a scrape and the fold before a full replace need, without reading the rules and
-    /// set elements. Without nat shards the dump asks for table nodelb alone; with them, for the
-    /// family's counters, of which those of nodelb's tables are kept.
+    /// dump of the family's counters, of which those of nodelb's tables are kept, what a scrape
+    /// and the fold before a full replace need, without reading the rules and set elements.
     pub fn read_counters(&mut self) -> Result<CounterValues, NftError> {
         let mut out = CounterValues::new();
-        let sharded = self.sharded()?;
         let replies = self.request(NFT_MSG_GETOBJ, true, "list counters", |w| {
-            if !sharded {
-                w.put_str(NFTA_OBJ_TABLE, ir::TABLE_NAME);
-            }
             w.put_u32(NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER);
         })?;
         for p in replies {
@@ -555,11 +550,6 @@ impl NftClient {
             }
         }
         Ok(out)
-    }
-
-    /// Whether a nat shard table of nodelb exists (one table listing).
-    fn sharded(&mut self) -> Result<bool, NftError> {
-        Ok(self.our_tables()?.iter().any(|t| *t != Table::Main))
     }
 
     /// One named counter of table inet nodelb; `None` when it (or the table) does not exist.
