@@ -1610,9 +1610,11 @@ pub enum WriteOutcome {
     Written,
     /// 409: the Service changed since it was read.
     Conflict,
-    /// Another answer from the API (the annotation patch, if any, was refused).
+    /// The API said no (a 4xx other than 408) to the annotation patch, or a status-only write
+    /// failed.
     Refused,
-    /// No answer to the annotation patch: it may or may not have been applied.
+    /// No answer to the annotation patch, or one that may come after a commit (5xx, 408): it
+    /// may or may not have been applied.
     Unknown,
     /// The annotation was written, the status was not.
     StatusFailed,
@@ -1678,13 +1680,7 @@ pub async fn write_services(
                     count_api_error(metrics, "service");
                     warn!(service = %w.key, error = %e, "cannot update Service");
                 }
-                match (annotated, &e) {
-                    (true, _) => WriteOutcome::StatusFailed,
-                    (false, e) if is_conflict(e) => WriteOutcome::Conflict,
-                    (false, kube::Error::Api(_)) => WriteOutcome::Refused,
-                    (false, _) if w.annotation.is_none() => WriteOutcome::Refused,
-                    (false, _) => WriteOutcome::Unknown,
-                }
+                failed_write(annotated, w.annotation.is_some(), &e)
             }
         };
         out.push(outcome);
@@ -1694,6 +1690,25 @@ pub async fn write_services(
         info!(services = written, "published allocations and status");
     }
     out
+}
+
+/// How a write that failed ended. `annotated`: its annotation patch was applied (the status
+/// patch failed); `patched_annotation`: it had one to apply.
+///
+/// An answer from the API is final only when it says the request was not carried out: a 4xx
+/// other than 408 (timeout). A 5xx (an etcd timeout, a 504 "may still be processing") can come
+/// after the write committed, like a lost connection; taking it for a refusal would drop the
+/// claim of a number the Service then holds, and another Service could be given it.
+fn failed_write(annotated: bool, patched_annotation: bool, e: &kube::Error) -> WriteOutcome {
+    match (annotated, e) {
+        (true, _) => WriteOutcome::StatusFailed,
+        (false, e) if is_conflict(e) => WriteOutcome::Conflict,
+        (false, _) if !patched_annotation => WriteOutcome::Refused,
+        (false, kube::Error::Api(s)) if (400..500).contains(&s.code) && s.code != 408 => {
+            WriteOutcome::Refused
+        }
+        (false, _) => WriteOutcome::Unknown,
+    }
 }
 
 /// Service writes the leader keeps in flight at once. One at a time, a round that allocates a
@@ -1928,6 +1943,34 @@ async fn resolve_claims(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Only an answer that says the write was not carried out gives its claims back; a 5xx or a
+    /// timeout may come after the commit, so its claims are held until the Service is read.
+    #[test]
+    fn a_failed_write_is_refused_only_when_the_api_says_it_was_not_done() {
+        let api = |code: u16| {
+            kube::Error::Api(kube::core::Status { code, ..kube::core::Status::failure("answer", "") }.boxed())
+        };
+        let lost = || kube::Error::Service(std::io::Error::other("connection reset").into());
+        // (name, annotation applied, had one to apply, error, outcome)
+        let cases = [
+            ("409 on the annotation", false, true, api(409), WriteOutcome::Conflict),
+            ("422 invalid", false, true, api(422), WriteOutcome::Refused),
+            ("403 forbidden", false, true, api(403), WriteOutcome::Refused),
+            ("404 deleted", false, true, api(404), WriteOutcome::Refused),
+            ("429 throttled", false, true, api(429), WriteOutcome::Refused),
+            ("408 timeout", false, true, api(408), WriteOutcome::Unknown),
+            ("500 etcd timeout", false, true, api(500), WriteOutcome::Unknown),
+            ("504 may still be processing", false, true, api(504), WriteOutcome::Unknown),
+            ("connection lost", false, true, lost(), WriteOutcome::Unknown),
+            ("status only, connection lost", false, false, lost(), WriteOutcome::Refused),
+            ("status only, 500", false, false, api(500), WriteOutcome::Refused),
+            ("status failed after the annotation", true, true, api(500), WriteOutcome::StatusFailed),
+        ];
+        for (name, annotated, patched, e, want) in cases {
+            assert_eq!(failed_write(annotated, patched, &e), want, "{name}");
+        }
+    }
 
     /// A round is skipped only after a clean, recent round, for the very versions its writes
     /// made and for Lease renewals that change nothing the round reads.

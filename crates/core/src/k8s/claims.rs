@@ -474,7 +474,8 @@ impl<'h> Screen<'h> {
 pub enum Outcome {
     /// Accepted: the Service now holds exactly what was written.
     Written,
-    /// Refused (409 or another API answer): the Service is as it was.
+    /// Refused (409, or another 4xx that says the request was not carried out): the Service is
+    /// as it was.
     Refused,
     /// No answer (timeout, connection lost): it may or may not hold it.
     Unknown,
