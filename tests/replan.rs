@@ -558,10 +558,23 @@ fn what_only_the_allocator_reads_plans_nothing_again() {
 /// scoped, to a few Services.
 #[test]
 fn scoped_syncs_decide_what_whole_syncs_decide() {
+    scoped_syncs(nodelb::desired::AllocationMode::Annotated);
+}
+
+/// Manifests mode, where the node allocates: the same histories, the allocation annotations
+/// now numbers found on the objects (what exists wins), some Services asking for numbers
+/// (`nodelb.io/ports`: conflicts settled by age), ranges exhausted in the pools, and the state
+/// file's ages stamped as the agent stamps them (and changed underneath now and then).
+#[test]
+fn scoped_syncs_decide_what_whole_syncs_decide_when_the_node_allocates() {
+    scoped_syncs(nodelb::desired::AllocationMode::Allocate);
+}
+
+fn scoped_syncs(mode: nodelb::desired::AllocationMode) {
     use k8s_openapi::api::core::v1::Service;
     use nodelb::compact::EndpointSlice;
     use nodelb::desired::{AllocationMode, HostFacts, HostPolicy, Inputs, Kept, Scope, SourceNotes};
-    use nodelb::model::{ANNOTATION_ALLOCATED, CONDITION_ALLOCATED, ModelOptions};
+    use nodelb::model::{ANNOTATION_ALLOCATED, ANNOTATION_PORTS, CONDITION_ALLOCATED, ModelOptions};
     use nodelb::pool::{self, PoolContext, PoolSet};
     use nodelb::port_policy::{PortPolicy, PortRange};
     use serde_json::{Value, json};
@@ -617,6 +630,7 @@ fn scoped_syncs_decide_what_whole_syncs_decide() {
         let mut host = HostFacts::default();
         let mut pools: Option<PoolContext> = None;
         let mut previous = BTreeMap::new();
+        let mut since: BTreeMap<ServiceKey, k8s_openapi::jiff::Timestamp> = BTreeMap::new();
         let mut kept = Kept::default();
         let (mut applied, mut index): (Option<Ruleset>, CounterIndex) = (None, CounterIndex::default());
         for step in 0..150 {
@@ -679,6 +693,15 @@ fn scoped_syncs_decide_what_whole_syncs_decide() {
                         }
                         if rng.chance(0.3) {
                             svc["metadata"]["labels"]["tier"] = json!("a");
+                        }
+                        // A number asked for (only the allocating node reads it): often one
+                        // another Service holds, now and then the service port's own.
+                        if rng.chance(0.25) {
+                            let asked = match rng.below(4) {
+                                0 => "80/TCP=service".to_string(),
+                                _ => format!("80/TCP={}", number(&mut rng)),
+                            };
+                            svc["metadata"]["annotations"][ANNOTATION_PORTS] = json!(asked);
                         }
                         if rng.chance(0.15) {
                             svc["metadata"]["labels"]["svccontroller.k3s.cattle.io/lbpool"] = json!("other");
@@ -787,12 +810,12 @@ fn scoped_syncs_decide_what_whole_syncs_decide() {
                 shuffle(&mut rng, &mut slice_objects);
             }
             let inputs = Inputs {
-                mode: AllocationMode::Annotated,
+                mode,
                 services: svc_objects.as_slice(),
                 slices: slice_objects.as_slice(),
                 notes: &notes,
                 previous: &previous,
-                since: &BTreeMap::new(),
+                since: &since,
                 range: &range,
                 model: &model,
                 node: &node,
@@ -809,11 +832,114 @@ fn scoped_syncs_decide_what_whole_syncs_decide() {
                 seen += svc_objects.len();
             }
             previous = whole.allocations;
+            if mode == AllocationMode::Allocate {
+                // As the agent keeps the state file: the time of every Service allocated,
+                // kept while it is; and now and then one changed underneath.
+                let now = k8s_openapi::jiff::Timestamp::from_second(1_700_000_000 + step as i64).unwrap();
+                since = previous.keys().map(|k| (k.clone(), since.get(k).copied().unwrap_or(now))).collect();
+                if rng.chance(0.1)
+                    && let Some(k) = since.keys().nth(rng.below(since.len().max(1) as u64) as usize).cloned()
+                {
+                    since.insert(k, k8s_openapi::jiff::Timestamp::from_second(1_600_000_000).unwrap());
+                }
+            }
         }
     }
     println!(
-        "{syncs} syncs, {scoped} scoped; the scoped ones decided {decided} Services of {seen} in their views"
+        "{mode:?}: {syncs} syncs, {scoped} scoped; the scoped ones decided {decided} Services of {seen} in their views"
     );
     assert!(scoped * 3 > syncs * 2, "only {scoped} of {syncs} syncs were scoped");
-    assert!(decided * 3 < seen, "the scoped syncs decided {decided} Services of {seen}");
+    // The allocating node decides every unsettled Service at every sync: with the pools' eight
+    // numbers each, about half of these small views are exhausted (the sparse case is
+    // `a_manifests_change_decides_only_its_service`).
+    let most = match mode {
+        AllocationMode::Annotated => seen / 3,
+        AllocationMode::Allocate => seen * 4 / 5,
+    };
+    assert!(decided < most, "the scoped syncs decided {decided} Services of {seen}");
+}
+
+/// Manifests mode among 200 settled Services: a new Service, a removed one, an edited one, one
+/// whose allocation age changed under it are each decided alone (with whoever named a number it
+/// names), and the results are the whole decision's.
+#[test]
+fn a_manifests_change_decides_only_its_service() {
+    use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
+    use nodelb::desired::{AllocationMode, HostFacts, HostPolicy, Inputs, Kept, Scope, SourceNotes};
+    use nodelb::model::ModelOptions;
+    use nodelb::port_policy::{PortPolicy, PortRange};
+
+    let objects = |i: u16, asked: Option<u16>| {
+        let s = ServiceSpec::new(&format!("s{i:03}"))
+            .port(PortSpec::tcp(80, asked))
+            .endpoint(EndpointSpec::local(std::net::Ipv4Addr::new(198, 51, 100, 1 + (i % 200) as u8)));
+        let m = nodelb::manifests::parse(std::path::Path::new("t.yaml"), "t.yaml", &s.render());
+        assert!(m.problems.is_empty(), "{:?}", m.problems);
+        (m.services, m.slices)
+    };
+    let range = PortRange::new(20000, 29999).unwrap();
+    let policy = HostPolicy { ports: PortPolicy::with_range(range), ..Default::default() };
+    let (model, notes, host) = (ModelOptions::default(), SourceNotes::default(), HostFacts::default());
+    let node = node(&[Family::Ipv4]);
+    let mut all: BTreeMap<u16, _> = (0..200).map(|i| (i, objects(i, None))).collect();
+    let mut previous = BTreeMap::new();
+    let mut since = BTreeMap::new();
+    let mut kept = Kept::default();
+    let (mut applied, mut index): (Option<Ruleset>, CounterIndex) = (None, CounterIndex::default());
+    let mut sync = |all: &BTreeMap<u16, _>, previous: &mut _, since: &mut BTreeMap<_, _>, what: &str| {
+        let services: Vec<_> = all.values().flat_map(|(s, _): &(Vec<_>, Vec<_>)| s.iter().cloned()).collect();
+        let slices: Vec<_> = all.values().flat_map(|(_, e): &(Vec<_>, Vec<_>)| e.iter().cloned()).collect();
+        let inputs = Inputs {
+            mode: AllocationMode::Allocate,
+            services: &services,
+            slices: &slices,
+            notes: &notes,
+            previous,
+            since,
+            range: &range,
+            model: &model,
+            node: &node,
+            policy: &policy,
+            host: &host,
+            pools: None,
+        };
+        let (whole, scope, _) = both_ways(&inputs, &mut kept, &mut applied, &mut index, what);
+        let now = k8s_openapi::jiff::Timestamp::from_second(1_700_000_000).unwrap();
+        *since =
+            whole.allocations.keys().map(|k| (k.clone(), since.get(k).copied().unwrap_or(now))).collect();
+        *previous = whole.allocations;
+        scope
+    };
+    assert_eq!(sync(&all, &mut previous, &mut since, "first"), Scope::Whole);
+    // The ages stamped after the first sync: every Service's model is aged.
+    assert_eq!(sync(&all, &mut previous, &mut since, "stamped"), Scope::Services(200));
+    assert_eq!(sync(&all, &mut previous, &mut since, "nothing"), Scope::Services(0));
+    all.insert(200, objects(200, None));
+    assert_eq!(sync(&all, &mut previous, &mut since, "added"), Scope::Services(1));
+    // Its allocation (new last sync) and its age (stamped since) are read again, alone.
+    assert_eq!(sync(&all, &mut previous, &mut since, "after the add"), Scope::Services(1));
+    assert_eq!(sync(&all, &mut previous, &mut since, "quiet"), Scope::Services(0));
+    all.remove(&7);
+    assert_eq!(sync(&all, &mut previous, &mut since, "removed"), Scope::Services(1));
+    sync(&all, &mut previous, &mut since, "after the removal");
+    // s008 asks for the number s009 holds: s009 keeps it (what exists wins, so a request does
+    // not bring the holder in), s008 is refused and, unsettled, decided at every sync from then
+    // on.
+    let held = previous[&ServiceKey::new("default", "s009")][&PortId { port: 80, protocol: Protocol::Tcp }];
+    all.insert(8, objects(8, Some(held)));
+    assert_eq!(sync(&all, &mut previous, &mut since, "asks for a held number"), Scope::Services(1));
+    assert!(!previous.contains_key(&ServiceKey::new("default", "s008")), "refused");
+    assert_eq!(sync(&all, &mut previous, &mut since, "after"), Scope::Services(1));
+    assert_eq!(sync(&all, &mut previous, &mut since, "unsettled"), Scope::Services(1));
+    // s009 goes: its number is s008's now.
+    all.remove(&9);
+    assert_eq!(sync(&all, &mut previous, &mut since, "the holder goes"), Scope::Services(2));
+    assert_eq!(
+        previous[&ServiceKey::new("default", "s008")][&PortId { port: 80, protocol: Protocol::Tcp }],
+        held
+    );
+    // An age changed underneath: that Service alone.
+    sync(&all, &mut previous, &mut since, "after s008 got it");
+    since.insert(ServiceKey::new("default", "s100"), k8s_openapi::jiff::Timestamp::from_second(1).unwrap());
+    assert_eq!(sync(&all, &mut previous, &mut since, "aged"), Scope::Services(1));
 }

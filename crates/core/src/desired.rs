@@ -149,9 +149,9 @@ pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     counter_index: bool,
 ) -> Desired {
     let modeled = model_cache::build(inputs.services, inputs.slices, &model_context(inputs));
-    let decided = decide(inputs, inputs.services, modeled);
+    let decided = decide(inputs, inputs.services, modeled, None);
     let mut book = NodeBook::default();
-    let plans = book.replace(decided, None);
+    let plans = book.replace(decided, inputs.mode, inputs.previous);
     let (ruleset, index) = Planner::new().full(plans, inputs.node, counter_index);
     book.desired().with(ruleset, index)
 }
@@ -187,8 +187,9 @@ pub enum Scope {
 }
 
 /// [`compute_with`] for the sync loop: each Service modeled again only when its objects changed,
-/// in Kubernetes mode only the Services whose inputs changed (and those that share a node port
-/// number with them) decided again, and the ruleset and the counter index as a patch of
+/// only the Services whose inputs changed (and those that share a node port number with them;
+/// in manifests mode also the unsettled ones and those whose allocation age changed) decided
+/// again, and the ruleset and the counter index as a patch of
 /// `applied` (what the kernel holds, the planner's last plan) where only Services changed
 /// (modules [`model_cache`], [`crate::replan`], [`crate::view`]). The same result as
 /// [`compute_with`] for the same inputs (tests/replan.rs), given `inputs.previous` is what the
@@ -200,26 +201,27 @@ pub fn compute_next(
     applied: Option<&Ruleset>,
 ) -> (Desired<Planned, IndexUpdate>, Scope) {
     let ctx = model_context(inputs);
-    let scope = match inputs.mode {
-        // Manifests mode allocates: every Service is decided (the allocator couples them all).
-        AllocationMode::Allocate => None,
-        AllocationMode::Annotated => {
-            let changes = kept.view.pass(inputs.services, inputs.slices);
-            let whole = std::mem::take(&mut kept.whole)
-                || changes.first
-                || applied.is_none()
-                || !kept.book.same_shared(inputs)
-                || !kept.models.has_context(&ctx)
-                || kept.view.has_shared_keys();
-            (!whole).then(|| kept.book.scope(&kept.view, changes, inputs))
-        }
-    };
+    let changes = kept.view.pass(inputs.services, inputs.slices);
+    let whole = std::mem::take(&mut kept.whole)
+        || changes.first
+        || applied.is_none()
+        || !kept.book.same_shared(inputs)
+        || !kept.models.has_context(&ctx)
+        || kept.view.has_shared_keys();
+    let scope = (!whole).then(|| {
+        // Manifests mode: a Service whose allocation age changed is decided again (the
+        // allocator orders by age).
+        let aged = match inputs.mode {
+            AllocationMode::Allocate => kept.models.aged(inputs.since),
+            AllocationMode::Annotated => Vec::new(),
+        };
+        kept.book.scope(&kept.view, changes, aged, inputs)
+    });
     let (plans, scope) = match scope {
         None => {
             let modeled = kept.models.build(inputs.services, inputs.slices, &ctx);
-            let decided = decide(inputs, inputs.services, modeled);
-            let moves = (inputs.mode == AllocationMode::Annotated).then_some(inputs.previous);
-            let plans = kept.book.replace(decided, moves);
+            let decided = decide(inputs, inputs.services, modeled, None);
+            let plans = kept.book.replace(decided, inputs.mode, inputs.previous);
             kept.book.keep_read(inputs);
             (Plans::Whole(plans), Scope::Whole)
         }
@@ -227,7 +229,9 @@ pub fn compute_next(
             let (services, slices) = kept.view.objects_of(&keys);
             let modeled = (kept.models.build_scoped(&keys, &services, &slices, &ctx))
                 .expect("the model cache's context was checked");
-            let decided = decide(inputs, &services, modeled);
+            let elsewhere =
+                kept.book.allocating.as_ref().map(|a| alloc::Elsewhere { held: &a.numbers, except: &keys });
+            let decided = decide(inputs, &services, modeled, elsewhere);
             let plans = kept.book.patch(&keys, decided, inputs.previous);
             (Plans::Changed(plans), Scope::Services(keys.len()))
         }
@@ -287,6 +291,13 @@ struct Part {
     /// The families the valid Service asks for.
     families: FamilySet,
     faults: Option<Box<PartFaults>>,
+}
+
+impl Part {
+    /// Whether the allocator left it unsettled ([`Allocating::unsettled`]).
+    fn is_unsettled(&self) -> bool {
+        self.faults.as_ref().is_some_and(|f| !f.refusals.is_empty() || !f.alloc_problems.is_empty())
+    }
 }
 
 /// What is wrong with one Service, in the order the whole decision lists it.
@@ -361,6 +372,33 @@ pub struct NodeBook {
     /// The notes of the Services served from a last good version, as the last sync read them.
     stale: BTreeMap<ServiceKey, String>,
     shared: Option<SharedInputs>,
+    /// Manifests mode, where this node allocates: what couples the Services' parts besides
+    /// their objects ([`Allocating`]). `None` in Kubernetes mode.
+    allocating: Option<Allocating>,
+}
+
+/// Manifests mode: the allocator reads every Service's numbers, so a scoped sync must know who
+/// holds each number (a Service outside the scope keeps its numbers: [`alloc::Elsewhere`]) and
+/// which Services a change elsewhere can move (the unsettled ones, decided at every sync).
+#[derive(Debug, Default)]
+struct Allocating {
+    /// The holder of each number of the book's allocations (the allocator gives a number to one
+    /// Service, whatever the protocols).
+    numbers: foldhash::HashMap<u16, ServiceKey>,
+    /// The Services with an allocation problem (a freed number may be theirs now) or refused
+    /// (they keep their numbers only while no new port takes one: [`keep_refused_allocations`]).
+    unsettled: foldhash::HashSet<ServiceKey>,
+}
+
+impl Allocating {
+    fn of(allocations: &Allocations, parts: &BTreeMap<ServiceKey, Part>) -> Allocating {
+        let mut a = Allocating::default();
+        for (key, ports) in allocations {
+            a.numbers.extend(ports.values().map(|n| (*n, key.clone())));
+        }
+        a.unsettled = parts.iter().filter(|(_, p)| p.is_unsettled()).map(|(k, _)| k.clone()).collect();
+        a
+    }
 }
 
 /// What every Service's part of a sync reads besides its own objects: a sync decides only a
@@ -428,10 +466,15 @@ impl NodeBook {
         &mut self,
         view: &SourceView,
         changes: crate::view::ViewChanges,
+        aged: Vec<ServiceKey>,
         inputs: &Inputs<'_, Arc<Service>, Arc<EndpointSlice>>,
     ) -> foldhash::HashSet<ServiceKey> {
         let mut todo: Vec<ServiceKey> = changes.keys.into_iter().collect();
         todo.append(&mut self.moved);
+        todo.extend(aged);
+        if let Some(a) = &self.allocating {
+            todo.extend(a.unsettled.iter().cloned());
+        }
         let notes = &inputs.notes.stale;
         if *notes != self.stale {
             let differs = |a: &BTreeMap<ServiceKey, String>, b: &BTreeMap<ServiceKey, String>| {
@@ -448,23 +491,33 @@ impl NodeBook {
             while let Some(key) = todo.pop() {
                 if scope.insert(key.clone()) {
                     numbers.extend(view.numbers_of(&key));
+                    if self.allocating.is_some() {
+                        numbers
+                            .extend(self.allocations.get(&key).into_iter().flat_map(|p| p.values().copied()));
+                    }
                 }
             }
             let Some(n) = numbers.pop() else { break };
             if seen.insert(n) {
                 todo.extend(view.holders_of(n).iter().filter(|k| !scope.contains(*k)).cloned());
+                if let Some(holder) = self.allocating.as_ref().and_then(|a| a.numbers.get(&n))
+                    && !scope.contains(holder)
+                {
+                    todo.push(holder.clone());
+                }
             }
         }
         scope
     }
 
     /// Keeps a whole sync's decision; returns every Service's planner input. `previous`: the
-    /// allocations the sync was given, to find those that moved (only a scoped sync needs them).
-    fn replace(&mut self, decided: Decided, previous: Option<&Allocations>) -> Vec<PlanInput> {
+    /// allocations the sync was given, to find those that moved.
+    fn replace(&mut self, decided: Decided, mode: AllocationMode, previous: &Allocations) -> Vec<PlanInput> {
         let Decided { parts, allocations, plans, duplicates } = decided;
-        self.moved = match previous {
-            Some(previous) => moved(previous, &allocations, allocations.keys().chain(previous.keys())),
-            None => Vec::new(),
+        self.moved = moved(previous, &allocations, allocations.keys().chain(previous.keys()));
+        self.allocating = match mode {
+            AllocationMode::Allocate => Some(Allocating::of(&allocations, &parts)),
+            AllocationMode::Annotated => None,
         };
         self.families.clear();
         for part in parts.values() {
@@ -495,14 +548,30 @@ impl NodeBook {
             if let Some(old) = self.parts.remove(key) {
                 count_families(&mut self.families, old.families, -1);
             }
-            if let Some(part) = parts.remove(key) {
+            let part = parts.remove(key);
+            if let Some(a) = &mut self.allocating {
+                match part.as_ref().is_some_and(Part::is_unsettled) {
+                    true => a.unsettled.insert(key.clone()),
+                    false => a.unsettled.remove(key),
+                };
+            }
+            if let Some(part) = part {
                 count_families(&mut self.families, part.families, 1);
                 self.parts.insert(key.clone(), part);
             }
-            match allocations.remove(key) {
-                Some(ports) => self.allocations.insert(key.clone(), ports),
+            let ports = allocations.remove(key);
+            let old = match &ports {
+                Some(ports) => self.allocations.insert(key.clone(), ports.clone()),
                 None => self.allocations.remove(key),
             };
+            if let Some(a) = &mut self.allocating {
+                for n in old.iter().flat_map(|p| p.values()) {
+                    if a.numbers.get(n) == Some(key) {
+                        a.numbers.remove(n);
+                    }
+                }
+                a.numbers.extend(ports.iter().flat_map(|p| p.values()).map(|n| (*n, key.clone())));
+            }
         }
         // A duplicate names two Services that share a number: both in the scope, or neither.
         self.duplicates.retain(|d| !scope.contains(&d.keeper) && !scope.contains(&d.loser));
@@ -574,10 +643,13 @@ fn count_families(counts: &mut BTreeMap<Family, usize>, families: FamilySet, by:
 /// Every Service's part of the decision (everything but the ruleset) and what the planner
 /// needs: each valid Service with the node ports this node programs for it. `services`: the
 /// objects decided (the snapshot's, or a scope's), modeled in `out`.
+/// Decides `services` (all of them, or a scope's). `elsewhere` (manifests mode, a scope): the
+/// numbers the Services outside it hold, which they keep.
 fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     inputs: &Inputs<'_, S, E>,
     services: &[S],
     mut out: Modeled,
+    elsewhere: Option<alloc::Elsewhere<'_>>,
 ) -> Decided {
     out.refused.extend(
         inputs.notes.refused.iter().filter(|r| !out.services.iter().any(|s| &s.key == r.service())).cloned(),
@@ -597,7 +669,7 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 policy: Some(&inputs.policy.ports),
                 in_use: Some(&in_use),
                 pools: assignment.as_ref().map(|a| &a.ranges),
-                elsewhere: None,
+                elsewhere,
             };
             // A Service no pool serves is not allocated (it says why instead).
             let pooled: Vec<&LbService> = match &assignment {
@@ -797,7 +869,9 @@ fn servicelb_refusals<S: Borrow<Service>>(ctx: &PoolContext, services: &[S]) -> 
 }
 
 /// A Service refused for bad input keeps its ports (when nobody else took them meanwhile), so
-/// fixing the input brings it back on the same ports instead of new ones.
+/// fixing the input brings it back on the same ports instead of new ones. In a scoped sync the
+/// refused Services are in the scope ([`Allocating::unsettled`]), and their numbers were theirs
+/// alone in the last sync: only the scope can have taken one since.
 fn keep_refused_allocations(allocations: &mut Allocations, previous: &Allocations, refused: &[Refusal]) {
     let used: BTreeSet<u16> = allocations.values().flat_map(|p| p.values().copied()).collect();
     let refused_keys: BTreeSet<&ServiceKey> = refused.iter().map(|r| r.service()).collect();

@@ -133,6 +133,22 @@ impl ModelCache {
         self.entries.is_empty()
     }
 
+    /// The Services whose model was built with another allocation age than `since` gives them
+    /// (manifests mode: one walk of both, in key order).
+    pub fn aged(&self, since: &BTreeMap<ServiceKey, Timestamp>) -> Vec<ServiceKey> {
+        let mut ages = since.iter().peekable();
+        let mut out = Vec::new();
+        for e in &self.entries {
+            let key = (&*e.key.namespace, &*e.key.name);
+            while ages.next_if(|(k, _)| (&*k.namespace, &*k.name) < key).is_some() {}
+            let age = ages.peek().filter(|(k, _)| (&*k.namespace, &*k.name) == key).map(|(_, t)| **t);
+            if e.since != age {
+                out.push(e.key.clone());
+            }
+        }
+        out
+    }
+
     /// Whether the entries were built in `ctx`'s context (options, node addresses, endpoint
     /// policy): only then can [`ModelCache::build_scoped`] keep the others.
     pub fn has_context(&self, ctx: &ModelContext<'_>) -> bool {

@@ -41,6 +41,8 @@ pub struct SourceView {
     services_by_key: HashMap<ServiceKey, Few<Arc<Service>>>,
     /// How many keys have more than one Service object.
     shared_keys: usize,
+    /// The last pass was handed one Service object twice.
+    repeated: bool,
     slices_by_key: HashMap<ServiceKey, Few<Arc<EndpointSlice>>>,
     /// The keys whose allocation annotation names each number.
     holders: HashMap<u16, Few<ServiceKey>>,
@@ -133,7 +135,9 @@ impl SourceView {
                 self.services.insert(s, facts);
             }
         }
-        for (object, facts) in self.services.end_changes() {
+        let changed = self.services.end_changes();
+        self.repeated = self.services.len() != services.len();
+        for (object, facts) in changed {
             let before = self.services_by_key.get(&facts.key).map_or(0, |f| f.as_slice().len());
             take(&mut self.services_by_key, &facts.key, |o| Arc::ptr_eq(o, &object));
             if before == 2 {
@@ -175,10 +179,10 @@ impl SourceView {
         changes
     }
 
-    /// Whether some key has more than one Service object (then only a whole sync takes them in
-    /// the order the model serves them).
+    /// Whether some key has more than one Service object, or one object came twice (then only
+    /// a whole sync takes them in the order the model serves them).
     pub fn has_shared_keys(&self) -> bool {
-        self.shared_keys > 0
+        self.shared_keys > 0 || self.repeated
     }
 
     /// The Service objects of `keys`, and their EndpointSlices.
