@@ -9,6 +9,7 @@
 //! cargo bench --bench sync -- --services 10000 --endpoints 5 --changes 20
 //! cargo bench --bench sync -- --services 10000 --endpoints 5 --changes 20 --leader
 //! cargo bench --bench sync -- --services 10000 --endpoints 5 --changes 20 --annotated
+//! cargo bench --bench sync -- --services 10000 --endpoints 5 --changes 20 --manifests
 //! ```
 //!
 //! `--leader`: the Kubernetes-mode leader's pure round instead (`k8s::controller::plan_round`:
@@ -20,6 +21,10 @@
 //! `--annotated`: a node agent in Kubernetes mode (each Service carries the leader's allocation
 //! annotation; the node reads it instead of allocating). `--next-only`: the sync loop's way
 //! alone, unchecked and untimed (to profile it: `perf record -g target/release/deps/sync-… …`).
+//! `--manifests`: a manifests-mode sync of the agent phase by phase, for one file written and
+//! removed in a directory of N Services (500 per file, as `benches/dataplane.rs --scale` writes
+//! them): the source's snapshot (`load`), `compute_next` (`desired`), the state file written
+//! (`state`; in a temporary directory, on this machine's disk).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -83,6 +88,9 @@ fn main() {
     let args = ProgramArgs::from_env();
     if args.flag("--leader") {
         return leader(&args);
+    }
+    if args.flag("--manifests") {
+        return manifests_phases(&args);
     }
     let n = args.number("--services", 10_000);
     let (endpoints, changes) = (args.number("--endpoints", 5), args.number("--changes", 20));
@@ -431,3 +439,92 @@ fn registry_of(services: &[Arc<Service>], token: &Token) -> Registry {
 /// The agent's allocator (src/main.rs), so the pure work is timed as the agent does it.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// `--manifests`: the phases of a manifests-mode sync (see the module's documentation).
+fn manifests_phases(args: &ProgramArgs) {
+    use nodelb::observe::source::{Loaded, ManifestPools, Source};
+    use nodelb::observe::state::{State, StateFile};
+    let n = args.number("--services", 10_000);
+    let (endpoints, changes) = (args.number("--endpoints", 5), args.number("--changes", 20));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let manifests = dir.path().join("manifests");
+    std::fs::create_dir(&manifests).expect("mkdir");
+    let mut text = String::new();
+    for i in 0..n {
+        text.push_str(&service(i, endpoints).render());
+        if (i + 1) % 500 == 0 || i + 1 == n {
+            std::fs::write(manifests.join(format!("svc-{:05}.yaml", i / 500)), std::mem::take(&mut text))
+                .expect("write");
+        }
+    }
+    let range = PortRange::new(1024, 64999).expect("range");
+    let model = ModelOptions::default();
+    let node = NodeFacts {
+        node_name: "node-1".into(),
+        families: BTreeSet::from([Family::Ipv4]),
+        masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
+        forward_mark: None,
+        nat_shards: plan::auto_nat_shards(n, 1),
+    };
+    let policy =
+        HostPolicy { ports: nodelb::port_policy::PortPolicy::with_range(range), ..Default::default() };
+    let host = HostFacts::default();
+    let pools = ManifestPools { node_labels: Default::default(), port_range: range };
+    // The source watches the directory (inotify, through Tokio).
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let _runtime = runtime.enter();
+    let mut source = Source::manifests(manifests.clone(), pools).expect("source");
+    let state_file = StateFile::new(dir.path().join("state.json"));
+    let mut state = State::default();
+    let mut kept = desired::Kept::default();
+    let mut applied: Option<Ruleset> = None;
+    let (mut load_ms, mut desired_ms, mut state_ms) = (vec![], vec![], vec![]);
+    for k in 0..=changes {
+        match k % 2 {
+            1 => std::fs::write(manifests.join("react.yaml"), service(n, endpoints).render()).expect("write"),
+            _ if k > 0 => std::fs::remove_file(manifests.join("react.yaml")).expect("remove"),
+            _ => {}
+        }
+        let t = Instant::now();
+        let Ok(Loaded::Snapshot(snap)) = source.snapshot(&model, None, false) else { panic!("no snapshot") };
+        let t_load = t.elapsed();
+        let t = Instant::now();
+        let inputs = Inputs {
+            mode: AllocationMode::Allocate,
+            services: &snap.services,
+            slices: &snap.slices,
+            notes: &snap.notes,
+            previous: &state.allocations,
+            since: &state.since,
+            range: &range,
+            model: &model,
+            node: &node,
+            policy: &policy,
+            host: &host,
+            pools: snap.pools.as_deref(),
+        };
+        let (next, _) = desired::compute_next(&inputs, true, &mut kept, applied.as_ref());
+        match next.ruleset {
+            Planned::Full(rs) => applied = Some(rs),
+            Planned::Patch(patch) => patch.apply(applied.as_mut().expect("a ruleset to patch")),
+        }
+        let t_desired = t.elapsed();
+        let t = Instant::now();
+        if next.allocations != state.allocations {
+            state = state.stamp(next.allocations, Timestamp::now());
+            state_file.save(&state).expect("save");
+        }
+        let t_state = t.elapsed();
+        if k > 1 {
+            load_ms.push(t_load.as_secs_f64() * 1e3);
+            desired_ms.push(t_desired.as_secs_f64() * 1e3);
+            state_ms.push(t_state.as_secs_f64() * 1e3);
+        }
+    }
+    println!(
+        "{n} Services × {endpoints} endpoints in manifests, one file written or removed, {changes} changes; median ms:"
+    );
+    println!("  load (the directory's snapshot)                           {:8.1}", median(load_ms));
+    println!("  desired (compute_next)                                    {:8.1}", median(desired_ms));
+    println!("  state (stamp, state file written)                         {:8.1}", median(state_ms));
+}
