@@ -10,6 +10,7 @@
 use std::collections::BTreeMap;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::manifests::{self, Manifests};
 
@@ -61,7 +62,9 @@ impl FileStamp {
 /// file only: parsing is most of a sync's time at a thousand Services (docs/benchmarks.md).
 #[derive(Debug, Default)]
 pub struct ManifestCache {
-    files: BTreeMap<PathBuf, (FileStamp, Manifests)>,
+    files: BTreeMap<PathBuf, (FileStamp, Arc<Manifests>)>,
+    /// Merges again only what changed (a parse is a new `Arc`).
+    merger: manifests::Merger,
 }
 
 impl ManifestCache {
@@ -105,13 +108,13 @@ impl ManifestCache {
                     let stamp = FileStamp::of(&m);
                     match self.files.remove(&path) {
                         Some((old, parsed)) if old == stamp => (stamp, parsed),
-                        _ => (stamp, parse_file(&path, &name)),
+                        _ => (stamp, Arc::new(parse_file(&path, &name))),
                     }
                 }
                 Ok(_) => continue, // a directory called x.yaml: not a manifest
                 Err(e) => {
                     let stamp = FileStamp { len: 0, dev: 0, ino: 0, mtime_ns: -1, ctime_ns: -1 };
-                    (stamp, manifests::unreadable(&path, &e.to_string()))
+                    (stamp, Arc::new(manifests::unreadable(&path, &e.to_string())))
                 }
             };
             fresh.insert(path, file);
@@ -122,9 +125,11 @@ impl ManifestCache {
     }
 
     /// Everything the cached files hold, merged in file name order (objects shared, not copied).
-    pub fn merged(&self) -> Manifests {
+    pub fn merged(&mut self) -> Manifests {
         // The map is ordered by path, all in DIR: that is file name order.
-        manifests::merge(self.files.iter().map(|(path, (_, file))| (path.as_path(), file)))
+        let files: Vec<(&Path, &Arc<Manifests>)> =
+            self.files.iter().map(|(path, (_, file))| (path.as_path(), file)).collect();
+        self.merger.merge(&files)
     }
 }
 
