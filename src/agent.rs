@@ -105,11 +105,16 @@ impl AgentError {
 
 const SYSCTL_PERIOD: Duration = Duration::from_secs(1);
 
-/// How often a resync that computes decides every Service again, in Kubernetes mode where a sync
-/// decides only what changed ([`desired::compute_next`]): a whole decision is linear in the
-/// Services (~60 ms at 10,000 in the agent), and at every 10 s resync it was the slowest sync
-/// of a busy minute. The leader's whole rounds keep the same pace.
+/// How often a resync decides every Service again when syncs decided only what changed since the
+/// last whole decision ([`desired::compute_next`]; the whole decision is the oracle of the
+/// scoped one): it is linear in the Services (~60 ms at 10,000, ~620 ms at 50,000 in the
+/// agent), and at every 10 s resync it was the slowest sync of a busy minute. It runs on a
+/// resync with no change waiting, so that no change waits for it, unless changes kept coming for
+/// [`WHOLE_SYNC_AT_MOST`]. The leader's whole rounds keep the same pace.
 const WHOLE_SYNC_EVERY: Duration = Duration::from_secs(60);
+
+/// The longest a whole decision waits for a resync with no change waiting.
+const WHOLE_SYNC_AT_MOST: Duration = Duration::from_secs(300);
 
 /// How long a node leaves a change it cannot program yet (Kubernetes mode: a Service created,
 /// its EndpointSlice, before the leader writes its node ports; [`Loaded::Deferred`]). No rule
@@ -133,6 +138,8 @@ struct Agent<K, N> {
     kept: desired::Kept,
     /// When the last sync decided every Service ([`WHOLE_SYNC_EVERY`]).
     last_whole: Option<Instant>,
+    /// A sync decided only what changed since then.
+    scoped_since_whole: bool,
     /// The nat shard tables the node has now (`--nat-shards`, or what `auto` chose last).
     nat_shards: u8,
     families: BTreeMap<Family, bool>,
@@ -291,6 +298,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             allocations,
             kept: desired::Kept::default(),
             last_whole: None,
+            scoped_since_whole: false,
             nat_shards,
             families: BTreeMap::new(),
             logged_refusals: BTreeSet::new(),
@@ -491,7 +499,17 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         // Observe.
         let node = self.node_facts();
         let host = self.host_facts();
-        let observed = self.observe(verify, &node, &host)?;
+        // The whole decision, when due, is taken on a resync; on one with no change waiting, so
+        // that no change waits for it (it computes then though nothing changed), unless changes
+        // have kept coming for too long.
+        let since_whole = self.last_whole.map(|t| t.elapsed());
+        let whole_due =
+            verify && self.scoped_since_whole && since_whole.is_none_or(|t| t >= WHOLE_SYNC_EVERY);
+        let overdue = whole_due && since_whole.is_none_or(|t| t >= WHOLE_SYNC_AT_MOST);
+        let mut observed = self.observe(verify, &node, &host)?;
+        if whole_due && matches!(observed, Loaded::Unchanged) {
+            observed = self.load(None, false)?;
+        }
         if !matches!(observed, Loaded::Deferred) {
             // Nothing waits any more (computed now, or the change that waited was undone).
             self.deferred_since = None;
@@ -532,15 +550,20 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             problems.iter().cloned().collect(),
             |p| warn!(problem = %p, "input problem"),
         );
-        // Plan. A resync that computes (the input or our table changed) decides every Service
-        // again when the last whole decision is WHOLE_SYNC_EVERY old: the whole decision is the
-        // oracle of the scoped one.
-        if verify && self.last_whole.is_none_or(|t| t.elapsed() >= WHOLE_SYNC_EVERY) {
+        // Plan: every Service again when the whole decision is due and no change waits for it
+        // (the input is what the last sync read), or it is overdue.
+        let nothing_waits =
+            loaded.fingerprint.is_some_and(|fp| self.last_input.as_ref().is_some_and(|l| l.0 == fp));
+        if whole_due && (overdue || nothing_waits) {
             self.kept.next_sync_whole();
         }
         let (mut desired, scope) = self.desired(&loaded, &node, &host);
-        if scope == desired::Scope::Whole {
-            self.last_whole = Some(attempt.started);
+        match scope {
+            desired::Scope::Whole => {
+                self.last_whole = Some(attempt.started);
+                self.scoped_since_whole = false;
+            }
+            desired::Scope::Services(_) => self.scoped_since_whole = true,
         }
         phases.mark("desired");
         self.report_refusals(&desired);

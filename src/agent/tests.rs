@@ -392,3 +392,46 @@ async fn changes_in_a_row_are_patches_that_the_kernel_follows() {
     assert_eq!(h.syncs("incremental", "success"), steps.len() as u64 - 1);
     assert_eq!(full_replaces(h.kernel()), steps.len(), "the first sync and each whole plan to compare with");
 }
+
+/// The whole decision (the oracle of the scoped ones) is taken on a resync once syncs decided
+/// only what changed, WHOLE_SYNC_EVERY after the last: on one with no change waiting, so that no
+/// change waits for it; a resync that finds a change decides that change alone, unless changes
+/// have kept coming for WHOLE_SYNC_AT_MOST. Nothing decided since the last whole one: no new one.
+#[tokio::test]
+async fn the_whole_decision_waits_for_a_resync_with_no_change() {
+    let mut h = Harness::new(FakeKernel::default(), &web(&["198.51.100.11"])).await;
+    h.sync(false).await.expect("first sync");
+    assert!(h.agent.last_whole.is_some() && !h.agent.scoped_since_whole, "the first sync is whole");
+    let long_ago = |d: Duration| Some(Instant::now() - d - Duration::from_secs(1));
+    let steps = [web(&["198.51.100.12"]), web(&["198.51.100.13"]), web(&["198.51.100.14"])];
+    // A change, decided alone.
+    h.write(&steps[0]);
+    h.sync(false).await.expect("change");
+    assert!(h.agent.scoped_since_whole);
+    // The whole decision is due; a resync finds another change waiting: that change alone.
+    h.agent.last_whole = long_ago(WHOLE_SYNC_EVERY);
+    let due = h.agent.last_whole;
+    h.write(&steps[1]);
+    h.sync(true).await.expect("resync with a change");
+    assert_eq!(h.agent.last_whole, due, "no whole decision while a change waits");
+    assert!(h.agent.scoped_since_whole);
+    // The next resync finds nothing waiting: the whole decision, though nothing changed.
+    h.sync(true).await.expect("quiet resync");
+    assert!(h.agent.last_whole > due && !h.agent.scoped_since_whole, "whole on a quiet resync");
+    // Nothing decided since: a quiet resync computes nothing, however old the whole one is.
+    h.agent.last_whole = long_ago(WHOLE_SYNC_EVERY);
+    let due = h.agent.last_whole;
+    let syncs = h.syncs("incremental", "success");
+    h.sync(true).await.expect("quiet resync");
+    assert_eq!((h.agent.last_whole, h.syncs("incremental", "success")), (due, syncs), "nothing to verify");
+    // Changes that keep coming: past WHOLE_SYNC_AT_MOST the whole decision is taken with one.
+    h.write(&steps[2]);
+    h.sync(false).await.expect("change");
+    h.agent.last_whole = long_ago(WHOLE_SYNC_AT_MOST);
+    let due = h.agent.last_whole;
+    h.write(&steps[0]);
+    h.sync(true).await.expect("resync with a change, overdue");
+    assert!(h.agent.last_whole > due && !h.agent.scoped_since_whole, "overdue: whole with the change");
+    let applied = h.applied();
+    assert_eq!(h.kernel().table.as_ref(), Some(&applied), "the kernel holds what the agent believes");
+}
