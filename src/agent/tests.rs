@@ -435,3 +435,23 @@ async fn the_whole_decision_waits_for_a_resync_with_no_change() {
     let applied = h.applied();
     assert_eq!(h.kernel().table.as_ref(), Some(&applied), "the kernel holds what the agent believes");
 }
+
+/// The first sync decides with the allocation time each Service is then stamped with (later
+/// than any it has, so new ones stay the youngest): no model has another age than the state's
+/// afterwards, so the next change is decided alone, not with every Service again.
+#[tokio::test]
+async fn the_first_sync_decides_with_the_ages_it_stamps() {
+    let both = [web(&["198.51.100.11"]), dns(&["198.51.100.11"])].join("---");
+    let mut h = Harness::new(FakeKernel::default(), &both).await;
+    h.sync(false).await.expect("first sync");
+    assert_eq!(h.agent.allocations.since.len(), 2, "both allocated and stamped");
+    assert!(h.agent.kept.models.aged(&h.agent.allocations.since).is_empty(), "no model has another age");
+    // A restart among them, and a new Service: it is younger than both.
+    let old = h.agent.allocations.since.values().max().copied().unwrap();
+    h.write(&[both, sticky(&["198.51.100.11"])].join("---"));
+    h.agent.dataplane.forget();
+    h.sync(false).await.expect("a whole sync again");
+    let key = ServiceKey::new("default", "sticky");
+    assert!(h.agent.allocations.since[&key] > old, "the new Service is the youngest");
+    assert!(h.agent.kept.models.aged(&h.agent.allocations.since).is_empty());
+}
