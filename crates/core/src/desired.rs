@@ -470,7 +470,16 @@ impl NodeBook {
         inputs: &Inputs<'_, Arc<Service>, Arc<EndpointSlice>>,
     ) -> foldhash::HashSet<ServiceKey> {
         let mut todo: Vec<ServiceKey> = changes.keys.into_iter().collect();
-        todo.append(&mut self.moved);
+        // A Service that moved is decided again for its pool, chosen with the numbers it held in
+        // the last sync. Manifests mode with no pool object: nothing but the allocator reads
+        // them, and it keeps a number the Service was given over one nobody held (what
+        // exists wins, and nobody held it): deciding it again would give what it has (after
+        // the start, that was every Service at the first change).
+        let pools = inputs.pools.is_some_and(|c| !c.set.implicit);
+        match (inputs.mode, pools) {
+            (AllocationMode::Allocate, false) => self.moved.clear(),
+            _ => todo.append(&mut self.moved),
+        }
         todo.extend(aged);
         if let Some(a) = &self.allocating {
             todo.extend(a.unsettled.iter().cloned());
