@@ -113,14 +113,63 @@ pub struct Constraints<'a> {
 /// Numbers held outside an allocation, each with its holder ([`Constraints::elsewhere`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Elsewhere<'a> {
-    pub held: &'a foldhash::HashMap<u16, ServiceKey>,
+    pub held: &'a NumberHolders,
     /// Holders of `held` that the allocation sees after all: their numbers are its to decide.
     pub except: &'a foldhash::HashSet<ServiceKey>,
 }
 
 impl<'a> Elsewhere<'a> {
     fn holder(&self, number: u16) -> Option<&'a ServiceKey> {
-        self.held.get(&number).filter(|k| !self.except.contains(*k))
+        self.held.holder(number).filter(|k| !self.except.contains(*k))
+    }
+}
+
+/// The holder of each number of a decision's allocations (the allocator gives a number to one
+/// Service, whatever the protocols), kept next to them by a scoped decision (the leader's
+/// `k8s::scope::RoundBook`, a node's `desired::NodeBook` in manifests mode).
+#[derive(Debug, Clone, Default)]
+pub struct NumberHolders(foldhash::HashMap<u16, ServiceKey>);
+
+impl NumberHolders {
+    pub fn of(allocations: &Allocations) -> NumberHolders {
+        let mut out = NumberHolders::default();
+        for (key, ports) in allocations {
+            out.0.extend(ports.values().map(|n| (*n, key.clone())));
+        }
+        out
+    }
+
+    pub fn holder(&self, number: u16) -> Option<&ServiceKey> {
+        self.0.get(&number)
+    }
+
+    /// How many numbers are held.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// `key` held `before` and holds `now`.
+    pub fn update(
+        &mut self,
+        key: &ServiceKey,
+        before: Option<&BTreeMap<PortId, u16>>,
+        now: Option<&BTreeMap<PortId, u16>>,
+    ) {
+        for n in before.into_iter().flat_map(BTreeMap::values) {
+            if self.0.get(n) == Some(key) {
+                self.0.remove(n);
+            }
+        }
+        self.0.extend(now.into_iter().flat_map(BTreeMap::values).map(|n| (*n, key.clone())));
+    }
+
+    /// The numbers held outside `except` ([`Constraints::elsewhere`]).
+    pub fn elsewhere<'a>(&'a self, except: &'a foldhash::HashSet<ServiceKey>) -> Elsewhere<'a> {
+        Elsewhere { held: self, except }
     }
 }
 

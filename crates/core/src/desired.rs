@@ -229,8 +229,7 @@ pub fn compute_next(
             let (services, slices) = kept.view.objects_of(&keys);
             let modeled = (kept.models.build_scoped(&keys, &services, &slices, &ctx))
                 .expect("the model cache's context was checked");
-            let elsewhere =
-                kept.book.allocating.as_ref().map(|a| alloc::Elsewhere { held: &a.numbers, except: &keys });
+            let elsewhere = kept.book.allocating.as_ref().map(|a| a.numbers.elsewhere(&keys));
             let decided = decide(inputs, &services, modeled, elsewhere);
             let plans = kept.book.patch(&keys, decided, inputs.previous);
             (Plans::Changed(plans), Scope::Services(keys.len()))
@@ -382,9 +381,8 @@ pub struct NodeBook {
 /// which Services a change elsewhere can move (the unsettled ones, decided at every sync).
 #[derive(Debug, Default)]
 struct Allocating {
-    /// The holder of each number of the book's allocations (the allocator gives a number to one
-    /// Service, whatever the protocols).
-    numbers: foldhash::HashMap<u16, ServiceKey>,
+    /// The holder of each number of the book's allocations.
+    numbers: alloc::NumberHolders,
     /// The Services with an allocation problem (a freed number may be theirs now) or refused
     /// (they keep their numbers only while no new port takes one: [`keep_refused_allocations`]).
     unsettled: foldhash::HashSet<ServiceKey>,
@@ -392,12 +390,10 @@ struct Allocating {
 
 impl Allocating {
     fn of(allocations: &Allocations, parts: &BTreeMap<ServiceKey, Part>) -> Allocating {
-        let mut a = Allocating::default();
-        for (key, ports) in allocations {
-            a.numbers.extend(ports.values().map(|n| (*n, key.clone())));
+        Allocating {
+            numbers: alloc::NumberHolders::of(allocations),
+            unsettled: parts.iter().filter(|(_, p)| p.is_unsettled()).map(|(k, _)| k.clone()).collect(),
         }
-        a.unsettled = parts.iter().filter(|(_, p)| p.is_unsettled()).map(|(k, _)| k.clone()).collect();
-        a
     }
 }
 
@@ -509,7 +505,7 @@ impl NodeBook {
             let Some(n) = numbers.pop() else { break };
             if seen.insert(n) {
                 todo.extend(view.holders_of(n).iter().filter(|k| !scope.contains(*k)).cloned());
-                if let Some(holder) = self.allocating.as_ref().and_then(|a| a.numbers.get(&n))
+                if let Some(holder) = self.allocating.as_ref().and_then(|a| a.numbers.holder(n))
                     && !scope.contains(holder)
                 {
                     todo.push(holder.clone());
@@ -569,18 +565,13 @@ impl NodeBook {
                 self.parts.insert(key.clone(), part);
             }
             let ports = allocations.remove(key);
-            let old = match &ports {
-                Some(ports) => self.allocations.insert(key.clone(), ports.clone()),
+            if let Some(a) = &mut self.allocating {
+                a.numbers.update(key, self.allocations.get(key), ports.as_ref());
+            }
+            match ports {
+                Some(ports) => self.allocations.insert(key.clone(), ports),
                 None => self.allocations.remove(key),
             };
-            if let Some(a) = &mut self.allocating {
-                for n in old.iter().flat_map(|p| p.values()) {
-                    if a.numbers.get(n) == Some(key) {
-                        a.numbers.remove(n);
-                    }
-                }
-                a.numbers.extend(ports.iter().flat_map(|p| p.values()).map(|n| (*n, key.clone())));
-            }
         }
         // A duplicate names two Services that share a number: both in the scope, or neither.
         self.duplicates.retain(|d| !scope.contains(&d.keeper) && !scope.contains(&d.loser));
@@ -651,9 +642,8 @@ fn count_families(counts: &mut BTreeMap<Family, usize>, families: FamilySet, by:
 
 /// Every Service's part of the decision (everything but the ruleset) and what the planner
 /// needs: each valid Service with the node ports this node programs for it. `services`: the
-/// objects decided (the snapshot's, or a scope's), modeled in `out`.
-/// Decides `services` (all of them, or a scope's). `elsewhere` (manifests mode, a scope): the
-/// numbers the Services outside it hold, which they keep.
+/// objects decided (the snapshot's, or a scope's), modeled in `out`; `elsewhere` (manifests
+/// mode, a scope): the numbers the Services outside it hold, which they keep.
 fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     inputs: &Inputs<'_, S, E>,
     services: &[S],

@@ -376,14 +376,11 @@ impl Merger {
                     return false;
                 }
             }
-            let objects = FileObjects {
-                services: parsed.services.clone(),
-                slices: parsed.slices.clone(),
-                pools: parsed.pools.clone(),
-                had_problem: !parsed.problems.is_empty(),
-                first_problem: parsed.problems.first().map(ToString::to_string),
-            };
-            let file = MergedFile { parsed: Arc::clone(parsed), objects: Arc::new(objects), names };
+            // Merged on its own: none of its names is another file's.
+            let mut alone = Manifests::default();
+            merge_file(&mut alone, &mut Taken::default(), path, parsed);
+            let objects = alone.files.remove(*path).expect("merged");
+            let file = MergedFile { parsed: Arc::clone(parsed), objects, names };
             self.files.insert(path.to_path_buf(), file);
         }
         true

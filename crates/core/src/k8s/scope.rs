@@ -13,7 +13,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::alloc::{Allocations, Elsewhere, PoolRanges};
+use crate::alloc::{Allocations, Elsewhere, NumberHolders, PoolRanges};
 use crate::domain::ServiceKey;
 
 use super::claims::HeldNumbers;
@@ -25,7 +25,7 @@ pub struct RoundBook {
     /// Each Service's node ports as decided (a Service with none is not here).
     allocations: Allocations,
     /// The holder of each number of `allocations`.
-    numbers: foldhash::HashMap<u16, ServiceKey>,
+    numbers: NumberHolders,
     /// The Services every round plans, whatever changed.
     unsettled: foldhash::HashSet<ServiceKey>,
     /// With node port pools: each Service's pool.
@@ -58,7 +58,7 @@ impl RoundBook {
 
     /// The numbers held by the Services outside `scope`, for the scope's allocation.
     pub fn elsewhere<'a>(&'a self, scope: &'a foldhash::HashSet<ServiceKey>) -> Elsewhere<'a> {
-        Elsewhere { held: &self.numbers, except: scope }
+        self.numbers.elsewhere(scope)
     }
 
     /// After a whole round: its decisions for every Service.
@@ -68,7 +68,7 @@ impl RoundBook {
         unsettled: foldhash::HashSet<ServiceKey>,
         pools: BTreeMap<ServiceKey, PoolRanges>,
     ) {
-        self.numbers = numbers_of(&allocations);
+        self.numbers = NumberHolders::of(&allocations);
         self.allocations = allocations;
         self.unsettled = unsettled;
         self.pools = pools;
@@ -85,19 +85,13 @@ impl RoundBook {
     ) {
         for key in scope {
             if let Some(ports) = self.allocations.remove(key) {
-                for n in ports.values() {
-                    if self.numbers.get(n) == Some(key) {
-                        self.numbers.remove(n);
-                    }
-                }
+                self.numbers.update(key, Some(&ports), None);
             }
             self.unsettled.remove(key);
             self.pools.remove(key);
         }
         for (key, ports) in allocations {
-            for n in ports.values() {
-                self.numbers.insert(*n, key.clone());
-            }
+            self.numbers.update(&key, None, Some(&ports));
             self.allocations.insert(key, ports);
         }
         self.unsettled.extend(unsettled);
@@ -127,7 +121,7 @@ impl RoundBook {
                 if !numbers_seen.insert(n) {
                     continue;
                 }
-                if let Some(holder) = self.numbers.get(&n)
+                if let Some(holder) = self.numbers.holder(n)
                     && !scope.contains(holder)
                 {
                     todo.push(Seed { key: holder.clone(), numbers: BTreeSet::new() });
@@ -139,16 +133,6 @@ impl RoundBook {
         }
         scope
     }
-}
-
-fn numbers_of(allocations: &Allocations) -> foldhash::HashMap<u16, ServiceKey> {
-    let mut out = foldhash::HashMap::default();
-    for (key, ports) in allocations {
-        for n in ports.values() {
-            out.insert(*n, key.clone());
-        }
-    }
-    out
 }
 
 #[cfg(test)]
@@ -248,8 +232,8 @@ mod tests {
         let scope: foldhash::HashSet<ServiceKey> = [key("b"), key("c")].into_iter().collect();
         book.patch(&scope, [(key("c"), ports(&[20002]))].into(), Default::default(), BTreeMap::new());
         assert_eq!(book.allocations().keys().map(|k| k.name.to_string()).collect::<Vec<_>>(), ["a", "c"]);
-        assert_eq!(book.numbers.get(&20002), Some(&key("c")));
-        assert_eq!(book.numbers.get(&20001), Some(&key("a")));
+        assert_eq!(book.numbers.holder(20002), Some(&key("c")));
+        assert_eq!(book.numbers.holder(20001), Some(&key("a")));
         assert!(!book.is_unsettled(&key("b")));
         let none: foldhash::HashSet<ServiceKey> = Default::default();
         let elsewhere = book.elsewhere(&none);
