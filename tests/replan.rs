@@ -715,6 +715,16 @@ fn scoped_syncs(mode: nodelb::desired::AllocationMode) {
                             }
                             _ => {}
                         }
+                        // An edit of the Service that exists keeps its uid and creation time
+                        // (a version that may read the same or not: every field above is drawn
+                        // again).
+                        if let Some(before) = services.get(&i)
+                            && rng.chance(0.7)
+                        {
+                            for field in ["uid", "creationTimestamp"] {
+                                svc["metadata"][field] = before["metadata"][field].clone();
+                            }
+                        }
                         services.insert(i, svc);
                     }
                     7..=11 => {
@@ -745,9 +755,24 @@ fn scoped_syncs(mode: nodelb::desired::AllocationMode) {
                         slices.remove(&i);
                     }
                     13 => {
-                        // An equal copy of the object (a relist): a new `Arc`, the same content.
+                        // An equal copy of the object (a relist), or the leader's status write
+                        // (its ingress, or an Allocated condition that is not a refusal): a new
+                        // `Arc` that reads the same to a node.
                         if let Some(svc) = services.get_mut(&i) {
                             svc["metadata"]["resourceVersion"] = json!(next_rv());
+                            let refused = svc["status"]["conditions"][0]["status"] == "False";
+                            match rng.below(3) {
+                                0 if !refused => {
+                                    let ip = format!("192.0.2.{}", rng.range(1, 9));
+                                    svc["status"] = json!({"loadBalancer": {"ingress": [{"ip": ip}]}});
+                                }
+                                1 if !refused => {
+                                    svc["status"] = json!({"conditions": [{
+                                        "type": CONDITION_ALLOCATED, "status": "True", "reason": "Allocated",
+                                        "message": "ok", "lastTransitionTime": "2024-01-01T00:00:00Z"}]});
+                                }
+                                _ => {}
+                            }
                         }
                     }
                     14 => {
@@ -861,7 +886,8 @@ fn scoped_syncs(mode: nodelb::desired::AllocationMode) {
 
 /// Manifests mode among 200 settled Services: a new Service, a removed one, an edited one, one
 /// whose allocation age changed under it are each decided alone (with whoever named a number it
-/// names), and the results are the whole decision's.
+/// names), every object parsed again to the same content is no change, and the results are the
+/// whole decision's.
 #[test]
 fn a_manifests_change_decides_only_its_service() {
     use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
@@ -944,4 +970,13 @@ fn a_manifests_change_decides_only_its_service() {
     sync(&all, &mut previous, &mut since, "after s008 got it");
     since.insert(ServiceKey::new("default", "s100"), k8s_openapi::jiff::Timestamp::from_second(1).unwrap());
     assert_eq!(sync(&all, &mut previous, &mut since, "aged"), Scope::Services(1));
+    sync(&all, &mut previous, &mut since, "after the age");
+    // Every Service object parsed again (new objects that read the same, as a leader's status
+    // write of every Service gives in Kubernetes mode): nothing is decided again.
+    for (i, (services, _)) in all.iter_mut() {
+        *services = objects(*i, (*i == 8).then_some(held)).0;
+    }
+    assert_eq!(sync(&all, &mut previous, &mut since, "parsed again"), Scope::Services(0));
+    all.insert(201, objects(201, None));
+    assert_eq!(sync(&all, &mut previous, &mut since, "added after"), Scope::Services(1));
 }

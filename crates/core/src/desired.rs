@@ -201,7 +201,8 @@ pub fn compute_next(
     applied: Option<&Ruleset>,
 ) -> (Desired<Planned, IndexUpdate>, Scope) {
     let ctx = model_context(inputs);
-    let changes = kept.view.pass(inputs.services, inputs.slices);
+    let mut changes = kept.view.pass(inputs.services, inputs.slices);
+    kept.models.rebase(&std::mem::take(&mut changes.rebased));
     let whole = std::mem::take(&mut kept.whole)
         || changes.first
         || applied.is_none()

@@ -149,6 +149,20 @@ impl ModelCache {
         out
     }
 
+    /// Keeps each model built from the old object of a pair (old, new) as the model of the new
+    /// one: a version that reads the same to a node ([`crate::view::ViewChanges::rebased`]). The
+    /// entry then holds the new object (the old one is freed) and a build finds it unchanged.
+    pub fn rebase(&mut self, rebased: &[(Arc<Service>, Arc<Service>)]) {
+        for (old, new) in rebased {
+            let key = model::borrowed_key(&new.metadata.namespace, new.metadata.name.as_deref());
+            if let Ok(i) = self.entries.binary_search_by(|e| (&*e.key.namespace, &*e.key.name).cmp(&key))
+                && Arc::ptr_eq(&self.entries[i].service, old)
+            {
+                self.entries[i].service = Arc::clone(new);
+            }
+        }
+    }
+
     /// Whether the entries were built in `ctx`'s context (options, node addresses, endpoint
     /// policy): only then can [`ModelCache::build_scoped`] keep the others.
     pub fn has_context(&self, ctx: &ModelContext<'_>) -> bool {

@@ -184,6 +184,49 @@ pub fn node_view_hash(svc: &Service) -> u64 {
     h.finish()
 }
 
+/// Whether two versions of a Service read the same to a node: what [`node_view_hash`] hashes,
+/// compared (no hash, no copy). A leader's status write (ingress, its other conditions) or an
+/// equal copy from a relist gives a new version that does; a node's sync then keeps what it
+/// built from the old one ([`crate::view::ViewChanges::rebased`]). Every metadata field is named,
+/// so a field a new API version adds is a compile error here, not a change a node misses.
+pub fn same_for_node(a: &Service, b: &Service) -> bool {
+    let ObjectMeta {
+        annotations,
+        creation_timestamp,
+        deletion_grace_period_seconds,
+        deletion_timestamp,
+        finalizers,
+        generate_name,
+        generation,
+        labels,
+        managed_fields,
+        name,
+        namespace,
+        owner_references,
+        resource_version: _,
+        self_link,
+        uid,
+    } = &a.metadata;
+    let m = &b.metadata;
+    let refused = |s| crate::model::refused_allocation(s).map(|c| (&c.reason, &c.message));
+    *name == m.name
+        && *namespace == m.namespace
+        && *uid == m.uid
+        && *generation == m.generation
+        && *annotations == m.annotations
+        && *labels == m.labels
+        && *creation_timestamp == m.creation_timestamp
+        && *deletion_timestamp == m.deletion_timestamp
+        && *deletion_grace_period_seconds == m.deletion_grace_period_seconds
+        && *finalizers == m.finalizers
+        && *generate_name == m.generate_name
+        && *managed_fields == m.managed_fields
+        && *owner_references == m.owner_references
+        && *self_link == m.self_link
+        && a.spec == b.spec
+        && refused(a) == refused(b)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -451,7 +494,7 @@ mod tests {
     }
 
     /// The node's view ignores what only the leader's status write changes, and follows
-    /// everything else a node reads.
+    /// everything else a node reads; [`same_for_node`] says what the hash says.
     #[test]
     fn node_view_follows_what_a_node_reads() {
         let base = || {
@@ -491,6 +534,7 @@ mod tests {
             let mut s = base();
             change(&mut s);
             assert_eq!(node_view_hash(&s), h0, "{name}");
+            assert!(same_for_node(&s, &base()) && same_for_node(&base(), &s), "{name}");
         }
         let refused = |m: &'static str| move |s: &mut Service| set_conditions(s, vec![condition("False", m)]);
         let mut refused_a = base();
@@ -526,9 +570,12 @@ mod tests {
             let mut s = base();
             change(&mut s);
             assert_ne!(node_view_hash(&s), h0, "{name}");
+            assert!(!same_for_node(&s, &base()) && !same_for_node(&base(), &s), "{name}");
         }
         let mut refused_b = base();
         refused("range exhausted")(&mut refused_b);
         assert_ne!(node_view_hash(&refused_a), node_view_hash(&refused_b), "the refusal's message");
+        assert!(!same_for_node(&refused_a, &refused_b), "the refusal's message");
+        assert!(same_for_node(&refused_a, &refused_a.clone()));
     }
 }

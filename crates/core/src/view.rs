@@ -7,7 +7,10 @@
 //! before (its key, the node port numbers its allocation annotation names) are kept, those of a
 //! new object or a new version are read once. The objects the pass did not see are gone (deleted,
 //! or replaced by a newer version). What it changes is patched into the index of each key's
-//! objects and of each number's holders.
+//! objects and of each number's holders. A Service replaced by a version that reads the same to a
+//! node ([`crate::slim::same_for_node`]: a leader's status write, a relist's equal copy) is no
+//! change: the index takes the new object and the pass names the pair
+//! ([`ViewChanges::rebased`]), so what was built from the old one is kept.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -20,39 +23,43 @@ use crate::domain::ServiceKey;
 use crate::model;
 use crate::per_object::PerObject;
 
-/// A Service object as the view keeps it.
-#[derive(Debug, Clone)]
-struct ServiceFacts {
-    key: ServiceKey,
-    /// Every number its allocation annotation names (`nodelb.io/allocated-ports`) as the model
-    /// may read it ([`model::annotated_numbers`]).
-    numbers: Box<[u16]>,
-}
-
 /// The view as the last pass left it (see the module's documentation). Kept for every object:
-/// sized for the usual case (one object per key, one holder per number).
+/// sized for the usual case (one Service object and one EndpointSlice per key, one holder per
+/// number). An object's key is read from the object again when it goes, not kept with it.
 #[derive(Debug, Default)]
 pub struct SourceView {
-    services: PerObject<Service, ServiceFacts>,
-    /// Each EndpointSlice's Service.
-    slices: PerObject<EndpointSlice, Option<ServiceKey>>,
-    /// The Service objects of each key (more than one only when a source hands over two objects
-    /// with one key, which the model refuses).
-    services_by_key: HashMap<ServiceKey, Few<Arc<Service>>>,
+    /// Each Service object's numbers: every number its allocation annotation names
+    /// (`nodelb.io/allocated-ports`) as the model may read it ([`model::annotated_numbers`]).
+    services: PerObject<Service, Box<[u16]>>,
+    slices: PerObject<EndpointSlice, ()>,
+    /// Each key's objects.
+    by_key: HashMap<ServiceKey, Objects>,
     /// How many keys have more than one Service object.
     shared_keys: usize,
     /// The last pass was handed one Service object twice.
     repeated: bool,
-    slices_by_key: HashMap<ServiceKey, Few<Arc<EndpointSlice>>>,
     /// The keys whose allocation annotation names each number.
     holders: HashMap<u16, Few<ServiceKey>>,
     /// A pass has been made.
     passed: bool,
 }
 
-/// One value or a few (16 bytes and a tag).
-#[derive(Debug)]
+/// A Service object new to a pass, with its key and numbers.
+type NewService = (Arc<Service>, ServiceKey, Box<[u16]>);
+
+/// The objects of one key: its Service objects (more than one only when a source hands over
+/// two objects with one key, which the model refuses) and its EndpointSlices.
+#[derive(Debug, Default)]
+struct Objects {
+    services: Few<Arc<Service>>,
+    slices: Few<Arc<EndpointSlice>>,
+}
+
+/// None, one value or a few (16 bytes and a tag).
+#[derive(Debug, Default)]
 enum Few<T> {
+    #[default]
+    None,
     One(T),
     Many(Box<[T]>),
 }
@@ -60,53 +67,83 @@ enum Few<T> {
 impl<T: Clone> Few<T> {
     fn as_slice(&self) -> &[T] {
         match self {
+            Few::None => &[],
             Few::One(t) => std::slice::from_ref(t),
             Few::Many(v) => v,
         }
     }
 
     fn push(&mut self, t: T) {
-        let mut all = self.as_slice().to_vec();
-        all.push(t);
-        *self = Few::Many(all.into_boxed_slice());
+        *self = match std::mem::take(self) {
+            Few::None => Few::One(t),
+            other => {
+                let mut all = other.as_slice().to_vec();
+                all.push(t);
+                Few::Many(all.into_boxed_slice())
+            }
+        };
     }
 
-    /// Takes out the first value `is` holds for; `false` when none is left.
-    fn remove(&mut self, is: impl Fn(&T) -> bool) -> bool {
+    /// Takes out the first value `is` holds for.
+    fn remove(&mut self, is: impl Fn(&T) -> bool) {
         let mut all = self.as_slice().to_vec();
         if let Some(i) = all.iter().position(is) {
             all.remove(i);
         }
         *self = match all.len() {
-            0 => return false,
+            0 => Few::None,
             1 => Few::One(all.pop().expect("one")),
             _ => Few::Many(all.into_boxed_slice()),
         };
-        true
+    }
+}
+
+impl Objects {
+    fn is_empty(&self) -> bool {
+        matches!((&self.services, &self.slices), (Few::None, Few::None))
+    }
+}
+
+/// Changes the objects of `key` (kept while it has any); returns the key as the map holds it.
+fn objects_of_key(
+    map: &mut HashMap<ServiceKey, Objects>,
+    key: ServiceKey,
+    change: impl FnOnce(&mut Objects),
+) -> ServiceKey {
+    match map.entry(key) {
+        std::collections::hash_map::Entry::Occupied(mut o) => {
+            change(o.get_mut());
+            if o.get().is_empty() { o.remove_entry().0 } else { o.key().clone() }
+        }
+        std::collections::hash_map::Entry::Vacant(v) => {
+            let key = v.key().clone();
+            let mut objects = Objects::default();
+            change(&mut objects);
+            if !objects.is_empty() {
+                v.insert(objects);
+            }
+            key
+        }
     }
 }
 
 /// Adds `value` under `key`.
 fn add<K: std::hash::Hash + Eq, T: Clone>(map: &mut HashMap<K, Few<T>>, key: K, value: T) {
-    match map.entry(key) {
-        std::collections::hash_map::Entry::Occupied(mut o) => o.get_mut().push(value),
-        std::collections::hash_map::Entry::Vacant(v) => {
-            v.insert(Few::One(value));
-        }
-    }
+    map.entry(key).or_default().push(value);
 }
 
 /// Takes the first value `is` holds for out from under `key`.
 fn take<K: std::hash::Hash + Eq, T: Clone>(map: &mut HashMap<K, Few<T>>, key: &K, is: impl Fn(&T) -> bool) {
-    if let Some(few) = map.get_mut(key)
-        && !few.remove(is)
-    {
-        map.remove(key);
+    if let Some(few) = map.get_mut(key) {
+        few.remove(is);
+        if matches!(few, Few::None) {
+            map.remove(key);
+        }
     }
 }
 
 /// What a pass found changed since the one before.
-#[derive(Debug, Default, PartialEq, Eq)]
+#[derive(Debug, Default, PartialEq)]
 pub struct ViewChanges {
     /// There was no pass before this one.
     pub first: bool,
@@ -114,6 +151,11 @@ pub struct ViewChanges {
     pub keys: HashSet<ServiceKey>,
     /// The numbers named by the allocation annotations of the Service objects that came or went.
     pub numbers: BTreeSet<u16>,
+    /// The Service objects replaced by a version that reads the same to a node, each with its
+    /// replacement (old, new): their keys are not in `keys` for it. After a node joins or
+    /// leaves, the leader rewrites every Service's ingress; without this, a node's next sync
+    /// decided every Service again.
+    pub rebased: Vec<(Arc<Service>, Arc<Service>)>,
 }
 
 impl SourceView {
@@ -121,62 +163,104 @@ impl SourceView {
     pub fn pass(&mut self, services: &[Arc<Service>], slices: &[Arc<EndpointSlice>]) -> ViewChanges {
         let mut changes =
             ViewChanges { first: !std::mem::replace(&mut self.passed, true), ..Default::default() };
-        let mut computed = Vec::new();
+        let mut computed: Vec<NewService> = Vec::new();
         self.services.begin();
         for s in services {
             if self.services.get(s).is_none() {
-                let facts = ServiceFacts {
-                    key: model::service_key(s),
-                    numbers: model::allocated_annotation(s)
-                        .map(|v| model::annotated_numbers(v).into())
-                        .unwrap_or_default(),
-                };
-                computed.push((Arc::clone(s), facts.clone()));
-                self.services.insert(s, facts);
+                let numbers: Box<[u16]> = model::allocated_annotation(s)
+                    .map(|v| model::annotated_numbers(v).into())
+                    .unwrap_or_default();
+                self.services.insert(s, numbers.clone());
+                computed.push((Arc::clone(s), model::service_key(s), numbers));
             }
         }
-        let changed = self.services.end_changes();
+        let gone = self.services.end_changes();
         self.repeated = self.services.len() != services.len();
-        for (object, facts) in changed {
-            let before = self.services_by_key.get(&facts.key).map_or(0, |f| f.as_slice().len());
-            take(&mut self.services_by_key, &facts.key, |o| Arc::ptr_eq(o, &object));
+        changes.rebased = self.rebase(&mut computed);
+        let rebased: HashSet<*const Service> =
+            changes.rebased.iter().map(|(old, _)| Arc::as_ptr(old)).collect();
+        for (object, numbers) in gone {
+            if rebased.contains(&Arc::as_ptr(&object)) {
+                continue;
+            }
+            let mut before = 0;
+            let key = objects_of_key(&mut self.by_key, model::service_key(&object), |o| {
+                before = o.services.as_slice().len();
+                o.services.remove(|s| Arc::ptr_eq(s, &object));
+            });
             if before == 2 {
                 self.shared_keys -= 1;
             }
-            for n in facts.numbers.iter() {
-                take(&mut self.holders, n, |k| *k == facts.key);
+            for n in numbers.iter() {
+                take(&mut self.holders, n, |k| *k == key);
             }
-            changes.numbers.extend(facts.numbers.iter().copied());
-            changes.keys.insert(facts.key);
+            changes.numbers.extend(numbers.iter().copied());
+            changes.keys.insert(key);
         }
-        for (object, facts) in computed {
-            add(&mut self.services_by_key, facts.key.clone(), object);
-            if self.services_by_key.get(&facts.key).map_or(0, |f| f.as_slice().len()) == 2 {
+        for (object, key, numbers) in computed {
+            let mut after = 0;
+            let key = objects_of_key(&mut self.by_key, key, |o| {
+                o.services.push(object);
+                after = o.services.as_slice().len();
+            });
+            if after == 2 {
                 self.shared_keys += 1;
             }
-            for n in facts.numbers.iter() {
-                add(&mut self.holders, *n, facts.key.clone());
+            for n in numbers.iter() {
+                add(&mut self.holders, *n, key.clone());
             }
-            changes.numbers.extend(facts.numbers.iter().copied());
-            changes.keys.insert(facts.key);
+            changes.numbers.extend(numbers.iter().copied());
+            changes.keys.insert(key);
         }
         self.slices.begin();
         for slice in slices {
             if self.slices.get(slice).is_none() {
-                let service = model::slice_service(slice).map(|(ns, n)| ServiceKey::new(ns, n));
-                if let Some(key) = &service {
-                    add(&mut self.slices_by_key, key.clone(), Arc::clone(slice));
-                    changes.keys.insert(key.clone());
+                self.slices.insert(slice, ());
+                if let Some((ns, name)) = model::slice_service(slice) {
+                    let key = objects_of_key(&mut self.by_key, ServiceKey::new(ns, name), |o| {
+                        o.slices.push(Arc::clone(slice))
+                    });
+                    changes.keys.insert(key);
                 }
-                self.slices.insert(slice, service);
             }
         }
-        for (object, service) in self.slices.end_changes() {
-            let Some(key) = service else { continue };
-            take(&mut self.slices_by_key, &key, |o| Arc::ptr_eq(o, &object));
+        for (object, ()) in self.slices.end_changes() {
+            let Some((ns, name)) = model::slice_service(&object) else { continue };
+            let key = objects_of_key(&mut self.by_key, ServiceKey::new(ns, name), |o| {
+                o.slices.remove(|s| Arc::ptr_eq(s, &object))
+            });
             changes.keys.insert(key);
         }
         changes
+    }
+
+    /// Takes out of `computed` (the Service objects new to this pass, each with its key and
+    /// numbers) each that replaces its key's only object with a version that reads the same
+    /// ([`crate::slim::same_for_node`]), the one object of its key in this pass; the index holds
+    /// it instead of the old one (the same key, the same annotation: the same numbers). Returns
+    /// the pairs (old, new).
+    fn rebase(&mut self, computed: &mut Vec<NewService>) -> Vec<(Arc<Service>, Arc<Service>)> {
+        let mut count: HashMap<&ServiceKey, u32> = HashMap::default();
+        for (_, key, _) in computed.iter() {
+            *count.entry(key).or_default() += 1;
+        }
+        let alone: HashSet<ServiceKey> =
+            count.into_iter().filter(|(_, n)| *n == 1).map(|(k, _)| k.clone()).collect();
+        let mut rebased = Vec::new();
+        let (by_key, seen) = (&mut self.by_key, &self.services);
+        computed.retain(|(object, key, _)| {
+            if !alone.contains(key) {
+                return true;
+            }
+            let Some(Objects { services: Few::One(old), .. }) = by_key.get_mut(key) else { return true };
+            // The old object is gone from this pass (not seen again: a new version came).
+            if seen.peek(old).is_some() || !crate::slim::same_for_node(old, object) {
+                return true;
+            }
+            rebased.push((std::mem::replace(old, Arc::clone(object)), Arc::clone(object)));
+            false
+        });
+        rebased
     }
 
     /// Whether some key has more than one Service object, or one object came twice (then only
@@ -191,9 +275,9 @@ impl SourceView {
         keys: impl IntoIterator<Item = &'a ServiceKey>,
     ) -> (Vec<Arc<Service>>, Vec<Arc<EndpointSlice>>) {
         let (mut services, mut slices) = (Vec::new(), Vec::new());
-        for key in keys {
-            services.extend(self.services_by_key.get(key).into_iter().flat_map(Few::as_slice).cloned());
-            slices.extend(self.slices_by_key.get(key).into_iter().flat_map(Few::as_slice).cloned());
+        for objects in keys.into_iter().filter_map(|key| self.by_key.get(key)) {
+            services.extend(objects.services.as_slice().iter().cloned());
+            slices.extend(objects.slices.as_slice().iter().cloned());
         }
         (services, slices)
     }
@@ -205,8 +289,8 @@ impl SourceView {
 
     /// The numbers `key`'s allocation annotations name.
     pub fn numbers_of(&self, key: &ServiceKey) -> impl Iterator<Item = u16> + '_ {
-        let objects = self.services_by_key.get(key).into_iter().flat_map(Few::as_slice);
-        objects.filter_map(|o| self.services.peek(o)).flat_map(|f| f.numbers.iter().copied())
+        let objects = self.by_key.get(key).into_iter().flat_map(|o| o.services.as_slice());
+        objects.filter_map(|o| self.services.peek(o)).flat_map(|numbers| numbers.iter().copied())
     }
 }
 
@@ -294,5 +378,47 @@ mod tests {
         assert!(!view.has_shared_keys());
         assert_eq!(names(&gone.keys), ["c"].map(String::from).into());
         assert_eq!(view.objects_of([&key("c")]).0.len(), 1);
+    }
+
+    /// A new version that reads the same to a node (another resourceVersion, the leader's
+    /// ingress) is no change: the index holds it, the pass names the pair. A version that reads
+    /// otherwise, or one that comes while the old one is still there, is a change.
+    #[test]
+    fn a_version_that_reads_the_same_is_no_change() {
+        let mut view = SourceView::default();
+        let a = service("a", Some("80/TCP=20001"), "1");
+        let sa = slice("a", "a-1");
+        view.pass(&[a.clone()], &[sa.clone()]);
+
+        let mut written = Service::clone(&a);
+        written.metadata.resource_version = Some("2".into());
+        written.status = Some(
+            serde_json::from_value(serde_json::json!(
+                {"loadBalancer": {"ingress": [{"ip": "192.0.2.10"}]}}
+            ))
+            .expect("status"),
+        );
+        let written = Arc::new(written);
+        let same = view.pass(&[written.clone()], &[sa.clone()]);
+        assert!(same.keys.is_empty() && same.numbers.is_empty(), "{same:?}");
+        assert_eq!(same.rebased.len(), 1);
+        assert!(Arc::ptr_eq(&same.rebased[0].0, &a) && Arc::ptr_eq(&same.rebased[0].1, &written));
+        let (objects, _) = view.objects_of([&key("a")]);
+        assert!(objects.len() == 1 && Arc::ptr_eq(&objects[0], &written), "the index holds the new one");
+        assert_eq!(view.holders_of(20001), [key("a")]);
+        assert_eq!(view.pass(&[written.clone()], &[sa.clone()]), ViewChanges::default());
+
+        // Another number: a change.
+        let moved = service("a", Some("80/TCP=20002"), "3");
+        let changed = view.pass(&[moved.clone()], &[sa.clone()]);
+        assert_eq!(names(&changed.keys), ["a"].map(String::from).into());
+        assert_eq!(changed.numbers, [20001, 20002].into());
+        assert!(changed.rebased.is_empty());
+
+        // The old object still there next to its copy: two objects of one key, a change.
+        let copy = service("a", Some("80/TCP=20002"), "4");
+        let both = view.pass(&[moved.clone(), copy.clone()], &[sa.clone()]);
+        assert_eq!(names(&both.keys), ["a"].map(String::from).into());
+        assert!(both.rebased.is_empty() && view.has_shared_keys());
     }
 }
