@@ -23,7 +23,7 @@ use crate::counters::{CounterKind, Series, SeriesKey, Totals};
 use crate::domain::{PortId, ServiceKey, parse_protocol};
 use crate::k8s::review::Reviewer;
 use crate::serve::access::{ReviewCache, Verdict, bearer_token};
-use crate::serve::metrics::{Metrics, read_totals};
+use crate::serve::metrics::Metrics;
 use crate::serve::status::{SharedStatus, Status};
 
 #[derive(Clone)]
@@ -65,8 +65,8 @@ async fn status_json(State(app): State<AppState>) -> impl IntoResponse {
     let mut st = crate::locks::read(&app.status).clone();
     if app.metrics.per_service {
         // The kernel's counters, read now (over netlink: off the async workers).
-        let counters = app.metrics.counters.clone();
-        if let Ok(totals) = tokio::task::spawn_blocking(move || read_totals(&counters)).await {
+        let reader = app.metrics.totals.clone();
+        if let Ok(totals) = tokio::task::spawn_blocking(move || reader.read()).await {
             add_counters(&mut st, &totals);
         }
     }

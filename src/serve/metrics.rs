@@ -7,6 +7,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::{LabelPair, MetricFamily, MetricType};
@@ -57,6 +58,8 @@ pub struct Metrics {
     /// builds no counter index and reads no kernel counters.
     pub per_service: bool,
     pub counters: SharedCounters,
+    /// The kernel's counters as scrapes and `/status` read them (one read shared).
+    pub totals: Arc<TotalsReader>,
     pub firewall: FirewallMetrics,
 }
 
@@ -332,8 +335,9 @@ impl Metrics {
         registry.register(Box::new(prometheus::process_collector::ProcessCollector::for_self()))?;
         let firewall = FirewallMetrics::register(&registry)?;
         let counters: SharedCounters = Arc::default();
+        let totals = Arc::new(TotalsReader::new(counters.clone(), TOTALS_FRESH));
         if per_service {
-            registry.register(Box::new(KernelCounters::new(counters.clone())?))?;
+            registry.register(Box::new(KernelCounters::new(totals.clone())?))?;
         }
         Ok(Metrics {
             registry,
@@ -363,6 +367,7 @@ impl Metrics {
             node_ports_refused,
             per_service,
             counters,
+            totals,
             firewall,
         })
     }
@@ -394,19 +399,61 @@ pub fn read_totals(state: &SharedCounters) -> BTreeMap<Series, Totals> {
     }
 }
 
+/// How long one read of the kernel's counters answers the requests that come after it. A dump
+/// of the counter objects is quadratic in the kernel (each step of a netlink dump walks the
+/// objects from the first): at 50,000 Services it takes seconds of a core. Scrapes and `/status`
+/// requests that come while one runs, or within this time after it, take its result instead of
+/// reading again; without that, clients that gave up and asked again piled up blocking reads
+/// that each dumped every counter (docs/benchmarks.md, "Counters read once for every waiting
+/// request").
+pub const TOTALS_FRESH: Duration = Duration::from_secs(1);
+
+/// Every per-Service-port series with its total.
+pub type AllTotals = BTreeMap<Series, Totals>;
+
+/// [`read_totals`] shared: one kernel read at a time, its result handed to every request that
+/// waited for it or comes within `fresh` after it ended. Blocking.
+pub struct TotalsReader {
+    state: SharedCounters,
+    fresh: Duration,
+    /// The last read: when it ended, and what it gave.
+    last: Mutex<Option<(Instant, Arc<AllTotals>)>>,
+}
+
+impl TotalsReader {
+    pub fn new(state: SharedCounters, fresh: Duration) -> TotalsReader {
+        TotalsReader { state, fresh, last: Mutex::new(None) }
+    }
+
+    /// Every per-Service-port series with its total: read now, or by a read that ended after
+    /// this request came or at most `fresh` before it.
+    pub fn read(&self) -> Arc<AllTotals> {
+        let asked = Instant::now();
+        let mut last = crate::locks::lock(&self.last);
+        if let Some((ended, totals)) = &*last
+            && *ended + self.fresh >= asked
+        {
+            return totals.clone();
+        }
+        let totals = Arc::new(read_totals(&self.state));
+        *last = Some((Instant::now(), totals.clone()));
+        totals
+    }
+}
+
 /// Reads the kernel's rule counters of table inet nodelb at scrape time.
 struct KernelCounters {
-    state: SharedCounters,
+    totals: Arc<TotalsReader>,
     descs: Vec<Desc>,
 }
 
 impl KernelCounters {
-    fn new(state: SharedCounters) -> Result<KernelCounters, prometheus::Error> {
+    fn new(totals: Arc<TotalsReader>) -> Result<KernelCounters, prometheus::Error> {
         let labels: Vec<String> = SERIES_LABELS.iter().map(|s| s.to_string()).collect();
         let desc =
             |name: &str, help: &str| Desc::new(name.into(), help.into(), labels.clone(), Default::default());
         Ok(KernelCounters {
-            state,
+            totals,
             descs: vec![
                 desc(
                     CONNECTIONS,
@@ -435,19 +482,19 @@ impl Collector for KernelCounters {
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
-        let totals = read_totals(&self.state);
+        let totals = self.totals.read();
         let mut families: BTreeMap<&str, Vec<prometheus::proto::Metric>> = BTreeMap::new();
         for name in [CONNECTIONS, PACKETS, BYTES, REFUSED] {
             families.insert(name, vec![]);
         }
-        for ((key, kind), t) in totals {
+        for ((key, kind), t) in totals.iter() {
             let values: Vec<(&str, u64)> = match kind {
                 CounterKind::Connections => vec![(CONNECTIONS, t.packets)],
                 CounterKind::Traffic => vec![(PACKETS, t.packets), (BYTES, t.bytes)],
                 CounterKind::Refused => vec![(REFUSED, t.packets)],
             };
             for (name, v) in values {
-                families.entry(name).or_default().push(counter_metric(&key, v));
+                families.entry(name).or_default().push(counter_metric(key, v));
             }
         }
         self.descs
@@ -482,4 +529,21 @@ fn counter_metric(key: &SeriesKey, value: u64) -> prometheus::proto::Metric {
     c.set_value(value as f64);
     m.set_counter(c);
     m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Requests within the freshness of the last read take its result; after it, a request
+    /// reads again. (The read itself finds no table here: what is shared is what is tested.)
+    #[test]
+    fn one_read_answers_the_requests_that_come_while_it_is_fresh() {
+        let shared = TotalsReader::new(SharedCounters::default(), Duration::from_secs(3600));
+        let first = shared.read();
+        assert!(Arc::ptr_eq(&first, &shared.read()));
+        let each = TotalsReader::new(SharedCounters::default(), Duration::ZERO);
+        let first = each.read();
+        assert!(!Arc::ptr_eq(&first, &each.read()), "a request after the read ended reads again");
+    }
 }
