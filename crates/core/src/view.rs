@@ -388,7 +388,7 @@ mod tests {
         let mut view = SourceView::default();
         let a = service("a", Some("80/TCP=20001"), "1");
         let sa = slice("a", "a-1");
-        view.pass(&[a.clone()], &[sa.clone()]);
+        view.pass(std::slice::from_ref(&a), std::slice::from_ref(&sa));
 
         let mut written = Service::clone(&a);
         written.metadata.resource_version = Some("2".into());
@@ -399,25 +399,28 @@ mod tests {
             .expect("status"),
         );
         let written = Arc::new(written);
-        let same = view.pass(&[written.clone()], &[sa.clone()]);
+        let same = view.pass(std::slice::from_ref(&written), std::slice::from_ref(&sa));
         assert!(same.keys.is_empty() && same.numbers.is_empty(), "{same:?}");
         assert_eq!(same.rebased.len(), 1);
         assert!(Arc::ptr_eq(&same.rebased[0].0, &a) && Arc::ptr_eq(&same.rebased[0].1, &written));
         let (objects, _) = view.objects_of([&key("a")]);
         assert!(objects.len() == 1 && Arc::ptr_eq(&objects[0], &written), "the index holds the new one");
         assert_eq!(view.holders_of(20001), [key("a")]);
-        assert_eq!(view.pass(&[written.clone()], &[sa.clone()]), ViewChanges::default());
+        assert_eq!(
+            view.pass(std::slice::from_ref(&written), std::slice::from_ref(&sa)),
+            ViewChanges::default()
+        );
 
         // Another number: a change.
         let moved = service("a", Some("80/TCP=20002"), "3");
-        let changed = view.pass(&[moved.clone()], &[sa.clone()]);
+        let changed = view.pass(std::slice::from_ref(&moved), std::slice::from_ref(&sa));
         assert_eq!(names(&changed.keys), ["a"].map(String::from).into());
         assert_eq!(changed.numbers, [20001, 20002].into());
         assert!(changed.rebased.is_empty());
 
         // The old object still there next to its copy: two objects of one key, a change.
         let copy = service("a", Some("80/TCP=20002"), "4");
-        let both = view.pass(&[moved.clone(), copy.clone()], &[sa.clone()]);
+        let both = view.pass(&[moved.clone(), copy.clone()], std::slice::from_ref(&sa));
         assert_eq!(names(&both.keys), ["a"].map(String::from).into());
         assert!(both.rebased.is_empty() && view.has_shared_keys());
     }
