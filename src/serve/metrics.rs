@@ -7,7 +7,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::{LabelPair, MetricFamily, MetricType};
@@ -335,7 +335,7 @@ impl Metrics {
         registry.register(Box::new(prometheus::process_collector::ProcessCollector::for_self()))?;
         let firewall = FirewallMetrics::register(&registry)?;
         let counters: SharedCounters = Arc::default();
-        let totals = Arc::new(TotalsReader::new(counters.clone(), TOTALS_FRESH));
+        let totals = Arc::new(TotalsReader::new(counters.clone()));
         if per_service {
             registry.register(Box::new(KernelCounters::new(totals.clone())?))?;
         }
@@ -399,39 +399,37 @@ pub fn read_totals(state: &SharedCounters) -> BTreeMap<Series, Totals> {
     }
 }
 
-/// How long one read of the kernel's counters answers the requests that come after it. A dump
-/// of the counter objects is quadratic in the kernel (each step of a netlink dump walks the
-/// objects from the first): at 50,000 Services it takes seconds of a core. Scrapes and `/status`
-/// requests that come while one runs, or within this time after it, take its result instead of
-/// reading again; without that, clients that gave up and asked again piled up blocking reads
-/// that each dumped every counter (docs/benchmarks.md, "Counters read once for every waiting
-/// request").
-pub const TOTALS_FRESH: Duration = Duration::from_secs(1);
-
 /// Every per-Service-port series with its total.
 pub type AllTotals = BTreeMap<Series, Totals>;
 
 /// [`read_totals`] shared: one kernel read at a time, its result handed to every request that
-/// waited for it or comes within `fresh` after it ended. Blocking.
+/// came while it ran. A dump of the counter objects is quadratic in the kernel (each step of a
+/// netlink dump walks the objects from the first): at 50,000 Services it takes seconds of a core.
+/// Without this, clients that gave up and asked again piled up blocking reads that each dumped
+/// every counter, queued on the counter lock the sync loop takes too (docs/benchmarks.md, stop
+/// 37). A request that comes after a read ended reads again: a scrape after traffic sees it.
+/// Blocking.
 pub struct TotalsReader {
     state: SharedCounters,
-    fresh: Duration,
     /// The last read: when it ended, and what it gave.
     last: Mutex<Option<(Instant, Arc<AllTotals>)>>,
 }
 
 impl TotalsReader {
-    pub fn new(state: SharedCounters, fresh: Duration) -> TotalsReader {
-        TotalsReader { state, fresh, last: Mutex::new(None) }
+    pub fn new(state: SharedCounters) -> TotalsReader {
+        TotalsReader { state, last: Mutex::new(None) }
     }
 
-    /// Every per-Service-port series with its total: read now, or by a read that ended after
-    /// this request came or at most `fresh` before it.
+    /// Every per-Service-port series with its total, read by this request or by the read that
+    /// ran when it came.
     pub fn read(&self) -> Arc<AllTotals> {
-        let asked = Instant::now();
+        self.read_asked_at(Instant::now())
+    }
+
+    fn read_asked_at(&self, asked: Instant) -> Arc<AllTotals> {
         let mut last = crate::locks::lock(&self.last);
         if let Some((ended, totals)) = &*last
-            && *ended + self.fresh >= asked
+            && *ended > asked
         {
             return totals.clone();
         }
@@ -534,16 +532,19 @@ fn counter_metric(key: &SeriesKey, value: u64) -> prometheus::proto::Metric {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
-    /// Requests within the freshness of the last read take its result; after it, a request
+    /// A request that came while a read ran takes its result; one that comes after it ended
     /// reads again. (The read itself finds no table here: what is shared is what is tested.)
     #[test]
-    fn one_read_answers_the_requests_that_come_while_it_is_fresh() {
-        let shared = TotalsReader::new(SharedCounters::default(), Duration::from_secs(3600));
-        let first = shared.read();
-        assert!(Arc::ptr_eq(&first, &shared.read()));
-        let each = TotalsReader::new(SharedCounters::default(), Duration::ZERO);
-        let first = each.read();
-        assert!(!Arc::ptr_eq(&first, &each.read()), "a request after the read ended reads again");
+    fn one_read_answers_the_requests_that_came_while_it_ran() {
+        let reader = TotalsReader::new(SharedCounters::default());
+        let asked = Instant::now();
+        let ran = Arc::new(AllTotals::new());
+        *reader.last.lock().unwrap() = Some((asked + Duration::from_millis(5), ran.clone()));
+        assert!(Arc::ptr_eq(&reader.read_asked_at(asked), &ran), "came while it ran");
+        let after = reader.read_asked_at(asked + Duration::from_millis(10));
+        assert!(!Arc::ptr_eq(&after, &ran), "came after it ended: read again");
+        assert!(!Arc::ptr_eq(&reader.read(), &after), "the next request reads again");
     }
 }
