@@ -391,7 +391,7 @@ const SERIES_LABELS: [&str; 4] = ["namespace", "service", "port", "protocol"];
 /// netlink, plus what earlier batches reset. Blocking. The lock is held across the read, so no
 /// batch (and its fold) happens in between. A failed read gives no series at all (the base alone
 /// would look like a counter reset); no table (deleted behind our back) does hold 0.
-pub fn read_totals(state: &SharedCounters) -> BTreeMap<Series, Totals> {
+fn read_totals(state: &SharedCounters) -> BTreeMap<Series, Totals> {
     let st = crate::locks::lock(state);
     match NftClient::new().and_then(|mut c| c.read_counters()) {
         Ok(kernel) => st.totals(&kernel),

@@ -155,7 +155,7 @@ impl ModelCache {
     pub fn rebase(&mut self, rebased: &[(Arc<Service>, Arc<Service>)]) {
         for (old, new) in rebased {
             let key = model::borrowed_key(&new.metadata.namespace, new.metadata.name.as_deref());
-            if let Ok(i) = self.entries.binary_search_by(|e| (&*e.key.namespace, &*e.key.name).cmp(&key))
+            if let Ok(i) = position(&self.entries, key)
                 && Arc::ptr_eq(&self.entries[i].service, old)
             {
                 self.entries[i].service = Arc::clone(new);
@@ -248,9 +248,6 @@ impl ModelCache {
         let ours = ours_in_key_order(services, ctx.opts);
         let keyed = slices_in_key_order(slices);
         let mut keyed = keyed.as_slice();
-        let position = |entries: &[Entry], key: (&str, &str)| {
-            entries.binary_search_by(|e| (&*e.key.namespace, &*e.key.name).cmp(&key))
-        };
         let mut out = Modeled::default();
         let mut present: foldhash::HashSet<(&str, &str)> = Default::default();
         let mut last: Option<(&str, &str)> = None;
@@ -309,6 +306,11 @@ impl ModelCache {
         out.refused_endpoints.sort();
         Some(out)
     }
+}
+
+/// Where the entry of `key` is, or would go, in the sorted entries.
+fn position(entries: &[Entry], key: (&str, &str)) -> Result<usize, usize> {
+    entries.binary_search_by(|e| (&*e.key.namespace, &*e.key.name).cmp(&key))
 }
 
 /// The Services of `services` that are ours, each with its key, in key order: as a stable sort
