@@ -9,7 +9,7 @@ use std::net::IpAddr;
 
 use common::netns::NetNs;
 use nodelb::domain::{Family, Protocol};
-use nodelb::encode::nft::{NftClient, NftError, verify};
+use nodelb::encode::nft::{KernelTable, NftClient, NftError, verify};
 use nodelb::ir::{
     self, BaseChain, Chain, ChainType, Change, CtState, Expr, Hook, Key, KeyType, Mapped, NamedCounter, Rule,
     Ruleset, Set, SetKind, Verdict,
@@ -547,6 +547,11 @@ fn read_table_and_verify_notice_drift_and_count_packets() {
     // The named counter counted the same packets.
     assert_eq!(t.counters["loopback-udp"].counter, c);
     assert_eq!(t.counters["loopback-udp"].comment.as_deref(), Some("named"));
+    // Read by name: one that does not exist is left out, many requests to a datagram.
+    let names: Vec<ir::Name> = ["absent", "loopback-udp", "s3.absent"].into_iter().map(Into::into).collect();
+    let read =
+        a.run(move || NftClient::new().and_then(|mut c| c.read_counters(&names))).expect("read counters");
+    assert_eq!(read, BTreeMap::from([("loopback-udp".to_string(), c)]));
 
     // A hand-added rule is foreign.
     a.exec_ok("nft", &["add", "rule", "inet", "nodelb", "svc-x", "accept"]);
@@ -563,6 +568,62 @@ fn read_table_and_verify_notice_drift_and_count_packets() {
     a.exec_ok("nft", &["delete", "table", "inet", "nodelb"]);
     assert!(read_in(&a).is_none());
     assert_eq!(verify(&rs, None), vec!["table inet nodelb is missing".to_string()]);
+}
+
+/// Reading the chains and counters the last ruleset names, by name, gives what dumping them
+/// gives: the same table when the kernel holds exactly them, and a dump after all (the table's
+/// use count is higher) when it holds more.
+#[test]
+fn reading_by_name_sees_what_a_dump_sees() {
+    require_root!();
+    // Anonymous sets too (not in a table's use count).
+    let mut rs = full_ruleset();
+    // A shard's chain and counter (a name's `s<k>.` prefix is its table).
+    rs.add_chain(regular(
+        "s1.svc-y",
+        vec![r(vec![Expr::CounterRef("s1.conn-y".into()), Expr::Verdict(Verdict::Accept)])],
+    ));
+    rs.add_counter(NamedCounter { name: "s1.conn-y".into(), comment: Some("shard".into()) });
+    let a = NetNs::new("nft-byname");
+    apply_in(&a, rs.full_replace()).expect("apply");
+    let read = |expected: Option<&Ruleset>| {
+        let expected = expected.cloned();
+        a.run(move || NftClient::new().and_then(|mut c| c.read_table_expecting(expected.as_ref())))
+            .expect("read")
+            .expect("table")
+    };
+    let same_as_dump = |by_name: KernelTable| KernelTable { dumped_tables: 2, ..by_name };
+
+    let dumped = read(None);
+    assert_eq!((dumped.dumped_tables, dumped.chains.len(), dumped.counters.len()), (2, 13, 3));
+    assert!(dumped.anonymous_sets > 0);
+    let by_name = read(Some(&rs));
+    assert_eq!(by_name.dumped_tables, 0, "a table's use count did not match what was read");
+    assert_eq!(same_as_dump(by_name), dumped);
+
+    // A chain and a counter nodelb did not write: both tables dumped, both seen.
+    let shard = ir::Table::Shard(1).name();
+    a.exec_ok("nft", &["add", "chain", "inet", "nodelb", "by-hand"]);
+    a.exec_ok("nft", &["add", "counter", "inet", &shard, "s1.by-hand"]);
+    let dumped = read(None);
+    let by_name = read(Some(&rs));
+    assert_eq!(by_name.dumped_tables, 2);
+    assert_eq!(by_name, dumped);
+    assert_eq!(
+        verify(&rs, Some(&by_name)),
+        vec!["chain by-hand is unexpected".to_string(), "counter s1.by-hand is unexpected".to_string()]
+    );
+
+    // A chain of the ruleset gone: read by name (nothing more than named), reported missing.
+    a.exec_ok("nft", &["delete", "chain", "inet", "nodelb", "by-hand"]);
+    a.exec_ok("nft", &["delete", "counter", "inet", &shard, "s1.by-hand"]);
+    a.exec_ok("nft", &["flush", "chain", "inet", &shard, "s1.svc-y"]);
+    a.exec_ok("nft", &["delete", "chain", "inet", &shard, "s1.svc-y"]);
+    let dumped = read(None);
+    let by_name = read(Some(&rs));
+    assert_eq!(by_name.dumped_tables, 0);
+    assert_eq!(same_as_dump(by_name.clone()), dumped);
+    assert_eq!(verify(&rs, Some(&by_name)), vec!["chain s1.svc-y is missing".to_string()]);
 }
 
 #[test]

@@ -145,7 +145,10 @@ impl<K: Kernel> Dataplane<K> {
 
     /// Compares the kernel's table with what we programmed; logs each difference.
     fn tampered(&mut self, applied: &Ruleset) -> Result<bool, DataplaneError> {
-        let table = self.kernel.read_table().map_err(DataplaneError::KernelRead)?;
+        let table = self.kernel.read_table(applied).map_err(DataplaneError::KernelRead)?;
+        if let Some(t) = &table {
+            debug!(dumped_tables = t.dumped_tables, "read our tables back to verify them");
+        }
         let diffs = nft::verify(applied, table.as_ref());
         if diffs.is_empty() {
             // Someone else's transaction (another table): remember the new generation.
@@ -224,7 +227,7 @@ impl<K: Kernel> Dataplane<K> {
         let before = if resetting.is_empty() {
             None
         } else {
-            self.kernel.read_counters().map(Some).unwrap_or_else(|e| {
+            self.kernel.read_counters(&resetting).map(Some).unwrap_or_else(|e| {
                 warn!(error = %e, "cannot read counters before the batch; totals of reset counters are lost");
                 None
             })

@@ -18,7 +18,7 @@ use std::collections::BTreeSet;
 use crate::apply::conntrack::{ConntrackClient, ConntrackError};
 use crate::encode::nft::{ApplyStats, CounterValues, KernelTable, NftClient, NftError};
 use crate::endpoint_policy::HostAddresses;
-use crate::ir::{Carried, Change, KeyType, Ruleset};
+use crate::ir::{Carried, Change, KeyType, Name, Ruleset};
 use crate::kernel_support::{self, Feature};
 use crate::observe::hostaddrs::HostAddrError;
 use crate::observe::listeners::ListenersError;
@@ -35,10 +35,11 @@ pub trait Kernel {
     fn apply_full_replace(&mut self, ruleset: &Ruleset, carried: &Carried) -> Result<ApplyStats, NftError>;
     /// The ruleset generation of the network namespace (moves with every transaction, anyone's).
     fn generation(&mut self) -> Result<u32, NftError>;
-    /// Table inet nodelb as the kernel holds it; `None` when it does not exist.
-    fn read_table(&mut self) -> Result<Option<KernelTable>, NftError>;
-    /// The named counters of table inet nodelb.
-    fn read_counters(&mut self) -> Result<CounterValues, NftError>;
+    /// Table inet nodelb as the kernel holds it; `None` when it does not exist. `expected` (the
+    /// ruleset last programmed) names the chains and counters to read by name.
+    fn read_table(&mut self, expected: &Ruleset) -> Result<Option<KernelTable>, NftError>;
+    /// The named counters `names` of table inet nodelb (and its shards) that exist.
+    fn read_counters(&mut self, names: &BTreeSet<Name>) -> Result<CounterValues, NftError>;
     /// The elements of the dynamic sets `sets` (name, key type), with the time each has left.
     fn read_dynamic_elements(&mut self, sets: &[(&str, &[KeyType])]) -> Result<Carried, NftError>;
     /// Deletes table inet nodelb; whether it existed.
@@ -75,12 +76,12 @@ impl Kernel for Netlink {
         self.nft.generation()
     }
 
-    fn read_table(&mut self) -> Result<Option<KernelTable>, NftError> {
-        self.nft.read_table()
+    fn read_table(&mut self, expected: &Ruleset) -> Result<Option<KernelTable>, NftError> {
+        self.nft.read_table_expecting(Some(expected))
     }
 
-    fn read_counters(&mut self) -> Result<CounterValues, NftError> {
-        self.nft.read_counters()
+    fn read_counters(&mut self, names: &BTreeSet<Name>) -> Result<CounterValues, NftError> {
+        self.nft.read_counters(names)
     }
 
     fn read_dynamic_elements(&mut self, sets: &[(&str, &[KeyType])]) -> Result<Carried, NftError> {

@@ -20,7 +20,7 @@ use crate::encode::nft::{
     KernelTable, NftError,
 };
 use crate::endpoint_policy::HostAddresses;
-use crate::ir::{Carried, Change, KeyType, Ruleset, SetKind, Table};
+use crate::ir::{Carried, Change, KeyType, Name, Ruleset, SetKind, Table};
 use crate::observe::hostaddrs::HostAddrError;
 use crate::observe::listeners::ListenersError;
 use crate::plan::UdpBackend;
@@ -244,7 +244,7 @@ impl Kernel for FakeKernel {
         Ok(self.generation)
     }
 
-    fn read_table(&mut self) -> Result<Option<KernelTable>, NftError> {
+    fn read_table(&mut self, _expected: &Ruleset) -> Result<Option<KernelTable>, NftError> {
         if self.fail_read_table.take() {
             return Err(read_failure("list chains"));
         }
@@ -252,11 +252,16 @@ impl Kernel for FakeKernel {
         Ok(self.table.as_ref().map(|t| read_back(t, &self.counters)))
     }
 
-    fn read_counters(&mut self) -> Result<CounterValues, NftError> {
+    fn read_counters(&mut self, names: &BTreeSet<Name>) -> Result<CounterValues, NftError> {
         if self.fail_read_counters.take() {
-            return Err(read_failure("list counters"));
+            return Err(read_failure("get counters"));
         }
-        Ok(self.counters.clone())
+        Ok(self
+            .counters
+            .iter()
+            .filter(|(n, _)| names.contains(n.as_str()))
+            .map(|(n, c)| (n.clone(), *c))
+            .collect())
     }
 
     fn read_dynamic_elements(&mut self, sets: &[(&str, &[KeyType])]) -> Result<Carried, NftError> {

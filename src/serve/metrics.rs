@@ -393,7 +393,7 @@ const SERIES_LABELS: [&str; 4] = ["namespace", "service", "port", "protocol"];
 /// would look like a counter reset); no table (deleted behind our back) does hold 0.
 fn read_totals(state: &SharedCounters) -> BTreeMap<Series, Totals> {
     let st = crate::locks::lock(state);
-    match NftClient::new().and_then(|mut c| c.read_counters()) {
+    match NftClient::new().and_then(|mut c| c.read_counters(st.counter_names())) {
         Ok(kernel) => st.totals(&kernel),
         Err(_) => BTreeMap::new(),
     }

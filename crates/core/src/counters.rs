@@ -186,6 +186,11 @@ impl CounterState {
         next.apply(&mut self.index);
     }
 
+    /// The named counters the installed index reads.
+    pub fn counter_names(&self) -> impl Iterator<Item = &Name> {
+        self.index.counters.keys()
+    }
+
     /// Base + kernel values of every exported series.
     pub fn totals(&self, kernel: &CounterValues) -> BTreeMap<Series, Totals> {
         let mut out = self.base.clone();

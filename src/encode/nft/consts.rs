@@ -55,6 +55,9 @@ pub const NFT_MSG_DELOBJ: u8 = 20;
 // table
 pub const NFTA_TABLE_NAME: u16 = 1;
 pub const NFTA_TABLE_FLAGS: u16 = 2;
+/// How many chains the table holds, says the header; 6.18 counts its named sets, objects and
+/// flowtables too (not the anonymous sets).
+pub const NFTA_TABLE_USE: u16 = 3;
 // chain
 pub const NFTA_CHAIN_TABLE: u16 = 1;
 pub const NFTA_CHAIN_HANDLE: u16 = 2;

@@ -28,6 +28,12 @@ pub fn table_of(payload: &[u8]) -> Result<String, NftError> {
     Ok(get(&t, 1).map(as_str).unwrap_or_default())
 }
 
+/// A table reply's use count ([`NFTA_TABLE_USE`]).
+pub fn table_use(payload: &[u8]) -> Result<u32, NftError> {
+    let t = table(body(payload)?)?;
+    as_u32(need(&t, NFTA_TABLE_USE, "table")?)
+}
+
 pub fn chain(payload: &[u8]) -> Result<KernelChain, NftError> {
     let t = table(body(payload)?)?;
     let name = as_str(need(&t, NFTA_CHAIN_NAME, "chain")?);

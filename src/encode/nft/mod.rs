@@ -133,6 +133,9 @@ pub struct KernelTable {
     pub counters: BTreeMap<String, KernelCounter>,
     /// Named objects of other types (not ours: nodelb only creates counters).
     pub other_objects: Vec<String>,
+    /// Tables whose chains and objects were dumped whole: read without the ruleset last
+    /// programmed, or holding more than it (`NftClient::read_table_expecting`).
+    pub dumped_tables: usize,
     /// Things read back that could not be decoded (element keys of an unknown shape, ...).
     pub problems: Vec<String>,
 }
