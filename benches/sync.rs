@@ -474,7 +474,7 @@ fn manifests_phases(args: &ProgramArgs) {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     let _runtime = runtime.enter();
     let mut source = Source::manifests(manifests.clone(), pools).expect("source");
-    let state_file = StateFile::new(dir.path().join("state.json"));
+    let mut state_file = StateFile::new(dir.path().join("state.json"));
     let mut state = State::default();
     let mut kept = desired::Kept::default();
     let mut applied: Option<Ruleset> = None;

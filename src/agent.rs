@@ -214,9 +214,17 @@ pub async fn run(
     metrics: Arc<Metrics>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), AgentError> {
-    let state = cfg.state_file.clone().map(StateFile::new);
-    let allocations = match &state {
-        Some(s) => migrate(s, s.load()?),
+    let mut state = cfg.state_file.clone().map(StateFile::new);
+    let allocations = match &mut state {
+        Some(s) => {
+            let loaded = s.load()?;
+            let loaded = migrate(s, loaded);
+            // What a human reads is whole again, and the journal starts empty.
+            if let Err(e) = s.fold_journal(&loaded) {
+                warn!(error = %e, "cannot fold the state journal into the file; it stays, and is replayed at the next start");
+            }
+            loaded
+        }
         None => Default::default(),
     };
     let kernel = Netlink::new()?;
@@ -257,6 +265,7 @@ pub async fn run(
         tokio::select! {
             _ = &mut shutdown => {
                 info!("shutting down: the sync loop stopped");
+                agent.fold_state_journal();
                 return Ok(());
             }
             _ = agent.source.changed() => { debug!("source changed"); schedule.changed(); }
@@ -268,6 +277,16 @@ pub async fn run(
 }
 
 impl<K: Kernel, N: NodeReads> Agent<K, N> {
+    /// At a clean shutdown: the state file written whole (the journal folded in), so a human, or
+    /// an older nodelb after a rollback, reads every allocation from it.
+    fn fold_state_journal(&mut self) {
+        if let Some(state) = &mut self.state
+            && let Err(e) = state.fold_journal(&self.allocations)
+        {
+            warn!(error = %e, "cannot fold the state journal into the file; it is replayed at the next start");
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn new(
         cfg: AgentConfig,
@@ -691,8 +710,8 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
                 }
                 let base = aged.as_ref().unwrap_or(&self.allocations);
                 let next = base.stamp(std::mem::take(&mut desired.allocations), Timestamp::now());
-                if let Some(state) = &self.state {
-                    state.save(&next)?;
+                if let Some(state) = &mut self.state {
+                    state.save_change(&self.allocations, &next)?;
                 }
                 self.allocations = next;
             }
@@ -926,7 +945,7 @@ impl HostFirewall {
 /// Stamps the Services of a state file written by an older nodelb (no allocation times) with
 /// the time they are first read, and writes that down at once: from then on their age is fixed.
 /// A file that cannot be written is used as read (the next save retries).
-fn migrate(file: &StateFile, state: State) -> State {
+fn migrate(file: &mut StateFile, state: State) -> State {
     let missing = state.allocations.keys().filter(|k| !state.since.contains_key(*k)).count();
     if missing == 0 {
         return state;

@@ -383,10 +383,20 @@ fn sigkill_and_restart_keep_rules_ports_and_traffic() {
     let port = agent.node_port("default/web", 80, "TCP").expect("allocated TCP port");
     let udp_port = agent.node_port("default/dns", 53, "UDP").expect("allocated UDP port");
     assert!((20000..=29999).contains(&port) && (20000..=29999).contains(&udp_port));
+    // A Service added after the first allocations: a line of the state journal, not the file.
+    let late =
+        ServiceSpec::new("late").port(PortSpec::tcp(80, None)).endpoint(EndpointSpec::local(backend_v4(1)));
+    agent.write_manifest("late.yaml", &late.render());
+    agent.wait_state("default/late", "programmed", CHANGE);
+    let late_port = agent.node_port("default/late", 80, "TCP").expect("allocated late port");
+    let journal = agent.state_file().with_extension("json.journal");
+    let journaled = std::fs::read_to_string(&journal).expect("state journal written");
+    assert!(journaled.contains(r#""service":"default/late""#), "{journaled}");
     let state_before: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(agent.state_file()).expect("state file written"))
             .unwrap();
     assert_eq!(state_before["allocations"]["default/web"]["80/TCP"], port, "{state_before}");
+    assert!(state_before["allocations"].get("default/late").is_none(), "in the journal only: {state_before}");
     let rules_before = normalize_ruleset(&nft_list(&topo.node).expect("table"));
 
     let lp = ClientLoop::http(c, v4(NODE_V4), port, Duration::from_millis(20), T);
@@ -417,11 +427,48 @@ fn sigkill_and_restart_keep_rules_ports_and_traffic() {
         Some(udp_port),
         "UDP port changed across the restart"
     );
+    assert_eq!(agent.node_port("default/late", 80, "TCP"), Some(late_port), "journaled port changed");
+    // Folded into the file at the start.
     let state_after: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(agent.state_file()).unwrap()).unwrap();
-    assert_eq!(state_after["allocations"], state_before["allocations"]);
+    assert!(!journal.exists(), "the journal is folded in at the start");
+    let mut want = state_before["allocations"].clone();
+    want["default/late"] = serde_json::json!({"80/TCP": late_port});
+    assert_eq!(state_after["allocations"], want);
     let rules_after = normalize_ruleset(&nft_list(&topo.node).expect("table"));
-    assert_eq!(rules_after, rules_before, "ruleset after restart differs from before");
+    // In the order of its objects' names: the restart writes the table whole, in name order,
+    // where `late` was added after the others.
+    let (after, before) = (by_object(&rules_after), by_object(&rules_before));
+    let only = |a: &[String], b: &[String]| a.iter().filter(|o| !b.contains(o)).cloned().collect::<Vec<_>>();
+    assert!(
+        after == before,
+        "ruleset after restart differs from before: only after {:?}, only before {:?}",
+        only(&after, &before),
+        only(&before, &after)
+    );
+}
+
+/// A listed table's objects (a chain, set, map or counter with its contents), sorted.
+fn by_object(listed: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut object = String::new();
+    // Without the table's own closing brace (after its last object).
+    let mut lines: Vec<&str> = listed.lines().collect();
+    if lines.last() == Some(&"}") {
+        lines.pop();
+    }
+    for line in lines {
+        let starts = ["chain ", "set ", "map ", "counter "].iter().any(|p| line.starts_with(p))
+            && line.ends_with(" {");
+        if starts && !object.is_empty() {
+            out.push(std::mem::take(&mut object));
+        }
+        object.push_str(line);
+        object.push('\n');
+    }
+    out.push(object);
+    out.sort();
+    out
 }
 
 #[test]

@@ -400,7 +400,7 @@ fn a_million_empty_documents() {
 fn hostile_state_files_give_short_errors() {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("state.json");
-    let file = nodelb::observe::state::StateFile::new(&path);
+    let mut file = nodelb::observe::state::StateFile::new(&path);
     std::fs::write(&path, json!({"version": "v".repeat(1 << 20)}).to_string()).expect("write");
     let e = file.load().expect_err("a string version").to_string();
     assert!(

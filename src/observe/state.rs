@@ -25,6 +25,23 @@
 //!   file, never a torn one. The directory is created when missing.
 //! - The file is readable and writable by root only (mode 0600 whatever the umask, set before a
 //!   byte is written; the directory 0700 when nodelb creates it): it lists every Service.
+//! - **A change is a line appended to a journal** (`<file>.journal`, also 0600), not the file
+//!   written whole ([`StateFile::save_change`]): one JSON line per Service whose entry changed,
+//!   `{"service":"default/web","ports":{"80/TCP":20001},"since":"…"}`, or `{"service":"default/web"}`
+//!   for one no longer allocated, then `fdatasync`. At 50,000 Services the whole file is 5.7 MB,
+//!   and writing and syncing it was most of a one-Service sync (docs/benchmarks.md, stop 38).
+//!   The file is written whole instead when it is not there (the first allocations), and again
+//!   (the journal removed) once the journal holds more
+//!   lines than a quarter of the Services (at least [`MIN_JOURNAL_LINES`]), at start when a
+//!   journal is there ([`StateFile::fold_journal`]), and at a clean shutdown, so the file a human
+//!   reads is whole whenever the agent is not running after a clean stop.
+//! - Loading reads the file, then replays the journal's lines in order. A line is a Service's
+//!   whole entry, so replaying one twice is harmless: a crash between writing the file whole and
+//!   removing the journal loses nothing. A line that is not valid (a torn last line: the crash
+//!   came while it was written, before anything was programmed with it) is skipped with a
+//!   warning naming the journal and the line, like a bad entry. An older nodelb ignores the
+//!   journal: after a rollback from a crash (not a clean stop) the changes since the file was
+//!   last written whole are allocated anew.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -39,9 +56,13 @@ use crate::domain::{PortId, ServiceKey};
 
 pub const STATE_VERSION: u32 = 1;
 
-/// Largest state file read (16 MiB; 10,000 Services take about 1 MB): a larger one is not one
-/// nodelb wrote, and is an error rather than a read of whatever size into memory.
+/// Largest state file (and journal) read (16 MiB; 10,000 Services take about 1 MB): a larger one
+/// is not one nodelb wrote, and is an error rather than a read of whatever size into memory.
 pub const MAX_STATE_BYTES: u64 = 16 << 20;
+
+/// The journal is folded into the file once it holds more lines than a quarter of the Services,
+/// and never before it holds this many: a full write per that many changes is a small share.
+pub const MIN_JOURNAL_LINES: usize = 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
@@ -56,6 +77,19 @@ pub enum StateError {
     Entry { path: PathBuf, entry: String, reason: String },
     #[error("state file {path}: cannot write: {source}")]
     Write { path: PathBuf, source: io::Error },
+    #[error("state journal {path}: line {line}: {reason}")]
+    JournalLine { path: PathBuf, line: usize, reason: String },
+}
+
+/// One journal line: a Service's whole entry after a change; no `ports`: not allocated.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct JournalLine<'a> {
+    #[serde(borrow)]
+    service: std::borrow::Cow<'a, str>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    ports: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    since: Option<String>,
 }
 
 /// On-disk shape; keys are the human spellings `namespace/name` and `80/TCP`. Read with JSON values
@@ -157,20 +191,29 @@ impl State {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StateFile {
     path: PathBuf,
+    /// Lines in the journal as far as this process knows (counted at load, then appended).
+    journal_lines: usize,
 }
 
 impl StateFile {
     pub fn new(path: impl Into<PathBuf>) -> StateFile {
-        StateFile { path: path.into() }
+        StateFile { path: path.into(), journal_lines: 0 }
     }
 
     pub fn path(&self) -> &Path {
         &self.path
     }
 
+    /// `<file>.journal`, next to the file.
+    pub fn journal_path(&self) -> PathBuf {
+        let mut name = self.path.as_os_str().to_owned();
+        name.push(".journal");
+        PathBuf::from(name)
+    }
+
     /// The saved state; empty when the file does not exist. Bad entries are skipped and logged
     /// (see [`StateFile::load_lenient`]).
-    pub fn load(&self) -> Result<State, StateError> {
+    pub fn load(&mut self) -> Result<State, StateError> {
         let (state, skipped) = self.load_lenient()?;
         for e in &skipped {
             tracing::warn!("{e}; skipping it (its ports are allocated anew)");
@@ -180,10 +223,15 @@ impl StateFile {
 
     /// The saved state and the entries skipped as bad (each a [`StateError::Entry`]). Only a
     /// file that cannot be read or parsed as a whole, or has another version, is an error.
-    pub fn load_lenient(&self) -> Result<(State, Vec<StateError>), StateError> {
+    pub fn load_lenient(&mut self) -> Result<(State, Vec<StateError>), StateError> {
         let text = match crate::observe::bounded::read_to_string(&self.path, MAX_STATE_BYTES) {
             Ok(text) => text,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok((State::default(), vec![])),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                // The first changes may be in the journal alone.
+                let (mut state, mut skipped) = (State::default(), Vec::new());
+                self.replay_journal(&mut state, &mut skipped)?;
+                return Ok((state, skipped));
+            }
             Err(source) => {
                 return Err(StateError::Read { path: self.path.clone(), source });
             }
@@ -212,32 +260,7 @@ impl StateFile {
                     continue;
                 }
             };
-            let serde_json::Value::Object(ports) = ports else {
-                bad(service, format!("{ports} is not an object of PORT/PROTOCOL: NODEPORT"));
-                continue;
-            };
-            let mut map = BTreeMap::new();
-            for (port, node) in ports {
-                let entry = format!("{service}: {port}");
-                let id: PortId = match port.parse() {
-                    Ok(id) => id,
-                    Err(crate::domain::ParseError(reason)) => {
-                        bad(entry, reason);
-                        continue;
-                    }
-                };
-                let Some(node) = node.as_u64().and_then(|n| u16::try_from(n).ok()).filter(|n| *n != 0) else {
-                    bad(entry, format!("node port {node} is out of range 1-65535"));
-                    continue;
-                };
-                // "80/TCP" and "80/tcp" are one port; two spellings are a hand edit gone wrong.
-                // The first one read is kept.
-                if map.contains_key(&id) {
-                    bad(entry, "port listed twice (another spelling of it is used)".to_string());
-                    continue;
-                }
-                map.insert(id, node);
-            }
+            let Some(map) = parse_ports(&service, ports, &mut bad) else { continue };
             // Distinct strings that parse are distinct keys (parsing does not normalise).
             out.insert(key, map);
         }
@@ -254,16 +277,115 @@ impl StateFile {
                 (Ok(_), None) => bad(entry, format!("{value} is not an RFC 3339 time")),
             }
         }
-        Ok((State { allocations: out, since }, skipped))
+        let mut state = State { allocations: out, since };
+        self.replay_journal(&mut state, &mut skipped)?;
+        Ok((state, skipped))
     }
 
-    /// Replaces the file atomically with `state`.
-    pub fn save(&self, state: &State) -> Result<(), StateError> {
+    /// Applies the journal's lines to `state` in order (none when there is no journal); a line
+    /// that is not valid is skipped (named in `skipped`). Counts the lines.
+    fn replay_journal(&mut self, state: &mut State, skipped: &mut Vec<StateError>) -> Result<(), StateError> {
+        let path = self.journal_path();
+        let text = match crate::observe::bounded::read_to_string(&path, MAX_STATE_BYTES) {
+            Ok(text) => text,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(source) => return Err(StateError::Read { path, source }),
+        };
+        let torn = !text.is_empty() && !text.ends_with('\n');
+        let lines: Vec<&str> = text.lines().collect();
+        self.journal_lines = lines.len();
+        for (i, line) in lines.iter().enumerate() {
+            let mut reasons = Vec::new();
+            let mut bad = |entry: String, reason: String| reasons.push(format!("{entry}: {reason}"));
+            match serde_json::from_str::<JournalLine<'_>>(line) {
+                Err(e) if torn && i + 1 == lines.len() => {
+                    bad("last line".into(), format!("not written whole (a crash while it was written): {e}"))
+                }
+                Err(e) => bad(crate::domain::cut(line, 200).to_string(), e.to_string()),
+                Ok(entry) => match entry.service.parse::<ServiceKey>() {
+                    Err(crate::domain::ParseError(reason)) => bad(entry.service.to_string(), reason),
+                    Ok(key) => match entry.ports {
+                        None => {
+                            state.allocations.remove(&key);
+                            state.since.remove(&key);
+                        }
+                        Some(ports) => {
+                            if let Some(map) = parse_ports(&entry.service, ports, &mut bad) {
+                                let time = entry.since.as_deref().and_then(|t| t.parse::<Timestamp>().ok());
+                                match (&entry.since, time) {
+                                    (_, Some(t)) => drop(state.since.insert(key.clone(), t)),
+                                    (Some(t), None) => {
+                                        bad(format!("since {key}"), format!("{t:?} is not an RFC 3339 time"));
+                                        state.since.remove(&key);
+                                    }
+                                    (None, None) => drop(state.since.remove(&key)),
+                                }
+                                state.allocations.insert(key, map);
+                            }
+                        }
+                    },
+                },
+            }
+            skipped.extend(reasons.into_iter().map(|reason| StateError::JournalLine {
+                path: path.clone(),
+                line: i + 1,
+                reason,
+            }));
+        }
+        Ok(())
+    }
+
+    /// Records the change from `prev` (what the file and journal hold) to `next`: one journal
+    /// line per Service whose entry differs, appended and synced; or, once the journal is long
+    /// enough, the file written whole ([`StateFile::save`]). Nothing when nothing differs.
+    pub fn save_change(&mut self, prev: &State, next: &State) -> Result<(), StateError> {
+        let lines = journal_lines(prev, next);
+        if lines.is_empty() {
+            return Ok(());
+        }
+        // No file yet (the first allocations), or something else where it goes: written whole,
+        // so that there is one from the first allocation on, or the error shows now, not at the
+        // next start.
+        let limit = (next.allocations.len() / 4).max(MIN_JOURNAL_LINES);
+        if self.journal_lines + lines.len() > limit || !self.path.is_file() {
+            return self.save(next);
+        }
+        let path = self.journal_path();
+        let mut text = String::new();
+        for line in &lines {
+            text.push_str(line);
+            text.push('\n');
+        }
+        append_synced(&path, text.as_bytes()).map_err(|source| StateError::Write { path, source })?;
+        self.journal_lines += lines.len();
+        Ok(())
+    }
+
+    /// Writes the file whole when a journal is there (at start and at a clean shutdown: what a
+    /// human reads is whole again, and the journal starts empty).
+    pub fn fold_journal(&mut self, state: &State) -> Result<(), StateError> {
+        match self.journal_lines > 0 || self.journal_path().exists() {
+            true => self.save(state),
+            false => Ok(()),
+        }
+    }
+
+    /// Replaces the file atomically with `state`, then removes the journal (its lines are in
+    /// the file now; replayed again after a crash in between, they change nothing).
+    pub fn save(&mut self, state: &State) -> Result<(), StateError> {
         let mut text = serde_json::to_string_pretty(&OnDiskOut(state))
             .map_err(|e| StateError::Write { path: self.path.clone(), source: io::Error::other(e) })?;
         text.push('\n');
         self.write_atomically(text.as_bytes())
-            .map_err(|source| StateError::Write { path: self.path.clone(), source })
+            .map_err(|source| StateError::Write { path: self.path.clone(), source })?;
+        let journal = self.journal_path();
+        match fs::remove_file(&journal) {
+            Ok(()) => sync_dir(&journal).map_err(|source| StateError::Write { path: journal, source })?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(source) => return Err(StateError::Write { path: journal, source }),
+        }
+        self.journal_lines = 0;
+        Ok(())
     }
 
     fn write_atomically(&self, bytes: &[u8]) -> io::Result<()> {
@@ -291,13 +413,118 @@ impl StateFile {
             drop(f);
             fs::rename(&tmp, &self.path)?;
             // The rename is durable only once the directory entry is.
-            fs::File::open(&dir)?.sync_all()
+            sync_dir(&self.path)
         })();
         if result.is_err() {
             let _ = fs::remove_file(&tmp);
         }
         result
     }
+}
+
+/// Checks one Service's `{"80/TCP": 20001, …}`; bad ports go to `bad` (entry, reason) and are
+/// left out; `None` when it is not an object at all.
+fn parse_ports(
+    service: &str,
+    ports: serde_json::Value,
+    bad: &mut impl FnMut(String, String),
+) -> Option<BTreeMap<PortId, u16>> {
+    let serde_json::Value::Object(ports) = ports else {
+        bad(service.to_string(), format!("{ports} is not an object of PORT/PROTOCOL: NODEPORT"));
+        return None;
+    };
+    let mut map = BTreeMap::new();
+    for (port, node) in ports {
+        let entry = format!("{service}: {port}");
+        let id: PortId = match port.parse() {
+            Ok(id) => id,
+            Err(crate::domain::ParseError(reason)) => {
+                bad(entry, reason);
+                continue;
+            }
+        };
+        let Some(node) = node.as_u64().and_then(|n| u16::try_from(n).ok()).filter(|n| *n != 0) else {
+            bad(entry, format!("node port {node} is out of range 1-65535"));
+            continue;
+        };
+        // "80/TCP" and "80/tcp" are one port; two spellings are a hand edit gone wrong. The
+        // first one read is kept.
+        if map.contains_key(&id) {
+            bad(entry, "port listed twice (another spelling of it is used)".to_string());
+            continue;
+        }
+        map.insert(id, node);
+    }
+    Some(map)
+}
+
+/// One Service's entry as the journal compares it: its ports and allocation time.
+type Entry<'a> = (&'a ServiceKey, &'a BTreeMap<PortId, u16>, Option<&'a Timestamp>);
+
+/// A state's entries in key order, each with its time (the times' keys are a subset of the
+/// allocations' keys: one walk of both).
+fn entries(state: &State) -> impl Iterator<Item = Entry<'_>> {
+    let mut since = state.since.iter().peekable();
+    state.allocations.iter().map(move |(k, ports)| {
+        while since.next_if(|(s, _)| *s < k).is_some() {}
+        (k, ports, since.peek().filter(|(s, _)| *s == k).map(|(_, t)| *t))
+    })
+}
+
+/// The journal lines that bring `prev` to `next`: one per Service whose entry differs, in key
+/// order. One merge walk of both.
+fn journal_lines(prev: &State, next: &State) -> Vec<String> {
+    let set = |(k, ports, since): Entry<'_>| {
+        let line = JournalLine {
+            service: k.to_string().into(),
+            ports: serde_json::to_value(PortsOut(ports)).ok(),
+            since: since.map(|t| t.to_string()),
+        };
+        serde_json::to_string(&line).unwrap_or_default()
+    };
+    let gone = |k: &ServiceKey| {
+        serde_json::to_string(&JournalLine { service: k.to_string().into(), ports: None, since: None })
+            .unwrap_or_default()
+    };
+    let mut out = Vec::new();
+    let mut old = entries(prev).peekable();
+    for new in entries(next) {
+        while let Some(o) = old.next_if(|o| o.0 < new.0) {
+            out.push(gone(o.0));
+        }
+        match old.next_if(|o| o.0 == new.0) {
+            Some(o) if o == new => {}
+            _ => out.push(set(new)),
+        }
+    }
+    out.extend(old.map(|o| gone(o.0)));
+    out
+}
+
+/// Appends `bytes` to `path` (created 0600 when missing, its directory entry then synced) and
+/// syncs its data.
+fn append_synced(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let created = !path.exists();
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+    }
+    let mut f = fs::OpenOptions::new().append(true).create(true).mode(0o600).open(path)?;
+    f.set_permissions(fs::Permissions::from_mode(0o600))?;
+    f.write_all(bytes)?;
+    f.sync_data()?;
+    if created {
+        sync_dir(path)?;
+    }
+    Ok(())
+}
+
+/// Syncs the directory holding `path`: a new, renamed or removed entry is durable only then.
+fn sync_dir(path: &Path) -> io::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    fs::File::open(dir)?.sync_all()
 }
 
 #[cfg(test)]
@@ -315,7 +542,7 @@ mod tests {
     fn the_state_file_is_readable_by_root_only() {
         let dir = tempfile::tempdir().expect("dir");
         let path = dir.path().join("new/sub/state.json");
-        let file = StateFile::new(&path);
+        let mut file = StateFile::new(&path);
         file.save(&sample()).expect("save");
         assert_eq!(mode(&path), 0o600, "new file");
         assert_eq!(mode(&dir.path().join("new")), 0o700, "created directory");
@@ -364,10 +591,158 @@ mod tests {
         a
     }
 
+    fn key(ns: &str, name: &str) -> ServiceKey {
+        ServiceKey { namespace: ns.into(), name: name.into() }
+    }
+
+    fn tcp(port: u16) -> PortId {
+        PortId { port, protocol: Protocol::Tcp }
+    }
+
+    /// `sample()` with `default/web` on another node port and a new time, `kube-system/dns` gone
+    /// and `default/new` added.
+    fn changed() -> State {
+        let mut s = sample();
+        s.allocations.insert(key("default", "web"), BTreeMap::from([(tcp(80), 20005)]));
+        s.since.insert(key("default", "web"), t(100));
+        s.allocations.remove(&key("kube-system", "dns"));
+        s.since.remove(&key("kube-system", "dns"));
+        s.allocations.insert(key("default", "new"), BTreeMap::from([(tcp(443), 20007)]));
+        s.since.insert(key("default", "new"), t(200));
+        s
+    }
+
+    /// A change is one journal line per Service whose entry changed, replayed on load; the file
+    /// itself is not written; nothing changed appends nothing; the journal is root's only.
+    #[test]
+    fn a_change_is_journal_lines_replayed_on_load() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("state.json");
+        let mut file = StateFile::new(&path);
+        file.save(&sample()).expect("save");
+        let whole = fs::read(&path).expect("read");
+        file.save_change(&sample(), &changed()).expect("save change");
+        assert_eq!(fs::read(&path).expect("read"), whole, "the file is not written");
+        let journal = fs::read_to_string(file.journal_path()).expect("journal");
+        assert_eq!(
+            journal,
+            concat!(
+                r#"{"service":"default/new","ports":{"443/TCP":20007},"since":"2023-11-14T22:16:40Z"}"#,
+                "\n",
+                r#"{"service":"default/web","ports":{"80/TCP":20005},"since":"2023-11-14T22:15:00Z"}"#,
+                "\n",
+                r#"{"service":"kube-system/dns"}"#,
+                "\n",
+            )
+        );
+        assert_eq!(mode(&file.journal_path()), 0o600);
+        assert_eq!(StateFile::new(&path).load().expect("load"), changed());
+        file.save_change(&changed(), &changed()).expect("no change");
+        assert_eq!(fs::read_to_string(file.journal_path()).expect("journal"), journal);
+
+        // Folded in: the file whole, the journal gone, the same state.
+        let mut again = StateFile::new(&path);
+        let loaded = again.load().expect("load");
+        again.fold_journal(&loaded).expect("fold");
+        assert!(!again.journal_path().exists());
+        assert_eq!(StateFile::new(&path).load().expect("load"), changed());
+        assert_eq!(v_since(&path), ["default/new", "default/web"]);
+    }
+
+    /// Once the journal holds more lines than a quarter of the Services (at least
+    /// MIN_JOURNAL_LINES), a change writes the file whole and removes the journal.
+    #[test]
+    fn a_long_journal_is_folded_into_the_file() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("state.json");
+        let mut file = StateFile::new(&path);
+        let many = |port: u16| {
+            let allocations: Allocations = (0..MIN_JOURNAL_LINES * 3 / 4)
+                .map(|i| (key("default", &format!("svc-{i}")), BTreeMap::from([(tcp(80), port)])))
+                .collect();
+            State { since: allocations.keys().map(|k| (k.clone(), t(0))).collect(), allocations }
+        };
+        file.save_change(&State::default(), &sample()).expect("no file yet");
+        assert!(path.is_file() && !file.journal_path().exists(), "the first allocations: written whole");
+        file.save(&State::default()).expect("an empty file");
+        file.save_change(&State::default(), &many(20001)).expect("first");
+        assert!(file.journal_path().exists());
+        assert_eq!(StateFile::new(&path).load().expect("the file and journal"), many(20001));
+        fs::remove_file(&path).expect("the file gone");
+        assert_eq!(StateFile::new(&path).load().expect("the journal alone"), many(20001));
+        file.save(&State::default()).expect("an empty file");
+        file.save_change(&State::default(), &many(20001)).expect("first");
+        file.save_change(&many(20001), &many(20002)).expect("second");
+        assert!(!file.journal_path().exists(), "folded");
+        assert_eq!(StateFile::new(&path).load().expect("load"), many(20002));
+    }
+
+    /// A crash after the file was written whole but before the journal was removed: the
+    /// journal's lines replayed over the file change nothing.
+    #[test]
+    fn a_journal_replayed_over_the_file_it_was_folded_into_changes_nothing() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("state.json");
+        let mut file = StateFile::new(&path);
+        file.save(&sample()).expect("save");
+        file.save_change(&sample(), &changed()).expect("change");
+        let journal = fs::read(file.journal_path()).expect("journal");
+        file.save(&changed()).expect("fold");
+        fs::write(file.journal_path(), journal).expect("the journal back");
+        assert_eq!(StateFile::new(&path).load().expect("load"), changed());
+    }
+
+    /// A torn last line (a crash while it was written) and a bad line are skipped and named;
+    /// the other lines are applied.
+    #[test]
+    fn bad_journal_lines_are_skipped_and_named() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("state.json");
+        let mut file = StateFile::new(&path);
+        file.save(&sample()).expect("save");
+        fs::write(
+            file.journal_path(),
+            concat!(
+                r#"{"service":"default/new","ports":{"443/TCP":20007},"since":"2023-11-14T22:16:40Z"}"#,
+                "\n",
+                r#"{"service":"a/b/c","ports":{"80/TCP":1}}"#,
+                "\n",
+                r#"{"service":"default/web","ports":{"80/TCP":0,"81/TCP":20009}}"#,
+                "\n",
+                r#"{"service":"kube-system/dns"}"#,
+                "\n",
+                r#"{"service":"default/torn","por"#,
+            ),
+        )
+        .expect("journal");
+        let (state, skipped) = StateFile::new(&path).load_lenient().expect("load");
+        let mut want = sample();
+        want.allocations.insert(key("default", "new"), BTreeMap::from([(tcp(443), 20007)]));
+        want.since.insert(key("default", "new"), t(200));
+        want.allocations.insert(key("default", "web"), BTreeMap::from([(tcp(81), 20009)]));
+        want.since.remove(&key("default", "web"));
+        want.allocations.remove(&key("kube-system", "dns"));
+        want.since.remove(&key("kube-system", "dns"));
+        assert_eq!(state, want);
+        let skipped: Vec<String> = skipped.iter().map(ToString::to_string).collect();
+        let journal = file.journal_path().display().to_string();
+        assert_eq!(skipped.len(), 3, "{skipped:?}");
+        assert!(skipped[0].starts_with(&format!("state journal {journal}: line 2: a/b/c: ")), "{skipped:?}");
+        assert!(
+            skipped[1]
+                .starts_with(&format!("state journal {journal}: line 3: default/web: 80/TCP: node port 0")),
+            "{skipped:?}"
+        );
+        assert!(
+            skipped[2].starts_with(&format!("state journal {journal}: line 5: last line: not written whole")),
+            "{skipped:?}"
+        );
+    }
+
     #[test]
     fn missing_file_is_empty() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let st = StateFile::new(dir.path().join("state.json"));
+        let mut st = StateFile::new(dir.path().join("state.json"));
         assert_eq!(st.load().expect("load"), State::default());
     }
 
@@ -375,7 +750,7 @@ mod tests {
     fn roundtrip_and_format() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("sub/dir/state.json");
-        let st = StateFile::new(&path);
+        let mut st = StateFile::new(&path);
         st.save(&sample()).expect("save");
         assert_eq!(st.load().expect("load"), sample());
         assert_eq!(v_since(&path), vec!["default/web", "kube-system/dns"]);
@@ -483,7 +858,7 @@ mod tests {
             r#"{"version":1,"allocations":{"default/web":{"80/TCP":20001},"default/db":{"5432/TCP":20002}}}"#,
         )
         .expect("write");
-        let st = StateFile::new(&path);
+        let mut st = StateFile::new(&path);
         let old = st.load().expect("an old file loads");
         assert_eq!(old.allocations.len(), 2);
         assert!(old.since.is_empty());
@@ -523,7 +898,7 @@ mod tests {
     fn unreadable_is_an_error() {
         let dir = tempfile::tempdir().expect("tempdir");
         // A directory where the file should be.
-        let st = StateFile::new(dir.path());
+        let mut st = StateFile::new(dir.path());
         assert!(matches!(st.load(), Err(StateError::Read { .. })));
         assert!(matches!(st.save(&sample()), Err(StateError::Write { .. })));
     }

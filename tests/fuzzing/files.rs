@@ -98,7 +98,7 @@ pub fn manifests(data: &[u8]) {
 pub fn state_file(data: &[u8]) {
     DIRS.with(|dirs| {
         std::fs::write(&dirs.state, data).expect("write");
-        let file = StateFile::new(&dirs.state);
+        let mut file = StateFile::new(&dirs.state);
         let (state, skipped) = match file.load_lenient() {
             Ok(x) => x,
             Err(e) => {
@@ -114,7 +114,7 @@ pub fn state_file(data: &[u8]) {
             assert!(msg.len() <= world::MAX_MESSAGE, "skipped-entry message of {} bytes", msg.len());
         }
         // What was read is what is written back: a save and a load are the identity.
-        let copy = StateFile::new(dirs.state.with_extension("copy"));
+        let mut copy = StateFile::new(dirs.state.with_extension("copy"));
         copy.save(&state).expect("save");
         let (again, skipped_again) = copy.load_lenient().expect("our own file loads");
         assert!(skipped_again.is_empty(), "our own file has bad entries: {skipped_again:?}");

@@ -497,8 +497,15 @@ pub fn moved<'a>(
     previous: &'a Allocations,
     next: &'a Allocations,
 ) -> Vec<(&'a ServiceKey, PortId, u16, u16)> {
+    // Both in key order: one merge walk, not a lookup per Service (at 50,000 Services the
+    // lookups were a fifth of a one-Service sync's state phase).
+    let mut prev = previous.iter().peekable();
     next.iter()
-        .filter_map(|(key, ports)| Some((key, ports, previous.get(key)?)))
+        .filter_map(move |(key, ports)| {
+            while prev.next_if(|(k, _)| *k < key).is_some() {}
+            let (_, old) = prev.next_if(|(k, _)| *k == key)?;
+            Some((key, ports, old))
+        })
         .flat_map(|(key, ports, old)| {
             ports.iter().filter_map(move |(id, n)| {
                 let was = *old.get(id)?;
