@@ -2,7 +2,7 @@
 //! (`nodelb run --manifests DIR`), and a second source of stable ports otherwise.
 //!
 //! Format (JSON, so a human can read and fix it):
-//! `{"version":1,"allocations":{"default/web":{"80/TCP":20001}},"since":{"default/web":"2025-01-01T00:00:00Z"}}`.
+//! `{"version":1,"journal":3,"allocations":{"default/web":{"80/TCP":20001}},"since":{"default/web":"2025-01-01T00:00:00Z"}}`.
 //! `since` is when this node first allocated the Service a port: manifests have no
 //! creationTimestamp, so this is what "older" means in manifests mode ([`crate::alloc`]).
 //! Decisions:
@@ -35,13 +35,16 @@
 //!   lines than a quarter of the Services (at least [`MIN_JOURNAL_LINES`]), at start when a
 //!   journal is there ([`StateFile::fold_journal`]), and at a clean shutdown, so the file a human
 //!   reads is whole whenever the agent is not running after a clean stop.
-//! - Loading reads the file, then replays the journal's lines in order. A line is a Service's
-//!   whole entry, so replaying one twice is harmless: a crash between writing the file whole and
-//!   removing the journal loses nothing. A line that is not valid (a torn last line: the crash
-//!   came while it was written, before anything was programmed with it) is skipped with a
-//!   warning naming the journal and the line, like a bad entry. An older nodelb ignores the
-//!   journal: after a rollback from a crash (not a clean stop) the changes since the file was
-//!   last written whole are allocated anew.
+//! - Loading reads the file, then replays the journal's lines in order. Each whole write gives
+//!   the file a new number (`"journal": N`), and a journal starts with the number of the file it
+//!   follows (`{"journal":N}`): a journal left by a crash between writing the file whole and
+//!   removing it, or after any failed write, follows an older file and is not replayed (a line of
+//!   it could undo a later change). After a failed write the next change writes the file whole.
+//!   A line that is not valid (a torn last line: the crash came while it was written, before
+//!   anything was programmed with it) is skipped with a warning naming the journal and the line,
+//!   like a bad entry. An older nodelb ignores the journal (and the number): after a rollback
+//!   from a crash (not a clean stop) the changes since the file was last written whole are
+//!   allocated anew.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -103,19 +106,29 @@ struct OnDisk {
     /// Allocation time per Service (RFC 3339); absent in files of older versions.
     #[serde(default = "BTreeMap::new")]
     since: BTreeMap<String, serde_json::Value>,
+    /// The number of this whole write: the journal that follows it starts with it.
+    #[serde(default)]
+    journal: u64,
+}
+
+/// A journal's first line: the number of the file it follows.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct JournalHeader {
+    journal: u64,
 }
 
 /// [`OnDisk`] as written, serialized from the state as it is (in its key order), with no map of
 /// strings built first: at 50,000 Services building one was half of a save.
-struct OnDiskOut<'a>(&'a State);
+struct OnDiskOut<'a>(&'a State, u64);
 
 impl serde::Serialize for OnDiskOut<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct as _;
         let state = self.0;
-        let fields = if state.since.is_empty() { 2 } else { 3 };
+        let fields = if state.since.is_empty() { 3 } else { 4 };
         let mut out = s.serialize_struct("OnDisk", fields)?;
         out.serialize_field("version", &STATE_VERSION)?;
+        out.serialize_field("journal", &self.1)?;
         out.serialize_field("allocations", &AllocationsOut(&state.allocations))?;
         if !state.since.is_empty() {
             out.serialize_field("since", &SinceOut(&state.since))?;
@@ -191,13 +204,19 @@ impl State {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StateFile {
     path: PathBuf,
-    /// Lines in the journal as far as this process knows (counted at load, then appended).
+    /// Lines in the journal that follows the file, as far as this process knows (counted at
+    /// load, then appended); 0: the next line starts a new journal.
     journal_lines: usize,
+    /// The number of the file's last whole write (0: none, or a file of an older version).
+    written: u64,
+    /// A write failed: what the file and journal hold is not known, the next change writes the
+    /// file whole.
+    whole_due: bool,
 }
 
 impl StateFile {
     pub fn new(path: impl Into<PathBuf>) -> StateFile {
-        StateFile { path: path.into(), journal_lines: 0 }
+        StateFile { path: path.into(), journal_lines: 0, written: 0, whole_due: false }
     }
 
     pub fn path(&self) -> &Path {
@@ -227,8 +246,9 @@ impl StateFile {
         let text = match crate::observe::bounded::read_to_string(&self.path, MAX_STATE_BYTES) {
             Ok(text) => text,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                // The first changes may be in the journal alone.
+                // A journal without its file follows nothing (it is not replayed).
                 let (mut state, mut skipped) = (State::default(), Vec::new());
+                self.written = 0;
                 self.replay_journal(&mut state, &mut skipped)?;
                 return Ok((state, skipped));
             }
@@ -278,13 +298,16 @@ impl StateFile {
             }
         }
         let mut state = State { allocations: out, since };
+        self.written = disk.journal;
         self.replay_journal(&mut state, &mut skipped)?;
         Ok((state, skipped))
     }
 
-    /// Applies the journal's lines to `state` in order (none when there is no journal); a line
-    /// that is not valid is skipped (named in `skipped`). Counts the lines.
+    /// Applies the journal's lines to `state` in order (none when there is no journal, or it
+    /// follows another write of the file: named in `skipped`); a line that is not valid is
+    /// skipped (named in `skipped`). Counts the lines.
     fn replay_journal(&mut self, state: &mut State, skipped: &mut Vec<StateError>) -> Result<(), StateError> {
+        self.journal_lines = 0;
         let path = self.journal_path();
         let text = match crate::observe::bounded::read_to_string(&path, MAX_STATE_BYTES) {
             Ok(text) => text,
@@ -292,7 +315,20 @@ impl StateFile {
             Err(source) => return Err(StateError::Read { path, source }),
         };
         let torn = !text.is_empty() && !text.ends_with('\n');
-        let lines: Vec<&str> = text.lines().collect();
+        let mut lines: Vec<&str> = text.lines().collect();
+        let follows = lines.first().and_then(|l| serde_json::from_str::<JournalHeader>(l).ok());
+        if follows.as_ref().map(|h| h.journal) != Some(self.written).filter(|n| *n > 0) {
+            let reason = match follows {
+                Some(h) => format!(
+                    "follows write {} of the file, which is now write {}: not replayed (it is older than the file)",
+                    h.journal, self.written
+                ),
+                None => "does not start with the number of the file it follows: not replayed".into(),
+            };
+            skipped.push(StateError::JournalLine { path, line: 1, reason });
+            return Ok(());
+        }
+        lines.remove(0);
         self.journal_lines = lines.len();
         for (i, line) in lines.iter().enumerate() {
             let mut reasons = Vec::new();
@@ -328,7 +364,7 @@ impl StateFile {
             }
             skipped.extend(reasons.into_iter().map(|reason| StateError::JournalLine {
                 path: path.clone(),
-                line: i + 1,
+                line: i + 2,
                 reason,
             }));
         }
@@ -346,17 +382,31 @@ impl StateFile {
         // No file yet (the first allocations), or something else where it goes: written whole,
         // so that there is one from the first allocation on, or the error shows now, not at the
         // next start.
+        // After a failed write the next change writes the file whole.
         let limit = (next.allocations.len() / 4).max(MIN_JOURNAL_LINES);
-        if self.journal_lines + lines.len() > limit || !self.path.is_file() {
+        if self.whole_due
+            || self.written == 0
+            || self.journal_lines + lines.len() > limit
+            || !self.path.is_file()
+        {
             return self.save(next);
         }
         let path = self.journal_path();
         let mut text = String::new();
+        let start = self.journal_lines == 0;
+        if start {
+            let header = serde_json::to_string(&JournalHeader { journal: self.written }).unwrap_or_default();
+            text.push_str(&header);
+            text.push('\n');
+        }
         for line in &lines {
             text.push_str(line);
             text.push('\n');
         }
-        append_synced(&path, text.as_bytes()).map_err(|source| StateError::Write { path, source })?;
+        if let Err(source) = append_synced(&path, text.as_bytes(), start) {
+            self.whole_due = true;
+            return Err(StateError::Write { path, source });
+        }
         self.journal_lines += lines.len();
         Ok(())
     }
@@ -370,21 +420,28 @@ impl StateFile {
         }
     }
 
-    /// Replaces the file atomically with `state`, then removes the journal (its lines are in
-    /// the file now; replayed again after a crash in between, they change nothing).
+    /// Replaces the file atomically with `state`, as a new numbered write, then removes the
+    /// journal (it follows the write before: never replayed over this one, even when a crash
+    /// leaves it).
     pub fn save(&mut self, state: &State) -> Result<(), StateError> {
-        let mut text = serde_json::to_string_pretty(&OnDiskOut(state))
+        let written = self.written + 1;
+        let mut text = serde_json::to_string_pretty(&OnDiskOut(state, written))
             .map_err(|e| StateError::Write { path: self.path.clone(), source: io::Error::other(e) })?;
         text.push('\n');
-        self.write_atomically(text.as_bytes())
-            .map_err(|source| StateError::Write { path: self.path.clone(), source })?;
+        if let Err(source) = self.write_atomically(text.as_bytes()) {
+            self.whole_due = true;
+            return Err(StateError::Write { path: self.path.clone(), source });
+        }
+        (self.written, self.journal_lines, self.whole_due) = (written, 0, false);
         let journal = self.journal_path();
         match fs::remove_file(&journal) {
-            Ok(()) => sync_dir(&journal).map_err(|source| StateError::Write { path: journal, source })?,
+            Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(source) => return Err(StateError::Write { path: journal, source }),
+            // Left, it follows an older write and is not replayed; the next line starts anew.
+            Err(e) => {
+                tracing::warn!(journal = %journal.display(), error = %e, "cannot remove the state journal")
+            }
         }
-        self.journal_lines = 0;
         Ok(())
     }
 
@@ -501,14 +558,17 @@ fn journal_lines(prev: &State, next: &State) -> Vec<String> {
     out
 }
 
-/// Appends `bytes` to `path` (created 0600 when missing, its directory entry then synced) and
-/// syncs its data.
-fn append_synced(path: &Path, bytes: &[u8]) -> io::Result<()> {
+/// Appends `bytes` to `path` (created 0600 when missing, its directory entry then synced; made
+/// empty first when `start`) and syncs its data.
+fn append_synced(path: &Path, bytes: &[u8], start: bool) -> io::Result<()> {
     let created = !path.exists();
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
     }
-    let mut f = fs::OpenOptions::new().append(true).create(true).mode(0o600).open(path)?;
+    let mut f = fs::OpenOptions::new().append(true).create(true).truncate(false).mode(0o600).open(path)?;
+    if start {
+        f.set_len(0)?;
+    }
     f.set_permissions(fs::Permissions::from_mode(0o600))?;
     f.write_all(bytes)?;
     f.sync_data()?;
@@ -627,6 +687,8 @@ mod tests {
         assert_eq!(
             journal,
             concat!(
+                r#"{"journal":1}"#,
+                "\n",
                 r#"{"service":"default/new","ports":{"443/TCP":20007},"since":"2023-11-14T22:16:40Z"}"#,
                 "\n",
                 r#"{"service":"default/web","ports":{"80/TCP":20005},"since":"2023-11-14T22:15:00Z"}"#,
@@ -669,7 +731,12 @@ mod tests {
         assert!(file.journal_path().exists());
         assert_eq!(StateFile::new(&path).load().expect("the file and journal"), many(20001));
         fs::remove_file(&path).expect("the file gone");
-        assert_eq!(StateFile::new(&path).load().expect("the journal alone"), many(20001));
+        let (alone, skipped) = StateFile::new(&path).load_lenient().expect("the journal alone");
+        assert_eq!(
+            (alone, skipped.len()),
+            (State::default(), 1),
+            "a journal without its file follows nothing"
+        );
         file.save(&State::default()).expect("an empty file");
         file.save_change(&State::default(), &many(20001)).expect("first");
         file.save_change(&many(20001), &many(20002)).expect("second");
@@ -678,18 +745,37 @@ mod tests {
     }
 
     /// A crash after the file was written whole but before the journal was removed: the
-    /// journal's lines replayed over the file change nothing.
+    /// journal follows the write before and is not replayed (its `default/web` line would undo
+    /// the later change of it); named.
     #[test]
-    fn a_journal_replayed_over_the_file_it_was_folded_into_changes_nothing() {
+    fn a_journal_left_beside_a_later_write_is_not_replayed() {
         let dir = tempfile::tempdir().expect("dir");
         let path = dir.path().join("state.json");
         let mut file = StateFile::new(&path);
         file.save(&sample()).expect("save");
         file.save_change(&sample(), &changed()).expect("change");
         let journal = fs::read(file.journal_path()).expect("journal");
-        file.save(&changed()).expect("fold");
+        let mut later = changed();
+        later.allocations.insert(key("default", "web"), BTreeMap::from([(tcp(80), 20011)]));
+        file.save(&later).expect("written whole");
+        assert!(!file.journal_path().exists());
         fs::write(file.journal_path(), journal).expect("the journal back");
-        assert_eq!(StateFile::new(&path).load().expect("load"), changed());
+        let (loaded, skipped) = StateFile::new(&path).load_lenient().expect("load");
+        assert_eq!(loaded, later);
+        let skipped: Vec<String> = skipped.iter().map(ToString::to_string).collect();
+        assert_eq!(skipped.len(), 1, "{skipped:?}");
+        assert!(skipped[0].contains("follows write 1 of the file, which is now write 2"), "{skipped:?}");
+
+        // The next change starts a new journal (not appended to the old one).
+        let mut file = StateFile::new(&path);
+        let loaded = file.load().expect("load");
+        let mut next = loaded.clone();
+        next.allocations.remove(&key("default", "new"));
+        next.since.remove(&key("default", "new"));
+        file.save_change(&loaded, &next).expect("change");
+        let journal = fs::read_to_string(file.journal_path()).expect("journal");
+        assert_eq!(journal, "{\"journal\":2}\n{\"service\":\"default/new\"}\n");
+        assert_eq!(StateFile::new(&path).load().expect("load"), next);
     }
 
     /// A torn last line (a crash while it was written) and a bad line are skipped and named;
@@ -703,6 +789,8 @@ mod tests {
         fs::write(
             file.journal_path(),
             concat!(
+                r#"{"journal":1}"#,
+                "\n",
                 r#"{"service":"default/new","ports":{"443/TCP":20007},"since":"2023-11-14T22:16:40Z"}"#,
                 "\n",
                 r#"{"service":"a/b/c","ports":{"80/TCP":1}}"#,
@@ -727,14 +815,14 @@ mod tests {
         let skipped: Vec<String> = skipped.iter().map(ToString::to_string).collect();
         let journal = file.journal_path().display().to_string();
         assert_eq!(skipped.len(), 3, "{skipped:?}");
-        assert!(skipped[0].starts_with(&format!("state journal {journal}: line 2: a/b/c: ")), "{skipped:?}");
+        assert!(skipped[0].starts_with(&format!("state journal {journal}: line 3: a/b/c: ")), "{skipped:?}");
         assert!(
             skipped[1]
-                .starts_with(&format!("state journal {journal}: line 3: default/web: 80/TCP: node port 0")),
+                .starts_with(&format!("state journal {journal}: line 4: default/web: 80/TCP: node port 0")),
             "{skipped:?}"
         );
         assert!(
-            skipped[2].starts_with(&format!("state journal {journal}: line 5: last line: not written whole")),
+            skipped[2].starts_with(&format!("state journal {journal}: line 6: last line: not written whole")),
             "{skipped:?}"
         );
     }
@@ -757,6 +845,7 @@ mod tests {
         let v: serde_json::Value =
             serde_json::from_str(&fs::read_to_string(&path).expect("read")).expect("json");
         assert_eq!(v["version"], 1);
+        assert_eq!(v["journal"], 1, "the number of this whole write");
         assert_eq!(v["allocations"]["default/web"]["80/TCP"], 20001);
         assert_eq!(v["allocations"]["kube-system/dns"]["53/UDP"], 20002);
         // Overwrite with less: nothing of the old content survives, no temp files left behind.
