@@ -314,7 +314,11 @@ impl StateFile {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
             Err(source) => return Err(StateError::Read { path, source }),
         };
-        let torn = !text.is_empty() && !text.ends_with('\n');
+        // Empty: a crash between starting a new journal and writing its first line.
+        if text.is_empty() {
+            return Ok(());
+        }
+        let torn = !text.ends_with('\n');
         let mut lines: Vec<&str> = text.lines().collect();
         let follows = lines.first().and_then(|l| serde_json::from_str::<JournalHeader>(l).ok());
         if follows.as_ref().map(|h| h.journal) != Some(self.written).filter(|n| *n > 0) {
@@ -737,6 +741,9 @@ mod tests {
             (State::default(), 1),
             "a journal without its file follows nothing"
         );
+        fs::write(file.journal_path(), "").expect("an empty journal");
+        let (empty, skipped) = StateFile::new(&path).load_lenient().expect("an empty journal");
+        assert_eq!((empty, skipped.len()), (State::default(), 0), "an empty journal is no journal");
         file.save(&State::default()).expect("an empty file");
         file.save_change(&State::default(), &many(20001)).expect("first");
         file.save_change(&many(20001), &many(20002)).expect("second");
