@@ -696,7 +696,8 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
     /// with them), taken out of `desired`: from here on they are `self.allocations`. `aged`: the
     /// ages the sync decided with ([`Agent::provisional_ages`]), stamped on what it allocated.
     fn persist<R, I>(&mut self, desired: &mut Desired<R, I>, aged: Option<State>) -> Result<(), AgentError> {
-        if desired.allocations == self.allocations.allocations {
+        let write_due = self.state.as_ref().is_some_and(StateFile::write_due);
+        if desired.allocations == self.allocations.allocations && !write_due {
             return Ok(());
         }
         match self.source.mode() {

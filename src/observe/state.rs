@@ -28,7 +28,8 @@
 //! - **A change is a line appended to a journal** (`<file>.journal`, also 0600), not the file
 //!   written whole ([`StateFile::save_change`]): one JSON line per Service whose entry changed,
 //!   `{"service":"default/web","ports":{"80/TCP":20001},"since":"…"}`, or `{"service":"default/web"}`
-//!   for one no longer allocated, then `fdatasync`. At 50,000 Services the whole file is 5.7 MB,
+//!   for one no longer allocated, then `{"end":K}` (K lines: a change is applied only whole, so a
+//!   power cut or a short write in the middle of one leaves it out whole), then `fdatasync`. At 50,000 Services the whole file is 5.7 MB,
 //!   and writing and syncing it was most of a one-Service sync (docs/benchmarks.md, stop 38).
 //!   The file is written whole instead when it is not there (the first allocations), and again
 //!   (the journal removed) once the journal holds more
@@ -39,7 +40,10 @@
 //!   the file a new number (`"journal": N`), and a journal starts with the number of the file it
 //!   follows (`{"journal":N}`): a journal left by a crash between writing the file whole and
 //!   removing it, or after any failed write, follows an older file and is not replayed (a line of
-//!   it could undo a later change). After a failed write the next change writes the file whole.
+//!   it could undo a later change); a whole write is numbered above every number seen, in the
+//!   file or a journal, so a journal left behind never follows a later write (after a rollback an
+//!   older nodelb writes the file without a number). The journal is also folded once it passes 4
+//!   MiB, whatever its lines. After a failed write the next change writes the file whole.
 //!   A line that is not valid (a torn last line: the crash came while it was written, before
 //!   anything was programmed with it) is skipped with a warning naming the journal and the line,
 //!   like a bad entry. An older nodelb ignores the journal (and the number): after a rollback
@@ -116,6 +120,15 @@ struct OnDisk {
 struct JournalHeader {
     journal: u64,
 }
+
+/// The line that ends one change's lines (`{"end":K}`: K lines): a change is applied only whole.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct JournalEnd {
+    end: usize,
+}
+
+/// A journal is folded into the file once it is this large, whatever its lines.
+const MAX_JOURNAL_BYTES: u64 = MAX_STATE_BYTES / 4;
 
 /// [`OnDisk`] as written, serialized from the state as it is (in its key order), with no map of
 /// strings built first: at 50,000 Services building one was half of a save.
@@ -209,6 +222,11 @@ pub struct StateFile {
     journal_lines: usize,
     /// The number of the file's last whole write (0: none, or a file of an older version).
     written: u64,
+    /// The highest number seen in the file or a journal's first line: the next whole write is
+    /// numbered above it, so no journal left behind can follow it.
+    highest: u64,
+    /// Bytes in the journal, as far as this process knows.
+    journal_bytes: u64,
     /// A write failed: what the file and journal hold is not known, the next change writes the
     /// file whole.
     whole_due: bool,
@@ -216,7 +234,14 @@ pub struct StateFile {
 
 impl StateFile {
     pub fn new(path: impl Into<PathBuf>) -> StateFile {
-        StateFile { path: path.into(), journal_lines: 0, written: 0, whole_due: false }
+        StateFile {
+            path: path.into(),
+            journal_lines: 0,
+            written: 0,
+            highest: 0,
+            journal_bytes: 0,
+            whole_due: false,
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -299,6 +324,7 @@ impl StateFile {
         }
         let mut state = State { allocations: out, since };
         self.written = disk.journal;
+        self.highest = self.highest.max(disk.journal);
         self.replay_journal(&mut state, &mut skipped)?;
         Ok((state, skipped))
     }
@@ -307,7 +333,7 @@ impl StateFile {
     /// follows another write of the file: named in `skipped`); a line that is not valid is
     /// skipped (named in `skipped`). Counts the lines.
     fn replay_journal(&mut self, state: &mut State, skipped: &mut Vec<StateError>) -> Result<(), StateError> {
-        self.journal_lines = 0;
+        (self.journal_lines, self.journal_bytes) = (0, 0);
         let path = self.journal_path();
         let text = match crate::observe::bounded::read_to_string(&path, MAX_STATE_BYTES) {
             Ok(text) => text,
@@ -321,10 +347,14 @@ impl StateFile {
         let torn = !text.ends_with('\n');
         let mut lines: Vec<&str> = text.lines().collect();
         let follows = lines.first().and_then(|l| serde_json::from_str::<JournalHeader>(l).ok());
-        if follows.as_ref().map(|h| h.journal) != Some(self.written).filter(|n| *n > 0) {
+        if let Some(h) = &follows {
+            self.highest = self.highest.max(h.journal);
+        }
+        let replayed = follows.as_ref().is_some_and(|h| self.written > 0 && h.journal == self.written);
+        if !replayed {
             let reason = match follows {
                 Some(h) => format!(
-                    "follows write {} of the file, which is now write {}: not replayed (it is older than the file)",
+                    "follows write {} of the file, which is write {}: not replayed (it does not follow this file)",
                     h.journal, self.written
                 ),
                 None => "does not start with the number of the file it follows: not replayed".into(),
@@ -334,7 +364,28 @@ impl StateFile {
         }
         lines.remove(0);
         self.journal_lines = lines.len();
+        self.journal_bytes = text.len() as u64;
+        // A change's lines are applied when its end line is read: a crash in the middle of one
+        // (a power cut before the sync, a short write) leaves it out whole.
+        let mut pending = State::default();
+        let mut gone: Vec<ServiceKey> = Vec::new();
+        let mut first_pending = None;
         for (i, line) in lines.iter().enumerate() {
+            if serde_json::from_str::<JournalEnd>(line).is_ok() {
+                for key in gone.drain(..) {
+                    state.allocations.remove(&key);
+                    state.since.remove(&key);
+                }
+                for key in pending.allocations.keys() {
+                    state.since.remove(key);
+                }
+                state.allocations.append(&mut pending.allocations);
+                state.since.append(&mut pending.since);
+                first_pending = None;
+                continue;
+            }
+            first_pending.get_or_insert(i);
+            let state = &mut pending;
             let mut reasons = Vec::new();
             let mut bad = |entry: String, reason: String| reasons.push(format!("{entry}: {reason}"));
             match serde_json::from_str::<JournalLine<'_>>(line) {
@@ -348,6 +399,7 @@ impl StateFile {
                         None => {
                             state.allocations.remove(&key);
                             state.since.remove(&key);
+                            gone.push(key);
                         }
                         Some(ports) => {
                             if let Some(map) = parse_ports(&entry.service, ports, &mut bad) {
@@ -372,6 +424,11 @@ impl StateFile {
                 reason,
             }));
         }
+        if let Some(i) = first_pending {
+            let reason =
+                "a change without its end line (a crash while it was written): not applied".to_string();
+            skipped.push(StateError::JournalLine { path, line: i + 2, reason });
+        }
         Ok(())
     }
 
@@ -379,6 +436,10 @@ impl StateFile {
     /// line per Service whose entry differs, appended and synced; or, once the journal is long
     /// enough, the file written whole ([`StateFile::save`]). Nothing when nothing differs.
     pub fn save_change(&mut self, prev: &State, next: &State) -> Result<(), StateError> {
+        // After a failed write the files may hold neither side: written whole, changed or not.
+        if self.whole_due {
+            return self.save(next);
+        }
         let lines = journal_lines(prev, next);
         if lines.is_empty() {
             return Ok(());
@@ -386,11 +447,10 @@ impl StateFile {
         // No file yet (the first allocations), or something else where it goes: written whole,
         // so that there is one from the first allocation on, or the error shows now, not at the
         // next start.
-        // After a failed write the next change writes the file whole.
         let limit = (next.allocations.len() / 4).max(MIN_JOURNAL_LINES);
-        if self.whole_due
-            || self.written == 0
+        if self.written == 0
             || self.journal_lines + lines.len() > limit
+            || self.journal_bytes > MAX_JOURNAL_BYTES
             || !self.path.is_file()
         {
             return self.save(next);
@@ -407,18 +467,27 @@ impl StateFile {
             text.push_str(line);
             text.push('\n');
         }
+        text.push_str(&serde_json::to_string(&JournalEnd { end: lines.len() }).unwrap_or_default());
+        text.push('\n');
         if let Err(source) = append_synced(&path, text.as_bytes(), start) {
             self.whole_due = true;
             return Err(StateError::Write { path, source });
         }
-        self.journal_lines += lines.len();
+        self.journal_lines += lines.len() + 1;
+        self.journal_bytes += text.len() as u64;
         Ok(())
+    }
+
+    /// A write failed: the next [`StateFile::save_change`] writes the file whole, even when
+    /// nothing changed.
+    pub fn write_due(&self) -> bool {
+        self.whole_due
     }
 
     /// Writes the file whole when a journal is there (at start and at a clean shutdown: what a
     /// human reads is whole again, and the journal starts empty).
     pub fn fold_journal(&mut self, state: &State) -> Result<(), StateError> {
-        match self.journal_lines > 0 || self.journal_path().exists() {
+        match self.whole_due || self.journal_lines > 0 || self.journal_path().exists() {
             true => self.save(state),
             false => Ok(()),
         }
@@ -428,7 +497,8 @@ impl StateFile {
     /// journal (it follows the write before: never replayed over this one, even when a crash
     /// leaves it).
     pub fn save(&mut self, state: &State) -> Result<(), StateError> {
-        let written = self.written + 1;
+        // Above every number seen: a journal left behind never follows this write.
+        let written = self.written.max(self.highest) + 1;
         let mut text = serde_json::to_string_pretty(&OnDiskOut(state, written))
             .map_err(|e| StateError::Write { path: self.path.clone(), source: io::Error::other(e) })?;
         text.push('\n');
@@ -436,10 +506,15 @@ impl StateFile {
             self.whole_due = true;
             return Err(StateError::Write { path: self.path.clone(), source });
         }
-        (self.written, self.journal_lines, self.whole_due) = (written, 0, false);
+        (self.written, self.highest, self.journal_lines, self.journal_bytes, self.whole_due) =
+            (written, written, 0, 0, false);
         let journal = self.journal_path();
         match fs::remove_file(&journal) {
-            Ok(()) => {}
+            // Not needed for correctness (a journal left follows an older write), but a removed
+            // journal that comes back after a power cut is a warning at the next start.
+            Ok(()) => {
+                let _ = sync_dir(&journal);
+            }
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             // Left, it follows an older write and is not replayed; the next line starts anew.
             Err(e) => {
@@ -699,6 +774,8 @@ mod tests {
                 "\n",
                 r#"{"service":"kube-system/dns"}"#,
                 "\n",
+                r#"{"end":3}"#,
+                "\n",
             )
         );
         assert_eq!(mode(&file.journal_path()), 0o600);
@@ -741,6 +818,19 @@ mod tests {
             (State::default(), 1),
             "a journal without its file follows nothing"
         );
+        fs::write(&path, r#"{"version":1,"allocations":{}}"#).expect("an unnumbered file");
+        fs::write(
+            file.journal_path(),
+            "{\"service\":\"default/a\",\"ports\":{\"80/TCP\":20001}}\n{\"end\":1}\n",
+        )
+        .expect("a journal without its first line");
+        let (none, skipped) = StateFile::new(&path).load_lenient().expect("a headerless journal");
+        assert_eq!(
+            (none, skipped.len()),
+            (State::default(), 1),
+            "a journal without a header is not replayed"
+        );
+        fs::remove_file(&path).expect("the file gone");
         fs::write(file.journal_path(), "").expect("an empty journal");
         let (empty, skipped) = StateFile::new(&path).load_lenient().expect("an empty journal");
         assert_eq!((empty, skipped.len()), (State::default(), 0), "an empty journal is no journal");
@@ -771,7 +861,7 @@ mod tests {
         assert_eq!(loaded, later);
         let skipped: Vec<String> = skipped.iter().map(ToString::to_string).collect();
         assert_eq!(skipped.len(), 1, "{skipped:?}");
-        assert!(skipped[0].contains("follows write 1 of the file, which is now write 2"), "{skipped:?}");
+        assert!(skipped[0].contains("follows write 1 of the file, which is write 2"), "{skipped:?}");
 
         // The next change starts a new journal (not appended to the old one).
         let mut file = StateFile::new(&path);
@@ -781,8 +871,53 @@ mod tests {
         next.since.remove(&key("default", "new"));
         file.save_change(&loaded, &next).expect("change");
         let journal = fs::read_to_string(file.journal_path()).expect("journal");
-        assert_eq!(journal, "{\"journal\":2}\n{\"service\":\"default/new\"}\n");
+        assert_eq!(journal, "{\"journal\":2}\n{\"service\":\"default/new\"}\n{\"end\":1}\n");
         assert_eq!(StateFile::new(&path).load().expect("load"), next);
+    }
+
+    /// After a rollback an older nodelb wrote the file without a number; the next whole write
+    /// is numbered above the journal a crash left (header 1), so that journal never follows it.
+    #[test]
+    fn a_whole_write_is_numbered_above_every_journal_seen() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("state.json");
+        let mut file = StateFile::new(&path);
+        file.save(&sample()).expect("write 1");
+        file.save_change(&sample(), &changed()).expect("journal of write 1");
+        let journal = fs::read(file.journal_path()).expect("journal");
+        fs::write(&path, r#"{"version":1,"allocations":{"default/older":{"80/TCP":20003}}}"#)
+            .expect("older nodelb");
+        let mut file = StateFile::new(&path);
+        let older = file.load().expect("load");
+        assert_eq!(older.allocations.len(), 1, "the journal does not follow an unnumbered file");
+        file.fold_journal(&older).expect("written whole");
+        let v: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(&path).expect("read")).expect("json");
+        assert_eq!(v["journal"], 2, "above the journal's 1");
+        fs::write(file.journal_path(), journal).expect("the journal back");
+        assert_eq!(StateFile::new(&path).load().expect("load").allocations, older.allocations);
+    }
+
+    /// A failed whole write leaves a write due: the clean-shutdown fold writes the file even
+    /// without a journal, and so does the next change even when nothing changed.
+    #[test]
+    fn a_failed_write_leaves_a_whole_write_due() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("state.json");
+        fs::create_dir(&path).expect("a directory where the file goes");
+        let mut file = StateFile::new(&path);
+        assert!(file.save(&sample()).is_err());
+        assert!(file.write_due());
+        fs::remove_dir(&path).expect("fixed");
+        file.save_change(&sample(), &sample()).expect("nothing changed, written whole");
+        assert!(!file.write_due());
+        assert_eq!(StateFile::new(&path).load().expect("load"), sample());
+        fs::remove_file(&path).expect("gone");
+        fs::create_dir(&path).expect("a directory again");
+        assert!(file.save(&changed()).is_err());
+        fs::remove_dir(&path).expect("fixed");
+        file.fold_journal(&changed()).expect("the fold writes it");
+        assert_eq!(StateFile::new(&path).load().expect("load"), changed());
     }
 
     /// A torn last line (a crash while it was written) and a bad line are skipped and named;
@@ -804,7 +939,14 @@ mod tests {
                 "\n",
                 r#"{"service":"default/web","ports":{"80/TCP":0,"81/TCP":20009}}"#,
                 "\n",
+                r#"{"end":3}"#,
+                "\n",
                 r#"{"service":"kube-system/dns"}"#,
+                "\n",
+                r#"{"end":1}"#,
+                "\n",
+                // A change cut short: not applied, not even its whole first line.
+                r#"{"service":"default/later","ports":{"80/TCP":20010}}"#,
                 "\n",
                 r#"{"service":"default/torn","por"#,
             ),
@@ -821,7 +963,7 @@ mod tests {
         assert_eq!(state, want);
         let skipped: Vec<String> = skipped.iter().map(ToString::to_string).collect();
         let journal = file.journal_path().display().to_string();
-        assert_eq!(skipped.len(), 3, "{skipped:?}");
+        assert_eq!(skipped.len(), 4, "{skipped:?}");
         assert!(skipped[0].starts_with(&format!("state journal {journal}: line 3: a/b/c: ")), "{skipped:?}");
         assert!(
             skipped[1]
@@ -829,7 +971,12 @@ mod tests {
             "{skipped:?}"
         );
         assert!(
-            skipped[2].starts_with(&format!("state journal {journal}: line 6: last line: not written whole")),
+            skipped[2].starts_with(&format!("state journal {journal}: line 9: last line: not written whole")),
+            "{skipped:?}"
+        );
+        assert!(
+            skipped[3]
+                .starts_with(&format!("state journal {journal}: line 8: a change without its end line")),
             "{skipped:?}"
         );
     }
