@@ -366,26 +366,31 @@ impl StateFile {
         self.journal_lines = lines.len();
         self.journal_bytes = text.len() as u64;
         // A change's lines are applied when its end line is read: a crash in the middle of one
-        // (a power cut before the sync, a short write) leaves it out whole.
-        let mut pending = State::default();
-        let mut gone: Vec<ServiceKey> = Vec::new();
+        // (a power cut before the sync, a short write) leaves it out whole. `None`: not allocated.
+        type Entry = Option<(BTreeMap<PortId, u16>, Option<Timestamp>)>;
+        let mut pending: Vec<(ServiceKey, Entry)> = Vec::new();
         let mut first_pending = None;
         for (i, line) in lines.iter().enumerate() {
             if serde_json::from_str::<JournalEnd>(line).is_ok() {
-                for key in gone.drain(..) {
-                    state.allocations.remove(&key);
-                    state.since.remove(&key);
+                for (key, entry) in pending.drain(..) {
+                    match entry {
+                        None => {
+                            state.allocations.remove(&key);
+                            state.since.remove(&key);
+                        }
+                        Some((ports, since)) => {
+                            match since {
+                                Some(t) => drop(state.since.insert(key.clone(), t)),
+                                None => drop(state.since.remove(&key)),
+                            }
+                            state.allocations.insert(key, ports);
+                        }
+                    }
                 }
-                for key in pending.allocations.keys() {
-                    state.since.remove(key);
-                }
-                state.allocations.append(&mut pending.allocations);
-                state.since.append(&mut pending.since);
                 first_pending = None;
                 continue;
             }
             first_pending.get_or_insert(i);
-            let state = &mut pending;
             let mut reasons = Vec::new();
             let mut bad = |entry: String, reason: String| reasons.push(format!("{entry}: {reason}"));
             match serde_json::from_str::<JournalLine<'_>>(line) {
@@ -396,23 +401,14 @@ impl StateFile {
                 Ok(entry) => match entry.service.parse::<ServiceKey>() {
                     Err(crate::domain::ParseError(reason)) => bad(entry.service.to_string(), reason),
                     Ok(key) => match entry.ports {
-                        None => {
-                            state.allocations.remove(&key);
-                            state.since.remove(&key);
-                            gone.push(key);
-                        }
+                        None => pending.push((key, None)),
                         Some(ports) => {
                             if let Some(map) = parse_ports(&entry.service, ports, &mut bad) {
                                 let time = entry.since.as_deref().and_then(|t| t.parse::<Timestamp>().ok());
-                                match (&entry.since, time) {
-                                    (_, Some(t)) => drop(state.since.insert(key.clone(), t)),
-                                    (Some(t), None) => {
-                                        bad(format!("since {key}"), format!("{t:?} is not an RFC 3339 time"));
-                                        state.since.remove(&key);
-                                    }
-                                    (None, None) => drop(state.since.remove(&key)),
+                                if let (Some(t), None) = (&entry.since, time) {
+                                    bad(format!("since {key}"), format!("{t:?} is not an RFC 3339 time"));
                                 }
-                                state.allocations.insert(key, map);
+                                pending.push((key, Some((map, time))));
                             }
                         }
                     },
@@ -730,6 +726,15 @@ mod tests {
         a
     }
 
+    /// A state file holding `state` in a new directory (kept while the first value lives).
+    fn saved(state: &State) -> (tempfile::TempDir, PathBuf, StateFile) {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("state.json");
+        let mut file = StateFile::new(&path);
+        file.save(state).expect("save");
+        (dir, path, file)
+    }
+
     fn key(ns: &str, name: &str) -> ServiceKey {
         ServiceKey { namespace: ns.into(), name: name.into() }
     }
@@ -755,10 +760,7 @@ mod tests {
     /// itself is not written; nothing changed appends nothing; the journal is root's only.
     #[test]
     fn a_change_is_journal_lines_replayed_on_load() {
-        let dir = tempfile::tempdir().expect("dir");
-        let path = dir.path().join("state.json");
-        let mut file = StateFile::new(&path);
-        file.save(&sample()).expect("save");
+        let (_dir, path, mut file) = saved(&sample());
         let whole = fs::read(&path).expect("read");
         file.save_change(&sample(), &changed()).expect("save change");
         assert_eq!(fs::read(&path).expect("read"), whole, "the file is not written");
@@ -846,10 +848,7 @@ mod tests {
     /// the later change of it); named.
     #[test]
     fn a_journal_left_beside_a_later_write_is_not_replayed() {
-        let dir = tempfile::tempdir().expect("dir");
-        let path = dir.path().join("state.json");
-        let mut file = StateFile::new(&path);
-        file.save(&sample()).expect("save");
+        let (_dir, path, mut file) = saved(&sample());
         file.save_change(&sample(), &changed()).expect("change");
         let journal = fs::read(file.journal_path()).expect("journal");
         let mut later = changed();
@@ -924,10 +923,7 @@ mod tests {
     /// the other lines are applied.
     #[test]
     fn bad_journal_lines_are_skipped_and_named() {
-        let dir = tempfile::tempdir().expect("dir");
-        let path = dir.path().join("state.json");
-        let mut file = StateFile::new(&path);
-        file.save(&sample()).expect("save");
+        let (_dir, path, file) = saved(&sample());
         fs::write(
             file.journal_path(),
             concat!(

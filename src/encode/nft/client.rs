@@ -549,9 +549,9 @@ impl NftClient {
         let sets = self.request(NFT_MSG_GETSET, true, "list sets", |w| w.put_str(NFTA_SET_TABLE, name))?;
         let mut by_name = None;
         if let Some(expected) = expected {
-            let of_table = |n: &&Name| Table::of_name(n) == table;
-            let chains: Vec<&Name> = expected.chains.keys().filter(of_table).collect();
-            let counters: Vec<&Name> = expected.counters.keys().filter(of_table).collect();
+            let of_table = |n: &&str| Table::of_name(n) == table;
+            let chains: Vec<&str> = expected.chains.keys().map(Name::as_str).filter(of_table).collect();
+            let counters: Vec<&str> = expected.counters.keys().map(Name::as_str).filter(of_table).collect();
             let chains: Vec<Vec<u8>> = self.get_chains(&chains)?.into_iter().flatten().collect();
             let objects: Vec<Vec<u8>> = self.get_objects(&counters)?.into_iter().flatten().collect();
             if chains.len() + named_sets(&sets)? + objects.len() == in_use as usize {
@@ -586,7 +586,7 @@ impl NftClient {
         &mut self,
         names: impl IntoIterator<Item = &'a Name>,
     ) -> Result<CounterValues, NftError> {
-        let names: Vec<&Name> = names.into_iter().collect();
+        let names: Vec<&str> = names.into_iter().map(Name::as_str).collect();
         let mut out = CounterValues::new();
         for p in self.get_objects(&names)?.into_iter().flatten() {
             if let Ok(c) = decode::object(&p)? {
@@ -598,7 +598,7 @@ impl NftClient {
 
     /// The counter objects `names` (each in the table its name belongs to), by name; `None` for
     /// one that does not exist.
-    fn get_objects(&mut self, names: &[&Name]) -> Result<Vec<Option<Vec<u8>>>, NftError> {
+    fn get_objects(&mut self, names: &[&str]) -> Result<Vec<Option<Vec<u8>>>, NftError> {
         self.get_each(NFT_MSG_GETOBJ, "get counter", names, |w, name| {
             w.put_str(NFTA_OBJ_TABLE, &Table::of_name(name).name());
             w.put_str(NFTA_OBJ_NAME, name);
@@ -608,7 +608,7 @@ impl NftClient {
 
     /// The chains `names` (each in the table its name belongs to), by name; `None` for one that
     /// does not exist.
-    fn get_chains(&mut self, names: &[&Name]) -> Result<Vec<Option<Vec<u8>>>, NftError> {
+    fn get_chains(&mut self, names: &[&str]) -> Result<Vec<Option<Vec<u8>>>, NftError> {
         self.get_each(NFT_MSG_GETCHAIN, "get chain", names, |w, name| {
             w.put_str(NFTA_CHAIN_TABLE, &Table::of_name(name).name());
             w.put_str(NFTA_CHAIN_NAME, name);
@@ -622,7 +622,7 @@ impl NftClient {
         &mut self,
         msg: u8,
         what: &str,
-        names: &[&Name],
+        names: &[&str],
         attrs: impl Fn(&mut Writer, &str),
     ) -> Result<Vec<Option<Vec<u8>>>, NftError> {
         let mut out = Vec::with_capacity(names.len());
@@ -675,22 +675,8 @@ impl NftClient {
 
     /// One named counter of table inet nodelb; `None` when it (or the table) does not exist.
     pub fn read_counter(&mut self, counter: &str) -> Result<Option<Counter>, NftError> {
-        let name = &Table::of_name(counter).name();
-        let replies = match self.request(NFT_MSG_GETOBJ, false, "get counter", |w| {
-            w.put_str(NFTA_OBJ_TABLE, name);
-            w.put_str(NFTA_OBJ_NAME, counter);
-            w.put_u32(NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER);
-        }) {
-            Ok(r) => r,
-            Err(NftError::Request { errno, .. }) if errno == nix::errno::Errno::ENOENT as i32 => {
-                return Ok(None);
-            }
-            Err(e) => return Err(e),
-        };
-        for p in replies {
-            if let Ok(c) = decode::object(&p)?
-                && c.name == counter
-            {
+        for p in self.get_objects(&[counter])?.into_iter().flatten() {
+            if let Ok(c) = decode::object(&p)? {
                 return Ok(Some(c.counter));
             }
         }
