@@ -268,13 +268,33 @@ impl StateFile {
     /// The saved state and the entries skipped as bad (each a [`StateError::Entry`]). Only a
     /// file that cannot be read or parsed as a whole, or has another version, is an error.
     pub fn load_lenient(&mut self) -> Result<(State, Vec<StateError>), StateError> {
+        // The journal is read before the file, for a reader beside a running agent (`nodelb
+        // plan`): a fold between the two reads then leaves a journal that follows an older write
+        // than the file read, which holds its changes; read after the file, the journal would be
+        // gone (or a new one) and its changes missing from what was read.
+        let journal = self.read_journal()?;
+        self.load_with(journal)
+    }
+
+    /// The journal's text; `None` when there is none.
+    fn read_journal(&self) -> Result<Option<String>, StateError> {
+        let path = self.journal_path();
+        match crate::observe::bounded::read_to_string(&path, MAX_STATE_BYTES) {
+            Ok(text) => Ok(Some(text)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(StateError::Read { path, source }),
+        }
+    }
+
+    /// [`StateFile::load_lenient`] with the journal read before.
+    fn load_with(&mut self, journal: Option<String>) -> Result<(State, Vec<StateError>), StateError> {
         let text = match crate::observe::bounded::read_to_string(&self.path, MAX_STATE_BYTES) {
             Ok(text) => text,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 // A journal without its file follows nothing (it is not replayed).
                 let (mut state, mut skipped) = (State::default(), Vec::new());
                 self.written = 0;
-                self.replay_journal(&mut state, &mut skipped)?;
+                self.replay_journal(journal, &mut state, &mut skipped);
                 return Ok((state, skipped));
             }
             Err(source) => {
@@ -325,25 +345,18 @@ impl StateFile {
         let mut state = State { allocations: out, since };
         self.written = disk.journal;
         self.highest = self.highest.max(disk.journal);
-        self.replay_journal(&mut state, &mut skipped)?;
+        self.replay_journal(journal, &mut state, &mut skipped);
         Ok((state, skipped))
     }
 
     /// Applies the journal's lines to `state` in order (none when there is no journal, or it
     /// follows another write of the file: named in `skipped`); a line that is not valid is
     /// skipped (named in `skipped`). Counts the lines.
-    fn replay_journal(&mut self, state: &mut State, skipped: &mut Vec<StateError>) -> Result<(), StateError> {
+    fn replay_journal(&mut self, text: Option<String>, state: &mut State, skipped: &mut Vec<StateError>) {
         (self.journal_lines, self.journal_bytes) = (0, 0);
         let path = self.journal_path();
-        let text = match crate::observe::bounded::read_to_string(&path, MAX_STATE_BYTES) {
-            Ok(text) => text,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-            Err(source) => return Err(StateError::Read { path, source }),
-        };
         // Empty: a crash between starting a new journal and writing its first line.
-        if text.is_empty() {
-            return Ok(());
-        }
+        let Some(text) = text.filter(|t| !t.is_empty()) else { return };
         let torn = !text.ends_with('\n');
         let mut lines: Vec<&str> = text.lines().collect();
         let follows = lines.first().and_then(|l| serde_json::from_str::<JournalHeader>(l).ok());
@@ -360,7 +373,7 @@ impl StateFile {
                 None => "does not start with the number of the file it follows: not replayed".into(),
             };
             skipped.push(StateError::JournalLine { path, line: 1, reason });
-            return Ok(());
+            return;
         }
         lines.remove(0);
         self.journal_lines = lines.len();
@@ -425,7 +438,6 @@ impl StateFile {
                 "a change without its end line (a crash while it was written): not applied".to_string();
             skipped.push(StateError::JournalLine { path, line: i + 2, reason });
         }
-        Ok(())
     }
 
     /// Records the change from `prev` (what the file and journal hold) to `next`: one journal
@@ -872,6 +884,25 @@ mod tests {
         let journal = fs::read_to_string(file.journal_path()).expect("journal");
         assert_eq!(journal, "{\"journal\":2}\n{\"service\":\"default/new\"}\n{\"end\":1}\n");
         assert_eq!(StateFile::new(&path).load().expect("load"), next);
+    }
+
+    /// A reader beside the agent (`nodelb plan`) that meets a fold between its two reads (the
+    /// journal read first, then the agent writes the file whole and removes it) sees the change
+    /// once: the journal it read follows the write before the file it reads, which holds it.
+    #[test]
+    fn a_fold_between_the_reads_shows_every_change() {
+        let (_dir, path, mut agent) = saved(&sample());
+        agent.save_change(&sample(), &changed()).expect("change");
+        let mut reader = StateFile::new(&path);
+        let journal = reader.read_journal().expect("journal read");
+        assert!(journal.is_some());
+        let mut later = changed();
+        later.allocations.insert(key("default", "web"), BTreeMap::from([(tcp(80), 20011)]));
+        agent.save_change(&changed(), &later).expect("a later change");
+        agent.fold_journal(&later).expect("the agent folds");
+        let (loaded, skipped) = reader.load_with(journal).expect("load");
+        assert_eq!(loaded, later, "the older journal's default/web line is not replayed over the file");
+        assert_eq!(skipped.len(), 1, "{skipped:?}");
     }
 
     /// After a rollback an older nodelb wrote the file without a number; the next whole write
