@@ -278,28 +278,17 @@ impl StateFile {
 
     /// The journal's text; `None` when there is none.
     fn read_journal(&self) -> Result<Option<String>, StateError> {
-        let path = self.journal_path();
-        match crate::observe::bounded::read_to_string(&path, MAX_STATE_BYTES) {
-            Ok(text) => Ok(Some(text)),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-            Err(source) => Err(StateError::Read { path, source }),
-        }
+        read_if_there(&self.journal_path())
     }
 
     /// [`StateFile::load_lenient`] with the journal read before.
     fn load_with(&mut self, journal: Option<String>) -> Result<(State, Vec<StateError>), StateError> {
-        let text = match crate::observe::bounded::read_to_string(&self.path, MAX_STATE_BYTES) {
-            Ok(text) => text,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                // A journal without its file follows nothing (it is not replayed).
-                let (mut state, mut skipped) = (State::default(), Vec::new());
-                self.written = 0;
-                self.replay_journal(journal, &mut state, &mut skipped);
-                return Ok((state, skipped));
-            }
-            Err(source) => {
-                return Err(StateError::Read { path: self.path.clone(), source });
-            }
+        let Some(text) = read_if_there(&self.path)? else {
+            // A journal without its file follows nothing (it is not replayed).
+            let (mut state, mut skipped) = (State::default(), Vec::new());
+            self.written = 0;
+            self.replay_journal(journal, &mut state, &mut skipped);
+            return Ok((state, skipped));
         };
         let disk: OnDisk = serde_json::from_str(&text).map_err(|e| {
             let message = e.to_string();
@@ -563,6 +552,15 @@ impl StateFile {
             let _ = fs::remove_file(&tmp);
         }
         result
+    }
+}
+
+/// The text of the file at `path` (bounded); `None` when there is none.
+fn read_if_there(path: &Path) -> Result<Option<String>, StateError> {
+    match crate::observe::bounded::read_to_string(path, MAX_STATE_BYTES) {
+        Ok(text) => Ok(Some(text)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(StateError::Read { path: path.to_path_buf(), source }),
     }
 }
 
