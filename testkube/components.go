@@ -1,7 +1,7 @@
 package main
 
-// The components testkube runs in-process: etcd, kube-apiserver, the EndpointSlice controller,
-// and the loopback control endpoint.
+// The components testkube runs in-process: etcd, kube-apiserver, kube-controller-manager's
+// ClusterRole aggregation and EndpointSlice controllers, and the loopback control endpoint.
 
 import (
 	"context"
@@ -19,6 +19,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/kubernetes/cmd/kube-apiserver/app"
+	"k8s.io/kubernetes/pkg/controller/clusterroleaggregation"
 	"k8s.io/kubernetes/pkg/controller/endpointslice"
 )
 
@@ -63,27 +64,33 @@ func startAPIServer(args []string) <-chan error {
 	return done
 }
 
-// startEndpointSliceController runs kube-controller-manager's EndpointSlice controller with the
-// admin credentials: EndpointSlices for Services with a selector, from Pods whose status a test
-// sets as a kubelet would.
-func startEndpointSliceController(ctx context.Context, kubeconfig string) error {
+// startControllers runs kube-controller-manager's controllers the tests need, with the admin
+// credentials: the ClusterRole aggregation controller (the built-in `admin`, `edit` and `view`
+// roles are aggregated: empty without it), and, when endpointSlices, the EndpointSlice controller
+// (EndpointSlices for Services with a selector, from Pods whose status a test sets as a kubelet
+// would).
+func startControllers(ctx context.Context, kubeconfig string, endpointSlices bool) error {
 	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
 	if err != nil {
 		return err
 	}
-	cfg.UserAgent = "testkube/endpointslice-controller"
+	cfg.UserAgent = "testkube/kube-controller-manager"
 	cs, err := kubernetes.NewForConfig(cfg)
 	if err != nil {
 		return err
 	}
 	f := informers.NewSharedInformerFactory(cs, 0)
-	c := endpointslice.NewController(ctx,
-		f.Core().V1().Pods(), f.Core().V1().Services(), f.Core().V1().Nodes(),
-		f.Discovery().V1().EndpointSlices(),
-		100, // kube-controller-manager's default --max-endpoints-per-slice
-		cs, 0)
+	aggregation := clusterroleaggregation.NewClusterRoleAggregation(f.Rbac().V1().ClusterRoles(), cs.RbacV1())
+	go aggregation.Run(ctx, 1)
+	if endpointSlices {
+		c := endpointslice.NewController(ctx,
+			f.Core().V1().Pods(), f.Core().V1().Services(), f.Core().V1().Nodes(),
+			f.Discovery().V1().EndpointSlices(),
+			100, // kube-controller-manager's default --max-endpoints-per-slice
+			cs, 0)
+		go c.Run(ctx, 2)
+	}
 	f.Start(ctx.Done())
-	go c.Run(ctx, 2)
 	return nil
 }
 

@@ -1,6 +1,7 @@
 // testkube runs a real Kubernetes control plane in one process for nodelb's tests: an embedded etcd
-// and kube-apiserver (k8s.io/kubernetes, in-process), plus kube-controller-manager's EndpointSlice
-// controller. It is a test fixture only; the nodelb agent never uses it.
+// and kube-apiserver (k8s.io/kubernetes, in-process), plus kube-controller-manager's ClusterRole
+// aggregation and EndpointSlice controllers. It is a test fixture only; the nodelb agent never
+// uses it.
 //
 //	testkube --data-dir DIR [--bind-address 127.0.0.1] [--secure-port 6443] [--advertise-address IP]
 //	         [--control-address 127.0.0.1:0] [--endpointslice-controller=true] [-- APISERVER-FLAG ...]
@@ -11,6 +12,12 @@
 // (admin.kubeconfig). Once /readyz answers ok it writes the kubeconfig and prints one line:
 //
 //	READY kubeconfig=DIR/admin.kubeconfig server=https://IP:PORT control=http://127.0.0.1:PORT
+//
+//	testkube user --data-dir DIR --name NAME [--group GROUP]... --out FILE
+//
+// writes a kubeconfig for the user NAME (a client certificate signed by DIR's CA, for the server
+// of DIR's admin kubeconfig): a user the real authenticator knows and the real authorizer judges,
+// as a cluster administrator hands out to the cluster's users.
 //
 // The control address (loopback HTTP) serves POST /compact: compact etcd's history up to its
 // current revision, as the API server's own periodic compaction would (answer: {"revision": N}).
@@ -61,6 +68,13 @@ rules:
 `
 
 func main() {
+	if len(os.Args) > 1 && os.Args[1] == "user" {
+		if err := user(os.Args[2:]); err != nil {
+			fmt.Fprintf(os.Stderr, "testkube user: %v\n", err)
+			os.Exit(1)
+		}
+		return
+	}
 	if err := run(); err != nil {
 		fmt.Fprintf(os.Stderr, "testkube: %v\n", err)
 		os.Exit(1)
@@ -238,10 +252,8 @@ func run() error {
 	if err != nil {
 		return fmt.Errorf("control endpoint: %w", err)
 	}
-	if o.endpointSliceController {
-		if err := startEndpointSliceController(ctx, kubeconfig); err != nil {
-			return fmt.Errorf("EndpointSlice controller: %w", err)
-		}
+	if err := startControllers(ctx, kubeconfig, o.endpointSliceController); err != nil {
+		return fmt.Errorf("controllers: %w", err)
 	}
 	fmt.Printf("READY kubeconfig=%s server=%s control=http://%s\n", kubeconfig, server, control)
 
@@ -297,7 +309,56 @@ func adminHTTPClient(keys *pki) (*http.Client, error) {
 	}, nil
 }
 
+type groupList []string
+
+func (g *groupList) String() string     { return strings.Join(*g, ",") }
+func (g *groupList) Set(v string) error { *g = append(*g, v); return nil }
+
+// user writes a kubeconfig for a user of the control plane in --data-dir (see the package
+// documentation).
+func user(args []string) error {
+	fs := flag.NewFlagSet("testkube user", flag.ContinueOnError)
+	dataDir := fs.String("data-dir", "", "the control plane's state directory")
+	name := fs.String("name", "", "user name (the certificate's CommonName)")
+	out := fs.String("out", "", "kubeconfig to write")
+	var groups groupList
+	fs.Var(&groups, "group", "a group of the user (repeatable)")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *dataDir == "" || *name == "" || *out == "" {
+		return errors.New("--data-dir, --name and --out are required")
+	}
+	keys, err := loadOrCreatePKI(filepath.Join(*dataDir, "pki"))
+	if err != nil {
+		return err
+	}
+	if err := keys.issueUser(*name, groups); err != nil {
+		return err
+	}
+	admin, err := os.ReadFile(filepath.Join(*dataDir, "admin.kubeconfig"))
+	if err != nil {
+		return fmt.Errorf("the control plane has not written its kubeconfig yet: %w", err)
+	}
+	server := ""
+	for _, line := range strings.Split(string(admin), "\n") {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "server: "); ok {
+			server = v
+		}
+	}
+	if server == "" {
+		return errors.New("no server in the admin kubeconfig")
+	}
+	return writeUserKubeconfig(*out, server, keys, "user-"+*name, *name)
+}
+
 func writeKubeconfig(path, server string, keys *pki) error {
+	return writeUserKubeconfig(path, server, keys, "admin", "admin")
+}
+
+// writeUserKubeconfig writes a kubeconfig with the client certificate <cert>.crt/.key of the
+// PKI, naming the user `user`.
+func writeUserKubeconfig(path, server string, keys *pki, cert, user string) error {
 	b64 := func(name string) (string, error) {
 		data, err := os.ReadFile(keys.path(name))
 		return base64.StdEncoding.EncodeToString(data), err
@@ -306,11 +367,11 @@ func writeKubeconfig(path, server string, keys *pki) error {
 	if err != nil {
 		return err
 	}
-	crt, err := b64("admin.crt")
+	crt, err := b64(cert + ".crt")
 	if err != nil {
 		return err
 	}
-	key, err := b64("admin.key")
+	key, err := b64(cert + ".key")
 	if err != nil {
 		return err
 	}
@@ -322,7 +383,7 @@ clusters:
     server: %s
     certificate-authority-data: %s
 users:
-- name: admin
+- name: %s
   user:
     client-certificate-data: %s
     client-key-data: %s
@@ -330,8 +391,8 @@ contexts:
 - name: testkube
   context:
     cluster: testkube
-    user: admin
+    user: %s
 current-context: testkube
-`, server, ca, crt, key)
+`, server, ca, user, crt, key, user)
 	return writeFileAtomic(path, []byte(cfg), 0o600)
 }

@@ -115,6 +115,17 @@ func (p *pki) issue(name string, tmpl *x509.Certificate) error {
 	return writeCertKey(p.path(name), cert, key)
 }
 
+// issueUser issues a client certificate for user `name` (groups: `groups`, besides
+// system:authenticated, which the API server adds), signed by the CA: what a cluster's users get
+// from their administrator. The files are <dir>/user-<name>.crt and .key.
+func (p *pki) issueUser(name string, groups []string) error {
+	return p.issue("user-"+name, &x509.Certificate{
+		Subject:     pkix.Name{CommonName: name, Organization: groups},
+		KeyUsage:    x509.KeyUsageDigitalSignature,
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
+	})
+}
+
 func newKey() (*ecdsa.PrivateKey, error) { return ecdsa.GenerateKey(elliptic.P256(), rand.Reader) }
 
 func sign(tmpl *x509.Certificate, pub crypto.PublicKey, parent *x509.Certificate, key crypto.Signer) (*x509.Certificate, error) {

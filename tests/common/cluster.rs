@@ -376,14 +376,50 @@ impl Cluster {
 
     /// The raw Service object (JSON).
     pub fn service_json(&self, name: &str) -> Option<Value> {
-        self.api.get("v1", "Service", "default", name)
+        self.service_json_in("default", name)
+    }
+
+    /// The raw Service object `namespace/name` (JSON).
+    pub fn service_json_in(&self, namespace: &str, name: &str) -> Option<Value> {
+        self.api.get("v1", "Service", namespace, name)
     }
 
     /// `nodelb.io/allocated-ports` of `default/name`, parsed (`"80/TCP" → 20001`).
     pub fn allocated(&self, name: &str) -> Option<BTreeMap<String, u16>> {
-        let svc = self.service_json(name)?;
+        self.allocated_in("default", name)
+    }
+
+    /// `nodelb.io/allocated-ports` of `namespace/name`, parsed.
+    pub fn allocated_in(&self, namespace: &str, name: &str) -> Option<BTreeMap<String, u16>> {
+        let svc = self.service_json_in(namespace, name)?;
         let value = svc["metadata"]["annotations"][ANNOTATION_ALLOCATED].as_str()?.to_string();
         Some(parse_ports(&value))
+    }
+
+    /// A user of the cluster who may do, in `namespace` (created if need be), what the built-in
+    /// `edit` ClusterRole allows (a RoleBinding there), and nothing else: the kubeconfig of a
+    /// client certificate the real authenticator and authorizer judge.
+    pub fn tenant(&self, user: &str, namespace: &str) -> PathBuf {
+        if self.api.get("v1", "Namespace", "", namespace).is_none() {
+            self.api.create(super::kube::namespace(namespace)).expect("tenant namespace");
+        }
+        self.api
+            .create(json!({
+                "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                "metadata": {"name": format!("{user}-edit"), "namespace": namespace},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "edit"},
+                "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}],
+            }))
+            .expect("RoleBinding to edit");
+        let kubeconfig = self.api.user_kubeconfig(user, &[]);
+        // `edit` is aggregated from other roles by a controller: wait until it grants what it does.
+        let granted = super::topology::wait_until(Duration::from_secs(30), || {
+            let out =
+                self.api.kubectl_as(&kubeconfig, &["auth", "can-i", "patch", "services", "-n", namespace]);
+            String::from_utf8_lossy(&out.stdout).trim() == "yes"
+        });
+        assert!(granted, "{user} may not patch Services in {namespace} through the edit ClusterRole");
+        kubeconfig
     }
 
     /// Waits until `default/name` has an allocation covering `ports` ports; returns it.
@@ -435,7 +471,12 @@ impl Cluster {
 
     /// The condition of type `type_` of `default/name`.
     pub fn condition(&self, name: &str, type_: &str) -> Option<Value> {
-        let svc = self.service_json(name)?;
+        self.condition_in("default", name, type_)
+    }
+
+    /// The condition of type `type_` of `namespace/name`.
+    pub fn condition_in(&self, namespace: &str, name: &str, type_: &str) -> Option<Value> {
+        let svc = self.service_json_in(namespace, name)?;
         svc["status"]["conditions"].as_array()?.iter().find(|c| c["type"] == type_).cloned()
     }
 
@@ -483,10 +524,15 @@ impl Cluster {
 
     /// Events (events.k8s.io/v1) about `default/name` with `reason`.
     pub fn events(&self, name: &str, reason: &str) -> Vec<Value> {
+        self.events_in("default", name, reason)
+    }
+
+    /// Events (events.k8s.io/v1) about `namespace/name` with `reason` (any, when empty).
+    pub fn events_in(&self, namespace: &str, name: &str, reason: &str) -> Vec<Value> {
         self.api
-            .list("events.k8s.io/v1", "Event", Some("default"))
+            .list("events.k8s.io/v1", "Event", Some(namespace))
             .into_iter()
-            .filter(|e| e["regarding"]["name"] == name && e["reason"] == reason)
+            .filter(|e| e["regarding"]["name"] == name && (reason.is_empty() || e["reason"] == reason))
             .collect()
     }
 

@@ -395,13 +395,39 @@ impl ControlPlane {
         self.admin_tool(&kubectl, args, Some(input))
     }
 
+    /// A kubeconfig for the user `name` in `groups` (a client certificate of the control plane's
+    /// CA, `testkube user`): someone the real authenticator knows and the real authorizer judges.
+    pub fn user_kubeconfig(&self, name: &str, groups: &[&str]) -> PathBuf {
+        let out = self.data.path().join(format!("user-{name}.kubeconfig"));
+        let mut cmd = Command::new(testkube_dir().join("testkube"));
+        cmd.args(["user", "--name", name, "--out"]).arg(&out).arg("--data-dir").arg(self.data.path());
+        for g in groups {
+            cmd.args(["--group", g]);
+        }
+        let done = cmd.output().expect("testkube user");
+        assert!(done.status.success(), "testkube user {name}: {}", String::from_utf8_lossy(&done.stderr));
+        out
+    }
+
+    /// `kubectl --kubeconfig <kubeconfig> <args>` inside the API namespace: a user's own kubectl.
+    pub fn kubectl_as(&self, kubeconfig: &Path, args: &[&str]) -> Output {
+        let kubectl =
+            std::env::var_os("NODELB_KUBECTL").map_or_else(|| testkube_dir().join("kubectl"), PathBuf::from);
+        self.tool_with(&kubectl, kubeconfig, args, None)
+    }
+
     /// `program --kubeconfig <admin> <args>` inside the API namespace.
     fn admin_tool(&self, program: &Path, args: &[&str], input: Option<&str>) -> Output {
+        self.tool_with(program, &self.admin_kubeconfig(), args, input)
+    }
+
+    /// `program --kubeconfig <kubeconfig> <args>` inside the API namespace.
+    fn tool_with(&self, program: &Path, kubeconfig: &Path, args: &[&str], input: Option<&str>) -> Output {
         let mut child = Command::new("ip")
             .args(["netns", "exec", &self.ns_name])
             .arg(program)
             .arg("--kubeconfig")
-            .arg(self.admin_kubeconfig())
+            .arg(kubeconfig)
             .args(args)
             .stdin(if input.is_some() { Stdio::piped() } else { Stdio::null() })
             .stdout(Stdio::piped())

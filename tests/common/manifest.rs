@@ -107,6 +107,10 @@ impl ServiceSpec {
             no_kube_node_ports: false,
         }
     }
+    pub fn in_namespace(mut self, namespace: &str) -> Self {
+        self.namespace = namespace.into();
+        self
+    }
     pub fn client_ip_affinity(mut self, timeout_seconds: u32) -> Self {
         self.affinity_timeout = Some(timeout_seconds);
         self
