@@ -140,6 +140,7 @@ fn main() {
             policy: &policy,
             host: &host,
             pools: None,
+            registry: None,
         };
         // Planned whole (`--next-only`: not at all, for a profile of the sync loop's way alone).
         if next_only {
@@ -346,6 +347,7 @@ fn leader(args: &ProgramArgs) {
             leases: leases.clone(),
             pools: Vec::new(),
             namespaces: Vec::new(),
+            registry: Vec::new(),
         };
         if whole {
             leader.state.next_round_whole();
@@ -502,6 +504,7 @@ fn manifests_phases(args: &ProgramArgs) {
             policy: &policy,
             host: &host,
             pools: snap.pools.as_deref(),
+            registry: None,
         };
         let (next, _) = desired::compute_next(&inputs, true, &mut kept, applied.as_ref());
         match next.ruleset {

@@ -668,6 +668,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             policy: &self.cfg.policy,
             host,
             pools: loaded.pools.as_deref(),
+            registry: loaded.registry.as_ref(),
         };
         desired::compute_next(&inputs, self.metrics.per_service, &mut self.kept, self.dataplane.applied())
     }
@@ -849,7 +850,8 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         for (reason, n) in refused {
             m.endpoints_refused.with_label_values(&[reason]).set(n);
         }
-        let mut ports: BTreeMap<&str, i64> = [("not_allowed", 0), ("in_use", 0)].into();
+        let mut ports: BTreeMap<&str, i64> =
+            [("not_allowed", 0), ("in_use", 0), ("not_selected", 0), ("not_recorded", 0)].into();
         for r in &desired.refused_ports {
             *ports.entry(r.reason.code()).or_default() += 1;
         }

@@ -307,6 +307,7 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
     check_node_labels(&args.common)?;
     let host_addresses = crate::observe::hostaddrs::read().unwrap_or_default();
     let pools: Option<crate::pool::PoolContext>;
+    let mut registry = None;
     let (services, slices, notes, mode, previous, cluster_addresses) = match &args.common.manifests {
         Some(dir) => {
             let loaded = crate::observe::manifest_dir::load_dir(dir)?;
@@ -365,6 +366,18 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
                 addresses.own.types = crate::k8s::nodes::address_types(n);
             }
             pools = Some(plan_pools(&client, &args.common, nodes).await?);
+            let leases = kube::Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(
+                client.clone(),
+                &args.kube.namespace,
+            )
+            .list(&kube::api::ListParams::default().labels(crate::k8s::claims::LABEL))
+            .await
+            .context("cannot list the node-port registry's Leases")?;
+            let (read, problems) = crate::k8s::claims::ReadRegistry::read(&leases.items, None);
+            for p in problems {
+                eprintln!("node-port registry: {p}");
+            }
+            registry = Some(read.registry);
             let mode = desired::AllocationMode::Annotated;
             (services, slices, Default::default(), mode, Default::default(), addresses)
         }
@@ -400,6 +413,7 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
         pools: pools.as_ref(),
         policy: &host_policy(&args.common),
         host: &host,
+        registry: registry.as_ref(),
     });
     for r in &desired.refusals {
         eprintln!("refused: {r}");

@@ -333,11 +333,12 @@ impl World {
         match (self.rng.chance(0.5), claimed.is_empty()) {
             (true, false) => {
                 let n = *self.rng.pick(&claimed);
-                block.claims.remove(&n);
+                Arc::make_mut(&mut block.claims).remove(&n);
             }
             _ => {
                 let n = RANGE.0 + self.rng.below(u64::from(RANGE.1 - RANGE.0) + 1) as u16;
-                block.claims.insert(n, Claim::held(claims::Owner::of_uid("ffffffff-0000")));
+                Arc::make_mut(&mut block.claims)
+                    .insert(n, Claim::held(claims::Owner::of_uid("ffffffff-0000")));
             }
         }
         self.rv += 1;
@@ -389,7 +390,7 @@ impl World {
             })
             .collect();
         let pools = self.pools.iter().map(|p| Arc::new(parse::<NodePortPool>(p))).collect();
-        KubeSnapshot { services, slices, nodes, leases, pools, namespaces: Vec::new() }
+        KubeSnapshot { services, slices, nodes, leases, pools, namespaces: Vec::new(), registry: Vec::new() }
     }
 
     /// A round's writes, as the API server applies them, then its registry changes and their
@@ -418,7 +419,7 @@ impl World {
             for b in blocks {
                 let rv = self.rv + 1;
                 if let Some(block) = self.registry.blocks.get_mut(&b)
-                    && claims::resolve(&mut block.claims, sc, claims::Outcome::Written, token)
+                    && claims::resolve(Arc::make_mut(&mut block.claims), sc, claims::Outcome::Written, token)
                 {
                     block.resource_version = Some(rv.to_string());
                     self.rv = rv;
@@ -624,6 +625,21 @@ fn history(seed: u64, steps: usize, with_pools: bool) -> (usize, usize, usize, u
             seen += snap.services.len();
         }
         world.apply(&plan, &token);
+        // The registry is the record: a number its Service holds (claimed for it, named by its
+        // annotation) is never given to another Service, whatever anyone wrote on annotations.
+        for h in snap.services.iter().map(|s| claims::Holder::of(s)) {
+            for n in &h.numbers {
+                if registry.get(*n) != Some(&claims::Claim::held(h.owner.clone())) {
+                    continue;
+                }
+                let after = world.registry.owner(*n);
+                assert!(
+                    after.is_none_or(|o| *o == h.owner),
+                    "seed {seed} (pools: {with_pools}), step {step}: {n}, held by {}, now claimed by {after:?}",
+                    h.key
+                );
+            }
+        }
         whole.end_round(&registry, &world.registry);
         scoped.end_round(&registry, &world.registry);
     }

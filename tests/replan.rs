@@ -482,6 +482,7 @@ fn compute_next_gives_what_compute_gives() {
                 policy: &policy,
                 host: &host,
                 pools: None,
+                registry: None,
             };
             let what = format!("seed {seed} step {step}");
             let (whole, _, patched) = both_ways(&inputs, &mut kept, &mut applied, &mut index, &what);
@@ -574,6 +575,7 @@ fn scoped_syncs(mode: nodelb::desired::AllocationMode) {
     use k8s_openapi::api::core::v1::Service;
     use nodelb::compact::EndpointSlice;
     use nodelb::desired::{AllocationMode, HostFacts, HostPolicy, Inputs, Kept, Scope, SourceNotes};
+    use nodelb::k8s::claims::{self, Owner, Registry};
     use nodelb::model::{ANNOTATION_ALLOCATED, ANNOTATION_PORTS, CONDITION_ALLOCATED, ModelOptions};
     use nodelb::pool::{self, PoolContext, PoolSet};
     use nodelb::port_policy::{PortPolicy, PortRange};
@@ -633,6 +635,18 @@ fn scoped_syncs(mode: nodelb::desired::AllocationMode) {
         let mut since: BTreeMap<ServiceKey, k8s_openapi::jiff::Timestamp> = BTreeMap::new();
         let mut kept = Kept::default();
         let (mut applied, mut index): (Option<Ruleset>, CounterIndex) = (None, CounterIndex::default());
+        // Kubernetes mode: the node-port registry, mostly naming the Service each annotated
+        // number was written on, now and then another or none (a forged annotation, a claim not
+        // written yet), its block at a new version at each change.
+        let mut registry = Registry::default();
+        let claim = |registry: &mut Registry, n: u16, owner: Option<Owner>, rv: String| {
+            let block = registry.blocks.entry(claims::block_of(n)).or_default();
+            match owner {
+                Some(o) => Arc::make_mut(&mut block.claims).insert(n, claims::Claim::held(o)),
+                None => Arc::make_mut(&mut block.claims).remove(&n),
+            };
+            block.resource_version = Some(rv);
+        };
         for step in 0..150 {
             for _ in 0..rng.range(1, 2) {
                 let i = rng.below(NAMES);
@@ -725,6 +739,14 @@ fn scoped_syncs(mode: nodelb::desired::AllocationMode) {
                                 svc["metadata"][field] = before["metadata"][field].clone();
                             }
                         }
+                        // The leader claims what it writes, before it writes it (mostly).
+                        let owner = Owner::of_uid(svc["metadata"]["uid"].as_str().unwrap());
+                        let written = svc["metadata"]["annotations"][ANNOTATION_ALLOCATED].as_str();
+                        for n in nodelb::model::annotated_numbers(written.unwrap_or_default()) {
+                            if rng.chance(0.8) {
+                                claim(&mut registry, n, Some(owner.clone()), next_rv());
+                            }
+                        }
                         services.insert(i, svc);
                     }
                     7..=11 => {
@@ -774,6 +796,17 @@ fn scoped_syncs(mode: nodelb::desired::AllocationMode) {
                                 _ => {}
                             }
                         }
+                    }
+                    16 => {
+                        // The registry on its own: a number claimed for another Service, or
+                        // released.
+                        let owner = match rng.below(3) {
+                            0 => None,
+                            _ => services
+                                .get(&rng.below(NAMES))
+                                .map(|v| Owner::of_uid(v["metadata"]["uid"].as_str().unwrap())),
+                        };
+                        claim(&mut registry, number(&mut rng), owner, next_rv());
                     }
                     14 => {
                         let key = ServiceKey::new(ns, &name);
@@ -847,9 +880,20 @@ fn scoped_syncs(mode: nodelb::desired::AllocationMode) {
                 policy: &policy,
                 host: &host,
                 pools: pools.as_ref(),
+                registry: (mode == AllocationMode::Annotated).then_some(&registry),
             };
             let what = format!("seed {seed} step {step}");
             let (whole, scope, _) = both_ways(&inputs, &mut kept, &mut applied, &mut index, &what);
+            if mode == AllocationMode::Annotated {
+                // A number is programmed only for the Service the registry gives it to.
+                for s in &svc_objects {
+                    let key = nodelb::model::service_key(s);
+                    let owner = Owner::of(&key, s.metadata.uid.as_deref());
+                    for n in whole.allocations.get(&key).into_iter().flat_map(|p| p.values()) {
+                        assert_eq!(registry.owner(*n), Some(&owner), "{what}: {key} programs {n}");
+                    }
+                }
+            }
             syncs += 1;
             if let Scope::Services(n) = scope {
                 scoped += 1;
@@ -927,6 +971,7 @@ fn a_manifests_change_decides_only_its_service() {
             policy: &policy,
             host: &host,
             pools: None,
+            registry: None,
         };
         let (whole, scope, _) = both_ways(&inputs, &mut kept, &mut applied, &mut index, what);
         let now = k8s_openapi::jiff::Timestamp::from_second(1_700_000_000).unwrap();

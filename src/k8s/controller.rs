@@ -800,7 +800,7 @@ pub struct LeaderState {
     /// else (a human, another leader), and a round after that is whole.
     registry_versions: Option<RegistryVersions>,
     /// The registry as the last round read it, parsed ([`read_registry`]).
-    registry_read: Option<KeptRegistry>,
+    registry_read: Option<claims::ReadRegistry>,
     /// Names this process in the claims it leaves pending.
     pub token: claims::Token,
     /// Registry problems last logged (each logged once while it lasts).
@@ -977,11 +977,15 @@ impl LeaderState {
         };
         let versions = registry.map(RegistryVersions::of);
         let as_left = std::mem::take(&mut self.registry_versions);
+        // A Service that came or changed naming a number the registry gives another (a forged
+        // annotation) is screened: a scoped round takes every claim as its holder's.
+        let forged = registry.is_some_and(|r| self.holders.changes().name_anothers(r, &gone));
         let may_scope = was_clean
             && self.whole_round_within(clock.at)
             && versions.is_some()
             && as_left == versions
             && expired.is_empty()
+            && !forged
             && self.claims.resolved_but_deletions();
         let plan = plan_round(
             snap,
@@ -1150,18 +1154,24 @@ pub fn plan_round(
         });
     // What the registry takes off the Services and lets nobody have. A scoped round runs only
     // when every claim names a Service that holds its number, or a deleted one (`may_scope`):
-    // then nobody loses a number and nothing is in use (debug builds check it).
-    let screen = match (&scope, registry.registry) {
-        (None, Some(r)) => Some(claims::Screen::of(&held, r, registry.gone)),
-        (Some(_), Some(r)) => {
-            debug_assert!(
-                claims::Screen::of(&held, r, registry.gone).is_quiet(),
-                "a scoped round's registry"
-            );
-            None
-        }
-        (_, None) => None,
-    };
+    // then nothing is in use, and only a forged annotation in the scope loses a number (debug
+    // builds check it against the whole screen).
+    let scope_numbers: Option<std::collections::BTreeSet<u16>> = scope.as_ref().map(|keys| {
+        (keys.iter()).filter_map(|k| holders.of_key(k)).flat_map(|(_, h)| h.numbers.iter().copied()).collect()
+    });
+    let screen =
+        registry.registry.map(|r| claims::Screen::within(&held, r, registry.gone, scope_numbers.as_ref()));
+    if cfg!(debug_assertions)
+        && let (Some(keys), Some(r)) = (&scope, registry.registry)
+    {
+        let whole = claims::Screen::of(&held, r, registry.gone);
+        assert!(
+            whole.in_use.is_empty() && whole.losing().all(|(k, _)| keys.contains(k)),
+            "a scoped round's registry: in use {:?}, losing {:?}",
+            whole.in_use,
+            whole.losing().collect::<Vec<_>>()
+        );
+    }
     let (subst, RoundObjects { services, slices, dropped }) = match &scope {
         None => {
             let subst = memory.last_good.apply(&snap.services, &cfg.model);
@@ -1183,7 +1193,6 @@ pub fn plan_round(
         None => memory.models.build(&services, &slices, &ctx),
     };
     let refused_endpoints = out.refused_endpoints;
-    let duplicates = dupes::duplicates(&out.services);
     let stubs = publish::reserved(&services, &out.refused);
     // The stand-ins of refused Services hold their numbers for the allocator; nothing else of
     // theirs goes on, unless a valid Service has the same key. There are few: no set of every
@@ -1205,6 +1214,8 @@ pub fn plan_round(
             in_use.entry(*k).or_insert_with(|| why.clone());
         }
     }
+    // Among what the registry left them (numbers no claim names: the registry lost).
+    let duplicates = dupes::duplicates(&all[..out.services.len()]);
     let assignment = (!pool_ctx.set.implicit)
         .then(|| crate::pool::assign_services(&pool_ctx, &services, &all, &Allocations::new()));
     let all: Vec<Arc<model::LbService>> = match &assignment {
@@ -1242,6 +1253,7 @@ pub fn plan_round(
         serving: &serving,
         pool_nodes: pool_nodes.as_ref(),
         pool_addresses: pool_addresses.as_ref(),
+        lost: &lost,
         now,
     };
     let (mut writes, mut events) = match &scope {
@@ -1279,12 +1291,9 @@ pub fn plan_round(
     }
     let mut claim_plan = match (registry.registry, &scope) {
         (Some(r), None) => claims::plan(r, &held, &changes, registry.token, registry.gone, registry.expired),
-        (Some(r), Some(keys)) => {
+        (Some(r), Some(_)) => {
             // The numbers the scope's Services hold: every other one has its claim.
-            let numbers: std::collections::BTreeSet<u16> = (keys.iter())
-                .filter_map(|k| holders.of_key(k))
-                .flat_map(|(_, h)| h.numbers.iter().copied())
-                .collect();
+            let numbers = scope_numbers.as_ref().expect("a scope's numbers");
             claims::plan_within(
                 r,
                 &held,
@@ -1292,7 +1301,7 @@ pub fn plan_round(
                 registry.token,
                 registry.gone,
                 registry.gone_claims,
-                &numbers,
+                numbers,
             )
         }
         (None, _) => claims::ClaimPlan {
@@ -1781,49 +1790,15 @@ async fn write(client: &Client, w: &ServiceWrite, made: &mut Vec<String>) -> (bo
 const PRECONDITIONS: bool = !cfg!(feature = "race-demo-without-preconditions");
 
 /// Every block of the node-port registry (Leases labelled [`claims::LABEL`]), with the problems
-/// found reading them.
+/// found reading them (a block read again at the same resourceVersion is not parsed again).
 async fn read_registry(
     client: &Client,
     namespace: &str,
-    kept: Option<KeptRegistry>,
-) -> Result<(KeptRegistry, Vec<String>), kube::Error> {
+    kept: Option<claims::ReadRegistry>,
+) -> Result<(claims::ReadRegistry, Vec<String>), kube::Error> {
     let api: Api<Lease> = Api::namespaced(client.clone(), namespace);
     let list = api.list(&kube::api::ListParams::default().labels(claims::LABEL)).await?;
-    let mut kept = kept.unwrap_or_default();
-    let mut read = KeptRegistry::default();
-    let mut problems = Vec::new();
-    for lease in list.items {
-        let name = lease.metadata.name.clone().unwrap_or_default();
-        let Some(block) = name.strip_prefix(claims::LEASE_PREFIX).and_then(|b| b.parse::<u16>().ok()) else {
-            problems.push(format!("Lease {name} is labelled {} but is not a registry block", claims::LABEL));
-            continue;
-        };
-        // A block at the version already parsed is taken as it was (a round writes a block or
-        // two; parsing every claim of 50,000 was most of a read).
-        let resource_version = lease.metadata.resource_version;
-        let (parsed, p) = match kept.registry.blocks.remove(&block) {
-            Some(b) if b.resource_version == resource_version && resource_version.is_some() => {
-                (b.claims, kept.problems.remove(&block).unwrap_or_default())
-            }
-            _ => {
-                let value = lease.metadata.annotations.as_ref().and_then(|a| a.get(claims::ANNOTATION));
-                let (claims, p) = claims::parse(value.map_or("", String::as_str));
-                (claims, p.into_iter().map(|p| format!("Lease {name}: {p}")).collect())
-            }
-        };
-        problems.extend(p.iter().cloned());
-        read.problems.insert(block, p);
-        read.registry.blocks.insert(block, claims::Block { claims: parsed, resource_version });
-    }
-    Ok((read, problems))
-}
-
-/// The registry as last read, each block with the problems of its parse: a block read again at
-/// the same resourceVersion is not parsed again ([`read_registry`]).
-#[derive(Debug, Default)]
-struct KeptRegistry {
-    registry: claims::Registry,
-    problems: BTreeMap<u16, Vec<String>>,
+    Ok(claims::ReadRegistry::read(&list.items, kept))
 }
 
 /// Writes one registry block: created when it did not exist, else replaced with the
@@ -1913,7 +1888,8 @@ async fn resolve_claims(
                 if !changed {
                     return Ok(true);
                 }
-                let block = claims::Block { claims: c, resource_version: lease.metadata.resource_version };
+                let block =
+                    claims::Block { claims: Arc::new(c), resource_version: lease.metadata.resource_version };
                 let written = write_block(client, namespace, b, &block).await?;
                 if let Some(v) = versions.as_mut() {
                     v.insert(b, written);

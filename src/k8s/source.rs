@@ -54,6 +54,10 @@ pub struct KubeSnapshot {
     pub leases: Vec<Arc<Lease>>,
     pub pools: Vec<Arc<NodePortPool>>,
     pub namespaces: Vec<Arc<Namespace>>,
+    /// The node-port registry's Leases ([`crate::k8s::claims::LABEL`]): which Service each number
+    /// belongs to, as the nodes program it (the leader reads the registry itself, with its
+    /// resourceVersions, at every round).
+    pub registry: Vec<Arc<Lease>>,
 }
 
 impl KubeSnapshot {
@@ -173,10 +177,12 @@ struct Health {
 const LEASES: usize = 3;
 /// Index of the NodePortPool reflector.
 const POOLS: usize = 4;
-/// Number of reflectors: Services, EndpointSlices, Nodes, Leases, NodePortPools, Namespaces.
-const N: usize = 6;
-/// The reflectors' kinds, by index.
-pub const KINDS: [&str; N] = ["Service", "EndpointSlice", "Node", "Lease", "NodePortPool", "Namespace"];
+/// Number of reflectors: Services, EndpointSlices, Nodes, node Leases, NodePortPools,
+/// Namespaces, the node-port registry's Leases.
+const N: usize = 7;
+/// The reflectors' kinds, by index (the `kind` label of the watch metrics).
+pub const KINDS: [&str; N] =
+    ["Service", "EndpointSlice", "Node", "Lease", "NodePortPool", "Namespace", "RegistryLease"];
 
 /// Handle on the running reflectors. Cheap to clone; every clone has its own change cursor.
 #[derive(Clone)]
@@ -187,6 +193,7 @@ pub struct KubeSource {
     leases: Store<Lease>,
     pools: Store<NodePortPool>,
     namespaces: Store<Namespace>,
+    registry: Store<Lease>,
     synced: Arc<[AtomicBool; N]>,
     health: Arc<Mutex<[Health; N]>>,
     /// The changes of the reflectors, as this handle follows them.
@@ -279,10 +286,17 @@ impl KubeSource {
         let namespaces =
             spawn_reflector(Api::all(client.clone()), watcher::Config::default(), 5, "Namespace", &shared);
         let leases = spawn_reflector(
-            Api::namespaced(client, namespace),
+            Api::namespaced(client.clone(), namespace),
             watcher::Config::default().labels(LABEL_NODE_LEASE),
             LEASES,
             "Lease",
+            &shared,
+        );
+        let registry = spawn_reflector(
+            Api::namespaced(client, namespace),
+            watcher::Config::default().labels(crate::k8s::claims::LABEL),
+            6,
+            "RegistryLease",
             &shared,
         );
         KubeSource {
@@ -292,6 +306,7 @@ impl KubeSource {
             leases,
             pools,
             namespaces,
+            registry,
             synced: synced.clone(),
             health,
             cursor: Cursor { synced, changes, interest: [true; N], seen: [0; N], was_complete: false },
@@ -312,12 +327,13 @@ impl KubeSource {
     }
 
     /// A handle whose [`KubeSource::changed`] reports what a node programs from (Services,
-    /// EndpointSlices, pools, Namespaces and Nodes: pools select by their labels), not node-Lease
-    /// renewals (every node renews every `lease/3`). A Node change that alters no label leaves
-    /// the agent's input fingerprint as it was: nothing is recomputed.
+    /// EndpointSlices, pools, Namespaces and Nodes: pools select by their labels; the node-port
+    /// registry), not node-Lease renewals (every node renews every `lease/3`). A Node change
+    /// that alters no label leaves the agent's input fingerprint as it was: nothing is
+    /// recomputed.
     pub fn services_only(&self) -> KubeSource {
         let mut handle = self.clone();
-        handle.cursor.interest = [true, true, true, false, true, true];
+        handle.cursor.interest = [true, true, true, false, true, true, true];
         handle
     }
 
@@ -382,6 +398,7 @@ impl KubeSource {
             leases: self.leases.state(),
             pools: self.pools.state(),
             namespaces: self.namespaces.state(),
+            registry: self.registry.state(),
         }
     }
 

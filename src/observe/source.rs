@@ -10,6 +10,7 @@ use crate::compact::EndpointSlice;
 use k8s_openapi::api::core::v1::Service;
 
 use crate::desired::{AllocationMode, SourceNotes};
+use crate::k8s::claims::{ReadRegistry, Registry};
 use crate::k8s::lastgood::LastGoodServices;
 use crate::k8s::source::{KubeSource, NodeViews};
 use crate::manifests::{IgnoredLog, LastGood};
@@ -33,6 +34,9 @@ pub struct Snapshot {
     pub fingerprint: Option<Fingerprint>,
     /// Node port pools (`None`: the flags' range for everything).
     pub pools: Option<Box<PoolContext>>,
+    /// Kubernetes mode: the node-port registry, the record of who holds each number
+    /// ([`crate::desired::Inputs::registry`]).
+    pub registry: Option<Registry>,
 }
 
 /// Identifies a snapshot's content: equal values, the same desired state. In two parts, so that
@@ -86,6 +90,11 @@ pub enum Source {
         node: String,
         port_range: PortRange,
         pools_last_valid: LastValid,
+        /// The node-port registry as last read (a block at the version parsed is not parsed
+        /// again), and how many times the owner of a number changed in it: what the fingerprint
+        /// reads of it (a claim resolved by its leader changes its block, not its owner).
+        registry: Option<ReadRegistry>,
+        registry_changes: u64,
     },
 }
 
@@ -112,6 +121,8 @@ impl Source {
             node,
             port_range,
             pools_last_valid: LastValid::default(),
+            registry: None,
+            registry_changes: 0,
         }
     }
 
@@ -175,13 +186,34 @@ impl Source {
                     notes: SourceNotes { refused, stale: loaded.stale },
                     fingerprint: Some(fingerprint),
                     pools: Some(Box::new(ctx)),
+                    registry: None,
                 }))
             }
-            Source::Kube { source, last_good, views, node, port_range, pools_last_valid } => {
+            Source::Kube {
+                source,
+                last_good,
+                views,
+                node,
+                port_range,
+                pools_last_valid,
+                registry,
+                registry_changes,
+            } => {
                 if !source.complete() {
                     return Ok(Loaded::Waiting);
                 }
                 let snap = source.snapshot();
+                let before = registry.take();
+                let (read, problems) = ReadRegistry::read(&snap.registry, before.clone());
+                let changed = before.is_none_or(|b| !read.registry.owners_changed(&b.registry).is_empty());
+                if changed {
+                    *registry_changes += 1;
+                    for p in &problems {
+                        tracing::debug!(problem = %p, "node-port registry");
+                    }
+                }
+                let recorded = read.registry.clone();
+                *registry = Some(read);
                 let (pools, invalid) = crate::k8s::pools::context(
                     &snap,
                     pools_last_valid,
@@ -192,7 +224,7 @@ impl Source {
                 let fingerprint = {
                     let objects = snap.fingerprint(views, opts);
                     let mut h = std::collections::hash_map::DefaultHasher::new();
-                    (objects.programmed, &pools).hash(&mut h);
+                    (objects.programmed, &pools, *registry_changes).hash(&mut h);
                     Fingerprint { programmed: h.finish(), pending: objects.pending }
                 };
                 if known == Some(fingerprint) {
@@ -219,6 +251,7 @@ impl Source {
                     notes: SourceNotes { refused: vec![], stale },
                     fingerprint: Some(fingerprint),
                     pools: Some(Box::new(pools)),
+                    registry: Some(recorded),
                 }))
             }
         }

@@ -322,11 +322,11 @@ impl Metrics {
         let node_ports_refused = IntGaugeVec::new(
             Opts::new(
                 "nodelb_node_ports_refused",
-                "Service ports whose node port this node does not take: not_allowed (outside --port-range and --allowed-node-ports), in_use (a process on the node listens on it).",
+                "Service ports whose node port this node does not take: not_allowed (outside --port-range and --allowed-node-ports), in_use (a process on the node listens on it), not_selected (its pool does not serve it here), not_recorded (the node-port registry does not give the number to the Service).",
             ),
             &["reason"],
         )?;
-        for reason in ["not_allowed", "in_use"] {
+        for reason in ["not_allowed", "in_use", "not_selected", "not_recorded"] {
             node_ports_refused.with_label_values(&[reason]).set(0);
         }
         registry.register(Box::new(endpoints_refused.clone()))?;

@@ -166,6 +166,7 @@ pub fn compute(
         policy: &policy,
         host: &host,
         pools: None,
+        registry: None,
     };
     desired::compute(&inputs)
 }

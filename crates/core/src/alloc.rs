@@ -55,7 +55,7 @@ pub type Allocations = BTreeMap<ServiceKey, BTreeMap<PortId, u16>>;
 /// Why a service port got no node port. Each is a Warning Event and a Service condition.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize)]
 pub enum AllocProblem {
-    #[error("Service {service}: port {port} asks for node port {wanted}, which Service {holder} holds")]
+    #[error("Service {service}: port {port} asks for node port {wanted}, which {} holds", holder.named_for(service))]
     Conflict { service: ServiceKey, port: PortId, wanted: u16, holder: ServiceKey },
     #[error("Service {service}: port {port}: no free node port left in {range}")]
     Exhausted { service: ServiceKey, port: PortId, range: String },

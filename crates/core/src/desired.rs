@@ -20,6 +20,7 @@ use crate::counters::{CounterIndex, IndexUpdate};
 use crate::domain::{Family, PortId, ServiceKey};
 use crate::endpoint_policy::{self, EndpointPolicy, HostAddresses, RefusedEndpoint};
 use crate::ir::Ruleset;
+use crate::k8s::claims::{Owner, Registry};
 use crate::k8s::dupes::Duplicate;
 use crate::model::{self, LbService, ModelOptions, Refusal};
 use crate::model_cache::{self, ModelCache, ModelContext, Modeled};
@@ -63,8 +64,9 @@ pub enum AllocationMode {
     /// Manifests mode: this agent allocates (keeping `previous`, the state file).
     Allocate,
     /// Kubernetes mode: the allocation written on each Service by the leader
-    /// (`nodelb.io/allocated-ports`), duplicates settled (older Service keeps the port); this
-    /// agent never computes one itself, so every node agrees.
+    /// (`nodelb.io/allocated-ports`), each number only where the node-port registry gives it to
+    /// that Service ([`Inputs::registry`]); this agent never computes one itself, so every node
+    /// agrees.
     Annotated,
 }
 
@@ -136,6 +138,12 @@ pub struct Inputs<'a, S = Service, E = EndpointSlice> {
     /// Node port pools (`None`, or no pool object: the flags' range for every Service, every
     /// node).
     pub pools: Option<&'a PoolContext>,
+    /// Kubernetes mode: the node-port registry, the record of who holds each number (only
+    /// nodelb can write it). A number an annotation names is programmed only for the Service
+    /// the registry names ([`crate::k8s::claims::Registry::owner`]): any Service owner can
+    /// write their own annotation. The Kubernetes source always gives it; `None` trusts the
+    /// annotations (manifests mode has none; pure tests that are about something else).
+    pub registry: Option<&'a Registry>,
 }
 
 pub fn compute<S: Borrow<Service>, E: Borrow<EndpointSlice>>(inputs: &Inputs<'_, S, E>) -> Desired {
@@ -203,9 +211,17 @@ pub fn compute_next(
     let ctx = model_context(inputs);
     let mut changes = kept.view.pass(inputs.services, inputs.slices);
     kept.models.rebase(&std::mem::take(&mut changes.rebased));
+    // The numbers whose registry owner changed: the Services naming them are decided again.
+    let recorded = match (&kept.book.registry, inputs.registry) {
+        (Some(before), Some(now)) => Some(now.owners_changed(before)),
+        (None, None) => Some(Vec::new()),
+        _ => None,
+    };
+    kept.book.registry = inputs.registry.cloned();
     let whole = std::mem::take(&mut kept.whole)
         || changes.first
         || applied.is_none()
+        || recorded.is_none()
         || !kept.book.same_shared(inputs)
         || !kept.models.has_context(&ctx)
         || kept.view.has_shared_keys();
@@ -216,7 +232,7 @@ pub fn compute_next(
             AllocationMode::Allocate => kept.models.aged(inputs.since),
             AllocationMode::Annotated => Vec::new(),
         };
-        kept.book.scope(&kept.view, changes, aged, inputs)
+        kept.book.scope(&kept.view, changes, aged, recorded.unwrap_or_default(), inputs)
     });
     let (plans, scope) = match scope {
         None => {
@@ -375,6 +391,8 @@ pub struct NodeBook {
     /// Manifests mode, where this node allocates: what couples the Services' parts besides
     /// their objects ([`Allocating`]). `None` in Kubernetes mode.
     allocating: Option<Allocating>,
+    /// The node-port registry the last sync read (its blocks shared, not copied).
+    registry: Option<Registry>,
 }
 
 /// Manifests mode: the allocator reads every Service's numbers, so a scoped sync must know who
@@ -457,13 +475,15 @@ impl NodeBook {
     /// The Services a scoped sync decides: those whose objects came, went or changed
     /// (`changes`), those whose allocation moved in the last sync, those whose last-good note
     /// changed, and every Service whose allocation annotation names a number one of those names
-    /// or named, until no more come. A Service outside it reads what it read in the last sync,
-    /// and no member shares a number with it: deciding it again would give what it has.
+    /// or named, or one whose registry owner changed (`recorded`), until no more come. A Service
+    /// outside it reads what it read in the last sync, and no member shares a number with it:
+    /// deciding it again would give what it has.
     fn scope(
         &mut self,
         view: &SourceView,
         changes: crate::view::ViewChanges,
         aged: Vec<ServiceKey>,
+        recorded: Vec<u16>,
         inputs: &Inputs<'_, Arc<Service>, Arc<EndpointSlice>>,
     ) -> foldhash::HashSet<ServiceKey> {
         let mut todo: Vec<ServiceKey> = changes.keys.into_iter().collect();
@@ -491,7 +511,7 @@ impl NodeBook {
             self.stale = notes.clone();
         }
         let mut scope: foldhash::HashSet<ServiceKey> = Default::default();
-        let mut numbers: Vec<u16> = changes.numbers.into_iter().collect();
+        let mut numbers: Vec<u16> = changes.numbers.into_iter().chain(recorded).collect();
         let mut seen: foldhash::HashSet<u16> = Default::default();
         loop {
             while let Some(key) = todo.pop() {
@@ -657,6 +677,7 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     let refused_endpoints = std::mem::take(&mut out.refused_endpoints);
     let pools = inputs.pools.filter(|c| !c.set.implicit);
     let assignment = pools.map(|c| crate::pool::assign_services(c, services, &out.services, inputs.previous));
+    let mut not_recorded = Vec::new();
     let (allocations, alloc_problems, duplicates) = match inputs.mode {
         AllocationMode::Allocate => {
             let in_use: BTreeMap<(crate::domain::Protocol, u16), String> = inputs
@@ -684,7 +705,13 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             (allocations, problems, vec![])
         }
         AllocationMode::Annotated => {
-            let (allocations, duplicates) = crate::k8s::dupes::settle(&out.services);
+            let (allocations, duplicates) = match inputs.registry {
+                Some(registry) => {
+                    let recorded = recorded(&out.services, registry, &mut not_recorded);
+                    crate::k8s::dupes::settle(&recorded)
+                }
+                None => crate::k8s::dupes::settle(&out.services),
+            };
             (allocations, vec![], duplicates)
         }
     };
@@ -706,7 +733,7 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
 
     // Whatever the allocation says, this node never takes a port it may not (not allowed, or a
     // process here listens on it): the allocation stays, the port is not programmed here.
-    let mut refused_ports = Vec::new();
+    let mut refused_ports = not_recorded;
     let mut programmed = allocations.clone();
     let mut restricted: BTreeMap<ServiceKey, BTreeSet<std::net::IpAddr>> = BTreeMap::new();
     let servicelb = inputs.pools.map(|c| servicelb_refusals(c, services)).unwrap_or_default();
@@ -814,6 +841,36 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     decided.allocations = allocations;
     decided.duplicates = duplicates;
     decided
+}
+
+/// `services` with each annotated number the registry does not give to that Service taken off
+/// (a copy of only those models), each such port pushed to `refused` ([`PortRefusal::NotRecorded`]).
+fn recorded(
+    services: &[Arc<LbService>],
+    registry: &Registry,
+    refused: &mut Vec<RefusedPort>,
+) -> Vec<Arc<LbService>> {
+    services
+        .iter()
+        .map(|s| {
+            let owner = Owner::of(&s.key, s.uid.as_deref());
+            let ours = |n: u16| registry.owner(n) == Some(&owner);
+            if s.previous_allocation.values().all(|n| ours(*n)) {
+                return Arc::clone(s);
+            }
+            let mut copy = LbService::clone(s);
+            copy.previous_allocation.retain(|port, n| {
+                if ours(*n) {
+                    return true;
+                }
+                let another = registry.owner(*n).is_some();
+                let reason = PortRefusal::NotRecorded { another };
+                refused.push(RefusedPort { service: s.key.clone(), port: *port, node_port: *n, reason });
+                false
+            });
+            Arc::new(copy)
+        })
+        .collect()
 }
 
 /// The port policy of a Service's pool on this node (its ranges, plus `--allowed-node-ports`) and,
@@ -1065,6 +1122,15 @@ mod tests {
 
     /// [`compute`] on node-1 (IPv4) with the range 20000-20010 and default policies.
     fn compute_on(mode: AllocationMode, services: &[Service], pools: Option<&PoolContext>) -> Desired {
+        compute_recorded(mode, services, pools, None)
+    }
+
+    fn compute_recorded(
+        mode: AllocationMode,
+        services: &[Service],
+        pools: Option<&PoolContext>,
+        registry: Option<&Registry>,
+    ) -> Desired {
         let node = NodeFacts {
             node_name: "node-1".into(),
             families: [Family::Ipv4].into(),
@@ -1085,6 +1151,7 @@ mod tests {
             model: &ModelOptions::default(),
             node: &node,
             pools,
+            registry,
         })
     }
 
@@ -1111,6 +1178,55 @@ mod tests {
             Some(
                 "no node port: PortConflict: port 80/TCP asks for node port 20080, which Service default/old holds"
             )
+        );
+    }
+
+    /// A node programs an annotated number only for the Service the node-port registry gives it
+    /// to: an annotation naming another Service's number (a forgery, older or younger than the
+    /// holder) or one no claim names yet is refused on this node, named with its reason, and
+    /// the holder keeps serving.
+    #[test]
+    fn a_node_programs_a_number_only_for_the_service_the_registry_names() {
+        use crate::k8s::claims::Claim;
+        let svc = |name: &str, uid: &str, created: &str, allocated: &str| -> Service {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name, "namespace": name, "uid": uid, "creationTimestamp": created,
+                             "annotations": {model::ANNOTATION_ALLOCATED: allocated}},
+                "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]}
+            }))
+            .expect("service")
+        };
+        let holder = svc("holder", "aaaaaaaa-0000", "2024-01-02T00:00:00Z", "80/TCP=20001");
+        let older = svc("older", "bbbbbbbb-0000", "2024-01-01T00:00:00Z", "80/TCP=20001");
+        let younger = svc("younger", "cccccccc-0000", "2024-01-03T00:00:00Z", "80/TCP=20001");
+        let unclaimed = svc("unclaimed", "dddddddd-0000", "2024-01-03T00:00:00Z", "80/TCP=20002");
+        let mut registry = Registry::default();
+        Arc::make_mut(&mut registry.blocks.entry(2).or_default().claims)
+            .insert(20001, Claim::held(Owner::of_uid("aaaaaaaa-0000")));
+        let services = [older, holder, younger, unclaimed];
+        let desired = compute_recorded(AllocationMode::Annotated, &services, None, Some(&registry));
+        let programmed: Vec<String> = desired.allocations.keys().map(|k| k.to_string()).collect();
+        assert_eq!(programmed, ["holder/holder"]);
+        let refused: Vec<(String, u16, &str)> = (desired.refused_ports.iter())
+            .map(|r| (r.service.to_string(), r.node_port, r.reason.code()))
+            .collect();
+        assert_eq!(
+            refused,
+            [
+                ("older/older".to_string(), 20001, "not_recorded"),
+                ("unclaimed/unclaimed".to_string(), 20002, "not_recorded"),
+                ("younger/younger".to_string(), 20001, "not_recorded"),
+            ]
+        );
+        assert!(desired.warnings.is_empty(), "no duplicate is left to settle: {:?}", desired.warnings);
+        let line = |name: &str| desired.services.iter().find(|s| s.name == name).expect("a line");
+        assert_eq!(line("holder").state, ServiceState::NoEndpoints, "programmed, with no endpoint");
+        let forged = line("older");
+        assert_eq!(forged.state, ServiceState::Refused);
+        let reason = forged.reason.as_deref().unwrap_or_default();
+        assert!(reason.contains("gives it to another Service") && !reason.contains("holder"), "{reason}");
+        assert!(
+            line("unclaimed").reason.as_deref().unwrap_or_default().contains("not in the node-port registry")
         );
     }
 
@@ -1201,6 +1317,7 @@ mod tests {
                 model: &ModelOptions::default(),
                 node: &node,
                 pools: Some(&ctx),
+                registry: None,
             })
         };
         let elements = |d: &Desired, map: crate::ir::Name| -> Vec<String> {

@@ -128,6 +128,31 @@ impl fmt::Display for ServiceKey {
     }
 }
 
+impl ServiceKey {
+    /// This Service as a message about `viewer` names it: `Service namespace/name` when both are
+    /// in one namespace, else only that it is a Service of another namespace. Whatever is
+    /// recorded on a Service (its conditions, its Events) is read by that namespace's users,
+    /// who must not learn the names of other namespaces' Services.
+    pub fn named_for<'a>(&'a self, viewer: &'a ServiceKey) -> NamedFor<'a> {
+        NamedFor { key: self, viewer }
+    }
+}
+
+/// [`ServiceKey::named_for`].
+pub struct NamedFor<'a> {
+    key: &'a ServiceKey,
+    viewer: &'a ServiceKey,
+}
+
+impl fmt::Display for NamedFor<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.key.namespace == self.viewer.namespace {
+            true => write!(f, "Service {}", self.key),
+            false => f.write_str("a Service of another namespace"),
+        }
+    }
+}
+
 /// Longest name of any Kubernetes object (a DNS-1123 subdomain).
 const MAX_NAME: usize = 253;
 
@@ -273,4 +298,20 @@ pub fn fnv1a_extend(mut h: u64, data: &[u8]) -> u64 {
         h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }
     h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_service_is_named_only_to_its_own_namespace() {
+        let (a, b, c) = (
+            ServiceKey::new("team-a", "web"),
+            ServiceKey::new("team-a", "db"),
+            ServiceKey::new("team-b", "x"),
+        );
+        assert_eq!(b.named_for(&a).to_string(), "Service team-a/db");
+        assert_eq!(c.named_for(&a).to_string(), "a Service of another namespace");
+    }
 }

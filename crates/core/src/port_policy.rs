@@ -279,6 +279,9 @@ pub enum PortRefusal {
     InUse(String),
     /// The Service's node port pool does not serve it on this node (why, in words).
     NotSelected(String),
+    /// The node-port registry does not give the number to this Service (Kubernetes mode): its
+    /// annotation names a number another Service holds (`true`) or one not claimed yet.
+    NotRecorded { another: bool },
 }
 
 impl PortRefusal {
@@ -288,6 +291,7 @@ impl PortRefusal {
             PortRefusal::NotAllowed(_) => "not_allowed",
             PortRefusal::InUse(_) => "in_use",
             PortRefusal::NotSelected(_) => "not_selected",
+            PortRefusal::NotRecorded { .. } => "not_recorded",
         }
     }
 }
@@ -298,6 +302,12 @@ impl fmt::Display for PortRefusal {
             PortRefusal::NotAllowed(allowed) => write!(f, "not allowed (allowed: {allowed})"),
             PortRefusal::InUse(who) => write!(f, "in use: {who}"),
             PortRefusal::NotSelected(why) => write!(f, "{why}"),
+            PortRefusal::NotRecorded { another: true } => f.write_str(
+                "the node-port registry gives it to another Service (the allocation annotation was not written by nodelb)",
+            ),
+            PortRefusal::NotRecorded { another: false } => {
+                f.write_str("not in the node-port registry yet (the leader claims a number before it writes it)")
+            }
         }
     }
 }

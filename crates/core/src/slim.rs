@@ -393,6 +393,7 @@ mod tests {
                 serving: &serving,
                 pool_nodes: None,
                 pool_addresses: None,
+                lost: &[],
                 now: k8s_openapi::jiff::Timestamp::from_second(1_700_000_000).unwrap(),
             };
             (

@@ -28,9 +28,15 @@
 //!   from an annotation) is left alone for [`GRACE`], observed unchanged while the Service watch
 //!   works; then a pending one counts as held, and a held one whose Service does not hold the
 //!   number is dropped. A number is never freed on a guess, so a claim can only be too careful.
-//! - A number a Service's annotation holds without a claim (an existing cluster, the registry
-//!   lost) is claimed for it; of two Services holding one number, the older keeps it, as on the
-//!   nodes ([`super::dupes`]); a Service holding a number another Service claims loses it.
+//! - **The registry is the record; the annotation is a copy.** Any Service owner may edit their
+//!   own Service's annotation, so an annotation naming a number the registry gives another
+//!   Service is never believed: that Service loses the number (nodes never program it for it,
+//!   [`Registry::owner`]), whatever the two Services' ages, and its annotation is written again
+//!   from the record (its own numbers back, [`Screen::apply`]). A serving Service therefore never
+//!   loses its number because of another Service's edit.
+//! - A number a Service's annotation holds without a claim (the registry lost with its
+//!   namespace, a re-install) is a request for that number: claimed for it when the allocator
+//!   keeps it (in its range), of two the older; nodes program it once the claim is written.
 
 use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
@@ -165,6 +171,16 @@ impl ViewChanges {
     }
 }
 
+impl ViewChanges {
+    /// Whether a Service new to the view names a number the registry gives another Service
+    /// (one not `gone`): an annotation the leader did not write.
+    pub fn name_anothers(&self, registry: &Registry, gone: &BTreeSet<Owner>) -> bool {
+        self.added.iter().any(|h| {
+            h.numbers.iter().any(|n| registry.owner(*n).is_some_and(|o| *o != h.owner && !gone.contains(o)))
+        })
+    }
+}
+
 impl Holders {
     /// The holder of each of `services`, in their order (what the view does not hold any more is
     /// forgotten).
@@ -296,7 +312,9 @@ pub fn format(claims: &Claims) -> String {
 /// One registry Lease as read.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Block {
-    pub claims: Claims,
+    /// Shared: a read keeps the claims of every block at the version it already parsed, and a
+    /// node's snapshot shares them with its source.
+    pub claims: Arc<Claims>,
     /// `None`: the Lease does not exist yet (it is created).
     pub resource_version: Option<String>,
 }
@@ -319,6 +337,85 @@ impl Registry {
     /// Each block's resourceVersion (`None`: the block did not exist when read).
     pub fn versions(&self) -> BTreeMap<u16, Option<String>> {
         self.blocks.iter().map(|(b, block)| (*b, block.resource_version.clone())).collect()
+    }
+}
+
+impl Registry {
+    /// The Service a number belongs to: the owner of its claim, in any state (a claim being
+    /// added names the Service the leader is writing it on; one being removed is still that
+    /// Service's until the write is seen). What every node programs by: a node port is
+    /// programmed for a Service only when the registry names it here.
+    pub fn owner(&self, number: u16) -> Option<&Owner> {
+        self.get(number).map(|c| &c.owner)
+    }
+
+    /// The numbers whose [`Registry::owner`] differs between `self` and `before` (a block read
+    /// at the same resourceVersion holds the same claims and is not compared).
+    pub fn owners_changed(&self, before: &Registry) -> Vec<u16> {
+        let mut out = Vec::new();
+        let blocks: BTreeSet<u16> = self.blocks.keys().chain(before.blocks.keys()).copied().collect();
+        let empty = Claims::new();
+        for b in blocks {
+            let (now, was) = (self.blocks.get(&b), before.blocks.get(&b));
+            if let (Some(now), Some(was)) = (now, was)
+                && now.resource_version.is_some()
+                && now.resource_version == was.resource_version
+            {
+                continue;
+            }
+            let now = now.map_or(&empty, |x| &x.claims);
+            let was = was.map_or(&empty, |x| &x.claims);
+            let numbers: BTreeSet<u16> = now.keys().chain(was.keys()).copied().collect();
+            out.extend(
+                numbers.into_iter().filter(|n| now.get(n).map(|c| &c.owner) != was.get(n).map(|c| &c.owner)),
+            );
+        }
+        out
+    }
+}
+
+/// The registry as read from its Leases, each block with the problems of its parse, so that a
+/// block read again at the same resourceVersion is taken as it was (a round writes a block or
+/// two; parsing every claim of 50,000 was most of a read), by the leader's list and by each
+/// node's cache alike.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReadRegistry {
+    pub registry: Registry,
+    problems: BTreeMap<u16, Vec<String>>,
+}
+
+impl ReadRegistry {
+    /// Every block among `leases` (the Leases labelled [`LABEL`]); `kept`: the last read. The
+    /// problems found (a Lease labelled as a block that is none, entries that cannot be read).
+    pub fn read<L: Borrow<k8s_openapi::api::coordination::v1::Lease>>(
+        leases: &[L],
+        kept: Option<ReadRegistry>,
+    ) -> (ReadRegistry, Vec<String>) {
+        let mut kept = kept.unwrap_or_default();
+        let mut read = ReadRegistry::default();
+        let mut problems = Vec::new();
+        for lease in leases.iter().map(Borrow::borrow) {
+            let name = lease.metadata.name.as_deref().unwrap_or_default();
+            let Some(block) = name.strip_prefix(LEASE_PREFIX).and_then(|b| b.parse::<u16>().ok()) else {
+                problems.push(format!("Lease {name} is labelled {LABEL} but is not a registry block"));
+                continue;
+            };
+            let resource_version = lease.metadata.resource_version.clone();
+            let (parsed, p) = match kept.registry.blocks.remove(&block) {
+                Some(b) if b.resource_version == resource_version && resource_version.is_some() => {
+                    (b.claims, kept.problems.remove(&block).unwrap_or_default())
+                }
+                _ => {
+                    let value = lease.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION));
+                    let (claims, p) = parse(value.map_or("", String::as_str));
+                    (Arc::new(claims), p.into_iter().map(|p| format!("Lease {name}: {p}")).collect())
+                }
+            };
+            problems.extend(p.iter().cloned());
+            read.problems.insert(block, p);
+            read.registry.blocks.insert(block, Block { claims: parsed, resource_version });
+        }
+        (read, problems)
     }
 }
 
@@ -385,9 +482,8 @@ impl<'h> HeldNumbers<'h> {
     }
 }
 
-/// Takes off each Service's `previous_allocation` the numbers another Service claims (of two
-/// Services holding a number its claimant holds, the allocator then keeps it for the older, as
-/// the nodes do; claims of `gone` owners do not count), and lists what nobody may be given.
+/// Takes off each Service's `previous_allocation` the numbers another Service claims (claims of
+/// `gone` owners do not count), gives it back its own, and lists what nobody may be given.
 pub fn screen(
     services: &mut [Arc<LbService>],
     held: &HeldNumbers<'_>,
@@ -403,28 +499,57 @@ pub fn screen(
 /// what nobody may be given), then applied to the models of the Services a round plans.
 pub struct Screen<'h> {
     lose: BTreeMap<&'h ServiceKey, BTreeSet<u16>>,
+    /// Per Service that loses a number, the numbers the registry gives it that its annotation no
+    /// longer names (a forged annotation replaced them), lowest first: what it gets back.
+    own: BTreeMap<&'h ServiceKey, Vec<u16>>,
     /// As [`Screened::in_use`].
     pub in_use: BTreeMap<(Protocol, u16), String>,
 }
 
 impl<'h> Screen<'h> {
     pub fn of(held: &'h HeldNumbers<'_>, registry: &Registry, gone: &BTreeSet<Owner>) -> Screen<'h> {
+        Screen::within(held, registry, gone, None)
+    }
+
+    /// [`Screen::of`] for a scoped round: who loses which of `numbers` (the numbers the scope's
+    /// Services hold). Nothing is in use then: a scoped round runs only when every claim names a
+    /// Service that holds its number, or a deleted one. A forged annotation and its holder's
+    /// victim are in the scope (they name one number; the forger is unsettled until repaired).
+    pub fn within(
+        held: &'h HeldNumbers<'_>,
+        registry: &Registry,
+        gone: &BTreeSet<Owner>,
+        numbers: Option<&BTreeSet<u16>>,
+    ) -> Screen<'h> {
         let by_number = held.by_number();
         let mut lose: BTreeMap<&ServiceKey, BTreeSet<u16>> = BTreeMap::new();
-        for (n, hs) in by_number {
+        let mut losers: BTreeMap<&Owner, &'h Holder> = BTreeMap::new();
+        let looked_at: Box<dyn Iterator<Item = (&u16, &Vec<Arc<Holder>>)>> = match numbers {
+            None => Box::new(by_number.iter()),
+            Some(only) => Box::new(only.iter().filter_map(|n| by_number.get_key_value(n))),
+        };
+        for (n, hs) in looked_at {
             let Some(c) = registry.get(*n).filter(|c| !gone.contains(&c.owner)) else { continue };
-            let claimant_holds = hs.iter().any(|h| h.owner == c.owner);
-            for h in hs {
-                // Two holders of a settled claim: the allocator's older-keeps decides. Otherwise
-                // only the claimant may hold it (a pending claim is its leader's business).
-                let keeps = h.owner == c.owner || (claimant_holds && c.state == State::Held);
-                if !keeps {
-                    lose.entry(&h.key).or_default().insert(*n);
+            // Only the claimant may hold it, whatever the ages: another Service's annotation
+            // naming it was written by someone else than the leader.
+            for h in hs.iter().filter(|h| h.owner != c.owner) {
+                lose.entry(&h.key).or_default().insert(*n);
+                losers.insert(&h.owner, h);
+            }
+        }
+        let mut own: BTreeMap<&ServiceKey, Vec<u16>> = BTreeMap::new();
+        if !losers.is_empty() {
+            for (n, c) in registry.iter() {
+                if let Some(h) = losers.get(&c.owner)
+                    && c.state == State::Held
+                    && !h.numbers.contains(&n)
+                {
+                    own.entry(&h.key).or_default().push(n);
                 }
             }
         }
         let mut in_use = BTreeMap::new();
-        for (n, c) in registry.iter() {
+        for (n, c) in registry.iter().filter(|_| numbers.is_none()) {
             if gone.contains(&c.owner) {
                 continue;
             }
@@ -444,15 +569,13 @@ impl<'h> Screen<'h> {
                     .insert((p, n), format!("{why} (node-port registry, Lease {})", lease_name(block_of(n))));
             }
         }
-        Screen { lose, in_use }
+        Screen { lose, own, in_use }
     }
 
-    /// Whether nobody loses a number and nothing is in use.
-    pub fn is_quiet(&self) -> bool {
-        self.lose.is_empty() && self.in_use.is_empty()
-    }
-
-    /// Takes the numbers off the models of `services` that lose them; returns what each lost.
+    /// Takes the numbers off the models of `services` that lose them, and gives each the numbers
+    /// the registry records for it that its annotation dropped (the annotation written again
+    /// from the record: the lowest lost number gets the lowest of its own, and so on, so ports
+    /// that shared a number share its replacement); returns what each lost.
     pub fn apply(&self, services: &mut [Arc<LbService>]) -> Vec<(ServiceKey, u16)> {
         let mut lost = Vec::new();
         if self.lose.is_empty() {
@@ -460,12 +583,27 @@ impl<'h> Screen<'h> {
         }
         for svc in services.iter_mut() {
             if let Some(ns) = self.lose.get(&svc.key) {
+                let back: BTreeMap<u16, u16> = match self.own.get(&svc.key) {
+                    Some(own) => ns.iter().copied().zip(own.iter().copied()).collect(),
+                    None => BTreeMap::new(),
+                };
                 // A copy of the (shared) model, for the few that lose a number.
-                Arc::make_mut(svc).previous_allocation.retain(|_, n| !ns.contains(n));
+                let previous = &mut Arc::make_mut(svc).previous_allocation;
+                previous.retain(|_, n| !ns.contains(n) || back.contains_key(n));
+                for n in previous.values_mut() {
+                    if let Some(own) = back.get(n) {
+                        *n = *own;
+                    }
+                }
                 lost.extend(ns.iter().map(|n| (svc.key.clone(), *n)));
             }
         }
         lost
+    }
+
+    /// The Services that lose a number, each with the numbers it loses.
+    pub fn losing(&self) -> impl Iterator<Item = (&ServiceKey, &BTreeSet<u16>)> {
+        self.lose.iter().map(|(k, ns)| (*k, ns))
     }
 }
 
@@ -584,8 +722,8 @@ fn plan_in<S: ClaimStore>(
             next.set(n, None);
         }
     }
-    // Claims for what is held without one; of two holders of a settled claim, the older keeps
-    // it. A number every holder gives up in this round is claimed for its oldest holder too,
+    // Claims for what is held without one (the oldest holder's; a claim never moves to another
+    // holder). A number every holder gives up in this round is claimed for its oldest holder too,
     // whose write then marks it Removing: no other Service's addition takes it before that
     // write is seen (with the registry lost, a Lease deleted, the number was otherwise free to
     // an addition of the same round while the holder's annotation still named it: the chaos
@@ -598,16 +736,8 @@ fn plan_in<S: ClaimStore>(
         let keepers: Vec<&Arc<Holder>> =
             hs.iter().filter(|h| changing.get(&h.key).is_none_or(|after| after.contains(n))).collect();
         let Some(oldest) = keepers.first().copied().or_else(|| hs.first()) else { continue };
-        match next.get(*n) {
-            None => next.set(*n, Some(Claim::held(oldest.owner.clone()))),
-            Some(c)
-                if c.state == State::Held
-                    && c.owner != oldest.owner
-                    && keepers.iter().any(|h| h.owner == c.owner) =>
-            {
-                next.set(*n, Some(Claim::held(oldest.owner.clone())));
-            }
-            Some(_) => {}
+        if next.get(*n).is_none() {
+            next.set(*n, Some(Claim::held(oldest.owner.clone())));
         }
     }
     // The writes: additions pending under our token (only onto a free number or the Service's
@@ -643,9 +773,9 @@ fn plan_in<S: ClaimStore>(
     }
     for (b, new) in next.blocks(registry) {
         let old = registry.blocks.get(&b);
-        if old.map(|o| &o.claims) != Some(&new) && !(old.is_none() && new.is_empty()) {
+        if old.map(|o| &*o.claims) != Some(&new) && !(old.is_none() && new.is_empty()) {
             let resource_version = old.and_then(|o| o.resource_version.clone());
-            out.blocks.insert(b, Block { claims: new, resource_version });
+            out.blocks.insert(b, Block { claims: Arc::new(new), resource_version });
         }
     }
     out
@@ -693,7 +823,7 @@ impl ClaimStore for Overlay<'_> {
         touched
             .into_iter()
             .map(|b| {
-                let mut claims = read.blocks.get(&b).map(|o| o.claims.clone()).unwrap_or_default();
+                let mut claims = read.blocks.get(&b).map(|o| Claims::clone(&o.claims)).unwrap_or_default();
                 let first = u16::try_from(u32::from(b) * BLOCK_SIZE).unwrap_or(u16::MAX);
                 let last = u16::try_from((u32::from(b) + 1) * BLOCK_SIZE - 1).unwrap_or(u16::MAX);
                 for (n, c) in self.changed.range(first..=last) {
@@ -894,7 +1024,7 @@ impl Keeper {
                 let first = u16::try_from(u32::from(*b) * BLOCK_SIZE).unwrap_or(u16::MAX);
                 let end = u16::try_from((u32::from(*b) + 1) * BLOCK_SIZE - 1).unwrap_or(u16::MAX);
                 kept.retain(|n, _| *n < first || *n > end || block.claims.contains_key(n));
-                for (n, c) in &block.claims {
+                for (n, c) in block.claims.iter() {
                     check(*n, Some(c), &mut kept);
                 }
                 continue;
@@ -982,7 +1112,7 @@ mod tests {
     fn registry(claims: &[(u16, Claim)]) -> Registry {
         let mut r = Registry::default();
         for (n, c) in claims {
-            r.blocks.entry(block_of(*n)).or_default().claims.insert(*n, c.clone());
+            Arc::make_mut(&mut r.blocks.entry(block_of(*n)).or_default().claims).insert(*n, c.clone());
         }
         for b in r.blocks.values_mut() {
             b.resource_version = Some("7".into());
@@ -1120,6 +1250,53 @@ mod tests {
         assert!(p.blocked.is_empty() && p.services[&b.key].adds == [(20008, None)], "{p:?}");
     }
 
+    /// A read parses only the blocks whose resourceVersion changed (the others are the very
+    /// claims of the last read), names what it cannot read, and the owners that changed
+    /// between two reads are found, whatever the claims' states.
+    #[test]
+    fn reads_share_unchanged_blocks_and_owner_changes_are_found() {
+        let lease = |name: &str, rv: &str, claims: &str| {
+            let mut l = k8s_openapi::api::coordination::v1::Lease::default();
+            l.metadata.name = Some(name.into());
+            l.metadata.resource_version = Some(rv.into());
+            l.metadata.annotations = Some([(ANNOTATION.to_string(), claims.to_string())].into());
+            l
+        };
+        let a = format!("20000={},20001={}+t1", owner('a'), owner('b'));
+        let leases = [lease("nodelb-node-ports-2", "1", &a), lease("nodelb-node-ports-x", "1", "")];
+        let (first, problems) = ReadRegistry::read(&leases, None);
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert_eq!(first.registry.owner(20001), Some(&owner('b')), "a pending claim names its Service");
+        // The same version again: the same claims, shared; a new version of another block parsed.
+        let c = format!("24576={}", owner('c'));
+        let leases = [lease("nodelb-node-ports-2", "1", &a), lease("nodelb-node-ports-3", "5", &c)];
+        let (second, _) = ReadRegistry::read(&leases, Some(first.clone()));
+        assert!(Arc::ptr_eq(&first.registry.blocks[&2].claims, &second.registry.blocks[&2].claims));
+        assert_eq!(second.registry.owners_changed(&first.registry), [24576]);
+        // Resolved (the state changes, not the owner), moved, released.
+        let b = format!("20000={},20001={},20002={}", owner('a'), owner('b'), owner('c'));
+        let leases = [lease("nodelb-node-ports-2", "2", &b)];
+        let (third, _) = ReadRegistry::read(&leases, Some(second.clone()));
+        assert_eq!(third.registry.owners_changed(&second.registry), [20002, 24576]);
+        assert!(third.registry.owners_changed(&third.registry).is_empty());
+    }
+
+    #[test]
+    fn a_view_naming_another_services_number_is_found() {
+        let reg = registry(&[(20000, Claim::held(owner('a'))), (20001, Claim::held(owner('d')))]);
+        let changes = |hs: Vec<Holder>| ViewChanges {
+            first: false,
+            added: hs.into_iter().map(Arc::new).collect(),
+            dropped: vec![],
+        };
+        let none = BTreeSet::new();
+        assert!(
+            !changes(vec![holder('a', 1, &[20000]), holder('b', 1, &[20002])]).name_anothers(&reg, &none)
+        );
+        assert!(changes(vec![holder('b', 1, &[20000])]).name_anothers(&reg, &none));
+        assert!(!changes(vec![holder('b', 1, &[20001])]).name_anothers(&reg, &BTreeSet::from([owner('d')])));
+    }
+
     #[test]
     fn text_round_trips_and_bad_entries_are_never_free() {
         let claims = Claims::from([
@@ -1176,9 +1353,33 @@ mod tests {
                 vec![20000],
             ),
             (
-                "two hold it, the younger claims it: both kept here (the allocator's older-keeps decides)",
+                "two hold it, the younger claims it: only the claimant keeps it, whatever the ages",
                 vec![a.clone(), b.clone()],
                 registry(&[(20000, Claim::held(owner('b')))]),
+                vec![],
+                vec![vec![], vec![20000]],
+                vec![],
+            ),
+            (
+                "two hold it, the older claims it: only the claimant keeps it",
+                vec![a.clone(), b.clone()],
+                registry(&[(20000, Claim::held(owner('a')))]),
+                vec![],
+                vec![vec![20000], vec![]],
+                vec![],
+            ),
+            (
+                "a forged annotation replaced its own number: it gets its own back",
+                vec![a.clone(), b.clone()],
+                registry(&[(20000, Claim::held(owner('a'))), (20007, Claim::held(owner('b')))]),
+                vec![],
+                vec![vec![20000], vec![20007]],
+                vec![20007],
+            ),
+            (
+                "two hold a number nobody claims: both kept here (the allocator's older-keeps decides)",
+                vec![a.clone(), b.clone()],
+                registry(&[]),
                 vec![],
                 vec![vec![20000], vec![20000]],
                 vec![],
@@ -1309,23 +1510,23 @@ mod tests {
                 false,
             ),
             (
-                "two hold a number the younger claims: the claim moves to the older",
+                "two hold a number the younger claims: the claim stays (the older's annotation is forged)",
                 registry(&[(20000, Claim::held(owner('b')))]),
                 vec![a.clone(), b_dup.clone()],
                 vec![],
                 vec![],
                 vec![],
-                Some(Claims::from([(20000, Claim::held(owner('a')))])),
+                None,
                 false,
             ),
             (
-                "the same, the younger seen first (a reflector's order): the older still keeps it",
+                "the same, the younger seen first (a reflector's order): the claim stays",
                 registry(&[(20000, Claim::held(owner('b')))]),
                 vec![b_dup.clone(), a.clone()],
                 vec![],
                 vec![],
                 vec![],
-                Some(Claims::from([(20000, Claim::held(owner('a')))])),
+                None,
                 false,
             ),
             (
@@ -1356,7 +1557,7 @@ mod tests {
             let gone: BTreeSet<Owner> = gone.into_iter().collect();
             let expired: BTreeSet<u16> = expired.into_iter().collect();
             let p = plan(&reg, &HeldNumbers::of(&holders), &changes, &t, &gone, &expired);
-            assert_eq!(p.blocks.get(&2).map(|b| b.claims.clone()), want, "{name}");
+            assert_eq!(p.blocks.get(&2).map(|b| Claims::clone(&b.claims)), want, "{name}");
             if let Some(b) = p.blocks.get(&2) {
                 assert_eq!(
                     b.resource_version,
@@ -1552,8 +1753,8 @@ mod tests {
                         _ => State::Held,
                     };
                     match next(4) {
-                        0 => block.claims.remove(&n),
-                        _ => block.claims.insert(n, Claim { owner, state }),
+                        0 => Arc::make_mut(&mut block.claims).remove(&n),
+                        _ => Arc::make_mut(&mut block.claims).insert(n, Claim { owner, state }),
                     };
                 }
                 version += 1;

@@ -37,6 +37,29 @@ impl std::fmt::Display for Duplicate {
     }
 }
 
+impl Duplicate {
+    /// What the Event on `viewer` (the keeper or the loser) says: the other Service named only
+    /// when it is in the same namespace ([`ServiceKey::named_for`]).
+    pub fn message_for(&self, viewer: &ServiceKey) -> String {
+        let other = if *viewer == self.keeper { &self.loser } else { &self.keeper };
+        let other = other.named_for(viewer);
+        match (*viewer == self.keeper, self.keeper == self.loser) {
+            (_, true) => format!(
+                "node port {} is annotated twice for one protocol (port {} loses it)",
+                self.node_port, self.loser_port
+            ),
+            (true, false) => format!(
+                "node port {} is also annotated on {other}, which has no claim on it; this Service keeps it (older)",
+                self.node_port
+            ),
+            (false, false) => format!(
+                "node port {} of port {} is also annotated on {other}, which keeps it (older); this port is given another",
+                self.node_port, self.loser_port
+            ),
+        }
+    }
+}
+
 /// The annotated allocations with every duplicate settled, and the duplicates found (sorted).
 /// Services are one per key (the model refuses a second object with a key).
 pub fn settle<S: Borrow<LbService>>(services: &[S]) -> (Allocations, Vec<Duplicate>) {
@@ -248,6 +271,25 @@ mod tests {
             if long.1.is_empty() { without += 1 } else { with += 1 }
         }
         assert!(with > 300 && without > 300, "both kinds of input: {with} with, {without} without");
+    }
+
+    #[test]
+    fn messages_name_only_services_of_the_reader_s_namespace() {
+        let d = |keeper: ServiceKey, loser: ServiceKey| Duplicate {
+            node_port: 20001,
+            keeper,
+            loser,
+            loser_port: PortId::tcp(80),
+        };
+        let (a, b) = (ServiceKey::new("team-a", "a"), ServiceKey::new("team-b", "b"));
+        let across = d(a.clone(), b.clone());
+        for viewer in [&a, &b] {
+            let m = across.message_for(viewer);
+            assert!(m.contains("another namespace") && !m.contains("team-"), "{m}");
+        }
+        let within = d(a.clone(), ServiceKey::new("team-a", "c"));
+        assert!(within.message_for(&a).contains("Service team-a/c"), "{}", within.message_for(&a));
+        assert!(within.message_for(&within.loser).contains("Service team-a/a"));
     }
 
     #[test]

@@ -305,6 +305,9 @@ pub struct Round<'a, S = Service, V = LbService> {
     /// Per Service whose node port pool restricts node addresses, per node, the addresses its
     /// status lists ([`super::nodes::pool_addresses`]); a node with none is not listed.
     pub pool_addresses: Option<&'a BTreeMap<ServiceKey, BTreeMap<String, Vec<std::net::IpAddr>>>>,
+    /// Numbers a Service's annotation names that the node-port registry gives another Service
+    /// (a forged annotation: `NodePortNotOwned` Events).
+    pub lost: &'a [(ServiceKey, u16)],
     pub now: Timestamp,
 }
 
@@ -895,9 +898,20 @@ fn round_events<S, V>(round: &Round<'_, S, V>, duplicates: &[Duplicate]) -> Vec<
                 service: svc.clone(),
                 warning: true,
                 reason: "DuplicateNodePort",
-                message: format!("{d}; the other is reallocated"),
+                message: d.message_for(svc),
             });
         }
+    }
+    for (svc, number) in round.lost {
+        out.push(ServiceEvent {
+            service: svc.clone(),
+            warning: true,
+            reason: "NodePortNotOwned",
+            message: format!(
+                "{} names node port {number}, which the node-port registry gives another Service: no node serves it for this Service, and the annotation is written again from the registry",
+                crate::model::ANNOTATION_ALLOCATED
+            ),
+        });
     }
     out
 }
@@ -1099,6 +1113,7 @@ mod tests {
             serving,
             pool_nodes: None,
             pool_addresses: None,
+            lost: &[],
             now: t(0),
         }
     }
@@ -1367,6 +1382,7 @@ mod tests {
             serving: if node_ready { &nodes } else { &no_nodes },
             pool_nodes: None,
             pool_addresses: None,
+            lost: &[],
             now,
         };
         let later = plan_writes(&round(true, t(60)));
