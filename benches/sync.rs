@@ -347,7 +347,7 @@ fn leader(args: &ProgramArgs) {
             leases: leases.clone(),
             pools: Vec::new(),
             namespaces: Vec::new(),
-            registry: Vec::new(),
+            ..Default::default()
         };
         if whole {
             leader.state.next_round_whole();

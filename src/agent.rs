@@ -452,7 +452,12 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             Err(_) => {}
         }
         let listening = self.listeners.format_relevant(&self.cfg.policy.ports);
-        crate::locks::write(&self.status).listening_ports = Some(listening);
+        let published = crate::k8s::nodes::format_published_addresses(&self.local_addresses);
+        {
+            let mut status = crate::locks::write(&self.status);
+            status.listening_ports = Some(listening);
+            status.node_addresses = Some(published);
+        }
         HostFacts {
             addresses: self.local_addresses.merged(&self.source.node_addresses()),
             listeners: self.listeners.clone(),

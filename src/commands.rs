@@ -360,7 +360,39 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
                 slices.context("cannot list EndpointSlices")?.items,
                 nodes.context("cannot list Nodes")?.items,
             );
-            let mut addresses = crate::k8s::nodes::cluster_node_addresses(&nodes);
+            let namespace = &args.kube.namespace;
+            let node_leases =
+                kube::Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(client.clone(), namespace)
+                    .list(&kube::api::ListParams::default().labels(crate::k8s::nodes::LABEL_NODE_LEASE))
+                    .await
+                    .context("cannot list the node Leases")?
+                    .items;
+            let (api_ns, api_name) = crate::k8s::nodes::API_SERVER_SERVICE;
+            let api_server = kube::Api::<crate::compact::EndpointSlice>::namespaced(client.clone(), api_ns)
+                .list(
+                    &kube::api::ListParams::default()
+                        .labels(&format!("kubernetes.io/service-name={api_name}")),
+                )
+                .await
+                .context("cannot list the API server's EndpointSlices")?
+                .items;
+            // An API server without ServiceCIDRs (before Kubernetes 1.33) has none.
+            let service_cidrs =
+                kube::Api::<k8s_openapi::api::networking::v1::ServiceCIDR>::all(client.clone())
+                    .list(&lp)
+                    .await
+                    .map(|l| l.items)
+                    .or_else(|e| match e {
+                        kube::Error::Api(s) if s.code == 404 => Ok(Vec::new()),
+                        e => Err(e),
+                    })
+                    .context("cannot list ServiceCIDRs")?;
+            let more = crate::k8s::nodes::ClusterObjects {
+                leases: &node_leases,
+                api_server: &api_server,
+                service_cidrs: &service_cidrs,
+            };
+            let mut addresses = crate::k8s::nodes::cluster_addresses(&nodes, more);
             let own = args.common.node_name.as_deref();
             if let Some(n) = nodes.iter().find(|n| n.metadata.name.as_deref() == own) {
                 addresses.own.types = crate::k8s::nodes::address_types(n);

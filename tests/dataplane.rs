@@ -929,7 +929,7 @@ fn refused_endpoint_addresses_are_never_reached_and_the_valid_ones_serve() {
     .collect();
     assert_eq!(refused, want, "{st}");
     let reason = st["reason"].as_str().unwrap_or_default();
-    assert!(reason.contains("169.254.169.254 (cloud metadata service address)"), "{st}");
+    assert!(reason.contains("169.254.169.254 (cloud metadata or platform service address)"), "{st}");
     assert_eq!(st["ports"][0]["endpoints"], 1, "{st}");
     let answers = get_n(c, v4(NODE_V4), 20080, 40);
     assert_eq!(backends(&answers).keys().cloned().collect::<Vec<_>>(), ["be1"], "{answers:?}");

@@ -1131,6 +1131,163 @@ fn a_service_that_stops_being_ours_loses_its_rules_and_allocation_everywhere() {
     assert_only_leaders_wrote(&c, &[leader]);
 }
 
+/// Services without a `loadBalancerClass` that another load balancer serves are left to it
+/// (docs/design.md, "Which Services"): one annotated for MetalLB is never taken; one nodelb
+/// serves whose status MetalLB then writes is given up (rules gone everywhere, nodelb's
+/// annotation and conditions removed, MetalLB's ingress kept, nothing written after); one that
+/// names nodelb's class stays nodelb's whatever its status says.
+#[test]
+fn unclassed_services_another_load_balancer_serves_are_left_to_it() {
+    require_root!();
+    let c = Cluster::new(2);
+    let np = serve_web(&c);
+    let create = |spec: ServiceSpec, f: fn(&mut serde_json::Value)| {
+        let mut svc = spec.service();
+        svc["spec"].as_object_mut().unwrap().remove("selector");
+        f(&mut svc);
+        c.api.create(svc).expect("create the Service");
+        for s in spec.slices() {
+            c.api.create(s).expect("create its slice");
+        }
+    };
+    create(web("metal", &[(0, 0)]), |v| {
+        v["metadata"]["annotations"]["metallb.universe.tf/address-pool"] = "public".into()
+    });
+    create(web("classed", &[(1, 1)]), |v| v["spec"]["loadBalancerClass"] = "nodelb.io/nodelb".into());
+    let classed_np = c.wait_allocated("classed", 1, CHANGE)["80/TCP"];
+
+    // MetalLB publishes its address on `web` (and on `classed`), as its controller does.
+    let metallb = serde_json::json!({"status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.200"}]}}});
+    for name in ["web", "classed"] {
+        c.api.patch_status("v1", "Service", "default", name, metallb.clone());
+    }
+    for i in 0..3 {
+        wait_rules_gone(&c, i, "web", np);
+    }
+    let ok = wait_until(CHANGE, || {
+        c.allocated("web").is_none()
+            && c.allocated_condition("web").is_none()
+            && c.condition("web", SERVING).is_none()
+    });
+    assert!(ok, "nodelb's marks still on default/web: {:#}", c.service_json("web").unwrap());
+    assert_eq!(c.ingress_ips("web"), ["198.51.100.200"], "MetalLB's ingress is kept");
+    // Named by its class: still nodelb's, its status nodelb's again.
+    c.wait_ingress_nodes("classed", &[0, 1, 2], CHANGE);
+    for i in 0..3 {
+        c.wait_served(i, classed_np, CHANGE);
+    }
+    // Never taken: no annotation, no condition, no Event, nothing written to it.
+    std::thread::sleep(Duration::from_secs(2));
+    let metal = c.service_json("metal").unwrap();
+    assert!(c.allocated("metal").is_none() && metal["status"]["conditions"].is_null(), "{metal:#}");
+    let before = c.service_json("web").unwrap()["metadata"]["resourceVersion"].clone();
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(c.service_json("web").unwrap()["metadata"]["resourceVersion"], before, "no fight over web");
+    let writes: Vec<String> = (c.api.agent_requests().into_iter())
+        .filter(|r| r.is_write() && r.path.contains("/services/metal"))
+        .map(|r| r.path)
+        .collect();
+    assert!(writes.is_empty(), "nodelb wrote default/metal: {writes:?}");
+}
+
+/// The cluster's own addresses are never endpoints, whoever names them: an address node-2's
+/// agent reads on its node after start (not on its Node object: published on its node Lease),
+/// Azure's platform address, an address in the cluster's Service CIDR (a ClusterIP: the
+/// `ServiceCIDR` object) and the API server's endpoint (`default/kubernetes`). Every node refuses
+/// each with its reason and never reaches them (a server listens on node-2's new address); the
+/// valid endpoint serves.
+#[test]
+fn the_clusters_own_addresses_are_never_endpoints() {
+    require_root!();
+    let c = Cluster::new(1);
+    let added = "198.51.100.250";
+    c.nodes[1].ip(&["addr", "add", &format!("{added}/32"), "dev", "eth1"]);
+    let _secret = common::topology::Servers::start(
+        &c.nodes[1],
+        "node-2-itself",
+        common::topology::BACKEND_TCP_PORT,
+        common::topology::BACKEND_UDP_PORT,
+    );
+    // The agents publish what they read: wait for node-2's Lease to carry it.
+    let published = wait_until(CHANGE, || {
+        c.api.get("coordination.k8s.io/v1", "Lease", AGENT_NS, "nodelb-node-node-2").is_some_and(|l| {
+            l["metadata"]["annotations"]["nodelb.io/addresses"].as_str().is_some_and(|a| a.contains(added))
+        })
+    });
+    assert!(published, "node-2's agent did not publish {added}");
+    let addresses = ["168.63.129.16", "192.0.2.77", "203.0.113.100", added];
+    let mut bad = web("web", &[(0, 0)]);
+    for a in addresses {
+        bad = bad.endpoint(EndpointSpec::remote(a.parse::<IpAddr>().unwrap(), "node-2"));
+    }
+    c.create(&bad);
+    let np = c.wait_allocated("web", 1, CHANGE)["80/TCP"];
+    let want = [
+        ("168.63.129.16", "cloud_metadata"),
+        ("192.0.2.77", "service_cidr"),
+        (added, "node_address"),
+        ("203.0.113.100", "api_server"),
+    ];
+    for i in 0..3 {
+        let mut refused = Vec::new();
+        let ok = wait_until(CHANGE, || {
+            let st = c.agents[i].service_status("default/web").unwrap_or_default();
+            refused = (st["refusedEndpoints"].as_array().cloned().unwrap_or_default().iter())
+                .map(|r| {
+                    (
+                        r["address"].as_str().unwrap_or("").to_string(),
+                        r["reasonCode"].as_str().unwrap_or("").to_string(),
+                    )
+                })
+                .collect::<Vec<_>>();
+            refused.len() == want.len()
+        });
+        assert!(ok, "node-{}: refused {refused:?}", i + 1);
+        let refused: Vec<(&str, &str)> = refused.iter().map(|(a, r)| (a.as_str(), r.as_str())).collect();
+        assert_eq!(refused, want, "node-{}", i + 1);
+        c.wait_served(i, np, CHANGE);
+        let seen = backends_seen(&c, i, np, 20);
+        assert_eq!(names(&seen), ["be1"], "node-{}: {seen:?}", i + 1);
+    }
+    c.wait_condition("web", "nodelb.io/EndpointsAllowed", "False", "EndpointRefused", CHANGE);
+    let cond = c.condition("web", "nodelb.io/EndpointsAllowed").unwrap();
+    let msg = cond["message"].as_str().unwrap_or_default();
+    for part in [
+        "192.0.2.77 (inside ServiceCIDR kubernetes",
+        "203.0.113.100 (an endpoint of the API server",
+        "node node-2 (its agent)",
+    ] {
+        assert!(msg.contains(part), "{part:?} not in {cond}");
+    }
+}
+
+/// kube-proxy's NodePorts are a side door: a Service with source ranges (or refused endpoints, or
+/// a pool restricting nodes or addresses) that still has Kubernetes NodePorts says so
+/// (`KubeNodePortsClosed=False/KubeNodePortsOpen` naming the NodePort, a Warning Event); one
+/// created with `allocateLoadBalancerNodePorts: false` is `True`; one with nothing to get
+/// around has no such condition.
+#[test]
+fn kube_node_ports_that_bypass_nodelb_are_named_on_the_service() {
+    require_root!();
+    const CONDITION: &str = "nodelb.io/KubeNodePortsClosed";
+    let c = Cluster::new(1);
+    let ranged = |name: &str| web(name, &[(0, 0)]).source_range(&format!("{CLIENT_V4}/32"));
+    c.create(&ranged("open"));
+    c.create(&ranged("closed").without_kube_node_ports());
+    c.create(&web("plain", &[(0, 0)]));
+    c.wait_condition("open", CONDITION, "False", "KubeNodePortsOpen", CHANGE);
+    let node_port =
+        c.service_json("open").unwrap()["spec"]["ports"][0]["nodePort"].as_u64().expect("a NodePort");
+    let cond = c.condition("open", CONDITION).unwrap();
+    let msg = cond["message"].as_str().unwrap_or_default();
+    assert!(msg.contains(&node_port.to_string()) && msg.contains("loadBalancerSourceRanges"), "{cond}");
+    let ok = wait_until(CHANGE, || !c.events("open", "KubeNodePortsOpen").is_empty());
+    assert!(ok, "no KubeNodePortsOpen Event for default/open");
+    c.wait_condition("closed", CONDITION, "True", "KubeNodePortsClosed", CHANGE);
+    c.wait_condition("plain", SERVING, "True", "Serving", CHANGE);
+    assert!(c.condition("plain", CONDITION).is_none(), "{:#}", c.service_json("plain").unwrap());
+}
+
 #[test]
 fn nothing_is_programmed_or_allocated_before_the_caches_are_complete() {
     require_root!();

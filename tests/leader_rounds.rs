@@ -390,7 +390,7 @@ impl World {
             })
             .collect();
         let pools = self.pools.iter().map(|p| Arc::new(parse::<NodePortPool>(p))).collect();
-        KubeSnapshot { services, slices, nodes, leases, pools, namespaces: Vec::new(), registry: Vec::new() }
+        KubeSnapshot { services, slices, nodes, leases, pools, namespaces: Vec::new(), ..Default::default() }
     }
 
     /// A round's writes, as the API server applies them, then its registry changes and their

@@ -786,7 +786,8 @@ fn scoped_syncs(mode: nodelb::desired::AllocationMode) {
                             match rng.below(3) {
                                 0 if !refused => {
                                     let ip = format!("192.0.2.{}", rng.range(1, 9));
-                                    svc["status"] = json!({"loadBalancer": {"ingress": [{"ip": ip}]}});
+                                    svc["status"] =
+                                        json!({"loadBalancer": {"ingress": [{"ip": ip, "ipMode": "Proxy"}]}});
                                 }
                                 1 if !refused => {
                                     svc["status"] = json!({"conditions": [{

@@ -353,6 +353,28 @@ fn served_families(
     (served, events)
 }
 
+/// What a node Lease publishes besides its renewal: the families served, the listening ports,
+/// the pools' addresses, this node's addresses (`None`: not read yet).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct LeaseAnnotations {
+    families: String,
+    listening: Option<String>,
+    pool_addresses: Option<String>,
+    addresses: Option<String>,
+}
+
+impl LeaseAnnotations {
+    fn of(families: &std::collections::BTreeSet<Family>, status: &SharedStatus) -> LeaseAnnotations {
+        let st = crate::locks::read(status);
+        LeaseAnnotations {
+            families: nodes::format_families(families),
+            listening: st.listening_ports.clone(),
+            pool_addresses: st.pool_addresses.clone(),
+            addresses: st.node_addresses.clone(),
+        }
+    }
+}
+
 async fn node_lease(
     client: Client,
     cfg: ControllerConfig,
@@ -372,24 +394,22 @@ async fn node_lease(
     let mut last_families = None;
     // Families as last written: a change (ready at start, forwarding switched off, sync failing)
     // is written at once, not at the next renewal, so the leader's status follows within a second.
-    let mut written: Option<(String, Option<String>, Option<String>)> = None;
-    let listening = || crate::locks::read(&status).listening_ports.clone();
-    let pool_addresses = || crate::locks::read(&status).pool_addresses.clone();
+    let mut written: Option<LeaseAnnotations> = None;
     loop {
         tokio::select! {
             _ = tick.tick() => {}
             _ = tokio::time::sleep(FAMILIES_POLL) => {
                 let (families, _) = served_families(&status);
-                let now = (nodes::format_families(&families), listening(), pool_addresses());
+                let now = LeaseAnnotations::of(&families, &status);
                 if failing.since.is_some() || written.as_ref() == Some(&now) {
                     continue;
                 }
             }
         }
         let (families, off) = served_families(&status);
-        let value = nodes::format_families(&families);
-        let ports = listening();
-        let selected = pool_addresses();
+        let now = LeaseAnnotations::of(&families, &status);
+        let LeaseAnnotations { families: value, listening: ports, pool_addresses: selected, addresses } =
+            now.clone();
         if last_families.as_ref() != Some(&value) {
             info!(lease = %name, families = %value, "node Lease: serving families");
             last_families = Some(value.clone());
@@ -402,6 +422,9 @@ async fn node_lease(
         }
         if let Some(v) = &selected {
             annotations.insert(nodes::ANNOTATION_POOL_ADDRESSES.to_string(), v.clone());
+        }
+        if let Some(v) = &addresses {
+            annotations.insert(nodes::ANNOTATION_ADDRESSES.to_string(), v.clone());
         }
         let stamp = Some(MicroTime(Timestamp::now()));
         let result = match api.get_opt(&name).await {
@@ -444,7 +467,7 @@ async fn node_lease(
         match result {
             Ok(()) => {
                 failing.ok();
-                written = Some((value, ports, selected));
+                written = Some(now);
             }
             Err(e) if is_conflict(&e) => {
                 debug!(lease = %name, "node Lease changed under us (409); next tick")
@@ -1103,7 +1126,7 @@ pub fn plan_round(
 ) -> RoundPlan {
     // The nodes refuse these endpoints (each also its own addresses): the status, the
     // conditions and the Events say so, and Local-policy ingress counts only usable endpoints.
-    let node_addresses = nodes::cluster_node_addresses(&snap.nodes);
+    let node_addresses = snap.cluster_addresses();
     let no_ages = BTreeMap::new();
     let ctx = ModelContext {
         opts: &cfg.model,

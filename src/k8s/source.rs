@@ -15,6 +15,7 @@ use crate::compact::EndpointSlice;
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Node, Service};
+use k8s_openapi::api::networking::v1::ServiceCIDR;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::utils::Backoff;
 use kube::runtime::{WatchStreamExt, watcher};
@@ -58,6 +59,23 @@ pub struct KubeSnapshot {
     /// belongs to, as the nodes program it (the leader reads the registry itself, with its
     /// resourceVersions, at every round).
     pub registry: Vec<Arc<Lease>>,
+    /// The cluster's Service CIDRs (no endpoint may lie inside them).
+    pub service_cidrs: Vec<Arc<ServiceCIDR>>,
+    /// The API server's EndpointSlice (`default/kubernetes`), when there is one.
+    pub api_server: Vec<Arc<EndpointSlice>>,
+}
+
+impl KubeSnapshot {
+    /// Everything the endpoint policy refuses as the cluster's own
+    /// ([`super::nodes::cluster_addresses`]).
+    pub fn cluster_addresses(&self) -> crate::endpoint_policy::HostAddresses {
+        let more = super::nodes::ClusterObjects {
+            leases: &self.leases,
+            api_server: &self.api_server,
+            service_cidrs: &self.service_cidrs,
+        };
+        super::nodes::cluster_addresses(&self.nodes, more)
+    }
 }
 
 impl KubeSnapshot {
@@ -177,12 +195,22 @@ struct Health {
 const LEASES: usize = 3;
 /// Index of the NodePortPool reflector.
 const POOLS: usize = 4;
+/// Index of the ServiceCIDR reflector.
+const SERVICE_CIDRS: usize = 7;
 /// Number of reflectors: Services, EndpointSlices, Nodes, node Leases, NodePortPools,
-/// Namespaces, the node-port registry's Leases.
-const N: usize = 7;
+/// Namespaces, the node-port registry's Leases, ServiceCIDRs.
+const N: usize = 8;
 /// The reflectors' kinds, by index (the `kind` label of the watch metrics).
-pub const KINDS: [&str; N] =
-    ["Service", "EndpointSlice", "Node", "Lease", "NodePortPool", "Namespace", "RegistryLease"];
+pub const KINDS: [&str; N] = [
+    "Service",
+    "EndpointSlice",
+    "Node",
+    "Lease",
+    "NodePortPool",
+    "Namespace",
+    "RegistryLease",
+    "ServiceCIDR",
+];
 
 /// Handle on the running reflectors. Cheap to clone; every clone has its own change cursor.
 #[derive(Clone)]
@@ -194,6 +222,7 @@ pub struct KubeSource {
     pools: Store<NodePortPool>,
     namespaces: Store<Namespace>,
     registry: Store<Lease>,
+    service_cidrs: Store<ServiceCIDR>,
     synced: Arc<[AtomicBool; N]>,
     health: Arc<Mutex<[Health; N]>>,
     /// The changes of the reflectors, as this handle follows them.
@@ -292,6 +321,13 @@ impl KubeSource {
             "Lease",
             &shared,
         );
+        let service_cidrs = spawn_reflector(
+            Api::all(client.clone()),
+            watcher::Config::default(),
+            SERVICE_CIDRS,
+            "ServiceCIDR",
+            &shared,
+        );
         let registry = spawn_reflector(
             Api::namespaced(client, namespace),
             watcher::Config::default().labels(crate::k8s::claims::LABEL),
@@ -307,6 +343,7 @@ impl KubeSource {
             pools,
             namespaces,
             registry,
+            service_cidrs,
             synced: synced.clone(),
             health,
             cursor: Cursor { synced, changes, interest: [true; N], seen: [0; N], was_complete: false },
@@ -333,7 +370,7 @@ impl KubeSource {
     /// recomputed.
     pub fn services_only(&self) -> KubeSource {
         let mut handle = self.clone();
-        handle.cursor.interest = [true, true, true, false, true, true, true];
+        handle.cursor.interest = [true, true, true, false, true, true, true, true];
         handle
     }
 
@@ -380,10 +417,22 @@ impl KubeSource {
         self.services.get(&reflector::ObjectRef::new(&key.name).within(&key.namespace))
     }
 
-    /// Every address of every cached Node ([`super::nodes::cluster_node_addresses`]), and the
-    /// typed addresses of `own`'s Node object ([`super::nodes::address_types`]).
+    /// The API server's EndpointSlice (`default/kubernetes`), when cached.
+    fn api_server(&self) -> Vec<Arc<EndpointSlice>> {
+        let (namespace, name) = super::nodes::API_SERVER_SERVICE;
+        self.slices.get(&reflector::ObjectRef::new(name).within(namespace)).into_iter().collect()
+    }
+
+    /// Everything the endpoint policy refuses as the cluster's own
+    /// ([`super::nodes::cluster_addresses`]), and the typed addresses of `own`'s Node object
+    /// ([`super::nodes::address_types`]).
     pub fn node_addresses(&self, own: &str) -> crate::endpoint_policy::HostAddresses {
-        let mut out = super::nodes::cluster_node_addresses(&self.nodes.state());
+        let more = super::nodes::ClusterObjects {
+            leases: &self.leases.state(),
+            api_server: &self.api_server(),
+            service_cidrs: &self.service_cidrs.state(),
+        };
+        let mut out = super::nodes::cluster_addresses(&self.nodes.state(), more);
         if let Some(node) = self.node(own) {
             out.own.types = super::nodes::address_types(&node);
         }
@@ -399,6 +448,8 @@ impl KubeSource {
             pools: self.pools.state(),
             namespaces: self.namespaces.state(),
             registry: self.registry.state(),
+            service_cidrs: self.service_cidrs.state(),
+            api_server: self.api_server(),
         }
     }
 
@@ -523,11 +574,12 @@ where
                         tx.send_modify(|n| n[index] = n[index].wrapping_add(1));
                     }
                 }
-                Err(e) if index == POOLS && crd_missing(&e) => {
-                    // No NodePortPool CRD installed: no pool objects (the flags' range), not a
-                    // partial view. Checked again with backoff, so installing it later works.
+                Err(e) if [POOLS, SERVICE_CIDRS].contains(&index) && crd_missing(&e) => {
+                    // No NodePortPool CRD installed, or an API server without ServiceCIDRs: no
+                    // such objects, not a partial view. Checked again with backoff, so
+                    // installing it later works.
                     if !synced[index].swap(true, Ordering::AcqRel) {
-                        info!("NodePortPool CRD not installed: no pools, the flags' port range serves");
+                        info!(kind, "not served by this API server: none");
                         tx.send_modify(|n| n[index] = n[index].wrapping_add(1));
                     }
                     if let Some(delay) = backoff.next() {

@@ -110,6 +110,11 @@ pub struct Status {
     /// long to publish. In Kubernetes mode published on the node Lease.
     #[serde(default)]
     pub pool_addresses: Option<String>,
+    /// This node's addresses as read from its kernel (`nodelb.io/addresses` format): in
+    /// Kubernetes mode published on the node Lease, so that no node DNATs to them. `None` until
+    /// read.
+    #[serde(default)]
+    pub node_addresses: Option<String>,
     #[serde(default)]
     pub host_firewall: HostFirewallStatus,
     #[serde(skip)]

@@ -74,7 +74,7 @@ fn plan(services: &[Service], slices: &[EndpointSlice], nodes: &[Value], leases:
         leases: arcs::<Lease>(leases),
         pools: Vec::new(),
         namespaces: Vec::new(),
-        registry: Vec::new(),
+        ..Default::default()
     };
     let now = Timestamp::from_second(1_800_000_000).expect("time");
     // A leader whose node-port registry is empty: every number it allocates can be claimed.

@@ -8,9 +8,12 @@
 //!    - IPv4 `0.0.0.0` (unspecified) and `0.0.0.0/8` ("this network", RFC 1122: not a
 //!      destination); IPv6 `::`.
 //!    - loopback `127.0.0.0/8`, `::1`: node-local services (kubelet's healthz, local proxies).
-//!    - cloud metadata services: `169.254.169.254` (AWS, GCP, Azure, OpenStack, Oracle),
-//!      `fd00:ec2::254` (AWS over IPv6), `100.100.100.200` (Alibaba Cloud): named as such, because
-//!      that is what an operator must hear.
+//!    - cloud metadata and platform services ([`CLOUD_PLATFORM`]): `169.254.169.254` (AWS, GCP,
+//!      Azure, OpenStack, Oracle, DigitalOcean), `168.63.129.16` (Azure's WireServer: the VM
+//!      agent's channel, DNS, health probes), `100.100.100.200` and Alibaba Cloud's DNS, and
+//!      over IPv6 AWS's metadata, DNS and time (`fd00:ec2::254`, `::253`, `::123`) and GCP's
+//!      metadata (`fd20:ce::254`): named as such, because that is what an operator must hear.
+//!      Their IPv4-mapped and NAT64 forms are refused too (below).
 //!    - link-local `169.254.0.0/16`, `fe80::/10`: only meaningful on one link of this node.
 //!    - multicast `224.0.0.0/4`, `ff00::/8`; broadcast `255.255.255.255` and the directed
 //!      broadcast address of each of this node's interfaces (read with the addresses).
@@ -22,9 +25,14 @@
 //!      embedded IPv4 address gets the IPv4 checks above and the node-address check, so
 //!      `64:ff9b::a9fe:a9fe` is refused as the metadata service.
 //! 2. **A node's own address** — every address of this node (read from the kernel) and, in
-//!    Kubernetes mode, every address of every Node object (a DNAT on node-1 to
-//!    node-2:10250 exposes node-2's kubelet) — only with `--allow-node-endpoints` (hostNetwork
-//!    backends). The risk: any port of any node becomes reachable through the Service.
+//!    Kubernetes mode, every address of every Node object and every address each agent reads on
+//!    its own node and publishes on its node Lease (a second NIC, a CNI bridge or tunnel
+//!    gateway, one added after start: a DNAT on node-1 to node-2:10250 exposes node-2's
+//!    kubelet) — only with `--allow-node-endpoints` (hostNetwork backends). The risk: any port of
+//!    any node becomes reachable through the Service. Also never, whatever the flags, in
+//!    Kubernetes mode: the API server's own endpoints (the `default/kubernetes` Service's
+//!    EndpointSlice: a public node port in front of the control plane) and the cluster's Service
+//!    CIDRs (`ServiceCIDR` objects: a ClusterIP is no endpoint).
 //! 3. **The operator's allow-list** (`--endpoint-cidrs`, e.g. the pod and host networks): when
 //!    set, an address outside every CIDR is refused.
 //!
@@ -65,6 +73,10 @@ pub struct HostAddresses {
     /// This node's own addresses with their interfaces and Node address types: what a node
     /// port pool's `addresses` selects from ([`crate::pool::AddressFilter::select`]).
     pub own: crate::pool::NodeAddresses,
+    /// The API server's endpoints (Kubernetes mode), with what names them.
+    pub api_servers: BTreeMap<IpAddr, String>,
+    /// The cluster's Service CIDRs (Kubernetes mode), with what names each.
+    pub service_cidrs: Vec<(IpNet, String)>,
 }
 
 impl HostAddresses {
@@ -81,8 +93,29 @@ impl HostAddresses {
         }
         out.broadcasts.extend(other.broadcasts.iter().copied());
         out.own.merge(&other.own);
+        for (a, o) in &other.api_servers {
+            out.api_servers.entry(*a).or_insert_with(|| o.clone());
+        }
+        out.service_cidrs.extend(other.service_cidrs.iter().cloned());
         out
     }
+}
+
+/// Cloud metadata and platform service addresses (see the module documentation).
+pub const CLOUD_PLATFORM: [&str; 9] = [
+    "169.254.169.254",
+    "168.63.129.16",
+    "100.100.100.200",
+    "100.100.2.136",
+    "100.100.2.138",
+    "fd00:ec2::254",
+    "fd00:ec2::253",
+    "fd00:ec2::123",
+    "fd20:ce::254",
+];
+
+fn cloud_platform(addr: IpAddr) -> bool {
+    CLOUD_PLATFORM.iter().any(|a| a.parse::<IpAddr>().is_ok_and(|c| c == addr))
 }
 
 /// Why an endpoint address is refused.
@@ -101,11 +134,15 @@ pub enum AddressRefusal {
     Nat64(Ipv4Addr, Box<AddressRefusal>),
     /// A node's own address; the owner as [`HostAddresses::nodes`] names it.
     NodeAddress(String),
+    /// An endpoint of the API server (what names it).
+    ApiServer(String),
+    /// Inside a Service CIDR (which).
+    ServiceCidr(String),
     OutsideAllowedCidrs,
 }
 
 /// Every value of [`AddressRefusal::code`] (the metric's label values, all exported).
-pub const REASON_CODES: [&str; 11] = [
+pub const REASON_CODES: [&str; 13] = [
     "unspecified",
     "this_network",
     "loopback",
@@ -116,6 +153,8 @@ pub const REASON_CODES: [&str; 11] = [
     "reserved",
     "ipv4_mapped",
     "node_address",
+    "api_server",
+    "service_cidr",
     "outside_endpoint_cidrs",
 ];
 
@@ -134,6 +173,8 @@ impl AddressRefusal {
             AddressRefusal::Ipv4Mapped => "ipv4_mapped",
             AddressRefusal::Nat64(_, inner) => inner.code(),
             AddressRefusal::NodeAddress(_) => "node_address",
+            AddressRefusal::ApiServer(_) => "api_server",
+            AddressRefusal::ServiceCidr(_) => "service_cidr",
             AddressRefusal::OutsideAllowedCidrs => "outside_endpoint_cidrs",
         }
     }
@@ -145,7 +186,7 @@ impl fmt::Display for AddressRefusal {
             AddressRefusal::Unspecified => write!(f, "unspecified address"),
             AddressRefusal::ThisNetwork => write!(f, "\"this network\" address (0.0.0.0/8)"),
             AddressRefusal::Loopback => write!(f, "loopback address"),
-            AddressRefusal::CloudMetadata => write!(f, "cloud metadata service address"),
+            AddressRefusal::CloudMetadata => write!(f, "cloud metadata or platform service address"),
             AddressRefusal::LinkLocal => write!(f, "link-local address"),
             AddressRefusal::Multicast => write!(f, "multicast address"),
             AddressRefusal::Broadcast => write!(f, "broadcast address"),
@@ -155,6 +196,8 @@ impl fmt::Display for AddressRefusal {
             AddressRefusal::NodeAddress(owner) => {
                 write!(f, "address of {owner} (allowed only with --allow-node-endpoints)")
             }
+            AddressRefusal::ApiServer(what) => write!(f, "an endpoint of the API server ({what})"),
+            AddressRefusal::ServiceCidr(which) => write!(f, "inside {which}: a ClusterIP"),
             AddressRefusal::OutsideAllowedCidrs => write!(f, "outside --endpoint-cidrs"),
         }
     }
@@ -173,7 +216,7 @@ fn v4_class(a: Ipv4Addr, broadcasts: &BTreeSet<IpAddr>) -> Option<AddressRefusal
         AddressRefusal::ThisNetwork
     } else if a.is_loopback() {
         AddressRefusal::Loopback
-    } else if a == Ipv4Addr::new(169, 254, 169, 254) || a == Ipv4Addr::new(100, 100, 100, 200) {
+    } else if cloud_platform(ip) {
         AddressRefusal::CloudMetadata
     } else if a.is_link_local() {
         AddressRefusal::LinkLocal
@@ -197,7 +240,7 @@ fn v6_class(a: Ipv6Addr, host: &HostAddresses, policy: &EndpointPolicy) -> Optio
         AddressRefusal::Loopback
     } else if a.to_ipv4_mapped().is_some() || in_net(ip, "::/96") {
         AddressRefusal::Ipv4Mapped
-    } else if a == "fd00:ec2::254".parse::<Ipv6Addr>().expect("literal") {
+    } else if cloud_platform(ip) {
         AddressRefusal::CloudMetadata
     } else if in_net(ip, "fe80::/10") {
         AddressRefusal::LinkLocal
@@ -213,8 +256,14 @@ fn v6_class(a: Ipv6Addr, host: &HostAddresses, policy: &EndpointPolicy) -> Optio
     })
 }
 
-/// Rule 2.
+/// Rule 2: the cluster's own addresses.
 fn node_check(addr: IpAddr, host: &HostAddresses, policy: &EndpointPolicy) -> Option<AddressRefusal> {
+    if let Some(what) = host.api_servers.get(&addr) {
+        return Some(AddressRefusal::ApiServer(what.clone()));
+    }
+    if let Some((_, which)) = host.service_cidrs.iter().find(|(n, _)| n.contains(&addr)) {
+        return Some(AddressRefusal::ServiceCidr(which.clone()));
+    }
     if policy.allow_node_addresses {
         return None;
     }
@@ -299,6 +348,11 @@ mod tests {
         h.add("2001:db8:1::1".parse().unwrap(), "this node (br-c)");
         h.add("203.0.113.2".parse().unwrap(), "Node node-2");
         h.broadcasts.insert("198.51.100.255".parse().unwrap());
+        h.api_servers.insert("203.0.113.100".parse().unwrap(), "EndpointSlice default/kubernetes".into());
+        h.service_cidrs
+            .push(("10.96.0.0/16".parse().unwrap(), "ServiceCIDR kubernetes (10.96.0.0/16)".into()));
+        h.service_cidrs
+            .push(("fd00:96::/112".parse().unwrap(), "ServiceCIDR kubernetes (fd00:96::/112)".into()));
         h
     }
 
@@ -329,6 +383,10 @@ mod tests {
             ("127.255.0.9", "loopback", "loopback", "loopback", "loopback"),
             ("169.254.169.254", "cloud_metadata", "cloud_metadata", "cloud_metadata", "cloud_metadata"),
             ("100.100.100.200", "cloud_metadata", "cloud_metadata", "cloud_metadata", "cloud_metadata"),
+            ("168.63.129.16", "cloud_metadata", "cloud_metadata", "cloud_metadata", "cloud_metadata"),
+            ("100.100.2.136", "cloud_metadata", "cloud_metadata", "cloud_metadata", "cloud_metadata"),
+            ("203.0.113.100", "api_server", "api_server", "api_server", "api_server"),
+            ("10.96.0.10", "service_cidr", "service_cidr", "service_cidr", "service_cidr"),
             ("169.254.1.1", "link_local", "link_local", "link_local", "link_local"),
             ("224.0.0.1", "multicast", "multicast", "multicast", "multicast"),
             ("239.255.255.250", "multicast", "multicast", "multicast", "multicast"),
@@ -347,7 +405,12 @@ mod tests {
             ("fec0::1", "", "", "outside_endpoint_cidrs", "outside_endpoint_cidrs"),
             ("ff02::1", "multicast", "multicast", "multicast", "multicast"),
             ("fd00:ec2::254", "cloud_metadata", "cloud_metadata", "cloud_metadata", "cloud_metadata"),
-            ("fd00:ec2::253", "", "", "outside_endpoint_cidrs", "outside_endpoint_cidrs"),
+            ("fd00:ec2::253", "cloud_metadata", "cloud_metadata", "cloud_metadata", "cloud_metadata"),
+            ("fd00:ec2::252", "", "", "outside_endpoint_cidrs", "outside_endpoint_cidrs"),
+            ("fd20:ce::254", "cloud_metadata", "cloud_metadata", "cloud_metadata", "cloud_metadata"),
+            ("::ffff:168.63.129.16", "ipv4_mapped", "ipv4_mapped", "ipv4_mapped", "ipv4_mapped"),
+            ("64:ff9b::a83f:8110", "cloud_metadata", "cloud_metadata", "cloud_metadata", "cloud_metadata"),
+            ("fd00:96::1", "service_cidr", "service_cidr", "service_cidr", "service_cidr"),
             ("64:ff9b::a9fe:a9fe", "cloud_metadata", "cloud_metadata", "cloud_metadata", "cloud_metadata"),
             ("64:ff9b::7f00:1", "loopback", "loopback", "loopback", "loopback"),
             ("64:ff9b::cb00:7101", "node_address", "", "node_address", "outside_endpoint_cidrs"),
@@ -376,7 +439,9 @@ mod tests {
         let h = host();
         let p = EndpointPolicy::default();
         let msg = |a: &str| check(a.parse().unwrap(), &h, &p).unwrap_err().to_string();
-        assert_eq!(msg("169.254.169.254"), "cloud metadata service address");
+        assert_eq!(msg("169.254.169.254"), "cloud metadata or platform service address");
+        assert_eq!(msg("203.0.113.100"), "an endpoint of the API server (EndpointSlice default/kubernetes)");
+        assert_eq!(msg("10.96.0.1"), "inside ServiceCIDR kubernetes (10.96.0.0/16): a ClusterIP");
         assert_eq!(msg("203.0.113.2"), "address of Node node-2 (allowed only with --allow-node-endpoints)");
         assert_eq!(msg("64:ff9b::7f00:1"), "NAT64 address of 127.0.0.1, a loopback address");
     }
@@ -424,14 +489,14 @@ mod tests {
             got,
             vec![
                 "Service default/web: endpoint 127.0.0.1 refused: loopback address",
-                "Service default/web: endpoint 169.254.169.254 refused: cloud metadata service address",
+                "Service default/web: endpoint 169.254.169.254 refused: cloud metadata or platform service address",
             ],
             "one per address, not per port"
         );
         let refs: Vec<&RefusedEndpoint> = refused.iter().collect();
         assert_eq!(
             describe(&refs),
-            "127.0.0.1 (loopback address), 169.254.169.254 (cloud metadata service address)"
+            "127.0.0.1 (loopback address), 169.254.169.254 (cloud metadata or platform service address)"
         );
         let many: Vec<RefusedEndpoint> = (0..12)
             .map(|i| RefusedEndpoint {

@@ -202,6 +202,10 @@ pub struct LbService {
     pub port_request: PortRequest,
     /// Allocation found on the object ([`ANNOTATION_ALLOCATED`]), to keep ports stable.
     pub previous_allocation: BTreeMap<PortId, u16>,
+    /// The Kubernetes NodePorts of its ports (`spec.ports[].nodePort`, allocated by the API
+    /// server unless `spec.allocateLoadBalancerNodePorts: false`): kube-proxy serves them on
+    /// every node, without what nodelb enforces (source ranges, pools, the endpoint policy).
+    pub kube_node_ports: Vec<(PortId, u16)>,
 }
 
 impl LbService {
@@ -220,6 +224,7 @@ impl LbService {
             session_affinity: None,
             port_request: PortRequest::Auto,
             previous_allocation: BTreeMap::new(),
+            kube_node_ports: Vec::new(),
         }
     }
 }
@@ -378,7 +383,67 @@ pub struct ModelOutput {
     pub warnings: Vec<ModelWarning>,
 }
 
-/// Is this Service ours (type, class, opt-out)? Not a validation: a `false` is silent.
+/// Annotation prefixes of other load-balancer implementations (cloud providers, MetalLB,
+/// kube-vip, PureLB, Cilium's LB IPAM). A Service without a `loadBalancerClass` that carries one
+/// was made for that implementation, which serves unclassed Services too: nodelb does not take
+/// it (it would publish an internal load balancer on the nodes' addresses before the other one
+/// writes its status).
+pub const OTHER_IMPLEMENTATIONS: [&str; 15] = [
+    "service.beta.kubernetes.io/aws-load-balancer-",
+    "service.beta.kubernetes.io/azure-",
+    "cloud.google.com/load-balancer-",
+    "networking.gke.io/",
+    "service.beta.kubernetes.io/oci-load-balancer-",
+    "oci.oraclecloud.com/",
+    "service.beta.kubernetes.io/do-loadbalancer-",
+    "load-balancer.hetzner.cloud/",
+    "loadbalancer.openstack.org/",
+    "service.beta.kubernetes.io/openstack-",
+    "metallb.universe.tf/",
+    "metallb.io/",
+    "kube-vip.io/",
+    "purelb.io/",
+    "lbipam.cilium.io/",
+];
+
+/// Whether `annotation` is one of [`OTHER_IMPLEMENTATIONS`]'.
+pub fn names_another_implementation(annotation: &str) -> bool {
+    OTHER_IMPLEMENTATIONS.iter().any(|p| annotation.starts_with(p))
+}
+
+/// Whether a status ingress entry is one nodelb writes: a node address with `ipMode: Proxy`.
+pub fn is_nodelb_ingress(i: &k8s_openapi::api::core::v1::LoadBalancerIngress) -> bool {
+    i.ip.as_deref().is_some_and(|ip| !ip.is_empty())
+        && i.hostname.as_deref().is_none_or(str::is_empty)
+        && i.ip_mode.as_deref() == Some("Proxy")
+}
+
+/// The first status ingress entry of the Service that nodelb does not write.
+pub fn foreign_ingress(svc: &Service) -> Option<&k8s_openapi::api::core::v1::LoadBalancerIngress> {
+    let ingress = svc.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
+    ingress.into_iter().flatten().find(|i| !is_nodelb_ingress(i))
+}
+
+/// Why a Service without a `loadBalancerClass` belongs to another load balancer, if it does: its
+/// status has an ingress entry nodelb does not write (a hostname, an address without
+/// `ipMode: Proxy`: a cloud provider or MetalLB published it), or it carries another
+/// implementation's annotation ([`OTHER_IMPLEMENTATIONS`]). Such a Service is not nodelb's
+/// unless it names nodelb's class: nodelb neither fights the other over the status nor
+/// publishes it on the nodes.
+pub fn another_load_balancer(svc: &Service) -> Option<String> {
+    if let Some(i) = foreign_ingress(svc) {
+        let what = i.hostname.as_deref().filter(|h| !h.is_empty()).or(i.ip.as_deref()).unwrap_or_default();
+        return Some(format!("its status already has the ingress {} of another load balancer", quoted(what)));
+    }
+    let annotations = svc.metadata.annotations.iter().flatten();
+    annotations
+        .map(|(k, _)| k)
+        .find(|k| names_another_implementation(k))
+        .map(|k| format!("it carries {}, an annotation of another load balancer", quoted(k)))
+}
+
+/// Is this Service ours (type, class, opt-out, another load balancer's)? Not a validation: a
+/// `false` is silent.
 pub fn is_ours(svc: &Service, opts: &ModelOptions) -> bool {
     let Some(spec) = svc.spec.as_ref() else {
         return false;
@@ -387,7 +452,7 @@ pub fn is_ours(svc: &Service, opts: &ModelOptions) -> bool {
         return false;
     }
     let class_ok = match spec.load_balancer_class.as_deref() {
-        None | Some("") => !opts.ignore_unclassed,
+        None | Some("") => !opts.ignore_unclassed && another_load_balancer(svc).is_none(),
         Some(class) => class == opts.lb_class,
     };
     let ignored = svc
@@ -585,6 +650,9 @@ pub(crate) fn build_one(
         Some(value) => parse_previous_allocation(&key, value, &ids, warnings),
     };
 
+    let kube_node_ports = (spec.ports.iter().flatten().zip(&ports))
+        .filter_map(|(p, (id, _))| Some((*id, u16::try_from(p.node_port?).ok().filter(|n| *n != 0)?)))
+        .collect();
     let parsed = parse_slices(&key, slices, &families, warnings);
     // Each port keeps at most its share of the Service's budget (at least one: the port count
     // was checked against it above).
@@ -609,6 +677,7 @@ pub(crate) fn build_one(
         session_affinity,
         port_request,
         previous_allocation,
+        kube_node_ports,
     })
 }
 
@@ -1051,6 +1120,72 @@ mod tests {
         });
         f(&mut v);
         serde_json::from_value(v).expect("test Service")
+    }
+
+    /// Which Services are nodelb's: type, class, opt-out, and for those without a class, no
+    /// other load balancer's status or annotation.
+    #[test]
+    fn services_another_load_balancer_has_are_not_ours() {
+        let opts = ModelOptions::default();
+        let ignoring = ModelOptions { ignore_unclassed: true, ..ModelOptions::default() };
+        type Case = (&'static str, fn(&mut Value), bool, bool);
+        let cases: [Case; 9] = [
+            ("plain", |_| {}, true, false),
+            ("not a load balancer", |v| v["spec"]["type"] = json!("ClusterIP"), false, false),
+            ("our class", |v| v["spec"]["loadBalancerClass"] = json!(DEFAULT_LB_CLASS), true, true),
+            ("another class", |v| v["spec"]["loadBalancerClass"] = json!("metallb.io/metallb"), false, false),
+            (
+                "our own status",
+                |v| {
+                    v["status"] =
+                        json!({"loadBalancer": {"ingress": [{"ip": "203.0.113.1", "ipMode": "Proxy"}]}})
+                },
+                true,
+                false,
+            ),
+            (
+                "MetalLB's status",
+                |v| v["status"] = json!({"loadBalancer": {"ingress": [{"ip": "198.51.100.200"}]}}),
+                false,
+                false,
+            ),
+            (
+                "a cloud's hostname",
+                |v| v["status"] = json!({"loadBalancer": {"ingress": [{"hostname": "x.elb.amazonaws.com", "ipMode": "Proxy"}]}}),
+                false,
+                false,
+            ),
+            (
+                "an AWS annotation",
+                |v| {
+                    v["metadata"]["annotations"]["service.beta.kubernetes.io/aws-load-balancer-internal"] =
+                        json!("true")
+                },
+                false,
+                false,
+            ),
+            (
+                "our class wins over another's status",
+                |v| {
+                    v["spec"]["loadBalancerClass"] = json!(DEFAULT_LB_CLASS);
+                    v["status"] = json!({"loadBalancer": {"ingress": [{"ip": "198.51.100.200"}]}});
+                },
+                true,
+                true,
+            ),
+        ];
+        for (name, f, ours, ours_ignoring) in cases {
+            let svc = svc_with("web", f);
+            assert_eq!(is_ours(&svc, &opts), ours, "{name}");
+            assert_eq!(is_ours(&svc, &ignoring), ours_ignoring, "{name} (--ignore-unclassed)");
+        }
+        let msg = another_load_balancer(&svc_with("web", |v| {
+            v["status"] = json!({"loadBalancer": {"ingress": [{"ip": "198.51.100.200"}]}})
+        }));
+        assert_eq!(
+            msg.as_deref(),
+            Some("its status already has the ingress \"198.51.100.200\" of another load balancer")
+        );
     }
 
     fn slice(name: &str, service: &str, v: Value) -> EndpointSlice {

@@ -67,6 +67,7 @@ fn plans_the_same(a: &LbService, b: &LbService) -> bool {
         session_affinity,
         port_request: _,
         previous_allocation: _,
+        kube_node_ports: _,
     } = a;
     (key, ports, families, source_ranges, traffic_policy, session_affinity)
         == (&b.key, &b.ports, &b.families, &b.source_ranges, &b.traffic_policy, &b.session_affinity)

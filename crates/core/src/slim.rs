@@ -38,12 +38,16 @@ pub trait Slim {
 
 impl Slim for Service {
     /// Keeps: identity and versions (name, namespace, uid, resourceVersion, generation,
-    /// creationTimestamp, deletionTimestamp), the annotations of [`SERVICE_ANNOTATIONS`], the
+    /// creationTimestamp, deletionTimestamp), the annotations of [`SERVICE_ANNOTATIONS`] and of
+    /// other implementations ([`crate::model::OTHER_IMPLEMENTATIONS`]), the
     /// spec fields the model validates (session affinity and its timeout included), and the whole status (the leader writes the ingress and
     /// the conditions it does not own back as they are).
     fn slim(&mut self) {
         // Labels: node port pools select Services by them (serviceSelector).
-        slim_meta(&mut self.metadata, |k| SERVICE_ANNOTATIONS.contains(&k), |_| true);
+        // Another implementation's annotations say the Service is not nodelb's.
+        let keep =
+            |k: &str| SERVICE_ANNOTATIONS.contains(&k) || crate::model::names_another_implementation(k);
+        slim_meta(&mut self.metadata, keep, |_| true);
         self.spec = self.spec.take().map(|spec| ServiceSpec {
             type_: spec.type_,
             load_balancer_class: spec.load_balancer_class,
@@ -55,6 +59,8 @@ impl Slim for Service {
                             name: p.name,
                             port: p.port,
                             protocol: p.protocol,
+                            // kube-proxy's NodePort for it: a way around what nodelb enforces.
+                            node_port: p.node_port,
                             ..Default::default()
                         })
                         .collect(),
@@ -113,6 +119,14 @@ impl Slim for Namespace {
     }
 }
 
+impl Slim for k8s_openapi::api::networking::v1::ServiceCIDR {
+    /// Keeps its name and CIDRs (no endpoint may lie inside them).
+    fn slim(&mut self) {
+        slim_meta(&mut self.metadata, |_| false, |_| false);
+        self.status = None;
+    }
+}
+
 impl Slim for crate::pool::NodePortPool {
     /// Our own small objects, read whole: only the managed fields go.
     fn slim(&mut self) {
@@ -167,14 +181,16 @@ fn shrunk<T>(mut v: Vec<T>) -> Vec<T> {
 }
 
 /// A hash of what a node reads of a (slimmed) Service: all of it but its resourceVersion, its
-/// ingress and its conditions, except the leader's refusal of an allocation (its message is the
-/// node's status line). The leader's status writes change none of it, so a node skips the sync
+/// ingress (but whether another load balancer wrote it) and its conditions, except the leader's
+/// refusal of an allocation (its message is the node's status line). The leader's status writes change none of it, so a node skips the sync
 /// they would cause (a node joining or leaving makes the leader rewrite every Service's ingress).
 pub fn node_view_hash(svc: &Service) -> u64 {
     use std::hash::{Hash, Hasher};
     let refused = crate::model::refused_allocation(svc).map(|c| (&c.reason, &c.message));
     let meta = ObjectMeta { resource_version: None, ..svc.metadata.clone() };
     let mut h = std::collections::hash_map::DefaultHasher::new();
+    // Whether the status is another load balancer's is all a node reads of the ingress.
+    crate::model::foreign_ingress(svc).is_some().hash(&mut h);
     // JSON: the k8s-openapi types are not `Hash`; maps serialize in key order.
     match serde_json::to_vec(&(&meta, &svc.spec, refused)) {
         Ok(bytes) => bytes.hash(&mut h),
@@ -185,7 +201,7 @@ pub fn node_view_hash(svc: &Service) -> u64 {
 }
 
 /// Whether two versions of a Service read the same to a node: what [`node_view_hash`] hashes,
-/// compared (no hash, no copy). A leader's status write (ingress, its other conditions) or an
+/// compared (no hash, no copy), and whether another load balancer wrote its status. A leader's status write (ingress, its other conditions) or an
 /// equal copy from a relist gives a new version that does; a node's sync then keeps what it
 /// built from the old one ([`crate::view::ViewChanges::rebased`]). Every metadata field is named,
 /// so a field a new API version adds is a compile error here, not a change a node misses.
@@ -225,6 +241,7 @@ pub fn same_for_node(a: &Service, b: &Service) -> bool {
         && *self_link == m.self_link
         && a.spec == b.spec
         && refused(a) == refused(b)
+        && crate::model::foreign_ingress(a).is_some() == crate::model::foreign_ingress(b).is_some()
 }
 
 #[cfg(test)]
@@ -266,7 +283,7 @@ mod tests {
                 ]
             },
             "status": {
-                "loadBalancer": {"ingress": [{"ip": "192.0.2.1", "hostname": "lb.example", "ipMode": "Proxy",
+                "loadBalancer": {"ingress": [{"ip": "192.0.2.1", "ipMode": "Proxy",
                                               "ports": [{"port": 20080, "protocol": "TCP"}]}]},
                 "conditions": [{"type": "Other", "status": "True", "reason": "R", "message": "m",
                                 "lastTransitionTime": "2024-01-02T03:04:05Z"}]
@@ -428,14 +445,12 @@ mod tests {
         let client_ip = spec.session_affinity_config.as_ref().and_then(|c| c.client_ip.as_ref());
         assert_eq!(client_ip.and_then(|c| c.timeout_seconds), Some(10));
         let ports = spec.ports.as_ref().unwrap();
-        assert!(
-            ports
-                .iter()
-                .all(|p| p.target_port.is_none() && p.app_protocol.is_none() && p.node_port.is_none())
-        );
+        assert!(ports.iter().all(|p| p.target_port.is_none() && p.app_protocol.is_none()));
+        let node_ports: Vec<Option<i32>> = ports.iter().map(|p| p.node_port).collect();
+        assert_eq!(node_ports, [Some(30080), None], "kube-proxy's NodePorts are kept");
         let status = svc.status.as_ref().unwrap();
         let ingress = &status.load_balancer.as_ref().unwrap().ingress.as_ref().unwrap()[0];
-        assert_eq!(ingress.hostname.as_deref(), Some("lb.example"), "status is written back: kept whole");
+        assert_eq!(ingress.ip_mode.as_deref(), Some("Proxy"), "status is written back: kept whole");
 
         let mut slice = full_slice("web-1", "web", "IPv4", &["198.51.100.1", "198.51.100.2", "198.51.100.3"]);
         slice.slim();
@@ -524,6 +539,7 @@ mod tests {
                     s.status.get_or_insert_default().load_balancer = Some(LoadBalancerStatus {
                         ingress: Some(vec![LoadBalancerIngress {
                             ip: Some("192.0.2.9".into()),
+                            ip_mode: Some("Proxy".into()),
                             ..Default::default()
                         }]),
                     })
@@ -566,6 +582,17 @@ mod tests {
             ),
             ("spec", Box::new(|s| s.spec.as_mut().unwrap().external_traffic_policy = Some("Local".into()))),
             ("Allocated False", Box::new(refused("no port"))),
+            (
+                "another load balancer's ingress",
+                Box::new(|s| {
+                    s.status.get_or_insert_default().load_balancer = Some(LoadBalancerStatus {
+                        ingress: Some(vec![LoadBalancerIngress {
+                            ip: Some("198.51.100.200".into()),
+                            ..Default::default()
+                        }]),
+                    })
+                }),
+            ),
         ];
         for (name, change) in differ {
             let mut s = base();

@@ -394,7 +394,7 @@ mod tests {
         written.metadata.resource_version = Some("2".into());
         written.status = Some(
             serde_json::from_value(serde_json::json!(
-                {"loadBalancer": {"ingress": [{"ip": "192.0.2.10"}]}}
+                {"loadBalancer": {"ingress": [{"ip": "192.0.2.10", "ipMode": "Proxy"}]}}
             ))
             .expect("status"),
         );

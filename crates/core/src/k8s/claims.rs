@@ -1106,6 +1106,7 @@ mod tests {
             traffic_policy: TrafficPolicy::Cluster,
             session_affinity: None,
             port_request: PortRequest::Auto,
+            kube_node_ports: vec![],
         }
     }
 

@@ -50,6 +50,44 @@ pub const ANNOTATION_POOL_ADDRESSES: &str = "nodelb.io/pool-addresses";
 pub const MAX_POOL_ADDRESSES_LEN: usize = 16 * 1024;
 /// Label on node Leases, so the leader can watch only them.
 pub const LABEL_NODE_LEASE: &str = "nodelb.io/node-lease";
+/// Annotation on a node Lease: the addresses of that node as its agent reads them from its
+/// kernel (every interface: a second NIC, a CNI bridge or tunnel gateway, one added after
+/// start), comma-separated. No node DNATs to them ([`crate::endpoint_policy`]): the Node object
+/// lists only some of a node's addresses.
+pub const ANNOTATION_ADDRESSES: &str = "nodelb.io/addresses";
+/// Most addresses [`ANNOTATION_ADDRESSES`] holds (written or read).
+pub const MAX_PUBLISHED_ADDRESSES: usize = 256;
+/// The Service whose EndpointSlice names the API server's endpoints.
+pub const API_SERVER_SERVICE: (&str, &str) = ("default", "kubernetes");
+
+/// [`ANNOTATION_ADDRESSES`] of this node's addresses (`own`: read from its kernel): the ones
+/// another node could DNAT to (not loopback, link-local or multicast: refused anyway), sorted,
+/// at most [`MAX_PUBLISHED_ADDRESSES`].
+pub fn format_published_addresses(own: &HostAddresses) -> String {
+    let global = |a: &&IpAddr| match a {
+        IpAddr::V4(v4) => {
+            !v4.is_loopback() && !v4.is_link_local() && !v4.is_multicast() && !v4.is_unspecified()
+        }
+        IpAddr::V6(v6) => {
+            !v6.is_loopback()
+                && !v6.is_multicast()
+                && !v6.is_unspecified()
+                && (v6.segments()[0] & 0xffc0) != 0xfe80
+        }
+    };
+    let addrs: Vec<String> =
+        own.nodes.keys().filter(global).take(MAX_PUBLISHED_ADDRESSES).map(IpAddr::to_string).collect();
+    addrs.join(",")
+}
+
+/// What makes up the cluster's own addresses besides the Node objects: the node Leases (their
+/// published addresses), the API server's EndpointSlices and the Service CIDRs.
+pub struct ClusterObjects<'a, L, S, C> {
+    pub leases: &'a [L],
+    /// The EndpointSlices of `default/kubernetes` ([`API_SERVER_SERVICE`]).
+    pub api_server: &'a [S],
+    pub service_cidrs: &'a [C],
+}
 
 pub fn node_lease_name(node: &str) -> String {
     format!("{NODE_LEASE_PREFIX}{node}")
@@ -123,6 +161,53 @@ pub fn cluster_node_addresses<N: Borrow<Node>>(nodes: &[N]) -> HostAddresses {
         for a in addrs.into_iter().flatten() {
             if let Ok(ip) = a.address.trim().parse::<IpAddr>() {
                 out.add(ip, format!("Node {name}"));
+            }
+        }
+    }
+    out
+}
+
+/// [`cluster_node_addresses`], and the addresses every agent publishes for its node
+/// ([`ANNOTATION_ADDRESSES`]: `node node-2 (its agent)`), the API server's endpoints and the
+/// Service CIDRs: everything the endpoint policy refuses as the cluster's own.
+pub fn cluster_addresses<N, L, S, C>(nodes: &[N], more: ClusterObjects<'_, L, S, C>) -> HostAddresses
+where
+    N: Borrow<Node>,
+    L: Borrow<Lease>,
+    S: Borrow<crate::compact::EndpointSlice>,
+    C: Borrow<k8s_openapi::api::networking::v1::ServiceCIDR>,
+{
+    let mut out = cluster_node_addresses(nodes);
+    for lease in more.leases.iter().map(Borrow::borrow) {
+        let Some(node) = lease.metadata.name.as_deref().and_then(|n| n.strip_prefix(NODE_LEASE_PREFIX))
+        else {
+            continue;
+        };
+        let value = lease.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION_ADDRESSES));
+        for ip in value.into_iter().flat_map(|v| v.split(',')).take(MAX_PUBLISHED_ADDRESSES) {
+            if let Ok(ip) = ip.trim().parse::<IpAddr>() {
+                out.add(ip, format!("node {node} (its agent)"));
+            }
+        }
+    }
+    for slice in more.api_server.iter().map(Borrow::borrow) {
+        if crate::model::slice_service(slice) != Some(API_SERVER_SERVICE) {
+            continue;
+        }
+        let name = slice.metadata.name.as_deref().unwrap_or_default();
+        for e in slice.endpoints.iter().flatten() {
+            for a in e.addresses.iter() {
+                if let crate::compact::Address::Ip(ip) = a {
+                    out.api_servers.entry(*ip).or_insert_with(|| format!("EndpointSlice default/{name}"));
+                }
+            }
+        }
+    }
+    for cidr in more.service_cidrs.iter().map(Borrow::borrow) {
+        let name = cidr.metadata.name.as_deref().unwrap_or_default();
+        for c in cidr.spec.iter().flat_map(|s| s.cidrs.iter().flatten()) {
+            if let Ok(net) = c.trim().parse::<IpNet>() {
+                out.service_cidrs.push((net, format!("ServiceCIDR {name} ({net})")));
             }
         }
     }
@@ -578,6 +663,58 @@ mod tests {
                 .map(|(a, n)| (a.parse().unwrap(), n.to_string()))
                 .collect();
         assert_eq!(got.nodes, want);
+    }
+
+    /// The cluster's own addresses: the Node objects', what each agent publishes (a node's
+    /// addresses beyond its Node object; more than the bound and garbage ignored), the API
+    /// server's EndpointSlice (only `default/kubernetes`'s) and the Service CIDRs.
+    #[test]
+    fn the_clusters_own_addresses() {
+        let nodes = vec![node("a", &[("InternalIP", "10.0.0.1")])];
+        let mut published = lease("b", 0, 15, Some("ipv4"));
+        let mut own = HostAddresses::default();
+        for a in ["127.0.0.1", "10.0.0.2", "198.51.100.250", "fe80::1", "2001:db8::2"] {
+            own.add(a.parse().unwrap(), "this node (eth0)");
+        }
+        let value = format_published_addresses(&own);
+        assert_eq!(value, "10.0.0.2,198.51.100.250,2001:db8::2", "global addresses only");
+        published
+            .metadata
+            .annotations
+            .get_or_insert_default()
+            .insert(ANNOTATION_ADDRESSES.into(), value + ",x");
+        let slice = |ns: &str, service: &str, addr: &str| -> crate::compact::EndpointSlice {
+            serde_json::from_value(json!({
+                "metadata": {"name": service, "namespace": ns, "labels": {crate::model::LABEL_SERVICE_NAME: service}},
+                "addressType": "IPv4", "endpoints": [{"addresses": [addr]}]
+            }))
+            .unwrap()
+        };
+        let api =
+            [slice("default", "kubernetes", "203.0.113.100"), slice("team", "kubernetes", "203.0.113.7")];
+        let cidr: k8s_openapi::api::networking::v1::ServiceCIDR = serde_json::from_value(
+            json!({"metadata": {"name": "kubernetes"}, "spec": {"cidrs": ["10.96.0.0/16"]}}),
+        )
+        .unwrap();
+        let more = ClusterObjects { leases: &[published], api_server: &api, service_cidrs: &[cidr] };
+        let got = cluster_addresses(&nodes, more);
+        let owners: Vec<(String, &str)> =
+            got.nodes.iter().map(|(a, o)| (a.to_string(), o.as_str())).collect();
+        assert_eq!(
+            owners,
+            [
+                ("10.0.0.1".to_string(), "Node a"),
+                ("10.0.0.2".to_string(), "node b (its agent)"),
+                ("198.51.100.250".to_string(), "node b (its agent)"),
+                ("2001:db8::2".to_string(), "node b (its agent)"),
+            ]
+        );
+        let api: Vec<String> = got.api_servers.keys().map(|a| a.to_string()).collect();
+        assert_eq!(api, ["203.0.113.100"]);
+        assert_eq!(
+            got.service_cidrs,
+            [("10.96.0.0/16".parse().unwrap(), "ServiceCIDR kubernetes (10.96.0.0/16)".into())]
+        );
     }
 
     #[test]

@@ -30,8 +30,14 @@ pub const CONDITION_SERVING: &str = "nodelb.io/Serving";
 /// Condition type saying whether every endpoint address the Service names is one nodelb DNATs
 /// to ([`crate::endpoint_policy`]): `False/EndpointRefused` names the refused ones and why.
 pub const CONDITION_ENDPOINTS: &str = "nodelb.io/EndpointsAllowed";
+/// Condition type on a Service nodelb restricts (source ranges, a pool's nodes or addresses,
+/// refused endpoints), saying whether kube-proxy's NodePorts get around that:
+/// `False/KubeNodePortsOpen` names them (also a Warning Event), `True/KubeNodePortsClosed` when the
+/// Service has none. Absent on a Service with nothing to get around.
+pub const CONDITION_KUBE_NODE_PORTS: &str = "nodelb.io/KubeNodePortsClosed";
 /// Our condition types: what is removed from a Service that stops being ours.
-pub const OUR_CONDITIONS: [&str; 3] = [CONDITION_ALLOCATED, CONDITION_SERVING, CONDITION_ENDPOINTS];
+pub const OUR_CONDITIONS: [&str; 4] =
+    [CONDITION_ALLOCATED, CONDITION_SERVING, CONDITION_ENDPOINTS, CONDITION_KUBE_NODE_PORTS];
 /// `ipMode` of our ingress entries: traffic reaches the node address (kube-proxy must not
 /// short-circuit node-IP:service-port to the ClusterIP).
 pub const IP_MODE_PROXY: &str = "Proxy";
@@ -65,6 +71,11 @@ pub enum ConditionReason {
     EndpointsAllowed,
     /// Some endpoint address is refused (EndpointsAllowed; also an Event).
     EndpointRefused,
+    /// The Service has no Kubernetes NodePort (KubeNodePortsClosed).
+    KubeNodePortsClosed,
+    /// kube-proxy serves its NodePorts without what nodelb enforces (KubeNodePortsClosed; also
+    /// an Event).
+    KubeNodePortsOpen,
 }
 
 impl ConditionReason {
@@ -83,6 +94,8 @@ impl ConditionReason {
             ConditionReason::NoReadyLocalEndpoint => "NoReadyLocalEndpoint",
             ConditionReason::EndpointsAllowed => "EndpointsAllowed",
             ConditionReason::EndpointRefused => "EndpointRefused",
+            ConditionReason::KubeNodePortsClosed => "KubeNodePortsClosed",
+            ConditionReason::KubeNodePortsOpen => "KubeNodePortsOpen",
         }
     }
 }
@@ -181,6 +194,49 @@ pub fn serving_condition(
                   local endpoint"
             .to_string(),
     }
+}
+
+/// Whether kube-proxy's NodePorts of `svc` get around what nodelb enforces for it (its source
+/// ranges, its pool's nodes or addresses, its refused endpoints: kube-proxy knows none of them);
+/// `None` when it has nothing of the kind. The same message as the `KubeNodePortsOpen` Event.
+pub fn kube_node_ports_condition<S, V>(
+    round: &Round<'_, S, V>,
+    svc: &LbService,
+    refused: &[&RefusedEndpoint],
+) -> Option<WantedCondition> {
+    let mut bypassed = Vec::new();
+    if !svc.source_ranges.is_empty() {
+        bypassed.push("loadBalancerSourceRanges");
+    }
+    if round.pool_nodes.is_some_and(|m| m.contains_key(&svc.key)) {
+        bypassed.push("the nodes its node port pool selects");
+    }
+    if round.pool_addresses.is_some_and(|m| m.contains_key(&svc.key)) {
+        bypassed.push("the node addresses its node port pool selects");
+    }
+    if !refused.is_empty() {
+        bypassed.push("nodelb's refusal of some of its endpoints");
+    }
+    if bypassed.is_empty() {
+        return None;
+    }
+    if svc.kube_node_ports.is_empty() {
+        return Some(WantedCondition {
+            status: true,
+            reason: ConditionReason::KubeNodePortsClosed,
+            message: "no Kubernetes NodePort: only nodelb's node ports reach it".to_string(),
+        });
+    }
+    let ports: Vec<String> = svc.kube_node_ports.iter().map(|(id, n)| format!("{n} (port {id})")).collect();
+    Some(WantedCondition {
+        status: false,
+        reason: ConditionReason::KubeNodePortsOpen,
+        message: format!(
+            "kube-proxy serves its NodePorts {} on every node, without {}: set spec.allocateLoadBalancerNodePorts: false and remove spec.ports[].nodePort",
+            ports.join(", "),
+            bypassed.join(", ")
+        ),
+    })
 }
 
 /// Whether every endpoint address of a Service is allowed; `refused` are its refused endpoints.
@@ -493,7 +549,9 @@ fn write_for<S, V: Borrow<LbService>>(
             let none = OUR_CONDITIONS.map(|t| (t, None));
             let conditions =
                 merge_conditions(cur_conditions, &none, generation, round.now).unwrap_or_default();
-            write.status = Some(StatusWrite { ingress: vec![], conditions });
+            // Another load balancer's entries stay: only what nodelb wrote goes.
+            let ingress = cur_ingress().into_iter().filter(|i| !model::is_nodelb_ingress(i)).collect();
+            write.status = Some(StatusWrite { ingress, conditions });
         }
     } else if let Some(served) = served {
         let ports = idx.ports(key).unwrap_or(&NO_PORTS);
@@ -505,10 +563,15 @@ fn write_for<S, V: Borrow<LbService>>(
         // A Service served from its last valid spec still reports why its edit was refused.
         let allocated = condition_for(ports, idx.problems(key), idx.refused.get(key).copied());
         let endpoints = endpoints_condition(idx.refused_endpoints(key));
+        let side_door = idx
+            .valid
+            .get(key)
+            .and_then(|lb| kube_node_ports_condition(round, (*lb).borrow(), idx.refused_endpoints(key)));
         let wanted = [
             (CONDITION_ALLOCATED, Some(&allocated)),
             (CONDITION_SERVING, Some(&served.condition)),
             (CONDITION_ENDPOINTS, Some(&endpoints)),
+            (CONDITION_KUBE_NODE_PORTS, side_door.as_ref()),
         ];
         let conditions = merge_conditions(cur_conditions, &wanted, generation, round.now);
         if conditions.is_some() || normalise(&served.ingress) != normalise(&cur_ingress()) {
@@ -809,6 +872,14 @@ fn valid_events<S, V>(
             warning: true,
             reason: ConditionReason::EndpointRefused.as_str(),
             message: endpoints_condition(refused_endpoints).message,
+        });
+    }
+    if let Some(open) = kube_node_ports_condition(round, svc, refused_endpoints).filter(|c| !c.status) {
+        out.push(ServiceEvent {
+            service: svc.key.clone(),
+            warning: true,
+            reason: ConditionReason::KubeNodePortsOpen.as_str(),
+            message: open.message,
         });
     }
     if ports.is_empty() {
@@ -1179,7 +1250,7 @@ mod tests {
                 vec![service("web", |v| {
                     v["metadata"]["annotations"] =
                         json!({ANNOTATION_ALLOCATED: "80/TCP=20005", "nodelb.io/ignore": "true"});
-                    v["status"] = json!({"loadBalancer": {"ingress": [{"ip": "10.0.0.1"}]},
+                    v["status"] = json!({"loadBalancer": {"ingress": [{"ip": "10.0.0.1", "ipMode": "Proxy"}]},
                         "conditions": [{"type": CONDITION_ALLOCATED, "status": "True", "reason": "Allocated", "message": "", "lastTransitionTime": "2024-01-01T00:00:00Z"}]});
                 })],
                 vec![("web", Some(None), true)],
