@@ -102,6 +102,7 @@ fn main() {
         node_name: "node-1".into(),
         families: BTreeSet::from([Family::Ipv4, Family::Ipv6]),
         masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
+        connection_mark: plan::DEFAULT_CONNECTION_MARK,
         forward_mark: None,
         nat_shards: 1,
     };
@@ -465,6 +466,7 @@ fn manifests_phases(args: &ProgramArgs) {
         node_name: "node-1".into(),
         families: BTreeSet::from([Family::Ipv4]),
         masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
+        connection_mark: plan::DEFAULT_CONNECTION_MARK,
         forward_mark: None,
         nat_shards: plan::auto_nat_shards(n, 1),
     };

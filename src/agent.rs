@@ -46,6 +46,8 @@ pub struct AgentConfig {
     pub resync_period: Duration,
     pub enable_forwarding: bool,
     pub masquerade_mark: u32,
+    /// `--connection-mark` (see [`NodeFacts::connection_mark`]).
+    pub connection_mark: u32,
     /// `--iptables-forward-accept`: the mark bit of our flows (see [`NodeFacts::forward_mark`]).
     pub forward_mark: Option<u32>,
     /// `--nat-shards` (see [`NodeFacts::nat_shards`]).
@@ -493,6 +495,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             node_name: self.cfg.node_name.clone(),
             families: self.families.iter().filter(|(_, on)| **on).map(|(f, _)| *f).collect(),
             masquerade_mark: self.cfg.masquerade_mark,
+            connection_mark: self.cfg.connection_mark,
             forward_mark: self.cfg.forward_mark,
             nat_shards: self.nat_shards,
         }

@@ -79,6 +79,11 @@ pub struct CommonArgs {
     /// Packet-mark bit that tells postrouting to masquerade (same meaning as kube-proxy's 0x4000).
     #[arg(long, default_value = "0x4000", value_parser = parse_mark, env = "NODELB_MASQUERADE_MARK")]
     pub masquerade_mark: u32,
+    /// Conntrack-mark bit nodelb sets on the connections it DNATs: its forward chains count,
+    /// mark and accept only connections carrying it (another component's DNATed flow to the same
+    /// port number is not nodelb's). One bit nothing else on the node uses in the conntrack mark.
+    #[arg(long, default_value = "0x100000", value_parser = parse_mark, env = "NODELB_CONNECTION_MARK")]
+    pub connection_mark: u32,
     /// Spread the Services' nat chains over this many nf_tables tables (`nodelb-s0`…): 1, 2, 4, 8,
     /// 16 or 32 (a node port's table is its low bits), or `auto`: one per 1,000 Service ports
     /// (rounded up to a power of two; none up to 1,000). 1 keeps them in table `nodelb`. The

@@ -99,6 +99,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         resync_period: args.resync_period,
         enable_forwarding: args.enable_forwarding,
         masquerade_mark: args.common.masquerade_mark,
+        connection_mark: args.common.connection_mark,
         forward_mark: forward_mark(&args.common)?,
         nat_shards: args.common.nat_shards,
         model: model_options(&args.common),
@@ -418,6 +419,7 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
         node_name: node_name(&args.common),
         families: Family::ALL.into_iter().collect::<BTreeSet<_>>(),
         masquerade_mark: args.common.masquerade_mark,
+        connection_mark: args.common.connection_mark,
         forward_mark: forward_mark(&args.common)?,
         nat_shards: match args.common.nat_shards {
             crate::plan::NatShards::Fixed(k) => k,

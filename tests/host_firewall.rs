@@ -686,3 +686,73 @@ fn docker_like_firewall_is_suspect_until_connections_are_seen_dropped() {
     get_ok(c, 20080);
     assert!(agent.status().unwrap()["hostFirewall"]["drops"].as_array().is_some_and(Vec::is_empty));
 }
+
+/// The packets of nodelb's named counters in the node: every per-Service forwarded counter
+/// (`fwd4-…`) summed, and the two node-level forward counters.
+fn forward_counts(ns: &NetNs) -> (u64, u64, u64) {
+    let listing = common::agent::nft(ns, &["list", "counters", "table", "inet", "nodelb"]);
+    let (mut fwd, mut entered, mut passed) = (0, 0, 0);
+    let mut name = String::new();
+    for line in listing.lines().map(str::trim) {
+        if let Some(n) = line.strip_prefix("counter ") {
+            name = n.trim_end_matches(" {").trim_matches('"').to_string();
+        } else if let Some(rest) = line.strip_prefix("packets ") {
+            let packets: u64 = rest.split_whitespace().next().and_then(|p| p.parse().ok()).unwrap_or(0);
+            match name.as_str() {
+                n if n.starts_with("fwd4-") => fwd += packets,
+                "forward-entered-ipv4" => entered += packets,
+                "forward-passed-ipv4" => passed += packets,
+                _ => {}
+            }
+        }
+    }
+    (fwd, entered, passed)
+}
+
+/// Packets nodelb's ACCEPT in iptables' FORWARD chain accepted.
+fn accepted(ns: &NetNs) -> u64 {
+    let listing = xt_clean(ns, "iptables-nft", &["-L", "FORWARD", "-v", "-n", "-x"]);
+    let line = listing.lines().find(|l| l.contains("nodelb-forward-accept")).expect("nodelb's ACCEPT");
+    line.split_whitespace().next().and_then(|p| p.parse().ok()).expect("its packet count")
+}
+
+/// Only nodelb's flows get nodelb's treatment: another component's DNATed flow to the same port
+/// number (a ClusterIP `192.0.2.99:20080` DNATed by a table of its own, as kube-proxy's are), even
+/// one whose packets already carry nodelb's forward mark, is neither counted in nodelb's forward
+/// counters nor accepted by nodelb's iptables ACCEPT (the host's `FORWARD DROP` drops it), while
+/// nodelb's own flows to 20080 are counted and accepted.
+#[test]
+fn a_foreign_dnated_flow_on_a_node_port_number_is_not_nodelbs() {
+    require_root!();
+    let topo = Topology::new(1, 2);
+    let c = topo.client(0);
+    xt_clean(&topo.node, "iptables-nft", &["-P", "FORWARD", "DROP"]);
+    let _agent = start(&topo, &web(20080), &["--iptables-forward-accept"]);
+    let foreign = format!(
+        "table ip foreign {{\n\
+           chain mangle {{ type filter hook prerouting priority -150; ip daddr 192.0.2.99 meta mark set meta mark | 0x2000; }}\n\
+           chain pre {{ type nat hook prerouting priority -100; ip daddr 192.0.2.99 tcp dport 20080 dnat to {}:8080; }}\n\
+         }}\n",
+        backend_v4(0)
+    );
+    let script = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(script.path(), foreign).unwrap();
+    topo.node.exec_ok("nft", &["-f", script.path().to_str().unwrap()]);
+
+    get_ok(c, 20080);
+    let (fwd, entered, passed) = forward_counts(&topo.node);
+    let ours = accepted(&topo.node);
+    assert!(
+        fwd > 0 && entered > 0 && passed > 0 && ours > 0,
+        "nodelb's own flow counted: {fwd} {entered} {passed} {ours}"
+    );
+
+    for _ in 0..3 {
+        let r = http_get(c, "192.0.2.99".parse().unwrap(), 20080, Duration::from_millis(700));
+        assert!(r.is_err(), "the foreign flow went through nodelb's ACCEPT: {r:?}");
+    }
+    assert_eq!(forward_counts(&topo.node), (fwd, entered, passed), "the foreign flow counted as nodelb's");
+    assert_eq!(accepted(&topo.node), ours, "the foreign flow accepted by nodelb's ACCEPT");
+    get_ok(c, 20080);
+    assert!(accepted(&topo.node) > ours, "nodelb's own flow still accepted");
+}

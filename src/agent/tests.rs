@@ -77,6 +77,7 @@ impl Harness {
             resync_period: Duration::from_secs(10),
             enable_forwarding: false,
             masquerade_mark: crate::plan::DEFAULT_MASQUERADE_MARK,
+            connection_mark: crate::plan::DEFAULT_CONNECTION_MARK,
             forward_mark: None,
             nat_shards: crate::plan::NatShards::Fixed(1),
             model: ModelOptions::default(),

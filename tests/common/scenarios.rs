@@ -45,6 +45,7 @@ pub fn node(families: &[Family]) -> NodeFacts {
         node_name: NODE.into(),
         families: families.iter().copied().collect::<BTreeSet<_>>(),
         masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
+        connection_mark: plan::DEFAULT_CONNECTION_MARK,
         forward_mark: None,
         nat_shards: 1,
     }

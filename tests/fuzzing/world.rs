@@ -125,6 +125,7 @@ pub fn node() -> NodeFacts {
         node_name: "node-1".into(),
         families: BTreeSet::from([Family::Ipv4, Family::Ipv6]),
         masquerade_mark: 0x4000,
+        connection_mark: nodelb::plan::DEFAULT_CONNECTION_MARK,
         forward_mark: None,
         nat_shards: 1,
     }

@@ -1135,6 +1135,7 @@ mod tests {
             node_name: "node-1".into(),
             families: [Family::Ipv4].into(),
             masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
+            connection_mark: plan::DEFAULT_CONNECTION_MARK,
             forward_mark: None,
             nat_shards: 1,
         };
@@ -1289,6 +1290,7 @@ mod tests {
             node_name: "node-1".into(),
             families: [Family::Ipv4].into(),
             masquerade_mark: plan::DEFAULT_MASQUERADE_MARK,
+            connection_mark: plan::DEFAULT_CONNECTION_MARK,
             forward_mark: None,
             nat_shards: 1,
         };

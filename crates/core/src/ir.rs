@@ -140,14 +140,21 @@ impl ChainType {
 }
 
 /// Well-known priorities (include/uapi/linux/netfilter_ipv4.h).
+/// nodelb's base chain priorities. At one priority the kernel runs the chain registered last
+/// first, so a chain that shared its priority with another component's would run before or
+/// after it depending on which started first. Each sits one step from a conventional value,
+/// never on it: nodelb's place among the others is the same whatever the start order.
 pub mod priority {
-    pub const DSTNAT: i32 = -100;
+    /// Just before `dstnat` (-100), where iptables' and kube-proxy's nat chains are: nodelb
+    /// decides first about its own node ports.
+    pub const DSTNAT: i32 = -101;
     pub const FILTER: i32 = 0;
-    pub const SRCNAT: i32 = 100;
-    /// Before every other chain of the hook (NF_IP_PRI_FIRST).
-    pub const FIRST: i32 = i32::MIN;
-    /// After every other chain of the hook (NF_IP_PRI_LAST).
-    pub const LAST: i32 = i32::MAX;
+    /// Just before `srcnat` (100): nodelb's masquerade of what it DNATed comes first.
+    pub const SRCNAT: i32 = 99;
+    /// Before every other chain of the hook but one at `NF_IP_PRI_FIRST` itself.
+    pub const FIRST: i32 = i32::MIN + 1;
+    /// After every other chain of the hook but one at `NF_IP_PRI_LAST` itself.
+    pub const LAST: i32 = i32::MAX - 1;
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -283,6 +290,10 @@ pub enum Expr {
     CtStatusDnat,
     /// `meta mark & bit == bit`
     MarkHas(u32),
+    /// `ct mark & bit == bit`: the connection carries the bit.
+    CtMarkHas(u32),
+    /// `ct mark set ct mark | bit`: mark the connection (every packet of it carries the bit).
+    CtMarkSet(u32),
     /// `th dport & mask != value`: the packet's destination port is not one of a nat shard's
     /// ([`Table::Shard`]: the shard of a node port is its low bits). Two bytes of the transport
     /// header, whatever the protocol; a packet without one does not match.
@@ -819,6 +830,8 @@ pub fn render_expr(e: &Expr) -> String {
         }
         Expr::CtStatusDnat => "ct status dnat".into(),
         Expr::MarkHas(bit) => format!("meta mark & {bit:#010x} == {bit:#010x}"),
+        Expr::CtMarkHas(bit) => format!("ct mark & {bit:#010x} == {bit:#010x}"),
+        Expr::CtMarkSet(bit) => format!("ct mark set ct mark | {bit:#010x}"),
         Expr::DportMaskIsNot { mask, value } => format!("th dport & {mask} != {value}"),
         Expr::MarkSet(bit) => format!("meta mark set meta mark | {bit:#010x}"),
         Expr::MarkXor(bit) => format!("meta mark set meta mark ^ {bit:#010x}"),

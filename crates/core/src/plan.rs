@@ -51,6 +51,8 @@ use crate::model::{Endpoint, LbPort, LbService, TrafficPolicy};
 /// Default packet-mark bit meaning "masquerade this connection's first packet in postrouting".
 /// Same bit and meaning as kube-proxy's masquerade mark, so the two agree if both see it.
 pub const DEFAULT_MASQUERADE_MARK: u32 = 0x4000;
+/// Default `--connection-mark`: the conntrack-mark bit of the connections nodelb DNATs.
+pub const DEFAULT_CONNECTION_MARK: u32 = 0x10_0000;
 
 pub const CHAIN_FILTER_FORWARD: &str = "filter-forward";
 pub const CHAIN_FILTER_FORWARD_LAST: &str = "filter-forward-last";
@@ -74,6 +76,9 @@ pub struct NodeFacts {
     /// Families this node may program (forwarding enabled). Others get no rules at all.
     pub families: BTreeSet<Family>,
     pub masquerade_mark: u32,
+    /// `--connection-mark`: the conntrack-mark bit on every connection nodelb DNATs, by which its
+    /// forward chains know their own.
+    pub connection_mark: u32,
     /// `--iptables-forward-accept`: the packet-mark bit our flows carry through the forward hook,
     /// which the accept nodelb inserts into the host's iptables FORWARD chain matches.
     pub forward_mark: Option<u32>,
@@ -692,10 +697,17 @@ fn served_on(
 /// was really forwarded. With `forward_mark`, our flows carry that mark bit between the two
 /// chains (set first, cleared last): the accept nodelb inserts into the host's iptables FORWARD
 /// chain matches it.
+///
+/// Our flows are the connections our nat chains DNATed: they carry the connection mark
+/// ([`NodeFacts::connection_mark`], set with the DNAT), and their original destination port is
+/// one of our node ports. A port number alone is not enough: another component's DNATed flow (a
+/// ClusterIP on 443, a Docker published port) may use the same one. A forward mark bit a packet
+/// already carries is not trusted: it is cleared before ours are marked.
 fn plan_forward(rs: &mut Ruleset, node: &NodeFacts) {
     let ours = |f: Family| {
         vec![
             Expr::NfProto(f),
+            Expr::CtMarkHas(node.connection_mark),
             Expr::CtStatusDnat,
             Expr::L4ProtoCtOrigDportInSet { set: forward_counters_map(f) },
         ]
@@ -703,6 +715,7 @@ fn plan_forward(rs: &mut Ruleset, node: &NodeFacts) {
     let new_ours = |f: Family| {
         vec![
             Expr::NfProto(f),
+            Expr::CtMarkHas(node.connection_mark),
             Expr::CtStatusDnat,
             Expr::CtState(Box::new([CtState::New])),
             Expr::L4ProtoCtOrigDportInSet { set: forward_counters_map(f) },
@@ -719,6 +732,9 @@ fn plan_forward(rs: &mut Ruleset, node: &NodeFacts) {
         ])
     };
     let (mut first, mut last) = (Vec::new(), Vec::new());
+    if let Some(bit) = node.forward_mark {
+        first.push(Rule::new(vec![Expr::MarkHas(bit), Expr::MarkClear(bit)]));
+    }
     for f in Family::ALL {
         if let Some(bit) = node.forward_mark {
             first.push(Rule::new([ours(f), vec![Expr::MarkSet(bit)]].concat()));
@@ -727,6 +743,7 @@ fn plan_forward(rs: &mut Ruleset, node: &NodeFacts) {
         // reaches is re-validated by the kernel in each transaction that adds a Service).
         let mut count = vec![
             Expr::NfProto(f),
+            Expr::CtMarkHas(node.connection_mark),
             Expr::CtStatusDnat,
             Expr::L4ProtoCtOrigDportCounterMap { map: forward_counters_map(f) },
         ];
@@ -856,8 +873,10 @@ fn plan_port(
     // walks every element of a shared map, both quadratic over a full sync (docs/design.md).
     // Vectors sized up front: the ruleset is kept until the next sync (10,000 Services grown by
     // doubling left ~1.6 MB of spare capacity).
-    let mut first = Vec::with_capacity(2);
+    let mut first = Vec::with_capacity(3);
     first.push(Expr::CounterRef(connections));
+    // The connection is ours from here on: the forward chains know it by this mark.
+    first.push(Expr::CtMarkSet(node.connection_mark));
     if svc.traffic_policy == TrafficPolicy::Cluster {
         first.push(Expr::MarkSet(node.masquerade_mark));
     }

@@ -87,6 +87,8 @@ struct State<'a> {
     pkt: &'a Packet,
     env: &'a Env,
     mark: u32,
+    /// The connection's conntrack mark (what the nat chains set, the forward chains read).
+    ct_mark: u32,
     dnat: Option<(IpAddr, u16)>,
     masquerade: bool,
     visited: Vec<String>,
@@ -107,6 +109,7 @@ pub fn trace(rs: &Ruleset, pkt: &Packet, env: &Env) -> Trace {
         pkt,
         env,
         mark: 0,
+        ct_mark: 0,
         dnat: None,
         masquerade: false,
         visited: Vec::new(),
@@ -238,6 +241,11 @@ fn run_rule(rs: &Ruleset, rule: &crate::ir::Rule, st: &mut State<'_>) -> RuleEnd
             Expr::CtState(states) => states.contains(&pkt.ct_state),
             Expr::CtStatusDnat => st.dnat.is_some(),
             Expr::MarkHas(bit) => st.mark & bit == *bit,
+            Expr::CtMarkHas(bit) => st.ct_mark & bit == *bit,
+            Expr::CtMarkSet(bit) => {
+                st.ct_mark |= bit;
+                true
+            }
             Expr::DportMaskIsNot { mask, value } => st.pkt.dport & mask != *value,
             Expr::MarkSet(bit) => {
                 st.mark |= bit;

@@ -158,8 +158,10 @@ pub const NFT_BITWISE_BOOL: u32 = 0;
 pub const NFTA_CT_DREG: u16 = 1;
 pub const NFTA_CT_KEY: u16 = 2;
 pub const NFTA_CT_DIRECTION: u16 = 3;
+pub const NFTA_CT_SREG: u16 = 4;
 pub const NFT_CT_STATE: u32 = 0;
 pub const NFT_CT_STATUS: u32 = 2;
+pub const NFT_CT_MARK: u32 = 3;
 pub const NFT_CT_PROTO_DST: u32 = 12;
 pub const IP_CT_DIR_ORIGINAL: u8 = 0;
 /// IPS_DST_NAT (nf_conntrack_common.h)

@@ -874,6 +874,19 @@ impl Lower {
                 self.bitwise(&bit.to_ne_bytes(), &0u32.to_ne_bytes(), true);
                 self.cmp(NFT_CMP_EQ, &bit.to_ne_bytes());
             }
+            Expr::CtMarkHas(bit) => {
+                self.ct_load(NFT_CT_MARK, 0, None);
+                self.bitwise(&bit.to_ne_bytes(), &0u32.to_ne_bytes(), true);
+                self.cmp(NFT_CMP_EQ, &bit.to_ne_bytes());
+            }
+            Expr::CtMarkSet(bit) => {
+                self.ct_load(NFT_CT_MARK, 0, None);
+                self.bitwise(&(!bit).to_ne_bytes(), &bit.to_ne_bytes(), true);
+                self.ex("ct", |w| {
+                    w.put_u32(NFTA_CT_KEY, NFT_CT_MARK);
+                    w.put_u32(NFTA_CT_SREG, reg(0));
+                });
+            }
             Expr::MarkSet(bit) => self.mark_set(!bit, *bit),
             Expr::MarkXor(bit) => self.mark_set(u32::MAX, *bit),
             Expr::MarkClear(bit) => self.mark_set(!bit, 0),

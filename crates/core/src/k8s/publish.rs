@@ -838,7 +838,7 @@ pub struct ServiceEvent {
 /// Reasons of Events that describe a transition, not a state: once the write they describe is
 /// done, no later round computes them again, so they wait in an [`super::events::Outbox`] until
 /// the API accepted them.
-pub const ONE_TIME_REASONS: &[&str] = &["NodePortReallocated"];
+pub const ONE_TIME_REASONS: &[&str] = &["NodePortReallocated", "NodePortNotOwned"];
 
 /// The Events describing a round's state; the deduper turns them into "once per change".
 pub fn service_events<S, V: Borrow<LbService>>(
