@@ -222,3 +222,84 @@ fn a_tenant_cannot_take_another_services_port_with_an_annotation() {
         assert!(!text.contains(secret), "team-a learns {secret:?}: {text}");
     }
 }
+
+/// Node port pools are access control: naming a pool gets a Service nothing the pool's selectors
+/// refuse it; a number outside every range (443) is available only through a pool that lists it
+/// in `requestablePorts`, to the namespaces it selects (not through `--allowed-node-ports`,
+/// which is everyone's); and `maxPortsPerNamespace` bounds what one namespace holds: a Service
+/// past it is refused with a Warning, the pool's status names the namespace, and another
+/// namespace is not affected.
+#[test]
+fn pools_decide_which_namespaces_get_which_ports_and_how_many() {
+    require_root!();
+    let c = Cluster::new(3);
+    let alice = c.tenant("alice", "team-a");
+    let bob = c.tenant("bob", "team-b");
+    c.api.kubectl_ok(&["label", "namespace", "team-a", "team=a"]);
+    let pool = |name: &str, spec: Value| json!({"apiVersion": "nodelb.io/v1alpha1", "kind": "NodePortPool", "metadata": {"name": name}, "spec": spec});
+    for p in [
+        pool(
+            "team-a",
+            json!({"ports": [{"start": 20300, "end": 20309}], "requestablePorts": [{"start": 443, "end": 443}],
+                   "maxPortsPerNamespace": 2, "namespaceSelector": {"matchLabels": {"team": "a"}}}),
+        ),
+        pool("rest", json!({"ports": [{"start": 20400, "end": 20409}], "priority": 10})),
+    ] {
+        c.api.create(p).expect("create the pool");
+    }
+    let svc = |name: &str, ns: &str, backend: usize| {
+        ServiceSpec::new(name)
+            .in_namespace(ns)
+            .port(PortSpec::tcp(80, None))
+            .endpoint(EndpointSpec::remote(backend_v4(backend), "node-1"))
+    };
+    let allocated_condition = |ns: &str, name: &str, reason: &str| {
+        let mut cond = None;
+        let ok = wait_until(CHANGE, || {
+            cond = c.condition_in(ns, name, "nodelb.io/Allocated");
+            cond.as_ref().is_some_and(|c| c["reason"] == reason)
+        });
+        assert!(ok, "{ns}/{name}: Allocated not {reason}: {cond:?}");
+        cond.unwrap()["message"].as_str().unwrap_or_default().to_string()
+    };
+
+    // bob names alice's pool, then asks for 443 in his own: both refused, named.
+    create_as(&c, &bob, &svc("sneaky", "team-b", 1), &[("nodelb.io/pool", "team-a")]);
+    let why = allocated_condition("team-b", "sneaky", "NoPool");
+    assert!(why.contains("does not admit it"), "{why}");
+    create_as(&c, &bob, &svc("https", "team-b", 1), &[("nodelb.io/ports", "80/TCP=443")]);
+    let why = allocated_condition("team-b", "https", "PortNotAllowed");
+    assert!(why.contains("443") && why.contains("pool rest"), "{why}");
+    assert!(c.allocated_in("team-b", "sneaky").is_none() && c.allocated_in("team-b", "https").is_none());
+
+    // alice's pool lets her ask for 443: served on every node.
+    create_as(&c, &alice, &svc("https", "team-a", 0), &[("nodelb.io/ports", "80/TCP=443")]);
+    assert_eq!(wait_allocated_in(&c, "team-a", "https"), 443);
+    for i in 0..3 {
+        c.wait_served(i, 443, CHANGE);
+        let body = c.get(i, 443, Duration::from_secs(2)).expect("443 answers");
+        assert_eq!(parse_answer(&body).unwrap().0, "be1", "node-{}", i + 1);
+    }
+    // Her namespace may hold two numbers of the pool: the third Service is refused.
+    create_as(&c, &alice, &svc("second", "team-a", 0), &[]);
+    let second = wait_allocated_in(&c, "team-a", "second");
+    assert!((20300..=20309).contains(&second), "{second}");
+    create_as(&c, &alice, &svc("third", "team-a", 0), &[]);
+    let why = allocated_condition("team-a", "third", "QuotaExceeded");
+    assert!(why.contains("maxPortsPerNamespace is 2"), "{why}");
+    let ok = wait_until(CHANGE, || !c.events_in("team-a", "third", "NodePortQuotaExceeded").is_empty());
+    assert!(ok, "no NodePortQuotaExceeded Event for team-a/third");
+    let ok = wait_until(CHANGE, || {
+        c.api
+            .get("nodelb.io/v1alpha1", "NodePortPool", "", "team-a")
+            .is_some_and(|p| p["status"]["namespacesAtLimit"] == json!(["team-a"]))
+    });
+    assert!(
+        ok,
+        "pool status: {:#}",
+        c.api.get("nodelb.io/v1alpha1", "NodePortPool", "", "team-a").unwrap_or_default()
+    );
+    // bob's namespace is not bounded by alice's: his Services keep coming from his pool.
+    create_as(&c, &bob, &svc("plain", "team-b", 1), &[]);
+    assert!((20400..=20409).contains(&wait_allocated_in(&c, "team-b", "plain")));
+}

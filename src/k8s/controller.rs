@@ -1163,18 +1163,19 @@ pub fn plan_round(
     memory.shared = Some(shared);
     // The Services this round plans: all of them, or a scope.
     let scope: Option<foldhash::HashSet<ServiceKey>> =
-        (may_scope && same_shared && memory.models.has_context(&ctx)).then(|| {
-            let changes = holders.changes();
-            let seed = |key: &ServiceKey, numbers: &std::collections::BTreeSet<u16>| scope::Seed {
-                key: key.clone(),
-                numbers: numbers.clone(),
-            };
-            let mut seeds: Vec<scope::Seed> =
-                changes.added.iter().map(|h| seed(&h.key, &h.numbers)).collect();
-            seeds.extend(changes.dropped.iter().map(|(_, h)| seed(&h.key, &h.numbers)));
-            seeds.extend(slices_changed.iter().map(|k| seed(k, &Default::default())));
-            memory.book.closure(seeds, &held, |k| holders.of_key(k).map(|(_, h)| &h.numbers))
-        });
+        (may_scope && same_shared && memory.models.has_context(&ctx) && !pool_ctx.set.bounds_namespaces())
+            .then(|| {
+                let changes = holders.changes();
+                let seed = |key: &ServiceKey, numbers: &std::collections::BTreeSet<u16>| scope::Seed {
+                    key: key.clone(),
+                    numbers: numbers.clone(),
+                };
+                let mut seeds: Vec<scope::Seed> =
+                    changes.added.iter().map(|h| seed(&h.key, &h.numbers)).collect();
+                seeds.extend(changes.dropped.iter().map(|(_, h)| seed(&h.key, &h.numbers)));
+                seeds.extend(slices_changed.iter().map(|k| seed(k, &Default::default())));
+                memory.book.closure(seeds, &held, |k| holders.of_key(k).map(|(_, h)| &h.numbers))
+            });
     // What the registry takes off the Services and lets nobody have. A scoped round runs only
     // when every claim names a Service that holds its number, or a deleted one (`may_scope`):
     // then nothing is in use, and only a forged annotation in the scope loses a number (debug
@@ -1821,7 +1822,19 @@ async fn read_registry(
 ) -> Result<(claims::ReadRegistry, Vec<String>), kube::Error> {
     let api: Api<Lease> = Api::namespaced(client.clone(), namespace);
     let list = api.list(&kube::api::ListParams::default().labels(claims::LABEL)).await?;
-    Ok(claims::ReadRegistry::read(&list.items, kept))
+    let before = kept.clone();
+    let (mut read, mut problems) = claims::ReadRegistry::read(&list.items, kept);
+    // A block whose Lease was deleted is written again from what this leader last read, not
+    // rebuilt from the annotations (which any Service owner may have written).
+    if let Some(before) = &before {
+        for b in read.keep_lost(before) {
+            problems.push(format!(
+                "Lease {} (node-port registry) was deleted: written again from the claims last read",
+                claims::lease_name(b)
+            ));
+        }
+    }
+    Ok((read, problems))
 }
 
 /// Writes one registry block: created when it did not exist, else replaced with the

@@ -204,7 +204,17 @@ impl Source {
                 }
                 let snap = source.snapshot();
                 let before = registry.take();
-                let (read, problems) = ReadRegistry::read(&snap.registry, before.clone());
+                let (mut read, problems) = ReadRegistry::read(&snap.registry, before.clone());
+                // A deleted registry Lease does not take the record with it: the claims last
+                // seen stay in force until the leader writes the block again.
+                if let Some(before) = &before {
+                    for b in read.keep_lost(before) {
+                        tracing::warn!(
+                            lease = %crate::k8s::claims::lease_name(b),
+                            "node-port registry Lease gone: programming by its last claims until the leader writes it again"
+                        );
+                    }
+                }
                 let changed = before.is_none_or(|b| !read.registry.owners_changed(&b.registry).is_empty());
                 if changed {
                     *registry_changes += 1;

@@ -62,6 +62,10 @@ pub enum AllocProblem {
     #[error("Service {service}: port {port}: no node port pool serves it: {why}")]
     NoPool { service: ServiceKey, port: PortId, why: String },
     #[error(
+        "Service {service}: port {port}: no new node port: {why} (pool {pool}'s maxPortsPerNamespace is {max})"
+    )]
+    QuotaExceeded { service: ServiceKey, port: PortId, pool: String, max: u32, why: String },
+    #[error(
         "Service {service}: port {port} asks for node port {wanted}, which is not allowed (allowed: {allowed})"
     )]
     NotAllowed { service: ServiceKey, port: PortId, wanted: u16, allowed: String },
@@ -76,6 +80,7 @@ impl AllocProblem {
             | AllocProblem::Exhausted { service, .. }
             | AllocProblem::NotAllowed { service, .. }
             | AllocProblem::InUse { service, .. }
+            | AllocProblem::QuotaExceeded { service, .. }
             | AllocProblem::NoPool { service, .. } => service,
         }
     }
@@ -86,6 +91,7 @@ impl AllocProblem {
             | AllocProblem::Exhausted { port, .. }
             | AllocProblem::NotAllowed { port, .. }
             | AllocProblem::InUse { port, .. }
+            | AllocProblem::QuotaExceeded { port, .. }
             | AllocProblem::NoPool { port, .. } => *port,
         }
     }
@@ -182,6 +188,12 @@ pub struct PoolRanges {
     /// Where new numbers come from: `keep` minus what an older pool on shared nodes covers;
     /// empty while the pool is disabled (drain).
     pub take: Vec<PortRange>,
+    /// What its Services may also ask for by number (`spec.requestablePorts`): with pool
+    /// objects, nothing else outside its ranges (not `--allowed-node-ports`, which is everyone's).
+    pub requestable: Vec<PortRange>,
+    /// The most numbers one namespace's Services may hold in the pool (`spec.maxPortsPerNamespace`):
+    /// counted over every Service the allocation sees, so a decision under it is whole.
+    pub per_namespace: Option<u32>,
 }
 
 impl Constraints<'_> {
@@ -195,10 +207,7 @@ impl Constraints<'_> {
 
     fn allows(&self, key: &ServiceKey, port: u16) -> bool {
         match self.pool_of(key) {
-            Some(pool) => {
-                pool.keep.iter().any(|r| r.contains(port))
-                    || self.policy.is_none_or(|p| p.allowed.iter().any(|r| r.contains(port)))
-            }
+            Some(pool) => pool.keep.iter().chain(&pool.requestable).any(|r| r.contains(port)),
             None => self.policy.is_none_or(|p| p.allows(port)),
         }
     }
@@ -209,16 +218,15 @@ impl Constraints<'_> {
 
     /// What explicit requests of `key` may name, for messages.
     fn describe_allowed(&self, key: &ServiceKey) -> Option<String> {
-        let allowed = self.policy.map(|p| p.allowed.as_slice()).unwrap_or_default();
         match self.pool_of(key) {
-            Some(pool) if allowed.is_empty() => {
+            Some(pool) if pool.requestable.is_empty() => {
                 Some(format!("pool {} {}", pool.pool, crate::pool::describe_ranges(&pool.keep)))
             }
             Some(pool) => Some(format!(
-                "pool {} {} or --allowed-node-ports {}",
+                "pool {} {} or its requestablePorts {}",
                 pool.pool,
                 crate::pool::describe_ranges(&pool.keep),
-                crate::pool::describe_ranges(allowed)
+                crate::pool::describe_ranges(&pool.requestable)
             )),
             None => self.policy.map(PortPolicy::describe),
         }
@@ -392,6 +400,43 @@ pub fn allocate_with<S: Borrow<LbService>>(
         }
     }
 
+    // Pools bounding what one namespace holds: what each namespace holds now, and the Services
+    // that ask for more than the bound on their own (none of their ports gets a new number: such
+    // a Service must not drain the pool for nothing).
+    let mut quotas = Quotas::default();
+    for (i, svc) in ordered.iter().enumerate() {
+        let Some(pool) = constraints.pool_of(&svc.key) else { continue };
+        let Some(max) = pool.per_namespace else { continue };
+        quotas.count(&pool.pool, &svc.key.namespace, held[i].values().copied());
+        let mut needed: BTreeSet<u16> = held[i].values().copied().collect();
+        needed.extend(svc.ports.iter().filter(|p| !held[i].contains_key(&p.id)).map(|p| p.id.port));
+        if needed.len() > max as usize {
+            let why = format!("the Service has {} ports, more than one namespace may hold", needed.len());
+            for port in svc.ports.iter().filter(|p| !held[i].contains_key(&p.id)) {
+                result.problems.push(AllocProblem::QuotaExceeded {
+                    service: svc.key.clone(),
+                    port: port.id,
+                    pool: pool.pool.clone(),
+                    max,
+                    why: why.clone(),
+                });
+                refused.insert((i, port.id));
+            }
+        }
+    }
+    let over_quota = |quotas: &Quotas, svc: &LbService, port: PortId, number: u16| {
+        let pool = constraints.pool_of(&svc.key)?;
+        let max = pool.per_namespace?;
+        let holds = quotas.held(&pool.pool, &svc.key.namespace);
+        (holds.len() >= max as usize && !holds.contains(&number)).then(|| AllocProblem::QuotaExceeded {
+            service: svc.key.clone(),
+            port,
+            pool: pool.pool.clone(),
+            max,
+            why: format!("namespace {} holds {} node ports of it", svc.key.namespace, holds.len()),
+        })
+    };
+
     // Phase 2: explicit requests not settled above, oldest Service first. A number someone holds
     // from before is a conflict, whatever the requester's age: a serving Service never loses its
     // port to one that asks later.
@@ -411,10 +456,13 @@ pub fn allocate_with<S: Borrow<LbService>>(
                 Some(AllocProblem::NotAllowed { service: service(), port: id, wanted, allowed })
             } else if let Some(by) = constraints.in_use(id.protocol, wanted) {
                 Some(AllocProblem::InUse { service: service(), port: id, wanted, by: by.clone() })
+            } else if let Some(p) = over_quota(&quotas, svc, id, wanted) {
+                Some(p)
             } else {
                 match table.claim(wanted, id.protocol, &svc.key) {
                     Ok(()) => {
                         held[i].insert(id, wanted);
+                        quotas.count_one(constraints.pool_of(&svc.key), &svc.key.namespace, wanted);
                         None
                     }
                     Err(holder) => {
@@ -466,9 +514,16 @@ pub fn allocate_with<S: Borrow<LbService>>(
                     break;
                 }
             }
+            if let Some(number) = found
+                && let Some(p) = over_quota(&quotas, svc, port.id, number)
+            {
+                result.problems.push(p);
+                continue;
+            }
             match found {
                 Some(number) if table.claim(number, port.id.protocol, &svc.key).is_ok() => {
                     held[i].insert(port.id, number);
+                    quotas.count_one(pool, &svc.key.namespace, number);
                 }
                 _ => result.problems.push(AllocProblem::Exhausted {
                     service: svc.key.clone(),
@@ -487,6 +542,28 @@ pub fn allocate_with<S: Borrow<LbService>>(
     result.allocations =
         ordered.iter().zip(held).filter(|(_, m)| !m.is_empty()).map(|(s, m)| (s.key.clone(), m)).collect();
     result
+}
+
+/// The numbers each namespace holds in each pool that bounds them ([`PoolRanges::per_namespace`]).
+#[derive(Default)]
+struct Quotas(BTreeMap<(String, String), BTreeSet<u16>>);
+
+impl Quotas {
+    fn count(&mut self, pool: &str, namespace: &str, numbers: impl Iterator<Item = u16>) {
+        self.0.entry((pool.to_string(), namespace.to_string())).or_default().extend(numbers);
+    }
+
+    /// Counts `number` for `namespace` in `pool` when that pool bounds its namespaces.
+    fn count_one(&mut self, pool: Option<&PoolRanges>, namespace: &str, number: u16) {
+        if let Some(pool) = pool.filter(|p| p.per_namespace.is_some()) {
+            self.count(&pool.pool, namespace, std::iter::once(number));
+        }
+    }
+
+    fn held(&self, pool: &str, namespace: &str) -> &BTreeSet<u16> {
+        static NONE: BTreeSet<u16> = BTreeSet::new();
+        self.0.get(&(pool.to_string(), namespace.to_string())).unwrap_or(&NONE)
+    }
 }
 
 /// Ports whose node port changed from `previous` to `next` (a number no longer valid for its
@@ -1023,6 +1100,8 @@ mod tests {
             pool: name.into(),
             keep,
             take,
+            requestable: vec![],
+            per_namespace: None,
         };
         let pools: BTreeMap<ServiceKey, PoolRanges> = [
             ("new-a", pool("a", vec![r(21000, 21009)], vec![r(21000, 21009)])),
@@ -1037,6 +1116,14 @@ mod tests {
             ("drain-kept", pool("d", vec![r(23000, 23009)], vec![])),
             ("drain-new", pool("d", vec![r(23000, 23009)], vec![])),
             ("explicit", pool("e", vec![r(24000, 24009)], vec![r(24000, 24009)])),
+            // Its pool lets its Services ask for 80 and 443 by number.
+            (
+                "requestable",
+                PoolRanges {
+                    requestable: vec![r(80, 80), r(443, 443)],
+                    ..pool("w", vec![r(25000, 25009)], vec![])
+                },
+            ),
         ]
         .into_iter()
         .map(|(n, p)| (key(n), p))
@@ -1050,8 +1137,11 @@ mod tests {
             annotated(svc("drain-kept", Some(6), &[tcp(80)]), &[(tcp(80), 23004)]),
             svc("drain-new", Some(7), &[tcp(80)]),
             explicit(svc("explicit", Some(8), &[tcp(80)]), &[(tcp(80), 80)]),
+            explicit(svc("requestable", Some(9), &[tcp(80), tcp(8443)]), &[(tcp(80), 80), (tcp(8443), 8443)]),
         ];
-        let policy = PortPolicy::default();
+        // `--allowed-node-ports` is everyone's: with pool objects, only a pool's
+        // requestablePorts let its Services out of its ranges.
+        let policy = PortPolicy { allowed: vec![r(80, 80), r(8443, 8443)], ..PortPolicy::default() };
         let c = Constraints { policy: Some(&policy), pools: Some(&pools), ..Default::default() };
         let got = allocate_with(&PortRange::default(), &services, &Allocations::new(), c);
         let want = allocs(&[
@@ -1061,6 +1151,7 @@ mod tests {
             ("shrunk-in", &[(tcp(80), 22006)]),
             ("conflicted", &[(tcp(80), 21007), (tcp(81), 21010)]),
             ("drain-kept", &[(tcp(80), 23004)]),
+            ("requestable", &[(tcp(80), 80)]),
         ]);
         assert_eq!(got.allocations, want);
         let problems: Vec<String> = got.problems.iter().map(|p| p.to_string()).collect();
@@ -1068,9 +1159,68 @@ mod tests {
             problems,
             vec![
                 "Service default/explicit: port 80/TCP asks for node port 80, which is not allowed (allowed: pool e 24000-24009)",
+                "Service default/requestable: port 8443/TCP asks for node port 8443, which is not allowed (allowed: pool w 25000-25009 or its requestablePorts 80,443)",
                 "Service default/drain-new: port 80/TCP: no free node port left in pool d (disabled, or all its ranges are another pool's)",
             ]
         );
+    }
+
+    /// A pool bounding what one namespace holds: new numbers stop at the bound (per namespace,
+    /// a number counted once whatever its protocols), what is held above it stays, and a
+    /// Service with more ports than the bound gets none.
+    #[test]
+    fn a_namespace_holds_at_most_its_pools_bound() {
+        let r = |a: u16, b: u16| PortRange { first: a, last: b };
+        let in_ns = |ns: &str, name: &str, age: u32, ports: &[PortId]| {
+            let mut s = svc(name, Some(age), ports);
+            s.key = ServiceKey::new(ns, name);
+            s
+        };
+        let bounded = PoolRanges {
+            pool: "shared".into(),
+            keep: vec![r(21000, 21099)],
+            take: vec![r(21000, 21099)],
+            requestable: vec![],
+            per_namespace: Some(2),
+        };
+        let services = vec![
+            in_ns("a", "dns", 1, &[tcp(53), udp(53)]),
+            in_ns("a", "web", 2, &[tcp(80)]),
+            in_ns("a", "third", 3, &[tcp(80)]),
+            in_ns("b", "web", 4, &[tcp(80)]),
+            in_ns("b", "big", 5, &[tcp(1), tcp(2), tcp(3)]),
+            // Held before the bound was set: kept, but nothing new.
+            annotated(
+                in_ns("c", "old", 6, &[tcp(1), tcp(2), tcp(3), tcp(4)]),
+                &[(tcp(1), 21050), (tcp(2), 21051), (tcp(3), 21052)],
+            ),
+        ];
+        let pools: BTreeMap<ServiceKey, PoolRanges> =
+            services.iter().map(|s| (s.key.clone(), bounded.clone())).collect();
+        let c = Constraints { pools: Some(&pools), ..Default::default() };
+        let got = allocate_with(&PortRange::default(), &services, &Allocations::new(), c);
+        let numbers = |ns: &str, name: &str| -> Vec<u16> {
+            got.allocations
+                .get(&ServiceKey::new(ns, name))
+                .map(|m| m.values().copied().collect())
+                .unwrap_or_default()
+        };
+        assert_eq!(numbers("a", "dns"), [21000, 21000], "one number for both protocols counts once");
+        assert_eq!(numbers("a", "web"), [21001]);
+        assert_eq!(numbers("a", "third"), Vec::<u16>::new(), "namespace a is at its bound");
+        assert_eq!(numbers("b", "web"), [21002], "another namespace has its own bound");
+        assert_eq!(numbers("b", "big"), Vec::<u16>::new(), "more ports than the bound: none");
+        assert_eq!(numbers("c", "old"), [21050, 21051, 21052], "held above the bound: kept");
+        let problems: Vec<String> = got.problems.iter().map(|p| p.to_string()).collect();
+        assert!(
+            problems.contains(&"Service c/old: port 4/TCP: no new node port: the Service has 4 ports, more than one namespace may hold (pool shared's maxPortsPerNamespace is 2)".to_string()),
+            "{problems:#?}"
+        );
+        assert!(
+            problems.contains(&"Service a/third: port 80/TCP: no new node port: namespace a holds 2 node ports of it (pool shared's maxPortsPerNamespace is 2)".to_string()),
+            "{problems:#?}"
+        );
+        assert_eq!(problems.iter().filter(|p| p.starts_with("Service b/big")).count(), 3, "{problems:#?}");
     }
 
     #[test]

@@ -218,7 +218,11 @@ pub fn compute_next(
         _ => None,
     };
     kept.book.registry = inputs.registry.cloned();
+    // A pool bounding what a namespace holds counts over every Service the node allocates.
+    let counts_all =
+        inputs.mode == AllocationMode::Allocate && inputs.pools.is_some_and(|c| c.set.bounds_namespaces());
     let whole = std::mem::take(&mut kept.whole)
+        || counts_all
         || changes.first
         || applied.is_none()
         || recorded.is_none()
@@ -742,7 +746,7 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             (Some(why), _, _) => Some(Err(PortRefusal::NotSelected(format!("ServiceLB labels: {why}")))),
             (None, Some(ctx), Some(a)) => {
                 let own = &inputs.host.addresses.own;
-                Some(pool_node_policy(ctx, a, key, &inputs.policy.ports, own).map(|(policy, addresses)| {
+                Some(pool_node_policy(ctx, a, key, own).map(|(policy, addresses)| {
                     if let Some(addresses) = addresses {
                         restricted.insert(key.clone(), addresses);
                     }
@@ -873,7 +877,7 @@ fn recorded(
         .collect()
 }
 
-/// The port policy of a Service's pool on this node (its ranges, plus `--allowed-node-ports`) and,
+/// The port policy of a Service's pool on this node (its ranges, plus its `requestablePorts`) and,
 /// when the pool restricts node addresses, the addresses of this node that serve it; or why this
 /// node does not serve it at all (its pool does not select this node or any of its addresses, or
 /// no pool serves it).
@@ -881,7 +885,6 @@ fn pool_node_policy(
     ctx: &PoolContext,
     assignment: &crate::pool::Assignment,
     key: &ServiceKey,
-    flags: &PortPolicy,
     own: &crate::pool::NodeAddresses,
 ) -> Result<(PortPolicy, Option<BTreeSet<std::net::IpAddr>>), PortRefusal> {
     let Some(ranges) = assignment.ranges.get(key) else {
@@ -905,7 +908,7 @@ fn pool_node_policy(
             pool.pool.addresses.describe()
         )));
     }
-    Ok((PortPolicy { ranges: ranges.keep.clone(), allowed: flags.allowed.clone() }, addresses))
+    Ok((PortPolicy { ranges: ranges.keep.clone(), allowed: ranges.requestable.clone() }, addresses))
 }
 
 /// The Services this node does not serve under the k3s ServiceLB labels (when in force), and why.
@@ -1033,6 +1036,7 @@ fn service_status(
         Some(AllocProblem::NotAllowed { .. }) => "port_not_allowed",
         Some(AllocProblem::InUse { .. }) => "port_in_use",
         Some(AllocProblem::NoPool { .. }) => "no_pool",
+        Some(AllocProblem::QuotaExceeded { .. }) => "quota_exceeded",
         None => "no_allocation",
     };
     let not_taken = || listed(fault.ports.iter().map(|r| r.to_string()));

@@ -74,6 +74,18 @@ pub struct NodePortPoolSpec {
     /// service-node-port-range was moved elsewhere).
     #[serde(default)]
     pub allow_node_port_range: bool,
+    /// Node ports outside `ports` that the Services of this pool (and only they) may ask for by
+    /// number (annotation nodelb.io/ports: a number, or `service` for the Service's own ports),
+    /// for example 80 and 443. Never allocated automatically.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub requestable_ports: Vec<PoolPortRange>,
+    /// The most node ports the Services of one namespace may hold in this pool (a number counts
+    /// once, whatever its protocols; absent: no bound). A Service that would go past it gets no
+    /// new number; a Service with more ports than the bound gets none at all. Lowering it takes
+    /// nothing away.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_ports_per_namespace: Option<u32>,
     /// Nodes that serve this pool's Services (empty or absent: every node).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_selector: Option<LabelSelector>,
@@ -155,6 +167,10 @@ pub struct NodePortPoolStatus {
     pub nodes: Vec<String>,
     #[serde(default)]
     pub node_count: i64,
+    /// With `maxPortsPerNamespace`: the namespaces that hold that many of its node ports (their
+    /// Services get no new one).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub namespaces_at_limit: Vec<String>,
 }
 
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
@@ -339,6 +355,10 @@ impl NodeAddresses {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Pool {
     pub name: String,
+    /// `spec.requestablePorts`: what its Services may also ask for by number.
+    pub requestable: Vec<PortRange>,
+    /// `spec.maxPortsPerNamespace`.
+    pub per_namespace: Option<u32>,
     /// creationTimestamp (RFC 3339); manifests: none (then the name orders them).
     pub created: Option<String>,
     pub generation: Option<i64>,
@@ -357,6 +377,8 @@ impl Pool {
     pub fn implicit(range: PortRange) -> Pool {
         Pool {
             name: IMPLICIT_POOL.to_string(),
+            requestable: Vec::new(),
+            per_namespace: None,
             created: None,
             generation: None,
             ranges: vec![range],
@@ -419,6 +441,13 @@ pub fn validate(
             }
         }
     }
+    let mut requestable = Vec::new();
+    for (i, r) in spec.requestable_ports.iter().enumerate() {
+        match PortRange::new(r.start, r.end) {
+            Ok(range) => requestable.push(range),
+            Err(e) => errors.push(format!("spec.requestablePorts[{i}]: {e}")),
+        }
+    }
     let mut selector = |field: &str, s: Option<&LabelSelector>| {
         Selector::parse(s).unwrap_or_else(|e| {
             errors.push(format!("spec.{field}: {e}"));
@@ -461,8 +490,13 @@ pub fn validate(
     if !errors.is_empty() {
         return Err(errors);
     }
+    if spec.max_ports_per_namespace == Some(0) {
+        errors.push("spec.maxPortsPerNamespace: 0 would admit nothing (omit it for no bound)".to_string());
+    }
     Ok(Pool {
         name: name.to_string(),
+        requestable,
+        per_namespace: spec.max_ports_per_namespace,
         created,
         generation,
         ranges,
@@ -585,6 +619,12 @@ pub struct PoolSet {
 }
 
 impl PoolSet {
+    /// Whether a pool bounds what one namespace holds (`maxPortsPerNamespace`): then what a
+    /// namespace holds is counted over every Service, and decisions are whole, not scoped.
+    pub fn bounds_namespaces(&self) -> bool {
+        self.pools.iter().any(|p| p.pool.per_namespace.is_some())
+    }
+
     /// `pools` (valid, in force) resolved on `nodes` (each node's labels); without pools, the
     /// implicit pool of `flag_range`.
     pub fn resolve(
@@ -669,6 +709,10 @@ pub struct ServiceFacts<'a> {
 pub enum NoPool {
     #[error("it asks for pool {0:?} ({ANNOTATION_POOL}), which does not exist")]
     Missing(String),
+    #[error(
+        "it asks for pool {0:?} ({ANNOTATION_POOL}), which does not admit it (its serviceSelector or namespaceSelector does not select it)"
+    )]
+    NotAdmitted(String),
     #[error("no pool accepts it (serviceSelector, namespaceSelector, autoAssign, disabled)")]
     NoneAccepts,
 }
@@ -677,7 +721,12 @@ pub enum NoPool {
 /// in while that still accepts it, then lowest priority, then oldest).
 pub fn assign<'p>(set: &'p PoolSet, svc: &ServiceFacts<'_>) -> Result<&'p ResolvedPool, NoPool> {
     if let Some(name) = svc.requested.map(str::trim).filter(|n| !n.is_empty()) {
-        return set.get(name).ok_or_else(|| NoPool::Missing(name.to_string()));
+        // A pool is access control: naming it gets a Service nothing its selectors refuse.
+        let p = set.get(name).ok_or_else(|| NoPool::Missing(name.to_string()))?;
+        return match p.pool.accepts(svc) {
+            true => Ok(p),
+            false => Err(NoPool::NotAdmitted(name.to_string())),
+        };
     }
     if set.implicit {
         return set.pools.first().ok_or(NoPool::NoneAccepts);
@@ -833,6 +882,8 @@ pub fn assign_services<S: Borrow<Service>, V: Borrow<LbService>>(
                     pool: p.pool.name.clone(),
                     keep: p.pool.ranges.clone(),
                     take: p.effective.clone(),
+                    requestable: p.pool.requestable.clone(),
+                    per_namespace: p.pool.per_namespace,
                 };
                 out.ranges.insert(svc.key.clone(), ranges);
             }
@@ -930,6 +981,18 @@ pub fn status_of(input: &StatusInput<'_>) -> NodePortPoolStatus {
     }
     st.node_count = input.nodes.len() as i64;
     st.nodes = input.nodes.clone();
+    if let Some(max) = r.pool.per_namespace {
+        let mut by_namespace: BTreeMap<&str, BTreeSet<u16>> = BTreeMap::new();
+        for k in &input.members {
+            let numbers = input.allocations.get(*k).into_iter().flat_map(|m| m.values().copied());
+            by_namespace.entry(&k.namespace).or_default().extend(numbers);
+        }
+        st.namespaces_at_limit = by_namespace
+            .into_iter()
+            .filter(|(_, n)| n.len() >= max as usize)
+            .map(|(ns, _)| ns.to_string())
+            .collect();
+    }
     st
 }
 
@@ -1301,7 +1364,31 @@ mod tests {
             ("same priority: the older pool", &team_a, &none, None, &[], Ok("team-a")),
             ("lower priority wins", &team_a, &prod, None, &[], Ok("prod-ns")),
             ("by name, autoAssign false", &none, &none, Some("by-name"), &[], Ok("by-name")),
-            ("by name wins over selectors", &team_a, &none, Some("general"), &[], Ok("general")),
+            ("by name wins over priority", &team_a, &none, Some("general"), &[], Ok("general")),
+            (
+                "by name, admitted by its selectors",
+                &team_a,
+                &none,
+                Some("team-a-newer"),
+                &[],
+                Ok("team-a-newer"),
+            ),
+            (
+                "by name, not admitted by its serviceSelector",
+                &none,
+                &none,
+                Some("team-a"),
+                &[],
+                Err(NoPool::NotAdmitted("team-a".into())),
+            ),
+            (
+                "by name, not admitted by its namespaceSelector",
+                &team_a,
+                &none,
+                Some("prod-ns"),
+                &[],
+                Err(NoPool::NotAdmitted("prod-ns".into())),
+            ),
             ("missing pool", &none, &none, Some("nope"), &[], Err(NoPool::Missing("nope".into()))),
             ("stays in the pool it holds numbers in", &team_a, &none, None, &[22005], Ok("team-a-newer")),
             ("a draining pool keeps what it holds", &none, &none, None, &[25000], Ok("draining")),

@@ -417,6 +417,23 @@ impl ReadRegistry {
         }
         (read, problems)
     }
+
+    /// Puts back the blocks `before` had that this read lost (their Lease deleted: nodelb never
+    /// deletes one, so an administrator or a tool did), as they were but with no resourceVersion:
+    /// the record of who holds what is not lost with its Lease. A node keeps programming by them;
+    /// the leader writes them again ([`plan`] creates a block that has claims and no version).
+    /// Returns the blocks put back.
+    pub fn keep_lost(&mut self, before: &ReadRegistry) -> Vec<u16> {
+        let mut lost = Vec::new();
+        for (b, block) in &before.registry.blocks {
+            if !self.registry.blocks.contains_key(b) && !block.claims.is_empty() {
+                let ghost = Block { claims: Arc::clone(&block.claims), resource_version: None };
+                self.registry.blocks.insert(*b, ghost);
+                lost.push(*b);
+            }
+        }
+        lost
+    }
 }
 
 /// What the registry lets each Service keep, before the allocator runs.
@@ -773,7 +790,10 @@ fn plan_in<S: ClaimStore>(
     }
     for (b, new) in next.blocks(registry) {
         let old = registry.blocks.get(&b);
-        if old.map(|o| &*o.claims) != Some(&new) && !(old.is_none() && new.is_empty()) {
+        // A block known but not stored (its Lease deleted: [`ReadRegistry::keep_lost`]) is
+        // created again with its claims.
+        let unstored = old.is_some_and(|o| o.resource_version.is_none()) && !new.is_empty();
+        if unstored || (old.map(|o| &*o.claims) != Some(&new) && !(old.is_none() && new.is_empty())) {
             let resource_version = old.and_then(|o| o.resource_version.clone());
             out.blocks.insert(b, Block { claims: Arc::new(new), resource_version });
         }
@@ -819,7 +839,9 @@ impl ClaimStore for Overlay<'_> {
     }
 
     fn blocks(&self, read: &Registry) -> Vec<(u16, Claims)> {
-        let touched: BTreeSet<u16> = self.changed.keys().map(|n| block_of(*n)).collect();
+        let mut touched: BTreeSet<u16> = self.changed.keys().map(|n| block_of(*n)).collect();
+        // Blocks known but not stored are written whatever changed.
+        touched.extend(read.blocks.iter().filter(|(_, b)| b.resource_version.is_none()).map(|(n, _)| *n));
         touched
             .into_iter()
             .map(|b| {
@@ -1280,6 +1302,36 @@ mod tests {
         let (third, _) = ReadRegistry::read(&leases, Some(second.clone()));
         assert_eq!(third.registry.owners_changed(&second.registry), [20002, 24576]);
         assert!(third.registry.owners_changed(&third.registry).is_empty());
+    }
+
+    /// A registry Lease deleted: its last claims stay in force (no version), and the leader's
+    /// next plan writes the block again with them, whatever the annotations say.
+    #[test]
+    fn a_deleted_block_is_kept_and_written_again() {
+        let before = ReadRegistry {
+            registry: registry(&[(20000, Claim::held(owner('a'))), (8000, Claim::held(owner('b')))]),
+            ..Default::default()
+        };
+        let mut now =
+            ReadRegistry { registry: registry(&[(8000, Claim::held(owner('b')))]), ..Default::default() };
+        assert_eq!(now.keep_lost(&before), [2]);
+        assert_eq!(now.registry.owner(20000), Some(&owner('a')), "still in force");
+        assert_eq!(now.registry.blocks[&2].resource_version, None);
+        assert!(now.registry.owners_changed(&before.registry).is_empty(), "no owner changed");
+        // A forged annotation of the moment does not win: the block is written as it was.
+        let forger = holder('c', 1, &[20000]);
+        let victim = holder('a', 2, &[20000]);
+        let p = plan(
+            &now.registry,
+            &HeldNumbers::of(&[forger, victim]),
+            &[],
+            &tok("me"),
+            &BTreeSet::new(),
+            &BTreeSet::new(),
+        );
+        let written = p.blocks.get(&2).expect("the lost block is written again");
+        assert_eq!(*written.claims, Claims::from([(20000, Claim::held(owner('a')))]));
+        assert_eq!(written.resource_version, None, "created, not replaced");
     }
 
     #[test]

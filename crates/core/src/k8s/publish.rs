@@ -57,6 +57,8 @@ pub enum ConditionReason {
     RangeExhausted,
     /// No node port pool serves the Service (Allocated).
     NoPool,
+    /// Its namespace holds what its pool allows one namespace (Allocated).
+    QuotaExceeded,
     /// Every port has its node port (Allocated).
     Allocated,
     /// No node port allocated (Serving).
@@ -87,6 +89,7 @@ impl ConditionReason {
             ConditionReason::PortInUse => "PortInUse",
             ConditionReason::RangeExhausted => "RangeExhausted",
             ConditionReason::NoPool => "NoPool",
+            ConditionReason::QuotaExceeded => "QuotaExceeded",
             ConditionReason::Allocated => "Allocated",
             ConditionReason::NotAllocated => "NotAllocated",
             ConditionReason::Serving => "Serving",
@@ -139,6 +142,9 @@ pub fn condition_for(
     }
     if problems.iter().any(|p| matches!(p, AllocProblem::NoPool { .. })) {
         return WantedCondition { status: false, reason: ConditionReason::NoPool, message: msgs() };
+    }
+    if problems.iter().any(|p| matches!(p, AllocProblem::QuotaExceeded { .. })) {
+        return WantedCondition { status: false, reason: ConditionReason::QuotaExceeded, message: msgs() };
     }
     if !problems.is_empty() {
         return WantedCondition { status: false, reason: ConditionReason::RangeExhausted, message: msgs() };
@@ -947,6 +953,7 @@ fn round_events<S, V>(round: &Round<'_, S, V>, duplicates: &[Duplicate]) -> Vec<
             AllocProblem::NotAllowed { .. } => "NodePortNotAllowed",
             AllocProblem::InUse { .. } => "NodePortInUse",
             AllocProblem::NoPool { .. } => "NoNodePortPool",
+            AllocProblem::QuotaExceeded { .. } => "NodePortQuotaExceeded",
         };
         out.push(ServiceEvent {
             service: p.service().clone(),
