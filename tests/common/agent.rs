@@ -45,6 +45,15 @@ pub struct Agent {
     daemonset: Option<ContainerCommand>,
     child: Option<Child>,
     starts: usize,
+    /// The binary it runs ([`bin`], unless the test says otherwise).
+    binary: String,
+}
+
+/// `NODELB_UPGRADE_FROM`: a binary of an earlier version, which the Kubernetes tests' first agents
+/// run (those started again, as an upgrade starts them, run [`bin`]): the upgrade tests then
+/// upgrade from that version.
+pub fn upgrade_from() -> Option<String> {
+    std::env::var("NODELB_UPGRADE_FROM").ok().filter(|p| !p.is_empty())
 }
 
 impl Agent {
@@ -73,9 +82,14 @@ impl Agent {
         node_name: &str,
         command: ContainerCommand,
         extra: &[&str],
+        binary: Option<String>,
     ) -> Agent {
         let kube = Some((kubeconfig.to_path_buf(), node_name.to_string()));
-        Agent::new(node, extra, kube, Some(command)).started()
+        let mut a = Agent::new(node, extra, kube, Some(command));
+        if let Some(b) = binary {
+            a.binary = b;
+        }
+        a.started()
     }
 
     /// An agent of `node` not started yet, with fresh manifests and state directories.
@@ -95,6 +109,7 @@ impl Agent {
             daemonset,
             child: None,
             starts: 0,
+            binary: bin(),
         }
     }
 
@@ -128,7 +143,7 @@ impl Agent {
         let mut l = &log;
         let _ = writeln!(l, "===== test harness: agent start #{} =====", self.starts);
         let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &self.ns_name, &bin()]);
+        cmd.args(["netns", "exec", &self.ns_name, &self.binary]);
         if let Some((args, env)) = &self.daemonset {
             cmd.args(args).envs(env.iter().map(|(k, v)| (k, v)));
         } else {

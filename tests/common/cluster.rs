@@ -223,7 +223,7 @@ impl Cluster {
             fabric,
         };
         for i in 0..nodes_n {
-            let a = c.new_agent(i);
+            let a = c.new_agent(i, super::agent::upgrade_from());
             c.agents.push(a);
         }
         if wait_ready {
@@ -258,12 +258,14 @@ impl Cluster {
 
     /// A new agent for node `i`, as the kubelet starts the DaemonSet's pod: the stored
     /// DaemonSet's args and env, a fresh token of the `nodelb` ServiceAccount.
-    fn new_agent(&self, i: usize) -> Agent {
+    /// Starts node `i`'s agent from the DaemonSet as stored; `binary`: another binary than the
+    /// one under test.
+    fn new_agent(&self, i: usize, binary: Option<String>) -> Agent {
         let kubeconfig = self.kubeconfig(i);
         self.api.write_sa_kubeconfig(AGENT_NS, "nodelb", &kubeconfig);
         let cmd = daemonset_command(&self.daemonset(), &node_name(i), AGENT_NS);
         let args: Vec<&str> = self.agent_args.iter().map(String::as_str).collect();
-        Agent::start_daemonset(&self.nodes[i], &kubeconfig, &node_name(i), cmd, &args)
+        Agent::start_daemonset(&self.nodes[i], &kubeconfig, &node_name(i), cmd, &args, binary)
     }
 
     /// Stops agent `i` as the kubelet stops a pod: SIGTERM, then SIGKILL after `grace` (the
@@ -276,7 +278,7 @@ impl Cluster {
     /// stored now (a rolling update's new template), and waits until it is ready (the readiness
     /// probe the DaemonSet controller waits for before the next node).
     pub fn start_agent(&mut self, i: usize, timeout: Duration) {
-        self.agents[i] = self.new_agent(i);
+        self.agents[i] = self.new_agent(i, None);
         self.agents[i].wait_ready(timeout);
     }
 
