@@ -2,7 +2,10 @@
 //! same source port keeps refreshing its conntrack entry, whose DNAT binding still points at an
 //! endpoint that is gone, and its traffic black-holes until the entry times out. When an endpoint
 //! leaves a UDP service port, the agent deletes the DNATed entries of that node port that point
-//! at it (ctnetlink dump + delete), the way kube-proxy does.
+//! at it (ctnetlink dump + delete), the way kube-proxy does. A busy node's table is large: the
+//! dump is read as it streams, keeping only the stale entries' tuples, at most [`BATCH`] of them
+//! at a time (deleted, then the dump is taken again until a pass finds fewer), so memory stays
+//! bounded whatever the table holds.
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -78,12 +81,13 @@ impl ConntrackClient {
         Ok(self.seq)
     }
 
-    /// Receives until DONE (dumps) or the ACK/error for `seq`, handing each message to `f`.
+    /// Receives until DONE (dumps) or the ACK/error for `seq`, handing each message to `f`, which
+    /// returns whether to go on (`false`: stop reading, the rest of a dump left unread).
     fn receive(
         &mut self,
         op: &'static str,
         seq: u32,
-        mut f: impl FnMut(ConntrackMessage),
+        mut f: impl FnMut(ConntrackMessage) -> bool,
     ) -> Result<(), ConntrackError> {
         loop {
             let (buf, _) =
@@ -111,7 +115,12 @@ impl ConntrackClient {
                     NetlinkPayload::InnerMessage(NetfilterMessage {
                         inner: NetfilterMessageInner::Conntrack(ct),
                         ..
-                    }) => f(ct),
+                    }) => {
+                        let go_on = f(ct);
+                        if !go_on {
+                            return Ok(());
+                        }
+                    }
                     _ => {}
                 }
             }
@@ -120,16 +129,36 @@ impl ConntrackClient {
 
     /// Every conntrack entry of this network namespace (both families).
     pub fn flows(&mut self) -> Result<Vec<Flow>, ConntrackError> {
+        let mut flows = vec![];
+        self.each_flow(|f| {
+            flows.push(f);
+            true
+        })?;
+        Ok(flows)
+    }
+
+    /// Hands every conntrack entry of this network namespace to `f` as the dump streams in;
+    /// `f` returning `false` ends the dump early (the rest is not read).
+    fn each_flow(&mut self, mut f: impl FnMut(Flow) -> bool) -> Result<(), ConntrackError> {
         let seq = self
             .send(NetfilterProtoFamily::Unspec, ConntrackMessage::Get(vec![]), NLM_F_REQUEST | NLM_F_DUMP)
             .map_err(|source| ConntrackError::Kernel { op: "dump", source })?;
-        let mut flows = vec![];
-        self.receive("dump", seq, |ct| {
-            if let ConntrackMessage::New(attrs) = ct {
-                flows.push(flow_of(attrs));
+        let mut open = true;
+        let ended = self.receive("dump", seq, |ct| {
+            if let ConntrackMessage::New(attrs) = ct
+                && open
+            {
+                open = f(flow_of(attrs));
             }
-        })?;
-        Ok(flows)
+            open
+        });
+        if !open {
+            // The dump was cut short: the kernel still has parts of it for this socket. A fresh
+            // socket starts the next request clean.
+            *self = ConntrackClient::new()?;
+            return Ok(());
+        }
+        ended
     }
 
     /// Deletes one entry (by its original tuple). An entry that vanished meanwhile is not an error.
@@ -145,7 +174,7 @@ impl ConntrackClient {
                 NLM_F_REQUEST | NLM_F_ACK,
             )
             .map_err(|source| ConntrackError::Kernel { op: "delete", source })?;
-        match self.receive("delete", seq, |_| {}) {
+        match self.receive("delete", seq, |_| true) {
             Err(ConntrackError::Kernel { source, .. }) if source.raw_os_error() == Some(libc_enoent()) => {
                 Ok(())
             }
@@ -154,17 +183,34 @@ impl ConntrackClient {
     }
 
     /// Deletes the DNATed UDP entries whose node port and endpoint are in `gone`. Returns how many.
+    /// At most [`BATCH`] are held at a time: a pass of the dump that fills a batch stops there,
+    /// deletes it and dumps again, until a pass finds fewer.
     pub fn delete_stale_udp(&mut self, gone: &BTreeSet<UdpBackend>) -> Result<usize, ConntrackError> {
         if gone.is_empty() {
             return Ok(0);
         }
-        let stale: Vec<Flow> = self.flows()?.into_iter().filter(|f| is_stale(f, gone)).collect();
-        for flow in &stale {
-            self.delete(flow)?;
+        let mut deleted = 0;
+        loop {
+            let mut stale = Vec::new();
+            self.each_flow(|f| {
+                if is_stale(&f, gone) {
+                    stale.push(f);
+                }
+                stale.len() < BATCH
+            })?;
+            for flow in &stale {
+                self.delete(flow)?;
+            }
+            deleted += stale.len();
+            if stale.len() < BATCH {
+                return Ok(deleted);
+            }
         }
-        Ok(stale.len())
     }
 }
+
+/// Stale entries held at most at a time ([`ConntrackClient::delete_stale_udp`]).
+pub const BATCH: usize = 4096;
 
 fn libc_enoent() -> i32 {
     nix::errno::Errno::ENOENT as i32

@@ -111,7 +111,16 @@ impl ManifestCache {
                         _ => (stamp, Arc::new(parse_file(&path, &name))),
                     }
                 }
-                Ok(_) => continue, // a directory called x.yaml: not a manifest
+                Ok(m) if m.is_dir() => continue, // a directory called x.yaml: not a manifest
+                // A FIFO, a socket or a device: named, never read (the read checks the opened file
+                // too, should it be replaced in between).
+                Ok(_) => {
+                    let stamp = FileStamp { len: 0, dev: 0, ino: 0, mtime_ns: -2, ctime_ns: -2 };
+                    let why = crate::observe::bounded::read_to_string(&path, MAX_FILE_BYTES)
+                        .err()
+                        .map_or_else(|| "not a regular file".to_string(), |e| e.to_string());
+                    (stamp, Arc::new(manifests::unreadable(&path, &why)))
+                }
                 Err(e) => {
                     let stamp = FileStamp { len: 0, dev: 0, ino: 0, mtime_ns: -1, ctime_ns: -1 };
                     (stamp, Arc::new(manifests::unreadable(&path, &e.to_string())))
@@ -221,6 +230,23 @@ mod tests {
         fs::write(dir.path().join("new.yaml"), bad_second).unwrap();
         let m = last.apply(load_dir(dir.path()).expect("load"));
         assert_eq!(names(&m).0, vec!["default/web".to_string()]);
+    }
+
+    /// A FIFO named like a manifest (a read of it would wait for a writer forever) is a named
+    /// problem at once, and the other files are served.
+    #[test]
+    fn a_fifo_among_the_manifests_is_a_problem_not_a_stuck_read() {
+        let dir = dir_with(&[("web.yaml", SVC)]);
+        nix::unistd::mkfifo(&dir.path().join("pipe.yaml"), nix::sys::stat::Mode::S_IRWXU).expect("mkfifo");
+        let started = std::time::Instant::now();
+        let loaded = load_dir(dir.path()).expect("the directory reads");
+        assert!(started.elapsed() < std::time::Duration::from_secs(2), "a read waited");
+        assert_eq!(loaded.services.len(), 1);
+        let problems: Vec<String> = loaded.problems.iter().map(|p| p.to_string()).collect();
+        assert!(
+            problems.iter().any(|p| p.contains("pipe.yaml") && p.contains("is a FIFO, not a regular file")),
+            "{problems:?}"
+        );
     }
 
     #[test]

@@ -537,8 +537,18 @@ impl StateFile {
         tmp_name.push(format!(".tmp.{}", std::process::id()));
         let tmp = dir.join(tmp_name);
         let result = (|| {
-            let mut f =
-                fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+            // Created new, never through a link someone planted there: a file a crash left is
+            // removed first (an unlink removes a link, not what it points to).
+            match fs::remove_file(&tmp) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+            let mut f = fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&tmp)?;
             // A temporary file left by a crash keeps its mode through `open`: set it.
             f.set_permissions(fs::Permissions::from_mode(0o600))?;
             f.write_all(bytes)?;
@@ -557,7 +567,7 @@ impl StateFile {
 
 /// The text of the file at `path` (bounded); `None` when there is none.
 fn read_if_there(path: &Path) -> Result<Option<String>, StateError> {
-    match crate::observe::bounded::read_to_string(path, MAX_STATE_BYTES) {
+    match crate::observe::bounded::read_own(path, MAX_STATE_BYTES) {
         Ok(text) => Ok(Some(text)),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
         Err(source) => Err(StateError::Read { path: path.to_path_buf(), source }),
@@ -646,11 +656,17 @@ fn journal_lines(prev: &State, next: &State) -> Vec<String> {
 /// Appends `bytes` to `path` (created 0600 when missing, its directory entry then synced; made
 /// empty first when `start`) and syncs its data.
 fn append_synced(path: &Path, bytes: &[u8], start: bool) -> io::Result<()> {
-    let created = !path.exists();
+    let created = fs::symlink_metadata(path).is_err();
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
     }
-    let mut f = fs::OpenOptions::new().append(true).create(true).truncate(false).mode(0o600).open(path)?;
+    // Never through a link in the journal's place; a new one is created exclusively.
+    let mut f = fs::OpenOptions::new()
+        .append(true)
+        .create_new(created)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)?;
     if start {
         f.set_len(0)?;
     }
@@ -901,6 +917,33 @@ mod tests {
         let (loaded, skipped) = reader.load_with(journal).expect("load");
         assert_eq!(loaded, later, "the older journal's default/web line is not replayed over the file");
         assert_eq!(skipped.len(), 1, "{skipped:?}");
+    }
+
+    /// The agent's own files are never reached through a link someone planted: a link in the
+    /// state file's place is refused when read (the error names the file), one in its temporary
+    /// file's place is removed, not written through, and one in the journal's place fails the
+    /// append.
+    #[test]
+    fn links_in_the_state_files_places_are_not_followed() {
+        let dir = tempfile::tempdir().expect("dir");
+        let victim = dir.path().join("victim");
+        fs::write(&victim, "precious").expect("write");
+        let path = dir.path().join("state.json");
+        std::os::unix::fs::symlink(&victim, &path).expect("symlink");
+        let e = StateFile::new(&path).load().expect_err("a link").to_string();
+        assert!(e.contains("state.json"), "{e}");
+        fs::remove_file(&path).expect("rm");
+
+        let tmp = dir.path().join(format!(".state.json.tmp.{}", std::process::id()));
+        std::os::unix::fs::symlink(&victim, &tmp).expect("symlink");
+        let mut file = StateFile::new(&path);
+        file.save(&sample()).expect("written beside the link, not through it");
+        assert_eq!(fs::read_to_string(&victim).expect("read"), "precious");
+        assert_eq!(file.load().expect("load"), sample());
+
+        std::os::unix::fs::symlink(&victim, file.journal_path()).expect("symlink");
+        assert!(file.save_change(&sample(), &changed()).is_err(), "appended through a link");
+        assert_eq!(fs::read_to_string(&victim).expect("read"), "precious");
     }
 
     /// After a rollback an older nodelb wrote the file without a number; the next whole write
