@@ -153,6 +153,13 @@ pub struct RunArgs {
     /// PEM private key of --metrics-tls-cert-file.
     #[arg(long, env = "NODELB_METRICS_TLS_KEY_FILE", requires = "metrics_tls_cert_file")]
     pub metrics_tls_key_file: Option<PathBuf>,
+    /// Audiences a --metrics-addr bearer token must be meant for (the TokenReview's `audiences`,
+    /// comma-separated), e.g. `nodelb-metrics`: the scraper then uses a token requested for that
+    /// audience (`kubectl create token --audience`, a projected token), which the API server
+    /// itself does not accept, so a token seen on a node is no API token. Empty: the API
+    /// server's own audiences (any token of the cluster).
+    #[arg(long, value_delimiter = ',', env = "NODELB_METRICS_TOKEN_AUDIENCES")]
+    pub metrics_token_audiences: Vec<String>,
     /// Switch net.ipv4.ip_forward / net.ipv6.conf.all.forwarding on when they are off, instead
     /// of leaving that family unserved.
     #[arg(long, env = "NODELB_ENABLE_FORWARDING")]

@@ -201,11 +201,7 @@ async fn serve_http(
         .await
         .with_context(|| format!("cannot listen on {flag} {addr}"))?;
     info!(%addr, "{what}");
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, router).await {
-            error!(error = %e, "HTTP server failed");
-        }
-    });
+    tokio::spawn(crate::serve::conn::serve(listener, router, None, crate::serve::conn::Limits::PUBLIC));
     Ok(())
 }
 
@@ -223,12 +219,13 @@ async fn serve_authenticated_metrics(
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("cannot listen on --metrics-addr {addr}"))?;
-    let reviewer = Arc::new(crate::k8s::review::KubeReviewer::new(client));
+    let audiences = args.metrics_token_audiences.iter().filter(|a| !a.is_empty()).cloned().collect();
+    let reviewer = Arc::new(crate::k8s::review::KubeReviewer::new(client, audiences));
     let auth = Arc::new(crate::serve::http::MetricsAuth::new(reviewer));
     let router = crate::serve::http::metrics_router(metrics, auth);
     let certificate = if files.is_some() { "from --metrics-tls-cert-file" } else { "self-signed" };
     info!(%addr, certificate, "serving /metrics over TLS to authorized bearer tokens (TokenReview + SubjectAccessReview)");
-    tokio::spawn(crate::serve::tls::serve(listener, tls, router));
+    tokio::spawn(crate::serve::conn::serve(listener, router, Some(tls), crate::serve::conn::Limits::PUBLIC));
     Ok(())
 }
 

@@ -179,13 +179,6 @@ fn udp_flow_moves_off_a_removed_endpoint() {
     worker.join().unwrap();
 }
 
-/// `field` (kB) of `/proc/<pid>/status`.
-fn proc_kb(pid: u32, field: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("process status");
-    let line = status.lines().find(|l| l.starts_with(field)).expect("the field");
-    line.split_whitespace().nth(1).and_then(|v| v.parse().ok()).expect("a number")
-}
-
 /// Entries of the node's conntrack table, by the tool's count.
 fn conntrack_count(ns: &common::netns::NetNs) -> usize {
     ns.exec_ok("conntrack", &["-C"]).trim().parse().expect("a count")
@@ -248,15 +241,14 @@ fn stale_udp_entries_are_deleted_in_bounded_memory_from_a_busy_table() {
     let kept = to_be1();
     assert!(kept > 1000, "be1 has its share of the flows: {kept}");
 
-    let pid = agent.pid().expect("the agent runs");
-    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").expect("reset the peak RSS");
-    let before = proc_kb(pid, "VmHWM");
+    agent.reset_peak_rss();
+    let before = agent.peak_rss_kib();
     let started = Instant::now();
     agent.write_manifest("dns.yaml", &spec(false).render());
     let gone = wait_until(Duration::from_secs(120), || conntrack_count(&topo.node) <= kept + 100);
     assert!(gone, "stale entries left: {} of {flows}", conntrack_count(&topo.node));
     let took = started.elapsed();
-    let grew = proc_kb(pid, "VmHWM").saturating_sub(before);
+    let grew = agent.peak_rss_kib().saturating_sub(before);
     eprintln!("deleted {} stale entries in {took:?}; the agent's peak RSS grew by {grew} KiB", flows - kept);
     assert_eq!(to_be1(), kept, "the remaining endpoint's entries are kept");
     assert!(grew < 32 * 1024, "peak RSS grew by {grew} KiB over the deletion");

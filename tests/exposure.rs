@@ -115,3 +115,86 @@ fn authenticated_metrics_are_refused_without_kubernetes() {
     assert!(!out.status.success(), "started: {err}");
     assert!(err.contains("--metrics-addr") && err.contains("Kubernetes mode"), "{err}");
 }
+
+/// Anyone who reaches a node's listeners gets bounded resources: from another host, 1,100 idle
+/// connections to the health port, then 500 connections each trying to send 300 KB of a header
+/// that never ends, for 20 s. Meanwhile the node itself (what the kubelet's probes are) keeps
+/// getting `/readyz` 200, the dataplane keeps serving, and the agent's peak memory grows by
+/// less than 32 MiB (before the bounds: about 150 MiB, the whole headers held).
+#[test]
+fn hostile_clients_cannot_exhaust_the_public_listener() {
+    require_root!();
+    let topo = Topology::new(1, 1);
+    let web = ServiceSpec::new("web")
+        .port(PortSpec::tcp(80, Some(20080)))
+        .endpoint(EndpointSpec::local(backend_v4(0)));
+    let mut agent = Agent::start(&topo.node, &[("web.yaml", web.render())], &[]);
+    agent.wait_ready(READY);
+    agent.reset_peak_rss();
+    let before = agent.peak_rss_kib();
+
+    let client_ns = format!("/run/netns/{}", topo.client(0).name);
+    let attack = std::thread::spawn(move || {
+        use std::io::Write as _;
+        let f = std::fs::File::open(&client_ns).expect("open netns");
+        nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+        let target = std::net::SocketAddr::from((NODE_V4, HEALTH_PORT));
+        let connect = || std::net::TcpStream::connect_timeout(&target, Duration::from_secs(2));
+        let idle: Vec<std::net::TcpStream> = (0..1100).filter_map(|_| connect().ok()).collect();
+        let started = std::time::Instant::now();
+        let chunk = vec![b'a'; 16 * 1024];
+        let (mut sent, mut reopened) = (0usize, 0usize);
+        let mut slow: Vec<(std::net::TcpStream, usize)> = Vec::new();
+        while started.elapsed() < Duration::from_secs(20) {
+            while slow.len() < 500 {
+                let Ok(s) = connect() else { break };
+                s.set_write_timeout(Some(Duration::from_millis(50))).ok();
+                let mut s = s;
+                if s.write_all(b"GET /readyz HTTP/1.1\r\nX-Long: ").is_ok() {
+                    slow.push((s, 0));
+                }
+                reopened += 1;
+            }
+            slow.retain_mut(|(s, n)| {
+                if *n >= 300 * 1024 {
+                    return true;
+                }
+                match s.write(&chunk) {
+                    Ok(k) => {
+                        *n += k;
+                        sent += k;
+                        true
+                    }
+                    Err(e) => {
+                        e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut
+                    }
+                }
+            });
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        (idle.len(), reopened, sent)
+    });
+
+    // While the attack runs (it is on a thread of the client namespace): the node itself.
+    let node_ns = &topo.node;
+    let started = std::time::Instant::now();
+    let (mut probes, mut served) = (0, 0);
+    while started.elapsed() < Duration::from_secs(18) {
+        let r = http_request(node_ns, node(), HEALTH_PORT, "/readyz", T).expect("the node's own probe");
+        assert_eq!(r.status, 200, "/readyz from the node itself: {}", r.body);
+        probes += 1;
+        let body =
+            common::topology::http_get(topo.client(0), node(), 20080, T).expect("the dataplane serves");
+        assert!(body.starts_with("backend=be1"), "{body}");
+        served += 1;
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (idle, opened, sent) = attack.join().expect("the attack");
+    let grew = agent.peak_rss_kib().saturating_sub(before);
+    eprintln!(
+        "{idle} idle connections made, {opened} slow-header connections opened, {sent} header bytes sent; \
+         {probes} probes from the node answered 200, {served} requests served; peak RSS grew by {grew} KiB"
+    );
+    assert!(idle >= 1000, "the attack could not connect: {idle}");
+    assert!(grew < 32 * 1024, "the agent's peak RSS grew by {grew} KiB");
+}

@@ -26,6 +26,20 @@ fn curl(c: &Cluster, url: &str, token: Option<&str>) -> (u16, String) {
     (code.trim().parse().unwrap_or(0), body.to_string())
 }
 
+/// ServiceAccount `monitoring/prometheus`, bound to the ClusterRole the manifests define for
+/// scrapers (`nodelb-metrics-reader`).
+fn scraper(c: &Cluster) {
+    c.api.kubectl_ok(&["create", "namespace", "monitoring"]);
+    c.api.kubectl_ok(&["create", "serviceaccount", "prometheus", "-n", "monitoring"]);
+    c.api.kubectl_ok(&[
+        "create",
+        "clusterrolebinding",
+        "prometheus-nodelb-metrics",
+        "--clusterrole=nodelb-metrics-reader",
+        "--serviceaccount=monitoring:prometheus",
+    ]);
+}
+
 /// A token of ServiceAccount `ns/sa` issued by the API server (TokenRequest).
 fn token(c: &Cluster, ns: &str, sa: &str) -> String {
     c.api.kubectl_ok(&["create", "token", sa, "-n", ns, "--duration=1h"]).trim().to_string()
@@ -37,16 +51,8 @@ fn metrics_over_the_network_need_an_authorized_bearer_token() {
     let c = Cluster::with_nodes(1, 0, &["--metrics-addr", &format!("0.0.0.0:{METRICS_PORT}")]);
     // A scraper bound to the ClusterRole the manifests define, and a ServiceAccount bound to
     // nothing: the API server's RBAC authorizer answers the agent's SubjectAccessReviews.
-    c.api.kubectl_ok(&["create", "namespace", "monitoring"]);
-    c.api.kubectl_ok(&["create", "serviceaccount", "prometheus", "-n", "monitoring"]);
+    scraper(&c);
     c.api.kubectl_ok(&["create", "serviceaccount", "other", "-n", "default"]);
-    c.api.kubectl_ok(&[
-        "create",
-        "clusterrolebinding",
-        "prometheus-nodelb-metrics",
-        "--clusterrole=nodelb-metrics-reader",
-        "--serviceaccount=monitoring:prometheus",
-    ]);
     let prometheus = token(&c, "monitoring", "prometheus");
     let prometheus_second = token(&c, "monitoring", "prometheus");
     let other = token(&c, "default", "other");
@@ -106,4 +112,93 @@ fn metrics_over_the_network_need_an_authorized_bearer_token() {
             "{resource} create not used: {used:?}"
         );
     }
+}
+
+/// A flood of made-up bearer tokens cannot turn the agent into a load on the API server: 10,000
+/// requests, each with a token never seen before, cause at most the review budget's burst plus
+/// its rate over the flood's time in TokenReviews (the rest answer 503 without asking), and a
+/// real scraper gets its metrics again once the flood is over.
+#[test]
+fn random_tokens_cause_a_bounded_number_of_reviews() {
+    require_root!();
+    let c = Cluster::with_nodes(1, 0, &["--metrics-addr", &format!("0.0.0.0:{METRICS_PORT}")]);
+    scraper(&c);
+    let https = format!("https://{}:{METRICS_PORT}/metrics", node_v4(0));
+    let reviews =
+        |c: &Cluster| c.api.agent_requests().iter().filter(|r| r.path.ends_with("tokenreviews")).count();
+    let before = reviews(&c);
+    // One curl, 10,000 requests, 50 at a time, each with its own token (`next` starts the
+    // options of the next URL).
+    let dir = common::cleanup::temp_dir("nodelb-tokens-");
+    let config = dir.path().join("curl.conf");
+    let mut text = String::new();
+    for i in 0..10_000u32 {
+        let token = format!("flood.{:08x}{:08x}.x", i.wrapping_mul(2_654_435_761), i);
+        text += &format!(
+            "url = \"{https}\"\nheader = \"Authorization: Bearer {token}\"\ninsecure\nsilent\noutput = /dev/null\nwrite-out = \"%{{http_code}}\\n\"\nmax-time = 5\nnext\n"
+        );
+    }
+    std::fs::write(&config, text).unwrap();
+    let started = std::time::Instant::now();
+    let out = c.client.exec("curl", &["--parallel", "--parallel-max", "50", "-K", config.to_str().unwrap()]);
+    let took = started.elapsed();
+    let codes: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect();
+    let count = |code: &str| codes.iter().filter(|c| *c == code).count();
+    let made = reviews(&c) - before;
+    // The agent's budget (serve::access): a burst of 20, then 5 a second.
+    let bound = 20 + (5.0 * took.as_secs_f64()).ceil() as usize + 5;
+    eprintln!(
+        "{} requests in {took:?}: {} answered 401, {} 503, {} closed at once; {made} TokenReviews (bound {bound})",
+        codes.len(),
+        count("401"),
+        count("503"),
+        count("000")
+    );
+    assert_eq!(codes.len(), 10_000, "every request answered: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(made <= bound, "{made} TokenReviews for 10,000 made-up tokens in {took:?}");
+    // 000: closed at once, the listener's connections from other hosts being at their bound.
+    assert!(count("401") > 0 && count("401") + count("503") + count("000") == 10_000, "refused, every one");
+    // The flood over, a real scraper gets in.
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    let (code, _) = curl(&c, &https, Some(&token(&c, "monitoring", "prometheus")));
+    assert_eq!(code, 200);
+}
+
+/// `--metrics-token-audiences nodelb-metrics`: a token requested for that audience scrapes; a
+/// token of the API server's own audience (one an attacker could harvest and use as an API
+/// token) does not, even the authorized scraper's.
+#[test]
+fn audience_bound_tokens_only() {
+    require_root!();
+    let c = Cluster::with_nodes(
+        1,
+        0,
+        &[
+            "--metrics-addr",
+            &format!("0.0.0.0:{METRICS_PORT}"),
+            "--metrics-token-audiences",
+            "nodelb-metrics",
+        ],
+    );
+    scraper(&c);
+    let https = format!("https://{}:{METRICS_PORT}/metrics", node_v4(0));
+    let api_token = token(&c, "monitoring", "prometheus");
+    let (code, body) = curl(&c, &https, Some(&api_token));
+    assert_eq!(code, 401, "an API server token: {body}");
+    let bound = c
+        .api
+        .kubectl_ok(&[
+            "create",
+            "token",
+            "prometheus",
+            "-n",
+            "monitoring",
+            "--audience",
+            "nodelb-metrics",
+            "--duration=1h",
+        ])
+        .trim()
+        .to_string();
+    let (code, body) = curl(&c, &https, Some(&bound));
+    assert_eq!(code, 200, "{}", &body[..body.len().min(200)]);
 }

@@ -64,16 +64,19 @@ pub fn verdict(token: &TokenReviewStatus, access: Option<&SubjectAccessReviewSta
 #[derive(Clone)]
 pub struct KubeReviewer {
     client: Client,
+    /// What a token must be meant for (empty: the API server's own audiences).
+    audiences: Vec<String>,
 }
 
 impl KubeReviewer {
-    pub fn new(client: Client) -> KubeReviewer {
-        KubeReviewer { client }
+    pub fn new(client: Client, audiences: Vec<String>) -> KubeReviewer {
+        KubeReviewer { client, audiences }
     }
 
     async fn ask(&self, token: &str, path: &str) -> Result<Verdict, ReviewError> {
+        let audiences = (!self.audiences.is_empty()).then(|| self.audiences.clone());
         let review = TokenReview {
-            spec: TokenReviewSpec { token: token.to_string(), audiences: None },
+            spec: TokenReviewSpec { token: token.to_string(), audiences },
             ..Default::default()
         };
         let pp = PostParams::default();

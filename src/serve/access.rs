@@ -11,7 +11,12 @@
 //!   naming the user; the API server not answering: 503 (Prometheus retries at its next scrape).
 //! - Answers are cached per token, as the kubelet caches webhook answers: allowed for 2 minutes,
 //!   refused for 10 seconds, failures not at all. At most [`MAX_CACHED`] tokens are remembered
-//!   (the oldest answer goes first): a client sending random tokens cannot grow the agent.
+//!   (the oldest answer goes first), by their SHA-256, never the token itself, each answer's text
+//!   cut to [`MAX_TEXT`] bytes: a client sending random tokens cannot grow the agent, and a dump
+//!   of its memory holds no token.
+//! - New tokens are reviewed at most [`REVIEWS_PER_SECOND`] a second (a burst of
+//!   [`REVIEW_BURST`]): past that a request gets 503 without a review, so a flood of tokens
+//!   cannot turn the agents into a load on the API server ([`ReviewBudget`]).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -34,6 +39,11 @@ pub const ALLOWED_TTL: Duration = Duration::from_secs(120);
 pub const REFUSED_TTL: Duration = Duration::from_secs(10);
 /// Most tokens whose answers are remembered.
 pub const MAX_CACHED: usize = 1024;
+/// Most bytes of a user name or a reason an answer keeps.
+pub const MAX_TEXT: usize = 256;
+/// New tokens reviewed per second at most, and at once.
+pub const REVIEWS_PER_SECOND: f64 = 5.0;
+pub const REVIEW_BURST: f64 = 20.0;
 
 impl Verdict {
     /// HTTP status of the response.
@@ -75,16 +85,43 @@ pub fn bearer_token(header: Option<&str>) -> Option<&str> {
     (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
 }
 
-/// Answers per (token, path), each valid until its time.
+/// Answers per (token's SHA-256, path), each valid until its time.
 #[derive(Debug, Default)]
 pub struct ReviewCache {
-    entries: HashMap<(String, String), (Verdict, Instant)>,
+    entries: HashMap<([u8; 32], String), (Verdict, Instant)>,
+}
+
+fn digest(token: &str) -> [u8; 32] {
+    let d = ring::digest::digest(&ring::digest::SHA256, token.as_bytes());
+    let mut out = [0u8; 32];
+    out.copy_from_slice(d.as_ref());
+    out
+}
+
+/// `text` cut to [`MAX_TEXT`] bytes (at a character boundary).
+fn bounded(text: String) -> String {
+    match text.len() > MAX_TEXT {
+        true => crate::domain::cut(&text, MAX_TEXT).to_string() + "…",
+        false => text,
+    }
+}
+
+impl Verdict {
+    /// The same answer with its texts cut to [`MAX_TEXT`].
+    fn bounded(self) -> Verdict {
+        match self {
+            Verdict::Allowed { user } => Verdict::Allowed { user: bounded(user) },
+            Verdict::Unauthenticated { reason } => Verdict::Unauthenticated { reason: bounded(reason) },
+            Verdict::Forbidden { user } => Verdict::Forbidden { user: bounded(user) },
+            Verdict::Unavailable { reason } => Verdict::Unavailable { reason: bounded(reason) },
+        }
+    }
 }
 
 impl ReviewCache {
     /// The cached answer for `token` on `path`, if still valid at `now`.
     pub fn get(&self, token: &str, path: &str, now: Instant) -> Option<Verdict> {
-        let (verdict, until) = self.entries.get(&(token.to_string(), path.to_string()))?;
+        let (verdict, until) = self.entries.get(&(digest(token), path.to_string()))?;
         (now < *until).then(|| verdict.clone())
     }
 
@@ -102,7 +139,7 @@ impl ReviewCache {
                 None => break,
             };
         }
-        self.entries.insert((token.to_string(), path.to_string()), (verdict, now + ttl));
+        self.entries.insert((digest(token), path.to_string()), (verdict.bounded(), now + ttl));
     }
 
     pub fn len(&self) -> usize {
@@ -114,9 +151,65 @@ impl ReviewCache {
     }
 }
 
+/// How many new tokens may be reviewed now: a bucket of [`REVIEW_BURST`], refilled at
+/// [`REVIEWS_PER_SECOND`].
+#[derive(Debug)]
+pub struct ReviewBudget {
+    left: f64,
+    at: Option<Instant>,
+}
+
+impl Default for ReviewBudget {
+    fn default() -> Self {
+        ReviewBudget { left: REVIEW_BURST, at: None }
+    }
+}
+
+impl ReviewBudget {
+    /// Takes one review at `now` if one is left.
+    pub fn take(&mut self, now: Instant) -> bool {
+        if let Some(at) = self.at {
+            let refill = now.saturating_duration_since(at).as_secs_f64() * REVIEWS_PER_SECOND;
+            self.left = (self.left + refill).min(REVIEW_BURST);
+        }
+        self.at = Some(now);
+        if self.left < 1.0 {
+            return false;
+        }
+        self.left -= 1.0;
+        true
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_review_budget_refills_and_never_exceeds_its_burst() {
+        let mut b = ReviewBudget::default();
+        let t0 = Instant::now();
+        let burst = (0..100).filter(|_| b.take(t0)).count();
+        assert_eq!(burst, REVIEW_BURST as usize);
+        assert!(!b.take(t0 + Duration::from_millis(100)), "half a review refilled");
+        assert!(b.take(t0 + Duration::from_millis(250)));
+        let after_an_hour = (0..100).filter(|_| b.take(t0 + Duration::from_secs(3600))).count();
+        assert_eq!(after_an_hour, REVIEW_BURST as usize, "the bucket holds its burst at most");
+    }
+
+    #[test]
+    fn answers_are_kept_by_digest_with_their_texts_bounded() {
+        let mut c = ReviewCache::default();
+        let now = Instant::now();
+        let user = "u".repeat(10_000);
+        c.put("secret-token", "/metrics", Verdict::Allowed { user }, now);
+        let kept = format!("{:?}", c.entries);
+        assert!(!kept.contains("secret-token"), "the token is not kept: {kept}");
+        match c.get("secret-token", "/metrics", now) {
+            Some(Verdict::Allowed { user }) => assert!(user.len() <= MAX_TEXT + "…".len(), "{}", user.len()),
+            other => panic!("{other:?}"),
+        }
+    }
 
     #[test]
     fn bearer_tokens() {

@@ -22,7 +22,7 @@ use std::collections::BTreeMap;
 use crate::counters::{CounterKind, Series, SeriesKey, Totals};
 use crate::domain::{PortId, ServiceKey, parse_protocol};
 use crate::k8s::review::Reviewer;
-use crate::serve::access::{ReviewCache, Verdict, bearer_token};
+use crate::serve::access::{ReviewBudget, ReviewCache, Verdict, bearer_token};
 use crate::serve::metrics::Metrics;
 use crate::serve::status::{SharedStatus, Status};
 
@@ -157,6 +157,7 @@ pub struct MetricsAuth {
     reviewer: Arc<dyn Reviewer>,
     cache: std::sync::Mutex<ReviewCache>,
     in_flight: tokio::sync::Semaphore,
+    budget: std::sync::Mutex<ReviewBudget>,
 }
 
 /// Reviews in flight at most.
@@ -168,6 +169,7 @@ impl MetricsAuth {
             reviewer,
             cache: std::sync::Mutex::new(ReviewCache::default()),
             in_flight: tokio::sync::Semaphore::new(MAX_REVIEWS_IN_FLIGHT),
+            budget: std::sync::Mutex::new(ReviewBudget::default()),
         }
     }
 
@@ -186,6 +188,9 @@ impl MetricsAuth {
         // Another request may have asked about the same token meanwhile.
         if let Some(v) = cached(std::time::Instant::now()) {
             return v;
+        }
+        if !crate::locks::lock(&self.budget).take(std::time::Instant::now()) {
+            return Verdict::Unavailable { reason: "too many new tokens to review: try again".to_string() };
         }
         let v = self.reviewer.review(token, path).await;
         let mut cache = crate::locks::lock(&self.cache);

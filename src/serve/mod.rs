@@ -3,6 +3,7 @@
 //! (`metrics`) and the shared status they read (`status`).
 
 pub mod access;
+pub mod conn;
 pub mod http;
 pub mod metrics;
 pub mod status;

@@ -7,13 +7,9 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
-use axum::Router;
-use hyper_util::rt::{TokioIo, TokioTimer};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
-use tokio_rustls::TlsAcceptor;
 use tokio_rustls::rustls::{self, ServerConfig};
 
 #[derive(Debug, thiserror::Error)]
@@ -58,38 +54,6 @@ pub fn server_config(files: Option<(&Path, &Path)>, names: &[String]) -> Result<
         .with_no_client_auth()
         .with_single_cert(certs, key)?;
     Ok(Arc::new(config))
-}
-
-/// A handshake or a request head that has not arrived after this is dropped: a client that
-/// connects and says nothing must not hold a task forever.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Serves `router` over TLS on `listener`, forever (errors of one connection end only that one).
-pub async fn serve(listener: tokio::net::TcpListener, config: Arc<ServerConfig>, router: Router) {
-    let acceptor = TlsAcceptor::from(config);
-    loop {
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
-            Err(e) => {
-                // Out of descriptors, for one: wait instead of spinning.
-                tracing::debug!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let (acceptor, router) = (acceptor.clone(), router.clone());
-        tokio::spawn(async move {
-            let Ok(Ok(tls)) = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await else {
-                return;
-            };
-            let service = hyper_util::service::TowerToHyperService::new(router);
-            let _ = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HANDSHAKE_TIMEOUT)
-                .serve_connection(TokioIo::new(tls), service)
-                .await;
-        });
-    }
 }
 
 #[cfg(test)]

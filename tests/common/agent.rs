@@ -216,6 +216,21 @@ impl Agent {
         self.child.as_ref().map(|c| c.id())
     }
 
+    /// Starts measuring the agent's peak memory anew (`/proc/<pid>/clear_refs`): what
+    /// [`Agent::peak_rss_kib`] says next is the peak since.
+    pub fn reset_peak_rss(&self) {
+        let pid = self.pid().expect("the agent runs");
+        std::fs::write(format!("/proc/{pid}/clear_refs"), "5").expect("reset the peak RSS");
+    }
+
+    /// The agent's peak resident memory (`VmHWM`), in KiB.
+    pub fn peak_rss_kib(&self) -> u64 {
+        let pid = self.pid().expect("the agent runs");
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("process status");
+        let line = status.lines().find(|l| l.starts_with("VmHWM")).expect("VmHWM");
+        line.split_whitespace().nth(1).and_then(|v| v.parse().ok()).expect("a number")
+    }
+
     /// Still running?
     pub fn is_running(&mut self) -> bool {
         match self.child.as_mut() {
