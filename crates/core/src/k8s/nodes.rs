@@ -384,6 +384,12 @@ pub fn published_pool_addresses<L: Borrow<Lease>>(
 /// [`ANNOTATION_POOL_ADDRESSES`]; a pool it does not name: nothing) — the addresses that
 /// answer there. A node that has not published (`None`) is judged from its Node object
 /// ([`pool_addresses`]), as before the annotation existed.
+///
+/// What a node publishes is checked, not taken on its word: a published address is listed only
+/// when the node's Node object has it (InternalIP or ExternalIP), or it lies in a bound the operator set (the
+/// pool's `addresses.cidrs`, or `allowed`). Otherwise an agent (or whoever holds its token)
+/// could make every Service of the pool publish an address of its choosing, another node's or
+/// one outside the cluster, to clients, DNS and gateways reading the status.
 pub fn pool_addresses_of(
     node: &Node,
     published: Option<&PoolSelections>,
@@ -392,12 +398,19 @@ pub fn pool_addresses_of(
     allowed: &[IpNet],
 ) -> Vec<IpAddr> {
     let Some(published) = published else { return pool_addresses(node, filter, allowed) };
+    let own: BTreeSet<IpAddr> = address_types(node).into_keys().collect();
+    let bounded = |ip: &IpAddr| {
+        own.contains(ip)
+            || filter.cidrs.iter().any(|n| n.contains(ip))
+            || (!allowed.is_empty() && allowed.iter().any(|n| n.contains(ip)))
+    };
     published
         .get(pool)
         .into_iter()
         .flatten()
         .copied()
         .filter(|ip| allowed.is_empty() || allowed.iter().any(|n| n.contains(ip)))
+        .filter(bounded)
         .collect()
 }
 
@@ -543,10 +556,16 @@ mod tests {
         let cases: Vec<Case> = vec![
             ("not published: the Node object's ExternalIP", None, &[], vec!["198.51.100.200"]),
             (
-                "published: exactly that",
-                Some(published("edge=192.0.2.1,192.0.2.200")),
+                "published: exactly that, of what its Node object has",
+                Some(published("edge=203.0.113.1,198.51.100.200")),
                 &[],
-                vec!["192.0.2.1", "192.0.2.200"],
+                vec!["198.51.100.200", "203.0.113.1"],
+            ),
+            (
+                "published outside its Node object and every bound: not listed",
+                Some(published("edge=192.0.2.1,203.0.113.1")),
+                &[],
+                vec!["203.0.113.1"],
             ),
             ("published for other pools only: nothing", Some(published("other=192.0.2.1")), &[], vec![]),
             ("published nothing: nothing (the NATed ExternalIP)", Some(published("")), &[], vec![]),
