@@ -151,22 +151,10 @@ const RANGE: (u16, u16) = (20000, 20029);
 const HOT: (u16, u16) = (20000, 20005);
 const MAX_SERVICES: usize = 16;
 
-/// The leader's own node Lease, its agent's listeners reported (none): the leader hands out no
-/// number before it has.
-fn own_lease(node: &str) -> Arc<k8s_openapi::api::coordination::v1::Lease> {
-    let lease = json!({
-        "metadata": {"name": format!("nodelb-node-{node}"), "namespace": "nodelb-system",
-                     "annotations": {"nodelb.io/families": "ipv4", "nodelb.io/listening-ports": ""}},
-        "spec": {"holderIdentity": node, "leaseDurationSeconds": 3,
-                 "renewTime": "2030-01-01T00:00:00.000000Z"}
-    });
-    Arc::new(serde_json::from_value(lease).expect("node Lease"))
-}
-
 fn leader_config(name: &str) -> ControllerConfig {
     let range = PortRange::new(RANGE.0, RANGE.1).unwrap();
     ControllerConfig {
-        node_name: name.into(),
+        identity: name.into(),
         namespace: "nodelb-system".into(),
         lease_duration: Duration::from_secs(3),
         node_addresses: Vec::new(),
@@ -194,11 +182,8 @@ impl Leader {
     /// then the Services) on `view`, a list of the Services as this leader saw them; `true` when
     /// a write met a stale resourceVersion.
     async fn round(&mut self, client: &kube::Client, view: &[Service]) -> bool {
-        let snap = KubeSnapshot {
-            services: view.iter().cloned().map(Arc::new).collect(),
-            leases: vec![own_lease(&self.cfg.node_name)],
-            ..Default::default()
-        };
+        let snap =
+            KubeSnapshot { services: view.iter().cloned().map(Arc::new).collect(), ..Default::default() };
         self.state.observe(&snap);
         controller::leader_round(client, &self.cfg, &snap, &mut self.state, None, true, None).await.again
     }

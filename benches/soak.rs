@@ -359,10 +359,6 @@ fn micro_time_now() -> String {
     String::from_utf8(out.stdout).unwrap().trim().to_string()
 }
 
-fn leader_index(c: &Cluster) -> Option<usize> {
-    c.leader().and_then(|h| (0..c.nodes.len()).find(|i| node_name(*i) == h))
-}
-
 fn signal(pid: Option<u32>, sig: nix::sys::signal::Signal) {
     if let Some(pid) = pid {
         let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig);
@@ -463,12 +459,12 @@ fn fault(
             format!("node-{} {delay:?} after a burst of {BURST}", i + 1)
         }
         "leader-sigstop" => {
-            let Some(l) = leader_index(c) else { return "no leader".into() };
+            let Some(l) = c.leader_index() else { return "no leader".into() };
             let d = Duration::from_secs(rng.range(5, 8));
-            signal(c.agents[l].pid(), nix::sys::signal::Signal::SIGSTOP);
+            signal(c.controllers[l].pid(), nix::sys::signal::Signal::SIGSTOP);
             churn_for(c, churn, rng, d);
-            signal(c.agents[l].pid(), nix::sys::signal::Signal::SIGCONT);
-            format!("node-{} stopped {d:?} (Lease 3 s)", l + 1)
+            signal(c.controllers[l].pid(), nix::sys::signal::Signal::SIGCONT);
+            format!("{} stopped {d:?} (Lease 3 s)", common::cluster::controller_name(l))
         }
         "lease-deleted" => {
             let mut what = vec![LEADER_LEASE.to_string()];

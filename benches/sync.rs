@@ -317,7 +317,7 @@ fn leader(args: &ProgramArgs) {
     let (extra_svc, extra_slices) = objects(&service(n, endpoints).render());
     let (nodes, leases): (Vec<_>, Vec<_>) = (1..=2).map(node_and_lease).unzip();
     let cfg = ControllerConfig {
-        node_name: "node-1".into(),
+        identity: "controller-1".into(),
         namespace: "nodelb-system".into(),
         lease_duration: std::time::Duration::from_secs(15),
         node_addresses: vec![],

@@ -65,8 +65,10 @@ if sorted(listed) != applied:
 json.load(open("charts/nodelb/dashboards/nodelb.json"))
 import yaml
 # Kinds in daemonset/ that are cluster-scoped; any other kind is namespaced.
-CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "PriorityClass", "CustomResourceDefinition"}
-namespaces = set()
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "PriorityClass", "CustomResourceDefinition",
+                  "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+# Every cluster has "default" (the node agents' Node Events go there).
+namespaces = {"default"}
 for f in applied:
     for i, doc in enumerate(d for d in yaml.safe_load_all(open(os.path.join("daemonset", f))) if d):
         what = f"daemonset/{f} document {i + 1} ({doc.get('kind')} {doc.get('metadata', {}).get('name')})"
@@ -82,17 +84,31 @@ for f in applied:
                     f"(files apply in name order: {applied}); on a fresh cluster: namespaces '{ns}' not found"
                 )
 print(f"kubectl apply -f daemonset/ order: {', '.join(applied)} (Namespace first)")
-# The PodMonitor must select the DaemonSet's pods and name a port they expose.
-ds = yaml.safe_load(open("daemonset/20-daemonset.yaml"))
+# The PodMonitor must select the DaemonSet's and the controller's pods and name a port both
+# expose; the two workloads' selectors must not select each other's pods.
 pm = yaml.safe_load(open("daemonset/monitoring/podmonitor.yaml"))
-labels = ds["spec"]["template"]["metadata"]["labels"]
-want = pm["spec"]["selector"]["matchLabels"]
-if any(labels.get(k) != v for k, v in want.items()):
-    sys.exit(f"PodMonitor selector {want} does not match pod labels {labels}")
-ports = {p["name"] for c in ds["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
-for ep in pm["spec"]["podMetricsEndpoints"]:
-    if ep["port"] not in ports:
-        sys.exit(f"PodMonitor port {ep['port']} not among DaemonSet ports {ports}")
+selector = pm["spec"]["selector"]
+def selects(sel, labels):
+    if any(labels.get(k) != v for k, v in sel.get("matchLabels", {}).items()):
+        return False
+    for e in sel.get("matchExpressions", []):
+        if e["operator"] != "In":
+            sys.exit(f"PodMonitor selector operator {e['operator']} not understood here")
+        if labels.get(e["key"]) not in e["values"]:
+            return False
+    return True
+workloads = {f: next(d for d in yaml.safe_load_all(open(f"daemonset/{f}")) if d and d["kind"] in ("DaemonSet", "Deployment")) for f in ("20-daemonset.yaml", "30-controller.yaml")}
+for f, w in workloads.items():
+    labels = w["spec"]["template"]["metadata"]["labels"]
+    if not selects(selector, labels):
+        sys.exit(f"PodMonitor selector {selector} does not match the pod labels of {f}: {labels}")
+    for g, other in workloads.items():
+        if g != f and selects(other["spec"]["selector"], labels):
+            sys.exit(f"the selector of {g} selects the pods of {f}")
+    ports = {p["name"] for c in w["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+    for ep in pm["spec"]["podMetricsEndpoints"]:
+        if ep["port"] not in ports:
+            sys.exit(f"PodMonitor port {ep['port']} not among the ports of {f}: {ports}")
 # The PodMonitor scrapes with the token of the Secret scraper-rbac.yaml creates, whose
 # ServiceAccount is bound to a ClusterRole of 10-rbac.yaml granting exactly get on /metrics.
 scraper = {d["kind"]: d for d in yaml.safe_load_all(open("daemonset/monitoring/scraper-rbac.yaml")) if d}

@@ -39,6 +39,9 @@ pub enum Command {
     Plan(Box<PlanArgs>),
     /// Remove everything nodelb created in this network namespace (table inet nodelb).
     Cleanup,
+    /// Allocate node ports and write Service status for the cluster (Kubernetes mode; one of
+    /// the controller's replicas leads, the others stand by).
+    Controller(Box<ControllerArgs>),
     /// Show the agent's Services, their node ports and why anything was refused.
     Status(StatusArgs),
     /// Print the NodePortPool CustomResourceDefinition (YAML), generated from nodelb's own types.
@@ -55,22 +58,6 @@ pub struct CommonArgs {
     /// Defaults to $NODE_NAME, else the host name (manifests mode); required in Kubernetes mode.
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,
-    /// Node ports are allocated from this range (inclusive). The default overlaps neither the
-    /// NodePort range (30000-32767) nor the ephemeral range (32768-60999).
-    #[arg(long, default_value = "20000-29999", env = "NODELB_PORT_RANGE")]
-    pub port_range: PortRange,
-    /// spec.loadBalancerClass served by this agent (Services without a class are served too,
-    /// unless --ignore-unclassed).
-    #[arg(long, default_value = crate::model::DEFAULT_LB_CLASS, env = "NODELB_LOAD_BALANCER_CLASS")]
-    pub load_balancer_class: String,
-    /// Do not serve Services that have no spec.loadBalancerClass.
-    #[arg(long, env = "NODELB_IGNORE_UNCLASSED")]
-    pub ignore_unclassed: bool,
-    /// Honour the k3s ServiceLB labels (Kubernetes mode): once any node carries
-    /// svccontroller.k3s.cattle.io/enablelb, only nodes with it set to true serve, and a Service
-    /// labelled svccontroller.k3s.cattle.io/lbpool only on nodes with the same lbpool label.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, env = "NODELB_SERVICELB_LABELS")]
-    pub servicelb_labels: bool,
     /// This node's labels in manifests mode (`zone=a,tier=edge`), which NodePortPool
     /// `nodeSelector`s (and the ServiceLB labels) match: manifests mode has no Node object. In
     /// Kubernetes mode the Node's own labels count and this flag is refused.
@@ -107,6 +94,31 @@ pub struct CommonArgs {
     /// State file keeping port allocations across restarts (manifests mode).
     #[arg(long, default_value = "/var/lib/nodelb/state.json", env = "NODELB_STATE_FILE")]
     pub state_file: PathBuf,
+    #[command(flatten)]
+    pub policy: PolicyArgs,
+}
+
+/// What decides which Services are nodelb's and which node ports and endpoints they may have.
+/// The node agents and the controller must read the same values (the chart gives both the same
+/// environment).
+#[derive(Debug, Clone, clap::Args)]
+pub struct PolicyArgs {
+    /// Node ports are allocated from this range (inclusive). The default overlaps neither the
+    /// NodePort range (30000-32767) nor the ephemeral range (32768-60999).
+    #[arg(long, default_value = "20000-29999", env = "NODELB_PORT_RANGE")]
+    pub port_range: PortRange,
+    /// spec.loadBalancerClass served by this agent (Services without a class are served too,
+    /// unless --ignore-unclassed).
+    #[arg(long, default_value = crate::model::DEFAULT_LB_CLASS, env = "NODELB_LOAD_BALANCER_CLASS")]
+    pub load_balancer_class: String,
+    /// Do not serve Services that have no spec.loadBalancerClass.
+    #[arg(long, env = "NODELB_IGNORE_UNCLASSED")]
+    pub ignore_unclassed: bool,
+    /// Honour the k3s ServiceLB labels (Kubernetes mode): once any node carries
+    /// svccontroller.k3s.cattle.io/enablelb, only nodes with it set to true serve, and a Service
+    /// labelled svccontroller.k3s.cattle.io/lbpool only on nodes with the same lbpool label.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, env = "NODELB_SERVICELB_LABELS")]
+    pub servicelb_labels: bool,
     /// Allow a node's own addresses (this node's, and every Node object's) as endpoints, for
     /// hostNetwork backends. Risk: whoever can write an EndpointSlice (or a manifest) can then
     /// expose any port of any node through a Service.
@@ -131,6 +143,29 @@ pub struct RunArgs {
     /// How often the kernel is checked against what we programmed (and repaired).
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration, env = "NODELB_RESYNC_PERIOD")]
     pub resync_period: Duration,
+    #[command(flatten)]
+    pub listen: ListenArgs,
+    /// Switch net.ipv4.ip_forward / net.ipv6.conf.all.forwarding on when they are off, instead
+    /// of leaving that family unserved.
+    #[arg(long, env = "NODELB_ENABLE_FORWARDING")]
+    pub enable_forwarding: bool,
+    /// Export per-Service-port traffic series (read from the kernel's rule counters at scrape
+    /// time). Turn off on clusters with very many Services to bound /metrics cardinality.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, env = "NODELB_PER_SERVICE_METRICS")]
+    pub per_service_metrics: bool,
+    #[command(flatten)]
+    pub kube: KubeArgs,
+    /// The DaemonSet running this agent (in --namespace), set by the shipped manifests. When
+    /// nodelb is uninstalled (that Namespace or DaemonSet deleted) or the DaemonSet no longer runs
+    /// on this node, the agent removes its rules as it stops; a restart, an eviction or a rolling
+    /// update keeps them. Empty: the rules always stay.
+    #[arg(long, default_value = "", env = "NODELB_DAEMONSET")]
+    pub daemonset: String,
+}
+
+/// The HTTP listeners, of a node agent and of the controller alike.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ListenArgs {
     /// Address of the unauthenticated HTTP endpoints (/metrics, /status, /healthz, /readyz).
     /// Loopback by default: /status names every Service, endpoint and allocation, so only the
     /// node itself (`nodelb status`) may read it. Anything else exposes that to whoever can
@@ -160,40 +195,39 @@ pub struct RunArgs {
     /// server's own audiences (any token of the cluster).
     #[arg(long, value_delimiter = ',', env = "NODELB_METRICS_TOKEN_AUDIENCES")]
     pub metrics_token_audiences: Vec<String>,
-    /// Switch net.ipv4.ip_forward / net.ipv6.conf.all.forwarding on when they are off, instead
-    /// of leaving that family unserved.
-    #[arg(long, env = "NODELB_ENABLE_FORWARDING")]
-    pub enable_forwarding: bool,
-    /// Export per-Service-port traffic series (read from the kernel's rule counters at scrape
-    /// time). Turn off on clusters with very many Services to bound /metrics cardinality.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, env = "NODELB_PER_SERVICE_METRICS")]
-    pub per_service_metrics: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ControllerArgs {
+    #[command(flatten)]
+    pub policy: PolicyArgs,
+    /// This replica's name in leader election (the holder of Lease `nodelb-leader`) and in its
+    /// Events. Defaults to $POD_NAME (the downward API's metadata.name), else the host name.
+    #[arg(long, env = "POD_NAME")]
+    pub identity: Option<String>,
+    /// Only node addresses in these CIDRs are published in Service status (comma-separated;
+    /// like kube-proxy's --nodeport-addresses). Default: all ExternalIP / InternalIP addresses.
+    #[arg(long, value_delimiter = ',', env = "NODELB_NODE_ADDRESSES")]
+    pub node_addresses: Vec<ipnet::IpNet>,
+    #[command(flatten)]
+    pub listen: ListenArgs,
     #[command(flatten)]
     pub kube: KubeArgs,
 }
 
-/// Kubernetes mode (`run` without `--manifests`).
+/// Kubernetes mode (`run` without `--manifests`, and `controller`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct KubeArgs {
     /// Kubeconfig file to use instead of the in-cluster config / $KUBECONFIG / ~/.kube/config.
     #[arg(long, env = "NODELB_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
-    /// Namespace of the agent: the leader Lease `nodelb-leader` and the per-node Leases live here.
+    /// nodelb's namespace: the leader Lease `nodelb-leader`, the node-port registry and the
+    /// per-node Leases live here.
     #[arg(long, default_value = "nodelb-system", env = "POD_NAMESPACE")]
     pub namespace: String,
     /// Duration of the leader and node Leases (renewed every third of it).
     #[arg(long, default_value = "15s", value_parser = humantime::parse_duration, env = "NODELB_LEASE_DURATION")]
     pub lease_duration: Duration,
-    /// Only node addresses in these CIDRs are published in Service status (comma-separated;
-    /// like kube-proxy's --nodeport-addresses). Default: all ExternalIP / InternalIP addresses.
-    #[arg(long, value_delimiter = ',', env = "NODELB_NODE_ADDRESSES")]
-    pub node_addresses: Vec<ipnet::IpNet>,
-    /// The DaemonSet running this agent (in --namespace), set by the shipped manifests. When
-    /// nodelb is uninstalled (that Namespace or DaemonSet deleted) or the DaemonSet no longer runs
-    /// on this node, the agent removes its rules as it stops; a restart, an eviction or a rolling
-    /// update keeps them. Empty: the rules always stay.
-    #[arg(long, default_value = "", env = "NODELB_DAEMONSET")]
-    pub daemonset: String,
 }
 
 #[derive(Debug, clap::Args)]

@@ -10,13 +10,16 @@ use anyhow::{Context, bail};
 use tracing::{error, info, warn};
 
 use crate::agent::{self, AgentConfig};
-use crate::cli::{CommonArgs, KubeArgs, PlanArgs, RunArgs, StatusArgs};
+use crate::cli::{
+    CommonArgs, ControllerArgs, KubeArgs, ListenArgs, PlanArgs, PolicyArgs, RunArgs, StatusArgs,
+};
 use crate::desired::{self, HostFacts, HostPolicy, Inputs};
 use crate::domain::Family;
 use crate::encode::nft::NftClient;
 use crate::endpoint_policy::EndpointPolicy;
 use crate::k8s::controller::{self, ControllerConfig};
 use crate::k8s::installation::{Installation, Tracker};
+use crate::k8s::node_lease::NodeLeaseConfig;
 use crate::k8s::source::KubeSource;
 use crate::k8s::uninstall::Exit;
 use crate::model::ModelOptions;
@@ -25,7 +28,7 @@ use crate::observe::state::StateFile;
 use crate::observe::sysctl::Sysctls;
 use crate::plan::NodeFacts;
 use crate::report::PortStatus;
-use crate::serve::metrics::Metrics;
+use crate::serve::metrics::{ControllerMetrics, Exposition, Metrics};
 use crate::serve::status::{SharedStatus, Status};
 
 /// `--node-labels` stands in for the Node object manifests mode does not have; in Kubernetes
@@ -48,15 +51,15 @@ fn node_name(common: &CommonArgs) -> String {
     })
 }
 
-fn host_policy(common: &CommonArgs) -> HostPolicy {
+fn host_policy(policy: &PolicyArgs) -> HostPolicy {
     HostPolicy {
         endpoints: EndpointPolicy {
-            allow_node_addresses: common.allow_node_endpoints,
-            allowed_cidrs: common.endpoint_cidrs.iter().map(|n| n.trunc()).collect(),
+            allow_node_addresses: policy.allow_node_endpoints,
+            allowed_cidrs: policy.endpoint_cidrs.iter().map(|n| n.trunc()).collect(),
         },
         ports: crate::port_policy::PortPolicy {
-            ranges: vec![common.port_range],
-            allowed: common.allowed_node_ports.0.clone(),
+            ranges: vec![policy.port_range],
+            allowed: policy.allowed_node_ports.0.clone(),
         },
     }
 }
@@ -76,14 +79,23 @@ fn forward_mark(common: &CommonArgs) -> anyhow::Result<Option<u32>> {
     Ok(Some(common.iptables_forward_mark))
 }
 
-fn model_options(common: &CommonArgs) -> ModelOptions {
+fn model_options(policy: &PolicyArgs) -> ModelOptions {
     ModelOptions {
-        lb_class: common.load_balancer_class.clone(),
-        ignore_unclassed: common.ignore_unclassed,
-        servicelb_labels: common.servicelb_labels,
+        lb_class: policy.load_balancer_class.clone(),
+        ignore_unclassed: policy.ignore_unclassed,
+        servicelb_labels: policy.servicelb_labels,
     }
 }
 
+fn check_lease_duration(kube: &KubeArgs) -> anyhow::Result<()> {
+    if kube.lease_duration < Duration::from_secs(3) {
+        bail!("--lease-duration {:?} is too short (at least 3s)", kube.lease_duration);
+    }
+    Ok(())
+}
+
+/// `nodelb run`: a node agent. In Kubernetes mode it reads the cluster and writes only its
+/// node's Lease and its Node's Events; `nodelb controller` allocates and writes status.
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let kube_mode = args.common.manifests.is_none();
     check_node_labels(&args.common)?;
@@ -92,101 +104,136 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             "Kubernetes mode (no --manifests) needs --node-name or NODE_NAME (the downward API's spec.nodeName)"
         );
     }
+    let policy = &args.common.policy;
     let cfg = AgentConfig {
         state_file: if kube_mode { None } else { Some(args.common.state_file.clone()) },
         node_name: node_name(&args.common),
-        port_range: args.common.port_range,
+        port_range: policy.port_range,
         resync_period: args.resync_period,
         enable_forwarding: args.enable_forwarding,
         masquerade_mark: args.common.masquerade_mark,
         connection_mark: args.common.connection_mark,
         forward_mark: forward_mark(&args.common)?,
         nat_shards: args.common.nat_shards,
-        model: model_options(&args.common),
+        model: model_options(policy),
         sysctls: Sysctls::default(),
-        policy: host_policy(&args.common),
+        policy: host_policy(policy),
         xtables_lockfile: crate::apply::xtables::default_lockfile(),
         bridges: crate::observe::bridge::BridgeReader::default(),
     };
     let status: SharedStatus = Arc::new(RwLock::new(Status::default()));
     let metrics = Arc::new(Metrics::new(args.per_service_metrics)?);
     let stuck_after = (args.resync_period * 3).max(Duration::from_secs(30));
-    if !kube_mode && args.metrics_addr.is_some() {
+    if !kube_mode && args.listen.metrics_addr.is_some() {
         bail!(
             "--metrics-addr authenticates clients with the Kubernetes API: it needs Kubernetes mode (no --manifests)"
         );
     }
+    let listen = &args.listen;
     let router = crate::serve::http::router(status.clone(), metrics.clone(), stuck_after);
-    serve_http(args.http_addr, "--http-addr", router, "serving /metrics, /status, /healthz, /readyz").await?;
-    let health = crate::serve::http::health_router(status.clone(), stuck_after);
-    serve_http(args.health_addr, "--health-addr", health, "serving /healthz, /readyz (reasons withheld)")
+    serve_http(listen.http_addr, "--http-addr", router, "serving /metrics, /status, /healthz, /readyz")
         .await?;
-    let (source, controller) = match &args.common.manifests {
+    let probes = Arc::new(crate::serve::http::NodeProbes { status: status.clone(), stuck_after });
+    let health = crate::serve::http::health_router(probes);
+    serve_http(listen.health_addr, "--health-addr", health, "serving /healthz, /readyz (reasons withheld)")
+        .await?;
+    let (source, tracker) = match &args.common.manifests {
         Some(dir) => {
             let pools = ManifestPools {
                 node_labels: args.common.node_labels.0.clone(),
-                port_range: args.common.port_range,
+                port_range: policy.port_range,
             };
             (Source::manifests(dir.clone(), pools)?, None)
         }
         None => {
             let client = kube_client(&args.kube).await?;
-            if let Some(addr) = args.metrics_addr {
-                serve_authenticated_metrics(&args, addr, &cfg.node_name, client.clone(), metrics.clone())
+            if let Some(addr) = listen.metrics_addr {
+                serve_authenticated_metrics(listen, addr, &cfg.node_name, client.clone(), metrics.clone())
                     .await?;
             }
-            if args.kube.lease_duration < Duration::from_secs(3) {
-                bail!("--lease-duration {:?} is too short (at least 3s)", args.kube.lease_duration);
-            }
-            let kube = KubeSource::start(client.clone(), &args.kube.namespace, metrics.clone());
-            let ccfg = ControllerConfig {
-                node_name: cfg.node_name.clone(),
-                namespace: args.kube.namespace.clone(),
-                lease_duration: args.kube.lease_duration,
-                node_addresses: args.kube.node_addresses.clone(),
-                port_range: cfg.port_range,
-                model: cfg.model.clone(),
-                policy: cfg.policy.clone(),
-            };
-            info!(namespace = %ccfg.namespace, node = %ccfg.node_name, "Kubernetes mode");
-            let tracker = (!args.kube.daemonset.is_empty()).then(|| {
+            check_lease_duration(&args.kube)?;
+            let kube = KubeSource::start(client.clone(), &args.kube.namespace, metrics.kube.clone());
+            info!(namespace = %args.kube.namespace, node = %cfg.node_name, "Kubernetes mode");
+            let tracker = (!args.daemonset.is_empty()).then(|| {
                 Tracker::start(
                     client.clone(),
                     Installation {
                         namespace: args.kube.namespace.clone(),
-                        daemonset: args.kube.daemonset.clone(),
+                        daemonset: args.daemonset.clone(),
                         node: cfg.node_name.clone(),
                     },
                 )
             });
-            let controller = controller::spawn(client, kube.clone(), ccfg, status.clone(), metrics.clone());
-            (
-                Source::kube(kube.services_only(), cfg.node_name.clone(), cfg.port_range),
-                Some((controller, tracker)),
-            )
+            let lease = NodeLeaseConfig {
+                node_name: cfg.node_name.clone(),
+                namespace: args.kube.namespace.clone(),
+                lease_duration: args.kube.lease_duration,
+            };
+            crate::k8s::node_lease::spawn(client, lease, status.clone(), kube.clone(), metrics.kube.clone());
+            (Source::kube(kube.services_only(), cfg.node_name.clone(), cfg.port_range), tracker)
         }
     };
     agent::run(cfg, source, status, metrics, shutdown_signal()).await?;
-    if let Some((controller, tracker)) = controller {
-        // Before the Lease release: the rules matter more, and an uninstall may have taken the
-        // credentials that release needs.
-        if let Some(tracker) = tracker {
-            match tracker.decide_at_exit().await {
-                Exit::Keep(why) => info!(reason = %why, "rules stay in the kernel"),
-                Exit::Remove(why) => {
-                    warn!(reason = %why, "nodelb is gone from this node: removing its rules");
-                    let (removed, problems) = remove_rules();
-                    for r in &removed {
-                        info!("{r}");
-                    }
-                    for p in &problems {
-                        error!(problem = %p, "could not remove everything nodelb programmed (`nodelb cleanup` will)");
-                    }
+    if let Some(tracker) = tracker {
+        // An uninstall may have taken the credentials: decided from what the tracker last saw.
+        match tracker.decide_at_exit().await {
+            Exit::Keep(why) => info!(reason = %why, "rules stay in the kernel"),
+            Exit::Remove(why) => {
+                warn!(reason = %why, "nodelb is gone from this node: removing its rules");
+                let (removed, problems) = remove_rules();
+                for r in &removed {
+                    info!("{r}");
+                }
+                for p in &problems {
+                    error!(problem = %p, "could not remove everything nodelb programmed (`nodelb cleanup` will)");
                 }
             }
         }
-        controller.shutdown().await;
     }
+    Ok(())
+}
+
+/// `nodelb controller`: one replica of the controller. Its replicas elect a leader, which
+/// allocates node ports and writes Service status, the registry and Events; the others stand by
+/// with complete caches.
+pub async fn controller(args: ControllerArgs) -> anyhow::Result<()> {
+    check_lease_duration(&args.kube)?;
+    let identity = args.identity.clone().filter(|i| !i.is_empty()).unwrap_or_else(|| {
+        nix::unistd::gethostname()
+            .ok()
+            .and_then(|h| h.into_string().ok())
+            .unwrap_or_else(|| "nodelb-controller".into())
+    });
+    let metrics = Arc::new(ControllerMetrics::new()?);
+    let client = kube_client(&args.kube).await?;
+    let source = KubeSource::start(client.clone(), &args.kube.namespace, metrics.kube.clone());
+    let cfg = ControllerConfig {
+        identity: identity.clone(),
+        namespace: args.kube.namespace.clone(),
+        lease_duration: args.kube.lease_duration,
+        node_addresses: args.node_addresses.clone(),
+        port_range: args.policy.port_range,
+        model: model_options(&args.policy),
+        policy: host_policy(&args.policy),
+    };
+    info!(namespace = %cfg.namespace, identity = %identity, "controller: electing a leader among the replicas");
+    let controller = controller::spawn(client.clone(), source, cfg, metrics.clone());
+    let probes = Arc::new(crate::serve::http::ControllerProbes {
+        liveness: controller.liveness.clone(),
+        leadership: controller.leadership.clone(),
+        stuck_after: Duration::from_secs(30),
+    });
+    let listen = &args.listen;
+    let local = crate::serve::http::local_router(metrics.clone(), probes.clone());
+    serve_http(listen.http_addr, "--http-addr", local, "serving /metrics, /healthz, /readyz").await?;
+    let health = crate::serve::http::health_router(probes);
+    serve_http(listen.health_addr, "--health-addr", health, "serving /healthz, /readyz (reasons withheld)")
+        .await?;
+    if let Some(addr) = listen.metrics_addr {
+        serve_authenticated_metrics(listen, addr, &identity, client, metrics).await?;
+    }
+    shutdown_signal().await;
+    controller.shutdown().await;
     Ok(())
 }
 
@@ -207,14 +254,14 @@ async fn serve_http(
 
 /// `/metrics` over TLS on `addr`, for bearer tokens the API server authenticates and authorizes.
 async fn serve_authenticated_metrics(
-    args: &RunArgs,
+    args: &ListenArgs,
     addr: SocketAddr,
-    node_name: &str,
+    name: &str,
     client: kube::Client,
-    metrics: Arc<Metrics>,
+    metrics: Arc<dyn Exposition>,
 ) -> anyhow::Result<()> {
     let files = args.metrics_tls_cert_file.as_deref().zip(args.metrics_tls_key_file.as_deref());
-    let names = [node_name.to_string(), "localhost".to_string()];
+    let names = [name.to_string(), "localhost".to_string()];
     let tls = crate::serve::tls::server_config(files, &names).context("--metrics-addr")?;
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -286,9 +333,9 @@ async fn plan_pools(
     let (ctx, invalid) = crate::k8s::pools::context(
         &snap,
         &mut Default::default(),
-        common.port_range,
-        &node_name(common),
-        common.servicelb_labels,
+        common.policy.port_range,
+        Some(&node_name(common)),
+        common.policy.servicelb_labels,
     );
     for p in &invalid {
         eprintln!("problem: {p}");
@@ -315,9 +362,9 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
             let (ctx, pool_problems) = crate::manifests::pool_context(
                 &loaded,
                 &mut Default::default(),
-                args.common.port_range,
+                args.common.policy.port_range,
                 &args.common.node_labels.0,
-                args.common.servicelb_labels,
+                args.common.policy.servicelb_labels,
             );
             for p in &pool_problems {
                 eprintln!("problem: {p}");
@@ -438,11 +485,11 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
         notes: &notes,
         previous: &previous.allocations,
         since: &previous.since,
-        range: &args.common.port_range,
-        model: &model_options(&args.common),
+        range: &args.common.policy.port_range,
+        model: &model_options(&args.common.policy),
         node: &node,
         pools: pools.as_ref(),
-        policy: &host_policy(&args.common),
+        policy: &host_policy(&args.common.policy),
         host: &host,
         registry: registry.as_ref(),
     });

@@ -31,6 +31,7 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Run(args) => commands::run(*args).await,
         Command::Plan(args) => commands::plan(*args).await,
+        Command::Controller(args) => commands::controller(*args).await,
         Command::Cleanup => commands::cleanup(),
         Command::Status(args) => commands::status(args),
         Command::Crd => {

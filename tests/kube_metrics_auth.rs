@@ -73,10 +73,17 @@ fn metrics_over_the_network_need_an_authorized_bearer_token() {
     let (code, body) = curl(&c, &https, Some(&prometheus));
     assert_eq!(code, 200, "{body}");
     assert!(
-        body.contains("nodelb_build_info") && body.contains("nodelb_leader"),
+        body.contains("nodelb_build_info") && body.contains("nodelb_sync_duration_seconds"),
         "{}",
         &body[..body.len().min(300)]
     );
+    // The controller's replicas serve theirs the same way (who leads is theirs to say).
+    let controller = format!("https://{}:{METRICS_PORT}/metrics", common::cluster::controller_v4(0));
+    let (code, body) = curl(&c, &controller, Some(&other));
+    assert_eq!(code, 403, "{body}");
+    let (code, body) = curl(&c, &controller, Some(&prometheus));
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("nodelb_leader "), "{}", &body[..body.len().min(300)]);
     // TLS only: the token never crosses the network in clear text.
     let (code, _) = curl(&c, &format!("http://{}:{METRICS_PORT}/metrics", node_v4(0)), Some(&prometheus));
     assert_ne!(code, 200, "plain HTTP on the metrics port");
@@ -101,16 +108,18 @@ fn metrics_over_the_network_need_an_authorized_bearer_token() {
     let (code, _) = curl(&c, &https, Some(&prometheus_second));
     assert_eq!(code, 200, "reviewed once the API server answers again");
 
-    // The agent's RBAC grants the reviews it made, and they were made.
+    // Both identities' RBAC grants the reviews they made, and they were made.
     c.assert_rbac_allows_every_request();
-    let used: BTreeSet<Permission> = c.agent_permissions().into_iter().map(|(_, p, _)| p).collect();
-    for (group, resource) in
-        [("authentication.k8s.io", "tokenreviews"), ("authorization.k8s.io", "subjectaccessreviews")]
-    {
-        assert!(
-            used.contains(&(group.into(), resource.into(), "create".into())),
-            "{resource} create not used: {used:?}"
-        );
+    for sa in ["nodelb", "nodelb-controller"] {
+        let used: BTreeSet<Permission> = c.permissions_used(sa).into_iter().map(|(_, p, _)| p).collect();
+        for (group, resource) in
+            [("authentication.k8s.io", "tokenreviews"), ("authorization.k8s.io", "subjectaccessreviews")]
+        {
+            assert!(
+                used.contains(&(group.into(), resource.into(), "create".into())),
+                "{sa}: {resource} create not used: {used:?}"
+            );
+        }
     }
 }
 

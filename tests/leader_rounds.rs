@@ -51,7 +51,7 @@ const RANGE: (u16, u16) = (20000, 20029);
 
 fn config() -> ControllerConfig {
     ControllerConfig {
-        node_name: "node-1".into(),
+        identity: "controller-1".into(),
         namespace: "nodelb-system".into(),
         lease_duration: Duration::from_secs(15),
         node_addresses: vec![],

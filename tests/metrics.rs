@@ -231,8 +231,6 @@ fn exposition_is_complete_and_service_series_go_with_the_service() {
         "nodelb_syncs_total",
         "nodelb_sync_failures_total",
         "nodelb_table_repairs_total",
-        "nodelb_leader",
-        "nodelb_leader_transitions_total",
         "nodelb_watch_errors_total",
         "nodelb_watch_restarts_total",
         "nodelb_api_errors_total",

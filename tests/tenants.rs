@@ -185,17 +185,17 @@ fn a_tenant_cannot_take_another_services_port_with_an_annotation() {
         assert!(warned(&c, name), "no NodePortNotOwned Event for team-a/{name}");
     }
 
-    // Again while the leader changes: the agent leading is stopped as a pod is, and the forgery
-    // comes before anyone leads again.
+    // Again while the leader changes: the controller replica leading is stopped as a pod is,
+    // and the forgery comes before anyone leads again.
     let leader = c.wait_leader(CHANGE);
-    c.stop_agent(leader, c.grace_period());
+    c.stop_controller(leader, c.grace_period());
     ok(forge(&c, &alice, "team-a", "thief", "80/TCP=20080"), "forge thief during the leader change");
     ok(forge(&c, &alice, "team-a", "late-thief", &format!("80/TCP={auto}")), "forge late-thief again");
     let started = Instant::now();
     assert_eq!(wait_repaired(&c, "team-a", "thief", 20080), thief_own, "repaired by the next leader");
     assert_eq!(wait_repaired(&c, "team-a", "late-thief", auto), late_own);
     eprintln!("repaired {:?} after the forgery without a leader", started.elapsed());
-    c.start_agent(leader, CHANGE);
+    c.start_controller(leader, CHANGE);
     for i in 0..3 {
         c.wait_served(i, born, CHANGE);
     }

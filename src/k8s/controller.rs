@@ -1,68 +1,53 @@
-//! The API-writing edge of Kubernetes mode, three tasks:
-//! - **leader election** on Lease `nodelb-leader` ([`super::leader`] decides; every write is a
-//!   replace carrying the resourceVersion read, so a 409 means someone else won);
-//! - **node Lease** `nodelb-node-<node>`, renewed every `lease/3` with the families this node
-//!   serves ([`super::nodes`]), and a Warning Event on the Node when forwarding is off for a
-//!   family the Services need (retried every renewal until the API accepted it);
-//! - **allocator + status writer**, leader only and only once the caches are complete:
-//!   [`crate::alloc::allocate`] with the annotations as previous allocations, then
-//!   [`super::publish::plan_writes`] → merge patches with a `metadata.resourceVersion`
-//!   precondition (409 ⇒ retried on the next round), Events deduplicated per change.
+//! The controller's edge (`nodelb controller`, a Deployment of its own): its replicas elect a
+//! leader ([`super::election`]), and the leader alone allocates node ports and writes Service
+//! status, the node-port registry, NodePortPool status and Service Events, only once the caches
+//! are complete: [`crate::alloc::allocate`] with the annotations as previous allocations, then
+//! [`super::publish::plan_writes`] → merge patches with a `metadata.resourceVersion`
+//! precondition (409 ⇒ retried on the next round), Events deduplicated per change. The node
+//! agents only read what it writes.
 
 use std::borrow::Borrow;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
-use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
-use k8s_openapi::api::core::v1::{Node, ObjectReference, Service};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Patch, PatchParams, PostParams};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::api::{Patch, PatchParams};
+use kube::runtime::events::{Recorder, Reporter};
 use kube::{Api, Client, Resource};
 use serde_json::json;
 use tracing::{debug, info, warn};
 
 use crate::alloc::{self, Allocations};
 use crate::compact::EndpointSlice;
-use crate::domain::{Family, ServiceKey};
+use crate::domain::ServiceKey;
 use crate::model::{self, ANNOTATION_ALLOCATED, ModelOptions};
 use crate::model_cache::{ModelCache, ModelContext};
 use crate::per_object::PerObject;
 use crate::port_policy::PortRange;
-use crate::serve::metrics::Metrics;
-use crate::serve::status::SharedStatus;
+use crate::serve::metrics::ControllerMetrics;
 
+use super::api::{CONTROLLER_NAME, FIELD_MANAGER, is_conflict, post_params, publish_event};
 use super::claims;
 use super::dupes;
+use super::election::{self, ElectionConfig, Leadership};
 use super::events::{Deduper, Outbox};
 use super::lastgood::LastGoodServices;
-use super::leader::{self, Decision, LeaseRecord, Observed};
-use super::nodes::{self, ANNOTATION_FAMILIES, LABEL_NODE_LEASE};
+use super::nodes;
 use super::publish::{self, Round, ServiceWrite};
 use super::scope;
 use super::source::{Journal, KubeSnapshot, KubeSource};
 
-/// Name of the leader-election Lease in the agent namespace.
-pub const LEADER_LEASE: &str = "nodelb-leader";
-/// `reportingController` of our Events.
-pub const CONTROLLER_NAME: &str = "nodelb.io/nodelb";
-/// How often the node-Lease task checks whether the served families changed.
-const FAMILIES_POLL: Duration = Duration::from_millis(250);
-/// `fieldManager` of every write (shows in `managedFields`; `kubectl get --show-managed-fields`).
-pub const FIELD_MANAGER: &str = "nodelb";
-
-fn post_params() -> PostParams {
-    PostParams { field_manager: Some(FIELD_MANAGER.into()), ..Default::default() }
-}
-
 #[derive(Debug, Clone)]
 pub struct ControllerConfig {
-    pub node_name: String,
-    /// Agent namespace (Leases).
+    /// This replica's name (its pod's): leader Lease holder, Event reporter, registry claims.
+    pub identity: String,
+    /// nodelb's namespace (Leases).
     pub namespace: String,
     pub lease_duration: Duration,
     /// `--node-addresses`: status addresses restricted to these (empty: all).
@@ -72,19 +57,10 @@ pub struct ControllerConfig {
     pub policy: crate::desired::HostPolicy,
 }
 
-/// Whether this agent currently leads (read by the metrics and the allocator).
-#[derive(Debug, Default)]
-pub struct Leadership(AtomicBool);
-
-impl Leadership {
-    pub fn get(&self) -> bool {
-        self.0.load(Ordering::Acquire)
-    }
-}
-
-/// The running tasks: leadership state, and a way to stop leading cleanly.
+/// The running tasks: leadership, liveness, and a way to stop leading cleanly.
 pub struct Controller {
     pub leadership: Arc<Leadership>,
+    pub liveness: Arc<Liveness>,
     stop: tokio::sync::watch::Sender<bool>,
     elect: tokio::task::JoinHandle<()>,
 }
@@ -101,451 +77,87 @@ impl Controller {
     }
 }
 
-/// Starts the three tasks. They run for the life of the runtime (leader election until
-/// [`Controller::shutdown`]) and never fail: every error is logged and retried.
+/// What the controller's probes read: when the allocation loop last came round (it wakes at
+/// least every couple of seconds, and a round's writes are bounded in time), and whether the
+/// caches have finished their first lists.
+#[derive(Debug)]
+pub struct Liveness {
+    started: Instant,
+    /// Milliseconds since `started` at the loop's last turn.
+    last_turn_ms: AtomicU64,
+    complete: AtomicBool,
+}
+
+impl Default for Liveness {
+    fn default() -> Self {
+        Liveness {
+            started: Instant::now(),
+            last_turn_ms: AtomicU64::new(0),
+            complete: AtomicBool::new(false),
+        }
+    }
+}
+
+impl Liveness {
+    fn turned(&self, complete: bool) {
+        let ms = self.started.elapsed().as_millis().min(u128::from(u64::MAX)) as u64;
+        self.last_turn_ms.store(ms, Ordering::Release);
+        self.complete.store(complete, Ordering::Release);
+    }
+
+    /// How long since the allocation loop last came round.
+    pub fn since_last_turn(&self) -> Duration {
+        let last = Duration::from_millis(self.last_turn_ms.load(Ordering::Acquire));
+        self.started.elapsed().saturating_sub(last)
+    }
+
+    /// Whether every cache has finished its first list.
+    pub fn complete(&self) -> bool {
+        self.complete.load(Ordering::Acquire)
+    }
+}
+
+/// Starts leader election and the allocation loop. They run for the life of the runtime (leader
+/// election until [`Controller::shutdown`]) and never fail: every error is logged and retried.
 pub fn spawn(
     client: Client,
     source: KubeSource,
     cfg: ControllerConfig,
-    status: SharedStatus,
-    metrics: Arc<Metrics>,
+    metrics: Arc<ControllerMetrics>,
 ) -> Controller {
     let leadership = Arc::new(Leadership::default());
+    let liveness = Arc::new(Liveness::default());
     let recorder = Recorder::new(
         client.clone(),
-        Reporter { controller: CONTROLLER_NAME.into(), instance: Some(cfg.node_name.clone()) },
+        Reporter { controller: CONTROLLER_NAME.into(), instance: Some(cfg.identity.clone()) },
     );
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let elect =
-        tokio::spawn(elect(client.clone(), cfg.clone(), leadership.clone(), metrics.clone(), stopped));
-    tokio::spawn(node_lease(
-        client.clone(),
-        cfg.clone(),
-        status,
-        source.clone(),
-        recorder.clone(),
-        metrics.clone(),
-    ));
-    tokio::spawn(allocate_loop(client, source, cfg, leadership.clone(), recorder, metrics));
-    Controller { leadership, stop, elect }
-}
-
-fn record_of(lease: &Lease) -> LeaseRecord {
-    let spec = lease.spec.clone().unwrap_or_default();
-    LeaseRecord {
-        holder: spec.holder_identity,
-        duration: Duration::from_secs(spec.lease_duration_seconds.unwrap_or(15).max(1) as u64),
-        transitions: spec.lease_transitions.unwrap_or(0),
-        resource_version: lease.metadata.resource_version.clone(),
-    }
-}
-
-/// Logs a failing API call once (warn), its repetitions at debug, and the recovery once (info):
-/// an API outage is a handful of lines, not one per retry.
-struct Failing {
-    what: &'static str,
-    since: Option<Instant>,
-    /// `nodelb_api_errors_total{operation=…}`: every failure counts, not only the logged one.
-    errors: prometheus::IntCounter,
-}
-
-impl Failing {
-    fn new(what: &'static str, errors: prometheus::IntCounter) -> Self {
-        Failing { what, since: None, errors }
-    }
-
-    fn failed(&mut self, e: &kube::Error) {
-        self.errors.inc();
-        if self.since.is_none() {
-            warn!(error = %e, "{}; retrying", self.what);
-            self.since = Some(Instant::now());
-        } else {
-            debug!(error = %e, "{}; still retrying", self.what);
-        }
-    }
-
-    fn ok(&mut self) {
-        if let Some(t) = self.since.take() {
-            info!(after = ?t.elapsed(), "recovered (earlier: {})", self.what);
-        }
-    }
-}
-
-fn is_conflict(e: &kube::Error) -> bool {
-    matches!(e, kube::Error::Api(s) if s.code == 409)
-}
-
-async fn elect(
-    client: Client,
-    cfg: ControllerConfig,
-    leadership: Arc<Leadership>,
-    metrics: Arc<Metrics>,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) {
-    let api: Api<Lease> = Api::namespaced(client, &cfg.namespace);
-    let me = cfg.node_name.clone();
-    let retry = (cfg.lease_duration / 3).max(Duration::from_millis(500));
-    let secs = cfg.lease_duration.as_secs().max(1) as i32;
-    let mut observed: Option<Observed> = None;
-    let mut last_renew: Option<Instant> = None;
-    let mut failing = Failing::new(
-        "leader election: cannot reach the API (Lease nodelb-leader)",
-        metrics.api_errors.with_label_values(&["lease"]),
-    );
-    loop {
-        if *stop.borrow() {
-            if leadership.get() {
-                leadership.0.store(false, Ordering::Release);
-                metrics.leader.set(0);
-                metrics.leader_transitions.inc();
-            }
-            if last_renew.is_some() && observed.as_ref().is_some_and(|o| held_by(o, &me)) {
-                release(&api, &me).await;
-            }
-            return;
-        }
-        let now = Instant::now();
-        let mut sleep_until = now + retry;
-        match api.get_opt(LEADER_LEASE).await {
-            Err(e) => failing.failed(&e),
-            Ok(current) => {
-                failing.ok();
-                let obs = leader::observe(observed.as_ref(), current.as_ref().map(record_of), now);
-                let started = Instant::now();
-                let stamp = Some(MicroTime(Timestamp::now()));
-                let result = match leader::decide(&me, &obs, last_renew, now) {
-                    Decision::Wait(t) => {
-                        sleep_until = t.min(sleep_until);
-                        None
-                    }
-                    Decision::Create => {
-                        let lease = Lease {
-                            metadata: ObjectMeta { name: Some(LEADER_LEASE.into()), ..Default::default() },
-                            spec: Some(LeaseSpec {
-                                holder_identity: Some(me.clone()),
-                                lease_duration_seconds: Some(secs),
-                                acquire_time: stamp.clone(),
-                                renew_time: stamp,
-                                lease_transitions: Some(0),
-                                ..Default::default()
-                            }),
-                        };
-                        Some(api.create(&post_params(), &lease).await)
-                    }
-                    d @ (Decision::Acquire | Decision::Renew) => {
-                        // `current` is Some here; its resourceVersion is the precondition.
-                        let mut lease = current.clone().unwrap_or_default();
-                        let spec = lease.spec.get_or_insert_default();
-                        if d == Decision::Acquire {
-                            spec.holder_identity = Some(me.clone());
-                            spec.acquire_time = stamp.clone();
-                            spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + 1);
-                        }
-                        spec.lease_duration_seconds = Some(secs);
-                        spec.renew_time = stamp;
-                        Some(api.replace(LEADER_LEASE, &post_params(), &lease).await)
-                    }
-                };
-                observed = Some(match result {
-                    None => obs,
-                    Some(Ok(lease)) => {
-                        last_renew = Some(started);
-                        sleep_until = Instant::now() + retry;
-                        leader::observe(None, Some(record_of(&lease)), Instant::now())
-                    }
-                    Some(Err(e)) => {
-                        if is_conflict(&e) {
-                            debug!("leader election: Lease changed under us (409); re-reading");
-                        } else {
-                            failing.failed(&e);
-                        }
-                        sleep_until = Instant::now() + Duration::from_millis(200).min(retry);
-                        obs
-                    }
-                });
-            }
-        }
-        let leading =
-            observed.as_ref().is_some_and(|o| leader::is_leader(&me, o, last_renew, Instant::now()));
-        if leading != leadership.get() {
-            leadership.0.store(leading, Ordering::Release);
-            metrics.leader.set(i64::from(leading));
-            metrics.leader_transitions.inc();
-            if leading {
-                info!(
-                    lease = LEADER_LEASE,
-                    "became leader: allocating node ports and writing Service status"
-                );
-            } else {
-                warn!(lease = LEADER_LEASE, "no longer leader");
-            }
-        }
-        // Wake in time to notice the renew deadline passing.
-        let deadline = last_renew.map(|t| t + cfg.lease_duration * 2 / 3).filter(|_| leading);
-        let wake = deadline
-            .map_or(sleep_until, |d| d.min(sleep_until))
-            .max(Instant::now() + Duration::from_millis(50));
-        tokio::select! {
-            _ = tokio::time::sleep_until(wake.into()) => {}
-            _ = stop.changed() => {}
-        }
-    }
-}
-
-fn held_by(o: &Observed, me: &str) -> bool {
-    o.record.as_ref().and_then(|r| r.holder.as_deref()) == Some(me)
-}
-
-/// Clears the holder of the leader Lease if it is still ours (resourceVersion precondition: never
-/// releases a Lease someone else took meanwhile), like client-go's `ReleaseOnCancel`.
-async fn release(api: &Api<Lease>, me: &str) {
-    let result = async {
-        let Some(mut lease) = api.get_opt(LEADER_LEASE).await? else { return Ok(false) };
-        let spec = lease.spec.get_or_insert_default();
-        if spec.holder_identity.as_deref() != Some(me) {
-            return Ok(false);
-        }
-        let now = Some(MicroTime(Timestamp::now()));
-        spec.holder_identity = None;
-        spec.lease_duration_seconds = Some(1);
-        spec.renew_time = now.clone();
-        spec.acquire_time = now;
-        api.replace(LEADER_LEASE, &post_params(), &lease).await.map(|_| true)
-    }
-    .await;
-    match result {
-        Ok(true) => info!(lease = LEADER_LEASE, "released the leader Lease (shutting down)"),
-        Ok(false) => {}
-        Err(e) => warn!(error = %e, "could not release the leader Lease; it will expire instead"),
-    }
-}
-
-/// Families this node serves right now (none unless ready; else those programmed and not
-/// dropped by a host firewall), and the Warning Events its Node should carry for families some
-/// Service needs: `ForwardingDisabled` (forwarding off) and `ForwardedTrafficDropped` (a host
-/// firewall drops them, or the forward counters say so), with why. A family nobody needs is not
-/// worth a Warning Event on the Node: an IPv6-off node in an IPv4-only cluster would get one at
-/// every restart; the agent's log still says it (once per change), and the Event follows as
-/// soon as a Service needs the family. Before the first sync nothing is known to be needed, so
-/// nothing is reported.
-fn served_families(
-    status: &SharedStatus,
-) -> (std::collections::BTreeSet<Family>, Vec<(Family, &'static str, String)>) {
-    let st = crate::locks::read(status);
-    let mut events = Vec::new();
-    for f in Family::ALL {
-        let Some(fs) = st.families.get(f.name()) else { continue };
-        if !st.needed_families.iter().any(|n| n == f.name()) {
-            continue;
-        }
-        if !fs.forwarding {
-            let why = fs.reason.clone().unwrap_or_else(|| format!("forwarding is off for {f}"));
-            events.push((f, "ForwardingDisabled", why));
-        } else if let Some(why) = fs.firewall.clone().or_else(|| fs.evidence.clone()) {
-            events.push((f, "ForwardedTrafficDropped", why));
-        }
-    }
-    if st.readiness().is_err() {
-        return (Default::default(), events);
-    }
-    let served =
-        Family::ALL.into_iter().filter(|f| st.families.get(f.name()).is_some_and(|fs| fs.served())).collect();
-    (served, events)
-}
-
-/// What a node Lease publishes besides its renewal: the families served, the listening ports,
-/// the pools' addresses, this node's addresses (`None`: not read yet).
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct LeaseAnnotations {
-    families: String,
-    listening: Option<String>,
-    pool_addresses: Option<String>,
-    addresses: Option<String>,
-}
-
-impl LeaseAnnotations {
-    fn of(families: &std::collections::BTreeSet<Family>, status: &SharedStatus) -> LeaseAnnotations {
-        let st = crate::locks::read(status);
-        LeaseAnnotations {
-            families: nodes::format_families(families),
-            listening: st.listening_ports.clone(),
-            pool_addresses: st.pool_addresses.clone(),
-            addresses: st.node_addresses.clone(),
-        }
-    }
-}
-
-async fn node_lease(
-    client: Client,
-    cfg: ControllerConfig,
-    status: SharedStatus,
-    source: KubeSource,
-    recorder: Recorder,
-    metrics: Arc<Metrics>,
-) {
-    let api: Api<Lease> = Api::namespaced(client, &cfg.namespace);
-    let name = nodes::node_lease_name(&cfg.node_name);
-    let period = (cfg.lease_duration / 3).max(Duration::from_millis(500));
-    let secs = cfg.lease_duration.as_secs().max(1) as i32;
-    let mut node_events: Deduper<String> = Deduper::default();
-    let mut failing =
-        Failing::new("cannot renew the node Lease", metrics.api_errors.with_label_values(&["node_lease"]));
-    let mut tick = tokio::time::interval(period);
-    let mut last_families = None;
-    // Families as last written: a change (ready at start, forwarding switched off, sync failing)
-    // is written at once, not at the next renewal, so the leader's status follows within a second.
-    let mut written: Option<LeaseAnnotations> = None;
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = tokio::time::sleep(FAMILIES_POLL) => {
-                let (families, _) = served_families(&status);
-                let now = LeaseAnnotations::of(&families, &status);
-                if failing.since.is_some() || written.as_ref() == Some(&now) {
-                    continue;
-                }
-            }
-        }
-        let (families, off) = served_families(&status);
-        let now = LeaseAnnotations::of(&families, &status);
-        let LeaseAnnotations { families: value, listening: ports, pool_addresses: selected, addresses } =
-            now.clone();
-        if last_families.as_ref() != Some(&value) {
-            info!(lease = %name, families = %value, "node Lease: serving families");
-            last_families = Some(value.clone());
-        }
-        let mut annotations = BTreeMap::from([(ANNOTATION_FAMILIES.to_string(), value.clone())]);
-        // Not read yet: what the Lease says stays (an agent restarting keeps the listeners its
-        // predecessor published; a new Lease has none, and the leader waits for them).
-        if let Some(p) = &ports {
-            annotations.insert(nodes::ANNOTATION_LISTENING.to_string(), p.clone());
-        }
-        if let Some(v) = &selected {
-            annotations.insert(nodes::ANNOTATION_POOL_ADDRESSES.to_string(), v.clone());
-        }
-        if let Some(v) = &addresses {
-            annotations.insert(nodes::ANNOTATION_ADDRESSES.to_string(), v.clone());
-        }
-        let stamp = Some(MicroTime(Timestamp::now()));
-        let result = match api.get_opt(&name).await {
-            Ok(None) => {
-                let lease = Lease {
-                    metadata: ObjectMeta {
-                        name: Some(name.clone()),
-                        labels: Some([(LABEL_NODE_LEASE.to_string(), "true".to_string())].into()),
-                        annotations: Some(std::mem::take(&mut annotations)),
-                        ..Default::default()
-                    },
-                    spec: Some(LeaseSpec {
-                        holder_identity: Some(cfg.node_name.clone()),
-                        lease_duration_seconds: Some(secs),
-                        acquire_time: stamp.clone(),
-                        renew_time: stamp,
-                        ..Default::default()
-                    }),
-                };
-                api.create(&post_params(), &lease).await.map(|_| ())
-            }
-            Ok(Some(mut lease)) => {
-                let existing = lease.metadata.annotations.get_or_insert_default();
-                // Not published (yet, or too long): the leader must not read an old selection.
-                existing.remove(nodes::ANNOTATION_POOL_ADDRESSES);
-                existing.append(&mut annotations);
-                lease
-                    .metadata
-                    .labels
-                    .get_or_insert_default()
-                    .insert(LABEL_NODE_LEASE.to_string(), "true".into());
-                let spec = lease.spec.get_or_insert_default();
-                spec.holder_identity = Some(cfg.node_name.clone());
-                spec.lease_duration_seconds = Some(secs);
-                spec.renew_time = stamp;
-                api.replace(&name, &post_params(), &lease).await.map(|_| ())
-            }
-            Err(e) => Err(e),
-        };
-        match result {
-            Ok(()) => {
-                failing.ok();
-                written = Some(now);
-            }
-            Err(e) if is_conflict(&e) => {
-                debug!(lease = %name, "node Lease changed under us (409); next tick")
-            }
-            Err(e) => failing.failed(&e),
-        }
-        // Forwarding off, or forwarded traffic dropped, for a needed family: a Warning Event on
-        // our Node, once per change. Not recorded as sent until the API accepted it: while our
-        // Node is not in the cache yet, or the Event cannot be written, it is tried again at
-        // every renewal.
-        let events: Vec<(String, &'static str, String)> =
-            off.iter().map(|(f, reason, why)| (f.name().to_string(), *reason, why.clone())).collect();
-        let key = |(f, reason, why): &(String, &'static str, String)| (f.clone(), *reason, why.clone());
-        let pending = node_events.pending(&events, |(f, reason, why)| (f, *reason, why.as_str()));
-        if pending.is_empty() {
-            continue;
-        }
-        let Some(node) = source.node(&cfg.node_name) else {
-            debug!(node = %cfg.node_name, "our Node is not in the cache yet; Node Events deferred");
-            continue;
-        };
-        let reference = node_ref(&node);
-        for e in pending {
-            if publish_event(&recorder, &metrics, &reference, true, e.1, &e.2).await {
-                node_events.sent(key(e));
-            }
-        }
-    }
-}
-
-fn node_ref(node: &Node) -> ObjectReference {
-    ObjectReference {
-        api_version: Some("v1".into()),
-        kind: Some("Node".into()),
-        name: node.metadata.name.clone(),
-        uid: node.metadata.uid.clone(),
-        ..Default::default()
-    }
-}
-
-/// Records one Event; `false` (logged, counted) when the API did not accept it.
-async fn publish_event(
-    recorder: &Recorder,
-    metrics: &Metrics,
-    reference: &ObjectReference,
-    warning: bool,
-    reason: &str,
-    note: &str,
-) -> bool {
-    let ev = Event {
-        type_: if warning { EventType::Warning } else { EventType::Normal },
-        reason: reason.to_string(),
-        note: Some(super::events::event_note(note)),
-        action: "Reconcile".to_string(),
-        secondary: None,
+    let election = ElectionConfig {
+        identity: cfg.identity.clone(),
+        namespace: cfg.namespace.clone(),
+        lease_duration: cfg.lease_duration,
     };
-    match recorder.publish(&ev, reference).await {
-        Ok(()) => true,
-        Err(e) => {
-            metrics.api_errors.with_label_values(&["event"]).inc();
-            warn!(error = %e, reason, "cannot record Event; retrying at the next round");
-            false
-        }
-    }
+    let elect =
+        tokio::spawn(election::elect(client.clone(), election, leadership.clone(), metrics.clone(), stopped));
+    let tasks = Tasks { leadership: leadership.clone(), liveness: liveness.clone(), recorder, metrics };
+    tokio::spawn(allocate_loop(client, source, cfg, tasks));
+    Controller { leadership, liveness, stop, elect }
+}
+
+/// What the allocation loop shares with the rest of the controller.
+struct Tasks {
+    leadership: Arc<Leadership>,
+    liveness: Arc<Liveness>,
+    recorder: Recorder,
+    metrics: Arc<ControllerMetrics>,
 }
 
 /// The leader's work, whenever the caches change (coalesced) and every couple of seconds (node
 /// Leases expire with time, not with an event); no round when it would plan nothing
 /// ([`LeaderState::nothing_to_do`]).
-async fn allocate_loop(
-    client: Client,
-    mut source: KubeSource,
-    cfg: ControllerConfig,
-    leadership: Arc<Leadership>,
-    recorder: Recorder,
-    metrics: Arc<Metrics>,
-) {
-    let mut state = LeaderState::new(&cfg.node_name);
+async fn allocate_loop(client: Client, mut source: KubeSource, cfg: ControllerConfig, tasks: Tasks) {
+    let Tasks { leadership, liveness, recorder, metrics } = tasks;
+    let mut state = LeaderState::new(&cfg.identity);
     let mut deduper: Deduper<ServiceKey> = Deduper::default();
     let mut outbox: Outbox<ServiceKey, publish::ServiceEvent> = Outbox::default();
     let mut was_leader = false;
@@ -568,11 +180,12 @@ async fn allocate_loop(
             outbox = Outbox::default();
         }
         was_leader = leading;
+        liveness.turned(source.complete());
         if !source.complete() {
             continue;
         }
         if !leading {
-            // Every agent remembers the Services it saw, so that as leader it knows which were
+            // Every replica remembers the Services it saw, so that as leader it knows which were
             // deleted (their node ports are free) without guessing from one view. (A leader's
             // round records them itself, unless it stepped down before its round.)
             if stepped_down || !changes.services.is_empty() || changes.others.contains("Service") {
@@ -653,7 +266,7 @@ impl LeaseView {
         LeaseView {
             serving: nodes::serving_nodes(nodes, leases, leases_now, &cfg.node_addresses),
             listening: nodes::listening_ports(leases),
-            unreported: nodes::listeners_unreported(leases, leases_now, &cfg.node_name),
+            unreported: nodes::listeners_unreported(leases, leases_now),
             published: nodes::published_pool_addresses(leases).0,
         }
     }
@@ -833,7 +446,7 @@ pub struct LeaderState {
 }
 
 impl LeaderState {
-    pub fn new(node_name: &str) -> LeaderState {
+    pub fn new(identity: &str) -> LeaderState {
         let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         LeaderState {
             memory: RoundMemory::default(),
@@ -845,7 +458,7 @@ impl LeaderState {
             claims: claims::Keeper::default(),
             registry_versions: None,
             registry_read: None,
-            token: claims::Token::new(node_name, std::process::id(), started.as_nanos()),
+            token: claims::Token::new(identity, std::process::id(), started.as_nanos()),
             logged: Default::default(),
             unreported: Vec::new(),
         }
@@ -1142,14 +755,14 @@ pub fn plan_round(
         snap,
         &mut memory.pools_last_valid,
         cfg.port_range,
-        &cfg.node_name,
+        None,
         cfg.model.servicelb_labels,
     );
     let serving = nodes::serving_nodes(&snap.nodes, &snap.leases, leases_now, &cfg.node_addresses);
     // What processes listen on, on any node (their Leases say): never handed out, and a request
     // for it is refused. Each node refuses locally anyway, whatever is decided here.
     let listening = nodes::listening_ports(&snap.leases);
-    let unreported = nodes::listeners_unreported(&snap.leases, leases_now, &cfg.node_name);
+    let unreported = nodes::listeners_unreported(&snap.leases, leases_now);
     let shared = SharedInputs {
         nodes: node_facts(&snap.nodes),
         pools: pool_ctx.clone(),
@@ -1395,7 +1008,7 @@ pub async fn leader_round(
     state: &mut LeaderState,
     leases_now: Option<Timestamp>,
     services_current: bool,
-    metrics: Option<&Metrics>,
+    metrics: Option<&ControllerMetrics>,
 ) -> RoundOutcome {
     let started = Instant::now();
     let read = match read_registry(client, &cfg.namespace, state.registry_read.take()).await {
@@ -1524,7 +1137,7 @@ async fn round(
     cfg: &ControllerConfig,
     state: &mut LeaderState,
     ev: Events<'_>,
-    metrics: &Metrics,
+    metrics: &ControllerMetrics,
 ) -> bool {
     let started = Instant::now();
     let snap = source.snapshot();
@@ -1585,11 +1198,19 @@ const EVENTS_FOR: Duration = Duration::from_secs(1);
 /// Records `e` on `svc` ([`publish_event`]); whether the API accepted it.
 async fn send_event(
     recorder: &Recorder,
-    metrics: &Metrics,
+    metrics: &ControllerMetrics,
     svc: Arc<Service>,
     e: publish::ServiceEvent,
 ) -> (publish::ServiceEvent, bool) {
-    let sent = publish_event(recorder, metrics, &svc.object_ref(&()), e.warning, e.reason, &e.message).await;
+    let sent = publish_event(
+        recorder,
+        &metrics.kube.api_errors,
+        &svc.object_ref(&()),
+        e.warning,
+        e.reason,
+        &e.message,
+    )
+    .await;
     (e, sent)
 }
 
@@ -1631,9 +1252,9 @@ pub fn events_to_send(
     sending
 }
 
-fn count_api_error(metrics: Option<&Metrics>, operation: &str) {
+fn count_api_error(metrics: Option<&ControllerMetrics>, operation: &str) {
     if let Some(m) = metrics {
-        m.api_errors.with_label_values(&[operation]).inc();
+        m.kube.api_errors.with_label_values(&[operation]).inc();
     }
 }
 
@@ -1676,7 +1297,7 @@ impl WriteOutcome {
 pub async fn write_services(
     client: &Client,
     writes: &[ServiceWrite],
-    metrics: Option<&Metrics>,
+    metrics: Option<&ControllerMetrics>,
     echoes: &mut HashMap<ServiceKey, Vec<String>>,
     status_until: Instant,
 ) -> Vec<WriteOutcome> {
@@ -1891,7 +1512,7 @@ async fn resolve_claims(
     plan: &RoundPlan,
     outcomes: &[WriteOutcome],
     token: &claims::Token,
-    metrics: Option<&Metrics>,
+    metrics: Option<&ControllerMetrics>,
     versions: &mut Option<RegistryVersions>,
 ) -> bool {
     let mut resolved = true;
@@ -2132,7 +1753,7 @@ mod tests {
             .unwrap(),
         );
         let lease = |listening: Option<&str>| -> Arc<Lease> {
-            let mut annotations = json!({ANNOTATION_FAMILIES: "ipv4"});
+            let mut annotations = json!({nodes::ANNOTATION_FAMILIES: "ipv4"});
             if let Some(l) = listening {
                 annotations[nodes::ANNOTATION_LISTENING] = json!(l);
             }
@@ -2146,7 +1767,7 @@ mod tests {
             )
         };
         let cfg = ControllerConfig {
-            node_name: "node-1".into(),
+            identity: "controller-1".into(),
             namespace: "nodelb-system".into(),
             lease_duration: Duration::from_secs(15),
             node_addresses: vec![],

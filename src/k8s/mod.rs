@@ -1,15 +1,20 @@
-//! Kubernetes mode: watch Services, EndpointSlices, Nodes (and our Leases), let one leader
-//! allocate node ports and publish status, and keep a per-node Lease saying what this node serves.
+//! Kubernetes mode: the node agents and the controller watch Services, EndpointSlices, Nodes
+//! (and nodelb's Leases); the controller's leader allocates node ports and publishes status, and
+//! each node agent keeps a per-node Lease saying what its node serves.
 //!
 //! Pure decisions live in [`dupes`], [`nodes`], [`publish`], [`leader`], [`events`]; the edges
-//! that talk to the API server are [`source`] (reflectors), [`controller`] (leader election, node
-//! Lease, writes, Events), [`review`] (TokenReview + SubjectAccessReview for the authenticated
-//! metrics). [`installation`] watches what tells an uninstall from a restart, and [`uninstall`]
+//! that talk to the API server are [`source`] (reflectors), [`controller`] (the allocation
+//! rounds and their writes), [`election`] (the controller's leader Lease), [`node_lease`] (a
+//! node's own Lease and Node Events), [`api`] (what those writers share), [`review`]
+//! (TokenReview + SubjectAccessReview for the authenticated metrics). [`installation`] watches what tells an uninstall from a restart, and [`uninstall`]
 //! decides at SIGTERM whether the node's rules stay. See docs/design.md, "Kubernetes mode" and
 //! "Install, upgrade, uninstall".
 
+pub mod api;
 pub mod controller;
+pub mod election;
 pub mod installation;
+pub mod node_lease;
 pub mod pools;
 pub mod review;
 pub mod source;

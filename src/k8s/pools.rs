@@ -32,14 +32,15 @@ pub fn context(
     snap: &KubeSnapshot,
     last_valid: &mut LastValid,
     flag_range: PortRange,
-    node: &str,
+    node: Option<&str>,
     servicelb: bool,
 ) -> (PoolContext, Vec<InvalidPool>) {
     let objects: Vec<PoolObject> = snap.pools.iter().map(|p| PoolObject::from_resource(p)).collect();
     let labels = |n: &Node| n.metadata.labels.clone().unwrap_or_default();
     let node_labels: Vec<BTreeMap<String, String>> = snap.nodes.iter().map(|n| labels(n)).collect();
     let refs: Vec<&BTreeMap<String, String>> = node_labels.iter().collect();
-    let own = snap.nodes.iter().position(|n| n.metadata.name.as_deref() == Some(node)).map(|i| refs[i]);
+    let own =
+        snap.nodes.iter().position(|n| node.is_some() && n.metadata.name.as_deref() == node).map(|i| refs[i]);
     let namespaces = || {
         snap.namespaces
             .iter()
@@ -177,8 +178,7 @@ pub struct StatusRound<'a> {
 /// a stale resourceVersion.
 pub async fn write_statuses(client: &Client, round: &StatusRound<'_>) -> Result<bool, kube::Error> {
     let api: Api<NodePortPool> = Api::all(client.clone());
-    let params =
-        PatchParams { field_manager: Some(super::controller::FIELD_MANAGER.into()), ..Default::default() };
+    let params = PatchParams { field_manager: Some(super::api::FIELD_MANAGER.into()), ..Default::default() };
     let mut stale = false;
     let empty = BTreeMap::new();
     let published = published_selections(&round.snap.leases);

@@ -4,7 +4,7 @@
 //! fatal; a relist replaces a store atomically on `InitDone`, so the stores always hold a complete
 //! view once each has finished its first list.
 
-use crate::serve::metrics::Metrics;
+use crate::serve::metrics::KubeMetrics;
 use std::collections::BTreeSet;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -287,7 +287,7 @@ struct Cursor {
 
 impl KubeSource {
     /// Starts the reflectors on the current Tokio runtime.
-    pub fn start(client: Client, namespace: &str, metrics: Arc<Metrics>) -> KubeSource {
+    pub fn start(client: Client, namespace: &str, metrics: KubeMetrics) -> KubeSource {
         let (tx, changes) = watch::channel([0u64; N]);
         let tx = Arc::new(tx);
         let synced: Arc<[AtomicBool; N]> = Arc::new(Default::default());
@@ -502,7 +502,7 @@ struct Shared {
     journal: Arc<Mutex<Option<Journal>>>,
     health: Arc<Mutex<[Health; N]>>,
     tx: Arc<watch::Sender<[u64; N]>>,
-    metrics: Arc<Metrics>,
+    metrics: KubeMetrics,
 }
 
 /// Whether a watch error is answered by relisting at once instead of after the backoff: a 410 Gone

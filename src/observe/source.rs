@@ -228,7 +228,7 @@ impl Source {
                     &snap,
                     pools_last_valid,
                     *port_range,
-                    node,
+                    Some(node),
                     opts.servicelb_labels,
                 );
                 let fingerprint = {

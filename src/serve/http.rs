@@ -1,5 +1,6 @@
-//! The agent's HTTP endpoints, on three listeners (docs/design.md, "Who can see and touch the
-//! agent"):
+//! The HTTP endpoints of a node agent, on three listeners (docs/design.md, "Who can see and
+//! touch the agent"), and the controller's, on the same three with what a controller has
+//! ([`local_router`]: no `/status`; its probes are [`ControllerProbes`]):
 //! - [`router`] (`--http-addr`, loopback by default): `/metrics` (Prometheus text), `/status`
 //!   (JSON, what `nodelb status` prints), `/healthz` (the loop is alive), `/readyz` (the node can
 //!   serve; the body says why not). Unauthenticated: whoever can reach it is on the node.
@@ -21,34 +22,102 @@ use std::collections::BTreeMap;
 
 use crate::counters::{CounterKind, Series, SeriesKey, Totals};
 use crate::domain::{PortId, ServiceKey, parse_protocol};
+use crate::k8s::controller::Liveness;
+use crate::k8s::election::Leadership;
 use crate::k8s::review::Reviewer;
 use crate::serve::access::{ReviewBudget, ReviewCache, Verdict, bearer_token};
-use crate::serve::metrics::Metrics;
+use crate::serve::metrics::{Exposition, Metrics};
 use crate::serve::status::{SharedStatus, Status};
+
+/// What the probes answer: `/healthz` (the process's loop turns) and `/readyz` (it can do its
+/// job), each a status code and a body saying why.
+pub trait Probes: Send + Sync + 'static {
+    fn health(&self) -> (StatusCode, String);
+    fn readiness(&self) -> (StatusCode, String);
+}
+
+/// A node agent's probes: its sync loop ticks; its node can serve.
+pub struct NodeProbes {
+    pub status: SharedStatus,
+    /// The loop is considered stuck when it has not ticked for this long.
+    pub stuck_after: Duration,
+}
+
+impl Probes for NodeProbes {
+    fn health(&self) -> (StatusCode, String) {
+        health(&self.status, self.stuck_after)
+    }
+    fn readiness(&self) -> (StatusCode, String) {
+        readiness(&self.status)
+    }
+}
+
+/// The controller's probes: its allocation loop turns; its caches are complete (a standby
+/// replica is ready too: it takes over the moment it is elected).
+pub struct ControllerProbes {
+    pub liveness: Arc<Liveness>,
+    pub leadership: Arc<Leadership>,
+    pub stuck_after: Duration,
+}
+
+impl Probes for ControllerProbes {
+    fn health(&self) -> (StatusCode, String) {
+        let since = self.liveness.since_last_turn();
+        if since <= self.stuck_after {
+            (StatusCode::OK, "ok\n".to_string())
+        } else {
+            let why = format!("allocation loop stuck: last turn {:.1}s ago\n", since.as_secs_f64());
+            (StatusCode::SERVICE_UNAVAILABLE, why)
+        }
+    }
+    fn readiness(&self) -> (StatusCode, String) {
+        match (self.liveness.complete(), self.leadership.get()) {
+            (false, _) => (StatusCode::SERVICE_UNAVAILABLE, "not ready: caches not listed yet\n".to_string()),
+            (true, true) => (StatusCode::OK, "ready (leading)\n".to_string()),
+            (true, false) => (StatusCode::OK, "ready (standby)\n".to_string()),
+        }
+    }
+}
 
 #[derive(Clone)]
 struct AppState {
     status: SharedStatus,
     metrics: Arc<Metrics>,
-    /// The loop is considered stuck when it has not ticked for this long.
-    stuck_after: Duration,
+    probes: Arc<dyn Probes>,
 }
 
+/// A node agent's local listener: `/metrics`, `/status`, `/healthz`, `/readyz`.
 pub fn router(status: SharedStatus, metrics: Arc<Metrics>, stuck_after: Duration) -> Router {
+    let probes: Arc<dyn Probes> = Arc::new(NodeProbes { status: status.clone(), stuck_after });
     Router::new()
         .route("/metrics", get(metrics_text))
         .route("/status", get(status_json))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .with_state(AppState { status, metrics, stuck_after })
+        .with_state(AppState { status, metrics, probes })
 }
 
 async fn metrics_text(State(app): State<AppState>) -> impl IntoResponse {
     render_metrics(app.metrics).await
 }
 
-async fn render_metrics(
-    metrics: Arc<Metrics>,
+#[derive(Clone)]
+struct LocalState {
+    metrics: Arc<dyn Exposition>,
+    probes: Arc<dyn Probes>,
+}
+
+/// The controller's local listener: `/metrics`, `/healthz`, `/readyz` with their reasons.
+pub fn local_router(metrics: Arc<dyn Exposition>, probes: Arc<dyn Probes>) -> Router {
+    Router::new()
+        .route("/metrics", get(|State(l): State<LocalState>| render_metrics(l.metrics)))
+        .route("/healthz", get(|State(l): State<LocalState>| async move { l.probes.health() }))
+        .route("/readyz", get(|State(l): State<LocalState>| async move { l.probes.readiness() }))
+        .with_state(LocalState { metrics, probes })
+}
+
+async fn render_metrics<E: Exposition + ?Sized>(
+    metrics: Arc<E>,
 ) -> (StatusCode, [(header::HeaderName, &'static str); 1], String) {
     // Gathering reads the kernel's counters over netlink: keep it off the async workers.
     match tokio::task::spawn_blocking(move || metrics.render()).await {
@@ -89,7 +158,7 @@ fn add_counters(st: &mut Status, totals: &BTreeMap<Series, Totals>) {
 }
 
 async fn healthz(State(app): State<AppState>) -> impl IntoResponse {
-    health(&app.status, app.stuck_after)
+    app.probes.health()
 }
 
 /// `/healthz`: 200 while the sync loop ticks; 503 saying since when it did not.
@@ -121,32 +190,35 @@ fn readiness(status: &SharedStatus) -> (StatusCode, String) {
 
 #[derive(Clone)]
 struct HealthState {
-    status: SharedStatus,
-    stuck_after: Duration,
+    probes: Arc<dyn Probes>,
 }
 
-/// The probes, for anyone who can reach the node: the status code of [`router`]'s, with the
-/// reason withheld (it can name Services, files and sysctls; `nodelb status` on the node, or the
-/// local listener, say why), as kube-apiserver's `/readyz` withholds its failed checks.
-pub fn health_router(status: SharedStatus, stuck_after: Duration) -> Router {
+/// The probes, for anyone who can reach the node or pod: the status code of the local
+/// listener's, with the reason withheld (it can name Services, files and sysctls; the local
+/// listener, or `nodelb status` on a node, says why), as kube-apiserver's `/readyz` withholds
+/// its failed checks.
+pub fn health_router(probes: Arc<dyn Probes>) -> Router {
     Router::new()
         .route("/healthz", get(public_healthz))
         .route("/readyz", get(public_readyz))
-        .with_state(HealthState { status, stuck_after })
+        .with_state(HealthState { probes })
 }
 
 async fn public_healthz(State(h): State<HealthState>) -> impl IntoResponse {
-    withheld(health(&h.status, h.stuck_after).0, "ok\n", "unhealthy")
+    withheld(h.probes.health().0, "ok\n", "unhealthy")
 }
 
 async fn public_readyz(State(h): State<HealthState>) -> impl IntoResponse {
-    withheld(readiness(&h.status).0, "ready\n", "not ready")
+    withheld(h.probes.readiness().0, "ready\n", "not ready")
 }
 
 fn withheld(code: StatusCode, ok: &'static str, bad: &str) -> (StatusCode, String) {
     match code {
         StatusCode::OK => (code, ok.to_string()),
-        _ => (code, format!("{bad} (reason withheld here: run `nodelb status` on the node)\n")),
+        _ => (
+            code,
+            format!("{bad} (reason withheld here: the local listener says why, `nodelb status` on a node)\n"),
+        ),
     }
 }
 
@@ -201,12 +273,12 @@ impl MetricsAuth {
 
 #[derive(Clone)]
 struct MetricsState {
-    metrics: Arc<Metrics>,
+    metrics: Arc<dyn Exposition>,
     auth: Arc<MetricsAuth>,
 }
 
 /// `/metrics` for authenticated, authorized clients only (see [`crate::serve::access`]).
-pub fn metrics_router(metrics: Arc<Metrics>, auth: Arc<MetricsAuth>) -> Router {
+pub fn metrics_router(metrics: Arc<dyn Exposition>, auth: Arc<MetricsAuth>) -> Router {
     Router::new().route("/metrics", get(authorized_metrics)).with_state(MetricsState { metrics, auth })
 }
 
@@ -248,7 +320,9 @@ mod tests {
     async fn get_healthz(last_tick: Option<Instant>, stuck_after: Duration) -> (StatusCode, String) {
         let status = Status { last_tick, ..Default::default() };
         let metrics = Arc::new(Metrics::new(false).unwrap());
-        let app = AppState { status: Arc::new(RwLock::new(status)), metrics, stuck_after };
+        let status = Arc::new(RwLock::new(status));
+        let probes = Arc::new(NodeProbes { status: status.clone(), stuck_after });
+        let app = AppState { status, metrics, probes };
         let response = healthz(State(app)).await.into_response();
         let code = response.status();
         let body = axum::body::to_bytes(response.into_body(), 1 << 16).await.unwrap();
@@ -367,12 +441,16 @@ mod access_tests {
             ..Default::default()
         };
         let status: SharedStatus = Arc::new(RwLock::new(failing));
-        let h = HealthState { status: status.clone(), stuck_after: Duration::from_secs(30) };
+        let probes = NodeProbes { status: status.clone(), stuck_after: Duration::from_secs(30) };
+        let h = HealthState { probes: Arc::new(probes) };
         let (code, body) = public_readyz(State(h.clone())).await.into_response().into_parts();
         let body = axum::body::to_bytes(body, 1 << 16).await.expect("body");
         let body = String::from_utf8_lossy(&body);
         assert_eq!(code.status, StatusCode::SERVICE_UNAVAILABLE);
-        assert_eq!(body, "not ready (reason withheld here: run `nodelb status` on the node)\n");
+        assert_eq!(
+            body,
+            "not ready (reason withheld here: the local listener says why, `nodelb status` on a node)\n"
+        );
         let (local_code, local_body) = readiness(&status);
         assert_eq!(local_code, StatusCode::SERVICE_UNAVAILABLE);
         assert!(local_body.contains("/var/lib/nodelb/state.json"), "{local_body}");

@@ -44,12 +44,7 @@ pub struct Metrics {
     pub forwarding: IntGaugeVec,
     pub family_served: IntGaugeVec,
     pub manifest_problems: IntGauge,
-    /// 1 while this agent holds the leader Lease (Kubernetes mode).
-    pub leader: IntGauge,
-    pub leader_transitions: IntCounter,
-    pub watch_errors: IntCounterVec,
-    pub watch_restarts: IntCounterVec,
-    pub api_errors: IntCounterVec,
+    pub kube: KubeMetrics,
     /// Endpoint addresses refused by the endpoint policy, by reason.
     pub endpoints_refused: IntGaugeVec,
     /// Service ports whose node port this node does not take, by reason.
@@ -232,60 +227,14 @@ impl Metrics {
             "nodelb_manifest_problems",
             "Manifest files or documents that could not be used (manifests mode).",
         )?;
-        let leader = IntGauge::new(
-            "nodelb_leader",
-            "1 while this agent is the leader (allocates node ports, writes Service status); Kubernetes mode.",
-        )?;
-        let watch_errors = IntCounterVec::new(
-            Opts::new(
-                "nodelb_watch_errors_total",
-                "Kubernetes list/watch failures per resource (retried with backoff; caches keep their last view).",
-            ),
-            &["resource"],
-        )?;
-        let watch_restarts = IntCounterVec::new(
-            Opts::new(
-                "nodelb_watch_restarts_total",
-                "Kubernetes watches that recovered after failing, per resource (relist or resumed watch).",
-            ),
-            &["resource"],
-        )?;
-        let api_errors = IntCounterVec::new(
-            Opts::new(
-                "nodelb_api_errors_total",
-                "Failed Kubernetes API writes/reads outside the watches, by operation (lease, node_lease, service, event).",
-            ),
-            &["operation"],
-        )?;
-        let leader_transitions = IntCounter::new(
-            "nodelb_leader_transitions_total",
-            "Times this agent became or stopped being the leader.",
-        )?;
-        let build_info = IntGaugeVec::new(
-            Opts::new("nodelb_build_info", "Build of the running agent (value is always 1)."),
-            &["version", "git_commit"],
-        )?;
         // Known label values start at 0, so dashboards and alerts see the series before the first event.
         for reason in SYNC_FAILURE_REASONS {
             sync_failures.with_label_values(&[reason]).reset();
-        }
-        for resource in ["Service", "EndpointSlice", "Node", "Lease"] {
-            watch_errors.with_label_values(&[resource]).reset();
-            watch_restarts.with_label_values(&[resource]).reset();
-        }
-        for operation in ["lease", "node_lease", "service", "event"] {
-            api_errors.with_label_values(&[operation]).reset();
         }
         for family in ["ipv4", "ipv6"] {
             forwarding.with_label_values(&[family]).set(0);
             family_served.with_label_values(&[family]).set(0);
         }
-        build_info
-            .with_label_values(&[
-                env!("CARGO_PKG_VERSION"),
-                option_env!("NODELB_GIT_COMMIT").unwrap_or("unknown"),
-            ])
-            .set(1);
 
         registry.register(Box::new(services.clone()))?;
         registry.register(Box::new(service_ports.clone()))?;
@@ -304,11 +253,7 @@ impl Metrics {
         registry.register(Box::new(forwarding.clone()))?;
         registry.register(Box::new(family_served.clone()))?;
         registry.register(Box::new(manifest_problems.clone()))?;
-        registry.register(Box::new(leader.clone()))?;
-        registry.register(Box::new(leader_transitions.clone()))?;
-        registry.register(Box::new(watch_errors.clone()))?;
-        registry.register(Box::new(watch_restarts.clone()))?;
-        registry.register(Box::new(api_errors.clone()))?;
+        let kube = KubeMetrics::register(&registry, &["node_lease", "event"])?;
         let endpoints_refused = IntGaugeVec::new(
             Opts::new(
                 "nodelb_endpoints_refused",
@@ -331,8 +276,7 @@ impl Metrics {
         }
         registry.register(Box::new(endpoints_refused.clone()))?;
         registry.register(Box::new(node_ports_refused.clone()))?;
-        registry.register(Box::new(build_info))?;
-        registry.register(Box::new(prometheus::process_collector::ProcessCollector::for_self()))?;
+        register_build_info(&registry)?;
         let firewall = FirewallMetrics::register(&registry)?;
         let counters: SharedCounters = Arc::default();
         let totals = Arc::new(TotalsReader::new(counters.clone()));
@@ -358,11 +302,7 @@ impl Metrics {
             forwarding,
             family_served,
             manifest_problems,
-            leader,
-            leader_transitions,
-            watch_errors,
-            watch_restarts,
-            api_errors,
+            kube,
             endpoints_refused,
             node_ports_refused,
             per_service,
@@ -377,6 +317,120 @@ impl Metrics {
         let families = self.registry.gather();
         prometheus::TextEncoder::new()
             .encode_to_string(&families)
+            .unwrap_or_else(|e| format!("# encoding failed: {e}\n"))
+    }
+}
+
+/// What renders as a Prometheus text exposition: the node agent's metrics, the controller's.
+pub trait Exposition: Send + Sync + 'static {
+    /// The text exposition. Blocking (the node's reads the kernel's counters over netlink).
+    fn render(&self) -> String;
+}
+
+impl Exposition for Metrics {
+    fn render(&self) -> String {
+        Metrics::render(self)
+    }
+}
+
+/// `nodelb_build_info` and the process collector, which both workloads export.
+fn register_build_info(registry: &Registry) -> prometheus::Result<()> {
+    let build_info = IntGaugeVec::new(
+        Opts::new("nodelb_build_info", "Build of the running agent or controller (value is always 1)."),
+        &["version", "git_commit"],
+    )?;
+    build_info
+        .with_label_values(&[
+            env!("CARGO_PKG_VERSION"),
+            option_env!("NODELB_GIT_COMMIT").unwrap_or("unknown"),
+        ])
+        .set(1);
+    registry.register(Box::new(build_info))?;
+    registry.register(Box::new(prometheus::process_collector::ProcessCollector::for_self()))?;
+    Ok(())
+}
+
+/// The Kubernetes API's failures, as both workloads count them.
+#[derive(Clone)]
+pub struct KubeMetrics {
+    pub watch_errors: IntCounterVec,
+    pub watch_restarts: IntCounterVec,
+    pub api_errors: IntCounterVec,
+}
+
+impl KubeMetrics {
+    /// Registers the three counters in `registry`; `operations`: the `api_errors` label values
+    /// this workload has (each series starts at 0).
+    fn register(registry: &Registry, operations: &[&str]) -> prometheus::Result<KubeMetrics> {
+        let watch_errors = IntCounterVec::new(
+            Opts::new(
+                "nodelb_watch_errors_total",
+                "Kubernetes list/watch failures per resource (retried with backoff; caches keep their last view).",
+            ),
+            &["resource"],
+        )?;
+        let watch_restarts = IntCounterVec::new(
+            Opts::new(
+                "nodelb_watch_restarts_total",
+                "Kubernetes watches that recovered after failing, per resource (relist or resumed watch).",
+            ),
+            &["resource"],
+        )?;
+        let api_errors = IntCounterVec::new(
+            Opts::new(
+                "nodelb_api_errors_total",
+                "Failed Kubernetes API writes/reads outside the watches, by operation (node: node_lease, event; controller: lease, service, registry, nodeportpool, event).",
+            ),
+            &["operation"],
+        )?;
+        // Known label values start at 0, so dashboards and alerts see the series before the first event.
+        for resource in crate::k8s::source::KINDS {
+            watch_errors.with_label_values(&[resource]).reset();
+            watch_restarts.with_label_values(&[resource]).reset();
+        }
+        for operation in operations {
+            api_errors.with_label_values(&[operation]).reset();
+        }
+        registry.register(Box::new(watch_errors.clone()))?;
+        registry.register(Box::new(watch_restarts.clone()))?;
+        registry.register(Box::new(api_errors.clone()))?;
+        Ok(KubeMetrics { watch_errors, watch_restarts, api_errors })
+    }
+}
+
+/// Every metric the controller exports: leadership and the API's failures.
+pub struct ControllerMetrics {
+    pub registry: Registry,
+    /// 1 while this replica holds the leader Lease.
+    pub leader: IntGauge,
+    pub leader_transitions: IntCounter,
+    pub kube: KubeMetrics,
+}
+
+impl ControllerMetrics {
+    pub fn new() -> prometheus::Result<ControllerMetrics> {
+        let registry = Registry::new();
+        let leader = IntGauge::new(
+            "nodelb_leader",
+            "1 while this controller replica is the leader (allocates node ports, writes Service status).",
+        )?;
+        let leader_transitions = IntCounter::new(
+            "nodelb_leader_transitions_total",
+            "Times this controller replica became or stopped being the leader.",
+        )?;
+        registry.register(Box::new(leader.clone()))?;
+        registry.register(Box::new(leader_transitions.clone()))?;
+        let kube =
+            KubeMetrics::register(&registry, &["lease", "service", "registry", "nodeportpool", "event"])?;
+        register_build_info(&registry)?;
+        Ok(ControllerMetrics { registry, leader, leader_transitions, kube })
+    }
+}
+
+impl Exposition for ControllerMetrics {
+    fn render(&self) -> String {
+        prometheus::TextEncoder::new()
+            .encode_to_string(&self.registry.gather())
             .unwrap_or_else(|e| format!("# encoding failed: {e}\n"))
     }
 }

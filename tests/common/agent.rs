@@ -47,6 +47,8 @@ pub struct Agent {
     starts: usize,
     /// The binary it runs ([`bin`], unless the test says otherwise).
     binary: String,
+    /// A controller replica (`nodelb controller`), not a node agent: no `--resync-period`.
+    controller: bool,
 }
 
 /// `NODELB_UPGRADE_FROM`: a binary of an earlier version, which the Kubernetes tests' first agents
@@ -92,6 +94,26 @@ impl Agent {
         a.started()
     }
 
+    /// Starts a controller replica in `ns` the way the Deployment's container runs it: `command`
+    /// from the Deployment (see `kube::controller_command`), plus `--kubeconfig kubeconfig`
+    /// and `extra`. `pod`: its pod name (its leader-election identity).
+    pub fn start_controller(
+        ns: &NetNs,
+        kubeconfig: &std::path::Path,
+        pod: &str,
+        command: ContainerCommand,
+        extra: &[&str],
+        binary: Option<String>,
+    ) -> Agent {
+        let kube = Some((kubeconfig.to_path_buf(), pod.to_string()));
+        let mut a = Agent::new(ns, extra, kube, Some(command));
+        a.controller = true;
+        if let Some(b) = binary {
+            a.binary = b;
+        }
+        a.started()
+    }
+
     /// An agent of `node` not started yet, with fresh manifests and state directories.
     fn new(
         node: &NetNs,
@@ -110,6 +132,7 @@ impl Agent {
             child: None,
             starts: 0,
             binary: bin(),
+            controller: false,
         }
     }
 
@@ -118,7 +141,7 @@ impl Agent {
         self
     }
 
-    /// The `--node-name` this agent runs with.
+    /// The `--node-name` this agent runs with (a controller's: its pod name).
     pub fn node_name(&self) -> &str {
         self.kube.as_ref().map_or(NODE_NAME, |(_, n)| n.as_str())
     }
@@ -166,7 +189,7 @@ impl Agent {
         }
         // `--http-addr` is left at its default (127.0.0.1:9470, `HTTP_PORT`), and so is
         // `--health-addr` (0.0.0.0:9471): every test runs the addresses a user gets.
-        if !self.extra_args.iter().any(|a| a == "--resync-period") {
+        if !self.controller && !self.extra_args.iter().any(|a| a == "--resync-period") {
             cmd.args(["--resync-period", "1s"]);
         }
         cmd.args(&self.extra_args);

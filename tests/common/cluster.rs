@@ -1,15 +1,20 @@
 //! A three-node "cluster" for Kubernetes-mode tests: a real control plane (`testkube`: etcd +
 //! kube-apiserver + the EndpointSlice controller, see `kube.rs`) in its own namespace, installed
 //! with `kubectl apply -f daemonset/` (or `helm install`) exactly as a user does, three node
-//! namespaces each running a real `nodelb` process with the DaemonSet's arguments and environment
-//! and a TokenRequest token of the `nodelb` ServiceAccount (so the real authorizer enforces
-//! `daemonset/10-rbac.yaml`), a client namespace, and backend namespaces, all on two bridges inside
-//! a "fabric" namespace. Only documentation addresses; nothing in the host namespace.
+//! namespaces each running a real `nodelb run` with the DaemonSet's arguments and environment
+//! and a token of the `nodelb` ServiceAccount bound to a Pod on that node (so the real
+//! authorizer enforces `daemonset/10-rbac.yaml` and the admission policy
+//! `daemonset/15-admission-policy.yaml` sees the node), two controller namespaces each running a
+//! `nodelb controller` replica with the Deployment's arguments and a token of the
+//! `nodelb-controller` ServiceAccount bound to its Pod, a client namespace, and backend
+//! namespaces, all on two bridges inside a "fabric" namespace. Only documentation addresses;
+//! nothing in the host namespace.
 //!
 //! ```text
 //!                 fabric netns: bridge br-f 203.0.113.0/24          bridge br-b 198.51.100.0/24
 //!  api     eth0 203.0.113.100 ─┤   (kube-apiserver on :6443)
 //!  client  eth0 203.0.113.10  ─┤
+//!  ctl-K   eth0 203.0.113.20K ─┤   (K = 1, 2: controller replicas)
 //!  node-N  eth0 203.0.113.N   ─┤   eth1 198.51.100.N ─┤            (N = 1..3, forwarding on)
 //!                                  backend j eth0 198.51.100.(11+j) ─┤  (default via node-1)
 //! ```
@@ -18,7 +23,7 @@
 //! via node-1, so `externalTrafficPolicy: Local` traffic (client address kept) works through node-1.
 //! Everything is killed / stopped / deleted on drop, also when the test panics (agents' and the
 //! control plane's logs are printed then). The request log is the API server's audit log: agents
-//! are told apart by their client address (the node's).
+//! and controller replicas are told apart by their client address.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr};
@@ -46,6 +51,34 @@ pub const AGENT_NS: &str = "nodelb-system";
 pub const LEADER_LEASE: &str = "nodelb-leader";
 pub const LEASE_DURATION: &str = "3s";
 pub const ANNOTATION_ALLOCATED: &str = "nodelb.io/allocated-ports";
+
+/// Controller replicas the harness runs (the Deployment's default).
+pub const CONTROLLERS: usize = 2;
+
+/// Address of controller replica `k` (0-based: 203.0.113.201, .202).
+pub fn controller_v4(k: usize) -> Ipv4Addr {
+    Ipv4Addr::new(203, 0, 113, 201 + k as u8)
+}
+
+/// The pod name (and leader-election identity) of controller replica `k`.
+pub fn controller_name(k: usize) -> String {
+    format!("nodelb-controller-{}", k + 1)
+}
+
+/// The flags of `config.*` that the controller reads too (the chart gives both workloads the
+/// same environment): a test's agent flags among these go to the controller as well.
+const SHARED_FLAGS: &[&str] = &[
+    "--port-range",
+    "--load-balancer-class",
+    "--ignore-unclassed",
+    "--servicelb-labels",
+    "--allow-node-endpoints",
+    "--allowed-node-ports",
+    "--endpoint-cidrs",
+    "--lease-duration",
+    "--metrics-addr",
+    "--metrics-token-audiences",
+];
 
 /// Address of node `i` (0-based: node-1 is 203.0.113.1).
 pub fn node_v4(i: usize) -> Ipv4Addr {
@@ -82,9 +115,10 @@ pub fn chart_dir() -> String {
 }
 
 pub struct Cluster {
-    // Drop order matters: agents first (killed), then the API server, then backend servers, then the
-    // namespaces.
+    // Drop order matters: agents and controllers first (killed), then the API server, then
+    // backend servers, then the namespaces.
     pub agents: Vec<Agent>,
+    pub controllers: Vec<Agent>,
     pub api: ControlPlane,
     pub backends: Vec<Backend>,
     kubeconfig_dir: tempfile::TempDir,
@@ -92,6 +126,7 @@ pub struct Cluster {
     agent_args: Vec<String>,
     pub client: NetNs,
     pub nodes: Vec<NetNs>,
+    pub controller_ns: Vec<NetNs>,
     pub api_ns: NetNs,
     pub fabric: NetNs,
 }
@@ -165,6 +200,12 @@ impl Cluster {
             ns.sysctl("net.ipv6.conf.all.forwarding", "1");
             nodes.push(ns);
         }
+        let mut controller_ns = Vec::new();
+        for k in 0..CONTROLLERS {
+            let ns = NetNs::new(&format!("kctl{}", k + 1));
+            attach(&ns, &format!("c{k}f"), "br-f", "eth0", controller_v4(k));
+            controller_ns.push(ns);
+        }
         let mut bs = Vec::new();
         for j in 0..backends {
             let ns = NetNs::new(&format!("kbe{}", j + 1));
@@ -213,18 +254,24 @@ impl Cluster {
         agent_args.extend(extra.iter().map(|s| s.to_string()));
         let mut c = Cluster {
             agents: Vec::new(),
+            controllers: Vec::new(),
             api,
             backends: bs,
             kubeconfig_dir,
             agent_args,
             client,
             nodes,
+            controller_ns,
             api_ns,
             fabric,
         };
         for i in 0..nodes_n {
             let a = c.new_agent(i, super::agent::upgrade_from());
             c.agents.push(a);
+        }
+        for k in 0..CONTROLLERS {
+            let ctl = c.new_controller(k, None);
+            c.controllers.push(ctl);
         }
         if wait_ready {
             c.wait_ready(Duration::from_secs(60));
@@ -235,7 +282,7 @@ impl Cluster {
     /// Waits until every agent is ready and its node Lease says which families it serves (it is
     /// written a moment after readiness; until then the leader rightly sees no serving node).
     pub fn wait_ready(&mut self, timeout: Duration) {
-        for a in &mut self.agents {
+        for a in self.agents.iter_mut().chain(&mut self.controllers) {
             a.wait_ready(timeout);
         }
         let families = |i: usize| -> Option<String> {
@@ -262,10 +309,59 @@ impl Cluster {
     /// one under test.
     fn new_agent(&self, i: usize, binary: Option<String>) -> Agent {
         let kubeconfig = self.kubeconfig(i);
-        self.api.write_sa_kubeconfig(AGENT_NS, "nodelb", &kubeconfig);
+        let pod = format!("nodelb-{}", node_name(i));
+        self.api.write_pod_kubeconfig(AGENT_NS, "nodelb", &pod, Some(&node_name(i)), &kubeconfig);
         let cmd = daemonset_command(&self.daemonset(), &node_name(i), AGENT_NS);
         let args: Vec<&str> = self.agent_args.iter().map(String::as_str).collect();
         Agent::start_daemonset(&self.nodes[i], &kubeconfig, &node_name(i), cmd, &args, binary)
+    }
+
+    /// The Deployment `nodelb-system/nodelb-controller` as stored.
+    pub fn deployment(&self) -> Value {
+        self.api
+            .get("apps/v1", "Deployment", AGENT_NS, "nodelb-controller")
+            .expect("Deployment nodelb-system/nodelb-controller")
+    }
+
+    /// Starts controller replica `k` from the Deployment as stored, with a token bound to its
+    /// Pod; the test's flags that the controller shares with the agents ([`SHARED_FLAGS`]) too.
+    fn new_controller(&self, k: usize, binary: Option<String>) -> Agent {
+        let kubeconfig = self.kubeconfig_dir.path().join(format!("{}.kubeconfig", controller_name(k)));
+        self.api.write_pod_kubeconfig(AGENT_NS, "nodelb-controller", &controller_name(k), None, &kubeconfig);
+        let cmd = super::kube::controller_command(&self.deployment(), &controller_name(k), AGENT_NS);
+        let mut shared = Vec::new();
+        let mut it = self.agent_args.iter().peekable();
+        while let Some(a) = it.next() {
+            let flag = a.split('=').next().unwrap_or(a);
+            if !SHARED_FLAGS.contains(&flag) {
+                continue;
+            }
+            shared.push(a.as_str());
+            let takes_value = !a.contains('=') && it.peek().is_some_and(|v| !v.starts_with("--"));
+            if takes_value {
+                shared.push(it.next().unwrap().as_str());
+            }
+        }
+        Agent::start_controller(
+            &self.controller_ns[k],
+            &kubeconfig,
+            &controller_name(k),
+            cmd,
+            &shared,
+            binary,
+        )
+    }
+
+    /// Stops controller replica `k` as the kubelet stops its pod (SIGTERM, SIGKILL after `grace`).
+    pub fn stop_controller(&mut self, k: usize, grace: Duration) -> Option<std::process::ExitStatus> {
+        self.controllers[k].terminate(grace)
+    }
+
+    /// Starts controller replica `k` again from the Deployment as stored now, and waits until
+    /// it is ready.
+    pub fn start_controller(&mut self, k: usize, timeout: Duration) {
+        self.controllers[k] = self.new_controller(k, None);
+        self.controllers[k].wait_ready(timeout);
     }
 
     /// Stops agent `i` as the kubelet stops a pod: SIGTERM, then SIGKILL after `grace` (the
@@ -499,24 +595,37 @@ impl Cluster {
         self.api.get_typed::<Lease>(AGENT_NS, LEADER_LEASE)?.spec?.holder_identity
     }
 
-    /// Index of the node whose agent holds the leader Lease (waits up to `timeout`).
+    /// Index of the controller replica holding the leader Lease now, if one does.
+    pub fn leader_index(&self) -> Option<usize> {
+        self.leader().and_then(|h| (0..self.controllers.len()).find(|k| controller_name(*k) == h))
+    }
+
+    /// Index of the controller replica holding the leader Lease (waits up to `timeout`).
     pub fn wait_leader(&self, timeout: Duration) -> usize {
         let mut idx = None;
         let ok = wait_until(timeout, || {
-            idx = self.leader().and_then(|h| (0..self.nodes.len()).find(|i| node_name(*i) == h));
+            idx = self.leader_index();
             idx.is_some()
         });
         assert!(ok, "no leader within {timeout:?}");
         idx.unwrap()
     }
 
-    /// Node indexes (by client address) whose agent wrote to a Service (object or status) so far.
+    /// Controller replicas (by client address) that wrote to a Service (object or status) so
+    /// far. Only the controller may: a node agent's write would have been refused.
     pub fn service_writers(&self) -> BTreeSet<usize> {
+        let writes = |r: &super::kube::RequestRecord| r.is_write() && r.path.contains("/services/");
+        let from_nodes: Vec<_> = self.api.agent_requests().into_iter().filter(writes).collect();
+        assert!(from_nodes.is_empty(), "a node agent tried to write a Service: {from_nodes:?}");
         self.api
-            .agent_requests()
+            .controller_requests()
             .iter()
-            .filter(|r| r.is_write() && r.path.contains("/services/"))
-            .map(|r| self.node_of(r.peer).unwrap_or_else(|| panic!("Service write from a non-node: {r:?}")))
+            .filter(|r| writes(r))
+            .map(|r| {
+                (0..self.controllers.len())
+                    .find(|k| IpAddr::V4(controller_v4(*k)) == r.peer)
+                    .unwrap_or_else(|| panic!("Service write from a non-controller address: {r:?}"))
+            })
             .collect()
     }
 
@@ -599,37 +708,53 @@ impl Cluster {
 
     /// Sum of every sample of metric `name` (all label sets) on node `i`'s `/metrics`.
     pub fn metric_sum(&self, i: usize, name: &str) -> f64 {
-        let r = self.agents[i].http("/metrics").unwrap_or_else(|e| panic!("node-{} /metrics: {e:?}", i + 1));
-        assert_eq!(r.status, 200, "node-{} /metrics: {}", i + 1, r.body);
-        r.body
-            .lines()
-            .filter(|l| !l.starts_with('#'))
-            .filter_map(|l| {
-                let (metric, value) = l.rsplit_once(' ')?;
-                let metric_name = metric.split('{').next()?;
-                (metric_name == name).then(|| value.parse::<f64>().ok()).flatten()
-            })
-            .sum()
+        metric_sum(&self.agents[i], name)
     }
 
-    /// What the agents asked the API server for so far, as RBAC permissions (namespace, (group,
-    /// resource[/subresource], verb), the object's name if the request named one), as the
-    /// server's authorizer saw them (from its audit log; a list or watch with a `metadata.name`
-    /// field selector is named too).
-    pub fn agent_permissions(&self) -> Vec<(Option<String>, Permission, Option<String>)> {
-        self.api
-            .agent_requests()
+    /// Sum of every sample of metric `name` on controller replica `k`'s `/metrics`.
+    pub fn controller_metric_sum(&self, k: usize, name: &str) -> f64 {
+        metric_sum(&self.controllers[k], name)
+    }
+}
+
+/// Sum of every sample of metric `name` (all label sets) on `a`'s `/metrics`.
+fn metric_sum(a: &Agent, name: &str) -> f64 {
+    let r = a.http("/metrics").unwrap_or_else(|e| panic!("{} /metrics: {e:?}", a.node_name()));
+    assert_eq!(r.status, 200, "{} /metrics: {}", a.node_name(), r.body);
+    r.body
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (metric, value) = l.rsplit_once(' ')?;
+            let metric_name = metric.split('{').next()?;
+            (metric_name == name).then(|| value.parse::<f64>().ok()).flatten()
+        })
+        .sum()
+}
+
+impl Cluster {
+    /// What the node agents (`sa` "nodelb") or the controller (`sa` "nodelb-controller") asked
+    /// the API server for so far, as RBAC permissions (namespace, (group, resource[/subresource],
+    /// verb), the object's name if the request named one), as the server's authorizer saw them
+    /// (from its audit log; a list or watch with a `metadata.name` field selector is named too).
+    pub fn permissions_used(&self, sa: &str) -> Vec<(Option<String>, Permission, Option<String>)> {
+        self.requests_of(sa)
             .iter()
             .filter(|r| !r.resource.is_empty())
             .map(|r| {
-                assert!(self.node_of(r.peer).is_some(), "agent request from a non-node: {r:?}");
                 (r.namespace.clone(), (r.group.clone(), r.resource.clone(), r.verb.clone()), r.name.clone())
             })
             .collect()
     }
 
-    /// Takes `resource` of `group` out of the installed ClusterRole `nodelb` (as an operator's
-    /// broken RBAC would): the agents' requests for it are refused (403) from now on.
+    /// The requests of ServiceAccount `sa` of nodelb's namespace since the last clear.
+    pub fn requests_of(&self, sa: &str) -> Vec<super::kube::RequestRecord> {
+        let user = format!("system:serviceaccount:{AGENT_NS}:{sa}");
+        self.api.requests().into_iter().filter(|r| r.user == user).collect()
+    }
+
+    /// Takes `resource` of `group` out of every role the install made (as an operator's broken
+    /// RBAC would): both identities' requests for it are refused (403) from now on.
     pub fn revoke(&self, group: &str, resource: &str) {
         revoke(&self.api, group, resource);
     }
@@ -640,65 +765,107 @@ impl Cluster {
         self.api.kubectl_ok(&["apply", "-f", rbac.to_str().unwrap()]);
     }
 
-    /// Every request the agents made was allowed by the server's authorizer (RBAC, as installed
-    /// from `daemonset/10-rbac.yaml`) and is granted by that file's rules (ClusterRole anywhere,
-    /// Role in the agent namespace): the least-privilege RBAC is not too tight.
+    /// Every request of both identities was allowed by the server (RBAC as installed from
+    /// `daemonset/10-rbac.yaml`, and the admission policy) and is granted by that file's rules
+    /// for that identity: the least-privilege RBAC is not too tight.
     pub fn assert_rbac_allows_every_request(&self) {
-        let rbac = Rbac::load();
-        let requests = self.api.agent_requests();
-        assert!(!requests.is_empty(), "no agent request in the audit log");
-        for r in &requests {
-            assert!(
-                r.decision.as_deref() == Some("allow") && r.status != 403,
-                "the API server refused an agent request: {r:?}"
-            );
-        }
-        for (ns, p, name) in self.agent_permissions() {
-            assert!(
-                rbac.allows(ns.as_deref(), &p, name.as_deref()),
-                "{p:?} of {name:?} in namespace {ns:?} is not granted by daemonset/10-rbac.yaml"
-            );
+        for sa in ["nodelb", "nodelb-controller"] {
+            let rbac = Rbac::load(sa);
+            let requests = self.requests_of(sa);
+            assert!(!requests.is_empty(), "no request of {sa} in the audit log");
+            for r in &requests {
+                assert!(
+                    r.decision.as_deref() == Some("allow") && r.status != 403,
+                    "the API server refused a request of {sa}: {r:?}"
+                );
+            }
+            for (ns, p, name) in self.permissions_used(sa) {
+                assert!(
+                    rbac.allows(ns.as_deref(), &p, name.as_deref()),
+                    "{p:?} of {name:?} in namespace {ns:?} is not granted to {sa} by daemonset/10-rbac.yaml"
+                );
+            }
         }
     }
 }
 
 /// See [`Cluster::revoke`] (also usable in a [`Cluster::with_api_setup`] closure).
 pub fn revoke(api: &ControlPlane, group: &str, resource: &str) {
-    let mut role =
-        api.get("rbac.authorization.k8s.io/v1", "ClusterRole", "", "nodelb").expect("ClusterRole nodelb");
-    let has = |rule: &Value, key: &str, want: &str| {
-        rule[key].as_array().is_some_and(|a| a.iter().any(|x| x == want))
-    };
-    let rules = role["rules"].as_array_mut().expect("rules");
-    let before = rules.len();
-    rules.retain(|r| !(has(r, "apiGroups", group) && has(r, "resources", resource)));
-    assert!(rules.len() < before, "no rule for {group}/{resource} in ClusterRole nodelb");
-    api.apply(role).expect("replace ClusterRole nodelb");
+    let roles = [
+        ("ClusterRole", "", "nodelb"),
+        ("ClusterRole", "", "nodelb-controller"),
+        ("Role", AGENT_NS, "nodelb"),
+        ("Role", AGENT_NS, "nodelb-controller"),
+        ("Role", "default", "nodelb-node-events"),
+    ];
+    let mut changed = 0;
+    for (kind, ns, name) in roles {
+        let Some(mut role) = api.get("rbac.authorization.k8s.io/v1", kind, ns, name) else { continue };
+        let has = |rule: &Value, key: &str, want: &str| {
+            rule[key].as_array().is_some_and(|a| a.iter().any(|x| x == want))
+        };
+        let Some(rules) = role["rules"].as_array_mut() else { continue };
+        let mut touched = false;
+        for rule in rules.iter_mut().filter(|r| has(r, "apiGroups", group) && has(r, "resources", resource)) {
+            rule["resources"].as_array_mut().unwrap().retain(|r| r != resource);
+            touched = true;
+        }
+        rules.retain(|r| r["resources"].as_array().is_none_or(|a| !a.is_empty()));
+        if touched {
+            api.apply(role).unwrap_or_else(|e| panic!("replace {kind} {name}: {e}"));
+            changed += 1;
+        }
+    }
+    assert!(changed > 0, "no role grants {group}/{resource}");
 }
 
 /// One RBAC permission: (apiGroup, resource or resource/subresource, verb).
 pub type Permission = (String, String, String);
 
-/// The rules of `daemonset/10-rbac.yaml`: the ClusterRole's (any namespace) and the Role's (its
-/// namespace only), each permission with the names it is restricted to (`resourceNames`; `None`:
-/// any). No wildcards are used there, so none are understood here.
+/// The rules of `daemonset/10-rbac.yaml` for one ServiceAccount: its ClusterRoles' (any
+/// namespace) and its Roles' (their namespace only), each permission with the names it is
+/// restricted to (`resourceNames`; `None`: any). No wildcards are used there, so none are
+/// understood here.
 pub struct Rbac {
     pub cluster: BTreeMap<Permission, Option<BTreeSet<String>>>,
     pub namespaced: BTreeMap<(String, Permission), Option<BTreeSet<String>>>,
 }
 
 impl Rbac {
-    pub fn load() -> Rbac {
+    /// What `daemonset/10-rbac.yaml` grants ServiceAccount `sa` of nodelb's namespace: the
+    /// rules of the roles its bindings there name.
+    pub fn load(sa: &str) -> Rbac {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("daemonset/10-rbac.yaml");
         let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let docs: Vec<Value> = serde_yaml::Deserializer::from_str(&text)
+            .map(|doc| serde::Deserialize::deserialize(doc).expect("YAML document"))
+            .collect();
+        // The roles bound to `sa`: (kind, binding namespace, role name).
+        let mut bound = BTreeSet::new();
+        for b in &docs {
+            let kind = b["kind"].as_str().unwrap_or_default();
+            if !matches!(kind, "ClusterRoleBinding" | "RoleBinding") {
+                continue;
+            }
+            let to_sa = b["subjects"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|s| s["kind"] == "ServiceAccount" && s["name"] == sa && s["namespace"] == AGENT_NS);
+            if to_sa {
+                let ns = b["metadata"]["namespace"].as_str().map(String::from);
+                let role = b["roleRef"]["name"].as_str().expect("roleRef").to_string();
+                bound.insert((b["roleRef"]["kind"].as_str().expect("roleRef kind").to_string(), ns, role));
+            }
+        }
         let mut rbac = Rbac { cluster: BTreeMap::new(), namespaced: BTreeMap::new() };
-        for doc in serde_yaml::Deserializer::from_str(&text) {
-            let v: Value = serde::Deserialize::deserialize(doc).expect("YAML document");
+        for v in &docs {
             let ns = v["metadata"]["namespace"].as_str().map(String::from);
-            let kind = v["kind"].as_str().unwrap_or_default();
-            // The agent's roles are named `nodelb` (bound to its ServiceAccount); others in the
-            // file (nodelb-metrics-reader) are for other subjects.
-            if !matches!(kind, "ClusterRole" | "Role") || v["metadata"]["name"] != "nodelb" {
+            let kind = v["kind"].as_str().unwrap_or_default().to_string();
+            let name = v["metadata"]["name"].as_str().unwrap_or_default().to_string();
+            if !matches!(kind.as_str(), "ClusterRole" | "Role")
+                || !bound.contains(&(kind.clone(), ns.clone(), name))
+            {
                 continue;
             }
             let strs = |x: &Value| -> Vec<String> {
@@ -711,7 +878,7 @@ impl Rbac {
                         for verb in strs(&rule["verbs"]) {
                             assert!(g != "*" && r != "*" && verb != "*", "wildcards not understood: {rule}");
                             let p = (g.clone(), r.clone(), verb);
-                            let old = match kind {
+                            let old = match kind.as_str() {
                                 "ClusterRole" => rbac.cluster.insert(p, names.clone()),
                                 _ => rbac
                                     .namespaced
@@ -723,6 +890,7 @@ impl Rbac {
                 }
             }
         }
+        assert!(!bound.is_empty(), "daemonset/10-rbac.yaml binds nothing to {sa}");
         rbac
     }
 

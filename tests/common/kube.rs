@@ -26,6 +26,8 @@ use super::topology::wait_until;
 
 /// The ServiceAccount the agents run as (`daemonset/10-rbac.yaml`).
 pub const AGENT_USER: &str = "system:serviceaccount:nodelb-system:nodelb";
+/// The controller's ServiceAccount, as the API server names its user.
+pub const CONTROLLER_USER: &str = "system:serviceaccount:nodelb-system:nodelb-controller";
 /// How long a (re)start may take to answer `/readyz` on a loaded 2-core machine.
 const START_TIMEOUT: Duration = Duration::from_secs(180);
 
@@ -451,12 +453,48 @@ impl ControlPlane {
     /// token`), written to `path`: what the agents use, so the real authorizer judges them.
     pub fn write_sa_kubeconfig(&self, ns: &str, sa: &str, path: &Path) {
         let token = self.kubectl_ok(&["create", "token", sa, "-n", ns, "--duration=24h"]);
+        self.write_token_kubeconfig(sa, token.trim(), path);
+    }
+
+    /// A kubeconfig with a token of ServiceAccount `sa` bound to Pod `ns/pod`, as the kubelet
+    /// gives a pod: the API server puts the Pod's node in it (user extra
+    /// `authentication.kubernetes.io/node-name`), and it dies with the Pod. The Pod is created
+    /// first if absent (`node`: its spec.nodeName; nothing runs it, no kubelet here).
+    pub fn write_pod_kubeconfig(&self, ns: &str, sa: &str, pod: &str, node: Option<&str>, path: &Path) {
+        if self.get("v1", "Pod", ns, pod).is_none() {
+            let mut spec = json!({
+                "serviceAccountName": sa,
+                "automountServiceAccountToken": false,
+                "containers": [{"name": "nodelb", "image": "nodelb.invalid/test:0"}],
+            });
+            if let Some(n) = node {
+                spec["nodeName"] = json!(n);
+            }
+            let pod_obj = json!({"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": pod, "namespace": ns}, "spec": spec});
+            self.create(pod_obj).unwrap_or_else(|e| panic!("create Pod {ns}/{pod}: {e}"));
+        }
+        let token = self.kubectl_ok(&[
+            "create",
+            "token",
+            sa,
+            "-n",
+            ns,
+            "--bound-object-kind",
+            "Pod",
+            "--bound-object-name",
+            pod,
+            "--duration=24h",
+        ]);
+        self.write_token_kubeconfig(sa, token.trim(), path);
+    }
+
+    fn write_token_kubeconfig(&self, user: &str, token: &str, path: &Path) {
         let ca = self.data.path().join("pki/ca.crt");
         let cfg = format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: testkube\n  cluster:\n    server: {}\n    certificate-authority: {}\nusers:\n- name: {sa}\n  user:\n    token: {}\ncontexts:\n- name: testkube\n  context:\n    cluster: testkube\n    user: {sa}\ncurrent-context: testkube\n",
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: testkube\n  cluster:\n    server: {}\n    certificate-authority: {}\nusers:\n- name: {user}\n  user:\n    token: {token}\ncontexts:\n- name: testkube\n  context:\n    cluster: testkube\n    user: {user}\ncurrent-context: testkube\n",
             self.server(),
             ca.display(),
-            token.trim()
         );
         std::fs::write(path, cfg).unwrap();
     }
@@ -725,9 +763,14 @@ impl ControlPlane {
         out.into_iter().map(|(_, r)| r).collect()
     }
 
-    /// The agents' requests ([`AGENT_USER`]) since the last clear.
+    /// The node agents' requests ([`AGENT_USER`]) since the last clear.
     pub fn agent_requests(&self) -> Vec<RequestRecord> {
         self.requests().into_iter().filter(|r| r.user == AGENT_USER).collect()
+    }
+
+    /// The controller's requests ([`CONTROLLER_USER`]) since the last clear.
+    pub fn controller_requests(&self) -> Vec<RequestRecord> {
+        self.requests().into_iter().filter(|r| r.user == CONTROLLER_USER).collect()
     }
 
     /// Forget the requests logged so far.
@@ -773,7 +816,19 @@ impl Drop for ControlPlane {
 /// The container `nodelb` of the DaemonSet as stored by the server: its args and its environment,
 /// with `fieldRef`s resolved for a Pod on `node` in `namespace` (what the kubelet would do).
 pub fn daemonset_command(ds: &Value, node: &str, namespace: &str) -> super::agent::ContainerCommand {
-    let containers = ds["spec"]["template"]["spec"]["containers"].as_array().expect("containers");
+    container_command(ds, &[("spec.nodeName", node), ("metadata.namespace", namespace)])
+}
+
+/// The args and environment of the controller's container in `deployment`, as its pod `pod`
+/// in `namespace` runs them (fieldRefs metadata.name and metadata.namespace resolved).
+pub fn controller_command(deployment: &Value, pod: &str, namespace: &str) -> super::agent::ContainerCommand {
+    container_command(deployment, &[("metadata.name", pod), ("metadata.namespace", namespace)])
+}
+
+/// Container `nodelb` of a workload's pod template: its args, and its environment with the
+/// downward API's `fields` (fieldPath → value) resolved.
+fn container_command(workload: &Value, fields: &[(&str, &str)]) -> super::agent::ContainerCommand {
+    let containers = workload["spec"]["template"]["spec"]["containers"].as_array().expect("containers");
     let c = containers.iter().find(|c| c["name"] == "nodelb").expect("container nodelb");
     let args: Vec<String> =
         c["args"].as_array().into_iter().flatten().filter_map(|a| a.as_str().map(String::from)).collect();
@@ -783,10 +838,10 @@ pub fn daemonset_command(ds: &Value, node: &str, namespace: &str) -> super::agen
         let value = if let Some(v) = e["value"].as_str() {
             v.to_string()
         } else {
-            match e["valueFrom"]["fieldRef"]["fieldPath"].as_str() {
-                Some("spec.nodeName") => node.to_string(),
-                Some("metadata.namespace") => namespace.to_string(),
-                other => panic!("env {name}: fieldRef {other:?} not understood by the test harness"),
+            let path = e["valueFrom"]["fieldRef"]["fieldPath"].as_str();
+            match fields.iter().find(|(f, _)| Some(*f) == path) {
+                Some((_, v)) => v.to_string(),
+                None => panic!("env {name}: fieldRef {path:?} not understood by the test harness"),
             }
         };
         env.push((name, value));

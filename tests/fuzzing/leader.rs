@@ -24,7 +24,7 @@ const MAX_CONDITION_MESSAGE: usize = 32768;
 
 fn config() -> ControllerConfig {
     ControllerConfig {
-        node_name: "node-1".into(),
+        identity: "controller-1".into(),
         namespace: "nodelb-system".into(),
         lease_duration: Duration::from_secs(15),
         node_addresses: vec![],

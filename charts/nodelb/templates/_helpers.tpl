@@ -52,3 +52,43 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- . | toString | splitList ":" | last -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The controller's name: its Deployment, ServiceAccount and roles. */}}
+{{- define "nodelb.controllerName" -}}
+{{- printf "%s-controller" (include "nodelb.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* What selects the controller's pods: never the DaemonSet's (its name label differs). */}}
+{{- define "nodelb.controllerSelectorLabels" -}}
+app.kubernetes.io/name: {{ printf "%s-controller" (include "nodelb.name" .) | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "nodelb.controllerLabels" -}}
+{{ include "nodelb.controllerSelectorLabels" . }}
+app.kubernetes.io/component: controller
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- if .Values.helmLabels }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end }}
+{{- end -}}
+
+{{/* config.* as NODELB_<FLAG> variables: the node agents and the controller get the same ones
+(each reads those of its own flags), so both decide with the same policy. */}}
+{{- define "nodelb.configEnv" -}}
+{{- range $flag, $value := .Values.config }}
+{{- if not (kindIs "invalid" $value) }}
+- name: {{ printf "NODELB_%s" ($flag | upper | replace "-" "_") }}
+  value: {{ if kindIs "slice" $value }}{{ join "," $value | quote }}{{ else }}{{ $value | toString | quote }}{{ end }}
+{{- end }}
+{{- end }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* The node agents' ServiceAccount as a username (what the admission policy matches). */}}
+{{- define "nodelb.nodeUser" -}}
+{{- printf "system:serviceaccount:%s:%s" .Release.Namespace (include "nodelb.fullname" .) -}}
+{{- end -}}

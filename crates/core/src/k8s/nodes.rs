@@ -248,14 +248,10 @@ fn lease_fresh(lease: &Lease, now: Option<Timestamp>) -> Option<bool> {
 /// it) but has not said yet which ports processes there listen on: no [`ANNOTATION_LISTENING`],
 /// which an agent publishes once it has read its node's sockets, in its first sync. Until then
 /// a new number could be one such a process holds (the agent's own health and metrics
-/// listeners, at least), so the leader hands out none. `running`: a node known to run an agent
-/// (the leader's own), counted also while its Lease is not in the view at all (a new node's
-/// agent creates it as it starts). Sorted.
-pub fn listeners_unreported<L: Borrow<Lease>>(
-    leases: &[L],
-    now: Option<Timestamp>,
-    running: &str,
-) -> Vec<String> {
+/// listeners, at least), so the leader hands out none. A node whose agent has not written its
+/// Lease at all is not waited for: the controller runs on no node of its own, and a node that
+/// joins later refuses a number one of its processes holds (`in use`). Sorted.
+pub fn listeners_unreported<L: Borrow<Lease>>(leases: &[L], now: Option<Timestamp>) -> Vec<String> {
     let reported =
         |l: &Lease| l.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(ANNOTATION_LISTENING));
     fn node(l: &Lease) -> Option<&str> {
@@ -267,10 +263,6 @@ pub fn listeners_unreported<L: Borrow<Lease>>(
         .filter(|l| lease_fresh(l, now) == Some(true) && !reported(l))
         .filter_map(|l| node(l).map(str::to_string))
         .collect();
-    let own = leases.iter().map(Borrow::borrow).find(|l| node(l) == Some(running));
-    if !own.is_some_and(reported) && !out.iter().any(|n| n == running) {
-        out.push(running.to_string());
-    }
     out.sort();
     out
 }
@@ -770,16 +762,12 @@ mod tests {
             lease("a-starting", 0, 15, None),
             other,
         ];
-        assert_eq!(listeners_unreported(&leases, Some(t(1)), "some"), ["a-starting", "new"]);
+        assert_eq!(listeners_unreported(&leases, Some(t(1))), ["a-starting", "new"]);
         // A view that may be behind judges no expiry: the one gone counts too.
-        assert_eq!(listeners_unreported(&leases, None, "some"), ["a-starting", "gone", "new"]);
-        // The leader's own node runs an agent: counted until its Lease says, even with none
-        // in the view, or an expired one.
-        assert_eq!(listeners_unreported(&leases, Some(t(1)), "me"), ["a-starting", "me", "new"]);
-        assert_eq!(listeners_unreported(&leases, Some(t(1)), "gone"), ["a-starting", "gone", "new"]);
+        assert_eq!(listeners_unreported(&leases, None), ["a-starting", "gone", "new"]);
         let mut no_spec = lease("n", 0, 15, Some("ipv4"));
         no_spec.spec = None;
-        assert!(listeners_unreported(&[listening(no_spec, "")], Some(t(1)), "n").is_empty());
+        assert!(listeners_unreported(&[listening(no_spec, "")], Some(t(1))).is_empty());
     }
 
     #[test]
