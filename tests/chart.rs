@@ -12,7 +12,7 @@ use common::kube::ControlPlane;
 use common::netns::NetNs;
 use serde_json::Value;
 
-/// Flags of `nodelb run` the chart does not take as values, and why.
+/// Flags of `nodelb run` and `nodelb controller` the chart does not take as values, and why.
 const NOT_VALUES: &[(&str, &str)] = &[
     ("manifests", "manifests mode only"),
     ("state-file", "manifests mode only"),
@@ -21,6 +21,7 @@ const NOT_VALUES: &[(&str, &str)] = &[
     ("namespace", "the downward API's metadata.namespace"),
     ("kubeconfig", "in-cluster configuration"),
     ("daemonset", "the chart's own name, set by uninstall.removeRules"),
+    ("identity", "the downward API's metadata.name (the controller's pod)"),
 ];
 
 fn values() -> Value {
@@ -33,8 +34,9 @@ fn values() -> Value {
 fn chart_values_name_every_flag_of_nodelb_run_by_its_environment_variable() {
     let cli = nodelb::cli::Cli::command();
     let run = cli.find_subcommand("run").expect("run");
+    let controller = cli.find_subcommand("controller").expect("controller");
     let mut flags = BTreeSet::new();
-    for arg in run.get_arguments().chain(cli.get_arguments()) {
+    for arg in run.get_arguments().chain(controller.get_arguments()).chain(cli.get_arguments()) {
         let Some(long) = arg.get_long() else { continue };
         if matches!(long, "help" | "version") {
             continue;
@@ -50,9 +52,9 @@ fn chart_values_name_every_flag_of_nodelb_run_by_its_environment_variable() {
     let config: BTreeSet<String> = values()["config"].as_object().expect("config").keys().cloned().collect();
     let expected: BTreeSet<String> =
         flags.iter().filter(|f| !NOT_VALUES.iter().any(|(n, _)| n == f)).cloned().collect();
-    assert_eq!(config, expected, "charts/nodelb/values.yaml config (right: the flags of nodelb run)");
+    assert_eq!(config, expected, "charts/nodelb/values.yaml config (right: the flags of run and controller)");
     for (f, why) in NOT_VALUES {
-        assert!(flags.contains(*f), "--{f} ({why}) is not a flag of nodelb run any more");
+        assert!(flags.contains(*f), "--{f} ({why}) is not a flag of nodelb run or controller any more");
     }
 }
 

@@ -418,6 +418,13 @@ impl ControlPlane {
         self.tool_with(&kubectl, kubeconfig, args, None)
     }
 
+    /// [`ControlPlane::kubectl_as`] with `input` on its stdin (`create -f -`).
+    pub fn kubectl_as_stdin(&self, kubeconfig: &Path, args: &[&str], input: &str) -> Output {
+        let kubectl =
+            std::env::var_os("NODELB_KUBECTL").map_or_else(|| testkube_dir().join("kubectl"), PathBuf::from);
+        self.tool_with(&kubectl, kubeconfig, args, Some(input))
+    }
+
     /// `program --kubeconfig <admin> <args>` inside the API namespace.
     fn admin_tool(&self, program: &Path, args: &[&str], input: Option<&str>) -> Output {
         self.tool_with(program, &self.admin_kubeconfig(), args, input)
