@@ -56,6 +56,11 @@ if [[ $(id -u) -eq 0 ]]; then
     # helm, for the chart and lifecycle tests (tests/chart.rs, tests/lifecycle.rs): same caching.
     log "helm: scripts/build-helm.sh"
     scripts/build-helm.sh >/dev/null
+    # The previous release, which the upgrade test upgrades from (tests/lifecycle.rs): built
+    # from this repository's history once per machine, cached outside the clone.
+    log "previous release: scripts/build-previous.sh"
+    NODELB_PREVIOUS_DIR=$(scripts/build-previous.sh)
+    export NODELB_PREVIOUS_DIR
 fi
 
 list_test_netns() { { ip netns list 2>/dev/null || true; } | awk '{print $1}' | grep '^nlb-' | sort || true; }

@@ -255,6 +255,50 @@ fn a_helm_upgrade_rolled_node_by_node_loses_no_request_and_keeps_every_allocatio
     c.wait_ingress_nodes("api", &[0, 1, 2], CHANGE);
 }
 
+/// From the previous release (one DaemonSet whose agents elected a leader and wrote the
+/// Services, `scripts/build-previous.sh`) to this one with `helm upgrade`: the new RBAC and
+/// admission policy take the writes from the old agents at once (their leader's renewals are
+/// refused, its Lease expires), the controller's replicas start and one takes the leader Lease
+/// over, the DaemonSet rolls node by node. No request is lost, no allocation moves, and a
+/// Service created after is allocated by the controller.
+#[test]
+fn a_helm_upgrade_from_the_one_daemonset_release_keeps_every_allocation_and_request() {
+    require_root!();
+    let mut c = Cluster::with_previous_release(3);
+    assert!(c.controllers.is_empty(), "the previous release had no controller");
+    let old_leader = c.leader().expect("an old agent leads");
+    assert!(old_leader.starts_with("node-"), "{old_leader}");
+    let web = serve(&c, "web", &[(0, 0), (1, 1)]);
+    let api = serve(&c, "api", &[(2, 2)]);
+    let before: BTreeMap<&str, _> = [("web", c.allocated("web")), ("api", c.allocated("api"))].into();
+    let loops = clients(&c, &[web, api]);
+
+    c.api.helm_ok(&["upgrade", "nodelb", &chart_dir(), "-n", AGENT_NS]);
+    // The Deployment's pods start while the DaemonSet rolls.
+    c.start_controllers(None);
+    let grace = c.grace_period();
+    for i in 0..3 {
+        let status = c.stop_agent(i, grace);
+        assert!(status.is_some_and(|s| s.success()), "node-{}: SIGTERM → {status:?}", i + 1);
+        assert!(c.nft(i).is_some(), "node-{}: the table went with the old agent", i + 1);
+        std::thread::sleep(Duration::from_secs(1));
+        c.start_agent(i, READY);
+    }
+    let leader = c.wait_leader(CHANGE);
+    eprintln!("leader {old_leader} → {}", common::cluster::controller_name(leader));
+    // The old agents' refused writes are the upgrade's; from here on everything is granted.
+    c.api.clear_requests();
+    std::thread::sleep(Duration::from_secs(1));
+    assert_no_request_lost(loops, 50);
+    let after: BTreeMap<&str, _> = [("web", c.allocated("web")), ("api", c.allocated("api"))].into();
+    assert_eq!(after, before, "allocations moved during the upgrade");
+    let np = serve(&c, "after", &[(0, 1)]);
+    assert!(!after.values().flatten().any(|a| a.values().any(|p| *p == np)), "{np} is taken");
+    c.wait_ingress_nodes("web", &[0, 1, 2], CHANGE);
+    c.wait_ingress_nodes("after", &[0, 1, 2], CHANGE);
+    c.assert_rbac_allows_every_request();
+}
+
 #[test]
 fn a_new_version_replaces_an_older_rule_layout_atomically_under_traffic() {
     require_root!();

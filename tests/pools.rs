@@ -770,7 +770,7 @@ fn a_refused_reallocation_event_is_retried_until_recorded_once() {
 
     c.revoke("events.k8s.io", "events");
     let refused = |c: &Cluster| {
-        let reqs = c.api.agent_requests();
+        let reqs = c.api.controller_requests();
         reqs.iter().filter(|r| r.resource == "events" && r.verb == "create" && r.status == 403).count()
     };
     let before = refused(&c);

@@ -100,6 +100,16 @@ pub enum Install {
     Kubectl,
     /// `helm install nodelb charts/nodelb -n nodelb-system --create-namespace <args>`.
     Helm(Vec<String>),
+    /// `helm install` of the previous release's chart, its agents running its binary
+    /// (`scripts/build-previous.sh`): what an upgrade starts from.
+    Previous,
+}
+
+/// The previous release (`scripts/build-previous.sh`): the directory with its `nodelb` binary
+/// and `charts/nodelb`. `NODELB_PREVIOUS_DIR` points elsewhere.
+pub fn previous_release() -> PathBuf {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| super::kube::built_by("NODELB_PREVIOUS_DIR", "scripts/build-previous.sh")).clone()
 }
 
 /// `default/<name>`, `80/TCP` → backends `eps` (backend index, node index).
@@ -158,6 +168,12 @@ impl Cluster {
     pub fn with_helm(backends: usize, helm_args: &[&str], extra: &[&str]) -> Cluster {
         let install = Install::Helm(helm_args.iter().map(|s| s.to_string()).collect());
         Self::start(3, backends, extra, &[], |_| {}, true, install)
+    }
+
+    /// Three nodes with the previous release installed (`helm install` of its chart, its agents
+    /// running its binary, no controller: it had none), for an upgrade to start from.
+    pub fn with_previous_release(backends: usize) -> Cluster {
+        Self::start(3, backends, &[], &[], |_| {}, true, Install::Previous)
     }
 
     /// Three nodes; `setup` runs against the control plane after the install and before the
@@ -223,6 +239,11 @@ impl Cluster {
                 let manifests = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("daemonset");
                 api.kubectl_ok(&["apply", "-f", manifests.to_str().unwrap()]);
             }
+            Install::Previous => {
+                let chart = previous_release().join("charts/nodelb");
+                let chart = chart.to_str().unwrap();
+                api.helm_ok(&["install", "nodelb", chart, "-n", AGENT_NS, "--create-namespace"]);
+            }
             Install::Helm(args) => {
                 let chart = chart_dir();
                 let mut cmd = vec!["install", "nodelb", &chart, "-n", AGENT_NS, "--create-namespace"];
@@ -265,13 +286,17 @@ impl Cluster {
             api_ns,
             fabric,
         };
+        let first = match install {
+            Install::Previous => Some(previous_release().join("nodelb").to_str().unwrap().to_string()),
+            _ => super::agent::upgrade_from(),
+        };
         for i in 0..nodes_n {
-            let a = c.new_agent(i, super::agent::upgrade_from());
+            let a = c.new_agent(i, first.clone());
             c.agents.push(a);
         }
-        for k in 0..CONTROLLERS {
-            let ctl = c.new_controller(k, None);
-            c.controllers.push(ctl);
+        // An earlier release may have had no controller.
+        if c.api.get("apps/v1", "Deployment", AGENT_NS, "nodelb-controller").is_some() {
+            c.start_controllers(None);
         }
         if wait_ready {
             c.wait_ready(Duration::from_secs(60));
@@ -350,6 +375,19 @@ impl Cluster {
             &shared,
             binary,
         )
+    }
+
+    /// Starts every controller replica from the Deployment as stored (after an upgrade that
+    /// brought it, or at the start), without waiting; `binary`: another binary than the one
+    /// under test.
+    pub fn start_controllers(&mut self, binary: Option<String>) {
+        for k in 0..CONTROLLERS {
+            let ctl = self.new_controller(k, binary.clone());
+            match self.controllers.get_mut(k) {
+                Some(old) => *old = ctl,
+                None => self.controllers.push(ctl),
+            }
+        }
     }
 
     /// Stops controller replica `k` as the kubelet stops its pod (SIGTERM, SIGKILL after `grace`).

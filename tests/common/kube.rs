@@ -45,8 +45,8 @@ pub fn helm_bin() -> PathBuf {
     BIN.get_or_init(|| built_by("NODELB_HELM", "scripts/build-helm.sh")).clone()
 }
 
-/// `$env` if set, else what the cached Go build `script` prints (the path it built).
-fn built_by(env: &str, script: &str) -> PathBuf {
+/// `$env` if set, else what the cached build `script` prints (the path it built).
+pub fn built_by(env: &str, script: &str) -> PathBuf {
     if let Some(p) = std::env::var_os(env) {
         return PathBuf::from(p);
     }
@@ -55,7 +55,11 @@ fn built_by(env: &str, script: &str) -> PathBuf {
         .stderr(Stdio::inherit())
         .output()
         .unwrap_or_else(|e| panic!("{}: {e}", script.display()));
-    assert!(out.status.success(), "{} failed (see above): the Kubernetes tests need Go", script.display());
+    assert!(
+        out.status.success(),
+        "{} failed (see above): the Kubernetes tests need what it builds",
+        script.display()
+    );
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
