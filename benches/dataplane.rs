@@ -941,7 +941,7 @@ fn breakdowns(log: &str) -> (Vec<Breakdown>, Vec<Breakdown>) {
 }
 
 /// Where a reaction's time went, after its table: the agent's syncs that programmed a change and
-/// (Kubernetes mode) the leader's allocation rounds, from its log.
+/// (Kubernetes mode) the leader's allocation rounds, from its log (the controller's).
 fn where_line(w: &mut String, x: &Reaction) {
     use std::fmt::Write as _;
     let _ =
@@ -1728,9 +1728,9 @@ fn run_agent(cfg: &Config, n: usize, footprint: bool, reaction: bool, r: &mut Re
     keep_log(cfg, "manifests-agent.log", &agent.logs());
 }
 
-/// Reaction time in Kubernetes mode: one node whose agent is also the leader (allocates node ports
-/// and writes them, with the status, on the Services), against the real kube-apiserver + etcd of the
-/// tests (`tests/common/cluster.rs`), with `n` Services + EndpointSlices. Each change is timed from the
+/// Reaction time in Kubernetes mode: one node, and the controller's replicas (one leads: allocates
+/// node ports and writes them, with the status, on the Services), against the real kube-apiserver +
+/// etcd of the tests (`tests/common/cluster.rs`), with `n` Services + EndpointSlices. Each change is timed from the
 /// API call to a connection through the node succeeding (create) or being refused (delete).
 fn run_kube(cfg: &Config, n: usize, r: &mut Results) {
     let mut args = vec!["--resync-period", "10s"];
@@ -1752,9 +1752,12 @@ fn run_kube(cfg: &Config, n: usize, r: &mut Results) {
         ]}}),
     );
     if cfg.kube_setup == KubeSetupMode::Existing {
-        // Stopped as the kubelet stops it (it releases its leadership); the rules it programmed
-        // stay, as on a node whose agent restarts.
+        // Stopped as the kubelet stops them (the leader releases its Lease); the rules the agent
+        // programmed stay, as on a node whose agent restarts.
         c.stop_agent(0, Duration::from_secs(10));
+        for k in 0..c.controllers.len() {
+            c.stop_controller(k, Duration::from_secs(10));
+        }
     }
     let t0 = Instant::now();
     // Created by parallel requests (the API server takes them concurrently; one at a time, 50,000
@@ -1780,6 +1783,7 @@ fn run_kube(cfg: &Config, n: usize, r: &mut Results) {
         KubeSetupMode::Live => (t0, None),
         KubeSetupMode::Existing => {
             let started = Instant::now();
+            c.start_controllers(None);
             c.start_agent(0, limit);
             let ready_s = started.elapsed().as_secs_f64();
             eprintln!("  agent started with {n} Services in the API server: ready in {ready_s:.2}s");
@@ -1799,9 +1803,10 @@ fn run_kube(cfg: &Config, n: usize, r: &mut Results) {
     // The leader then writes every Service's status and records its Events (a second or so of
     // them per round, rounds back to back); the reaction is measured once it has nothing left to
     // do, as it says in its log (a round it skips: everything written and sent).
-    let seen = c.agents[0].logs().len();
+    let leader = c.wait_leader(limit);
+    let seen = c.controllers[leader].logs().len();
     let settled = common::topology::wait_until(limit, || {
-        c.agents[0].logs().rfind("nothing for a round to do").is_some_and(|at| at >= seen)
+        c.controllers[leader].logs().rfind("nothing for a round to do").is_some_and(|at| at >= seen)
     });
     if !settled {
         r.note(format!("Kubernetes mode: the leader had statuses or Events left after {limit:?}"));
@@ -1813,6 +1818,7 @@ fn run_kube(cfg: &Config, n: usize, r: &mut Results) {
     let addr = SocketAddr::new(IpAddr::V4(node_v4(0)), cfg.reaction_port);
     let backend = c.backends[0].v4;
     let seen = c.agents[0].logs().len();
+    let leader_seen = c.controllers[leader].logs().len();
     let (mut add_ms, mut remove_ms, mut allocated_ms, mut timeouts) = (Vec::new(), Vec::new(), Vec::new(), 0);
     let mut unseen = 0;
     for k in 0..cfg.reaction_changes / 2 {
@@ -1860,9 +1866,11 @@ fn run_kube(cfg: &Config, n: usize, r: &mut Results) {
             add_ms.len()
         ));
     }
-    let (syncs, rounds) = breakdowns(&c.agents[0].logs()[seen..]);
+    let (syncs, _) = breakdowns(&c.agents[0].logs()[seen..]);
+    let (_, rounds) = breakdowns(&c.controllers[leader].logs()[leader_seen..]);
     r.kube_reaction = Some(Reaction { n, add_ms, remove_ms, allocated_ms, timeouts, syncs, rounds });
     keep_log(cfg, "kube-agent.log", &c.agents[0].logs());
+    keep_log(cfg, "kube-controller.log", &c.controllers[leader].logs());
 }
 
 /// The node's IPv6 address in Kubernetes mode (for the IPv6 fillers).
@@ -1939,7 +1947,7 @@ fn report(cfg: &Config, r: &Results) -> String {
         Some(x) => {
             let _ = writeln!(
                 w,
-                "\nKubernetes mode (one node, its agent is the leader; test API server), N = {} Services:\n",
+                "\nKubernetes mode (one node agent, the controller leading; test API server), N = {} Services:\n",
                 x.n
             );
             reaction_table(
@@ -2492,7 +2500,7 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
         if let Some(x) = &a.kube_reaction {
             let _ = writeln!(
                 w,
-                "\nReaction, Kubernetes mode (real kube-apiserver + etcd; the agent is the leader), N = {n} × 5:\n"
+                "\nReaction, Kubernetes mode (real kube-apiserver + etcd; one node agent, the controller leading), N = {n} × 5:\n"
             );
             match a.kube_setup {
                 Some(KubeSetup { mode: KubeSetupMode::Live, created_s, programmed_s, settled_s, .. }) => {
