@@ -11,7 +11,7 @@
 //! Scenarios:
 //! - `split-brain`: two leaders at once against the real API server (testkube), each round with
 //!   conflicting allocation requests and a different view of them; nodelb's own leader code
-//!   (`controller::plan_round` + its writes) on both sides; a watch on every stored Service
+//!   (`round::plan_round` + its writes) on both sides; a watch on every stored Service
 //!   counts node ports held twice.
 //!
 //! - `kill-mid-sync`: one node (manifests mode) with 10,000 Services (`--services N`) and three
@@ -44,7 +44,8 @@ use common::manifest::{EndpointSpec, PortSpec, ServiceSpec, render_all};
 use common::netns::NetNs;
 use common::rng::Rng;
 use common::topology::{ClientLoop, NODE_V4, Topology, backend_v4, wait_until};
-use nodelb::k8s::controller::{self, ControllerConfig, LeaderState};
+use nodelb::k8s::controller;
+use nodelb::k8s::round::{ControllerConfig, LeaderState};
 use nodelb::k8s::source::KubeSnapshot;
 use nodelb::port_policy::PortRange;
 

@@ -12,7 +12,7 @@
 //! cargo bench --bench sync -- --services 10000 --endpoints 5 --changes 20 --manifests
 //! ```
 //!
-//! `--leader`: the Kubernetes-mode leader's pure round instead (`k8s::controller::plan_round`:
+//! `--leader`: the Kubernetes-mode leader's pure round instead (`k8s::round::plan_round`:
 //! model, allocation, claims, status and Events of every Service, then which Events to record),
 //! on Services that already carry what an earlier round wrote (so a round writes only the
 //! changed Service), two Nodes with their Leases; median of `--changes` rounds, one Service
@@ -48,11 +48,11 @@ use nodelb::domain::Family;
 use nodelb::domain::ServiceKey;
 use nodelb::ir::Ruleset;
 use nodelb::k8s::claims::{self, Block, HeldNumbers, Holder, Registry, Token};
-use nodelb::k8s::controller::{
-    ControllerConfig, LeaderState, RegistryVersions, RoundClock, event_key, events_to_send,
-};
 use nodelb::k8s::events::{Deduper, Outbox};
 use nodelb::k8s::publish::{ServiceEvent, ServiceWrite};
+use nodelb::k8s::round::{
+    ControllerConfig, LeaderState, RegistryVersions, RoundClock, event_key, events_to_send,
+};
 use nodelb::k8s::source::KubeSnapshot;
 use nodelb::model::ModelOptions;
 use nodelb::plan::{self, NodeFacts};

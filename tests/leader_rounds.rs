@@ -30,12 +30,12 @@ use nodelb::compact::EndpointSlice;
 use nodelb::desired::HostPolicy;
 use nodelb::domain::ServiceKey;
 use nodelb::k8s::claims::{self, Claim, Holders, Keeper, Registry, Token};
-use nodelb::k8s::controller::{
+use nodelb::k8s::events::{Deduper, Outbox};
+use nodelb::k8s::publish::{ServiceEvent, ServiceWrite};
+use nodelb::k8s::round::{
     ClaimInputs, ControllerConfig, LeaderState, RegistryVersions, RoundClock, RoundMemory, RoundPlan,
     event_key, events_to_send, plan_round,
 };
-use nodelb::k8s::events::{Deduper, Outbox};
-use nodelb::k8s::publish::{ServiceEvent, ServiceWrite};
 use nodelb::k8s::source::KubeSnapshot;
 use nodelb::model::{self, ANNOTATION_ALLOCATED, ANNOTATION_PORTS, ModelOptions};
 use nodelb::pool::NodePortPool;

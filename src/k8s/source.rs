@@ -38,7 +38,7 @@ use crate::slim::Slim;
 /// EndpointSlice, the leader's status patch after its annotation patch: 10 ms merged those, at
 /// ~20 ms of every create; docs/benchmarks.md, "Debounce"). What it splits costs little: the
 /// leader's round of an EndpointSlice waits for the next change, ≤ 1 s
-/// ([`crate::k8s::controller::LeaderState::can_wait`]: a Local-policy Service's status then
+/// ([`crate::k8s::round::LeaderState::can_wait`]: a Local-policy Service's status then
 /// follows its first endpoints within that second), a node's sync of a status write finds its
 /// fingerprint unchanged, and the leader writes only Services whose annotation or status must
 /// change, however many rounds a burst is split into.
@@ -407,7 +407,7 @@ impl KubeSource {
         self.nodes.get(&reflector::ObjectRef::new(name))
     }
 
-    /// The cached Nodes and node Leases (what [`super::controller::LeaseView`] reads).
+    /// The cached Nodes and node Leases (what [`super::round::LeaseView`] reads).
     pub fn nodes_and_leases(&self) -> (Vec<Arc<Node>>, Vec<Arc<Lease>>) {
         (self.nodes.state(), self.leases.state())
     }

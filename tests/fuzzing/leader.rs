@@ -1,4 +1,4 @@
-//! The leader's round on hostile objects (`k8s::controller::plan_round`, pure): what it would
+//! The leader's round on hostile objects (`k8s::round::plan_round`, pure): what it would
 //! write must be something the API server accepts (condition reasons and message lengths, Event
 //! notes), and the good Services get exactly the writes they get alone.
 
@@ -11,8 +11,8 @@ use k8s_openapi::jiff::Timestamp;
 use nodelb::compact::EndpointSlice;
 use nodelb::desired::HostPolicy;
 use nodelb::k8s::claims::{Holders, Registry, Token};
-use nodelb::k8s::controller::{ClaimInputs, ControllerConfig, RoundPlan, plan_round};
 use nodelb::k8s::events::{MAX_NOTE_BYTES, event_note};
+use nodelb::k8s::round::{ClaimInputs, ControllerConfig, RoundPlan, plan_round};
 use nodelb::k8s::source::KubeSnapshot;
 use nodelb::model::ModelOptions;
 use serde_json::{Value, json};
