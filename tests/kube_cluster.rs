@@ -252,6 +252,10 @@ fn rbac_installed_with_kubectl_is_what_the_readme_documents() {
             };
             got.insert(p.clone(), place);
         }
+        eprintln!("kubectl auth can-i --list --as={user} (beyond any ServiceAccount):");
+        for (((group, resource, verb), names), place) in &got {
+            eprintln!("  {group:>22} {resource:<22} {verb:<7} {place:<14} {names}");
+        }
         assert_eq!(got, readme_rbac(sa), "{sa}: kubectl auth can-i --list (right: README's table)");
     }
 }
