@@ -1,4 +1,4 @@
-//! nodelb versus the klipper-lb way, side by side in one run (issue 5). A benchmark, not a test: it
+//! nodelb versus the klipper-lb way, side by side in one run. A benchmark, not a test: it
 //! prints (and writes as Markdown) a comparison, every number next to the direct route measured in the
 //! same run, and never fails on a number. Variants: (a) direct, (b) nodelb, (c) klipper's iptables rules
 //! (nft and legacy), (d) nat-floor, the least nftables NAT (one DNAT + one masquerade rule), against
@@ -73,7 +73,7 @@ struct Config {
     only: Vec<String>,
     /// `--agent-log DIR`: keep the agents' logs there (they have a per-sync time breakdown).
     agent_log: Option<String>,
-    /// `--scale`: the scale mode (issue 15) at [`Config::scale_sizes`] instead of the comparison.
+    /// `--scale`: the scale mode at [`Config::scale_sizes`] instead of the comparison.
     scale: bool,
     /// `--scale-sizes 10000,50000`.
     scale_sizes: Vec<usize>,
@@ -1243,7 +1243,7 @@ fn run_rep(cfg: &Config, n: usize, rep: usize, r: &mut Results) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The scale mode (issue 15)
+// The scale mode
 
 /// One repetition of the scale mode at N: nodelb's programming on a fresh topology (full sync,
 /// add and remove one Service), then the per-connection comparison with the NAT floor on two
@@ -1986,7 +1986,7 @@ fn report(cfg: &Config, r: &Results) -> String {
         }
     }
 
-    let _ = writeln!(w, "\n### Targets (issue 5)\n");
+    let _ = writeln!(w, "\n### Targets\n");
     let _ = writeln!(w, "| target | measured | verdict |");
     let _ = writeln!(w, "|---|---|---|");
     if cfg.wants("dataplane") {
@@ -2248,7 +2248,7 @@ fn reaction_table(w: &mut String, x: &Reaction, rows: &[(&str, &Vec<f64>)]) {
     }
 }
 
-/// The scale section: the targets of issue 15 at each N, then what they were measured from.
+/// The scale section: the scale targets at each N, then what they were measured from.
 fn report_scale(cfg: &Config, r: &Results) -> String {
     use std::fmt::Write as _;
     let mut o = String::new();
@@ -2262,9 +2262,9 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
          (programming, NAT floor); {} changes (half adds, half removals) per reaction run.\n",
         cfg.reps, cfg.reaction_changes
     );
-    // Targets of issue 15: (10,000, 50,000).
+    // The scale targets: (10,000, 50,000).
     let target = |n: usize, small: f64, large: f64| if n <= 10_000 { small } else { large };
-    let _ = writeln!(w, "| target (issue 15) | N | target | measured | verdict |");
+    let _ = writeln!(w, "| target | N | target | measured | verdict |");
     let _ = writeln!(w, "|---|---:|---:|---|---|");
     for &n in sizes {
         let a = r.scale.get(&n);
@@ -2558,7 +2558,7 @@ fn report_scale(cfg: &Config, r: &Results) -> String {
     o
 }
 
-/// Issue 15's target for nodelb's per-connection cost over the NAT floor (p50, µs).
+/// The scale target for nodelb's per-connection cost over the NAT floor (p50, µs).
 const OVER_FLOOR_TARGET_US: f64 = 3.0;
 
 fn verdict(ok: bool) -> &'static str {

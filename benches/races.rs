@@ -1,4 +1,4 @@
-//! Targeted races, repeated until they would have shown (issue 14, point 3). A benchmark-style
+//! Targeted races, repeated until they would have shown. A benchmark-style
 //! program, not a timed test: it runs a number of randomized rounds (seeded: the seed is printed
 //! and `--seed` replays a run), checks its invariants in every round, prints a summary row per
 //! scenario and exits 1 when an invariant broke.

@@ -1,4 +1,4 @@
-//! The chaos soak (issue 14, point 2). A benchmark-style program, not a timed test: for a set time
+//! The chaos soak. A benchmark-style program, not a timed test: for a set time
 //! it churns Services and EndpointSlices in a real API server (testkube) while injecting faults
 //! into the control plane, the agents and one node's table, and checks its invariants the whole
 //! time; then it stops the faults and checks that every node converges. It prints a summary row

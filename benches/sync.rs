@@ -3,7 +3,7 @@
 //! diff against the last ruleset, dropping the last one: how the sync loop worked before the
 //! incremental planner) and as the sync loop does it now (`desired::compute_next`: the patch, its
 //! batch, the patch applied to the last ruleset, the counter index patched). No root, no kernel:
-//! the A/B loop for issue 15's "recompute only what changed" (docs/benchmarks.md).
+//! the A/B loop for "recompute only what changed" (docs/benchmarks.md).
 //!
 //! ```text
 //! cargo bench --bench sync -- --services 10000 --endpoints 5 --changes 20

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Benchmarks nodelb against the klipper-lb way, side by side in one run (issue 5), and writes the
+# Benchmarks nodelb against the klipper-lb way, side by side in one run, and writes the
 # results into docs/benchmarks.md (between the "generated" markers) and docs/benchmarks-connect.svg.
 #
 #   sudo scripts/bench.sh --quick     # N = 1, 100, 1,000, 5 repetitions: a few minutes
 #   sudo scripts/bench.sh             # N up to 10,000: much longer (klipper rules at 10,000)
 #   sudo scripts/bench.sh --quick --no-docs   # print only, leave docs/ alone
-#   sudo scripts/bench.sh --scale     # issue 15: N = 10,000 and 50,000 (--scale-sizes 10000 to choose);
+#   sudo scripts/bench.sh --scale     # scale: N = 10,000 and 50,000 (--scale-sizes 10000 to choose);
 #                                     # its own section of docs/benchmarks.md ("scale" markers)
 #
 # Extra arguments go to the benchmark (--sizes 1,100 --reps 3 --agent-n 1000 --changes 100,

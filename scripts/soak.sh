@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The reliability programs of docs/reliability.md (issue 14): the chaos soak and the targeted races.
+# The reliability programs of docs/reliability.md: the chaos soak and the targeted races.
 # Root; everything runs in network namespaces they create and delete (also on Ctrl-C).
 #
 #   sudo scripts/soak.sh                          # chaos soak, 10 minutes of faults

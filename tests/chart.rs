@@ -1,4 +1,4 @@
-//! The Helm chart `charts/nodelb` (issue 12): what it renders is accepted by a real API server
+//! The Helm chart `charts/nodelb`: what it renders is accepted by a real API server
 //! (`helm template | kubectl apply --dry-run=server`, against `testkube`), with the default values
 //! and with every optional object, and its values name every flag of `nodelb run`.
 //! `helm lint` and "daemonset/ is what the chart renders" are in scripts/validate-manifests.sh.

@@ -622,7 +622,7 @@ fn a_changed_node_port_leaves_nothing_of_the_old_one() {
     get_n(topo.client(0), v4(NODE_V4), 20081, 2);
 }
 
-/// Issue 14, point 3: someone changes our table between two of our batches, and a Service
+/// Someone changes our table between two of our batches, and a Service
 /// change is synced before the next resync period. The diff applies on top of the foreign
 /// change (it touches other chains), and the agent must not take the generation after its batch
 /// for "our table as we left it": the next resync still finds and repairs the change. (It did
@@ -892,7 +892,7 @@ fn bad_names_and_bad_state_entries_do_not_stop_the_agent() {
     get_n(c, v4(NODE_V4), port, 3);
 }
 
-/// Issue 13, point 4: a Service that was allocated a node port and serves keeps it when a Service
+/// A Service that was allocated a node port and serves keeps it when a Service
 /// added later asks for that number by annotation, even one whose name sorts first (before, the
 /// name decided and the serving Service moved). The newcomer gets the conflict, naming the holder.
 /// The decision survives a restart (the state file records when each Service was allocated), and
@@ -952,7 +952,7 @@ fn metric(agent: &Agent, series: &str) -> Option<f64> {
     r.body.lines().find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
 }
 
-/// Issue 13, point 2: endpoint addresses nodelb must never DNAT to (loopback, unspecified,
+/// Endpoint addresses nodelb must never DNAT to (loopback, unspecified,
 /// multicast, link-local and the cloud metadata address, the node's own addresses on either
 /// side) are refused, each named with its reason in `/status`, the log (once) and a metric, while
 /// the Service's valid endpoint serves every request; a Service whose endpoints are all refused
@@ -1065,7 +1065,7 @@ fn service_style(spec: &ServiceSpec) -> String {
     render_docs(&docs)
 }
 
-/// Issue 13, point 3: a Service cannot take the node's own ports. With a test "sshd" listening on
+/// A Service cannot take the node's own ports. With a test "sshd" listening on
 /// the node's port 22, a Service asking for node port 22 and one asking (`service` style) for
 /// 6443 and 10250 are refused as not allowed, naming Service, port and reason; the node's own
 /// listener keeps answering on 22 from a client and from the node itself (OUTPUT path). With
@@ -1139,7 +1139,7 @@ fn a_service_cannot_take_the_nodes_own_ports() {
     sshd_answers(&topo.node, "the node itself, ports allowed");
 }
 
-/// Issue 13, point 3: the listener check in manifests mode. A port with a listener is skipped by
+/// The listener check in manifests mode. A port with a listener is skipped by
 /// the allocator and refused to a request naming the listener; a listener that appears later on
 /// an allocated, serving port makes this node stop DNATing it within the resync period (the
 /// listener answers; `/status` says why) while the allocation stays (state file), and the

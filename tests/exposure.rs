@@ -1,4 +1,4 @@
-//! Who can see and touch the agent (issue 14, point 4), on the real kernel: the agent runs with
+//! Who can see and touch the agent (docs/design.md), on the real kernel: the agent runs with
 //! its default addresses in the node namespace; a client in another namespace (another host on
 //! the node's network) reaches only the probes, which withhold their reasons; `/status` and
 //! `/metrics` answer on the node's own loopback only, where `nodelb status` reads them; the state

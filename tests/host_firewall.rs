@@ -1,4 +1,4 @@
-//! Hosts whose firewall drops forwarded traffic (issue 13, point 1), on the real kernel: the
+//! Hosts whose firewall drops forwarded traffic, on the real kernel: the
 //! chains iptables-nft and iptables-legacy write, read back and judged by nodelb; nodelb's
 //! ACCEPT written into iptables' FORWARD chain as the host's own tools expect it; and, end to end,
 //! the agent's diagnosis and `--iptables-forward-accept` with real packets.

@@ -540,7 +540,7 @@ fn two_services_asking_for_the_same_port_older_wins() {
     assert_only_leaders_wrote(&c, &[leader]);
 }
 
-/// Issue 13, point 4, in Kubernetes mode: an allocation that exists (the annotation) beats an
+/// In Kubernetes mode: an allocation that exists (the annotation) beats an
 /// explicit request made later, even by a Service older by creationTimestamp. (Two existing
 /// claims on one number are still settled "older keeps it":
 /// `two_services_asking_for_the_same_port_older_wins`.)
@@ -578,7 +578,7 @@ fn an_existing_allocation_beats_an_older_service_asking_later() {
     assert_only_leaders_wrote(&c, &[leader]);
 }
 
-/// Issue 13, point 2, in Kubernetes mode: an EndpointSlice naming another node's address
+/// In Kubernetes mode: an EndpointSlice naming another node's address
 /// (node-2's InternalIP: a DNAT to it from node-1 would expose node-2's ports) and the cloud
 /// metadata address is refused on every node, the valid endpoint serves everywhere, and the
 /// leader says so: `nodelb.io/EndpointsAllowed=False/EndpointRefused` naming both with their
@@ -626,7 +626,7 @@ fn refused_endpoints_are_named_on_the_service_and_never_reached() {
     assert_only_leaders_wrote(&c, &[leader]);
 }
 
-/// Issue 13, point 3, in Kubernetes mode: the leader cannot see other nodes' sockets, so every
+/// In Kubernetes mode: the leader cannot see other nodes' sockets, so every
 /// agent publishes the ports processes on its node listen on (node Lease annotation
 /// `nodelb.io/listening-ports`) and the leader treats them as taken: a new allocation skips a
 /// port in use on node-2, a request for it is `PortInUse` (+ `NodePortInUse` Event naming node-2),

@@ -1,4 +1,4 @@
-//! The authenticated metrics listener in Kubernetes mode (issue 14, point 4): an agent started
+//! The authenticated metrics listener in Kubernetes mode: an agent started
 //! with `--metrics-addr` serves `/metrics` over TLS to another host only for a bearer token the
 //! real API server authenticates (TokenReview) and allows `get` on `/metrics` (SubjectAccessReview,
 //! answered by the RBAC authorizer from the installed ClusterRole `nodelb-metrics-reader`).

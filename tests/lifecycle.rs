@@ -1,4 +1,4 @@
-//! Install, upgrade and uninstall end to end (issue 12), against a real kube-apiserver + etcd
+//! Install, upgrade and uninstall end to end, against a real kube-apiserver + etcd
 //! (`testkube`), nodelb installed with `kubectl apply -f daemonset/` or `helm install`, three
 //! real agents with the stored DaemonSet's args and env, stopped and started the way the kubelet
 //! does (SIGTERM, SIGKILL after the pod's grace period, then the new pod), with clients looping

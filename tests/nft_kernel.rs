@@ -649,7 +649,7 @@ fn delete_table_removes_only_ours_and_generation_moves() {
 }
 
 /// A batch reports the generation it left, one more than before it (what the agent relies on
-/// to tell its own commit from someone else's, issue 14 point 3); a refused batch commits
+/// to tell its own commit from someone else's); a refused batch commits
 /// nothing, and another transaction in between shows as a larger step.
 #[test]
 fn a_batch_reports_the_generation_it_left() {

@@ -1,4 +1,4 @@
-//! Node port pools (`NodePortPool`, issue 11) end to end: the CRD installed with
+//! Node port pools (`NodePortPool`) end to end: the CRD installed with
 //! `kubectl apply -f daemonset/` into a real kube-apiserver + etcd, three real agents (one per
 //! node namespace), real packets client → node → backends (see `tests/common/cluster.rs`).
 mod common;

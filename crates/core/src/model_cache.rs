@@ -1,6 +1,6 @@
 //! Each Service's model as a sync serves it ([`model::build`], its allocation age, its endpoints
 //! filtered by the endpoint policy), shared as `Arc<LbService>` and, in the sync loop, kept
-//! between syncs (issue 15, "recompute only what changed"). Pure.
+//! between syncs (docs/design.md, "Recompute only what changed"). Pure.
 //!
 //! The sources hand over their objects as `Arc`s and keep the same `Arc` while an object does
 //! not change, so a Service whose object, EndpointSlices (the same `Arc`s, in the same order) and

@@ -1,4 +1,4 @@
-//! Incremental planning (issue 15, "recompute only what changed"): the ruleset of the last sync
+//! Incremental planning ("recompute only what changed", docs/design.md): the ruleset of the last sync
 //! changed Service by Service instead of planned whole again. Pure.
 //!
 //! A [`Planner`] keeps what it last planned each Service from ([`PlanInput`]). Given the next
