@@ -34,6 +34,8 @@ use crate::serve::status::{SharedStatus, Status};
 pub trait Probes: Send + Sync + 'static {
     fn health(&self) -> (StatusCode, String);
     fn readiness(&self) -> (StatusCode, String);
+    /// Where the reason the public probes withhold can be read.
+    fn reason_is_at(&self) -> &'static str;
 }
 
 /// A node agent's probes: its sync loop ticks; its node can serve.
@@ -49,6 +51,9 @@ impl Probes for NodeProbes {
     }
     fn readiness(&self) -> (StatusCode, String) {
         readiness(&self.status)
+    }
+    fn reason_is_at(&self) -> &'static str {
+        "run `nodelb status` on the node"
     }
 }
 
@@ -76,6 +81,9 @@ impl Probes for ControllerProbes {
             (true, true) => (StatusCode::OK, "ready (leading)\n".to_string()),
             (true, false) => (StatusCode::OK, "ready (standby)\n".to_string()),
         }
+    }
+    fn reason_is_at(&self) -> &'static str {
+        "the pod's own --http-addr says why"
     }
 }
 
@@ -205,20 +213,17 @@ pub fn health_router(probes: Arc<dyn Probes>) -> Router {
 }
 
 async fn public_healthz(State(h): State<HealthState>) -> impl IntoResponse {
-    withheld(h.probes.health().0, "ok\n", "unhealthy")
+    withheld(h.probes.health().0, "ok\n", "unhealthy", h.probes.reason_is_at())
 }
 
 async fn public_readyz(State(h): State<HealthState>) -> impl IntoResponse {
-    withheld(h.probes.readiness().0, "ready\n", "not ready")
+    withheld(h.probes.readiness().0, "ready\n", "not ready", h.probes.reason_is_at())
 }
 
-fn withheld(code: StatusCode, ok: &'static str, bad: &str) -> (StatusCode, String) {
+fn withheld(code: StatusCode, ok: &'static str, bad: &str, at: &str) -> (StatusCode, String) {
     match code {
         StatusCode::OK => (code, ok.to_string()),
-        _ => (
-            code,
-            format!("{bad} (reason withheld here: the local listener says why, `nodelb status` on a node)\n"),
-        ),
+        _ => (code, format!("{bad} (reason withheld here: {at})\n")),
     }
 }
 
@@ -447,10 +452,7 @@ mod access_tests {
         let body = axum::body::to_bytes(body, 1 << 16).await.expect("body");
         let body = String::from_utf8_lossy(&body);
         assert_eq!(code.status, StatusCode::SERVICE_UNAVAILABLE);
-        assert_eq!(
-            body,
-            "not ready (reason withheld here: the local listener says why, `nodelb status` on a node)\n"
-        );
+        assert_eq!(body, "not ready (reason withheld here: run `nodelb status` on the node)\n");
         let (local_code, local_body) = readiness(&status);
         assert_eq!(local_code, StatusCode::SERVICE_UNAVAILABLE);
         assert!(local_body.contains("/var/lib/nodelb/state.json"), "{local_body}");
