@@ -68,6 +68,7 @@ else k3d image import "$IMAGE" -c "$CLUSTER"; fi
 log "installing nodelb: kubectl apply -f daemonset/ (image $IMAGE, loaded above)"
 kubectl apply -f daemonset/
 kubectl -n nodelb-system rollout status daemonset/nodelb --timeout=180s
+kubectl -n nodelb-system rollout status deployment/nodelb-controller --timeout=180s
 
 log "creating a Deployment and a LoadBalancer Service"
 kubectl create namespace "$NS" --dry-run=client -o yaml | kubectl apply -f -
