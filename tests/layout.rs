@@ -7,6 +7,8 @@
 //! - Inside the core, `domain` imports nothing and `ir` only `domain`.
 //! - Inside the agent, each stage folder imports only the stages before it: `encode` nothing but
 //!   the core, `observe` no later stage, `apply` and `serve` not the loop that drives them.
+//! - The node agent's code and the controller's (election, round, writes) name none of each
+//!   other's modules.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -136,5 +138,44 @@ fn the_agent_stages_import_only_earlier_stages() {
     for (dir, forbidden) in rules {
         bad.extend(offenders(".", dir, forbidden));
     }
+    assert!(bad.is_empty(), "{bad:#?}");
+}
+
+/// Files under `paths` (relative to the repository) whose code names one of `names`.
+fn naming(paths: &[&str], names: &[&str]) -> Vec<String> {
+    let mut out = vec![];
+    for p in paths {
+        let path = Path::new(ROOT).join(p);
+        let files = if path.is_dir() { rust_files(&path) } else { vec![path] };
+        for f in files {
+            let text = std::fs::read_to_string(&f).expect("source file");
+            let code: String =
+                text.lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n");
+            for n in names.iter().filter(|n| code.contains(*n)) {
+                out.push(format!("{} names {n}", f.strip_prefix(ROOT).unwrap_or(&f).display()));
+            }
+        }
+    }
+    out
+}
+
+/// The two workloads stay two in the code (docs/design.md, "Kubernetes mode"): what a node agent
+/// runs (the sync loop, what it observes, its node Lease) never reaches the controller's
+/// election, round or writes, and the controller's code never the node Lease.
+#[test]
+fn the_node_agent_and_the_controller_share_no_code_path() {
+    let controller = [
+        "k8s::controller",
+        "k8s::round",
+        "k8s::election",
+        "super::controller",
+        "super::round",
+        "super::election",
+    ];
+    let mut bad = naming(&["src/agent", "src/observe", "src/k8s/node_lease.rs"], &controller);
+    bad.extend(naming(
+        &["src/k8s/controller.rs", "src/k8s/round.rs", "src/k8s/round", "src/k8s/election.rs"],
+        &["node_lease"],
+    ));
     assert!(bad.is_empty(), "{bad:#?}");
 }
