@@ -35,15 +35,21 @@ fn agent_listeners(agent: &Agent, topo: &Topology) -> Vec<String> {
     found
 }
 
-#[test]
-fn another_host_reaches_only_the_probes_and_they_withhold_the_reason() {
-    require_root!();
+/// One node serving `default/web` (20080 → a local backend) with the default listeners, ready.
+fn web_on_one_node() -> (Topology, Agent) {
     let topo = Topology::new(1, 1);
     let web = ServiceSpec::new("web")
         .port(PortSpec::tcp(80, Some(20080)))
         .endpoint(EndpointSpec::local(backend_v4(0)));
     let mut agent = Agent::start(&topo.node, &[("web.yaml", web.render())], &[]);
     agent.wait_ready(READY);
+    (topo, agent)
+}
+
+#[test]
+fn another_host_reaches_only_the_probes_and_they_withhold_the_reason() {
+    require_root!();
+    let (topo, mut agent) = web_on_one_node();
     let client = topo.client(0);
     let get = |port: u16, path: &str| http_request(client, node(), port, path, T);
 
@@ -124,12 +130,7 @@ fn authenticated_metrics_are_refused_without_kubernetes() {
 #[test]
 fn hostile_clients_cannot_exhaust_the_public_listener() {
     require_root!();
-    let topo = Topology::new(1, 1);
-    let web = ServiceSpec::new("web")
-        .port(PortSpec::tcp(80, Some(20080)))
-        .endpoint(EndpointSpec::local(backend_v4(0)));
-    let mut agent = Agent::start(&topo.node, &[("web.yaml", web.render())], &[]);
-    agent.wait_ready(READY);
+    let (topo, agent) = web_on_one_node();
     agent.reset_peak_rss();
     let before = agent.peak_rss_kib();
 

@@ -32,6 +32,20 @@ fn allowed(what: &str, out: &Output) {
     assert!(out.status.success(), "{what}: refused: {}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// An events.k8s.io Event in `ns` about `kind`/`name`, reported by node-1 as its agent reports.
+fn event(ns: &str, kind: &str, name: &str) -> String {
+    let mut regarding = json!({"apiVersion": "v1", "kind": kind, "name": name});
+    if kind != "Node" {
+        regarding["namespace"] = json!(ns);
+    }
+    json!({"apiVersion": "events.k8s.io/v1", "kind": "Event",
+        "metadata": {"generateName": "probe-", "namespace": ns},
+        "eventTime": "2026-01-01T00:00:00.000000Z", "action": "Reconcile", "reason": "ForwardingDisabled",
+        "type": "Warning", "note": "probe", "reportingController": "nodelb.io/nodelb",
+        "reportingInstance": "node-1", "regarding": regarding})
+    .to_string()
+}
+
 /// `kubectl replace` of Lease `name` (as read now, changed by `change`) with the token of `kc`:
 /// an update, the verb the node agents hold for Leases.
 fn replace_lease(c: &Cluster, kc: &Path, name: &str, change: impl FnOnce(&mut serde_json::Value)) -> Output {
@@ -116,15 +130,6 @@ fn attempts(c: &Cluster, kc: &Path) {
     );
     refused("delete its own Lease", &k(&["delete", "lease", "nodelb-node-node-1", "-n", AGENT_NS]));
     // Events: in a user namespace (RBAC), about a Service or another Node in `default` (policy).
-    let event = |ns: &str, kind: &str, name: &str| {
-        json!({"apiVersion": "events.k8s.io/v1", "kind": "Event",
-            "metadata": {"generateName": "forged-", "namespace": ns},
-            "eventTime": "2026-01-01T00:00:00.000000Z", "action": "Reconcile", "reason": "Forged",
-            "type": "Warning", "note": "forged", "reportingController": "nodelb.io/nodelb",
-            "reportingInstance": "node-1",
-            "regarding": {"apiVersion": "v1", "kind": kind, "name": name, "namespace": ns}})
-        .to_string()
-    };
     let create =
         |what: &str, body: String| refused(what, &c.api.kubectl_as_stdin(kc, &["create", "-f", "-"], &body));
     create("an Event in a user namespace", event("team-a", "Service", "web"));
@@ -156,14 +161,9 @@ fn a_node_agents_token_writes_its_own_node_only() {
             l["metadata"]["annotations"]["probe"] = json!("1")
         }),
     );
-    let own_event = json!({"apiVersion": "events.k8s.io/v1", "kind": "Event",
-        "metadata": {"generateName": "node-1-", "namespace": "default"},
-        "eventTime": "2026-01-01T00:00:00.000000Z", "action": "Reconcile", "reason": "ForwardingDisabled",
-        "type": "Warning", "note": "probe", "reportingController": "nodelb.io/nodelb", "reportingInstance": "node-1",
-        "regarding": {"apiVersion": "v1", "kind": "Node", "name": "node-1"}});
     allowed(
         "an Event about its own Node",
-        &c.api.kubectl_as_stdin(&node1, &["create", "-f", "-"], &own_event.to_string()),
+        &c.api.kubectl_as_stdin(&node1, &["create", "-f", "-"], &event("default", "Node", "node-1")),
     );
     // A token of the same ServiceAccount that no pod holds names no node: it writes nothing.
     let unbound = c.api.data_dir().join("unbound.kubeconfig");

@@ -208,6 +208,21 @@ fn a_restart_keeps_the_rules_deleting_the_daemonset_or_leaving_a_node_removes_th
     }
 }
 
+/// Rolls the DaemonSet as its RollingUpdate does (maxUnavailable 1): each node's agent stopped
+/// as the kubelet stops it (its table must stay), a second without agent (the new container
+/// is created), the new one started from the DaemonSet as stored and waited for, then `check`.
+fn roll(c: &mut Cluster, mut check: impl FnMut(&Cluster, usize)) {
+    let grace = c.grace_period();
+    for i in 0..c.agents.len() {
+        let status = c.stop_agent(i, grace);
+        assert!(status.is_some_and(|s| s.success()), "node-{}: SIGTERM → {status:?}", i + 1);
+        assert!(c.nft(i).is_some(), "node-{}: the table went with the old agent", i + 1);
+        std::thread::sleep(Duration::from_secs(1));
+        c.start_agent(i, READY);
+        check(c, i);
+    }
+}
+
 #[test]
 fn a_helm_upgrade_rolled_node_by_node_loses_no_request_and_keeps_every_allocation() {
     require_root!();
@@ -233,20 +248,12 @@ fn a_helm_upgrade_rolled_node_by_node_loses_no_request_and_keeps_every_allocatio
     let ds = c.daemonset();
     let container = &ds["spec"]["template"]["spec"]["containers"][0];
     assert_eq!(container["image"], "ghcr.io/nodelb/nodelb:0.1.1", "{container}");
-    let grace = c.grace_period();
-    // maxUnavailable 1: one node at a time, the next once the new pod is ready.
-    for i in 0..3 {
-        let status = c.stop_agent(i, grace);
-        assert!(status.is_some_and(|s| s.success()), "node-{}: SIGTERM → {status:?}", i + 1);
-        assert!(c.nft(i).is_some(), "node-{}: the table went with the old agent", i + 1);
-        // The kubelet creates the new container (image pull, start): the node has no agent.
-        std::thread::sleep(Duration::from_secs(1));
-        c.start_agent(i, READY);
+    roll(&mut c, |c, i| {
         // The new configuration is the one running: no per-Service series any more.
         let scrape = c.agents[i].http("/metrics").expect("/metrics");
         let series = scrape.body.lines().any(|l| l.starts_with("nodelb_service_connections_total{"));
         assert!(!series, "node-{}: still runs the old configuration", i + 1);
-    }
+    });
     std::thread::sleep(Duration::from_secs(1));
     assert_no_request_lost(loops, 50);
     let after: BTreeMap<&str, _> = [("web", c.allocated("web")), ("api", c.allocated("api"))].into();
@@ -276,14 +283,7 @@ fn a_helm_upgrade_from_the_one_daemonset_release_keeps_every_allocation_and_requ
     c.api.helm_ok(&["upgrade", "nodelb", &chart_dir(), "-n", AGENT_NS]);
     // The Deployment's pods start while the DaemonSet rolls.
     c.start_controllers(None);
-    let grace = c.grace_period();
-    for i in 0..3 {
-        let status = c.stop_agent(i, grace);
-        assert!(status.is_some_and(|s| s.success()), "node-{}: SIGTERM → {status:?}", i + 1);
-        assert!(c.nft(i).is_some(), "node-{}: the table went with the old agent", i + 1);
-        std::thread::sleep(Duration::from_secs(1));
-        c.start_agent(i, READY);
-    }
+    roll(&mut c, |_, _| {});
     let leader = c.wait_leader(CHANGE);
     eprintln!("leader {old_leader} → {}", common::cluster::controller_name(leader));
     // The old agents' refused writes are the upgrade's; from here on everything is granted.
