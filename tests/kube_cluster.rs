@@ -80,7 +80,9 @@ fn service_is_served_on_every_node_with_status() {
     c.wait_ingress_nodes("web", &[0, 1, 2], CHANGE);
     for ing in c.ingress("web") {
         assert_eq!(ing["ipMode"], "Proxy", "{ing}");
-        assert_eq!(ing["ports"], serde_json::json!([{"port": np, "protocol": "TCP"}]), "{ing}");
+        // The Service's own port, flagged as answering on its allocated node port instead.
+        let port = serde_json::json!([{"port": 80, "protocol": "TCP", "error": "nodelb.io/AllocatedPort"}]);
+        assert_eq!(ing["ports"], port, "{ing}");
     }
     let cond = c.allocated_condition("web").expect("condition nodelb.io/Allocated");
     assert_eq!(cond["status"], "True", "{cond}");

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::cluster::Cluster;
 use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
-use common::topology::{backend_v4, http_get, wait_until};
+use common::topology::{Servers, backend_v4, http_get, wait_until};
 use serde_json::{Value, json};
 
 /// A pool or Service change to allocation / rules on every node.
@@ -598,6 +598,68 @@ fn manifests_mode_pools_restrict_ports_and_nodes_with_hot_reload() {
     assert!(wait_until(T, || get(moved).is_err()), "served with --node-labels zone=b");
 }
 
+/// Manifests mode reads `portMode` through the same decisions: a `ServicePort` pool serves the
+/// Services it selects on their own ports (no annotation), the catch-all pool allocates the
+/// rest from its range, and a port the pool does not permit is refused with the pool named.
+#[test]
+fn manifests_mode_serves_a_service_port_pool_on_the_services_own_ports() {
+    use common::agent::Agent;
+    use common::manifest::render_docs;
+    use common::topology::{NODE_V4, Topology};
+    require_root!();
+    const T: Duration = Duration::from_secs(5);
+    let topo = Topology::new(1, 1);
+    let client = topo.client(0);
+    let get = |port: u16| http_get(client, NODE_V4.into(), port, Duration::from_millis(700));
+    let pools = render_docs(&[
+        pool(
+            "ingress",
+            &[(80, 80), (443, 443)],
+            json!({"portMode": "ServicePort", "serviceSelector": {"matchLabels": {"tier": "ingress"}}, "priority": 1}),
+        ),
+        pool("rest", &[(21000, 21009)], json!({"priority": 10})),
+    ]);
+    let labelled = |spec: &ServiceSpec| {
+        let mut svc = spec.service();
+        svc["metadata"]["labels"] = json!({"tier": "ingress"});
+        let mut docs = vec![svc];
+        docs.extend(spec.slices());
+        render_docs(&docs)
+    };
+    let ingress = ServiceSpec::new("ingress")
+        .port(PortSpec::tcp(80, None))
+        .port(PortSpec::tcp(443, None))
+        .endpoint(EndpointSpec::local(backend_v4(0)));
+    let odd =
+        ServiceSpec::new("odd").port(PortSpec::tcp(8443, None)).endpoint(EndpointSpec::local(backend_v4(0)));
+    let web =
+        ServiceSpec::new("web").port(PortSpec::tcp(80, None)).endpoint(EndpointSpec::local(backend_v4(0)));
+    let files = [
+        ("pools.yaml", pools),
+        ("ingress.yaml", labelled(&ingress)),
+        ("odd.yaml", labelled(&odd)),
+        ("web.yaml", web.render()),
+    ];
+    let mut agent = Agent::start(&topo.node, &files, &[]);
+    agent.wait_ready(Duration::from_secs(15));
+    agent.wait_state("default/ingress", "programmed", T);
+    assert_eq!(agent.node_port("default/ingress", 80, "TCP"), Some(80), "{:#?}", agent.status());
+    assert_eq!(agent.node_port("default/ingress", 443, "TCP"), Some(443));
+    assert_eq!(agent.service_status("default/ingress").unwrap()["pool"], "ingress");
+    for port in [80, 443] {
+        assert!(wait_until(T, || get(port).is_ok_and(|b| b.contains("backend=be"))), "not served on {port}");
+    }
+    agent.wait_state("default/web", "programmed", T);
+    let np = agent.node_port("default/web", 80, "TCP").unwrap();
+    assert!((21000..=21009).contains(&np), "web is allocated from the catch-all pool: {np}");
+    let st = agent.service_status("default/odd").unwrap();
+    assert!(
+        st.to_string()
+            .contains("asks for node port 8443, which is not allowed (allowed: pool ingress 80,443)"),
+        "{st}"
+    );
+}
+
 /// The chart's default pool (`pools.defaultPool`): created by the same `helm install` that
 /// installs the CRD (Helm applies crds/ first and waits for them), its ranges from
 /// `config.port-range`; Services are allocated from it and served, and it reports Ready.
@@ -791,4 +853,200 @@ fn a_refused_reallocation_event_is_retried_until_recorded_once() {
     let note = events[0]["note"].as_str().unwrap_or_default();
     assert!(note.contains(&format!("{np} → {moved}")), "{note}");
     assert!(events[0]["series"].is_null(), "sent more than once: {:#}", events[0]);
+}
+
+/// The Service k3s' HelmChart creates for its bundled Traefik: `kube-system/traefik`, its
+/// labels, ports 80 and 443 (both to the backends' HTTP server here), endpoints on backends
+/// `0` and `1`; no nodelb annotation.
+fn k3s_traefik(name: &str) -> (Value, Vec<Value>) {
+    let mut web = PortSpec::tcp(80, None);
+    web.name = "web".into();
+    let mut websecure = PortSpec::tcp(443, None);
+    websecure.name = "websecure".into();
+    let spec = ServiceSpec::new(name)
+        .in_namespace("kube-system")
+        .port(web)
+        .port(websecure)
+        .endpoint(EndpointSpec::remote(backend_v4(0), "node-1"))
+        .endpoint(EndpointSpec::remote(backend_v4(1), "node-2"));
+    let mut svc = spec.service();
+    svc["spec"]["selector"] =
+        json!({"app.kubernetes.io/name": "traefik", "app.kubernetes.io/instance": "traefik-kube-system"});
+    svc["metadata"]["labels"] = json!({
+        "app.kubernetes.io/instance": "traefik-kube-system",
+        "app.kubernetes.io/managed-by": "Helm",
+        "app.kubernetes.io/name": "traefik",
+        "helm.sh/chart": "traefik-34.2.1_up34.2.0",
+    });
+    (svc, spec.slices())
+}
+
+/// The k3s case, as docs/migrating-from-servicelb.md walks it: the chart's k3s preset
+/// (`pools.k3sTraefik.enabled`) selects k3s' Traefik Service by its labels and serves it on
+/// every node's own 80 and 443 with no change to the Service; its status lists the nodes with
+/// those ports, as `kubectl get svc -o wide` shows them; everything else is allocated from the
+/// default pool as before. A second Service the preset selects cannot take 443 (the reason is on
+/// it), a process listening on 443 on one node keeps that node's 443 (the others serve), and a
+/// Service asking the preset pool for a port it does not permit is refused.
+#[test]
+fn the_k3s_preset_serves_traefik_on_its_own_ports_with_no_annotation() {
+    require_root!();
+    let c = Cluster::with_helm(2, &["--set", "pools.k3sTraefik.enabled=true"], &[]);
+    let preset =
+        c.api.get("nodelb.io/v1alpha1", "NodePortPool", "", "k3s-traefik").expect("pool k3s-traefik");
+    assert_eq!(preset["spec"]["portMode"], "ServicePort", "{preset:#}");
+    let (svc, slices) = k3s_traefik("traefik");
+    c.api.create(svc).expect("create kube-system/traefik");
+    for s in slices {
+        c.api.create(s).expect("create its slices");
+    }
+    create_labelled(&c, "plain", 0, json!({}));
+
+    let ok = wait_until(CHANGE, || {
+        c.allocated_in("kube-system", "traefik")
+            .is_some_and(|a| a.get("80/TCP") == Some(&80) && a.get("443/TCP") == Some(&443))
+    });
+    assert!(ok, "traefik: {:#}", c.service_json_in("kube-system", "traefik").unwrap_or_default());
+    wait_allocated_in(&c, "plain", (20000, 29999));
+    for i in 0..3 {
+        for port in [80, 443] {
+            let ok = wait_until(CHANGE, || {
+                c.get(i, port, Duration::from_millis(500)).is_ok_and(|b| b.contains("backend=be"))
+            });
+            assert!(ok, "node-{} does not serve traefik on {port}: {:?}", i + 1, c.nft(i));
+        }
+    }
+
+    // The status says where clients go: every node's address, ports 80 and 443 with no error;
+    // kubectl shows the same.
+    let nodes: Vec<String> = (0..3).map(|i| common::cluster::node_v4(i).to_string()).collect();
+    let ingress = |c: &Cluster| {
+        c.service_json_in("kube-system", "traefik")
+            .and_then(|s| s["status"]["loadBalancer"]["ingress"].as_array().cloned())
+            .unwrap_or_default()
+    };
+    let ok = wait_until(CHANGE, || {
+        let mut ips: Vec<String> =
+            ingress(&c).iter().filter_map(|i| i["ip"].as_str().map(String::from)).collect();
+        ips.sort();
+        ips == nodes
+    });
+    assert!(ok, "traefik ingress: {:?}", ingress(&c));
+    let own = json!([{"port": 80, "protocol": "TCP"}, {"port": 443, "protocol": "TCP"}]);
+    for ing in ingress(&c) {
+        assert_eq!(ing["ports"], own, "{ing}");
+    }
+    let wide =
+        c.api.kubectl_ok(&["get", "svc", "-n", "kube-system", "traefik", "-o", "wide", "--no-headers"]);
+    assert!(wide.contains(&nodes.join(",")), "EXTERNAL-IP is not the nodes: {wide}");
+    assert!(wide.contains("80:") && wide.contains("443:"), "PORT(S): {wide}");
+    assert_eq!(
+        c.service_json_in("kube-system", "traefik").unwrap()["metadata"]["annotations"]
+            .get("nodelb.io/ports"),
+        None
+    );
+
+    // Another Service the preset selects, on 443 too: refused with the reason, traefik keeps it.
+    let (mut second, slices) = k3s_traefik("traefik-internal");
+    second["spec"]["ports"] =
+        json!([{"name": "websecure", "port": 443, "protocol": "TCP", "targetPort": 8080}]);
+    c.api.create(second).expect("create kube-system/traefik-internal");
+    for mut s in slices {
+        s["ports"] = json!([{"name": "websecure", "port": 8080, "protocol": "TCP"}]);
+        c.api.create(s).expect("create its slices");
+    }
+    let reason = |name: &str| {
+        c.service_json_in("kube-system", name)
+            .and_then(|s| s["status"]["conditions"].as_array().cloned())
+            .and_then(|cs| cs.into_iter().find(|c| c["type"] == "nodelb.io/Allocated"))
+            .map(|c| {
+                (
+                    c["reason"].as_str().unwrap_or("").to_string(),
+                    c["message"].as_str().unwrap_or("").to_string(),
+                )
+            })
+    };
+    let ok = wait_until(CHANGE, || reason("traefik-internal").is_some_and(|(r, _)| r == "PortConflict"));
+    assert!(ok, "traefik-internal: {:?}", reason("traefik-internal"));
+    let (_, msg) = reason("traefik-internal").unwrap();
+    assert!(msg.contains("asks for node port 443, which Service kube-system/traefik holds"), "{msg}");
+
+    // A process on node-3 listening on 443: node-3 leaves 443 to it, the others serve traefik.
+    let _n3 = Servers::start(&c.nodes[2], "node-3", 443, 443);
+    let ok = wait_until(CHANGE, || {
+        c.get(2, 443, Duration::from_millis(500)).is_ok_and(|b| b.contains("backend=node-3"))
+    });
+    assert!(ok, "node-3's own listener does not answer on 443");
+    for i in 0..2 {
+        assert!(
+            c.get(i, 443, Duration::from_millis(700)).is_ok_and(|b| b.contains("backend=be")),
+            "node-{}",
+            i + 1
+        );
+    }
+    assert!(
+        c.get(2, 80, Duration::from_millis(700)).is_ok_and(|b| b.contains("backend=be")),
+        "node-3 keeps 80"
+    );
+    assert_eq!(c.allocated_in("kube-system", "traefik").unwrap()["443/TCP"], 443, "the hold moved");
+
+    // A port the preset does not permit: refused, naming what it permits.
+    let (mut odd, slices) = k3s_traefik("traefik-odd");
+    odd["spec"]["ports"] = json!([{"name": "admin", "port": 9000, "protocol": "TCP", "targetPort": 8080}]);
+    c.api.create(odd).expect("create kube-system/traefik-odd");
+    for mut s in slices {
+        s["ports"] = json!([{"name": "admin", "port": 8080, "protocol": "TCP"}]);
+        c.api.create(s).expect("create its slices");
+    }
+    let ok = wait_until(CHANGE, || reason("traefik-odd").is_some_and(|(r, _)| r == "PortNotAllowed"));
+    assert!(ok, "traefik-odd: {:?}", reason("traefik-odd"));
+    let (_, msg) = reason("traefik-odd").unwrap();
+    assert!(msg.contains("node port 9000, which is not allowed (allowed: pool k3s-traefik 80,443)"), "{msg}");
+
+    // docs/migrating-from-servicelb.md, "Services a chart or a gateway creates": the Service
+    // Envoy Gateway generates for a Gateway whose `spec.infrastructure.labels` carry the label a
+    // ServicePort pool selects, applied by hand. Traefik is removed first: its 443 is freed.
+    drop(_n3);
+    for name in ["traefik", "traefik-internal", "traefik-odd"] {
+        c.api.kubectl_ok(&["delete", "svc", "-n", "kube-system", name]);
+    }
+    c.api.kubectl_ok(&["create", "namespace", "envoy-gateway-system"]);
+    apply(
+        &c,
+        &pool(
+            "gateways",
+            &[(80, 80), (443, 443)],
+            json!({"portMode": "ServicePort", "serviceSelector": {"matchLabels": {"nodelb.io/serve": "service-ports"}}, "priority": 100}),
+        ),
+    );
+    let mut https = PortSpec::tcp(443, None);
+    https.name = "https-443".into();
+    let spec = ServiceSpec::new("envoy-web-public-6a5f1e2b")
+        .in_namespace("envoy-gateway-system")
+        .port(https)
+        .endpoint(EndpointSpec::remote(backend_v4(0), "node-1"));
+    let mut envoy = spec.service();
+    let owner = json!({"app.kubernetes.io/component": "proxy", "app.kubernetes.io/managed-by": "envoy-gateway",
+        "app.kubernetes.io/name": "envoy", "gateway.envoyproxy.io/owning-gateway-name": "public",
+        "gateway.envoyproxy.io/owning-gateway-namespace": "web"});
+    envoy["spec"]["selector"] = owner.clone();
+    let mut labels = owner;
+    labels["nodelb.io/serve"] = json!("service-ports");
+    envoy["metadata"]["labels"] = labels;
+    c.api.create(envoy).expect("create the gateway's Service");
+    for s in spec.slices() {
+        c.api.create(s).expect("create its slices");
+    }
+    let ok = wait_until(CHANGE, || {
+        c.allocated_in("envoy-gateway-system", "envoy-web-public-6a5f1e2b")
+            .is_some_and(|a| a.get("443/TCP") == Some(&443))
+    });
+    let got = c.service_json_in("envoy-gateway-system", "envoy-web-public-6a5f1e2b");
+    assert!(ok, "the gateway's Service: {:#}", got.unwrap_or_default());
+    for i in 0..3 {
+        let ok = wait_until(CHANGE, || {
+            c.get(i, 443, Duration::from_millis(500)).is_ok_and(|b| b.contains("backend=be1"))
+        });
+        assert!(ok, "node-{} does not serve the gateway on 443", i + 1);
+    }
 }

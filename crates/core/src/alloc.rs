@@ -194,6 +194,9 @@ pub struct PoolRanges {
     /// The most numbers one namespace's Services may hold in the pool (`spec.maxPortsPerNamespace`):
     /// counted over every Service the allocation sees, so a decision under it is whole.
     pub per_namespace: Option<u32>,
+    /// `spec.portMode: ServicePort`: each service port asks for its own number, as
+    /// `nodelb.io/ports: service` does, unless the Service asks for numbers itself.
+    pub service_ports: bool,
 }
 
 impl Constraints<'_> {
@@ -332,12 +335,23 @@ fn settled(
     held[i].contains_key(&id) || refused.contains(&(i, id))
 }
 
-fn explicit_request(svc: &LbService, id: PortId) -> Option<u16> {
+/// The number a service port asks for: its Service's `nodelb.io/ports`, else its own number when
+/// its pool serves Services on their own ports.
+fn explicit_request(svc: &LbService, id: PortId, constraints: &Constraints<'_>) -> Option<u16> {
     match &svc.port_request {
+        PortRequest::Auto if pool_mode_request(svc, constraints) => Some(id.port),
         PortRequest::Auto => None,
         PortRequest::ServicePorts => Some(id.port),
         PortRequest::Explicit(map) => map.get(&id).copied(),
     }
+}
+
+/// Whether `svc`'s ports ask for their own numbers because of its pool's `portMode`, not its
+/// own annotation. A listener on such a number refuses it only on the nodes where it listens
+/// (they say so on the Service's Serving condition), not everywhere: the pool chose the number,
+/// and the other nodes serve it.
+fn pool_mode_request(svc: &LbService, constraints: &Constraints<'_>) -> bool {
+    svc.port_request == PortRequest::Auto && constraints.pool_of(&svc.key).is_some_and(|p| p.service_ports)
 }
 
 /// Allocates node ports for `services`, keeping `previous` (the state file) where possible.
@@ -372,12 +386,12 @@ pub fn allocate_with<S: Borrow<LbService>>(
         // "does another port ask for it" must not look at each of them for each of them.
         let mut requested: BTreeMap<(Protocol, u16), Vec<PortId>> = BTreeMap::new();
         for port in &svc.ports {
-            if let Some(n) = explicit_request(svc, port.id) {
+            if let Some(n) = explicit_request(svc, port.id, &constraints) {
                 requested.entry((port.id.protocol, n)).or_default().push(port.id);
             }
         }
         for port in &svc.ports {
-            let wanted = explicit_request(svc, port.id);
+            let wanted = explicit_request(svc, port.id, &constraints);
             let requested_by_sibling = |n: u16| {
                 requested.get(&(port.id.protocol, n)).is_some_and(|ids| ids.iter().any(|id| *id != port.id))
             };
@@ -442,7 +456,7 @@ pub fn allocate_with<S: Borrow<LbService>>(
     // port to one that asks later.
     for (i, svc) in ordered.iter().enumerate() {
         for port in &svc.ports {
-            let Some(wanted) = explicit_request(svc, port.id) else {
+            let Some(wanted) = explicit_request(svc, port.id, &constraints) else {
                 continue;
             };
             if settled(&held, &refused, i, port.id) {
@@ -454,7 +468,9 @@ pub fn allocate_with<S: Borrow<LbService>>(
                 && let Some(allowed) = constraints.describe_allowed(&svc.key)
             {
                 Some(AllocProblem::NotAllowed { service: service(), port: id, wanted, allowed })
-            } else if let Some(by) = constraints.in_use(id.protocol, wanted) {
+            } else if let Some(by) = constraints.in_use(id.protocol, wanted)
+                && !pool_mode_request(svc, &constraints)
+            {
                 Some(AllocProblem::InUse { service: service(), port: id, wanted, by: by.clone() })
             } else if let Some(p) = over_quota(&quotas, svc, id, wanted) {
                 Some(p)
@@ -1102,6 +1118,7 @@ mod tests {
             take,
             requestable: vec![],
             per_namespace: None,
+            service_ports: false,
         };
         let pools: BTreeMap<ServiceKey, PoolRanges> = [
             ("new-a", pool("a", vec![r(21000, 21009)], vec![r(21000, 21009)])),
@@ -1182,6 +1199,7 @@ mod tests {
             take: vec![r(21000, 21099)],
             requestable: vec![],
             per_namespace: Some(2),
+            service_ports: false,
         };
         let services = vec![
             in_ns("a", "dns", 1, &[tcp(53), udp(53)]),
@@ -1221,6 +1239,52 @@ mod tests {
             "{problems:#?}"
         );
         assert_eq!(problems.iter().filter(|p| p.starts_with("Service b/big")).count(), 3, "{problems:#?}");
+    }
+
+    /// A pool in `portMode: ServicePort` serves each service port on its own number, with no
+    /// annotation: inside what the pool permits, never a number another Service holds, the
+    /// Service's own `nodelb.io/ports` first; a listener refuses it only where it listens.
+    #[test]
+    fn a_service_port_pool_serves_each_port_on_its_own_number() {
+        let r = |a: u16, b: u16| PortRange { first: a, last: b };
+        let edge = PoolRanges {
+            pool: "edge".into(),
+            keep: vec![r(80, 80), r(443, 443)],
+            take: vec![r(80, 80), r(443, 443)],
+            requestable: vec![r(8443, 8443)],
+            per_namespace: None,
+            service_ports: true,
+        };
+        let services = vec![
+            svc("traefik", Some(1), &[tcp(80), tcp(443), udp(443)]),
+            svc("second", Some(2), &[tcp(443)]),
+            svc("admin", Some(3), &[tcp(8443), tcp(9000)]),
+            explicit(svc("asks", Some(4), &[tcp(80)]), &[(tcp(80), 8443)]),
+        ];
+        let pools: BTreeMap<ServiceKey, PoolRanges> =
+            services.iter().map(|s| (s.key.clone(), edge.clone())).collect();
+        // A node listens on 443/TCP and 8443/TCP: the pool's numbers are held anyway (the
+        // nodes with the listener do not program them); an explicit request is refused.
+        let in_use = BTreeMap::from([
+            ((Protocol::Tcp, 443), "node-2".to_string()),
+            ((Protocol::Tcp, 8443), "node-3".to_string()),
+        ]);
+        let c = Constraints { pools: Some(&pools), in_use: Some(&in_use), ..Default::default() };
+        let got = allocate_with(&PortRange::default(), &services, &Allocations::new(), c);
+        let want = allocs(&[
+            ("traefik", &[(tcp(80), 80), (tcp(443), 443), (udp(443), 443)]),
+            ("admin", &[(tcp(8443), 8443)]),
+        ]);
+        assert_eq!(got.allocations, want);
+        let problems: Vec<String> = got.problems.iter().map(|p| p.to_string()).collect();
+        assert_eq!(
+            problems,
+            vec![
+                "Service default/second: port 443/TCP asks for node port 443, which Service default/traefik holds",
+                "Service default/admin: port 9000/TCP asks for node port 9000, which is not allowed (allowed: pool edge 80,443 or its requestablePorts 8443)",
+                "Service default/asks: port 80/TCP asks for node port 8443/TCP, which is in use: node-3",
+            ]
+        );
     }
 
     #[test]

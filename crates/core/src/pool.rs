@@ -54,6 +54,7 @@ pub const IMPLICIT_POOL: &str = "(flags)";
     derive = "PartialEq",
     doc = "NodePortPool: node ports nodelb allocates to LoadBalancer Services, on which nodes and node addresses, for which Services.",
     printcolumn = r#"{"name":"Ports", "type":"string", "jsonPath":".status.portRanges", "description":"ranges new allocations take from"}"#,
+    printcolumn = r#"{"name":"Mode", "type":"string", "jsonPath":".spec.portMode", "description":"Allocate: numbers from the ranges; ServicePort: each Service's own port"}"#,
     printcolumn = r#"{"name":"Priority", "type":"integer", "jsonPath":".spec.priority"}"#,
     printcolumn = r#"{"name":"Allocated", "type":"integer", "jsonPath":".status.allocated", "description":"node port numbers in use"}"#,
     printcolumn = r#"{"name":"Free", "type":"integer", "jsonPath":".status.free", "description":"numbers left for new allocations"}"#,
@@ -67,7 +68,15 @@ pub const IMPLICIT_POOL: &str = "(flags)";
 ).message("a port range overlaps the Kubernetes NodePort range 30000-32767 (set allowNodePortRange: true if that range was moved)"))]
 #[serde(rename_all = "camelCase")]
 pub struct NodePortPoolSpec {
-    /// Node port ranges (inclusive). New allocations take the lowest free number.
+    /// How its Services get their node ports: `Allocate` (the default) gives each service port
+    /// the lowest free number of `ports`; `ServicePort` serves each service port on its own
+    /// number (`port: 443` answers at node:443, as k3s ServiceLB does), which must lie in
+    /// `ports` or `requestablePorts`.
+    #[serde(default)]
+    #[schemars(default = "PortMode::default")]
+    pub port_mode: PortMode,
+    /// Node port ranges (inclusive). `Allocate`: new allocations take the lowest free number.
+    /// `ServicePort`: the service port numbers the pool serves on their own number.
     #[schemars(length(min = 1))]
     pub ports: Vec<PoolPortRange>,
     /// Allow ranges inside the Kubernetes NodePort range 30000-32767 (only if the cluster's
@@ -112,6 +121,16 @@ pub struct NodePortPoolSpec {
 
 fn default_true() -> bool {
     true
+}
+
+/// How a pool's Services get their node ports ([`NodePortPoolSpec::port_mode`]).
+#[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum PortMode {
+    /// Each service port gets the lowest free number of the pool's ranges.
+    #[default]
+    Allocate,
+    /// Each service port is served on its own number.
+    ServicePort,
 }
 
 /// An inclusive node port range.
@@ -355,6 +374,8 @@ impl NodeAddresses {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Pool {
     pub name: String,
+    /// `spec.portMode`.
+    pub port_mode: PortMode,
     /// `spec.requestablePorts`: what its Services may also ask for by number.
     pub requestable: Vec<PortRange>,
     /// `spec.maxPortsPerNamespace`.
@@ -377,6 +398,7 @@ impl Pool {
     pub fn implicit(range: PortRange) -> Pool {
         Pool {
             name: IMPLICIT_POOL.to_string(),
+            port_mode: PortMode::Allocate,
             requestable: Vec::new(),
             per_namespace: None,
             created: None,
@@ -487,14 +509,15 @@ pub fn validate(
             }
         }
     }
-    if !errors.is_empty() {
-        return Err(errors);
-    }
     if spec.max_ports_per_namespace == Some(0) {
         errors.push("spec.maxPortsPerNamespace: 0 would admit nothing (omit it for no bound)".to_string());
     }
+    if !errors.is_empty() {
+        return Err(errors);
+    }
     Ok(Pool {
         name: name.to_string(),
+        port_mode: spec.port_mode,
         requestable,
         per_namespace: spec.max_ports_per_namespace,
         created,
@@ -884,6 +907,7 @@ pub fn assign_services<S: Borrow<Service>, V: Borrow<LbService>>(
                     take: p.effective.clone(),
                     requestable: p.pool.requestable.clone(),
                     per_namespace: p.pool.per_namespace,
+                    service_ports: p.pool.port_mode == PortMode::ServicePort,
                 };
                 out.ranges.insert(svc.key.clone(), ranges);
             }

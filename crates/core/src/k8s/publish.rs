@@ -274,9 +274,19 @@ fn not_served_refused() -> WantedCondition {
     }
 }
 
+/// `status.loadBalancer.ingress[].ports[].error` of a service port served on another number (its
+/// node port, in [`ANNOTATION_ALLOCATED`]): a client at this address does not reach it on its own.
+pub const PORT_ERROR_ALLOCATED_PORT: &str = "nodelb.io/AllocatedPort";
+/// `…ports[].error` of a service port with no node port (the Allocated condition says why).
+pub const PORT_ERROR_NOT_ALLOCATED: &str = "nodelb.io/NotAllocated";
+
 /// The ingress entries of a Service: every address of every node that serves one of its
 /// families (with `Local` policy: only nodes with a usable local endpoint for that family), one
-/// entry per address, `ipMode: Proxy`, `ports` = the allocated node ports. No allocated port: none.
+/// entry per address, `ipMode: Proxy`. `ports` holds what the API defines it as, the Service's
+/// own ports, each with no error when it answers at that address on its own number, else
+/// [`PORT_ERROR_ALLOCATED_PORT`] (served on its node port) or [`PORT_ERROR_NOT_ALLOCATED`]: a
+/// reader that takes `address:port` from the status is never sent where nothing answers. No
+/// allocated port: no entry.
 pub fn ingress_for(
     svc: &LbService,
     node_ports: &BTreeMap<PortId, u16>,
@@ -285,8 +295,18 @@ pub fn ingress_for(
     if node_ports.is_empty() {
         return vec![];
     }
-    let mut ports: Vec<(u16, &'static str)> =
-        node_ports.iter().map(|(id, n)| (*n, id.protocol.k8s_name())).collect();
+    let mut ports: Vec<(u16, &'static str, Option<&'static str>)> = svc
+        .ports
+        .iter()
+        .map(|p| {
+            let error = match node_ports.get(&p.id) {
+                Some(n) if *n == p.id.port => None,
+                Some(_) => Some(PORT_ERROR_ALLOCATED_PORT),
+                None => Some(PORT_ERROR_NOT_ALLOCATED),
+            };
+            (p.id.port, p.id.protocol.k8s_name(), error)
+        })
+        .collect();
     ports.sort();
     ports.dedup();
     let mut addrs = BTreeSet::new();
@@ -314,10 +334,10 @@ pub fn ingress_for(
             ports: Some(
                 ports
                     .iter()
-                    .map(|(n, proto)| PortStatus {
+                    .map(|(n, proto, error)| PortStatus {
                         port: i32::from(*n),
                         protocol: proto.to_string(),
-                        error: None,
+                        error: error.map(str::to_string),
                     })
                     .collect(),
             ),
@@ -1109,10 +1129,35 @@ mod tests {
             assert_eq!(ips(&got), want, "{name}");
             for i in &got {
                 assert_eq!(i.ip_mode.as_deref(), Some("Proxy"), "{name}");
-                assert_eq!(i.ports.as_ref().unwrap()[0].port, 20001, "{name}");
-                assert_eq!(i.ports.as_ref().unwrap()[0].protocol, "TCP", "{name}");
+                let p = &i.ports.as_ref().unwrap()[0];
+                assert_eq!((p.port, p.protocol.as_str()), (80, "TCP"), "{name}: the Service's own port");
+                assert_eq!(p.error.as_deref(), Some(PORT_ERROR_ALLOCATED_PORT), "{name}");
             }
         }
+    }
+
+    /// `ports` lists the Service's own ports: no error where it answers on its own number.
+    #[test]
+    fn ingress_ports_say_which_service_ports_answer_on_their_own_number() {
+        let nodes = serving(&[("a", &[Family::Ipv4], &["10.0.0.1"])]);
+        let mut svc = lb(&[Family::Ipv4], TrafficPolicy::Cluster, vec![]);
+        let web = svc.ports[0].clone();
+        svc.ports =
+            [443, 80, 8080].into_iter().map(|n| LbPort { id: PortId::tcp(n), ..web.clone() }).collect();
+        let ports =
+            BTreeMap::from([(PortId::tcp(80), 80), (PortId::tcp(443), 443), (PortId::tcp(8080), 20001)]);
+        let got: Vec<(i32, Option<String>)> = ingress_for(&svc, &ports, &nodes)[0]
+            .ports
+            .iter()
+            .flatten()
+            .map(|p| (p.port, p.error.clone()))
+            .collect();
+        assert_eq!(got, [(80, None), (443, None), (8080, Some(PORT_ERROR_ALLOCATED_PORT.to_string()))]);
+        let partly = BTreeMap::from([(PortId::tcp(80), 80)]);
+        let got: Vec<Option<String>> =
+            ingress_for(&svc, &partly, &nodes)[0].ports.iter().flatten().map(|p| p.error.clone()).collect();
+        let not = Some(PORT_ERROR_NOT_ALLOCATED.to_string());
+        assert_eq!(got, [None, not.clone(), not]);
     }
 
     #[test]
