@@ -1,7 +1,7 @@
 //! Kernel programming cost of nodelb's ruleset at scale, split into user and kernel time: one full
 //! replace of N Services × E endpoints through `NftClient::apply` (the agent's code), then adding
-//! and removing one Service as a diff. A benchmark, not a test (docs/benchmarks.md, "How the layout
-//! got here"); root, in a network namespace it creates and deletes.
+//! and removing one Service as a diff. A benchmark, not a test (docs/benchmarks.md, "Programming
+//! against kube-proxy's layout"); root, in a network namespace it creates and deletes.
 //!
 //! ```text
 //! sudo cargo bench --bench programming -- --services 10000 --endpoints 5 --reps 5

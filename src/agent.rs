@@ -121,7 +121,7 @@ const WHOLE_SYNC_AT_MOST: Duration = Duration::from_secs(300);
 /// How long a node leaves a change it cannot program yet (Kubernetes mode: a Service created,
 /// its EndpointSlice, before the leader writes its node ports; [`Loaded::Deferred`]). No rule
 /// comes of it, and recomputing everything for it cost every node ~24 ms at 10,000 Services,
-/// twice per create (docs/benchmarks.md, "Nothing computed for what no rule can come of"). What
+/// twice per create (docs/benchmarks.md, "Design decisions, measured"). What
 /// waits is this node's report of such a Service (`nodelb status`, the `nodelb_services` gauge,
 /// the families its Services need): it follows within this time even while no leader decides.
 const UNDECIDED_WAIT: Duration = Duration::from_secs(1);

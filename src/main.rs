@@ -9,7 +9,7 @@ use tracing_subscriber::EnvFilter;
 /// of thousands of small objects, and glibc's malloc spent ~40% of the agent's CPU on them
 /// (`malloc_consolidate` walking its fast bins on every large allocation); docs/benchmarks.md.
 /// The feature `system-allocator` leaves it out, so that heaptrack (which hooks malloc) sees every
-/// allocation of a heap profile (docs/benchmarks.md, "Huge pages": how to take one).
+/// allocation of a heap profile (docs/benchmarks.md, "How to rerun": how to take one).
 #[cfg(not(feature = "system-allocator"))]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;

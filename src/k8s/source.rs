@@ -34,10 +34,11 @@ use crate::slim::Slim;
 /// Quiet time that ends a burst of changes, and the longest a burst may delay a sync. The watch
 /// delivers one event per object change; the quiet time is paid on every change, twice on a
 /// create (once before the leader allocates, once before the node programs the allocation), so
-/// it is short: 2 ms does not wait for what comes one API round trip later (a Service's
-/// EndpointSlice, the leader's status patch after its annotation patch: 10 ms merged those, at
-/// ~20 ms of every create; docs/benchmarks.md, "Debounce"). What it splits costs little: the
-/// leader's round of an EndpointSlice waits for the next change, ≤ 1 s
+/// it is shorter than one API round trip: it does not wait for what comes after one (a
+/// Service's EndpointSlice, the leader's status patch after its annotation patch; merging those
+/// cost more on every create than it saved: docs/benchmarks.md, "Design decisions, measured").
+/// What it splits costs little: the leader's round of an EndpointSlice waits for the next
+/// change, at most a second
 /// ([`crate::k8s::round::LeaderState::can_wait`]: a Local-policy Service's status then
 /// follows its first endpoints within that second), a node's sync of a status write finds its
 /// fingerprint unchanged, and the leader writes only Services whose annotation or status must

@@ -19,10 +19,10 @@ use tokio::io::unix::AsyncFd;
 use crate::observe::debounce::{Burst, Events};
 
 /// Quiet time after the last event before notifying. One writer's burst (an editor's temp file +
-/// rename, `kubectl cp`, the kubelet's ConfigMap symlink swap) is a few syscalls within a
-/// millisecond; 10 ms also covers a writer descheduled on a busy node. A burst split by a longer
-/// pause costs one extra sync, never a wrong one (a half-written file keeps its last good
-/// content). It is paid on every change, so it is kept short (docs/benchmarks.md, "Debounce").
+/// rename, `kubectl cp`, the kubelet's ConfigMap symlink swap) is a few syscalls in a row; the
+/// quiet time also covers a writer descheduled on a busy node. A burst split by a longer pause
+/// costs one extra sync, never a wrong one (a half-written file keeps its last good content). It
+/// is paid on every change, so it is kept short (docs/benchmarks.md, "Design decisions, measured").
 pub const DEBOUNCE_QUIET: Duration = Duration::from_millis(10);
 /// Longest delay between the first event of a burst and the notification.
 pub const DEBOUNCE_MAX: Duration = Duration::from_millis(150);

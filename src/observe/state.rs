@@ -29,8 +29,9 @@
 //!   written whole ([`StateFile::save_change`]): one JSON line per Service whose entry changed,
 //!   `{"service":"default/web","ports":{"80/TCP":20001},"since":"…"}`, or `{"service":"default/web"}`
 //!   for one no longer allocated, then `{"end":K}` (K lines: a change is applied only whole, so a
-//!   power cut or a short write in the middle of one leaves it out whole), then `fdatasync`. At 50,000 Services the whole file is 5.7 MB,
-//!   and writing and syncing it was most of a one-Service sync (docs/benchmarks.md, "The state file, a journal line per change").
+//!   power cut or a short write in the middle of one leaves it out whole), then `fdatasync`. With
+//!   many Services, writing and syncing the whole file is most of a one-Service sync
+//!   (docs/benchmarks.md, "Design decisions, measured").
 //!   The file is written whole instead when it is not there (the first allocations), and again
 //!   (the journal removed) once the journal holds more
 //!   lines than a quarter of the Services (at least [`MIN_JOURNAL_LINES`]), at start when a

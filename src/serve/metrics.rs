@@ -458,10 +458,11 @@ pub type AllTotals = BTreeMap<Series, Totals>;
 
 /// [`read_totals`] shared: one kernel read at a time, its result handed to every request that
 /// came while it ran. A dump of the counter objects is quadratic in the kernel (each step of a
-/// netlink dump walks the objects from the first): at 50,000 Services it takes seconds of a core.
-/// Without this, clients that gave up and asked again piled up blocking reads that each dumped
-/// every counter, queued on the counter lock the sync loop takes too (docs/benchmarks.md, stop
-/// 37). A request that comes after a read ended reads again: a scrape after traffic sees it.
+/// netlink dump walks the objects from the first): with many Services it takes seconds of a core.
+/// Without this, clients that gave up and asked again pile up blocking reads that each dump every
+/// counter, queued on the counter lock the sync loop takes too (docs/benchmarks.md, "Counter
+/// reads and the tamper check"). A request that comes after a read ended reads again: a scrape
+/// after traffic sees it.
 /// Blocking.
 pub struct TotalsReader {
     state: SharedCounters,
