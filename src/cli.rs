@@ -10,10 +10,13 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::port_policy::PortRange;
 
+/// `nodelb --version`: the crate's version and the commit it was built from (build.rs).
+pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("NODELB_GIT_COMMIT"), ")");
+
 #[derive(Debug, Parser)]
 #[command(
     name = "nodelb",
-    version,
+    version = VERSION,
     about = "Node agent for Kubernetes LoadBalancer Services (nftables over netlink)"
 )]
 pub struct Cli {
@@ -46,6 +49,34 @@ pub enum Command {
     Status(StatusArgs),
     /// Print the NodePortPool CustomResourceDefinition (YAML), generated from nodelb's own types.
     Crd,
+    /// Print a shell completion script (`source <(nodelb completion bash)`).
+    Completion {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+}
+
+/// Environment variables that no flag names and are no typo: the log filter, and the commit the
+/// build reads (build.rs), which `cargo run` passes on to the binary too.
+const OTHER_ENV: &[&str] = &["NODELB_LOG", "NODELB_GIT_COMMIT"];
+
+/// The `NODELB_*` names among `names` that nodelb does not read (no flag of any subcommand, nor
+/// [`OTHER_ENV`]): a misspelt variable, or a chart `config.*` key that is no flag, would otherwise
+/// be ignored without a word.
+pub fn unknown_env(names: impl IntoIterator<Item = String>) -> Vec<String> {
+    use clap::CommandFactory;
+    fn known(cmd: &clap::Command, out: &mut std::collections::BTreeSet<String>) {
+        out.extend(cmd.get_arguments().filter_map(|a| a.get_env()).map(|e| e.to_string_lossy().into_owned()));
+        for sub in cmd.get_subcommands() {
+            known(sub, out);
+        }
+    }
+    let mut reads: std::collections::BTreeSet<String> = OTHER_ENV.iter().map(|s| s.to_string()).collect();
+    known(&Cli::command(), &mut reads);
+    let mut out: Vec<String> =
+        names.into_iter().filter(|n| n.starts_with("NODELB_") && !reads.contains(n)).collect();
+    out.sort();
+    out
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -315,6 +346,14 @@ fn parse_mark(s: &str) -> Result<u32, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unknown_nodelb_variables_are_named() {
+        let names =
+            ["NODELB_PORT_RANGE", "NODELB_PROT_RANGE", "NODELB_LOG", "NODELB_HEALTH_ADDR", "PATH", "NODELB_"];
+        let got = unknown_env(names.iter().map(|s| s.to_string()));
+        assert_eq!(got, ["NODELB_", "NODELB_PROT_RANGE"]);
+    }
 
     #[test]
     fn mark_must_be_one_bit() {

@@ -5,9 +5,9 @@ use nodelb::cli::{Cli, Command, LogFormat};
 use nodelb::commands;
 use tracing_subscriber::EnvFilter;
 
-/// mimalloc, not the C library's malloc: one sync at 10,000 Services frees and allocates hundreds
-/// of thousands of small objects, and glibc's malloc spent ~40% of the agent's CPU on them
-/// (`malloc_consolidate` walking its fast bins on every large allocation); docs/benchmarks.md.
+/// mimalloc, not the C library's malloc: a sync of many Services frees and allocates a great many
+/// small objects, and glibc's malloc spends much of the agent's CPU on them (`malloc_consolidate`
+/// walking its fast bins on every large allocation); docs/benchmarks.md, "Memory".
 /// The feature `system-allocator` leaves it out, so that heaptrack (which hooks malloc) sees every
 /// allocation of a heap profile (docs/benchmarks.md, "How to rerun": how to take one).
 #[cfg(not(feature = "system-allocator"))]
@@ -28,6 +28,12 @@ async fn main() -> anyhow::Result<()> {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
     }
+    for name in nodelb::cli::unknown_env(std::env::vars_os().filter_map(|(k, _)| k.into_string().ok())) {
+        tracing::warn!(
+            variable = %name,
+            "environment variable {name} is not read by nodelb (misspelt? `nodelb run --help` names each flag's variable)"
+        );
+    }
     match cli.command {
         Command::Run(args) => commands::run(*args).await,
         Command::Plan(args) => commands::plan(*args).await,
@@ -36,6 +42,11 @@ async fn main() -> anyhow::Result<()> {
         Command::Status(args) => commands::status(args),
         Command::Crd => {
             print!("{}", nodelb::pool::crd_yaml());
+            Ok(())
+        }
+        Command::Completion { shell } => {
+            use clap::CommandFactory;
+            clap_complete::generate(shell, &mut Cli::command(), "nodelb", &mut std::io::stdout());
             Ok(())
         }
     }

@@ -113,3 +113,35 @@ fn status_has_one_line_per_service_with_its_reason() {
         "served from its last good version, said on its line:\n{out}"
     );
 }
+
+/// The small conventions of a command-line tool: `--version` names the commit it was built
+/// from, `completion` prints a script for each shell, and a `NODELB_*` variable nodelb does not
+/// read (a misspelt flag) is named in a warning.
+#[test]
+fn version_completion_and_unknown_variables() {
+    let bin = env!("CARGO_BIN_EXE_nodelb");
+    let out = std::process::Command::new(bin).arg("--version").output().expect("nodelb --version");
+    let version = String::from_utf8_lossy(&out.stdout).into_owned();
+    let commit = std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    assert!(!commit.is_empty() && version.contains(&format!("(commit {commit})")), "{version} ({commit})");
+    for (shell, marker) in
+        [("bash", "complete -F _nodelb"), ("zsh", "#compdef nodelb"), ("fish", "complete -c nodelb")]
+    {
+        let out = std::process::Command::new(bin).args(["completion", shell]).output().expect("completion");
+        let script = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && script.contains(marker), "{shell}: {script:.200}");
+        assert!(script.contains("controller") && script.contains("status"), "{shell}: no subcommands");
+    }
+    let out = std::process::Command::new(bin)
+        .args(["completion", "bash"])
+        .env("NODELB_PROT_RANGE", "21000-21999")
+        .output()
+        .expect("completion");
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(log.contains("environment variable NODELB_PROT_RANGE is not read by nodelb"), "{log}");
+}

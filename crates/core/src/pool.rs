@@ -50,6 +50,7 @@ pub const IMPLICIT_POOL: &str = "(flags)";
     kind = "NodePortPool",
     plural = "nodeportpools",
     shortname = "npp",
+    category = "nodelb",
     status = "NodePortPoolStatus",
     derive = "PartialEq",
     doc = "NodePortPool: node ports nodelb allocates to LoadBalancer Services, on which nodes and node addresses, for which Services.",
