@@ -516,6 +516,13 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             Ok(Synced::Applied) => self.record(attempt, None),
             Err(e) => self.record(attempt, Some(e)),
         }
+        if let Ok(Synced::Applied | Synced::Unchanged) = result {
+            let now = k8s_openapi::jiff::Timestamp::now();
+            for t in self.source.take_programming_triggers() {
+                let latency = now.duration_since(t).as_secs_f64().max(0.0);
+                self.metrics.network_programming_duration.observe(latency);
+            }
+        }
         result
     }
 

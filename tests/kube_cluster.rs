@@ -1566,3 +1566,49 @@ fn a_relist_after_410_gone_reprograms_nothing_and_later_changes_are_served() {
     let leader = c.wait_leader(CHANGE);
     assert_only_leaders_wrote(&c, &[leader]);
 }
+
+/// kube-proxy's programming-latency SLI, `nodelb_network_programming_duration_seconds`: from
+/// the EndpointSlice controller's `endpoints.kubernetes.io/last-change-trigger-time` on a slice
+/// to this node's rules for it in the kernel, once per slice change of a Service the node
+/// programs (on every node); a slice of a Service that is not nodelb's is not counted.
+#[test]
+fn network_programming_latency_runs_from_the_slices_trigger_time_to_the_kernel() {
+    require_root!();
+    let c = Cluster::new(1);
+    const METRIC: &str = "nodelb_network_programming_duration_seconds";
+    let create = |spec: &ServiceSpec, cluster_ip: bool| {
+        let mut svc = spec.service();
+        svc["spec"].as_object_mut().unwrap().remove("selector");
+        if cluster_ip {
+            svc["spec"] = serde_json::json!({"type": "ClusterIP", "ports": svc["spec"]["ports"].clone()});
+        }
+        c.api.create(svc).expect("create the Service");
+        let triggered = k8s_openapi::jiff::Timestamp::now();
+        for mut s in spec.slices() {
+            s["metadata"]["annotations"] = serde_json::json!({"endpoints.kubernetes.io/last-change-trigger-time": triggered.to_string()});
+            c.api.create(s).expect("create its slice");
+        }
+        triggered
+    };
+    let triggered = create(&web("web", &[(0, 0)]), false);
+    let np = c.wait_allocated("web", 1, CHANGE)["80/TCP"];
+    for i in 0..3 {
+        c.wait_served(i, np, CHANGE);
+    }
+    let served = k8s_openapi::jiff::Timestamp::now().duration_since(triggered).as_secs_f64();
+    for i in 0..3 {
+        let ok = wait_until(CHANGE, || c.metric_sum(i, &format!("{METRIC}_count")) >= 1.0);
+        assert!(ok, "node-{}: no {METRIC} sample", i + 1);
+        let (count, sum) =
+            (c.metric_sum(i, &format!("{METRIC}_count")), c.metric_sum(i, &format!("{METRIC}_sum")));
+        assert_eq!(count, 1.0, "node-{}: one slice change, one sample", i + 1);
+        assert!(
+            sum > 0.0 && sum <= served,
+            "node-{}: {sum} s, but it was served {served} s after the change",
+            i + 1
+        );
+    }
+    create(&ServiceSpec::new("internal").port(PortSpec::tcp(80, None)), true);
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(c.metric_sum(0, &format!("{METRIC}_count")), 1.0, "a ClusterIP Service's slice counted");
+}

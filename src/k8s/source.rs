@@ -106,7 +106,7 @@ impl KubeSnapshot {
         // hashed is hashed once per object version ([`NodeViews`]): a Service's standing is
         // found for each slice by its key's hash.
         let (mut programmed, mut pending) = (Part::default(), Part::default());
-        let (services, slices) = views.pass(self, opts);
+        let (services, slices, new_slices) = views.pass(self, opts);
         let mut standing: foldhash::HashMap<u64, Standing> =
             foldhash::HashMap::with_capacity_and_hasher(services.len(), Default::default());
         for view in services {
@@ -124,6 +124,22 @@ impl KubeSnapshot {
                 Some(Standing::NotOurs) | None => continue,
             };
             add(part, view.hash);
+        }
+        // A new slice version of a Service of ours: the change it carries is in the kernel once
+        // a sync of a snapshot in which its Service is decided succeeds (a new Service's first
+        // slice comes before the leader's allocation: it waits for it).
+        for view in new_slices {
+            if let (Some(t), Some(service)) = (view.trigger, view.service) {
+                views.note_trigger(view.hash, service, t);
+            }
+        }
+        let waiting = std::mem::take(&mut views.waiting);
+        for (service, t) in waiting {
+            match standing.get(&service) {
+                Some(Standing::Decided) => views.triggers.push(t),
+                Some(Standing::Undecided) => views.waiting.push((service, t)),
+                Some(Standing::NotOurs) | None => {}
+            }
         }
         let hash = |part: &Part| {
             let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -150,24 +166,74 @@ struct SliceView {
     hash: u64,
     /// The hash of its Service's namespace and name, when it names one.
     service: Option<u64>,
+    /// [`EndpointSlice::trigger_time`].
+    trigger: Option<k8s_openapi::jiff::Timestamp>,
 }
 
 /// Each cached Service's [`NodeView`] and EndpointSlice's [`SliceView`], computed once per object
-/// version (kept while the cache holds the object).
-#[derive(Debug, Default)]
+/// version (kept while the cache holds the object); and the trigger times of the slice versions
+/// not programmed yet.
+#[derive(Debug)]
 pub struct NodeViews {
     services: crate::per_object::PerObject<Service, NodeView>,
     slices: crate::per_object::PerObject<EndpointSlice, SliceView>,
     /// Hashes the Services' keys, the same way for both kinds.
     keys: foldhash::fast::RandomState,
+    /// The trigger times of the new slice versions of programmed Services, since the last
+    /// [`NodeViews::take_triggers`].
+    triggers: Vec<k8s_openapi::jiff::Timestamp>,
+    /// Those of slices whose Service is not decided yet, with its key's hash.
+    waiting: Vec<(u64, k8s_openapi::jiff::Timestamp)>,
+    /// Changes older than the agent are not its latency (the first list brings every slice).
+    started: k8s_openapi::jiff::Timestamp,
+    /// The slice versions whose trigger times were counted, within [`TRIGGER_WINDOW`]: a relist
+    /// brings the same versions as new objects, and a change is counted once.
+    counted: foldhash::HashMap<u64, k8s_openapi::jiff::Timestamp>,
+}
+
+/// How far back a slice change's trigger time is counted: further back is no programming
+/// latency but a relist of an old version (or a clock far off).
+const TRIGGER_WINDOW: std::time::Duration = std::time::Duration::from_secs(15 * 60);
+
+impl Default for NodeViews {
+    fn default() -> NodeViews {
+        NodeViews {
+            services: Default::default(),
+            slices: Default::default(),
+            keys: Default::default(),
+            triggers: Vec::new(),
+            waiting: Vec::new(),
+            started: k8s_openapi::jiff::Timestamp::now(),
+            counted: Default::default(),
+        }
+    }
 }
 
 impl NodeViews {
+    /// The trigger times of the slice changes that the sync which just succeeded programmed (as
+    /// kube-proxy's `network_programming_duration_seconds` counts them: from the EndpointSlice
+    /// controller's `endpoints.kubernetes.io/last-change-trigger-time` to the rules in the kernel).
+    pub fn take_triggers(&mut self) -> Vec<k8s_openapi::jiff::Timestamp> {
+        let oldest = k8s_openapi::jiff::Timestamp::now() - TRIGGER_WINDOW;
+        self.counted.retain(|_, t| *t >= oldest);
+        self.waiting.retain(|(_, t)| *t >= oldest);
+        std::mem::take(&mut self.triggers)
+    }
+
+    /// A new version (`hash`) of a slice of the Service whose key hashes to `service`, its change
+    /// triggered at `t`.
+    fn note_trigger(&mut self, hash: u64, service: u64, t: k8s_openapi::jiff::Timestamp) {
+        let oldest = k8s_openapi::jiff::Timestamp::now() - TRIGGER_WINDOW;
+        if t >= self.started && t >= oldest && self.counted.insert(hash, t).is_none() {
+            self.waiting.push((service, t));
+        }
+    }
+
     fn pass(
         &mut self,
         snap: &KubeSnapshot,
         opts: &crate::model::ModelOptions,
-    ) -> (Vec<NodeView>, Vec<SliceView>) {
+    ) -> (Vec<NodeView>, Vec<SliceView>, Vec<SliceView>) {
         use std::hash::BuildHasher;
         let keys = &self.keys;
         let services = self.services.pass(&snap.services, |s| NodeView {
@@ -175,12 +241,16 @@ impl NodeViews {
             key: keys.hash_one(crate::model::borrowed_key(&s.metadata.namespace, s.metadata.name.as_deref())),
             standing: Standing::of(s, opts),
         });
-        let slices = self.slices.pass(&snap.slices, |s| {
+        let slices = self.slices.pass_changes(&snap.slices, |s| {
             let mut h = std::collections::hash_map::DefaultHasher::new();
             (s.metadata.uid.as_deref(), s.metadata.resource_version.as_deref()).hash(&mut h);
-            SliceView { hash: h.finish(), service: crate::model::slice_service(s).map(|k| keys.hash_one(k)) }
+            SliceView {
+                hash: h.finish(),
+                service: crate::model::slice_service(s).map(|k| keys.hash_one(k)),
+                trigger: s.trigger_time,
+            }
         });
-        (services, slices)
+        (services, slices.values, slices.computed.into_iter().map(|(_, v)| v).collect())
     }
 }
 

@@ -85,7 +85,8 @@ pub enum Source {
         source: KubeSource,
         /// Boxed: the largest part of the variant, and only ever used through a reference.
         last_good: Box<LastGoodServices>,
-        views: NodeViews,
+        /// Boxed, as `last_good`.
+        views: Box<NodeViews>,
         /// This node (pools select nodes by label) and the flags' range (no pool object).
         node: String,
         port_range: PortRange,
@@ -117,12 +118,21 @@ impl Source {
         Source::Kube {
             source,
             last_good: Box::default(),
-            views: NodeViews::default(),
+            views: Box::default(),
             node,
             port_range,
             pools_last_valid: LastValid::default(),
             registry: None,
             registry_changes: 0,
+        }
+    }
+
+    /// The trigger times of the EndpointSlice changes the last successful sync programmed
+    /// ([`NodeViews::take_triggers`]); manifests have none.
+    pub fn take_programming_triggers(&mut self) -> Vec<k8s_openapi::jiff::Timestamp> {
+        match self {
+            Source::Manifests { .. } => Vec::new(),
+            Source::Kube { views, .. } => views.take_triggers(),
         }
     }
 

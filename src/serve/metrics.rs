@@ -35,6 +35,8 @@ pub struct Metrics {
     pub free_ports: IntGauge,
     pub pool_ports: IntGaugeVec,
     pub sync_duration: HistogramVec,
+    /// kube-proxy's SLI: from an EndpointSlice change's trigger time to its rules in the kernel.
+    pub network_programming_duration: Histogram,
     pub last_success: Gauge,
     pub syncs: IntCounterVec,
     pub sync_failures: IntCounterVec,
@@ -177,6 +179,13 @@ impl Metrics {
             .buckets(vec![0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]),
             &["kind"],
         )?;
+        let network_programming_duration = Histogram::with_opts(
+            HistogramOpts::new(
+                "nodelb_network_programming_duration_seconds",
+                "Time from an EndpointSlice change (its endpoints.kubernetes.io/last-change-trigger-time, set by the EndpointSlice controller) to this node's rules for it in the kernel, as kube-proxy's network_programming_duration_seconds (Kubernetes mode; changes of Services this node programs).",
+            )
+            .buckets(vec![0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]),
+        )?;
         let last_success = Gauge::new(
             "nodelb_last_successful_sync_timestamp_seconds",
             "Unix time of the last sync whose netlink batch the kernel accepted.",
@@ -244,6 +253,7 @@ impl Metrics {
         registry.register(Box::new(free_ports.clone()))?;
         registry.register(Box::new(pool_ports.clone()))?;
         registry.register(Box::new(sync_duration.clone()))?;
+        registry.register(Box::new(network_programming_duration.clone()))?;
         registry.register(Box::new(last_success.clone()))?;
         registry.register(Box::new(syncs.clone()))?;
         registry.register(Box::new(sync_failures.clone()))?;
@@ -293,6 +303,7 @@ impl Metrics {
             free_ports,
             pool_ports,
             sync_duration,
+            network_programming_duration,
             last_success,
             syncs,
             sync_failures,

@@ -37,7 +37,15 @@ pub struct EndpointSlice {
     pub address_type: String,
     pub endpoints: Option<Vec<Endpoint>>,
     pub ports: Option<Vec<EndpointPort>>,
+    /// Annotation [`ANNOTATION_TRIGGER_TIME`], parsed when read (the annotations themselves are
+    /// not kept): when the change this version carries happened, for
+    /// `nodelb_network_programming_duration_seconds`.
+    pub trigger_time: Option<k8s_openapi::jiff::Timestamp>,
 }
+
+/// Set by the EndpointSlice controller on each slice it writes: when the Pod or Service change
+/// that the write carries happened (kube-proxy's network programming latency starts there).
+pub const ANNOTATION_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 
 /// An EndpointSlice as the API writes it (the fields nodelb reads).
 #[derive(Deserialize)]
@@ -57,8 +65,13 @@ impl From<WireSlice> for EndpointSlice {
     fn from(wire: WireSlice) -> EndpointSlice {
         let WireSlice { mut metadata, address_type, mut endpoints, ports } = wire;
         let service_name = metadata.labels.take().and_then(|mut l| l.remove(LABEL_SERVICE_NAME));
+        let trigger_time = metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(ANNOTATION_TRIGGER_TIME))
+            .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok());
         share_node_names(endpoints.as_deref_mut().unwrap_or_default());
-        EndpointSlice { metadata, service_name, address_type, endpoints, ports }
+        EndpointSlice { metadata, service_name, address_type, endpoints, ports, trigger_time }
     }
 }
 
