@@ -895,8 +895,8 @@ fn the_k3s_preset_serves_traefik_on_its_own_ports_with_no_annotation() {
     let preset =
         c.api.get("nodelb.io/v1alpha1", "NodePortPool", "", "k3s-traefik").expect("pool k3s-traefik");
     assert_eq!(preset["spec"]["portMode"], "ServicePort", "{preset:#}");
-    // The CRD's category: `kubectl get nodelb` lists nodelb's objects, with the Mode column.
-    let listed = c.api.kubectl_ok(&["get", "nodelb"]);
+    // The CRD's category: `kubectl get nodelb` lists nodelb's objects (`-o wide`: the Mode).
+    let listed = c.api.kubectl_ok(&["get", "nodelb", "-o", "wide"]);
     assert!(listed.contains("k3s-traefik") && listed.contains("ServicePort"), "{listed}");
     let (svc, slices) = k3s_traefik("traefik");
     c.api.create(svc).expect("create kube-system/traefik");

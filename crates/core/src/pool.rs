@@ -55,13 +55,13 @@ pub const IMPLICIT_POOL: &str = "(flags)";
     derive = "PartialEq",
     doc = "NodePortPool: node ports nodelb allocates to LoadBalancer Services, on which nodes and node addresses, for which Services.",
     printcolumn = r#"{"name":"Ports", "type":"string", "jsonPath":".status.portRanges", "description":"ranges new allocations take from"}"#,
-    printcolumn = r#"{"name":"Mode", "type":"string", "jsonPath":".spec.portMode", "description":"Allocate: numbers from the ranges; ServicePort: each Service's own port"}"#,
     printcolumn = r#"{"name":"Priority", "type":"integer", "jsonPath":".spec.priority"}"#,
     printcolumn = r#"{"name":"Allocated", "type":"integer", "jsonPath":".status.allocated", "description":"node port numbers in use"}"#,
     printcolumn = r#"{"name":"Free", "type":"integer", "jsonPath":".status.free", "description":"numbers left for new allocations"}"#,
     printcolumn = r#"{"name":"Nodes", "type":"integer", "jsonPath":".status.nodeCount", "description":"nodes serving this pool"}"#,
     printcolumn = r#"{"name":"Ready", "type":"string", "jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
     printcolumn = r#"{"name":"Conflict", "type":"string", "jsonPath":".status.conditions[?(@.type==\"Conflict\")].status", "priority":1}"#,
+    printcolumn = r#"{"name":"Mode", "type":"string", "jsonPath":".spec.portMode", "description":"Allocate: numbers from the ranges; ServicePort: each Service's own port", "priority":1}"#,
     printcolumn = r#"{"name":"Age", "type":"date", "jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[x_kube(validation = Rule::new(
