@@ -56,6 +56,22 @@ pub enum Command {
     },
 }
 
+/// The name under which `kubectl` runs nodelb as a plugin (`kubectl nodelb …`): a copy (or a
+/// link) of the binary by that name on the PATH.
+pub const KUBECTL_PLUGIN: &str = "kubectl-nodelb";
+
+/// The command line as nodelb reads it: run as [`KUBECTL_PLUGIN`], it is `nodelb status
+/// --cluster` with the plugin's arguments (`kubectl nodelb -n web --json`).
+pub fn command_line(args: impl IntoIterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    let mut args: Vec<std::ffi::OsString> = args.into_iter().collect();
+    let plugin =
+        args.first().and_then(|a| std::path::Path::new(a).file_name()).is_some_and(|n| n == KUBECTL_PLUGIN);
+    if plugin {
+        args.splice(1..1, ["status".into(), "--cluster".into()]);
+    }
+    args
+}
+
 /// Environment variables that no flag names and are no typo: the log filter, and the commit the
 /// build reads (build.rs), which `cargo run` passes on to the binary too.
 const OTHER_ENV: &[&str] = &["NODELB_LOG", "NODELB_GIT_COMMIT"];
@@ -279,6 +295,26 @@ pub struct StatusArgs {
     /// Print the raw JSON.
     #[arg(long)]
     pub json: bool,
+    /// The whole cluster, from a workstation: per Service its node ports, the nodes that serve it
+    /// and why each other node does not; per node its agent (from the API server: Services,
+    /// Nodes and the agents' node Leases; read-only, no exec).
+    #[arg(long)]
+    pub cluster: bool,
+    /// With --cluster: kubeconfig file (else $KUBECONFIG, ~/.kube/config, in-cluster).
+    #[arg(long, requires = "cluster")]
+    pub kubeconfig: Option<PathBuf>,
+    /// With --cluster: nodelb's namespace, where the node Leases are.
+    #[arg(long, default_value = "nodelb-system", requires = "cluster")]
+    pub nodelb_namespace: String,
+    /// With --cluster: only Services of this namespace.
+    #[arg(short = 'n', long, requires = "cluster")]
+    pub namespace: Option<String>,
+    /// With --cluster: only the Service of this name.
+    #[arg(long, requires = "cluster")]
+    pub service: Option<String>,
+    /// With --cluster: only this node.
+    #[arg(long, requires = "cluster")]
+    pub node: Option<String>,
 }
 
 fn parse_port_list(s: &str) -> Result<crate::port_policy::PortList, String> {
@@ -346,6 +382,24 @@ fn parse_mark(s: &str) -> Result<u32, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn as_a_kubectl_plugin_it_is_status_cluster() {
+        let line = |args: &[&str]| -> Vec<String> {
+            command_line(args.iter().map(std::ffi::OsString::from))
+                .iter()
+                .map(|a| a.to_string_lossy().into())
+                .collect()
+        };
+        assert_eq!(
+            line(&["/usr/local/bin/kubectl-nodelb", "-n", "web"]),
+            ["/usr/local/bin/kubectl-nodelb", "status", "--cluster", "-n", "web"]
+        );
+        assert_eq!(line(&["nodelb", "status"]), ["nodelb", "status"]);
+        let cli = Cli::try_parse_from(line(&["kubectl-nodelb", "--json", "--node", "node-2"])).unwrap();
+        let Command::Status(s) = cli.command else { panic!("not status") };
+        assert!(s.cluster && s.json && s.node.as_deref() == Some("node-2"));
+    }
 
     #[test]
     fn unknown_nodelb_variables_are_named() {

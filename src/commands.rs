@@ -548,6 +548,44 @@ fn remove_rules() -> (Vec<String>, Vec<String>) {
     (removed, problems)
 }
 
+/// `nodelb status --cluster` (and `kubectl nodelb`): lists Services, Nodes and the node Leases
+/// once and prints [`crate::k8s::cluster_view`]'s view of them.
+pub async fn status_cluster(args: StatusArgs) -> anyhow::Result<()> {
+    use k8s_openapi::api::coordination::v1::Lease;
+    use k8s_openapi::api::core::v1::{Node, Service};
+    use kube::api::{Api, ListParams};
+    let client = kube_client(&KubeArgs {
+        kubeconfig: args.kubeconfig.clone(),
+        namespace: args.nodelb_namespace.clone(),
+        lease_duration: Duration::from_secs(15),
+    })
+    .await?;
+    let services: Api<Service> = match &args.namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    let list = ListParams::default();
+    let services = services.list(&list).await.context("cannot list Services")?.items;
+    let nodes = Api::<Node>::all(client.clone()).list(&list).await.context("cannot list Nodes")?.items;
+    let leases = Api::<Lease>::namespaced(client, &args.nodelb_namespace)
+        .list(&ListParams::default().labels(&format!("{}=true", crate::k8s::nodes::LABEL_NODE_LEASE)))
+        .await
+        .with_context(|| format!("cannot list the node Leases in namespace {}", args.nodelb_namespace))?
+        .items;
+    let filter = crate::k8s::cluster_view::Filter {
+        namespace: args.namespace.clone(),
+        service: args.service.clone(),
+        node: args.node.clone(),
+    };
+    let now = k8s_openapi::jiff::Timestamp::now();
+    let view = crate::k8s::cluster_view::assemble(&services, &nodes, &leases, now, &filter);
+    match args.json {
+        true => println!("{}", serde_json::to_string_pretty(&view)?),
+        false => print!("{}", crate::k8s::cluster_view::render(&view, now.as_second().max(0) as u64)),
+    }
+    Ok(())
+}
+
 pub fn status(args: StatusArgs) -> anyhow::Result<()> {
     let body = http_get(args.http_addr, "/status").with_context(|| {
         format!("cannot reach the agent at {} (is `nodelb run` running?)", args.http_addr)

@@ -16,7 +16,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(nodelb::cli::command_line(std::env::args_os()));
     let filter = EnvFilter::try_from_env("NODELB_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
     // Colour only for a person at a terminal: a log file or a pipe (kubectl logs, journald)
     // would carry the escape sequences as text.
@@ -39,6 +39,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Plan(args) => commands::plan(*args).await,
         Command::Controller(args) => commands::controller(*args).await,
         Command::Cleanup => commands::cleanup(),
+        Command::Status(args) if args.cluster => commands::status_cluster(args).await,
         Command::Status(args) => commands::status(args),
         Command::Crd => {
             print!("{}", nodelb::pool::crd_yaml());

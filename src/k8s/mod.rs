@@ -5,7 +5,8 @@
 //! Pure decisions live in [`dupes`], [`nodes`], [`publish`], [`leader`], [`events`]; the edges
 //! that talk to the API server are [`source`] (reflectors), [`controller`] (the leader's loop:
 //! reads the registry, runs [`round`], the leader's pure round, and writes what it planned), [`election`] (the controller's leader Lease), [`node_lease`] (a
-//! node's own Lease and Node Events), [`api`] (what those writers share), [`review`]
+//! node's own Lease, with the report `nodelb status --cluster` reads ([`cluster_view`]), and
+//! Node Events), [`api`] (what those writers share), [`review`]
 //! (TokenReview + SubjectAccessReview for the authenticated metrics). [`installation`] watches what tells an uninstall from a restart, and [`uninstall`]
 //! decides at SIGTERM whether the node's rules stay. See docs/design.md, "Kubernetes mode" and
 //! "Install, upgrade, uninstall".
@@ -21,4 +22,6 @@ pub mod round;
 pub mod source;
 
 /// The pure decisions of Kubernetes mode (`crates/core/src/k8s`).
-pub use nodelb_core::k8s::{claims, dupes, events, lastgood, leader, nodes, publish, scope, uninstall};
+pub use nodelb_core::k8s::{
+    claims, cluster_view, dupes, events, lastgood, leader, nodes, publish, scope, uninstall,
+};

@@ -21,6 +21,7 @@ use crate::serve::metrics::KubeMetrics;
 use crate::serve::status::SharedStatus;
 
 use super::api::{CONTROLLER_NAME, Failing, is_conflict, post_params, publish_event};
+use super::cluster_view::{self, FamilyReport, LastSync, NodeReport, Refused};
 use super::events::Deduper;
 use super::nodes::{self, ANNOTATION_FAMILIES, LABEL_NODE_LEASE};
 use super::source::KubeSource;
@@ -87,13 +88,24 @@ fn served_families(
 }
 
 /// What a node Lease publishes besides its renewal: the families served, the listening ports,
-/// the pools' addresses, this node's addresses (`None`: not read yet).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// the pools' addresses, this node's addresses (`None`: not read yet), and the node's report.
+#[derive(Debug, Clone)]
 struct LeaseAnnotations {
     families: String,
     listening: Option<String>,
     pool_addresses: Option<String>,
     addresses: Option<String>,
+    report: NodeReport,
+}
+
+/// Equal when a write would say the same (the report's last-sync time aside: it goes out with
+/// the renewals, not on its own).
+impl PartialEq for LeaseAnnotations {
+    fn eq(&self, other: &LeaseAnnotations) -> bool {
+        (&self.families, &self.listening, &self.pool_addresses, &self.addresses)
+            == (&other.families, &other.listening, &other.pool_addresses, &other.addresses)
+            && self.report.same_but_time(&other.report)
+    }
 }
 
 impl LeaseAnnotations {
@@ -104,8 +116,54 @@ impl LeaseAnnotations {
             listening: st.listening_ports.clone(),
             pool_addresses: st.pool_addresses.clone(),
             addresses: st.node_addresses.clone(),
+            report: report_of(&st),
         }
     }
+}
+
+/// What this agent says about its node for `nodelb status --cluster`, from its `/status`.
+fn report_of(st: &crate::serve::status::Status) -> NodeReport {
+    use crate::report::ServiceState;
+    let (ready, not_ready) = match st.readiness() {
+        Ok(note) => (true, note),
+        Err(why) => (false, Some(why)),
+    };
+    let families = st
+        .families
+        .iter()
+        .map(|(f, s)| {
+            let why = s.firewall.clone().or_else(|| s.reason.clone()).or_else(|| s.evidence.clone());
+            (f.clone(), FamilyReport { forwarding: s.forwarding, served: s.served(), why })
+        })
+        .collect();
+    let mut refused = Vec::new();
+    for s in &st.services {
+        let service = format!("{}/{}", s.namespace, s.name);
+        let problems: Vec<&str> = s.ports.iter().filter_map(|p| p.problem.as_deref()).collect();
+        let (code, reason) = match s.state {
+            ServiceState::Programmed if problems.is_empty() => continue,
+            ServiceState::Programmed => ("port_refused".to_string(), problems.join("; ")),
+            _ => (
+                s.reason_code.clone().unwrap_or_else(|| format!("{:?}", s.state).to_lowercase()),
+                s.reason.clone().unwrap_or_else(|| problems.join("; ")),
+            ),
+        };
+        refused.push(Refused { service, code, reason });
+    }
+    let mut problems = st.problems.clone();
+    problems.extend(st.host_firewall.problems.iter().cloned());
+    problems.extend(st.hairpin.iter().map(|h| h.message.clone()));
+    NodeReport {
+        version: crate::cli::VERSION.to_string(),
+        ready,
+        not_ready,
+        families,
+        last_sync: st.last_sync.as_ref().map(|s| LastSync { at: s.at, ok: s.ok }),
+        problems,
+        refused,
+        refused_total: 0,
+    }
+    .bounded()
 }
 
 async fn node_lease(
@@ -141,13 +199,21 @@ async fn node_lease(
         }
         let (families, off) = served_families(&status);
         let now = LeaseAnnotations::of(&families, &status);
-        let LeaseAnnotations { families: value, listening: ports, pool_addresses: selected, addresses } =
-            now.clone();
+        let LeaseAnnotations {
+            families: value,
+            listening: ports,
+            pool_addresses: selected,
+            addresses,
+            report,
+        } = now.clone();
         if last_families.as_ref() != Some(&value) {
             info!(lease = %name, families = %value, "node Lease: serving families");
             last_families = Some(value.clone());
         }
-        let mut annotations = BTreeMap::from([(ANNOTATION_FAMILIES.to_string(), value.clone())]);
+        let mut annotations = BTreeMap::from([
+            (ANNOTATION_FAMILIES.to_string(), value.clone()),
+            (cluster_view::ANNOTATION_REPORT.to_string(), report.to_annotation()),
+        ]);
         // Not read yet: what the Lease says stays (an agent restarting keeps the listeners its
         // predecessor published; a new Lease has none, and the leader waits for them).
         if let Some(p) = &ports {

@@ -429,6 +429,32 @@ impl ControlPlane {
         self.tool_with(&kubectl, kubeconfig, args, Some(input))
     }
 
+    /// `program <args>` inside the API namespace as a user's workstation runs it: `KUBECONFIG`
+    /// set to `kubeconfig` (a kubectl plugin reads it too), `dir` first on its PATH (where a
+    /// kubectl plugin is found).
+    pub fn tool_as(&self, program: &Path, kubeconfig: &Path, args: &[&str], dir: Option<&Path>) -> Output {
+        let mut path = std::ffi::OsString::new();
+        if let Some(dir) = dir {
+            path.push(dir);
+            path.push(":");
+        }
+        path.push(std::env::var_os("PATH").unwrap_or_default());
+        Command::new("ip")
+            .args(["netns", "exec", &self.ns_name])
+            .arg(program)
+            .args(args)
+            .env("PATH", path)
+            .env("KUBECONFIG", kubeconfig)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("spawn {}: {e}", program.display()))
+    }
+
+    /// The kubectl the tests use.
+    pub fn kubectl_path(&self) -> PathBuf {
+        std::env::var_os("NODELB_KUBECTL").map_or_else(|| testkube_dir().join("kubectl"), PathBuf::from)
+    }
+
     /// `program --kubeconfig <admin> <args>` inside the API namespace.
     fn admin_tool(&self, program: &Path, args: &[&str], input: Option<&str>) -> Output {
         self.tool_with(program, &self.admin_kubeconfig(), args, input)

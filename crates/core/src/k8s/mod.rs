@@ -2,9 +2,11 @@
 //! them: [`dupes`] (duplicate node ports), [`nodes`] (which nodes serve), [`publish`] (what the
 //! leader writes), [`events`] (once per change), [`leader`] (the Lease election rules),
 //! [`lastgood`] (the last valid spec of a Service), [`scope`] (what a leader's round must plan),
-//! [`uninstall`] (uninstall or restart).
+//! [`uninstall`] (uninstall or restart), [`cluster_view`] (what each node reports about itself,
+//! and where each Service is served across the cluster).
 
 pub mod claims;
+pub mod cluster_view;
 pub mod dupes;
 pub mod events;
 pub mod lastgood;
