@@ -90,6 +90,18 @@ fn the_cluster_view_says_where_each_service_is_served_and_why_not() {
     assert_eq!(nodes[1]["report"]["families"]["ipv4"]["forwarding"], false);
     assert_eq!(nodes[2]["report"]["refusedTotal"], 1);
 
+    // The Service's Serving condition says as much, bounded (node-2 has no ready agent for IPv4:
+    // it is not among the nodes that could serve).
+    let ok = wait_until(CHANGE, || {
+        c.condition("web", "nodelb.io/Serving").is_some_and(|cond| {
+            let m = cond["message"].as_str().unwrap_or_default();
+            m.starts_with("served on 1 of 2 nodes")
+                && m.contains("; node-3: port 80/TCP: ")
+                && m.contains("in use")
+        })
+    });
+    assert!(ok, "Serving: {:?}", c.condition("web", "nodelb.io/Serving"));
+
     // Filters.
     let only = view(&["--node", "node-3", "-n", "default", "--service", "web"]);
     assert_eq!(only["nodes"].as_array().map(Vec::len), Some(1));

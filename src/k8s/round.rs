@@ -60,6 +60,7 @@ pub struct LeaseView {
     /// Nodes whose listeners are not known yet ([`nodes::listeners_unreported`]).
     unreported: Vec<String>,
     published: BTreeMap<String, nodes::PoolSelections>,
+    refusals: super::cluster_view::Refusals,
 }
 
 impl LeaseView {
@@ -74,6 +75,7 @@ impl LeaseView {
             listening: nodes::listening_ports(leases),
             unreported: nodes::listeners_unreported(leases, leases_now),
             published: nodes::published_pool_addresses(leases).0,
+            refusals: super::cluster_view::refusals(leases),
         }
     }
 }
@@ -169,6 +171,8 @@ struct SharedInputs {
     listening: BTreeMap<(crate::domain::Protocol, u16), String>,
     unreported: Vec<String>,
     published: BTreeMap<String, nodes::PoolSelections>,
+    /// What the agents' reports say they refuse (the `Serving` messages).
+    refusals: super::cluster_view::Refusals,
 }
 
 /// A hash of what a round reads of the Nodes: names, labels, addresses.
@@ -562,6 +566,7 @@ pub fn plan_round(
     // for it is refused. Each node refuses locally anyway, whatever is decided here.
     let listening = nodes::listening_ports(&snap.leases);
     let unreported = nodes::listeners_unreported(&snap.leases, leases_now);
+    let refusals = super::cluster_view::refusals(&snap.leases);
     let shared = SharedInputs {
         nodes: node_facts(&snap.nodes),
         pools: pool_ctx.clone(),
@@ -570,6 +575,7 @@ pub fn plan_round(
         listening: listening.clone(),
         unreported: unreported.clone(),
         published: nodes::published_pool_addresses(&snap.leases).0,
+        refusals: refusals.clone(),
     };
     let same_shared = memory.shared.as_ref() == Some(&shared);
     memory.shared = Some(shared);
@@ -690,6 +696,7 @@ pub fn plan_round(
         pool_nodes: pool_nodes.as_ref(),
         pool_addresses: pool_addresses.as_ref(),
         lost: &lost,
+        refusals: Some(&refusals),
         now,
     };
     let (mut writes, mut events) = match &scope {

@@ -411,6 +411,7 @@ mod tests {
                 pool_nodes: None,
                 pool_addresses: None,
                 lost: &[],
+                refusals: None,
                 now: k8s_openapi::jiff::Timestamp::from_second(1_700_000_000).unwrap(),
             };
             (

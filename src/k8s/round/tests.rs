@@ -26,6 +26,7 @@ fn a_round_is_skipped_only_when_it_would_plan_nothing() {
         listening: BTreeMap::new(),
         unreported: Vec::new(),
         published: BTreeMap::new(),
+        refusals: BTreeMap::new(),
     };
     let t0 = Instant::now();
     let mut state = LeaderState::new("node-a");

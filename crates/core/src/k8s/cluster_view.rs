@@ -136,6 +136,30 @@ impl NodeReport {
     }
 }
 
+/// What the node agents' reports say they refuse: per Service (`namespace/name`), each refusing
+/// node with its reason (nodes in name order). The leader's `Serving` condition summarises it.
+pub type Refusals = BTreeMap<String, Vec<(String, String)>>;
+
+/// [`Refusals`] from the node Leases (a report that does not parse says nothing).
+pub fn refusals<L: Borrow<Lease>>(leases: &[L]) -> Refusals {
+    let mut out = Refusals::new();
+    let mut by_node: Vec<(&str, NodeReport)> = leases
+        .iter()
+        .map(Borrow::borrow)
+        .filter_map(|l| {
+            let node = l.metadata.name.as_deref()?.strip_prefix(NODE_LEASE_PREFIX)?;
+            Some((node, NodeReport::of_lease(l)?.ok()?))
+        })
+        .collect();
+    by_node.sort_by(|a, b| a.0.cmp(b.0));
+    for (node, report) in by_node {
+        for r in report.refused {
+            out.entry(r.service).or_default().push((node.to_string(), r.reason));
+        }
+    }
+    out
+}
+
 /// What the view is restricted to (`None`: everything).
 #[derive(Debug, Clone, Default)]
 pub struct Filter {

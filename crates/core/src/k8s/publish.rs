@@ -390,6 +390,9 @@ pub struct Round<'a, S = Service, V = LbService> {
     /// Numbers a Service's annotation names that the node-port registry gives another Service
     /// (a forged annotation: `NodePortNotOwned` Events).
     pub lost: &'a [(ServiceKey, u16)],
+    /// What the node agents' reports say they refuse ([`super::cluster_view::refusals`]): the
+    /// `Serving` condition names a few of those nodes with why.
+    pub refusals: Option<&'a super::cluster_view::Refusals>,
     pub now: Timestamp,
 }
 
@@ -540,8 +543,51 @@ struct Served {
 fn served<S, V>(round: &Round<'_, S, V>, lb: &LbService, ports: &BTreeMap<PortId, u16>) -> Served {
     let nodes = round.serving_of(&lb.key);
     let ingress = ingress_for(lb, ports, &nodes);
-    let condition = serving_condition(lb, ports, &nodes, &ingress);
+    let mut condition = serving_condition(lb, ports, &nodes, &ingress);
+    if condition.status {
+        let refused = round.refusals.and_then(|r| r.get(&lb.key.to_string())).map_or(&[][..], Vec::as_slice);
+        condition.message = serving_summary(&nodes, &ingress, refused);
+    }
     Served { ingress, condition }
+}
+
+/// How many nodes refusing a Service its `Serving` message names.
+const NAMED_REFUSALS: usize = 3;
+
+/// The message of `Serving=True`: on how many of the nodes that could serve it (its pool's,
+/// with a ready agent) it is served, and the first few that refuse it with why (their agents'
+/// reports), e.g. `served on 2 of 3 nodes (status.loadBalancer.ingress); node-3: … in use`.
+/// Bounded: a Service refused on many nodes names [`NAMED_REFUSALS`] and counts the rest.
+fn serving_summary(
+    nodes: &BTreeMap<String, ServingNode>,
+    ingress: &[LoadBalancerIngress],
+    refused: &[(String, String)],
+) -> String {
+    let listed: BTreeSet<std::net::IpAddr> =
+        ingress.iter().filter_map(|i| i.ip.as_deref()?.parse().ok()).collect();
+    let refusing: BTreeSet<&str> = refused.iter().map(|(n, _)| n.as_str()).collect();
+    let served = nodes
+        .values()
+        .filter(|n| n.addresses.iter().any(|a| listed.contains(a)) && !refusing.contains(n.name.as_str()))
+        .count();
+    let mut msg = format!("served on {served} of {} nodes (status.loadBalancer.ingress)", nodes.len());
+    let named: Vec<&(String, String)> = refused.iter().filter(|(n, _)| nodes.contains_key(n)).collect();
+    for (node, why) in named.iter().take(NAMED_REFUSALS) {
+        // The agent's words name the Service first; the condition is on it already.
+        let why = match why.split_once(": port ") {
+            Some((_, rest)) => format!("port {rest}"),
+            None => why.clone(),
+        };
+        let why: String = why.chars().take(160).collect();
+        msg.push_str(&format!("; {node}: {why}"));
+    }
+    if named.len() > NAMED_REFUSALS {
+        msg.push_str(&format!(
+            "; {} more nodes refuse it (nodelb status --cluster)",
+            named.len() - NAMED_REFUSALS
+        ));
+    }
+    msg
 }
 
 static NO_PORTS: BTreeMap<PortId, u16> = BTreeMap::new();
@@ -1136,6 +1182,42 @@ mod tests {
         }
     }
 
+    /// `Serving=True` says on how many nodes, and names a few refusing ones with why.
+    #[test]
+    fn the_serving_message_counts_nodes_and_names_refusals() {
+        let nodes = serving(&[
+            ("a", &[Family::Ipv4], &["10.0.0.1"]),
+            ("b", &[Family::Ipv4], &["10.0.0.2"]),
+            ("c", &[Family::Ipv4], &["10.0.0.3"]),
+            ("d", &[Family::Ipv4], &["10.0.0.4"]),
+            ("e", &[Family::Ipv4], &["10.0.0.5"]),
+        ]);
+        let svc = lb(&[Family::Ipv4], TrafficPolicy::Cluster, vec![]);
+        let ingress = ingress_for(&svc, &BTreeMap::from([(PortId::tcp(80), 20001)]), &nodes);
+        assert_eq!(
+            serving_summary(&nodes, &ingress, &[]),
+            "served on 5 of 5 nodes (status.loadBalancer.ingress)"
+        );
+        let why = |n: &str, w: &str| (n.to_string(), w.to_string());
+        let refused = [
+            why(
+                "c",
+                "Service default/web: port 80/TCP: node port 20001/TCP is not taken on this node: in use: a process listens on 0.0.0.0:20001/TCP on this node",
+            ),
+            why("zz", "not one of its nodes"),
+        ];
+        assert_eq!(
+            serving_summary(&nodes, &ingress, &refused),
+            "served on 4 of 5 nodes (status.loadBalancer.ingress); c: port 80/TCP: node port 20001/TCP is not taken on this node: in use: a process listens on 0.0.0.0:20001/TCP on this node"
+        );
+        let many: Vec<(String, String)> =
+            ["a", "b", "c", "d", "e"].iter().map(|n| why(n, "forwarding is off")).collect();
+        assert_eq!(
+            serving_summary(&nodes, &ingress, &many),
+            "served on 0 of 5 nodes (status.loadBalancer.ingress); a: forwarding is off; b: forwarding is off; c: forwarding is off; 2 more nodes refuse it (nodelb status --cluster)"
+        );
+    }
+
     /// `ports` lists the Service's own ports: no error where it answers on its own number.
     #[test]
     fn ingress_ports_say_which_service_ports_answer_on_their_own_number() {
@@ -1237,6 +1319,7 @@ mod tests {
             pool_nodes: None,
             pool_addresses: None,
             lost: &[],
+            refusals: None,
             now: t(0),
         }
     }
@@ -1363,13 +1446,23 @@ mod tests {
         let mut world = World { services: vec![service("web", |_| {})] };
         let w = world.writes(&nodes);
         apply(&mut world.services, &w);
-        // A node joins: ingress changes, the condition does not.
+        // A node joins: the ingress changes and the Serving message counts it (one write, as
+        // for the ingress alone); no condition's status, so no transition time, moves.
         let nodes2 = serving(&[("a", &[Family::Ipv4], &["10.0.0.1"]), ("b", &[Family::Ipv4], &["10.0.0.2"])]);
         let w2 = world.writes(&nodes2);
         assert_eq!(w2.len(), 1);
         let st = w2[0].status.as_ref().unwrap();
         assert_eq!(ips(&st.ingress), vec!["10.0.0.1", "10.0.0.2"]);
-        assert_eq!(st.conditions, world.services[0].status.as_ref().unwrap().conditions.clone().unwrap());
+        let before = world.services[0].status.as_ref().unwrap().conditions.clone().unwrap();
+        let times = |cs: &[Condition]| -> Vec<(String, String, Time)> {
+            cs.iter().map(|c| (c.type_.clone(), c.status.clone(), c.last_transition_time.clone())).collect()
+        };
+        assert_eq!(times(&st.conditions), times(&before));
+        let serving_message = |cs: &[Condition]| {
+            cs.iter().find(|c| c.type_ == CONDITION_SERVING).map(|c| c.message.clone()).unwrap_or_default()
+        };
+        assert_eq!(serving_message(&before), "served on 1 of 1 nodes (status.loadBalancer.ingress)");
+        assert_eq!(serving_message(&st.conditions), "served on 2 of 2 nodes (status.loadBalancer.ingress)");
     }
 
     #[test]
@@ -1506,6 +1599,7 @@ mod tests {
             pool_nodes: None,
             pool_addresses: None,
             lost: &[],
+            refusals: None,
             now,
         };
         let later = plan_writes(&round(true, t(60)));
