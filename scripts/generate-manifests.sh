@@ -13,12 +13,12 @@ helm=$(scripts/build-helm.sh)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 # The plain install: release "nodelb" in nodelb-system, the Namespace included (with its Pod
-# Security label), no Helm-only labels, the PodMonitor rendered (into monitoring/, which
+# Security label), no Helm-only labels, the PodMonitor and the alert rules rendered (into monitoring/, which
 # `kubectl apply -f daemonset/` does not apply: it needs the Prometheus operator's CRD), and the
 # k3s preset's pools (into k3s/, applied on k3s only: docs/migrating-from-servicelb.md).
 "$helm" template nodelb charts/nodelb --namespace nodelb-system \
     --set namespace.create=true --set helmLabels=false --set podMonitor.enabled=true \
-    --set pools.k3sTraefik.enabled=true \
+    --set pools.k3sTraefik.enabled=true --set prometheusRule.enabled=true \
     --include-crds --output-dir "$tmp" >/dev/null
 
 header="# GENERATED from charts/nodelb by scripts/generate-manifests.sh: edit the chart, not this file."
@@ -45,6 +45,7 @@ emit templates/daemonset.yaml 20-daemonset.yaml
 emit templates/controller.yaml 30-controller.yaml
 emit templates/podmonitor.yaml monitoring/podmonitor.yaml
 emit templates/scraper-rbac.yaml monitoring/scraper-rbac.yaml
+emit templates/prometheusrule.yaml monitoring/prometheusrule.yaml
 emit templates/pools.yaml k3s/pools.yaml
 cp charts/nodelb/dashboards/nodelb.json "$dest/monitoring/grafana-dashboard.json"
-echo "wrote $dest/{00-namespace,05-crd-nodeportpools,10-rbac,15-admission-policy,20-daemonset,30-controller}.yaml, $dest/monitoring/{podmonitor,scraper-rbac}.yaml, $dest/monitoring/grafana-dashboard.json, $dest/k3s/pools.yaml" >&2
+echo "wrote $dest/{00-namespace,05-crd-nodeportpools,10-rbac,15-admission-policy,20-daemonset,30-controller}.yaml, $dest/monitoring/{podmonitor,scraper-rbac,prometheusrule}.yaml, $dest/monitoring/grafana-dashboard.json, $dest/k3s/pools.yaml" >&2

@@ -23,8 +23,10 @@ if [[ $(id -u) -ne 0 ]]; then
     echo "scripts/test.sh: not root: the root tests will be skipped (use sudo to run them)" >&2
 fi
 
-# What the root tests run: ip (iproute2), nft, sysctl (procps), ping, conntrack, and
-# iptables-nft / iptables-legacy (Debian's iptables: the host firewalls of tests/host_firewall.rs).
+# What the root tests run: ip (iproute2), nft, sysctl (procps), ping, conntrack,
+# iptables-nft / iptables-legacy (Debian's iptables: the host firewalls of tests/host_firewall.rs),
+# and Prometheus with promtool (the alert rules' tests, tests/alerts.rs; the package's service is
+# not started where no init system runs it, and the test runs its own server in a namespace).
 need=()
 command -v ip >/dev/null || need+=(iproute2)
 command -v nft >/dev/null || need+=(nftables)
@@ -32,11 +34,24 @@ command -v sysctl >/dev/null || need+=(procps)
 command -v ping >/dev/null || need+=(iputils-ping)
 command -v conntrack >/dev/null || need+=(conntrack)
 { command -v iptables-nft && command -v iptables-legacy; } >/dev/null || need+=(iptables)
+{ command -v prometheus && command -v promtool; } >/dev/null || need+=(prometheus)
 if ((${#need[@]})); then
     if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
         log "installing ${need[*]}"
+        # Debian starts (and enables) a package's service when it is installed: the tests want
+        # Prometheus's binaries, not a server on this host. policy-rc.d keeps it from starting.
+        policy=
+        if [[ ! -e /usr/sbin/policy-rc.d ]]; then
+            printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+            chmod +x /usr/sbin/policy-rc.d
+            policy=1
+        fi
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+        [[ -n $policy ]] && rm -f /usr/sbin/policy-rc.d
+        if [[ " ${need[*]} " == *" prometheus "* ]] && command -v systemctl >/dev/null; then
+            systemctl disable --now prometheus >/dev/null 2>&1 || true
+        fi
     else
         echo "scripts/test.sh: missing ${need[*]} (install them, or run as root on Debian)" >&2
         exit 1

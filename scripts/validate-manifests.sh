@@ -33,7 +33,7 @@ fi
 echo "daemonset/: generated from charts/nodelb, up to date"
 
 all_on=(--set namespace.create=true --set podMonitor.enabled=true --set grafanaDashboard.enabled=true
-    --set pools.k3sTraefik.enabled=true)
+    --set pools.k3sTraefik.enabled=true --set prometheusRule.enabled=true --set serviceMonitor.enabled=true)
 "$helm" lint --strict charts/nodelb
 "$helm" lint --strict charts/nodelb "${all_on[@]}" --set 'config.endpoint-cidrs={10.0.0.0/8,192.168.0.0/16}'
 # The PodMonitor (a CRD) has no official schema: rendered without it here.
