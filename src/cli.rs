@@ -10,8 +10,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::port_policy::PortRange;
 
-/// `nodelb --version`: the crate's version and the commit it was built from (build.rs).
-pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("NODELB_GIT_COMMIT"), ")");
+pub use crate::VERSION;
 
 #[derive(Debug, Parser)]
 #[command(

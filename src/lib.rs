@@ -24,3 +24,7 @@ pub use nodelb_core::{
 /// Test oracles: the packet tracer and the planner's model of the kernel (feature `testing`).
 #[cfg(any(test, feature = "testing"))]
 pub use nodelb_core::{simulate, trace};
+
+/// `nodelb --version` and each node's report: the crate's version and the commit it was built
+/// from (build.rs).
+pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("NODELB_GIT_COMMIT"), ")");

@@ -9,6 +9,7 @@
 //!   the core, `observe` no later stage, `apply` and `serve` not the loop that drives them.
 //! - The node agent's code and the controller's (election, round, writes) name none of each
 //!   other's modules.
+//! - No module of either crate imports, directly or around, one that imports it back.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -178,4 +179,147 @@ fn the_node_agent_and_the_controller_share_no_code_path() {
         &["node_lease"],
     ));
     assert!(bad.is_empty(), "{bad:#?}");
+}
+
+/// Each module of the crate rooted at `src` (a file; `mod.rs`, `lib.rs`, `main.rs` name their
+/// folder; a sibling `tests.rs` is its parent's tests), by its path (`k8s::source`).
+fn modules(src: &Path) -> std::collections::BTreeMap<String, PathBuf> {
+    let mut out = std::collections::BTreeMap::new();
+    for f in rust_files(src) {
+        let rel = f.strip_prefix(src).unwrap().with_extension("");
+        let mut parts: Vec<String> = rel.iter().map(|p| p.to_string_lossy().into_owned()).collect();
+        if parts.last().is_some_and(|l| l == "tests") {
+            continue;
+        }
+        if parts.last().is_some_and(|l| matches!(l.as_str(), "mod" | "lib" | "main")) {
+            parts.pop();
+        }
+        out.insert(parts.join("::"), f);
+    }
+    out
+}
+
+/// The module paths `file`'s code (comments and its `#[cfg(test)] mod tests` left out) names
+/// through `crate::` and `super::`.
+fn module_paths(file: &Path, module: &str) -> BTreeSet<String> {
+    let text = std::fs::read_to_string(file).expect("source file");
+    let code = text.split("#[cfg(test)]\nmod tests").next().unwrap_or("");
+    let parent = module.rsplit_once("::").map_or("", |(p, _)| p);
+    let mut out = BTreeSet::new();
+    for line in code.lines() {
+        let line = line.split("//").next().unwrap_or("");
+        for (prefix, base) in [("crate::", String::new()), ("super::", parent.to_string())] {
+            for (i, _) in line.match_indices(prefix) {
+                let rest = &line[i + prefix.len()..];
+                let path: String = rest
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == ':')
+                    .collect();
+                let path = path.trim_end_matches(':');
+                // `crate::{a, b::c}`: each item.
+                let items: Vec<String> = match rest.strip_prefix('{') {
+                    Some(group) => group
+                        .split('}')
+                        .next()
+                        .unwrap_or("")
+                        .split(',')
+                        .map(|s| s.trim().split(' ').next().unwrap_or("").to_string())
+                        .collect(),
+                    None => vec![path.to_string()],
+                };
+                for item in items.into_iter().filter(|s| !s.is_empty()) {
+                    out.insert(if base.is_empty() { item } else { format!("{base}::{item}") });
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The cycles among the modules of the crate rooted at `src`: each strongly connected set of more
+/// than one module (Tarjan), named.
+fn import_cycles(src: &Path) -> Vec<Vec<String>> {
+    let mods = modules(src);
+    let names: Vec<&String> = mods.keys().collect();
+    let index: std::collections::BTreeMap<&String, usize> =
+        names.iter().enumerate().map(|(i, n)| (*n, i)).collect();
+    let mut edges: Vec<BTreeSet<usize>> = vec![BTreeSet::new(); names.len()];
+    for (i, name) in names.iter().enumerate() {
+        for path in module_paths(&mods[*name], name) {
+            let parts: Vec<&str> = path.split("::").collect();
+            // The longest prefix that is a module, not this one nor one it is inside.
+            let target =
+                (1..=parts.len()).rev().map(|k| parts[..k].join("::")).find(|m| mods.contains_key(m));
+            if let Some(t) = target.filter(|t| t != *name && !name.starts_with(&format!("{t}::"))) {
+                edges[i].insert(index[&t]);
+            }
+        }
+    }
+    struct Tarjan<'a> {
+        edges: &'a [BTreeSet<usize>],
+        index: Vec<Option<usize>>,
+        low: Vec<usize>,
+        stack: Vec<usize>,
+        on: Vec<bool>,
+        next: usize,
+        out: Vec<Vec<usize>>,
+    }
+    impl Tarjan<'_> {
+        fn visit(&mut self, v: usize) {
+            self.index[v] = Some(self.next);
+            self.low[v] = self.next;
+            self.next += 1;
+            self.stack.push(v);
+            self.on[v] = true;
+            for &w in self.edges[v].iter() {
+                match self.index[w] {
+                    None => {
+                        self.visit(w);
+                        self.low[v] = self.low[v].min(self.low[w]);
+                    }
+                    Some(iw) if self.on[w] => self.low[v] = self.low[v].min(iw),
+                    Some(_) => {}
+                }
+            }
+            if Some(self.low[v]) == self.index[v] {
+                let mut comp = vec![];
+                while let Some(w) = self.stack.pop() {
+                    self.on[w] = false;
+                    comp.push(w);
+                    if w == v {
+                        break;
+                    }
+                }
+                if comp.len() > 1 {
+                    self.out.push(comp);
+                }
+            }
+        }
+    }
+    let n = names.len();
+    let mut t = Tarjan {
+        edges: &edges,
+        index: vec![None; n],
+        low: vec![0; n],
+        stack: vec![],
+        on: vec![false; n],
+        next: 0,
+        out: vec![],
+    };
+    for v in 0..n {
+        if t.index[v].is_none() {
+            t.visit(v);
+        }
+    }
+    t.out.into_iter().map(|c| c.into_iter().map(|i| names[i].clone()).collect()).collect()
+}
+
+#[test]
+fn no_module_imports_one_that_imports_it_back() {
+    for krate in ["crates/core/src", "src"] {
+        let src = Path::new(ROOT).join(krate);
+        assert!(modules(&src).len() > 20, "{krate}: modules not found");
+        let cycles = import_cycles(&src);
+        assert!(cycles.is_empty(), "{krate}: modules that import each other, directly or around: {cycles:?}");
+    }
 }

@@ -15,6 +15,7 @@ pub mod api;
 pub mod controller;
 pub mod election;
 pub mod installation;
+pub mod metrics;
 pub mod node_lease;
 pub mod pools;
 pub mod review;

@@ -16,8 +16,8 @@ use kube::runtime::events::{Recorder, Reporter};
 use kube::{Api, Client};
 use tracing::{debug, info};
 
+use super::metrics::KubeMetrics;
 use crate::domain::Family;
-use crate::serve::metrics::KubeMetrics;
 use crate::serve::status::SharedStatus;
 
 use super::api::{CONTROLLER_NAME, Failing, is_conflict, post_params, publish_event};
@@ -154,7 +154,7 @@ fn report_of(st: &crate::serve::status::Status) -> NodeReport {
     problems.extend(st.host_firewall.problems.iter().cloned());
     problems.extend(st.hairpin.iter().map(|h| h.message.clone()));
     NodeReport {
-        version: crate::cli::VERSION.to_string(),
+        version: crate::VERSION.to_string(),
         ready,
         not_ready,
         families,

@@ -4,7 +4,7 @@
 //! fatal; a relist replaces a store atomically on `InitDone`, so the stores always hold a complete
 //! view once each has finished its first list.
 
-use crate::serve::metrics::KubeMetrics;
+use super::metrics::KubeMetrics;
 use std::collections::BTreeSet;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -27,7 +27,7 @@ use super::nodes::LABEL_NODE_LEASE;
 use crate::locks::lock;
 use crate::model::Standing;
 use crate::observe::debounce::{Burst, Events};
-use crate::observe::source::Fingerprint;
+use crate::observe::fingerprint::Fingerprint;
 use crate::pool::NodePortPool;
 use crate::slim::Slim;
 

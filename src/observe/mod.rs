@@ -6,6 +6,7 @@ pub mod bounded;
 pub mod bridge;
 pub(crate) mod debounce;
 pub mod dir_watch;
+pub mod fingerprint;
 pub mod hostaddrs;
 pub mod listeners;
 pub mod manifest_dir;

@@ -18,6 +18,7 @@ use prometheus::{
 
 use crate::counters::{CounterKind, CounterState, Series, SeriesKey, Totals};
 use crate::encode::nft::NftClient;
+pub use crate::k8s::metrics::KubeMetrics;
 
 pub type SharedCounters = Arc<Mutex<CounterState>>;
 
@@ -263,7 +264,7 @@ impl Metrics {
         registry.register(Box::new(forwarding.clone()))?;
         registry.register(Box::new(family_served.clone()))?;
         registry.register(Box::new(manifest_problems.clone()))?;
-        let kube = KubeMetrics::register(&registry, &["node_lease", "event"])?;
+        let kube = KubeMetrics::register(&registry, &crate::k8s::source::KINDS, &["node_lease", "event"])?;
         let endpoints_refused = IntGaugeVec::new(
             Opts::new(
                 "nodelb_endpoints_refused",
@@ -361,54 +362,6 @@ fn register_build_info(registry: &Registry) -> prometheus::Result<()> {
     Ok(())
 }
 
-/// The Kubernetes API's failures, as both workloads count them.
-#[derive(Clone)]
-pub struct KubeMetrics {
-    pub watch_errors: IntCounterVec,
-    pub watch_restarts: IntCounterVec,
-    pub api_errors: IntCounterVec,
-}
-
-impl KubeMetrics {
-    /// Registers the three counters in `registry`; `operations`: the `api_errors` label values
-    /// this workload has (each series starts at 0).
-    fn register(registry: &Registry, operations: &[&str]) -> prometheus::Result<KubeMetrics> {
-        let watch_errors = IntCounterVec::new(
-            Opts::new(
-                "nodelb_watch_errors_total",
-                "Kubernetes list/watch failures per resource (retried with backoff; caches keep their last view).",
-            ),
-            &["resource"],
-        )?;
-        let watch_restarts = IntCounterVec::new(
-            Opts::new(
-                "nodelb_watch_restarts_total",
-                "Kubernetes watches that recovered after failing, per resource (relist or resumed watch).",
-            ),
-            &["resource"],
-        )?;
-        let api_errors = IntCounterVec::new(
-            Opts::new(
-                "nodelb_api_errors_total",
-                "Failed Kubernetes API writes/reads outside the watches, by operation (node: node_lease, event; controller: lease, service, registry, nodeportpool, event).",
-            ),
-            &["operation"],
-        )?;
-        // Known label values start at 0, so dashboards and alerts see the series before the first event.
-        for resource in crate::k8s::source::KINDS {
-            watch_errors.with_label_values(&[resource]).reset();
-            watch_restarts.with_label_values(&[resource]).reset();
-        }
-        for operation in operations {
-            api_errors.with_label_values(&[operation]).reset();
-        }
-        registry.register(Box::new(watch_errors.clone()))?;
-        registry.register(Box::new(watch_restarts.clone()))?;
-        registry.register(Box::new(api_errors.clone()))?;
-        Ok(KubeMetrics { watch_errors, watch_restarts, api_errors })
-    }
-}
-
 /// Every metric the controller exports: leadership and the API's failures.
 pub struct ControllerMetrics {
     pub registry: Registry,
@@ -431,8 +384,11 @@ impl ControllerMetrics {
         )?;
         registry.register(Box::new(leader.clone()))?;
         registry.register(Box::new(leader_transitions.clone()))?;
-        let kube =
-            KubeMetrics::register(&registry, &["lease", "service", "registry", "nodeportpool", "event"])?;
+        let kube = KubeMetrics::register(
+            &registry,
+            &crate::k8s::source::KINDS,
+            &["lease", "service", "registry", "nodeportpool", "event"],
+        )?;
         register_build_info(&registry)?;
         Ok(ControllerMetrics { registry, leader, leader_transitions, kube })
     }

@@ -223,13 +223,13 @@ impl Constraints<'_> {
     fn describe_allowed(&self, key: &ServiceKey) -> Option<String> {
         match self.pool_of(key) {
             Some(pool) if pool.requestable.is_empty() => {
-                Some(format!("pool {} {}", pool.pool, crate::pool::describe_ranges(&pool.keep)))
+                Some(format!("pool {} {}", pool.pool, crate::port_policy::describe_ranges(&pool.keep)))
             }
             Some(pool) => Some(format!(
                 "pool {} {} or its requestablePorts {}",
                 pool.pool,
-                crate::pool::describe_ranges(&pool.keep),
-                crate::pool::describe_ranges(&pool.requestable)
+                crate::port_policy::describe_ranges(&pool.keep),
+                crate::port_policy::describe_ranges(&pool.requestable)
             )),
             None => self.policy.map(PortPolicy::describe),
         }
@@ -548,7 +548,9 @@ pub fn allocate_with<S: Borrow<LbService>>(
                         Some(p) if p.take.is_empty() && !p.keep.is_empty() => {
                             format!("pool {} (disabled, or all its ranges are another pool's)", p.pool)
                         }
-                        Some(p) => format!("pool {} {}", p.pool, crate::pool::describe_ranges(&p.take)),
+                        Some(p) => {
+                            format!("pool {} {}", p.pool, crate::port_policy::describe_ranges(&p.take))
+                        }
                         None => format!("range {range}"),
                     },
                 }),

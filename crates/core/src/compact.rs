@@ -21,7 +21,8 @@ use k8s_openapi::api::discovery::v1::EndpointConditions;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::{Deserialize, Deserializer};
 
-use crate::model::LABEL_SERVICE_NAME;
+/// Label linking an EndpointSlice to its Service.
+pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 
 /// An EndpointSlice (`discovery.k8s.io/v1`) as nodelb keeps it: its metadata (slimmed like every
 /// cached object's, [`crate::slim`]), the Service it belongs to, address type, ports and per

@@ -80,8 +80,7 @@ pub const ANNOTATION_IGNORE: &str = "nodelb.io/ignore";
 pub const ANNOTATION_LEGACY_SOURCE_RANGES: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
 /// Service condition the leader sets: are node ports allocated (`False` says why).
 pub const CONDITION_ALLOCATED: &str = "nodelb.io/Allocated";
-/// Label linking an EndpointSlice to its Service.
-pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
+pub use crate::compact::LABEL_SERVICE_NAME;
 /// Nodes with this label are never listed in a Service's status (the Kubernetes convention).
 pub const LABEL_EXCLUDE_LB: &str = "node.kubernetes.io/exclude-from-external-load-balancers";
 

@@ -1059,17 +1059,7 @@ pub fn usage<'a>(
         .collect()
 }
 
-/// Ranges as `20000-20099,21000` for status and messages.
-pub fn describe_ranges(ranges: &[PortRange]) -> String {
-    if ranges.is_empty() {
-        return "none".to_string();
-    }
-    ranges
-        .iter()
-        .map(|r| if r.first == r.last { r.first.to_string() } else { r.to_string() })
-        .collect::<Vec<_>>()
-        .join(",")
-}
+pub use crate::port_policy::describe_ranges;
 
 #[cfg(test)]
 mod tests {
