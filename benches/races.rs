@@ -5,7 +5,6 @@
 //!
 //! ```text
 //! cargo bench --bench races -- --only split-brain --rounds 1000 [--seed S]
-//! cargo bench --bench races --features race-demo-without-preconditions -- --only split-brain --rounds 200
 //! ```
 //!
 //! Scenarios:
@@ -138,10 +137,6 @@ fn main() {
 
 // ---------------------------------------------------------------------------------------------
 // Split brain
-
-/// Built with `--features race-demo-without-preconditions`: the leaders write the node-port
-/// registry without its resourceVersion precondition, and the run must show doubles.
-const WITHOUT_PRECONDITIONS: bool = cfg!(feature = "race-demo-without-preconditions");
 
 /// Namespace of the split-brain Services.
 const NS: &str = "race";
@@ -290,7 +285,6 @@ fn split_brain_in(a: &Args, rng: &mut Rng, ns: &NetNs) -> Row {
     let watch = AllocationWatch::start(&cp, Some(NS));
     let client = cp.client();
     let api: Api<Service> = Api::namespaced(client.clone(), NS);
-    let preconditions = !WITHOUT_PRECONDITIONS;
     let mut leaders = [Leader::new("node-a"), Leader::new("node-b")];
     let mut next_name = 0usize;
     let mut rounds_with_doubles = 0usize;
@@ -374,9 +368,8 @@ fn split_brain_in(a: &Args, rng: &mut Rng, ns: &NetNs) -> Row {
     for d in seen.iter().take(10) {
         println!("  node port {} held by {}", d.number, d.holders.join(" and "));
     }
-    let mode = if preconditions { "" } else { " (preconditions removed)" };
     Row {
-        scenario: format!("split brain: two leaders at once{mode}"),
+        scenario: "split brain: two leaders at once".to_string(),
         load: format!("{} rounds, ≤{MAX_SERVICES} Services, requests for {}–{}", a.rounds, HOT.0, HOT.1),
         faults: "each round: two leaders at once, each seeing 1–2 or 2–4 changes not yet allocated".into(),
         duration: started.elapsed(),
@@ -384,7 +377,7 @@ fn split_brain_in(a: &Args, rng: &mut Rng, ns: &NetNs) -> Row {
         doubles: seen.len(),
         leftovers: "–".into(),
         rss: "–".into(),
-        ok: if preconditions { seen.is_empty() } else { !seen.is_empty() },
+        ok: seen.is_empty(),
     }
 }
 

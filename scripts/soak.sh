@@ -5,7 +5,6 @@
 #   sudo scripts/soak.sh                          # chaos soak, 10 minutes of faults
 #   sudo scripts/soak.sh soak --duration 120      # the 2-minute version (.ci/run)
 #   sudo scripts/soak.sh races --only split-brain --rounds 1000
-#   sudo scripts/soak.sh races --demo-without-preconditions --only split-brain --rounds 200
 #   sudo scripts/soak.sh races --only kill-mid-sync --rounds 20
 #   sudo scripts/soak.sh soak --seed S            # replays a run's fault and churn sequence
 #
@@ -21,18 +20,6 @@ program=soak
 case "${1:-}" in
     soak|races) program=$1; shift ;;
 esac
-# races --demo-without-preconditions: built with the feature race-demo-without-preconditions
-# (the leader writes the node-port registry without its resourceVersion precondition), to show
-# that the precondition is what stops double allocations: that run must find some.
-features=()
-args=()
-for a in "$@"; do
-    case "$a" in
-        --demo-without-preconditions) features=(--features race-demo-without-preconditions) ;;
-        *) args+=("$a") ;;
-    esac
-done
-set -- "${args[@]+"${args[@]}"}"
 
 if [ "$(id -u)" != 0 ]; then
     echo "scripts/soak.sh: needs root (network namespaces, nftables); run it with sudo" >&2
@@ -44,7 +31,7 @@ nodelb_ensure_rust || exit 1
 
 log "building nodelb and benches/$program.rs (dev profile)"
 cargo build --bin nodelb
-exe=$(cargo build --bench "$program" "${features[@]}" --message-format=json 2>/dev/null |
+exe=$(cargo build --bench "$program" --message-format=json 2>/dev/null |
     sed -n "s/.*\"executable\":\"\([^\"]*\/$program-[^\"]*\)\".*/\1/p" | tail -n1)
 [ -x "$exe" ] || { echo "scripts/soak.sh: could not build benches/$program.rs" >&2; exit 1; }
 

@@ -588,7 +588,7 @@ type WriteResult = (bool, Result<(), kube::Error>, Vec<String>);
 async fn write(client: &Client, w: &ServiceWrite, made: &mut Vec<String>) -> (bool, Result<(), kube::Error>) {
     let api: Api<Service> = Api::namespaced(client.clone(), &w.key.namespace);
     let params = PatchParams { field_manager: Some(FIELD_MANAGER.into()), ..Default::default() };
-    let mut rv = w.resource_version.clone().filter(|_| PRECONDITIONS);
+    let mut rv = w.resource_version.clone();
     let mut annotated = false;
     if let Some(value) = &w.annotation {
         let mut patch = json!({"metadata": {"annotations": {ANNOTATION_ALLOCATED: value}}});
@@ -598,7 +598,7 @@ async fn write(client: &Client, w: &ServiceWrite, made: &mut Vec<String>) -> (bo
         match api.patch(&w.key.name, &params, &Patch::Merge(&patch)).await {
             Ok(svc) => {
                 made.extend(svc.metadata.resource_version.clone());
-                rv = svc.metadata.resource_version.filter(|_| PRECONDITIONS);
+                rv = svc.metadata.resource_version;
             }
             Err(e) => return (false, Err(e)),
         }
@@ -621,11 +621,6 @@ async fn write(client: &Client, w: &ServiceWrite, made: &mut Vec<String>) -> (bo
     }
     (annotated, Ok(()))
 }
-
-/// Whether the leader's writes (node-port registry and Services) carry their resourceVersion
-/// preconditions. Always, except in the build of the race harness that shows what they prevent
-/// (`--features race-demo-without-preconditions`, never for use).
-const PRECONDITIONS: bool = !cfg!(feature = "race-demo-without-preconditions");
 
 /// Every block of the node-port registry (Leases labelled [`claims::LABEL`]), with the problems
 /// found reading them (a block read again at the same resourceVersion is not parsed again).
@@ -672,21 +667,6 @@ async fn write_block(
         },
         spec: None,
     };
-    if !PRECONDITIONS {
-        // Last writer wins: the Lease API insists on a resourceVersion, so take the current one,
-        // again until no one wrote in between.
-        for _ in 0..10 {
-            let current = api.get_opt(&name).await?.and_then(|l| l.metadata.resource_version);
-            let r = match &current {
-                None => api.create(&post_params(), &lease(None)).await,
-                Some(_) => api.replace(&name, &post_params(), &lease(current.clone())).await,
-            };
-            match r {
-                Err(kube::Error::Api(e)) if e.code == 409 => continue,
-                r => return r.map(|l| l.metadata.resource_version),
-            }
-        }
-    }
     let written = match &b.resource_version {
         None => api.create(&post_params(), &lease(None)).await?,
         Some(_) => api.replace(&name, &post_params(), &lease(b.resource_version.clone())).await?,
