@@ -169,15 +169,15 @@ pub struct Filter {
 }
 
 /// One Service: its ports, the nodes that serve it, and why the others do not.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ServiceRow {
     pub namespace: String,
     pub name: String,
     /// `nodelb.io/allocated-ports` as written (`80/TCP=20001`); empty: none.
     pub ports: String,
     /// Its `nodelb.io/Allocated` condition when not `True`: why it has no (or not every) port.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub not_allocated: Option<String>,
     pub served_on: Vec<String>,
     /// Node → why it does not serve the Service.
@@ -185,21 +185,22 @@ pub struct ServiceRow {
 }
 
 /// One node: whether it runs an agent and what that agent says.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct NodeRow {
     pub name: String,
     /// Its agent's Lease is renewed (within its duration).
     pub agent: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub report: Option<NodeReport>,
     /// Why the report cannot be read.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub report_problem: Option<String>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase")]
+/// The `--json` form (its schema: these types, read back with unknown fields refused).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ClusterView {
     pub services: Vec<ServiceRow>,
     pub nodes: Vec<NodeRow>,
