@@ -898,6 +898,10 @@ struct Reaction {
     /// something, and (Kubernetes mode) each allocation round of the leader.
     syncs: Vec<Breakdown>,
     rounds: Vec<Breakdown>,
+    /// Kubernetes mode: the agent's `nodelb_network_programming_duration_seconds` over the
+    /// creates (each slice carries its trigger time, as the EndpointSlice controller writes it):
+    /// samples and their mean, ms.
+    slo: Option<(u64, f64)>,
 }
 
 /// One "… breakdown (ms)" line of the agent's log: its phases in order, in ms.
@@ -1721,8 +1725,16 @@ fn run_agent(cfg: &Config, n: usize, footprint: bool, reaction: bool, r: &mut Re
             settle(b.client(), addr, live.is_some());
         }
         let (syncs, rounds) = breakdowns(&agent.logs()[seen..]);
-        r.reaction =
-            Some(Reaction { n, add_ms, remove_ms, allocated_ms: Vec::new(), timeouts, syncs, rounds });
+        r.reaction = Some(Reaction {
+            n,
+            add_ms,
+            remove_ms,
+            allocated_ms: Vec::new(),
+            timeouts,
+            syncs,
+            rounds,
+            slo: None,
+        });
     }
     agent.kill9();
     keep_log(cfg, "manifests-agent.log", &agent.logs());
@@ -1821,13 +1833,26 @@ fn run_kube(cfg: &Config, n: usize, r: &mut Results) {
     let leader_seen = c.controllers[leader].logs().len();
     let (mut add_ms, mut remove_ms, mut allocated_ms, mut timeouts) = (Vec::new(), Vec::new(), Vec::new(), 0);
     let mut unseen = 0;
+    const SLO: &str = "nodelb_network_programming_duration_seconds";
+    let slo_before = (c.metric_sum(0, &format!("{SLO}_count")), c.metric_sum(0, &format!("{SLO}_sum")));
     for k in 0..cfg.reaction_changes / 2 {
         let name = format!("react-{k}");
         let s = ServiceSpec::new(&name)
             .port(PortSpec::tcp(80, Some(cfg.reaction_port)))
             .endpoint(EndpointSpec::local(backend));
         let start = Instant::now();
-        c.create(&s);
+        // As the EndpointSlice controller writes it: the time of the change on the slice.
+        let mut svc = s.service();
+        svc["spec"].as_object_mut().map(|spec| spec.remove("selector"));
+        let trigger = k8s_openapi::jiff::Timestamp::now().to_string();
+        if let Err(e) = c.api.create(svc) {
+            r.note(format!("Kubernetes mode: create {name}: {e:?}"));
+        }
+        for mut slice in s.slices() {
+            slice["metadata"]["annotations"] =
+                serde_json::json!({"endpoints.kubernetes.io/last-change-trigger-time": trigger});
+            let _ = c.api.create(slice);
+        }
         // The leader's write, seen from the API server through a watch (a poll loop of GETs
         // loaded the API server, etcd and the two cores the change is timed on), while the
         // client polls the node.
@@ -1868,7 +1893,10 @@ fn run_kube(cfg: &Config, n: usize, r: &mut Results) {
     }
     let (syncs, _) = breakdowns(&c.agents[0].logs()[seen..]);
     let (_, rounds) = breakdowns(&c.controllers[leader].logs()[leader_seen..]);
-    r.kube_reaction = Some(Reaction { n, add_ms, remove_ms, allocated_ms, timeouts, syncs, rounds });
+    let samples = c.metric_sum(0, &format!("{SLO}_count")) - slo_before.0;
+    let slo = (samples > 0.0)
+        .then(|| (samples as u64, (c.metric_sum(0, &format!("{SLO}_sum")) - slo_before.1) / samples * 1e3));
+    r.kube_reaction = Some(Reaction { n, add_ms, remove_ms, allocated_ms, timeouts, syncs, rounds, slo });
     keep_log(cfg, "kube-agent.log", &c.agents[0].logs());
     keep_log(cfg, "kube-controller.log", &c.controllers[leader].logs());
 }
@@ -1959,6 +1987,15 @@ fn report(cfg: &Config, r: &Results) -> String {
                     ("delete Service", &x.remove_ms),
                 ],
             );
+            if let Some((samples, mean_ms)) = x.slo {
+                let _ = writeln!(
+                    w,
+                    "\nThe agent's own `nodelb_network_programming_duration_seconds` over the same creates \
+                     (from each slice's trigger time to its rules in the kernel, kube-proxy's SLI): \
+                     {samples} samples, mean {mean_ms:.1} ms (the create's figure above adds the \
+                     first connection through the node)."
+                );
+            }
             where_line(w, x);
         }
         None => {
