@@ -98,13 +98,13 @@ struct LeaseAnnotations {
     report: NodeReport,
 }
 
-/// Equal when a write would say the same (the report's last-sync time aside: it goes out with
-/// the renewals, not on its own).
+/// Equal when what the leader needs at once is the same. The report is left out: it goes out
+/// with the renewals (or with a write for the rest), never on its own, so a node whose Services
+/// come and go adds no Lease write for it.
 impl PartialEq for LeaseAnnotations {
     fn eq(&self, other: &LeaseAnnotations) -> bool {
         (&self.families, &self.listening, &self.pool_addresses, &self.addresses)
             == (&other.families, &other.listening, &other.pool_addresses, &other.addresses)
-            && self.report.same_but_time(&other.report)
     }
 }
 
@@ -121,6 +121,17 @@ impl LeaseAnnotations {
     }
 }
 
+/// Reason codes of `/status` that say what the leader decided, not what this node did.
+const LEADERS_CODES: &[&str] = &[
+    "no_allocation",
+    "port_conflict",
+    "range_exhausted",
+    "port_not_allowed",
+    "port_in_use",
+    "no_pool",
+    "quota_exceeded",
+];
+
 /// What this agent says about its node for `nodelb status --cluster`, from its `/status`.
 fn report_of(st: &crate::serve::status::Status) -> NodeReport {
     use crate::report::ServiceState;
@@ -136,8 +147,17 @@ fn report_of(st: &crate::serve::status::Status) -> NodeReport {
             (f.clone(), FamilyReport { forwarding: s.forwarding, served: s.served(), why })
         })
         .collect();
+    // The leader's decisions (no node port yet, a conflict, no pool, ...) are the same on every
+    // node and on the Service's Allocated condition already; a number not in the registry yet is
+    // a moment's wait. Neither is this node's to report.
+    let pending = crate::port_policy::PortRefusal::NotRecorded { another: false }.to_string();
     let mut refused = Vec::new();
     for s in &st.services {
+        if s.reason_code.as_deref().is_some_and(|c| LEADERS_CODES.contains(&c))
+            || s.reason.as_deref().is_some_and(|r| r.contains(&pending))
+        {
+            continue;
+        }
         let service = format!("{}/{}", s.namespace, s.name);
         let problems: Vec<&str> = s.ports.iter().filter_map(|p| p.problem.as_deref()).collect();
         let (code, reason) = match s.state {

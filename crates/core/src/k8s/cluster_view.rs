@@ -7,8 +7,8 @@
 //! carries the report at no extra request), the admission policy lets an agent write only its
 //! own, and reading it needs `get`/`list` on Leases in nodelb's namespace only, no exec into a
 //! pod and no route to the nodes. The report is bounded (refusals and problems capped, texts
-//! shortened), so 50,000 Services cost a Lease no more than [`MAX_REFUSED`] entries; and it
-//! changes only when what it says changes, so it adds no write of its own in a steady cluster.
+//! shortened), so 50,000 Services cost a Lease no more than [`MAX_REFUSED`] entries; and it only
+//! rides on the writes the Lease gets anyway (its renewals), so it adds none of its own.
 
 use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
@@ -114,16 +114,6 @@ impl NodeReport {
         self
     }
 
-    /// Whether `other` says the same but for the time of the last sync (which changes at
-    /// every sync: written with the Lease's renewals, not on its own).
-    pub fn same_but_time(&self, other: &NodeReport) -> bool {
-        let strip = |r: &NodeReport| NodeReport {
-            last_sync: r.last_sync.as_ref().map(|s| LastSync { at: 0, ok: s.ok }),
-            ..r.clone()
-        };
-        strip(self) == strip(other)
-    }
-
     pub fn to_annotation(&self) -> String {
         serde_json::to_string(self).unwrap_or_default()
     }
@@ -140,7 +130,14 @@ impl NodeReport {
 /// node with its reason (nodes in name order). The leader's `Serving` condition summarises it.
 pub type Refusals = BTreeMap<String, Vec<(String, String)>>;
 
-/// [`Refusals`] from the node Leases (a report that does not parse says nothing).
+/// The reason codes of a node's refusal that last as long as their cause (a process on the port,
+/// forwarding off, endpoints refused): what the `Serving` condition names. A Service without
+/// endpoints yet, or one a node has not seen allocated yet, passes in a moment; naming it would
+/// rewrite the condition twice for every new Service.
+pub const LASTING: &[&str] = &["node_port_refused", "port_refused", "forwarding_off", "endpoints_refused"];
+
+/// [`Refusals`] from the node Leases, the [`LASTING`] ones (a report that does not parse says
+/// nothing).
 pub fn refusals<L: Borrow<Lease>>(leases: &[L]) -> Refusals {
     let mut out = Refusals::new();
     let mut by_node: Vec<(&str, NodeReport)> = leases
@@ -153,7 +150,7 @@ pub fn refusals<L: Borrow<Lease>>(leases: &[L]) -> Refusals {
         .collect();
     by_node.sort_by(|a, b| a.0.cmp(b.0));
     for (node, report) in by_node {
-        for r in report.refused {
+        for r in report.refused.into_iter().filter(|r| LASTING.contains(&r.code.as_str())) {
             out.entry(r.service).or_default().push((node.to_string(), r.reason));
         }
     }
