@@ -87,25 +87,17 @@ fn served_families(
     (served, events)
 }
 
-/// What a node Lease publishes besides its renewal: the families served, the listening ports,
-/// the pools' addresses, this node's addresses (`None`: not read yet), and the node's report.
-#[derive(Debug, Clone)]
+/// What a node Lease publishes besides its renewal that the leader needs at once: the families
+/// served, the listening ports, the pools' addresses, this node's addresses (`None`: not read
+/// yet). A change is written at once; the node's report ([`report_of`]) is not among them: it
+/// goes out with every write and never on its own, so a node whose Services come and go adds no
+/// Lease write for it (and it is built once per write, not at every poll).
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct LeaseAnnotations {
     families: String,
     listening: Option<String>,
     pool_addresses: Option<String>,
     addresses: Option<String>,
-    report: NodeReport,
-}
-
-/// Equal when what the leader needs at once is the same. The report is left out: it goes out
-/// with the renewals (or with a write for the rest), never on its own, so a node whose Services
-/// come and go adds no Lease write for it.
-impl PartialEq for LeaseAnnotations {
-    fn eq(&self, other: &LeaseAnnotations) -> bool {
-        (&self.families, &self.listening, &self.pool_addresses, &self.addresses)
-            == (&other.families, &other.listening, &other.pool_addresses, &other.addresses)
-    }
 }
 
 impl LeaseAnnotations {
@@ -116,7 +108,6 @@ impl LeaseAnnotations {
             listening: st.listening_ports.clone(),
             pool_addresses: st.pool_addresses.clone(),
             addresses: st.node_addresses.clone(),
-            report: report_of(&st),
         }
     }
 }
@@ -219,13 +210,9 @@ async fn node_lease(
         }
         let (families, off) = served_families(&status);
         let now = LeaseAnnotations::of(&families, &status);
-        let LeaseAnnotations {
-            families: value,
-            listening: ports,
-            pool_addresses: selected,
-            addresses,
-            report,
-        } = now.clone();
+        let LeaseAnnotations { families: value, listening: ports, pool_addresses: selected, addresses } =
+            now.clone();
+        let report = report_of(&crate::locks::read(&status));
         if last_families.as_ref() != Some(&value) {
             info!(lease = %name, families = %value, "node Lease: serving families");
             last_families = Some(value.clone());

@@ -203,13 +203,6 @@ pub struct ClusterView {
     pub nodes: Vec<NodeRow>,
 }
 
-/// Whether `lease` was renewed within its duration at `now`.
-fn fresh(lease: &Lease, now: k8s_openapi::jiff::Timestamp) -> bool {
-    let Some(spec) = &lease.spec else { return false };
-    let (Some(renewed), Some(secs)) = (&spec.renew_time, spec.lease_duration_seconds) else { return false };
-    now.duration_since(renewed.0).as_secs() <= i64::from(secs)
-}
-
 /// The view of `services` (nodelb's are those with an allocation annotation or an `Allocated`
 /// condition), `nodes` and the node `leases`, at `now`, within `filter`.
 pub fn assemble<S: Borrow<Service>, N: Borrow<Node>, L: Borrow<Lease>>(
@@ -245,7 +238,8 @@ pub fn assemble<S: Borrow<Service>, N: Borrow<Node>, L: Borrow<Lease>>(
             Some(Err(e)) => (None, Some(e)),
             None => (None, None),
         };
-        rows.push(NodeRow { agent: lease.is_some_and(|l| fresh(l, now)), name, report, report_problem });
+        let agent = lease.is_some_and(|l| super::nodes::lease_fresh(l, Some(now)) == Some(true));
+        rows.push(NodeRow { agent, name, report, report_problem });
     }
     rows.sort_by(|a, b| a.name.cmp(&b.name));
     let refused: BTreeMap<(&str, &str), &Refused> = rows

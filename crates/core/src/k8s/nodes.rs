@@ -237,7 +237,7 @@ pub fn lease_families(lease: &Lease, now: Option<Timestamp>) -> Option<BTreeSet<
 
 /// Whether a Lease was renewed less than its duration before `now` (`None`: judged fresh, see
 /// [`lease_families`]); `None` when it has no renewal time or duration.
-fn lease_fresh(lease: &Lease, now: Option<Timestamp>) -> Option<bool> {
+pub fn lease_fresh(lease: &Lease, now: Option<Timestamp>) -> Option<bool> {
     let spec = lease.spec.as_ref()?;
     let renewed = spec.renew_time.as_ref()?.0;
     let duration = SignedDuration::from_secs(i64::from(spec.lease_duration_seconds?.max(0)));
