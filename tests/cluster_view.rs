@@ -22,6 +22,30 @@ fn the_cluster_view_says_where_each_service_is_served_and_why_not() {
     for i in 0..3 {
         c.wait_served(i, np, CHANGE);
     }
+    // A second Service in a pool that selects node-1 and node-2 only (a catch-all pool keeps
+    // `web` where it is).
+    for (node, zone) in [("node-1", "edge"), ("node-2", "edge"), ("node-3", "core")] {
+        c.api.kubectl_ok(&["label", "node", node, &format!("zone={zone}")]);
+    }
+    let pools = r#"[
+        {"apiVersion": "nodelb.io/v1alpha1", "kind": "NodePortPool", "metadata": {"name": "all"},
+         "spec": {"ports": [{"start": 20000, "end": 20099}], "priority": 10}},
+        {"apiVersion": "nodelb.io/v1alpha1", "kind": "NodePortPool", "metadata": {"name": "edge"},
+         "spec": {"ports": [{"start": 21000, "end": 21009}], "nodeSelector": {"matchLabels": {"zone": "edge"}},
+                  "serviceSelector": {"matchLabels": {"tier": "edge"}}}}]"#;
+    for pool in serde_json::from_str::<Vec<Value>>(pools).unwrap() {
+        c.api.create(pool).expect("create a pool");
+    }
+    let edge_spec = web("edge", &[(0, 0)]);
+    let mut edge = edge_spec.service();
+    edge["spec"].as_object_mut().unwrap().remove("selector");
+    edge["metadata"]["labels"] = serde_json::json!({"tier": "edge"});
+    c.api.create(edge).expect("create edge");
+    for s in edge_spec.slices() {
+        c.api.create(s).expect("create its slice");
+    }
+    let edge_np = c.wait_allocated("edge", 1, CHANGE)["80/TCP"];
+    assert!((21000..=21009).contains(&edge_np), "edge: {edge_np}");
     // node-2: IPv4 forwarding off (its agent is not ready); node-3: a process listens on the
     // Service's node port (its agent leaves the port to it).
     c.nodes[1].sysctl("net.ipv4.ip_forward", "0");
@@ -66,13 +90,23 @@ fn the_cluster_view_says_where_each_service_is_served_and_why_not() {
     let mut last = Value::Null;
     let ok = wait_until(CHANGE, || {
         last = view(&[]);
-        let web = &last["services"][0];
+        let web = named(&last, "web");
         web["servedOn"] == serde_json::json!(["node-1"])
             && web["notServed"]["node-2"].as_str().is_some_and(|w| w.contains("forwarding is off"))
             && web["notServed"]["node-3"].as_str().is_some_and(|w| w.contains("in use"))
     });
     assert!(ok, "{last:#}");
-    let web = &last["services"][0];
+    // edge: node-1 serves it, node-2 does not (forwarding), node-3 is not in its pool.
+    let ok = wait_until(CHANGE, || {
+        last = view(&[]);
+        let edge = named(&last, "edge");
+        edge["servedOn"] == serde_json::json!(["node-1"])
+            && edge["notServed"]["node-3"].as_str().is_some_and(|w| {
+                w.contains("pool edge does not select this node") && w.ends_with("(node_port_refused)")
+            })
+    });
+    assert!(ok, "{last:#}");
+    let web = named(&last, "web");
     assert_eq!((web["namespace"].as_str(), web["name"].as_str()), (Some("default"), Some("web")));
     assert_eq!(web["ports"], format!("80/TCP={np}"));
     let node3 = web["notServed"]["node-3"].as_str().unwrap();
@@ -91,7 +125,7 @@ fn the_cluster_view_says_where_each_service_is_served_and_why_not() {
     let why = nodes[1]["report"]["notReady"].as_str().unwrap_or_default();
     assert!(why.contains("net.ipv4.ip_forward is 0"), "{why}");
     assert_eq!(nodes[1]["report"]["families"]["ipv4"]["forwarding"], false);
-    assert_eq!(nodes[2]["report"]["refusedTotal"], 1);
+    assert_eq!(nodes[2]["report"]["refusedTotal"], 2, "web (in use) and edge (not selected)");
 
     // The Service's Serving condition says as much, bounded (node-2 has no ready agent for IPv4:
     // it is not among the nodes that could serve).
@@ -107,6 +141,7 @@ fn the_cluster_view_says_where_each_service_is_served_and_why_not() {
 
     // Filters.
     let only = view(&["--node", "node-3", "-n", "default", "--service", "web"]);
+    assert_eq!(only["services"].as_array().map(Vec::len), Some(1));
     assert_eq!(only["nodes"].as_array().map(Vec::len), Some(1));
     assert_eq!(only["services"][0]["notServed"].as_object().map(|o| o.len()), Some(1));
     assert!(view(&["-n", "other"])["services"].as_array().unwrap().is_empty());
@@ -126,6 +161,11 @@ fn the_cluster_view_says_where_each_service_is_served_and_why_not() {
     assert!(text.contains("  node-2: forwarding is off on this node"), "{text}");
     assert!(text.contains("  node-3: ") && text.contains("in use"), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The row of Service `default/name` in a view.
+fn named(view: &Value, name: &str) -> Value {
+    view["services"].as_array().into_iter().flatten().find(|s| s["name"] == name).cloned().unwrap_or_default()
 }
 
 fn tempfile_dir() -> std::path::PathBuf {
