@@ -190,6 +190,7 @@ struct Attempt {
 /// What a sync computed for `/status`.
 struct Report {
     services: Vec<Arc<ServiceStatus>>,
+    refused: Vec<crate::k8s::cluster_view::Refused>,
     needed_families: Vec<String>,
     problems: Vec<String>,
 }
@@ -623,6 +624,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             self.last_input = loaded.fingerprint.map(|fp| (fp, node.clone(), host.clone()));
         }
         attempt.report = Some(Report {
+            refused: crate::k8s::cluster_view::refused_on_node(&desired.services),
             services: std::mem::take(&mut desired.services),
             needed_families: desired.needed_families.iter().map(|f| f.name().to_string()).collect(),
             problems: problems.into_iter().chain(desired.warnings.iter().cloned()).collect(),
@@ -786,6 +788,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
                 st.needed_families = r.needed_families;
                 st.problems = r.problems;
                 st.source_synced = true;
+                st.refused = r.refused;
                 std::mem::replace(&mut st.services, r.services)
             });
             st.last_sync = Some(sync);

@@ -21,7 +21,7 @@ use crate::domain::Family;
 use crate::serve::status::SharedStatus;
 
 use super::api::{CONTROLLER_NAME, Failing, is_conflict, post_params, publish_event};
-use super::cluster_view::{self, FamilyReport, LastSync, NodeReport, Refused};
+use super::cluster_view::{self, FamilyReport, LastSync, NodeReport};
 use super::events::Deduper;
 use super::nodes::{self, ANNOTATION_FAMILIES, LABEL_NODE_LEASE};
 use super::source::KubeSource;
@@ -112,20 +112,8 @@ impl LeaseAnnotations {
     }
 }
 
-/// Reason codes of `/status` that say what the leader decided, not what this node did.
-const LEADERS_CODES: &[&str] = &[
-    "no_allocation",
-    "port_conflict",
-    "range_exhausted",
-    "port_not_allowed",
-    "port_in_use",
-    "no_pool",
-    "quota_exceeded",
-];
-
 /// What this agent says about its node for `nodelb status --cluster`, from its `/status`.
 fn report_of(st: &crate::serve::status::Status) -> NodeReport {
-    use crate::report::ServiceState;
     let (ready, not_ready) = match st.readiness() {
         Ok(note) => (true, note),
         Err(why) => (false, Some(why)),
@@ -138,29 +126,6 @@ fn report_of(st: &crate::serve::status::Status) -> NodeReport {
             (f.clone(), FamilyReport { forwarding: s.forwarding, served: s.served(), why })
         })
         .collect();
-    // The leader's decisions (no node port yet, a conflict, no pool, ...) are the same on every
-    // node and on the Service's Allocated condition already; a number not in the registry yet is
-    // a moment's wait. Neither is this node's to report.
-    let pending = crate::port_policy::PortRefusal::NotRecorded { another: false }.to_string();
-    let mut refused = Vec::new();
-    for s in &st.services {
-        if s.reason_code.as_deref().is_some_and(|c| LEADERS_CODES.contains(&c))
-            || s.reason.as_deref().is_some_and(|r| r.contains(&pending))
-        {
-            continue;
-        }
-        let service = format!("{}/{}", s.namespace, s.name);
-        let problems: Vec<&str> = s.ports.iter().filter_map(|p| p.problem.as_deref()).collect();
-        let (code, reason) = match s.state {
-            ServiceState::Programmed if problems.is_empty() => continue,
-            ServiceState::Programmed => ("port_refused".to_string(), problems.join("; ")),
-            _ => (
-                s.reason_code.clone().unwrap_or_else(|| format!("{:?}", s.state).to_lowercase()),
-                s.reason.clone().unwrap_or_else(|| problems.join("; ")),
-            ),
-        };
-        refused.push(Refused { service, code, reason });
-    }
     let mut problems = st.problems.clone();
     problems.extend(st.host_firewall.problems.iter().cloned());
     problems.extend(st.hairpin.iter().map(|h| h.message.clone()));
@@ -171,7 +136,7 @@ fn report_of(st: &crate::serve::status::Status) -> NodeReport {
         families,
         last_sync: st.last_sync.as_ref().map(|s| LastSync { at: s.at, ok: s.ok }),
         problems,
-        refused,
+        refused: st.refused.clone(),
         refused_total: 0,
     }
     .bounded()

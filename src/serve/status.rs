@@ -86,6 +86,10 @@ pub struct Status {
     pub node_name: String,
     /// Shared with the sync loop's decision: a Service it did not decide again keeps its line.
     pub services: Vec<Arc<ServiceStatus>>,
+    /// Of `services`, those this node refuses for causes of its own, as its node report says
+    /// them: computed once per sync, not at every Lease write.
+    #[serde(skip)]
+    pub refused: Vec<crate::k8s::cluster_view::Refused>,
     pub families: BTreeMap<String, FamilyStatus>,
     /// Families the served Services ask for (`spec.ipFamilies`), e.g. `["ipv4", "ipv6"]`.
     pub needed_families: Vec<String>,

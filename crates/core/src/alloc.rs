@@ -85,6 +85,18 @@ impl AllocProblem {
         }
     }
 
+    /// Machine-readable: the `reason` code of the Service's node status and of its port.
+    pub fn code(&self) -> &'static str {
+        match self {
+            AllocProblem::Conflict { .. } => "port_conflict",
+            AllocProblem::Exhausted { .. } => "range_exhausted",
+            AllocProblem::NotAllowed { .. } => "port_not_allowed",
+            AllocProblem::InUse { .. } => "port_in_use",
+            AllocProblem::NoPool { .. } => "no_pool",
+            AllocProblem::QuotaExceeded { .. } => "quota_exceeded",
+        }
+    }
+
     pub fn port(&self) -> PortId {
         match self {
             AllocProblem::Conflict { port, .. }

@@ -1017,28 +1017,24 @@ fn service_status(
         if programmed && endpoints > 0 && usable.iter().all(|e| !e.ready) {
             terminating.push(format!("{} ({endpoints})", port.id));
         }
-        let problem =
-            own_by_port.get(&port.id).map(|p| p.to_string()).or_else(|| not_taken.map(|r| r.to_string()));
+        let (problem, problem_code) = match (own_by_port.get(&port.id), not_taken) {
+            (Some(p), _) => (Some(p.to_string()), Some(p.code())),
+            (None, Some(r)) => (Some(r.to_string()), Some(r.reason.code())),
+            (None, None) => (None, None),
+        };
         ports.push(PortStatus {
             port: port.id.port,
             protocol: port.id.protocol.k8s_name().to_string(),
             node_port,
             endpoints,
             problem,
+            problem_code: problem_code.map(String::from),
             connections: None,
             refused_packets: None,
         });
     }
     let port_problems = || listed(own.iter().map(|p| p.to_string()));
-    let problem_code = || match own.first() {
-        Some(AllocProblem::Conflict { .. }) => "port_conflict",
-        Some(AllocProblem::Exhausted { .. }) => "range_exhausted",
-        Some(AllocProblem::NotAllowed { .. }) => "port_not_allowed",
-        Some(AllocProblem::InUse { .. }) => "port_in_use",
-        Some(AllocProblem::NoPool { .. }) => "no_pool",
-        Some(AllocProblem::QuotaExceeded { .. }) => "quota_exceeded",
-        None => "no_allocation",
-    };
+    let problem_code = || own.first().map_or("no_allocation", |p| p.code());
     let not_taken = || listed(fault.ports.iter().map(|r| r.to_string()));
     let endpoints_refused = || format!("endpoints refused: {}", endpoint_policy::describe(refused_endpoints));
     let served: Vec<Family> = svc.families.iter().copied().filter(|f| node.families.contains(f)).collect();

@@ -19,6 +19,7 @@ use k8s_openapi::api::core::v1::{Node, Service};
 use serde::{Deserialize, Serialize};
 
 use super::nodes::{ANNOTATION_ADDRESSES, NODE_LEASE_PREFIX};
+use crate::report::{ServiceState, ServiceStatus};
 
 /// Node Lease annotation: the agent's [`NodeReport`] as JSON.
 pub const ANNOTATION_REPORT: &str = "nodelb.io/node-report";
@@ -135,6 +136,48 @@ pub type Refusals = BTreeMap<String, Vec<(String, String)>>;
 /// endpoints yet, or one a node has not seen allocated yet, passes in a moment; naming it would
 /// rewrite the condition twice for every new Service.
 pub const LASTING: &[&str] = &["node_port_refused", "port_refused", "forwarding_off", "endpoints_refused"];
+
+/// Reason codes (of a Service's node status, or of one of its ports) that say what the leader
+/// decided, or that the node waits for its decision: the same on every node and on the Service's
+/// `Allocated` condition already, so no node's own to report.
+pub const LEADERS_CODES: &[&str] = &[
+    "no_allocation",
+    "port_conflict",
+    "range_exhausted",
+    "port_not_allowed",
+    "port_in_use",
+    "no_pool",
+    "quota_exceeded",
+    "not_recorded",
+];
+
+/// What a node refuses for causes of its own, from its Services' status (`/status`): each
+/// Service it does not serve, or not wholly, with its reason, in the status' order.
+pub fn refused_on_node<S: Borrow<ServiceStatus>>(services: &[S]) -> Vec<Refused> {
+    let leaders = |code: Option<&str>| code.is_some_and(|c| LEADERS_CODES.contains(&c));
+    let mut refused = Vec::new();
+    for s in services.iter().map(Borrow::borrow) {
+        let own: Vec<&str> = s
+            .ports
+            .iter()
+            .filter(|p| !leaders(p.problem_code.as_deref()))
+            .filter_map(|p| p.problem.as_deref())
+            .collect();
+        let (code, reason) = match s.state {
+            ServiceState::Programmed if own.is_empty() => continue,
+            ServiceState::Programmed => ("port_refused".to_string(), own.join("; ")),
+            _ if leaders(s.reason_code.as_deref()) => continue,
+            // Every port the node does not take waits for the leader.
+            _ if s.reason_code.as_deref() == Some("node_port_refused") && own.is_empty() => continue,
+            _ => (
+                s.reason_code.clone().unwrap_or_else(|| format!("{:?}", s.state).to_lowercase()),
+                s.reason.clone().unwrap_or_else(|| own.join("; ")),
+            ),
+        };
+        refused.push(Refused { service: format!("{}/{}", s.namespace, s.name), code, reason });
+    }
+    refused
+}
 
 /// [`Refusals`] from the node Leases, the [`LASTING`] ones (a report that does not parse says
 /// nothing).

@@ -135,3 +135,115 @@ fn a_report_is_bounded_and_says_how_much_it_leaves_out() {
     let back: NodeReport = serde_json::from_str(&r.to_annotation()).unwrap();
     assert_eq!(back, r);
 }
+
+fn status(state: &str, code: Option<&str>, ports: &[(&str, &str)]) -> ServiceStatus {
+    let ports: Vec<_> = ports
+        .iter()
+        .enumerate()
+        .map(|(i, (code, problem))| {
+            let mut p = json!({"port": 80 + i, "protocol": "TCP", "nodePort": 20000 + i, "endpoints": 1});
+            if !code.is_empty() {
+                p["problem"] = json!(problem);
+                p["problemCode"] = json!(code);
+            }
+            p
+        })
+        .collect();
+    serde_json::from_value(json!({
+        "namespace": "shop", "name": "web", "state": state,
+        "reasonCode": code, "reason": code.map(|c| format!("why: {c}")), "ports": ports
+    }))
+    .unwrap()
+}
+
+#[test]
+fn a_node_reports_only_the_refusals_that_are_its_own() {
+    let ok = ("", "");
+    let in_use = ("in_use", "in use: a process listens on 0.0.0.0:20000/TCP on this node");
+    let pending = ("not_recorded", "not in the node-port registry yet");
+    let conflict = ("port_conflict", "asks for node port 20001, which another Service holds");
+    let cases: &[(&str, ServiceStatus, Option<(&str, &str)>)] = &[
+        ("served plainly", status("programmed", None, &[ok]), None),
+        (
+            "served, one port taken by a process here",
+            status("programmed", Some("node_port_refused"), &[ok, in_use]),
+            Some(("port_refused", in_use.1)),
+        ),
+        (
+            "served, one port the leader refused",
+            status("programmed", Some("port_conflict"), &[ok, conflict]),
+            None,
+        ),
+        (
+            "served, one port waiting for the registry",
+            status("programmed", Some("node_port_refused"), &[ok, pending]),
+            None,
+        ),
+        (
+            "served, one port the leader refused and one taken here",
+            status("programmed", Some("port_conflict"), &[conflict, in_use]),
+            Some(("port_refused", in_use.1)),
+        ),
+        ("not allocated", status("refused", Some("port_conflict"), &[conflict]), None),
+        ("no node port yet", status("refused", Some("no_allocation"), &[ok]), None),
+        (
+            "every port waiting for the registry",
+            status("refused", Some("node_port_refused"), &[pending, pending]),
+            None,
+        ),
+        (
+            "a port taken here, one waiting",
+            status("refused", Some("node_port_refused"), &[in_use, pending]),
+            Some(("node_port_refused", "why: node_port_refused")),
+        ),
+        (
+            "forwarding off",
+            status("refused", Some("forwarding_off"), &[ok]),
+            Some(("forwarding_off", "why: forwarding_off")),
+        ),
+        (
+            "no endpoints",
+            status("no-endpoints", Some("no_endpoints"), &[ok]),
+            Some(("no_endpoints", "why: no_endpoints")),
+        ),
+    ];
+    for (what, s, want) in cases {
+        let got = refused_on_node(std::slice::from_ref(s));
+        let want: Vec<Refused> = want
+            .iter()
+            .map(|(c, r)| Refused { service: "shop/web".into(), code: c.to_string(), reason: r.to_string() })
+            .collect();
+        assert_eq!(got, want, "{what}");
+    }
+}
+
+#[test]
+fn the_leaders_codes_are_those_the_allocation_and_the_registry_say() {
+    use crate::alloc::AllocProblem;
+    use crate::domain::{PortId, ServiceKey};
+    use crate::port_policy::PortRefusal;
+    let (service, port, holder) = (ServiceKey::new("a", "b"), PortId::tcp(80), ServiceKey::new("c", "d"));
+    let s = || service.clone();
+    let leaders = [
+        AllocProblem::Conflict { service: s(), port, wanted: 1, holder },
+        AllocProblem::Exhausted { service: s(), port, range: "r".into() },
+        AllocProblem::NoPool { service: s(), port, why: "w".into() },
+        AllocProblem::QuotaExceeded { service: s(), port, pool: "p".into(), max: 1, why: "w".into() },
+        AllocProblem::NotAllowed { service: s(), port, wanted: 1, allowed: "a".into() },
+        AllocProblem::InUse { service: s(), port, wanted: 1, by: "b".into() },
+    ];
+    for p in &leaders {
+        assert!(LEADERS_CODES.contains(&p.code()), "{p}: {}", p.code());
+    }
+    for another in [false, true] {
+        assert!(LEADERS_CODES.contains(&PortRefusal::NotRecorded { another }.code()));
+    }
+    for own in [
+        PortRefusal::InUse("x".into()),
+        PortRefusal::NotAllowed("x".into()),
+        PortRefusal::NotSelected("x".into()),
+    ] {
+        assert!(!LEADERS_CODES.contains(&own.code()), "{own}");
+    }
+    assert!(LASTING.iter().all(|c| !LEADERS_CODES.contains(c)));
+}
