@@ -109,8 +109,8 @@ const SYSCTL_PERIOD: Duration = Duration::from_secs(1);
 
 /// How often a resync decides every Service again when syncs decided only what changed since the
 /// last whole decision ([`desired::compute_next`]; the whole decision is the oracle of the
-/// scoped one): it is linear in the Services (~60 ms at 10,000, ~620 ms at 50,000 in the
-/// agent), and at every 10 s resync it was the slowest sync of a busy minute. It runs on a
+/// scoped one): it is linear in the Services, so on every resync it would be the slowest sync
+/// of a busy minute. It runs on a
 /// resync with no change waiting, so that no change waits for it, unless changes kept coming for
 /// [`WHOLE_SYNC_AT_MOST`]. The leader's whole rounds keep the same pace.
 const WHOLE_SYNC_EVERY: Duration = Duration::from_secs(60);
@@ -120,8 +120,8 @@ const WHOLE_SYNC_AT_MOST: Duration = Duration::from_secs(300);
 
 /// How long a node leaves a change it cannot program yet (Kubernetes mode: a Service created,
 /// its EndpointSlice, before the leader writes its node ports; [`Loaded::Deferred`]). No rule
-/// comes of it, and recomputing everything for it cost every node ~24 ms at 10,000 Services,
-/// twice per create (docs/benchmarks.md, "Design decisions, measured"). What
+/// comes of it, and recomputing everything for it would cost every node time linear in the
+/// Services, twice per create (docs/benchmarks.md, "Design decisions, measured"). What
 /// waits is this node's report of such a Service (`nodelb status`, the `nodelb_services` gauge,
 /// the families its Services need): it follows within this time even while no leader decides.
 const UNDECIDED_WAIT: Duration = Duration::from_secs(1);
@@ -642,8 +642,8 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
     /// [`Loaded::Unchanged`] with nothing recomputed (the source does not even assemble its object
     /// lists): a resync then only asks the kernel whether any nftables transaction happened since
     /// our last batch, and if one did, the whole snapshot goes through so the apply step reads the
-    /// table back and repairs it. (At 10,000 Services recomputing every resync period cost ~7% of
-    /// a core and a transient copy of every object.)
+    /// table back and repairs it. (Recomputing every resync period would cost CPU linear in the
+    /// Services and a transient copy of every object.)
     fn observe(&mut self, verify: bool, node: &NodeFacts, host: &HostFacts) -> Result<Loaded, AgentError> {
         let known = match &self.last_input {
             Some((fp, last_node, last_host))
@@ -695,7 +695,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
     /// time it has, so that they stay the youngest, as without one); `None` when every Service
     /// has one. Decided with these ages, a Service allocated now is decided with the age it is
     /// stamped with, and the next sync does not decide every new Service again for its new age
-    /// (at the start among 50,000 Services, that was the first change's 730 ms).
+    /// (at the start that is every Service, and the first change would wait for all of them).
     fn provisional_ages(&self, loaded: &Snapshot) -> Option<State> {
         if self.source.mode() != AllocationMode::Allocate || self.dataplane.applied().is_some() {
             return None;

@@ -121,7 +121,7 @@ pub struct CommonArgs {
     /// 16 or 32 (a node port's table is its low bits), or `auto`: one per 1,000 Service ports
     /// (rounded up to a power of two; none up to 1,000). 1 keeps them in table `nodelb`. The
     /// kernel validates only the tables a change touches, so adding or changing one Service
-    /// among 10,000 costs about 1/N of one table's validation; each new connection meets one
+    /// costs about 1/N of one table's validation; each new connection meets one
     /// masked compare per table besides (docs/design.md, "Sharding the nat chains";
     /// docs/benchmarks.md has both measured).
     #[arg(long, default_value = "auto", value_parser = parse_nat_shards, env = "NODELB_NAT_SHARDS")]

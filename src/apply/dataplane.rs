@@ -37,7 +37,7 @@ pub enum DataplaneError {
 #[derive(Debug, PartialEq, Eq)]
 pub enum Batch {
     /// The desired ruleset replaces the table (`Ruleset::full_replace`), encoded straight from
-    /// the ruleset: at 10,000 Services a copy of it as a change list was ~40 MB at the sync's peak.
+    /// the ruleset: a copy of it as a change list would add a second ruleset to the sync's peak.
     FullReplace,
     Diff(Vec<Change>),
 }
@@ -85,7 +85,7 @@ pub fn patch_batch(patch: &RulesetPatch, tampered: bool) -> Batch {
 /// Named counters whose series outlive this batch ([`CounterState::is_kept`]) and that it
 /// deletes: every one on a full replace, else the counters of Service ports that stop being
 /// programmed. Flushing or replacing chains does not touch them. A diff looks at its own deletions
-/// only (the whole index is tens of thousands of names at 10,000 Services).
+/// only (the whole index names the counters of every Service port).
 pub fn resetting_counters(batch: &Batch, state: &CounterState, next: &IndexUpdate) -> BTreeSet<Name> {
     let changes = match batch {
         Batch::FullReplace => return state.kept_counters(next),

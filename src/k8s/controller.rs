@@ -383,8 +383,8 @@ async fn round(
     )
     .await;
     debug!(ms = started.elapsed().as_secs_f64() * 1e3, "allocation round");
-    // Side by side, and for at most EVENTS_FOR a round: an install into 10,000 Services records
-    // 10,000 Events, and the Services created meanwhile are not to wait for them. What is not
+    // Side by side, and for at most EVENTS_FOR a round: an install into many Services records
+    // an Event for each, and the Services created meanwhile are not to wait for them. What is not
     // sent stays pending (deduper, outbox) for the round that follows at once.
     use futures::StreamExt as _;
     let until = Instant::now() + EVENTS_FOR;
@@ -496,7 +496,7 @@ pub async fn write_services(
 ) -> Vec<WriteOutcome> {
     use futures::StreamExt as _;
     // Each Service's two patches in order; Services side by side, results in `writes`' order.
-    // Each write's future is made when it starts (a round can write 50,000 Services).
+    // Each write's future is made when it starts (a round can write every Service of the cluster).
     let mut in_flight = futures::stream::FuturesOrdered::new();
     let mut next = writes.iter();
     let mut results = Vec::with_capacity(writes.len());
@@ -559,8 +559,8 @@ fn failed_write(annotated: bool, patched_annotation: bool, e: &kube::Error) -> W
 }
 
 /// Service writes the leader keeps in flight at once. One at a time, a round that allocates a
-/// whole cluster (an install into 10,000 waiting Services) took 37 s of the API server's ~3.7 ms
-/// round trip per Service; the API server's default limit is 200 mutating requests in flight,
+/// whole cluster (an install into many waiting Services) would wait out an API server round trip
+/// per Service; the API server's default limit is 200 mutating requests in flight,
 /// shared by everyone, of which this takes a few (docs/benchmarks.md).
 const WRITES_IN_FLIGHT: usize = 8;
 

@@ -308,8 +308,8 @@ impl LeaderState {
     /// restart: the journal does not itemize it) does, for at most that second. What the last
     /// round left unfinished (claims to settle, Events to send) waits as well: a stale write or
     /// statuses left over rerun the round at once, in the round loop. Why: a round takes time
-    /// linear in the Services (~80 ms at 10,000), and a create arriving while a deletion's round
-    /// ran waited for all of it.
+    /// linear in the Services, and a create arriving while a deletion's round runs would wait
+    /// for all of it.
     pub fn can_wait(
         &self,
         changes: &Journal,

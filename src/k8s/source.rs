@@ -102,7 +102,7 @@ impl KubeSnapshot {
             to.1 = to.1.wrapping_add(hash);
         }
         // Sums of each object's hash: the same for any order of the cache, so nothing is sorted
-        // (sorting 20,000 uid strings took a node ~10 ms per sync at 10,000 Services). What is
+        // (sorting would compare uid strings on every sync). What is
         // hashed is hashed once per object version ([`NodeViews`]): a Service's standing is
         // found for each slice by its key's hash.
         let (mut programmed, mut pending) = (Part::default(), Part::default());
@@ -607,7 +607,7 @@ where
 {
     let (reader, writer) = reflector::store();
     // Only the fields nodelb reads are cached (managedFields alone, a JSON tree per field manager,
-    // were most of a sync's time at 1,000 Services when snapshots still copied objects).
+    // would weigh on every copy and walk of the cached objects).
     // Backed off here rather than with `default_backoff()`: a 410 Gone retries at once (see
     // `relist_at_once`), everything else waits kube-runtime's default backoff.
     let objects = watcher(api, config).modify(|o: &mut K| o.slim());

@@ -4,7 +4,7 @@
 //! ([`crate::port_policy`]): a port a process on the node listens on is never taken.
 //!
 //! Why sock_diag and not `/proc/net/{tcp,udp}{,6}`: the kernel filters by state before anything
-//! is copied (a node with 100,000 established connections sends only its few listeners), the
+//! is copied (a node with any number of established connections sends only its few listeners), the
 //! messages are typed (no hex text to parse, no format that varies across kernels), and it is
 //! the same netlink family of crates as the rest of nodelb. It needs `CONFIG_INET_DIAG` (and
 //! `INET_UDP_DIAG` for UDP), built into every distribution kernel; a kernel without it is an

@@ -143,8 +143,8 @@ impl Source {
     }
 
     /// The current desired state. When its fingerprint equals `known` (what the caller built its
-    /// last state from), [`Loaded::Unchanged`]: the object lists are not even assembled (a resync
-    /// every 10 s at 10,000 Services); when only its pending part differs and `may_defer`,
+    /// last state from), [`Loaded::Unchanged`]: the object lists are not even assembled (the
+    /// periodic resync of an unchanged cluster); when only its pending part differs and `may_defer`,
     /// [`Loaded::Deferred`]. An error means the source could not be read at all (keep the kernel
     /// as it is).
     pub fn snapshot(

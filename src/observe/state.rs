@@ -64,8 +64,9 @@ use crate::domain::{PortId, ServiceKey};
 
 pub const STATE_VERSION: u32 = 1;
 
-/// Largest state file (and journal) read (16 MiB; 10,000 Services take about 1 MB): a larger one
-/// is not one nodelb wrote, and is an error rather than a read of whatever size into memory.
+/// Largest state file (and journal) read (16 MiB, far more than a cluster's Services take): a
+/// larger one is not one nodelb wrote, and is an error rather than a read of whatever size into
+/// memory.
 pub const MAX_STATE_BYTES: u64 = 16 << 20;
 
 /// The journal is folded into the file once it holds more lines than a quarter of the Services,
@@ -132,7 +133,7 @@ struct JournalEnd {
 const MAX_JOURNAL_BYTES: u64 = MAX_STATE_BYTES / 4;
 
 /// [`OnDisk`] as written, serialized from the state as it is (in its key order), with no map of
-/// strings built first: at 50,000 Services building one was half of a save.
+/// strings built first: building one would be a large share of every save.
 struct OnDiskOut<'a>(&'a State, u64);
 
 impl serde::Serialize for OnDiskOut<'_> {

@@ -210,7 +210,7 @@ impl Metrics {
                 .buckets(vec![1.0, 5.0, 10.0, 50.0, 100.0, 500.0, 1000.0, 5000.0, 10000.0, 50000.0]),
         )?;
         // A batch is one datagram, in the agent's memory whole while the kernel takes it: a full
-        // replace's is the agent's largest allocation (~30 MB at 10,000 Services x 5 endpoints).
+        // replace's is the agent's largest allocation (docs/benchmarks.md, "Memory").
         let batch_bytes = Histogram::with_opts(
             HistogramOpts::new(
                 "nodelb_netlink_batch_bytes",
@@ -425,7 +425,7 @@ pub type AllTotals = BTreeMap<Series, Totals>;
 
 /// [`read_totals`] shared: one kernel read at a time, its result handed to every request that
 /// came while it ran. A dump of the counter objects is quadratic in the kernel (each step of a
-/// netlink dump walks the objects from the first): with many Services it takes seconds of a core.
+/// netlink dump walks the objects from the first): with many Services it keeps a core busy long.
 /// Without this, clients that gave up and asked again pile up blocking reads that each dump every
 /// counter, queued on the counter lock the sync loop takes too (docs/benchmarks.md, "Counter
 /// reads and the tamper check"). A request that comes after a read ended reads again: a scrape

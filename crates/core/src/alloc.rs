@@ -265,7 +265,7 @@ impl AllocationResult {
 }
 
 /// Who holds each number, and for which protocols (a bit each). Keys are borrowed from the
-/// Services of the round: a round at 10,000 Services cloned 20,000 strings for this alone.
+/// Services of the round: owned keys would clone two strings per Service for this alone.
 #[derive(Default)]
 struct Table<'a> {
     owners: BTreeMap<u16, (&'a ServiceKey, u8)>,
@@ -324,13 +324,13 @@ fn age(s: &LbService) -> Age {
 }
 
 /// The Services oldest first ([`older_first`]), one per key. Each age is parsed once (parsing the
-/// timestamps in every comparison of the sort was most of an allocation round at 10,000 Services).
+/// timestamps in every comparison of the sort would be most of an allocation round).
 pub fn age_order<S: Borrow<LbService>>(services: &[S]) -> Vec<&LbService> {
     let mut ordered: Vec<(Age, &LbService)> =
         services.iter().map(|s| (age(s.borrow()), s.borrow())).collect();
     ordered.sort_by(|(age_a, a), (age_b, b)| age_a.cmp(age_b).then_with(|| a.key.cmp(&b.key)));
     // Two objects with one key cannot both be served (the model refuses the second); keep the
-    // allocator total anyway (a hash set: a tree of 10,000 keys was a tenth of the leader's round).
+    // allocator total anyway (a hash set: a tree of the keys compares key strings at every level).
     let mut seen = foldhash::HashSet::with_capacity_and_hasher(ordered.len(), Default::default());
     ordered.retain(|(_, s)| seen.insert(&s.key));
     ordered.into_iter().map(|(_, s)| s).collect()
@@ -604,8 +604,8 @@ pub fn moved<'a>(
     previous: &'a Allocations,
     next: &'a Allocations,
 ) -> Vec<(&'a ServiceKey, PortId, u16, u16)> {
-    // Both in key order: one merge walk, not a lookup per Service (at 50,000 Services the
-    // lookups were a fifth of a one-Service sync's state phase).
+    // Both in key order: one merge walk, not a lookup per Service (the lookups would be a
+    // good part of a one-Service sync's state phase).
     let mut prev = previous.iter().peekable();
     next.iter()
         .filter_map(move |(key, ports)| {

@@ -117,8 +117,8 @@ pub struct CounterState {
 impl CounterState {
     /// Counters (of the installed index or of `next`) that feed a series still exported once
     /// `next` is installed: their values must be read before a batch resets them. A Service port
-    /// that goes away takes its series with it, so its counters need no read (at 1,000 Services ×
-    /// 5 endpoints, reading the table costs ~40 ms of a removal's reaction time).
+    /// that goes away takes its series with it, so its counters need no read (reading the table
+    /// would add to a removal's reaction time).
     pub fn kept_counters(&self, next: &IndexUpdate) -> BTreeSet<Name> {
         let new = next.new_counters().keys();
         self.index.counters.keys().chain(new).filter(|n| self.is_kept(n, next)).cloned().collect()
@@ -174,8 +174,8 @@ impl CounterState {
             }
         }
         for series in next.new_counters().values() {
-            // Looked up first: a clone of every series key per sync was a tenth of a
-            // one-Service sync at 10,000 Services.
+            // Looked up first: a clone of every series key per sync would be a good part of a
+            // one-Service sync.
             if !self.base.contains_key(series) {
                 self.base.insert(series.clone(), Totals::default());
             }

@@ -151,7 +151,7 @@ pub fn compute<S: Borrow<Service>, E: Borrow<EndpointSlice>>(inputs: &Inputs<'_,
 }
 
 /// [`compute`]; `counter_index: false` leaves [`Desired::counter_index`] empty (per-Service
-/// metrics off: at 10,000 Services the index is tens of thousands of chain names).
+/// metrics off: the index names chains of every Service port).
 pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     inputs: &Inputs<'_, S, E>,
     counter_index: bool,
@@ -495,7 +495,7 @@ impl NodeBook {
         // the last sync. Manifests mode with no pool object: nothing but the allocator reads
         // them, and it keeps a number the Service was given over one nobody held (what
         // exists wins, and nobody held it): deciding it again would give what it has (after
-        // the start, that was every Service at the first change).
+        // the start, that would be every Service at the first change).
         let pools = inputs.pools.is_some_and(|c| !c.set.implicit);
         match (inputs.mode, pools) {
             (AllocationMode::Allocate, false) => self.moved.clear(),
@@ -956,8 +956,8 @@ fn by_service<T>(items: &[T], key: impl Fn(&T) -> &ServiceKey) -> BTreeMap<&Serv
     map
 }
 
-/// How many problems a status line spells out; the others are counted (a Service with 20,000
-/// ports in an exhausted range has 10,000 of them).
+/// How many problems a status line spells out; the others are counted (a Service with thousands
+/// of ports in an exhausted range can have thousands of them).
 const MAX_LISTED: usize = 5;
 
 /// The first [`MAX_LISTED`] of `items`, `; `-separated, and how many more there are.

@@ -110,7 +110,7 @@ impl fmt::Display for Protocol {
 
 /// `namespace/name` of a Service. Both parts are shared, not copied: a key is cloned into every
 /// structure that names its Service (the counter index three times per port, the allocations,
-/// the status lines, the leader's registry), and at 10,000 Services the copies were megabytes.
+/// the status lines, the leader's registry), and copies would add up with every Service.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
 pub struct ServiceKey {
     pub namespace: ArcStr,

@@ -15,10 +15,10 @@ use crate::domain::{Family, Protocol};
 /// The name of a chain, set, map or named counter. Shared, not copied: a ruleset names each
 /// object in its map's key, in the object and in every rule and element that refers to it (a
 /// service port's chain in the dispatch map, its counters in its first rule and the forward
-/// counter map), and the counter index names its counters again; at 10,000 Services × 5
-/// endpoints the copies were ~3 MB of the agent's heap. A thin pointer (`arcstr`: the length
+/// counter map), and the counter index names its counters again; copies would hold each name's
+/// bytes several times in the agent's heap. A thin pointer (`arcstr`: the length
 /// lives with the count and the bytes), so that a `Verdict` naming a chain is 16 bytes and an
-/// `Expr` 24, where `Arc<str>`'s pointer and length made them 24 and 32.
+/// `Expr` 24, where `Arc<str>`'s pointer and length would make them 24 and 32.
 pub type Name = arcstr::ArcStr;
 
 /// The table nodelb always owns (`inet`, so one table serves IPv4 and IPv6): everything, or with
@@ -185,9 +185,9 @@ impl Chain {
     }
 }
 
-/// A rule: its statements, in order. Boxed slices rather than vectors: a kept ruleset holds six
-/// rules per Service at × 5 endpoints, and a vector's capacity field (and any spare capacity)
-/// was 16 bytes and more of each. The comment (the planner writes none) is a thin pointer: 8
+/// A rule: its statements, in order. Boxed slices rather than vectors: a kept ruleset holds
+/// several rules per Service and endpoint, and a vector's capacity field (and any spare capacity)
+/// would be 16 bytes and more of each. The comment (the planner writes none) is a thin pointer: 8
 /// bytes of every rule, not 16.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Rule {
@@ -389,8 +389,8 @@ pub enum KeyPart {
 
 /// A set element's key: its parts packed inline, each as a tag byte and its value in network
 /// order (a protocol 1 byte, a port 2, an address 4 or 16). Kept by value in the sets' B-trees:
-/// at 10,000 Services × 5 endpoints the ruleset holds ~70,000 elements, and a key as a vector of
-/// parts was a 72-byte allocation of its own besides its 24 bytes in the tree. The tags are
+/// the ruleset holds elements for every Service and endpoint, and a key as a vector of
+/// parts would be a 72-byte allocation of its own besides its 24 bytes in the tree. The tags are
 /// numbered in [`KeyPart`]'s order and values compare as the parts do, so keys sort byte by byte
 /// exactly as their parts would. Every key the planner writes fits (the longest, an IPv6
 /// endpoint: address . address . protocol . port, is 39 bytes); a longer one is refused by
@@ -643,8 +643,8 @@ impl Ruleset {
 
     /// The same ruleset with its maps rebuilt full. A map grown by inserts keeps its B-tree
     /// nodes half to two-thirds full; one built from its sorted entries packs them. A whole
-    /// plan is kept until the next sync (at 10,000 Services × 5 endpoints its maps' nodes were
-    /// ~5 MB of the agent's heap); a patch inserts into the packed maps as before.
+    /// plan is kept until the next sync (its maps' nodes are a good part of the agent's heap); a
+    /// patch inserts into the packed maps as before.
     pub fn packed(mut self) -> Ruleset {
         pack(&mut self.chains);
         pack(&mut self.counters);

@@ -280,7 +280,7 @@ pub const MAX_ANNOTATION_BYTES: usize = 256 * 1024;
 
 /// Most (service port, endpoint) pairs one Service programs, and most ports × source ranges
 /// (one rule each). Kubernetes' scalability envelope is 5,000 endpoints per Service; 20,000
-/// pairs are about 40 MB of agent memory, a sixth of the DaemonSet's limit, whatever the input.
+/// pairs keep the agent's memory well within the DaemonSet's limit, whatever the input.
 /// Endpoints beyond a port's share are cut (the best kept); more ports, or more source-range
 /// rules, refuse the Service. docs/design.md, "Bounds on input".
 pub const MAX_SERVICE_BACKENDS: usize = 20_000;
@@ -975,7 +975,7 @@ struct ParsedSlice<'a> {
 }
 
 /// Warnings about skipped addresses kept per Service: the first few, then a count (a slice set
-/// with 100,000 bad addresses must not make 100,000 log lines, times the number of ports).
+/// with many bad addresses must not make a log line for each, times the number of ports).
 const MAX_ADDRESS_WARNINGS: usize = 5;
 
 /// The Service's slices of a family it has, with their addresses parsed; bad or wrong-family

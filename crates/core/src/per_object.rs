@@ -1,7 +1,7 @@
 //! Values kept per shared object (`Arc`) while the object is still seen: what the caches'
 //! unchanged objects already cost once is not computed again. Kept by the object's address, not
 //! by a key built from it, so that finding a value hashes one word and reads no field of the
-//! object (at 10,000 Services, building and hashing keys was a visible share of every round). The
+//! object (building and hashing keys for every object would be a visible share of every round). The
 //! entry holds the object, so no other object can have its address while the value is kept; an
 //! object replaced by a newer version (another `Arc`) simply finds nothing.
 //!

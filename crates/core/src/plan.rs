@@ -113,7 +113,7 @@ pub enum NatShards {
 }
 
 /// `--nat-shards auto`: the most Service ports a shard table is given before the shards double
-/// (adding one at 1,000 per table costs the kernel ~3 ms; docs/benchmarks.md).
+/// (what adding one costs the kernel grows with the ports of its table; docs/benchmarks.md).
 pub const PORTS_PER_NAT_SHARD: usize = 1_000;
 
 /// `--nat-shards auto`: how many shard tables for `ports` Service ports when there are `current`
@@ -267,8 +267,8 @@ fn port_identity(svc: &LbService, port: &LbPort) -> String {
 }
 
 /// Every name and comment of one service port in one family, derived from its identity, which is
-/// built, sanitized and made printable once (a full plan at 50,000 Services names each port's
-/// chain, counters and comments: formatting the identity again for each was a fifth of the plan).
+/// built, sanitized and made printable once (a full plan names each port's chain, counters and
+/// comments: formatting the identity again for each would be a large share of the plan).
 pub struct PortNames<'a> {
     family: Family,
     port: &'a LbPort,
@@ -871,8 +871,8 @@ fn plan_port(
     // by the kernel's loop check in each transaction that adds a jump. No map per service either:
     // the kernel binds each anonymous set in time linear in the transaction and each map lookup
     // walks every element of a shared map, both quadratic over a full sync (docs/design.md).
-    // Vectors sized up front: the ruleset is kept until the next sync (10,000 Services grown by
-    // doubling left ~1.6 MB of spare capacity).
+    // Vectors sized up front: the ruleset is kept until the next sync (vectors grown by doubling
+    // would keep their spare capacity, for every Service, until then).
     let mut first = Vec::with_capacity(3);
     first.push(Expr::CounterRef(connections));
     // The connection is ours from here on: the forward chains know it by this mark.
@@ -1005,7 +1005,7 @@ pub fn diff(old: &Ruleset, new: &Ruleset) -> Vec<Change> {
     }
 
     // Each map walked once, old and new side by side in name order (a lookup per name each way
-    // was most of a one-Service diff at 10,000 Services).
+    // would be most of a one-Service diff).
     let chains = join(&old.chains, &new.chains);
     let counters = join(&old.counters, &new.counters);
     let sets = join(&old.sets, &new.sets);

@@ -5,9 +5,9 @@
 //! inputs and the ruleset the kernel holds (the one it last produced), it plans only the Services
 //! whose input changed, once as they were and once as they are, and returns a [`RulesetPatch`]:
 //! the old and new value of every name those Services had or have. Nothing of the other Services
-//! is built, compared, copied or freed, so a one-Service change costs the same at 50,000 Services
-//! as at 10. The patch applied to that ruleset gives exactly what [`plan::plan_with`] gives for the
-//! same inputs, and `plan::diff(&patch.old, &patch.new)` gives exactly the batch
+//! is built, compared, copied or freed, so a one-Service change costs the same however many
+//! Services there are. The patch applied to that ruleset gives exactly what [`plan::plan_with`]
+//! gives for the same inputs, and `plan::diff(&patch.old, &patch.new)` gives exactly the batch
 //! `plan::diff(&applied, &desired)` would (tests/replan.rs proves both over every pair of golden
 //! scenarios and random sequences of their Services).
 //!

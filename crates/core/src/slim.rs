@@ -1,7 +1,7 @@
 //! What nodelb keeps of the Kubernetes objects it caches: exactly the fields it reads, nothing
 //! else. Applied once, when an object enters a cache (a manifest file is parsed, a watch event
-//! arrives), so the objects kept for as long as they exist (10,000 Services × 5 endpoints in the
-//! issue-5 benchmark) carry no pod references, topology hints, selectors, foreign annotations or
+//! arrives), so the objects kept for as long as they exist (every Service and EndpointSlice of
+//! the cluster) carry no pod references, topology hints, selectors, foreign annotations or
 //! spare vector capacity. Pure.
 //!
 //! Allow-lists, not deny-lists: a field nodelb starts reading must be added here (the tests

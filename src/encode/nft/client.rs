@@ -288,7 +288,7 @@ impl NftClient {
 
     fn read_forward_chains_once(&mut self) -> Result<Vec<HostChain>, NftError> {
         // One dump of every family's chains: the kernel filters chain dumps by family only, not
-        // by table, so ours comes along (20,000 chains at 10,000 Services) and is skipped here.
+        // by table, so ours comes along (every Service's chains) and is skipped here.
         // The caller reads again only when the ruleset generation moved.
         let mut heads = std::collections::BTreeMap::new();
         for p in self.request_family(NFT_MSG_GETCHAIN, NFPROTO_UNSPEC, true, "list every chain", |_| {})? {
@@ -454,8 +454,8 @@ impl NftClient {
 
     /// [`NftClient::read_table`], reading the chains and counters of `expected` (the ruleset
     /// last programmed) by name. A dump of a table's chains or objects is quadratic in the
-    /// kernel (each step of a netlink dump walks them from the first; seconds at 50,000
-    /// Services), a lookup by name is not. What the kernel holds beyond them shows in each
+    /// kernel (each step of a netlink dump walks them from the first), a lookup by name is not.
+    /// What the kernel holds beyond them shows in each
     /// table's use count (its chains, sets and objects): a table whose count is more than what
     /// was read has its chains and objects dumped after all, so the result is the same.
     /// (Counted on 6.18: chains, named sets, objects, flowtables; a kernel that counts
@@ -581,7 +581,7 @@ impl NftClient {
     /// The named counters `names` of the tables nodelb owns; one that does not exist is left
     /// out. Each is asked for by name (a hash lookup in the kernel): linear in the names, where a
     /// dump of every counter object is quadratic in the kernel (each step of a netlink dump walks
-    /// the objects from the first): ~2 s of a core at 50,000 Services.
+    /// the objects from the first).
     pub fn read_counters<'a>(
         &mut self,
         names: impl IntoIterator<Item = &'a Name>,

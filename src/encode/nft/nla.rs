@@ -34,7 +34,7 @@ impl Writer {
     }
 
     /// A writer that starts a new buffer at the next message boundary once the current one holds
-    /// `chunk` bytes. A 34 MB batch (10,000 Services) then grows without doubling one buffer
+    /// `chunk` bytes. The batch of a large ruleset then grows without doubling one buffer
     /// (each doubling copies it and briefly holds both); the kernel reads all chunks of one
     /// `sendmsg` into one datagram, as the batch must be.
     pub fn chunked(chunk: usize) -> Writer {

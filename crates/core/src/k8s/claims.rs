@@ -7,9 +7,9 @@
 //! are one object per Service, so a resourceVersion precondition on each Service write stops a
 //! stale leader from overwriting a Service that changed, but not from giving a number that looks
 //! free in its view to one Service while the other leader gives it to another: two writes to two
-//! objects, both preconditions hold (seen against a real API server: 14 numbers held twice in
-//! 100 randomized two-leader rounds). Kubernetes allocates NodePorts and ClusterIPs the same way
-//! it is done here: through one object updated with compare-and-swap (a `RangeAllocation`).
+//! objects, both preconditions hold, and the number is held twice. Kubernetes allocates
+//! NodePorts and ClusterIPs the same way it is done here: through one object updated with
+//! compare-and-swap (a `RangeAllocation`).
 //!
 //! The registry is a set of Leases `nodelb-node-ports-<block>` in the agent namespace, one per
 //! block of 8,192 numbers (so one annotation stays well under the API's 256 KiB), labelled
@@ -70,8 +70,8 @@ pub fn lease_name(block: u16) -> String {
     format!("{LEASE_PREFIX}{block}")
 }
 
-/// Who holds a number: the first 12 hex digits of the Service's uid (48 bits: two Services of
-/// one cluster sharing them is a one-in-ten-billion event at 10,000 Services).
+/// Who holds a number: the first 12 hex digits of the Service's uid (48 bits: enough that two
+/// Services of one cluster sharing them is not to be expected).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Owner(pub String);
 
@@ -133,8 +133,8 @@ impl Holder {
 }
 
 /// Each Service's [`Holder`], built once per object version: a round needs the holder of every
-/// Service of its view, and building one (the key, the owner, the annotation parsed) for each of
-/// 10,000 Services per round was a twentieth of the agent's CPU during creates.
+/// Service of its view, and building one (the key, the owner, the annotation parsed) for every
+/// Service each round would be a share of the agent's CPU linear in the Services during creates.
 ///
 /// The same pass finds what changed in the view since the last one, by object address: the
 /// leader's round is scoped to those Services ([`Holders::changes`]).
@@ -376,7 +376,7 @@ impl Registry {
 
 /// The registry as read from its Leases, each block with the problems of its parse, so that a
 /// block read again at the same resourceVersion is taken as it was (a round writes a block or
-/// two; parsing every claim of 50,000 was most of a read), by the leader's list and by each
+/// two; parsing every claim again would be most of a read), by the leader's list and by each
 /// node's cache alike.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ReadRegistry {
@@ -448,8 +448,8 @@ pub struct Screened {
 
 /// Who holds each number of a view, oldest first, read by [`screen`] and [`plan`]: kept by
 /// [`Holders`] from one view to the next (patched by what changed: building it for every round
-/// was ~5% of the leader's round at 10,000 Services, and most of a scoped one), or built for a
-/// list of holders ([`HeldNumbers::of`]).
+/// would cost every leader's round time linear in the Services, and be most of a scoped one), or
+/// built for a list of holders ([`HeldNumbers::of`]).
 pub struct HeldNumbers<'h>(std::borrow::Cow<'h, HeldIndex>);
 
 /// The map behind [`HeldNumbers`].
@@ -814,7 +814,7 @@ trait ClaimStore {
 
 /// The registry as read, with the claims a round changes over it: only those are copied, and
 /// only their blocks can change (the registry holds one claim per node port of the cluster:
-/// copying them all was a tenth of the leader's round at 50,000 Services).
+/// copying them all would cost every round time linear in the cluster's node ports).
 struct Overlay<'a> {
     read: &'a Registry,
     changed: BTreeMap<u16, Option<Claim>>,
@@ -1005,8 +1005,8 @@ impl Keeper {
     ///
     /// `touched`: the numbers whose holders changed since the last call (`None`: anything may
     /// have): claims of a block read at the version the last call saw are looked at again only
-    /// for those numbers (a leader's round writes a block or two; walking every claim of 50,000
-    /// was half of a scoped round).
+    /// for those numbers (a leader's round writes a block or two; walking every claim would be
+    /// much of a scoped round).
     pub fn expired(
         &mut self,
         registry: &Registry,

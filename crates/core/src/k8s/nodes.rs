@@ -41,7 +41,7 @@ pub const ANNOTATION_LISTENING: &str = "nodelb.io/listening-ports";
 /// node port pool that restricts addresses and selects this node
 /// (`edge=192.0.2.1,2001:db8::1;other=198.51.100.7`; [`format_pool_addresses`]). A pool it
 /// does not name: this node serves none of its addresses. Absent: not published (an agent
-/// before this annotation, one not synced yet, or a value that would exceed
+/// of a version without this annotation, one not synced yet, or a value that would exceed
 /// [`MAX_POOL_ADDRESSES_LEN`]); the leader then judges from the Node object
 /// ([`pool_addresses_of`]).
 pub const ANNOTATION_POOL_ADDRESSES: &str = "nodelb.io/pool-addresses";

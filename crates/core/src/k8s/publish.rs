@@ -491,13 +491,13 @@ fn merge_conditions(
 }
 
 /// One round's per-Service inputs, each list indexed by Service once (a linear search per
-/// Service was quadratic when many Services have a problem).
+/// Service is quadratic when many Services have a problem).
 struct Index<'r, V> {
     valid: HashMap<&'r ServiceKey, &'r V>,
     refused: HashMap<&'r ServiceKey, &'r Refusal>,
     problems: HashMap<&'r ServiceKey, Vec<&'r AllocProblem>>,
     refused_endpoints: HashMap<&'r ServiceKey, Vec<&'r RefusedEndpoint>>,
-    /// `round.allocations` hashed: a tree lookup per Service compared ~30 key strings at 50,000.
+    /// `round.allocations` hashed: a tree lookup per Service compares a key string per level.
     ports: HashMap<&'r ServiceKey, &'r BTreeMap<PortId, u16>>,
 }
 
@@ -686,8 +686,8 @@ pub fn plan_writes<S: Borrow<Service>, V: Borrow<LbService>>(round: &Round<'_, S
 }
 
 /// What each Service's part of the last rounds came to, kept while its inputs stay the same
-/// (the leader's round at 10,000 Services spent ~40% of its time recomputing the status and
-/// Events of Services nothing had happened to). Only a part that writes nothing is kept: a
+/// (recomputing them would spend much of the leader's round on the status and Events of
+/// Services nothing has happened to). Only a part that writes nothing is kept: a
 /// write changes the Service, so it is computed again from the written object anyway.
 #[derive(Debug, Default)]
 pub struct Published {
