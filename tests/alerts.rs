@@ -55,7 +55,7 @@ fn the_rules_pass_their_promtool_tests() {
 /// The metric names a rule expression reads.
 fn series_read_by_rules() -> BTreeSet<String> {
     let text = std::fs::read_to_string(RULES).unwrap();
-    let rules: Value = serde_yaml::from_str(&text).unwrap();
+    let rules: Value = serde_saphyr::from_str(&text).unwrap();
     let mut names = BTreeSet::new();
     for group in rules["groups"].as_array().unwrap() {
         for rule in group["rules"].as_array().unwrap() {

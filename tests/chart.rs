@@ -27,7 +27,7 @@ const NOT_VALUES: &[(&str, &str)] = &[
 fn values() -> Value {
     let text =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/charts/nodelb/values.yaml")).unwrap();
-    serde_yaml::from_str(&text).expect("values.yaml")
+    serde_saphyr::from_str(&text).expect("values.yaml")
 }
 
 #[test]
@@ -236,9 +236,10 @@ fn what_the_chart_renders_is_accepted_by_a_real_api_server() {
         render(&api, &["--set", "pools.defaultPool.enabled=true", "--set", "config.port-range=21000-21999"]);
     let out = dry_run(&api, "the default pool", &pool);
     assert!(out.contains("nodeportpool.nodelb.io/default created (server dry run)"), "{out}");
-    let docs: Vec<Value> = serde_yaml::Deserializer::from_str(&pool)
-        .filter_map(|d| <Value as serde::Deserialize>::deserialize(d).ok())
-        .filter(|d: &Value| d["kind"] == "NodePortPool")
+    let docs: Vec<Value> = serde_saphyr::from_multiple::<Value>(&pool)
+        .expect("the rendered chart")
+        .into_iter()
+        .filter(|d| d["kind"] == "NodePortPool")
         .collect();
     assert_eq!(docs.len(), 1, "{pool}");
     assert_eq!(docs[0]["spec"]["ports"], serde_json::json!([{"start": 21000, "end": 21999}]), "{pool}");

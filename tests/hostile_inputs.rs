@@ -253,8 +253,12 @@ fn load_with(
 ) -> (nodelb::manifests::Manifests, std::path::PathBuf, tempfile::TempDir) {
     let dir = tempfile::tempdir().expect("temp dir");
     let world = World::new();
-    let docs: Vec<String> =
-        world.services.iter().chain(&world.slices).map(|v| serde_yaml::to_string(v).expect("yaml")).collect();
+    let docs: Vec<String> = world
+        .services
+        .iter()
+        .chain(&world.slices)
+        .map(|v| serde_saphyr::to_string(v).expect("yaml"))
+        .collect();
     std::fs::write(dir.path().join("good.yaml"), docs.join("---\n")).expect("write");
     let path = dir.path().join(name);
     std::fs::write(&path, content).expect("write");
@@ -287,8 +291,8 @@ fn problem_with<'a>(
 }
 
 /// YAML aliases expand: 2,000 references to a 2,000-item list are 4,000,000 values from 14 KB of
-/// text (serde_yaml's own limit counts alias uses, not their size). A document is refused once
-/// it expands to more than twice its size; the file's other document and the good file are read.
+/// text. A document is refused once it expands to more than twice its size (nodes, string bytes,
+/// replayed events); the file's other document and the good file are read.
 #[test]
 fn yaml_alias_bombs_are_refused() {
     let items = vec!["x"; 2000].join(", ");
@@ -304,7 +308,7 @@ fn yaml_alias_bombs_are_refused() {
     assert_eq!(p.document, 1, "{p}");
     assert!(m.services.iter().any(|s| s.metadata.name.as_deref() == Some("fine")));
     assert!(!m.services.iter().any(|s| s.metadata.name.as_deref() == Some("bomb")));
-    // The classic nested form is stopped too (by serde_yaml's own repetition limit).
+    // The classic nested form is stopped too.
     let mut laughs = String::from("a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n");
     for i in 1..10 {
         let refs = vec![format!("*a{}", i - 1); 10].join(", ");
@@ -314,10 +318,9 @@ fn yaml_alias_bombs_are_refused() {
     assert_eq!(m.problems.len(), 1, "{:?}", m.problems);
 }
 
-/// Nesting 100,000 levels deep is a problem naming the file and document, not a stack overflow
-/// or minutes of parsing: YAML flow brackets are refused before libyaml sees them (it takes time
-/// quadratic in the depth of `{a: {a: …`), YAML block nesting and JSON by the parsers' own
-/// recursion limits.
+/// Nesting 100,000 levels deep is a problem naming the file, document and line, not a stack
+/// overflow or minutes of parsing: YAML flow and block nesting by the parser's depth budget as it
+/// reads, JSON by serde_json's recursion limit.
 #[test]
 fn deep_nesting_is_a_problem_not_a_crash() {
     let depth = 100_000;
@@ -327,12 +330,13 @@ fn deep_nesting_is_a_problem_not_a_crash() {
         ("flow-map.yaml", format!("spec: {}{}\n", "{a: ".repeat(depth), "}".repeat(depth))),
     ] {
         let (m, _, _dir) = load_with(name, format!("{service}{spec}").as_bytes());
-        let p = problem_with(&m, "brackets nested more than 128 levels deep; not parsed");
+        let p = problem_with(&m, "nested more than 64 levels deep; not read");
         assert_eq!((p.document, p.line), (1, Some(4)), "{p}");
     }
     let block = format!("{service}spec:\n  x:\n    {}y\n", "- ".repeat(depth));
     let (m, _, _dir) = load_with("block.yaml", block.as_bytes());
-    problem_with(&m, "recursion limit exceeded");
+    let p = problem_with(&m, "nested more than 64 levels deep; not read");
+    assert_eq!((p.document, p.line), (1, Some(6)), "{p}");
     let json = format!(
         "{{\"apiVersion\": \"v1\", \"kind\": \"Service\", \"spec\": {}{}}}",
         "[".repeat(depth),

@@ -487,7 +487,7 @@ fn manifests_mode_pools_restrict_ports_and_nodes_with_hot_reload() {
     let get = |port: u16| http_get(client, NODE_V4.into(), port, Duration::from_millis(700));
     let pool_file = |ranges: &[(u32, u32)], zone: &str| {
         let p = pool("edge", ranges, json!({"nodeSelector": {"matchLabels": {"zone": zone}}}));
-        serde_yaml::to_string(&p).unwrap()
+        serde_saphyr::to_string(&p).unwrap()
     };
     let web =
         ServiceSpec::new("web").port(PortSpec::tcp(80, None)).endpoint(EndpointSpec::local(backend_v4(0)));
@@ -570,7 +570,7 @@ fn manifests_mode_pools_restrict_ports_and_nodes_with_hot_reload() {
         &[(21100, 21109)],
         json!({"nodeSelector": {"matchExpressions": [{"key": "zone", "operator": "Gt", "values": ["1"]}]}}),
     );
-    agent.write_manifest("pool.yaml", &serde_yaml::to_string(&bad).unwrap());
+    agent.write_manifest("pool.yaml", &serde_saphyr::to_string(&bad).unwrap());
     let ok = wait_until(T, || {
         agent.status().is_some_and(|s| {
             s["problems"].as_array().into_iter().flatten().any(|p| {

@@ -99,9 +99,7 @@ fn manifests_render_as_multi_document_yaml() {
         .endpoint(EndpointSpec::local(common::topology::backend_v4(0)))
         .endpoint(EndpointSpec::remote(common::topology::backend_v6(1), "node-2").not_ready());
     let yaml = spec.render();
-    let docs: Vec<serde_yaml::Value> = serde_yaml::Deserializer::from_str(&yaml)
-        .map(|d| serde::Deserialize::deserialize(d).unwrap())
-        .collect();
+    let docs: Vec<serde_json::Value> = serde_saphyr::from_multiple(&yaml).unwrap();
     assert_eq!(docs.len(), 3, "{yaml}");
     assert_eq!(docs[0]["kind"], "Service");
     assert_eq!(docs[0]["metadata"]["annotations"]["nodelb.io/ports"], "80/TCP=20080");

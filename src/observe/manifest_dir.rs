@@ -100,6 +100,7 @@ impl ManifestCache {
             }
         }
         let mut fresh = BTreeMap::new();
+        let mut changed = Vec::new();
         for name in names {
             let path = dir.join(&name);
             // metadata() follows symlinks: ConfigMap files are symlinks into `..data/`.
@@ -108,7 +109,10 @@ impl ManifestCache {
                     let stamp = FileStamp::of(&m);
                     match self.files.remove(&path) {
                         Some((old, parsed)) if old == stamp => (stamp, parsed),
-                        _ => (stamp, Arc::new(parse_file(&path, &name))),
+                        _ => {
+                            changed.push((path, name, stamp));
+                            continue;
+                        }
                     }
                 }
                 Ok(m) if m.is_dir() => continue, // a directory called x.yaml: not a manifest
@@ -128,6 +132,10 @@ impl ManifestCache {
             };
             fresh.insert(path, file);
         }
+        let parsed = parse_files(&changed);
+        fresh.extend(
+            changed.into_iter().zip(parsed).map(|((path, _, stamp), m)| (path, (stamp, Arc::new(m)))),
+        );
         // Files gone from DIR leave the cache too.
         self.files = fresh;
         Ok(())
@@ -143,6 +151,26 @@ impl ManifestCache {
 }
 
 /// Reads and parses one file.
+/// Parses `files` (path, name, stamp), in their order, on as many threads as the agent may use
+/// (`available_parallelism` follows the cgroup's CPU quota): a start, or a directory replaced,
+/// parses every file, and parsing is most of such a sync; one changed file is parsed on this
+/// thread.
+fn parse_files<S: Sync>(files: &[(PathBuf, String, S)]) -> Vec<Manifests> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(files.len());
+    if threads <= 1 {
+        return files.iter().map(|(path, name, _)| parse_file(path, name)).collect();
+    }
+    std::thread::scope(|scope| {
+        let parsing: Vec<std::thread::ScopedJoinHandle<'_, Vec<Manifests>>> = files
+            .chunks(files.len().div_ceil(threads))
+            .map(|chunk| scope.spawn(|| chunk.iter().map(|(path, name, _)| parse_file(path, name)).collect()))
+            .collect();
+        let joined =
+            parsing.into_iter().map(|t| t.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)));
+        joined.flatten().collect()
+    })
+}
+
 fn parse_file(path: &Path, name: &str) -> Manifests {
     match crate::observe::bounded::read_to_string(path, MAX_FILE_BYTES) {
         Ok(text) => manifests::parse(path, name, &text),
@@ -339,7 +367,7 @@ mod tests {
             "{\n  \"apiVersion\": \"v1\",\n  \"kind\": \"Service\",\n  \"metadata\": {\"name\": 5}\n}\n";
         let list = format!(
             "apiVersion: v1\nkind: List\nitems:\n- {}\n- apiVersion: v1\n  kind: Secret\n  metadata: {{name: s}}\n- apiVersion: v1\n  kind: Service\n  metadata: {{name: bad}}\n  spec: {{ports: [{{port: x}}]}}\n",
-            serde_json::to_string(&serde_yaml::from_str::<Value>(SLICE).expect("slice")).expect("json")
+            serde_json::to_string(&serde_saphyr::from_str::<Value>(SLICE).expect("slice")).expect("json")
         );
         let svc_list = "apiVersion: v1\nkind: ServiceList\nitems:\n- metadata: {name: from-list}\n  spec: {type: LoadBalancer, ports: [{port: 1}]}\n";
         let dir = dir_with(&[("j.json", json), ("k.json", bad_json), ("l.yml", &list), ("s.yaml", svc_list)]);

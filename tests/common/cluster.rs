@@ -875,9 +875,7 @@ impl Rbac {
     pub fn load(sa: &str) -> Rbac {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("daemonset/10-rbac.yaml");
         let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let docs: Vec<Value> = serde_yaml::Deserializer::from_str(&text)
-            .map(|doc| serde::Deserialize::deserialize(doc).expect("YAML document"))
-            .collect();
+        let docs: Vec<Value> = serde_saphyr::from_multiple(&text).expect("YAML documents");
         // The roles bound to `sa`: (kind, binding namespace, role name).
         let mut bound = BTreeSet::new();
         for b in &docs {

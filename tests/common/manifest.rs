@@ -250,7 +250,7 @@ impl ServiceSpec {
 }
 
 pub fn render_docs(docs: &[Value]) -> String {
-    docs.iter().map(|d| format!("---\n{}", serde_yaml::to_string(d).expect("yaml"))).collect()
+    docs.iter().map(|d| format!("---\n{}", serde_saphyr::to_string(d).expect("yaml"))).collect()
 }
 
 /// Several services in one file.

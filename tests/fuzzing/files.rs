@@ -28,7 +28,7 @@ thread_local! {
         std::fs::create_dir(&manifests).expect("mkdir");
         let world = World::new();
         let docs: Vec<String> = world.services.iter().chain(&world.slices)
-            .map(|v| serde_yaml::to_string(v).expect("yaml")).collect();
+            .map(|v| serde_saphyr::to_string(v).expect("yaml")).collect();
         std::fs::write(manifests.join("good.yaml"), docs.join("---\n")).expect("write good.yaml");
         let state = tmp.path().join("state.json");
         Dirs { _tmp: tmp, manifests, state }

@@ -37,11 +37,9 @@ use crate::domain::ServiceKey;
 use crate::pool::NodePortPool;
 use crate::slim::Slim as _;
 
-/// Deepest bracket nesting (`[`, `{`) of a YAML document: serde_yaml refuses more than 128
-/// levels anyway, but only after libyaml has scanned the whole document, which takes time
-/// quadratic in the depth (`{a: {a: …` 100,000 deep: minutes). Counted on the raw text, so
-/// 129 unclosed brackets inside a string count too (see docs/design.md, "Bounds on input").
-pub const MAX_YAML_NESTING: usize = 128;
+/// Deepest nesting (mappings, sequences, flow or block) of a YAML document: far deeper than any
+/// Kubernetes object, and the parser stops there as it reads, whatever follows.
+pub const MAX_YAML_NESTING: usize = 64;
 /// Longest problem message: the parsers quote what they refuse (a megabyte string where a
 /// number belongs), and a problem goes into a log line and `/status`.
 const MAX_PROBLEM_MESSAGE: usize = 1024;
@@ -550,15 +548,9 @@ impl Loader {
             if body.trim().is_empty() {
                 continue; // not a document (a million `---` lines are read in one pass)
             }
-            if let Some(line) = nesting_beyond(&body, MAX_YAML_NESTING) {
-                document += 1;
-                let msg = format!("brackets nested more than {MAX_YAML_NESTING} levels deep; not parsed");
-                self.problem(file, document, Some(first_line + line + 1), msg);
-                continue;
-            }
             // Parsed on its own (padding it with the preceding lines would make a large file
             // quadratic to read); error lines are shifted to file lines.
-            let value: Value = match bounded_yaml_value(&body) {
+            let value: Value = match yaml_value(&body) {
                 Ok(Value::Null) => continue, // empty or comments only: not a document
                 Ok(v) => v,
                 Err(e) => {
@@ -622,9 +614,12 @@ impl Loader {
                 return;
             }
         };
-        let typed = match reparse {
-            Some(reparse) => reparse(typed_kind),
-            None => typed_kind.read(&value),
+        // From the value already read; a document that does not read so is read again from its
+        // text, which gives its error a line (or reads what the YAML reading takes and a JSON
+        // value does not: a number where a string belongs).
+        let typed = match (typed_kind.read(&value), reparse) {
+            (Err(_), Some(reparse)) => reparse(typed_kind),
+            (typed, _) => typed,
         };
         match typed {
             Ok(Typed::Service(mut svc)) => {
@@ -720,161 +715,75 @@ fn named_key(map: &serde_json::Map<String, Value>) -> Option<ServiceKey> {
     Some(ServiceKey::new(namespace, name))
 }
 
-/// The line (0-based, in `text`) where bracket nesting first goes deeper than `max`, counting
-/// every `[`/`{` as one level in and every `]`/`}` as one out, quoted or not (a cheap upper
-/// bound of the nesting libyaml will see; see [`MAX_YAML_NESTING`]).
-fn nesting_beyond(text: &str, max: usize) -> Option<usize> {
-    let (mut depth, mut line) = (0usize, 0usize);
-    for b in text.bytes() {
-        match b {
-            b'[' | b'{' => {
-                depth += 1;
-                if depth > max {
-                    return Some(line);
-                }
+/// How one YAML document of `len` bytes is read: YAML 1.2 core booleans (`yes` and `on` are
+/// strings), a key given twice is an error, and the parser's budgets bound what the document may
+/// expand to. Aliases repeat what they name, so the nodes and string bytes a document yields are
+/// bounded by twice its size plus 4 KiB, not by its size: 2,000 uses of a 2,000-item list are
+/// millions of values from a few kilobytes of text. Without aliases a document never comes close.
+fn yaml_options(len: usize) -> serde_saphyr::Options {
+    let expands = 2 * len + 4096;
+    let mut budget = serde_saphyr::Budget::default();
+    budget.max_depth = MAX_YAML_NESTING;
+    budget.flow_nesting_limit = MAX_YAML_NESTING;
+    budget.max_nodes = expands;
+    budget.max_total_scalar_bytes = expands;
+    let mut aliases = serde_saphyr::options::AliasLimits::default();
+    aliases.max_total_replayed_events = expands;
+    let mut options = serde_saphyr::Options::default();
+    options.budget = Some(budget);
+    options.alias_limits = aliases;
+    options.strict_booleans = true;
+    options.duplicate_keys = serde_saphyr::DuplicateKeyPolicy::Error;
+    options.with_snippet = false;
+    options
+}
+
+/// One YAML document as a JSON value (`Null` for one with comments only).
+fn yaml_value(body: &str) -> Result<Value, serde_saphyr::Error> {
+    serde_saphyr::from_str_with_options(body, yaml_options(body.len()))
+}
+
+/// A YAML error of a document that starts after `lines_before` lines of its file: its file
+/// line, and its message with that line (a budget's breach in words: which bound, not the
+/// parser's name for it).
+fn yaml_error(e: &serde_saphyr::Error, lines_before: usize) -> (Option<usize>, String) {
+    use serde_saphyr::budget::BudgetBreach;
+    let line = e.location().map(|l| l.line() as usize + lines_before);
+    let text = e.to_string();
+    // A breach while replaying an alias comes wrapped with the alias' locations.
+    let mut cause = e;
+    while let serde_saphyr::Error::AliasError { error, .. } | serde_saphyr::Error::WithSnippet { error, .. } =
+        cause
+    {
+        cause = error;
+    }
+    let message = match cause {
+        // The depth budget, or the scanner's flow nesting limit (the same number).
+        serde_saphyr::Error::Budget { breach: BudgetBreach::Depth { .. }, .. } => {
+            format!("nested more than {MAX_YAML_NESTING} levels deep; not read")
+        }
+        _ if text.starts_with("recursion limit exceeded") => {
+            format!("nested more than {MAX_YAML_NESTING} levels deep; not read")
+        }
+        serde_saphyr::Error::Budget {
+            breach:
+                BudgetBreach::Nodes { .. } | BudgetBreach::ScalarBytes { .. } | BudgetBreach::Events { .. },
+            ..
+        }
+        | serde_saphyr::Error::AliasReplayLimitExceeded { .. } => {
+            "the document expands to more than twice its size (YAML aliases repeating large parts?); not read"
+                .to_string()
+        }
+        _ => match e.location() {
+            Some(l) => {
+                let here = format!("at line {}, column {}", l.line(), l.column());
+                let there = format!("at line {}, column {}", l.line() as usize + lines_before, l.column());
+                text.replacen(&here, &there, 1)
             }
-            b']' | b'}' => depth = depth.saturating_sub(1),
-            b'\n' => line += 1,
-            _ => {}
-        }
-    }
-    None
-}
-
-/// One YAML document as a JSON value, refused once it expands to more than twice its size plus
-/// 4 KiB (each node counts one, each string its bytes): YAML aliases repeat what they name, and
-/// serde_yaml's own limit counts the aliases, not what they expand to (2,000 references to a
-/// 2,000-item list are 4,000,000 values from 14 KB). Without aliases a document never comes close.
-fn bounded_yaml_value(body: &str) -> Result<Value, serde_yaml::Error> {
-    use serde::de::DeserializeSeed as _;
-    let budget = Budget(std::cell::Cell::new(2 * body.len() + 4096), 2 * body.len() + 4096);
-    ValueSeed(&budget).deserialize(serde_yaml::Deserializer::from_str(body))
-}
-
-/// What a document may still expand to, and what it could at first.
-struct Budget(std::cell::Cell<usize>, usize);
-
-impl Budget {
-    fn spend<E: serde::de::Error>(&self, n: usize) -> Result<(), E> {
-        match self.0.get().checked_sub(n) {
-            Some(left) => {
-                self.0.set(left);
-                Ok(())
-            }
-            None => Err(E::custom(format!(
-                "the document expands to more than {} bytes (YAML aliases repeating large parts?); not read",
-                self.1
-            ))),
-        }
-    }
-}
-
-/// Builds a [`Value`] as serde_json's own `Deserialize` does, spending the [`Budget`].
-struct ValueSeed<'b>(&'b Budget);
-
-impl<'de> serde::de::DeserializeSeed<'de> for ValueSeed<'_> {
-    type Value = Value;
-
-    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-/// A mapping key: a string, as serde_json's `Value` reads keys.
-struct KeySeed<'b>(&'b Budget);
-
-impl<'de> serde::de::DeserializeSeed<'de> for KeySeed<'_> {
-    type Value = String;
-
-    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<String, D::Error> {
-        let s = <String as serde::Deserialize>::deserialize(d)?;
-        self.0.spend(1 + s.len())?;
-        Ok(s)
-    }
-}
-
-impl<'de> serde::de::Visitor<'de> for ValueSeed<'_> {
-    type Value = Value;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("any YAML value")
-    }
-
-    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Value, E> {
-        self.0.spend(1)?;
-        Ok(Value::Bool(v))
-    }
-
-    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Value, E> {
-        self.0.spend(1)?;
-        Ok(Value::from(v))
-    }
-
-    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Value, E> {
-        self.0.spend(1)?;
-        Ok(Value::from(v))
-    }
-
-    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Value, E> {
-        self.0.spend(1)?;
-        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
-    }
-
-    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Value, E> {
-        self.0.spend(1 + v.len())?;
-        Ok(Value::String(v.to_string()))
-    }
-
-    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Value, E> {
-        self.0.spend(1 + v.len())?;
-        Ok(Value::String(v))
-    }
-
-    fn visit_none<E: serde::de::Error>(self) -> Result<Value, E> {
-        self.0.spend(1)?;
-        Ok(Value::Null)
-    }
-
-    fn visit_unit<E: serde::de::Error>(self) -> Result<Value, E> {
-        self.visit_none()
-    }
-
-    fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
-        serde::de::DeserializeSeed::deserialize(self, d)
-    }
-
-    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
-        self.0.spend(1)?;
-        let mut out = Vec::new();
-        while let Some(v) = seq.next_element_seed(ValueSeed(self.0))? {
-            out.push(v);
-        }
-        Ok(Value::Array(out))
-    }
-
-    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
-        self.0.spend(1)?;
-        let mut out = serde_json::Map::new();
-        while let Some(k) = map.next_key_seed(KeySeed(self.0))? {
-            let v = map.next_value_seed(ValueSeed(self.0))?;
-            out.insert(k, v);
-        }
-        Ok(Value::Object(out))
-    }
-}
-
-/// A serde_yaml error of a document that starts after `lines_before` lines of its file, with
-/// its line (and the one in its message) counted in the file.
-fn yaml_error(e: &serde_yaml::Error, lines_before: usize) -> (Option<usize>, String) {
-    let message = e.to_string();
-    match e.location() {
-        Some(l) => {
-            let here = format!("at line {} column {}", l.line(), l.column());
-            let there = format!("at line {} column {}", l.line() + lines_before, l.column());
-            (Some(l.line() + lines_before), message.replace(&here, &there))
-        }
-        None => (None, message),
-    }
+            None => text,
+        },
+    };
+    (line, message)
 }
 
 #[derive(Clone, Copy)]
@@ -914,14 +823,15 @@ struct YamlText<'a>(&'a str, usize);
 
 impl TypedSource for YamlText<'_> {
     fn read<T: serde::de::DeserializeOwned>(&self) -> Result<T, (Option<usize>, String)> {
-        serde_yaml::from_str(self.0).map_err(|e| yaml_error(&e, self.1))
+        serde_saphyr::from_str_with_options(self.0, yaml_options(self.0.len()))
+            .map_err(|e| yaml_error(&e, self.1))
     }
 }
 
 /// A List item, already a value.
 impl TypedSource for Value {
     fn read<T: serde::de::DeserializeOwned>(&self) -> Result<T, (Option<usize>, String)> {
-        serde_json::from_value(self.clone()).map_err(|e| (None, e.to_string()))
+        T::deserialize(self).map_err(|e| (None, e.to_string()))
     }
 }
 
