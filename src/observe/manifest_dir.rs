@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use crate::manifests::{self, Manifests};
 
-/// Largest manifest file read (16 MiB): 10,000 Services with their EndpointSlices fit in a few.
+/// Largest manifest file read (16 MiB): thousands of Services with their EndpointSlices fit in one.
 /// A larger file is a problem (its Services keep their last good version), never a read of
 /// whatever size into memory: parsing multiplies a file's size several times.
 pub const MAX_FILE_BYTES: u64 = 16 << 20;

@@ -300,8 +300,8 @@ pub fn merge<'a>(files: impl IntoIterator<Item = (&'a Path, &'a Manifests)>) -> 
 /// merge dropped nothing (no name defined in two files) and the files that changed name nothing
 /// another file names, the files that did not change are taken as they were merged, and only the
 /// names of those that changed are looked at. Otherwise, a whole [`merge`]. Either way the same
-/// result (`tests`): at 50,000 Services the whole check of 100,000 names was most of a sync's
-/// reading of the directory.
+/// result (`tests`): the whole check of every name would be most of a sync's reading of a large
+/// directory.
 #[derive(Debug, Default)]
 pub struct Merger {
     files: BTreeMap<PathBuf, MergedFile>,
@@ -420,11 +420,10 @@ fn names_of(m: &Manifests) -> Box<[u64]> {
 
 /// The objects defined so far, by kind and namespace/name, with the file that defined each: the
 /// one duplicate check, within a file and across files (the first definition wins). `K`: the
-/// names and file owned (while a file is parsed) or borrowed from the parsed files (a merge at
-/// 10,000 Services takes 20,000 objects: three copies each were a good part of its time).
+/// names and file owned (while a file is parsed) or borrowed from the parsed files (a merge
+/// takes every object of the directory: copies of each name would be a good part of its time).
 #[derive(Debug)]
-/// Hashed: a tree of 100,000 names (50,000 Services and their EndpointSlices) was most of a
-/// merge.
+/// Hashed: a tree of every name would be most of a merge.
 struct Taken<S, P>(foldhash::HashMap<(&'static str, S, S), P>);
 
 impl<S, P> Default for Taken<S, P> {

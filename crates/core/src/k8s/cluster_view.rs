@@ -7,8 +7,9 @@
 //! carries the report at no extra request), the admission policy lets an agent write only its
 //! own, and reading it needs `get`/`list` on Leases in nodelb's namespace only, no exec into a
 //! pod and no route to the nodes. The report is bounded (refusals and problems capped, texts
-//! shortened), so 50,000 Services cost a Lease no more than [`MAX_REFUSED`] entries; and it only
-//! rides on the writes the Lease gets anyway (its renewals), so it adds none of its own.
+//! shortened), so however many Services there are, a Lease holds no more than [`MAX_REFUSED`]
+//! entries; and it only rides on the writes the Lease gets anyway (its renewals), so it adds none
+//! of its own.
 
 use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
