@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# What each nat shard table costs a new connection (docs/design.md, "Sharding the nat chains"):
-# nodelb's own skeleton (`nodelb plan --nat-shards K`, no Services: every shard's nat output
-# chain and dispatch maps) loaded in a network namespace per K, and a loop of refused TCP
-# connects to 127.0.0.1 in each (every connect's SYN passes the nat output chains of every
-# table; nothing answers, so nothing else costs). The loops run in turn, K by K, `reps` rounds;
-# printed: per K the median per-connect time and its median difference to K = 1 in the same
-# round (the VM drifts between rounds, not within one). The namespaces are the script's own.
+# What each nat shard table costs a new connection (docs/design/dispatch.md, "Sharding the nat
+# chains"): nodelb's own skeleton (`nodelb plan --nat-shards K`, no Services: every shard's nat
+# output chain and dispatch maps) loaded in a network namespace per K, and a loop of refused TCP
+# connects to 127.0.0.1 in each (every connect's SYN passes the nat output chains of every table;
+# nothing answers, so nothing else costs). The loops run in turn, K by K, `reps` rounds; printed:
+# per K the median per-connect time and its median difference to K = 1 in the same round (the VM
+# drifts between rounds, not within one). The namespaces are the script's own.
 #
 #   sudo scripts/nat-shards-connect.sh "1 4 16 32" 15 30000
 set -euo pipefail

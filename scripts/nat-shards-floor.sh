@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The kernel's cost of adding one Service when the Services' nat chains are split over K tables
-# (docs/design.md, "Sharding the nat chains"; docs/benchmarks.md, "The nat chains
+# (docs/design/dispatch.md, "Sharding the nat chains"; docs/benchmarks.md, "The nat chains
 # sharded"): N Services x E endpoints in the floor's shape (a `meta l4proto . th dport` verdict map
 # in nat prerouting and nat output, a chain per Service with its draw cascade and DNATs), split
 # by Service over K tables `inet nodelbshard<k>`, in a network namespace this script creates and

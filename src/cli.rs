@@ -122,7 +122,7 @@ pub struct CommonArgs {
     /// (rounded up to a power of two; none up to 1,000). 1 keeps them in table `nodelb`. The
     /// kernel validates only the tables a change touches, so adding or changing one Service
     /// costs about 1/N of one table's validation; each new connection meets one
-    /// masked compare per table besides (docs/design.md, "Sharding the nat chains";
+    /// masked compare per table besides (docs/design/dispatch.md, "Sharding the nat chains";
     /// docs/benchmarks.md has both measured).
     #[arg(long, default_value = "auto", value_parser = parse_nat_shards, env = "NODELB_NAT_SHARDS")]
     pub nat_shards: crate::plan::NatShards,

@@ -1193,11 +1193,11 @@ fn a_listener_on_an_allocated_port_stops_it_here_and_the_allocation_stays() {
     assert!(wait_until(CHANGE, || http_get(c, v4(NODE_V4), port, T).is_ok_and(|b| b.contains("backend=be1"))));
 }
 
-/// `--nat-shards`: the Services' nat chains spread over shard tables (docs/design.md, "Sharding
-/// the nat chains"). Real packets: both endpoints of a Service, the node's own connections
-/// (nat output of a shard), source ranges, the no-endpoint refusal; a shard table deleted by
-/// hand is restored; back to one table on a restart with `--nat-shards 1`, the shard tables
-/// are gone and traffic flows; `nodelb cleanup` removes every table of nodelb's.
+/// `--nat-shards`: the Services' nat chains spread over shard tables (docs/design/dispatch.md,
+/// "Sharding the nat chains"). Real packets: both endpoints of a Service, the node's own
+/// connections (nat output of a shard), source ranges, the no-endpoint refusal; a shard table
+/// deleted by hand is restored; back to one table on a restart with `--nat-shards 1`, the shard
+/// tables are gone and traffic flows; `nodelb cleanup` removes every table of nodelb's.
 #[test]
 fn sharded_nat_chains_serve_refuse_and_repair() {
     require_root!();

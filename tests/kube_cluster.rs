@@ -1460,8 +1460,9 @@ fn quiet_counters(c: &Cluster) -> Vec<(f64, f64)> {
 }
 
 /// Most of a cluster's Services are not nodelb's (ClusterIP, another class): their changes and
-/// their endpoints' cost a node no recompute (docs/design.md, "Nothing computed for what no rule
-/// can come of"); a LoadBalancer Service created after them is served everywhere as before.
+/// their endpoints' cost a node no recompute (docs/design/incremental.md, "Nothing computed for
+/// what no rule can come of"); a LoadBalancer Service created after them is served everywhere as
+/// before.
 #[test]
 fn services_nodelb_does_not_serve_cost_the_nodes_no_sync() {
     require_root!();

@@ -1,10 +1,10 @@
 //! The leader's round scoped to what changed decides what the whole round decides
-//! (docs/design.md, "The round scoped to what changed"). Random histories of a small cluster run
-//! through two leaders: one plans every round whole, the other plans a scope whenever it may, as
-//! the agent does. The writes are applied as the API server applies them (annotation, status, a
-//! new resourceVersion: the next view holds them), the registry changes and their resolutions
-//! too; round by round the two leaders' Service writes, registry changes and the Events they
-//! would record must be the same. Pure: no API server, no kernel.
+//! (docs/design/incremental.md, "The round scoped to what changed"). Random histories of a small
+//! cluster run through two leaders: one plans every round whole, the other plans a scope whenever
+//! it may, as the agent does. The writes are applied as the API server applies them (annotation,
+//! status, a new resourceVersion: the next view holds them), the registry changes and their
+//! resolutions too; round by round the two leaders' Service writes, registry changes and the Events
+//! they would record must be the same. Pure: no API server, no kernel.
 //!
 //! What the histories do: Services created, deleted and created again under the same name (new
 //! uid), explicit node port requests (numbers of the range, numbers another Service holds, the

@@ -544,19 +544,18 @@ fn what_only_the_allocator_reads_plans_nothing_again() {
     );
 }
 
-/// Kubernetes mode, where the sync loop decides only a scope: the Services whose objects
-/// changed, and whoever shares a node port number with them (docs/design.md, "The node's sync
+/// Kubernetes mode, where the sync loop decides only a scope: the Services whose objects changed,
+/// and whoever shares a node port number with them (docs/design/incremental.md, "The node's sync
 /// scoped to what changed"). Random histories of a small cluster as a node's Kubernetes source
-/// hands it over: Services created, deleted, re-annotated by the leader or by hand (numbers
-/// another Service holds: duplicates settled by age; one number twice in one Service; entries
-/// without a protocol, a port listed twice, a bad entry),
-/// undecided, refused by the leader (its `Allocated` condition), edited into invalid input,
-/// turned into ClusterIP, relabelled (pools, the k3s ServiceLB labels), given Local policy;
-/// EndpointSlices added, split in two, dropped, orphaned; last-good notes set and cleared;
-/// listeners and node addresses that change; pools in force or not; equal copies (new `Arc`s)
-/// and another order every sync. `compute_next` must give what `compute_with` gives, field by
-/// field, its patch applied to the last ruleset the whole ruleset; and most syncs must be
-/// scoped, to a few Services.
+/// hands it over: Services created, deleted, re-annotated by the leader or by hand (numbers another
+/// Service holds: duplicates settled by age; one number twice in one Service; entries without a
+/// protocol, a port listed twice, a bad entry), undecided, refused by the leader (its `Allocated`
+/// condition), edited into invalid input, turned into ClusterIP, relabelled (pools, the k3s
+/// ServiceLB labels), given Local policy; EndpointSlices added, split in two, dropped, orphaned;
+/// last-good notes set and cleared; listeners and node addresses that change; pools in force or
+/// not; equal copies (new `Arc`s) and another order every sync. `compute_next` must give what
+/// `compute_with` gives, field by field, its patch applied to the last ruleset the whole ruleset;
+/// and most syncs must be scoped, to a few Services.
 #[test]
 fn scoped_syncs_decide_what_whole_syncs_decide() {
     scoped_syncs(nodelb::desired::AllocationMode::Annotated);

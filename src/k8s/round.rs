@@ -527,8 +527,8 @@ pub struct ClaimInputs<'a> {
 /// `may_scope`: the last round ended clean (every write and Event went through, every claim
 /// resolved) and `holders` are `memory.holders`' pass over `snap.services`. Then, if what every
 /// Service's part reads is what the last round read, the round plans only the Services that
-/// changed and those that share a number with them (docs/design.md, "The round scoped to what
-/// changed"); the plan says which ([`RoundPlan::scope`]).
+/// changed and those that share a number with them (docs/design/incremental.md, "The round
+/// scoped to what changed"); the plan says which ([`RoundPlan::scope`]).
 #[allow(clippy::too_many_arguments)]
 pub fn plan_round(
     snap: &KubeSnapshot,

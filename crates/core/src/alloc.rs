@@ -121,9 +121,9 @@ pub struct Constraints<'a> {
     /// Per Service, its node port pool ([`crate::pool`]); `None`: every Service allocates from
     /// the range (no pool object: the flags' pool).
     pub pools: Option<&'a BTreeMap<ServiceKey, PoolRanges>>,
-    /// Numbers held by Services this allocation does not see, which keep them (the leader's
-    /// scoped round: docs/design.md, "The round scoped to what changed"): a request for one is a
-    /// conflict naming its holder, and no port is given one, exactly as when their holders are
+    /// Numbers held by Services this allocation does not see, which keep them (the leader's scoped
+    /// round: docs/design/incremental.md, "The round scoped to what changed"): a request for one is
+    /// a conflict naming its holder, and no port is given one, exactly as when their holders are
     /// allocated too and keep what exists.
     pub elsewhere: Option<Elsewhere<'a>>,
 }

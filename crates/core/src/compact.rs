@@ -3,7 +3,7 @@
 //! the fields nodelb reads, in types sized for them. The generated k8s-openapi types carry every
 //! field of the API (an EndpointSlice endpoint is ~0.3 KiB before its strings: topology, hints,
 //! target reference, zone, hostname); kept as those, the slices alone would be the largest part
-//! of the agent's heap (docs/design.md, "Memory").
+//! of the agent's heap (docs/design/memory.md).
 //!
 //! The types implement the Kubernetes resource traits, so kube-runtime lists, watches and
 //! reflects them like the generated ones. Fields keep the API's names and optionality, and read

@@ -5,7 +5,7 @@
 //! Everything but the ruleset is decided per Service ([`Part`]) and kept by key in a
 //! [`NodeBook`]; the sync loop's [`compute_next`] decides again only the Services whose inputs
 //! changed, and those that share a node port number with them, when nothing every Service reads
-//! changed (docs/design.md, "The node's sync scoped to what changed").
+//! changed (docs/design/incremental.md, "The node's sync scoped to what changed").
 
 use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};

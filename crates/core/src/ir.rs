@@ -29,10 +29,10 @@ pub const TABLE_NAME: &str = "nodelb";
 /// of them that exists, whatever the shard count before it was.
 pub const MAX_NAT_SHARDS: u8 = 32;
 
-/// A table nodelb owns. With its nat chains sharded (docs/design.md, "Sharding the nat chains")
-/// each Service port's nat part (its chains, connection and refused counters, affinity sets and
-/// dispatch elements) lives in shard table `nodelb-s<k>`, with that shard's own base chains and
-/// dispatch maps, because the kernel validates only the tables a transaction changes.
+/// A table nodelb owns. With its nat chains sharded (docs/design/dispatch.md, "Sharding the nat
+/// chains") each Service port's nat part (its chains, connection and refused counters, affinity
+/// sets and dispatch elements) lives in shard table `nodelb-s<k>`, with that shard's own base
+/// chains and dispatch maps, because the kernel validates only the tables a transaction changes.
 ///
 /// An object's table is part of its name: a shard's objects are named `s<k>.<name>`, in the
 /// kernel as in the IR ([`Table::of_name`]), so names stay unique across tables, a [`Ruleset`]

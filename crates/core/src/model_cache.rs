@@ -1,6 +1,6 @@
 //! Each Service's model as a sync serves it ([`model::build`], its allocation age, its endpoints
 //! filtered by the endpoint policy), shared as `Arc<LbService>` and, in the sync loop, kept
-//! between syncs (docs/design.md, "Recompute only what changed"). Pure.
+//! between syncs (docs/design/incremental.md, "Recompute only what changed"). Pure.
 //!
 //! The sources hand over their objects as `Arc`s and keep the same `Arc` while an object does
 //! not change, so a Service whose object, EndpointSlices (the same `Arc`s, in the same order) and
@@ -230,10 +230,10 @@ impl ModelCache {
         out
     }
     /// [`ModelCache::build`] for the Services of `keys` alone (the leader's scoped round:
-    /// docs/design.md, "The round scoped to what changed"): `services` are the objects of those
-    /// keys in the view, `slices` their EndpointSlices, each in the view's order. The entries of
-    /// other keys stay as they are; that of a key in `keys` with no Service of ours now goes.
-    /// Returns the scope's models, sorted as [`build`] sorts them; `None` when the context is
+    /// docs/design/incremental.md, "The round scoped to what changed"): `services` are the objects
+    /// of those keys in the view, `slices` their EndpointSlices, each in the view's order. The
+    /// entries of other keys stay as they are; that of a key in `keys` with no Service of ours now
+    /// goes. Returns the scope's models, sorted as [`build`] sorts them; `None` when the context is
     /// not the one the entries were built with (then only a whole build will do).
     pub fn build_scoped(
         &mut self,

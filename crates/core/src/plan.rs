@@ -29,7 +29,8 @@
 //! With `--nat-shards K` (K > 1), `nat-prerouting`, `nat-output`, `no-endpoints`, the dispatch
 //! maps and every service port's svc/fw chains, `conn`/`refused` counters and `aff` sets are in
 //! table `nodelb-s<k>` instead, named `s<k>.…`, k a hash of the port's identity
-//! ([`nat_table_of`]); the rest stays in `nodelb` (docs/design.md, "Sharding the nat chains").
+//! ([`nat_table_of`]); the rest stays in `nodelb` (docs/design/dispatch.md, "Sharding the nat
+//! chains").
 //!
 //! Per-service counters are named counter objects (`conn<4|6>-…` new connections, `fwd<4|6>-…`
 //! forwarded packets and bytes, `refused<4|6>-…` source-range drops): they exist while the Service
@@ -83,8 +84,8 @@ pub struct NodeFacts {
     /// which the accept nodelb inserts into the host's iptables FORWARD chain matches.
     pub forward_mark: Option<u32>,
     /// `--nat-shards`: over how many tables the Service ports' nat parts are spread (0 and 1: all
-    /// in the main table; docs/design.md, "Sharding the nat chains"): a power of two, at most
-    /// [`crate::ir::MAX_NAT_SHARDS`] (another number counts as the power of two below it).
+    /// in the main table; docs/design/dispatch.md, "Sharding the nat chains"): a power of two, at
+    /// most [`crate::ir::MAX_NAT_SHARDS`] (another number counts as the power of two below it).
     pub nat_shards: u8,
 }
 
@@ -870,7 +871,8 @@ fn plan_port(
     // (`Expr::NumgenRandomIs`). No chain per endpoint: every chain a verdict map reaches is walked
     // by the kernel's loop check in each transaction that adds a jump. No map per service either:
     // the kernel binds each anonymous set in time linear in the transaction and each map lookup
-    // walks every element of a shared map, both quadratic over a full sync (docs/design.md).
+    // walks every element of a shared map, both quadratic over a full sync
+    // (docs/design/dispatch.md, "Why not a chain per endpoint, or a numgen map").
     // Vectors sized up front: the ruleset is kept until the next sync (vectors grown by doubling
     // would keep their spare capacity, for every Service, until then).
     let mut first = Vec::with_capacity(3);

@@ -3,7 +3,7 @@
 //! and Services a pool selects, overlap resolution between pools, and which pool a Service gets.
 //! No I/O: the Kubernetes edge (`k8s::pools`) and the manifests reader feed it objects.
 //!
-//! Decisions (docs/design.md, "Node port pools"):
+//! Decisions (docs/design/pools.md, "Node port pools"):
 //! - **No pool object: the flags are the pool.** [`PoolSet::resolve`] returns one implicit pool
 //!   (`--port-range`, every node, every address, every Service). Once a pool object exists the
 //!   implicit pool is gone: a pool that restricts nodes or addresses must not be bypassed by a

@@ -1,5 +1,5 @@
-//! Incremental planning ("recompute only what changed", docs/design.md): the ruleset of the last sync
-//! changed Service by Service instead of planned whole again. Pure.
+//! Incremental planning ("recompute only what changed", docs/design/incremental.md): the ruleset
+//! of the last sync changed Service by Service instead of planned whole again. Pure.
 //!
 //! A [`Planner`] keeps what it last planned each Service from ([`PlanInput`]). Given the next
 //! inputs and the ruleset the kernel holds (the one it last produced), it plans only the Services

@@ -7,7 +7,7 @@
 //! Allow-lists, not deny-lists: a field nodelb starts reading must be added here (the tests
 //! below compare the model, the leader's writes and the serving nodes computed from full and from
 //! slimmed objects, so a field read but dropped fails them). The list and the reasons are in
-//! docs/design.md ("Memory").
+//! docs/design/memory.md.
 
 use std::collections::BTreeMap;
 

@@ -1,7 +1,7 @@
 //! What changed in a source's view (its Services and EndpointSlices) since the last sync, found
 //! by object address, and each Service's objects by key: a node's sync scoped to what changed
-//! (docs/design.md, "The node's sync scoped to what changed") starts from the keys this names and
-//! reads the objects of its scope from here, with no walk of the view. Pure.
+//! (docs/design/incremental.md, "The node's sync scoped to what changed") starts from the keys
+//! this names and reads the objects of its scope from here, with no walk of the view. Pure.
 //!
 //! A pass looks each object up by its address ([`PerObject`]): the facts of an object it has seen
 //! before (its key, the node port numbers its allocation annotation names) are kept, those of a

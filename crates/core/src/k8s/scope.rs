@@ -1,5 +1,5 @@
-//! The leader's round scoped to what changed (docs/design.md, "The round scoped to what
-//! changed"): which Services a round must plan, and the decisions of the last rounds it keeps
+//! The leader's round scoped to what changed (docs/design/incremental.md, "The round scoped to
+//! what changed"): which Services a round must plan, and the decisions of the last rounds it keeps
 //! for every other Service. Pure.
 //!
 //! What couples one Service's part of a round to another's is only node port numbers: who holds
