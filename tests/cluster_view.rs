@@ -2,7 +2,8 @@
 //! workstation: `nodelb status --cluster` and `kubectl nodelb` (the binary copied as
 //! `kubectl-nodelb` on the PATH) run as a user bound only to the shipped read-only roles
 //! (`<release>-viewer`), against the real API server and three real agents, each refusing for
-//! its own reason.
+//! its own reasons: a pool that does not select the node, a process on the port, every endpoint
+//! refused, forwarding off.
 mod common;
 
 use std::time::Duration;
@@ -16,7 +17,7 @@ const CHANGE: Duration = Duration::from_secs(20);
 #[test]
 fn the_cluster_view_says_where_each_service_is_served_and_why_not() {
     require_root!();
-    let c = Cluster::new(2);
+    let mut c = Cluster::new(2);
     c.create(&web("web", &[(0, 0), (1, 1)]));
     let np = c.wait_allocated("web", 1, CHANGE)["80/TCP"];
     for i in 0..3 {
@@ -50,6 +51,11 @@ fn the_cluster_view_says_where_each_service_is_served_and_why_not() {
     // Service's node port (its agent leaves the port to it).
     c.nodes[1].sysctl("net.ipv4.ip_forward", "0");
     let _listener = Servers::start(&c.nodes[2], "node-3", np, np);
+    // node-3's agent DNATs only to endpoints inside a range its backends are not in (a node
+    // pool whose DaemonSet runs with other flags): every endpoint of `internal` is refused there.
+    c.restart_agent_with(2, &["--endpoint-cidrs", "192.0.2.0/24"], CHANGE);
+    c.create(&web("internal", &[(0, 0)]));
+    let internal_np = c.wait_allocated("internal", 1, CHANGE)["80/TCP"];
 
     // A user bound to the viewer roles only.
     let alice = c.api.user_kubeconfig("alice", &[]);
@@ -106,6 +112,17 @@ fn the_cluster_view_says_where_each_service_is_served_and_why_not() {
             })
     });
     assert!(ok, "{last:#}");
+    // internal: node-1 serves it, node-3 refuses its every endpoint.
+    let ok = wait_until(CHANGE, || {
+        last = view(&[]);
+        let internal = named(&last, "internal");
+        internal["servedOn"] == serde_json::json!(["node-1"])
+            && internal["notServed"]["node-3"].as_str().is_some_and(|w| {
+                w.contains("198.51.100.11") && w.contains("endpoint") && w.ends_with("(endpoints_refused)")
+            })
+    });
+    assert!(ok, "{last:#}");
+    assert_eq!(named(&last, "internal")["ports"], format!("80/TCP={internal_np}"));
     let web = named(&last, "web");
     assert_eq!((web["namespace"].as_str(), web["name"].as_str()), (Some("default"), Some("web")));
     assert_eq!(web["ports"], format!("80/TCP={np}"));
@@ -125,7 +142,10 @@ fn the_cluster_view_says_where_each_service_is_served_and_why_not() {
     let why = nodes[1]["report"]["notReady"].as_str().unwrap_or_default();
     assert!(why.contains("net.ipv4.ip_forward is 0"), "{why}");
     assert_eq!(nodes[1]["report"]["families"]["ipv4"]["forwarding"], false);
-    assert_eq!(nodes[2]["report"]["refusedTotal"], 2, "web (in use) and edge (not selected)");
+    assert_eq!(
+        nodes[2]["report"]["refusedTotal"], 3,
+        "web (in use), edge (not selected) and internal (endpoints refused)"
+    );
 
     // The Service's Serving condition says as much, bounded (node-2 has no ready agent for IPv4:
     // it is not among the nodes that could serve).
@@ -138,6 +158,15 @@ fn the_cluster_view_says_where_each_service_is_served_and_why_not() {
         })
     });
     assert!(ok, "Serving: {:?}", c.condition("web", "nodelb.io/Serving"));
+    let ok = wait_until(CHANGE, || {
+        c.condition("internal", "nodelb.io/Serving").is_some_and(|cond| {
+            let m = cond["message"].as_str().unwrap_or_default();
+            m.starts_with("served on 1 of 2 nodes")
+                && m.contains("; node-3: ")
+                && m.contains("every endpoint refused")
+        })
+    });
+    assert!(ok, "Serving: {:?}", c.condition("internal", "nodelb.io/Serving"));
 
     // Filters.
     let only = view(&["--node", "node-3", "-n", "default", "--service", "web"]);
@@ -160,6 +189,7 @@ fn the_cluster_view_says_where_each_service_is_served_and_why_not() {
     );
     assert!(text.contains("  node-2: forwarding is off on this node"), "{text}");
     assert!(text.contains("  node-3: ") && text.contains("in use"), "{text}");
+    assert!(text.contains("every endpoint refused") && text.contains("(endpoints_refused)"), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

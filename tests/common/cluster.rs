@@ -333,11 +333,18 @@ impl Cluster {
     /// Starts node `i`'s agent from the DaemonSet as stored; `binary`: another binary than the
     /// one under test.
     fn new_agent(&self, i: usize, binary: Option<String>) -> Agent {
+        self.new_agent_with(i, binary, &[])
+    }
+
+    /// [`Cluster::new_agent`] with `extra` arguments for this node's agent alone (a node pool
+    /// whose DaemonSet runs with other flags).
+    fn new_agent_with(&self, i: usize, binary: Option<String>, extra: &[&str]) -> Agent {
         let kubeconfig = self.kubeconfig(i);
         let pod = format!("nodelb-{}", node_name(i));
         self.api.write_pod_kubeconfig(AGENT_NS, "nodelb", &pod, Some(&node_name(i)), &kubeconfig);
         let cmd = daemonset_command(&self.daemonset(), &node_name(i), AGENT_NS);
-        let args: Vec<&str> = self.agent_args.iter().map(String::as_str).collect();
+        let mut args: Vec<&str> = self.agent_args.iter().map(String::as_str).collect();
+        args.extend_from_slice(extra);
         Agent::start_daemonset(&self.nodes[i], &kubeconfig, &node_name(i), cmd, &args, binary)
     }
 
@@ -413,6 +420,15 @@ impl Cluster {
     /// probe the DaemonSet controller waits for before the next node).
     pub fn start_agent(&mut self, i: usize, timeout: Duration) {
         self.agents[i] = self.new_agent(i, None);
+        self.agents[i].wait_ready(timeout);
+    }
+
+    /// Replaces node `i`'s agent with one run with `extra` arguments besides everyone's, and
+    /// waits until it is ready.
+    pub fn restart_agent_with(&mut self, i: usize, extra: &[&str], timeout: Duration) {
+        let grace = self.grace_period();
+        self.stop_agent(i, grace);
+        self.agents[i] = self.new_agent_with(i, None, extra);
         self.agents[i].wait_ready(timeout);
     }
 
