@@ -242,7 +242,10 @@ pub async fn leader_round(
     metrics: Option<&ControllerMetrics>,
 ) -> RoundOutcome {
     let started = Instant::now();
-    let read = match read_registry(client, &cfg.namespace, state.registry_read.take()).await {
+    let fresh_as = state.registry_written.clone();
+    let read = match read_registry(client, &cfg.namespace, state.registry_read.take(), fresh_as.as_deref())
+        .await
+    {
         Ok((r, problems)) => {
             let problems: std::collections::BTreeSet<String> = problems.into_iter().collect();
             for p in problems.difference(&state.logged) {
@@ -278,6 +281,7 @@ pub async fn leader_round(
     for (b, block) in &plan.claims.blocks {
         match write_block(client, &cfg.namespace, *b, block).await {
             Ok(written) => {
+                state.registry_written.clone_from(&written);
                 if let Some(v) = versions.as_mut() {
                     v.insert(*b, written);
                 }
@@ -309,8 +313,11 @@ pub async fn leader_round(
     }
     let mut stale = outcomes.iter().any(|o| matches!(o, WriteOutcome::Conflict | WriteOutcome::Deferred));
     let written = outcomes.iter().all(|o| *o == WriteOutcome::Written);
-    let resolved =
+    let (resolved, resolve_written) =
         resolve_claims(client, &cfg.namespace, &plan, &outcomes, &state.token, metrics, &mut versions).await;
+    if resolve_written.is_some() {
+        state.registry_written = resolve_written;
+    }
     state.end_round(registry, written && resolved, versions);
     if let Some(p) = &plan.pools {
         let pools = super::pools::StatusRound {
@@ -624,13 +631,20 @@ async fn write(client: &Client, w: &ServiceWrite, made: &mut Vec<String>) -> (bo
 
 /// Every block of the node-port registry (Leases labelled [`claims::LABEL`]), with the problems
 /// found reading them (a block read again at the same resourceVersion is not parsed again).
+/// `fresh_as`: the resourceVersion of this leader's last registry write, which the read is at
+/// least as fresh as (`None`: a consistent read).
 async fn read_registry(
     client: &Client,
     namespace: &str,
     kept: Option<claims::ReadRegistry>,
+    fresh_as: Option<&str>,
 ) -> Result<(claims::ReadRegistry, Vec<String>), kube::Error> {
     let api: Api<Lease> = Api::namespaced(client.clone(), namespace);
-    let list = api.list(&kube::api::ListParams::default().labels(claims::LABEL)).await?;
+    let mut params = kube::api::ListParams::default().labels(claims::LABEL);
+    if let Some(rv) = fresh_as {
+        params = params.at(rv).matching(kube::api::VersionMatch::NotOlderThan);
+    }
+    let list = api.list(&params).await?;
     let before = kept.clone();
     let (mut read, mut problems) = claims::ReadRegistry::read(&list.items, kept);
     // A block whose Lease was deleted is written again from what this leader last read, not
@@ -676,7 +690,8 @@ async fn write_block(
 
 /// After the Service writes: each claim left pending by this round becomes what the write's
 /// outcome says ([`claims::resolve`]), on a fresh read of its block (retried on 409; what is
-/// not resolved here is settled after [`claims::GRACE`]). Whether every block was resolved.
+/// not resolved here is settled after [`claims::GRACE`]). Whether every block was resolved, and
+/// the resourceVersion its last write made.
 /// `versions`: each block's resourceVersion as this leader left it, kept up to date (`None`
 /// when a block read shows a write of someone else's).
 async fn resolve_claims(
@@ -687,8 +702,9 @@ async fn resolve_claims(
     token: &claims::Token,
     metrics: Option<&ControllerMetrics>,
     versions: &mut Option<RegistryVersions>,
-) -> bool {
+) -> (bool, Option<String>) {
     let mut resolved = true;
+    let mut last_write = None;
     let mut by_block: BTreeMap<u16, Vec<(&claims::ServiceClaims, claims::Outcome)>> = BTreeMap::new();
     for (w, o) in plan.writes.iter().zip(outcomes) {
         let Some(sc) = plan.claims.services.get(&w.key) else { continue };
@@ -721,6 +737,7 @@ async fn resolve_claims(
                 let block =
                     claims::Block { claims: Arc::new(c), resource_version: lease.metadata.resource_version };
                 let written = write_block(client, namespace, b, &block).await?;
+                last_write.clone_from(&written);
                 if let Some(v) = versions.as_mut() {
                     v.insert(b, written);
                 }
@@ -743,7 +760,7 @@ async fn resolve_claims(
             }
         }
     }
-    resolved
+    (resolved, last_write)
 }
 
 #[cfg(test)]

@@ -240,6 +240,11 @@ pub struct LeaderState {
     registry_versions: Option<RegistryVersions>,
     /// The registry as the last round read it, parsed ([`read_registry`]).
     pub(super) registry_read: Option<claims::ReadRegistry>,
+    /// The resourceVersion this leader's last registry write made: the next read asks for data
+    /// at least that fresh, which the API server's cache serves at once, where a consistent read
+    /// waits for the cache to catch up with etcd (most of a round). A write of someone else's that
+    /// such a read misses fails its precondition (409), and the round runs again.
+    pub(super) registry_written: Option<String>,
     /// Names this process in the claims it leaves pending.
     pub token: claims::Token,
     /// Registry problems last logged (each logged once while it lasts).
@@ -261,6 +266,7 @@ impl LeaderState {
             claims: claims::Keeper::default(),
             registry_versions: None,
             registry_read: None,
+            registry_written: None,
             token: claims::Token::new(identity, std::process::id(), started.as_nanos()),
             logged: Default::default(),
             unreported: Vec::new(),
@@ -329,6 +335,8 @@ impl LeaderState {
         self.holders = claims::Holders::default();
         self.registry_versions = None;
         self.registry_read = None;
+        // A leader again reads the registry as it is, not as fresh as its old writes.
+        self.registry_written = None;
         self.echoes = HashMap::new();
         self.clean = false;
         self.lease_view = None;
