@@ -242,11 +242,13 @@ pub async fn leader_round(
     metrics: Option<&ControllerMetrics>,
 ) -> RoundOutcome {
     let started = Instant::now();
-    let fresh_as = state.registry_written.clone();
+    let fresh_as = state.registry_written.take();
     let read = match read_registry(client, &cfg.namespace, state.registry_read.take(), fresh_as.as_deref())
         .await
     {
-        Ok((r, problems)) => {
+        Ok((r, problems, listed_at)) => {
+            // The next read is at least as fresh as this one, whether or not this round writes.
+            state.registry_written = listed_at;
             let problems: std::collections::BTreeSet<String> = problems.into_iter().collect();
             for p in problems.difference(&state.logged) {
                 warn!(problem = %p, "node-port registry");
@@ -254,6 +256,8 @@ pub async fn leader_round(
             state.logged = problems;
             Some(r)
         }
+        // The next read is a consistent one (`registry_written` stays `None`): a version the API
+        // server cannot serve (an etcd restored from a backup) is not asked for again.
         Err(e) => {
             count_api_error(metrics, "registry");
             warn!(error = %e, "cannot read the node-port registry; no new node port is written this round");
@@ -286,11 +290,15 @@ pub async fn leader_round(
                     v.insert(*b, written);
                 }
             }
+            // Someone else wrote it: the round runs again from a consistent read, which sees that
+            // write (a read only as fresh as this leader's own write may not).
             Err(e) if is_conflict(&e) => {
+                state.registry_written = None;
                 debug!(block = b, "node-port registry changed since read (409); retrying the round");
                 return RoundOutcome { again: true, ..Default::default() };
             }
             Err(e) => {
+                state.registry_written = None;
                 count_api_error(metrics, "registry");
                 warn!(error = %e, block = b, "cannot write the node-port registry; retrying the round later");
                 return RoundOutcome::default();
@@ -315,7 +323,9 @@ pub async fn leader_round(
     let written = outcomes.iter().all(|o| *o == WriteOutcome::Written);
     let (resolved, resolve_written) =
         resolve_claims(client, &cfg.namespace, &plan, &outcomes, &state.token, metrics, &mut versions).await;
-    if resolve_written.is_some() {
+    if !resolved {
+        state.registry_written = None;
+    } else if resolve_written.is_some() {
         state.registry_written = resolve_written;
     }
     state.end_round(registry, written && resolved, versions);
@@ -631,14 +641,15 @@ async fn write(client: &Client, w: &ServiceWrite, made: &mut Vec<String>) -> (bo
 
 /// Every block of the node-port registry (Leases labelled [`claims::LABEL`]), with the problems
 /// found reading them (a block read again at the same resourceVersion is not parsed again).
-/// `fresh_as`: the resourceVersion of this leader's last registry write, which the read is at
-/// least as fresh as (`None`: a consistent read).
+/// `fresh_as`: a resourceVersion the read is to be at least as fresh as (this leader's last read
+/// or write of the registry; `None`: a consistent read). Also returns the list's
+/// resourceVersion.
 async fn read_registry(
     client: &Client,
     namespace: &str,
     kept: Option<claims::ReadRegistry>,
     fresh_as: Option<&str>,
-) -> Result<(claims::ReadRegistry, Vec<String>), kube::Error> {
+) -> Result<(claims::ReadRegistry, Vec<String>, Option<String>), kube::Error> {
     let api: Api<Lease> = Api::namespaced(client.clone(), namespace);
     let mut params = kube::api::ListParams::default().labels(claims::LABEL);
     if let Some(rv) = fresh_as {
@@ -657,7 +668,7 @@ async fn read_registry(
             ));
         }
     }
-    Ok((read, problems))
+    Ok((read, problems, list.metadata.resource_version))
 }
 
 /// Writes one registry block: created when it did not exist, else replaced with the

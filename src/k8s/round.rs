@@ -240,10 +240,11 @@ pub struct LeaderState {
     registry_versions: Option<RegistryVersions>,
     /// The registry as the last round read it, parsed ([`read_registry`]).
     pub(super) registry_read: Option<claims::ReadRegistry>,
-    /// The resourceVersion this leader's last registry write made: the next read asks for data
-    /// at least that fresh, which the API server's cache serves at once, where a consistent read
-    /// waits for the cache to catch up with etcd (most of a round). A write of someone else's that
-    /// such a read misses fails its precondition (409), and the round runs again.
+    /// The resourceVersion of this leader's last registry read or write: the next read asks
+    /// for data at least that fresh, which the API server's cache serves at once, where a
+    /// consistent read waits for the cache to catch up with etcd (most of a round). A write of
+    /// someone else's that such a read misses fails its precondition (409); then, and after any
+    /// failed read or write, the next read is a consistent one (`None`).
     pub(super) registry_written: Option<String>,
     /// Names this process in the claims it leaves pending.
     pub token: claims::Token,
