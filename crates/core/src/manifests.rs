@@ -726,6 +726,12 @@ fn yaml_options(len: usize) -> serde_saphyr::Options {
     budget.flow_nesting_limit = MAX_YAML_NESTING;
     budget.max_nodes = expands;
     budget.max_total_scalar_bytes = expands;
+    // Counts that never bind before the bounds above (a large `kind: List` without aliases has
+    // fewer events, aliases and anchors than bytes): no refusal of their own.
+    budget.max_events = expands;
+    budget.max_aliases = expands;
+    budget.max_anchors = expands;
+    budget.enforce_alias_anchor_ratio = false;
     let mut aliases = serde_saphyr::options::AliasLimits::default();
     aliases.max_total_replayed_events = expands;
     let mut options = serde_saphyr::Options::default();
@@ -777,7 +783,15 @@ fn yaml_error(e: &serde_saphyr::Error, lines_before: usize) -> (Option<usize>, S
             Some(l) => {
                 let here = format!("at line {}, column {}", l.line(), l.column());
                 let there = format!("at line {}, column {}", l.line() as usize + lines_before, l.column());
-                text.replacen(&here, &there, 1)
+                // The position itself, not one that starts with it (`column 3` in `column 30`).
+                let at = text
+                    .match_indices(&here)
+                    .map(|(i, _)| i)
+                    .find(|i| !text[i + here.len()..].starts_with(|c: char| c.is_ascii_digit()));
+                match at {
+                    Some(i) => format!("{}{there}{}", &text[..i], &text[i + here.len()..]),
+                    None => text,
+                }
             }
             None => text,
         },
