@@ -27,8 +27,9 @@ pub struct PortStatus {
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub problem: Option<String>,
     /// Machine-readable `problem`: an allocation's (`port_conflict`, …, as the Service's
-    /// `reasonCode`) or this node's (`in_use`, `not_allowed`, `not_selected`, `not_recorded`, the
-    /// `reason` label of `nodelb_node_ports_refused`).
+    /// `reasonCode`) or why this node does not take the port (`in_use`, `not_allowed`,
+    /// `not_selected`; `not_recorded`: the registry does not give it the number, the same on
+    /// every node), the `reason` label of `nodelb_node_ports_refused`.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub problem_code: Option<String>,
     /// New connections DNATed on this node (kernel counter; filled in when `/status` is served,

@@ -168,8 +168,14 @@ pub fn refused_on_node<S: Borrow<ServiceStatus>>(services: &[S]) -> Vec<Refused>
             ServiceState::Programmed if own.is_empty() => continue,
             ServiceState::Programmed => ("port_refused".to_string(), own.join("; ")),
             _ if leaders(s.reason_code.as_deref()) => continue,
-            // Every port the node does not take waits for the leader.
-            _ if s.reason_code.as_deref() == Some("node_port_refused") && own.is_empty() => continue,
+            // The ports the node does not take for causes of its own, if any (the Service's
+            // reason lists those that wait for the leader too).
+            _ if s.reason_code.as_deref() == Some("node_port_refused") => {
+                if own.is_empty() {
+                    continue;
+                }
+                ("node_port_refused".to_string(), own.join("; "))
+            }
             _ => (
                 s.reason_code.clone().unwrap_or_else(|| format!("{:?}", s.state).to_lowercase()),
                 s.reason.clone().unwrap_or_else(|| own.join("; ")),

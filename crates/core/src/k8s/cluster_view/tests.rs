@@ -194,7 +194,7 @@ fn a_node_reports_only_the_refusals_that_are_its_own() {
         (
             "a port taken here, one waiting",
             status("refused", Some("node_port_refused"), &[in_use, pending]),
-            Some(("node_port_refused", "why: node_port_refused")),
+            Some(("node_port_refused", in_use.1)),
         ),
         (
             "forwarding off",
@@ -233,6 +233,15 @@ fn the_leaders_codes_are_those_the_allocation_and_the_registry_say() {
         AllocProblem::InUse { service: s(), port, wanted: 1, by: "b".into() },
     ];
     for p in &leaders {
+        // Every variant is listed above: a new one fails to compile here until it is.
+        match p {
+            AllocProblem::Conflict { .. }
+            | AllocProblem::Exhausted { .. }
+            | AllocProblem::NoPool { .. }
+            | AllocProblem::QuotaExceeded { .. }
+            | AllocProblem::NotAllowed { .. }
+            | AllocProblem::InUse { .. } => {}
+        }
         assert!(LEADERS_CODES.contains(&p.code()), "{p}: {}", p.code());
     }
     for another in [false, true] {
