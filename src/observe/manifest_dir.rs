@@ -150,27 +150,39 @@ impl ManifestCache {
     }
 }
 
-/// Reads and parses one file.
-/// Parses `files` (path, name, stamp), in their order, on as many threads as the agent may use
-/// (`available_parallelism` follows the cgroup's CPU quota): a start, or a directory replaced,
-/// parses every file, and parsing is most of such a sync; one changed file is parsed on this
-/// thread.
+/// Threads a load parses its files on, at most: the chart sets no CPU limit, so the cores the
+/// process may use can be many, and each thread holds the file it parses.
+const MAX_PARSE_THREADS: usize = 4;
+
+/// Parses `files` (path, name, stamp), in their order, on up to [`MAX_PARSE_THREADS`] threads
+/// (no more than `available_parallelism`, which follows the cgroup's CPU quota): a start, or a
+/// directory replaced, parses every file, and parsing is most of such a sync; one changed file is
+/// parsed on this thread, and so is a share whose thread cannot be started.
 fn parse_files<S: Sync>(files: &[(PathBuf, String, S)]) -> Vec<Manifests> {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(files.len());
+    let parse = |chunk: &[(PathBuf, String, S)]| -> Vec<Manifests> {
+        chunk.iter().map(|(path, name, _)| parse_file(path, name)).collect()
+    };
+    let threads =
+        std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_PARSE_THREADS).min(files.len());
     if threads <= 1 {
-        return files.iter().map(|(path, name, _)| parse_file(path, name)).collect();
+        return parse(files);
     }
     std::thread::scope(|scope| {
-        let parsing: Vec<std::thread::ScopedJoinHandle<'_, Vec<Manifests>>> = files
+        let parsing: Vec<Result<std::thread::ScopedJoinHandle<'_, Vec<Manifests>>, &[_]>> = files
             .chunks(files.len().div_ceil(threads))
-            .map(|chunk| scope.spawn(|| chunk.iter().map(|(path, name, _)| parse_file(path, name)).collect()))
+            .map(|chunk| {
+                std::thread::Builder::new().spawn_scoped(scope, move || parse(chunk)).map_err(|_| chunk)
+            })
             .collect();
-        let joined =
-            parsing.into_iter().map(|t| t.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)));
+        let joined = parsing.into_iter().map(|t| match t {
+            Ok(t) => t.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+            Err(chunk) => parse(chunk),
+        });
         joined.flatten().collect()
     })
 }
 
+/// Reads and parses one file.
 fn parse_file(path: &Path, name: &str) -> Manifests {
     match crate::observe::bounded::read_to_string(path, MAX_FILE_BYTES) {
         Ok(text) => manifests::parse(path, name, &text),
