@@ -162,7 +162,9 @@ fn a_node_reports_only_the_refusals_that_are_its_own() {
     let in_use = ("in_use", "in use: a process listens on 0.0.0.0:20000/TCP on this node");
     let pending = ("not_recorded", "not in the node-port registry yet");
     let conflict = ("port_conflict", "asks for node port 20001, which another Service holds");
-    let cases: &[(&str, ServiceStatus, Option<(&str, &str)>)] = &[
+    // (what, the node's status line, the refusal it reports: code and reason)
+    type Case<'a> = (&'a str, ServiceStatus, Option<(&'a str, &'a str)>);
+    let cases: &[Case<'_>] = &[
         ("served plainly", status("programmed", None, &[ok]), None),
         (
             "served, one port taken by a process here",
