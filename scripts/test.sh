@@ -26,7 +26,8 @@ fi
 # What the root tests run: ip (iproute2), nft, sysctl (procps), ping, conntrack,
 # iptables-nft / iptables-legacy (Debian's iptables: the host firewalls of tests/host_firewall.rs),
 # and Prometheus with promtool (the alert rules' tests, tests/alerts.rs; the package's service is
-# not started where no init system runs it, and the test runs its own server in a namespace).
+# not started where no init system runs it, and the test runs its own server in a namespace; the
+# same holds for containerd, which the real-node tests run inside each node's namespaces).
 need=()
 command -v ip >/dev/null || need+=(iproute2)
 command -v nft >/dev/null || need+=(nftables)
@@ -35,6 +36,13 @@ command -v ping >/dev/null || need+=(iputils-ping)
 command -v conntrack >/dev/null || need+=(conntrack)
 { command -v iptables-nft && command -v iptables-legacy; } >/dev/null || need+=(iptables)
 { command -v prometheus && command -v promtool; } >/dev/null || need+=(prometheus)
+# The real nodes of tests/real_nodes.rs: containerd (with ctr), runc, the CNI plugins, and umoci,
+# which makes the images they run (scripts/build-images.sh); gcc builds the pause image.
+{ command -v containerd && command -v ctr; } >/dev/null || need+=(containerd)
+command -v runc >/dev/null || need+=(runc)
+[[ -x /usr/lib/cni/bridge && -x /usr/lib/cni/host-local ]] || need+=(containernetworking-plugins)
+command -v umoci >/dev/null || need+=(umoci)
+command -v gcc >/dev/null || need+=(gcc libc6-dev)
 if ((${#need[@]})); then
     if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
         log "installing ${need[*]}"
@@ -49,8 +57,12 @@ if ((${#need[@]})); then
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
         [[ -n $policy ]] && rm -f /usr/sbin/policy-rc.d
-        if [[ " ${need[*]} " == *" prometheus "* ]] && command -v systemctl >/dev/null; then
-            systemctl disable --now prometheus >/dev/null 2>&1 || true
+        if command -v systemctl >/dev/null; then
+            for service in prometheus containerd; do
+                if [[ " ${need[*]} " == *" $service "* ]]; then
+                    systemctl disable --now "$service" >/dev/null 2>&1 || true
+                fi
+            done
         fi
     else
         echo "scripts/test.sh: missing ${need[*]} (install them, or run as root on Debian)" >&2

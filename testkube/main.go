@@ -216,6 +216,12 @@ func run() error {
 		"--tls-cert-file=" + keys.path("apiserver.crt"),
 		"--tls-private-key-file=" + keys.path("apiserver.key"),
 		"--client-ca-file=" + keys.path("ca.crt"),
+		// How it authenticates to kubelets (logs, exec): the admin certificate, which the
+		// kubelets' client CA (this CA) accepts and their webhook authorizer allows.
+		"--kubelet-client-certificate=" + keys.path("admin.crt"),
+		"--kubelet-client-key=" + keys.path("admin.key"),
+		// Nodes are reached at their addresses: no DNS knows their names.
+		"--kubelet-preferred-address-types=InternalIP",
 		"--authorization-mode=Node,RBAC",
 		"--service-account-issuer=https://kubernetes.default.svc.cluster.local",
 		"--service-account-key-file=" + keys.path("sa.pub"),

@@ -9,6 +9,7 @@ pub mod invariants;
 pub mod kube;
 pub mod manifest;
 pub mod netns;
+pub mod real_node;
 pub mod rng;
 pub mod scenarios;
 pub mod topology;
