@@ -437,9 +437,19 @@ impl RealNode {
 
     /// Every process in the node's cgroups (its pods' containers).
     pub fn pod_processes(&self) -> Vec<i32> {
+        self.processes_where(|_| true)
+    }
+
+    /// The processes of the pod with this UID (the kubelet's cgroup `pod<uid>`).
+    pub fn processes_of_pod(&self, uid: &str) -> Vec<i32> {
+        let dir = format!("pod{uid}");
+        self.processes_where(|p| p.components().any(|c| c.as_os_str() == dir.as_str()))
+    }
+
+    fn processes_where(&self, keep: impl Fn(&Path) -> bool) -> Vec<i32> {
         let mut pids = Vec::new();
         for dir in cgroup_dirs(&self.cgroup) {
-            for entry in walk(&dir) {
+            for entry in walk(&dir).into_iter().filter(|p| keep(p)) {
                 if let Ok(text) = fs::read_to_string(entry.join("cgroup.procs")) {
                     pids.extend(text.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
                 }
