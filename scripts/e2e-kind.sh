@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # End to end on a real cluster (kind or k3d), for users who have one. It cannot run in this project's
-# CI (no container engine, no cluster); it is kept correct by reading it against daemonset/.
+# CI (no container engine, no cluster); it is kept correct by reading it against daemonset/. The
+# same user path runs in CI on real kubelets and containerd without a container engine:
+# tests/real_nodes.rs (docs/testing.md, "Real nodes"), which also checks the pods' confinement,
+# rolling updates, a drain, a node leaving and Helm.
 #
 #   scripts/e2e-kind.sh            # kind: creates cluster "nodelb-e2e", deletes it at the end
 #   E2E_TOOL=k3d scripts/e2e-kind.sh
