@@ -120,6 +120,13 @@ if [[ $(id -u) -eq 0 ]]; then
         echo "$leftover" >&2
         status=1
     fi
+    # The real nodes' cgroups (tests/common/real_node.rs).
+    cgroups_left=$(find /sys/fs/cgroup -mindepth 2 -maxdepth 2 -name 'nodelb-nlb-*' 2>/dev/null || true)
+    if [[ -n $cgroups_left ]]; then
+        echo "scripts/test.sh: FAIL: real nodes' cgroups left behind:" >&2
+        echo "$cgroups_left" >&2
+        status=1
+    fi
     if host_has_table; then
         echo "scripts/test.sh: FAIL: table inet nodelb exists in the host namespace (before the run: $table_before)" >&2
         status=1

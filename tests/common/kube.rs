@@ -183,7 +183,8 @@ impl ControlPlane {
             client: None,
             audit_from: 0,
             rt,
-            data: super::cleanup::temp_dir("nodelb-testkube-"),
+            // Named with this process's id: a later run removes it if this one is killed.
+            data: super::cleanup::temp_dir(&format!("nodelb-testkube-{}-", std::process::id())),
         };
         cp.spawn();
         cp

@@ -22,7 +22,9 @@
 //!
 //! On drop (also when the test panics, then with the components' logs): kubelets stopped, every
 //! process of the nodes' cgroups killed, containerd and its shims stopped, the cgroups removed,
-//! the namespaces deleted.
+//! the namespaces deleted. A test process killed by a signal runs no destructor: the next
+//! [`RealCluster::start`] removes what it left (`sweep_dead_nodes`), and `scripts/test.sh` fails
+//! when namespaces or cgroups are left at its end.
 
 use std::fs;
 use std::net::Ipv4Addr;
@@ -100,6 +102,7 @@ impl RealCluster {
     pub fn start(nodes: usize) -> RealCluster {
         assert!(nodes <= 4, "pod ranges are /26s of one /24");
         let images = images();
+        sweep_dead_nodes();
         let fabric = NetNs::new("rfab");
         fabric.ip(&["link", "add", "br-f", "type", "bridge"]);
         fabric.ip(&["link", "set", "br-f", "up"]);
@@ -108,7 +111,7 @@ impl RealCluster {
         let client = NetNs::new("rcl");
         attach(&fabric, &client, "cl", CLIENT_V4);
         let api = ControlPlane::start(&api_ns, API_V4, API_PORT, &[]);
-        let logs = super::cleanup::temp_dir("nodelb-components-");
+        let logs = super::cleanup::temp_dir(&format!("nodelb-components-{}-", std::process::id()));
         let mut c =
             RealCluster { nodes: Vec::new(), components: Vec::new(), api, client, api_ns, fabric, logs };
         c.start_components();
@@ -254,7 +257,8 @@ impl RealNode {
         for j in (0..n).filter(|&j| j != i) {
             ns.ip(&["route", "add", &pod_cidr(j), "via", &node_v4(j).to_string()]);
         }
-        let dir = super::cleanup::temp_dir("nodelb-node-");
+        // Named after the namespace (and so the test process): see `sweep_dead_nodes`.
+        let dir = super::cleanup::temp_dir(&format!("nodelb-node-{}-", ns.name));
         let d = dir.path().to_str().unwrap().to_string();
         let rules = format!(
             "table ip cluster-network {{\n\
@@ -478,16 +482,7 @@ impl Drop for RealNode {
         });
         // The shims of this node's containerd (they name its socket).
         let sock = format!("{}/containerd.sock", self.dir.path().display());
-        if let Ok(procs) = fs::read_dir("/proc") {
-            for p in procs.flatten() {
-                let Ok(pid) = p.file_name().to_string_lossy().parse::<i32>() else { continue };
-                let cmdline = fs::read(p.path().join("cmdline")).unwrap_or_default();
-                let cmdline = String::from_utf8_lossy(&cmdline);
-                if cmdline.starts_with("/usr/bin/containerd-shim") && cmdline.contains(&sock) {
-                    kill(pid);
-                }
-            }
-        }
+        processes_naming(&sock).into_iter().filter(|&p| p != std::process::id() as i32).for_each(kill);
         if let Some(c) = self.containerd.take() {
             stop_child(c, Duration::from_secs(10));
         }
@@ -507,6 +502,87 @@ fn attach(fabric: &NetNs, ns: &NetNs, fab_if: &str, addr: Ipv4Addr) {
     veth(fabric, fab_if, ns, "eth0");
     fabric.ip(&["link", "set", fab_if, "master", "br-f"]);
     ns.ip(&["addr", "add", &format!("{addr}/24"), "dev", "eth0"]);
+}
+
+/// Removes what a test process that no longer runs left behind (one killed by a signal runs no
+/// destructor): the processes in its namespaces (`nlb-<tag>-<pid>-<n>`, the pid its own), which
+/// are its control planes, kubelets, containerds and their shims, and the namespaces; the
+/// processes in its nodes' cgroups (pods in their own network namespaces) and the cgroups; its
+/// temporary directories.
+fn sweep_dead_nodes() {
+    let dead = |name: &str| {
+        let pid = name.strip_prefix("nlb-").and_then(|r| r.split('-').nth(1));
+        pid.and_then(|p| p.parse::<u32>().ok())
+            .is_some_and(|p| p != std::process::id() && !Path::new(&format!("/proc/{p}")).exists())
+    };
+    let kill = |pid: i32| {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL);
+    };
+    let entries = |dir: &Path| -> Vec<String> {
+        fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect()
+    };
+    for ns in entries(Path::new("/run/netns")).into_iter().filter(|n| dead(n)) {
+        eprintln!("removing namespace {ns} of a test process that is gone, and what runs in it");
+        if let Ok(out) = Command::new("ip").args(["netns", "pids", &ns]).output() {
+            String::from_utf8_lossy(&out.stdout)
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .for_each(kill);
+        }
+        let _ = Command::new("ip").args(["netns", "del", &ns]).output();
+    }
+    let mut cgroups: Vec<String> = entries(Path::new("/sys/fs/cgroup"))
+        .into_iter()
+        .flat_map(|h| entries(&Path::new("/sys/fs/cgroup").join(h)))
+        .filter(|n| n.strip_prefix("nodelb-").is_some_and(dead))
+        .collect();
+    cgroups.sort();
+    cgroups.dedup();
+    for name in cgroups {
+        wait_until(Duration::from_secs(10), || {
+            let mut pids = Vec::new();
+            for dir in cgroup_dirs(&name) {
+                for d in walk(&dir) {
+                    let procs = fs::read_to_string(d.join("cgroup.procs")).unwrap_or_default();
+                    pids.extend(procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
+                }
+            }
+            pids.iter().copied().for_each(kill);
+            pids.is_empty()
+        });
+        wait_until(Duration::from_secs(10), || remove_cgroup(&name));
+    }
+    // Its directories: nodes' (named after their namespace), the control plane's and its
+    // components' (`…-<pid>-…`).
+    let dead_pid = |rest: &str| dead(&format!("nlb-x-{rest}"));
+    let tmp = std::env::temp_dir();
+    for dir in entries(&tmp) {
+        let ours = dir.strip_prefix("nodelb-node-").is_some_and(dead)
+            || ["nodelb-testkube-", "nodelb-components-"]
+                .iter()
+                .any(|p| dir.strip_prefix(p).is_some_and(dead_pid));
+        if ours {
+            let _ = fs::remove_dir_all(tmp.join(dir));
+        }
+    }
+}
+
+/// Processes whose command line contains `text`.
+fn processes_naming(text: &str) -> Vec<i32> {
+    let Ok(procs) = fs::read_dir("/proc") else { return Vec::new() };
+    procs
+        .flatten()
+        .filter_map(|p| {
+            let pid = p.file_name().to_string_lossy().parse::<i32>().ok()?;
+            let cmdline = fs::read(p.path().join("cmdline")).ok()?;
+            String::from_utf8_lossy(&cmdline).contains(text).then_some(pid)
+        })
+        .collect()
 }
 
 /// SIGTERM, then SIGKILL after `grace`.
