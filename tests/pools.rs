@@ -660,6 +660,55 @@ fn manifests_mode_serves_a_service_port_pool_on_the_services_own_ports() {
     );
 }
 
+/// A process bound to one node address keeps that address's port; a pool that serves the node's
+/// other address takes the same port there, and leaves it when a process binds that address too.
+#[test]
+fn a_listener_on_one_address_leaves_the_port_to_a_pool_on_the_others() {
+    use common::agent::Agent;
+    use common::manifest::render_docs;
+    use common::topology::{NODE_BACKEND_V4, NODE_V4, Topology};
+    require_root!();
+    const T: Duration = Duration::from_secs(10);
+    let topo = Topology::new(1, 1);
+    let client = topo.client(0);
+    let get = |addr: Ipv4Addr| http_get(client, addr.into(), 443, Duration::from_millis(700));
+    // A process of the node on its backend-side address only.
+    let _elsewhere = Servers::start_at(&topo.node, "node-elsewhere", NODE_BACKEND_V4.into(), 443, 443);
+    let pools = render_docs(&[pool(
+        "edge",
+        &[(443, 443)],
+        json!({"portMode": "ServicePort", "serviceSelector": {"matchLabels": {"tier": "edge"}},
+               "addresses": {"cidrs": [format!("{NODE_V4}/32")]}, "priority": 1}),
+    )]);
+    let edge =
+        ServiceSpec::new("edge").port(PortSpec::tcp(443, None)).endpoint(EndpointSpec::local(backend_v4(0)));
+    let mut svc = edge.service();
+    svc["metadata"]["labels"] = json!({"tier": "edge"});
+    let mut docs = vec![svc];
+    docs.extend(edge.slices());
+    let files = [("pools.yaml", pools), ("edge.yaml", render_docs(&docs))];
+    let mut agent = Agent::start(&topo.node, &files, &["--resync-period", "1s"]);
+    agent.wait_ready(Duration::from_secs(15));
+    agent.wait_state("default/edge", "programmed", T);
+    assert_eq!(agent.node_port("default/edge", 443, "TCP"), Some(443), "{:#?}", agent.status());
+    assert!(
+        wait_until(T, || get(NODE_V4).is_ok_and(|b| b.contains("backend=be"))),
+        "not served at the pool's address"
+    );
+    let other = get(NODE_BACKEND_V4);
+    assert!(
+        other.as_ref().is_ok_and(|b| b.contains("backend=node-elsewhere")),
+        "the process keeps its address: {other:?}"
+    );
+
+    // A process binds the pool's address too: the node leaves the port to it and says why.
+    let _here = Servers::start_at(&topo.node, "node-here", NODE_V4.into(), 443, 443);
+    let ok = wait_until(T, || get(NODE_V4).is_ok_and(|b| b.contains("backend=node-here")));
+    assert!(ok, "the process on the pool's address does not answer: {:?}", get(NODE_V4));
+    let st = agent.service_status("default/edge").unwrap();
+    assert!(st.to_string().contains(&format!("a process listens on {NODE_V4}:443/TCP")), "{st}");
+}
+
 /// The chart's default pool (`pools.defaultPool`): created by the same `helm install` that
 /// installs the CRD (Helm applies crds/ first and waits for them), its ranges from
 /// `config.port-range`; Services are allocated from it and served, and it reports Ready.

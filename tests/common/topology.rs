@@ -181,11 +181,16 @@ pub struct Servers {
 impl Servers {
     /// Binds `[::]:tcp_port` and `[::]:udp_port` (dual-stack) inside `ns` and serves until dropped.
     pub fn start(ns: &NetNs, name: &str, tcp_port: u16, udp_port: u16) -> Servers {
+        Self::start_at(ns, name, IpAddr::V6(Ipv6Addr::UNSPECIFIED), tcp_port, udp_port)
+    }
+
+    /// Like [`Servers::start`], bound to `addr` alone.
+    pub fn start_at(ns: &NetNs, name: &str, addr: IpAddr, tcp_port: u16, udp_port: u16) -> Servers {
         let stop = Arc::new(AtomicBool::new(false));
         let (tcp, udp) = ns.run(move || {
-            let tcp = TcpListener::bind(("::", tcp_port)).expect("bind backend TCP");
+            let tcp = TcpListener::bind((addr, tcp_port)).expect("bind backend TCP");
             tcp.set_nonblocking(true).unwrap();
-            let udp = UdpSocket::bind(("::", udp_port)).expect("bind backend UDP");
+            let udp = UdpSocket::bind((addr, udp_port)).expect("bind backend UDP");
             udp.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
             (tcp, udp)
         });

@@ -755,18 +755,18 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             }
             _ => None,
         };
+        // Served on some node addresses only (a pool's): a listener elsewhere does not clash.
+        let served_on = restricted.get(key);
         ports.retain(|id, node_port| {
+            let listeners = &inputs.host.listeners;
             let checked = match &pool_policy {
                 Some(Err(not_here)) => Err(not_here.clone()),
                 Some(Ok(policy)) => {
-                    port_policy::node_check(*node_port, id.protocol, policy, &inputs.host.listeners)
+                    port_policy::node_check(*node_port, id.protocol, policy, listeners, served_on)
                 }
-                None => port_policy::node_check(
-                    *node_port,
-                    id.protocol,
-                    &inputs.policy.ports,
-                    &inputs.host.listeners,
-                ),
+                None => {
+                    port_policy::node_check(*node_port, id.protocol, &inputs.policy.ports, listeners, None)
+                }
             };
             match checked {
                 Ok(()) => true,

@@ -18,7 +18,7 @@
 //!    it cannot take them over. New automatic allocations avoid a number with a listener of any
 //!    protocol (they can pick any free number, so they pick a clean one).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
 use std::str::FromStr;
@@ -215,26 +215,48 @@ impl fmt::Display for Listener {
     }
 }
 
-/// The node's listening sockets that can be taken over, one per protocol and port (the first by
-/// address order, for the message).
+/// The node's listening sockets that can be taken over, by protocol and port, in address order.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Listeners(BTreeMap<(Protocol, u16), Listener>);
+pub struct Listeners(BTreeMap<(Protocol, u16), Vec<Listener>>);
 
 impl Listeners {
     /// From every listening socket read: loopback-bound ones are left out (rule 2).
     pub fn from_sockets(sockets: impl IntoIterator<Item = Listener>) -> Listeners {
         let mut sockets: Vec<Listener> = sockets.into_iter().filter(|l| !l.addr.is_loopback()).collect();
         sockets.sort();
-        let mut map = BTreeMap::new();
+        sockets.dedup();
+        let mut map: BTreeMap<(Protocol, u16), Vec<Listener>> = BTreeMap::new();
         for l in sockets {
-            map.entry((l.protocol, l.port)).or_insert(l);
+            map.entry((l.protocol, l.port)).or_default().push(l);
         }
         Listeners(map)
     }
 
-    /// The listener on `port`/`protocol`, if any.
+    /// A listener on `port`/`protocol`, if any (the first by address).
     pub fn get(&self, protocol: Protocol, port: u16) -> Option<&Listener> {
-        self.0.get(&(protocol, port))
+        self.0.get(&(protocol, port)).and_then(|ls| ls.first())
+    }
+
+    /// A listener that a node port on `port`/`protocol` would take over: where the port is
+    /// served on every node address, any; where only on `served_on`, one bound to an address
+    /// of that set or to the unspecified address of its family (`::` also takes IPv4 unless
+    /// the socket is IPv6-only, which is not read: it counts for both).
+    pub fn blocking(
+        &self,
+        protocol: Protocol,
+        port: u16,
+        served_on: Option<&BTreeSet<IpAddr>>,
+    ) -> Option<&Listener> {
+        let listeners = self.0.get(&(protocol, port))?;
+        let Some(served_on) = served_on else { return listeners.first() };
+        listeners.iter().find(|l| {
+            let addr = l.addr.to_canonical();
+            match addr {
+                IpAddr::V4(a) if a.is_unspecified() => served_on.iter().any(IpAddr::is_ipv4),
+                IpAddr::V6(a) if a.is_unspecified() => !served_on.is_empty(),
+                a => served_on.contains(&a),
+            }
+        })
     }
 
     /// Whether any protocol listens on `port` (new automatic allocations avoid it).
@@ -243,7 +265,7 @@ impl Listeners {
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &Listener> {
-        self.0.values()
+        self.0.values().flatten()
     }
 
     /// Those that matter to nodelb (ports it may allocate), as `22/TCP,53/UDP`: what an agent
@@ -312,17 +334,19 @@ impl fmt::Display for PortRefusal {
     }
 }
 
-/// Whether this node may program `node_port` for `protocol` (both rules).
+/// Whether this node may program `node_port` for `protocol` (both rules), on every node
+/// address or (`served_on`: a pool's addresses) only on those.
 pub fn node_check(
     node_port: u16,
     protocol: Protocol,
     policy: &PortPolicy,
     listeners: &Listeners,
+    served_on: Option<&BTreeSet<IpAddr>>,
 ) -> Result<(), PortRefusal> {
     if !policy.allows(node_port) {
         return Err(PortRefusal::NotAllowed(policy.describe()));
     }
-    if let Some(l) = listeners.get(protocol, node_port) {
+    if let Some(l) = listeners.blocking(protocol, node_port, served_on) {
         return Err(PortRefusal::InUse(format!("{l} on this node")));
     }
     Ok(())
@@ -397,14 +421,14 @@ mod tests {
             (20011, Tcp, &none, ""),
         ];
         for (port, proto, policy, want) in cases {
-            let got = node_check(*port, *proto, policy, &listeners).err();
+            let got = node_check(*port, *proto, policy, &listeners, None).err();
             assert_eq!(got.as_ref().map(|r| r.code()).unwrap_or(""), *want, "{port}/{proto}");
         }
-        let msg = node_check(22, Tcp, &none, &listeners).unwrap_err().to_string();
+        let msg = node_check(22, Tcp, &none, &listeners, None).unwrap_err().to_string();
         assert_eq!(msg, "not allowed (allowed: --port-range 20000-29999)");
-        let msg = node_check(22, Tcp, &some, &listeners).unwrap_err().to_string();
+        let msg = node_check(22, Tcp, &some, &listeners, None).unwrap_err().to_string();
         assert_eq!(msg, "in use: a process listens on 0.0.0.0:22/TCP on this node");
-        let msg = node_check(10250, Tcp, &some, &listeners).unwrap_err().to_string();
+        let msg = node_check(10250, Tcp, &some, &listeners, None).unwrap_err().to_string();
         assert_eq!(
             msg,
             "not allowed (allowed: --port-range 20000-29999 or --allowed-node-ports 22,6443,8000-8100)"
@@ -415,5 +439,36 @@ mod tests {
             Listeners::parse_published("22/TCP, 20053/udp,bad,99999/TCP"),
             vec![(Tcp, 22), (Udp, 20053)]
         );
+    }
+
+    /// A port served only on some node addresses (a pool's) is taken over only by a listener on
+    /// one of them or on its family's unspecified address: (listeners, served on) → blocked by.
+    #[test]
+    fn a_listener_blocks_only_the_addresses_it_is_bound_to() {
+        use Protocol::Tcp;
+        let open = PortPolicy { allowed: "443".parse::<PortList>().unwrap().0, ..PortPolicy::default() };
+        let set = |addrs: &[&str]| addrs.iter().map(|a| a.parse().unwrap()).collect::<BTreeSet<IpAddr>>();
+        /// Sockets (address, port), the addresses the port is served on, the blocking socket.
+        type Case<'a> = (&'a [(&'a str, u16)], Option<&'a [&'a str]>, Option<&'a str>);
+        let cases: &[Case<'_>] = &[
+            (&[("192.0.2.1", 443)], Some(&["192.0.2.2"]), None),
+            (&[("192.0.2.1", 443)], Some(&["192.0.2.1"]), Some("192.0.2.1")),
+            (&[("192.0.2.1", 443)], None, Some("192.0.2.1")),
+            (&[("192.0.2.1", 443), ("192.0.2.2", 443)], Some(&["192.0.2.2"]), Some("192.0.2.2")),
+            (&[("0.0.0.0", 443)], Some(&["192.0.2.2"]), Some("0.0.0.0")),
+            (&[("0.0.0.0", 443)], Some(&["2001:db8::2"]), None),
+            (&[("::", 443)], Some(&["192.0.2.2"]), Some("::")),
+            (&[("2001:db8::1", 443)], Some(&["2001:db8::2", "192.0.2.1"]), None),
+            (&[("::ffff:192.0.2.1", 443)], Some(&["192.0.2.1"]), Some("::ffff:192.0.2.1")),
+            (&[("192.0.2.1", 80)], Some(&["192.0.2.1"]), None),
+        ];
+        for (sockets, served_on, want) in cases {
+            let listeners = Listeners::from_sockets(sockets.iter().map(|(a, p)| l(Tcp, a, *p)));
+            let served_on = served_on.map(set);
+            let got = listeners.blocking(Tcp, 443, served_on.as_ref()).map(|l| l.addr.to_string());
+            assert_eq!(got.as_deref(), *want, "{sockets:?} served on {served_on:?}");
+            let check = node_check(443, Tcp, &open, &listeners, served_on.as_ref());
+            assert_eq!(check.is_err(), want.is_some(), "{sockets:?} served on {served_on:?}");
+        }
     }
 }
