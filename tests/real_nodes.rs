@@ -217,9 +217,27 @@ fn daemonset_in_real_pods_serves_rolls_and_uninstalls() {
 
     // Backends behind a LoadBalancer Service, reached through every node; its status names both.
     let port = serve_backend(&c, "web", 2);
-    let wide = c.api.kubectl_ok(&["get", "svc", "web", "-o", "wide"]);
     let nodes_v4: Vec<String> = c.nodes.iter().map(|n| n.v4.to_string()).collect();
-    assert!(wait_until(CHANGE, || ingress(&c, "web") == nodes_v4), "status lists both nodes:\n{wide}");
+    assert!(wait_until(CHANGE, || ingress(&c, "web") == nodes_v4), "status lists both nodes");
+    // What the README's commands show: EXTERNAL-IP the node addresses, the allocated port.
+    let wide = c.api.kubectl_ok(&["get", "svc", "web", "-o", "wide"]);
+    let row = wide.lines().find(|l| l.starts_with("web ")).expect("a row for web");
+    let mut external: Vec<&str> = row.split_whitespace().nth(3).unwrap_or_default().split(',').collect();
+    external.sort();
+    assert_eq!(external, nodes_v4, "{wide}");
+    let annotation = c.api.kubectl_ok(&[
+        "get",
+        "svc",
+        "web",
+        "-o",
+        r"jsonpath={.metadata.annotations.nodelb\.io/allocated-ports}",
+    ]);
+    assert_eq!(annotation, format!("80/TCP={port}"));
+    for node in &c.nodes {
+        let url = format!("http://{}:9471/readyz", node.v4);
+        let (_, code) = c.curl(&["-s", "-m", "5", "-o", "/dev/null", "-w", "%{http_code}", &url]);
+        assert_eq!(code, "200", "{url}");
+    }
 
     // The agent's log, as `kubectl logs` shows it, is JSON, one object a line.
     let logs = c.api.kubectl_ok(&["logs", "-n", AGENT_NS, "daemonset/nodelb"]);
