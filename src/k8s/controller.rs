@@ -242,13 +242,13 @@ pub async fn leader_round(
     metrics: Option<&ControllerMetrics>,
 ) -> RoundOutcome {
     let started = Instant::now();
-    let fresh_as = state.registry_written.take();
+    let fresh_as = state.registry_seen.take();
     let read = match read_registry(client, &cfg.namespace, state.registry_read.take(), fresh_as.as_deref())
         .await
     {
         Ok((r, problems, listed_at)) => {
             // The next read is at least as fresh as this one, whether or not this round writes.
-            state.registry_written = listed_at;
+            state.registry_seen = listed_at;
             let problems: std::collections::BTreeSet<String> = problems.into_iter().collect();
             for p in problems.difference(&state.logged) {
                 warn!(problem = %p, "node-port registry");
@@ -256,7 +256,7 @@ pub async fn leader_round(
             state.logged = problems;
             Some(r)
         }
-        // The next read is a consistent one (`registry_written` stays `None`): a version the API
+        // The next read is a consistent one (`registry_seen` stays `None`): a version the API
         // server cannot serve (an etcd restored from a backup) is not asked for again.
         Err(e) => {
             count_api_error(metrics, "registry");
@@ -285,7 +285,7 @@ pub async fn leader_round(
     for (b, block) in &plan.claims.blocks {
         match write_block(client, &cfg.namespace, *b, block).await {
             Ok(written) => {
-                state.registry_written.clone_from(&written);
+                state.registry_seen.clone_from(&written);
                 if let Some(v) = versions.as_mut() {
                     v.insert(*b, written);
                 }
@@ -293,12 +293,12 @@ pub async fn leader_round(
             // Someone else wrote it: the round runs again from a consistent read, which sees that
             // write (a read only as fresh as this leader's own write may not).
             Err(e) if is_conflict(&e) => {
-                state.registry_written = None;
+                state.registry_seen = None;
                 debug!(block = b, "node-port registry changed since read (409); retrying the round");
                 return RoundOutcome { again: true, ..Default::default() };
             }
             Err(e) => {
-                state.registry_written = None;
+                state.registry_seen = None;
                 count_api_error(metrics, "registry");
                 warn!(error = %e, block = b, "cannot write the node-port registry; retrying the round later");
                 return RoundOutcome::default();
@@ -324,9 +324,9 @@ pub async fn leader_round(
     let (resolved, resolve_written) =
         resolve_claims(client, &cfg.namespace, &plan, &outcomes, &state.token, metrics, &mut versions).await;
     if !resolved {
-        state.registry_written = None;
+        state.registry_seen = None;
     } else if resolve_written.is_some() {
-        state.registry_written = resolve_written;
+        state.registry_seen = resolve_written;
     }
     state.end_round(registry, written && resolved, versions);
     if let Some(p) = &plan.pools {

@@ -245,7 +245,7 @@ pub struct LeaderState {
     /// consistent read waits for the cache to catch up with etcd (most of a round). A write of
     /// someone else's that such a read misses fails its precondition (409); then, and after any
     /// failed read or write, the next read is a consistent one (`None`).
-    pub(super) registry_written: Option<String>,
+    pub(super) registry_seen: Option<String>,
     /// Names this process in the claims it leaves pending.
     pub token: claims::Token,
     /// Registry problems last logged (each logged once while it lasts).
@@ -267,7 +267,7 @@ impl LeaderState {
             claims: claims::Keeper::default(),
             registry_versions: None,
             registry_read: None,
-            registry_written: None,
+            registry_seen: None,
             token: claims::Token::new(identity, std::process::id(), started.as_nanos()),
             logged: Default::default(),
             unreported: Vec::new(),
@@ -337,7 +337,7 @@ impl LeaderState {
         self.registry_versions = None;
         self.registry_read = None;
         // A leader again reads the registry as it is, not as fresh as its old writes.
-        self.registry_written = None;
+        self.registry_seen = None;
         self.echoes = HashMap::new();
         self.clean = false;
         self.lease_view = None;
