@@ -22,9 +22,10 @@
 //!
 //! On drop (also when the test panics, then with the components' logs): kubelets stopped, every
 //! process of the nodes' cgroups killed, containerd and its shims stopped, the cgroups removed,
-//! the namespaces deleted. A test process killed by a signal runs no destructor: the next
-//! [`RealCluster::start`] removes what it left (`sweep_dead_nodes`), and `scripts/test.sh` fails
-//! when namespaces or cgroups are left at its end.
+//! the namespaces deleted. A test process ended by SIGINT, SIGTERM or SIGHUP runs no destructor:
+//! its handler removes the same (`remove_own_on_signal`); one killed by SIGKILL leaves it to the
+//! next [`RealCluster::start`] (`sweep_dead_nodes`), and `scripts/test.sh` fails when namespaces or
+//! cgroups are left at its end.
 
 use std::fs;
 use std::net::Ipv4Addr;
@@ -103,6 +104,7 @@ impl RealCluster {
         assert!(nodes <= 4, "pod ranges are /26s of one /24");
         let images = images();
         sweep_dead_nodes();
+        remove_own_on_signal();
         let fabric = NetNs::new("rfab");
         fabric.ip(&["link", "add", "br-f", "type", "bridge"]);
         fabric.ip(&["link", "set", "br-f", "up"]);
@@ -504,19 +506,61 @@ fn attach(fabric: &NetNs, ns: &NetNs, fab_if: &str, addr: Ipv4Addr) {
     ns.ip(&["addr", "add", &format!("{addr}/24"), "dev", "eth0"]);
 }
 
-/// Removes what a test process that no longer runs left behind (one killed by a signal runs no
-/// destructor): the processes in its namespaces (`nlb-<tag>-<pid>-<n>`, the pid its own), which
-/// are its control planes, kubelets, containerds and their shims, and the namespaces; the
-/// processes in its nodes' cgroups (pods in their own network namespaces) and the cgroups; its
-/// temporary directories.
+/// Removes what a test process that no longer runs left behind (one killed by SIGKILL runs no
+/// destructor and no handler): see [`sweep`].
 fn sweep_dead_nodes() {
-    let dead = |name: &str| {
+    let own = std::process::id();
+    sweep(|pid| pid != own && !Path::new(&format!("/proc/{pid}")).exists());
+}
+
+/// On SIGINT, SIGTERM or SIGHUP (a Ctrl-C, a runner's timeout), this process's nodes and
+/// namespaces are removed ([`sweep`]) before it exits with 130: its destructors would not run.
+/// Installed once per process; the handler only writes to a pipe that a thread waits on.
+fn remove_own_on_signal() {
+    use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
+    use std::os::fd::{IntoRawFd, OwnedFd};
+    static PIPE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    extern "C" fn handler(_: nix::libc::c_int) {
+        let fd = PIPE.load(std::sync::atomic::Ordering::SeqCst);
+        // SAFETY: write(2) is async-signal-safe; the fd stays open for the process's life.
+        let _ = unsafe { nix::libc::write(fd, b"x".as_ptr().cast(), 1) };
+    }
+    ONCE.call_once(|| {
+        let (read, write): (OwnedFd, OwnedFd) = nix::unistd::pipe().expect("pipe");
+        PIPE.store(write.into_raw_fd(), std::sync::atomic::Ordering::SeqCst);
+        std::thread::spawn(move || {
+            let mut byte = [0u8; 1];
+            if nix::unistd::read(&read, &mut byte).is_ok() {
+                eprintln!("signal: removing this test process's real nodes and namespaces");
+                let own = std::process::id();
+                sweep(|pid| pid == own);
+                std::process::exit(130);
+            }
+        });
+        let action = SigAction::new(SigHandler::Handler(handler), SaFlags::SA_RESTART, SigSet::empty());
+        for sig in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+            // SAFETY: the handler only calls write(2).
+            unsafe { sigaction(sig, &action) }.expect("sigaction");
+        }
+    });
+}
+
+/// Removes what the test processes `owner` picks (by pid) made: the processes in their
+/// namespaces (`nlb-<tag>-<pid>-<n>`), which are control planes, kubelets, containerds and
+/// their shims, and the namespaces; the processes in their nodes' cgroups (pods in their own
+/// network namespaces) and the cgroups; their temporary directories (nodes' are named after
+/// their namespace, the control plane's and its components' carry the pid).
+fn sweep(owner: impl Fn(u32) -> bool) {
+    let own = std::process::id() as i32;
+    let made_by = |name: &str| {
         let pid = name.strip_prefix("nlb-").and_then(|r| r.split('-').nth(1));
-        pid.and_then(|p| p.parse::<u32>().ok())
-            .is_some_and(|p| p != std::process::id() && !Path::new(&format!("/proc/{p}")).exists())
+        pid.and_then(|p| p.parse::<u32>().ok()).is_some_and(&owner)
     };
     let kill = |pid: i32| {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL);
+        if pid != own {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL);
+        }
     };
     let entries = |dir: &Path| -> Vec<String> {
         fs::read_dir(dir)
@@ -526,8 +570,8 @@ fn sweep_dead_nodes() {
             .map(|e| e.file_name().to_string_lossy().into_owned())
             .collect()
     };
-    for ns in entries(Path::new("/run/netns")).into_iter().filter(|n| dead(n)) {
-        eprintln!("removing namespace {ns} of a test process that is gone, and what runs in it");
+    for ns in entries(Path::new("/run/netns")).into_iter().filter(|n| made_by(n)) {
+        eprintln!("removing namespace {ns} and what runs in it");
         if let Ok(out) = Command::new("ip").args(["netns", "pids", &ns]).output() {
             String::from_utf8_lossy(&out.stdout)
                 .split_whitespace()
@@ -539,7 +583,7 @@ fn sweep_dead_nodes() {
     let mut cgroups: Vec<String> = entries(Path::new("/sys/fs/cgroup"))
         .into_iter()
         .flat_map(|h| entries(&Path::new("/sys/fs/cgroup").join(h)))
-        .filter(|n| n.strip_prefix("nodelb-").is_some_and(dead))
+        .filter(|n| n.strip_prefix("nodelb-").is_some_and(made_by))
         .collect();
     cgroups.sort();
     cgroups.dedup();
@@ -557,15 +601,13 @@ fn sweep_dead_nodes() {
         });
         wait_until(Duration::from_secs(10), || remove_cgroup(&name));
     }
-    // Its directories: nodes' (named after their namespace), the control plane's and its
-    // components' (`…-<pid>-…`).
-    let dead_pid = |rest: &str| dead(&format!("nlb-x-{rest}"));
+    let made_by_pid = |rest: &str| made_by(&format!("nlb-x-{rest}"));
     let tmp = std::env::temp_dir();
     for dir in entries(&tmp) {
-        let ours = dir.strip_prefix("nodelb-node-").is_some_and(dead)
+        let ours = dir.strip_prefix("nodelb-node-").is_some_and(made_by)
             || ["nodelb-testkube-", "nodelb-components-"]
                 .iter()
-                .any(|p| dir.strip_prefix(p).is_some_and(dead_pid));
+                .any(|p| dir.strip_prefix(p).is_some_and(made_by_pid));
         if ours {
             let _ = fs::remove_dir_all(tmp.join(dir));
         }
