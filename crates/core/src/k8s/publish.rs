@@ -378,7 +378,9 @@ pub struct Round<'a, S = Service, V = LbService> {
     /// Endpoint addresses the policy refused (already taken out of `valid`).
     pub refused_endpoints: &'a [RefusedEndpoint],
     /// Ports processes listen on, per node (the node Leases): an allocated port among them is
-    /// not served on those nodes (`NodePortInUse` Event; the allocation stays).
+    /// not served on those nodes (`NodePortInUse` Event; the allocation stays), unless the
+    /// Service is served on some node addresses only (`pool_addresses`), which nodes check per
+    /// address.
     pub listening: &'a BTreeMap<(crate::domain::Protocol, u16), String>,
     pub serving: &'a BTreeMap<String, ServingNode>,
     /// Per Service whose node port pool restricts nodes, the nodes it selects (absent: every
@@ -983,7 +985,10 @@ fn valid_events<S, V>(
             ),
         });
     }
-    for (id, n) in ports {
+    // Served on some node addresses only (its pool's): the nodes decide per address and their
+    // reports say where it is not served; a listened-on port (which names no address) does not.
+    let per_address = round.pool_addresses.is_some_and(|m| m.contains_key(&svc.key));
+    for (id, n) in ports.iter().filter(|_| !per_address) {
         if let Some(who) = round.listening.get(&(id.protocol, *n)) {
             out.push(ServiceEvent {
                 service: svc.key.clone(),

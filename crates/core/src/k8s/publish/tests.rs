@@ -599,6 +599,39 @@ fn one_services_events_are_merged_as_a_whole_round_merges_them() {
     assert!(in_use.len() == 1 && in_use[0].message.contains("20006"), "{whole:?}");
 }
 
+/// A Service served on some node addresses only gets no `NodePortInUse` Event from a listened-on
+/// port: the Lease names no address, and a node serves the port beside a listener elsewhere.
+#[test]
+fn a_listened_on_port_is_not_in_use_for_a_service_on_some_addresses_only() {
+    let services = vec![service("web", |v| {
+        v["metadata"]["annotations"] = json!({ANNOTATION_ALLOCATED: "80/TCP=20443"});
+    })];
+    let opts = ModelOptions::default();
+    let out = model::build(&services, model::NO_SLICES, &opts);
+    let result = crate::alloc::allocate(&Default::default(), &out.services, &Allocations::new());
+    let listening: BTreeMap<(crate::domain::Protocol, u16), String> = [(
+        (crate::domain::Protocol::Tcp, 20443),
+        "a process listens on 192.0.2.1:20443/TCP on node a".to_string(),
+    )]
+    .into();
+    let none = BTreeMap::new();
+    let round = Round {
+        listening: &listening,
+        ..plain_round(&services, &opts, (&out.services, &out.refused), &result, &none)
+    };
+    let in_use = |events: Vec<ServiceEvent>| events.iter().filter(|e| e.reason == "NodePortInUse").count();
+    assert_eq!(in_use(service_events(&round, &[])), 1, "served on every address: the listener clashes");
+    let key = ServiceKey::new("default", "web");
+    let addresses: BTreeMap<ServiceKey, BTreeMap<String, Vec<std::net::IpAddr>>> =
+        [(key, [("a".to_string(), vec!["192.0.2.2".parse().unwrap()])].into())].into();
+    let round = Round { pool_addresses: Some(&addresses), ..round };
+    assert_eq!(
+        in_use(service_events(&round, &[])),
+        0,
+        "served on 192.0.2.2 only: the node decides per address"
+    );
+}
+
 /// The kept parts are what a whole round computes: a sequence of rounds, each planned both
 /// ways on the same objects; what nothing happened to is reused, a change of the shared
 /// inputs (nodes, listeners) starts over.
