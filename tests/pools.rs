@@ -421,6 +421,38 @@ fn pool_addresses_choose_which_node_address_answers() {
     create_labelled(&c, "edge", 0, json!({}));
     let port = wait_allocated_in(&c, "edge", (20300, 20399));
     served_only_at_second_address(&c, port, &nodes);
+    // A process on node-1's first address, on the same port: it answers there, node-1 keeps
+    // serving the pool's address, and, though node-1's Lease lists the port as listened on, no
+    // Event says the Service's port is in use.
+    let first = common::cluster::node_v4(0);
+    let squatter = Servers::start_at(node1, "squatter", first.into(), port, port);
+    let get = |addr: Ipv4Addr| http_get(&c.client, IpAddr::V4(addr), port, Duration::from_millis(500));
+    assert!(
+        wait_until(CHANGE, || get(first).is_ok_and(|b| b.contains("backend=squatter"))),
+        "{:?}",
+        get(first)
+    );
+    let listed = || {
+        let lease =
+            c.api.get("coordination.k8s.io/v1", "Lease", common::cluster::AGENT_NS, "nodelb-node-node-1");
+        lease.is_some_and(|l| {
+            l["metadata"]["annotations"]["nodelb.io/listening-ports"]
+                .as_str()
+                .is_some_and(|v| v.split(',').any(|p| p == format!("{port}/TCP")))
+        })
+    };
+    assert!(wait_until(CHANGE, listed), "node-1's Lease does not list {port}/TCP");
+    // Rounds after the Lease changed, for an Event to have been recorded if one were due.
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(get(SECOND_V4).is_ok_and(|b| b.contains("backend=be")), "{:?}", get(SECOND_V4));
+    let in_use: Vec<Value> = c
+        .api
+        .list("v1", "Event", Some("default"))
+        .into_iter()
+        .filter(|e| e["reason"] == "NodePortInUse" && e["involvedObject"]["name"] == "edge")
+        .collect();
+    assert!(in_use.is_empty(), "{in_use:#?}");
+    drop(squatter);
 
     // Hot reload: the CIDR of the first addresses moves it there, on every node.
     let started = Instant::now();
