@@ -101,13 +101,7 @@ fn service_is_served_on_every_node_with_status() {
     let wide = c.api.kubectl_ok(&["get", "svc", "web", "-o", "wide"]);
     let external = format!("{},{},{}", node_v4(0), node_v4(1), node_v4(2));
     assert!(wide.contains(&external), "EXTERNAL-IP is not the node addresses:\n{wide}");
-    let annotation = c.api.kubectl_ok(&[
-        "get",
-        "svc",
-        "web",
-        "-o",
-        r"jsonpath={.metadata.annotations.nodelb\.io/allocated-ports}",
-    ]);
+    let annotation = c.api.kubectl_allocated_ports("web");
     assert_eq!(annotation, format!("80/TCP={np}"));
     let serving = c.api.kubectl_ok(&[
         "get",

@@ -225,13 +225,7 @@ fn daemonset_in_real_pods_serves_rolls_and_uninstalls() {
     let mut external: Vec<&str> = row.split_whitespace().nth(3).unwrap_or_default().split(',').collect();
     external.sort();
     assert_eq!(external, nodes_v4, "{wide}");
-    let annotation = c.api.kubectl_ok(&[
-        "get",
-        "svc",
-        "web",
-        "-o",
-        r"jsonpath={.metadata.annotations.nodelb\.io/allocated-ports}",
-    ]);
+    let annotation = c.api.kubectl_allocated_ports("web");
     assert_eq!(annotation, format!("80/TCP={port}"));
     for node in &c.nodes {
         let url = format!("http://{}:9471/readyz", node.v4);

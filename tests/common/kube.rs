@@ -487,6 +487,18 @@ impl ControlPlane {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// What the README shows a user: `kubectl get svc NAME -o jsonpath=…` of the Service's
+    /// allocation annotation, in the default namespace.
+    pub fn kubectl_allocated_ports(&self, service: &str) -> String {
+        self.kubectl_ok(&[
+            "get",
+            "svc",
+            service,
+            "-o",
+            r"jsonpath={.metadata.annotations.nodelb\.io/allocated-ports}",
+        ])
+    }
+
     /// A kubeconfig with a fresh TokenRequest token of ServiceAccount `ns/sa` (`kubectl create
     /// token`), written to `path`: what the agents use, so the real authorizer judges them.
     pub fn write_sa_kubeconfig(&self, ns: &str, sa: &str, path: &Path) {

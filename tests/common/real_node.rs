@@ -312,16 +312,7 @@ impl RealNode {
         for (stem, reference) in &images.refs {
             let base = reference.rsplit_once(':').map_or(reference.as_str(), |(b, _)| b);
             let tar = images.dir.join(format!("{stem}.tar"));
-            let out = Command::new("ctr")
-                .args(["--address", &sock, "-n", "k8s.io", "images", "import", "--base-name", base])
-                .arg(&tar)
-                .output()
-                .expect("ctr");
-            assert!(
-                out.status.success(),
-                "ctr images import {reference}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
+            node.ctr(&["images", "import", "--base-name", base, &tar.to_string_lossy()]);
         }
         node.start_kubelet(api);
         node
@@ -429,16 +420,15 @@ impl RealNode {
 
     /// `ctr images tag`: `reference` also as `tag` in the node's image store.
     pub fn tag_image(&self, reference: &str, tag: &str) {
+        self.ctr(&["images", "tag", "--force", reference, tag]);
+    }
+
+    /// `ctr` against the node's containerd, in the kubelet's namespace; fails the test if it fails.
+    fn ctr(&self, args: &[&str]) {
         let sock = format!("{}/containerd.sock", self.dir.path().display());
-        let out = Command::new("ctr")
-            .args(["--address", &sock, "-n", "k8s.io", "images", "tag", "--force", reference, tag])
-            .output()
-            .expect("ctr");
-        assert!(
-            out.status.success(),
-            "ctr images tag {reference} {tag}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let out =
+            Command::new("ctr").args(["--address", &sock, "-n", "k8s.io"]).args(args).output().expect("ctr");
+        assert!(out.status.success(), "ctr {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     }
 
     /// Every process in the node's cgroups (its pods' containers).
@@ -453,17 +443,7 @@ impl RealNode {
     }
 
     fn processes_where(&self, keep: impl Fn(&Path) -> bool) -> Vec<i32> {
-        let mut pids = Vec::new();
-        for dir in cgroup_dirs(&self.cgroup) {
-            for entry in walk(&dir).into_iter().filter(|p| keep(p)) {
-                if let Ok(text) = fs::read_to_string(entry.join("cgroup.procs")) {
-                    pids.extend(text.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
-                }
-            }
-        }
-        pids.sort_unstable();
-        pids.dedup();
-        pids
+        cgroup_processes(&self.cgroup, keep)
     }
 }
 
@@ -589,13 +569,7 @@ fn sweep(owner: impl Fn(u32) -> bool) {
     cgroups.dedup();
     for name in cgroups {
         wait_until(Duration::from_secs(10), || {
-            let mut pids = Vec::new();
-            for dir in cgroup_dirs(&name) {
-                for d in walk(&dir) {
-                    let procs = fs::read_to_string(d.join("cgroup.procs")).unwrap_or_default();
-                    pids.extend(procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
-                }
-            }
+            let pids = cgroup_processes(&name, |_| true);
             pids.iter().copied().for_each(kill);
             pids.is_empty()
         });
@@ -612,6 +586,21 @@ fn sweep(owner: impl Fn(u32) -> bool) {
             let _ = fs::remove_dir_all(tmp.join(dir));
         }
     }
+}
+
+/// The processes of node cgroup `name` (under every hierarchy), in the cgroups `keep` accepts.
+fn cgroup_processes(name: &str, keep: impl Fn(&Path) -> bool) -> Vec<i32> {
+    let mut pids = Vec::new();
+    for dir in cgroup_dirs(name) {
+        for entry in walk(&dir).into_iter().filter(|p| keep(p)) {
+            if let Ok(text) = fs::read_to_string(entry.join("cgroup.procs")) {
+                pids.extend(text.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
+            }
+        }
+    }
+    pids.sort_unstable();
+    pids.dedup();
+    pids
 }
 
 /// Processes whose command line contains `text`.
