@@ -46,7 +46,7 @@ use nodelb::compact::EndpointSlice;
 use nodelb::counters::CounterIndex;
 use nodelb::desired::{self, AllocationMode, HostFacts, HostPolicy, Inputs, SourceNotes};
 use nodelb::domain::Family;
-use nodelb::domain::ServiceKey;
+use nodelb::domain::{Scope, ServiceKey};
 use nodelb::ir::Ruleset;
 use nodelb::k8s::claims::{self, Block, HeldNumbers, Holder, Registry, Token};
 use nodelb::k8s::events::{Deduper, Outbox};
@@ -358,7 +358,7 @@ fn leader(args: &ProgramArgs) {
         let clock = RoundClock { leases_now: Some(now), now, at: std::time::Instant::now() };
         let plan = leader.state.begin_round(&snap, &cfg, Some(registry), clock, true).plan;
         let planned = t.elapsed().as_secs_f64() * 1e3;
-        let scope = plan.scope.as_ref();
+        let scope = Scope::of(plan.scope.as_ref());
         for e in events_to_send(&mut leader.deduper, &mut leader.outbox, &plan.events, |_| true, scope) {
             let key = event_key(&e);
             leader.outbox.sent(&key);

@@ -595,11 +595,11 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         let aged = self.provisional_ages(&loaded);
         let (mut desired, scope) = self.desired(&loaded, &node, &host, aged.as_ref());
         match scope {
-            desired::Scope::Whole => {
+            desired::Extent::Whole => {
                 self.last_whole = Some(attempt.started);
                 self.scoped_since_whole = false;
             }
-            desired::Scope::Services(_) => self.scoped_since_whole = true,
+            desired::Extent::Services(_) => self.scoped_since_whole = true,
         }
         phases.mark("desired");
         self.report_refusals(&desired);
@@ -631,8 +631,8 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         });
         phases.mark("after");
         let decided = match scope {
-            desired::Scope::Whole => "all".to_string(),
-            desired::Scope::Services(n) => n.to_string(),
+            desired::Extent::Whole => "all".to_string(),
+            desired::Extent::Services(n) => n.to_string(),
         };
         debug!(kind, changes, decided, phases = %phases, "sync breakdown (ms)");
         programmed.result.map(|()| Synced::Applied).map_err(AgentError::from)
@@ -671,7 +671,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         node: &NodeFacts,
         host: &HostFacts,
         aged: Option<&State>,
-    ) -> (Desired<Planned, IndexUpdate>, desired::Scope) {
+    ) -> (Desired<Planned, IndexUpdate>, desired::Extent) {
         let inputs = Inputs {
             mode: self.source.mode(),
             services: &loaded.services,

@@ -28,7 +28,7 @@ use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::jiff::Timestamp;
 use nodelb::compact::EndpointSlice;
 use nodelb::desired::HostPolicy;
-use nodelb::domain::ServiceKey;
+use nodelb::domain::{Scope, ServiceKey};
 use nodelb::k8s::claims::{self, Claim, Holders, Keeper, Registry, Token};
 use nodelb::k8s::events::{Deduper, Outbox};
 use nodelb::k8s::publish::{ServiceEvent, ServiceWrite};
@@ -541,11 +541,16 @@ impl Leader {
             }
         };
         let exist = |k: &ServiceKey| snap.services.iter().any(|s| model::service_key(s) == *k);
-        let mut events: Vec<_> =
-            events_to_send(&mut self.deduper, &mut self.outbox, &plan.events, exist, plan.scope.as_ref())
-                .iter()
-                .map(event_key)
-                .collect();
+        let mut events: Vec<_> = events_to_send(
+            &mut self.deduper,
+            &mut self.outbox,
+            &plan.events,
+            exist,
+            Scope::of(plan.scope.as_ref()),
+        )
+        .iter()
+        .map(event_key)
+        .collect();
         events.sort();
         for e in &events {
             self.outbox.sent(e);

@@ -312,7 +312,7 @@ fn both_ways(
     applied: &mut Option<Ruleset>,
     index: &mut CounterIndex,
     what: &str,
-) -> (Desired, nodelb::desired::Scope, bool) {
+) -> (Desired, nodelb::desired::Extent, bool) {
     let whole = nodelb::desired::compute_with(inputs, true);
     let (next, scope) = nodelb::desired::compute_next(inputs, true, kept, applied.as_ref());
     assert_eq!(rest(&next), rest(&whole), "{what} ({scope:?}): everything but the ruleset");
@@ -573,7 +573,7 @@ fn scoped_syncs_decide_what_whole_syncs_decide_when_the_node_allocates() {
 fn scoped_syncs(mode: nodelb::desired::AllocationMode) {
     use k8s_openapi::api::core::v1::Service;
     use nodelb::compact::EndpointSlice;
-    use nodelb::desired::{AllocationMode, HostFacts, HostPolicy, Inputs, Kept, Scope, SourceNotes};
+    use nodelb::desired::{AllocationMode, Extent, HostFacts, HostPolicy, Inputs, Kept, SourceNotes};
     use nodelb::k8s::claims::{self, Owner, Registry};
     use nodelb::model::{ANNOTATION_ALLOCATED, ANNOTATION_PORTS, CONDITION_ALLOCATED, ModelOptions};
     use nodelb::pool::{self, PoolContext, PoolSet};
@@ -895,7 +895,7 @@ fn scoped_syncs(mode: nodelb::desired::AllocationMode) {
                 }
             }
             syncs += 1;
-            if let Scope::Services(n) = scope {
+            if let Extent::Services(n) = scope {
                 scoped += 1;
                 decided += n;
                 seen += svc_objects.len();
@@ -935,7 +935,7 @@ fn scoped_syncs(mode: nodelb::desired::AllocationMode) {
 #[test]
 fn a_manifests_change_decides_only_its_service() {
     use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
-    use nodelb::desired::{AllocationMode, HostFacts, HostPolicy, Inputs, Kept, Scope, SourceNotes};
+    use nodelb::desired::{AllocationMode, Extent, HostFacts, HostPolicy, Inputs, Kept, SourceNotes};
     use nodelb::model::ModelOptions;
     use nodelb::port_policy::{PortPolicy, PortRange};
 
@@ -985,28 +985,28 @@ fn a_manifests_change_decides_only_its_service() {
     let start = k8s_openapi::jiff::Timestamp::from_second(1_700_000_000).unwrap();
     let mut since: BTreeMap<ServiceKey, _> =
         all.values().flat_map(|(s, _)| s.iter()).map(|s| (nodelb::model::service_key(s), start)).collect();
-    assert_eq!(sync(&all, &mut previous, &mut since, "first"), Scope::Whole);
-    assert_eq!(sync(&all, &mut previous, &mut since, "after the start"), Scope::Services(0));
+    assert_eq!(sync(&all, &mut previous, &mut since, "first"), Extent::Whole);
+    assert_eq!(sync(&all, &mut previous, &mut since, "after the start"), Extent::Services(0));
     all.insert(200, objects(200, None));
-    assert_eq!(sync(&all, &mut previous, &mut since, "added"), Scope::Services(1));
+    assert_eq!(sync(&all, &mut previous, &mut since, "added"), Extent::Services(1));
     // Its allocation (new last sync) and its age (stamped since) are read again, alone.
-    assert_eq!(sync(&all, &mut previous, &mut since, "after the add"), Scope::Services(1));
-    assert_eq!(sync(&all, &mut previous, &mut since, "quiet"), Scope::Services(0));
+    assert_eq!(sync(&all, &mut previous, &mut since, "after the add"), Extent::Services(1));
+    assert_eq!(sync(&all, &mut previous, &mut since, "quiet"), Extent::Services(0));
     all.remove(&7);
-    assert_eq!(sync(&all, &mut previous, &mut since, "removed"), Scope::Services(1));
+    assert_eq!(sync(&all, &mut previous, &mut since, "removed"), Extent::Services(1));
     sync(&all, &mut previous, &mut since, "after the removal");
     // s008 asks for the number s009 holds: s009 keeps it (what exists wins, so a request does
     // not bring the holder in), s008 is refused and, unsettled, decided at every sync from then
     // on.
     let held = previous[&ServiceKey::new("default", "s009")][&PortId { port: 80, protocol: Protocol::Tcp }];
     all.insert(8, objects(8, Some(held)));
-    assert_eq!(sync(&all, &mut previous, &mut since, "asks for a held number"), Scope::Services(1));
+    assert_eq!(sync(&all, &mut previous, &mut since, "asks for a held number"), Extent::Services(1));
     assert!(!previous.contains_key(&ServiceKey::new("default", "s008")), "refused");
-    assert_eq!(sync(&all, &mut previous, &mut since, "after"), Scope::Services(1));
-    assert_eq!(sync(&all, &mut previous, &mut since, "unsettled"), Scope::Services(1));
+    assert_eq!(sync(&all, &mut previous, &mut since, "after"), Extent::Services(1));
+    assert_eq!(sync(&all, &mut previous, &mut since, "unsettled"), Extent::Services(1));
     // s009 goes: its number is s008's now.
     all.remove(&9);
-    assert_eq!(sync(&all, &mut previous, &mut since, "the holder goes"), Scope::Services(2));
+    assert_eq!(sync(&all, &mut previous, &mut since, "the holder goes"), Extent::Services(2));
     assert_eq!(
         previous[&ServiceKey::new("default", "s008")][&PortId { port: 80, protocol: Protocol::Tcp }],
         held
@@ -1014,14 +1014,14 @@ fn a_manifests_change_decides_only_its_service() {
     // An age changed underneath: that Service alone.
     sync(&all, &mut previous, &mut since, "after s008 got it");
     since.insert(ServiceKey::new("default", "s100"), k8s_openapi::jiff::Timestamp::from_second(1).unwrap());
-    assert_eq!(sync(&all, &mut previous, &mut since, "aged"), Scope::Services(1));
+    assert_eq!(sync(&all, &mut previous, &mut since, "aged"), Extent::Services(1));
     sync(&all, &mut previous, &mut since, "after the age");
     // Every Service object parsed again (new objects that read the same, as a leader's status
     // write of every Service gives in Kubernetes mode): nothing is decided again.
     for (i, (services, _)) in all.iter_mut() {
         *services = objects(*i, (*i == 8).then_some(held)).0;
     }
-    assert_eq!(sync(&all, &mut previous, &mut since, "parsed again"), Scope::Services(0));
+    assert_eq!(sync(&all, &mut previous, &mut since, "parsed again"), Extent::Services(0));
     all.insert(201, objects(201, None));
-    assert_eq!(sync(&all, &mut previous, &mut since, "added after"), Scope::Services(1));
+    assert_eq!(sync(&all, &mut previous, &mut since, "added after"), Extent::Services(1));
 }

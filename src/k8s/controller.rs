@@ -21,7 +21,7 @@ use kube::{Api, Client, Resource};
 use serde_json::json;
 use tracing::{debug, info, warn};
 
-use crate::domain::ServiceKey;
+use crate::domain::{Scope, ServiceKey};
 use crate::model::{self, ANNOTATION_ALLOCATED};
 use crate::serve::metrics::ControllerMetrics;
 
@@ -405,9 +405,14 @@ async fn round(
     // sent stays pending (deduper, outbox) for the round that follows at once.
     use futures::StreamExt as _;
     let until = Instant::now() + EVENTS_FOR;
-    let mut next =
-        events_to_send(ev.deduper, ev.outbox, &events, |k| source.service(k).is_some(), scope.as_ref())
-            .into_iter();
+    let mut next = events_to_send(
+        ev.deduper,
+        ev.outbox,
+        &events,
+        |k| source.service(k).is_some(),
+        Scope::of(scope.as_ref()),
+    )
+    .into_iter();
     let mut in_flight = futures::stream::FuturesUnordered::new();
     let mut left = false;
     loop {

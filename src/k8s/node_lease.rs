@@ -17,7 +17,7 @@ use kube::{Api, Client};
 use tracing::{debug, info};
 
 use super::metrics::KubeMetrics;
-use crate::domain::Family;
+use crate::domain::{Family, Scope};
 use crate::serve::status::SharedStatus;
 
 use super::api::{CONTROLLER_NAME, Failing, is_conflict, post_params, publish_event};
@@ -252,7 +252,7 @@ async fn node_lease(
         let events: Vec<(String, &'static str, String)> =
             off.iter().map(|(f, reason, why)| (f.name().to_string(), *reason, why.clone())).collect();
         let key = |(f, reason, why): &(String, &'static str, String)| (f.clone(), *reason, why.clone());
-        let pending = node_events.pending(&events, |(f, reason, why)| (f, *reason, why.as_str()));
+        let pending = node_events.pending(&events, |(f, reason, why)| (f, *reason, why.as_str()), Scope::All);
         if pending.is_empty() {
             continue;
         }

@@ -17,7 +17,7 @@ use k8s_openapi::jiff::Timestamp;
 
 use crate::alloc::{self, Allocations};
 use crate::compact::EndpointSlice;
-use crate::domain::ServiceKey;
+use crate::domain::{Scope, ServiceKey};
 use crate::model::{self, ModelOptions};
 use crate::model_cache::{ModelCache, ModelContext};
 use crate::per_object::PerObject;
@@ -625,7 +625,7 @@ pub fn plan_round(
     }
     let (subst, RoundObjects { services, slices, dropped }) = match &scope {
         None => {
-            let subst = memory.last_good.apply(&snap.services, &cfg.model);
+            let subst = memory.last_good.apply(&snap.services, None, &cfg.model);
             let services = subst.services.clone();
             (subst, RoundObjects { services, slices: snap.slices.clone(), dropped: Vec::new() })
         }
@@ -633,15 +633,15 @@ pub fn plan_round(
             let objects = memory.objects_of(keys, holders);
             let gone: Vec<Arc<Service>> =
                 holders.changes().dropped.iter().map(|(o, _)| Arc::clone(o)).collect();
-            let subst = memory.last_good.apply_within(&objects.services, &gone, &cfg.model);
+            let subst = memory.last_good.apply(&objects.services, Some(&gone), &cfg.model);
             let services = subst.services.clone();
             (subst, RoundObjects { services, ..objects })
         }
     };
     memory.substituted = subst.substituted;
     let out = match &scope {
-        Some(keys) => memory.models.build_scoped(keys, &services, &slices, &ctx).unwrap_or_default(),
-        None => memory.models.build(&services, &slices, &ctx),
+        Some(keys) => memory.models.build(Scope::Keys(keys), &services, &slices, &ctx).unwrap_or_default(),
+        None => memory.models.build(Scope::All, &services, &slices, &ctx).unwrap_or_default(),
     };
     let refused_endpoints = out.refused_endpoints;
     let stubs = publish::reserved(&services, &out.refused);
@@ -823,21 +823,17 @@ pub fn event_key(e: &publish::ServiceEvent) -> (ServiceKey, &'static str, String
 /// Which of a round's Events to record now (pure): the state Events not recorded with the same
 /// message ([`Deduper`]), and the one-time ones waiting in the outbox (queued there first, so a
 /// failed write keeps them) for Services that still `exist`. Each sent one is to be marked
-/// with [`Deduper::sent`] and [`Outbox::sent`]. `within`: the round planned these Services
-/// only ([`RoundPlan::scope`]): the others' states are as recorded.
+/// with [`Deduper::sent`] and [`Outbox::sent`]. `scope`: the Services the round planned
+/// ([`RoundPlan::scope`]): the others' states are as recorded.
 pub fn events_to_send(
     deduper: &mut Deduper<ServiceKey>,
     outbox: &mut Outbox<ServiceKey, publish::ServiceEvent>,
     events: &[publish::ServiceEvent],
     exist: impl Fn(&ServiceKey) -> bool,
-    within: Option<&foldhash::HashSet<ServiceKey>>,
+    scope: Scope<'_>,
 ) -> Vec<publish::ServiceEvent> {
     let mut sending: Vec<publish::ServiceEvent> = Vec::new();
-    let pending = match within {
-        None => deduper.pending(events, event_triple),
-        Some(scope) => deduper.pending_within(events, event_triple, scope),
-    };
-    for e in pending {
+    for e in deduper.pending(events, event_triple, scope) {
         match publish::ONE_TIME_REASONS.contains(&e.reason) {
             true => outbox.add(event_key(e), e.clone()),
             false => sending.push(e.clone()),

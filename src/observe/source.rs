@@ -245,7 +245,7 @@ impl Source {
                 if may_defer && known.is_some_and(|k| k.programmed == fingerprint.programmed) {
                     return Ok(Loaded::Deferred);
                 }
-                let subst = last_good.apply(&snap.services, opts);
+                let subst = last_good.apply(&snap.services, None, opts);
                 let stale = subst
                     .masked
                     .iter()

@@ -126,7 +126,7 @@ pub fn check(world: &World, h: &Hostile) {
     leader::check((gs, ge), (&ageless, &slim_slices), &h.nodes, &h.leases);
     let shared: Vec<Arc<Service>> = ageless.into_iter().map(Arc::new).collect();
     let mut last_good = LastGoodServices::default();
-    let subst = last_good.apply(&shared, &opts);
+    let subst = last_good.apply(&shared, None, &opts);
     for r in &subst.masked {
         assert!(r.to_string().contains(&r.service().to_string()), "masked refusal names no Service: {r}");
     }
@@ -149,8 +149,8 @@ pub fn check(world: &World, h: &Hostile) {
         edited.metadata.resource_version = Some("2".into());
         edited.slim();
         let mut lg = LastGoodServices::default();
-        lg.apply(std::slice::from_ref(good), &opts);
-        let out = lg.apply(&[edited.clone()], &opts);
+        lg.apply(std::slice::from_ref(good), None, &opts);
+        let out = lg.apply(&[edited.clone()], None, &opts);
         let built = model::build(&out.services, NO_SLICES, &opts);
         if model::is_ours(&edited, &opts) {
             assert_eq!(

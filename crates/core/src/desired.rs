@@ -17,7 +17,7 @@ use k8s_openapi::jiff::Timestamp;
 
 use crate::alloc::{self, AllocProblem, Allocations};
 use crate::counters::{CounterIndex, IndexUpdate};
-use crate::domain::{Family, PortId, ServiceKey};
+use crate::domain::{Family, PortId, Scope, ServiceKey};
 use crate::endpoint_policy::{self, EndpointPolicy, HostAddresses, RefusedEndpoint};
 use crate::ir::Ruleset;
 use crate::k8s::claims::{Owner, Registry};
@@ -187,7 +187,7 @@ impl Kept {
 
 /// How the last sync decided, for the sync loop's log and tests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Scope {
+pub enum Extent {
     /// Every Service.
     Whole,
     /// Only these many Services (those that changed, and those sharing a number with them).
@@ -207,7 +207,7 @@ pub fn compute_next(
     counter_index: bool,
     kept: &mut Kept,
     applied: Option<&Ruleset>,
-) -> (Desired<Planned, IndexUpdate>, Scope) {
+) -> (Desired<Planned, IndexUpdate>, Extent) {
     let ctx = model_context(inputs);
     let mut changes = kept.view.pass(inputs.services, inputs.slices);
     kept.models.rebase(&std::mem::take(&mut changes.rebased));
@@ -240,20 +240,21 @@ pub fn compute_next(
     });
     let (plans, scope) = match scope {
         None => {
-            let modeled = kept.models.build(inputs.services, inputs.slices, &ctx);
+            let modeled =
+                (kept.models.build(Scope::All, inputs.services, inputs.slices, &ctx)).expect("a whole build");
             let decided = decide(inputs, inputs.services, modeled, None);
             let plans = kept.book.replace(decided, inputs.mode, inputs.previous);
             kept.book.keep_read(inputs);
-            (Plans::Whole(plans), Scope::Whole)
+            (Plans::Whole(plans), Extent::Whole)
         }
         Some(keys) => {
             let (services, slices) = kept.view.objects_of(&keys);
-            let modeled = (kept.models.build_scoped(&keys, &services, &slices, &ctx))
+            let modeled = (kept.models.build(Scope::Keys(&keys), &services, &slices, &ctx))
                 .expect("the model cache's context was checked");
             let elsewhere = kept.book.allocating.as_ref().map(|a| a.numbers.elsewhere(&keys));
             let decided = decide(inputs, &services, modeled, elsewhere);
             let plans = kept.book.patch(&keys, decided, inputs.previous);
-            (Plans::Changed(plans), Scope::Services(keys.len()))
+            (Plans::Changed(plans), Extent::Services(keys.len()))
         }
     };
     let (ruleset, index) = match plans {

@@ -128,6 +128,45 @@ impl fmt::Display for ServiceKey {
     }
 }
 
+/// Which objects a pass decides again: every one, or only these keys (those that changed, and
+/// those tied to them). Each incremental step takes one, so a whole pass and a scoped pass are the
+/// same function: what a scoped pass leaves out keeps what the last pass decided for it.
+#[derive(Debug)]
+pub enum Scope<'a, K = ServiceKey> {
+    All,
+    Keys(&'a foldhash::HashSet<K>),
+}
+
+impl<K> Clone for Scope<'_, K> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<K> Copy for Scope<'_, K> {}
+
+impl<'a, K: Eq + std::hash::Hash> Scope<'a, K> {
+    /// `None`: every object.
+    pub fn of(keys: Option<&'a foldhash::HashSet<K>>) -> Self {
+        keys.map_or(Scope::All, Scope::Keys)
+    }
+
+    pub fn contains(&self, key: &K) -> bool {
+        match self {
+            Scope::All => true,
+            Scope::Keys(keys) => keys.contains(key),
+        }
+    }
+
+    /// The keys of a scoped pass; `None` for a whole one.
+    pub fn keys(&self) -> Option<&'a foldhash::HashSet<K>> {
+        match self {
+            Scope::All => None,
+            Scope::Keys(keys) => Some(keys),
+        }
+    }
+}
+
 impl ServiceKey {
     /// This Service as a message about `viewer` names it: `Service namespace/name` when both are
     /// in one namespace, else only that it is a Service of another namespace. Whatever is

@@ -19,7 +19,7 @@ use crate::compact::EndpointSlice;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::jiff::Timestamp;
 
-use crate::domain::ServiceKey;
+use crate::domain::{Scope, ServiceKey};
 use crate::endpoint_policy::{self, EndpointPolicy, HostAddresses, RefusedEndpoint};
 use crate::model::{self, LbService, ModelOptions, ModelWarning, Refusal};
 
@@ -106,11 +106,6 @@ impl Entry {
 impl Entry {
     /// The same model with another allocation age (after the first allocation round every
     /// Service's age is stamped: a copy each, not a rebuild each).
-    fn aged(mut self, since: Option<Timestamp>) -> Entry {
-        self.age_in_place(since);
-        self
-    }
-
     fn age_in_place(&mut self, since: Option<Timestamp>) {
         if let Ok(m) = &mut self.model {
             Arc::make_mut(m).allocated_since = since;
@@ -164,36 +159,51 @@ impl ModelCache {
     }
 
     /// Whether the entries were built in `ctx`'s context (options, node addresses, endpoint
-    /// policy): only then can [`ModelCache::build_scoped`] keep the others.
+    /// policy): only then can a scoped [`ModelCache::build`] keep the others.
     pub fn has_context(&self, ctx: &ModelContext<'_>) -> bool {
         self.context.as_ref().is_some_and(|(o, a, p)| o == ctx.opts && a == ctx.addresses && p == ctx.policy)
     }
 
-    /// [`build`], rebuilding only the Services whose objects or age changed; the cache then holds
-    /// this snapshot's. The Services are walked in key order next to the kept entries, with keys
-    /// borrowed from the objects: an unchanged Service costs no allocation.
+    /// [`build`] of the Services in `scope`, rebuilding only those whose objects or age changed.
+    /// `services` are the objects of the scope in the view (all of them for [`Scope::All`]),
+    /// `slices` their EndpointSlices, each in the view's order. A whole build leaves the cache
+    /// holding this snapshot's Services; a scoped one (the leader's scoped round, the node's
+    /// scoped sync: docs/design/incremental.md) keeps every entry outside the scope as it is and
+    /// drops that of a scope key with no Service of ours now. Returns the scope's models, sorted
+    /// as [`build`] sorts them; `None` for a scoped build when the context is not the one the
+    /// entries were built with (then only a whole build will do). The Services are walked in key
+    /// order, with keys borrowed from the objects: an unchanged Service costs no allocation.
     pub fn build(
         &mut self,
+        scope: Scope<'_>,
         services: &[Arc<Service>],
         slices: &[Arc<EndpointSlice>],
         ctx: &ModelContext<'_>,
-    ) -> Modeled {
+    ) -> Option<Modeled> {
         if !self.has_context(ctx) {
+            scope.keys().is_none().then_some(())?;
             self.entries.clear();
             self.context = Some((ctx.opts.clone(), ctx.addresses.clone(), ctx.policy.clone()));
         }
         let ours = ours_in_key_order(services, ctx.opts);
         let keyed = slices_in_key_order(slices);
         let mut keyed = keyed.as_slice();
-        // The ages, walked in key order too.
+        // A whole build walks the ages in key order next to the Services; a scoped one looks up
+        // its few (none at all in Kubernetes mode, which has no ages).
         let mut ages = ctx.since.iter().peekable();
-        let old = std::mem::take(&mut self.entries);
-        // Kept for as long as the Services exist: sized once, no growth's spare capacity.
-        self.entries.reserve_exact(ours.len());
-        let mut old = old.into_iter().peekable();
+        let mut age_of = |key: (&str, &str)| match scope {
+            Scope::All => {
+                while ages.next_if(|(k, _)| (&*k.namespace, &*k.name) < key).is_some() {}
+                ages.peek().filter(|(k, _)| (&*k.namespace, &*k.name) == key).map(|(_, t)| **t)
+            }
+            Scope::Keys(_) if ctx.since.is_empty() => None,
+            Scope::Keys(_) => ctx.since.get(&ServiceKey::new(key.0, key.1)).copied(),
+        };
         let mut out = Modeled::default();
+        // New entries, in key order: merged into the kept ones at the end.
+        let mut fresh: Vec<Entry> = Vec::new();
         let mut last: Option<(&str, &str)> = None;
-        for (key, svc) in ours {
+        for &(key, svc) in &ours {
             if last == Some(key) {
                 let service = ServiceKey::new(key.0, key.1);
                 out.refused
@@ -201,89 +211,25 @@ impl ModelCache {
                 continue;
             }
             last = Some(key);
-            while old.next_if(|e| (&*e.key.namespace, &*e.key.name) < key).is_some() {}
             // Both in key order: slices of keys before this one belong to no Service of ours.
             let skip = keyed.iter().take_while(|(k, _)| *k < key).count();
             let take = keyed[skip..].iter().take_while(|(k, _)| *k == key).count();
             let svc_slices = &keyed[skip..skip + take];
             keyed = &keyed[skip + take..];
-            while ages.next_if(|(k, _)| (&*k.namespace, &*k.name) < key).is_some() {}
-            let since = ages.peek().filter(|(k, _)| (&*k.namespace, &*k.name) == key).map(|(_, t)| **t);
-            let kept = old.next_if(|e| (&*e.key.namespace, &*e.key.name) == key);
-            let entry = match kept {
-                Some(e) if e.built_from(svc, svc_slices, e.since) && e.since != since => e.aged(since),
-                Some(e) if e.built_from(svc, svc_slices, since) => e,
-                _ => build_entry(svc, svc_slices, ServiceKey::new(key.0, key.1), since, ctx),
-            };
-            match &entry.model {
-                Ok(m) => out.services.push(m.clone()),
-                Err(r) => out.refused.push(Refusal::clone(r)),
-            }
-            out.warnings.extend(entry.warnings.iter().cloned());
-            out.refused_endpoints.extend(entry.refused_endpoints.iter().cloned());
-            self.entries.push(entry);
-        }
-        // Walked in key order: these are sorted already (kept as the contract of `build`).
-        out.refused.sort_by(|a, b| a.service().cmp(b.service()));
-        out.warnings.sort_by(|a, b| a.service.cmp(&b.service));
-        out.refused_endpoints.sort();
-        out
-    }
-    /// [`ModelCache::build`] for the Services of `keys` alone (the leader's scoped round:
-    /// docs/design/incremental.md, "The round scoped to what changed"): `services` are the objects
-    /// of those keys in the view, `slices` their EndpointSlices, each in the view's order. The
-    /// entries of other keys stay as they are; that of a key in `keys` with no Service of ours now
-    /// goes. Returns the scope's models, sorted as [`build`] sorts them; `None` when the context is
-    /// not the one the entries were built with (then only a whole build will do).
-    pub fn build_scoped(
-        &mut self,
-        keys: &foldhash::HashSet<ServiceKey>,
-        services: &[Arc<Service>],
-        slices: &[Arc<EndpointSlice>],
-        ctx: &ModelContext<'_>,
-    ) -> Option<Modeled> {
-        if !self.has_context(ctx) {
-            return None;
-        }
-        let ours = ours_in_key_order(services, ctx.opts);
-        let keyed = slices_in_key_order(slices);
-        let mut keyed = keyed.as_slice();
-        let mut out = Modeled::default();
-        let mut present: foldhash::HashSet<(&str, &str)> = Default::default();
-        let mut last: Option<(&str, &str)> = None;
-        for (key, svc) in ours {
-            if last == Some(key) {
-                let service = ServiceKey::new(key.0, key.1);
-                out.refused
-                    .push(Refusal::Invalid { service, reason: "duplicate Service object".to_string() });
-                continue;
-            }
-            last = Some(key);
-            present.insert(key);
-            let skip = keyed.iter().take_while(|(k, _)| *k < key).count();
-            let take = keyed[skip..].iter().take_while(|(k, _)| *k == key).count();
-            let svc_slices = &keyed[skip..skip + take];
-            keyed = &keyed[skip + take..];
-            let since = match ctx.since.is_empty() {
-                true => None,
-                false => ctx.since.get(&ServiceKey::new(key.0, key.1)).copied(),
-            };
+            let since = age_of(key);
             let entry = match position(&self.entries, key) {
                 Ok(i) => {
                     let e = &mut self.entries[i];
-                    if e.built_from(svc, svc_slices, e.since) {
-                        if e.since != since {
-                            e.age_in_place(since);
-                        }
-                    } else {
+                    if !e.built_from(svc, svc_slices, e.since) {
                         *e = build_entry(svc, svc_slices, ServiceKey::new(key.0, key.1), since, ctx);
+                    } else if e.since != since {
+                        e.age_in_place(since);
                     }
                     &self.entries[i]
                 }
-                Err(i) => {
-                    let e = build_entry(svc, svc_slices, ServiceKey::new(key.0, key.1), since, ctx);
-                    self.entries.insert(i, e);
-                    &self.entries[i]
+                Err(_) => {
+                    fresh.push(build_entry(svc, svc_slices, ServiceKey::new(key.0, key.1), since, ctx));
+                    fresh.last().expect("just pushed")
                 }
             };
             match &entry.model {
@@ -293,14 +239,41 @@ impl ModelCache {
             out.warnings.extend(entry.warnings.iter().cloned());
             out.refused_endpoints.extend(entry.refused_endpoints.iter().cloned());
         }
-        for key in keys {
-            let borrowed = (&*key.namespace, &*key.name);
-            if !present.contains(&borrowed)
-                && let Ok(i) = position(&self.entries, borrowed)
-            {
-                self.entries.remove(i);
+        // What goes: a whole build's entries whose Service is not in the snapshot (both in key
+        // order), a scoped build's scope keys with no Service of ours now.
+        match scope {
+            Scope::All => {
+                let mut present = ours.iter().map(|(k, _)| *k).peekable();
+                self.entries.retain(|e| {
+                    let key = (&*e.key.namespace, &*e.key.name);
+                    while present.next_if(|k| *k < key).is_some() {}
+                    present.peek() == Some(&key)
+                });
+            }
+            Scope::Keys(keys) => {
+                for key in keys {
+                    let borrowed = (&*key.namespace, &*key.name);
+                    let present = ours.binary_search_by(|(k, _)| k.cmp(&borrowed)).is_ok();
+                    if !present && let Ok(i) = position(&self.entries, borrowed) {
+                        self.entries.remove(i);
+                    }
+                }
             }
         }
+        if !fresh.is_empty() {
+            // Kept for as long as the Services exist: sized once, no growth's spare capacity.
+            let mut merged = Vec::with_capacity(self.entries.len() + fresh.len());
+            let mut kept = std::mem::take(&mut self.entries).into_iter().peekable();
+            for e in fresh {
+                merged.extend(std::iter::from_fn(|| kept.next_if(|k| k.key < e.key)));
+                merged.push(e);
+            }
+            merged.extend(kept);
+            self.entries = merged;
+        } else if scope.keys().is_none() {
+            self.entries.shrink_to_fit();
+        }
+        // Walked in key order: these are sorted already (kept as the contract of `build`).
         out.refused.sort_by(|a, b| a.service().cmp(b.service()));
         out.warnings.sort_by(|a, b| a.service.cmp(&b.service));
         out.refused_endpoints.sort();
@@ -444,7 +417,7 @@ mod tests {
         for (services, slices, served) in cases {
             let services: Vec<Arc<Service>> = services.into_iter().cloned().collect();
             let slices: Vec<Arc<EndpointSlice>> = slices.into_iter().cloned().collect();
-            let got = cache.build(&services, &slices, &ctx);
+            let got = cache.build(Scope::All, &services, &slices, &ctx).expect("a whole build");
             assert_eq!(got, super::build(&services, &slices, &ctx), "{served}: as built afresh");
             let a = got.services.iter().find(|m| m.key == ServiceKey::new("default", "a")).expect("a");
             assert_eq!(a.ports[0].id.port, served, "the first object of the key is served");
@@ -464,7 +437,7 @@ mod tests {
         }
         services.rotate_left(7);
         let no_slices: [Arc<EndpointSlice>; 0] = [];
-        let got = cache.build(&services, &no_slices, &ctx);
+        let got = cache.build(Scope::All, &services, &no_slices, &ctx).expect("a whole build");
         assert_eq!(got, super::build(&services, &no_slices, &ctx), "50 objects: as built afresh");
         for m in &got.services {
             let first = services.iter().find(|s| s.metadata.name.as_deref() == Some(&*m.key.name)).unwrap();
@@ -491,11 +464,17 @@ mod tests {
             names.iter().map(|n| ServiceKey::new("default", *n)).collect()
         };
         assert!(
-            cache.build_scoped(&keys(&["a"]), &[], &[], &ctx).is_none(),
+            cache.build(Scope::Keys(&keys(&["a"])), &[], &[], &ctx).is_none(),
             "no context yet: only a whole build"
         );
-        let first =
-            cache.build(&[a.clone(), b.clone(), c.clone()], &[a_1.clone(), b_1.clone(), c_1.clone()], &ctx);
+        let first = cache
+            .build(
+                Scope::All,
+                &[a.clone(), b.clone(), c.clone()],
+                &[a_1.clone(), b_1.clone(), c_1.clone()],
+                &ctx,
+            )
+            .expect("a whole build");
         let mut moved = addresses.clone();
         moved.add("198.51.100.99".parse().unwrap(), "Node node-9");
         assert!(!cache.has_context(&ModelContext { addresses: &moved, ..ctx }), "another context");
@@ -503,7 +482,12 @@ mod tests {
         let b_2 = slice("b", "b-1", "198.51.100.22");
         let (d, d_1) = objects("d", "198.51.100.14");
         let got = cache
-            .build_scoped(&keys(&["b", "c", "d"]), &[d.clone(), b.clone()], &[b_2.clone(), d_1.clone()], &ctx)
+            .build(
+                Scope::Keys(&keys(&["b", "c", "d"])),
+                &[d.clone(), b.clone()],
+                &[b_2.clone(), d_1.clone()],
+                &ctx,
+            )
             .expect("same context");
         let names: Vec<&str> = got.services.iter().map(|m| &*m.key.name).collect();
         assert_eq!(names, ["b", "d"], "the scope's models, in key order");
@@ -514,7 +498,7 @@ mod tests {
         // What a whole build of the view now gives, with every model kept.
         let services = [a.clone(), b.clone(), d.clone()];
         let slices = [a_1.clone(), b_2.clone(), d_1.clone()];
-        let whole = cache.build(&services, &slices, &ctx);
+        let whole = cache.build(Scope::All, &services, &slices, &ctx).expect("a whole build");
         assert_eq!(whole, super::build(&services, &slices, &ctx));
         assert!(
             Arc::ptr_eq(&whole.services[1], &got.services[0])
@@ -523,7 +507,7 @@ mod tests {
         // A Service of the scope that is no longer ours goes too.
         let mut cluster_ip = (*b).clone();
         cluster_ip.spec.as_mut().unwrap().type_ = Some("ClusterIP".into());
-        let got = cache.build_scoped(&keys(&["b"]), &[Arc::new(cluster_ip)], &[b_2], &ctx).unwrap();
+        let got = cache.build(Scope::Keys(&keys(&["b"])), &[Arc::new(cluster_ip)], &[b_2], &ctx).unwrap();
         assert!(got.services.is_empty());
         assert_eq!(cache.entries.iter().map(|e| &*e.key.name).collect::<Vec<_>>(), ["a", "d"]);
     }
@@ -565,7 +549,7 @@ mod tests {
                 _ => {}
             }
             let ctx = ModelContext { opts: &opts, since: &since, addresses: &addresses, policy: &policy };
-            let got = cache.build(&services, &slices, &ctx);
+            let got = cache.build(Scope::All, &services, &slices, &ctx).expect("a whole build");
             assert_eq!(got, super::build(&services, &slices, &ctx), "{what}: as built afresh");
             if let Some(last) = &last {
                 let renewed: Vec<bool> =

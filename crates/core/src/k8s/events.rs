@@ -7,6 +7,8 @@ use foldhash::{HashMap, HashMapExt};
 use std::collections::BTreeMap;
 use std::hash::Hash;
 
+use crate::domain::Scope;
+
 /// Longest Event note the API server accepts (`events.k8s.io/v1`: 1 KiB, in bytes).
 pub const MAX_NOTE_BYTES: usize = 1024;
 
@@ -44,58 +46,17 @@ impl<K: Eq + Hash> Default for Deduper<K> {
 
 impl<K: Eq + Hash> Deduper<K> {
     /// Of the `current` (object, reason, message) triples, those not recorded with the same
-    /// message. States that no longer hold are forgotten, so a recurrence is recorded again.
-    /// Nothing is marked recorded here: call [`Deduper::sent`] once the API accepted an Event.
-    /// Nothing is copied, and each triple costs one lookup (what is recorded is marked as seen,
-    /// the rest swept after): a leader's round holds one state Event per Service.
+    /// message. States of the objects in `scope` that no longer hold are forgotten, so a
+    /// recurrence is recorded again; a scoped round computed the states of its objects alone, so
+    /// every other object's records stay as they are. Nothing is marked recorded here: call
+    /// [`Deduper::sent`] once the API accepted an Event. Nothing is copied, and each triple costs
+    /// one lookup (what is recorded is marked as seen, the rest swept after): a leader's round
+    /// holds one state Event per Service.
     pub fn pending<'a, T>(
         &mut self,
         current: &'a [T],
         key: impl Fn(&'a T) -> (&'a K, &'static str, &'a str),
-    ) -> Vec<&'a T>
-    where
-        K: 'a,
-    {
-        let out = self.mark(current, key);
-        let pass = self.pass;
-        self.last.retain(|_, reasons| {
-            reasons.retain(|r| r.seen == pass);
-            !reasons.is_empty()
-        });
-        out
-    }
-
-    /// [`Deduper::pending`] of a round that computed the states of the objects of `within` alone
-    /// (the leader's scoped round): only their records are forgotten when not computed again;
-    /// every other object's stay as they are.
-    pub fn pending_within<'a, 'w, T>(
-        &mut self,
-        current: &'a [T],
-        key: impl Fn(&'a T) -> (&'a K, &'static str, &'a str),
-        within: impl IntoIterator<Item = &'w K>,
-    ) -> Vec<&'a T>
-    where
-        K: 'a + 'w,
-    {
-        let out = self.mark(current, key);
-        let pass = self.pass;
-        for k in within {
-            if let Some(reasons) = self.last.get_mut(k) {
-                reasons.retain(|r| r.seen == pass);
-                if reasons.is_empty() {
-                    self.last.remove(k);
-                }
-            }
-        }
-        out
-    }
-
-    /// Starts a pass: the triples of `current` not recorded with their message, and every
-    /// recorded one marked as seen.
-    fn mark<'a, T>(
-        &mut self,
-        current: &'a [T],
-        key: impl Fn(&'a T) -> (&'a K, &'static str, &'a str),
+        scope: Scope<'_, K>,
     ) -> Vec<&'a T>
     where
         K: 'a,
@@ -114,6 +75,21 @@ impl<K: Eq + Hash> Deduper<K> {
                     }
                 }
                 None => out.push(t),
+            }
+        }
+        // Keeps the records computed again; false when none is left.
+        let keep_seen = |reasons: &mut Vec<Recorded>| {
+            reasons.retain(|r| r.seen == pass);
+            !reasons.is_empty()
+        };
+        match scope {
+            Scope::All => self.last.retain(|_, reasons| keep_seen(reasons)),
+            Scope::Keys(keys) => {
+                for k in keys {
+                    if self.last.get_mut(k).is_some_and(|reasons| !keep_seen(reasons)) {
+                        self.last.remove(k);
+                    }
+                }
             }
         }
         out
@@ -205,7 +181,7 @@ mod tests {
 
     /// A round where every pending Event is sent successfully.
     fn round<'a>(d: &mut Deduper<&'static str>, current: &'a [Ev]) -> Vec<&'a Ev> {
-        let out = d.pending(current, b);
+        let out = d.pending(current, b, Scope::All);
         for e in &out {
             d.sent(k(e));
         }
@@ -233,24 +209,24 @@ mod tests {
         let mut out: Outbox<&str, Ev> = Outbox::default();
         let moved = ("web", "NodePortReallocated", "80/TCP: 20001 → 20101");
         // Round 1: computed, queued, the send fails.
-        for e in d.pending(&[moved], b) {
+        for e in d.pending(&[moved], b, Scope::All) {
             out.add(k(e), *e);
         }
         assert_eq!(out.len(), 1);
         // Round 2: still computed (the annotation write failed too): not queued twice.
-        for e in d.pending(&[moved], b) {
+        for e in d.pending(&[moved], b, Scope::All) {
             out.add(k(e), *e);
         }
         assert_eq!(out.len(), 1, "once");
         // Round 3: the annotation is written, the state no longer shows it: it still waits.
-        assert!(d.pending(&[], b).is_empty());
+        assert!(d.pending(&[], b, Scope::All).is_empty());
         let waiting: Vec<Ev> = out.waiting().map(|(_, e)| *e).collect();
         assert_eq!(waiting, [moved]);
         // Sent: gone, and the deduper knows it (not queued again if computed once more).
         out.sent(&k(&moved));
         d.sent(k(&moved));
         assert!(out.is_empty());
-        assert!(d.pending(&[moved], b).is_empty());
+        assert!(d.pending(&[moved], b, Scope::All).is_empty());
         // A Service deleted while its Event waits: nothing to record it on.
         out.add(k(&moved), moved);
         out.retain_objects(|o| *o != "web");
@@ -262,16 +238,16 @@ mod tests {
         let mut d: Deduper<&str> = Deduper::default();
         let off = [("node-1", "ForwardingDisabled", "ipv4 off")];
         // First attempt fails (API error, Node not in the cache yet): still pending next round.
-        assert_eq!(d.pending(&off, b).len(), 1);
-        assert_eq!(d.pending(&off, b).len(), 1, "retried until sent");
+        assert_eq!(d.pending(&off, b, Scope::All).len(), 1);
+        assert_eq!(d.pending(&off, b, Scope::All).len(), 1, "retried until sent");
         d.sent(k(&off[0]));
-        assert!(d.pending(&off, b).is_empty(), "sent once, not again");
+        assert!(d.pending(&off, b, Scope::All).is_empty(), "sent once, not again");
         // A changed message that cannot be sent stays pending; the old one is not resent.
         let changed = [("node-1", "ForwardingDisabled", "ipv4 off: sysctl unreadable")];
-        assert_eq!(d.pending(&changed, b), vec![&changed[0]]);
-        assert_eq!(d.pending(&changed, b), vec![&changed[0]]);
+        assert_eq!(d.pending(&changed, b, Scope::All), vec![&changed[0]]);
+        assert_eq!(d.pending(&changed, b, Scope::All), vec![&changed[0]]);
         // The state ends before it could be sent: forgotten, nothing to send.
-        assert!(d.pending(&[], b).is_empty());
-        assert_eq!(d.pending(&off, b).len(), 1, "a recurrence after it ended is new");
+        assert!(d.pending(&[], b, Scope::All).is_empty());
+        assert_eq!(d.pending(&off, b, Scope::All).len(), 1, "a recurrence after it ended is new");
     }
 }

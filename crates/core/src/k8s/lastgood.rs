@@ -41,16 +41,29 @@ pub struct Substituted {
 }
 
 impl LastGoodServices {
-    /// `S`: the Services shared (`Arc`, as the reflector store holds them; passed on as they are)
-    /// or owned (tests).
-    pub fn apply<S>(&mut self, services: &[S], opts: &ModelOptions) -> Substituted
+    /// The Services to use for `services`. `S`: the Services shared (`Arc`, as the reflector
+    /// store holds them; passed on as they are) or owned (tests).
+    ///
+    /// `scoped`: `None` when `services` are every Service (what the call does not see is
+    /// forgotten); `Some(gone)` when they are the Services a scoped round plans, and `gone` the
+    /// objects that left the view since the last call (deleted, or replaced by a newer version):
+    /// what is known of every other Service is kept, and each object of `gone` forgotten, a
+    /// deleted Service's last good spec with it.
+    pub fn apply<S>(
+        &mut self,
+        services: &[S],
+        scoped: Option<&[Arc<Service>]>,
+        opts: &ModelOptions,
+    ) -> Substituted
     where
         S: Borrow<Service> + Clone + Into<Arc<Service>>,
     {
         let mut out = Substituted::default();
         self.round += 1;
         let round = self.round;
-        self.passed.begin();
+        if scoped.is_none() {
+            self.passed.begin();
+        }
         if self.opts.as_ref() != Some(opts) {
             self.passed.clear();
             self.opts = Some(opts.clone());
@@ -59,48 +72,29 @@ impl LastGoodServices {
             // Shared objects stay shared; an owned one becomes a new object (never found below).
             self.one(shared.clone().into(), opts, round, &mut out);
         }
-        // Gone, or replaced by a Service never seen valid: forgotten. (A valid object passed on
-        // by address is the one its key remembers.)
-        self.passed.end();
-        let passed = &self.passed;
-        self.good.retain(|_, (good, seen)| *seen == round || passed.peek(good).is_some_and(|valid| *valid));
-        out
-    }
-
-    /// [`LastGoodServices::apply`] of the Services a scoped round plans (`services`: their
-    /// objects in the view), keeping what it knows of every other Service; `gone`: the objects
-    /// that left the view since the last call (deleted, or replaced by a newer version), each
-    /// forgotten, and a deleted Service's last good spec with it.
-    pub fn apply_within(
-        &mut self,
-        services: &[Arc<Service>],
-        gone: &[Arc<Service>],
-        opts: &ModelOptions,
-    ) -> Substituted {
-        let mut out = Substituted::default();
-        self.round += 1;
-        let round = self.round;
-        if self.opts.as_ref() != Some(opts) {
-            self.passed.clear();
-            self.opts = Some(opts.clone());
-        }
-        for object in services {
-            self.one(Arc::clone(object), opts, round, &mut out);
-        }
-        for object in gone {
-            self.passed.remove(object);
-        }
-        // What `apply` forgets of the keys it saw: the last good spec of a Service gone, or
-        // replaced by one never seen valid (not ours any more, another uid).
-        let keys = services.iter().chain(gone).map(|s| model::service_key(s));
-        for key in keys {
-            let passed = &self.passed;
-            if self
-                .good
-                .get(&key)
-                .is_some_and(|(good, seen)| *seen != round && !passed.peek(good).is_some_and(|v| *v))
-            {
-                self.good.remove(&key);
+        // Forgotten: the last good spec of a Service gone, or replaced by one never seen valid
+        // (not ours any more, another uid). A valid object passed on by address is the one its
+        // key remembers.
+        let forgotten = |passed: &PerObject<Service, bool>, (good, seen): &(Arc<Service>, u64)| {
+            *seen != round && !passed.peek(good).is_some_and(|valid| *valid)
+        };
+        match scoped {
+            None => {
+                self.passed.end();
+                let passed = &self.passed;
+                self.good.retain(|_, entry| !forgotten(passed, entry));
+            }
+            Some(gone) => {
+                for object in gone {
+                    self.passed.remove(object);
+                }
+                let keys = (services.iter().map(|s| model::service_key(s.borrow())))
+                    .chain(gone.iter().map(|s| model::service_key(s)));
+                for key in keys {
+                    if self.good.get(&key).is_some_and(|entry| forgotten(&self.passed, entry)) {
+                        self.good.remove(&key);
+                    }
+                }
             }
         }
         out
@@ -197,26 +191,26 @@ mod tests {
         let opts = ModelOptions::default();
         let mut lg = LastGoodServices::default();
         // Never valid: passed through (the model refuses it: fail closed), nothing masked.
-        let out = lg.apply(&[svc("u1", &["bad"], None)], &opts);
+        let out = lg.apply(&[svc("u1", &["bad"], None)], None, &opts);
         assert_eq!((ranges(&out.services[0]), out.masked.len()), (vec!["bad".to_string()], 0));
         // Valid: remembered.
-        let out = lg.apply(&[svc("u1", &["10.0.0.0/8"], Some("80/TCP=20001"))], &opts);
+        let out = lg.apply(&[svc("u1", &["10.0.0.0/8"], Some("80/TCP=20001"))], None, &opts);
         assert!(out.masked.is_empty());
         // Broken edit: the last good spec is used, with the current allocation; refusal reported.
-        let out = lg.apply(&[svc("u1", &["10.0.0.0/33"], Some("80/TCP=20002"))], &opts);
+        let out = lg.apply(&[svc("u1", &["10.0.0.0/33"], Some("80/TCP=20002"))], None, &opts);
         assert_eq!(ranges(&out.services[0]), vec!["10.0.0.0/8"]);
         assert_eq!(out.masked.len(), 1);
         assert!(out.masked[0].to_string().contains("10.0.0.0/33"));
         let ann = out.services[0].metadata.annotations.as_ref().unwrap();
         assert_eq!(ann[ANNOTATION_ALLOCATED], "80/TCP=20002");
         // Still broken: still masked (the memory survives rounds).
-        assert_eq!(lg.apply(&[svc("u1", &["10.0.0.0/33"], None)], &opts).masked.len(), 1);
+        assert_eq!(lg.apply(&[svc("u1", &["10.0.0.0/33"], None)], None, &opts).masked.len(), 1);
         // Re-created (new uid) while broken: not the same Service, fail closed.
-        let out = lg.apply(&[svc("u2", &["10.0.0.0/33"], None)], &opts);
+        let out = lg.apply(&[svc("u2", &["10.0.0.0/33"], None)], None, &opts);
         assert!(out.masked.is_empty());
         assert_eq!(ranges(&out.services[0]), vec!["10.0.0.0/33"]);
         // Deleted: forgotten.
-        lg.apply(&[] as &[Service], &opts);
+        lg.apply(&[] as &[Service], None, &opts);
         assert!(lg.good.is_empty());
     }
 
@@ -237,7 +231,7 @@ mod tests {
         let other = Arc::new(other);
         let good = versioned(&["10.0.0.0/8"], "1");
         for _ in 0..3 {
-            let out = lg.apply(&[Arc::clone(&good), Arc::clone(&other)], &opts);
+            let out = lg.apply(&[Arc::clone(&good), Arc::clone(&other)], None, &opts);
             assert!(out.masked.is_empty());
             assert!(Arc::ptr_eq(&out.services[0], &good) && Arc::ptr_eq(&out.services[1], &other));
         }
@@ -245,27 +239,27 @@ mod tests {
         // A relist: a new object of the same version, then seen again by address.
         let relisted = versioned(&["10.0.0.0/8"], "1");
         for _ in 0..2 {
-            let out = lg.apply(&[Arc::clone(&relisted)], &opts);
+            let out = lg.apply(&[Arc::clone(&relisted)], None, &opts);
             assert!(Arc::ptr_eq(&out.services[0], &relisted));
         }
         assert_eq!(lg.passed.len(), 1, "the objects no call saw are let go");
         // A broken edit: the last good spec, as with owned objects.
         let broken = versioned(&["10.0.0.0/33"], "2");
         for _ in 0..2 {
-            let out = lg.apply(&[Arc::clone(&broken)], &opts);
+            let out = lg.apply(&[Arc::clone(&broken)], None, &opts);
             assert_eq!(out.masked.len(), 1);
             assert_eq!(ranges(&out.services[0]), vec!["10.0.0.0/8"]);
         }
         // Other options decide again: not ours under them, its last good spec is forgotten (as
         // for any Service that stops being ours), so the broken edit is not masked after it.
         let valid = versioned(&["10.0.0.0/8"], "3");
-        assert!(lg.apply(&[Arc::clone(&valid)], &opts).masked.is_empty());
+        assert!(lg.apply(&[Arc::clone(&valid)], None, &opts).masked.is_empty());
         let other_class =
             ModelOptions { lb_class: "example.com/other".into(), ignore_unclassed: true, ..opts.clone() };
-        assert!(lg.apply(&[Arc::clone(&valid)], &other_class).masked.is_empty());
+        assert!(lg.apply(&[Arc::clone(&valid)], None, &other_class).masked.is_empty());
         assert!(lg.good.is_empty());
-        assert!(lg.apply(&[Arc::clone(&broken)], &opts).masked.is_empty(), "fail closed");
-        lg.apply(&[] as &[Arc<Service>], &opts);
+        assert!(lg.apply(&[Arc::clone(&broken)], None, &opts).masked.is_empty(), "fail closed");
+        lg.apply(&[] as &[Arc<Service>], None, &opts);
         assert!(lg.good.is_empty() && lg.passed.is_empty());
     }
 
@@ -274,7 +268,7 @@ mod tests {
         let opts = ModelOptions::default();
         let mut lg = LastGoodServices::default();
         let valid = svc("u1", &["10.0.0.0/8"], Some("80/TCP=20001"));
-        assert!(lg.apply(std::slice::from_ref(&valid), &opts).masked.is_empty());
+        assert!(lg.apply(std::slice::from_ref(&valid), None, &opts).masked.is_empty());
         // `nodelb.io/ignore: "yes"` is neither an opt-out nor ignored: the Service keeps its last
         // valid spec (and its allocation), and the refusal names the annotation and the value.
         let mut typo = valid.clone();
@@ -282,7 +276,7 @@ mod tests {
             .annotations
             .get_or_insert_default()
             .insert(model::ANNOTATION_IGNORE.into(), "yes".into());
-        let out = lg.apply(&[typo], &opts);
+        let out = lg.apply(&[typo], None, &opts);
         assert_eq!(out.masked.len(), 1);
         let msg = out.masked[0].to_string();
         assert!(msg.contains("nodelb.io/ignore=\"yes\""), "{msg}");
@@ -299,7 +293,7 @@ mod tests {
             .annotations
             .get_or_insert_default()
             .insert(model::ANNOTATION_IGNORE.into(), "yes".into());
-        let out = LastGoodServices::default().apply(std::slice::from_ref(&fresh), &opts);
+        let out = LastGoodServices::default().apply(std::slice::from_ref(&fresh), None, &opts);
         assert!(out.masked.is_empty());
         let built = model::build(&out.services, model::NO_SLICES, &opts);
         assert!(built.services.is_empty());

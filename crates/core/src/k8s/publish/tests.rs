@@ -577,7 +577,8 @@ fn one_services_events_are_merged_as_a_whole_round_merges_them() {
     let opts = ModelOptions::default();
     let (since, addresses, policy) = (BTreeMap::new(), Default::default(), Default::default());
     let ctx = ModelContext { opts: &opts, since: &since, addresses: &addresses, policy: &policy };
-    let out = ModelCache::new().build(&services, &[], &ctx);
+    let out =
+        ModelCache::new().build(crate::domain::Scope::All, &services, &[], &ctx).expect("a whole build");
     let result = crate::alloc::allocate_with(
         &Default::default(),
         &out.services,
@@ -712,7 +713,7 @@ fn kept_parts_are_what_a_whole_round_computes() {
                 *svc = Arc::new(new);
             }
         }
-        let out = models.build(&services, &[], &ctx);
+        let out = models.build(crate::domain::Scope::All, &services, &[], &ctx).expect("a whole build");
         let result = crate::alloc::allocate_with(
             &Default::default(),
             &out.services,
