@@ -432,7 +432,14 @@ fn leader(args: &ProgramArgs) {
 fn registry_of(services: &[Arc<Service>], token: &Token) -> Registry {
     let holders: Vec<Holder> = services.iter().map(|s| Holder::of(s)).collect();
     let (gone, expired) = (Default::default(), Default::default());
-    let plan = claims::plan(&Registry::default(), &HeldNumbers::of(&holders), &[], token, &gone, &expired);
+    let plan = claims::plan(
+        &Registry::default(),
+        &HeldNumbers::of(&holders),
+        &[],
+        token,
+        &gone,
+        claims::ClaimScope::All { expired: &expired },
+    );
     let stored = |mut block: Block| {
         block.resource_version = Some("1".into());
         block

@@ -708,10 +708,12 @@ pub fn plan_round(
         refusals: Some(&refusals),
         now,
     };
-    let (mut writes, mut events) = match &scope {
-        None => publish::plan_services(&round, &duplicates, &mut memory.published),
-        Some(_) => publish::plan_services_within(&round, &duplicates, &mut memory.published, &dropped),
-    };
+    let (mut writes, mut events) = publish::plan_services(
+        &round,
+        &duplicates,
+        &mut memory.published,
+        scope.as_ref().map(|_| &dropped[..]),
+    );
     // The registry side of the annotation writes: the holders of the Services written (a map of
     // those only, not of every Service).
     let annotated: foldhash::HashSet<&ServiceKey> =
@@ -741,22 +743,16 @@ pub fn plan_round(
             !adds
         });
     }
-    let mut claim_plan = match (registry.registry, &scope) {
-        (Some(r), None) => claims::plan(r, &held, &changes, registry.token, registry.gone, registry.expired),
-        (Some(r), Some(_)) => {
-            // The numbers the scope's Services hold: every other one has its claim.
-            let numbers = scope_numbers.as_ref().expect("a scope's numbers");
-            claims::plan_within(
-                r,
-                &held,
-                &changes,
-                registry.token,
-                registry.gone,
-                registry.gone_claims,
-                numbers,
-            )
+    let mut claim_plan = match registry.registry {
+        Some(r) => {
+            // A scoped round: the numbers the scope's Services hold (every other one has its claim).
+            let scope = match &scope_numbers {
+                None => claims::ClaimScope::All { expired: registry.expired },
+                Some(numbers) => claims::ClaimScope::Numbers { numbers, gone_claims: registry.gone_claims },
+            };
+            claims::plan(r, &held, &changes, registry.token, registry.gone, scope)
         }
-        (None, _) => claims::ClaimPlan {
+        None => claims::ClaimPlan {
             blocked: changes
                 .iter()
                 .filter(|c| !c.after.is_subset(&c.holder.numbers))

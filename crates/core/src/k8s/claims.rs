@@ -664,47 +664,40 @@ pub struct AnnotationChange<'a> {
     pub after: BTreeSet<u16>,
 }
 
+/// Which numbers a round's [`plan`] looks at.
+#[derive(Debug, Clone, Copy)]
+pub enum ClaimScope<'a> {
+    /// A whole round's: every number held; `expired`: the claims unresolved for [`GRACE`], which
+    /// are settled.
+    All { expired: &'a BTreeSet<u16> },
+    /// A scoped round's (the leader's round planning a scope of the Services): only the numbers
+    /// the scope's Services hold (by annotation) are looked at for claims held without one or
+    /// held twice. The round is scoped only when every other claim is settled and names a Service
+    /// that holds its number (or a deleted one), and the Services outside the scope hold what
+    /// they held: none of their numbers can be missing a claim. `gone_claims`: the numbers the
+    /// deleted owners claim ([`Keeper::claims_of_gone`]), found without a walk of the registry
+    /// (`None`: walked).
+    Numbers { numbers: &'a BTreeSet<u16>, gone_claims: Option<&'a [u16]> },
+}
+
 /// The registry changes of a round: claims for what the annotation writes add (pending, under
 /// `token`), pending removal for what they take off, claims for numbers held without one, the
-/// older keeping a number two hold, claims of deleted Services (`gone`) dropped, and claims
-/// unresolved for [`GRACE`] (`expired`) settled. `held`: the numbers every Service holds as seen
-/// (annotations as stored); `changes`: the annotation writes planned.
+/// older keeping a number two hold, claims of deleted Services (`gone`) dropped, and (a whole
+/// round) claims unresolved for [`GRACE`] settled. `held`: the numbers every Service holds as
+/// seen (annotations as stored); `changes`: the annotation writes planned.
 pub fn plan(
     registry: &Registry,
     held: &HeldNumbers<'_>,
     changes: &[AnnotationChange<'_>],
     token: &Token,
     gone: &BTreeSet<Owner>,
-    expired: &BTreeSet<u16>,
+    scope: ClaimScope<'_>,
 ) -> ClaimPlan {
     let next = Overlay { read: registry, changed: BTreeMap::new() };
-    plan_in(next, registry, held, changes, token, gone, expired, None)
+    plan_in(next, registry, held, changes, token, gone, scope)
 }
 
-/// [`plan`] of a round that planned a scope of the Services (the leader's scoped round): only
-/// the numbers the scope's Services hold (`numbers`, by annotation) are looked at for claims
-/// held without one or held twice. The round is scoped only when every other claim is
-/// settled and names a Service that holds its number (or a deleted one), and the Services
-/// outside the scope hold what they held: none of their numbers can be missing a claim.
-/// `gone_claims`: the numbers `gone` owners claim ([`Keeper::claims_of_gone`]), found without a
-/// walk of the registry (`None`: walked).
-#[allow(clippy::too_many_arguments)]
-pub fn plan_within(
-    registry: &Registry,
-    held: &HeldNumbers<'_>,
-    changes: &[AnnotationChange<'_>],
-    token: &Token,
-    gone: &BTreeSet<Owner>,
-    gone_claims: Option<&[u16]>,
-    numbers: &BTreeSet<u16>,
-) -> ClaimPlan {
-    let next = Overlay { read: registry, changed: BTreeMap::new() };
-    plan_in(next, registry, held, changes, token, gone, &BTreeSet::new(), Some((numbers, gone_claims)))
-}
-
-/// [`plan`], with the registry as the round leaves it kept in `next` (starting as `registry`);
-/// `only`: [`plan_within`]'s numbers and deleted Services' claims.
-#[allow(clippy::too_many_arguments)]
+/// [`plan`], with the registry as the round leaves it kept in `next` (starting as `registry`).
 fn plan_in<S: ClaimStore>(
     mut next: S,
     registry: &Registry,
@@ -712,8 +705,7 @@ fn plan_in<S: ClaimStore>(
     changes: &[AnnotationChange<'_>],
     token: &Token,
     gone: &BTreeSet<Owner>,
-    expired: &BTreeSet<u16>,
-    only: Option<(&BTreeSet<u16>, Option<&[u16]>)>,
+    scope: ClaimScope<'_>,
 ) -> ClaimPlan {
     let mut out = ClaimPlan::default();
     let by_number = held.by_number();
@@ -722,7 +714,11 @@ fn plan_in<S: ClaimStore>(
     let changing: BTreeMap<&ServiceKey, &BTreeSet<u16>> =
         changes.iter().map(|c| (&c.holder.key, &c.after)).collect();
     // Settle claims nobody resolved, and drop those of deleted Services.
-    for n in expired {
+    let expired = match scope {
+        ClaimScope::All { expired } => Some(expired),
+        ClaimScope::Numbers { .. } => None,
+    };
+    for n in expired.into_iter().flatten() {
         let Some(c) = next.get(*n).cloned() else { continue };
         match c.state {
             State::Adding(_) | State::Removing(_) => next.set(*n, Some(Claim::held(c.owner))),
@@ -731,8 +727,8 @@ fn plan_in<S: ClaimStore>(
         }
     }
     if !gone.is_empty() {
-        let claimed = match only {
-            Some((_, Some(gone_claims))) => gone_claims.to_vec(),
+        let claimed = match scope {
+            ClaimScope::Numbers { gone_claims: Some(gone_claims), .. } => gone_claims.to_vec(),
             _ => next.claimed_by(gone),
         };
         for n in claimed {
@@ -745,9 +741,11 @@ fn plan_in<S: ClaimStore>(
     // write is seen (with the registry lost, a Lease deleted, the number was otherwise free to
     // an addition of the same round while the holder's annotation still named it: the chaos
     // soak's double allocation, seed 1795815239939159639).
-    let numbers: Box<dyn Iterator<Item = (&u16, &Vec<Arc<Holder>>)>> = match only {
-        None => Box::new(by_number.iter()),
-        Some((only, _)) => Box::new(only.iter().filter_map(|n| by_number.get_key_value(n))),
+    let numbers: Box<dyn Iterator<Item = (&u16, &Vec<Arc<Holder>>)>> = match scope {
+        ClaimScope::All { .. } => Box::new(by_number.iter()),
+        ClaimScope::Numbers { numbers, .. } => {
+            Box::new(numbers.iter().filter_map(|n| by_number.get_key_value(n)))
+        }
     };
     for (n, hs) in numbers {
         let keepers: Vec<&Arc<Holder>> =

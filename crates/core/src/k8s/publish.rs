@@ -763,32 +763,16 @@ impl Part {
 /// [`plan_writes`] and [`service_events`] of a round of shared objects, each Service's part
 /// reused from `kept` while its inputs are the very same objects and values. The Events are
 /// [`service_events`]' in another order: Service by Service, as `round.services` has them.
+///
+/// `scoped`: `None` when the round sees every Service (the parts of those it does not see go);
+/// `Some(dropped)` when it sees only some (the leader's scoped round: `round.services` are the
+/// scope's objects): the other Services' parts stay as they are, and those of `dropped` objects
+/// (deleted, or replaced by newer versions) go.
 pub fn plan_services(
     round: &Round<'_, Arc<Service>, Arc<LbService>>,
     duplicates: &[Duplicate],
     kept: &mut Published,
-) -> (Vec<ServiceWrite>, Vec<ServiceEvent>) {
-    plan_parts(round, duplicates, kept, None)
-}
-
-/// [`plan_services`] of a round that sees only some Services (the leader's scoped round:
-/// `round.services` are the scope's objects): the other Services' parts stay as they are, and
-/// those of `dropped` objects (deleted, or replaced by newer versions) go.
-pub fn plan_services_within(
-    round: &Round<'_, Arc<Service>, Arc<LbService>>,
-    duplicates: &[Duplicate],
-    kept: &mut Published,
-    dropped: &[Arc<Service>],
-) -> (Vec<ServiceWrite>, Vec<ServiceEvent>) {
-    plan_parts(round, duplicates, kept, Some(dropped))
-}
-
-/// [`plan_services`], or with `dropped` [`plan_services_within`].
-fn plan_parts(
-    round: &Round<'_, Arc<Service>, Arc<LbService>>,
-    duplicates: &[Duplicate],
-    kept: &mut Published,
-    dropped: Option<&[Arc<Service>]>,
+    scoped: Option<&[Arc<Service>]>,
 ) -> (Vec<ServiceWrite>, Vec<ServiceEvent>) {
     let shared = Shared {
         model: round.model.clone(),
@@ -810,7 +794,7 @@ fn plan_parts(
     }
     let mut take_extra = |key: &ServiceKey| if extra.is_empty() { None } else { extra.remove(key) };
     kept.reused = 0;
-    match dropped {
+    match scoped {
         None => kept.parts.begin(),
         Some(dropped) => dropped.iter().for_each(|o| kept.parts.remove(o)),
     }
@@ -854,7 +838,7 @@ fn plan_parts(
         }
     }
     // Gone, or replaced by a newer object.
-    if dropped.is_none() {
+    if scoped.is_none() {
         kept.parts.end();
     }
     writes.sort_by(|a, b| a.key.cmp(&b.key));

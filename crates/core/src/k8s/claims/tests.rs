@@ -141,7 +141,14 @@ fn only_changed_claims_are_copied_and_the_plan_is_the_same() {
         let gone: BTreeSet<Owner> = letters.iter().filter(|_| rng.below(5) == 0).map(|c| owner(*c)).collect();
         let expired: BTreeSet<u16> = pick(&mut rng, 3).into_iter().collect();
         assert_eq!(
-            plan(&reg, &HeldNumbers::of(&holders), &changes, &t, &gone, &expired),
+            plan(
+                &reg,
+                &HeldNumbers::of(&holders),
+                &changes,
+                &t,
+                &gone,
+                ClaimScope::All { expired: &expired }
+            ),
             plan_in(
                 FullCopy(reg.iter().map(|(n, c)| (n, c.clone())).collect()),
                 &reg,
@@ -149,8 +156,7 @@ fn only_changed_claims_are_copied_and_the_plan_is_the_same() {
                 &changes,
                 &t,
                 &gone,
-                &expired,
-                None
+                ClaimScope::All { expired: &expired },
             ),
             "case {case}: registry {reg:?}, holders {holders:?}, gone {gone:?}, expired {expired:?}"
         );
@@ -168,7 +174,14 @@ fn a_number_given_up_without_a_claim_is_not_taken_in_the_same_round() {
         AnnotationChange { holder: &b, after: BTreeSet::from([20008]) },
     ];
     let (gone, expired) = (BTreeSet::new(), BTreeSet::new());
-    let p = plan(&registry(&[]), &HeldNumbers::of(&holders), &changes, &tok("me"), &gone, &expired);
+    let p = plan(
+        &registry(&[]),
+        &HeldNumbers::of(&holders),
+        &changes,
+        &tok("me"),
+        &gone,
+        ClaimScope::All { expired: &expired },
+    );
     assert!(p.blocked.contains(&b.key), "{p:?}");
     assert_eq!(p.services[&a.key].removes, [20008], "{p:?}");
     // Once `a`'s write is seen (it holds 20009, the claim is gone), `b` takes 20008.
@@ -176,7 +189,14 @@ fn a_number_given_up_without_a_claim_is_not_taken_in_the_same_round() {
     let holders = [a2.clone(), b.clone()];
     let changes = vec![AnnotationChange { holder: &b, after: BTreeSet::from([20008]) }];
     let reg = registry(&[(20009, Claim::held(owner('a')))]);
-    let p = plan(&reg, &HeldNumbers::of(&holders), &changes, &tok("me"), &gone, &expired);
+    let p = plan(
+        &reg,
+        &HeldNumbers::of(&holders),
+        &changes,
+        &tok("me"),
+        &gone,
+        ClaimScope::All { expired: &expired },
+    );
     assert!(p.blocked.is_empty() && p.services[&b.key].adds == [(20008, None)], "{p:?}");
 }
 
@@ -234,7 +254,7 @@ fn a_deleted_block_is_kept_and_written_again() {
         &[],
         &tok("me"),
         &BTreeSet::new(),
-        &BTreeSet::new(),
+        ClaimScope::All { expired: &BTreeSet::new() },
     );
     let written = p.blocks.get(&2).expect("the lost block is written again");
     assert_eq!(*written.claims, Claims::from([(20000, Claim::held(owner('a')))]));
@@ -514,7 +534,14 @@ fn planning() {
     for (name, reg, holders, changes, gone, expired, want, blocked) in cases {
         let gone: BTreeSet<Owner> = gone.into_iter().collect();
         let expired: BTreeSet<u16> = expired.into_iter().collect();
-        let p = plan(&reg, &HeldNumbers::of(&holders), &changes, &t, &gone, &expired);
+        let p = plan(
+            &reg,
+            &HeldNumbers::of(&holders),
+            &changes,
+            &t,
+            &gone,
+            ClaimScope::All { expired: &expired },
+        );
         assert_eq!(p.blocks.get(&2).map(|b| Claims::clone(&b.claims)), want, "{name}");
         if let Some(b) = p.blocks.get(&2) {
             assert_eq!(

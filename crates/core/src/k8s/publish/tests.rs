@@ -592,7 +592,7 @@ fn one_services_events_are_merged_as_a_whole_round_merges_them() {
         listening: &listening,
         ..plain_round(&services, &opts, (&out.services, &out.refused), &result, &none)
     };
-    let (_, mut events) = plan_services(&round, &[], &mut Published::default());
+    let (_, mut events) = plan_services(&round, &[], &mut Published::default(), None);
     events.sort();
     let whole = service_events(&round, &[]);
     assert_eq!(events, whole);
@@ -725,7 +725,7 @@ fn kept_parts_are_what_a_whole_round_computes() {
             listening,
             ..plain_round(&services, &opts, (&out.services, &out.refused), &result, nodes)
         };
-        let (writes, mut events) = plan_services(&round, &[], &mut kept);
+        let (writes, mut events) = plan_services(&round, &[], &mut kept, None);
         assert_eq!(writes, plan_writes(&round), "{step}: writes");
         events.sort();
         assert_eq!(events, service_events(&round, &[]), "{step}: events");
@@ -733,7 +733,7 @@ fn kept_parts_are_what_a_whole_round_computes() {
         // With the round's own Events too, for the same Services and reasons as their parts'
         // (db's port in use, as the listener on it says in the later steps).
         let with_extra = Round { problems: &problems, ..round };
-        let (_, mut events) = plan_services(&with_extra, &duplicates, &mut kept_extra);
+        let (_, mut events) = plan_services(&with_extra, &duplicates, &mut kept_extra, None);
         events.sort();
         assert_eq!(events, service_events(&with_extra, &duplicates), "{step}: events with the round's");
         last_writes = writes;
