@@ -140,24 +140,11 @@ fn only_changed_claims_are_copied_and_the_plan_is_the_same() {
         }
         let gone: BTreeSet<Owner> = letters.iter().filter(|_| rng.below(5) == 0).map(|c| owner(*c)).collect();
         let expired: BTreeSet<u16> = pick(&mut rng, 3).into_iter().collect();
+        let (held, scope) = (HeldNumbers::of(&holders), ClaimScope::All { expired: &expired });
+        let copied = FullCopy(reg.iter().map(|(n, c)| (n, c.clone())).collect());
         assert_eq!(
-            plan(
-                &reg,
-                &HeldNumbers::of(&holders),
-                &changes,
-                &t,
-                &gone,
-                ClaimScope::All { expired: &expired }
-            ),
-            plan_in(
-                FullCopy(reg.iter().map(|(n, c)| (n, c.clone())).collect()),
-                &reg,
-                &HeldNumbers::of(&holders),
-                &changes,
-                &t,
-                &gone,
-                ClaimScope::All { expired: &expired },
-            ),
+            plan(&reg, &held, &changes, &t, &gone, scope),
+            plan_in(copied, &reg, &held, &changes, &t, &gone, scope),
             "case {case}: registry {reg:?}, holders {holders:?}, gone {gone:?}, expired {expired:?}"
         );
     }
@@ -534,14 +521,8 @@ fn planning() {
     for (name, reg, holders, changes, gone, expired, want, blocked) in cases {
         let gone: BTreeSet<Owner> = gone.into_iter().collect();
         let expired: BTreeSet<u16> = expired.into_iter().collect();
-        let p = plan(
-            &reg,
-            &HeldNumbers::of(&holders),
-            &changes,
-            &t,
-            &gone,
-            ClaimScope::All { expired: &expired },
-        );
+        let scope = ClaimScope::All { expired: &expired };
+        let p = plan(&reg, &HeldNumbers::of(&holders), &changes, &t, &gone, scope);
         assert_eq!(p.blocks.get(&2).map(|b| Claims::clone(&b.claims)), want, "{name}");
         if let Some(b) = p.blocks.get(&2) {
             assert_eq!(
