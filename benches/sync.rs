@@ -1,7 +1,7 @@
 //! The agent's own (pure) work for one Service added or removed among N Services × E endpoints,
-//! after the source's snapshot, two ways in one run: planned whole (`desired::compute_with`, the
+//! after the source's snapshot, two ways in one run: planned whole (`desired::compute_whole`, the
 //! diff against the last ruleset, dropping the last one: how the sync loop worked before the
-//! incremental planner) and as the sync loop does it now (`desired::compute_next`: the patch, its
+//! incremental planner) and as the sync loop does it now (`desired::compute`: the patch, its
 //! batch, the patch applied to the last ruleset, the counter index patched). No root, no kernel:
 //! the A/B loop for "recompute only what changed" (docs/benchmarks.md).
 //!
@@ -23,7 +23,7 @@
 //! alone, unchecked and untimed (to profile it: `perf record -g target/release/deps/sync-… …`).
 //! `--manifests`: a manifests-mode sync of the agent phase by phase, for one file written and
 //! removed in a directory of N Services (500 per file, as `benches/dataplane.rs --scale` writes
-//! them): the source's snapshot (`load`; `first load` parses every file), `compute_next`
+//! them): the source's snapshot (`load`; `first load` parses every file), `compute`
 //! (`desired`), the state file written (`state`; in a temporary directory, on this machine's
 //! disk).
 
@@ -146,7 +146,7 @@ fn main() {
         };
         // Planned whole (`--next-only`: not at all, for a profile of the sync loop's way alone).
         if next_only {
-            let (next, _) = desired::compute_next(&inputs, true, &mut kept, applied.as_ref());
+            let (next, _) = desired::compute(&inputs, true, &mut kept, applied.as_ref());
             match next.ruleset {
                 Planned::Full(rs) => applied = Some(rs),
                 Planned::Patch(patch) => patch.apply(applied.as_mut().expect("a ruleset to patch")),
@@ -155,7 +155,7 @@ fn main() {
             continue;
         }
         let t = Instant::now();
-        let d = desired::compute_with(&inputs, true);
+        let d = desired::compute_whole(&inputs, true);
         let t_desired = t.elapsed();
         if let Some(old) = last.take() {
             let t = Instant::now();
@@ -184,7 +184,7 @@ fn main() {
         }
         // As the sync loop does it.
         let t = Instant::now();
-        let (next, _) = desired::compute_next(&inputs, true, &mut kept, applied.as_ref());
+        let (next, _) = desired::compute(&inputs, true, &mut kept, applied.as_ref());
         let t_next = t.elapsed();
         let t = Instant::now();
         let batch = match next.ruleset {
@@ -520,7 +520,7 @@ fn manifests_phases(args: &ProgramArgs) {
             pools: snap.pools.as_deref(),
             registry: None,
         };
-        let (next, _) = desired::compute_next(&inputs, true, &mut kept, applied.as_ref());
+        let (next, _) = desired::compute(&inputs, true, &mut kept, applied.as_ref());
         match next.ruleset {
             Planned::Full(rs) => applied = Some(rs),
             Planned::Patch(patch) => patch.apply(applied.as_mut().expect("a ruleset to patch")),
@@ -543,6 +543,6 @@ fn manifests_phases(args: &ProgramArgs) {
     );
     println!("  first load (every file read and parsed)                   {first_load_ms:8.1}");
     println!("  load (the directory's snapshot)                           {:8.1}", median(load_ms));
-    println!("  desired (compute_next)                                    {:8.1}", median(desired_ms));
+    println!("  desired (compute)                                         {:8.1}", median(desired_ms));
     println!("  state (stamp, state file written)                         {:8.1}", median(state_ms));
 }

@@ -108,7 +108,7 @@ impl AgentError {
 const SYSCTL_PERIOD: Duration = Duration::from_secs(1);
 
 /// How often a resync decides every Service again when syncs decided only what changed since the
-/// last whole decision ([`desired::compute_next`]; the whole decision is the oracle of the
+/// last whole decision ([`desired::compute`]; the whole decision is the oracle of the
 /// scoped one): it is linear in the Services, so on every resync it would be the slowest sync
 /// of a busy minute. It runs on a
 /// resync with no change waiting, so that no change waits for it, unless changes kept coming for
@@ -687,7 +687,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             pools: loaded.pools.as_deref(),
             registry: loaded.registry.as_ref(),
         };
-        desired::compute_next(&inputs, self.metrics.per_service, &mut self.kept, self.dataplane.applied())
+        desired::compute(&inputs, self.metrics.per_service, &mut self.kept, self.dataplane.applied())
     }
 
     /// Manifests mode, a whole sync (the first, or one after a failure): the allocation state

@@ -385,9 +385,14 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
                     .collect(),
                 stale: Default::default(),
             };
-            let services: Vec<_> = loaded.services.iter().map(|s| s.as_ref().clone()).collect();
-            let slices: Vec<_> = loaded.slices.iter().map(|s| s.as_ref().clone()).collect();
-            (services, slices, notes, desired::AllocationMode::Allocate, previous, Default::default())
+            (
+                loaded.services.clone(),
+                loaded.slices.clone(),
+                notes,
+                desired::AllocationMode::Allocate,
+                previous,
+                Default::default(),
+            )
         }
         None => {
             if args.common.node_name.is_none() {
@@ -402,8 +407,8 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
             let slices = kube::Api::<crate::compact::EndpointSlice>::all(client.clone()).list(&lp).await;
             let nodes = kube::Api::<k8s_openapi::api::core::v1::Node>::all(client.clone()).list(&lp).await;
             let (services, slices, nodes) = (
-                services.context("cannot list Services")?.items,
-                slices.context("cannot list EndpointSlices")?.items,
+                services.context("cannot list Services")?.items.into_iter().map(Arc::new).collect(),
+                slices.context("cannot list EndpointSlices")?.items.into_iter().map(Arc::new).collect(),
                 nodes.context("cannot list Nodes")?.items,
             );
             let namespace = &args.kube.namespace;
@@ -469,7 +474,7 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
         nat_shards: match args.common.nat_shards {
             crate::plan::NatShards::Fixed(k) => k,
             crate::plan::NatShards::Auto => {
-                crate::plan::auto_nat_shards(crate::agent::lb_service_ports(&services), 1)
+                crate::plan::auto_nat_shards(crate::agent::lb_service_ports(services.iter().map(|s| &**s)), 1)
             }
         },
     };
@@ -479,21 +484,26 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
             crate::observe::listeners::read().unwrap_or_default(),
         ),
     };
-    let desired = desired::compute(&Inputs {
-        mode,
-        services: &services,
-        slices: &slices,
-        notes: &notes,
-        previous: &previous.allocations,
-        since: &previous.since,
-        range: &args.common.policy.port_range,
-        model: &model_options(&args.common.policy),
-        node: &node,
-        pools: pools.as_ref(),
-        policy: &host_policy(&args.common.policy),
-        host: &host,
-        registry: registry.as_ref(),
-    });
+    let (desired, _) = desired::compute(
+        &Inputs {
+            mode,
+            services: &services,
+            slices: &slices,
+            notes: &notes,
+            previous: &previous.allocations,
+            since: &previous.since,
+            range: &args.common.policy.port_range,
+            model: &model_options(&args.common.policy),
+            node: &node,
+            pools: pools.as_ref(),
+            policy: &host_policy(&args.common.policy),
+            host: &host,
+            registry: registry.as_ref(),
+        },
+        true,
+        &mut desired::Kept::default(),
+        None,
+    );
     for r in &desired.refusals {
         eprintln!("refused: {r}");
     }
@@ -509,7 +519,10 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
     for s in desired.services.iter().filter(|s| s.pool.is_some()) {
         eprintln!("pool: {}/{} → {}", s.namespace, s.name, s.pool.as_deref().unwrap_or_default());
     }
-    print!("{}", desired.ruleset.render());
+    let crate::replan::Planned::Full(ruleset) = desired.ruleset else {
+        bail!("the planner gave a patch where nothing was applied");
+    };
+    print!("{}", ruleset.render());
     Ok(())
 }
 

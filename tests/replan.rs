@@ -298,10 +298,10 @@ fn rest<R, I>(d: &Desired<R, I>) -> String {
     format!("{fields:#?}")
 }
 
-/// One sync both ways: `compute_with` from scratch, and `compute_next` with what the sync loop
+/// One sync both ways: `compute_whole` from scratch, and `compute` with what the sync loop
 /// keeps; everything but the ruleset must be the same, and the patch applied to the last
 /// ruleset (`applied`, `index`: as the kernel holds them) the whole ruleset. Returns the whole
-/// result, how `compute_next` decided, and whether it patched.
+/// result, how `compute` decided, and whether it patched.
 fn both_ways(
     inputs: &nodelb::desired::Inputs<
         '_,
@@ -313,8 +313,8 @@ fn both_ways(
     index: &mut CounterIndex,
     what: &str,
 ) -> (Desired, nodelb::desired::Extent, bool) {
-    let whole = nodelb::desired::compute_with(inputs, true);
-    let (next, scope) = nodelb::desired::compute_next(inputs, true, kept, applied.as_ref());
+    let whole = nodelb::desired::compute_whole(inputs, true);
+    let (next, scope) = nodelb::desired::compute(inputs, true, kept, applied.as_ref());
     assert_eq!(rest(&next), rest(&whole), "{what} ({scope:?}): everything but the ruleset");
     let patched = match next.ruleset {
         Planned::Full(rs) => {
@@ -340,14 +340,14 @@ fn shuffle<T>(rng: &mut Rng, v: &mut [T]) {
 }
 
 /// Random sequences of snapshots as the sources hand them over (each object an `Arc`, the same
-/// `Arc` while it is unchanged): `desired::compute_next` with what it keeps between syncs (the
-/// model cache, the planner) gives what `desired::compute_with` gives from scratch, field by
+/// `Arc` while it is unchanged): `desired::compute` with what it keeps between syncs (the
+/// model cache, the planner) gives what `desired::compute_whole` gives from scratch, field by
 /// field, its patch applied to the last ruleset the whole ruleset and its index patch the whole
 /// index. Objects are replaced by edited ones, by equal copies (a new `Arc`), dropped and
 /// duplicated, and handed over in another order; node addresses (an endpoint that becomes a
 /// node's address is refused) and allocation ages change underneath.
 #[test]
-fn compute_next_gives_what_compute_gives() {
+fn incremental_compute_gives_what_whole_compute_gives() {
     use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
     use k8s_openapi::api::core::v1::Service;
     use nodelb::compact::EndpointSlice;
@@ -553,8 +553,8 @@ fn what_only_the_allocator_reads_plans_nothing_again() {
 /// condition), edited into invalid input, turned into ClusterIP, relabelled (pools, the k3s
 /// ServiceLB labels), given Local policy; EndpointSlices added, split in two, dropped, orphaned;
 /// last-good notes set and cleared; listeners and node addresses that change; pools in force or
-/// not; equal copies (new `Arc`s) and another order every sync. `compute_next` must give what
-/// `compute_with` gives, field by field, its patch applied to the last ruleset the whole ruleset;
+/// not; equal copies (new `Arc`s) and another order every sync. `compute` must give what
+/// `compute_whole` gives, field by field, its patch applied to the last ruleset the whole ruleset;
 /// and most syncs must be scoped, to a few Services.
 #[test]
 fn scoped_syncs_decide_what_whole_syncs_decide() {

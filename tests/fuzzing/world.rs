@@ -169,7 +169,7 @@ pub fn compute(
         pools: None,
         registry: None,
     };
-    desired::compute(&inputs)
+    desired::compute_whole(&inputs, true)
 }
 
 /// The good Services are planned exactly as when alone: programmed, on their node ports, with the

@@ -48,7 +48,7 @@ pub struct Totals {
 pub type Series = (SeriesKey, CounterKind);
 
 /// Which kernel counter feeds which series, and which Service ports exist; computed with the
-/// desired state (`desired::compute_with`). Counters are named opaquely: the sync loop only
+/// desired state (`desired::compute`). Counters are named opaquely: the sync loop only
 /// matches these names against what the kernel reports and what a batch resets.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CounterIndex {

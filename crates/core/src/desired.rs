@@ -3,7 +3,7 @@
 //! agent loop feeds it and applies the result.
 //!
 //! Everything but the ruleset is decided per Service ([`Part`]) and kept by key in a
-//! [`NodeBook`]; the sync loop's [`compute_next`] decides again only the Services whose inputs
+//! [`NodeBook`]; [`compute`] decides again only the Services whose inputs
 //! changed, and those that share a node port number with them, when nothing every Service reads
 //! changed (docs/design/incremental.md, "The node's sync scoped to what changed").
 
@@ -23,7 +23,7 @@ use crate::ir::Ruleset;
 use crate::k8s::claims::{Owner, Registry};
 use crate::k8s::dupes::Duplicate;
 use crate::model::{self, LbService, ModelOptions, Refusal};
-use crate::model_cache::{self, ModelCache, ModelContext, Modeled};
+use crate::model_cache::{ModelCache, ModelContext, Modeled};
 use crate::plan::{self, NodeFacts};
 use crate::pool::PoolContext;
 use crate::port_policy::{self, Listeners, PortPolicy, PortRange, PortRefusal};
@@ -31,9 +31,9 @@ use crate::replan::{PlanInput, Planned, Planner};
 use crate::report::{EndpointRefusalStatus, PortStatus, ServiceState, ServiceStatus};
 use crate::view::SourceView;
 
-/// Everything computed from one snapshot. `R`/`I`: the ruleset and counter index whole
-/// ([`compute`]), or as the incremental planner gives them ([`compute_next`]: [`Planned`],
-/// [`IndexUpdate`]).
+/// Everything computed from one snapshot. `R`/`I`: the ruleset and counter index as the
+/// incremental planner gives them ([`compute`]: [`Planned`], [`IndexUpdate`]), or whole
+/// (`compute_whole`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Desired<R = Ruleset, I = CounterIndex> {
     pub ruleset: R,
@@ -52,7 +52,7 @@ pub struct Desired<R = Ruleset, I = CounterIndex> {
     /// Allocated node ports this node does not program (not allowed, or a local listener).
     pub refused_ports: Vec<RefusedPort>,
     /// Which counter feeds which per-Service-port series, and which Service ports exist (for
-    /// `/metrics`); empty when computed without it ([`compute_with`]).
+    /// `/metrics`); empty when computed without it.
     pub counter_index: I,
     /// Non-fatal input problems (e.g. a bad endpoint address skipped).
     pub warnings: Vec<String>,
@@ -124,7 +124,7 @@ pub struct Inputs<'a, S = Service, E = EndpointSlice> {
     pub slices: &'a [E],
     pub notes: &'a SourceNotes,
     /// The allocations of the last sync (manifests mode: as the state file keeps them). The sync
-    /// loop passes what its last [`compute_next`] gave: a Service's pool is chosen with the
+    /// loop passes what its last [`compute`] gave: a Service's pool is chosen with the
     /// numbers it held then.
     pub previous: &'a Allocations,
     /// Manifests mode: when this node first allocated each Service (the state file), its age.
@@ -146,17 +146,15 @@ pub struct Inputs<'a, S = Service, E = EndpointSlice> {
     pub registry: Option<&'a Registry>,
 }
 
-pub fn compute<S: Borrow<Service>, E: Borrow<EndpointSlice>>(inputs: &Inputs<'_, S, E>) -> Desired {
-    compute_with(inputs, true)
-}
-
-/// [`compute`]; `counter_index: false` leaves [`Desired::counter_index`] empty (per-Service
-/// metrics off: the index names chains of every Service port).
-pub fn compute_with<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
+/// The whole decision made from nothing, every Service modeled, decided and planned afresh: the
+/// oracle [`compute`] is tested against (tests/replan.rs, the fuzz targets).
+/// `counter_index: false` leaves [`Desired::counter_index`] empty.
+#[cfg(any(test, feature = "testing"))]
+pub fn compute_whole<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     inputs: &Inputs<'_, S, E>,
     counter_index: bool,
 ) -> Desired {
-    let modeled = model_cache::build(inputs.services, inputs.slices, &model_context(inputs));
+    let modeled = crate::model_cache::build(inputs.services, inputs.slices, &model_context(inputs));
     let decided = decide(inputs, inputs.services, modeled, None);
     let mut book = NodeBook::default();
     let plans = book.replace(decided, inputs.mode, inputs.previous);
@@ -178,7 +176,7 @@ pub struct Kept {
 }
 
 impl Kept {
-    /// Makes the next [`compute_next`] decide every Service again (a periodic verification: the
+    /// Makes the next [`compute`] decide every Service again (a periodic verification: the
     /// whole decision is the oracle of the scoped one).
     pub fn next_sync_whole(&mut self) {
         self.whole = true;
@@ -194,15 +192,17 @@ pub enum Extent {
     Services(usize),
 }
 
-/// [`compute_with`] for the sync loop: each Service modeled again only when its objects changed,
-/// only the Services whose inputs changed (and those that share a node port number with them;
-/// in manifests mode also the unsettled ones and those whose allocation age changed) decided
-/// again, and the ruleset and the counter index as a patch of
-/// `applied` (what the kernel holds, the planner's last plan) where only Services changed
-/// (modules [`model_cache`], [`crate::replan`], [`crate::view`]). The same result as
-/// [`compute_with`] for the same inputs (tests/replan.rs), given `inputs.previous` is what the
-/// last call gave.
-pub fn compute_next(
+/// The node's decision: each Service modeled again only when its objects changed, only the
+/// Services whose inputs changed (and those that share a node port number with them; in
+/// manifests mode also the unsettled ones and those whose allocation age changed) decided again,
+/// and the ruleset and the counter index as a patch of `applied` (what the kernel holds, the
+/// planner's last plan) where only Services changed (modules [`crate::model_cache`],
+/// [`crate::replan`], [`crate::view`]). A fresh `kept`, or no `applied`, decides everything and
+/// plans the whole ruleset. The same result as `compute_whole` for the same inputs
+/// (tests/replan.rs), given `inputs.previous` is what the last call gave. `counter_index:
+/// false` leaves the counter index empty (per-Service metrics off: the index names chains of
+/// every Service port).
+pub fn compute(
     inputs: &Inputs<'_, Arc<Service>, Arc<EndpointSlice>>,
     counter_index: bool,
     kept: &mut Kept,
@@ -1140,21 +1140,24 @@ mod tests {
             forward_mark: None,
             nat_shards: 1,
         };
-        compute(&Inputs {
-            mode,
-            services,
-            slices: model::NO_SLICES,
-            notes: &SourceNotes::default(),
-            previous: &Allocations::new(),
-            since: &BTreeMap::new(),
-            policy: &HostPolicy::default(),
-            host: &HostFacts::default(),
-            range: &PortRange::new(20000, 20010).expect("range"),
-            model: &ModelOptions::default(),
-            node: &node,
-            pools,
-            registry,
-        })
+        compute_whole(
+            &Inputs {
+                mode,
+                services,
+                slices: model::NO_SLICES,
+                notes: &SourceNotes::default(),
+                previous: &Allocations::new(),
+                since: &BTreeMap::new(),
+                policy: &HostPolicy::default(),
+                host: &HostFacts::default(),
+                range: &PortRange::new(20000, 20010).expect("range"),
+                model: &ModelOptions::default(),
+                node: &node,
+                pools,
+                registry,
+            },
+            true,
+        )
     }
 
     /// A node's status line for a Service the leader could not allocate repeats the leader's
@@ -1307,21 +1310,24 @@ mod tests {
                 node_labels: BTreeMap::new(),
                 servicelb: false,
             };
-            compute(&Inputs {
-                mode: AllocationMode::Allocate,
-                services: std::slice::from_ref(&svc),
-                slices: model::NO_SLICES,
-                notes: &SourceNotes::default(),
-                previous: &Allocations::new(),
-                since: &BTreeMap::new(),
-                policy: &HostPolicy::default(),
-                host: &host,
-                range: &range,
-                model: &ModelOptions::default(),
-                node: &node,
-                pools: Some(&ctx),
-                registry: None,
-            })
+            compute_whole(
+                &Inputs {
+                    mode: AllocationMode::Allocate,
+                    services: std::slice::from_ref(&svc),
+                    slices: model::NO_SLICES,
+                    notes: &SourceNotes::default(),
+                    previous: &Allocations::new(),
+                    since: &BTreeMap::new(),
+                    policy: &HostPolicy::default(),
+                    host: &host,
+                    range: &range,
+                    model: &ModelOptions::default(),
+                    node: &node,
+                    pools: Some(&ctx),
+                    registry: None,
+                },
+                true,
+            )
         };
         let elements = |d: &Desired, map: crate::ir::Name| -> Vec<String> {
             d.ruleset.sets[&map].elements.keys().map(|k| format!("{k:?}")).collect()

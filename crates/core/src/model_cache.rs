@@ -11,7 +11,6 @@
 //! cache when it changes. The cache holds the `Arc`s it compares, so an address is never reused
 //! by a new object while it is kept.
 
-use std::borrow::Borrow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -46,8 +45,9 @@ pub struct ModelContext<'a> {
     pub policy: &'a EndpointPolicy,
 }
 
-/// Every Service's model, built now (no cache).
-pub fn build<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
+/// Every Service's model, built now (no cache): the oracle of [`ModelCache::build`].
+#[cfg(any(test, feature = "testing"))]
+pub fn build<S: std::borrow::Borrow<Service>, E: std::borrow::Borrow<EndpointSlice>>(
     services: &[S],
     slices: &[E],
     ctx: &ModelContext<'_>,
