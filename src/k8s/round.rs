@@ -280,14 +280,14 @@ impl LeaderState {
     /// reads from them (`view`, taken now: a Lease that expired with time changes it).
     pub fn nothing_to_do(&self, changes: &Journal, view: &LeaseView, now: Instant) -> bool {
         self.clean
-            && self.whole_round_within(now)
+            && self.whole_round_is_recent(now)
             && changes.others.iter().all(|kind| *kind == "Lease")
             && self.only_echoes(changes)
             && self.lease_view.as_ref() == Some(view)
     }
 
     /// Whether the last whole round started less than [`FULL_ROUND_EVERY`] before `now`.
-    fn whole_round_within(&self, now: Instant) -> bool {
+    fn whole_round_is_recent(&self, now: Instant) -> bool {
         self.last_whole_round.is_some_and(|t| now.saturating_duration_since(t) < FULL_ROUND_EVERY)
     }
 
@@ -429,7 +429,7 @@ impl LeaderState {
         // annotation) is screened: a scoped round takes every claim as its holder's.
         let forged = registry.is_some_and(|r| self.holders.changes().name_anothers(r, &gone));
         let may_scope = was_clean
-            && self.whole_round_within(clock.at)
+            && self.whole_round_is_recent(clock.at)
             && versions.is_some()
             && as_left == versions
             && expired.is_empty()
