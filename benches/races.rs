@@ -45,7 +45,7 @@ use common::rng::Rng;
 use common::topology::{ClientLoop, NODE_V4, Topology, backend_v4, wait_until};
 use nodelb::k8s::controller;
 use nodelb::k8s::round::{ControllerConfig, LeaderState};
-use nodelb::k8s::source::KubeSnapshot;
+use nodelb::k8s::snapshot::KubeSnapshot;
 use nodelb::port_policy::PortRange;
 
 struct Args {
@@ -171,7 +171,7 @@ struct Leader {
 
 impl Leader {
     fn new(name: &str) -> Leader {
-        Leader { cfg: leader_config(name), state: LeaderState::new(name) }
+        Leader { cfg: leader_config(name), state: LeaderState::new(controller::process_token(name)) }
     }
 
     /// One round of nodelb's leader code (`controller::leader_round`: the node-port registry,
@@ -180,7 +180,7 @@ impl Leader {
     async fn round(&mut self, client: &kube::Client, view: &[Service]) -> bool {
         let snap =
             KubeSnapshot { services: view.iter().cloned().map(Arc::new).collect(), ..Default::default() };
-        self.state.observe(&snap);
+        self.state.observe(&snap, std::time::Instant::now());
         controller::leader_round(client, &self.cfg, &snap, &mut self.state, None, true, None).await.again
     }
 }

@@ -49,12 +49,13 @@ use nodelb::domain::Family;
 use nodelb::domain::{Scope, ServiceKey};
 use nodelb::ir::Ruleset;
 use nodelb::k8s::claims::{self, Block, HeldNumbers, Holder, Registry, Token};
+use nodelb::k8s::controller::process_token;
 use nodelb::k8s::events::{Deduper, Outbox};
 use nodelb::k8s::publish::{ServiceEvent, ServiceWrite};
 use nodelb::k8s::round::{
     ControllerConfig, LeaderState, RegistryVersions, RoundClock, event_key, events_to_send,
 };
-use nodelb::k8s::source::KubeSnapshot;
+use nodelb::k8s::snapshot::KubeSnapshot;
 use nodelb::model::ModelOptions;
 use nodelb::plan::{self, NodeFacts};
 use nodelb::port_policy::PortRange;
@@ -371,7 +372,7 @@ fn leader(args: &ProgramArgs) {
         (plan, t.elapsed().as_secs_f64() * 1e3, [planned, events])
     };
     let new_leader = || {
-        let mut state = LeaderState::new("node-1");
+        let mut state = LeaderState::new(process_token("node-1"));
         state.token = token.clone();
         Leader { state, deduper: Deduper::default(), outbox: Outbox::default() }
     };

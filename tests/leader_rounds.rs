@@ -30,13 +30,14 @@ use nodelb::compact::EndpointSlice;
 use nodelb::desired::HostPolicy;
 use nodelb::domain::{Scope, ServiceKey};
 use nodelb::k8s::claims::{self, Claim, Holders, Keeper, Registry, Token};
+use nodelb::k8s::controller::process_token;
 use nodelb::k8s::events::{Deduper, Outbox};
 use nodelb::k8s::publish::{ServiceEvent, ServiceWrite};
 use nodelb::k8s::round::{
     ClaimInputs, ControllerConfig, LeaderState, RegistryVersions, RoundClock, RoundMemory, RoundPlan,
     event_key, events_to_send, plan_round,
 };
-use nodelb::k8s::source::KubeSnapshot;
+use nodelb::k8s::snapshot::KubeSnapshot;
 use nodelb::model::{self, ANNOTATION_ALLOCATED, ANNOTATION_PORTS, ModelOptions};
 use nodelb::pool::NodePortPool;
 use nodelb::port_policy::PortRange;
@@ -489,7 +490,7 @@ impl Leader {
         let way = match scoping {
             false => Way::Whole { memory: Box::default(), keeper: Keeper::default() },
             true => {
-                let mut state = LeaderState::new("node-1");
+                let mut state = LeaderState::new(process_token("node-1"));
                 state.token = token.clone();
                 Way::Agent(Box::new(state))
             }

@@ -131,12 +131,20 @@ struct Tasks {
     metrics: Arc<ControllerMetrics>,
 }
 
+/// What names this leader process in the registry's pending claims: its identity, process id
+/// and start time ([`claims::Token::new`]), so a restarted leader never takes another's claims
+/// for its own.
+pub fn process_token(identity: &str) -> claims::Token {
+    let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    claims::Token::new(identity, std::process::id(), started.as_nanos())
+}
+
 /// The leader's work, whenever the caches change (coalesced) and every couple of seconds (node
 /// Leases expire with time, not with an event); no round when it would plan nothing
 /// ([`LeaderState::nothing_to_do`]).
 async fn allocate_loop(client: Client, mut source: KubeSource, cfg: ControllerConfig, tasks: Tasks) {
     let Tasks { leadership, liveness, recorder, metrics } = tasks;
-    let mut state = LeaderState::new(&cfg.identity);
+    let mut state = LeaderState::new(process_token(&cfg.identity));
     let mut deduper: Deduper<ServiceKey> = Deduper::default();
     let mut outbox: Outbox<ServiceKey, publish::ServiceEvent> = Outbox::default();
     let mut was_leader = false;
@@ -168,7 +176,7 @@ async fn allocate_loop(client: Client, mut source: KubeSource, cfg: ControllerCo
             // deleted (their node ports are free) without guessing from one view. (A leader's
             // round records them itself, unless it stepped down before its round.)
             if stepped_down || !changes.services.is_empty() || changes.others.contains("Service") {
-                state.observe(&source.snapshot());
+                state.observe(&source.snapshot(), Instant::now());
             }
             continue;
         }
@@ -330,7 +338,7 @@ pub async fn leader_round(
     }
     state.end_round(registry, written && resolved, versions);
     if let Some(p) = &plan.pools {
-        let pools = super::pools::StatusRound {
+        let pools = super::pool_status::StatusRound {
             snap,
             ctx: &p.ctx,
             invalid: &p.invalid,
@@ -338,7 +346,7 @@ pub async fn leader_round(
             assignment: p.assignment.as_ref(),
             serving: &p.serving,
         };
-        match super::pools::write_statuses(client, &pools).await {
+        match super::pool_status::write_statuses(client, &pools).await {
             Ok(s) => stale |= s,
             Err(e) => {
                 state.next_round_whole();

@@ -2,13 +2,15 @@
 //! (and nodelb's Leases); the controller's leader allocates node ports and publishes status, and
 //! each node agent keeps a per-node Lease saying what its node serves.
 //!
-//! Pure decisions live in [`dupes`], [`nodes`], [`publish`], [`leader`], [`events`]; the edges
-//! that talk to the API server are [`source`] (reflectors), [`controller`] (the leader's loop:
-//! reads the registry, runs [`round`], the leader's pure round, and writes what it planned), [`election`] (the controller's leader Lease), [`node_lease`] (a
-//! node's own Lease, with the report `nodelb status --cluster` reads ([`cluster_view`]), and
-//! Node Events), [`api`] (what those writers share), [`review`]
-//! (TokenReview + SubjectAccessReview for the authenticated metrics). [`installation`] watches what tells an uninstall from a restart, and [`uninstall`]
-//! decides at SIGTERM whether the node's rules stay. See docs/design.md, "Kubernetes mode" and
+//! Pure decisions live in the core and are re-exported here: [`dupes`], [`nodes`], [`pools`],
+//! [`publish`], [`leader`], [`events`], [`round`] (the leader's round), [`uninstall`] (whether the
+//! node's rules stay at SIGTERM). This module holds only the edges that talk to the API server:
+//! [`source`] (reflectors, filling a [`snapshot`]), [`controller`] (the leader's loop: reads the
+//! registry, runs the round, writes what it planned), [`pool_status`] (the pools' status
+//! writes), [`election`] (the controller's leader Lease), [`node_lease`] (a node's own Lease,
+//! with the report `nodelb status --cluster` reads ([`cluster_view`]), and Node Events),
+//! [`api`] (what those writers share), [`review`] (TokenReview + SubjectAccessReview for the
+//! authenticated metrics), [`installation`] (what tells an uninstall from a restart). See docs/design.md, "Kubernetes mode" and
 //! "Install, upgrade, uninstall".
 
 pub mod api;
@@ -17,12 +19,12 @@ pub mod election;
 pub mod installation;
 pub mod metrics;
 pub mod node_lease;
-pub mod pools;
+pub mod pool_status;
 pub mod review;
-pub mod round;
 pub mod source;
 
 /// The pure decisions of Kubernetes mode (`crates/core/src/k8s`).
 pub use nodelb_core::k8s::{
-    claims, cluster_view, dupes, events, lastgood, leader, nodes, publish, scope, uninstall,
+    claims, cluster_view, dupes, events, lastgood, leader, nodes, pools, publish, round, scope, snapshot,
+    uninstall,
 };

@@ -5,7 +5,6 @@
 //! view once each has finished its first list.
 
 use super::metrics::KubeMetrics;
-use std::collections::BTreeSet;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -46,41 +45,10 @@ use crate::slim::Slim;
 pub const DEBOUNCE_QUIET: Duration = Duration::from_millis(2);
 pub const DEBOUNCE_MAX: Duration = Duration::from_millis(250);
 
-/// Everything the caches hold right now: the very objects of the reflector stores, shared (a
-/// snapshot copies pointers, not objects).
-#[derive(Debug, Clone, Default)]
-pub struct KubeSnapshot {
-    pub services: Vec<Arc<Service>>,
-    pub slices: Vec<Arc<EndpointSlice>>,
-    pub nodes: Vec<Arc<Node>>,
-    pub leases: Vec<Arc<Lease>>,
-    pub pools: Vec<Arc<NodePortPool>>,
-    pub namespaces: Vec<Arc<Namespace>>,
-    /// The node-port registry's Leases ([`crate::k8s::claims::LABEL`]): which Service each number
-    /// belongs to, as the nodes program it (the leader reads the registry itself, with its
-    /// resourceVersions, at every round).
-    pub registry: Vec<Arc<Lease>>,
-    /// The cluster's Service CIDRs (no endpoint may lie inside them).
-    pub service_cidrs: Vec<Arc<ServiceCIDR>>,
-    /// The API server's EndpointSlice (`default/kubernetes`), when there is one.
-    pub api_server: Vec<Arc<EndpointSlice>>,
-}
+pub use nodelb_core::k8s::snapshot::{Journal, KubeSnapshot};
 
-impl KubeSnapshot {
-    /// Everything the endpoint policy refuses as the cluster's own
-    /// ([`super::nodes::cluster_addresses`]).
-    pub fn cluster_addresses(&self) -> crate::endpoint_policy::HostAddresses {
-        let more = super::nodes::ClusterObjects {
-            leases: &self.leases,
-            api_server: &self.api_server,
-            service_cidrs: &self.service_cidrs,
-        };
-        super::nodes::cluster_addresses(&self.nodes, more)
-    }
-}
-
-impl KubeSnapshot {
-    /// What a node programs from, in two parts ([`Fingerprint`]). `programmed` changes whenever
+impl NodeViews {
+    /// What a node programs from `snap`, in two parts ([`Fingerprint`]). `programmed` changes whenever
     /// a Service that carries the leader's decision (an allocation annotation or an `Allocated`
     /// condition saying why not), or an EndpointSlice of one, is added, removed or modified
     /// (uid + resourceVersion; a Service only in what a node reads of it,
@@ -91,7 +59,7 @@ impl KubeSnapshot {
     /// those or of no Service (the model reads a slice only through its Service: the slices of
     /// a deleted Service outlive it a moment), are in neither: a node computes nothing from
     /// them. A relist that brings nothing new keeps both, so nothing is recomputed.
-    pub fn fingerprint(&self, views: &mut NodeViews, opts: &crate::model::ModelOptions) -> Fingerprint {
+    pub fn fingerprint(&mut self, snap: &KubeSnapshot, opts: &crate::model::ModelOptions) -> Fingerprint {
         #[derive(Default, Hash)]
         struct Part {
             services: (usize, u64),
@@ -106,7 +74,7 @@ impl KubeSnapshot {
         // hashed is hashed once per object version ([`NodeViews`]): a Service's standing is
         // found for each slice by its key's hash.
         let (mut programmed, mut pending) = (Part::default(), Part::default());
-        let (services, slices, new_slices) = views.pass(self, opts);
+        let (services, slices, new_slices) = self.pass(snap, opts);
         let mut standing: foldhash::HashMap<u64, Standing> =
             foldhash::HashMap::with_capacity_and_hasher(services.len(), Default::default());
         for view in services {
@@ -130,14 +98,14 @@ impl KubeSnapshot {
         // slice comes before the leader's allocation: it waits for it).
         for view in new_slices {
             if let (Some(t), Some(service)) = (view.trigger, view.service) {
-                views.note_trigger(view.hash, service, t);
+                self.note_trigger(view.hash, service, t);
             }
         }
-        let waiting = std::mem::take(&mut views.waiting);
+        let waiting = std::mem::take(&mut self.waiting);
         for (service, t) in waiting {
             match standing.get(&service) {
-                Some(Standing::Decided) => views.triggers.push(t),
-                Some(Standing::Undecided) => views.waiting.push((service, t)),
+                Some(Standing::Decided) => self.triggers.push(t),
+                Some(Standing::Undecided) => self.waiting.push((service, t)),
                 Some(Standing::NotOurs) | None => {}
             }
         }
@@ -304,42 +272,20 @@ pub struct KubeSource {
     journal: Arc<Mutex<Option<Journal>>>,
 }
 
-/// What changed in the caches since [`KubeSource::take_changes`] was last called: each Service
-/// written (its key and resourceVersion), and which caches changed otherwise (another kind, a
-/// deletion, a relist, or more Service writes than it keeps).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Journal {
-    pub services: Vec<(crate::domain::ServiceKey, Option<String>)>,
-    /// The kinds (as [`KINDS`] names them) that changed otherwise.
-    pub others: BTreeSet<&'static str>,
-    /// More Service writes came than it itemizes (`services` holds the first).
-    pub truncated: bool,
-}
-
-impl Journal {
-    /// Service writes it keeps; past that it only says that much changed.
-    const MAX: usize = 1024;
-
-    fn note<K: Resource>(&mut self, index: usize, event: &watcher::Event<K>) {
-        match event {
-            watcher::Event::Apply(o) if index == 0 && self.services.len() < Journal::MAX => {
-                let meta = o.meta();
-                let key = crate::domain::ServiceKey::new(
-                    meta.namespace.as_deref().unwrap_or_default(),
-                    meta.name.as_deref().unwrap_or_default(),
-                );
-                self.services.push((key, meta.resource_version.clone()));
-            }
-            watcher::Event::Apply(_) if index == 0 => {
-                self.truncated = true;
-                self.others.insert(KINDS[index]);
-            }
-            // Only fills the relist buffer; the store changes on InitDone.
-            watcher::Event::Init | watcher::Event::InitApply(_) => {}
-            _ => {
-                self.others.insert(KINDS[index]);
-            }
+/// Notes one reflector event in `journal` (`index`: the reflector, as [`KINDS`] names them).
+fn note<K: Resource>(journal: &mut Journal, index: usize, event: &watcher::Event<K>) {
+    match event {
+        watcher::Event::Apply(o) if index == 0 => {
+            let meta = o.meta();
+            let key = crate::domain::ServiceKey::new(
+                meta.namespace.as_deref().unwrap_or_default(),
+                meta.name.as_deref().unwrap_or_default(),
+            );
+            journal.service_written(key, meta.resource_version.clone());
         }
+        // Only fills the relist buffer; the store changes on InitDone.
+        watcher::Event::Init | watcher::Event::InitApply(_) => {}
+        _ => journal.changed(KINDS[index]),
     }
 }
 
@@ -638,7 +584,7 @@ where
                         info!(kind, "initial list complete");
                     }
                     if let Some(j) = lock(&journal).as_mut() {
-                        j.note(index, &ev);
+                        note(j, index, &ev);
                     }
                     // InitApply only fills the relist buffer; the store changes on InitDone.
                     if !matches!(ev, watcher::Event::InitApply(_)) {
@@ -746,8 +692,8 @@ mod tests {
         };
         let (views, opts) = (&mut NodeViews::default(), &crate::model::ModelOptions::default());
         let (a, b, sa) = (svc("a", 1, "decided"), svc("b", 2, "decided"), slice("sa", "a"));
-        let base = snap(vec![a.clone(), b.clone()], vec![sa.clone()]).fingerprint(views, opts);
-        let mut fp = |services, slices| snap(services, slices).fingerprint(views, opts);
+        let base = views.fingerprint(&snap(vec![a.clone(), b.clone()], vec![sa.clone()]), opts);
+        let mut fp = |services, slices| views.fingerprint(&snap(services, slices), opts);
 
         // (name, services, slices, programmed part the same, pending part the same)
         type Case = (&'static str, Vec<Arc<Service>>, Vec<Arc<EndpointSlice>>, bool, bool);

@@ -234,7 +234,7 @@ impl Source {
                     opts.servicelb_labels,
                 );
                 let fingerprint = {
-                    let objects = snap.fingerprint(views, opts);
+                    let objects = views.fingerprint(&snap, opts);
                     let mut h = std::collections::hash_map::DefaultHasher::new();
                     (objects.programmed, &pools, *registry_changes).hash(&mut h);
                     Fingerprint { programmed: h.finish(), pending: objects.pending }

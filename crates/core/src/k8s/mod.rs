@@ -3,7 +3,7 @@
 //! leader writes), [`events`] (once per change), [`leader`] (the Lease election rules),
 //! [`lastgood`] (the last valid spec of a Service), [`scope`] (what a leader's round must plan),
 //! [`uninstall`] (uninstall or restart), [`cluster_view`] (what each node reports about itself,
-//! and where each Service is served across the cluster).
+//! and where each Service is served across the cluster); [`snapshot`] is what they are given.
 
 pub mod claims;
 pub mod cluster_view;
@@ -12,6 +12,9 @@ pub mod events;
 pub mod lastgood;
 pub mod leader;
 pub mod nodes;
+pub mod pools;
 pub mod publish;
+pub mod round;
 pub mod scope;
+pub mod snapshot;
 pub mod uninstall;

@@ -29,7 +29,7 @@ fn a_round_is_skipped_only_when_it_would_plan_nothing() {
         refusals: BTreeMap::new(),
     };
     let t0 = Instant::now();
-    let mut state = LeaderState::new("node-a");
+    let mut state = LeaderState::new(claims::Token::new("node-a", 1, 0));
     state.echoes = [(web.clone(), vec!["11".to_string(), "12".to_string()])].into();
     state.lease_view = Some(view(&["a", "b"]));
     state.last_whole_round = Some(t0);

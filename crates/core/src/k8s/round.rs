@@ -3,7 +3,7 @@
 //! the registry's blocks, each Service's annotation and status, pool status) and which Events to
 //! record ([`events_to_send`]). No client, no clock of its own (the round's time comes in a
 //! [`RoundClock`]): `tests/leader_rounds.rs` runs it against random histories, `benches/sync.rs`
-//! times it. [`super::controller`] reads the registry, calls it and writes what it planned.
+//! times it. The agent's controller reads the registry, calls it and writes what it planned.
 
 use std::borrow::Borrow;
 use std::collections::{BTreeMap, HashMap};
@@ -30,7 +30,7 @@ use super::lastgood::LastGoodServices;
 use super::nodes;
 use super::publish::{self, Round, ServiceWrite};
 use super::scope;
-use super::source::{Journal, KubeSnapshot};
+use super::snapshot::{Journal, KubeSnapshot};
 
 #[derive(Debug, Clone)]
 pub struct ControllerConfig {
@@ -208,11 +208,11 @@ impl RegistryVersions {
         RegistryVersions(registry.versions())
     }
 
-    pub(super) fn get(&self, block: &u16) -> Option<&Option<String>> {
+    pub fn get(&self, block: &u16) -> Option<&Option<String>> {
         self.0.get(block)
     }
 
-    pub(super) fn insert(&mut self, block: u16, version: Option<String>) {
+    pub fn insert(&mut self, block: u16, version: Option<String>) {
         self.0.insert(block, version);
     }
 }
@@ -221,7 +221,7 @@ impl RegistryVersions {
 pub struct LeaderState {
     pub memory: RoundMemory,
     /// The resourceVersions the last round's Service writes made ([`write_services`]).
-    pub(super) echoes: HashMap<ServiceKey, Vec<String>>,
+    pub echoes: HashMap<ServiceKey, Vec<String>>,
     /// The last round read the registry, found every claim in it resolved, and all its writes
     /// (registry, Services, pools) and Events succeeded.
     clean: bool,
@@ -239,24 +239,25 @@ pub struct LeaderState {
     /// else (a human, another leader), and a round after that is whole.
     registry_versions: Option<RegistryVersions>,
     /// The registry as the last round read it, parsed ([`read_registry`]).
-    pub(super) registry_read: Option<claims::ReadRegistry>,
+    pub registry_read: Option<claims::ReadRegistry>,
     /// The resourceVersion of this leader's last registry read or write: the next read asks
     /// for data at least that fresh, which the API server's cache serves at once, where a
     /// consistent read waits for the cache to catch up with etcd (most of a round). A write of
     /// someone else's that such a read misses fails its precondition (409); then, and after any
     /// failed read or write, the next read is a consistent one (`None`).
-    pub(super) registry_seen: Option<String>,
+    pub registry_seen: Option<String>,
     /// Names this process in the claims it leaves pending.
     pub token: claims::Token,
     /// Registry problems last logged (each logged once while it lasts).
-    pub(super) logged: std::collections::BTreeSet<String>,
+    pub logged: std::collections::BTreeSet<String>,
     /// The nodes the last round waited for ([`RoundPlan::listeners_unreported`]; logged once).
     unreported: Vec<String>,
 }
 
 impl LeaderState {
-    pub fn new(identity: &str) -> LeaderState {
-        let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    /// `token`: what names this leader process in the registry's pending claims
+    /// ([`claims::Token::new`]).
+    pub fn new(token: claims::Token) -> LeaderState {
         LeaderState {
             memory: RoundMemory::default(),
             echoes: HashMap::new(),
@@ -268,7 +269,7 @@ impl LeaderState {
             registry_versions: None,
             registry_read: None,
             registry_seen: None,
-            token: claims::Token::new(identity, std::process::id(), started.as_nanos()),
+            token,
             logged: Default::default(),
             unreported: Vec::new(),
         }
@@ -346,9 +347,9 @@ impl LeaderState {
 
     /// Records the Services of a view (see [`claims::Keeper::observe_view`]), as a follower:
     /// nothing is kept of them but their owners.
-    pub fn observe(&mut self, snap: &KubeSnapshot) {
+    pub fn observe(&mut self, snap: &KubeSnapshot, now: Instant) {
         let holders: Vec<claims::Holder> = snap.services.iter().map(|s| claims::Holder::of(s)).collect();
-        self.claims.observe_view(&holders, Instant::now());
+        self.claims.observe_view(&holders, now);
     }
 
     /// [`LeaderState::observe`] for a round, from what changed since the last one: each holder
@@ -502,7 +503,7 @@ pub struct RoundPlan {
     pub scope: Option<foldhash::HashSet<ServiceKey>>,
 }
 
-/// The round's decisions the pools' status is computed from ([`super::pools::StatusRound`]).
+/// The round's decisions the pools' status is computed from (the agent writes their status from it).
 #[derive(Debug, Clone)]
 pub struct PoolRound {
     pub ctx: crate::pool::PoolContext,
@@ -676,7 +677,8 @@ pub fn plan_round(
     let pool_nodes = assignment.as_ref().map(|a| super::pools::selected_nodes(&pool_ctx, a, &snap.nodes));
     let pool_nodes = super::pools::narrow_by_servicelb(&pool_ctx, &services, &snap.nodes, pool_nodes);
     let pool_addresses = assignment.as_ref().map(|a| {
-        let published = super::pools::published_selections(&snap.leases);
+        // A malformed value counts as not published (the pools' status writes log it).
+        let (published, _) = nodes::published_pool_addresses(&snap.leases);
         super::pools::published_addresses(&pool_ctx, a, &snap.nodes, &published, &cfg.node_addresses)
     });
     let constraints = alloc::Constraints {
