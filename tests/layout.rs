@@ -9,7 +9,9 @@
 //!   the core, `observe` no later stage, `apply` and `serve` not the loop that drives them.
 //! - The node agent's code and the controller's (election, round, writes) name none of each
 //!   other's modules.
-//! - No module of either crate imports, directly or around, one that imports it back.
+//! - No module of either crate imports, directly or around, one that imports it back; every
+//!   module of both is listed in an order ([`CORE_ORDER`], [`AGENT_ORDER`]) and imports only
+//!   modules listed before it, so a new module is placed deliberately and no edge points back up.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -241,6 +243,24 @@ fn module_paths(file: &Path, module: &str) -> BTreeSet<String> {
     out
 }
 
+/// The modules of `mods` that `file` (module `name`) imports: for each path it names, the longest
+/// prefix that is a module, not this one nor one it is inside.
+fn imported_modules(
+    mods: &std::collections::BTreeMap<String, PathBuf>,
+    file: &Path,
+    name: &str,
+) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for path in module_paths(file, name) {
+        let parts: Vec<&str> = path.split("::").collect();
+        let target = (1..=parts.len()).rev().map(|k| parts[..k].join("::")).find(|m| mods.contains_key(m));
+        if let Some(t) = target.filter(|t| t != name && !name.starts_with(&format!("{t}::"))) {
+            out.insert(t);
+        }
+    }
+    out
+}
+
 /// The cycles among the modules of the crate rooted at `src`: each strongly connected set of more
 /// than one module (Tarjan), named.
 fn import_cycles(src: &Path) -> Vec<Vec<String>> {
@@ -250,14 +270,8 @@ fn import_cycles(src: &Path) -> Vec<Vec<String>> {
         names.iter().enumerate().map(|(i, n)| (*n, i)).collect();
     let mut edges: Vec<BTreeSet<usize>> = vec![BTreeSet::new(); names.len()];
     for (i, name) in names.iter().enumerate() {
-        for path in module_paths(&mods[*name], name) {
-            let parts: Vec<&str> = path.split("::").collect();
-            // The longest prefix that is a module, not this one nor one it is inside.
-            let target =
-                (1..=parts.len()).rev().map(|k| parts[..k].join("::")).find(|m| mods.contains_key(m));
-            if let Some(t) = target.filter(|t| t != *name && !name.starts_with(&format!("{t}::"))) {
-                edges[i].insert(index[&t]);
-            }
+        for t in imported_modules(&mods, &mods[*name], name) {
+            edges[i].insert(index[&t]);
         }
     }
     struct Tarjan<'a> {
@@ -317,6 +331,133 @@ fn import_cycles(src: &Path) -> Vec<Vec<String>> {
         }
     }
     t.out.into_iter().map(|c| c.into_iter().map(|i| names[i].clone()).collect()).collect()
+}
+
+/// Every module of the core, in the order a reader meets them: each imports only modules listed
+/// before it. Foundations (names, objects as the API gives them, plain reports), the ruleset's
+/// IR and what reads it, the model of a Service and its ports, what chooses pools, numbers and
+/// endpoints, the Kubernetes inputs and the leader's bookkeeping, then the two decisions: the
+/// node's (`desired`) and the leader's (`k8s::round`).
+const CORE_ORDER: &[&str] = &[
+    "domain",
+    "compact",
+    "per_object",
+    "report",
+    "servicelb",
+    "k8s::leader",
+    "k8s::uninstall",
+    "k8s::events",
+    "ir",
+    "counters",
+    "kernel_support",
+    "hostfw",
+    "trace",
+    "simulate",
+    "model",
+    "port_policy",
+    "plan",
+    "hairpin",
+    "replan",
+    "alloc",
+    "pool",
+    "slim",
+    "manifests",
+    "endpoint_policy",
+    "model_cache",
+    "view",
+    "k8s::nodes",
+    "k8s::snapshot",
+    "k8s::pools",
+    "k8s::claims",
+    "k8s::lastgood",
+    "k8s::dupes",
+    "k8s::scope",
+    "k8s::cluster_view",
+    "k8s::publish",
+    "desired",
+    "k8s::round",
+];
+
+/// Every module of the agent, in the same sense: what reads the host and the files, the
+/// netlink encoding, the listeners' plumbing, the API server's edges and the telemetry they
+/// feed, what programs the kernel, and the loop and commands that drive them all.
+const AGENT_ORDER: &[&str] = &[
+    "locks",
+    "memory",
+    "cli",
+    "observe::bounded",
+    "observe::bridge",
+    "observe::debounce",
+    "observe::fingerprint",
+    "observe::hostaddrs",
+    "observe::listeners",
+    "observe::sysctl",
+    "observe::dir_watch",
+    "observe::manifest_dir",
+    "observe::state",
+    "encode::xt",
+    "encode::nft::consts",
+    "encode::nft::nla",
+    "encode::nft::encode",
+    "encode::nft::decode",
+    "encode::nft::foreign",
+    "encode::nft::verify",
+    "encode::nft::client",
+    "serve::access",
+    "serve::conn",
+    "serve::tls",
+    "k8s::metrics",
+    "k8s::api",
+    "k8s::installation",
+    "k8s::source",
+    "observe::source",
+    "serve::metrics",
+    "serve::status",
+    "k8s::review",
+    "k8s::election",
+    "k8s::pool_status",
+    "k8s::controller",
+    "k8s::node_lease",
+    "serve::http",
+    "apply::conntrack",
+    "apply::xtables",
+    "apply::xtables::blob",
+    "apply::kernel",
+    "apply::kernel_fake",
+    "apply::dataplane",
+    "apply::firewall",
+    "agent::schedule",
+    "agent",
+    "commands",
+];
+
+/// Each module of `order` imports only modules listed before it, and every module of the crate
+/// is listed (a folder's `mod.rs` only declares and re-exports: not ordered).
+#[test]
+fn every_module_imports_only_modules_listed_before_it() {
+    for (krate, order) in [("crates/core/src", CORE_ORDER), ("src", AGENT_ORDER)] {
+        let mods = modules(&Path::new(ROOT).join(krate));
+        let rank: std::collections::BTreeMap<&str, usize> =
+            order.iter().enumerate().map(|(i, m)| (*m, i)).collect();
+        let folders: BTreeSet<String> = (mods.keys())
+            .filter(|m| mods.keys().any(|n| n.starts_with(&format!("{m}::"))) || m.is_empty())
+            .cloned()
+            .collect();
+        let unlisted: Vec<&String> =
+            mods.keys().filter(|m| !folders.contains(*m) && !rank.contains_key(m.as_str())).collect();
+        assert!(unlisted.is_empty(), "{krate}: modules missing from the order: {unlisted:?}");
+        let gone: Vec<&&str> = order.iter().filter(|m| !mods.contains_key(**m)).collect();
+        assert!(gone.is_empty(), "{krate}: listed modules that do not exist: {gone:?}");
+        let mut bad = vec![];
+        for (name, file) in mods.iter().filter(|(m, _)| rank.contains_key(m.as_str())) {
+            for target in imported_modules(&mods, file, name) {
+                if rank.get(target.as_str()).is_some_and(|t| *t > rank[name.as_str()]) {
+                    bad.push(format!("{name} imports {target}, listed after it"));
+                }
+            }
+        }
+        assert!(bad.is_empty(), "{krate}: {bad:#?}");
+    }
 }
 
 #[test]
