@@ -33,11 +33,11 @@ use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
 use common::netns::NetNs;
 use common::scenarios::{ep, node as node_facts, svc};
 use common::topology::{NODE_V4, Topology, backend_v4, client_v4};
-use nodelb::domain::{Family, PortId, Protocol};
+use nodelb::core::domain::{Family, PortId, Protocol};
+use nodelb::core::ir::{Carried, ChainType, Key, Ruleset};
+use nodelb::core::model::LbService;
+use nodelb::core::plan::{self, ServicePlan};
 use nodelb::encode::nft::NftClient;
-use nodelb::ir::{Carried, ChainType, Key, Ruleset};
-use nodelb::model::LbService;
-use nodelb::plan::{self, ServicePlan};
 
 /// Port of the fast HTTP server in the backend namespace.
 const HTTP_PORT: u16 = 8080;
@@ -991,7 +991,7 @@ struct Footprint {
 // ---------------------------------------------------------------------------------------------
 // One repetition at one N: all variants, side by side, on a fresh topology
 
-fn nodelb_apply(node: &NetNs, changes: Vec<nodelb::ir::Change>) -> Result<Duration, String> {
+fn nodelb_apply(node: &NetNs, changes: Vec<nodelb::core::ir::Change>) -> Result<Duration, String> {
     in_ns(node, move || {
         let mut c = NftClient::new().map_err(|e| e.to_string())?;
         let t = Instant::now();
@@ -1368,7 +1368,7 @@ const LADDER: [&str; 6] = [
 /// and DNATs); each later step puts back one part of `full`, with the sets and named counters
 /// its rules use; the last step is `full` itself.
 fn ladder_ruleset(full: &Ruleset, step: usize) -> Ruleset {
-    use nodelb::ir::{BaseChain, Chain, Expr, Hook, Mapped, Rule};
+    use nodelb::core::ir::{BaseChain, Chain, Expr, Hook, Mapped, Rule};
     if step + 1 >= LADDER.len() {
         return full.clone();
     }

@@ -17,8 +17,8 @@ use std::time::Instant;
 use common::netns::NetNs;
 use common::scenarios::scale_ruleset;
 use nix::sys::resource::{UsageWho, getrusage};
+use nodelb::core::plan;
 use nodelb::encode::nft::NftClient;
-use nodelb::plan;
 
 /// (user, system) CPU time of the calling thread, in ms.
 fn thread_cpu_ms() -> (f64, f64) {

@@ -43,10 +43,10 @@ use common::manifest::{EndpointSpec, PortSpec, ServiceSpec, render_all};
 use common::netns::NetNs;
 use common::rng::Rng;
 use common::topology::{ClientLoop, NODE_V4, Topology, backend_v4, wait_until};
+use nodelb::core::k8s::round::{ControllerConfig, LeaderState};
+use nodelb::core::k8s::snapshot::KubeSnapshot;
+use nodelb::core::port_policy::PortRange;
 use nodelb::k8s::controller;
-use nodelb::k8s::round::{ControllerConfig, LeaderState};
-use nodelb::k8s::snapshot::KubeSnapshot;
-use nodelb::port_policy::PortRange;
 
 struct Args {
     only: Vec<String>,
@@ -156,8 +156,8 @@ fn leader_config(name: &str) -> ControllerConfig {
         node_addresses: Vec::new(),
         port_range: range,
         model: Default::default(),
-        policy: nodelb::desired::HostPolicy {
-            ports: nodelb::port_policy::PortPolicy { ranges: vec![range], allowed: Default::default() },
+        policy: nodelb::core::desired::HostPolicy {
+            ports: nodelb::core::port_policy::PortPolicy { ranges: vec![range], allowed: Default::default() },
             ..Default::default()
         },
     }

@@ -13,26 +13,26 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use k8s_openapi::jiff::Timestamp;
 use tracing::{debug, error, info, warn};
 
-use crate::agent::schedule::Schedule;
+use crate::agent::schedule::{Pace, Schedule, Whole};
 use crate::apply::dataplane::{Dataplane, DataplaneError};
 use crate::apply::firewall::{self, Checker};
 use crate::apply::kernel::{Kernel, LocalNode, Netlink, NodeReads};
-use crate::counters::IndexUpdate;
-use crate::desired::{self, AllocationMode, Desired, HostFacts, HostPolicy, Inputs};
-use crate::domain::{Family, ServiceKey};
+use crate::core::counters::IndexUpdate;
+use crate::core::desired::{self, AllocationMode, Desired, HostFacts, HostPolicy, Inputs};
+use crate::core::domain::{Family, ServiceKey};
+use crate::core::endpoint_policy::HostAddresses;
+use crate::core::hairpin;
+use crate::core::model::ModelOptions;
+use crate::core::plan::{self, NatShards, NodeFacts};
+use crate::core::port_policy::{Listeners, PortRange};
+use crate::core::replan::Planned;
+use crate::core::report::{ServiceState, ServiceStatus};
 use crate::encode::nft::{self, NftClient};
-use crate::endpoint_policy::HostAddresses;
-use crate::hairpin;
-use crate::model::ModelOptions;
 use crate::observe::bridge::BridgeReader;
 use crate::observe::manifest_dir::ManifestError;
 use crate::observe::source::{Fingerprint, Loaded, Snapshot, Source};
 use crate::observe::state::{State, StateFile};
 use crate::observe::sysctl::{Sysctls, forwarding_sysctl};
-use crate::plan::{self, NatShards, NodeFacts};
-use crate::port_policy::{Listeners, PortRange};
-use crate::replan::Planned;
-use crate::report::{ServiceState, ServiceStatus};
 use crate::serve::metrics::Metrics;
 use crate::serve::status::{SharedStatus, SyncStatus};
 
@@ -107,25 +107,6 @@ impl AgentError {
 
 const SYSCTL_PERIOD: Duration = Duration::from_secs(1);
 
-/// How often a resync decides every Service again when syncs decided only what changed since the
-/// last whole decision ([`desired::compute`]; the whole decision is the oracle of the
-/// scoped one): it is linear in the Services, so on every resync it would be the slowest sync
-/// of a busy minute. It runs on a
-/// resync with no change waiting, so that no change waits for it, unless changes kept coming for
-/// [`WHOLE_SYNC_AT_MOST`]. The leader's whole rounds keep the same pace.
-const WHOLE_SYNC_EVERY: Duration = Duration::from_secs(60);
-
-/// The longest a whole decision waits for a resync with no change waiting.
-const WHOLE_SYNC_AT_MOST: Duration = Duration::from_secs(300);
-
-/// How long a node leaves a change it cannot program yet (Kubernetes mode: a Service created,
-/// its EndpointSlice, before the leader writes its node ports; [`Loaded::Deferred`]). No rule
-/// comes of it, and recomputing everything for it would cost every node time linear in the
-/// Services, twice per create (docs/benchmarks.md, "Design decisions, measured"). What
-/// waits is this node's report of such a Service (`nodelb status`, the `nodelb_services` gauge,
-/// the families its Services need): it follows within this time even while no leader decides.
-const UNDECIDED_WAIT: Duration = Duration::from_secs(1);
-
 struct Agent<K, N> {
     cfg: AgentConfig,
     metrics: Arc<Metrics>,
@@ -138,10 +119,8 @@ struct Agent<K, N> {
     allocations: State,
     /// What the last sync modeled and planned, for the next one to compute only what changed.
     kept: desired::Kept,
-    /// When the last sync decided every Service ([`WHOLE_SYNC_EVERY`]).
-    last_whole: Option<Instant>,
-    /// A sync decided only what changed since then.
-    scoped_since_whole: bool,
+    /// When the sync decides every Service, and how long a change may wait.
+    pace: Pace,
     /// The nat shard tables the node has now (`--nat-shards`, or what `auto` chose last).
     nat_shards: u8,
     families: BTreeMap<Family, bool>,
@@ -153,8 +132,6 @@ struct Agent<K, N> {
     /// Source fingerprint and node facts of the last successful sync: the same again (a relist
     /// that brought nothing new) means nothing to recompute.
     last_input: Option<(Fingerprint, NodeFacts, HostFacts)>,
-    /// Since when a change the node cannot program yet has been left waiting ([`Loaded::Deferred`]).
-    deferred_since: Option<Instant>,
     /// This node's addresses as last read (kept when a read fails), and whether that failure
     /// was logged.
     local_addresses: HostAddresses,
@@ -190,7 +167,7 @@ struct Attempt {
 /// What a sync computed for `/status`.
 struct Report {
     services: Vec<Arc<ServiceStatus>>,
-    refused: Vec<crate::k8s::cluster_view::Refused>,
+    refused: Vec<crate::core::k8s::cluster_view::Refused>,
     needed_families: Vec<String>,
     problems: Vec<String>,
 }
@@ -202,7 +179,7 @@ enum Synced {
     /// Same input as the last good sync and our table untouched: not counted as a sync.
     Unchanged,
     /// Only Services waiting for the leader's node ports changed: left until this time, or until
-    /// a change the node programs, whichever is first ([`UNDECIDED_WAIT`]). Not counted as a sync.
+    /// a change the node programs, whichever is first ([`crate::agent::schedule::UNDECIDED_WAIT`]). Not counted as a sync.
     Deferred(Instant),
     /// The batch (possibly empty) is in the kernel.
     Applied,
@@ -319,15 +296,13 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             state,
             allocations,
             kept: desired::Kept::default(),
-            last_whole: None,
-            scoped_since_whole: false,
+            pace: Pace::default(),
             nat_shards,
             families: BTreeMap::new(),
             logged_refusals: BTreeSet::new(),
             logged_problems: BTreeSet::new(),
             logged_hairpin: BTreeSet::new(),
             last_input: None,
-            deferred_since: None,
             local_addresses: HostAddresses::default(),
             local_addresses_failing: false,
             listeners: Listeners::default(),
@@ -411,14 +386,14 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
     /// What this node now serves each address-restricted pool on, for its node Lease (the leader
     /// lists exactly these in the Services' status). Too many to publish: not published, logged
     /// once; the leader then judges from the Node object.
-    fn publish_pool_addresses(&mut self, pools: Option<&crate::pool::PoolContext>, host: &HostFacts) {
+    fn publish_pool_addresses(&mut self, pools: Option<&crate::core::pool::PoolContext>, host: &HostFacts) {
         let selected = pools.map(|c| c.selected_addresses(&host.addresses.own)).unwrap_or_default();
-        let value = crate::k8s::nodes::format_pool_addresses(&selected);
+        let value = crate::core::k8s::nodes::format_pool_addresses(&selected);
         let mut status = crate::locks::write(&self.status);
         if value.is_none() && status.pool_addresses.is_some() {
             warn!(
-                annotation = crate::k8s::nodes::ANNOTATION_POOL_ADDRESSES,
-                limit = crate::k8s::nodes::MAX_POOL_ADDRESSES_LEN,
+                annotation = crate::core::k8s::nodes::ANNOTATION_POOL_ADDRESSES,
+                limit = crate::core::k8s::nodes::MAX_POOL_ADDRESSES_LEN,
                 "the addresses this node serves per pool are too many to publish; the leader lists the Node object's instead"
             );
         }
@@ -455,7 +430,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             Err(_) => {}
         }
         let listening = self.listeners.format_relevant(&self.cfg.policy.ports);
-        let published = crate::k8s::nodes::format_published_addresses(&self.local_addresses);
+        let published = crate::core::k8s::nodes::format_published_addresses(&self.local_addresses);
         {
             let mut status = crate::locks::write(&self.status);
             status.listening_ports = Some(listening);
@@ -537,25 +512,18 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         // The whole decision, when due, is taken on a resync; on one with no change waiting, so
         // that no change waits for it (it computes then though nothing changed), unless changes
         // have kept coming for too long.
-        let since_whole = self.last_whole.map(|t| t.elapsed());
-        let whole_due =
-            verify && self.scoped_since_whole && since_whole.is_none_or(|t| t >= WHOLE_SYNC_EVERY);
-        let overdue = whole_due && since_whole.is_none_or(|t| t >= WHOLE_SYNC_AT_MOST);
+        let whole = self.pace.whole_due(verify, attempt.started);
         let mut observed = self.observe(verify, &node, &host)?;
-        if whole_due && matches!(observed, Loaded::Unchanged) {
+        if whole != Whole::No && matches!(observed, Loaded::Unchanged) {
             observed = self.load(None, false)?;
         }
         if !matches!(observed, Loaded::Deferred) {
-            // Nothing waits any more (computed now, or the change that waited was undone).
-            self.deferred_since = None;
+            self.pace.nothing_deferred();
         }
         let loaded = match observed {
             Loaded::Snapshot(loaded) => loaded,
             Loaded::Unchanged => return Ok(Synced::Unchanged),
-            Loaded::Deferred => {
-                let since = *self.deferred_since.get_or_insert(attempt.started);
-                return Ok(Synced::Deferred(since + UNDECIDED_WAIT));
-            }
+            Loaded::Deferred => return Ok(Synced::Deferred(self.pace.deferred(attempt.started))),
             Loaded::Waiting => {
                 // Never program from a partial view: the old rules stay until the caches are complete.
                 debug!("source not complete yet; waiting");
@@ -589,18 +557,12 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         // (the input is what the last sync read), or it is overdue.
         let nothing_waits =
             loaded.fingerprint.is_some_and(|fp| self.last_input.as_ref().is_some_and(|l| l.0 == fp));
-        if whole_due && (overdue || nothing_waits) {
+        if whole == Whole::Now || (whole == Whole::IfQuiet && nothing_waits) {
             self.kept.next_sync_whole();
         }
         let aged = self.provisional_ages(&loaded);
         let (mut desired, scope) = self.desired(&loaded, &node, &host, aged.as_ref());
-        match scope {
-            desired::Extent::Whole => {
-                self.last_whole = Some(attempt.started);
-                self.scoped_since_whole = false;
-            }
-            desired::Extent::Services(_) => self.scoped_since_whole = true,
-        }
+        self.pace.decided(scope == desired::Extent::Whole, attempt.started);
         phases.mark("desired");
         self.report_refusals(&desired);
         self.persist(&mut desired, aged)?;
@@ -624,7 +586,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             self.last_input = loaded.fingerprint.map(|fp| (fp, node.clone(), host.clone()));
         }
         attempt.report = Some(Report {
-            refused: crate::k8s::cluster_view::refused_on_node(&desired.services),
+            refused: crate::core::k8s::cluster_view::refused_on_node(&desired.services),
             services: std::mem::take(&mut desired.services),
             needed_families: desired.needed_families.iter().map(|f| f.name().to_string()).collect(),
             problems: problems.into_iter().chain(desired.warnings.iter().cloned()).collect(),
@@ -654,7 +616,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
             _ => None,
         };
         // A resync computes everything, and so does a change once one has waited long enough.
-        let may_defer = !verify && self.deferred_since.is_none_or(|t| t.elapsed() < UNDECIDED_WAIT);
+        let may_defer = self.pace.may_defer(verify, Instant::now());
         Ok(match self.load(known, may_defer)? {
             Loaded::Unchanged if !verify || !self.dataplane.generation_changed()? => Loaded::Unchanged,
             // Someone committed a transaction since our batch: the full path checks our table.
@@ -705,7 +667,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         let now = latest.map_or(Timestamp::now(), |l| l.max(Timestamp::now()));
         let mut aged = self.allocations.clone();
         for svc in &loaded.services {
-            aged.since.entry(crate::model::service_key(svc)).or_insert(now);
+            aged.since.entry(crate::core::model::service_key(svc)).or_insert(now);
         }
         (aged.since.len() > since.len()).then_some(aged)
     }
@@ -723,7 +685,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
                 // Never silently (manifests mode has no Events): a number no longer valid for
                 // its Service, e.g. outside its pool's ranges after an edit.
                 for (key, id, old, new) in
-                    crate::alloc::moved(&self.allocations.allocations, &desired.allocations)
+                    crate::core::alloc::moved(&self.allocations.allocations, &desired.allocations)
                 {
                     warn!(service = %key, port = %id, old, new, "node port reallocated: {old} is no longer valid for it (its pool's ranges or its pool changed)");
                 }
@@ -804,7 +766,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
     fn update_service_gauges<R, I>(
         &mut self,
         desired: &Desired<R, I>,
-        pools: Option<&crate::pool::PoolContext>,
+        pools: Option<&crate::core::pool::PoolContext>,
         manifest_problems: usize,
     ) {
         let m = &self.metrics;
@@ -844,7 +806,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
                         Some((ServiceKey::new(s.namespace.clone(), s.name.clone()), s.pool.as_deref()?))
                     })
                     .collect();
-                crate::pool::usage(&p.set, allocations, keys.iter().map(|(k, p)| (k, *p)))
+                crate::core::pool::usage(&p.set, allocations, keys.iter().map(|(k, p)| (k, *p)))
             }
             None => Vec::new(),
         };
@@ -861,7 +823,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         self.pool_series = series;
         m.manifest_problems.set(manifest_problems as i64);
         let mut refused: BTreeMap<&str, i64> =
-            crate::endpoint_policy::REASON_CODES.iter().map(|c| (*c, 0)).collect();
+            crate::core::endpoint_policy::REASON_CODES.iter().map(|c| (*c, 0)).collect();
         for r in &desired.refused_endpoints {
             *refused.entry(r.reason.code()).or_default() += 1;
         }
@@ -875,10 +837,10 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         }
         for p in &desired.alloc_problems {
             match p {
-                crate::alloc::AllocProblem::NotAllowed { .. } => {
+                crate::core::alloc::AllocProblem::NotAllowed { .. } => {
                     *ports.entry("not_allowed").or_default() += 1
                 }
-                crate::alloc::AllocProblem::InUse { .. } => *ports.entry("in_use").or_default() += 1,
+                crate::core::alloc::AllocProblem::InUse { .. } => *ports.entry("in_use").or_default() += 1,
                 _ => {}
             }
         }

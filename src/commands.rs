@@ -13,22 +13,22 @@ use crate::agent::{self, AgentConfig};
 use crate::cli::{
     CommonArgs, ControllerArgs, KubeArgs, ListenArgs, PlanArgs, PolicyArgs, RunArgs, StatusArgs,
 };
-use crate::desired::{self, HostFacts, HostPolicy, Inputs};
-use crate::domain::Family;
+use crate::core::desired::{self, HostFacts, HostPolicy, Inputs};
+use crate::core::domain::Family;
+use crate::core::endpoint_policy::EndpointPolicy;
+use crate::core::k8s::round::ControllerConfig;
+use crate::core::k8s::uninstall::Exit;
+use crate::core::model::ModelOptions;
+use crate::core::plan::NodeFacts;
+use crate::core::report::PortStatus;
 use crate::encode::nft::NftClient;
-use crate::endpoint_policy::EndpointPolicy;
 use crate::k8s::controller;
 use crate::k8s::installation::{Installation, Tracker};
 use crate::k8s::node_lease::NodeLeaseConfig;
-use crate::k8s::round::ControllerConfig;
 use crate::k8s::source::KubeSource;
-use crate::k8s::uninstall::Exit;
-use crate::model::ModelOptions;
 use crate::observe::source::{ManifestPools, Source};
 use crate::observe::state::StateFile;
 use crate::observe::sysctl::Sysctls;
-use crate::plan::NodeFacts;
-use crate::report::PortStatus;
 use crate::serve::metrics::{ControllerMetrics, Exposition, Metrics};
 use crate::serve::status::{SharedStatus, Status};
 
@@ -58,7 +58,7 @@ fn host_policy(policy: &PolicyArgs) -> HostPolicy {
             allow_node_addresses: policy.allow_node_endpoints,
             allowed_cidrs: policy.endpoint_cidrs.iter().map(|n| n.trunc()).collect(),
         },
-        ports: crate::port_policy::PortPolicy {
+        ports: crate::core::port_policy::PortPolicy {
             ranges: vec![policy.port_range],
             allowed: policy.allowed_node_ports.0.clone(),
         },
@@ -313,9 +313,9 @@ async fn plan_pools(
     client: &kube::Client,
     common: &CommonArgs,
     nodes: Vec<k8s_openapi::api::core::v1::Node>,
-) -> anyhow::Result<crate::pool::PoolContext> {
+) -> anyhow::Result<crate::core::pool::PoolContext> {
     let lp = kube::api::ListParams::default();
-    let pools = match kube::Api::<crate::pool::NodePortPool>::all(client.clone()).list(&lp).await {
+    let pools = match kube::Api::<crate::core::pool::NodePortPool>::all(client.clone()).list(&lp).await {
         Ok(l) => l.items,
         Err(kube::Error::Api(e)) if e.code == 404 => vec![],
         Err(e) => return Err(e).context("cannot list NodePortPools"),
@@ -331,7 +331,7 @@ async fn plan_pools(
         namespaces: namespaces.into_iter().map(Arc::new).collect(),
         ..Default::default()
     };
-    let (ctx, invalid) = crate::k8s::pools::context(
+    let (ctx, invalid) = crate::core::k8s::pools::context(
         &snap,
         &mut Default::default(),
         common.policy.port_range,
@@ -352,7 +352,7 @@ async fn plan_pools(
 pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
     check_node_labels(&args.common)?;
     let host_addresses = crate::observe::hostaddrs::read().unwrap_or_default();
-    let pools: Option<crate::pool::PoolContext>;
+    let pools: Option<crate::core::pool::PoolContext>;
     let mut registry = None;
     let (services, slices, notes, mode, previous, cluster_addresses) = match &args.common.manifests {
         Some(dir) => {
@@ -360,7 +360,7 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
             for p in &loaded.problems {
                 eprintln!("problem: {p}");
             }
-            let (ctx, pool_problems) = crate::manifests::pool_context(
+            let (ctx, pool_problems) = crate::core::manifests::pool_context(
                 &loaded,
                 &mut Default::default(),
                 args.common.policy.port_range,
@@ -378,7 +378,7 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
                 refused: loaded
                     .invalid_services
                     .iter()
-                    .map(|i| crate::model::Refusal::Invalid {
+                    .map(|i| crate::core::model::Refusal::Invalid {
                         service: i.key.clone(),
                         reason: i.problem.to_string(),
                     })
@@ -404,7 +404,8 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
             let lp = kube::api::ListParams::default();
             let services =
                 kube::Api::<k8s_openapi::api::core::v1::Service>::all(client.clone()).list(&lp).await;
-            let slices = kube::Api::<crate::compact::EndpointSlice>::all(client.clone()).list(&lp).await;
+            let slices =
+                kube::Api::<crate::core::compact::EndpointSlice>::all(client.clone()).list(&lp).await;
             let nodes = kube::Api::<k8s_openapi::api::core::v1::Node>::all(client.clone()).list(&lp).await;
             let (services, slices, nodes) = (
                 services.context("cannot list Services")?.items.into_iter().map(Arc::new).collect(),
@@ -414,19 +415,20 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
             let namespace = &args.kube.namespace;
             let node_leases =
                 kube::Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(client.clone(), namespace)
-                    .list(&kube::api::ListParams::default().labels(crate::k8s::nodes::LABEL_NODE_LEASE))
+                    .list(&kube::api::ListParams::default().labels(crate::core::k8s::nodes::LABEL_NODE_LEASE))
                     .await
                     .context("cannot list the node Leases")?
                     .items;
-            let (api_ns, api_name) = crate::k8s::nodes::API_SERVER_SERVICE;
-            let api_server = kube::Api::<crate::compact::EndpointSlice>::namespaced(client.clone(), api_ns)
-                .list(
-                    &kube::api::ListParams::default()
-                        .labels(&format!("kubernetes.io/service-name={api_name}")),
-                )
-                .await
-                .context("cannot list the API server's EndpointSlices")?
-                .items;
+            let (api_ns, api_name) = crate::core::k8s::nodes::API_SERVER_SERVICE;
+            let api_server =
+                kube::Api::<crate::core::compact::EndpointSlice>::namespaced(client.clone(), api_ns)
+                    .list(
+                        &kube::api::ListParams::default()
+                            .labels(&format!("kubernetes.io/service-name={api_name}")),
+                    )
+                    .await
+                    .context("cannot list the API server's EndpointSlices")?
+                    .items;
             // An API server without ServiceCIDRs (before Kubernetes 1.33) has none.
             let service_cidrs =
                 kube::Api::<k8s_openapi::api::networking::v1::ServiceCIDR>::all(client.clone())
@@ -438,25 +440,25 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
                         e => Err(e),
                     })
                     .context("cannot list ServiceCIDRs")?;
-            let more = crate::k8s::nodes::ClusterObjects {
+            let more = crate::core::k8s::nodes::ClusterObjects {
                 leases: &node_leases,
                 api_server: &api_server,
                 service_cidrs: &service_cidrs,
             };
-            let mut addresses = crate::k8s::nodes::cluster_addresses(&nodes, more);
+            let mut addresses = crate::core::k8s::nodes::cluster_addresses(&nodes, more);
             let own = args.common.node_name.as_deref();
             if let Some(n) = nodes.iter().find(|n| n.metadata.name.as_deref() == own) {
-                addresses.own.types = crate::k8s::nodes::address_types(n);
+                addresses.own.types = crate::core::k8s::nodes::address_types(n);
             }
             pools = Some(plan_pools(&client, &args.common, nodes).await?);
             let leases = kube::Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(
                 client.clone(),
                 &args.kube.namespace,
             )
-            .list(&kube::api::ListParams::default().labels(crate::k8s::claims::LABEL))
+            .list(&kube::api::ListParams::default().labels(crate::core::k8s::claims::LABEL))
             .await
             .context("cannot list the node-port registry's Leases")?;
-            let (read, problems) = crate::k8s::claims::ReadRegistry::read(&leases.items, None);
+            let (read, problems) = crate::core::k8s::claims::ReadRegistry::read(&leases.items, None);
             for p in problems {
                 eprintln!("node-port registry: {p}");
             }
@@ -472,15 +474,16 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
         connection_mark: args.common.connection_mark,
         forward_mark: forward_mark(&args.common)?,
         nat_shards: match args.common.nat_shards {
-            crate::plan::NatShards::Fixed(k) => k,
-            crate::plan::NatShards::Auto => {
-                crate::plan::auto_nat_shards(crate::agent::lb_service_ports(services.iter().map(|s| &**s)), 1)
-            }
+            crate::core::plan::NatShards::Fixed(k) => k,
+            crate::core::plan::NatShards::Auto => crate::core::plan::auto_nat_shards(
+                crate::agent::lb_service_ports(services.iter().map(|s| &**s)),
+                1,
+            ),
         },
     };
     let host = HostFacts {
         addresses: host_addresses.merged(&cluster_addresses),
-        listeners: crate::port_policy::Listeners::from_sockets(
+        listeners: crate::core::port_policy::Listeners::from_sockets(
             crate::observe::listeners::read().unwrap_or_default(),
         ),
     };
@@ -519,7 +522,7 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
     for s in desired.services.iter().filter(|s| s.pool.is_some()) {
         eprintln!("pool: {}/{} → {}", s.namespace, s.name, s.pool.as_deref().unwrap_or_default());
     }
-    let crate::replan::Planned::Full(ruleset) = desired.ruleset else {
+    let crate::core::replan::Planned::Full(ruleset) = desired.ruleset else {
         bail!("the planner gave a patch where nothing was applied");
     };
     print!("{}", ruleset.render());
@@ -553,16 +556,15 @@ fn remove_rules() -> (Vec<String>, Vec<String>) {
             let names: Vec<String> = tables.iter().map(|t| t.name()).collect();
             removed.push(format!("removed table inet {}", names.join(", ")));
         }
-        Ok(_) => {
-            removed.push(format!("nothing to remove: table inet {} does not exist", crate::ir::TABLE_NAME))
-        }
-        Err(e) => problems.push(format!("table inet {}: {e}", crate::ir::TABLE_NAME)),
+        Ok(_) => removed
+            .push(format!("nothing to remove: table inet {} does not exist", crate::core::ir::TABLE_NAME)),
+        Err(e) => problems.push(format!("table inet {}: {e}", crate::core::ir::TABLE_NAME)),
     }
     (removed, problems)
 }
 
 /// `nodelb status --cluster` (and `kubectl nodelb`): lists Services, Nodes and the node Leases
-/// once and prints [`crate::k8s::cluster_view`]'s view of them.
+/// once and prints [`crate::core::k8s::cluster_view`]'s view of them.
 pub async fn status_cluster(args: StatusArgs) -> anyhow::Result<()> {
     use k8s_openapi::api::coordination::v1::Lease;
     use k8s_openapi::api::core::v1::{Node, Service};
@@ -581,20 +583,20 @@ pub async fn status_cluster(args: StatusArgs) -> anyhow::Result<()> {
     let services = services.list(&list).await.context("cannot list Services")?.items;
     let nodes = Api::<Node>::all(client.clone()).list(&list).await.context("cannot list Nodes")?.items;
     let leases = Api::<Lease>::namespaced(client, &args.nodelb_namespace)
-        .list(&ListParams::default().labels(&format!("{}=true", crate::k8s::nodes::LABEL_NODE_LEASE)))
+        .list(&ListParams::default().labels(&format!("{}=true", crate::core::k8s::nodes::LABEL_NODE_LEASE)))
         .await
         .with_context(|| format!("cannot list the node Leases in namespace {}", args.nodelb_namespace))?
         .items;
-    let filter = crate::k8s::cluster_view::Filter {
+    let filter = crate::core::k8s::cluster_view::Filter {
         namespace: args.namespace.clone(),
         service: args.service.clone(),
         node: args.node.clone(),
     };
     let now = k8s_openapi::jiff::Timestamp::now();
-    let view = crate::k8s::cluster_view::assemble(&services, &nodes, &leases, now, &filter);
+    let view = crate::core::k8s::cluster_view::assemble(&services, &nodes, &leases, now, &filter);
     match args.json {
         true => println!("{}", serde_json::to_string_pretty(&view)?),
-        false => print!("{}", crate::k8s::cluster_view::render(&view, now.as_second().max(0) as u64)),
+        false => print!("{}", crate::core::k8s::cluster_view::render(&view, now.as_second().max(0) as u64)),
     }
     Ok(())
 }
@@ -692,10 +694,10 @@ fn print_host_firewall(fw: &crate::serve::status::HostFirewallStatus) {
     }
     for (fam, c) in &fw.counters {
         let state = match fw.evidence.get(fam) {
-            Some(crate::hostfw::EvidenceState::Dropping { connections, .. }) => {
+            Some(crate::core::hostfw::EvidenceState::Dropping { connections, .. }) => {
                 format!(", DROPPING: {connections} entered without leaving")
             }
-            Some(crate::hostfw::EvidenceState::Passing) => ", passing".to_string(),
+            Some(crate::core::hostfw::EvidenceState::Passing) => ", passing".to_string(),
             None => String::new(),
         };
         println!(

@@ -16,14 +16,9 @@ pub mod memory;
 pub mod observe;
 pub mod serve;
 
-/// The pure core (`crates/core`), under the paths the agent and the tests name it by.
-pub use nodelb_core::{
-    alloc, compact, counters, desired, domain, endpoint_policy, hairpin, hostfw, ir, kernel_support,
-    manifests, model, model_cache, per_object, plan, pool, port_policy, replan, report, servicelb, slim,
-};
-/// Test oracles: the packet tracer and the planner's model of the kernel (feature `testing`).
-#[cfg(any(test, feature = "testing"))]
-pub use nodelb_core::{simulate, trace};
+/// The pure core (`crates/core`), as one namespace: `crate::core::plan`, `nodelb::core::model`
+/// (its test oracles, `simulate` and `trace`, with feature `testing`).
+pub use nodelb_core as core;
 
 /// `nodelb --version` and each node's report: the crate's version and the commit it was built
 /// from (build.rs).

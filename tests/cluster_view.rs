@@ -89,7 +89,7 @@ fn the_cluster_view_says_where_each_service_is_served_and_why_not() {
         let out = c.api.tool_as(&bin, &alice, &all, None);
         assert!(out.status.success(), "nodelb status --cluster: {}", String::from_utf8_lossy(&out.stderr));
         // The JSON form's schema: the view's types, unknown fields refused.
-        let typed: nodelb::k8s::cluster_view::ClusterView =
+        let typed: nodelb::core::k8s::cluster_view::ClusterView =
             serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("not the view's schema: {e}"));
         serde_json::to_value(typed).unwrap()
     };

@@ -2,10 +2,10 @@
 
 use std::path::Path;
 
-use nodelb::alloc::{Allocations, allocate};
-use nodelb::model::{ModelOptions, build};
+use nodelb::core::alloc::{Allocations, allocate};
+use nodelb::core::model::{ModelOptions, build};
+use nodelb::core::port_policy::PortRange;
 use nodelb::observe::manifest_dir::load_dir;
-use nodelb::port_policy::PortRange;
 
 #[test]
 fn examples_are_valid() {

@@ -8,9 +8,9 @@ use std::io::Write;
 
 use common::netns::NetNs;
 use common::scenarios::{plan_of, scenarios};
+use nodelb::core::ir::{Change, Ruleset};
+use nodelb::core::plan;
 use nodelb::encode::nft::{NftClient, verify};
-use nodelb::ir::{Change, Ruleset};
-use nodelb::plan;
 
 fn apply(ns: &NetNs, changes: Vec<Change>) {
     ns.run(move || NftClient::new().and_then(|mut c| c.apply(&changes)))

@@ -19,10 +19,10 @@ use common::topology::{
     ClientError, NODE_V4, NODE_V6, Topology, backend_v4, backend_v6, http_get, wait_until,
 };
 use nodelb::apply::xtables::{Layout, Xtables};
-use nodelb::domain::Family;
+use nodelb::core::domain::Family;
+use nodelb::core::hostfw::{self, Action, HostChain, Source, TableFamily, Test};
 use nodelb::encode::nft::NftClient;
 use nodelb::encode::nft::foreign::AcceptWrite;
-use nodelb::hostfw::{self, Action, HostChain, Source, TableFamily, Test};
 
 fn lockfile() -> String {
     xtables_lockfile().to_string_lossy().into_owned()

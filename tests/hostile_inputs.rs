@@ -13,9 +13,9 @@ use std::time::Instant;
 
 use fuzzing::world::{self, MAX_MESSAGE, World};
 use k8s_openapi::api::core::v1::Service;
-use nodelb::compact::EndpointSlice;
-use nodelb::desired::{AllocationMode, Desired, SourceNotes};
-use nodelb::model::{self, MAX_ANNOTATION_BYTES, MAX_SERVICE_BACKENDS, ModelOptions, Refusal};
+use nodelb::core::compact::EndpointSlice;
+use nodelb::core::desired::{AllocationMode, Desired, SourceNotes};
+use nodelb::core::model::{self, MAX_ANNOTATION_BYTES, MAX_SERVICE_BACKENDS, ModelOptions, Refusal};
 use serde_json::{Value, json};
 
 fn svc(name: &str, ports: Vec<Value>, f: impl FnOnce(&mut Value)) -> Service {
@@ -203,7 +203,7 @@ fn source_ranges_times_ports_are_bounded() {
     assert!(
         d.services
             .iter()
-            .any(|s| &*s.name == "ranges-ok" && s.state != nodelb::report::ServiceState::Refused)
+            .any(|s| &*s.name == "ranges-ok" && s.state != nodelb::core::report::ServiceState::Refused)
     );
     let msg = refusal_of(&d, "ranges-over").to_string();
     assert!(
@@ -243,14 +243,14 @@ fn leader_writes_about_huge_values_fit_the_api() {
         "{}",
         &msg[..300]
     );
-    assert!(nodelb::k8s::events::event_note(&msg).len() <= nodelb::k8s::events::MAX_NOTE_BYTES);
+    assert!(nodelb::core::k8s::events::event_note(&msg).len() <= nodelb::core::k8s::events::MAX_NOTE_BYTES);
 }
 
 /// A manifests directory holding the good world's file and `name` with `content`; what is read.
 fn load_with(
     name: &str,
     content: &[u8],
-) -> (nodelb::manifests::Manifests, std::path::PathBuf, tempfile::TempDir) {
+) -> (nodelb::core::manifests::Manifests, std::path::PathBuf, tempfile::TempDir) {
     let dir = tempfile::tempdir().expect("temp dir");
     let world = World::new();
     let docs: Vec<String> = world
@@ -279,9 +279,9 @@ fn load_with(
 }
 
 fn problem_with<'a>(
-    m: &'a nodelb::manifests::Manifests,
+    m: &'a nodelb::core::manifests::Manifests,
     needle: &str,
-) -> &'a nodelb::manifests::ManifestProblem {
+) -> &'a nodelb::core::manifests::ManifestProblem {
     m.problems.iter().find(|p| p.message.contains(needle)).unwrap_or_else(|| {
         panic!(
             "no problem saying {needle:?}: {:?}",

@@ -26,21 +26,21 @@ use common::rng::Rng;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::jiff::Timestamp;
-use nodelb::compact::EndpointSlice;
-use nodelb::desired::HostPolicy;
-use nodelb::domain::{Scope, ServiceKey};
-use nodelb::k8s::claims::{self, Claim, Holders, Keeper, Registry, Token};
-use nodelb::k8s::controller::process_token;
-use nodelb::k8s::events::{Deduper, Outbox};
-use nodelb::k8s::publish::{ServiceEvent, ServiceWrite};
-use nodelb::k8s::round::{
+use nodelb::core::compact::EndpointSlice;
+use nodelb::core::desired::HostPolicy;
+use nodelb::core::domain::{Scope, ServiceKey};
+use nodelb::core::k8s::claims::{self, Claim, Holders, Keeper, Registry, Token};
+use nodelb::core::k8s::events::{Deduper, Outbox};
+use nodelb::core::k8s::publish::{ServiceEvent, ServiceWrite};
+use nodelb::core::k8s::round::{
     ClaimInputs, ControllerConfig, LeaderState, RegistryVersions, RoundClock, RoundMemory, RoundPlan,
     event_key, events_to_send, plan_round,
 };
-use nodelb::k8s::snapshot::KubeSnapshot;
-use nodelb::model::{self, ANNOTATION_ALLOCATED, ANNOTATION_PORTS, ModelOptions};
-use nodelb::pool::NodePortPool;
-use nodelb::port_policy::PortRange;
+use nodelb::core::k8s::snapshot::KubeSnapshot;
+use nodelb::core::model::{self, ANNOTATION_ALLOCATED, ANNOTATION_PORTS, ModelOptions};
+use nodelb::core::pool::NodePortPool;
+use nodelb::core::port_policy::PortRange;
+use nodelb::k8s::controller::process_token;
 use serde_json::{Value, json};
 
 const NAMES: usize = 14;

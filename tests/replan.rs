@@ -8,14 +8,14 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use nodelb::counters::CounterIndex;
-use nodelb::desired::Desired;
-use nodelb::domain::{Family, PortId, Protocol, ServiceKey};
-use nodelb::ir::Ruleset;
-use nodelb::model::{LbService, TrafficPolicy};
-use nodelb::plan::{self, NodeFacts, ServicePlan};
-use nodelb::replan::{self, PlanInput, Planned, Planner};
-use nodelb::simulate::simulate;
+use nodelb::core::counters::CounterIndex;
+use nodelb::core::desired::Desired;
+use nodelb::core::domain::{Family, PortId, Protocol, ServiceKey};
+use nodelb::core::ir::Ruleset;
+use nodelb::core::model::{LbService, TrafficPolicy};
+use nodelb::core::plan::{self, NodeFacts, ServicePlan};
+use nodelb::core::replan::{self, PlanInput, Planned, Planner};
+use nodelb::core::simulate::simulate;
 
 use common::rng::Rng;
 use common::scenarios::*;
@@ -303,18 +303,18 @@ fn rest<R, I>(d: &Desired<R, I>) -> String {
 /// ruleset (`applied`, `index`: as the kernel holds them) the whole ruleset. Returns the whole
 /// result, how `compute` decided, and whether it patched.
 fn both_ways(
-    inputs: &nodelb::desired::Inputs<
+    inputs: &nodelb::core::desired::Inputs<
         '_,
         Arc<k8s_openapi::api::core::v1::Service>,
-        Arc<nodelb::compact::EndpointSlice>,
+        Arc<nodelb::core::compact::EndpointSlice>,
     >,
-    kept: &mut nodelb::desired::Kept,
+    kept: &mut nodelb::core::desired::Kept,
     applied: &mut Option<Ruleset>,
     index: &mut CounterIndex,
     what: &str,
-) -> (Desired, nodelb::desired::Extent, bool) {
-    let whole = nodelb::desired::compute_whole(inputs, true);
-    let (next, scope) = nodelb::desired::compute(inputs, true, kept, applied.as_ref());
+) -> (Desired, nodelb::core::desired::Extent, bool) {
+    let whole = nodelb::core::desired::compute_whole(inputs, true);
+    let (next, scope) = nodelb::core::desired::compute(inputs, true, kept, applied.as_ref());
     assert_eq!(rest(&next), rest(&whole), "{what} ({scope:?}): everything but the ruleset");
     let patched = match next.ruleset {
         Planned::Full(rs) => {
@@ -350,10 +350,10 @@ fn shuffle<T>(rng: &mut Rng, v: &mut [T]) {
 fn incremental_compute_gives_what_whole_compute_gives() {
     use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
     use k8s_openapi::api::core::v1::Service;
-    use nodelb::compact::EndpointSlice;
-    use nodelb::desired::{AllocationMode, HostFacts, HostPolicy, Inputs, Kept, SourceNotes};
-    use nodelb::model::ModelOptions;
-    use nodelb::port_policy::{PortPolicy, PortRange};
+    use nodelb::core::compact::EndpointSlice;
+    use nodelb::core::desired::{AllocationMode, HostFacts, HostPolicy, Inputs, Kept, SourceNotes};
+    use nodelb::core::model::ModelOptions;
+    use nodelb::core::port_policy::{PortPolicy, PortRange};
 
     let spec = |i: u64, v: u64| -> ServiceSpec {
         // Some ask for one of three node ports: conflicts that the Services' ages decide.
@@ -384,7 +384,7 @@ fn incremental_compute_gives_what_whole_compute_gives() {
     };
     type Objects = (Vec<Arc<Service>>, Vec<Arc<EndpointSlice>>);
     let parse = |s: &ServiceSpec| -> Objects {
-        let m = nodelb::manifests::parse(std::path::Path::new("t.yaml"), "t.yaml", &s.render());
+        let m = nodelb::core::manifests::parse(std::path::Path::new("t.yaml"), "t.yaml", &s.render());
         assert!(m.problems.is_empty(), "{:?}", m.problems);
         (m.services, m.slices)
     };
@@ -535,7 +535,7 @@ fn what_only_the_allocator_reads_plans_nothing_again() {
     aged.allocated_since = Some("2024-01-02T00:00:00Z".parse().unwrap());
     aged.created = Some("2024-01-01T00:00:00Z".parse().unwrap());
     aged.previous_allocation = ports(&web, 20001);
-    aged.port_request = nodelb::model::PortRequest::ServicePorts;
+    aged.port_request = nodelb::core::model::PortRequest::ServicePorts;
     aged.uid = Some("u".into());
     let (planned, _) = planner.plan(vec![input(&aged)], &node, Some(&rs), true);
     assert!(
@@ -558,7 +558,7 @@ fn what_only_the_allocator_reads_plans_nothing_again() {
 /// and most syncs must be scoped, to a few Services.
 #[test]
 fn scoped_syncs_decide_what_whole_syncs_decide() {
-    scoped_syncs(nodelb::desired::AllocationMode::Annotated);
+    scoped_syncs(nodelb::core::desired::AllocationMode::Annotated);
 }
 
 /// Manifests mode, where the node allocates: the same histories, the allocation annotations
@@ -567,17 +567,17 @@ fn scoped_syncs_decide_what_whole_syncs_decide() {
 /// file's ages stamped as the agent stamps them (and changed underneath now and then).
 #[test]
 fn scoped_syncs_decide_what_whole_syncs_decide_when_the_node_allocates() {
-    scoped_syncs(nodelb::desired::AllocationMode::Allocate);
+    scoped_syncs(nodelb::core::desired::AllocationMode::Allocate);
 }
 
-fn scoped_syncs(mode: nodelb::desired::AllocationMode) {
+fn scoped_syncs(mode: nodelb::core::desired::AllocationMode) {
     use k8s_openapi::api::core::v1::Service;
-    use nodelb::compact::EndpointSlice;
-    use nodelb::desired::{AllocationMode, Extent, HostFacts, HostPolicy, Inputs, Kept, SourceNotes};
-    use nodelb::k8s::claims::{self, Owner, Registry};
-    use nodelb::model::{ANNOTATION_ALLOCATED, ANNOTATION_PORTS, CONDITION_ALLOCATED, ModelOptions};
-    use nodelb::pool::{self, PoolContext, PoolSet};
-    use nodelb::port_policy::{PortPolicy, PortRange};
+    use nodelb::core::compact::EndpointSlice;
+    use nodelb::core::desired::{AllocationMode, Extent, HostFacts, HostPolicy, Inputs, Kept, SourceNotes};
+    use nodelb::core::k8s::claims::{self, Owner, Registry};
+    use nodelb::core::model::{ANNOTATION_ALLOCATED, ANNOTATION_PORTS, CONDITION_ALLOCATED, ModelOptions};
+    use nodelb::core::pool::{self, PoolContext, PoolSet};
+    use nodelb::core::port_policy::{PortPolicy, PortRange};
     use serde_json::{Value, json};
 
     const NAMES: u64 = 24;
@@ -741,7 +741,7 @@ fn scoped_syncs(mode: nodelb::desired::AllocationMode) {
                         // The leader claims what it writes, before it writes it (mostly).
                         let owner = Owner::of_uid(svc["metadata"]["uid"].as_str().unwrap());
                         let written = svc["metadata"]["annotations"][ANNOTATION_ALLOCATED].as_str();
-                        for n in nodelb::model::annotated_numbers(written.unwrap_or_default()) {
+                        for n in nodelb::core::model::annotated_numbers(written.unwrap_or_default()) {
                             if rng.chance(0.8) {
                                 claim(&mut registry, n, Some(owner.clone()), next_rv());
                             }
@@ -822,12 +822,14 @@ fn scoped_syncs(mode: nodelb::desired::AllocationMode) {
                         match rng.below(3) {
                             0 => {
                                 let port = number(&mut rng);
-                                let listening = rng.chance(0.5).then_some(nodelb::port_policy::Listener {
-                                    protocol: Protocol::Tcp,
-                                    port,
-                                    addr: "0.0.0.0".parse().unwrap(),
-                                });
-                                host.listeners = nodelb::port_policy::Listeners::from_sockets(listening);
+                                let listening =
+                                    rng.chance(0.5).then_some(nodelb::core::port_policy::Listener {
+                                        protocol: Protocol::Tcp,
+                                        port,
+                                        addr: "0.0.0.0".parse().unwrap(),
+                                    });
+                                host.listeners =
+                                    nodelb::core::port_policy::Listeners::from_sockets(listening);
                             }
                             1 => {
                                 host = HostFacts { listeners: host.listeners.clone(), ..Default::default() };
@@ -887,7 +889,7 @@ fn scoped_syncs(mode: nodelb::desired::AllocationMode) {
             if mode == AllocationMode::Annotated {
                 // A number is programmed only for the Service the registry gives it to.
                 for s in &svc_objects {
-                    let key = nodelb::model::service_key(s);
+                    let key = nodelb::core::model::service_key(s);
                     let owner = Owner::of(&key, s.metadata.uid.as_deref());
                     for n in whole.allocations.get(&key).into_iter().flat_map(|p| p.values()) {
                         assert_eq!(registry.owner(*n), Some(&owner), "{what}: {key} programs {n}");
@@ -935,15 +937,15 @@ fn scoped_syncs(mode: nodelb::desired::AllocationMode) {
 #[test]
 fn a_manifests_change_decides_only_its_service() {
     use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
-    use nodelb::desired::{AllocationMode, Extent, HostFacts, HostPolicy, Inputs, Kept, SourceNotes};
-    use nodelb::model::ModelOptions;
-    use nodelb::port_policy::{PortPolicy, PortRange};
+    use nodelb::core::desired::{AllocationMode, Extent, HostFacts, HostPolicy, Inputs, Kept, SourceNotes};
+    use nodelb::core::model::ModelOptions;
+    use nodelb::core::port_policy::{PortPolicy, PortRange};
 
     let objects = |i: u16, asked: Option<u16>| {
         let s = ServiceSpec::new(&format!("s{i:03}"))
             .port(PortSpec::tcp(80, asked))
             .endpoint(EndpointSpec::local(std::net::Ipv4Addr::new(198, 51, 100, 1 + (i % 200) as u8)));
-        let m = nodelb::manifests::parse(std::path::Path::new("t.yaml"), "t.yaml", &s.render());
+        let m = nodelb::core::manifests::parse(std::path::Path::new("t.yaml"), "t.yaml", &s.render());
         assert!(m.problems.is_empty(), "{:?}", m.problems);
         (m.services, m.slices)
     };
@@ -983,8 +985,11 @@ fn a_manifests_change_decides_only_its_service() {
     // The start decides with the ages it then stamps (the agent's `provisional_ages`): every
     // allocation is new (moved), and with no pool object that is no reason to decide it again.
     let start = k8s_openapi::jiff::Timestamp::from_second(1_700_000_000).unwrap();
-    let mut since: BTreeMap<ServiceKey, _> =
-        all.values().flat_map(|(s, _)| s.iter()).map(|s| (nodelb::model::service_key(s), start)).collect();
+    let mut since: BTreeMap<ServiceKey, _> = all
+        .values()
+        .flat_map(|(s, _)| s.iter())
+        .map(|s| (nodelb::core::model::service_key(s), start))
+        .collect();
     assert_eq!(sync(&all, &mut previous, &mut since, "first"), Extent::Whole);
     assert_eq!(sync(&all, &mut previous, &mut since, "after the start"), Extent::Services(0));
     all.insert(200, objects(200, None));

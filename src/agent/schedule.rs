@@ -3,7 +3,8 @@
 //! due at once; a resync period makes one due that also verifies the kernel; a failed sync is
 //! retried after a backoff that doubles from [`MIN_BACKOFF`] to [`MAX_BACKOFF`] and resets after
 //! a success; a sync that left a change for later ([`Schedule::wake`]) makes one due at that time.
-//! Pure: time is passed in.
+//! What a due sync decides by time is [`Pace`]'s: when every Service is decided again, and how
+//! long a change the node cannot program yet may wait. Pure: time is passed in.
 
 use std::time::Duration;
 
@@ -115,6 +116,86 @@ impl Schedule {
     }
 }
 
+/// How often a resync decides every Service again when syncs decided only what changed since the
+/// last whole decision (`desired::compute`; the whole decision is the oracle of the scoped one):
+/// it is linear in the Services, so on every resync it would be the slowest sync of a busy
+/// minute. It runs on a resync with no change waiting, so that no change waits for it, unless
+/// changes kept coming for [`WHOLE_SYNC_AT_MOST`]. The leader's whole rounds keep the same pace.
+pub const WHOLE_SYNC_EVERY: Duration = Duration::from_secs(60);
+
+/// The longest a whole decision waits for a resync with no change waiting.
+pub const WHOLE_SYNC_AT_MOST: Duration = Duration::from_secs(300);
+
+/// How long a node leaves a change it cannot program yet (Kubernetes mode: a Service created,
+/// its EndpointSlice, before the leader writes its node ports). No rule comes of it, and
+/// recomputing everything for it would cost every node time linear in the Services, twice per
+/// create (docs/benchmarks.md, "Design decisions, measured"). What waits is this node's report
+/// of such a Service (`nodelb status`, the `nodelb_services` gauge, the families its Services
+/// need): it follows within this time even while no leader decides.
+pub const UNDECIDED_WAIT: Duration = Duration::from_secs(1);
+
+/// What the sync decides, by time: when every Service is decided again, and how long a change
+/// that cannot be programmed yet may wait. Pure: time is passed in.
+#[derive(Debug, Default)]
+pub struct Pace {
+    /// When the last sync decided every Service ([`WHOLE_SYNC_EVERY`]).
+    pub(super) last_whole: Option<std::time::Instant>,
+    /// A sync decided only what changed since then.
+    pub(super) scoped_since_whole: bool,
+    /// Since when a change the node cannot program yet has been left waiting.
+    deferred_since: Option<std::time::Instant>,
+}
+
+/// Whether a sync should decide every Service ([`Pace::whole_due`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Whole {
+    No,
+    /// Due: on this resync if no change waits (the input is what the last sync read).
+    IfQuiet,
+    /// Overdue: on this resync, with whatever change comes.
+    Now,
+}
+
+impl Pace {
+    /// Whether the sync at `now` (`verify`: a resync) decides every Service: due on a resync
+    /// once syncs decided only what changed for [`WHOLE_SYNC_EVERY`], overdue after
+    /// [`WHOLE_SYNC_AT_MOST`].
+    pub fn whole_due(&self, verify: bool, now: std::time::Instant) -> Whole {
+        let since = self.last_whole.map(|t| now.saturating_duration_since(t));
+        if !(verify && self.scoped_since_whole && since.is_none_or(|t| t >= WHOLE_SYNC_EVERY)) {
+            return Whole::No;
+        }
+        match since.is_none_or(|t| t >= WHOLE_SYNC_AT_MOST) {
+            true => Whole::Now,
+            false => Whole::IfQuiet,
+        }
+    }
+
+    /// The sync started `at` decided every Service (`whole`), or only what changed.
+    pub fn decided(&mut self, whole: bool, at: std::time::Instant) {
+        if whole {
+            self.last_whole = Some(at);
+        }
+        self.scoped_since_whole = !whole;
+    }
+
+    /// Whether a change the node cannot program yet may be left for later at `now`: not on a
+    /// resync, and not once one has waited [`UNDECIDED_WAIT`].
+    pub fn may_defer(&self, verify: bool, now: std::time::Instant) -> bool {
+        !verify && self.deferred_since.is_none_or(|t| now.saturating_duration_since(t) < UNDECIDED_WAIT)
+    }
+
+    /// The sync started `at` left such a change for later: when it must be computed at last.
+    pub fn deferred(&mut self, at: std::time::Instant) -> std::time::Instant {
+        *self.deferred_since.get_or_insert(at) + UNDECIDED_WAIT
+    }
+
+    /// Nothing waits any more (computed now, or the change that waited was undone).
+    pub fn nothing_deferred(&mut self) {
+        self.deferred_since = None;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -201,5 +282,36 @@ mod tests {
         assert!(!s.take_firewall(true), "once per resync period");
         s.resync();
         assert!(s.take_firewall(true));
+    }
+
+    #[test]
+    fn every_service_is_decided_again_on_a_resync_once_syncs_were_scoped_long_enough() {
+        let start = std::time::Instant::now();
+        let mut p = Pace::default();
+        assert_eq!(p.whole_due(true, start), Whole::No, "nothing scoped yet");
+        p.decided(true, start);
+        p.decided(false, start);
+        let after = |d: Duration| start + d;
+        assert_eq!(p.whole_due(false, after(WHOLE_SYNC_AT_MOST)), Whole::No, "only on a resync");
+        assert_eq!(p.whole_due(true, after(WHOLE_SYNC_EVERY - Duration::from_secs(1))), Whole::No);
+        assert_eq!(p.whole_due(true, after(WHOLE_SYNC_EVERY)), Whole::IfQuiet);
+        assert_eq!(p.whole_due(true, after(WHOLE_SYNC_AT_MOST)), Whole::Now);
+        p.decided(true, after(WHOLE_SYNC_AT_MOST));
+        assert_eq!(p.whole_due(true, after(WHOLE_SYNC_AT_MOST * 3)), Whole::No, "nothing scoped since");
+    }
+
+    #[test]
+    fn a_change_waits_for_the_leader_at_most_undecided_wait_and_never_on_a_resync() {
+        let start = std::time::Instant::now();
+        let mut p = Pace::default();
+        assert!(p.may_defer(false, start));
+        assert!(!p.may_defer(true, start), "a resync computes everything");
+        assert_eq!(p.deferred(start), start + UNDECIDED_WAIT);
+        let later = start + UNDECIDED_WAIT / 2;
+        assert_eq!(p.deferred(later), start + UNDECIDED_WAIT, "counted from the first deferral");
+        assert!(p.may_defer(false, later));
+        assert!(!p.may_defer(false, start + UNDECIDED_WAIT), "waited long enough");
+        p.nothing_deferred();
+        assert!(p.may_defer(false, start + UNDECIDED_WAIT));
     }
 }

@@ -7,11 +7,12 @@ use std::sync::RwLock;
 
 use super::*;
 use crate::apply::kernel_fake::{Batch, Failing, FakeKernel, FakeNode};
-use crate::counters::CounterKind;
-use crate::ir::{Carried, Change, Key, Ruleset, SetKind};
+use crate::core::counters::CounterKind;
+use crate::core::ir::{Carried, Change, Key, Ruleset, SetKind};
+use crate::core::port_policy::{PortPolicy, PortRange};
 use crate::observe::source::ManifestPools;
-use crate::port_policy::{PortPolicy, PortRange};
 use crate::serve::status::Status;
+use schedule::{WHOLE_SYNC_AT_MOST, WHOLE_SYNC_EVERY};
 
 /// A Service `name` (`port`/`protocol` to `target`, `sessionAffinity: ClientIP` if `sticky`) and
 /// its EndpointSlice with these endpoint addresses.
@@ -76,10 +77,10 @@ impl Harness {
             port_range: range,
             resync_period: Duration::from_secs(10),
             enable_forwarding: false,
-            masquerade_mark: crate::plan::DEFAULT_MASQUERADE_MARK,
-            connection_mark: crate::plan::DEFAULT_CONNECTION_MARK,
+            masquerade_mark: crate::core::plan::DEFAULT_MASQUERADE_MARK,
+            connection_mark: crate::core::plan::DEFAULT_CONNECTION_MARK,
             forward_mark: None,
-            nat_shards: crate::plan::NatShards::Fixed(1),
+            nat_shards: crate::core::plan::NatShards::Fixed(1),
             model: ModelOptions::default(),
             sysctls: Sysctls::with_root(dir.path().join("proc-sys")),
             policy: HostPolicy {
@@ -154,7 +155,12 @@ fn full_replaces(k: &FakeKernel) -> usize {
 /// Rules an earlier agent left: a chain nobody programs any more.
 fn leftover() -> Ruleset {
     let mut rs = Ruleset::default();
-    rs.add_chain(crate::ir::Chain { name: "svc4-old".into(), base: None, rules: vec![], comment: None });
+    rs.add_chain(crate::core::ir::Chain {
+        name: "svc4-old".into(),
+        base: None,
+        rules: vec![],
+        comment: None,
+    });
     rs
 }
 
@@ -182,7 +188,10 @@ async fn later_syncs_are_diffs() {
     let k = h.kernel();
     assert_eq!(k.batches.len(), 2);
     let Batch::Diff(diff) = &k.batches[1] else { panic!("a diff, got {:?}", k.batches[1]) };
-    assert!(!diff.is_empty() && !diff.contains(&Change::DeleteTable(crate::ir::Table::Main)), "{diff:?}");
+    assert!(
+        !diff.is_empty() && !diff.contains(&Change::DeleteTable(crate::core::ir::Table::Main)),
+        "{diff:?}"
+    );
     assert_eq!(k.table.as_ref(), Some(&applied));
     assert_eq!(h.syncs("incremental", "success"), 1);
     assert_eq!(h.last_sync().kind, "incremental");
@@ -402,37 +411,44 @@ async fn changes_in_a_row_are_patches_that_the_kernel_follows() {
 async fn the_whole_decision_waits_for_a_resync_with_no_change() {
     let mut h = Harness::new(FakeKernel::default(), &web(&["198.51.100.11"])).await;
     h.sync(false).await.expect("first sync");
-    assert!(h.agent.last_whole.is_some() && !h.agent.scoped_since_whole, "the first sync is whole");
+    assert!(h.agent.pace.last_whole.is_some() && !h.agent.pace.scoped_since_whole, "the first sync is whole");
     let long_ago = |d: Duration| Some(Instant::now() - d - Duration::from_secs(1));
     let steps = [web(&["198.51.100.12"]), web(&["198.51.100.13"]), web(&["198.51.100.14"])];
     // A change, decided alone.
     h.write(&steps[0]);
     h.sync(false).await.expect("change");
-    assert!(h.agent.scoped_since_whole);
+    assert!(h.agent.pace.scoped_since_whole);
     // The whole decision is due; a resync finds another change waiting: that change alone.
-    h.agent.last_whole = long_ago(WHOLE_SYNC_EVERY);
-    let due = h.agent.last_whole;
+    h.agent.pace.last_whole = long_ago(WHOLE_SYNC_EVERY);
+    let due = h.agent.pace.last_whole;
     h.write(&steps[1]);
     h.sync(true).await.expect("resync with a change");
-    assert_eq!(h.agent.last_whole, due, "no whole decision while a change waits");
-    assert!(h.agent.scoped_since_whole);
+    assert_eq!(h.agent.pace.last_whole, due, "no whole decision while a change waits");
+    assert!(h.agent.pace.scoped_since_whole);
     // The next resync finds nothing waiting: the whole decision, though nothing changed.
     h.sync(true).await.expect("quiet resync");
-    assert!(h.agent.last_whole > due && !h.agent.scoped_since_whole, "whole on a quiet resync");
+    assert!(h.agent.pace.last_whole > due && !h.agent.pace.scoped_since_whole, "whole on a quiet resync");
     // Nothing decided since: a quiet resync computes nothing, however old the whole one is.
-    h.agent.last_whole = long_ago(WHOLE_SYNC_EVERY);
-    let due = h.agent.last_whole;
+    h.agent.pace.last_whole = long_ago(WHOLE_SYNC_EVERY);
+    let due = h.agent.pace.last_whole;
     let syncs = h.syncs("incremental", "success");
     h.sync(true).await.expect("quiet resync");
-    assert_eq!((h.agent.last_whole, h.syncs("incremental", "success")), (due, syncs), "nothing to verify");
+    assert_eq!(
+        (h.agent.pace.last_whole, h.syncs("incremental", "success")),
+        (due, syncs),
+        "nothing to verify"
+    );
     // Changes that keep coming: past WHOLE_SYNC_AT_MOST the whole decision is taken with one.
     h.write(&steps[2]);
     h.sync(false).await.expect("change");
-    h.agent.last_whole = long_ago(WHOLE_SYNC_AT_MOST);
-    let due = h.agent.last_whole;
+    h.agent.pace.last_whole = long_ago(WHOLE_SYNC_AT_MOST);
+    let due = h.agent.pace.last_whole;
     h.write(&steps[0]);
     h.sync(true).await.expect("resync with a change, overdue");
-    assert!(h.agent.last_whole > due && !h.agent.scoped_since_whole, "overdue: whole with the change");
+    assert!(
+        h.agent.pace.last_whole > due && !h.agent.pace.scoped_since_whole,
+        "overdue: whole with the change"
+    );
     let applied = h.applied();
     assert_eq!(h.kernel().table.as_ref(), Some(&applied), "the kernel holds what the agent believes");
 }

@@ -21,8 +21,8 @@ use netlink_packet_netfilter::{
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 
-use crate::domain::Protocol;
-use crate::plan::UdpBackend;
+use crate::core::domain::Protocol;
+use crate::core::plan::UdpBackend;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConntrackError {

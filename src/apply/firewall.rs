@@ -9,14 +9,14 @@
 use std::collections::BTreeMap;
 
 use crate::apply::xtables::{Layout, Xtables, XtablesError};
-use crate::domain::{Family, fnv1a};
-use crate::encode::nft::foreign::AcceptWrite;
-use crate::encode::nft::{NftClient, NftError};
-use crate::hostfw::{
+use crate::core::domain::{Family, fnv1a};
+use crate::core::hostfw::{
     self, AcceptChange, Evidence, EvidenceState, FamilyDiagnosis, Finding, ForwardCounts, HostChain, Source,
     TableFamily,
 };
-use crate::plan;
+use crate::core::plan;
+use crate::encode::nft::foreign::AcceptWrite;
+use crate::encode::nft::{NftClient, NftError};
 use crate::serve::metrics::LabelSets;
 use crate::serve::status::{FirewallDrop, HostFirewallStatus};
 

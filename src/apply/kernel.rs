@@ -16,14 +16,14 @@
 use std::collections::BTreeSet;
 
 use crate::apply::conntrack::{ConntrackClient, ConntrackError};
+use crate::core::endpoint_policy::HostAddresses;
+use crate::core::ir::{Carried, Change, KeyType, Name, Ruleset};
+use crate::core::kernel_support::{self, Feature};
+use crate::core::plan::UdpBackend;
+use crate::core::port_policy::Listener;
 use crate::encode::nft::{ApplyStats, CounterValues, KernelTable, NftClient, NftError};
-use crate::endpoint_policy::HostAddresses;
-use crate::ir::{Carried, Change, KeyType, Name, Ruleset};
-use crate::kernel_support::{self, Feature};
 use crate::observe::hostaddrs::HostAddrError;
 use crate::observe::listeners::ListenersError;
-use crate::plan::UdpBackend;
-use crate::port_policy::Listener;
 
 /// What the sync loop needs of the kernel. Every batch is one transaction: on error nothing of
 /// it was applied.
@@ -120,7 +120,7 @@ impl NodeReads for LocalNode {
     }
 }
 
-/// This kernel lacks something nodelb needs ([`crate::kernel_support`]).
+/// This kernel lacks something nodelb needs ([`crate::core::kernel_support`]).
 #[derive(Debug, thiserror::Error)]
 pub enum SupportError {
     #[error("{0}")]

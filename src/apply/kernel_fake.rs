@@ -14,18 +14,18 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::apply::conntrack::ConntrackError;
 use crate::apply::kernel::{Kernel, NodeReads};
+use crate::core::endpoint_policy::HostAddresses;
+use crate::core::ir::{Carried, Change, KeyType, Name, Ruleset, SetKind, Table};
+use crate::core::plan::UdpBackend;
+use crate::core::port_policy::Listener;
+use crate::core::simulate::simulate;
 use crate::encode::nft::encode::{fingerprint, key_type_id};
 use crate::encode::nft::{
     ApplyStats, Counter, CounterValues, KernelChain, KernelCounter, KernelHook, KernelRule, KernelSet,
     KernelTable, NftError,
 };
-use crate::endpoint_policy::HostAddresses;
-use crate::ir::{Carried, Change, KeyType, Name, Ruleset, SetKind, Table};
 use crate::observe::hostaddrs::HostAddrError;
 use crate::observe::listeners::ListenersError;
-use crate::plan::UdpBackend;
-use crate::port_policy::Listener;
-use crate::simulate::simulate;
 
 /// One batch the fake took (or refused).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -66,7 +66,7 @@ pub(super) async fn publish_event(
     let ev = Event {
         type_: if warning { EventType::Warning } else { EventType::Normal },
         reason: reason.to_string(),
-        note: Some(super::events::event_note(note)),
+        note: Some(crate::core::k8s::events::event_note(note)),
         action: "Reconcile".to_string(),
         secondary: None,
     };

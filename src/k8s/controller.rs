@@ -1,8 +1,8 @@
 //! The controller's edge (`nodelb controller`, a Deployment of its own): its replicas elect a
 //! leader ([`super::election`]), and the leader alone allocates node ports and writes Service
 //! status, the node-port registry, NodePortPool status and Service Events, only once the caches
-//! are complete: [`crate::alloc::allocate`] with the annotations as previous allocations, then
-//! [`super::publish::plan_writes`] → merge patches with a `metadata.resourceVersion`
+//! are complete: [`crate::core::alloc::allocate`] with the annotations as previous allocations, then
+//! [`crate::core::k8s::publish::plan_writes`] → merge patches with a `metadata.resourceVersion`
 //! precondition (409 ⇒ retried on the next round), Events deduplicated per change. The node
 //! agents only read what it writes.
 
@@ -21,20 +21,20 @@ use kube::{Api, Client, Resource};
 use serde_json::json;
 use tracing::{debug, info, warn};
 
-use crate::domain::{Scope, ServiceKey};
-use crate::model::{self, ANNOTATION_ALLOCATED};
+use crate::core::domain::{Scope, ServiceKey};
+use crate::core::model::{self, ANNOTATION_ALLOCATED};
 use crate::serve::metrics::ControllerMetrics;
 
 use super::api::{CONTROLLER_NAME, FIELD_MANAGER, is_conflict, post_params, publish_event};
-use super::claims;
 use super::election::{self, ElectionConfig, Leadership};
-use super::events::{Deduper, Outbox};
-use super::publish::{self, ServiceWrite};
-use super::round::{
+use super::source::{KubeSnapshot, KubeSource};
+use crate::core::k8s::claims;
+use crate::core::k8s::events::{Deduper, Outbox};
+use crate::core::k8s::publish::{self, ServiceWrite};
+use crate::core::k8s::round::{
     BegunRound, ControllerConfig, LeaderState, LeaseView, RegistryVersions, RoundClock, RoundPlan, event_key,
     events_to_send,
 };
-use super::source::{KubeSnapshot, KubeSource};
 
 /// The running tasks: leadership, liveness, and a way to stop leading cleanly.
 pub struct Controller {
@@ -235,7 +235,7 @@ fn leases_now(source: &KubeSource, cfg: &ControllerConfig) -> Option<Timestamp> 
 }
 
 /// One round of the leader's work on `snap`: read the node-port registry, decide
-/// ([`super::round::plan_round`]), write the registry (resourceVersion precondition: a 409 means another
+/// ([`crate::core::k8s::round::plan_round`]), write the registry (resourceVersion precondition: a 409 means another
 /// leader wrote it since, and nothing else is written), then the Services, then resolve the
 /// claims left pending. Returns the Events to record, and `true` when the round is to be run
 /// again at once, from a fresh view: a write met a stale resourceVersion, or statuses were left

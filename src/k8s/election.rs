@@ -1,5 +1,5 @@
 //! Leader election among the controller's replicas, on Lease `nodelb-leader`
-//! ([`super::leader`] decides; every write is a replace carrying the resourceVersion read, so a
+//! ([`crate::core::k8s::leader`] decides; every write is a replace carrying the resourceVersion read, so a
 //! 409 means someone else won). Released on shutdown, so a successor takes over at its next poll.
 
 use std::sync::Arc;
@@ -15,7 +15,7 @@ use tracing::{debug, info, warn};
 use crate::serve::metrics::ControllerMetrics;
 
 use super::api::{Failing, is_conflict, post_params};
-use super::leader::{self, Decision, LeaseRecord, Observed};
+use crate::core::k8s::leader::{self, Decision, LeaseRecord, Observed};
 
 /// Who competes, where, for how long.
 #[derive(Debug, Clone)]

@@ -1,6 +1,6 @@
 //! Watches what tells an uninstall from a restart (this agent's Namespace, DaemonSet and Node, each
 //! by name) for the whole life of the agent, and at SIGTERM reads them once more and decides with
-//! [`super::uninstall::decide`]. The watches keep their last view through errors: after
+//! [`crate::core::k8s::uninstall::decide`]. The watches keep their last view through errors: after
 //! `kubectl delete -f daemonset/` deleted the RBAC, an established watch still delivers the
 //! Namespace's deletion, and a failed relist changes nothing.
 //!
@@ -19,7 +19,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource};
 use tracing::{debug, info, warn};
 
-use super::uninstall::{self, DaemonSetFacts, Exit, LastRead, NamespaceFacts, NodeFacts, Seen};
+use crate::core::k8s::uninstall::{self, DaemonSetFacts, Exit, LastRead, NamespaceFacts, NodeFacts, Seen};
 use crate::locks::lock;
 
 /// How long the last read at SIGTERM may take: a few seconds of the pod's grace period (10 s in

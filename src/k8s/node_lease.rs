@@ -1,5 +1,5 @@
 //! A node agent's own Lease `nodelb-node-<node>`, renewed every `lease/3` with what the
-//! controller needs from this node ([`super::nodes`]: the families served, the ports processes
+//! controller needs from this node ([`crate::core::k8s::nodes`]: the families served, the ports processes
 //! listen on, the pools' addresses, the node's addresses), and a Warning Event on its Node when
 //! forwarding is off (or dropped) for a family the Services need, retried every renewal until
 //! the API accepted it. This Lease and these Events are all a node agent writes; the shipped
@@ -17,14 +17,14 @@ use kube::{Api, Client};
 use tracing::{debug, info};
 
 use super::metrics::KubeMetrics;
-use crate::domain::{Family, Scope};
+use crate::core::domain::{Family, Scope};
 use crate::serve::status::SharedStatus;
 
 use super::api::{CONTROLLER_NAME, Failing, is_conflict, post_params, publish_event};
-use super::cluster_view::{self, FamilyReport, LastSync, NodeReport};
-use super::events::Deduper;
-use super::nodes::{self, ANNOTATION_FAMILIES, LABEL_NODE_LEASE};
 use super::source::KubeSource;
+use crate::core::k8s::cluster_view::{self, FamilyReport, LastSync, NodeReport};
+use crate::core::k8s::events::Deduper;
+use crate::core::k8s::nodes::{self, ANNOTATION_FAMILIES, LABEL_NODE_LEASE};
 
 /// Which node, where, renewed how often.
 #[derive(Debug, Clone)]

@@ -1,5 +1,5 @@
 //! The leader's writes of each `NodePortPool`'s status ([`write_statuses`]); the pools' pure
-//! decisions are [`crate::k8s::pools`] and [`crate::pool`].
+//! decisions are [`crate::core::k8s::pools`] and [`crate::core::pool`].
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -11,25 +11,25 @@ use kube::{Api, Client};
 use serde_json::json;
 use tracing::{debug, warn};
 
-use crate::alloc::Allocations;
-use crate::domain::ServiceKey;
-use crate::pool::{Assignment, InvalidPool, NodePortPool, PoolContext, StatusInput};
+use crate::core::alloc::Allocations;
+use crate::core::domain::ServiceKey;
+use crate::core::pool::{Assignment, InvalidPool, NodePortPool, PoolContext, StatusInput};
 
-use super::nodes::{PoolSelections, ServingNode};
 use super::source::KubeSnapshot;
+use crate::core::k8s::nodes::{PoolSelections, ServingNode};
 
 /// Per node, the addresses it published per pool on its Lease
-/// ([`crate::k8s::nodes::published_pool_addresses`]). A malformed value is logged (once per
+/// ([`crate::core::k8s::nodes::published_pool_addresses`]). A malformed value is logged (once per
 /// node and value) and counts as not published.
 pub fn published_selections(leases: &[Arc<Lease>]) -> BTreeMap<String, PoolSelections> {
     static LOGGED: Mutex<BTreeSet<(String, String)>> = Mutex::new(BTreeSet::new());
-    let (out, malformed) = crate::k8s::nodes::published_pool_addresses(leases);
+    let (out, malformed) = crate::core::k8s::nodes::published_pool_addresses(leases);
     let mut logged = LOGGED.lock().unwrap_or_else(|e| e.into_inner());
     for (node, why) in malformed {
         if logged.len() < 1024 && logged.insert((node.clone(), why.clone())) {
             warn!(
                 node,
-                annotation = crate::k8s::nodes::ANNOTATION_POOL_ADDRESSES,
+                annotation = crate::core::k8s::nodes::ANNOTATION_POOL_ADDRESSES,
                 error = %why,
                 "a node Lease's pool addresses are malformed; listing that node's Node-object addresses instead"
             );
@@ -48,7 +48,7 @@ pub struct StatusRound<'a> {
     pub serving: &'a BTreeMap<String, ServingNode>,
 }
 
-/// Writes each pool's status ([`crate::pool::status_of`]) where it differs from what is stored:
+/// Writes each pool's status ([`crate::core::pool::status_of`]) where it differs from what is stored:
 /// a merge patch of the status subresource with a `metadata.resourceVersion` precondition (a 409
 /// is retried on the next round, like Service writes). Leader only. Returns whether a write met
 /// a stale resourceVersion.
@@ -77,7 +77,7 @@ pub async fn write_statuses(client: &Client, round: &StatusRound<'_>) -> Result<
                 .filter(|n| {
                     let name = n.metadata.name.as_deref().unwrap_or_default();
                     r.pool.addresses.is_everything()
-                        || !crate::k8s::nodes::pool_addresses_of(
+                        || !crate::core::k8s::nodes::pool_addresses_of(
                             n,
                             published.get(name),
                             &r.pool.name,
@@ -100,7 +100,7 @@ pub async fn write_statuses(client: &Client, round: &StatusRound<'_>) -> Result<
             current: obj.status.as_ref(),
             now: Timestamp::now(),
         };
-        let wanted = crate::pool::status_of(&input);
+        let wanted = crate::core::pool::status_of(&input);
         if obj.status.as_ref() == Some(&wanted) {
             continue;
         }

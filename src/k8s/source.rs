@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::compact::EndpointSlice;
+use crate::core::compact::EndpointSlice;
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Node, Service};
@@ -22,13 +22,13 @@ use kube::{Api, Client, Resource};
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
-use super::nodes::LABEL_NODE_LEASE;
+use crate::core::k8s::nodes::LABEL_NODE_LEASE;
+use crate::core::model::Standing;
+use crate::core::pool::NodePortPool;
+use crate::core::slim::Slim;
 use crate::locks::lock;
-use crate::model::Standing;
 use crate::observe::debounce::{Burst, Events};
 use crate::observe::fingerprint::Fingerprint;
-use crate::pool::NodePortPool;
-use crate::slim::Slim;
 
 /// Quiet time that ends a burst of changes, and the longest a burst may delay a sync. The watch
 /// delivers one event per object change; the quiet time is paid on every change, twice on a
@@ -38,7 +38,7 @@ use crate::slim::Slim;
 /// cost more on every create than it saved: docs/benchmarks.md, "Design decisions, measured").
 /// What it splits costs little: the leader's round of an EndpointSlice waits for the next
 /// change, at most a second
-/// ([`crate::k8s::round::LeaderState::can_wait`]: a Local-policy Service's status then
+/// ([`crate::core::k8s::round::LeaderState::can_wait`]: a Local-policy Service's status then
 /// follows its first endpoints within that second), a node's sync of a status write finds its
 /// fingerprint unchanged, and the leader writes only Services whose annotation or status must
 /// change, however many rounds a burst is split into.
@@ -52,14 +52,18 @@ impl NodeViews {
     /// a Service that carries the leader's decision (an allocation annotation or an `Allocated`
     /// condition saying why not), or an EndpointSlice of one, is added, removed or modified
     /// (uid + resourceVersion; a Service only in what a node reads of it,
-    /// [`crate::slim::node_view_hash`]: not its ingress or the leader's other conditions).
+    /// [`crate::core::slim::node_view_hash`]: not its ingress or the leader's other conditions).
     /// `pending` follows the Services that are nodelb's but wait for the leader's decision, and
     /// their EndpointSlices: no rule can come of them until it is written. Services nodelb does
-    /// not serve ([`crate::model::is_ours`]) with no decision on them, and EndpointSlices of
+    /// not serve ([`crate::core::model::is_ours`]) with no decision on them, and EndpointSlices of
     /// those or of no Service (the model reads a slice only through its Service: the slices of
     /// a deleted Service outlive it a moment), are in neither: a node computes nothing from
     /// them. A relist that brings nothing new keeps both, so nothing is recomputed.
-    pub fn fingerprint(&mut self, snap: &KubeSnapshot, opts: &crate::model::ModelOptions) -> Fingerprint {
+    pub fn fingerprint(
+        &mut self,
+        snap: &KubeSnapshot,
+        opts: &crate::core::model::ModelOptions,
+    ) -> Fingerprint {
         #[derive(Default, Hash)]
         struct Part {
             services: (usize, u64),
@@ -143,8 +147,8 @@ struct SliceView {
 /// not programmed yet.
 #[derive(Debug)]
 pub struct NodeViews {
-    services: crate::per_object::PerObject<Service, NodeView>,
-    slices: crate::per_object::PerObject<EndpointSlice, SliceView>,
+    services: crate::core::per_object::PerObject<Service, NodeView>,
+    slices: crate::core::per_object::PerObject<EndpointSlice, SliceView>,
     /// Hashes the Services' keys, the same way for both kinds.
     keys: foldhash::fast::RandomState,
     /// The trigger times of the new slice versions of programmed Services, since the last
@@ -200,13 +204,16 @@ impl NodeViews {
     fn pass(
         &mut self,
         snap: &KubeSnapshot,
-        opts: &crate::model::ModelOptions,
+        opts: &crate::core::model::ModelOptions,
     ) -> (Vec<NodeView>, Vec<SliceView>, Vec<SliceView>) {
         use std::hash::BuildHasher;
         let keys = &self.keys;
         let services = self.services.pass(&snap.services, |s| NodeView {
-            hash: crate::slim::node_view_hash(s),
-            key: keys.hash_one(crate::model::borrowed_key(&s.metadata.namespace, s.metadata.name.as_deref())),
+            hash: crate::core::slim::node_view_hash(s),
+            key: keys.hash_one(crate::core::model::borrowed_key(
+                &s.metadata.namespace,
+                s.metadata.name.as_deref(),
+            )),
             standing: Standing::of(s, opts),
         });
         let slices = self.slices.pass_changes(&snap.slices, |s| {
@@ -214,7 +221,7 @@ impl NodeViews {
             (s.metadata.uid.as_deref(), s.metadata.resource_version.as_deref()).hash(&mut h);
             SliceView {
                 hash: h.finish(),
-                service: crate::model::slice_service(s).map(|k| keys.hash_one(k)),
+                service: crate::core::model::slice_service(s).map(|k| keys.hash_one(k)),
                 trigger: s.trigger_time,
             }
         });
@@ -277,7 +284,7 @@ fn note<K: Resource>(journal: &mut Journal, index: usize, event: &watcher::Event
     match event {
         watcher::Event::Apply(o) if index == 0 => {
             let meta = o.meta();
-            let key = crate::domain::ServiceKey::new(
+            let key = crate::core::domain::ServiceKey::new(
                 meta.namespace.as_deref().unwrap_or_default(),
                 meta.name.as_deref().unwrap_or_default(),
             );
@@ -347,7 +354,7 @@ impl KubeSource {
         );
         let registry = spawn_reflector(
             Api::namespaced(client, namespace),
-            watcher::Config::default().labels(crate::k8s::claims::LABEL),
+            watcher::Config::default().labels(crate::core::k8s::claims::LABEL),
             6,
             "RegistryLease",
             &shared,
@@ -395,7 +402,7 @@ impl KubeSource {
     /// failing (or before the first list), `Duration::MAX` when it never failed, else the time
     /// since it recovered. After an API outage nobody could renew, and the first renewals reach
     /// the cache only some time after it recovers: expiry is judged only once this exceeds a lease
-    /// duration (see [`super::nodes::serving_nodes`]).
+    /// duration (see [`crate::core::k8s::nodes::serving_nodes`]).
     pub fn leases_current_for(&self) -> Option<Duration> {
         if !self.synced[LEASES].load(Ordering::Acquire) {
             return None;
@@ -409,7 +416,7 @@ impl KubeSource {
 
     /// The Service cache has completed its first list and its watch works now (what the
     /// leader's node-port registry needs before it frees a number on what the cache no longer
-    /// shows, see [`super::claims::Keeper::expired`]).
+    /// shows, see [`crate::core::k8s::claims::Keeper::expired`]).
     pub fn services_current(&self) -> bool {
         self.synced[0].load(Ordering::Acquire) && !lock(&self.health)[0].failing
     }
@@ -424,34 +431,34 @@ impl KubeSource {
         self.nodes.get(&reflector::ObjectRef::new(name))
     }
 
-    /// The cached Nodes and node Leases (what [`super::round::LeaseView`] reads).
+    /// The cached Nodes and node Leases (what [`crate::core::k8s::round::LeaseView`] reads).
     pub fn nodes_and_leases(&self) -> (Vec<Arc<Node>>, Vec<Arc<Lease>>) {
         (self.nodes.state(), self.leases.state())
     }
 
     /// The cached Service `key` (a hash lookup: no snapshot).
-    pub fn service(&self, key: &crate::domain::ServiceKey) -> Option<Arc<Service>> {
+    pub fn service(&self, key: &crate::core::domain::ServiceKey) -> Option<Arc<Service>> {
         self.services.get(&reflector::ObjectRef::new(&key.name).within(&key.namespace))
     }
 
     /// The API server's EndpointSlice (`default/kubernetes`), when cached.
     fn api_server(&self) -> Vec<Arc<EndpointSlice>> {
-        let (namespace, name) = super::nodes::API_SERVER_SERVICE;
+        let (namespace, name) = crate::core::k8s::nodes::API_SERVER_SERVICE;
         self.slices.get(&reflector::ObjectRef::new(name).within(namespace)).into_iter().collect()
     }
 
     /// Everything the endpoint policy refuses as the cluster's own
-    /// ([`super::nodes::cluster_addresses`]), and the typed addresses of `own`'s Node object
-    /// ([`super::nodes::address_types`]).
-    pub fn node_addresses(&self, own: &str) -> crate::endpoint_policy::HostAddresses {
-        let more = super::nodes::ClusterObjects {
+    /// ([`crate::core::k8s::nodes::cluster_addresses`]), and the typed addresses of `own`'s Node object
+    /// ([`crate::core::k8s::nodes::address_types`]).
+    pub fn node_addresses(&self, own: &str) -> crate::core::endpoint_policy::HostAddresses {
+        let more = crate::core::k8s::nodes::ClusterObjects {
             leases: &self.leases.state(),
             api_server: &self.api_server(),
             service_cidrs: &self.service_cidrs.state(),
         };
-        let mut out = super::nodes::cluster_addresses(&self.nodes.state(), more);
+        let mut out = crate::core::k8s::nodes::cluster_addresses(&self.nodes.state(), more);
         if let Some(node) = self.node(own) {
-            out.own.types = super::nodes::address_types(&node);
+            out.own.types = crate::core::k8s::nodes::address_types(&node);
         }
         out
     }
@@ -653,7 +660,7 @@ mod tests {
     /// EndpointSlices; Services that are not nodelb's, with their EndpointSlices, are in neither.
     #[test]
     fn fingerprint_parts_follow_what_a_node_programs_and_what_waits_for_the_leader() {
-        use crate::model::ANNOTATION_ALLOCATED;
+        use crate::core::model::ANNOTATION_ALLOCATED;
         use serde_json::json;
         // `version`: the generation (a spec change); each object its own resourceVersion.
         let rv = std::sync::atomic::AtomicU64::new(1);
@@ -690,7 +697,7 @@ mod tests {
             slices,
             ..Default::default()
         };
-        let (views, opts) = (&mut NodeViews::default(), &crate::model::ModelOptions::default());
+        let (views, opts) = (&mut NodeViews::default(), &crate::core::model::ModelOptions::default());
         let (a, b, sa) = (svc("a", 1, "decided"), svc("b", 2, "decided"), slice("sa", "a"));
         let base = views.fingerprint(&snap(vec![a.clone(), b.clone()], vec![sa.clone()]), opts);
         let mut fp = |services, slices| views.fingerprint(&snap(services, slices), opts);

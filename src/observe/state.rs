@@ -4,7 +4,7 @@
 //! Format (JSON, so a human can read and fix it):
 //! `{"version":1,"journal":3,"allocations":{"default/web":{"80/TCP":20001}},"since":{"default/web":"2025-01-01T00:00:00Z"}}`.
 //! `since` is when this node first allocated the Service a port: manifests have no
-//! creationTimestamp, so this is what "older" means in manifests mode ([`crate::alloc`]).
+//! creationTimestamp, so this is what "older" means in manifests mode ([`crate::core::alloc`]).
 //! Decisions:
 //! - `since` is an addition, not a new version: files of older nodelb versions (no `since`) load
 //!   as they are, their Services are stamped with the time they are first read (logged once) and
@@ -59,8 +59,8 @@ use std::path::{Path, PathBuf};
 
 use k8s_openapi::jiff::Timestamp;
 
-use crate::alloc::Allocations;
-use crate::domain::{PortId, ServiceKey};
+use crate::core::alloc::Allocations;
+use crate::core::domain::{PortId, ServiceKey};
 
 pub const STATE_VERSION: u32 = 1;
 
@@ -82,7 +82,7 @@ pub enum StateError {
     Parse { path: PathBuf, message: String },
     #[error("state file {path}: unsupported version {version} (this nodelb understands {STATE_VERSION})")]
     Version { path: PathBuf, version: u32 },
-    #[error("state file {path}: bad entry {}: {reason}", crate::domain::quoted(.entry))]
+    #[error("state file {path}: bad entry {}: {reason}", crate::core::domain::quoted(.entry))]
     Entry { path: PathBuf, entry: String, reason: String },
     #[error("state file {path}: cannot write: {source}")]
     Write { path: PathBuf, source: io::Error },
@@ -210,7 +210,7 @@ impl State {
         State { allocations, since }
     }
 
-    /// The allocation time of `key` as [`crate::model::LbService::allocated_since`] carries it.
+    /// The allocation time of `key` as [`crate::core::model::LbService::allocated_since`] carries it.
     pub fn since_of(&self, key: &ServiceKey) -> Option<String> {
         self.since.get(key).map(|t| t.to_string())
     }
@@ -295,7 +295,7 @@ impl StateFile {
         let disk: OnDisk = serde_json::from_str(&text).map_err(|e| {
             let message = e.to_string();
             let message = match message.len() > 1024 {
-                true => format!("{}… ({} bytes)", crate::domain::cut(&message, 1024), message.len()),
+                true => format!("{}… ({} bytes)", crate::core::domain::cut(&message, 1024), message.len()),
                 false => message,
             };
             StateError::Parse { path: self.path.clone(), message }
@@ -311,7 +311,7 @@ impl StateFile {
         for (service, ports) in disk.allocations {
             let key: ServiceKey = match service.parse() {
                 Ok(key) => key,
-                Err(crate::domain::ParseError(reason)) => {
+                Err(crate::core::domain::ParseError(reason)) => {
                     bad(service, reason);
                     continue;
                 }
@@ -329,7 +329,7 @@ impl StateFile {
                     since.insert(key, t);
                 }
                 (Ok(_), Some(_)) => bad(entry, "names a Service without allocations".to_string()),
-                (Err(crate::domain::ParseError(reason)), _) => bad(entry, reason),
+                (Err(crate::core::domain::ParseError(reason)), _) => bad(entry, reason),
                 (Ok(_), None) => bad(entry, format!("{value} is not an RFC 3339 time")),
             }
         }
@@ -401,9 +401,9 @@ impl StateFile {
                 Err(e) if torn && i + 1 == lines.len() => {
                     bad("last line".into(), format!("not written whole (a crash while it was written): {e}"))
                 }
-                Err(e) => bad(crate::domain::cut(line, 200).to_string(), e.to_string()),
+                Err(e) => bad(crate::core::domain::cut(line, 200).to_string(), e.to_string()),
                 Ok(entry) => match entry.service.parse::<ServiceKey>() {
-                    Err(crate::domain::ParseError(reason)) => bad(entry.service.to_string(), reason),
+                    Err(crate::core::domain::ParseError(reason)) => bad(entry.service.to_string(), reason),
                     Ok(key) => match entry.ports {
                         None => pending.push((key, None)),
                         Some(ports) => {
@@ -592,7 +592,7 @@ fn parse_ports(
         let entry = format!("{service}: {port}");
         let id: PortId = match port.parse() {
             Ok(id) => id,
-            Err(crate::domain::ParseError(reason)) => {
+            Err(crate::core::domain::ParseError(reason)) => {
                 bad(entry, reason);
                 continue;
             }

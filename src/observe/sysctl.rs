@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use crate::domain::Family;
+use crate::core::domain::Family;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SysctlError {

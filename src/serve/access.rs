@@ -101,7 +101,7 @@ fn digest(token: &str) -> [u8; 32] {
 /// `text` cut to [`MAX_TEXT`] bytes (at a character boundary).
 fn bounded(text: String) -> String {
     match text.len() > MAX_TEXT {
-        true => crate::domain::cut(&text, MAX_TEXT).to_string() + "…",
+        true => crate::core::domain::cut(&text, MAX_TEXT).to_string() + "…",
         false => text,
     }
 }

@@ -20,8 +20,8 @@ use axum::routing::get;
 
 use std::collections::BTreeMap;
 
-use crate::counters::{CounterKind, Series, SeriesKey, Totals};
-use crate::domain::{PortId, ServiceKey, parse_protocol};
+use crate::core::counters::{CounterKind, Series, SeriesKey, Totals};
+use crate::core::domain::{PortId, ServiceKey, parse_protocol};
 use crate::k8s::controller::Liveness;
 use crate::k8s::election::Leadership;
 use crate::k8s::review::Reviewer;

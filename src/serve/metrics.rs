@@ -1,7 +1,7 @@
 //! Prometheus metrics (`/metrics`). Agent-side gauges and counters are updated by the sync loop;
 //! per-Service traffic counters are read from the kernel's named counter objects at scrape time
 //! (one object dump; no per-packet work in userspace), plus the totals of counters that batches
-//! reset ([`crate::counters`]). The sync loop holds the [`CounterState`] lock from reading the
+//! reset ([`crate::core::counters`]). The sync loop holds the [`CounterState`] lock from reading the
 //! counters before a batch until the base is folded after it, and a scrape holds it while it
 //! reads the kernel, so a scrape sees the kernel and the base of the same side of a batch.
 
@@ -16,7 +16,7 @@ use prometheus::{
     Registry,
 };
 
-use crate::counters::{CounterKind, CounterState, Series, SeriesKey, Totals};
+use crate::core::counters::{CounterKind, CounterState, Series, SeriesKey, Totals};
 use crate::encode::nft::NftClient;
 pub use crate::k8s::metrics::KubeMetrics;
 
@@ -272,7 +272,7 @@ impl Metrics {
             ),
             &["reason"],
         )?;
-        for reason in crate::endpoint_policy::REASON_CODES {
+        for reason in crate::core::endpoint_policy::REASON_CODES {
             endpoints_refused.with_label_values(&[reason]).set(0);
         }
         let node_ports_refused = IntGaugeVec::new(

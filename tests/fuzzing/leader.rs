@@ -8,13 +8,13 @@ use std::time::Duration;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::jiff::Timestamp;
-use nodelb::compact::EndpointSlice;
-use nodelb::desired::HostPolicy;
-use nodelb::k8s::claims::{Holders, Registry, Token};
-use nodelb::k8s::events::{MAX_NOTE_BYTES, event_note};
-use nodelb::k8s::round::{ClaimInputs, ControllerConfig, RoundPlan, plan_round};
+use nodelb::core::compact::EndpointSlice;
+use nodelb::core::desired::HostPolicy;
+use nodelb::core::k8s::claims::{Holders, Registry, Token};
+use nodelb::core::k8s::events::{MAX_NOTE_BYTES, event_note};
+use nodelb::core::k8s::round::{ClaimInputs, ControllerConfig, RoundPlan, plan_round};
+use nodelb::core::model::ModelOptions;
 use nodelb::k8s::source::KubeSnapshot;
-use nodelb::model::ModelOptions;
 use serde_json::{Value, json};
 
 use super::world::{self, GOOD_NS};
@@ -106,7 +106,7 @@ fn assert_acceptable(p: &RoundPlan, what: &str) {
     for w in &p.writes {
         if let Some(Some(value)) = &w.annotation {
             assert!(
-                value.len() <= nodelb::model::MAX_ANNOTATION_BYTES,
+                value.len() <= nodelb::core::model::MAX_ANNOTATION_BYTES,
                 "{what}: annotation of {} bytes",
                 value.len()
             );
@@ -148,7 +148,7 @@ pub fn check(
     let alone = plan(good.0, good.1, &nodes, &leases);
     let with = plan(all.0, all.1, &nodes, &leases);
     assert_acceptable(&with, "leader");
-    let is_good = |k: &nodelb::domain::ServiceKey| &*k.namespace == GOOD_NS;
+    let is_good = |k: &nodelb::core::domain::ServiceKey| &*k.namespace == GOOD_NS;
     let good_writes =
         |p: &RoundPlan| p.writes.iter().filter(|w| is_good(&w.key)).cloned().collect::<Vec<_>>();
     assert_eq!(good_writes(&alone), good_writes(&with), "leader: the good Services' writes changed");

@@ -8,12 +8,12 @@ use std::sync::Arc;
 
 use arbitrary::Unstructured;
 use k8s_openapi::api::core::v1::Service;
-use nodelb::alloc::Allocations;
-use nodelb::compact::EndpointSlice;
-use nodelb::desired::{AllocationMode, SourceNotes};
-use nodelb::k8s::lastgood::LastGoodServices;
-use nodelb::model::{self, ModelOptions, NO_SLICES};
-use nodelb::slim::Slim;
+use nodelb::core::alloc::Allocations;
+use nodelb::core::compact::EndpointSlice;
+use nodelb::core::desired::{AllocationMode, SourceNotes};
+use nodelb::core::k8s::lastgood::LastGoodServices;
+use nodelb::core::model::{self, ModelOptions, NO_SLICES};
+use nodelb::core::slim::Slim;
 use serde_json::Value;
 
 use super::world::{self, World};

@@ -6,14 +6,14 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::jiff::Timestamp;
-use nodelb::alloc::Allocations;
-use nodelb::compact::EndpointSlice;
-use nodelb::desired::{self, AllocationMode, Desired, HostFacts, HostPolicy, Inputs, SourceNotes};
-use nodelb::domain::{Family, PortId, ServiceKey};
-use nodelb::model::ModelOptions;
-use nodelb::plan::NodeFacts;
-use nodelb::port_policy::PortRange;
-use nodelb::report::ServiceState;
+use nodelb::core::alloc::Allocations;
+use nodelb::core::compact::EndpointSlice;
+use nodelb::core::desired::{self, AllocationMode, Desired, HostFacts, HostPolicy, Inputs, SourceNotes};
+use nodelb::core::domain::{Family, PortId, ServiceKey};
+use nodelb::core::model::ModelOptions;
+use nodelb::core::plan::NodeFacts;
+use nodelb::core::port_policy::PortRange;
+use nodelb::core::report::ServiceState;
 use serde_json::{Value, json};
 
 /// Namespace of the good objects; hostile objects are kept out of it (see [`keep_out`]), so any
@@ -125,7 +125,7 @@ pub fn node() -> NodeFacts {
         node_name: "node-1".into(),
         families: BTreeSet::from([Family::Ipv4, Family::Ipv6]),
         masquerade_mark: 0x4000,
-        connection_mark: nodelb::plan::DEFAULT_CONNECTION_MARK,
+        connection_mark: nodelb::core::plan::DEFAULT_CONNECTION_MARK,
         forward_mark: None,
         nat_shards: 1,
     }
@@ -225,12 +225,12 @@ pub fn head(s: &str) -> String {
 /// The planned ruleset is one the kernel accepts as far as nodelb can tell without it: it
 /// encodes (names and comments within nftables' limits) and a diff from the good ruleset replays
 /// to exactly it.
-pub fn assert_ruleset_sound(base: &nodelb::ir::Ruleset, d: &Desired, what: &str) {
+pub fn assert_ruleset_sound(base: &nodelb::core::ir::Ruleset, d: &Desired, what: &str) {
     if let Err(e) = nodelb::encode::nft::encode::encode_refs(d.ruleset.full_replace_refs(), 1) {
         panic!("{what}: the planned ruleset does not encode: {e}");
     }
-    let changes = nodelb::plan::diff(base, &d.ruleset);
-    match nodelb::simulate::simulate(base, &changes) {
+    let changes = nodelb::core::plan::diff(base, &d.ruleset);
+    match nodelb::core::simulate::simulate(base, &changes) {
         Ok(after) => {
             assert!(after == d.ruleset, "{what}: diff from the good ruleset does not replay to the plan")
         }

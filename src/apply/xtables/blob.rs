@@ -15,8 +15,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::{Ipv4Addr, Ipv6Addr};
 
+use crate::core::hostfw::{Action, HostBase, HostChain, HostRule, Source, TableFamily, Test, accept_comment};
 use crate::encode::xt;
-use crate::hostfw::{Action, HostBase, HostChain, HostRule, Source, TableFamily, Test, accept_comment};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("iptables-legacy table blob: {0}")]
@@ -385,7 +385,7 @@ impl Table {
         Ok((first..policy)
             .filter(|&i| {
                 self.matches(&self.entries[i]).iter().any(|(name, rev, info)| {
-                    crate::hostfw::is_ours(xt::decode_match(name, *rev, info).comment.as_deref())
+                    crate::core::hostfw::is_ours(xt::decode_match(name, *rev, info).comment.as_deref())
                 })
             })
             .collect())

@@ -12,8 +12,8 @@ use ipnet::IpNet;
 use super::NftError;
 use super::consts::*;
 use super::nla::{Writer, udata_put};
-use crate::domain::{Family, Protocol, fnv1a};
-use crate::ir::{
+use crate::core::domain::{Family, Protocol, fnv1a};
+use crate::core::ir::{
     self, Change, ChangeRef, Expr, Key, KeyPart, KeyType, Mapped, Rule, SetKind, Table, Verdict,
 };
 

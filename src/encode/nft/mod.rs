@@ -21,11 +21,11 @@ pub use client::NftClient;
 pub use encode::fingerprint;
 pub use verify::verify;
 
-pub use crate::counters::{Counter, CounterValues};
+pub use crate::core::counters::{Counter, CounterValues};
 
 use std::collections::BTreeMap;
 
-use crate::ir::{Key, KeyType, Mapped, SetKind};
+use crate::core::ir::{Key, KeyType, Mapped, SetKind};
 
 /// Every error of the module. Kernel input never panics: malformed replies become `Malformed`.
 #[derive(Debug, thiserror::Error)]

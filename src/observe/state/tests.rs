@@ -1,5 +1,5 @@
 use super::*;
-use crate::domain::Protocol;
+use crate::core::domain::Protocol;
 
 fn mode(path: &Path) -> u32 {
     fs::metadata(path).expect("stat").permissions().mode() & 0o777

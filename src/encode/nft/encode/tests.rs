@@ -4,8 +4,8 @@
 use std::collections::BTreeMap;
 
 use super::*;
+use crate::core::ir::{CtState, Set};
 use crate::encode::nft::nla::messages;
-use crate::ir::{CtState, Set};
 
 fn unhex(s: &str) -> Vec<u8> {
     (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex")).collect()
