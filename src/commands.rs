@@ -123,7 +123,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         bridges: crate::observe::bridge::BridgeReader::default(),
     };
     let status: SharedStatus = Arc::new(RwLock::new(Status::default()));
-    let metrics = Arc::new(Metrics::new(args.per_service_metrics)?);
+    let metrics =
+        Arc::new(Metrics::new(args.per_service_metrics, Arc::new(crate::apply::kernel::read_counters_now))?);
     let stuck_after = (args.resync_period * 3).max(Duration::from_secs(30));
     if !kube_mode && args.listen.metrics_addr.is_some() {
         bail!(

@@ -93,7 +93,9 @@ impl Harness {
         let pools = ManifestPools { node_labels: Default::default(), port_range: range };
         let source = Source::manifests(manifests, pools).expect("watch the manifests");
         let status: SharedStatus = Arc::new(RwLock::new(Status::default()));
-        let metrics = Arc::new(Metrics::new(true).expect("metrics"));
+        // No scrape here reads the per-Service series: their counter read finds nothing.
+        let metrics =
+            Arc::new(Metrics::new(true, Arc::new(|_: &[&crate::core::ir::Name]| None)).expect("metrics"));
         let state = cfg.state_file.clone().map(StateFile::new);
         let mut agent =
             Agent::new(cfg, source, status, metrics, kernel, FakeNode::default(), state, State::default());

@@ -134,6 +134,13 @@ pub enum SupportError {
 /// Where the running kernel's release is.
 const OSRELEASE: &str = "/proc/sys/kernel/osrelease";
 
+/// The kernel's named counters of our table, read now on a socket of their own (`None`: the read
+/// failed). What `/metrics` reads at scrape time ([`crate::serve::metrics::ReadCounters`]), apart
+/// from the sync loop's [`Kernel`], which a scrape must not wait for.
+pub fn read_counters_now(names: &[&Name]) -> Option<CounterValues> {
+    NftClient::new().and_then(|mut c| c.read_counters(names.iter().copied())).ok()
+}
+
 /// Checks at start that the kernel has what nodelb needs: its release (for what a kernel ignores
 /// silently), then the feature probe, validated by the kernel and never committed. An unreadable
 /// release leaves the probe alone to decide.

@@ -324,7 +324,7 @@ mod tests {
 
     async fn get_healthz(last_tick: Option<Instant>, stuck_after: Duration) -> (StatusCode, String) {
         let status = Status { last_tick, ..Default::default() };
-        let metrics = Arc::new(Metrics::new(false).unwrap());
+        let metrics = Arc::new(Metrics::new(false, Arc::new(|_: &[&crate::core::ir::Name]| None)).unwrap());
         let status = Arc::new(RwLock::new(status));
         let probes = Arc::new(NodeProbes { status: status.clone(), stuck_after });
         let app = AppState { status, metrics, probes };
@@ -401,7 +401,12 @@ mod access_tests {
     async fn metrics_need_an_authorized_bearer_token() {
         let fake = Arc::new(Fake(AtomicUsize::new(0)));
         let auth = Arc::new(MetricsAuth::new(fake.clone()));
-        let state = MetricsState { metrics: Arc::new(Metrics::new(false).expect("metrics")), auth };
+        let state = MetricsState {
+            metrics: Arc::new(
+                Metrics::new(false, Arc::new(|_: &[&crate::core::ir::Name]| None)).expect("metrics"),
+            ),
+            auth,
+        };
         let reviews = || fake.0.load(Ordering::SeqCst);
 
         let (code, challenge, body) = scrape(&state, None).await;

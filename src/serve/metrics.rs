@@ -1,7 +1,8 @@
 //! Prometheus metrics (`/metrics`). Agent-side gauges and counters are updated by the sync loop;
 //! per-Service traffic counters are read from the kernel's named counter objects at scrape time
-//! (one object dump; no per-packet work in userspace), plus the totals of counters that batches
-//! reset ([`crate::core::counters`]). The sync loop holds the [`CounterState`] lock from reading the
+//! (one object dump; no per-packet work in userspace) through the [`ReadCounters`] the caller
+//! hands in (the apply layer's netlink read: this module does no I/O of its own), plus the totals
+//! of counters that batches reset ([`crate::core::counters`]). The sync loop holds the [`CounterState`] lock from reading the
 //! counters before a batch until the base is folded after it, and a scrape holds it while it
 //! reads the kernel, so a scrape sees the kernel and the base of the same side of a batch.
 
@@ -16,11 +17,15 @@ use prometheus::{
     Registry,
 };
 
-use crate::core::counters::{CounterKind, CounterState, Series, SeriesKey, Totals};
-use crate::encode::nft::NftClient;
+use crate::core::counters::{CounterKind, CounterState, CounterValues, Series, SeriesKey, Totals};
+use crate::core::ir::Name;
 pub use crate::k8s::metrics::KubeMetrics;
 
 pub type SharedCounters = Arc<Mutex<CounterState>>;
+
+/// Reads the kernel's named counters now (`None`: the read failed): the apply layer's netlink
+/// read, handed in by whoever builds the metrics, so that telemetry does no I/O of its own.
+pub type ReadCounters = Arc<dyn Fn(&[&Name]) -> Option<CounterValues> + Send + Sync>;
 
 /// The `reason` label values of `nodelb_sync_failures_total`.
 pub const SYNC_FAILURE_REASONS: [&str; 4] = ["netlink", "kernel_read", "manifests", "state_file"];
@@ -142,8 +147,9 @@ impl FirewallMetrics {
 pub struct MetricsError(#[from] prometheus::Error);
 
 impl Metrics {
-    /// `per_service`: export per-Service-port series read from the kernel (off on huge clusters).
-    pub fn new(per_service: bool) -> Result<Metrics, MetricsError> {
+    /// `per_service`: export per-Service-port series read from the kernel (off on huge clusters),
+    /// through `read_counters` at scrape time.
+    pub fn new(per_service: bool, read_counters: ReadCounters) -> Result<Metrics, MetricsError> {
         let registry = Registry::new();
         let services = IntGaugeVec::new(
             Opts::new(
@@ -290,7 +296,7 @@ impl Metrics {
         register_build_info(&registry)?;
         let firewall = FirewallMetrics::register(&registry)?;
         let counters: SharedCounters = Arc::default();
-        let totals = Arc::new(TotalsReader::new(counters.clone()));
+        let totals = Arc::new(TotalsReader::new(counters.clone(), read_counters));
         if per_service {
             registry.register(Box::new(KernelCounters::new(totals.clone())?))?;
         }
@@ -324,7 +330,7 @@ impl Metrics {
         })
     }
 
-    /// The text exposition. Blocking: reads the kernel's counters over netlink.
+    /// The text exposition. Blocking: reads the kernel's counters (`ReadCounters`).
     pub fn render(&self) -> String {
         let families = self.registry.gather();
         prometheus::TextEncoder::new()
@@ -335,7 +341,7 @@ impl Metrics {
 
 /// What renders as a Prometheus text exposition: the node agent's metrics, the controller's.
 pub trait Exposition: Send + Sync + 'static {
-    /// The text exposition. Blocking (the node's reads the kernel's counters over netlink).
+    /// The text exposition. Blocking (the node's reads the kernel's counters).
     fn render(&self) -> String;
 }
 
@@ -408,15 +414,16 @@ const BYTES: &str = "nodelb_service_bytes_total";
 const REFUSED: &str = "nodelb_service_refused_packets_total";
 const SERIES_LABELS: [&str; 4] = ["namespace", "service", "port", "protocol"];
 
-/// Every per-Service-port series with its total now: the kernel's named counters read over
-/// netlink, plus what earlier batches reset. Blocking. The lock is held across the read, so no
-/// batch (and its fold) happens in between. A failed read gives no series at all (the base alone
-/// would look like a counter reset); no table (deleted behind our back) does hold 0.
-fn read_totals(state: &SharedCounters) -> BTreeMap<Series, Totals> {
+/// Every per-Service-port series with its total now: the kernel's named counters (`read`), plus
+/// what earlier batches reset. Blocking. The lock is held across the read, so no batch (and its
+/// fold) happens in between. A failed read gives no series at all (the base alone would look like
+/// a counter reset); no table (deleted behind our back) does hold 0.
+fn read_totals(state: &SharedCounters, read: &ReadCounters) -> BTreeMap<Series, Totals> {
     let st = crate::locks::lock(state);
-    match NftClient::new().and_then(|mut c| c.read_counters(st.counter_names())) {
-        Ok(kernel) => st.totals(&kernel),
-        Err(_) => BTreeMap::new(),
+    let names: Vec<&Name> = st.counter_names().collect();
+    match read(&names) {
+        Some(kernel) => st.totals(&kernel),
+        None => BTreeMap::new(),
     }
 }
 
@@ -433,13 +440,14 @@ pub type AllTotals = BTreeMap<Series, Totals>;
 /// Blocking.
 pub struct TotalsReader {
     state: SharedCounters,
+    read: ReadCounters,
     /// The last read: when it ended, and what it gave.
     last: Mutex<Option<(Instant, Arc<AllTotals>)>>,
 }
 
 impl TotalsReader {
-    pub fn new(state: SharedCounters) -> TotalsReader {
-        TotalsReader { state, last: Mutex::new(None) }
+    pub fn new(state: SharedCounters, read: ReadCounters) -> TotalsReader {
+        TotalsReader { state, read, last: Mutex::new(None) }
     }
 
     /// Every per-Service-port series with its total, read by this request or by the read that
@@ -455,7 +463,7 @@ impl TotalsReader {
         {
             return totals.clone();
         }
-        let totals = Arc::new(read_totals(&self.state));
+        let totals = Arc::new(read_totals(&self.state, &self.read));
         *last = Some((Instant::now(), totals.clone()));
         totals
     }
@@ -560,7 +568,7 @@ mod tests {
     /// reads again. (The read itself finds no table here: what is shared is what is tested.)
     #[test]
     fn one_read_answers_the_requests_that_came_while_it_ran() {
-        let reader = TotalsReader::new(SharedCounters::default());
+        let reader = TotalsReader::new(SharedCounters::default(), Arc::new(|_: &[&Name]| None));
         let asked = Instant::now();
         let ran = Arc::new(AllTotals::new());
         *reader.last.lock().unwrap() = Some((asked + Duration::from_millis(5), ran.clone()));
