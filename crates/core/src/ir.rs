@@ -1091,10 +1091,10 @@ impl Ruleset {
 mod tests {
     use super::*;
 
-    /// The applied ruleset is kept between syncs: at 10,000 Services × 5 endpoints it holds
-    /// ~200,000 expressions, so each byte of `Expr` is ~0.2 MB of the agent's heap. Names are
-    /// shared thin pointers (`Name`), the connection states boxed; a variant that makes it grow again must say
-    /// why here.
+    /// The applied ruleset is kept between syncs and holds a few expressions per endpoint, so each
+    /// byte of `Expr` counts once per expression of the node. Names are shared thin pointers
+    /// (`Name`), the connection states boxed; a variant that makes it grow again must say why
+    /// here.
     #[test]
     fn kept_ruleset_types_stay_small() {
         assert!(size_of::<Name>() <= 8, "Name is {} bytes", size_of::<Name>());

@@ -362,8 +362,8 @@ fn build_entry(
 mod tests {
     use super::*;
 
-    /// One entry is kept per Service for as long as it exists: ~216 bytes with the refusal
-    /// inline and vectors, 112 now (~5 MB less at 50,000 Services).
+    /// One entry is kept per Service for as long as it exists, so every byte of it counts once
+    /// per Service: the refusal is boxed and the lists are boxed slices.
     #[test]
     fn entries_stay_small() {
         assert!(size_of::<Entry>() <= 112, "Entry is {} bytes", size_of::<Entry>());
