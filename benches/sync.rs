@@ -59,7 +59,6 @@ use nodelb::core::model::ModelOptions;
 use nodelb::core::plan::{self, NodeFacts};
 use nodelb::core::port_policy::PortRange;
 use nodelb::core::replan::Planned;
-use nodelb::k8s::controller::process_token;
 
 fn service(i: usize, endpoints: usize) -> ServiceSpec {
     let mut s = ServiceSpec::new(&format!("svc-{i}")).port(PortSpec::tcp(80, None));
@@ -372,8 +371,7 @@ fn leader(args: &ProgramArgs) {
         (plan, t.elapsed().as_secs_f64() * 1e3, [planned, events])
     };
     let new_leader = || {
-        let mut state = LeaderState::new(process_token("node-1"));
-        state.token = token.clone();
+        let state = LeaderState::new(token.clone());
         Leader { state, deduper: Deduper::default(), outbox: Outbox::default() }
     };
     let (mut whole, mut scoped) = (new_leader(), new_leader());

@@ -179,7 +179,8 @@ enum Synced {
     /// Same input as the last good sync and our table untouched: not counted as a sync.
     Unchanged,
     /// Only Services waiting for the leader's node ports changed: left until this time, or until
-    /// a change the node programs, whichever is first ([`crate::agent::schedule::UNDECIDED_WAIT`]). Not counted as a sync.
+    /// a change the node programs, whichever is first ([`schedule::UNDECIDED_WAIT`]). Not
+    /// counted as a sync.
     Deferred(Instant),
     /// The batch (possibly empty) is in the kernel.
     Applied,

@@ -326,7 +326,7 @@ async fn plan_pools(
         .await
         .context("cannot list Namespaces")?
         .items;
-    let snap = crate::k8s::source::KubeSnapshot {
+    let snap = crate::core::k8s::snapshot::KubeSnapshot {
         nodes: nodes.into_iter().map(Arc::new).collect(),
         pools: pools.into_iter().map(Arc::new).collect(),
         namespaces: namespaces.into_iter().map(Arc::new).collect(),

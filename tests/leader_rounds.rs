@@ -40,7 +40,6 @@ use nodelb::core::k8s::snapshot::KubeSnapshot;
 use nodelb::core::model::{self, ANNOTATION_ALLOCATED, ANNOTATION_PORTS, ModelOptions};
 use nodelb::core::pool::NodePortPool;
 use nodelb::core::port_policy::PortRange;
-use nodelb::k8s::controller::process_token;
 use serde_json::{Value, json};
 
 const NAMES: usize = 14;
@@ -489,11 +488,7 @@ impl Leader {
     fn new(scoping: bool, token: &Token) -> Leader {
         let way = match scoping {
             false => Way::Whole { memory: Box::default(), keeper: Keeper::default() },
-            true => {
-                let mut state = LeaderState::new(process_token("node-1"));
-                state.token = token.clone();
-                Way::Agent(Box::new(state))
-            }
+            true => Way::Agent(Box::new(LeaderState::new(token.clone()))),
         };
         Leader { way, deduper: Deduper::default(), outbox: Outbox::default() }
     }

@@ -27,7 +27,7 @@ use crate::serve::metrics::ControllerMetrics;
 
 use super::api::{CONTROLLER_NAME, FIELD_MANAGER, is_conflict, post_params, publish_event};
 use super::election::{self, ElectionConfig, Leadership};
-use super::source::{KubeSnapshot, KubeSource};
+use super::source::KubeSource;
 use crate::core::k8s::claims;
 use crate::core::k8s::events::{Deduper, Outbox};
 use crate::core::k8s::publish::{self, ServiceWrite};
@@ -35,6 +35,7 @@ use crate::core::k8s::round::{
     BegunRound, ControllerConfig, LeaderState, LeaseView, RegistryVersions, RoundClock, RoundPlan, event_key,
     events_to_send,
 };
+use crate::core::k8s::snapshot::KubeSnapshot;
 
 /// The running tasks: leadership, liveness, and a way to stop leading cleanly.
 pub struct Controller {

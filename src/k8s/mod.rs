@@ -10,8 +10,8 @@
 //! writes), [`election`] (the controller's leader Lease), [`node_lease`] (a node's own Lease,
 //! with the report `nodelb status --cluster` reads, and Node Events),
 //! [`api`] (what those writers share), [`review`] (TokenReview + SubjectAccessReview for the
-//! authenticated metrics), [`installation`] (what tells an uninstall from a restart). See docs/design.md, "Kubernetes mode" and
-//! "Install, upgrade, uninstall".
+//! authenticated metrics), [`installation`] (what tells an uninstall from a restart). See
+//! docs/design.md, "Kubernetes mode" and "Install, upgrade, uninstall".
 
 pub mod api;
 pub mod controller;

@@ -15,8 +15,8 @@ use crate::core::alloc::Allocations;
 use crate::core::domain::ServiceKey;
 use crate::core::pool::{Assignment, InvalidPool, NodePortPool, PoolContext, StatusInput};
 
-use super::source::KubeSnapshot;
 use crate::core::k8s::nodes::{PoolSelections, ServingNode};
+use crate::core::k8s::snapshot::KubeSnapshot;
 
 /// Per node, the addresses it published per pool on its Lease
 /// ([`crate::core::k8s::nodes::published_pool_addresses`]). A malformed value is logged (once per

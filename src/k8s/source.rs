@@ -45,7 +45,7 @@ use crate::observe::fingerprint::Fingerprint;
 pub const DEBOUNCE_QUIET: Duration = Duration::from_millis(2);
 pub const DEBOUNCE_MAX: Duration = Duration::from_millis(250);
 
-pub use nodelb_core::k8s::snapshot::{Journal, KubeSnapshot};
+use crate::core::k8s::snapshot::{Journal, KubeSnapshot};
 
 impl NodeViews {
     /// What a node programs from `snap`, in two parts ([`Fingerprint`]). `programmed` changes whenever

@@ -2,9 +2,10 @@
 //! per-Service traffic counters are read from the kernel's named counter objects at scrape time
 //! (one object dump; no per-packet work in userspace) through the [`ReadCounters`] the caller
 //! hands in (the apply layer's netlink read: this module does no I/O of its own), plus the totals
-//! of counters that batches reset ([`crate::core::counters`]). The sync loop holds the [`CounterState`] lock from reading the
-//! counters before a batch until the base is folded after it, and a scrape holds it while it
-//! reads the kernel, so a scrape sees the kernel and the base of the same side of a batch.
+//! of counters that batches reset ([`crate::core::counters`]). The sync loop holds the
+//! [`CounterState`] lock from reading the counters before a batch until the base is folded after
+//! it, and a scrape holds it while it reads the kernel, so a scrape sees the kernel and the base
+//! of the same side of a batch.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};

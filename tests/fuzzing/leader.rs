@@ -13,8 +13,8 @@ use nodelb::core::desired::HostPolicy;
 use nodelb::core::k8s::claims::{Holders, Registry, Token};
 use nodelb::core::k8s::events::{MAX_NOTE_BYTES, event_note};
 use nodelb::core::k8s::round::{ClaimInputs, ControllerConfig, RoundPlan, plan_round};
+use nodelb::core::k8s::snapshot::KubeSnapshot;
 use nodelb::core::model::ModelOptions;
-use nodelb::k8s::source::KubeSnapshot;
 use serde_json::{Value, json};
 
 use super::world::{self, GOOD_NS};

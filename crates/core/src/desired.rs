@@ -238,7 +238,7 @@ pub fn compute(
         };
         kept.book.scope(&kept.view, changes, aged, recorded.unwrap_or_default(), inputs)
     });
-    let (plans, scope) = match scope {
+    let (plans, extent) = match scope {
         None => {
             let modeled =
                 (kept.models.build(Scope::All, inputs.services, inputs.slices, &ctx)).expect("a whole build");
@@ -261,7 +261,7 @@ pub fn compute(
         Plans::Whole(plans) => kept.planner.plan(plans, inputs.node, applied, counter_index),
         Plans::Changed(changes) => kept.planner.plan_changes(changes, inputs.node, applied, counter_index),
     };
-    (kept.book.desired().with(ruleset, index), scope)
+    (kept.book.desired().with(ruleset, index), extent)
 }
 
 /// What the planner is given: every Service's input, or the inputs of the Services decided

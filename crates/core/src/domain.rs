@@ -151,13 +151,6 @@ impl<'a, K: Eq + std::hash::Hash> Scope<'a, K> {
         keys.map_or(Scope::All, Scope::Keys)
     }
 
-    pub fn contains(&self, key: &K) -> bool {
-        match self {
-            Scope::All => true,
-            Scope::Keys(keys) => keys.contains(key),
-        }
-    }
-
     /// The keys of a scoped pass; `None` for a whole one.
     pub fn keys(&self) -> Option<&'a foldhash::HashSet<K>> {
         match self {

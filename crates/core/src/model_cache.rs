@@ -181,7 +181,9 @@ impl ModelCache {
         ctx: &ModelContext<'_>,
     ) -> Option<Modeled> {
         if !self.has_context(ctx) {
-            scope.keys().is_none().then_some(())?;
+            if matches!(scope, Scope::Keys(_)) {
+                return None;
+            }
             self.entries.clear();
             self.context = Some((ctx.opts.clone(), ctx.addresses.clone(), ctx.policy.clone()));
         }
@@ -270,7 +272,7 @@ impl ModelCache {
             }
             merged.extend(kept);
             self.entries = merged;
-        } else if scope.keys().is_none() {
+        } else if matches!(scope, Scope::All) {
             self.entries.shrink_to_fit();
         }
         // Walked in key order: these are sorted already (kept as the contract of `build`).

@@ -1,7 +1,7 @@
 //! Node port pools (`NodePortPool`, `nodelb.io/v1alpha1`): the resource type (its CRD schema is
 //! generated from these Rust types), and the pure decisions about pools: validation, which nodes
 //! and Services a pool selects, overlap resolution between pools, and which pool a Service gets.
-//! No I/O: the Kubernetes edge (`k8s::pools`) and the manifests reader feed it objects.
+//! No I/O: `k8s::pools` (from the Kubernetes caches) and the manifests reader feed it objects.
 //!
 //! Decisions (docs/design/pools.md, "Node port pools"):
 //! - **No pool object: the flags are the pool.** [`PoolSet::resolve`] returns one implicit pool

@@ -1,9 +1,11 @@
 //! Kubernetes mode's pure decisions; the agent's `k8s` module talks to the API server around
-//! them: [`dupes`] (duplicate node ports), [`nodes`] (which nodes serve), [`publish`] (what the
-//! leader writes), [`events`] (once per change), [`leader`] (the Lease election rules),
-//! [`lastgood`] (the last valid spec of a Service), [`scope`] (what a leader's round must plan),
-//! [`uninstall`] (uninstall or restart), [`cluster_view`] (what each node reports about itself,
-//! and where each Service is served across the cluster); [`snapshot`] is what they are given.
+//! them: [`round`] (the leader's round and its state), [`claims`] (the node-port registry),
+//! [`publish`] (what the leader writes), [`scope`] (what a leader's round must plan), [`dupes`]
+//! (duplicate node ports), [`nodes`] (which nodes serve), [`pools`] (the pool context from the
+//! cached objects), [`events`] (once per change), [`leader`] (the Lease election rules),
+//! [`lastgood`] (the last valid spec of a Service), [`uninstall`] (uninstall or restart),
+//! [`cluster_view`] (what each node reports about itself, and where each Service is served
+//! across the cluster); [`snapshot`] is what they are given.
 
 pub mod claims;
 pub mod cluster_view;

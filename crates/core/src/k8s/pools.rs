@@ -70,7 +70,8 @@ pub fn selected_nodes<N: std::borrow::Borrow<Node>>(
 
 /// Per Service whose pool restricts node addresses (`addresses`), per Node, the addresses its
 /// status lists ([`crate::k8s::nodes::pool_addresses_of`]: what the node published on its Lease,
-/// else the Node object's; `published`: [`published_selections`]; `allowed`: `--node-addresses`).
+/// else the Node object's; `published`: what the nodes published per pool,
+/// [`crate::k8s::nodes::published_pool_addresses`]; `allowed`: `--node-addresses`).
 pub fn published_addresses<N: std::borrow::Borrow<Node>>(
     ctx: &PoolContext,
     assignment: &Assignment,

@@ -220,7 +220,7 @@ impl RegistryVersions {
 /// What a leader keeps between rounds.
 pub struct LeaderState {
     pub memory: RoundMemory,
-    /// The resourceVersions the last round's Service writes made ([`write_services`]).
+    /// The resourceVersions the last round's Service writes made (the controller's `write_services`).
     pub echoes: HashMap<ServiceKey, Vec<String>>,
     /// The last round read the registry, found every claim in it resolved, and all its writes
     /// (registry, Services, pools) and Events succeeded.
@@ -238,7 +238,7 @@ pub struct LeaderState {
     /// included), when that round knows it: a registry read that differs was written by someone
     /// else (a human, another leader), and a round after that is whole.
     registry_versions: Option<RegistryVersions>,
-    /// The registry as the last round read it, parsed ([`read_registry`]).
+    /// The registry as the last round read it, parsed (the controller's `read_registry`).
     pub registry_read: Option<claims::ReadRegistry>,
     /// The resourceVersion of this leader's last registry read or write: the next read asks
     /// for data at least that fresh, which the API server's cache serves at once, where a
@@ -302,7 +302,7 @@ impl LeaderState {
         rv.is_some_and(|rv| self.echoes.get(key).is_some_and(|made| made.iter().any(|m| m == rv)))
     }
 
-    /// Whether the round these changes call for may wait a little ([`NOT_URGENT_WAIT`], or until
+    /// Whether the round these changes call for may wait a little (the controller's `NOT_URGENT_WAIT`, or until
     /// the next change, which it then covers too): nothing in them can give a Service a number.
     /// Services deleted (their numbers stay claimed a moment longer, which only keeps them from
     /// being handed out), EndpointSlices changed (statuses and Events follow; the nodes program
@@ -642,7 +642,7 @@ pub fn plan_round(
     memory.substituted = subst.substituted;
     let out = match &scope {
         Some(keys) => memory.models.build(Scope::Keys(keys), &services, &slices, &ctx).unwrap_or_default(),
-        None => memory.models.build(Scope::All, &services, &slices, &ctx).unwrap_or_default(),
+        None => memory.models.build(Scope::All, &services, &slices, &ctx).expect("a whole build"),
     };
     let refused_endpoints = out.refused_endpoints;
     let stubs = publish::reserved(&services, &out.refused);
