@@ -1053,6 +1053,9 @@ fn the_leader_lease_deleted_or_stolen_by_hand() {
     eprintln!("after the delete: {} leads", controller_name(again));
     c.create(&web("after-delete", &[(0, 0)]));
     c.wait_allocated("after-delete", 1, CHANGE);
+    // Its status write follows its annotation write in the same round: done before the requests
+    // below are counted, which start while this replica still leads.
+    c.wait_ingress_nodes("after-delete", &[0, 1, 2], CHANGE);
     assert_eq!(c.allocated("web").unwrap(), before);
 
     // Stolen by hand: another holder, renewed now, for 10 s. Every replica stops acting as
