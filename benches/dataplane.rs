@@ -34,9 +34,9 @@ use common::netns::NetNs;
 use common::scenarios::{ep, node as node_facts, svc};
 use common::topology::{NODE_V4, Topology, backend_v4, client_v4};
 use nodelb::core::domain::{Family, PortId, Protocol};
-use nodelb::core::ir::{Carried, ChainType, Key, Ruleset};
-use nodelb::core::model::LbService;
-use nodelb::core::plan::{self, ServicePlan};
+use nodelb::core::inputs::model::LbService;
+use nodelb::core::ruleset::ir::{Carried, ChainType, Key, Ruleset};
+use nodelb::core::ruleset::plan::{self, ServicePlan};
 use nodelb::encode::nft::NftClient;
 
 /// Port of the fast HTTP server in the backend namespace.
@@ -991,7 +991,7 @@ struct Footprint {
 // ---------------------------------------------------------------------------------------------
 // One repetition at one N: all variants, side by side, on a fresh topology
 
-fn nodelb_apply(node: &NetNs, changes: Vec<nodelb::core::ir::Change>) -> Result<Duration, String> {
+fn nodelb_apply(node: &NetNs, changes: Vec<nodelb::core::ruleset::ir::Change>) -> Result<Duration, String> {
     in_ns(node, move || {
         let mut c = NftClient::new().map_err(|e| e.to_string())?;
         let t = Instant::now();
@@ -1368,7 +1368,7 @@ const LADDER: [&str; 6] = [
 /// and DNATs); each later step puts back one part of `full`, with the sets and named counters
 /// its rules use; the last step is `full` itself.
 fn ladder_ruleset(full: &Ruleset, step: usize) -> Ruleset {
-    use nodelb::core::ir::{BaseChain, Chain, Expr, Hook, Mapped, Rule};
+    use nodelb::core::ruleset::ir::{BaseChain, Chain, Expr, Hook, Mapped, Rule};
     if step + 1 >= LADDER.len() {
         return full.clone();
     }

@@ -17,7 +17,7 @@ use std::time::Instant;
 use common::netns::NetNs;
 use common::scenarios::scale_ruleset;
 use nix::sys::resource::{UsageWho, getrusage};
-use nodelb::core::plan;
+use nodelb::core::ruleset::plan;
 use nodelb::encode::nft::NftClient;
 
 /// (user, system) CPU time of the calling thread, in ms.

@@ -43,9 +43,9 @@ use common::manifest::{EndpointSpec, PortSpec, ServiceSpec, render_all};
 use common::netns::NetNs;
 use common::rng::Rng;
 use common::topology::{ClientLoop, NODE_V4, Topology, backend_v4, wait_until};
+use nodelb::core::decisions::port_policy::PortRange;
 use nodelb::core::k8s::round::{ControllerConfig, LeaderState};
 use nodelb::core::k8s::snapshot::KubeSnapshot;
-use nodelb::core::port_policy::PortRange;
 use nodelb::k8s::controller;
 
 struct Args {
@@ -156,8 +156,11 @@ fn leader_config(name: &str) -> ControllerConfig {
         node_addresses: Vec::new(),
         port_range: range,
         model: Default::default(),
-        policy: nodelb::core::desired::HostPolicy {
-            ports: nodelb::core::port_policy::PortPolicy { ranges: vec![range], allowed: Default::default() },
+        policy: nodelb::core::decisions::desired::HostPolicy {
+            ports: nodelb::core::decisions::port_policy::PortPolicy {
+                ranges: vec![range],
+                allowed: Default::default(),
+            },
             ..Default::default()
         },
     }

@@ -42,12 +42,13 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::jiff::Timestamp;
-use nodelb::core::compact::EndpointSlice;
-use nodelb::core::counters::CounterIndex;
-use nodelb::core::desired::{self, AllocationMode, HostFacts, HostPolicy, Inputs, SourceNotes};
+use nodelb::core::decisions::desired::{self, AllocationMode, HostFacts, HostPolicy, Inputs, SourceNotes};
+use nodelb::core::decisions::port_policy::PortRange;
 use nodelb::core::domain::Family;
 use nodelb::core::domain::{Scope, ServiceKey};
-use nodelb::core::ir::Ruleset;
+use nodelb::core::incremental::replan::Planned;
+use nodelb::core::inputs::compact::EndpointSlice;
+use nodelb::core::inputs::model::ModelOptions;
 use nodelb::core::k8s::claims::{self, Block, HeldNumbers, Holder, Registry, Token};
 use nodelb::core::k8s::events::{Deduper, Outbox};
 use nodelb::core::k8s::publish::{ServiceEvent, ServiceWrite};
@@ -55,10 +56,9 @@ use nodelb::core::k8s::round::{
     ControllerConfig, LeaderState, RegistryVersions, RoundClock, event_key, events_to_send,
 };
 use nodelb::core::k8s::snapshot::KubeSnapshot;
-use nodelb::core::model::ModelOptions;
-use nodelb::core::plan::{self, NodeFacts};
-use nodelb::core::port_policy::PortRange;
-use nodelb::core::replan::Planned;
+use nodelb::core::reports::counters::CounterIndex;
+use nodelb::core::ruleset::ir::Ruleset;
+use nodelb::core::ruleset::plan::{self, NodeFacts};
 
 fn service(i: usize, endpoints: usize) -> ServiceSpec {
     let mut s = ServiceSpec::new(&format!("svc-{i}")).port(PortSpec::tcp(80, None));
@@ -74,7 +74,7 @@ fn service(i: usize, endpoints: usize) -> ServiceSpec {
 }
 
 fn objects(text: &str) -> (Vec<Arc<Service>>, Vec<Arc<EndpointSlice>>) {
-    let m = nodelb::core::manifests::parse(Path::new("bench.yaml"), "bench.yaml", text);
+    let m = nodelb::core::inputs::manifests::parse(Path::new("bench.yaml"), "bench.yaml", text);
     assert!(m.problems.is_empty(), "{:?}", m.problems);
     (m.services, m.slices)
 }
@@ -107,8 +107,10 @@ fn main() {
         forward_mark: None,
         nat_shards: 1,
     };
-    let policy =
-        HostPolicy { ports: nodelb::core::port_policy::PortPolicy::with_range(range), ..Default::default() };
+    let policy = HostPolicy {
+        ports: nodelb::core::decisions::port_policy::PortPolicy::with_range(range),
+        ..Default::default()
+    };
     let (host, notes) = (HostFacts::default(), SourceNotes::default());
     let annotated = args.flag("--annotated");
     if annotated {
@@ -235,7 +237,7 @@ fn annotate(services: &[Arc<Service>], first: usize) -> Vec<Arc<Service>> {
             let mut svc = Service::clone(svc);
             let value = format!("80/TCP={}", 1024 + first + i);
             let annotations = svc.metadata.annotations.get_or_insert_default();
-            annotations.insert(nodelb::core::model::ANNOTATION_ALLOCATED.into(), value);
+            annotations.insert(nodelb::core::inputs::model::ANNOTATION_ALLOCATED.into(), value);
             Arc::new(svc)
         })
         .collect()
@@ -267,13 +269,17 @@ fn written(services: &[Arc<Service>], writes: &[ServiceWrite]) -> Vec<Arc<Servic
     services
         .iter()
         .map(|svc| {
-            let Some(w) = by_key.get(&nodelb::core::model::service_key(svc)) else { return svc.clone() };
+            let Some(w) = by_key.get(&nodelb::core::inputs::model::service_key(svc)) else {
+                return svc.clone();
+            };
             let mut svc = Service::clone(svc);
             if let Some(a) = &w.annotation {
                 let ann = svc.metadata.annotations.get_or_insert_default();
                 match a {
-                    Some(v) => ann.insert(nodelb::core::model::ANNOTATION_ALLOCATED.into(), v.clone()),
-                    None => ann.remove(nodelb::core::model::ANNOTATION_ALLOCATED),
+                    Some(v) => {
+                        ann.insert(nodelb::core::inputs::model::ANNOTATION_ALLOCATED.into(), v.clone())
+                    }
+                    None => ann.remove(nodelb::core::inputs::model::ANNOTATION_ALLOCATED),
                 };
             }
             if let Some(st) = &w.status {
@@ -477,8 +483,10 @@ fn manifests_phases(args: &ProgramArgs) {
         forward_mark: None,
         nat_shards: plan::auto_nat_shards(n, 1),
     };
-    let policy =
-        HostPolicy { ports: nodelb::core::port_policy::PortPolicy::with_range(range), ..Default::default() };
+    let policy = HostPolicy {
+        ports: nodelb::core::decisions::port_policy::PortPolicy::with_range(range),
+        ..Default::default()
+    };
     let host = HostFacts::default();
     let pools = ManifestPools { node_labels: Default::default(), port_range: range };
     // The source watches the directory (inotify, through Tokio).

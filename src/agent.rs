@@ -17,16 +17,16 @@ use crate::agent::schedule::{Pace, Schedule, Whole};
 use crate::apply::dataplane::{Dataplane, DataplaneError};
 use crate::apply::firewall::{self, Checker};
 use crate::apply::kernel::{Kernel, LocalNode, Netlink, NodeReads};
-use crate::core::counters::IndexUpdate;
-use crate::core::desired::{self, AllocationMode, Desired, HostFacts, HostPolicy, Inputs};
+use crate::core::decisions::desired::{self, AllocationMode, Desired, HostFacts, HostPolicy, Inputs};
+use crate::core::decisions::endpoint_policy::HostAddresses;
+use crate::core::decisions::port_policy::{Listeners, PortRange};
 use crate::core::domain::{Family, ServiceKey};
-use crate::core::endpoint_policy::HostAddresses;
-use crate::core::hairpin;
-use crate::core::model::ModelOptions;
-use crate::core::plan::{self, NatShards, NodeFacts};
-use crate::core::port_policy::{Listeners, PortRange};
-use crate::core::replan::Planned;
-use crate::core::report::{ServiceState, ServiceStatus};
+use crate::core::incremental::replan::Planned;
+use crate::core::inputs::model::ModelOptions;
+use crate::core::reports::counters::IndexUpdate;
+use crate::core::reports::report::{ServiceState, ServiceStatus};
+use crate::core::ruleset::hairpin;
+use crate::core::ruleset::plan::{self, NatShards, NodeFacts};
 use crate::encode::nft::{self, NftClient};
 use crate::observe::bridge::BridgeReader;
 use crate::observe::manifest_dir::ManifestError;
@@ -387,7 +387,11 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
     /// What this node now serves each address-restricted pool on, for its node Lease (the leader
     /// lists exactly these in the Services' status). Too many to publish: not published, logged
     /// once; the leader then judges from the Node object.
-    fn publish_pool_addresses(&mut self, pools: Option<&crate::core::pool::PoolContext>, host: &HostFacts) {
+    fn publish_pool_addresses(
+        &mut self,
+        pools: Option<&crate::core::decisions::pool::PoolContext>,
+        host: &HostFacts,
+    ) {
         let selected = pools.map(|c| c.selected_addresses(&host.addresses.own)).unwrap_or_default();
         let value = crate::core::k8s::nodes::format_pool_addresses(&selected);
         let mut status = crate::locks::write(&self.status);
@@ -668,7 +672,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         let now = latest.map_or(Timestamp::now(), |l| l.max(Timestamp::now()));
         let mut aged = self.allocations.clone();
         for svc in &loaded.services {
-            aged.since.entry(crate::core::model::service_key(svc)).or_insert(now);
+            aged.since.entry(crate::core::inputs::model::service_key(svc)).or_insert(now);
         }
         (aged.since.len() > since.len()).then_some(aged)
     }
@@ -686,7 +690,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
                 // Never silently (manifests mode has no Events): a number no longer valid for
                 // its Service, e.g. outside its pool's ranges after an edit.
                 for (key, id, old, new) in
-                    crate::core::alloc::moved(&self.allocations.allocations, &desired.allocations)
+                    crate::core::decisions::alloc::moved(&self.allocations.allocations, &desired.allocations)
                 {
                     warn!(service = %key, port = %id, old, new, "node port reallocated: {old} is no longer valid for it (its pool's ranges or its pool changed)");
                 }
@@ -767,7 +771,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
     fn update_service_gauges<R, I>(
         &mut self,
         desired: &Desired<R, I>,
-        pools: Option<&crate::core::pool::PoolContext>,
+        pools: Option<&crate::core::decisions::pool::PoolContext>,
         manifest_problems: usize,
     ) {
         let m = &self.metrics;
@@ -807,7 +811,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
                         Some((ServiceKey::new(s.namespace.clone(), s.name.clone()), s.pool.as_deref()?))
                     })
                     .collect();
-                crate::core::pool::usage(&p.set, allocations, keys.iter().map(|(k, p)| (k, *p)))
+                crate::core::decisions::pool::usage(&p.set, allocations, keys.iter().map(|(k, p)| (k, *p)))
             }
             None => Vec::new(),
         };
@@ -824,7 +828,7 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         self.pool_series = series;
         m.manifest_problems.set(manifest_problems as i64);
         let mut refused: BTreeMap<&str, i64> =
-            crate::core::endpoint_policy::REASON_CODES.iter().map(|c| (*c, 0)).collect();
+            crate::core::decisions::endpoint_policy::REASON_CODES.iter().map(|c| (*c, 0)).collect();
         for r in &desired.refused_endpoints {
             *refused.entry(r.reason.code()).or_default() += 1;
         }
@@ -838,10 +842,12 @@ impl<K: Kernel, N: NodeReads> Agent<K, N> {
         }
         for p in &desired.alloc_problems {
             match p {
-                crate::core::alloc::AllocProblem::NotAllowed { .. } => {
+                crate::core::decisions::alloc::AllocProblem::NotAllowed { .. } => {
                     *ports.entry("not_allowed").or_default() += 1
                 }
-                crate::core::alloc::AllocProblem::InUse { .. } => *ports.entry("in_use").or_default() += 1,
+                crate::core::decisions::alloc::AllocProblem::InUse { .. } => {
+                    *ports.entry("in_use").or_default() += 1
+                }
                 _ => {}
             }
         }

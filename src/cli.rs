@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
-use crate::core::port_policy::PortRange;
+use crate::core::decisions::port_policy::PortRange;
 
 pub use crate::VERSION;
 
@@ -125,7 +125,7 @@ pub struct CommonArgs {
     /// masked compare per table besides (docs/design/dispatch.md, "Sharding the nat chains";
     /// docs/benchmarks.md has both measured).
     #[arg(long, default_value = "auto", value_parser = parse_nat_shards, env = "NODELB_NAT_SHARDS")]
-    pub nat_shards: crate::core::plan::NatShards,
+    pub nat_shards: crate::core::ruleset::plan::NatShards,
     /// Insert an ACCEPT for nodelb's forwarded flows at the head of the host's iptables FORWARD
     /// chain (iptables-nft: table ip/ip6 filter; iptables-legacy: the x_tables filter table), for
     /// hosts whose firewall drops forwarded traffic (Docker, ufw). Removed by `nodelb cleanup` and
@@ -155,7 +155,7 @@ pub struct PolicyArgs {
     pub port_range: PortRange,
     /// spec.loadBalancerClass served by this agent (Services without a class are served too,
     /// unless --ignore-unclassed).
-    #[arg(long, default_value = crate::core::model::DEFAULT_LB_CLASS, env = "NODELB_LOAD_BALANCER_CLASS")]
+    #[arg(long, default_value = crate::core::inputs::model::DEFAULT_LB_CLASS, env = "NODELB_LOAD_BALANCER_CLASS")]
     pub load_balancer_class: String,
     /// Do not serve Services that have no spec.loadBalancerClass.
     #[arg(long, env = "NODELB_IGNORE_UNCLASSED")]
@@ -175,7 +175,7 @@ pub struct PolicyArgs {
     /// 6443 or 10250 would take over SSH, the API server or the kubelet on every node where
     /// nothing listens on it yet. A port a process on the node listens on is never taken.
     #[arg(long, default_value = "", value_parser = parse_port_list, env = "NODELB_ALLOWED_NODE_PORTS")]
-    pub allowed_node_ports: crate::core::port_policy::PortList,
+    pub allowed_node_ports: crate::core::decisions::port_policy::PortList,
     /// Only endpoints inside these CIDRs are DNATed to (comma-separated; e.g. the pod and host
     /// networks). Default: any address the fixed rules allow.
     #[arg(long, value_delimiter = ',', env = "NODELB_ENDPOINT_CIDRS")]
@@ -316,7 +316,7 @@ pub struct StatusArgs {
     pub node: Option<String>,
 }
 
-fn parse_port_list(s: &str) -> Result<crate::core::port_policy::PortList, String> {
+fn parse_port_list(s: &str) -> Result<crate::core::decisions::port_policy::PortList, String> {
     s.parse()
 }
 
@@ -357,11 +357,13 @@ fn parse_node_labels(s: &str) -> Result<NodeLabels, String> {
     Ok(NodeLabels(out))
 }
 
-fn parse_nat_shards(s: &str) -> Result<crate::core::plan::NatShards, String> {
-    use crate::core::plan::NatShards;
+fn parse_nat_shards(s: &str) -> Result<crate::core::ruleset::plan::NatShards, String> {
+    use crate::core::ruleset::plan::NatShards;
     match s.parse::<u8>() {
         _ if s == "auto" => Ok(NatShards::Auto),
-        Ok(k) if k.is_power_of_two() && k <= crate::core::ir::MAX_NAT_SHARDS => Ok(NatShards::Fixed(k)),
+        Ok(k) if k.is_power_of_two() && k <= crate::core::ruleset::ir::MAX_NAT_SHARDS => {
+            Ok(NatShards::Fixed(k))
+        }
         _ => Err(format!("invalid nat shard count {s:?}: auto, 1, 2, 4, 8, 16 or 32")),
     }
 }
@@ -418,7 +420,7 @@ mod tests {
 
     #[test]
     fn nat_shards_are_a_power_of_two_up_to_32() {
-        use crate::core::plan::NatShards;
+        use crate::core::ruleset::plan::NatShards;
         for k in [1u8, 2, 4, 8, 16, 32] {
             assert_eq!(parse_nat_shards(&k.to_string()), Ok(NatShards::Fixed(k)));
         }

@@ -13,14 +13,14 @@ use crate::agent::{self, AgentConfig};
 use crate::cli::{
     CommonArgs, ControllerArgs, KubeArgs, ListenArgs, PlanArgs, PolicyArgs, RunArgs, StatusArgs,
 };
-use crate::core::desired::{self, HostFacts, HostPolicy, Inputs};
+use crate::core::decisions::desired::{self, HostFacts, HostPolicy, Inputs};
+use crate::core::decisions::endpoint_policy::EndpointPolicy;
 use crate::core::domain::Family;
-use crate::core::endpoint_policy::EndpointPolicy;
+use crate::core::inputs::model::ModelOptions;
 use crate::core::k8s::round::ControllerConfig;
 use crate::core::k8s::uninstall::Exit;
-use crate::core::model::ModelOptions;
-use crate::core::plan::NodeFacts;
-use crate::core::report::PortStatus;
+use crate::core::reports::report::PortStatus;
+use crate::core::ruleset::plan::NodeFacts;
 use crate::encode::nft::NftClient;
 use crate::k8s::controller;
 use crate::k8s::installation::{Installation, Tracker};
@@ -58,7 +58,7 @@ fn host_policy(policy: &PolicyArgs) -> HostPolicy {
             allow_node_addresses: policy.allow_node_endpoints,
             allowed_cidrs: policy.endpoint_cidrs.iter().map(|n| n.trunc()).collect(),
         },
-        ports: crate::core::port_policy::PortPolicy {
+        ports: crate::core::decisions::port_policy::PortPolicy {
             ranges: vec![policy.port_range],
             allowed: policy.allowed_node_ports.0.clone(),
         },
@@ -314,13 +314,14 @@ async fn plan_pools(
     client: &kube::Client,
     common: &CommonArgs,
     nodes: Vec<k8s_openapi::api::core::v1::Node>,
-) -> anyhow::Result<crate::core::pool::PoolContext> {
+) -> anyhow::Result<crate::core::decisions::pool::PoolContext> {
     let lp = kube::api::ListParams::default();
-    let pools = match kube::Api::<crate::core::pool::NodePortPool>::all(client.clone()).list(&lp).await {
-        Ok(l) => l.items,
-        Err(kube::Error::Api(e)) if e.code == 404 => vec![],
-        Err(e) => return Err(e).context("cannot list NodePortPools"),
-    };
+    let pools =
+        match kube::Api::<crate::core::decisions::pool::NodePortPool>::all(client.clone()).list(&lp).await {
+            Ok(l) => l.items,
+            Err(kube::Error::Api(e)) if e.code == 404 => vec![],
+            Err(e) => return Err(e).context("cannot list NodePortPools"),
+        };
     let namespaces = kube::Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
         .list(&lp)
         .await
@@ -353,7 +354,7 @@ async fn plan_pools(
 pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
     check_node_labels(&args.common)?;
     let host_addresses = crate::observe::hostaddrs::read().unwrap_or_default();
-    let pools: Option<crate::core::pool::PoolContext>;
+    let pools: Option<crate::core::decisions::pool::PoolContext>;
     let mut registry = None;
     let (services, slices, notes, mode, previous, cluster_addresses) = match &args.common.manifests {
         Some(dir) => {
@@ -361,7 +362,7 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
             for p in &loaded.problems {
                 eprintln!("problem: {p}");
             }
-            let (ctx, pool_problems) = crate::core::manifests::pool_context(
+            let (ctx, pool_problems) = crate::core::inputs::manifests::pool_context(
                 &loaded,
                 &mut Default::default(),
                 args.common.policy.port_range,
@@ -379,7 +380,7 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
                 refused: loaded
                     .invalid_services
                     .iter()
-                    .map(|i| crate::core::model::Refusal::Invalid {
+                    .map(|i| crate::core::inputs::model::Refusal::Invalid {
                         service: i.key.clone(),
                         reason: i.problem.to_string(),
                     })
@@ -406,7 +407,7 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
             let services =
                 kube::Api::<k8s_openapi::api::core::v1::Service>::all(client.clone()).list(&lp).await;
             let slices =
-                kube::Api::<crate::core::compact::EndpointSlice>::all(client.clone()).list(&lp).await;
+                kube::Api::<crate::core::inputs::compact::EndpointSlice>::all(client.clone()).list(&lp).await;
             let nodes = kube::Api::<k8s_openapi::api::core::v1::Node>::all(client.clone()).list(&lp).await;
             let (services, slices, nodes) = (
                 services.context("cannot list Services")?.items.into_iter().map(Arc::new).collect(),
@@ -422,7 +423,7 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
                     .items;
             let (api_ns, api_name) = crate::core::k8s::nodes::API_SERVER_SERVICE;
             let api_server =
-                kube::Api::<crate::core::compact::EndpointSlice>::namespaced(client.clone(), api_ns)
+                kube::Api::<crate::core::inputs::compact::EndpointSlice>::namespaced(client.clone(), api_ns)
                     .list(
                         &kube::api::ListParams::default()
                             .labels(&format!("kubernetes.io/service-name={api_name}")),
@@ -475,8 +476,8 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
         connection_mark: args.common.connection_mark,
         forward_mark: forward_mark(&args.common)?,
         nat_shards: match args.common.nat_shards {
-            crate::core::plan::NatShards::Fixed(k) => k,
-            crate::core::plan::NatShards::Auto => crate::core::plan::auto_nat_shards(
+            crate::core::ruleset::plan::NatShards::Fixed(k) => k,
+            crate::core::ruleset::plan::NatShards::Auto => crate::core::ruleset::plan::auto_nat_shards(
                 crate::agent::lb_service_ports(services.iter().map(|s| &**s)),
                 1,
             ),
@@ -484,7 +485,7 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
     };
     let host = HostFacts {
         addresses: host_addresses.merged(&cluster_addresses),
-        listeners: crate::core::port_policy::Listeners::from_sockets(
+        listeners: crate::core::decisions::port_policy::Listeners::from_sockets(
             crate::observe::listeners::read().unwrap_or_default(),
         ),
     };
@@ -523,7 +524,7 @@ pub async fn plan(args: PlanArgs) -> anyhow::Result<()> {
     for s in desired.services.iter().filter(|s| s.pool.is_some()) {
         eprintln!("pool: {}/{} → {}", s.namespace, s.name, s.pool.as_deref().unwrap_or_default());
     }
-    let crate::core::replan::Planned::Full(ruleset) = desired.ruleset else {
+    let crate::core::incremental::replan::Planned::Full(ruleset) = desired.ruleset else {
         bail!("the planner gave a patch where nothing was applied");
     };
     print!("{}", ruleset.render());
@@ -557,9 +558,11 @@ fn remove_rules() -> (Vec<String>, Vec<String>) {
             let names: Vec<String> = tables.iter().map(|t| t.name()).collect();
             removed.push(format!("removed table inet {}", names.join(", ")));
         }
-        Ok(_) => removed
-            .push(format!("nothing to remove: table inet {} does not exist", crate::core::ir::TABLE_NAME)),
-        Err(e) => problems.push(format!("table inet {}: {e}", crate::core::ir::TABLE_NAME)),
+        Ok(_) => removed.push(format!(
+            "nothing to remove: table inet {} does not exist",
+            crate::core::ruleset::ir::TABLE_NAME
+        )),
+        Err(e) => problems.push(format!("table inet {}: {e}", crate::core::ruleset::ir::TABLE_NAME)),
     }
     (removed, problems)
 }
@@ -695,10 +698,10 @@ fn print_host_firewall(fw: &crate::serve::status::HostFirewallStatus) {
     }
     for (fam, c) in &fw.counters {
         let state = match fw.evidence.get(fam) {
-            Some(crate::core::hostfw::EvidenceState::Dropping { connections, .. }) => {
+            Some(crate::core::ruleset::hostfw::EvidenceState::Dropping { connections, .. }) => {
                 format!(", DROPPING: {connections} entered without leaving")
             }
-            Some(crate::core::hostfw::EvidenceState::Passing) => ", passing".to_string(),
+            Some(crate::core::ruleset::hostfw::EvidenceState::Passing) => ", passing".to_string(),
             None => String::new(),
         };
         println!(

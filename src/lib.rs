@@ -16,7 +16,7 @@ pub mod memory;
 pub mod observe;
 pub mod serve;
 
-/// The pure core (`crates/core`), as one namespace: `crate::core::plan`, `nodelb::core::model`
+/// The pure core (`crates/core`), as one namespace: `crate::core::ruleset::plan`, `nodelb::core::inputs::model`
 /// (its test oracles, `simulate` and `trace`, with feature `testing`).
 pub use nodelb_core as core;
 

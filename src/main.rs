@@ -42,7 +42,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Status(args) if args.cluster => commands::status_cluster(args).await,
         Command::Status(args) => commands::status(args),
         Command::Crd => {
-            print!("{}", nodelb::core::pool::crd_yaml());
+            print!("{}", nodelb::core::decisions::pool::crd_yaml());
             Ok(())
         }
         Command::Completion { shell } => {

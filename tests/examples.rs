@@ -2,9 +2,9 @@
 
 use std::path::Path;
 
-use nodelb::core::alloc::{Allocations, allocate};
-use nodelb::core::model::{ModelOptions, build};
-use nodelb::core::port_policy::PortRange;
+use nodelb::core::decisions::alloc::{Allocations, allocate};
+use nodelb::core::decisions::port_policy::PortRange;
+use nodelb::core::inputs::model::{ModelOptions, build};
 use nodelb::observe::manifest_dir::load_dir;
 
 #[test]

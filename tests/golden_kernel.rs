@@ -8,8 +8,8 @@ use std::io::Write;
 
 use common::netns::NetNs;
 use common::scenarios::{plan_of, scenarios};
-use nodelb::core::ir::{Change, Ruleset};
-use nodelb::core::plan;
+use nodelb::core::ruleset::ir::{Change, Ruleset};
+use nodelb::core::ruleset::plan;
 use nodelb::encode::nft::{NftClient, verify};
 
 fn apply(ns: &NetNs, changes: Vec<Change>) {

@@ -20,7 +20,7 @@ use common::topology::{
 };
 use nodelb::apply::xtables::{Layout, Xtables};
 use nodelb::core::domain::Family;
-use nodelb::core::hostfw::{self, Action, HostChain, Source, TableFamily, Test};
+use nodelb::core::ruleset::hostfw::{self, Action, HostChain, Source, TableFamily, Test};
 use nodelb::encode::nft::NftClient;
 use nodelb::encode::nft::foreign::AcceptWrite;
 

@@ -13,9 +13,9 @@ use std::time::Instant;
 
 use fuzzing::world::{self, MAX_MESSAGE, World};
 use k8s_openapi::api::core::v1::Service;
-use nodelb::core::compact::EndpointSlice;
-use nodelb::core::desired::{AllocationMode, Desired, SourceNotes};
-use nodelb::core::model::{self, MAX_ANNOTATION_BYTES, MAX_SERVICE_BACKENDS, ModelOptions, Refusal};
+use nodelb::core::decisions::desired::{AllocationMode, Desired, SourceNotes};
+use nodelb::core::inputs::compact::EndpointSlice;
+use nodelb::core::inputs::model::{self, MAX_ANNOTATION_BYTES, MAX_SERVICE_BACKENDS, ModelOptions, Refusal};
 use serde_json::{Value, json};
 
 fn svc(name: &str, ports: Vec<Value>, f: impl FnOnce(&mut Value)) -> Service {
@@ -203,7 +203,8 @@ fn source_ranges_times_ports_are_bounded() {
     assert!(
         d.services
             .iter()
-            .any(|s| &*s.name == "ranges-ok" && s.state != nodelb::core::report::ServiceState::Refused)
+            .any(|s| &*s.name == "ranges-ok"
+                && s.state != nodelb::core::reports::report::ServiceState::Refused)
     );
     let msg = refusal_of(&d, "ranges-over").to_string();
     assert!(
@@ -250,7 +251,7 @@ fn leader_writes_about_huge_values_fit_the_api() {
 fn load_with(
     name: &str,
     content: &[u8],
-) -> (nodelb::core::manifests::Manifests, std::path::PathBuf, tempfile::TempDir) {
+) -> (nodelb::core::inputs::manifests::Manifests, std::path::PathBuf, tempfile::TempDir) {
     let dir = tempfile::tempdir().expect("temp dir");
     let world = World::new();
     let docs: Vec<String> = world
@@ -279,9 +280,9 @@ fn load_with(
 }
 
 fn problem_with<'a>(
-    m: &'a nodelb::core::manifests::Manifests,
+    m: &'a nodelb::core::inputs::manifests::Manifests,
     needle: &str,
-) -> &'a nodelb::core::manifests::ManifestProblem {
+) -> &'a nodelb::core::inputs::manifests::ManifestProblem {
     m.problems.iter().find(|p| p.message.contains(needle)).unwrap_or_else(|| {
         panic!(
             "no problem saying {needle:?}: {:?}",

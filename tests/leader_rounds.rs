@@ -26,9 +26,12 @@ use common::rng::Rng;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::jiff::Timestamp;
-use nodelb::core::compact::EndpointSlice;
-use nodelb::core::desired::HostPolicy;
+use nodelb::core::decisions::desired::HostPolicy;
+use nodelb::core::decisions::pool::NodePortPool;
+use nodelb::core::decisions::port_policy::PortRange;
 use nodelb::core::domain::{Scope, ServiceKey};
+use nodelb::core::inputs::compact::EndpointSlice;
+use nodelb::core::inputs::model::{self, ANNOTATION_ALLOCATED, ANNOTATION_PORTS, ModelOptions};
 use nodelb::core::k8s::claims::{self, Claim, Holders, Keeper, Registry, Token};
 use nodelb::core::k8s::events::{Deduper, Outbox};
 use nodelb::core::k8s::publish::{ServiceEvent, ServiceWrite};
@@ -37,9 +40,6 @@ use nodelb::core::k8s::round::{
     event_key, events_to_send, plan_round,
 };
 use nodelb::core::k8s::snapshot::KubeSnapshot;
-use nodelb::core::model::{self, ANNOTATION_ALLOCATED, ANNOTATION_PORTS, ModelOptions};
-use nodelb::core::pool::NodePortPool;
-use nodelb::core::port_policy::PortRange;
 use serde_json::{Value, json};
 
 const NAMES: usize = 14;

@@ -9,7 +9,7 @@ use std::net::IpAddr;
 
 use common::netns::NetNs;
 use nodelb::core::domain::{Family, Protocol};
-use nodelb::core::ir::{
+use nodelb::core::ruleset::ir::{
     self, BaseChain, Chain, ChainType, Change, CtState, Expr, Hook, Key, KeyType, Mapped, NamedCounter, Rule,
     Ruleset, Set, SetKind, Verdict,
 };
@@ -733,7 +733,7 @@ fn dynamic_elements_are_ignored_by_verify_and_put_back_by_a_full_replace() {
 fn kernel_probe_passes_and_commits_nothing() {
     require_root!();
     let a = NetNs::new("nft-probe");
-    let probe = nodelb::core::kernel_support::probe();
+    let probe = nodelb::core::ruleset::kernel_support::probe();
     let check = |ns: &NetNs| {
         let probe = probe.clone();
         ns.run(move || nodelb::apply::kernel::check_probe(&mut NftClient::new().expect("netlink"), &probe))
@@ -757,9 +757,11 @@ fn kernel_probe_passes_and_commits_nothing() {
 fn kernel_probe_refusal_names_the_feature() {
     require_root!();
     let a = NetNs::new("nft-probe-no");
-    let mut probe = nodelb::core::kernel_support::probe();
-    let missing =
-        nodelb::core::kernel_support::Feature { what: "jumps to chains that do not exist", since: "99.1" };
+    let mut probe = nodelb::core::ruleset::kernel_support::probe();
+    let missing = nodelb::core::ruleset::kernel_support::Feature {
+        what: "jumps to chains that do not exist",
+        since: "99.1",
+    };
     let chain = match &probe[5].0 {
         Change::AddChain(c) => c.name.clone(),
         other => panic!("the probe's sixth change adds a chain, not {other:?}"),

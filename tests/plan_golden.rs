@@ -6,10 +6,10 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 
 use nodelb::core::domain::{Family, Protocol};
-use nodelb::core::ir::{Change, CtState, Ruleset};
-use nodelb::core::plan::{self, ServicePlan};
-use nodelb::core::simulate::simulate;
-use nodelb::core::trace::{self, Env, Origin, Packet};
+use nodelb::core::ruleset::ir::{Change, CtState, Ruleset};
+use nodelb::core::ruleset::plan::{self, ServicePlan};
+use nodelb::core::ruleset::simulate::simulate;
+use nodelb::core::ruleset::trace::{self, Env, Origin, Packet};
 
 use common::scenarios::*;
 
@@ -151,7 +151,7 @@ fn unsharded_names(text: &str) -> String {
 /// every scenario's sharded plan takes the same packets the same way (`tracer_table`).
 #[test]
 fn sharded_plans_keep_each_port_in_one_table() {
-    use nodelb::core::ir::Table;
+    use nodelb::core::ruleset::ir::Table;
     for s in scenarios() {
         for shards in [2u8, 4, 32] {
             let rs = plan_sharded(&s, shards);
@@ -181,7 +181,7 @@ fn sharded_plans_keep_each_port_in_one_table() {
             }
             // Every port's parts in one shard: the same as unsharded, names aside.
             let flat = plan_of(&s);
-            let strip = |names: Vec<&nodelb::core::ir::Name>| -> BTreeSet<String> {
+            let strip = |names: Vec<&nodelb::core::ruleset::ir::Name>| -> BTreeSet<String> {
                 names.into_iter().map(|n| unsharded_names(n)).collect()
             };
             let per_port = |rs: &Ruleset| {
@@ -202,7 +202,7 @@ fn full_chain_names(ruleset: &Ruleset, want: &str) -> String {
     let Some((head, prefix)) = want.rsplit_once(' ').filter(|(_, last)| last.ends_with('-')) else {
         return want.to_string();
     };
-    let named: Vec<&nodelb::core::ir::Name> =
+    let named: Vec<&nodelb::core::ruleset::ir::Name> =
         ruleset.chains.keys().filter(|c| c.starts_with(prefix)).collect();
     assert_eq!(named.len(), 1, "{want:?}: chains named {prefix}*: {named:?}");
     format!("{head} {}", named[0])
@@ -350,7 +350,7 @@ fn port_comments_fit_and_stay_readable() {
 /// rules, N = 1..=12).
 #[test]
 fn endpoint_draws_are_uniform() {
-    use nodelb::core::ir::Expr;
+    use nodelb::core::ruleset::ir::Expr;
     for n in 1..=12u32 {
         let endpoints = (0..n).map(|i| ep(&format!("198.51.100.{}", 10 + i), 8080, "node-1", true)).collect();
         let s = svc("spread", vec![(80, Protocol::Tcp, endpoints)]);
@@ -408,7 +408,7 @@ fn packets_count_in_the_service_ports_named_counters() {
     for rs in by_name.values() {
         for set in rs.sets.values() {
             for v in set.elements.values().flatten() {
-                if let nodelb::core::ir::Mapped::Counter(c) = v {
+                if let nodelb::core::ruleset::ir::Mapped::Counter(c) = v {
                     assert!(rs.counters.contains_key(c), "{c} is mapped but not planned");
                 }
             }
@@ -432,7 +432,7 @@ fn only_connections_drawn_to_their_own_client_are_masqueraded() {
             vec![ep("198.51.100.11", 8080, NODE, true), ep("198.51.100.12", 8080, NODE, true)],
         )],
     );
-    local.traffic_policy = nodelb::core::model::TrafficPolicy::Local;
+    local.traffic_policy = nodelb::core::inputs::model::TrafficPolicy::Local;
     let p = ports(&local, 20007);
     let rs = plan::plan(&[ServicePlan { service: &local, node_ports: &p }], &node(&[Family::Ipv4]));
     let from_be1 = packet(Protocol::Tcp, "198.51.100.11", NODE_V4, 20007);
@@ -456,12 +456,12 @@ fn affinity_is_followed_or_drawn_and_recorded() {
         s.session_affinity = Some(600);
         s
     };
-    let plan_of = |s: &nodelb::core::model::LbService| {
+    let plan_of = |s: &nodelb::core::inputs::model::LbService| {
         let p = ports(s, 20008);
         plan::plan(&[ServicePlan { service: s, node_ports: &p }], &node(&[Family::Ipv4]))
     };
     let two = sticky(&["198.51.100.11", "198.51.100.12"]);
-    let aff = |s: &nodelb::core::model::LbService, i: usize| {
+    let aff = |s: &nodelb::core::inputs::model::LbService, i: usize| {
         plan::affinity_set(Family::Ipv4, s, &s.ports[0], &s.ports[0].endpoints[i], 600).to_string()
     };
     let (aff11, aff12) = (aff(&two, 0), aff(&two, 1));
@@ -528,12 +528,12 @@ fn affinity_is_followed_or_drawn_and_recorded() {
 /// endpoint's update has a rule of its own so that a full set never stops its DNAT.
 #[test]
 fn affinity_draws_are_the_plain_cascade() {
-    use nodelb::core::ir::Expr;
+    use nodelb::core::ruleset::ir::Expr;
     for n in 1..=6u32 {
         let endpoints = (0..n).map(|i| ep(&format!("198.51.100.{}", 10 + i), 8080, NODE, true)).collect();
         let mut plain = svc("spread", vec![(80, Protocol::Tcp, endpoints)]);
         let p = ports(&plain, 20001);
-        let plan_one = |s: &nodelb::core::model::LbService| {
+        let plan_one = |s: &nodelb::core::inputs::model::LbService| {
             plan::plan(&[ServicePlan { service: s, node_ports: &p }], &node(&[Family::Ipv4]))
         };
         let draws = |rs: &Ruleset| -> Vec<Vec<Expr>> {
@@ -590,7 +590,7 @@ fn port_names_are_the_hash_of_the_formatted_identity() {
                 let hash = nodelb::core::domain::fnv1a(key.as_bytes()) as u32;
                 let mut n = format!("{kind}{digit}-{hash:08x}-{readable}");
                 n.truncate(200);
-                nodelb::core::ir::Name::from(n)
+                nodelb::core::ruleset::ir::Name::from(n)
             };
             let names = plan::PortNames::new(f, &s, port);
             let fam = f.name();

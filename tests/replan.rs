@@ -8,14 +8,14 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use nodelb::core::counters::CounterIndex;
-use nodelb::core::desired::Desired;
+use nodelb::core::decisions::desired::Desired;
 use nodelb::core::domain::{Family, PortId, Protocol, ServiceKey};
-use nodelb::core::ir::Ruleset;
-use nodelb::core::model::{LbService, TrafficPolicy};
-use nodelb::core::plan::{self, NodeFacts, ServicePlan};
-use nodelb::core::replan::{self, PlanInput, Planned, Planner};
-use nodelb::core::simulate::simulate;
+use nodelb::core::incremental::replan::{self, PlanInput, Planned, Planner};
+use nodelb::core::inputs::model::{LbService, TrafficPolicy};
+use nodelb::core::reports::counters::CounterIndex;
+use nodelb::core::ruleset::ir::Ruleset;
+use nodelb::core::ruleset::plan::{self, NodeFacts, ServicePlan};
+use nodelb::core::ruleset::simulate::simulate;
 
 use common::rng::Rng;
 use common::scenarios::*;
@@ -303,18 +303,18 @@ fn rest<R, I>(d: &Desired<R, I>) -> String {
 /// ruleset (`applied`, `index`: as the kernel holds them) the whole ruleset. Returns the whole
 /// result, how `compute` decided, and whether it patched.
 fn both_ways(
-    inputs: &nodelb::core::desired::Inputs<
+    inputs: &nodelb::core::decisions::desired::Inputs<
         '_,
         Arc<k8s_openapi::api::core::v1::Service>,
-        Arc<nodelb::core::compact::EndpointSlice>,
+        Arc<nodelb::core::inputs::compact::EndpointSlice>,
     >,
-    kept: &mut nodelb::core::desired::Kept,
+    kept: &mut nodelb::core::decisions::desired::Kept,
     applied: &mut Option<Ruleset>,
     index: &mut CounterIndex,
     what: &str,
-) -> (Desired, nodelb::core::desired::Extent, bool) {
-    let whole = nodelb::core::desired::compute_whole(inputs, true);
-    let (next, scope) = nodelb::core::desired::compute(inputs, true, kept, applied.as_ref());
+) -> (Desired, nodelb::core::decisions::desired::Extent, bool) {
+    let whole = nodelb::core::decisions::desired::compute_whole(inputs, true);
+    let (next, scope) = nodelb::core::decisions::desired::compute(inputs, true, kept, applied.as_ref());
     assert_eq!(rest(&next), rest(&whole), "{what} ({scope:?}): everything but the ruleset");
     let patched = match next.ruleset {
         Planned::Full(rs) => {
@@ -350,10 +350,12 @@ fn shuffle<T>(rng: &mut Rng, v: &mut [T]) {
 fn incremental_compute_gives_what_whole_compute_gives() {
     use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
     use k8s_openapi::api::core::v1::Service;
-    use nodelb::core::compact::EndpointSlice;
-    use nodelb::core::desired::{AllocationMode, HostFacts, HostPolicy, Inputs, Kept, SourceNotes};
-    use nodelb::core::model::ModelOptions;
-    use nodelb::core::port_policy::{PortPolicy, PortRange};
+    use nodelb::core::decisions::desired::{
+        AllocationMode, HostFacts, HostPolicy, Inputs, Kept, SourceNotes,
+    };
+    use nodelb::core::decisions::port_policy::{PortPolicy, PortRange};
+    use nodelb::core::inputs::compact::EndpointSlice;
+    use nodelb::core::inputs::model::ModelOptions;
 
     let spec = |i: u64, v: u64| -> ServiceSpec {
         // Some ask for one of three node ports: conflicts that the Services' ages decide.
@@ -384,7 +386,7 @@ fn incremental_compute_gives_what_whole_compute_gives() {
     };
     type Objects = (Vec<Arc<Service>>, Vec<Arc<EndpointSlice>>);
     let parse = |s: &ServiceSpec| -> Objects {
-        let m = nodelb::core::manifests::parse(std::path::Path::new("t.yaml"), "t.yaml", &s.render());
+        let m = nodelb::core::inputs::manifests::parse(std::path::Path::new("t.yaml"), "t.yaml", &s.render());
         assert!(m.problems.is_empty(), "{:?}", m.problems);
         (m.services, m.slices)
     };
@@ -535,7 +537,7 @@ fn what_only_the_allocator_reads_plans_nothing_again() {
     aged.allocated_since = Some("2024-01-02T00:00:00Z".parse().unwrap());
     aged.created = Some("2024-01-01T00:00:00Z".parse().unwrap());
     aged.previous_allocation = ports(&web, 20001);
-    aged.port_request = nodelb::core::model::PortRequest::ServicePorts;
+    aged.port_request = nodelb::core::inputs::model::PortRequest::ServicePorts;
     aged.uid = Some("u".into());
     let (planned, _) = planner.plan(vec![input(&aged)], &node, Some(&rs), true);
     assert!(
@@ -558,7 +560,7 @@ fn what_only_the_allocator_reads_plans_nothing_again() {
 /// and most syncs must be scoped, to a few Services.
 #[test]
 fn scoped_syncs_decide_what_whole_syncs_decide() {
-    scoped_syncs(nodelb::core::desired::AllocationMode::Annotated);
+    scoped_syncs(nodelb::core::decisions::desired::AllocationMode::Annotated);
 }
 
 /// Manifests mode, where the node allocates: the same histories, the allocation annotations
@@ -567,17 +569,21 @@ fn scoped_syncs_decide_what_whole_syncs_decide() {
 /// file's ages stamped as the agent stamps them (and changed underneath now and then).
 #[test]
 fn scoped_syncs_decide_what_whole_syncs_decide_when_the_node_allocates() {
-    scoped_syncs(nodelb::core::desired::AllocationMode::Allocate);
+    scoped_syncs(nodelb::core::decisions::desired::AllocationMode::Allocate);
 }
 
-fn scoped_syncs(mode: nodelb::core::desired::AllocationMode) {
+fn scoped_syncs(mode: nodelb::core::decisions::desired::AllocationMode) {
     use k8s_openapi::api::core::v1::Service;
-    use nodelb::core::compact::EndpointSlice;
-    use nodelb::core::desired::{AllocationMode, Extent, HostFacts, HostPolicy, Inputs, Kept, SourceNotes};
+    use nodelb::core::decisions::desired::{
+        AllocationMode, Extent, HostFacts, HostPolicy, Inputs, Kept, SourceNotes,
+    };
+    use nodelb::core::decisions::pool::{self, PoolContext, PoolSet};
+    use nodelb::core::decisions::port_policy::{PortPolicy, PortRange};
+    use nodelb::core::inputs::compact::EndpointSlice;
+    use nodelb::core::inputs::model::{
+        ANNOTATION_ALLOCATED, ANNOTATION_PORTS, CONDITION_ALLOCATED, ModelOptions,
+    };
     use nodelb::core::k8s::claims::{self, Owner, Registry};
-    use nodelb::core::model::{ANNOTATION_ALLOCATED, ANNOTATION_PORTS, CONDITION_ALLOCATED, ModelOptions};
-    use nodelb::core::pool::{self, PoolContext, PoolSet};
-    use nodelb::core::port_policy::{PortPolicy, PortRange};
     use serde_json::{Value, json};
 
     const NAMES: u64 = 24;
@@ -741,7 +747,7 @@ fn scoped_syncs(mode: nodelb::core::desired::AllocationMode) {
                         // The leader claims what it writes, before it writes it (mostly).
                         let owner = Owner::of_uid(svc["metadata"]["uid"].as_str().unwrap());
                         let written = svc["metadata"]["annotations"][ANNOTATION_ALLOCATED].as_str();
-                        for n in nodelb::core::model::annotated_numbers(written.unwrap_or_default()) {
+                        for n in nodelb::core::inputs::model::annotated_numbers(written.unwrap_or_default()) {
                             if rng.chance(0.8) {
                                 claim(&mut registry, n, Some(owner.clone()), next_rv());
                             }
@@ -822,14 +828,15 @@ fn scoped_syncs(mode: nodelb::core::desired::AllocationMode) {
                         match rng.below(3) {
                             0 => {
                                 let port = number(&mut rng);
-                                let listening =
-                                    rng.chance(0.5).then_some(nodelb::core::port_policy::Listener {
+                                let listening = rng.chance(0.5).then_some(
+                                    nodelb::core::decisions::port_policy::Listener {
                                         protocol: Protocol::Tcp,
                                         port,
                                         addr: "0.0.0.0".parse().unwrap(),
-                                    });
+                                    },
+                                );
                                 host.listeners =
-                                    nodelb::core::port_policy::Listeners::from_sockets(listening);
+                                    nodelb::core::decisions::port_policy::Listeners::from_sockets(listening);
                             }
                             1 => {
                                 host = HostFacts { listeners: host.listeners.clone(), ..Default::default() };
@@ -889,7 +896,7 @@ fn scoped_syncs(mode: nodelb::core::desired::AllocationMode) {
             if mode == AllocationMode::Annotated {
                 // A number is programmed only for the Service the registry gives it to.
                 for s in &svc_objects {
-                    let key = nodelb::core::model::service_key(s);
+                    let key = nodelb::core::inputs::model::service_key(s);
                     let owner = Owner::of(&key, s.metadata.uid.as_deref());
                     for n in whole.allocations.get(&key).into_iter().flat_map(|p| p.values()) {
                         assert_eq!(registry.owner(*n), Some(&owner), "{what}: {key} programs {n}");
@@ -937,15 +944,17 @@ fn scoped_syncs(mode: nodelb::core::desired::AllocationMode) {
 #[test]
 fn a_manifests_change_decides_only_its_service() {
     use common::manifest::{EndpointSpec, PortSpec, ServiceSpec};
-    use nodelb::core::desired::{AllocationMode, Extent, HostFacts, HostPolicy, Inputs, Kept, SourceNotes};
-    use nodelb::core::model::ModelOptions;
-    use nodelb::core::port_policy::{PortPolicy, PortRange};
+    use nodelb::core::decisions::desired::{
+        AllocationMode, Extent, HostFacts, HostPolicy, Inputs, Kept, SourceNotes,
+    };
+    use nodelb::core::decisions::port_policy::{PortPolicy, PortRange};
+    use nodelb::core::inputs::model::ModelOptions;
 
     let objects = |i: u16, asked: Option<u16>| {
         let s = ServiceSpec::new(&format!("s{i:03}"))
             .port(PortSpec::tcp(80, asked))
             .endpoint(EndpointSpec::local(std::net::Ipv4Addr::new(198, 51, 100, 1 + (i % 200) as u8)));
-        let m = nodelb::core::manifests::parse(std::path::Path::new("t.yaml"), "t.yaml", &s.render());
+        let m = nodelb::core::inputs::manifests::parse(std::path::Path::new("t.yaml"), "t.yaml", &s.render());
         assert!(m.problems.is_empty(), "{:?}", m.problems);
         (m.services, m.slices)
     };
@@ -988,7 +997,7 @@ fn a_manifests_change_decides_only_its_service() {
     let mut since: BTreeMap<ServiceKey, _> = all
         .values()
         .flat_map(|(s, _)| s.iter())
-        .map(|s| (nodelb::core::model::service_key(s), start))
+        .map(|s| (nodelb::core::inputs::model::service_key(s), start))
         .collect();
     assert_eq!(sync(&all, &mut previous, &mut since, "first"), Extent::Whole);
     assert_eq!(sync(&all, &mut previous, &mut since, "after the start"), Extent::Services(0));

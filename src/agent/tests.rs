@@ -7,9 +7,9 @@ use std::sync::RwLock;
 
 use super::*;
 use crate::apply::kernel_fake::{Batch, Failing, FakeKernel, FakeNode};
-use crate::core::counters::CounterKind;
-use crate::core::ir::{Carried, Change, Key, Ruleset, SetKind};
-use crate::core::port_policy::{PortPolicy, PortRange};
+use crate::core::decisions::port_policy::{PortPolicy, PortRange};
+use crate::core::reports::counters::CounterKind;
+use crate::core::ruleset::ir::{Carried, Change, Key, Ruleset, SetKind};
 use crate::observe::source::ManifestPools;
 use crate::serve::status::Status;
 use schedule::{WHOLE_SYNC_AT_MOST, WHOLE_SYNC_EVERY};
@@ -77,10 +77,10 @@ impl Harness {
             port_range: range,
             resync_period: Duration::from_secs(10),
             enable_forwarding: false,
-            masquerade_mark: crate::core::plan::DEFAULT_MASQUERADE_MARK,
-            connection_mark: crate::core::plan::DEFAULT_CONNECTION_MARK,
+            masquerade_mark: crate::core::ruleset::plan::DEFAULT_MASQUERADE_MARK,
+            connection_mark: crate::core::ruleset::plan::DEFAULT_CONNECTION_MARK,
             forward_mark: None,
-            nat_shards: crate::core::plan::NatShards::Fixed(1),
+            nat_shards: crate::core::ruleset::plan::NatShards::Fixed(1),
             model: ModelOptions::default(),
             sysctls: Sysctls::with_root(dir.path().join("proc-sys")),
             policy: HostPolicy {
@@ -94,8 +94,9 @@ impl Harness {
         let source = Source::manifests(manifests, pools).expect("watch the manifests");
         let status: SharedStatus = Arc::new(RwLock::new(Status::default()));
         // No scrape here reads the per-Service series: their counter read finds nothing.
-        let metrics =
-            Arc::new(Metrics::new(true, Arc::new(|_: &[&crate::core::ir::Name]| None)).expect("metrics"));
+        let metrics = Arc::new(
+            Metrics::new(true, Arc::new(|_: &[&crate::core::ruleset::ir::Name]| None)).expect("metrics"),
+        );
         let state = cfg.state_file.clone().map(StateFile::new);
         let mut agent =
             Agent::new(cfg, source, status, metrics, kernel, FakeNode::default(), state, State::default());
@@ -157,7 +158,7 @@ fn full_replaces(k: &FakeKernel) -> usize {
 /// Rules an earlier agent left: a chain nobody programs any more.
 fn leftover() -> Ruleset {
     let mut rs = Ruleset::default();
-    rs.add_chain(crate::core::ir::Chain {
+    rs.add_chain(crate::core::ruleset::ir::Chain {
         name: "svc4-old".into(),
         base: None,
         rules: vec![],
@@ -191,7 +192,7 @@ async fn later_syncs_are_diffs() {
     assert_eq!(k.batches.len(), 2);
     let Batch::Diff(diff) = &k.batches[1] else { panic!("a diff, got {:?}", k.batches[1]) };
     assert!(
-        !diff.is_empty() && !diff.contains(&Change::DeleteTable(crate::core::ir::Table::Main)),
+        !diff.is_empty() && !diff.contains(&Change::DeleteTable(crate::core::ruleset::ir::Table::Main)),
         "{diff:?}"
     );
     assert_eq!(k.table.as_ref(), Some(&applied));

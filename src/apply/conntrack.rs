@@ -22,7 +22,7 @@ use netlink_packet_netfilter::{
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 
 use crate::core::domain::Protocol;
-use crate::core::plan::UdpBackend;
+use crate::core::ruleset::plan::UdpBackend;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConntrackError {

@@ -5,17 +5,17 @@
 //! replace puts the client affinities back, and the named counters a batch resets are folded
 //! into the exported totals. What to send is decided by pure functions: [`next_batch`] for a
 //! whole ruleset, [`patch_batch`] for a patch of the one the kernel holds (the incremental
-//! planner's, `crate::core::replan`), which is then applied to it in place.
+//! planner's, `crate::core::incremental::replan`), which is then applied to it in place.
 
 use std::collections::BTreeSet;
 
 use tracing::{debug, warn};
 
 use crate::apply::kernel::Kernel;
-use crate::core::counters::{CounterState, IndexUpdate};
-use crate::core::ir::{Carried, Change, KeyType, Name, Ruleset, SetKind};
-use crate::core::plan::{self, UdpBackend};
-use crate::core::replan::{Planned, RulesetPatch};
+use crate::core::incremental::replan::{Planned, RulesetPatch};
+use crate::core::reports::counters::{CounterState, IndexUpdate};
+use crate::core::ruleset::ir::{Carried, Change, KeyType, Name, Ruleset, SetKind};
+use crate::core::ruleset::plan::{self, UdpBackend};
 use crate::encode::nft::{self, NftError};
 use crate::serve::metrics::Metrics;
 

@@ -10,11 +10,11 @@ use std::collections::BTreeMap;
 
 use crate::apply::xtables::{Layout, Xtables, XtablesError};
 use crate::core::domain::{Family, fnv1a};
-use crate::core::hostfw::{
+use crate::core::ruleset::hostfw::{
     self, AcceptChange, Evidence, EvidenceState, FamilyDiagnosis, Finding, ForwardCounts, HostChain, Source,
     TableFamily,
 };
-use crate::core::plan;
+use crate::core::ruleset::plan;
 use crate::encode::nft::foreign::AcceptWrite;
 use crate::encode::nft::{NftClient, NftError};
 use crate::serve::metrics::LabelSets;

@@ -16,11 +16,11 @@
 use std::collections::BTreeSet;
 
 use crate::apply::conntrack::{ConntrackClient, ConntrackError};
-use crate::core::endpoint_policy::HostAddresses;
-use crate::core::ir::{Carried, Change, KeyType, Name, Ruleset};
-use crate::core::kernel_support::{self, Feature};
-use crate::core::plan::UdpBackend;
-use crate::core::port_policy::Listener;
+use crate::core::decisions::endpoint_policy::HostAddresses;
+use crate::core::decisions::port_policy::Listener;
+use crate::core::ruleset::ir::{Carried, Change, KeyType, Name, Ruleset};
+use crate::core::ruleset::kernel_support::{self, Feature};
+use crate::core::ruleset::plan::UdpBackend;
 use crate::encode::nft::{ApplyStats, CounterValues, KernelTable, NftClient, NftError};
 use crate::observe::hostaddrs::HostAddrError;
 use crate::observe::listeners::ListenersError;
@@ -120,7 +120,7 @@ impl NodeReads for LocalNode {
     }
 }
 
-/// This kernel lacks something nodelb needs ([`crate::core::kernel_support`]).
+/// This kernel lacks something nodelb needs ([`crate::core::ruleset::kernel_support`]).
 #[derive(Debug, thiserror::Error)]
 pub enum SupportError {
     #[error("{0}")]

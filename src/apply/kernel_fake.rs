@@ -14,11 +14,11 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::apply::conntrack::ConntrackError;
 use crate::apply::kernel::{Kernel, NodeReads};
-use crate::core::endpoint_policy::HostAddresses;
-use crate::core::ir::{Carried, Change, KeyType, Name, Ruleset, SetKind, Table};
-use crate::core::plan::UdpBackend;
-use crate::core::port_policy::Listener;
-use crate::core::simulate::simulate;
+use crate::core::decisions::endpoint_policy::HostAddresses;
+use crate::core::decisions::port_policy::Listener;
+use crate::core::ruleset::ir::{Carried, Change, KeyType, Name, Ruleset, SetKind, Table};
+use crate::core::ruleset::plan::UdpBackend;
+use crate::core::ruleset::simulate::simulate;
 use crate::encode::nft::encode::{fingerprint, key_type_id};
 use crate::encode::nft::{
     ApplyStats, Counter, CounterValues, KernelChain, KernelCounter, KernelHook, KernelRule, KernelSet,

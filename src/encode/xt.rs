@@ -4,7 +4,7 @@
 //! `target` compat expressions) and the iptables-legacy reader, whose entries hold the same
 //! payloads. Pure: bytes in, values out; nothing here panics on any input.
 
-use crate::core::hostfw::{Action, Test, ct_state};
+use crate::core::ruleset::hostfw::{Action, Test, ct_state};
 
 /// `-m conntrack` (`struct xt_conntrack_mtinfo1/2/3`): offsets of the fields after the eight
 /// addresses (8 × 16 bytes), the timeouts (2 × 4), the protocol (2) and the ports (4 × 2).

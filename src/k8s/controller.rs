@@ -1,7 +1,7 @@
 //! The controller's edge (`nodelb controller`, a Deployment of its own): its replicas elect a
 //! leader ([`super::election`]), and the leader alone allocates node ports and writes Service
 //! status, the node-port registry, NodePortPool status and Service Events, only once the caches
-//! are complete: [`crate::core::alloc::allocate`] with the annotations as previous allocations, then
+//! are complete: [`crate::core::decisions::alloc::allocate`] with the annotations as previous allocations, then
 //! [`crate::core::k8s::publish::plan_writes`] → merge patches with a `metadata.resourceVersion`
 //! precondition (409 ⇒ retried on the next round), Events deduplicated per change. The node
 //! agents only read what it writes.
@@ -22,7 +22,7 @@ use serde_json::json;
 use tracing::{debug, info, warn};
 
 use crate::core::domain::{Scope, ServiceKey};
-use crate::core::model::{self, ANNOTATION_ALLOCATED};
+use crate::core::inputs::model::{self, ANNOTATION_ALLOCATED};
 use crate::serve::metrics::ControllerMetrics;
 
 use super::api::{CONTROLLER_NAME, FIELD_MANAGER, is_conflict, post_params, publish_event};

@@ -1,5 +1,5 @@
 //! The leader's writes of each `NodePortPool`'s status ([`write_statuses`]); the pools' pure
-//! decisions are [`crate::core::k8s::pools`] and [`crate::core::pool`].
+//! decisions are [`crate::core::k8s::pools`] and [`crate::core::decisions::pool`].
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -11,9 +11,9 @@ use kube::{Api, Client};
 use serde_json::json;
 use tracing::{debug, warn};
 
-use crate::core::alloc::Allocations;
+use crate::core::decisions::alloc::Allocations;
+use crate::core::decisions::pool::{Assignment, InvalidPool, NodePortPool, PoolContext, StatusInput};
 use crate::core::domain::ServiceKey;
-use crate::core::pool::{Assignment, InvalidPool, NodePortPool, PoolContext, StatusInput};
 
 use crate::core::k8s::nodes::{PoolSelections, ServingNode};
 use crate::core::k8s::snapshot::KubeSnapshot;
@@ -48,7 +48,7 @@ pub struct StatusRound<'a> {
     pub serving: &'a BTreeMap<String, ServingNode>,
 }
 
-/// Writes each pool's status ([`crate::core::pool::status_of`]) where it differs from what is stored:
+/// Writes each pool's status ([`crate::core::decisions::pool::status_of`]) where it differs from what is stored:
 /// a merge patch of the status subresource with a `metadata.resourceVersion` precondition (a 409
 /// is retried on the next round, like Service writes). Leader only. Returns whether a write met
 /// a stale resourceVersion.
@@ -100,7 +100,7 @@ pub async fn write_statuses(client: &Client, round: &StatusRound<'_>) -> Result<
             current: obj.status.as_ref(),
             now: Timestamp::now(),
         };
-        let wanted = crate::core::pool::status_of(&input);
+        let wanted = crate::core::decisions::pool::status_of(&input);
         if obj.status.as_ref() == Some(&wanted) {
             continue;
         }

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::core::compact::EndpointSlice;
+use crate::core::inputs::compact::EndpointSlice;
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Node, Service};
@@ -22,10 +22,10 @@ use kube::{Api, Client, Resource};
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
+use crate::core::decisions::pool::NodePortPool;
+use crate::core::inputs::model::Standing;
+use crate::core::inputs::slim::Slim;
 use crate::core::k8s::nodes::LABEL_NODE_LEASE;
-use crate::core::model::Standing;
-use crate::core::pool::NodePortPool;
-use crate::core::slim::Slim;
 use crate::locks::lock;
 use crate::observe::debounce::{Burst, Events};
 use crate::observe::fingerprint::Fingerprint;
@@ -52,17 +52,17 @@ impl NodeViews {
     /// a Service that carries the leader's decision (an allocation annotation or an `Allocated`
     /// condition saying why not), or an EndpointSlice of one, is added, removed or modified
     /// (uid + resourceVersion; a Service only in what a node reads of it,
-    /// [`crate::core::slim::node_view_hash`]: not its ingress or the leader's other conditions).
+    /// [`crate::core::inputs::slim::node_view_hash`]: not its ingress or the leader's other conditions).
     /// `pending` follows the Services that are nodelb's but wait for the leader's decision, and
     /// their EndpointSlices: no rule can come of them until it is written. Services nodelb does
-    /// not serve ([`crate::core::model::is_ours`]) with no decision on them, and EndpointSlices of
+    /// not serve ([`crate::core::inputs::model::is_ours`]) with no decision on them, and EndpointSlices of
     /// those or of no Service (the model reads a slice only through its Service: the slices of
     /// a deleted Service outlive it a moment), are in neither: a node computes nothing from
     /// them. A relist that brings nothing new keeps both, so nothing is recomputed.
     pub fn fingerprint(
         &mut self,
         snap: &KubeSnapshot,
-        opts: &crate::core::model::ModelOptions,
+        opts: &crate::core::inputs::model::ModelOptions,
     ) -> Fingerprint {
         #[derive(Default, Hash)]
         struct Part {
@@ -147,8 +147,8 @@ struct SliceView {
 /// not programmed yet.
 #[derive(Debug)]
 pub struct NodeViews {
-    services: crate::core::per_object::PerObject<Service, NodeView>,
-    slices: crate::core::per_object::PerObject<EndpointSlice, SliceView>,
+    services: crate::core::incremental::per_object::PerObject<Service, NodeView>,
+    slices: crate::core::incremental::per_object::PerObject<EndpointSlice, SliceView>,
     /// Hashes the Services' keys, the same way for both kinds.
     keys: foldhash::fast::RandomState,
     /// The trigger times of the new slice versions of programmed Services, since the last
@@ -204,13 +204,13 @@ impl NodeViews {
     fn pass(
         &mut self,
         snap: &KubeSnapshot,
-        opts: &crate::core::model::ModelOptions,
+        opts: &crate::core::inputs::model::ModelOptions,
     ) -> (Vec<NodeView>, Vec<SliceView>, Vec<SliceView>) {
         use std::hash::BuildHasher;
         let keys = &self.keys;
         let services = self.services.pass(&snap.services, |s| NodeView {
-            hash: crate::core::slim::node_view_hash(s),
-            key: keys.hash_one(crate::core::model::borrowed_key(
+            hash: crate::core::inputs::slim::node_view_hash(s),
+            key: keys.hash_one(crate::core::inputs::model::borrowed_key(
                 &s.metadata.namespace,
                 s.metadata.name.as_deref(),
             )),
@@ -221,7 +221,7 @@ impl NodeViews {
             (s.metadata.uid.as_deref(), s.metadata.resource_version.as_deref()).hash(&mut h);
             SliceView {
                 hash: h.finish(),
-                service: crate::core::model::slice_service(s).map(|k| keys.hash_one(k)),
+                service: crate::core::inputs::model::slice_service(s).map(|k| keys.hash_one(k)),
                 trigger: s.trigger_time,
             }
         });
@@ -450,7 +450,7 @@ impl KubeSource {
     /// Everything the endpoint policy refuses as the cluster's own
     /// ([`crate::core::k8s::nodes::cluster_addresses`]), and the typed addresses of `own`'s Node object
     /// ([`crate::core::k8s::nodes::address_types`]).
-    pub fn node_addresses(&self, own: &str) -> crate::core::endpoint_policy::HostAddresses {
+    pub fn node_addresses(&self, own: &str) -> crate::core::decisions::endpoint_policy::HostAddresses {
         let more = crate::core::k8s::nodes::ClusterObjects {
             leases: &self.leases.state(),
             api_server: &self.api_server(),
@@ -660,7 +660,7 @@ mod tests {
     /// EndpointSlices; Services that are not nodelb's, with their EndpointSlices, are in neither.
     #[test]
     fn fingerprint_parts_follow_what_a_node_programs_and_what_waits_for_the_leader() {
-        use crate::core::model::ANNOTATION_ALLOCATED;
+        use crate::core::inputs::model::ANNOTATION_ALLOCATED;
         use serde_json::json;
         // `version`: the generation (a spec change); each object its own resourceVersion.
         let rv = std::sync::atomic::AtomicU64::new(1);
@@ -697,7 +697,7 @@ mod tests {
             slices,
             ..Default::default()
         };
-        let (views, opts) = (&mut NodeViews::default(), &crate::core::model::ModelOptions::default());
+        let (views, opts) = (&mut NodeViews::default(), &crate::core::inputs::model::ModelOptions::default());
         let (a, b, sa) = (svc("a", 1, "decided"), svc("b", 2, "decided"), slice("sa", "a"));
         let base = views.fingerprint(&snap(vec![a.clone(), b.clone()], vec![sa.clone()]), opts);
         let mut fp = |services, slices| views.fingerprint(&snap(services, slices), opts);

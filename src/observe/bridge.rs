@@ -2,14 +2,14 @@
 //! bridges there are, their addresses, whether br_netfilter hands their bridged IP traffic to the
 //! netfilter hooks (`/proc/sys/net/bridge/bridge-nf-call-ip{,6}tables`, and each bridge's own
 //! `nf_call_ip{,6}tables`), and the hairpin mode of each port (`/sys/class/net/<bridge>/brif/
-//! <port>/hairpin_mode`). Reads only, into [`BridgeFacts`]; what they mean is decided by [`crate::core::hairpin`].
+//! <port>/hairpin_mode`). Reads only, into [`BridgeFacts`]; what they mean is decided by [`crate::core::ruleset::hairpin`].
 
 use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
 
 use ipnet::IpNet;
 
-use crate::core::hairpin::{Bridge, BridgeFacts, BridgePort};
+use crate::core::ruleset::hairpin::{Bridge, BridgeFacts, BridgePort};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BridgeError {

@@ -1,12 +1,12 @@
 //! This node's addresses, read from the kernel of the agent's network namespace (`getifaddrs`:
 //! one netlink dump of every interface address, no privilege needed). Feeds the endpoint policy
-//! ([`crate::core::endpoint_policy`]): a node's own address, and the directed broadcast address of each
+//! ([`crate::core::decisions::endpoint_policy`]): a node's own address, and the directed broadcast address of each
 //! of its interfaces, is not a DNAT target; and node port pools' `addresses` (which interface
 //! each address is on).
 
 use std::net::IpAddr;
 
-use crate::core::endpoint_policy::HostAddresses;
+use crate::core::decisions::endpoint_policy::HostAddresses;
 
 #[derive(Debug, thiserror::Error)]
 pub enum HostAddrError {

@@ -1,7 +1,7 @@
 //! The node's listening sockets, read from the kernel of the agent's network namespace over
 //! netlink `sock_diag` (`NETLINK_SOCK_DIAG`, the interface `ss` uses): TCP sockets in `LISTEN`
 //! and UDP sockets that are bound but not connected, IPv4 and IPv6. Feeds the port policy
-//! ([`crate::core::port_policy`]): a port a process on the node listens on is never taken.
+//! ([`crate::core::decisions::port_policy`]): a port a process on the node listens on is never taken.
 //!
 //! Why sock_diag and not `/proc/net/{tcp,udp}{,6}`: the kernel filters by state before anything
 //! is copied (a node with any number of established connections sends only its few listeners), the
@@ -18,8 +18,8 @@ use netlink_packet_sock_diag::constants::{AF_INET, AF_INET6, IPPROTO_TCP, IPPROT
 use netlink_packet_sock_diag::inet::{ExtensionFlags, InetRequest, SocketId, StateFlags};
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
 
+use crate::core::decisions::port_policy::Listener;
 use crate::core::domain::Protocol;
-use crate::core::port_policy::Listener;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ListenersError {

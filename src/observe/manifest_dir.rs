@@ -1,6 +1,6 @@
 //! The manifests directory (`nodelb run --manifests DIR`): which files are manifests, reading
 //! them, and a cache of parsed files by stamp so that a change to one file of a large directory
-//! parses that file only. What the text means is [`crate::core::manifests`]'s.
+//! parses that file only. What the text means is [`crate::core::inputs::manifests`]'s.
 //!
 //! Files: every `*.yaml`, `*.yml` and `*.json` directly in DIR (no recursion), sorted by name;
 //! hidden files are skipped, which also skips Kubernetes ConfigMap volume internals (`..data`,
@@ -12,7 +12,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::core::manifests::{self, Manifests};
+use crate::core::inputs::manifests::{self, Manifests};
 
 /// Largest manifest file read (16 MiB): thousands of Services with their EndpointSlices fit in one.
 /// A larger file is a problem (its Services keep their last good version), never a read of

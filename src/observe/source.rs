@@ -6,16 +6,16 @@ use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use crate::core::compact::EndpointSlice;
+use crate::core::inputs::compact::EndpointSlice;
 use k8s_openapi::api::core::v1::Service;
 
-use crate::core::desired::{AllocationMode, SourceNotes};
+use crate::core::decisions::desired::{AllocationMode, SourceNotes};
+use crate::core::decisions::pool::{LastValid, PoolContext};
+use crate::core::decisions::port_policy::PortRange;
+use crate::core::inputs::manifests::{IgnoredLog, LastGood};
+use crate::core::inputs::model::{ModelOptions, Refusal};
 use crate::core::k8s::claims::{ReadRegistry, Registry};
 use crate::core::k8s::lastgood::LastGoodServices;
-use crate::core::manifests::{IgnoredLog, LastGood};
-use crate::core::model::{ModelOptions, Refusal};
-use crate::core::pool::{LastValid, PoolContext};
-use crate::core::port_policy::PortRange;
 use crate::k8s::source::{KubeSource, NodeViews};
 use crate::observe::dir_watch::{DirWatcher, WatchError};
 use crate::observe::manifest_dir::{ManifestCache, ManifestError};
@@ -35,7 +35,7 @@ pub struct Snapshot {
     /// Node port pools (`None`: the flags' range for everything).
     pub pools: Option<Box<PoolContext>>,
     /// Kubernetes mode: the node-port registry, the record of who holds each number
-    /// ([`crate::core::desired::Inputs::registry`]).
+    /// ([`crate::core::decisions::desired::Inputs::registry`]).
     pub registry: Option<Registry>,
 }
 
@@ -169,7 +169,7 @@ impl Source {
                         "{o}: nodelb uses only v1 Service, discovery.k8s.io/v1 EndpointSlice and nodelb.io/v1alpha1 NodePortPool"
                     );
                 }
-                let (ctx, pool_problems) = crate::core::manifests::pool_context(
+                let (ctx, pool_problems) = crate::core::inputs::manifests::pool_context(
                     &loaded,
                     pools_last_valid,
                     pools.port_range,
@@ -272,7 +272,7 @@ impl Source {
     /// Addresses of the cluster's nodes (Kubernetes mode: every Node object's, which endpoints
     /// must not be, and this node's own by type, which pools select); manifests mode knows none
     /// beyond this node's own.
-    pub fn node_addresses(&self) -> crate::core::endpoint_policy::HostAddresses {
+    pub fn node_addresses(&self) -> crate::core::decisions::endpoint_policy::HostAddresses {
         match self {
             Source::Manifests { .. } => Default::default(),
             Source::Kube { source, node, .. } => source.node_addresses(node),

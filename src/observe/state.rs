@@ -4,7 +4,7 @@
 //! Format (JSON, so a human can read and fix it):
 //! `{"version":1,"journal":3,"allocations":{"default/web":{"80/TCP":20001}},"since":{"default/web":"2025-01-01T00:00:00Z"}}`.
 //! `since` is when this node first allocated the Service a port: manifests have no
-//! creationTimestamp, so this is what "older" means in manifests mode ([`crate::core::alloc`]).
+//! creationTimestamp, so this is what "older" means in manifests mode ([`crate::core::decisions::alloc`]).
 //! Decisions:
 //! - `since` is an addition, not a new version: files of older nodelb versions (no `since`) load
 //!   as they are, their Services are stamped with the time they are first read (logged once) and
@@ -59,7 +59,7 @@ use std::path::{Path, PathBuf};
 
 use k8s_openapi::jiff::Timestamp;
 
-use crate::core::alloc::Allocations;
+use crate::core::decisions::alloc::Allocations;
 use crate::core::domain::{PortId, ServiceKey};
 
 pub const STATE_VERSION: u32 = 1;
@@ -210,7 +210,7 @@ impl State {
         State { allocations, since }
     }
 
-    /// The allocation time of `key` as [`crate::core::model::LbService::allocated_since`] carries it.
+    /// The allocation time of `key` as [`crate::core::inputs::model::LbService::allocated_since`] carries it.
     pub fn since_of(&self, key: &ServiceKey) -> Option<String> {
         self.since.get(key).map(|t| t.to_string())
     }

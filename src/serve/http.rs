@@ -20,8 +20,8 @@ use axum::routing::get;
 
 use std::collections::BTreeMap;
 
-use crate::core::counters::{CounterKind, Series, SeriesKey, Totals};
 use crate::core::domain::{PortId, ServiceKey, parse_protocol};
+use crate::core::reports::counters::{CounterKind, Series, SeriesKey, Totals};
 use crate::k8s::controller::Liveness;
 use crate::k8s::election::Leadership;
 use crate::k8s::review::Reviewer;
@@ -324,7 +324,8 @@ mod tests {
 
     async fn get_healthz(last_tick: Option<Instant>, stuck_after: Duration) -> (StatusCode, String) {
         let status = Status { last_tick, ..Default::default() };
-        let metrics = Arc::new(Metrics::new(false, Arc::new(|_: &[&crate::core::ir::Name]| None)).unwrap());
+        let metrics =
+            Arc::new(Metrics::new(false, Arc::new(|_: &[&crate::core::ruleset::ir::Name]| None)).unwrap());
         let status = Arc::new(RwLock::new(status));
         let probes = Arc::new(NodeProbes { status: status.clone(), stuck_after });
         let app = AppState { status, metrics, probes };
@@ -403,7 +404,7 @@ mod access_tests {
         let auth = Arc::new(MetricsAuth::new(fake.clone()));
         let state = MetricsState {
             metrics: Arc::new(
-                Metrics::new(false, Arc::new(|_: &[&crate::core::ir::Name]| None)).expect("metrics"),
+                Metrics::new(false, Arc::new(|_: &[&crate::core::ruleset::ir::Name]| None)).expect("metrics"),
             ),
             auth,
         };

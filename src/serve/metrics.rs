@@ -2,7 +2,7 @@
 //! per-Service traffic counters are read from the kernel's named counter objects at scrape time
 //! (one object dump; no per-packet work in userspace) through the [`ReadCounters`] the caller
 //! hands in (the apply layer's netlink read: this module does no I/O of its own), plus the totals
-//! of counters that batches reset ([`crate::core::counters`]). The sync loop holds the
+//! of counters that batches reset ([`crate::core::reports::counters`]). The sync loop holds the
 //! [`CounterState`] lock from reading the counters before a batch until the base is folded after
 //! it, and a scrape holds it while it reads the kernel, so a scrape sees the kernel and the base
 //! of the same side of a batch.
@@ -18,8 +18,8 @@ use prometheus::{
     Registry,
 };
 
-use crate::core::counters::{CounterKind, CounterState, CounterValues, Series, SeriesKey, Totals};
-use crate::core::ir::Name;
+use crate::core::reports::counters::{CounterKind, CounterState, CounterValues, Series, SeriesKey, Totals};
+use crate::core::ruleset::ir::Name;
 pub use crate::k8s::metrics::KubeMetrics;
 
 pub type SharedCounters = Arc<Mutex<CounterState>>;
@@ -279,7 +279,7 @@ impl Metrics {
             ),
             &["reason"],
         )?;
-        for reason in crate::core::endpoint_policy::REASON_CODES {
+        for reason in crate::core::decisions::endpoint_policy::REASON_CODES {
             endpoints_refused.with_label_values(&[reason]).set(0);
         }
         let node_ports_refused = IntGaugeVec::new(

@@ -1,5 +1,5 @@
 //! What the agent reports about itself: per-Service state (programmed, waiting for endpoints,
-//! refused and why: [`crate::core::report`]), forwarding per family, the host firewall, the last sync. Shared between the sync loop (writer)
+//! refused and why: [`crate::core::reports::report`]), forwarding per family, the host firewall, the last sync. Shared between the sync loop (writer)
 //! and the HTTP server (reader); serialised as the `/status` JSON that `nodelb status` prints.
 
 use std::collections::BTreeMap;
@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use crate::core::report::ServiceStatus;
+use crate::core::reports::report::ServiceStatus;
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -37,7 +37,7 @@ impl FamilyStatus {
     }
 }
 
-/// What the last host-firewall check found (see [`crate::core::hostfw`]).
+/// What the last host-firewall check found (see [`crate::core::ruleset::hostfw`]).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct HostFirewallStatus {
@@ -47,9 +47,9 @@ pub struct HostFirewallStatus {
     pub drops: Vec<FirewallDrop>,
     /// The node-level forward counters per family: new connections that entered the forward
     /// path and that left it, as last read.
-    pub counters: BTreeMap<String, crate::core::hostfw::ForwardCounts>,
+    pub counters: BTreeMap<String, crate::core::ruleset::hostfw::ForwardCounts>,
     /// What the counters said last, per family (`dropping` since when, or `passing`).
-    pub evidence: BTreeMap<String, crate::core::hostfw::EvidenceState>,
+    pub evidence: BTreeMap<String, crate::core::ruleset::hostfw::EvidenceState>,
     /// Where nodelb's ACCEPT is (`--iptables-forward-accept`), e.g. `table ip filter chain FORWARD`.
     pub accept_rules: Vec<String>,
     /// Chains or tables that could not be read or written.
@@ -60,7 +60,7 @@ pub struct HostFirewallStatus {
 #[serde(rename_all = "camelCase")]
 pub struct FirewallDrop {
     #[serde(flatten)]
-    pub finding: crate::core::hostfw::Finding,
+    pub finding: crate::core::ruleset::hostfw::Finding,
     /// Every new connection of the family is dropped there (not only maybe).
     pub certain: bool,
     pub fix: String,
@@ -98,7 +98,7 @@ pub struct Status {
     /// Bridges on which an endpoint reaching its own Service through the node fails
     /// (hairpin mode off behind br_netfilter).
     #[serde(default)]
-    pub hairpin: Vec<crate::core::hairpin::HairpinWarning>,
+    pub hairpin: Vec<crate::core::ruleset::hairpin::HairpinWarning>,
     pub last_sync: Option<SyncStatus>,
     /// The source has been read completely at least once.
     pub source_synced: bool,

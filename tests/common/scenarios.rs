@@ -3,9 +3,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use nodelb::core::domain::{Family, PortId, Protocol, ServiceKey};
-use nodelb::core::ir::Ruleset;
-use nodelb::core::model::{Endpoint, LbPort, LbService, TrafficPolicy};
-use nodelb::core::plan::{self, NodeFacts, ServicePlan};
+use nodelb::core::inputs::model::{Endpoint, LbPort, LbService, TrafficPolicy};
+use nodelb::core::ruleset::ir::Ruleset;
+use nodelb::core::ruleset::plan::{self, NodeFacts, ServicePlan};
 
 pub const NODE: &str = "node-1";
 pub const NODE_V4: &str = "203.0.113.1";

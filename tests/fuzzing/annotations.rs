@@ -8,9 +8,9 @@ use std::collections::BTreeMap;
 
 use arbitrary::Unstructured;
 use k8s_openapi::api::coordination::v1::Lease;
+use nodelb::core::decisions::port_policy::Listeners;
+use nodelb::core::inputs::model::{self, Refusal};
 use nodelb::core::k8s::nodes;
-use nodelb::core::model::{self, Refusal};
-use nodelb::core::port_policy::Listeners;
 use serde_json::{Value, json};
 
 use super::hostile;

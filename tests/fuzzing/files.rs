@@ -8,9 +8,9 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use k8s_openapi::api::core::v1::Service;
-use nodelb::core::compact::EndpointSlice;
-use nodelb::core::desired::{AllocationMode, Desired, SourceNotes};
-use nodelb::core::manifests::{LastGood, Manifests};
+use nodelb::core::decisions::desired::{AllocationMode, Desired, SourceNotes};
+use nodelb::core::inputs::compact::EndpointSlice;
+use nodelb::core::inputs::manifests::{LastGood, Manifests};
 use nodelb::observe::state::StateFile;
 
 use super::world::{self, GOOD_NS, World};
@@ -72,7 +72,8 @@ pub fn manifests(data: &[u8]) {
             );
         }
         let good: BTreeSet<_> = world.keys();
-        let served: BTreeSet<_> = m.services.iter().map(|s| nodelb::core::model::service_key(s)).collect();
+        let served: BTreeSet<_> =
+            m.services.iter().map(|s| nodelb::core::inputs::model::service_key(s)).collect();
         assert!(good.is_subset(&served), "the good file's Services are not all read: {served:?}");
         let mut last_good = LastGood::default();
         let m = last_good.apply(m);

@@ -8,13 +8,13 @@ use std::time::Duration;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::jiff::Timestamp;
-use nodelb::core::compact::EndpointSlice;
-use nodelb::core::desired::HostPolicy;
+use nodelb::core::decisions::desired::HostPolicy;
+use nodelb::core::inputs::compact::EndpointSlice;
+use nodelb::core::inputs::model::ModelOptions;
 use nodelb::core::k8s::claims::{Holders, Registry, Token};
 use nodelb::core::k8s::events::{MAX_NOTE_BYTES, event_note};
 use nodelb::core::k8s::round::{ClaimInputs, ControllerConfig, RoundPlan, plan_round};
 use nodelb::core::k8s::snapshot::KubeSnapshot;
-use nodelb::core::model::ModelOptions;
 use serde_json::{Value, json};
 
 use super::world::{self, GOOD_NS};
@@ -106,7 +106,7 @@ fn assert_acceptable(p: &RoundPlan, what: &str) {
     for w in &p.writes {
         if let Some(Some(value)) = &w.annotation {
             assert!(
-                value.len() <= nodelb::core::model::MAX_ANNOTATION_BYTES,
+                value.len() <= nodelb::core::inputs::model::MAX_ANNOTATION_BYTES,
                 "{what}: annotation of {} bytes",
                 value.len()
             );

@@ -5,7 +5,7 @@
 //! loop or a read past the input; what decodes from the undamaged messages is our table.
 
 use arbitrary::Unstructured;
-use nodelb::core::desired::{AllocationMode, SourceNotes};
+use nodelb::core::decisions::desired::{AllocationMode, SourceNotes};
 use nodelb::encode::nft::decode::{self, TableDump};
 
 use super::world::{self, World};
@@ -17,7 +17,7 @@ const NFT_MSG_NEWSETELEM: u16 = 12;
 const NFT_MSG_NEWOBJ: u16 = 18;
 
 /// The good world's ruleset as nodelb encodes it, split into dump sections by message type.
-fn good_dump() -> (TableDump, Vec<Vec<u8>>, nodelb::core::ir::Ruleset) {
+fn good_dump() -> (TableDump, Vec<Vec<u8>>, nodelb::core::ruleset::ir::Ruleset) {
     let world = World::new();
     let (s, e) = world.typed();
     let d = world::compute(AllocationMode::Allocate, &s, &e, &SourceNotes::default(), &world.allocations);
@@ -40,7 +40,7 @@ fn good_dump() -> (TableDump, Vec<Vec<u8>>, nodelb::core::ir::Ruleset) {
 }
 
 thread_local! {
-    static GOOD: (TableDump, Vec<Vec<u8>>, nodelb::core::ir::Ruleset) = good_dump();
+    static GOOD: (TableDump, Vec<Vec<u8>>, nodelb::core::ruleset::ir::Ruleset) = good_dump();
 }
 
 /// Damages `msg` a few times: flip, overwrite a length field, truncate, insert, splice.

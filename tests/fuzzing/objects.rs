@@ -8,12 +8,12 @@ use std::sync::Arc;
 
 use arbitrary::Unstructured;
 use k8s_openapi::api::core::v1::Service;
-use nodelb::core::alloc::Allocations;
-use nodelb::core::compact::EndpointSlice;
-use nodelb::core::desired::{AllocationMode, SourceNotes};
+use nodelb::core::decisions::alloc::Allocations;
+use nodelb::core::decisions::desired::{AllocationMode, SourceNotes};
+use nodelb::core::inputs::compact::EndpointSlice;
+use nodelb::core::inputs::model::{self, ModelOptions, NO_SLICES};
+use nodelb::core::inputs::slim::Slim;
 use nodelb::core::k8s::lastgood::LastGoodServices;
-use nodelb::core::model::{self, ModelOptions, NO_SLICES};
-use nodelb::core::slim::Slim;
 use serde_json::Value;
 
 use super::world::{self, World};

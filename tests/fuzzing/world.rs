@@ -6,14 +6,16 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::jiff::Timestamp;
-use nodelb::core::alloc::Allocations;
-use nodelb::core::compact::EndpointSlice;
-use nodelb::core::desired::{self, AllocationMode, Desired, HostFacts, HostPolicy, Inputs, SourceNotes};
+use nodelb::core::decisions::alloc::Allocations;
+use nodelb::core::decisions::desired::{
+    self, AllocationMode, Desired, HostFacts, HostPolicy, Inputs, SourceNotes,
+};
+use nodelb::core::decisions::port_policy::PortRange;
 use nodelb::core::domain::{Family, PortId, ServiceKey};
-use nodelb::core::model::ModelOptions;
-use nodelb::core::plan::NodeFacts;
-use nodelb::core::port_policy::PortRange;
-use nodelb::core::report::ServiceState;
+use nodelb::core::inputs::compact::EndpointSlice;
+use nodelb::core::inputs::model::ModelOptions;
+use nodelb::core::reports::report::ServiceState;
+use nodelb::core::ruleset::plan::NodeFacts;
 use serde_json::{Value, json};
 
 /// Namespace of the good objects; hostile objects are kept out of it (see [`keep_out`]), so any
@@ -125,7 +127,7 @@ pub fn node() -> NodeFacts {
         node_name: "node-1".into(),
         families: BTreeSet::from([Family::Ipv4, Family::Ipv6]),
         masquerade_mark: 0x4000,
-        connection_mark: nodelb::core::plan::DEFAULT_CONNECTION_MARK,
+        connection_mark: nodelb::core::ruleset::plan::DEFAULT_CONNECTION_MARK,
         forward_mark: None,
         nat_shards: 1,
     }
@@ -225,12 +227,12 @@ pub fn head(s: &str) -> String {
 /// The planned ruleset is one the kernel accepts as far as nodelb can tell without it: it
 /// encodes (names and comments within nftables' limits) and a diff from the good ruleset replays
 /// to exactly it.
-pub fn assert_ruleset_sound(base: &nodelb::core::ir::Ruleset, d: &Desired, what: &str) {
+pub fn assert_ruleset_sound(base: &nodelb::core::ruleset::ir::Ruleset, d: &Desired, what: &str) {
     if let Err(e) = nodelb::encode::nft::encode::encode_refs(d.ruleset.full_replace_refs(), 1) {
         panic!("{what}: the planned ruleset does not encode: {e}");
     }
-    let changes = nodelb::core::plan::diff(base, &d.ruleset);
-    match nodelb::core::simulate::simulate(base, &changes) {
+    let changes = nodelb::core::ruleset::plan::diff(base, &d.ruleset);
+    match nodelb::core::ruleset::simulate::simulate(base, &changes) {
         Ok(after) => {
             assert!(after == d.ruleset, "{what}: diff from the good ruleset does not replay to the plan")
         }

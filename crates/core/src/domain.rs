@@ -150,14 +150,6 @@ impl<'a, K: Eq + std::hash::Hash> Scope<'a, K> {
     pub fn of(keys: Option<&'a foldhash::HashSet<K>>) -> Self {
         keys.map_or(Scope::All, Scope::Keys)
     }
-
-    /// The keys of a scoped pass; `None` for a whole one.
-    pub fn keys(&self) -> Option<&'a foldhash::HashSet<K>> {
-        match self {
-            Scope::All => None,
-            Scope::Keys(keys) => Some(keys),
-        }
-    }
 }
 
 impl ServiceKey {

@@ -15,7 +15,9 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::{Ipv4Addr, Ipv6Addr};
 
-use crate::core::hostfw::{Action, HostBase, HostChain, HostRule, Source, TableFamily, Test, accept_comment};
+use crate::core::ruleset::hostfw::{
+    Action, HostBase, HostChain, HostRule, Source, TableFamily, Test, accept_comment,
+};
 use crate::encode::xt;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -385,7 +387,9 @@ impl Table {
         Ok((first..policy)
             .filter(|&i| {
                 self.matches(&self.entries[i]).iter().any(|(name, rev, info)| {
-                    crate::core::hostfw::is_ours(xt::decode_match(name, *rev, info).comment.as_deref())
+                    crate::core::ruleset::hostfw::is_ours(
+                        xt::decode_match(name, *rev, info).comment.as_deref(),
+                    )
                 })
             })
             .collect())

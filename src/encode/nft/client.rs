@@ -13,8 +13,8 @@ use super::consts::*;
 use super::encode::{self, Encoded, describe_ref, msg_type};
 use super::nla::{Writer, messages};
 use super::{ApplyStats, Counter, CounterValues, KernelTable, NftError, decode, foreign};
-use crate::core::hostfw::{Action, HostBase, HostChain, Source, TableFamily};
-use crate::core::ir::{Carried, Change, ChangeRef, KeyType, Name, Ruleset, Table};
+use crate::core::ruleset::hostfw::{Action, HostBase, HostChain, Source, TableFamily};
+use crate::core::ruleset::ir::{Carried, Change, ChangeRef, KeyType, Name, Ruleset, Table};
 
 /// Most foreign chains [`NftClient::read_forward_chains`] reads (base chains first); a jump to a
 /// chain beyond it makes the analysis uncertain, never wrong.

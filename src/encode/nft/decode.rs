@@ -9,7 +9,7 @@ use super::encode::{RawElement, part_len};
 use super::nla::{as_str, as_u32, as_u64, attrs, get, table, udata_iter};
 use super::{Counter, KernelChain, KernelCounter, KernelHook, KernelRule, KernelSet, KernelTable, NftError};
 use crate::core::domain::Protocol;
-use crate::core::ir::{Key, KeyPart, KeyType, Mapped, SetKind, Verdict};
+use crate::core::ruleset::ir::{Key, KeyPart, KeyType, Mapped, SetKind, Verdict};
 
 /// nfgenmsg precedes the attributes of every nf_tables message.
 const NFGENMSG_LEN: usize = 4;

@@ -13,7 +13,7 @@ use super::NftError;
 use super::consts::*;
 use super::nla::{Writer, udata_put};
 use crate::core::domain::{Family, Protocol, fnv1a};
-use crate::core::ir::{
+use crate::core::ruleset::ir::{
     self, Change, ChangeRef, Expr, Key, KeyPart, KeyType, Mapped, Rule, SetKind, Table, Verdict,
 };
 

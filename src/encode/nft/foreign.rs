@@ -16,7 +16,7 @@ use super::NftError;
 use super::consts::*;
 use super::encode::msg_type;
 use super::nla::{Writer, as_str, as_u32, as_u64, attrs, get, table, udata_iter, udata_put};
-use crate::core::hostfw::{Action, HostRule, TableFamily, Test, accept_comment};
+use crate::core::ruleset::hostfw::{Action, HostRule, TableFamily, Test, accept_comment};
 use crate::encode::xt;
 
 // Attributes of expressions nodelb only reads (nf_tables.h, nf_tables_compat.h).
@@ -461,7 +461,7 @@ fn put_value(w: &mut Writer, ty: u16, value: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::hostfw::{Test, is_ours};
+    use crate::core::ruleset::hostfw::{Test, is_ours};
 
     /// A NEWRULE payload (nfgenmsg + attributes) from expressions written like the encoder does.
     fn rule_payload(nfproto: u8, exprs: impl FnOnce(&mut Writer), udata: Option<&[u8]>) -> Vec<u8> {

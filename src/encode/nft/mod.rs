@@ -21,11 +21,11 @@ pub use client::NftClient;
 pub use encode::fingerprint;
 pub use verify::verify;
 
-pub use crate::core::counters::{Counter, CounterValues};
+pub use crate::core::reports::counters::{Counter, CounterValues};
 
 use std::collections::BTreeMap;
 
-use crate::core::ir::{Key, KeyType, Mapped, SetKind};
+use crate::core::ruleset::ir::{Key, KeyType, Mapped, SetKind};
 
 /// Every error of the module. Kernel input never panics: malformed replies become `Malformed`.
 #[derive(Debug, thiserror::Error)]

@@ -5,7 +5,7 @@
 
 use super::KernelTable;
 use super::encode::{fingerprint, key_type_id};
-use crate::core::ir::{self, Ruleset, SetKind};
+use crate::core::ruleset::ir::{self, Ruleset, SetKind};
 
 pub fn verify(expected: &Ruleset, actual: Option<&KernelTable>) -> Vec<String> {
     let mut out = Vec::new();

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use super::fixtures::{SLICE, SVC, dir_with};
 use super::*;
 use crate::core::domain::ServiceKey;
-use crate::core::manifests::LastGood;
+use crate::core::inputs::manifests::LastGood;
 
 fn names(m: &Manifests) -> (Vec<String>, Vec<String>) {
     let key = |meta: &ObjectMeta| {
@@ -182,8 +182,8 @@ fn json_and_lists() {
 /// names its file, object and value and its last valid version stays in force.
 #[test]
 fn pools_in_the_directory_go_through_the_pool_decisions() {
-    use crate::core::pool::LastValid;
-    use crate::core::port_policy::PortRange;
+    use crate::core::decisions::pool::LastValid;
+    use crate::core::decisions::port_policy::PortRange;
     const EDGE: &str = "apiVersion: nodelb.io/v1alpha1\nkind: NodePortPool\nmetadata:\n  name: edge\n  namespace: ignored\nspec:\n  ports: [{start: 21000, end: 21009}]\n  nodeSelector: {matchLabels: {zone: a}}\n";
     let list = r#"{"apiVersion":"v1","kind":"List","items":[{"apiVersion":"nodelb.io/v1alpha1","kind":"NodePortPool","metadata":{"name":"any"},"spec":{"ports":[{"start":22000,"end":22000}],"priority":5}}]}"#;
     let dir = dir_with(&[("edge.yaml", EDGE), ("list.json", list), ("web.yaml", SVC)]);
@@ -193,7 +193,8 @@ fn pools_in_the_directory_go_through_the_pool_decisions() {
     let mut last_valid = LastValid::default();
     let mut read = |labels: &BTreeMap<String, String>, last_valid: &mut LastValid| {
         let m = last_good.apply(load_dir(dir.path()).expect("load"));
-        let (ctx, problems) = crate::core::manifests::pool_context(&m, last_valid, flags, labels, true);
+        let (ctx, problems) =
+            crate::core::inputs::manifests::pool_context(&m, last_valid, flags, labels, true);
         let mut all: Vec<String> = m.problems.iter().map(ToString::to_string).collect();
         all.extend(problems);
         (m, ctx, all)

@@ -48,8 +48,8 @@ use k8s_openapi::jiff::Timestamp;
 
 use crate::domain::Protocol;
 use crate::domain::ServiceKey;
-use crate::model::{self, LbService};
-use crate::per_object::PerObject;
+use crate::incremental::per_object::PerObject;
+use crate::inputs::model::{self, LbService};
 
 /// Name prefix of the registry Leases (`nodelb-node-ports-2` holds 16384–24575).
 pub const LEASE_PREFIX: &str = "nodelb-node-ports-";
@@ -440,7 +440,7 @@ impl ReadRegistry {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Screened {
     /// Numbers nobody may be given (claimed, and not held in this view by their claimant), for
-    /// every protocol, with why: [`crate::alloc::Constraints::in_use`].
+    /// every protocol, with why: [`crate::decisions::alloc::Constraints::in_use`].
     pub in_use: BTreeMap<(Protocol, u16), String>,
     /// Numbers taken off a Service's annotation because another Service claims them.
     pub lost: Vec<(ServiceKey, u16)>,

@@ -20,7 +20,7 @@ use k8s_openapi::api::core::v1::{Node, Service};
 use serde::{Deserialize, Serialize};
 
 use super::nodes::{ANNOTATION_ADDRESSES, NODE_LEASE_PREFIX};
-use crate::report::{ServiceState, ServiceStatus};
+use crate::reports::report::{ServiceState, ServiceStatus};
 
 /// Node Lease annotation: the agent's [`NodeReport`] as JSON.
 pub const ANNOTATION_REPORT: &str = "nodelb.io/node-report";
@@ -308,10 +308,10 @@ pub fn assemble<S: Borrow<Service>, N: Borrow<Node>, L: Borrow<Lease>>(
         {
             continue;
         }
-        let ports = crate::model::allocated_annotation(svc).cloned();
+        let ports = crate::inputs::model::allocated_annotation(svc).cloned();
         let conditions = svc.status.as_ref().and_then(|s| s.conditions.as_ref());
-        let allocated =
-            conditions.and_then(|cs| cs.iter().find(|c| c.type_ == crate::model::CONDITION_ALLOCATED));
+        let allocated = conditions
+            .and_then(|cs| cs.iter().find(|c| c.type_ == crate::inputs::model::CONDITION_ALLOCATED));
         if ports.is_none() && allocated.is_none() {
             continue;
         }

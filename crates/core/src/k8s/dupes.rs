@@ -1,7 +1,7 @@
 //! Duplicate node ports in the allocation annotations (a human edit, two leaders for a moment):
 //! found and settled deterministically. Pure.
 //!
-//! The unit is the node port *number* (as in [`crate::alloc`]): it belongs to one Service for all
+//! The unit is the node port *number* (as in [`crate::decisions::alloc`]): it belongs to one Service for all
 //! protocols, and one Service may use it once per protocol. Of two Services whose
 //! `nodelb.io/allocated-ports` name one number, the **older** keeps it (creationTimestamp, then
 //! namespace/name; a Service without a timestamp counts as the youngest), exactly the order the
@@ -11,9 +11,9 @@
 use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::alloc::Allocations;
+use crate::decisions::alloc::Allocations;
 use crate::domain::{PortId, Protocol, ServiceKey};
-use crate::model::LbService;
+use crate::inputs::model::LbService;
 
 /// One service port that lost its annotated node port to an older claim.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -102,7 +102,7 @@ fn settle_in_age_order<S: Borrow<LbService>>(services: &[S]) -> (Allocations, Ve
     let mut kept = Allocations::new();
     let mut dups = Vec::new();
     // Oldest first, the allocator's order.
-    for svc in crate::alloc::age_order(services) {
+    for svc in crate::decisions::alloc::age_order(services) {
         for (port, number) in &svc.previous_allocation {
             match owners.get_mut(number) {
                 None => {
@@ -131,7 +131,7 @@ fn settle_in_age_order<S: Borrow<LbService>>(services: &[S]) -> (Allocations, Ve
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::LbPort;
+    use crate::inputs::model::LbPort;
 
     fn svc(name: &str, age: Option<u32>, ann: &[(PortId, u16)]) -> LbService {
         let ports =
@@ -301,8 +301,11 @@ mod tests {
             svc("young", Some(2), &[(PortId::tcp(80), 20001)]),
             svc("other", Some(3), &[(PortId::tcp(80), 20000)]),
         ];
-        let r =
-            crate::alloc::allocate(&crate::port_policy::PortRange::default(), &services, &Allocations::new());
+        let r = crate::decisions::alloc::allocate(
+            &crate::decisions::port_policy::PortRange::default(),
+            &services,
+            &Allocations::new(),
+        );
         assert_eq!(r.allocations[&key("old")][&PortId::tcp(80)], 20001);
         assert_eq!(r.allocations[&key("other")][&PortId::tcp(80)], 20000);
         assert_eq!(r.allocations[&key("young")][&PortId::tcp(80)], 20002);

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::Service;
 
 use crate::domain::ServiceKey;
-use crate::model::{self, ANNOTATION_ALLOCATED, ModelOptions, Refusal};
-use crate::per_object::PerObject;
+use crate::incremental::per_object::PerObject;
+use crate::inputs::model::{self, ANNOTATION_ALLOCATED, ModelOptions, Refusal};
 
 #[derive(Debug, Default)]
 pub struct LastGoodServices {
@@ -146,7 +146,7 @@ impl LastGoodServices {
                         *seen = round;
                         // The one copy: the last good spec with the current allocation and status.
                         let mut kept = Service::clone(good);
-                        let current = crate::model::allocated_annotation(svc);
+                        let current = crate::inputs::model::allocated_annotation(svc);
                         let ann = kept.metadata.annotations.get_or_insert_default();
                         match current {
                             Some(v) => ann.insert(ANNOTATION_ALLOCATED.to_string(), v.clone()),

@@ -23,18 +23,18 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
+use crate::decisions::endpoint_policy::HostAddresses;
+use crate::decisions::pool::AddressType;
+use crate::decisions::port_policy::Listeners;
 use crate::domain::{Family, Protocol};
-use crate::endpoint_policy::HostAddresses;
-use crate::model::LABEL_EXCLUDE_LB;
-use crate::pool::AddressType;
-use crate::port_policy::Listeners;
+use crate::inputs::model::LABEL_EXCLUDE_LB;
 
 /// Prefix of the per-node Lease names (`nodelb-node-<node>`).
 pub const NODE_LEASE_PREFIX: &str = "nodelb-node-";
 /// Annotation on a node Lease: the families the agent serves, comma-separated (`ipv4,ipv6`).
 pub const ANNOTATION_FAMILIES: &str = "nodelb.io/families";
 /// Annotation on a node Lease: the ports processes on that node listen on that nodelb could
-/// otherwise allocate (`22/TCP,20005/UDP`; [`crate::port_policy::Listeners::format_relevant`]).
+/// otherwise allocate (`22/TCP,20005/UDP`; [`crate::decisions::port_policy::Listeners::format_relevant`]).
 /// The leader treats them as taken on every node.
 pub const ANNOTATION_LISTENING: &str = "nodelb.io/listening-ports";
 /// Annotation on a node Lease: the addresses this node's agent selected (and serves) for each
@@ -52,7 +52,7 @@ pub const MAX_POOL_ADDRESSES_LEN: usize = 16 * 1024;
 pub const LABEL_NODE_LEASE: &str = "nodelb.io/node-lease";
 /// Annotation on a node Lease: the addresses of that node as its agent reads them from its
 /// kernel (every interface: a second NIC, a CNI bridge or tunnel gateway, one added after
-/// start), comma-separated. No node DNATs to them ([`crate::endpoint_policy`]): the Node object
+/// start), comma-separated. No node DNATs to them ([`crate::decisions::endpoint_policy`]): the Node object
 /// lists only some of a node's addresses.
 pub const ANNOTATION_ADDRESSES: &str = "nodelb.io/addresses";
 /// Most addresses [`ANNOTATION_ADDRESSES`] holds (written or read).
@@ -118,10 +118,14 @@ pub fn node_addresses(node: &Node, allowed: &[IpNet]) -> Vec<IpAddr> {
 
 /// The addresses of a Node the leader publishes for a Service whose node port pool restricts
 /// addresses (`filter`): every IP address in its `status.addresses` the filter accepts
-/// ([`crate::pool::AddressFilter::publishes`]), restricted to `allowed` (`--node-addresses`)
+/// ([`crate::decisions::pool::AddressFilter::publishes`]), restricted to `allowed` (`--node-addresses`)
 /// when not empty, sorted. Unlike [`node_addresses`], InternalIP and ExternalIP alike: the pool
 /// says which.
-pub fn pool_addresses(node: &Node, filter: &crate::pool::AddressFilter, allowed: &[IpNet]) -> Vec<IpAddr> {
+pub fn pool_addresses(
+    node: &Node,
+    filter: &crate::decisions::pool::AddressFilter,
+    allowed: &[IpNet],
+) -> Vec<IpAddr> {
     let mut out: Vec<IpAddr> = node
         .status
         .as_ref()
@@ -151,7 +155,7 @@ pub fn address_types(node: &Node) -> BTreeMap<IpAddr, BTreeSet<AddressType>> {
 }
 
 /// Every IP address of every Node object (any address type), owned by `Node <name>`: the
-/// addresses the endpoint policy refuses as a node's own ([`crate::endpoint_policy`]). Not
+/// addresses the endpoint policy refuses as a node's own ([`crate::decisions::endpoint_policy`]). Not
 /// restricted by `--node-addresses` (that only says which addresses are published).
 pub fn cluster_node_addresses<N: Borrow<Node>>(nodes: &[N]) -> HostAddresses {
     let mut out = HostAddresses::default();
@@ -174,7 +178,7 @@ pub fn cluster_addresses<N, L, S, C>(nodes: &[N], more: ClusterObjects<'_, L, S,
 where
     N: Borrow<Node>,
     L: Borrow<Lease>,
-    S: Borrow<crate::compact::EndpointSlice>,
+    S: Borrow<crate::inputs::compact::EndpointSlice>,
     C: Borrow<k8s_openapi::api::networking::v1::ServiceCIDR>,
 {
     let mut out = cluster_node_addresses(nodes);
@@ -191,13 +195,13 @@ where
         }
     }
     for slice in more.api_server.iter().map(Borrow::borrow) {
-        if crate::model::slice_service(slice) != Some(API_SERVER_SERVICE) {
+        if crate::inputs::model::slice_service(slice) != Some(API_SERVER_SERVICE) {
             continue;
         }
         let name = slice.metadata.name.as_deref().unwrap_or_default();
         for e in slice.endpoints.iter().flatten() {
             for a in e.addresses.iter() {
-                if let crate::compact::Address::Ip(ip) = a {
+                if let crate::inputs::compact::Address::Ip(ip) = a {
                     out.api_servers.entry(*ip).or_insert_with(|| format!("EndpointSlice default/{name}"));
                 }
             }
@@ -386,7 +390,7 @@ pub fn pool_addresses_of(
     node: &Node,
     published: Option<&PoolSelections>,
     pool: &str,
-    filter: &crate::pool::AddressFilter,
+    filter: &crate::decisions::pool::AddressFilter,
     allowed: &[IpNet],
 ) -> Vec<IpAddr> {
     let Some(published) = published else { return pool_addresses(node, filter, allowed) };

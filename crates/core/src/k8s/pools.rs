@@ -1,5 +1,5 @@
 //! Node port pools in Kubernetes mode: from the cached `NodePortPool`, Namespace and Node objects
-//! to the [`PoolContext`] the pure decisions ([`crate::pool`]) take, and what the leader's round
+//! to the [`PoolContext`] the pure decisions ([`crate::decisions::pool`]) take, and what the leader's round
 //! reads of them per Service (the nodes and addresses its pool selects). Every agent builds the
 //! same context from the same objects, so the leader's allocation and each node's serving agree
 //! without another annotation; the node adds its own labels (which pools select it).
@@ -8,9 +8,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::{Node, Service};
 
+use crate::decisions::pool::{Assignment, ContextInput, InvalidPool, LastValid, PoolContext, PoolObject};
+use crate::decisions::port_policy::PortRange;
 use crate::domain::ServiceKey;
-use crate::pool::{Assignment, ContextInput, InvalidPool, LastValid, PoolContext, PoolObject};
-use crate::port_policy::PortRange;
 
 use super::nodes::PoolSelections;
 use super::snapshot::KubeSnapshot;
@@ -41,7 +41,7 @@ pub fn context(
     };
     let input =
         ContextInput { objects: &objects, flag_range, nodes: &refs, own, namespaces: &namespaces, servicelb };
-    crate::pool::context(last_valid, &input)
+    crate::decisions::pool::context(last_valid, &input)
 }
 
 /// Per Service whose pool restricts nodes (`nodeSelector`), the names of the Nodes it selects.
@@ -123,10 +123,12 @@ pub fn narrow_by_servicelb<S: std::borrow::Borrow<Service>, N: std::borrow::Borr
         let serving: BTreeSet<String> = nodes
             .iter()
             .map(|n| &n.borrow().metadata)
-            .filter(|m| crate::servicelb::serves(m.labels.as_ref().unwrap_or(&empty), svc_labels).is_ok())
+            .filter(|m| {
+                crate::decisions::servicelb::serves(m.labels.as_ref().unwrap_or(&empty), svc_labels).is_ok()
+            })
             .filter_map(|m| m.name.clone())
             .collect();
-        out.entry(crate::model::service_key(svc))
+        out.entry(crate::inputs::model::service_key(svc))
             .and_modify(|names| names.retain(|n| serving.contains(n)))
             .or_insert(serving);
     }
@@ -136,8 +138,8 @@ pub fn narrow_by_servicelb<S: std::borrow::Borrow<Service>, N: std::borrow::Borr
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pool::PoolSet;
-    use crate::servicelb::{LABEL_ENABLELB, LABEL_LBPOOL};
+    use crate::decisions::pool::PoolSet;
+    use crate::decisions::servicelb::{LABEL_ENABLELB, LABEL_LBPOOL};
 
     fn node(name: &str, labels: &[(&str, &str)]) -> Node {
         let mut n = Node::default();
@@ -155,7 +157,7 @@ mod tests {
     }
 
     fn key(name: &str) -> ServiceKey {
-        crate::model::service_key(&service(name, &[]))
+        crate::inputs::model::service_key(&service(name, &[]))
     }
 
     fn names(n: &[&str]) -> BTreeSet<String> {

@@ -12,23 +12,23 @@ use k8s_openapi::api::core::v1::{LoadBalancerIngress, PortStatus, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
-use crate::alloc::{AllocProblem, Allocations};
+use crate::decisions::alloc::{AllocProblem, Allocations};
+use crate::decisions::endpoint_policy::{self, RefusedEndpoint};
 use crate::domain::{Family, PortId, ServiceKey};
-use crate::endpoint_policy::{self, RefusedEndpoint};
-use crate::model::{self, LbService, ModelOptions, Refusal, TrafficPolicy};
-use crate::per_object::PerObject;
-use crate::plan;
+use crate::incremental::per_object::PerObject;
+use crate::inputs::model::{self, LbService, ModelOptions, Refusal, TrafficPolicy};
+use crate::ruleset::plan;
 
 use super::dupes::Duplicate;
 use super::nodes::ServingNode;
 
 /// Condition type on Services we serve (also the marker that the status is ours).
-pub const CONDITION_ALLOCATED: &str = crate::model::CONDITION_ALLOCATED;
+pub const CONDITION_ALLOCATED: &str = crate::inputs::model::CONDITION_ALLOCATED;
 /// Condition type saying whether any node serves the allocated ports (`False/NoServingNode` is
 /// the state of the `NoServingNode` Event). Set wherever [`CONDITION_ALLOCATED`] is.
 pub const CONDITION_SERVING: &str = "nodelb.io/Serving";
 /// Condition type saying whether every endpoint address the Service names is one nodelb DNATs
-/// to ([`crate::endpoint_policy`]): `False/EndpointRefused` names the refused ones and why.
+/// to ([`crate::decisions::endpoint_policy`]): `False/EndpointRefused` names the refused ones and why.
 pub const CONDITION_ENDPOINTS: &str = "nodelb.io/EndpointsAllowed";
 /// Condition type on a Service nodelb restricts (source ranges, a pool's nodes or addresses,
 /// refused endpoints), saying whether kube-proxy's NodePorts get around that:
@@ -1042,7 +1042,7 @@ fn round_events<S, V>(round: &Round<'_, S, V>, duplicates: &[Duplicate]) -> Vec<
             reason: "NodePortNotOwned",
             message: format!(
                 "{} names node port {number}, which the node-port registry gives another Service: no node serves it for this Service, and the annotation is written again from the registry",
-                crate::model::ANNOTATION_ALLOCATED
+                crate::inputs::model::ANNOTATION_ALLOCATED
             ),
         });
     }

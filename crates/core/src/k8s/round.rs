@@ -15,13 +15,13 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::jiff::Timestamp;
 
-use crate::alloc::{self, Allocations};
-use crate::compact::EndpointSlice;
+use crate::decisions::alloc::{self, Allocations};
+use crate::decisions::port_policy::PortRange;
 use crate::domain::{Scope, ServiceKey};
-use crate::model::{self, ModelOptions};
-use crate::model_cache::{ModelCache, ModelContext};
-use crate::per_object::PerObject;
-use crate::port_policy::PortRange;
+use crate::incremental::model_cache::{ModelCache, ModelContext};
+use crate::incremental::per_object::PerObject;
+use crate::inputs::compact::EndpointSlice;
+use crate::inputs::model::{self, ModelOptions};
 
 use super::claims;
 use super::dupes;
@@ -43,7 +43,7 @@ pub struct ControllerConfig {
     pub node_addresses: Vec<IpNet>,
     pub port_range: PortRange,
     pub model: ModelOptions,
-    pub policy: crate::desired::HostPolicy,
+    pub policy: crate::decisions::desired::HostPolicy,
 }
 
 /// The longest the leader goes without a whole round while nothing seems to change (what is not
@@ -84,8 +84,8 @@ impl LeaseView {
 #[derive(Debug, Default)]
 pub struct RoundMemory {
     pub last_good: LastGoodServices,
-    /// Each NodePortPool's last valid version ([`crate::pool::LastValid`]).
-    pub pools_last_valid: crate::pool::LastValid,
+    /// Each NodePortPool's last valid version ([`crate::decisions::pool::LastValid`]).
+    pub pools_last_valid: crate::decisions::pool::LastValid,
     /// The last round's models, each kept while its Service and EndpointSlice objects are the
     /// same (as the nodes keep theirs).
     pub models: ModelCache,
@@ -165,8 +165,8 @@ impl RoundMemory {
 struct SharedInputs {
     /// Every Node's name, labels and addresses, hashed.
     nodes: u64,
-    pools: crate::pool::PoolContext,
-    invalid_pools: Vec<crate::pool::InvalidPool>,
+    pools: crate::decisions::pool::PoolContext,
+    invalid_pools: Vec<crate::decisions::pool::InvalidPool>,
     serving: BTreeMap<String, nodes::ServingNode>,
     listening: BTreeMap<(crate::domain::Protocol, u16), String>,
     unreported: Vec<String>,
@@ -506,10 +506,10 @@ pub struct RoundPlan {
 /// The round's decisions the pools' status is computed from (the agent writes their status from it).
 #[derive(Debug, Clone)]
 pub struct PoolRound {
-    pub ctx: crate::pool::PoolContext,
-    pub invalid: Vec<crate::pool::InvalidPool>,
+    pub ctx: crate::decisions::pool::PoolContext,
+    pub invalid: Vec<crate::decisions::pool::InvalidPool>,
     pub allocations: Allocations,
-    pub assignment: Option<crate::pool::Assignment>,
+    pub assignment: Option<crate::decisions::pool::Assignment>,
     pub serving: std::collections::BTreeMap<String, nodes::ServingNode>,
 }
 
@@ -669,7 +669,7 @@ pub fn plan_round(
     // Among what the registry left them (numbers no claim names: the registry lost).
     let duplicates = dupes::duplicates(&all[..out.services.len()]);
     let assignment = (!pool_ctx.set.implicit)
-        .then(|| crate::pool::assign_services(&pool_ctx, &services, &all, &Allocations::new()));
+        .then(|| crate::decisions::pool::assign_services(&pool_ctx, &services, &all, &Allocations::new()));
     let all: Vec<Arc<model::LbService>> = match &assignment {
         Some(a) => all.into_iter().filter(|s| a.has_pool(&s.key)).collect(),
         None => all,
@@ -797,7 +797,7 @@ pub fn plan_round(
                 ctx: pool_ctx,
                 invalid: invalid_pools,
                 allocations: memory.book.allocations().clone(),
-                assignment: assignment.map(|_| crate::pool::Assignment {
+                assignment: assignment.map(|_| crate::decisions::pool::Assignment {
                     ranges: memory.book.pools().clone(),
                     problems: Vec::new(),
                 }),

@@ -13,7 +13,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::alloc::{Allocations, Elsewhere, NumberHolders, PoolRanges};
+use crate::decisions::alloc::{Allocations, Elsewhere, NumberHolders, PoolRanges};
 use crate::domain::ServiceKey;
 
 use super::claims::HeldNumbers;

@@ -9,9 +9,9 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Node, Service};
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 
-use crate::compact::EndpointSlice;
+use crate::decisions::pool::NodePortPool;
 use crate::domain::ServiceKey;
-use crate::pool::NodePortPool;
+use crate::inputs::compact::EndpointSlice;
 
 /// Everything the caches hold right now: the very objects of the reflector stores, shared (a
 /// snapshot copies pointers, not objects).
@@ -36,7 +36,7 @@ pub struct KubeSnapshot {
 impl KubeSnapshot {
     /// Everything the endpoint policy refuses as the cluster's own
     /// ([`super::nodes::cluster_addresses`]).
-    pub fn cluster_addresses(&self) -> crate::endpoint_policy::HostAddresses {
+    pub fn cluster_addresses(&self) -> crate::decisions::endpoint_policy::HostAddresses {
         let more = super::nodes::ClusterObjects {
             leases: &self.leases,
             api_server: &self.api_server,

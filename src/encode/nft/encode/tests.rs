@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use super::*;
-use crate::core::ir::{CtState, Set};
+use crate::core::ruleset::ir::{CtState, Set};
 use crate::encode::nft::nla::messages;
 
 fn unhex(s: &str) -> Vec<u8> {

@@ -1,7 +1,7 @@
 use super::*;
 use crate::domain::PortId;
-use crate::model::ANNOTATION_ALLOCATED;
-use crate::model::{LbPort, PortRequest, TrafficPolicy};
+use crate::inputs::model::ANNOTATION_ALLOCATED;
+use crate::inputs::model::{LbPort, PortRequest, TrafficPolicy};
 
 fn uid(c: char) -> String {
     format!("{}-0000-0000-0000-000000000000", c.to_string().repeat(8))

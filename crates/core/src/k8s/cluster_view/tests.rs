@@ -221,9 +221,9 @@ fn a_node_reports_only_the_refusals_that_are_its_own() {
 
 #[test]
 fn the_leaders_codes_are_those_the_allocation_and_the_registry_say() {
-    use crate::alloc::AllocProblem;
+    use crate::decisions::alloc::AllocProblem;
+    use crate::decisions::port_policy::PortRefusal;
     use crate::domain::{PortId, ServiceKey};
-    use crate::port_policy::PortRefusal;
     let (service, port, holder) = (ServiceKey::new("a", "b"), PortId::tcp(80), ServiceKey::new("c", "d"));
     let s = || service.clone();
     let leaders = [

@@ -21,7 +21,7 @@ fn pool_addresses_follow_the_filter() {
     let filter = |v: serde_json::Value| {
         let spec =
             serde_json::from_value(json!({"ports": [{"start": 1, "end": 2}], "addresses": v})).unwrap();
-        crate::pool::validate("p", None, None, &spec).unwrap().addresses
+        crate::decisions::pool::validate("p", None, None, &spec).unwrap().addresses
     };
     let ips = |v: &[&str]| v.iter().map(|a| a.parse::<IpAddr>().unwrap()).collect::<Vec<_>>();
     assert_eq!(pool_addresses(&n, &filter(json!({"cidrs": ["192.0.2.0/24"]})), &[]), ips(&["192.0.2.1"]));
@@ -76,7 +76,7 @@ fn leader_lists_what_each_node_published() {
         json!({"ports": [{"start": 1, "end": 2}], "addresses": {"types": ["ExternalIP"]}}),
     )
     .unwrap();
-    let filter = crate::pool::validate("edge", None, None, &spec).unwrap().addresses;
+    let filter = crate::decisions::pool::validate("edge", None, None, &spec).unwrap().addresses;
     let published = |v: &str| parse_pool_addresses(v).unwrap();
     let allowed: Vec<IpNet> = vec!["192.0.2.0/25".parse().unwrap()];
     type Case = (&'static str, Option<PoolSelections>, &'static [IpNet], Vec<&'static str>);
@@ -221,9 +221,9 @@ fn the_clusters_own_addresses() {
     let value = format_published_addresses(&own);
     assert_eq!(value, "10.0.0.2,198.51.100.250,2001:db8::2", "global addresses only");
     published.metadata.annotations.get_or_insert_default().insert(ANNOTATION_ADDRESSES.into(), value + ",x");
-    let slice = |ns: &str, service: &str, addr: &str| -> crate::compact::EndpointSlice {
+    let slice = |ns: &str, service: &str, addr: &str| -> crate::inputs::compact::EndpointSlice {
         serde_json::from_value(json!({
-                "metadata": {"name": service, "namespace": ns, "labels": {crate::model::LABEL_SERVICE_NAME: service}},
+                "metadata": {"name": service, "namespace": ns, "labels": {crate::inputs::model::LABEL_SERVICE_NAME: service}},
                 "addressType": "IPv4", "endpoints": [{"addresses": [addr]}]
             }))
             .unwrap()

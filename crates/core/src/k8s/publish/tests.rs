@@ -1,6 +1,6 @@
 use super::*;
-use crate::model::ANNOTATION_ALLOCATED;
-use crate::model::{Endpoint, LbPort};
+use crate::inputs::model::ANNOTATION_ALLOCATED;
+use crate::inputs::model::{Endpoint, LbPort};
 use serde_json::json;
 
 fn t(s: i64) -> Timestamp {
@@ -207,7 +207,7 @@ fn plain_round<'a, S, V>(
     services: &'a [S],
     opts: &'a ModelOptions,
     (valid, refused): (&'a [V], &'a [Refusal]),
-    result: &'a crate::alloc::AllocationResult,
+    result: &'a crate::decisions::alloc::AllocationResult,
     serving: &'a BTreeMap<String, ServingNode>,
 ) -> Round<'a, S, V> {
     Round {
@@ -236,7 +236,8 @@ impl World {
     fn writes(&self, serving_nodes: &BTreeMap<String, ServingNode>) -> Vec<ServiceWrite> {
         let opts = ModelOptions::default();
         let out = model::build(&self.services, model::NO_SLICES, &opts);
-        let result = crate::alloc::allocate(&Default::default(), &out.services, &Allocations::new());
+        let result =
+            crate::decisions::alloc::allocate(&Default::default(), &out.services, &Allocations::new());
         plan_writes(&plain_round(
             &self.services,
             &opts,
@@ -383,7 +384,7 @@ fn refused_services_keep_holding_their_ports() {
     let stubs = reserved(&services, &out.refused);
     assert_eq!(stubs.len(), 1);
     let all: Vec<LbService> = out.services.iter().cloned().chain(stubs).collect();
-    let r = crate::alloc::allocate(&Default::default(), &all, &Allocations::new());
+    let r = crate::decisions::alloc::allocate(&Default::default(), &all, &Allocations::new());
     assert_eq!(r.allocations[&ServiceKey::new("default", "new")][&PortId::tcp(80)], 20001);
 }
 
@@ -480,7 +481,7 @@ fn no_serving_node_is_carried_by_the_serving_condition() {
     let nodes = serving(&[("a", &[Family::Ipv4], &["10.0.0.1"])]);
     let opts = ModelOptions::default();
     let out = model::build(&world.services, model::NO_SLICES, &opts);
-    let allocs = crate::alloc::allocate(&Default::default(), &out.services, &Allocations::new());
+    let allocs = crate::decisions::alloc::allocate(&Default::default(), &out.services, &Allocations::new());
     let no_nodes = BTreeMap::new();
     let nothing_listens = BTreeMap::new();
     let round = |node_ready: bool, now| Round {
@@ -544,7 +545,7 @@ fn events_for_a_round() {
     let services = vec![service("web", |_| {})];
     let opts = ModelOptions::default();
     let out = model::build(&services, model::NO_SLICES, &opts);
-    let result = crate::alloc::allocate(&Default::default(), &out.services, &Allocations::new());
+    let result = crate::decisions::alloc::allocate(&Default::default(), &out.services, &Allocations::new());
     let none = BTreeMap::new();
     let round = plain_round(&services, &opts, (&out.services, &out.refused), &result, &none);
     let reasons: Vec<&str> = service_events(&round, &[]).iter().map(|e| e.reason).collect();
@@ -573,13 +574,13 @@ fn one_services_events_are_merged_as_a_whole_round_merges_them() {
         v["spec"]["ports"] = json!([{"name": "a", "port": 80}, {"name": "b", "port": 81}]);
         v["metadata"]["annotations"] = json!({ANNOTATION_ALLOCATED: "80/TCP=20005,81/TCP=20006"});
     }))];
-    use crate::model_cache::{ModelCache, ModelContext};
+    use crate::incremental::model_cache::{ModelCache, ModelContext};
     let opts = ModelOptions::default();
     let (since, addresses, policy) = (BTreeMap::new(), Default::default(), Default::default());
     let ctx = ModelContext { opts: &opts, since: &since, addresses: &addresses, policy: &policy };
     let out =
         ModelCache::new().build(crate::domain::Scope::All, &services, &[], &ctx).expect("a whole build");
-    let result = crate::alloc::allocate_with(
+    let result = crate::decisions::alloc::allocate_with(
         &Default::default(),
         &out.services,
         &Allocations::new(),
@@ -609,7 +610,7 @@ fn a_listened_on_port_is_not_in_use_for_a_service_on_some_addresses_only() {
     })];
     let opts = ModelOptions::default();
     let out = model::build(&services, model::NO_SLICES, &opts);
-    let result = crate::alloc::allocate(&Default::default(), &out.services, &Allocations::new());
+    let result = crate::decisions::alloc::allocate(&Default::default(), &out.services, &Allocations::new());
     let listening: BTreeMap<(crate::domain::Protocol, u16), String> = [(
         (crate::domain::Protocol::Tcp, 20443),
         "a process listens on 192.0.2.1:20443/TCP on node a".to_string(),
@@ -638,7 +639,7 @@ fn a_listened_on_port_is_not_in_use_for_a_service_on_some_addresses_only() {
 /// inputs (nodes, listeners) starts over.
 #[test]
 fn kept_parts_are_what_a_whole_round_computes() {
-    use crate::model_cache::{ModelCache, ModelContext};
+    use crate::incremental::model_cache::{ModelCache, ModelContext};
     let opts = ModelOptions::default();
     let (since, addresses, policy) = (BTreeMap::new(), Default::default(), Default::default());
     let ctx = ModelContext { opts: &opts, since: &since, addresses: &addresses, policy: &policy };
@@ -664,7 +665,7 @@ fn kept_parts_are_what_a_whole_round_computes() {
     let refused_web = vec![RefusedEndpoint {
         service: web.clone(),
         address: "127.0.0.1".parse().unwrap(),
-        reason: crate::endpoint_policy::AddressRefusal::Loopback,
+        reason: crate::decisions::endpoint_policy::AddressRefusal::Loopback,
     }];
     let no_listeners = BTreeMap::new();
     // (step, serving nodes, listeners, refused endpoints, Services re-read, parts reused)
@@ -714,7 +715,7 @@ fn kept_parts_are_what_a_whole_round_computes() {
             }
         }
         let out = models.build(crate::domain::Scope::All, &services, &[], &ctx).expect("a whole build");
-        let result = crate::alloc::allocate_with(
+        let result = crate::decisions::alloc::allocate_with(
             &Default::default(),
             &out.services,
             &Allocations::new(),

@@ -1,6 +1,6 @@
 use serde_json::json;
 
-use crate::model::ANNOTATION_ALLOCATED;
+use crate::inputs::model::ANNOTATION_ALLOCATED;
 
 use super::*;
 

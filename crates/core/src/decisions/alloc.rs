@@ -34,7 +34,7 @@
 //! - **Release.** Only Services in `services` get allocations; everything else in `previous` is
 //!   released simply by not being carried over.
 //!
-//! - **Node ports a Service was not given** ([`allocate_with`], [`crate::port_policy`]): an
+//! - **Node ports a Service was not given** ([`allocate_with`], [`crate::decisions::port_policy`]): an
 //!   explicit request outside the range(s) and the operator's `--allowed-node-ports` is refused
 //!   ([`AllocProblem::NotAllowed`]), one on a port a process on a node listens on too
 //!   ([`AllocProblem::InUse`]); new ports avoid numbers with a listener of any protocol. An
@@ -45,9 +45,9 @@
 use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
 
+use crate::decisions::port_policy::{PortPolicy, PortRange};
 use crate::domain::{PortId, Protocol, ServiceKey};
-use crate::model::{LbService, PortRequest};
-use crate::port_policy::{PortPolicy, PortRange};
+use crate::inputs::model::{LbService, PortRequest};
 
 /// Node port per service port, per Service.
 pub type Allocations = BTreeMap<ServiceKey, BTreeMap<PortId, u16>>;
@@ -109,7 +109,7 @@ impl AllocProblem {
     }
 }
 
-/// What limits the allocator besides the other Services ([`crate::port_policy`]).
+/// What limits the allocator besides the other Services ([`crate::decisions::port_policy`]).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Constraints<'a> {
     /// Which numbers explicit requests may name; `None`: any (the order rules alone).
@@ -118,7 +118,7 @@ pub struct Constraints<'a> {
     /// is refused, a new allocation avoids its number. An allocation that exists keeps it
     /// (nodes with the listener just do not program it).
     pub in_use: Option<&'a BTreeMap<(Protocol, u16), String>>,
-    /// Per Service, its node port pool ([`crate::pool`]); `None`: every Service allocates from
+    /// Per Service, its node port pool ([`crate::decisions::pool`]); `None`: every Service allocates from
     /// the range (no pool object: the flags' pool).
     pub pools: Option<&'a BTreeMap<ServiceKey, PoolRanges>>,
     /// Numbers held by Services this allocation does not see, which keep them (the leader's scoped
@@ -234,14 +234,16 @@ impl Constraints<'_> {
     /// What explicit requests of `key` may name, for messages.
     fn describe_allowed(&self, key: &ServiceKey) -> Option<String> {
         match self.pool_of(key) {
-            Some(pool) if pool.requestable.is_empty() => {
-                Some(format!("pool {} {}", pool.pool, crate::port_policy::describe_ranges(&pool.keep)))
-            }
+            Some(pool) if pool.requestable.is_empty() => Some(format!(
+                "pool {} {}",
+                pool.pool,
+                crate::decisions::port_policy::describe_ranges(&pool.keep)
+            )),
             Some(pool) => Some(format!(
                 "pool {} {} or its requestablePorts {}",
                 pool.pool,
-                crate::port_policy::describe_ranges(&pool.keep),
-                crate::port_policy::describe_ranges(&pool.requestable)
+                crate::decisions::port_policy::describe_ranges(&pool.keep),
+                crate::decisions::port_policy::describe_ranges(&pool.requestable)
             )),
             None => self.policy.map(PortPolicy::describe),
         }
@@ -561,7 +563,11 @@ pub fn allocate_with<S: Borrow<LbService>>(
                             format!("pool {} (disabled, or all its ranges are another pool's)", p.pool)
                         }
                         Some(p) => {
-                            format!("pool {} {}", p.pool, crate::port_policy::describe_ranges(&p.take))
+                            format!(
+                                "pool {} {}",
+                                p.pool,
+                                crate::decisions::port_policy::describe_ranges(&p.take)
+                            )
                         }
                         None => format!("range {range}"),
                     },

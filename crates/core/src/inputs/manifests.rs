@@ -28,14 +28,14 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::compact::EndpointSlice;
+use crate::inputs::compact::EndpointSlice;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::Value;
 
+use crate::decisions::pool::NodePortPool;
 use crate::domain::ServiceKey;
-use crate::pool::NodePortPool;
-use crate::slim::Slim as _;
+use crate::inputs::slim::Slim as _;
 
 /// Deepest nesting (mappings, sequences, flow or block) of a YAML document: far deeper than any
 /// Kubernetes object, and the parser stops there as it reads, whatever follows.
@@ -118,7 +118,7 @@ impl LastGood {
                     let why = objs.first_problem.as_deref().unwrap_or("it has a problem");
                     for svc in &good.services {
                         let note = format!("served from the last good version of {}: {why}", path.display());
-                        m.stale.insert(crate::model::service_key(svc), note);
+                        m.stale.insert(crate::inputs::model::service_key(svc), note);
                     }
                     m.problems.push(ManifestProblem {
                         file: path.clone(),
@@ -227,24 +227,24 @@ impl IgnoredLog {
 }
 
 /// The node port pools of a manifests directory as the node uses them: the same decisions as in
-/// Kubernetes mode ([`crate::pool::context`]), with the one node manifests mode knows (this one,
+/// Kubernetes mode ([`crate::decisions::pool::context`]), with the one node manifests mode knows (this one,
 /// labelled `--node-labels`) and namespaces labelled only with their name (no Namespace
 /// objects). An invalid pool is a problem naming its file; its last valid version stays in force.
 pub fn pool_context(
     m: &Manifests,
-    last_valid: &mut crate::pool::LastValid,
-    flag_range: crate::port_policy::PortRange,
+    last_valid: &mut crate::decisions::pool::LastValid,
+    flag_range: crate::decisions::port_policy::PortRange,
     node_labels: &BTreeMap<String, String>,
     servicelb: bool,
-) -> (crate::pool::PoolContext, Vec<String>) {
-    use crate::pool::PoolObject;
+) -> (crate::decisions::pool::PoolContext, Vec<String>) {
+    use crate::decisions::pool::PoolObject;
     let objects: Vec<PoolObject> = m.pools.iter().map(|p| PoolObject::from_resource(p)).collect();
     let namespaces = || {
-        crate::pool::implied_namespace_labels(
+        crate::decisions::pool::implied_namespace_labels(
             m.services.iter().filter_map(|s| s.metadata.namespace.as_deref()),
         )
     };
-    let input = crate::pool::ContextInput {
+    let input = crate::decisions::pool::ContextInput {
         objects: &objects,
         flag_range,
         nodes: &[node_labels],
@@ -252,7 +252,7 @@ pub fn pool_context(
         namespaces: &namespaces,
         servicelb,
     };
-    let (ctx, invalid) = crate::pool::context(last_valid, &input);
+    let (ctx, invalid) = crate::decisions::pool::context(last_valid, &input);
     let file_of = |name: &str| {
         m.files.iter().find(|(_, f)| f.pools.iter().any(|p| p.metadata.name.as_deref() == Some(name)))
     };

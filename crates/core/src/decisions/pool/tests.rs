@@ -16,7 +16,7 @@ fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
 
 #[test]
 fn the_committed_crd_is_the_generated_one() {
-    let committed = include_str!("../../../../charts/nodelb/crds/nodeportpools.nodelb.io.yaml");
+    let committed = include_str!("../../../../../charts/nodelb/crds/nodeportpools.nodelb.io.yaml");
     assert!(
         committed == crd_yaml(),
         "charts/nodelb/crds/nodeportpools.nodelb.io.yaml is not what `nodelb crd` prints: run \

@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::domain::{PortId, ServiceKey};
-use crate::ir::Name;
+use crate::ruleset::ir::Name;
 
 /// Counter values of a rule's `counter` expression or of a named counter.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -60,10 +60,10 @@ pub struct CounterIndex {
 }
 
 impl CounterIndex {
-    /// The same index with its maps' B-tree nodes full (see [`crate::ir::Ruleset::packed`]).
+    /// The same index with its maps' B-tree nodes full (see [`crate::ruleset::ir::Ruleset::packed`]).
     pub fn packed(mut self) -> CounterIndex {
-        crate::ir::pack(&mut self.counters);
-        crate::ir::pack(&mut self.ports);
+        crate::ruleset::ir::pack(&mut self.counters);
+        crate::ruleset::ir::pack(&mut self.ports);
         self
     }
 }
@@ -181,7 +181,7 @@ impl CounterState {
             }
         }
         if matches!(next, IndexUpdate::Full(_)) {
-            crate::ir::pack(&mut self.base);
+            crate::ruleset::ir::pack(&mut self.base);
         }
         next.apply(&mut self.index);
     }

@@ -14,13 +14,13 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::compact::EndpointSlice;
+use crate::inputs::compact::EndpointSlice;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::jiff::Timestamp;
 
+use crate::decisions::endpoint_policy::{self, EndpointPolicy, HostAddresses, RefusedEndpoint};
 use crate::domain::{Scope, ServiceKey};
-use crate::endpoint_policy::{self, EndpointPolicy, HostAddresses, RefusedEndpoint};
-use crate::model::{self, LbService, ModelOptions, ModelWarning, Refusal};
+use crate::inputs::model::{self, LbService, ModelOptions, ModelWarning, Refusal};
 
 /// The models of one snapshot's Services.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -145,7 +145,7 @@ impl ModelCache {
     }
 
     /// Keeps each model built from the old object of a pair (old, new) as the model of the new
-    /// one: a version that reads the same to a node ([`crate::view::ViewChanges::rebased`]). The
+    /// one: a version that reads the same to a node ([`crate::incremental::view::ViewChanges::rebased`]). The
     /// entry then holds the new object (the old one is freed) and a build finds it unchanged.
     pub fn rebase(&mut self, rebased: &[(Arc<Service>, Arc<Service>)]) {
         for (old, new) in rebased {

@@ -17,8 +17,8 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-use crate::compact::EndpointSlice;
-use crate::model::{
+use crate::inputs::compact::EndpointSlice;
+use crate::inputs::model::{
     ANNOTATION_ALLOCATED, ANNOTATION_IGNORE, ANNOTATION_LEGACY_SOURCE_RANGES, ANNOTATION_PORTS,
 };
 
@@ -28,7 +28,7 @@ pub const SERVICE_ANNOTATIONS: [&str; 5] = [
     ANNOTATION_ALLOCATED,
     ANNOTATION_IGNORE,
     ANNOTATION_LEGACY_SOURCE_RANGES,
-    crate::pool::ANNOTATION_POOL,
+    crate::decisions::pool::ANNOTATION_POOL,
 ];
 
 /// An object nodelb caches, slimmed in place before it is kept.
@@ -39,14 +39,15 @@ pub trait Slim {
 impl Slim for Service {
     /// Keeps: identity and versions (name, namespace, uid, resourceVersion, generation,
     /// creationTimestamp, deletionTimestamp), the annotations of [`SERVICE_ANNOTATIONS`] and of
-    /// other implementations ([`crate::model::OTHER_IMPLEMENTATIONS`]), the
+    /// other implementations ([`crate::inputs::model::OTHER_IMPLEMENTATIONS`]), the
     /// spec fields the model validates (session affinity and its timeout included), and the whole status (the leader writes the ingress and
     /// the conditions it does not own back as they are).
     fn slim(&mut self) {
         // Labels: node port pools select Services by them (serviceSelector).
         // Another implementation's annotations say the Service is not nodelb's.
-        let keep =
-            |k: &str| SERVICE_ANNOTATIONS.contains(&k) || crate::model::names_another_implementation(k);
+        let keep = |k: &str| {
+            SERVICE_ANNOTATIONS.contains(&k) || crate::inputs::model::names_another_implementation(k)
+        };
         slim_meta(&mut self.metadata, keep, |_| true);
         self.spec = self.spec.take().map(|spec| ServiceSpec {
             type_: spec.type_,
@@ -81,7 +82,7 @@ impl Slim for Service {
 }
 
 impl Slim for EndpointSlice {
-    /// Its own compact type ([`crate::compact`]) reads only what nodelb uses (its Service's
+    /// Its own compact type ([`crate::inputs::compact`]) reads only what nodelb uses (its Service's
     /// label moved to a field of its own); of its metadata, identity and versions stay.
     fn slim(&mut self) {
         slim_meta(&mut self.metadata, |_| false, |_| false);
@@ -127,7 +128,7 @@ impl Slim for k8s_openapi::api::networking::v1::ServiceCIDR {
     }
 }
 
-impl Slim for crate::pool::NodePortPool {
+impl Slim for crate::decisions::pool::NodePortPool {
     /// Our own small objects, read whole: only the managed fields go.
     fn slim(&mut self) {
         self.metadata.managed_fields = None;
@@ -186,11 +187,11 @@ fn shrunk<T>(mut v: Vec<T>) -> Vec<T> {
 /// they would cause (a node joining or leaving makes the leader rewrite every Service's ingress).
 pub fn node_view_hash(svc: &Service) -> u64 {
     use std::hash::{Hash, Hasher};
-    let refused = crate::model::refused_allocation(svc).map(|c| (&c.reason, &c.message));
+    let refused = crate::inputs::model::refused_allocation(svc).map(|c| (&c.reason, &c.message));
     let meta = ObjectMeta { resource_version: None, ..svc.metadata.clone() };
     let mut h = std::collections::hash_map::DefaultHasher::new();
     // Whether the status is another load balancer's is all a node reads of the ingress.
-    crate::model::foreign_ingress(svc).is_some().hash(&mut h);
+    crate::inputs::model::foreign_ingress(svc).is_some().hash(&mut h);
     // JSON: the k8s-openapi types are not `Hash`; maps serialize in key order.
     match serde_json::to_vec(&(&meta, &svc.spec, refused)) {
         Ok(bytes) => bytes.hash(&mut h),
@@ -203,7 +204,7 @@ pub fn node_view_hash(svc: &Service) -> u64 {
 /// Whether two versions of a Service read the same to a node: what [`node_view_hash`] hashes,
 /// compared (no hash, no copy), and whether another load balancer wrote its status. A leader's status write (ingress, its other conditions) or an
 /// equal copy from a relist gives a new version that does; a node's sync then keeps what it
-/// built from the old one ([`crate::view::ViewChanges::rebased`]). Every metadata field is named,
+/// built from the old one ([`crate::incremental::view::ViewChanges::rebased`]). Every metadata field is named,
 /// so a field a new API version adds is a compile error here, not a change a node misses.
 pub fn same_for_node(a: &Service, b: &Service) -> bool {
     let ObjectMeta {
@@ -224,7 +225,7 @@ pub fn same_for_node(a: &Service, b: &Service) -> bool {
         uid,
     } = &a.metadata;
     let m = &b.metadata;
-    let refused = |s| crate::model::refused_allocation(s).map(|c| (&c.reason, &c.message));
+    let refused = |s| crate::inputs::model::refused_allocation(s).map(|c| (&c.reason, &c.message));
     *name == m.name
         && *namespace == m.namespace
         && *uid == m.uid
@@ -241,7 +242,8 @@ pub fn same_for_node(a: &Service, b: &Service) -> bool {
         && *self_link == m.self_link
         && a.spec == b.spec
         && refused(a) == refused(b)
-        && crate::model::foreign_ingress(a).is_some() == crate::model::foreign_ingress(b).is_some()
+        && crate::inputs::model::foreign_ingress(a).is_some()
+            == crate::inputs::model::foreign_ingress(b).is_some()
 }
 
 #[cfg(test)]

@@ -43,11 +43,11 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 
 use crate::domain::{FNV1A_OFFSET, Family, PortId, Protocol, fnv1a, fnv1a_extend};
-use crate::ir::{
+use crate::inputs::model::{Endpoint, LbPort, LbService, TrafficPolicy};
+use crate::ruleset::ir::{
     BaseChain, Chain, ChainType, Change, CtState, Expr, Hook, Key, KeyPart, KeyType, Mapped, Name,
     NamedCounter, Rule, Ruleset, Set, SetKind, Table, Verdict, priority,
 };
-use crate::model::{Endpoint, LbPort, LbService, TrafficPolicy};
 
 /// Default packet-mark bit meaning "masquerade this connection's first packet in postrouting".
 /// Same bit and meaning as kube-proxy's masquerade mark, so the two agree if both see it.
@@ -85,14 +85,14 @@ pub struct NodeFacts {
     pub forward_mark: Option<u32>,
     /// `--nat-shards`: over how many tables the Service ports' nat parts are spread (0 and 1: all
     /// in the main table; docs/design/dispatch.md, "Sharding the nat chains"): a power of two, at
-    /// most [`crate::ir::MAX_NAT_SHARDS`] (another number counts as the power of two below it).
+    /// most [`crate::ruleset::ir::MAX_NAT_SHARDS`] (another number counts as the power of two below it).
     pub nat_shards: u8,
 }
 
 impl NodeFacts {
     /// The number of nat shard tables: [`NodeFacts::nat_shards`] as a power of two, 1 for none.
     pub fn nat_shard_count(&self) -> u8 {
-        let k = self.nat_shards.clamp(1, crate::ir::MAX_NAT_SHARDS);
+        let k = self.nat_shards.clamp(1, crate::ruleset::ir::MAX_NAT_SHARDS);
         1 << (7 - k.leading_zeros())
     }
 
@@ -119,12 +119,12 @@ pub const PORTS_PER_NAT_SHARD: usize = 1_000;
 
 /// `--nat-shards auto`: how many shard tables for `ports` Service ports when there are `current`
 /// now. The least power of two giving each at most [`PORTS_PER_NAT_SHARD`] (at most
-/// [`crate::ir::MAX_NAT_SHARDS`]; 1 is the main table alone); more at once when the ports need
+/// [`crate::ruleset::ir::MAX_NAT_SHARDS`]; 1 is the main table alone); more at once when the ports need
 /// them, fewer only once the ports would fill a quarter of what the current ones hold, so a
 /// count moving around a boundary does not move every port back and forth (a new count is a full
 /// replace).
 pub fn auto_nat_shards(ports: usize, current: u8) -> u8 {
-    let max = crate::ir::MAX_NAT_SHARDS;
+    let max = crate::ruleset::ir::MAX_NAT_SHARDS;
     let mut want: u8 = 1;
     while want < max && ports > PORTS_PER_NAT_SHARD * usize::from(want) {
         want *= 2;
@@ -205,7 +205,7 @@ fn sanitize(s: &str) -> String {
 }
 
 /// Control characters (NUL included) become `?`: a NUL ends a comment in the kernel's user data
-/// and nft cannot print the others. `"` becomes `'`, as [`crate::ir`]'s rendering quotes it, so
+/// and nft cannot print the others. `"` becomes `'`, as [`crate::ruleset::ir`]'s rendering quotes it, so
 /// the kernel and the rendering agree.
 fn printable(s: &str) -> String {
     s.chars()
@@ -1155,7 +1155,7 @@ mod tests {
     /// `--nat-shards auto`: (ports, current shards) → shards. Up at once, down only well below.
     #[test]
     fn auto_nat_shards_grow_at_once_and_shrink_with_hysteresis() {
-        let max = crate::ir::MAX_NAT_SHARDS;
+        let max = crate::ruleset::ir::MAX_NAT_SHARDS;
         #[rustfmt::skip]
         let cases: &[(usize, u8, u8)] = &[
             (0, 1, 1), (1_000, 1, 1), (1_001, 1, 2), (2_001, 1, 4), (10_000, 1, 16),

@@ -1,8 +1,8 @@
 use super::*;
-use crate::alloc::Allocations;
+use crate::decisions::alloc::Allocations;
+use crate::inputs::model::{self, LABEL_EXCLUDE_LB, LABEL_SERVICE_NAME, ModelOptions};
 use crate::k8s::nodes;
 use crate::k8s::publish::{self, Round};
-use crate::model::{self, LABEL_EXCLUDE_LB, LABEL_SERVICE_NAME, ModelOptions};
 use k8s_openapi::api::core::v1::{LoadBalancerIngress, LoadBalancerStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use serde_json::{Value, json};
@@ -149,7 +149,8 @@ fn slimmed_objects_give_the_same_model_and_writes() {
     let serving = BTreeMap::new();
     let round = |services: &[Service], out: &model::ModelOutput| {
         let allocations: Allocations =
-            crate::alloc::allocate(&Default::default(), &out.services, &Allocations::new()).allocations;
+            crate::decisions::alloc::allocate(&Default::default(), &out.services, &Allocations::new())
+                .allocations;
         let round = Round {
             services,
             model: &opts,
@@ -212,7 +213,7 @@ fn slimming_drops_what_is_not_read() {
     assert!(slice.metadata.annotations.is_none() && slice.metadata.owner_references.is_none());
     let endpoints = slice.endpoints.as_ref().unwrap();
     assert_eq!(endpoints.capacity(), 3, "no spare capacity");
-    // The fields it does not read are not in its type (crate::compact).
+    // The fields it does not read are not in its type (crate::inputs::compact).
     assert!(endpoints.iter().all(|e| e.node_name.is_some() && e.conditions.is_some()));
     assert_eq!(slice.ports.as_ref().unwrap().capacity(), 2, "no spare capacity");
 }

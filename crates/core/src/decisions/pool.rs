@@ -32,10 +32,10 @@ use serde::{Deserialize, Serialize};
 
 use k8s_openapi::api::core::v1::Service;
 
-use crate::alloc::{AllocProblem, Allocations, PoolRanges};
+use crate::decisions::alloc::{AllocProblem, Allocations, PoolRanges};
+use crate::decisions::port_policy::{NODEPORT_RANGE, PortRange};
 use crate::domain::ServiceKey;
-use crate::model::LbService;
-use crate::port_policy::{NODEPORT_RANGE, PortRange};
+use crate::inputs::model::LbService;
 
 /// Service annotation: the pool this Service wants, by name.
 pub const ANNOTATION_POOL: &str = "nodelb.io/pool";
@@ -792,7 +792,7 @@ pub struct PoolContext {
     pub set: PoolSet,
     pub namespaces: BTreeMap<String, BTreeMap<String, String>>,
     pub node_labels: BTreeMap<String, String>,
-    /// The k3s ServiceLB labels narrow which nodes serve ([`crate::servicelb::in_force`]).
+    /// The k3s ServiceLB labels narrow which nodes serve ([`crate::decisions::servicelb::in_force`]).
     pub servicelb: bool,
 }
 
@@ -835,7 +835,7 @@ pub struct ContextInput<'a> {
 pub fn context(last_valid: &mut LastValid, input: &ContextInput<'_>) -> (PoolContext, Vec<InvalidPool>) {
     let (pools, invalid) = last_valid.update(input.objects);
     let set = PoolSet::resolve(pools, !input.objects.is_empty(), input.flag_range, input.nodes);
-    let servicelb = crate::servicelb::in_force(input.servicelb, input.nodes.iter().copied());
+    let servicelb = crate::decisions::servicelb::in_force(input.servicelb, input.nodes.iter().copied());
     let namespaces = match set.pools.iter().any(|p| !p.pool.namespaces.is_everything()) {
         true => (input.namespaces)(),
         false => BTreeMap::new(),
@@ -886,7 +886,7 @@ pub fn assign_services<S: Borrow<Service>, V: Borrow<LbService>>(
 ) -> Assignment {
     let empty = BTreeMap::new();
     let by_key: BTreeMap<ServiceKey, &Service> =
-        services.iter().map(|s| (crate::model::service_key(s.borrow()), s.borrow())).collect();
+        services.iter().map(|s| (crate::inputs::model::service_key(s.borrow()), s.borrow())).collect();
     let mut out = Assignment::default();
     for svc in valid.iter().map(Borrow::borrow) {
         let meta = by_key.get(&svc.key).map(|s| &s.metadata);
@@ -1059,7 +1059,7 @@ pub fn usage<'a>(
         .collect()
 }
 
-pub use crate::port_policy::describe_ranges;
+pub use crate::decisions::port_policy::describe_ranges;
 
 #[cfg(test)]
 mod tests;

@@ -1,5 +1,5 @@
 use super::*;
-use crate::model::LbPort;
+use crate::inputs::model::LbPort;
 
 fn key(name: &str) -> ServiceKey {
     ServiceKey::new("default", name)
@@ -403,7 +403,7 @@ fn table() {
 fn constraints() {
     let policy = PortPolicy {
         ranges: vec![small()],
-        allowed: "22,6443,80".parse::<crate::port_policy::PortList>().unwrap().0,
+        allowed: "22,6443,80".parse::<crate::decisions::port_policy::PortList>().unwrap().0,
     };
     let in_use: BTreeMap<(Protocol, u16), String> = [
         ((Protocol::Tcp, 22), "sshd".to_string()),

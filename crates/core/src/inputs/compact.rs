@@ -25,7 +25,7 @@ use serde::{Deserialize, Deserializer};
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 
 /// An EndpointSlice (`discovery.k8s.io/v1`) as nodelb keeps it: its metadata (slimmed like every
-/// cached object's, [`crate::slim`]), the Service it belongs to, address type, ports and per
+/// cached object's, [`crate::inputs::slim`]), the Service it belongs to, address type, ports and per
 /// endpoint its addresses, conditions and node.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(from = "WireSlice")]

@@ -24,11 +24,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use crate::counters::{CounterIndex, CounterKind, IndexUpdate, SeriesKey};
 use crate::domain::{PortId, ServiceKey};
-use crate::ir::{Chain, Key, Mapped, Name, NamedCounter, Ruleset, Set};
-use crate::model::LbService;
-use crate::plan::{self, NodeFacts, ServicePlan};
+use crate::inputs::model::LbService;
+use crate::reports::counters::{CounterIndex, CounterKind, IndexUpdate, SeriesKey};
+use crate::ruleset::ir::{Chain, Key, Mapped, Name, NamedCounter, Ruleset, Set};
+use crate::ruleset::plan::{self, NodeFacts, ServicePlan};
 
 /// One Service as the planner takes it: validated, with the node ports this node programs for
 /// it and, when its pool restricts node addresses, the addresses of this node that serve it.
@@ -160,7 +160,7 @@ impl Planner {
         Planner::default()
     }
 
-    /// The plan for `inputs` (sorted by key, each key once, as [`crate::model::build`] gives
+    /// The plan for `inputs` (sorted by key, each key once, as [`crate::inputs::model::build`] gives
     /// them): a patch of `applied` when it is the ruleset this planner last produced and nothing
     /// but Services changed, else the whole ruleset. With `index`, the counter index (or its
     /// patch) too; without it an empty one.

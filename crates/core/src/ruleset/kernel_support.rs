@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
 
 use crate::domain::{Family, Protocol};
-use crate::ir::{
+use crate::ruleset::ir::{
     BaseChain, Chain, ChainType, Change, Expr, Hook, KeyType, NamedCounter, Rule, Set, SetKind, Verdict,
     priority,
 };
@@ -96,7 +96,7 @@ pub fn probe() -> Vec<(Change, Feature)> {
     let v4 = Family::Ipv4;
     let proto_port = vec![KeyType::InetProto, KeyType::InetService];
     vec![
-        (Change::AddTable(crate::ir::Table::Main), TABLE),
+        (Change::AddTable(crate::ruleset::ir::Table::Main), TABLE),
         (Change::AddCounter(NamedCounter { name: COUNTER.into(), comment: comment.clone() }), COUNTER_OBJECT),
         (
             Change::AddSet(set(AFFINITY, vec![KeyType::Ipv4Addr], SetKind::Dynamic { timeout: 10 })),
@@ -107,7 +107,10 @@ pub fn probe() -> Vec<(Change, Feature)> {
         (Change::AddChain(base(NAT, ChainType::Nat, Hook::Prerouting, priority::DSTNAT)), NAT_CHAIN),
         (Change::AddChain(base(FILTER, ChainType::Filter, Hook::Forward, priority::FILTER)), FILTER_CHAIN),
         (rule(NAT, vec![Expr::FibDaddrLocal]), FIB),
-        (rule(NAT, vec![Expr::CtState(Box::new([crate::ir::CtState::New])), Expr::CtStatusDnat]), CT_STATUS),
+        (
+            rule(NAT, vec![Expr::CtState(Box::new([crate::ruleset::ir::CtState::New])), Expr::CtStatusDnat]),
+            CT_STATUS,
+        ),
         (
             rule(NAT, vec![Expr::L4Proto(Protocol::Tcp), Expr::L4ProtoDportVmap { map: PORTS.into() }]),
             TH_VMAP,

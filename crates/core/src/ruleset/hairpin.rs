@@ -16,8 +16,8 @@ use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 use crate::domain::Family;
-use crate::ir::{KeyPart, Ruleset};
-use crate::plan;
+use crate::ruleset::ir::{KeyPart, Ruleset};
+use crate::ruleset::plan;
 
 /// What br_netfilter does, and every bridge of the namespace.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

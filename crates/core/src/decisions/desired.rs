@@ -11,25 +11,25 @@ use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use crate::compact::EndpointSlice;
+use crate::inputs::compact::EndpointSlice;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::jiff::Timestamp;
 
-use crate::alloc::{self, AllocProblem, Allocations};
-use crate::counters::{CounterIndex, IndexUpdate};
+use crate::decisions::alloc::{self, AllocProblem, Allocations};
+use crate::decisions::endpoint_policy::{self, EndpointPolicy, HostAddresses, RefusedEndpoint};
+use crate::decisions::pool::PoolContext;
+use crate::decisions::port_policy::{self, Listeners, PortPolicy, PortRange, PortRefusal};
 use crate::domain::{Family, PortId, Scope, ServiceKey};
-use crate::endpoint_policy::{self, EndpointPolicy, HostAddresses, RefusedEndpoint};
-use crate::ir::Ruleset;
+use crate::incremental::model_cache::{ModelCache, ModelContext, Modeled};
+use crate::incremental::replan::{PlanInput, Planned, Planner};
+use crate::incremental::view::SourceView;
+use crate::inputs::model::{self, LbService, ModelOptions, Refusal};
 use crate::k8s::claims::{Owner, Registry};
 use crate::k8s::dupes::Duplicate;
-use crate::model::{self, LbService, ModelOptions, Refusal};
-use crate::model_cache::{ModelCache, ModelContext, Modeled};
-use crate::plan::{self, NodeFacts};
-use crate::pool::PoolContext;
-use crate::port_policy::{self, Listeners, PortPolicy, PortRange, PortRefusal};
-use crate::replan::{PlanInput, Planned, Planner};
-use crate::report::{EndpointRefusalStatus, PortStatus, ServiceState, ServiceStatus};
-use crate::view::SourceView;
+use crate::reports::counters::{CounterIndex, IndexUpdate};
+use crate::reports::report::{EndpointRefusalStatus, PortStatus, ServiceState, ServiceStatus};
+use crate::ruleset::ir::Ruleset;
+use crate::ruleset::plan::{self, NodeFacts};
 
 /// Everything computed from one snapshot. `R`/`I`: the ruleset and counter index as the
 /// incremental planner gives them ([`compute`]: [`Planned`], [`IndexUpdate`]), or whole
@@ -154,7 +154,8 @@ pub fn compute_whole<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     inputs: &Inputs<'_, S, E>,
     counter_index: bool,
 ) -> Desired {
-    let modeled = crate::model_cache::build(inputs.services, inputs.slices, &model_context(inputs));
+    let modeled =
+        crate::incremental::model_cache::build(inputs.services, inputs.slices, &model_context(inputs));
     let decided = decide(inputs, inputs.services, modeled, None);
     let mut book = NodeBook::default();
     let plans = book.replace(decided, inputs.mode, inputs.previous);
@@ -196,8 +197,8 @@ pub enum Extent {
 /// Services whose inputs changed (and those that share a node port number with them; in
 /// manifests mode also the unsettled ones and those whose allocation age changed) decided again,
 /// and the ruleset and the counter index as a patch of `applied` (what the kernel holds, the
-/// planner's last plan) where only Services changed (modules [`crate::model_cache`],
-/// [`crate::replan`], [`crate::view`]). A fresh `kept`, or no `applied`, decides everything and
+/// planner's last plan) where only Services changed (modules [`crate::incremental::model_cache`],
+/// [`crate::incremental::replan`], [`crate::incremental::view`]). A fresh `kept`, or no `applied`, decides everything and
 /// plans the whole ruleset. The same result as `compute_whole` for the same inputs
 /// (tests/replan.rs), given `inputs.previous` is what the last call gave. `counter_index:
 /// false` leaves the counter index empty (per-Service metrics off: the index names chains of
@@ -486,7 +487,7 @@ impl NodeBook {
     fn scope(
         &mut self,
         view: &SourceView,
-        changes: crate::view::ViewChanges,
+        changes: crate::incremental::view::ViewChanges,
         aged: Vec<ServiceKey>,
         recorded: Vec<u16>,
         inputs: &Inputs<'_, Arc<Service>, Arc<EndpointSlice>>,
@@ -681,7 +682,8 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     );
     let refused_endpoints = std::mem::take(&mut out.refused_endpoints);
     let pools = inputs.pools.filter(|c| !c.set.implicit);
-    let assignment = pools.map(|c| crate::pool::assign_services(c, services, &out.services, inputs.previous));
+    let assignment =
+        pools.map(|c| crate::decisions::pool::assign_services(c, services, &out.services, inputs.previous));
     let mut not_recorded = Vec::new();
     let (allocations, alloc_problems, duplicates) = match inputs.mode {
         AllocationMode::Allocate => {
@@ -884,9 +886,9 @@ fn recorded(
 /// no pool serves it).
 fn pool_node_policy(
     ctx: &PoolContext,
-    assignment: &crate::pool::Assignment,
+    assignment: &crate::decisions::pool::Assignment,
     key: &ServiceKey,
-    own: &crate::pool::NodeAddresses,
+    own: &crate::decisions::pool::NodeAddresses,
 ) -> Result<(PortPolicy, Option<BTreeSet<std::net::IpAddr>>), PortRefusal> {
     let Some(ranges) = assignment.ranges.get(key) else {
         let why = assignment.problems.iter().find(|p| p.service() == key).map(|p| p.to_string());
@@ -923,7 +925,7 @@ fn servicelb_refusals<S: Borrow<Service>>(ctx: &PoolContext, services: &[S]) -> 
         .map(|s| s.borrow())
         .filter_map(|s| {
             let labels = s.metadata.labels.as_ref().unwrap_or(&empty);
-            let why = crate::servicelb::serves(&ctx.node_labels, labels).err()?;
+            let why = crate::decisions::servicelb::serves(&ctx.node_labels, labels).err()?;
             Some((model::service_key(s), why.to_string()))
         })
         .collect()
@@ -1240,7 +1242,7 @@ mod tests {
     /// without them (`servicelb: false`) programs both.
     #[test]
     fn servicelb_labels_choose_what_this_node_programs() {
-        use crate::servicelb::{LABEL_ENABLELB, LABEL_LBPOOL};
+        use crate::decisions::servicelb::{LABEL_ENABLELB, LABEL_LBPOOL};
         let svc = |name: &str, labels: serde_json::Value| -> Service {
             serde_json::from_value(serde_json::json!({
                 "metadata": {"name": name, "namespace": "default", "labels": labels},
@@ -1253,7 +1255,7 @@ mod tests {
         let range = PortRange::new(20000, 20010).expect("range");
         let run = |servicelb: bool| {
             let ctx = PoolContext {
-                set: crate::pool::PoolSet::resolve(vec![], false, range, &[]),
+                set: crate::decisions::pool::PoolSet::resolve(vec![], false, range, &[]),
                 namespaces: BTreeMap::new(),
                 node_labels: [(LABEL_ENABLELB, "true"), (LABEL_LBPOOL, "other")]
                     .into_iter()
@@ -1303,9 +1305,9 @@ mod tests {
                 "ports": [{"start": 20000, "end": 20010}], "addresses": {"cidrs": [cidr]}
             }))
             .expect("spec");
-            let pool = crate::pool::validate("edge-pool", None, None, &spec).expect("valid");
+            let pool = crate::decisions::pool::validate("edge-pool", None, None, &spec).expect("valid");
             let ctx = PoolContext {
-                set: crate::pool::PoolSet::resolve(vec![pool], true, range, &[]),
+                set: crate::decisions::pool::PoolSet::resolve(vec![pool], true, range, &[]),
                 namespaces: BTreeMap::new(),
                 node_labels: BTreeMap::new(),
                 servicelb: false,
@@ -1329,7 +1331,7 @@ mod tests {
                 true,
             )
         };
-        let elements = |d: &Desired, map: crate::ir::Name| -> Vec<String> {
+        let elements = |d: &Desired, map: crate::ruleset::ir::Name| -> Vec<String> {
             d.ruleset.sets[&map].elements.keys().map(|k| format!("{k:?}")).collect()
         };
         let served = run("192.0.2.0/24");

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::ir::{Chain, Change, Mapped, Ruleset, Set, SetKind, Table, Verdict};
+use crate::ruleset::ir::{Chain, Change, Mapped, Ruleset, Set, SetKind, Table, Verdict};
 
 /// Applies changes to an in-memory ruleset the way the kernel would (a model for tests: a diff
 /// applied to `old` must give exactly `new`). Returns an error naming the first change the kernel

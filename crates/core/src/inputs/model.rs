@@ -57,7 +57,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
 
-use crate::compact::{Address, EndpointPort, EndpointSlice};
+use crate::inputs::compact::{Address, EndpointPort, EndpointSlice};
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Service, ServicePort};
 use k8s_openapi::jiff::Timestamp;
@@ -80,7 +80,7 @@ pub const ANNOTATION_IGNORE: &str = "nodelb.io/ignore";
 pub const ANNOTATION_LEGACY_SOURCE_RANGES: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
 /// Service condition the leader sets: are node ports allocated (`False` says why).
 pub const CONDITION_ALLOCATED: &str = "nodelb.io/Allocated";
-pub use crate::compact::LABEL_SERVICE_NAME;
+pub use crate::inputs::compact::LABEL_SERVICE_NAME;
 /// Nodes with this label are never listed in a Service's status (the Kubernetes convention).
 pub const LABEL_EXCLUDE_LB: &str = "node.kubernetes.io/exclude-from-external-load-balancers";
 
@@ -345,7 +345,7 @@ pub struct ModelOptions {
     pub lb_class: String,
     /// Do not serve Services whose `loadBalancerClass` is unset.
     pub ignore_unclassed: bool,
-    /// Honour the k3s ServiceLB node and Service labels ([`crate::servicelb`]).
+    /// Honour the k3s ServiceLB node and Service labels ([`crate::decisions::servicelb`]).
     pub servicelb_labels: bool,
 }
 

@@ -51,7 +51,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use ipnet::IpNet;
 
 use crate::domain::ServiceKey;
-use crate::model::LbService;
+use crate::inputs::model::LbService;
 
 /// What the operator allows beyond the fixed rules (flags).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -71,8 +71,8 @@ pub struct HostAddresses {
     /// Directed broadcast addresses of this node's interfaces.
     pub broadcasts: BTreeSet<IpAddr>,
     /// This node's own addresses with their interfaces and Node address types: what a node
-    /// port pool's `addresses` selects from ([`crate::pool::AddressFilter::select`]).
-    pub own: crate::pool::NodeAddresses,
+    /// port pool's `addresses` selects from ([`crate::decisions::pool::AddressFilter::select`]).
+    pub own: crate::decisions::pool::NodeAddresses,
     /// The API server's endpoints (Kubernetes mode), with what names them.
     pub api_servers: BTreeMap<IpAddr, String>,
     /// The cluster's Service CIDRs (Kubernetes mode), with what names each.
@@ -340,7 +340,7 @@ pub fn describe(refused: &[&RefusedEndpoint]) -> String {
 mod tests {
     use super::*;
     use crate::domain::PortId;
-    use crate::model::{Endpoint, LbPort};
+    use crate::inputs::model::{Endpoint, LbPort};
 
     fn host() -> HostAddresses {
         let mut h = HostAddresses::default();

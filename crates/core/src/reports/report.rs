@@ -42,7 +42,7 @@ pub struct PortStatus {
     pub refused_packets: Option<u64>,
 }
 
-/// An endpoint address the policy refused ([`crate::endpoint_policy`]).
+/// An endpoint address the policy refused ([`crate::decisions::endpoint_policy`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct EndpointRefusalStatus {

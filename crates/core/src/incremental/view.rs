@@ -8,7 +8,7 @@
 //! new object or a new version are read once. The objects the pass did not see are gone (deleted,
 //! or replaced by a newer version). What it changes is patched into the index of each key's
 //! objects and of each number's holders. A Service replaced by a version that reads the same to a
-//! node ([`crate::slim::same_for_node`]: a leader's status write, a relist's equal copy) is no
+//! node ([`crate::inputs::slim::same_for_node`]: a leader's status write, a relist's equal copy) is no
 //! change: the index takes the new object and the pass names the pair
 //! ([`ViewChanges::rebased`]), so what was built from the old one is kept.
 
@@ -18,10 +18,10 @@ use std::sync::Arc;
 use foldhash::{HashMap, HashSet};
 use k8s_openapi::api::core::v1::Service;
 
-use crate::compact::EndpointSlice;
 use crate::domain::ServiceKey;
-use crate::model;
-use crate::per_object::PerObject;
+use crate::incremental::per_object::PerObject;
+use crate::inputs::compact::EndpointSlice;
+use crate::inputs::model;
 
 /// The view as the last pass left it (see the module's documentation). Kept for every object:
 /// sized for the usual case (one Service object and one EndpointSlice per key, one holder per
@@ -236,7 +236,7 @@ impl SourceView {
 
     /// Takes out of `computed` (the Service objects new to this pass, each with its key and
     /// numbers) each that replaces its key's only object with a version that reads the same
-    /// ([`crate::slim::same_for_node`]), the one object of its key in this pass; the index holds
+    /// ([`crate::inputs::slim::same_for_node`]), the one object of its key in this pass; the index holds
     /// it instead of the old one (the same key, the same annotation: the same numbers). Returns
     /// the pairs (old, new).
     fn rebase(&mut self, computed: &mut Vec<NewService>) -> Vec<(Arc<Service>, Arc<Service>)> {
@@ -254,7 +254,7 @@ impl SourceView {
             }
             let Some(Objects { services: Few::One(old), .. }) = by_key.get_mut(key) else { return true };
             // The old object is gone from this pass (not seen again: a new version came).
-            if seen.peek(old).is_some() || !crate::slim::same_for_node(old, object) {
+            if seen.peek(old).is_some() || !crate::inputs::slim::same_for_node(old, object) {
                 return true;
             }
             rebased.push((std::mem::replace(old, Arc::clone(object)), Arc::clone(object)));
