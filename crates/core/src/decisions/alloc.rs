@@ -143,8 +143,8 @@ impl<'a> Elsewhere<'a> {
 }
 
 /// The holder of each number of a decision's allocations (the allocator gives a number to one
-/// Service, whatever the protocols), kept next to them by a scoped decision (the leader's
-/// `k8s::scope::RoundBook`, a node's `desired::NodeBook` in manifests mode).
+/// Service, whatever the protocols), kept next to them where a scoped pass allocates
+/// (`incremental::book::AllocationBook`).
 #[derive(Debug, Clone, Default)]
 pub struct NumberHolders(foldhash::HashMap<u16, ServiceKey>);
 

@@ -20,6 +20,7 @@ use crate::decisions::endpoint_policy::{self, EndpointPolicy, HostAddresses, Ref
 use crate::decisions::pool::PoolContext;
 use crate::decisions::port_policy::{self, Listeners, PortPolicy, PortRange, PortRefusal};
 use crate::domain::{Family, PortId, Scope, ServiceKey};
+use crate::incremental::book::AllocationBook;
 use crate::incremental::model_cache::{ModelCache, ModelContext, Modeled};
 use crate::incremental::replan::{PlanInput, Planned, Planner};
 use crate::incremental::view::SourceView;
@@ -252,7 +253,7 @@ pub fn compute(
             let (services, slices) = kept.view.objects_of(&keys);
             let modeled = (kept.models.build(Scope::Keys(&keys), &services, &slices, &ctx))
                 .expect("the model cache's context was checked");
-            let elsewhere = kept.book.allocating.as_ref().map(|a| a.numbers.elsewhere(&keys));
+            let elsewhere = kept.book.decided.elsewhere(&keys);
             let decided = decide(inputs, &services, modeled, elsewhere);
             let plans = kept.book.patch(&keys, decided, inputs.previous);
             (Plans::Changed(plans), Extent::Services(keys.len()))
@@ -316,7 +317,8 @@ struct Part {
 }
 
 impl Part {
-    /// Whether the allocator left it unsettled ([`Allocating::unsettled`]).
+    /// Whether the allocator left it unsettled: decided again every sync where the node
+    /// allocates ([`AllocationBook`]).
     fn is_unsettled(&self) -> bool {
         self.faults.as_ref().is_some_and(|f| !f.refusals.is_empty() || !f.alloc_problems.is_empty())
     }
@@ -383,7 +385,9 @@ impl Decided {
 #[derive(Debug, Default)]
 pub struct NodeBook {
     parts: BTreeMap<ServiceKey, Part>,
-    allocations: Allocations,
+    /// Each Service's node ports; in manifests mode, where this node allocates, also who holds
+    /// each number and which Services every sync decides again ([`AllocationBook`]).
+    decided: AllocationBook,
     /// Sorted.
     duplicates: Vec<Duplicate>,
     /// How many valid Services ask for each family.
@@ -394,32 +398,16 @@ pub struct NodeBook {
     /// The notes of the Services served from a last good version, as the last sync read them.
     stale: BTreeMap<ServiceKey, String>,
     shared: Option<SharedInputs>,
-    /// Manifests mode, where this node allocates: what couples the Services' parts besides
-    /// their objects ([`Allocating`]). `None` in Kubernetes mode.
-    allocating: Option<Allocating>,
     /// The node-port registry the last sync read (its blocks shared, not copied).
     registry: Option<Registry>,
 }
 
-/// Manifests mode: the allocator reads every Service's numbers, so a scoped sync must know who
-/// holds each number (a Service outside the scope keeps its numbers: [`alloc::Elsewhere`]) and
-/// which Services a change elsewhere can move (the unsettled ones, decided at every sync).
-#[derive(Debug, Default)]
-struct Allocating {
-    /// The holder of each number of the book's allocations.
-    numbers: alloc::NumberHolders,
-    /// The Services with an allocation problem (a freed number may be theirs now) or refused
-    /// (they keep their numbers only while no new port takes one: [`keep_refused_allocations`]).
-    unsettled: foldhash::HashSet<ServiceKey>,
-}
-
-impl Allocating {
-    fn of(allocations: &Allocations, parts: &BTreeMap<ServiceKey, Part>) -> Allocating {
-        Allocating {
-            numbers: alloc::NumberHolders::of(allocations),
-            unsettled: parts.iter().filter(|(_, p)| p.is_unsettled()).map(|(k, _)| k.clone()).collect(),
-        }
-    }
+/// The Services of `keys` whose part the allocator left unsettled.
+fn unsettled<'a>(
+    parts: &BTreeMap<ServiceKey, Part>,
+    keys: impl Iterator<Item = &'a ServiceKey>,
+) -> foldhash::HashSet<ServiceKey> {
+    keys.filter(|k| parts.get(*k).is_some_and(Part::is_unsettled)).cloned().collect()
 }
 
 /// What every Service's part of a sync reads besides its own objects: a sync decides only a
@@ -504,9 +492,6 @@ impl NodeBook {
             _ => todo.append(&mut self.moved),
         }
         todo.extend(aged);
-        if let Some(a) = &self.allocating {
-            todo.extend(a.unsettled.iter().cloned());
-        }
         let notes = &inputs.notes.stale;
         if *notes != self.stale {
             let differs = |a: &BTreeMap<ServiceKey, String>, b: &BTreeMap<ServiceKey, String>| {
@@ -516,30 +501,8 @@ impl NodeBook {
             todo.extend(differs(&self.stale, notes));
             self.stale = notes.clone();
         }
-        let mut scope: foldhash::HashSet<ServiceKey> = Default::default();
-        let mut numbers: Vec<u16> = changes.numbers.into_iter().chain(recorded).collect();
-        let mut seen: foldhash::HashSet<u16> = Default::default();
-        loop {
-            while let Some(key) = todo.pop() {
-                if scope.insert(key.clone()) {
-                    numbers.extend(view.numbers_of(&key));
-                    if self.allocating.is_some() {
-                        numbers
-                            .extend(self.allocations.get(&key).into_iter().flat_map(|p| p.values().copied()));
-                    }
-                }
-            }
-            let Some(n) = numbers.pop() else { break };
-            if seen.insert(n) {
-                todo.extend(view.holders_of(n).iter().filter(|k| !scope.contains(*k)).cloned());
-                if let Some(holder) = self.allocating.as_ref().and_then(|a| a.numbers.holder(n))
-                    && !scope.contains(holder)
-                {
-                    todo.push(holder.clone());
-                }
-            }
-        }
-        scope
+        let numbers = changes.numbers.into_iter().chain(recorded);
+        self.decided.closure(todo, numbers, |k| view.numbers_of(k), |n| view.holders_of(n))
     }
 
     /// Keeps a whole sync's decision; returns every Service's planner input. `previous`: the
@@ -547,16 +510,16 @@ impl NodeBook {
     fn replace(&mut self, decided: Decided, mode: AllocationMode, previous: &Allocations) -> Vec<PlanInput> {
         let Decided { parts, allocations, plans, duplicates } = decided;
         self.moved = moved(previous, &allocations, allocations.keys().chain(previous.keys()));
-        self.allocating = match mode {
-            AllocationMode::Allocate => Some(Allocating::of(&allocations, &parts)),
+        let unsettled = match mode {
+            AllocationMode::Allocate => Some(unsettled(&parts, parts.keys())),
             AllocationMode::Annotated => None,
         };
         self.families.clear();
         for part in parts.values() {
             count_families(&mut self.families, part.families, 1);
         }
+        self.decided.replace(allocations, unsettled);
         self.parts = parts;
-        self.allocations = allocations;
         self.duplicates = duplicates;
         plans
     }
@@ -569,7 +532,7 @@ impl NodeBook {
         decided: Decided,
         previous: &Allocations,
     ) -> Vec<(ServiceKey, Option<PlanInput>)> {
-        let Decided { mut parts, mut allocations, plans, duplicates } = decided;
+        let Decided { mut parts, allocations, plans, duplicates } = decided;
         let mut by_key: BTreeMap<ServiceKey, Option<PlanInput>> =
             scope.iter().map(|k| (k.clone(), None)).collect();
         for plan in plans {
@@ -580,26 +543,13 @@ impl NodeBook {
             if let Some(old) = self.parts.remove(key) {
                 count_families(&mut self.families, old.families, -1);
             }
-            let part = parts.remove(key);
-            if let Some(a) = &mut self.allocating {
-                match part.as_ref().is_some_and(Part::is_unsettled) {
-                    true => a.unsettled.insert(key.clone()),
-                    false => a.unsettled.remove(key),
-                };
-            }
-            if let Some(part) = part {
+            if let Some(part) = parts.remove(key) {
                 count_families(&mut self.families, part.families, 1);
                 self.parts.insert(key.clone(), part);
             }
-            let ports = allocations.remove(key);
-            if let Some(a) = &mut self.allocating {
-                a.numbers.update(key, self.allocations.get(key), ports.as_ref());
-            }
-            match ports {
-                Some(ports) => self.allocations.insert(key.clone(), ports),
-                None => self.allocations.remove(key),
-            };
         }
+        let unsettled = unsettled(&self.parts, scope.iter());
+        self.decided.patch(scope, allocations, unsettled);
         // A duplicate names two Services that share a number: both in the scope, or neither.
         self.duplicates.retain(|d| !scope.contains(&d.keeper) && !scope.contains(&d.loser));
         self.duplicates.extend(duplicates);
@@ -612,7 +562,7 @@ impl NodeBook {
         let mut d = Desired {
             ruleset: (),
             counter_index: (),
-            allocations: self.allocations.clone(),
+            allocations: self.decided.allocations().clone(),
             services: Vec::with_capacity(self.parts.len()),
             needed_families: self.families.keys().copied().collect(),
             refusals: vec![],
@@ -933,7 +883,7 @@ fn servicelb_refusals<S: Borrow<Service>>(ctx: &PoolContext, services: &[S]) -> 
 
 /// A Service refused for bad input keeps its ports (when nobody else took them meanwhile), so
 /// fixing the input brings it back on the same ports instead of new ones. In a scoped sync the
-/// refused Services are in the scope ([`Allocating::unsettled`]), and their numbers were theirs
+/// refused Services are in the scope (unsettled: [`AllocationBook`]), and their numbers were theirs
 /// alone in the last sync: only the scope can have taken one since.
 fn keep_refused_allocations(allocations: &mut Allocations, previous: &Allocations, refused: &[Refusal]) {
     let used: BTreeSet<u16> = allocations.values().flat_map(|p| p.values().copied()).collect();

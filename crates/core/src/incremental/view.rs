@@ -288,7 +288,7 @@ impl SourceView {
     }
 
     /// The numbers `key`'s allocation annotations name.
-    pub fn numbers_of(&self, key: &ServiceKey) -> impl Iterator<Item = u16> + '_ {
+    pub fn numbers_of<'a>(&'a self, key: &ServiceKey) -> impl Iterator<Item = u16> + use<'a> {
         let objects = self.by_key.get(key).into_iter().flat_map(|o| o.services.as_slice());
         objects.filter_map(|o| self.services.peek(o)).flat_map(|numbers| numbers.iter().copied())
     }

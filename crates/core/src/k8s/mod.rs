@@ -1,6 +1,6 @@
 //! Kubernetes mode's pure decisions; the agent's `k8s` module talks to the API server around
 //! them: [`round`] (the leader's round and its state), [`claims`] (the node-port registry),
-//! [`publish`] (what the leader writes), [`scope`] (what a leader's round must plan), [`dupes`]
+//! [`publish`] (what the leader writes), [`dupes`]
 //! (duplicate node ports), [`nodes`] (which nodes serve), [`pools`] (the pool context from the
 //! cached objects), [`events`] (once per change), [`leader`] (the Lease election rules),
 //! [`lastgood`] (the last valid spec of a Service), [`uninstall`] (uninstall or restart),
@@ -17,6 +17,5 @@ pub mod nodes;
 pub mod pools;
 pub mod publish;
 pub mod round;
-pub mod scope;
 pub mod snapshot;
 pub mod uninstall;

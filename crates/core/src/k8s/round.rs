@@ -18,6 +18,7 @@ use k8s_openapi::jiff::Timestamp;
 use crate::decisions::alloc::{self, Allocations};
 use crate::decisions::port_policy::PortRange;
 use crate::domain::{Scope, ServiceKey};
+use crate::incremental::book::AllocationBook;
 use crate::incremental::model_cache::{ModelCache, ModelContext};
 use crate::incremental::per_object::PerObject;
 use crate::inputs::compact::EndpointSlice;
@@ -29,7 +30,6 @@ use super::events::{Deduper, Outbox};
 use super::lastgood::LastGoodServices;
 use super::nodes;
 use super::publish::{self, Round, ServiceWrite};
-use super::scope;
 use super::snapshot::{Journal, KubeSnapshot};
 
 #[derive(Debug, Clone)]
@@ -92,9 +92,11 @@ pub struct RoundMemory {
     /// Each Service's status and Events, kept while its inputs are the same
     /// ([`publish::plan_services`]).
     pub published: publish::Published,
-    /// The last rounds' decisions for every Service ([`scope::RoundBook`]), and what every
-    /// Service's part read then: a round that finds the same plans only a scope.
-    pub book: scope::RoundBook,
+    /// The last rounds' node ports for every Service, and which Services every round plans
+    /// ([`AllocationBook`]): a round that finds the same shared inputs plans only a scope.
+    pub book: AllocationBook,
+    /// With node port pools: each Service's pool as the last rounds decided it.
+    pools: BTreeMap<ServiceKey, alloc::PoolRanges>,
     shared: Option<SharedInputs>,
     /// Each EndpointSlice's Service, per object (the slices that changed name theirs), and the
     /// slices of each Service in the last view.
@@ -160,7 +162,7 @@ impl RoundMemory {
 }
 
 /// What every Service's part of a round reads besides its own objects: a round plans only a
-/// scope ([`scope::RoundBook::closure`]) when these are what the last round read.
+/// scope ([`AllocationBook::closure`]) when these are what the last round read.
 #[derive(Debug, PartialEq)]
 struct SharedInputs {
     /// Every Node's name, labels and addresses, hashed.
@@ -594,15 +596,18 @@ pub fn plan_round(
         (may_scope && same_shared && memory.models.has_context(&ctx) && !pool_ctx.set.bounds_namespaces())
             .then(|| {
                 let changes = holders.changes();
-                let seed = |key: &ServiceKey, numbers: &std::collections::BTreeSet<u16>| scope::Seed {
-                    key: key.clone(),
-                    numbers: numbers.clone(),
-                };
-                let mut seeds: Vec<scope::Seed> =
-                    changes.added.iter().map(|h| seed(&h.key, &h.numbers)).collect();
-                seeds.extend(changes.dropped.iter().map(|(_, h)| seed(&h.key, &h.numbers)));
-                seeds.extend(slices_changed.iter().map(|k| seed(k, &Default::default())));
-                memory.book.closure(seeds, &held, |k| holders.of_key(k).map(|(_, h)| &h.numbers))
+                let changed = (changes.added.iter().map(|h| &h.key))
+                    .chain(changes.dropped.iter().map(|(_, h)| &h.key))
+                    .chain(slices_changed.iter())
+                    .cloned();
+                let numbers = (changes.added.iter().chain(changes.dropped.iter().map(|(_, h)| h)))
+                    .flat_map(|h| h.numbers.iter().copied());
+                memory.book.closure(
+                    changed,
+                    numbers,
+                    |k| holders.of_key(k).into_iter().flat_map(|(_, h)| h.numbers.iter().copied()),
+                    |n| held.holders_of(n).iter().map(|h| &h.key),
+                )
             });
     // What the registry takes off the Services and lets nobody have. A scoped round runs only
     // when every claim names a Service that holds its number, or a deleted one (`may_scope`):
@@ -685,7 +690,7 @@ pub fn plan_round(
         policy: Some(&cfg.policy.ports),
         in_use: Some(&in_use),
         pools: assignment.as_ref().map(|a| &a.ranges),
-        elsewhere: scope.as_ref().map(|keys| memory.book.elsewhere(keys)),
+        elsewhere: scope.as_ref().and_then(|keys| memory.book.elsewhere(keys)),
     };
     let mut result = alloc::allocate_with(&cfg.port_range, &all, &Allocations::new(), constraints);
     result.problems.extend(assignment.iter().flat_map(|a| a.problems.iter().cloned()));
@@ -781,7 +786,8 @@ pub fn plan_round(
     let pool_ranges = assignment.as_ref().map(|a| a.ranges.clone()).unwrap_or_default();
     let pools = match &scope {
         None => {
-            memory.book.replace(allocations.clone(), unsettled, pool_ranges);
+            memory.book.replace(allocations.clone(), Some(unsettled));
+            memory.pools = pool_ranges;
             (!snap.pools.is_empty()).then_some(PoolRound {
                 ctx: pool_ctx,
                 invalid: invalid_pools,
@@ -791,14 +797,16 @@ pub fn plan_round(
             })
         }
         Some(keys) => {
-            memory.book.patch(keys, allocations, unsettled, pool_ranges);
+            memory.book.patch(keys, allocations, unsettled);
+            memory.pools.retain(|k, _| !keys.contains(k));
+            memory.pools.extend(pool_ranges);
             // The pools' status counts every Service's numbers: the book's.
             (!snap.pools.is_empty()).then(|| PoolRound {
                 ctx: pool_ctx,
                 invalid: invalid_pools,
                 allocations: memory.book.allocations().clone(),
                 assignment: assignment.map(|_| crate::decisions::pool::Assignment {
-                    ranges: memory.book.pools().clone(),
+                    ranges: memory.pools.clone(),
                     problems: Vec::new(),
                 }),
                 serving,
