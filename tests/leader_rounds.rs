@@ -506,9 +506,10 @@ impl Leader {
                 // What it knows of the view (the index of held numbers included) is built afresh
                 // and the view recorded whole; every claim is looked at.
                 let mut holders = Holders::default();
-                keeper.observe_view(&holders.of_view(&snap.services), clock.at);
-                let touched = holders.changes().numbers();
-                let expired = keeper.expired(registry, &holders.held(), touched.as_ref(), healthy, clock.at);
+                holders.pass(&snap.services, &snap.slices);
+                keeper.observe_view(&holders.changes().added, clock.at);
+                let touched = holders.changed_numbers();
+                let expired = keeper.expired(registry, &holders.held(), touched, healthy, clock.at);
                 let gone = keeper.gone().clone();
                 let inputs = ClaimInputs {
                     registry: Some(registry),

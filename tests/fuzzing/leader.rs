@@ -88,7 +88,7 @@ fn plan(services: &[Service], slices: &[EndpointSlice], nodes: &[Value], leases:
         expired: &expired,
     };
     let mut holders = Holders::default();
-    holders.of_view(&snap.services);
+    holders.pass(&snap.services, &snap.slices);
     plan_round(&snap, &config(), &mut Default::default(), &holders, None, now, &claims, false)
 }
 

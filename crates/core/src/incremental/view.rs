@@ -11,6 +11,10 @@
 //! node ([`crate::inputs::slim::same_for_node`]: a leader's status write, a relist's equal copy) is no
 //! change: the index takes the new object and the pass names the pair
 //! ([`ViewChanges::rebased`]), so what was built from the old one is kept.
+//!
+//! The leader's round finds what changed with the same view ([`crate::k8s::claims::Holders`]),
+//! keeping each Service's registry holder as its facts; for it every new version is a change
+//! (it writes the statuses a node does not read).
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -23,14 +27,32 @@ use crate::incremental::per_object::PerObject;
 use crate::inputs::compact::EndpointSlice;
 use crate::inputs::model;
 
+/// What a pass keeps of each Service object, read once per object version: at least the node
+/// port numbers its allocation annotation names (`nodelb.io/allocated-ports`), every one the
+/// model may read ([`model::annotated_numbers`]).
+pub trait ServiceFacts: Clone {
+    fn of(service: &Service) -> Self;
+    fn numbers(&self) -> impl Iterator<Item = u16> + '_;
+}
+
+/// A node's facts of a Service object: its numbers alone.
+impl ServiceFacts for Box<[u16]> {
+    fn of(service: &Service) -> Self {
+        model::allocated_annotation(service).map(|v| model::annotated_numbers(v).into()).unwrap_or_default()
+    }
+
+    fn numbers(&self) -> impl Iterator<Item = u16> + '_ {
+        self.iter().copied()
+    }
+}
+
 /// The view as the last pass left it (see the module's documentation). Kept for every object:
 /// sized for the usual case (one Service object and one EndpointSlice per key, one holder per
 /// number). An object's key is read from the object again when it goes, not kept with it.
 #[derive(Debug, Default)]
-pub struct SourceView {
-    /// Each Service object's numbers: every number its allocation annotation names
-    /// (`nodelb.io/allocated-ports`) as the model may read it ([`model::annotated_numbers`]).
-    services: PerObject<Service, Box<[u16]>>,
+pub struct SourceView<F = Box<[u16]>> {
+    /// Each Service object's facts.
+    services: PerObject<Service, F>,
     slices: PerObject<EndpointSlice, ()>,
     /// Each key's objects.
     by_key: HashMap<ServiceKey, Objects>,
@@ -42,10 +64,12 @@ pub struct SourceView {
     holders: HashMap<u16, Few<ServiceKey>>,
     /// A pass has been made.
     passed: bool,
+    /// Every new version of a Service is a change, even one that reads the same to a node.
+    every_version: bool,
 }
 
-/// A Service object new to a pass, with its key and numbers.
-type NewService = (Arc<Service>, ServiceKey, Box<[u16]>);
+/// A Service object new to a pass, with its key and facts.
+type NewService<F> = (Arc<Service>, ServiceKey, F);
 
 /// The objects of one key: its Service objects (more than one only when a source hands over
 /// two objects with one key, which the model refuses) and its EndpointSlices.
@@ -143,10 +167,15 @@ fn take<K: std::hash::Hash + Eq, T: Clone>(map: &mut HashMap<K, Few<T>>, key: &K
 }
 
 /// What a pass found changed since the one before.
-#[derive(Debug, Default, PartialEq)]
-pub struct ViewChanges {
+#[derive(Debug, PartialEq)]
+pub struct ViewChanges<F = Box<[u16]>> {
     /// There was no pass before this one.
     pub first: bool,
+    /// The facts of the Service objects new to the pass (new Services, new versions).
+    pub added: Vec<F>,
+    /// The Service objects no longer in it (deleted, or replaced by a newer version), with
+    /// their facts.
+    pub dropped: Vec<(Arc<Service>, F)>,
     /// The keys of the Services and EndpointSlices that came, went or are new versions.
     pub keys: HashSet<ServiceKey>,
     /// The numbers named by the allocation annotations of the Service objects that came or went.
@@ -158,28 +187,55 @@ pub struct ViewChanges {
     pub rebased: Vec<(Arc<Service>, Arc<Service>)>,
 }
 
-impl SourceView {
+impl<F> Default for ViewChanges<F> {
+    fn default() -> Self {
+        ViewChanges {
+            first: false,
+            added: Vec::new(),
+            dropped: Vec::new(),
+            keys: HashSet::default(),
+            numbers: BTreeSet::new(),
+            rebased: Vec::new(),
+        }
+    }
+}
+
+impl<F: ServiceFacts> SourceView<F> {
+    /// A view for which every new version of a Service is a change.
+    pub fn every_version() -> Self {
+        SourceView {
+            services: PerObject::default(),
+            slices: PerObject::default(),
+            by_key: HashMap::default(),
+            shared_keys: 0,
+            repeated: false,
+            holders: HashMap::default(),
+            passed: false,
+            every_version: true,
+        }
+    }
+
     /// One pass over the view: what changed since the last one.
-    pub fn pass(&mut self, services: &[Arc<Service>], slices: &[Arc<EndpointSlice>]) -> ViewChanges {
+    pub fn pass(&mut self, services: &[Arc<Service>], slices: &[Arc<EndpointSlice>]) -> ViewChanges<F> {
         let mut changes =
             ViewChanges { first: !std::mem::replace(&mut self.passed, true), ..Default::default() };
-        let mut computed: Vec<NewService> = Vec::new();
+        let mut computed: Vec<NewService<F>> = Vec::new();
         self.services.begin();
         for s in services {
             if self.services.get(s).is_none() {
-                let numbers: Box<[u16]> = model::allocated_annotation(s)
-                    .map(|v| model::annotated_numbers(v).into())
-                    .unwrap_or_default();
-                self.services.insert(s, numbers.clone());
-                computed.push((Arc::clone(s), model::service_key(s), numbers));
+                let facts = F::of(s);
+                self.services.insert(s, facts.clone());
+                computed.push((Arc::clone(s), model::service_key(s), facts));
             }
         }
         let gone = self.services.end_changes();
         self.repeated = self.services.len() != services.len();
-        changes.rebased = self.rebase(&mut computed);
+        if !self.every_version {
+            changes.rebased = self.rebase(&mut computed);
+        }
         let rebased: HashSet<*const Service> =
             changes.rebased.iter().map(|(old, _)| Arc::as_ptr(old)).collect();
-        for (object, numbers) in gone {
+        for (object, facts) in gone {
             if rebased.contains(&Arc::as_ptr(&object)) {
                 continue;
             }
@@ -191,13 +247,14 @@ impl SourceView {
             if before == 2 {
                 self.shared_keys -= 1;
             }
-            for n in numbers.iter() {
-                take(&mut self.holders, n, |k| *k == key);
+            for n in facts.numbers() {
+                take(&mut self.holders, &n, |k| *k == key);
             }
-            changes.numbers.extend(numbers.iter().copied());
+            changes.numbers.extend(facts.numbers());
             changes.keys.insert(key);
+            changes.dropped.push((object, facts));
         }
-        for (object, key, numbers) in computed {
+        for (object, key, facts) in computed {
             let mut after = 0;
             let key = objects_of_key(&mut self.by_key, key, |o| {
                 o.services.push(object);
@@ -206,11 +263,12 @@ impl SourceView {
             if after == 2 {
                 self.shared_keys += 1;
             }
-            for n in numbers.iter() {
-                add(&mut self.holders, *n, key.clone());
+            for n in facts.numbers() {
+                add(&mut self.holders, n, key.clone());
             }
-            changes.numbers.extend(numbers.iter().copied());
+            changes.numbers.extend(facts.numbers());
             changes.keys.insert(key);
+            changes.added.push(facts);
         }
         self.slices.begin();
         for slice in slices {
@@ -239,7 +297,7 @@ impl SourceView {
     /// ([`crate::inputs::slim::same_for_node`]), the one object of its key in this pass; the index holds
     /// it instead of the old one (the same key, the same annotation: the same numbers). Returns
     /// the pairs (old, new).
-    fn rebase(&mut self, computed: &mut Vec<NewService>) -> Vec<(Arc<Service>, Arc<Service>)> {
+    fn rebase(&mut self, computed: &mut Vec<NewService<F>>) -> Vec<(Arc<Service>, Arc<Service>)> {
         let mut count: HashMap<&ServiceKey, u32> = HashMap::default();
         for (_, key, _) in computed.iter() {
             *count.entry(key).or_default() += 1;
@@ -287,10 +345,23 @@ impl SourceView {
         self.holders.get(&number).map_or(&[], Few::as_slice)
     }
 
+    /// The facts kept of `object`, if the last pass saw it.
+    pub fn facts(&self, object: &Arc<Service>) -> Option<&F> {
+        self.services.peek(object)
+    }
+
     /// The numbers `key`'s allocation annotations name.
-    pub fn numbers_of<'a>(&'a self, key: &ServiceKey) -> impl Iterator<Item = u16> + use<'a> {
+    pub fn numbers_of<'a>(&'a self, key: &ServiceKey) -> impl Iterator<Item = u16> + use<'a, F> {
+        self.facts_of(key).flat_map(|(_, facts)| facts.numbers())
+    }
+
+    /// The Service objects of `key`, with their facts.
+    pub fn facts_of<'a>(
+        &'a self,
+        key: &ServiceKey,
+    ) -> impl Iterator<Item = (&'a Arc<Service>, &'a F)> + use<'a, F> {
         let objects = self.by_key.get(key).into_iter().flat_map(|o| o.services.as_slice());
-        objects.filter_map(|o| self.services.peek(o)).flat_map(|numbers| numbers.iter().copied())
+        objects.filter_map(|o| Some((o, self.services.peek(o)?)))
     }
 }
 
@@ -332,7 +403,7 @@ mod tests {
     /// numbers their annotations named; the index of holders and of each key's objects follows.
     #[test]
     fn a_pass_names_what_changed_and_the_index_follows() {
-        let mut view = SourceView::default();
+        let mut view: SourceView = SourceView::default();
         let a = service("a", Some("80/TCP=20001"), "1");
         let b = service("b", Some("80/TCP=20002"), "1");
         let (sa, sb1, sb2) = (slice("a", "a-1"), slice("b", "b-1"), slice("b", "b-2"));
@@ -385,7 +456,7 @@ mod tests {
     /// otherwise, or one that comes while the old one is still there, is a change.
     #[test]
     fn a_version_that_reads_the_same_is_no_change() {
-        let mut view = SourceView::default();
+        let mut view: SourceView = SourceView::default();
         let a = service("a", Some("80/TCP=20001"), "1");
         let sa = slice("a", "a-1");
         view.pass(std::slice::from_ref(&a), std::slice::from_ref(&sa));

@@ -48,7 +48,8 @@ use k8s_openapi::jiff::Timestamp;
 
 use crate::domain::Protocol;
 use crate::domain::ServiceKey;
-use crate::incremental::per_object::PerObject;
+use crate::incremental::view::{self, ServiceFacts, SourceView};
+use crate::inputs::compact::EndpointSlice;
 use crate::inputs::model::{self, LbService};
 
 /// Name prefix of the registry Leases (`nodelb-node-ports-2` holds 16384–24575).
@@ -132,74 +133,63 @@ impl Holder {
     }
 }
 
-/// Each Service's [`Holder`], built once per object version: a round needs the holder of every
-/// Service of its view, and building one (the key, the owner, the annotation parsed) for every
-/// Service each round would be a share of the agent's CPU linear in the Services during creates.
-///
-/// The same pass finds what changed in the view since the last one, by object address: the
-/// leader's round is scoped to those Services ([`Holders::changes`]).
-#[derive(Debug, Default)]
+/// A Service's registry holder is what the leader's view keeps of each Service object.
+impl ServiceFacts for Arc<Holder> {
+    fn of(service: &Service) -> Self {
+        Arc::new(Holder::of(service))
+    }
+
+    fn numbers(&self) -> impl Iterator<Item = u16> + '_ {
+        self.numbers.iter().copied()
+    }
+}
+
+/// What changed between two views of the Services and their EndpointSlices, with each Service
+/// object's holder.
+pub type ViewChanges = view::ViewChanges<Arc<Holder>>;
+
+/// The leader's view ([`SourceView`]: each Service's [`Holder`], built once per object version,
+/// and what changed since the last round, by object), and who holds each number in it: a round
+/// needs the holder of every Service, and building one (the key, the owner, the annotation
+/// parsed) for every Service each round would be a share of the agent's CPU linear in the
+/// Services during creates. The leader's round is scoped to what changed ([`Holders::changes`]).
+#[derive(Debug)]
 pub struct Holders {
-    kept: PerObject<Service, Arc<Holder>>,
+    view: SourceView<Arc<Holder>>,
     changes: ViewChanges,
-    /// The object of each key in the last view, with its holder (patched by the changes).
-    by_key: foldhash::HashMap<ServiceKey, (Arc<Service>, Arc<Holder>)>,
     /// Who holds each number in the last view (patched by the changes).
     held: HeldIndex,
-    /// A pass has been made.
-    passed: bool,
 }
 
-/// What changed between two views of the Services, by object.
-#[derive(Debug, Default)]
-pub struct ViewChanges {
-    /// There was no view before this one (every holder is `added`).
-    pub first: bool,
-    /// The holders of the objects new to the view (new Services, new versions).
-    pub added: Vec<Arc<Holder>>,
-    /// The objects no longer in it (deleted, or replaced by a newer version), with their holders.
-    pub dropped: Vec<(Arc<Service>, Arc<Holder>)>,
-}
-
-impl ViewChanges {
-    /// The numbers whose holders changed (those the added and the dropped holders name), or
-    /// `None` for a first view.
-    pub fn numbers(&self) -> Option<BTreeSet<u16>> {
-        let dropped = self.dropped.iter().map(|(_, h)| h);
-        (!self.first)
-            .then(|| self.added.iter().chain(dropped).flat_map(|h| h.numbers.iter().copied()).collect())
+impl Default for Holders {
+    fn default() -> Self {
+        Holders {
+            view: SourceView::every_version(),
+            changes: ViewChanges::default(),
+            held: HeldIndex::default(),
+        }
     }
 }
 
-impl ViewChanges {
-    /// Whether a Service new to the view names a number the registry gives another Service
-    /// (one not `gone`): an annotation the leader did not write.
-    pub fn name_anothers(&self, registry: &Registry, gone: &BTreeSet<Owner>) -> bool {
-        self.added.iter().any(|h| {
-            h.numbers.iter().any(|n| registry.owner(*n).is_some_and(|o| *o != h.owner && !gone.contains(o)))
-        })
-    }
+/// Whether a Service new to the view names a number the registry gives another Service (one
+/// not `gone`): an annotation the leader did not write.
+pub fn name_anothers(changes: &ViewChanges, registry: &Registry, gone: &BTreeSet<Owner>) -> bool {
+    changes.added.iter().any(|h| {
+        h.numbers.iter().any(|n| registry.owner(*n).is_some_and(|o| *o != h.owner && !gone.contains(o)))
+    })
 }
 
 impl Holders {
-    /// The holder of each of `services`, in their order (what the view does not hold any more is
-    /// forgotten).
-    pub fn of_view(&mut self, services: &[Arc<Service>]) -> Vec<Arc<Holder>> {
-        let pass = self.kept.pass_changes(services, |s| Arc::new(Holder::of(s)));
-        for (object, holder) in &pass.dropped {
-            if self.by_key.get(&holder.key).is_some_and(|(o, _)| Arc::ptr_eq(o, object)) {
-                self.by_key.remove(&holder.key);
-            }
+    /// Passes over a view of the Services and their EndpointSlices (what the view does not hold
+    /// any more is forgotten).
+    pub fn pass(&mut self, services: &[Arc<Service>], slices: &[Arc<EndpointSlice>]) {
+        self.changes = self.view.pass(services, slices);
+        for (_, holder) in &self.changes.dropped {
             self.held.remove(holder);
         }
-        for (object, holder) in &pass.computed {
-            self.by_key.insert(holder.key.clone(), (Arc::clone(object), Arc::clone(holder)));
+        for holder in &self.changes.added {
             self.held.add(holder);
         }
-        let added = pass.computed.into_iter().map(|(_, h)| h).collect();
-        let first = !std::mem::replace(&mut self.passed, true);
-        self.changes = ViewChanges { first, added, dropped: pass.dropped };
-        pass.values
     }
 
     /// Who holds each number in the last view.
@@ -207,14 +197,33 @@ impl Holders {
         HeldNumbers(std::borrow::Cow::Borrowed(&self.held))
     }
 
-    /// The object of `key` in the last view, and its holder.
-    pub fn of_key(&self, key: &ServiceKey) -> Option<&(Arc<Service>, Arc<Holder>)> {
-        self.by_key.get(key)
+    /// The holder of `object`, if the last view held it.
+    pub fn of_object(&self, object: &Arc<Service>) -> Option<&Arc<Holder>> {
+        self.view.facts(object)
     }
 
-    /// What changed between the view of the last [`Holders::of_view`] and the one before.
+    /// The object of `key` in the last view, and its holder.
+    pub fn of_key(&self, key: &ServiceKey) -> Option<(&Arc<Service>, &Arc<Holder>)> {
+        self.view.facts_of(key).next()
+    }
+
+    /// The Service objects of `keys` in the last view, and their EndpointSlices.
+    pub fn objects_of<'a>(
+        &self,
+        keys: impl IntoIterator<Item = &'a ServiceKey>,
+    ) -> (Vec<Arc<Service>>, Vec<Arc<EndpointSlice>>) {
+        self.view.objects_of(keys)
+    }
+
+    /// What changed between the view of the last [`Holders::pass`] and the one before.
     pub fn changes(&self) -> &ViewChanges {
         &self.changes
+    }
+
+    /// The numbers whose holders changed (those the added and the dropped holders name), or
+    /// `None` for a first view.
+    pub fn changed_numbers(&self) -> Option<&BTreeSet<u16>> {
+        (!self.changes.first).then_some(&self.changes.numbers)
     }
 }
 
@@ -935,13 +944,13 @@ impl Keeper {
         self.forget_old(now);
     }
 
-    /// [`Keeper::observe_view`] of the view [`Holders::of_view`] just passed over, from what
-    /// changed since the one before (`holders`: that view's): a leader's round does not build
-    /// the set of every owner again. The first pass of `Holders` has nothing to compare with:
-    /// the whole view is observed.
-    pub fn observe_changes(&mut self, changes: &ViewChanges, holders: &[Arc<Holder>], now: Instant) {
+    /// [`Keeper::observe_view`] of the view [`Holders::pass`] just passed over, from what
+    /// changed since the one before: a leader's round does not build the set of every owner
+    /// again. The first pass of `Holders` has nothing to compare with: the whole view is
+    /// observed (every holder is added).
+    pub fn observe_changes(&mut self, changes: &ViewChanges, now: Instant) {
         if changes.first {
-            return self.observe_view(holders, now);
+            return self.observe_view(&changes.added, now);
         }
         let added: BTreeSet<&Owner> = changes.added.iter().map(|h| &h.owner).collect();
         for (_, h) in &changes.dropped {

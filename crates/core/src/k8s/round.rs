@@ -20,7 +20,6 @@ use crate::decisions::port_policy::PortRange;
 use crate::domain::{Scope, ServiceKey};
 use crate::incremental::book::AllocationBook;
 use crate::incremental::model_cache::{ModelCache, ModelContext};
-use crate::incremental::per_object::PerObject;
 use crate::inputs::compact::EndpointSlice;
 use crate::inputs::model::{self, ModelOptions};
 
@@ -98,39 +97,9 @@ pub struct RoundMemory {
     /// With node port pools: each Service's pool as the last rounds decided it.
     pools: BTreeMap<ServiceKey, alloc::PoolRanges>,
     shared: Option<SharedInputs>,
-    /// Each EndpointSlice's Service, per object (the slices that changed name theirs), and the
-    /// slices of each Service in the last view.
-    slices: PerObject<EndpointSlice, Option<ServiceKey>>,
-    slices_by_key: foldhash::HashMap<ServiceKey, Vec<Arc<EndpointSlice>>>,
     /// The last good copies the last round planned in place of invalid Services: new objects
     /// every round, so a scoped round lets go of what they left ([`plan_round`]).
     substituted: Vec<Arc<Service>>,
-}
-
-impl RoundMemory {
-    /// Keeps each EndpointSlice's Service and each Service's slices; returns the Services whose
-    /// slices changed since the last call.
-    fn observe_slices(&mut self, slices: &[Arc<EndpointSlice>]) -> Vec<ServiceKey> {
-        let service = |s: &Arc<EndpointSlice>| model::slice_service(s).map(|(ns, n)| ServiceKey::new(ns, n));
-        let pass = self.slices.pass_changes(slices, service);
-        let mut changed = Vec::new();
-        for (object, key) in pass.dropped {
-            let Some(key) = key else { continue };
-            if let Some(list) = self.slices_by_key.get_mut(&key) {
-                list.retain(|s| !Arc::ptr_eq(s, &object));
-                if list.is_empty() {
-                    self.slices_by_key.remove(&key);
-                }
-            }
-            changed.push(key);
-        }
-        for (object, key) in pass.computed {
-            let Some(key) = key else { continue };
-            self.slices_by_key.entry(key.clone()).or_default().push(object);
-            changed.push(key);
-        }
-        changed
-    }
 }
 
 /// The objects a round plans: its Services (a last good copy where one stands in), their
@@ -148,12 +117,7 @@ impl RoundMemory {
     fn objects_of(&self, keys: &foldhash::HashSet<ServiceKey>, holders: &claims::Holders) -> RoundObjects {
         let mut sorted: Vec<&ServiceKey> = keys.iter().collect();
         sorted.sort_unstable();
-        let services = sorted.iter().filter_map(|k| holders.of_key(k)).map(|(s, _)| Arc::clone(s)).collect();
-        let slices = sorted
-            .iter()
-            .filter_map(|k| self.slices_by_key.get(*k))
-            .flat_map(|list| list.iter().cloned())
-            .collect();
+        let (services, slices) = holders.objects_of(sorted);
         let dropped = (holders.changes().dropped.iter().map(|(o, _)| Arc::clone(o)))
             .chain(self.substituted.iter().cloned())
             .collect();
@@ -357,8 +321,8 @@ impl LeaderState {
     /// [`LeaderState::observe`] for a round, from what changed since the last one: each holder
     /// kept per object ([`LeaderState::holders`]).
     fn observe_for_round(&mut self, snap: &KubeSnapshot, at: Instant) {
-        let holders = self.holders.of_view(&snap.services);
-        self.claims.observe_changes(self.holders.changes(), &holders, at);
+        self.holders.pass(&snap.services, &snap.slices);
+        self.claims.observe_changes(self.holders.changes(), at);
     }
 }
 
@@ -407,11 +371,9 @@ impl LeaderState {
         self.echoes.clear();
         self.lease_view = Some(LeaseView::of(&snap.nodes, &snap.leases, clock.leases_now, cfg));
         self.observe_for_round(snap, clock.at);
-        let touched = self.holders.changes().numbers();
+        let touched = self.holders.changed_numbers();
         let expired = match registry {
-            Some(r) => {
-                self.claims.expired(r, &self.holders.held(), touched.as_ref(), services_current, clock.at)
-            }
+            Some(r) => self.claims.expired(r, &self.holders.held(), touched, services_current, clock.at),
             None => {
                 self.claims.lose_track();
                 Default::default()
@@ -430,7 +392,7 @@ impl LeaderState {
         let as_left = std::mem::take(&mut self.registry_versions);
         // A Service that came or changed naming a number the registry gives another (a forged
         // annotation) is screened: a scoped round takes every claim as its holder's.
-        let forged = registry.is_some_and(|r| self.holders.changes().name_anothers(r, &gone));
+        let forged = registry.is_some_and(|r| claims::name_anothers(self.holders.changes(), r, &gone));
         let may_scope = was_clean
             && self.whole_round_is_recent(clock.at)
             && versions.is_some()
@@ -563,7 +525,6 @@ pub fn plan_round(
         policy: &cfg.policy.endpoints,
     };
     let held = holders.held();
-    let slices_changed = memory.observe_slices(&snap.slices);
     // Node port pools: which pool each Service gets (a Service none accepts is not allocated, and
     // says why), and which nodes its status may list.
     let (pool_ctx, invalid_pools) = super::pools::context(
@@ -596,15 +557,9 @@ pub fn plan_round(
         (may_scope && same_shared && memory.models.has_context(&ctx) && !pool_ctx.set.bounds_namespaces())
             .then(|| {
                 let changes = holders.changes();
-                let changed = (changes.added.iter().map(|h| &h.key))
-                    .chain(changes.dropped.iter().map(|(_, h)| &h.key))
-                    .chain(slices_changed.iter())
-                    .cloned();
-                let numbers = (changes.added.iter().chain(changes.dropped.iter().map(|(_, h)| h)))
-                    .flat_map(|h| h.numbers.iter().copied());
                 memory.book.closure(
-                    changed,
-                    numbers,
+                    changes.keys.iter().cloned(),
+                    changes.numbers.iter().copied(),
                     |k| holders.of_key(k).into_iter().flat_map(|(_, h)| h.numbers.iter().copied()),
                     |n| held.holders_of(n).iter().map(|h| &h.key),
                 )
@@ -726,7 +681,7 @@ pub fn plan_round(
     let annotated: foldhash::HashSet<&ServiceKey> =
         writes.iter().filter(|w| w.annotation.is_some()).map(|w| &w.key).collect();
     let by_key: foldhash::HashMap<&ServiceKey, &claims::Holder> =
-        annotated.iter().filter_map(|k| Some((*k, &*holders.of_key(k)?.1))).collect();
+        annotated.iter().filter_map(|k| Some((*k, &**holders.of_key(k)?.1))).collect();
     let mut changes: Vec<claims::AnnotationChange<'_>> = writes
         .iter()
         .filter_map(|w| {

@@ -251,15 +251,12 @@ fn a_deleted_block_is_kept_and_written_again() {
 #[test]
 fn a_view_naming_another_services_number_is_found() {
     let reg = registry(&[(20000, Claim::held(owner('a'))), (20001, Claim::held(owner('d')))]);
-    let changes = |hs: Vec<Holder>| ViewChanges {
-        first: false,
-        added: hs.into_iter().map(Arc::new).collect(),
-        dropped: vec![],
-    };
+    let changes =
+        |hs: Vec<Holder>| ViewChanges { added: hs.into_iter().map(Arc::new).collect(), ..Default::default() };
     let none = BTreeSet::new();
-    assert!(!changes(vec![holder('a', 1, &[20000]), holder('b', 1, &[20002])]).name_anothers(&reg, &none));
-    assert!(changes(vec![holder('b', 1, &[20000])]).name_anothers(&reg, &none));
-    assert!(!changes(vec![holder('b', 1, &[20001])]).name_anothers(&reg, &BTreeSet::from([owner('d')])));
+    assert!(!name_anothers(&changes(vec![holder('a', 1, &[20000]), holder('b', 1, &[20002])]), &reg, &none));
+    assert!(name_anothers(&changes(vec![holder('b', 1, &[20000])]), &reg, &none));
+    assert!(!name_anothers(&changes(vec![holder('b', 1, &[20001])]), &reg, &BTreeSet::from([owner('d')])));
 }
 
 #[test]
@@ -608,13 +605,13 @@ fn holders_are_kept_per_object() {
     };
     let (v1, other) = (svc("80/TCP=20001"), svc("80/TCP=20009"));
     let mut memo = Holders::default();
-    let first = memo.of_view(&[Arc::clone(&v1), Arc::clone(&other)]);
+    let first = of_view(&mut memo, &[Arc::clone(&v1), Arc::clone(&other)]);
     assert_eq!(*first[0], Holder::of(&v1));
     assert_eq!(first[0].numbers, BTreeSet::from([20001]));
-    let again = memo.of_view(std::slice::from_ref(&v1));
+    let again = of_view(&mut memo, std::slice::from_ref(&v1));
     assert!(Arc::ptr_eq(&first[0], &again[0]), "the same object: the kept holder");
     let v2 = svc("80/TCP=20002");
-    let next = memo.of_view(std::slice::from_ref(&v2));
+    let next = of_view(&mut memo, std::slice::from_ref(&v2));
     assert_eq!(next[0].numbers, BTreeSet::from([20002]), "a new version: a new holder");
     // What changed, for the round: v2 is new, v1 went (the last pass held it).
     let changes = memo.changes();
@@ -623,8 +620,8 @@ fn holders_are_kept_per_object() {
         [BTreeSet::from([20002])]
     );
     assert!(changes.dropped.iter().any(|(o, _)| Arc::ptr_eq(o, &v1)));
-    assert!(Arc::ptr_eq(&memo.of_key(&v2_key()).unwrap().0, &v2));
-    memo.of_view(std::slice::from_ref(&v2));
+    assert!(Arc::ptr_eq(memo.of_key(&v2_key()).unwrap().0, &v2));
+    of_view(&mut memo, std::slice::from_ref(&v2));
     assert!(memo.changes().added.is_empty() && memo.changes().dropped.is_empty());
     assert_eq!((Arc::strong_count(&v1), Arc::strong_count(&other)), (1, 1), "the others let go");
 }
@@ -727,14 +724,14 @@ fn looking_again_at_what_changed_is_looking_at_everything() {
             block.resource_version = Some(version.to_string());
         }
         let list: Vec<Arc<Service>> = objects.values().cloned().collect();
-        let holders = memo.of_view(&list);
+        let holders = of_view(&mut memo, &list);
         let now = t0 + Duration::from_secs(7 * step);
         full.observe_view(&holders, now);
-        incremental.observe_changes(memo.changes(), &holders, now);
-        let touched = memo.changes().numbers();
+        incremental.observe_changes(memo.changes(), now);
+        let touched = memo.changed_numbers();
         let held = memo.held();
         let a = full.expired(&reg, &held, None, true, now);
-        let b = incremental.expired(&reg, &held, touched.as_ref(), true, now);
+        let b = incremental.expired(&reg, &held, touched, true, now);
         assert_eq!(a, b, "step {step}: expired");
         assert_eq!(full.unresolved, incremental.unresolved, "step {step}: unresolved");
         assert_eq!(full.gone(), incremental.gone(), "step {step}: gone");
@@ -784,9 +781,15 @@ fn the_kept_index_of_held_numbers_is_the_one_built_for_the_view() {
             let numbers: Vec<u16> = (0..next(3)).map(|_| 20000 + next(6) as u16).collect();
             view.push(svc(name, 1 + next(3) as u8, &numbers));
         }
-        let holders = memo.of_view(&view);
+        let holders = of_view(&mut memo, &view);
         assert_eq!(index(&memo.held()), index(&HeldNumbers::of(&holders)), "step {step}");
     }
+}
+
+/// Passes `memo` over `services` (no EndpointSlices); the holder of each, in their order.
+fn of_view(memo: &mut Holders, services: &[Arc<Service>]) -> Vec<Arc<Holder>> {
+    memo.pass(services, &[]);
+    services.iter().map(|s| Arc::clone(memo.of_object(s).expect("held"))).collect()
 }
 
 fn v2_key() -> ServiceKey {

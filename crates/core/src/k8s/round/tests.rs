@@ -182,7 +182,7 @@ fn no_new_number_until_every_running_agent_has_reported_its_listeners() {
             expired: &expired,
         };
         let mut holders = claims::Holders::default();
-        holders.of_view(&snap.services);
+        holders.pass(&snap.services, &snap.slices);
         plan_round(&snap, &cfg, &mut RoundMemory::default(), &holders, Some(now), now, &inputs, false)
     };
     let written = |p: &RoundPlan, name: &str| -> Option<Option<String>> {
