@@ -66,6 +66,21 @@ fn the_core_depends_on_nothing_that_does_io() {
     assert!(cargo_tree(&["-p", "nodelb", "--depth", "1"]).contains("nodelb-core"));
 }
 
+/// The test oracles (the planner's model of the kernel, the packet tracer) are a crate of their
+/// own that only tests depend on: the shipped agent does not contain them.
+#[test]
+fn the_test_oracles_are_not_shipped() {
+    assert!(!cargo_tree(&["-p", "nodelb"]).contains("nodelb-oracles"));
+    assert!(!cargo_tree(&["-p", "nodelb-core"]).contains("nodelb-oracles"));
+    let dev = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string()))
+        .args(["tree", "--offline", "-e", "dev", "--depth", "1", "--prefix", "none", "-p", "nodelb"])
+        .arg("--manifest-path")
+        .arg(Path::new(ROOT).join("Cargo.toml"))
+        .output()
+        .expect("run cargo tree");
+    assert!(String::from_utf8_lossy(&dev.stdout).contains("nodelb-oracles"), "the tests use them");
+}
+
 /// Every `.rs` file under `dir`.
 fn rust_files(dir: &Path) -> Vec<PathBuf> {
     let mut out = vec![];
@@ -348,8 +363,6 @@ const CORE_ORDER: &[&str] = &[
     "reports::counters",
     "ruleset::kernel_support",
     "ruleset::hostfw",
-    "ruleset::trace",
-    "ruleset::simulate",
     "inputs::model",
     "decisions::port_policy",
     "ruleset::plan",

@@ -8,8 +8,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use nodelb::core::domain::{Family, Protocol};
 use nodelb::core::ruleset::ir::{Change, CtState, Ruleset};
 use nodelb::core::ruleset::plan::{self, ServicePlan};
-use nodelb::core::ruleset::simulate::simulate;
-use nodelb::core::ruleset::trace::{self, Env, Origin, Packet};
+use nodelb_oracles::simulate::simulate;
+use nodelb_oracles::trace::{self, Env, Origin, Packet};
 
 use common::scenarios::*;
 

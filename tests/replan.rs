@@ -15,7 +15,7 @@ use nodelb::core::inputs::model::{LbService, TrafficPolicy};
 use nodelb::core::reports::counters::CounterIndex;
 use nodelb::core::ruleset::ir::Ruleset;
 use nodelb::core::ruleset::plan::{self, NodeFacts, ServicePlan};
-use nodelb::core::ruleset::simulate::simulate;
+use nodelb_oracles::simulate::simulate;
 
 use common::rng::Rng;
 use common::scenarios::*;

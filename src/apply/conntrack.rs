@@ -127,16 +127,6 @@ impl ConntrackClient {
         }
     }
 
-    /// Every conntrack entry of this network namespace (both families).
-    pub fn flows(&mut self) -> Result<Vec<Flow>, ConntrackError> {
-        let mut flows = vec![];
-        self.each_flow(|f| {
-            flows.push(f);
-            true
-        })?;
-        Ok(flows)
-    }
-
     /// Hands every conntrack entry of this network namespace to `f` as the dump streams in;
     /// `f` returning `false` ends the dump early (the rest is not read).
     fn each_flow(&mut self, mut f: impl FnMut(Flow) -> bool) -> Result<(), ConntrackError> {

@@ -18,7 +18,6 @@ use crate::core::decisions::endpoint_policy::HostAddresses;
 use crate::core::decisions::port_policy::Listener;
 use crate::core::ruleset::ir::{Carried, Change, KeyType, Name, Ruleset, SetKind, Table};
 use crate::core::ruleset::plan::UdpBackend;
-use crate::core::ruleset::simulate::simulate;
 use crate::encode::nft::encode::{fingerprint, key_type_id};
 use crate::encode::nft::{
     ApplyStats, Counter, CounterValues, KernelChain, KernelCounter, KernelHook, KernelRule, KernelSet,
@@ -26,6 +25,7 @@ use crate::encode::nft::{
 };
 use crate::observe::hostaddrs::HostAddrError;
 use crate::observe::listeners::ListenersError;
+use nodelb_oracles::simulate::simulate;
 
 /// One batch the fake took (or refused).
 #[derive(Debug, Clone, PartialEq, Eq)]

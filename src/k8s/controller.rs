@@ -2,7 +2,7 @@
 //! leader ([`super::election`]), and the leader alone allocates node ports and writes Service
 //! status, the node-port registry, NodePortPool status and Service Events, only once the caches
 //! are complete: [`crate::core::decisions::alloc::allocate`] with the annotations as previous allocations, then
-//! [`crate::core::k8s::publish::plan_writes`] → merge patches with a `metadata.resourceVersion`
+//! [`crate::core::k8s::publish::plan_services`] → merge patches with a `metadata.resourceVersion`
 //! precondition (409 ⇒ retried on the next round), Events deduplicated per change. The node
 //! agents only read what it writes.
 

@@ -232,7 +232,7 @@ pub fn assert_ruleset_sound(base: &nodelb::core::ruleset::ir::Ruleset, d: &Desir
         panic!("{what}: the planned ruleset does not encode: {e}");
     }
     let changes = nodelb::core::ruleset::plan::diff(base, &d.ruleset);
-    match nodelb::core::ruleset::simulate::simulate(base, &changes) {
+    match nodelb_oracles::simulate::simulate(base, &changes) {
         Ok(after) => {
             assert!(after == d.ruleset, "{what}: diff from the good ruleset does not replay to the plan")
         }

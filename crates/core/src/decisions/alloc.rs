@@ -14,7 +14,7 @@
 //!   [`AllocProblem::Conflict`], and the Service that holds the number keeps serving on it.
 //!   Silently moving a serving Service's port breaks its clients; refusing the newcomer only
 //!   delays a Service that is not serving yet.
-//! - **Age breaks ties** ([`older_first`]): of two existing claims on one number (a human edit, a
+//! - **Age breaks ties** ([`age_order`]): of two existing claims on one number (a human edit, a
 //!   split brain: repaired so) or two new requests for it, the older Service wins. Age is when
 //!   this node first allocated the Service a port (manifests mode: recorded in the state file,
 //!   since manifests have no creationTimestamp), then creationTimestamp, then namespace/name; a
@@ -308,24 +308,18 @@ impl<'a> Table<'a> {
     }
 }
 
-/// Compares two Services by age, oldest first: when this node first allocated them a port
-/// (manifests mode's state file; a Service with that record is older than one without), then
-/// creationTimestamp (none: youngest), then namespace/name. In Kubernetes mode nothing has the
-/// first, so it is creationTimestamp, then namespace/name.
-pub fn older_first(a: &LbService, b: &LbService) -> std::cmp::Ordering {
-    age(a).cmp(&age(b)).then_with(|| a.key.cmp(&b.key))
-}
-
 type Age = (bool, Option<k8s_openapi::jiff::Timestamp>, bool, Option<k8s_openapi::jiff::Timestamp>);
 
-/// What [`older_first`] compares before the key. `None` sorts after every time: a Service
-/// without one counts as the youngest.
+/// A Service's age, compared before its key: when this node first allocated it a port
+/// (manifests mode's state file; a Service with that record is older than one without), then
+/// creationTimestamp. In Kubernetes mode nothing has the first. `None` sorts after every time: a
+/// Service without one counts as the youngest.
 fn age(s: &LbService) -> Age {
     let (since, created) = (s.allocated_since, s.created);
     (since.is_none(), since, created.is_none(), created)
 }
 
-/// The Services oldest first ([`older_first`]), one per key. Each age is parsed once (parsing the
+/// The Services oldest first (by [`age`], then namespace/name), one per key. Each age is parsed once (parsing the
 /// timestamps in every comparison of the sort would be most of an allocation round).
 pub fn age_order<S: Borrow<LbService>>(services: &[S]) -> Vec<&LbService> {
     let mut ordered: Vec<(Age, &LbService)> =

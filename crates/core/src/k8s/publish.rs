@@ -667,7 +667,9 @@ fn write_for<S, V: Borrow<LbService>>(
 
 /// The writes of one round, sorted by Service key. Services we serve get their annotation,
 /// ingress and condition; refused ones only the condition (their annotation and ingress stay);
-/// Services that are no longer ours but carry our marks get them removed.
+/// Services that are no longer ours but carry our marks get them removed. Every Service's at
+/// once: the oracle of [`plan_services`], which keeps what it planned per Service.
+#[cfg(test)]
 pub fn plan_writes<S: Borrow<Service>, V: Borrow<LbService>>(round: &Round<'_, S, V>) -> Vec<ServiceWrite> {
     let idx = Index::of(round);
     let mut out: Vec<ServiceWrite> = round
@@ -898,7 +900,9 @@ pub struct ServiceEvent {
 /// the API accepted them.
 pub const ONE_TIME_REASONS: &[&str] = &["NodePortReallocated", "NodePortNotOwned"];
 
-/// The Events describing a round's state; the deduper turns them into "once per change".
+/// The Events describing a round's state; the deduper turns them into "once per change". Every
+/// Service's at once: the oracle of [`plan_services`].
+#[cfg(test)]
 pub fn service_events<S, V: Borrow<LbService>>(
     round: &Round<'_, S, V>,
     duplicates: &[Duplicate],

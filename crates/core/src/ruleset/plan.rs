@@ -345,19 +345,20 @@ impl<'a> PortNames<'a> {
     pub fn service_chain(&self, node_port: u16) -> Name {
         self.nat_named("svc", Some(node_port))
     }
-    /// The source-range chain ([`firewall_chain`]).
+    /// The source-range chain; the node port is part of its identity as for
+    /// [`service_chain`].
     pub fn firewall_chain(&self, node_port: u16) -> Name {
         self.nat_named("fw", Some(node_port))
     }
-    /// [`connections_counter`].
+    /// Named counter of the new connections the port's chain DNATs.
     pub fn connections_counter(&self) -> Name {
         self.nat_named("conn", None)
     }
-    /// [`forwarded_counter`].
+    /// Named counter of the packets and bytes forwarded for the port's connections.
     pub fn forwarded_counter(&self) -> Name {
         self.named("fwd", None)
     }
-    /// [`refused_counter`].
+    /// Named counter of the new connections the port's source ranges drop.
     pub fn refused_counter(&self) -> Name {
         self.nat_named("refused", None)
     }
@@ -383,11 +384,6 @@ impl<'a> PortNames<'a> {
 pub fn service_chain(f: Family, svc: &LbService, port: &LbPort, node_port: u16) -> Name {
     PortNames::new(f, svc, port).service_chain(node_port)
 }
-/// A service port's source-range chain; the node port is part of its identity as for
-/// [`service_chain`].
-pub fn firewall_chain(f: Family, svc: &LbService, port: &LbPort, node_port: u16) -> Name {
-    PortNames::new(f, svc, port).firewall_chain(node_port)
-}
 
 /// Dynamic set of the clients whose last connection to a service port went to `ep`
 /// (`sessionAffinity: ClientIP`), expiring after `timeout` seconds. The timeout is part of the
@@ -399,19 +395,6 @@ pub fn affinity_set(f: Family, svc: &LbService, port: &LbPort, ep: &Endpoint, ti
     let identity =
         format!("aff|{}|{}/{}/{}/{timeout}s", f.name(), port_identity(svc, port), ep.addr, ep.port);
     format!("aff{}-{:016x}", fam_digit(f), fnv1a(identity.as_bytes())).into()
-}
-
-/// Named counter of the new connections a service port's chain DNATs.
-pub fn connections_counter(f: Family, svc: &LbService, port: &LbPort) -> Name {
-    PortNames::new(f, svc, port).connections_counter()
-}
-/// Named counter of the packets and bytes forwarded for a service port's connections.
-pub fn forwarded_counter(f: Family, svc: &LbService, port: &LbPort) -> Name {
-    PortNames::new(f, svc, port).forwarded_counter()
-}
-/// Named counter of the new connections a service port's source ranges drop.
-pub fn refused_counter(f: Family, svc: &LbService, port: &LbPort) -> Name {
-    PortNames::new(f, svc, port).refused_counter()
 }
 
 /// The endpoints a service port uses on this node for one family: ready ones; if none is ready,

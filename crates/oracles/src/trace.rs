@@ -7,8 +7,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
 
-use crate::domain::{Family, Protocol};
-use crate::ruleset::ir::{BaseChain, ChainType, CtState, Expr, Hook, Key, Mapped, Ruleset, Verdict};
+use nodelb_core::domain::{Family, Protocol};
+use nodelb_core::ruleset::ir::{BaseChain, ChainType, CtState, Expr, Hook, Key, Mapped, Ruleset, Verdict};
 
 /// Where the packet comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,7 +132,7 @@ pub fn trace(rs: &Ruleset, pkt: &Packet, env: &Env) -> Trace {
                 continue;
             }
         }
-        let mut bases: Vec<(&BaseChain, &crate::ruleset::ir::Name)> = rs
+        let mut bases: Vec<(&BaseChain, &nodelb_core::ruleset::ir::Name)> = rs
             .chains
             .values()
             .filter_map(|c| c.base.as_ref().map(|b| (b, &c.name)))
@@ -187,7 +187,7 @@ enum RuleEnd {
 
 fn run_chain(rs: &Ruleset, start: &str, st: &mut State<'_>) -> ChainEnd {
     // (chain, next rule index) frames for `jump`; `goto` replaces the top frame.
-    let mut stack: Vec<(crate::ruleset::ir::Name, usize)> = vec![(start.into(), 0)];
+    let mut stack: Vec<(nodelb_core::ruleset::ir::Name, usize)> = vec![(start.into(), 0)];
     let mut guard = 0;
     while let Some((chain_name, idx)) = stack.pop() {
         guard += 1;
@@ -222,7 +222,7 @@ fn run_chain(rs: &Ruleset, start: &str, st: &mut State<'_>) -> ChainEnd {
     ChainEnd::Continue
 }
 
-fn run_rule(rs: &Ruleset, rule: &crate::ruleset::ir::Rule, st: &mut State<'_>) -> RuleEnd {
+fn run_rule(rs: &Ruleset, rule: &nodelb_core::ruleset::ir::Rule, st: &mut State<'_>) -> RuleEnd {
     let pkt = st.pkt;
     let family = Family::of(&pkt.saddr);
     let daddr = st.dnat.map(|d| d.0).unwrap_or(pkt.daddr);

@@ -1,11 +1,10 @@
 //! The planner's model of the kernel: applies a change list to an in-memory ruleset the way
 //! nf_tables takes a batch (a test oracle: a diff applied to `old` must give exactly `new`, and
-//! the sync policy's fake kernel is built on it). Not part of the shipped binary: built for tests
-//! and with the `testing` feature.
+//! the agent's fake kernel is built on it).
 
 use std::collections::BTreeMap;
 
-use crate::ruleset::ir::{Chain, Change, Mapped, Ruleset, Set, SetKind, Table, Verdict};
+use nodelb_core::ruleset::ir::{Chain, Change, Mapped, Ruleset, Set, SetKind, Table, Verdict};
 
 /// Applies changes to an in-memory ruleset the way the kernel would (a model for tests: a diff
 /// applied to `old` must give exactly `new`). Returns an error naming the first change the kernel
