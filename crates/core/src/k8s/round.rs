@@ -133,12 +133,7 @@ struct SharedInputs {
     nodes: u64,
     pools: crate::decisions::pool::PoolContext,
     invalid_pools: Vec<crate::decisions::pool::InvalidPool>,
-    serving: BTreeMap<String, nodes::ServingNode>,
-    listening: BTreeMap<(crate::domain::Protocol, u16), String>,
-    unreported: Vec<String>,
-    published: BTreeMap<String, nodes::PoolSelections>,
-    /// What the agents' reports say they refuse (the `Serving` messages).
-    refusals: super::cluster_view::Refusals,
+    leases: LeaseView,
 }
 
 /// A hash of what a round reads of the Nodes: names, labels, addresses.
@@ -534,24 +529,18 @@ pub fn plan_round(
         None,
         cfg.model.servicelb_labels,
     );
-    let serving = nodes::serving_nodes(&snap.nodes, &snap.leases, leases_now, &cfg.node_addresses);
-    // What processes listen on, on any node (their Leases say): never handed out, and a request
-    // for it is refused. Each node refuses locally anyway, whatever is decided here.
-    let listening = nodes::listening_ports(&snap.leases);
-    let unreported = nodes::listeners_unreported(&snap.leases, leases_now);
-    let refusals = super::cluster_view::refusals(&snap.leases);
+    let leases = LeaseView::of(&snap.nodes, &snap.leases, leases_now, cfg);
     let shared = SharedInputs {
         nodes: node_facts(&snap.nodes),
         pools: pool_ctx.clone(),
         invalid_pools: invalid_pools.clone(),
-        serving: serving.clone(),
-        listening: listening.clone(),
-        unreported: unreported.clone(),
-        published: nodes::published_pool_addresses(&snap.leases).0,
-        refusals: refusals.clone(),
+        leases: leases.clone(),
     };
     let same_shared = memory.shared.as_ref() == Some(&shared);
     memory.shared = Some(shared);
+    // What processes listen on, on any node (`listening`): never handed out, and a request for
+    // it is refused. Each node refuses locally anyway, whatever is decided here.
+    let LeaseView { serving, listening, unreported, published, refusals } = leases;
     // The Services this round plans: all of them, or a scope.
     let scope: Option<foldhash::HashSet<ServiceKey>> =
         (may_scope && same_shared && memory.models.has_context(&ctx) && !pool_ctx.set.bounds_namespaces())
@@ -638,7 +627,6 @@ pub fn plan_round(
     let pool_nodes = super::pools::narrow_by_servicelb(&pool_ctx, &services, &snap.nodes, pool_nodes);
     let pool_addresses = assignment.as_ref().map(|a| {
         // A malformed value counts as not published (the pools' status writes log it).
-        let (published, _) = nodes::published_pool_addresses(&snap.leases);
         super::pools::published_addresses(&pool_ctx, a, &snap.nodes, &published, &cfg.node_addresses)
     });
     let constraints = alloc::Constraints {
