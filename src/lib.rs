@@ -16,8 +16,9 @@ pub mod memory;
 pub mod observe;
 pub mod serve;
 
-/// The pure core (`crates/core`), as one namespace: `crate::core::ruleset::plan`, `nodelb::core::inputs::model`
-/// (its test oracles, `simulate` and `trace`, with feature `testing`).
+/// The pure core (`crates/core`), as one namespace: `crate::core::ruleset::plan`,
+/// `nodelb::core::inputs::model` (the whole decision from nothing, the incremental one's oracle,
+/// with feature `testing`; the test oracles over the ruleset are the `nodelb-oracles` crate's).
 pub use nodelb_core as core;
 
 /// `nodelb --version` and each node's report: the crate's version and the commit it was built

@@ -319,7 +319,7 @@ fn age(s: &LbService) -> Age {
     (since.is_none(), since, created.is_none(), created)
 }
 
-/// The Services oldest first (by [`age`], then namespace/name), one per key. Each age is parsed once (parsing the
+/// The Services oldest first (by age, then namespace/name), one per key. Each age is parsed once (parsing the
 /// timestamps in every comparison of the sort would be most of an allocation round).
 pub fn age_order<S: Borrow<LbService>>(services: &[S]) -> Vec<&LbService> {
     let mut ordered: Vec<(Age, &LbService)> =

@@ -59,7 +59,8 @@ impl AllocationBook {
     }
 
     /// After a pass of `scope`: its decisions for the scope's Services replace theirs.
-    /// `allocations` and `unsettled` hold only the scope's.
+    /// `allocations` and `unsettled` hold the scope's (a decision for a Service outside it is
+    /// kept too).
     pub fn patch(
         &mut self,
         scope: &foldhash::HashSet<ServiceKey>,
@@ -77,7 +78,12 @@ impl AllocationBook {
                 None => self.allocations.remove(key),
             };
         }
-        debug_assert!(allocations.is_empty(), "decided outside the scope: {allocations:?}");
+        for (key, ports) in allocations {
+            if let Some(index) = &mut self.index {
+                index.numbers.update(&key, self.allocations.get(&key), Some(&ports));
+            }
+            self.allocations.insert(key, ports);
+        }
         if let Some(index) = &mut self.index {
             index.unsettled.extend(unsettled);
         }

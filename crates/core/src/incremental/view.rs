@@ -60,7 +60,8 @@ pub struct SourceView<F = Box<[u16]>> {
     shared_keys: usize,
     /// The last pass was handed one Service object twice.
     repeated: bool,
-    /// The keys whose allocation annotation names each number.
+    /// The keys whose allocation annotation names each number; not kept by a view of every
+    /// version (the leader keeps its own, oldest first: `claims::HeldIndex`).
     holders: HashMap<u16, Few<ServiceKey>>,
     /// A pass has been made.
     passed: bool,
@@ -247,7 +248,7 @@ impl<F: ServiceFacts> SourceView<F> {
             if before == 2 {
                 self.shared_keys -= 1;
             }
-            for n in facts.numbers() {
+            for n in facts.numbers().filter(|_| !self.every_version) {
                 take(&mut self.holders, &n, |k| *k == key);
             }
             changes.numbers.extend(facts.numbers());
@@ -263,7 +264,7 @@ impl<F: ServiceFacts> SourceView<F> {
             if after == 2 {
                 self.shared_keys += 1;
             }
-            for n in facts.numbers() {
+            for n in facts.numbers().filter(|_| !self.every_version) {
                 add(&mut self.holders, n, key.clone());
             }
             changes.numbers.extend(facts.numbers());
@@ -340,7 +341,7 @@ impl<F: ServiceFacts> SourceView<F> {
         (services, slices)
     }
 
-    /// The keys whose allocation annotation names `number`.
+    /// The keys whose allocation annotation names `number` (none in a view of every version).
     pub fn holders_of(&self, number: u16) -> &[ServiceKey] {
         self.holders.get(&number).map_or(&[], Few::as_slice)
     }

@@ -762,9 +762,10 @@ impl Part {
     }
 }
 
-/// [`plan_writes`] and [`service_events`] of a round of shared objects, each Service's part
-/// reused from `kept` while its inputs are the very same objects and values. The Events are
-/// [`service_events`]' in another order: Service by Service, as `round.services` has them.
+/// The writes and the Events of a round of shared objects (`plan_writes` and `service_events`,
+/// compiled for tests, compute them for every Service at once), each Service's part reused from
+/// `kept` while its inputs are the very same objects and values. The Events come Service by
+/// Service, as `round.services` has them.
 ///
 /// `scoped`: `None` when the round sees every Service (the parts of those it does not see go);
 /// `Some(dropped)` when it sees only some (the leader's scoped round: `round.services` are the
