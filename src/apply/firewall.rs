@@ -20,14 +20,6 @@ use crate::encode::nft::{NftClient, NftError};
 use crate::serve::metrics::LabelSets;
 use crate::serve::status::{FirewallDrop, HostFirewallStatus};
 
-#[derive(Debug, thiserror::Error)]
-pub enum FirewallError {
-    #[error("nftables: {0}")]
-    Nft(#[from] NftError),
-    #[error(transparent)]
-    Xtables(#[from] XtablesError),
-}
-
 /// One check's result.
 #[derive(Debug, Clone, Default)]
 pub struct Report {
@@ -230,9 +222,9 @@ impl Checker {
 
     /// iptables-legacy's FORWARD (and what it jumps to) of one family, nodelb's ACCEPT first
     /// brought to what the flag says.
-    fn legacy_chains(&self, layout: Layout, report: &mut Report) -> Result<Vec<HostChain>, FirewallError> {
+    fn legacy_chains(&self, layout: Layout, report: &mut Report) -> Result<Vec<HostChain>, XtablesError> {
         let Some(table) = self.xtables.read(layout)? else { return Ok(Vec::new()) };
-        let chains = table.host_chains().map_err(XtablesError::from)?;
+        let chains = table.host_chains()?;
         let Some(change) = hostfw::accept_changes(&chains, self.mark).into_iter().next() else {
             return Ok(chains);
         };
@@ -245,7 +237,7 @@ impl Checker {
             }
         }
         match self.xtables.read(layout)? {
-            Some(t) => Ok(t.host_chains().map_err(XtablesError::from)?),
+            Some(t) => Ok(t.host_chains()?),
             None => Ok(Vec::new()),
         }
     }
