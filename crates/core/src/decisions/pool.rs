@@ -261,6 +261,52 @@ impl Selector {
             Requirement::DoesNotExist(k) => !labels.contains_key(k),
         })
     }
+
+    /// Whether no labels can match both selectors: for some key, what the two ask of it together
+    /// cannot hold (`In [a]` and `In [b]`, `In [a]` and `NotIn [a]`, `Exists` and
+    /// `DoesNotExist`). Nodes change their labels freely, so only a proof from the selectors
+    /// keeps two pools apart on every node, after any relabelling too.
+    pub fn disjoint(&self, other: &Selector) -> bool {
+        let both = || self.0.iter().chain(&other.0);
+        let keys: BTreeSet<&str> = both().map(Requirement::key).collect();
+        keys.into_iter().any(|key| !satisfiable(both().filter(|r| r.key() == key)))
+    }
+}
+
+impl Requirement {
+    fn key(&self) -> &str {
+        match self {
+            Requirement::In(k, _)
+            | Requirement::NotIn(k, _)
+            | Requirement::Exists(k)
+            | Requirement::DoesNotExist(k) => k,
+        }
+    }
+}
+
+/// Whether one key's absence, or some value of it, meets every requirement on that key (label
+/// values are unbounded, so a `NotIn` alone always leaves one).
+fn satisfiable<'a>(on_key: impl Iterator<Item = &'a Requirement>) -> bool {
+    let (mut absent, mut present) = (true, true);
+    // `None`: any value.
+    let mut allowed: Option<BTreeSet<&str>> = None;
+    let mut refused: BTreeSet<&str> = BTreeSet::new();
+    for r in on_key {
+        match r {
+            Requirement::In(_, values) => {
+                absent = false;
+                let values: BTreeSet<&str> = values.iter().map(String::as_str).collect();
+                allowed = Some(match allowed {
+                    None => values,
+                    Some(before) => before.intersection(&values).copied().collect(),
+                });
+            }
+            Requirement::NotIn(_, values) => refused.extend(values.iter().map(String::as_str)),
+            Requirement::Exists(_) => absent = false,
+            Requirement::DoesNotExist(_) => present = false,
+        }
+    }
+    absent || (present && allowed.is_none_or(|a| a.iter().any(|v| !refused.contains(v))))
 }
 
 /// A node address type a pool may restrict to.

@@ -161,6 +161,96 @@ fn selectors() {
 }
 
 #[test]
+fn disjoint_selectors() {
+    let sel = |v: serde_json::Value| Selector::parse(Some(&serde_json::from_value(v).unwrap())).unwrap();
+    let expr = |key: &str, op: &str, values: &[&str]| {
+        let mut e = json!({"key": key, "operator": op});
+        if !values.is_empty() {
+            e["values"] = json!(values);
+        }
+        sel(json!({"matchExpressions": [e]}))
+    };
+    let role = |r: &str| sel(json!({"matchLabels": {"role": r}}));
+    let cases = [
+        ("two values of one key", role("edge"), role("internal"), true),
+        ("one value", role("edge"), role("edge"), false),
+        ("In and NotIn the value", expr("role", "In", &["edge"]), expr("role", "NotIn", &["edge"]), true),
+        ("In two and NotIn one", expr("role", "In", &["a", "b"]), expr("role", "NotIn", &["a"]), false),
+        ("Exists and DoesNotExist", expr("edge", "Exists", &[]), expr("edge", "DoesNotExist", &[]), true),
+        ("In and DoesNotExist", role("edge"), expr("role", "DoesNotExist", &[]), true),
+        ("NotIn and DoesNotExist", expr("role", "NotIn", &["a"]), expr("role", "DoesNotExist", &[]), false),
+        (
+            "two keys a node may both carry",
+            expr("edge", "Exists", &[]),
+            expr("internal", "Exists", &[]),
+            false,
+        ),
+        ("everything and anything", sel(json!({})), role("edge"), false),
+        ("everything twice", sel(json!({})), sel(json!({})), false),
+        (
+            "one key apart among others",
+            sel(json!({"matchLabels": {"role": "edge", "zone": "a"}})),
+            sel(json!({"matchLabels": {"zone": "a"}, "matchExpressions": [
+                {"key": "role", "operator": "NotIn", "values": ["edge"]}]})),
+            true,
+        ),
+        (
+            "selects nothing by itself",
+            sel(json!({"matchLabels": {"role": "edge"}, "matchExpressions": [
+                {"key": "role", "operator": "NotIn", "values": ["edge"]}]})),
+            sel(json!({})),
+            true,
+        ),
+    ];
+    for (name, a, b, want) in cases {
+        assert_eq!(a.disjoint(&b), want, "{name}");
+        assert_eq!(b.disjoint(&a), want, "{name}, the other way round");
+    }
+}
+
+/// `disjoint` against its definition: no labels match both. Every selector of up to two
+/// requirements on two keys and two values, against every labelling of those keys (absent, either
+/// value, or a value no selector names).
+#[test]
+fn disjoint_is_no_labels_matching_both() {
+    let values = |vs: &[&str]| vs.iter().map(|v| v.to_string()).collect::<BTreeSet<_>>();
+    let mut one = Vec::new();
+    for key in ["a", "b"] {
+        for vs in [&["x"][..], &["y"], &["x", "y"]] {
+            one.push(Requirement::In(key.into(), values(vs)));
+            one.push(Requirement::NotIn(key.into(), values(vs)));
+        }
+        one.push(Requirement::Exists(key.into()));
+        one.push(Requirement::DoesNotExist(key.into()));
+    }
+    let mut selectors = vec![Selector::default()];
+    for r in &one {
+        selectors.push(Selector(vec![r.clone()]));
+        for r2 in &one {
+            selectors.push(Selector(vec![r.clone(), r2.clone()]));
+        }
+    }
+    let choices = [None, Some("x"), Some("y"), Some("z")];
+    let mut labellings = Vec::new();
+    for a in choices {
+        for b in choices {
+            let pairs: Vec<(&str, &str)> =
+                [("a", a), ("b", b)].into_iter().filter_map(|(k, v)| v.map(|v| (k, v))).collect();
+            labellings.push(labels(&pairs));
+        }
+    }
+    let (mut apart, mut together) = (0, 0);
+    for s in &selectors {
+        for t in &selectors {
+            let overlap = labellings.iter().any(|l| s.matches(l) && t.matches(l));
+            assert_eq!(s.disjoint(t), !overlap, "{s:?} and {t:?}");
+            if overlap { together += 1 } else { apart += 1 }
+        }
+    }
+    assert!(apart > 1000 && together > 1000, "both answers are checked: {apart} apart, {together} not");
+}
+
+#[test]
 fn overlap_resolution() {
     let zone = |z: &str| json!({"matchLabels": {"zone": z}});
     let a = labels(&[("zone", "a")]);
