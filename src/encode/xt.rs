@@ -53,11 +53,13 @@ const CONTINUING_TARGETS: &[&str] = &[
     "RATEEST",
 ];
 
-fn u16_at(b: &[u8], at: usize) -> Option<u16> {
+/// The native-endian number at `at` of a kernel xtables structure (`None` past its end).
+pub fn u16_at(b: &[u8], at: usize) -> Option<u16> {
     Some(u16::from_ne_bytes(b.get(at..at + 2)?.try_into().ok()?))
 }
 
-fn u32_at(b: &[u8], at: usize) -> Option<u32> {
+/// The native-endian number at `at` of a kernel xtables structure (`None` past its end).
+pub fn u32_at(b: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_ne_bytes(b.get(at..at + 4)?.try_into().ok()?))
 }
 

@@ -18,7 +18,7 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 use crate::core::ruleset::hostfw::{
     Action, HostBase, HostChain, HostRule, Source, TableFamily, Test, accept_comment,
 };
-use crate::encode::xt;
+use crate::encode::xt::{self, u16_at, u32_at};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("iptables-legacy table blob: {0}")]
@@ -111,12 +111,6 @@ impl Info {
     }
 }
 
-fn u16_at(b: &[u8], at: usize) -> Option<u16> {
-    Some(u16::from_ne_bytes(b.get(at..at + 2)?.try_into().ok()?))
-}
-fn u32_at(b: &[u8], at: usize) -> Option<u32> {
-    Some(u32::from_ne_bytes(b.get(at..at + 4)?.try_into().ok()?))
-}
 fn i32_at(b: &[u8], at: usize) -> Option<i32> {
     Some(i32::from_ne_bytes(b.get(at..at + 4)?.try_into().ok()?))
 }
