@@ -338,7 +338,7 @@ impl World {
             _ => {
                 let n = RANGE.0 + self.rng.below(u64::from(RANGE.1 - RANGE.0) + 1) as u16;
                 Arc::make_mut(&mut block.claims)
-                    .insert(n, Claim::held(claims::Owner::of_uid("ffffffff-0000")));
+                    .insert(n, Claim::held(claims::Owner::of_uid("ffffffff-0000")).into());
             }
         }
         self.rv += 1;
@@ -631,12 +631,12 @@ fn history(seed: u64, steps: usize, with_pools: bool) -> (usize, usize, usize, u
         // annotation) is never given to another Service, whatever anyone wrote on annotations.
         for h in snap.services.iter().map(|s| claims::Holder::of(s)) {
             for n in &h.numbers {
-                if registry.get(*n) != Some(&claims::Claim::held(h.owner.clone())) {
+                if registry.get(*n) != Some(&claims::Claim::held(h.owner.clone()).into()) {
                     continue;
                 }
-                let after = world.registry.owner(*n);
+                let after = world.registry.get(*n);
                 assert!(
-                    after.is_none_or(|o| *o == h.owner),
+                    after.is_none_or(|c| c.only(&h.owner)),
                     "seed {seed} (pools: {with_pools}), step {step}: {n}, held by {}, now claimed by {after:?}",
                     h.key
                 );

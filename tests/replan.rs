@@ -647,7 +647,7 @@ fn scoped_syncs(mode: nodelb::core::decisions::desired::AllocationMode) {
         let claim = |registry: &mut Registry, n: u16, owner: Option<Owner>, rv: String| {
             let block = registry.blocks.entry(claims::block_of(n)).or_default();
             match owner {
-                Some(o) => Arc::make_mut(&mut block.claims).insert(n, claims::Claim::held(o)),
+                Some(o) => Arc::make_mut(&mut block.claims).insert(n, claims::Claim::held(o).into()),
                 None => Arc::make_mut(&mut block.claims).remove(&n),
             };
             block.resource_version = Some(rv);
@@ -899,7 +899,7 @@ fn scoped_syncs(mode: nodelb::core::decisions::desired::AllocationMode) {
                     let key = nodelb::core::inputs::model::service_key(s);
                     let owner = Owner::of(&key, s.metadata.uid.as_deref());
                     for n in whole.allocations.get(&key).into_iter().flat_map(|p| p.values()) {
-                        assert_eq!(registry.owner(*n), Some(&owner), "{what}: {key} programs {n}");
+                        assert!(registry.holds(*n, &owner), "{what}: {key} programs {n}");
                     }
                 }
             }

@@ -141,7 +141,7 @@ pub struct Inputs<'a, S = Service, E = EndpointSlice> {
     pub pools: Option<&'a PoolContext>,
     /// Kubernetes mode: the node-port registry, the record of who holds each number (only
     /// nodelb can write it). A number an annotation names is programmed only for the Service
-    /// the registry names ([`crate::k8s::claims::Registry::owner`]): any Service owner can
+    /// the registry names ([`crate::k8s::claims::Registry::holds`]): any Service owner can
     /// write their own annotation. The Kubernetes source always gives it; `None` trusts the
     /// annotations (manifests mode has none; pure tests that are about something else).
     pub registry: Option<&'a Registry>,
@@ -811,7 +811,7 @@ fn recorded(
         .iter()
         .map(|s| {
             let owner = Owner::of(&s.key, s.uid.as_deref());
-            let ours = |n: u16| registry.owner(n) == Some(&owner);
+            let ours = |n: u16| registry.holds(n, &owner);
             if s.previous_allocation.values().all(|n| ours(*n)) {
                 return Arc::clone(s);
             }
@@ -820,7 +820,7 @@ fn recorded(
                 if ours(*n) {
                     return true;
                 }
-                let another = registry.owner(*n).is_some();
+                let another = registry.claimed(*n);
                 let reason = PortRefusal::NotRecorded { another };
                 refused.push(RefusedPort { service: s.key.clone(), port: *port, node_port: *n, reason });
                 false
@@ -1159,7 +1159,7 @@ mod tests {
         let unclaimed = svc("unclaimed", "dddddddd-0000", "2024-01-03T00:00:00Z", "80/TCP=20002");
         let mut registry = Registry::default();
         Arc::make_mut(&mut registry.blocks.entry(2).or_default().claims)
-            .insert(20001, Claim::held(Owner::of_uid("aaaaaaaa-0000")));
+            .insert(20001, Claim::held(Owner::of_uid("aaaaaaaa-0000")).into());
         let services = [older, holder, younger, unclaimed];
         let desired = compute_recorded(AllocationMode::Annotated, &services, None, Some(&registry));
         let programmed: Vec<String> = desired.allocations.keys().map(|k| k.to_string()).collect();

@@ -16,7 +16,8 @@
 //! [`LABEL`]. Annotation [`ANNOTATION`] lists the claims: `20001=0a1b2c3d4e5f` (the first 12
 //! hex digits of the holding Service's uid), with `+token` while a leader is adding that number
 //! to the Service's annotation and `-token` while it is removing it (`token` names that leader's
-//! process). The rules:
+//! process); a number Services on disjoint pools share lists each holder (`record.rs`). The
+//! rules:
 //! - A number is written on a Service only after a claim naming the Service was written to the
 //!   registry with the resourceVersion read in the same round: of two leaders that both saw the
 //!   number free, the second's registry write fails (409) and it writes no Service.
@@ -31,7 +32,7 @@
 //! - **The registry is the record; the annotation is a copy.** Any Service owner may edit their
 //!   own Service's annotation, so an annotation naming a number the registry gives another
 //!   Service is never believed: that Service loses the number (nodes never program it for it,
-//!   [`Registry::owner`]), whatever the two Services' ages, and its annotation is written again
+//!   [`Registry::holds`]), whatever the two Services' ages, and its annotation is written again
 //!   from the record (its own numbers back, [`Screen::apply`]). A serving Service therefore never
 //!   loses its number because of another Service's edit.
 //! - A number a Service's annotation holds without a claim (the registry lost with its
@@ -51,6 +52,9 @@ use crate::domain::ServiceKey;
 use crate::incremental::view::{self, ServiceFacts, SourceView};
 use crate::inputs::compact::EndpointSlice;
 use crate::inputs::model::{self, LbService};
+
+mod record;
+pub use record::{Claim, Claims, Holds, State, Token, format, parse};
 
 /// Name prefix of the registry Leases (`nodelb-node-ports-2` holds 16384–24575).
 pub const LEASE_PREFIX: &str = "nodelb-node-ports-";
@@ -175,7 +179,11 @@ impl Default for Holders {
 /// not `gone`): an annotation the leader did not write.
 pub fn name_anothers(changes: &ViewChanges, registry: &Registry, gone: &BTreeSet<Owner>) -> bool {
     changes.added.iter().any(|h| {
-        h.numbers.iter().any(|n| registry.owner(*n).is_some_and(|o| *o != h.owner && !gone.contains(o)))
+        h.numbers.iter().any(|n| {
+            registry
+                .get(*n)
+                .is_some_and(|c| c.of(&h.owner).is_none() && c.owners().any(|o| !gone.contains(o)))
+        })
     })
 }
 
@@ -233,91 +241,6 @@ impl std::fmt::Display for Owner {
     }
 }
 
-/// A leader process, in its pending claims (so that only it resolves them).
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Token(pub String);
-
-impl Token {
-    /// Eight hex digits from the node name, the process and the time it started.
-    pub fn new(node: &str, pid: u32, started_ns: u128) -> Token {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for b in node.bytes().chain(pid.to_le_bytes()).chain(started_ns.to_le_bytes()) {
-            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-        }
-        Token(format!("{:08x}", h as u32))
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum State {
-    Held,
-    /// A leader is writing the number on the Service.
-    Adding(Token),
-    /// A leader is taking the number off the Service.
-    Removing(Token),
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Claim {
-    pub owner: Owner,
-    pub state: State,
-}
-
-impl Claim {
-    pub fn held(owner: Owner) -> Claim {
-        Claim { owner, state: State::Held }
-    }
-}
-
-pub type Claims = BTreeMap<u16, Claim>;
-
-/// Parses a block's annotation. An entry whose number cannot be read is skipped (named in the
-/// problems); one whose number can but the rest cannot counts as held by an unknown owner, so
-/// the number is not handed out on a misreading.
-pub fn parse(value: &str) -> (Claims, Vec<String>) {
-    let mut claims = Claims::new();
-    let mut problems = Vec::new();
-    for item in value.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let Some((number, rest)) = item.split_once('=') else {
-            problems.push(format!("registry entry {item:?}: no `=`"));
-            continue;
-        };
-        let Ok(number) = number.trim().parse::<u16>() else {
-            problems.push(format!("registry entry {item:?}: {number:?} is not a port number"));
-            continue;
-        };
-        let (owner, state) = match rest.find(['+', '-']) {
-            Some(i) if rest[i..].len() > 1 => {
-                let token = Token(rest[i + 1..].to_string());
-                let state =
-                    if rest.as_bytes()[i] == b'+' { State::Adding(token) } else { State::Removing(token) };
-                (&rest[..i], state)
-            }
-            _ => (rest, State::Held),
-        };
-        let owner = if owner.len() == 12 && owner.chars().all(|c| c.is_ascii_hexdigit()) {
-            Owner(owner.to_ascii_lowercase())
-        } else {
-            problems.push(format!("registry entry {item:?}: owner {owner:?} is not 12 hex digits"));
-            Owner(owner.to_string())
-        };
-        claims.insert(number, Claim { owner, state });
-    }
-    (claims, problems)
-}
-
-pub fn format(claims: &Claims) -> String {
-    let items: Vec<String> = claims
-        .iter()
-        .map(|(n, c)| match &c.state {
-            State::Held => format!("{n}={}", c.owner),
-            State::Adding(t) => format!("{n}={}+{}", c.owner, t.0),
-            State::Removing(t) => format!("{n}={}-{}", c.owner, t.0),
-        })
-        .collect();
-    items.join(",")
-}
-
 /// One registry Lease as read.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Block {
@@ -335,12 +258,14 @@ pub struct Registry {
 }
 
 impl Registry {
-    pub fn get(&self, number: u16) -> Option<&Claim> {
+    /// Who holds `number`.
+    pub fn get(&self, number: u16) -> Option<&Holds> {
         self.blocks.get(&block_of(number))?.claims.get(&number)
     }
 
+    /// Every claim, by number (a shared number once per holder).
     pub fn iter(&self) -> impl Iterator<Item = (u16, &Claim)> {
-        self.blocks.values().flat_map(|b| b.claims.iter().map(|(n, c)| (*n, c)))
+        self.blocks.values().flat_map(|b| b.claims.iter().flat_map(|(n, h)| h.iter().map(|c| (*n, c))))
     }
 
     /// Each block's resourceVersion (`None`: the block did not exist when read).
@@ -350,16 +275,21 @@ impl Registry {
 }
 
 impl Registry {
-    /// The Service a number belongs to: the owner of its claim, in any state (a claim being
-    /// added names the Service the leader is writing it on; one being removed is still that
-    /// Service's until the write is seen). What every node programs by: a node port is
-    /// programmed for a Service only when the registry names it here.
-    pub fn owner(&self, number: u16) -> Option<&Owner> {
-        self.get(number).map(|c| &c.owner)
+    /// Whether `number` belongs to the Service `owner`: it has a claim on it, in any state (a
+    /// claim being added names the Service the leader is writing it on; one being removed is
+    /// still that Service's until the write is seen). What every node programs by: a node port
+    /// is programmed for a Service only when the registry names it here.
+    pub fn holds(&self, number: u16, owner: &Owner) -> bool {
+        self.get(number).is_some_and(|h| h.of(owner).is_some())
     }
 
-    /// The numbers whose [`Registry::owner`] differs between `self` and `before` (a block read
-    /// at the same resourceVersion holds the same claims and is not compared).
+    /// Whether any Service claims `number`.
+    pub fn claimed(&self, number: u16) -> bool {
+        self.get(number).is_some()
+    }
+
+    /// The numbers whose holders ([`Registry::holds`]) differ between `self` and `before` (a
+    /// block read at the same resourceVersion holds the same claims and is not compared).
     pub fn owners_changed(&self, before: &Registry) -> Vec<u16> {
         let mut out = Vec::new();
         let blocks: BTreeSet<u16> = self.blocks.keys().chain(before.blocks.keys()).copied().collect();
@@ -375,9 +305,8 @@ impl Registry {
             let now = now.map_or(&empty, |x| &x.claims);
             let was = was.map_or(&empty, |x| &x.claims);
             let numbers: BTreeSet<u16> = now.keys().chain(was.keys()).copied().collect();
-            out.extend(
-                numbers.into_iter().filter(|n| now.get(n).map(|c| &c.owner) != was.get(n).map(|c| &c.owner)),
-            );
+            let owners = |c: &Claims, n: &u16| c.get(n).map(|h| h.owners().cloned().collect::<BTreeSet<_>>());
+            out.extend(numbers.into_iter().filter(|n| owners(now, n) != owners(was, n)));
         }
         out
     }
@@ -555,10 +484,12 @@ impl<'h> Screen<'h> {
             Some(only) => Box::new(only.iter().filter_map(|n| by_number.get_key_value(n))),
         };
         for (n, hs) in looked_at {
-            let Some(c) = registry.get(*n).filter(|c| !gone.contains(&c.owner)) else { continue };
-            // Only the claimant may hold it, whatever the ages: another Service's annotation
+            let Some(c) = registry.get(*n).filter(|c| c.owners().any(|o| !gone.contains(o))) else {
+                continue;
+            };
+            // Only a claimant may hold it, whatever the ages: another Service's annotation
             // naming it was written by someone else than the leader.
-            for h in hs.iter().filter(|h| h.owner != c.owner) {
+            for h in hs.iter().filter(|h| c.of(&h.owner).is_none()) {
                 lose.entry(&h.key).or_default().insert(*n);
                 losers.insert(&h.owner, h);
             }
@@ -678,7 +609,7 @@ pub struct AnnotationChange<'a> {
 pub enum ClaimScope<'a> {
     /// A whole round's: every number held; `expired`: the claims unresolved for [`GRACE`], which
     /// are settled.
-    All { expired: &'a BTreeSet<u16> },
+    All { expired: &'a BTreeSet<ClaimOf> },
     /// A scoped round's (the leader's round planning a scope of the Services): only the numbers
     /// the scope's Services hold (by annotation) are looked at for claims held without one or
     /// held twice. The round is scoped only when every other claim is settled and names a Service
@@ -686,7 +617,7 @@ pub enum ClaimScope<'a> {
     /// they held: none of their numbers can be missing a claim. `gone_claims`: the numbers the
     /// deleted owners claim ([`Keeper::claims_of_gone`]), found without a walk of the registry
     /// (`None`: walked).
-    Numbers { numbers: &'a BTreeSet<u16>, gone_claims: Option<&'a [u16]> },
+    Numbers { numbers: &'a BTreeSet<u16>, gone_claims: Option<&'a [ClaimOf]> },
 }
 
 /// The registry changes of a round: claims for what the annotation writes add (pending, under
@@ -727,11 +658,11 @@ fn plan_in<S: ClaimStore>(
         ClaimScope::All { expired } => Some(expired),
         ClaimScope::Numbers { .. } => None,
     };
-    for n in expired.into_iter().flatten() {
-        let Some(c) = next.get(*n).cloned() else { continue };
+    for (n, owner) in expired.into_iter().flatten() {
+        let Some(c) = next.get(*n).and_then(|h| h.of(owner)).cloned() else { continue };
         match c.state {
-            State::Adding(_) | State::Removing(_) => next.set(*n, Some(Claim::held(c.owner))),
-            State::Held if !holds(&c.owner, *n) => next.set(*n, None),
+            State::Adding(_) | State::Removing(_) => next.put(*n, Claim { state: State::Held, ..c }),
+            State::Held if !holds(&c.owner, *n) => next.take(*n, owner),
             State::Held => {}
         }
     }
@@ -740,8 +671,8 @@ fn plan_in<S: ClaimStore>(
             ClaimScope::Numbers { gone_claims: Some(gone_claims), .. } => gone_claims.to_vec(),
             _ => next.claimed_by(gone),
         };
-        for n in claimed {
-            next.set(n, None);
+        for (n, owner) in claimed {
+            next.take(n, &owner);
         }
     }
     // Claims for what is held without one (the oldest holder's; a claim never moves to another
@@ -761,7 +692,7 @@ fn plan_in<S: ClaimStore>(
             hs.iter().filter(|h| changing.get(&h.key).is_none_or(|after| after.contains(n))).collect();
         let Some(oldest) = keepers.first().copied().or_else(|| hs.first()) else { continue };
         if next.get(*n).is_none() {
-            next.set(*n, Some(Claim::held(oldest.owner.clone())));
+            next.put(*n, Claim::held(oldest.owner.clone()));
         }
     }
     // The writes: additions pending under our token (only onto a free number or the Service's
@@ -773,22 +704,29 @@ fn plan_in<S: ClaimStore>(
         let mut staged = Vec::new();
         let mut ok = true;
         for n in ch.after.difference(before) {
+            let adding = Claim::new(owner.clone(), State::Adding(token.clone()));
             match next.get(*n) {
                 None => sc.adds.push((*n, None)),
-                Some(c) if &c.owner == owner && c.state == State::Held => sc.adds.push((*n, Some(c.clone()))),
-                Some(_) => ok = false,
+                Some(h) => match h.of(owner) {
+                    Some(c) if h.only(owner) && c.state == State::Held => {
+                        sc.adds.push((*n, Some(c.clone())));
+                        staged.push((*n, Claim { pool: c.pool.clone(), ..adding }));
+                        continue;
+                    }
+                    _ => ok = false,
+                },
             }
-            staged.push((*n, Claim { owner: owner.clone(), state: State::Adding(token.clone()) }));
+            staged.push((*n, adding));
         }
         for n in before.difference(&ch.after) {
-            if next.get(*n).is_some_and(|c| &c.owner == owner && c.state == State::Held) {
+            if let Some(c) = next.get(*n).and_then(|h| h.of(owner)).filter(|c| c.state == State::Held) {
                 sc.removes.push(*n);
-                staged.push((*n, Claim { owner: owner.clone(), state: State::Removing(token.clone()) }));
+                staged.push((*n, Claim { state: State::Removing(token.clone()), ..c.clone() }));
             }
         }
         if ok {
             for (n, c) in staged {
-                next.set(n, Some(c));
+                next.put(n, c);
             }
             out.services.insert(ch.holder.key.clone(), sc);
         } else {
@@ -810,13 +748,34 @@ fn plan_in<S: ClaimStore>(
 
 /// Where [`plan`] keeps the registry as the round leaves it.
 trait ClaimStore {
-    fn get(&self, n: u16) -> Option<&Claim>;
-    /// `None`: the claim goes.
-    fn set(&mut self, n: u16, claim: Option<Claim>);
-    /// The numbers one of `owners` claims.
-    fn claimed_by(&self, owners: &BTreeSet<Owner>) -> Vec<u16>;
+    fn get(&self, n: u16) -> Option<&Holds>;
+    /// `None`: every claim on `n` goes.
+    fn set(&mut self, n: u16, holds: Option<Holds>);
+    /// The claims of `owners`, by number.
+    fn claimed_by(&self, owners: &BTreeSet<Owner>) -> Vec<(u16, Owner)>;
     /// Every block whose claims may differ from `read`'s, with its claims now.
     fn blocks(&self, read: &Registry) -> Vec<(u16, Claims)>;
+
+    /// `claim` on `n`, in place of its owner's claim if it had one.
+    fn put(&mut self, n: u16, claim: Claim) {
+        let holds = match self.get(n) {
+            Some(h) => {
+                let mut h = h.clone();
+                h.put(claim);
+                h
+            }
+            None => Holds::from(claim),
+        };
+        self.set(n, Some(holds));
+    }
+
+    /// `owner`'s claim on `n` gone.
+    fn take(&mut self, n: u16, owner: &Owner) {
+        if let Some(h) = self.get(n).filter(|h| h.of(owner).is_some()) {
+            let left = h.clone().without(owner);
+            self.set(n, left);
+        }
+    }
 }
 
 /// The registry as read, with the claims a round changes over it: only those are copied, and
@@ -824,25 +783,29 @@ trait ClaimStore {
 /// copying them all would cost every round time linear in the cluster's node ports).
 struct Overlay<'a> {
     read: &'a Registry,
-    changed: BTreeMap<u16, Option<Claim>>,
+    changed: BTreeMap<u16, Option<Holds>>,
 }
 
 impl ClaimStore for Overlay<'_> {
-    fn get(&self, n: u16) -> Option<&Claim> {
+    fn get(&self, n: u16) -> Option<&Holds> {
         match self.changed.get(&n) {
             Some(c) => c.as_ref(),
             None => self.read.get(n),
         }
     }
 
-    fn set(&mut self, n: u16, claim: Option<Claim>) {
-        self.changed.insert(n, claim);
+    fn set(&mut self, n: u16, holds: Option<Holds>) {
+        self.changed.insert(n, holds);
     }
 
-    fn claimed_by(&self, owners: &BTreeSet<Owner>) -> Vec<u16> {
+    fn claimed_by(&self, owners: &BTreeSet<Owner>) -> Vec<(u16, Owner)> {
         let read = self.read.iter().filter(|(n, _)| !self.changed.contains_key(n));
-        let changed = self.changed.iter().filter_map(|(n, c)| c.as_ref().map(|c| (*n, c)));
-        read.chain(changed).filter(|(_, c)| owners.contains(&c.owner)).map(|(n, _)| n).collect()
+        let changed =
+            (self.changed.iter()).flat_map(|(n, h)| h.iter().flat_map(|h| h.iter().map(|c| (*n, c))));
+        read.chain(changed)
+            .filter(|(_, c)| owners.contains(&c.owner))
+            .map(|(n, c)| (n, c.owner.clone()))
+            .collect()
     }
 
     fn blocks(&self, read: &Registry) -> Vec<(u16, Claims)> {
@@ -873,38 +836,29 @@ impl ClaimStore for Overlay<'_> {
 /// anything changed.
 pub fn resolve(claims: &mut Claims, sc: &ServiceClaims, outcome: Outcome, token: &Token) -> bool {
     let mut changed = false;
-    for (n, prior) in &sc.adds {
-        let mine = Claim { owner: sc.owner.clone(), state: State::Adding(token.clone()) };
-        if claims.get(n) != Some(&mine) {
-            continue;
-        }
+    // Settles `owner`'s claim on `n` if it is still `pending`: dropped (`keep` false) or held.
+    let mut settle = |n: u16, pending: State, keep: bool| {
+        let Some(holds) = claims.get_mut(&n) else { return };
+        let Some(mine) = holds.of_mut(&sc.owner).filter(|c| c.state == pending) else { return };
         changed = true;
-        match (outcome, prior) {
-            (Outcome::Refused, None) => {
-                claims.remove(n);
-            }
-            _ => {
-                claims.insert(*n, Claim::held(sc.owner.clone()));
-            }
+        if keep {
+            mine.state = State::Held;
+        } else if let Some(left) = claims.remove(&n).and_then(|h| h.without(&sc.owner)) {
+            claims.insert(n, left);
         }
+    };
+    for (n, prior) in &sc.adds {
+        let refused_free = outcome == Outcome::Refused && prior.is_none();
+        settle(*n, State::Adding(token.clone()), !refused_free);
     }
     for n in &sc.removes {
-        let mine = Claim { owner: sc.owner.clone(), state: State::Removing(token.clone()) };
-        if claims.get(n) != Some(&mine) {
-            continue;
-        }
-        changed = true;
-        match outcome {
-            Outcome::Written => {
-                claims.remove(n);
-            }
-            _ => {
-                claims.insert(*n, Claim::held(sc.owner.clone()));
-            }
-        }
+        settle(*n, State::Removing(token.clone()), outcome != Outcome::Written);
     }
     changed
 }
+
+/// One Service's claim on one number, named: the number and the claimant.
+pub type ClaimOf = (u16, Owner);
 
 /// A leader's memory of the registry between rounds: which Services it has seen (so a deletion
 /// is known, not guessed) and since when each unresolved claim has looked the same. Every agent
@@ -919,7 +873,7 @@ pub struct Keeper {
     /// When each of `gone` was found deleted, oldest first: a follower never reads the registry
     /// (never [`Keeper::forget`]s), so it forgets deletions after [`REMEMBER_GONE`] instead.
     gone_since: std::collections::VecDeque<(Instant, Owner)>,
-    unresolved: BTreeMap<u16, (Claim, Instant)>,
+    unresolved: BTreeMap<ClaimOf, (Claim, Instant)>,
     /// Each registry block's resourceVersion at the last [`Keeper::expired`] (`None`: that call
     /// did not look at the registry, the Service watch failing): a block read again at the same
     /// version holds the same claims, and only those whose numbers changed holders are looked at
@@ -1021,7 +975,7 @@ impl Keeper {
         touched: Option<&BTreeSet<u16>>,
         healthy: bool,
         now: Instant,
-    ) -> BTreeSet<u16> {
+    ) -> BTreeSet<ClaimOf> {
         if !healthy {
             self.unresolved.clear();
             self.versions = None;
@@ -1031,30 +985,42 @@ impl Keeper {
         let unresolved = |c: &Claim, n: u16| {
             !(c.state == State::Held && held.holders_of(n).iter().any(|h| h.owner == c.owner))
         };
-        let check = |n: u16, c: Option<&Claim>, kept: &mut BTreeMap<u16, (Claim, Instant)>| match c {
-            Some(c) if unresolved(c, n) => {
-                let since = match kept.get(&n) {
+        // Looks again at every claim on `n` (`holds`: who holds it now).
+        let check = |n: u16, holds: Option<&Holds>, kept: &mut BTreeMap<ClaimOf, (Claim, Instant)>| {
+            let was: Vec<Owner> = (kept.range((n, Owner(String::new()))..))
+                .take_while(|((m, _), _)| *m == n)
+                .map(|((_, o), _)| o.clone())
+                .collect();
+            for o in was.into_iter().filter(|o| holds.is_none_or(|h| h.of(o).is_none())) {
+                kept.remove(&(n, o));
+            }
+            for c in holds.into_iter().flat_map(Holds::iter) {
+                let at = (n, c.owner.clone());
+                if !unresolved(c, n) {
+                    kept.remove(&at);
+                    continue;
+                }
+                let since = match kept.get(&at) {
                     Some((prev, t)) if prev == c => *t,
                     _ => now,
                 };
-                kept.insert(n, (c.clone(), since));
-            }
-            _ => {
-                kept.remove(&n);
+                kept.insert(at, (c.clone(), since));
             }
         };
         let mut kept = std::mem::take(&mut self.unresolved);
         // Blocks gone since: their claims too.
-        kept.retain(|n, _| registry.blocks.contains_key(&block_of(*n)));
+        kept.retain(|(n, _), _| registry.blocks.contains_key(&block_of(*n)));
         for (b, block) in &registry.blocks {
             let same =
                 touched.is_some() && last.as_ref().and_then(|l| l.get(b)) == Some(&block.resource_version);
             if !same {
                 let first = u16::try_from(u32::from(*b) * BLOCK_SIZE).unwrap_or(u16::MAX);
                 let end = u16::try_from((u32::from(*b) + 1) * BLOCK_SIZE - 1).unwrap_or(u16::MAX);
-                kept.retain(|n, _| *n < first || *n > end || block.claims.contains_key(n));
-                for (n, c) in block.claims.iter() {
-                    check(*n, Some(c), &mut kept);
+                kept.retain(|(n, o), _| {
+                    *n < first || *n > end || block.claims.get(n).is_some_and(|h| h.of(o).is_some())
+                });
+                for (n, holds) in block.claims.iter() {
+                    check(*n, Some(holds), &mut kept);
                 }
                 continue;
             }
@@ -1067,7 +1033,7 @@ impl Keeper {
         self.versions = Some(registry.versions());
         (self.unresolved.iter())
             .filter(|(_, (_, since))| now.saturating_duration_since(*since) >= GRACE)
-            .map(|(n, _)| *n)
+            .map(|(at, _)| at.clone())
             .collect()
     }
 
@@ -1080,13 +1046,13 @@ impl Keeper {
     /// The numbers claimed by deleted Services ([`Keeper::gone`]) in the registry the last
     /// [`Keeper::expired`] saw: such a claim never names a holder, so it is among the unresolved
     /// ones. `None` when that call did not look at the registry.
-    pub fn claims_of_gone(&self) -> Option<Vec<u16>> {
+    pub fn claims_of_gone(&self) -> Option<Vec<ClaimOf>> {
         self.versions.as_ref()?;
         Some(
             self.unresolved
                 .iter()
                 .filter(|(_, (c, _))| self.gone.contains(&c.owner))
-                .map(|(n, _)| *n)
+                .map(|(at, _)| at.clone())
                 .collect(),
         )
     }

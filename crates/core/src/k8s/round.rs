@@ -481,8 +481,8 @@ pub struct ClaimInputs<'a> {
     pub gone: &'a std::collections::BTreeSet<claims::Owner>,
     /// The numbers `gone` owners claim, when known without a walk of the registry
     /// ([`claims::Keeper::claims_of_gone`]).
-    pub gone_claims: Option<&'a [u16]>,
-    pub expired: &'a std::collections::BTreeSet<u16>,
+    pub gone_claims: Option<&'a [claims::ClaimOf]>,
+    pub expired: &'a std::collections::BTreeSet<claims::ClaimOf>,
 }
 
 /// The leader's decisions for one round, from the caches and the node-port registry alone

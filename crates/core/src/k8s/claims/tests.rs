@@ -43,10 +43,28 @@ fn lb(h: &Holder) -> LbService {
     }
 }
 
+/// The claims, a number listed twice shared by both claimants.
+fn claims_of<const N: usize>(claims: [(u16, Claim); N]) -> Claims {
+    let mut out = Claims::new();
+    for (n, c) in claims {
+        put(&mut out, n, c);
+    }
+    out
+}
+
+fn put(claims: &mut Claims, n: u16, c: Claim) {
+    match claims.get_mut(&n) {
+        Some(h) => h.put(c),
+        None => {
+            claims.insert(n, c.into());
+        }
+    }
+}
+
 fn registry(claims: &[(u16, Claim)]) -> Registry {
     let mut r = Registry::default();
     for (n, c) in claims {
-        Arc::make_mut(&mut r.blocks.entry(block_of(*n)).or_default().claims).insert(*n, c.clone());
+        put(Arc::make_mut(&mut r.blocks.entry(block_of(*n)).or_default().claims), *n, c.clone());
     }
     for b in r.blocks.values_mut() {
         b.resource_version = Some("7".into());
@@ -59,7 +77,7 @@ fn tok(s: &str) -> Token {
 }
 
 fn pending(c: char, state: fn(Token) -> State, t: &str) -> Claim {
-    Claim { owner: owner(c), state: state(tok(t)) }
+    Claim::new(owner(c), state(tok(t)))
 }
 
 /// The whole registry copied, every block compared: how [`plan`] kept it before [`Overlay`],
@@ -67,25 +85,26 @@ fn pending(c: char, state: fn(Token) -> State, t: &str) -> Claim {
 struct FullCopy(Claims);
 
 impl ClaimStore for FullCopy {
-    fn get(&self, n: u16) -> Option<&Claim> {
+    fn get(&self, n: u16) -> Option<&Holds> {
         self.0.get(&n)
     }
 
-    fn set(&mut self, n: u16, claim: Option<Claim>) {
-        match claim {
-            Some(c) => self.0.insert(n, c),
+    fn set(&mut self, n: u16, holds: Option<Holds>) {
+        match holds {
+            Some(h) => self.0.insert(n, h),
             None => self.0.remove(&n),
         };
     }
 
-    fn claimed_by(&self, owners: &BTreeSet<Owner>) -> Vec<u16> {
-        self.0.iter().filter(|(_, c)| owners.contains(&c.owner)).map(|(n, _)| *n).collect()
+    fn claimed_by(&self, owners: &BTreeSet<Owner>) -> Vec<(u16, Owner)> {
+        let all = self.0.iter().flat_map(|(n, h)| h.iter().map(|c| (*n, c.owner.clone())));
+        all.filter(|(_, o)| owners.contains(o)).collect()
     }
 
     fn blocks(&self, read: &Registry) -> Vec<(u16, Claims)> {
         let mut by_block: BTreeMap<u16, Claims> = read.blocks.keys().map(|b| (*b, Claims::new())).collect();
-        for (n, c) in &self.0 {
-            by_block.entry(block_of(*n)).or_default().insert(*n, c.clone());
+        for (n, h) in &self.0 {
+            by_block.entry(block_of(*n)).or_default().insert(*n, h.clone());
         }
         by_block.into_iter().collect()
     }
@@ -139,9 +158,11 @@ fn only_changed_claims_are_copied_and_the_plan_is_the_same() {
             }
         }
         let gone: BTreeSet<Owner> = letters.iter().filter(|_| rng.below(5) == 0).map(|c| owner(*c)).collect();
-        let expired: BTreeSet<u16> = pick(&mut rng, 3).into_iter().collect();
+        let expired: BTreeSet<ClaimOf> = (pick(&mut rng, 3).into_iter())
+            .map(|n| (n, owner(letters[rng.below(letters.len() as u64) as usize])))
+            .collect();
         let (held, scope) = (HeldNumbers::of(&holders), ClaimScope::All { expired: &expired });
-        let copied = FullCopy(reg.iter().map(|(n, c)| (n, c.clone())).collect());
+        let copied = FullCopy(reg.blocks.values().flat_map(|b| Claims::clone(&b.claims)).collect());
         assert_eq!(
             plan(&reg, &held, &changes, &t, &gone, scope),
             plan_in(copied, &reg, &held, &changes, &t, &gone, scope),
@@ -203,7 +224,11 @@ fn reads_share_unchanged_blocks_and_owner_changes_are_found() {
     let leases = [lease("nodelb-node-ports-2", "1", &a), lease("nodelb-node-ports-x", "1", "")];
     let (first, problems) = ReadRegistry::read(&leases, None);
     assert_eq!(problems.len(), 1, "{problems:?}");
-    assert_eq!(first.registry.owner(20001), Some(&owner('b')), "a pending claim names its Service");
+    assert_eq!(
+        first.registry.get(20001).map(|h| h.owners().collect::<Vec<_>>()),
+        Some(vec![&owner('b')]),
+        "a pending claim names its Service"
+    );
     // The same version again: the same claims, shared; a new version of another block parsed.
     let c = format!("24576={}", owner('c'));
     let leases = [lease("nodelb-node-ports-2", "1", &a), lease("nodelb-node-ports-3", "5", &c)];
@@ -229,7 +254,11 @@ fn a_deleted_block_is_kept_and_written_again() {
     let mut now =
         ReadRegistry { registry: registry(&[(8000, Claim::held(owner('b')))]), ..Default::default() };
     assert_eq!(now.keep_lost(&before), [2]);
-    assert_eq!(now.registry.owner(20000), Some(&owner('a')), "still in force");
+    assert_eq!(
+        now.registry.get(20000).map(|h| h.owners().collect::<Vec<_>>()),
+        Some(vec![&owner('a')]),
+        "still in force"
+    );
     assert_eq!(now.registry.blocks[&2].resource_version, None);
     assert!(now.registry.owners_changed(&before.registry).is_empty(), "no owner changed");
     // A forged annotation of the moment does not win: the block is written as it was.
@@ -244,7 +273,7 @@ fn a_deleted_block_is_kept_and_written_again() {
         ClaimScope::All { expired: &BTreeSet::new() },
     );
     let written = p.blocks.get(&2).expect("the lost block is written again");
-    assert_eq!(*written.claims, Claims::from([(20000, Claim::held(owner('a')))]));
+    assert_eq!(*written.claims, claims_of([(20000, Claim::held(owner('a')))]));
     assert_eq!(written.resource_version, None, "created, not replaced");
 }
 
@@ -261,7 +290,7 @@ fn a_view_naming_another_services_number_is_found() {
 
 #[test]
 fn text_round_trips_and_bad_entries_are_never_free() {
-    let claims = Claims::from([
+    let claims = claims_of([
         (20000, Claim::held(owner('a'))),
         (20001, pending('b', State::Adding, "t1")),
         (20002, pending('c', State::Removing, "t2")),
@@ -274,6 +303,87 @@ fn text_round_trips_and_bad_entries_are_never_free() {
     assert_eq!(problems.len(), 4, "{problems:?}");
     assert_eq!(block_of(20000), 2);
     assert_eq!(lease_name(block_of(8191)), "nodelb-node-ports-0");
+}
+
+/// A number Services on disjoint pools share: each holder with its state and pool, in
+/// registry order, and back to the form of a number one Service holds when one is left.
+#[test]
+fn shared_numbers_round_trip() {
+    let on = |c: Claim, pool: &str| Claim { pool: Some(pool.into()), ..c };
+    let claims = claims_of([
+        (443, on(Claim::held(owner('b')), "edge")),
+        (443, on(pending('a', State::Removing, "t2"), "internal")),
+        (443, on(pending('c', State::Adding, "t3"), "lab")),
+        (20000, Claim::held(owner('d'))),
+    ]);
+    let text = format(&claims);
+    assert_eq!(
+        text,
+        "443=bbbbbbbb0000+@edge;aaaaaaaa0000-t2@internal;cccccccc0000+t3@lab,20000=dddddddd0000"
+    );
+    assert_eq!(parse(&text), (claims.clone(), vec![]));
+    let left = claims[&443].clone().without(&owner('b')).and_then(|h| h.without(&owner('c')));
+    let left = Claims::from([(443, left.expect("one left"))]);
+    assert_eq!(format(&left), "443=aaaaaaaa0000-t2", "one holder, no pool");
+    let (c, problems) = parse("443=bbbbbbbb0000+@edge;bbbbbbbb0000+@lab;zz@x;cccccccc0000*@y");
+    assert_eq!(c[&443].owners().count(), 3, "an unreadable holder still holds: {c:?}");
+    assert_eq!(problems.len(), 3, "{problems:?}");
+}
+
+/// An agent that cannot share reads a shared entry as its first holder's pending claim: it
+/// never hands the number out, and writes the entry back byte for byte. The parser and the
+/// writer it runs are kept here as they are in it.
+#[test]
+fn an_agent_that_cannot_share_keeps_shared_entries() {
+    /// Per number: the owner, and the mark and token of a pending claim.
+    type Unshared = BTreeMap<u16, (String, Option<(char, String)>)>;
+    fn parse_unshared(value: &str) -> Unshared {
+        let mut claims = BTreeMap::new();
+        for item in value.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let Some((number, rest)) = item.split_once('=') else { continue };
+            let Ok(number) = number.trim().parse::<u16>() else { continue };
+            let (owner, state) = match rest.find(['+', '-']) {
+                Some(i) if rest[i..].len() > 1 => {
+                    (&rest[..i], Some((char::from(rest.as_bytes()[i]), rest[i + 1..].to_string())))
+                }
+                _ => (rest, None),
+            };
+            claims.insert(number, (owner.to_ascii_lowercase(), state));
+        }
+        claims
+    }
+    fn format_unshared(claims: &Unshared) -> String {
+        let items: Vec<String> = (claims.iter())
+            .map(|(n, (o, s))| match s {
+                None => format!("{n}={o}"),
+                Some((mark, token)) => format!("{n}={o}{mark}{token}"),
+            })
+            .collect();
+        items.join(",")
+    }
+    let on = |c: Claim, pool: &str| Claim { pool: Some(pool.into()), ..c };
+    for first in
+        [Claim::held(owner('a')), pending('a', State::Adding, "t1"), pending('a', State::Removing, "t1")]
+    {
+        for second in [Claim::held(owner('b')), pending('b', State::Adding, "t2")] {
+            let claims = claims_of([
+                (443, on(first.clone(), "edge")),
+                (443, on(second.clone(), "internal")),
+                (20000, Claim::held(owner('d'))),
+                (20001, pending('e', State::Adding, "t3")),
+            ]);
+            let text = format(&claims);
+            let read = parse_unshared(&text);
+            let (holder, state) = &read[&443];
+            assert_eq!(holder, &owner('a').0, "{text}");
+            assert!(state.as_ref().is_some_and(|(_, t)| !t.is_empty()), "pending, never free: {text}");
+            assert_eq!(format_unshared(&read), text);
+        }
+    }
+    // And what it writes, this agent reads as it meant it.
+    let text = "20000=dddddddd0000,20001=eeeeeeee0000+t3,20002=aaaaaaaa0000-t4";
+    assert_eq!(format_unshared(&parse_unshared(text)), text);
+    assert_eq!(format(&parse(text).0), text);
 }
 
 #[test]
@@ -417,10 +527,7 @@ fn planning() {
             vec![change(&b_new, &[20001])],
             vec![],
             vec![],
-            Some(Claims::from([
-                (20000, Claim::held(owner('a'))),
-                (20001, pending('b', State::Adding, "me")),
-            ])),
+            Some(claims_of([(20000, Claim::held(owner('a'))), (20001, pending('b', State::Adding, "me"))])),
             false,
         ),
         (
@@ -440,7 +547,7 @@ fn planning() {
             vec![change(&a, &[20003])],
             vec![],
             vec![],
-            Some(Claims::from([
+            Some(claims_of([
                 (20000, pending('a', State::Removing, "me")),
                 (20003, pending('a', State::Adding, "me")),
             ])),
@@ -468,7 +575,7 @@ fn planning() {
             vec![],
             vec![owner('d')],
             vec![20005, 20006],
-            Some(Claims::from([(20000, Claim::held(owner('a'))), (20005, Claim::held(owner('a')))])),
+            Some(claims_of([(20000, Claim::held(owner('a'))), (20005, Claim::held(owner('a')))])),
             false,
         ),
         (
@@ -498,7 +605,7 @@ fn planning() {
             vec![],
             vec![],
             vec![],
-            Some(Claims::from([(20000, Claim::held(owner('a')))])),
+            Some(claims_of([(20000, Claim::held(owner('a')))])),
             false,
         ),
         (
@@ -508,16 +615,16 @@ fn planning() {
             vec![change(&a, &[20002])],
             vec![],
             vec![],
-            Some(Claims::from([
-                (20000, Claim::held(owner('b'))),
-                (20002, pending('a', State::Adding, "me")),
-            ])),
+            Some(claims_of([(20000, Claim::held(owner('b'))), (20002, pending('a', State::Adding, "me"))])),
             false,
         ),
     ];
     for (name, reg, holders, changes, gone, expired, want, blocked) in cases {
         let gone: BTreeSet<Owner> = gone.into_iter().collect();
-        let expired: BTreeSet<u16> = expired.into_iter().collect();
+        // Every claim on an expired number.
+        let expired: BTreeSet<ClaimOf> = (expired.into_iter())
+            .flat_map(|n| reg.get(n).into_iter().flat_map(move |h| h.owners().map(move |o| (n, o.clone()))))
+            .collect();
         let scope = ClaimScope::All { expired: &expired };
         let p = plan(&reg, &HeldNumbers::of(&holders), &changes, &t, &gone, scope);
         assert_eq!(p.blocks.get(&2).map(|b| Claims::clone(&b.claims)), want, "{name}");
@@ -541,13 +648,13 @@ fn resolving() {
         removes: vec![20000],
     };
     let pending_claims = || {
-        Claims::from([
+        claims_of([
             (20000, pending('a', State::Removing, "me")),
             (20001, pending('a', State::Adding, "me")),
             (20002, pending('a', State::Adding, "me")),
         ])
     };
-    let held = |ns: &[u16]| ns.iter().map(|n| (*n, Claim::held(owner('a')))).collect::<Claims>();
+    let held = |ns: &[u16]| ns.iter().map(|n| (*n, Claim::held(owner('a')).into())).collect::<Claims>();
     for (outcome, want) in [
         (Outcome::Written, held(&[20001, 20002])),
         (Outcome::Refused, held(&[20000, 20002])),
@@ -561,6 +668,22 @@ fn resolving() {
     let mut c = pending_claims();
     assert!(!resolve(&mut c, &sc, Outcome::Written, &tok("other")));
     assert_eq!(c, pending_claims());
+    // On a shared number only the Service's own claim is settled; the other holder keeps its
+    // place and, left alone, its number the way one holder holds it.
+    let on = |c: Claim, pool: &str| Claim { pool: Some(pool.into()), ..c };
+    let shared = || {
+        claims_of([
+            (20001, on(Claim::held(owner('b')), "edge")),
+            (20001, on(pending('a', State::Adding, "me"), "internal")),
+        ])
+    };
+    let sc = ServiceClaims { owner: owner('a'), adds: vec![(20001, None)], removes: vec![] };
+    let mut c = shared();
+    assert!(resolve(&mut c, &sc, Outcome::Written, &t));
+    assert_eq!(format(&c), "20001=bbbbbbbb0000+@edge;aaaaaaaa0000+@internal");
+    let mut c = shared();
+    assert!(resolve(&mut c, &sc, Outcome::Refused, &t));
+    assert_eq!(format(&c), "20001=bbbbbbbb0000");
 }
 
 #[test]
@@ -583,7 +706,7 @@ fn keeper_knows_deletions_and_waits_out_the_grace() {
     let view = &HeldNumbers::of(std::slice::from_ref(&a));
     assert!(k.expired(&reg, view, None, true, t0).is_empty(), "20001 unresolved since now");
     assert!(k.expired(&reg, view, None, true, t0 + GRACE / 2).is_empty());
-    assert_eq!(k.expired(&reg, view, None, true, t0 + GRACE), BTreeSet::from([20001]));
+    assert_eq!(k.expired(&reg, view, None, true, t0 + GRACE), BTreeSet::from([(20001, owner('a'))]));
     assert!(k.expired(&reg, view, None, false, t0 + GRACE * 2).is_empty(), "watch failing");
     assert!(k.expired(&reg, view, None, true, t0 + GRACE * 2).is_empty(), "and the wait starts over");
 }
@@ -715,10 +838,12 @@ fn looking_again_at_what_changed_is_looking_at_everything() {
                     1 => State::Removing(Token::new("x", 1, 0)),
                     _ => State::Held,
                 };
+                let claims = Arc::make_mut(&mut block.claims);
                 match next(4) {
-                    0 => Arc::make_mut(&mut block.claims).remove(&n),
-                    _ => Arc::make_mut(&mut block.claims).insert(n, Claim { owner, state }),
-                };
+                    0 => drop(claims.remove(&n)),
+                    // A claim added beside another Service's shares the number.
+                    _ => put(claims, n, Claim::new(owner, state)),
+                }
             }
             version += 1;
             block.resource_version = Some(version.to_string());
@@ -735,8 +860,10 @@ fn looking_again_at_what_changed_is_looking_at_everything() {
         assert_eq!(a, b, "step {step}: expired");
         assert_eq!(full.unresolved, incremental.unresolved, "step {step}: unresolved");
         assert_eq!(full.gone(), incremental.gone(), "step {step}: gone");
-        let mut gone_claims: Vec<u16> =
-            reg.iter().filter(|(_, c)| full.gone().contains(&c.owner)).map(|(n, _)| n).collect();
+        let mut gone_claims: Vec<ClaimOf> = (reg.iter())
+            .filter(|(_, c)| full.gone().contains(&c.owner))
+            .map(|(n, c)| (n, c.owner.clone()))
+            .collect();
         gone_claims.sort();
         assert_eq!(incremental.claims_of_gone(), Some(gone_claims), "step {step}: deleted Services' claims");
         full.forget(&reg);
