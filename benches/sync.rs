@@ -443,6 +443,7 @@ fn registry_of(services: &[Arc<Service>], token: &Token) -> Registry {
         &[],
         token,
         &gone,
+        None,
         claims::ClaimScope::All { expired: &expired },
     );
     let stored = |mut block: Block| {

@@ -517,6 +517,7 @@ impl Leader {
                     gone: &gone,
                     gone_claims: None,
                     expired: &expired,
+                    sharing: None,
                 };
                 let plan = plan_round(
                     snap,

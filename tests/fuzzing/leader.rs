@@ -86,6 +86,7 @@ fn plan(services: &[Service], slices: &[EndpointSlice], nodes: &[Value], leases:
         gone: &gone,
         gone_claims: None,
         expired: &expired,
+        sharing: None,
     };
     let mut holders = Holders::default();
     holders.pass(&snap.services, &snap.slices);

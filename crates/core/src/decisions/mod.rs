@@ -1,7 +1,8 @@
 //! What to serve, and where: [`pool`] (node port pools: the `NodePortPool` type, selection,
-//! overlaps), [`servicelb`] (the k3s ServiceLB label rule), [`port_policy`] (node-port ranges and
-//! listeners), [`alloc`] (node-port allocation), [`endpoint_policy`] (which endpoint addresses
-//! may be DNATed to), [`desired`] (one sync's whole decision).
+//! overlaps), [`sharing`] (which Services may hold one number together), [`servicelb`] (the
+//! k3s ServiceLB label rule), [`port_policy`] (node-port ranges and listeners), [`alloc`]
+//! (node-port allocation), [`endpoint_policy`] (which endpoint addresses may be DNATed to),
+//! [`desired`] (one sync's whole decision).
 
 pub mod alloc;
 pub mod desired;
@@ -9,3 +10,4 @@ pub mod endpoint_policy;
 pub mod pool;
 pub mod port_policy;
 pub mod servicelb;
+pub mod sharing;

@@ -47,6 +47,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::jiff::Timestamp;
 
+use crate::decisions::sharing::Sharing;
 use crate::domain::Protocol;
 use crate::domain::ServiceKey;
 use crate::incremental::view::{self, ServiceFacts, SourceView};
@@ -625,19 +626,22 @@ pub enum ClaimScope<'a> {
 /// older keeping a number two hold, claims of deleted Services (`gone`) dropped, and (a whole
 /// round) claims unresolved for [`GRACE`] settled. `held`: the numbers every Service holds as
 /// seen (annotations as stored); `changes`: the annotation writes planned.
+#[allow(clippy::too_many_arguments)]
 pub fn plan(
     registry: &Registry,
     held: &HeldNumbers<'_>,
     changes: &[AnnotationChange<'_>],
     token: &Token,
     gone: &BTreeSet<Owner>,
+    sharing: Option<&Sharing>,
     scope: ClaimScope<'_>,
 ) -> ClaimPlan {
     let next = Overlay { read: registry, changed: BTreeMap::new() };
-    plan_in(next, registry, held, changes, token, gone, scope)
+    plan_in(next, registry, held, changes, token, gone, sharing, scope)
 }
 
 /// [`plan`], with the registry as the round leaves it kept in `next` (starting as `registry`).
+#[allow(clippy::too_many_arguments)]
 fn plan_in<S: ClaimStore>(
     mut next: S,
     registry: &Registry,
@@ -645,9 +649,12 @@ fn plan_in<S: ClaimStore>(
     changes: &[AnnotationChange<'_>],
     token: &Token,
     gone: &BTreeSet<Owner>,
+    sharing: Option<&Sharing>,
     scope: ClaimScope<'_>,
 ) -> ClaimPlan {
     let mut out = ClaimPlan::default();
+    let shares = |a: &Owner, b: &Owner| sharing.is_some_and(|s| s.may_share(a, b));
+    let pool_of = |o: &Owner| sharing.and_then(|s| s.pool(o)).map(str::to_string);
     let by_number = held.by_number();
     let holds =
         |owner: &Owner, n: u16| by_number.get(&n).is_some_and(|hs| hs.iter().any(|h| &h.owner == owner));
@@ -691,12 +698,24 @@ fn plan_in<S: ClaimStore>(
         let keepers: Vec<&Arc<Holder>> =
             hs.iter().filter(|h| changing.get(&h.key).is_none_or(|after| after.contains(n))).collect();
         let Some(oldest) = keepers.first().copied().or_else(|| hs.first()) else { continue };
-        if next.get(*n).is_none() {
-            next.put(*n, Claim::held(oldest.owner.clone()));
+        if next.get(*n).is_some() {
+            continue;
+        }
+        // Younger keepers whose pools are apart from those of every claim so far share it.
+        let mut claimants = vec![&oldest.owner];
+        for h in keepers.iter().filter(|h| h.owner != oldest.owner) {
+            if claimants.iter().all(|o| shares(o, &h.owner)) {
+                claimants.push(&h.owner);
+            }
+        }
+        let shared = claimants.len() > 1;
+        for o in claimants {
+            next.put(*n, Claim { pool: pool_of(o).filter(|_| shared), ..Claim::held(o.clone()) });
         }
     }
-    // The writes: additions pending under our token (only onto a free number or the Service's
-    // own settled claim), removals pending for the numbers it claims.
+    // The writes: additions pending under our token (only onto a free number, the Service's own
+    // settled claim, or beside Services whose pools are apart from its own), removals pending
+    // for the numbers it claims.
     for ch in changes {
         let owner = &ch.holder.owner;
         let before = &ch.holder.numbers;
@@ -708,9 +727,19 @@ fn plan_in<S: ClaimStore>(
             match next.get(*n) {
                 None => sc.adds.push((*n, None)),
                 Some(h) => match h.of(owner) {
-                    Some(c) if h.only(owner) && c.state == State::Held => {
+                    Some(c) if c.state == State::Held => {
                         sc.adds.push((*n, Some(c.clone())));
                         staged.push((*n, Claim { pool: c.pool.clone(), ..adding }));
+                        continue;
+                    }
+                    // Beside the claims of Services whose pools are apart from its own, each
+                    // with its pool recorded.
+                    None if h.owners().all(|o| shares(owner, o)) => {
+                        sc.adds.push((*n, None));
+                        for c in h.iter().filter(|c| c.pool.is_none()) {
+                            staged.push((*n, Claim { pool: pool_of(&c.owner), ..c.clone() }));
+                        }
+                        staged.push((*n, Claim { pool: pool_of(owner), ..adding }));
                         continue;
                     }
                     _ => ok = false,

@@ -382,6 +382,7 @@ impl LeaderState {
             gone: &gone,
             gone_claims: gone_claims.as_deref(),
             expired: &expired,
+            sharing: None,
         };
         let versions = registry.map(RegistryVersions::of);
         let as_left = std::mem::take(&mut self.registry_versions);
@@ -483,6 +484,8 @@ pub struct ClaimInputs<'a> {
     /// ([`claims::Keeper::claims_of_gone`]).
     pub gone_claims: Option<&'a [claims::ClaimOf]>,
     pub expired: &'a std::collections::BTreeSet<claims::ClaimOf>,
+    /// Which Services may hold one number together (`None`: none).
+    pub sharing: Option<&'a crate::decisions::sharing::Sharing>,
 }
 
 /// The leader's decisions for one round, from the caches and the node-port registry alone
@@ -700,7 +703,7 @@ pub fn plan_round(
                 None => claims::ClaimScope::All { expired: registry.expired },
                 Some(numbers) => claims::ClaimScope::Numbers { numbers, gone_claims: registry.gone_claims },
             };
-            claims::plan(r, &held, &changes, registry.token, registry.gone, scope)
+            claims::plan(r, &held, &changes, registry.token, registry.gone, registry.sharing, scope)
         }
         None => claims::ClaimPlan {
             blocked: changes

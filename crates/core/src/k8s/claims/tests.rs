@@ -128,6 +128,7 @@ fn only_changed_claims_are_copied_and_the_plan_is_the_same() {
     };
     let letters = ['a', 'b', 'c', 'd', 'e', 'f'];
     let t = tok("me");
+    let sharing = pools_apart();
     for case in 0..3000 {
         let holders: Vec<Holder> = letters
             .iter()
@@ -163,9 +164,10 @@ fn only_changed_claims_are_copied_and_the_plan_is_the_same() {
             .collect();
         let (held, scope) = (HeldNumbers::of(&holders), ClaimScope::All { expired: &expired });
         let copied = FullCopy(reg.blocks.values().flat_map(|b| Claims::clone(&b.claims)).collect());
+        let sharing = (rng.below(2) == 0).then_some(&sharing);
         assert_eq!(
-            plan(&reg, &held, &changes, &t, &gone, scope),
-            plan_in(copied, &reg, &held, &changes, &t, &gone, scope),
+            plan(&reg, &held, &changes, &t, &gone, sharing, scope),
+            plan_in(copied, &reg, &held, &changes, &t, &gone, sharing, scope),
             "case {case}: registry {reg:?}, holders {holders:?}, gone {gone:?}, expired {expired:?}"
         );
     }
@@ -188,6 +190,7 @@ fn a_number_given_up_without_a_claim_is_not_taken_in_the_same_round() {
         &changes,
         &tok("me"),
         &gone,
+        None,
         ClaimScope::All { expired: &expired },
     );
     assert!(p.blocked.contains(&b.key), "{p:?}");
@@ -203,6 +206,7 @@ fn a_number_given_up_without_a_claim_is_not_taken_in_the_same_round() {
         &changes,
         &tok("me"),
         &gone,
+        None,
         ClaimScope::All { expired: &expired },
     );
     assert!(p.blocked.is_empty() && p.services[&b.key].adds == [(20008, None)], "{p:?}");
@@ -270,6 +274,7 @@ fn a_deleted_block_is_kept_and_written_again() {
         &[],
         &tok("me"),
         &BTreeSet::new(),
+        None,
         ClaimScope::All { expired: &BTreeSet::new() },
     );
     let written = p.blocks.get(&2).expect("the lost block is written again");
@@ -384,6 +389,80 @@ fn an_agent_that_cannot_share_keeps_shared_entries() {
     let text = "20000=dddddddd0000,20001=eeeeeeee0000+t3,20002=aaaaaaaa0000-t4";
     assert_eq!(format_unshared(&parse_unshared(text)), text);
     assert_eq!(format(&parse(text).0), text);
+}
+
+/// Services `a`, `e` on the edge nodes, `b` on the internal nodes, `c` on the nodes with a GPU
+/// (which may be edge or internal ones); `d` and `f` in no pool that shares.
+fn pools_apart() -> Sharing {
+    let selector = |k: &str, v: &str| {
+        let s = k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector {
+            match_labels: Some([(k.to_string(), v.to_string())].into()),
+            ..Default::default()
+        };
+        crate::decisions::pool::Selector::parse(Some(&s)).expect("selector")
+    };
+    let (edge, internal, gpu) =
+        (selector("tier", "edge"), selector("tier", "internal"), selector("gpu", "yes"));
+    let mut sharing = Sharing::of([("edge", &edge), ("internal", &internal), ("gpu", &gpu)]);
+    for (c, pool) in [('a', "edge"), ('e', "edge"), ('b', "internal"), ('c', "gpu")] {
+        sharing.serve(owner(c), pool);
+    }
+    sharing
+}
+
+/// A number is given beside other Services' claims only to a Service whose pool is apart from
+/// each of theirs, with each holder's pool recorded; held again by annotations alone (the
+/// registry lost), the oldest keeps it, and so does each younger one apart from every claim.
+#[test]
+fn shared_numbers_are_planned_for_services_of_pools_apart() {
+    let t = tok("me");
+    let sharing = pools_apart();
+    let none = BTreeSet::new();
+    let a = holder('a', 1, &[443]);
+    let text = |p: &ClaimPlan| p.blocks.get(&0).map(|b| format(&b.claims)).unwrap_or_default();
+    let reg = registry(&[(443, Claim::held(owner('a')))]);
+    let all = ClaimScope::All { expired: &BTreeSet::new() };
+    for (who, sharing, given) in [
+        ('b', Some(&sharing), true),
+        ('c', Some(&sharing), false),
+        ('e', Some(&sharing), false),
+        ('d', Some(&sharing), false),
+        ('b', None, false),
+    ] {
+        let asker = holder(who, 2, &[]);
+        let holders = [a.clone(), asker.clone()];
+        let changes = [change(&asker, &[443])];
+        let p = plan(&reg, &HeldNumbers::of(&holders), &changes, &t, &none, sharing, all);
+        assert_eq!(p.blocked.is_empty(), given, "{who}, sharing {}: {p:?}", sharing.is_some());
+        if given {
+            assert_eq!(text(&p), "443=aaaaaaaa0000+@edge;bbbbbbbb0000+me@internal");
+            assert_eq!(p.services[&asker.key].adds, [(443, None)]);
+        }
+    }
+    // The registry lost: `a`, `b`, `c` and `e` name 443 (oldest first).
+    let holders = [a.clone(), holder('b', 2, &[443]), holder('c', 3, &[443]), holder('e', 4, &[443])];
+    let p = plan(&registry(&[]), &HeldNumbers::of(&holders), &[], &t, &none, Some(&sharing), all);
+    assert_eq!(text(&p), "443=aaaaaaaa0000+@edge;bbbbbbbb0000+@internal");
+    // Giving a shared number up: the claim is removed, and the one left is written as one
+    // Service's again.
+    let shared = registry(&[
+        (443, Claim { pool: Some("edge".into()), ..Claim::held(owner('a')) }),
+        (443, Claim { pool: Some("internal".into()), ..Claim::held(owner('b')) }),
+    ]);
+    let holders = [a.clone(), holder('b', 2, &[443])];
+    let changes = [change(&holders[1], &[])];
+    let p = plan(&shared, &HeldNumbers::of(&holders), &changes, &t, &none, Some(&sharing), all);
+    assert_eq!(text(&p), "443=aaaaaaaa0000+@edge;bbbbbbbb0000-me@internal");
+    let mut claims = Claims::clone(&p.blocks[&0].claims);
+    assert!(resolve(&mut claims, &p.services[&holders[1].key], Outcome::Written, &t));
+    assert_eq!(format(&claims), "443=aaaaaaaa0000");
+    // Each claimant keeps the number; any other Service naming it loses it.
+    let mut holders = vec![a.clone(), holder('b', 2, &[443]), holder('e', 3, &[443])];
+    holders[2].key = ServiceKey::new("other", "e");
+    let held = HeldNumbers::of(&holders);
+    let screen = Screen::of(&held, &shared, &none);
+    let losing: Vec<String> = screen.losing().map(|(k, ns)| format!("{k} {ns:?}")).collect();
+    assert_eq!(losing, ["other/e {443}"]);
 }
 
 #[test]
@@ -626,7 +705,7 @@ fn planning() {
             .flat_map(|n| reg.get(n).into_iter().flat_map(move |h| h.owners().map(move |o| (n, o.clone()))))
             .collect();
         let scope = ClaimScope::All { expired: &expired };
-        let p = plan(&reg, &HeldNumbers::of(&holders), &changes, &t, &gone, scope);
+        let p = plan(&reg, &HeldNumbers::of(&holders), &changes, &t, &gone, None, scope);
         assert_eq!(p.blocks.get(&2).map(|b| Claims::clone(&b.claims)), want, "{name}");
         if let Some(b) = p.blocks.get(&2) {
             assert_eq!(

@@ -180,6 +180,7 @@ fn no_new_number_until_every_running_agent_has_reported_its_listeners() {
             gone: &gone,
             gone_claims: None,
             expired: &expired,
+            sharing: None,
         };
         let mut holders = claims::Holders::default();
         holders.pass(&snap.services, &snap.slices);
