@@ -7,6 +7,11 @@
 //!   carry one service port per protocol, so `53/TCP` and `53/UDP` share one number: a new
 //!   allocation for a port whose sibling (same service port number, other protocol) already has a
 //!   number reuses that number.
+//! - **Shared only where it is asked for, by pools apart** ([`Constraints::sharing`]): a number
+//!   a port asks for (an explicit request, or its pool's `portMode: ServicePort`) or already
+//!   holds may be held beside Services whose pools never serve one node with its own
+//!   ([`crate::decisions::sharing`]); a number the registry records as shared stays so. A new
+//!   number is always one nobody holds.
 //! - **What exists wins.** An allocation that exists — the Service's own
 //!   `nodelb.io/allocated-ports` annotation first (it is what the cluster sees), then `previous`
 //!   (the state file) — is settled before any request: a Service that asks for a number later
@@ -46,6 +51,7 @@ use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::decisions::port_policy::{PortPolicy, PortRange};
+use crate::decisions::sharing::Sharing;
 use crate::domain::{PortId, Protocol, ServiceKey};
 use crate::inputs::model::{LbService, PortRequest};
 
@@ -126,6 +132,8 @@ pub struct Constraints<'a> {
     /// a conflict naming its holder, and no port is given one, exactly as when their holders are
     /// allocated too and keep what exists.
     pub elsewhere: Option<Elsewhere<'a>>,
+    /// Which Services may hold one number together (`None`: none).
+    pub sharing: Option<&'a Sharing>,
 }
 
 /// Numbers held outside an allocation, each with its holder ([`Constraints::elsewhere`]).
@@ -137,37 +145,58 @@ pub struct Elsewhere<'a> {
 }
 
 impl<'a> Elsewhere<'a> {
-    fn holder(&self, number: u16) -> Option<&'a ServiceKey> {
-        self.held.holder(number).filter(|k| !self.except.contains(*k))
+    fn holders(&self, number: u16) -> impl Iterator<Item = &'a ServiceKey> {
+        self.held.holders(number).filter(|k| !self.except.contains(*k))
     }
 }
 
-/// The holder of each number of a decision's allocations (the allocator gives a number to one
-/// Service, whatever the protocols), kept next to them where a scoped pass allocates
-/// (`incremental::book::AllocationBook`).
+/// The holders of each number of a decision's allocations (one Service per number, whatever
+/// the protocols, but where Services of pools apart share it), kept next to them where a
+/// scoped pass allocates (`incremental::book::AllocationBook`).
 #[derive(Debug, Clone, Default)]
-pub struct NumberHolders(foldhash::HashMap<u16, ServiceKey>);
+pub struct NumberHolders {
+    first: foldhash::HashMap<u16, ServiceKey>,
+    /// The further holders of shared numbers (few: a map of them beside one of every number).
+    more: BTreeMap<u16, Vec<ServiceKey>>,
+}
 
 impl NumberHolders {
     pub fn of(allocations: &Allocations) -> NumberHolders {
         let mut out = NumberHolders::default();
         for (key, ports) in allocations {
-            out.0.extend(ports.values().map(|n| (*n, key.clone())));
+            out.add(key, ports);
         }
         out
     }
 
-    pub fn holder(&self, number: u16) -> Option<&ServiceKey> {
-        self.0.get(&number)
+    fn add(&mut self, key: &ServiceKey, ports: &BTreeMap<PortId, u16>) {
+        for n in ports.values() {
+            match self.first.entry(*n) {
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    v.insert(key.clone());
+                }
+                std::collections::hash_map::Entry::Occupied(o) if o.get() == key => {}
+                std::collections::hash_map::Entry::Occupied(_) => {
+                    let more = self.more.entry(*n).or_default();
+                    if !more.contains(key) {
+                        more.push(key.clone());
+                    }
+                }
+            }
+        }
+    }
+
+    pub fn holders(&self, number: u16) -> impl Iterator<Item = &ServiceKey> {
+        self.first.get(&number).into_iter().chain(self.more.get(&number).into_iter().flatten())
     }
 
     /// How many numbers are held.
     pub fn len(&self) -> usize {
-        self.0.len()
+        self.first.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.first.is_empty()
     }
 
     /// `key` held `before` and holds `now`.
@@ -178,11 +207,29 @@ impl NumberHolders {
         now: Option<&BTreeMap<PortId, u16>>,
     ) {
         for n in before.into_iter().flat_map(BTreeMap::values) {
-            if self.0.get(n) == Some(key) {
-                self.0.remove(n);
+            let more = self.more.get_mut(n);
+            let first = self.first.get(n) == Some(key);
+            match more {
+                Some(more) => {
+                    more.retain(|k| k != key);
+                    if first && !more.is_empty() {
+                        self.first.insert(*n, more.remove(0));
+                    } else if first {
+                        self.first.remove(n);
+                    }
+                    if more.is_empty() {
+                        self.more.remove(n);
+                    }
+                }
+                None if first => {
+                    self.first.remove(n);
+                }
+                None => {}
             }
         }
-        self.0.extend(now.into_iter().flat_map(BTreeMap::values).map(|n| (*n, key.clone())));
+        if let Some(now) = now {
+            self.add(key, now);
+        }
     }
 
     /// The numbers held outside `except` ([`Constraints::elsewhere`]).
@@ -271,8 +318,22 @@ impl AllocationResult {
 #[derive(Default)]
 struct Table<'a> {
     owners: BTreeMap<u16, (&'a ServiceKey, u8)>,
-    /// Numbers held outside the allocation: never free, never claimed.
+    /// The further holders of shared numbers.
+    sharers: BTreeMap<u16, Vec<(&'a ServiceKey, u8)>>,
+    /// Numbers held outside the allocation: never free, never claimed (but shared).
     elsewhere: Option<Elsewhere<'a>>,
+    sharing: Option<&'a Sharing>,
+}
+
+/// Whether a claim on a number may go beside other Services' holds of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Share {
+    /// A new number: nobody may hold it.
+    Never,
+    /// A number asked for: beside Services of pools apart from its own.
+    Apart,
+    /// A number held already: also beside those the registry records it with.
+    Kept,
 }
 
 fn protocol_bit(p: Protocol) -> u8 {
@@ -285,26 +346,60 @@ fn protocol_bit(p: Protocol) -> u8 {
 
 impl<'a> Table<'a> {
     /// Takes `number` for `proto` on behalf of `key`, or returns the holder that prevents it.
-    fn claim(&mut self, number: u16, proto: Protocol, key: &'a ServiceKey) -> Result<(), ServiceKey> {
-        if let Some(holder) = self.elsewhere.and_then(|e| e.holder(number)) {
+    fn claim(
+        &mut self,
+        number: u16,
+        proto: Protocol,
+        key: &'a ServiceKey,
+        share: Share,
+    ) -> Result<(), ServiceKey> {
+        let sharing = self.sharing;
+        let beside = |other: &ServiceKey| match (share, sharing) {
+            (Share::Never, _) | (_, None) => false,
+            (Share::Apart, Some(s)) => s.apart(key, other),
+            (Share::Kept, Some(s)) => s.apart(key, other) || s.recorded_together(number, key, other),
+        };
+        if let Some(holder) = self.elsewhere.and_then(|e| e.holders(number).find(|h| !beside(h))) {
             return Err(holder.clone());
         }
         let bit = protocol_bit(proto);
-        match self.owners.get_mut(&number) {
+        let (owner, protos) = match self.owners.get_mut(&number) {
             None => {
                 self.owners.insert(number, (key, bit));
-                Ok(())
+                return Ok(());
             }
-            Some((owner, protos)) if *owner == key && *protos & bit == 0 => {
+            Some(held) => held,
+        };
+        if *owner == key {
+            return if *protos & bit == 0 {
                 *protos |= bit;
                 Ok(())
-            }
-            Some((owner, _)) => Err((*owner).clone()),
+            } else {
+                Err((*owner).clone())
+            };
         }
+        if !beside(owner) {
+            return Err((*owner).clone());
+        }
+        let more = self.sharers.entry(number).or_default();
+        if let Some((_, protos)) = more.iter_mut().find(|(k, _)| *k == key) {
+            return if *protos & bit == 0 {
+                *protos |= bit;
+                Ok(())
+            } else {
+                Err(key.clone())
+            };
+        }
+        if let Some((other, _)) = more.iter().find(|(k, _)| !beside(k)) {
+            return Err((*other).clone());
+        }
+        more.push((key, bit));
+        Ok(())
     }
 
     fn is_free(&self, number: u16) -> bool {
-        !self.owners.contains_key(&number) && self.elsewhere.is_none_or(|e| e.holder(number).is_none())
+        !self.owners.contains_key(&number)
+            && self.elsewhere.is_none_or(|e| e.holders(number).next().is_none())
     }
 }
 
@@ -376,7 +471,8 @@ pub fn allocate_with<S: Borrow<LbService>>(
     constraints: Constraints<'_>,
 ) -> AllocationResult {
     let ordered = age_order(services);
-    let mut table = Table { elsewhere: constraints.elsewhere, ..Table::default() };
+    let mut table =
+        Table { elsewhere: constraints.elsewhere, sharing: constraints.sharing, ..Table::default() };
     let mut result = AllocationResult::default();
     // What each Service holds, and its explicit requests refused in phase 2, by its position in
     // `ordered`: no key is compared or cloned per port. A port is settled when it holds a number
@@ -414,7 +510,7 @@ pub fn allocate_with<S: Borrow<LbService>>(
                     Some(w) => w == number && constraints.allows(&svc.key, w),
                     None => keep && !requested_by_sibling(number),
                 };
-                if usable && table.claim(number, port.id.protocol, &svc.key).is_ok() {
+                if usable && table.claim(number, port.id.protocol, &svc.key, Share::Kept).is_ok() {
                     held[i].insert(port.id, number);
                     break;
                 }
@@ -483,7 +579,7 @@ pub fn allocate_with<S: Borrow<LbService>>(
             } else if let Some(p) = over_quota(&quotas, svc, id, wanted) {
                 Some(p)
             } else {
-                match table.claim(wanted, id.protocol, &svc.key) {
+                match table.claim(wanted, id.protocol, &svc.key, Share::Apart) {
                     Ok(()) => {
                         held[i].insert(id, wanted);
                         quotas.count_one(constraints.pool_of(&svc.key), &svc.key.namespace, wanted);
@@ -519,7 +615,7 @@ pub fn allocate_with<S: Borrow<LbService>>(
             if let Some(number) = sibling
                 && take.iter().any(|r| r.contains(number))
                 && constraints.in_use(port.id.protocol, number).is_none()
-                && table.claim(number, port.id.protocol, &svc.key).is_ok()
+                && table.claim(number, port.id.protocol, &svc.key, Share::Kept).is_ok()
             {
                 held[i].insert(port.id, number);
                 continue;
@@ -545,7 +641,7 @@ pub fn allocate_with<S: Borrow<LbService>>(
                 continue;
             }
             match found {
-                Some(number) if table.claim(number, port.id.protocol, &svc.key).is_ok() => {
+                Some(number) if table.claim(number, port.id.protocol, &svc.key, Share::Never).is_ok() => {
                     held[i].insert(port.id, number);
                     quotas.count_one(pool, &svc.key.namespace, number);
                 }

@@ -648,6 +648,7 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 in_use: Some(&in_use),
                 pools: assignment.as_ref().map(|a| &a.ranges),
                 elsewhere,
+                sharing: None,
             };
             // A Service no pool serves is not allocated (it says why instead).
             let pooled: Vec<&LbService> = match &assignment {

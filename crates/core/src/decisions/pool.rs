@@ -248,6 +248,16 @@ impl Selector {
         Ok(Selector(out))
     }
 
+    /// The selector of `matchLabels` alone.
+    pub fn of_labels(labels: &[(&str, &str)]) -> Selector {
+        Selector(
+            labels
+                .iter()
+                .map(|(k, v)| Requirement::In(k.to_string(), BTreeSet::from([v.to_string()])))
+                .collect(),
+        )
+    }
+
     /// Selects everything (no requirement).
     pub fn is_everything(&self) -> bool {
         self.0.is_empty()

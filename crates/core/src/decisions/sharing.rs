@@ -12,15 +12,21 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::decisions::pool::Selector;
+use crate::domain::ServiceKey;
 use crate::k8s::claims::Owner;
 
 /// The pools whose Services may share numbers, and each such Service's pool.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Sharing {
-    /// Each Service's pool, by its registry owner (Services not listed share nothing).
-    pools: BTreeMap<Owner, String>,
+    /// Each Service's pool (Services not listed share nothing).
+    pools: BTreeMap<ServiceKey, String>,
+    /// The Services of `pools` by their registry owner.
+    keys: BTreeMap<Owner, ServiceKey>,
     /// Pairs of pools that never select one node, each pair both ways.
     disjoint: BTreeSet<(String, String)>,
+    /// Numbers the registry records as shared, with each holder: kept together whatever the
+    /// pools say now (a pool edited to overlap another does not move a serving Service).
+    recorded: BTreeSet<(u16, ServiceKey)>,
 }
 
 impl Sharing {
@@ -36,12 +42,18 @@ impl Sharing {
                 }
             }
         }
-        Sharing { pools: BTreeMap::new(), disjoint }
+        Sharing { disjoint, ..Sharing::default() }
     }
 
-    /// Records that the Service `owner` is served by `pool`.
-    pub fn serve(&mut self, owner: Owner, pool: &str) {
-        self.pools.insert(owner, pool.to_string());
+    /// Records that the Service `key` (registry owner `owner`) is served by `pool`.
+    pub fn serve(&mut self, key: &ServiceKey, owner: Owner, pool: &str) {
+        self.pools.insert(key.clone(), pool.to_string());
+        self.keys.insert(owner, key.clone());
+    }
+
+    /// Records that the registry gives `number` to `key` beside other Services.
+    pub fn record(&mut self, number: u16, key: &ServiceKey) {
+        self.recorded.insert((number, key.clone()));
     }
 
     /// Whether any two pools are apart (else nothing is ever shared).
@@ -51,15 +63,28 @@ impl Sharing {
 
     /// The pool of `owner`'s Service, as recorded beside its claim on a shared number.
     pub fn pool(&self, owner: &Owner) -> Option<&str> {
-        self.pools.get(owner).map(String::as_str)
+        self.pools.get(self.keys.get(owner)?).map(String::as_str)
     }
 
-    /// Whether the Services `a` and `b` may hold one number: their pools never serve one node.
+    /// Whether the Services `a` and `b` (registry owners) may hold one number.
     pub fn may_share(&self, a: &Owner, b: &Owner) -> bool {
+        match (self.keys.get(a), self.keys.get(b)) {
+            (Some(a), Some(b)) => self.apart(a, b),
+            _ => false,
+        }
+    }
+
+    /// Whether the pools of the Services `a` and `b` never serve one node.
+    pub fn apart(&self, a: &ServiceKey, b: &ServiceKey) -> bool {
         match (self.pools.get(a), self.pools.get(b)) {
             (Some(pa), Some(pb)) => self.disjoint.contains(&(pa.clone(), pb.clone())),
             _ => false,
         }
+    }
+
+    /// Whether the registry records `number` as shared by `a` and `b`.
+    pub fn recorded_together(&self, number: u16, a: &ServiceKey, b: &ServiceKey) -> bool {
+        self.recorded.contains(&(number, a.clone())) && self.recorded.contains(&(number, b.clone()))
     }
 }
 

@@ -123,10 +123,10 @@ impl AllocationBook {
             let Some(n) = numbers.pop() else { break };
             if seen.insert(n) {
                 todo.extend(holders(n).into_iter().filter(|k| !scope.contains(*k)).cloned());
-                if let Some(holder) = self.index.as_ref().and_then(|i| i.numbers.holder(n))
-                    && !scope.contains(holder)
-                {
-                    todo.push(holder.clone());
+                for holder in self.index.iter().flat_map(|i| i.numbers.holders(n)) {
+                    if !scope.contains(holder) {
+                        todo.push(holder.clone());
+                    }
                 }
             }
         }

@@ -637,6 +637,7 @@ pub fn plan_round(
         in_use: Some(&in_use),
         pools: assignment.as_ref().map(|a| &a.ranges),
         elsewhere: scope.as_ref().and_then(|keys| memory.book.elsewhere(keys)),
+        sharing: None,
     };
     let mut result = alloc::allocate_with(&cfg.port_range, &all, &Allocations::new(), constraints);
     result.problems.extend(assignment.iter().flat_map(|a| a.problems.iter().cloned()));

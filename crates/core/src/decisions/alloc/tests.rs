@@ -671,6 +671,92 @@ fn a_service_port_pool_serves_each_port_on_its_own_number() {
     );
 }
 
+/// Two ingress controllers on 443, one served by the edge nodes, one by the internal nodes:
+/// both hold it. A pool that may share a node with either does not; a new number is never
+/// shared; a number the registry records as shared stays so after the pools meet; and a scoped
+/// allocation sees every holder of a shared number.
+#[test]
+fn pools_apart_share_the_numbers_their_services_ask_for() {
+    let r = |a: u16, b: u16| PortRange { first: a, last: b };
+    let pool = |name: &str| PoolRanges {
+        pool: name.into(),
+        keep: vec![r(443, 443), r(21000, 21001)],
+        take: vec![r(21000, 21001)],
+        requestable: vec![],
+        per_namespace: None,
+        service_ports: false,
+    };
+    let selector = |k: &str, v: &str| crate::decisions::pool::Selector::of_labels(&[(k, v)]);
+    let (edge, internal, gpu) =
+        (selector("tier", "edge"), selector("tier", "internal"), selector("gpu", "yes"));
+    let mut sharing = Sharing::of([("edge", &edge), ("internal", &internal), ("gpu", &gpu)]);
+    let services = vec![
+        explicit(svc("edge-ingress", Some(1), &[tcp(443), tcp(8080)]), &[(tcp(443), 443)]),
+        explicit(svc("internal-ingress", Some(2), &[tcp(443), tcp(8080)]), &[(tcp(443), 443)]),
+        explicit(svc("gpu-ingress", Some(3), &[tcp(443)]), &[(tcp(443), 443)]),
+    ];
+    let mut pools = BTreeMap::new();
+    for (s, p) in services.iter().zip(["edge", "internal", "gpu"]) {
+        let owner = crate::k8s::claims::Owner::of(&s.key, None);
+        sharing.serve(&s.key, owner, p);
+        pools.insert(s.key.clone(), pool(p));
+    }
+    let c = Constraints { pools: Some(&pools), sharing: Some(&sharing), ..Default::default() };
+    let got = allocate_with(&PortRange::default(), &services, &Allocations::new(), c);
+    let want = allocs(&[
+        ("edge-ingress", &[(tcp(443), 443), (tcp(8080), 21000)]),
+        ("internal-ingress", &[(tcp(443), 443), (tcp(8080), 21001)]),
+    ]);
+    assert_eq!(got.allocations, want, "{:?}", got.problems);
+    let problems: Vec<String> = got.problems.iter().map(|p| p.to_string()).collect();
+    assert_eq!(
+        problems,
+        [
+            "Service default/gpu-ingress: port 443/TCP asks for node port 443, which Service default/edge-ingress holds"
+        ]
+    );
+    // Without sharing, the younger is refused.
+    let c = Constraints { pools: Some(&pools), ..Default::default() };
+    let got = allocate_with(&PortRange::default(), &services, &Allocations::new(), c);
+    assert!(!got.allocations[&key("internal-ingress")].contains_key(&tcp(443)));
+    // The gpu pool held 443 beside the edge one (the registry says so): kept, though the pools
+    // may meet on a node now; a new request for it is still refused.
+    let held = [
+        annotated(services[0].clone(), &[(tcp(443), 443)]),
+        annotated(services[2].clone(), &[(tcp(443), 443)]),
+        services[1].clone(),
+    ];
+    sharing.record(443, &key("edge-ingress"));
+    sharing.record(443, &key("gpu-ingress"));
+    let c = Constraints { pools: Some(&pools), sharing: Some(&sharing), ..Default::default() };
+    let got = allocate_with(&PortRange::default(), &held, &Allocations::new(), c);
+    assert_eq!(got.allocations[&key("gpu-ingress")][&tcp(443)], 443);
+    assert!(!got.allocations[&key("internal-ingress")].contains_key(&tcp(443)), "gpu may meet internal");
+    // Scoped: the two holders are elsewhere; a Service of the internal pool may not join them
+    // (the gpu one may meet it), and a number both hold is never a new one.
+    let decided = got.allocations.clone();
+    let holders = NumberHolders::of(&decided);
+    assert_eq!(holders.holders(443).count(), 2);
+    let except: foldhash::HashSet<ServiceKey> = [key("internal-ingress")].into_iter().collect();
+    let scoped = [services[1].clone()];
+    let c = Constraints {
+        pools: Some(&pools),
+        sharing: Some(&sharing),
+        elsewhere: Some(holders.elsewhere(&except)),
+        ..Default::default()
+    };
+    let got = allocate_with(&PortRange::default(), &scoped, &Allocations::new(), c);
+    assert!(!got.allocations.get(&key("internal-ingress")).is_some_and(|m| m.contains_key(&tcp(443))));
+    assert_eq!(got.allocations[&key("internal-ingress")][&tcp(8080)], 21001, "21000 is edge's");
+    // Holders come and go.
+    let mut holders = holders;
+    holders.update(&key("edge-ingress"), decided.get(&key("edge-ingress")), None);
+    assert_eq!(holders.holders(443).cloned().collect::<Vec<_>>(), [key("gpu-ingress")]);
+    holders.update(&key("gpu-ingress"), decided.get(&key("gpu-ingress")), None);
+    assert_eq!(holders.holders(443).count(), 0);
+    assert_eq!(holders.len(), 1, "internal-ingress's 21001");
+}
+
 #[test]
 fn moved_ports_are_the_numbers_that_changed() {
     let key = |n: &str| ServiceKey::new("default", n);

@@ -1,25 +1,18 @@
 use super::*;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
-
-fn selector(labels: &[(&str, &str)]) -> Selector {
-    let s = LabelSelector {
-        match_labels: Some(labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()),
-        ..Default::default()
-    };
-    Selector::parse(Some(&s)).expect("selector")
-}
 
 #[test]
 fn only_services_of_pools_apart_share() {
-    let (edge, internal, gpu) =
-        (selector(&[("tier", "edge")]), selector(&[("tier", "internal")]), selector(&[("gpu", "yes")]));
+    let (edge, internal, gpu) = (
+        Selector::of_labels(&[("tier", "edge")]),
+        Selector::of_labels(&[("tier", "internal")]),
+        Selector::of_labels(&[("gpu", "yes")]),
+    );
     let mut s = Sharing::of([("edge", &edge), ("internal", &internal), ("gpu", &gpu), ("edge2", &edge)]);
     let o = |c: char| Owner(c.to_string().repeat(12));
-    s.serve(o('a'), "edge");
-    s.serve(o('b'), "internal");
-    s.serve(o('c'), "gpu");
-    s.serve(o('d'), "edge2");
-    s.serve(o('e'), "edge");
+    let k = |c: char| ServiceKey::new("default", c.to_string());
+    for (c, pool) in [('a', "edge"), ('b', "internal"), ('c', "gpu"), ('d', "edge2"), ('e', "edge")] {
+        s.serve(&k(c), o(c), pool);
+    }
     assert!(s.may_share(&o('a'), &o('b')) && s.may_share(&o('b'), &o('a')), "edge and internal");
     assert!(s.may_share(&o('d'), &o('b')), "another pool on the edge nodes");
     assert!(!s.may_share(&o('a'), &o('c')), "a gpu node may be an edge node");
@@ -27,4 +20,8 @@ fn only_services_of_pools_apart_share() {
     assert!(!s.may_share(&o('a'), &o('e')), "one pool");
     assert!(!s.may_share(&o('a'), &o('f')), "a Service of no known pool");
     assert_eq!(s.pool(&o('b')), Some("internal"));
+    assert!(s.apart(&k('a'), &k('b')) && !s.apart(&k('a'), &k('c')));
+    s.record(443, &k('a'));
+    s.record(443, &k('c'));
+    assert!(s.recorded_together(443, &k('a'), &k('c')) && !s.recorded_together(443, &k('a'), &k('b')));
 }

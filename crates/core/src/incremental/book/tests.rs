@@ -87,8 +87,8 @@ fn a_patch_replaces_the_scope_only() {
     book.patch(&scope, [(key("c"), ports(&[20002]))].into(), Default::default());
     assert_eq!(book.allocations().keys().map(|k| k.name.to_string()).collect::<Vec<_>>(), ["a", "c"]);
     let numbers = &book.index.as_ref().expect("allocating").numbers;
-    assert_eq!(numbers.holder(20002), Some(&key("c")));
-    assert_eq!(numbers.holder(20001), Some(&key("a")));
+    assert_eq!(numbers.holders(20002).next(), Some(&key("c")));
+    assert_eq!(numbers.holders(20001).next(), Some(&key("a")));
     assert!(!book.is_unsettled(&key("b")));
     let none: foldhash::HashSet<ServiceKey> = Default::default();
     let elsewhere = book.elsewhere(&none).expect("allocating");

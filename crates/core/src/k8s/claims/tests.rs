@@ -394,18 +394,12 @@ fn an_agent_that_cannot_share_keeps_shared_entries() {
 /// Services `a`, `e` on the edge nodes, `b` on the internal nodes, `c` on the nodes with a GPU
 /// (which may be edge or internal ones); `d` and `f` in no pool that shares.
 fn pools_apart() -> Sharing {
-    let selector = |k: &str, v: &str| {
-        let s = k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector {
-            match_labels: Some([(k.to_string(), v.to_string())].into()),
-            ..Default::default()
-        };
-        crate::decisions::pool::Selector::parse(Some(&s)).expect("selector")
-    };
+    let selector = |k: &str, v: &str| crate::decisions::pool::Selector::of_labels(&[(k, v)]);
     let (edge, internal, gpu) =
         (selector("tier", "edge"), selector("tier", "internal"), selector("gpu", "yes"));
     let mut sharing = Sharing::of([("edge", &edge), ("internal", &internal), ("gpu", &gpu)]);
     for (c, pool) in [('a', "edge"), ('e', "edge"), ('b', "internal"), ('c', "gpu")] {
-        sharing.serve(owner(c), pool);
+        sharing.serve(&ServiceKey::new("default", c.to_string()), owner(c), pool);
     }
     sharing
 }
