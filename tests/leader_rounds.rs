@@ -517,7 +517,6 @@ impl Leader {
                     gone: &gone,
                     gone_claims: None,
                     expired: &expired,
-                    sharing: None,
                 };
                 let plan = plan_round(
                     snap,

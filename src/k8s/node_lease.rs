@@ -185,6 +185,7 @@ async fn node_lease(
         let mut annotations = BTreeMap::from([
             (ANNOTATION_FAMILIES.to_string(), value.clone()),
             (cluster_view::ANNOTATION_REPORT.to_string(), report.to_annotation()),
+            (nodes::ANNOTATION_REGISTRY_FORMAT.to_string(), nodes::REGISTRY_FORMAT.to_string()),
         ]);
         // Not read yet: what the Lease says stays (an agent restarting keeps the listeners its
         // predecessor published; a new Lease has none, and the leader waits for them).

@@ -86,7 +86,6 @@ fn plan(services: &[Service], slices: &[EndpointSlice], nodes: &[Value], leases:
         gone: &gone,
         gone_claims: None,
         expired: &expired,
-        sharing: None,
     };
     let mut holders = Holders::default();
     holders.pass(&snap.services, &snap.slices);

@@ -635,6 +635,9 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     let assignment =
         pools.map(|c| crate::decisions::pool::assign_services(c, services, &out.services, inputs.previous));
     let mut not_recorded = Vec::new();
+    // Whether some number is held by several Services (of pools apart): then this node keeps
+    // one per number (below).
+    let shared = std::cell::Cell::new(false);
     let (allocations, alloc_problems, duplicates) = match inputs.mode {
         AllocationMode::Allocate => {
             let in_use: BTreeMap<(crate::domain::Protocol, u16), String> = inputs
@@ -666,9 +669,15 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             let (allocations, duplicates) = match inputs.registry {
                 Some(registry) => {
                     let recorded = recorded(&out.services, registry, &mut not_recorded);
-                    crate::k8s::dupes::settle(&recorded)
+                    // A number the registry gives to several Services stays each one's.
+                    let together = |n: u16, _: &ServiceKey, _: &ServiceKey| {
+                        let together = registry.get(n).is_some_and(|h| h.iter().nth(1).is_some());
+                        shared.set(shared.get() || together);
+                        together
+                    };
+                    crate::k8s::dupes::settle(&recorded, Some(&together))
                 }
-                None => crate::k8s::dupes::settle(&out.services),
+                None => crate::k8s::dupes::settle(&out.services, None),
             };
             (allocations, vec![], duplicates)
         }
@@ -731,6 +740,22 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 }
             }
         });
+    }
+
+    if let (true, Some(registry)) = (shared.get(), inputs.registry) {
+        // Of the holders this node would serve a number for, the one whose pool is the one the
+        // registry recorded for it, then the first the registry names.
+        let rank = |n: u16, key: &ServiceKey| -> (bool, usize) {
+            let uid = out.services.iter().find(|s| &s.key == key).and_then(|s| s.uid.as_deref());
+            let owner = Owner::of(key, uid);
+            let pool = assignment.as_ref().and_then(|a| a.ranges.get(key)).map(|r| r.pool.as_str());
+            let claims = registry.get(n).into_iter().flat_map(|h| h.iter());
+            match claims.enumerate().find(|(_, c)| c.owner == owner) {
+                Some((i, c)) => (c.pool.as_deref() != pool, i),
+                None => (true, usize::MAX),
+            }
+        };
+        one_per_number(&mut programmed, &mut refused_ports, rank);
     }
 
     let empty = BTreeMap::new();
@@ -829,6 +854,39 @@ fn recorded(
             Arc::new(copy)
         })
         .collect()
+}
+
+/// One Service per number on this node. Services of pools apart hold a number together and a
+/// node serves one of them; where both pools serve this node (one was edited to meet the
+/// other), the first by `rank` (then namespace/name) keeps it, and the others' ports on it are
+/// refused here ([`PortRefusal::Shared`]).
+fn one_per_number(
+    programmed: &mut Allocations,
+    refused: &mut Vec<RefusedPort>,
+    rank: impl Fn(u16, &ServiceKey) -> (bool, usize),
+) {
+    let mut by_number: BTreeMap<u16, BTreeSet<&ServiceKey>> = BTreeMap::new();
+    for (key, ports) in programmed.iter() {
+        for n in ports.values() {
+            by_number.entry(*n).or_default().insert(key);
+        }
+    }
+    let mut losing: Vec<(ServiceKey, u16)> = Vec::new();
+    for (n, keys) in by_number.iter().filter(|(_, keys)| keys.len() > 1) {
+        let keeper = keys.iter().min_by_key(|k| (rank(*n, k), **k));
+        losing.extend(keys.iter().filter(|k| Some(*k) != keeper).map(|k| ((*k).clone(), *n)));
+    }
+    for (key, n) in losing {
+        let Some(ports) = programmed.get_mut(&key) else { continue };
+        ports.retain(|port, number| {
+            let keep = *number != n;
+            if !keep {
+                let reason = PortRefusal::Shared;
+                refused.push(RefusedPort { service: key.clone(), port: *port, node_port: n, reason });
+            }
+            keep
+        });
+    }
 }
 
 /// The port policy of a Service's pool on this node (its ranges, plus its `requestablePorts`) and,
@@ -1185,6 +1243,84 @@ mod tests {
         assert!(reason.contains("gives it to another Service") && !reason.contains("holder"), "{reason}");
         assert!(
             line("unclaimed").reason.as_deref().unwrap_or_default().contains("not in the node-port registry")
+        );
+    }
+
+    /// Two Services hold 443 together (the registry says so), one of the edge pool, one of the
+    /// internal pool: a node serves the one whose pool selects it. Where both pools select it
+    /// (the internal pool edited to select every node), the holder whose pool is the one the
+    /// registry recorded, then the first recorded, keeps it; the other is refused here.
+    #[test]
+    fn a_number_two_pools_share_is_served_by_each_on_its_own_nodes() {
+        use crate::k8s::claims::Claim;
+        let svc = |name: &str, uid: &str| -> Service {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name, "namespace": "ingress", "uid": uid,
+                             "creationTimestamp": "2024-01-01T00:00:00Z",
+                             "annotations": {model::ANNOTATION_ALLOCATED: "443/TCP=443", "nodelb.io/pool": name}},
+                "spec": {"type": "LoadBalancer", "ports": [{"port": 443}]}
+            }))
+            .expect("service")
+        };
+        let services = [svc("edge", "aaaaaaaa-0000"), svc("internal", "bbbbbbbb-0000")];
+        let pool = |name: &str, tier: Option<&str>| {
+            let mut spec =
+                serde_json::json!({"portMode": "ServicePort", "ports": [{"start": 443, "end": 443}]});
+            if let Some(tier) = tier {
+                spec["nodeSelector"] = serde_json::json!({"matchLabels": {"tier": tier}});
+            }
+            let spec = serde_json::from_value(spec).expect("spec");
+            crate::decisions::pool::validate(name, None, None, &spec).expect("valid")
+        };
+        let on = |c: Claim, pool: &str| Claim { pool: Some(pool.into()), ..c };
+        let mut registry = Registry::default();
+        let mut shared = Claim::held(Owner::of_uid("aaaaaaaa-0000")).into();
+        crate::k8s::claims::Holds::put(&mut shared, on(Claim::held(Owner::of_uid("aaaaaaaa-0000")), "edge"));
+        crate::k8s::claims::Holds::put(
+            &mut shared,
+            on(Claim::held(Owner::of_uid("bbbbbbbb-0000")), "internal"),
+        );
+        Arc::make_mut(&mut registry.blocks.entry(0).or_default().claims).insert(443, shared);
+        let range = PortRange::new(20000, 20010).expect("range");
+        let run = |tier: &str, internal_everywhere: bool| {
+            let internal = pool("internal", (!internal_everywhere).then_some("internal"));
+            let ctx = PoolContext {
+                set: crate::decisions::pool::PoolSet::resolve(
+                    vec![pool("edge", Some("edge")), internal],
+                    true,
+                    range,
+                    &[],
+                ),
+                namespaces: BTreeMap::new(),
+                node_labels: [("tier".to_string(), tier.to_string())].into(),
+                servicelb: false,
+            };
+            let d = compute_recorded(AllocationMode::Annotated, &services, Some(&ctx), Some(&registry));
+            assert!(d.warnings.is_empty(), "no duplicate: {:?}", d.warnings);
+            let programmed: Vec<String> = (d.services.iter())
+                .flat_map(|s| s.ports.iter().map(move |p| (s, p)))
+                .filter(|(_, p)| p.problem.is_none())
+                .map(|(s, p)| format!("{}/{}={}", s.namespace, s.name, p.node_port.unwrap_or_default()))
+                .collect();
+            let refused: Vec<String> = d
+                .refused_ports
+                .iter()
+                .map(|r| format!("{}={} {}", r.service, r.node_port, r.reason.code()))
+                .collect();
+            (programmed, refused)
+        };
+        assert_eq!(
+            run("edge", false),
+            (vec!["ingress/edge=443".into()], vec!["ingress/internal=443 not_selected".into()])
+        );
+        assert_eq!(
+            run("internal", false),
+            (vec!["ingress/internal=443".into()], vec!["ingress/edge=443 not_selected".into()])
+        );
+        assert_eq!(
+            run("edge", true),
+            (vec!["ingress/edge=443".into()], vec!["ingress/internal=443 number_shared".into()]),
+            "the pools meet on this node"
         );
     }
 

@@ -304,6 +304,9 @@ pub enum PortRefusal {
     /// The node-port registry does not give the number to this Service (Kubernetes mode): its
     /// annotation names a number another Service holds (`true`) or one not claimed yet.
     NotRecorded { another: bool },
+    /// Services of two pools hold the number together and both pools serve this node (one was
+    /// edited to meet the other): another of them keeps it here.
+    Shared,
 }
 
 impl PortRefusal {
@@ -314,6 +317,7 @@ impl PortRefusal {
             PortRefusal::InUse(_) => "in_use",
             PortRefusal::NotSelected(_) => "not_selected",
             PortRefusal::NotRecorded { .. } => "not_recorded",
+            PortRefusal::Shared => "number_shared",
         }
     }
 }
@@ -330,6 +334,9 @@ impl fmt::Display for PortRefusal {
             PortRefusal::NotRecorded { another: false } => {
                 f.write_str("not in the node-port registry yet (the leader claims a number before it writes it)")
             }
+            PortRefusal::Shared => f.write_str(
+                "a Service of another pool holds this number too and keeps it on this node (pools that share a number must not both select a node)",
+            ),
         }
     }
 }

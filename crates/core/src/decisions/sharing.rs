@@ -27,6 +27,8 @@ pub struct Sharing {
     /// Numbers the registry records as shared, with each holder: kept together whatever the
     /// pools say now (a pool edited to overlap another does not move a serving Service).
     recorded: BTreeSet<(u16, ServiceKey)>,
+    /// Only what is recorded stays shared: nothing new is ([`Sharing::only_recorded`]).
+    closed: bool,
 }
 
 impl Sharing {
@@ -61,6 +63,17 @@ impl Sharing {
         self.disjoint.is_empty()
     }
 
+    /// Whether `pool` is apart from another pool (its Services may share).
+    pub fn shares(&self, pool: &str) -> bool {
+        self.disjoint.range((pool.to_string(), String::new())..).next().is_some_and(|(a, _)| a == pool)
+    }
+
+    /// Nothing new is shared, only what the registry records stays so (an agent that cannot
+    /// read shared numbers runs).
+    pub fn only_recorded(&mut self) {
+        self.closed = true;
+    }
+
     /// The pool of `owner`'s Service, as recorded beside its claim on a shared number.
     pub fn pool(&self, owner: &Owner) -> Option<&str> {
         self.pools.get(self.keys.get(owner)?).map(String::as_str)
@@ -74,8 +87,12 @@ impl Sharing {
         }
     }
 
-    /// Whether the pools of the Services `a` and `b` never serve one node.
+    /// Whether the pools of the Services `a` and `b` never serve one node (and new numbers may
+    /// be shared).
     pub fn apart(&self, a: &ServiceKey, b: &ServiceKey) -> bool {
+        if self.closed {
+            return false;
+        }
         match (self.pools.get(a), self.pools.get(b)) {
             (Some(pa), Some(pb)) => self.disjoint.contains(&(pa.clone(), pb.clone())),
             _ => false,

@@ -60,9 +60,17 @@ impl Duplicate {
     }
 }
 
+/// Whether two Services may both hold one number (the number, then the two Services): those
+/// the registry gives it to together, or whose pools are apart ([`crate::decisions::sharing`]).
+pub type Together<'a> = &'a dyn Fn(u16, &ServiceKey, &ServiceKey) -> bool;
+
 /// The annotated allocations with every duplicate settled, and the duplicates found (sorted).
-/// Services are one per key (the model refuses a second object with a key).
-pub fn settle<S: Borrow<LbService>>(services: &[S]) -> (Allocations, Vec<Duplicate>) {
+/// Services are one per key (the model refuses a second object with a key). `together`: which
+/// Services are not duplicates of each other on a number (`None`: none).
+pub fn settle<S: Borrow<LbService>>(
+    services: &[S],
+    together: Option<Together<'_>>,
+) -> (Allocations, Vec<Duplicate>) {
     if !any_duplicate(services) {
         let kept = services
             .iter()
@@ -72,14 +80,14 @@ pub fn settle<S: Borrow<LbService>>(services: &[S]) -> (Allocations, Vec<Duplica
             .collect();
         return (kept, Vec::new());
     }
-    settle_in_age_order(services)
+    settle_in_age_order(services, together)
 }
 
 /// The duplicates of [`settle`] alone (the leader's round: it allocates from the annotations
 /// itself).
-pub fn duplicates<S: Borrow<LbService>>(services: &[S]) -> Vec<Duplicate> {
+pub fn duplicates<S: Borrow<LbService>>(services: &[S], together: Option<Together<'_>>) -> Vec<Duplicate> {
     match any_duplicate(services) {
-        true => settle_in_age_order(services).1,
+        true => settle_in_age_order(services, together).1,
         false => Vec::new(),
     }
 }
@@ -97,29 +105,39 @@ fn any_duplicate<S: Borrow<LbService>>(services: &[S]) -> bool {
 }
 
 /// [`settle`] the long way: every Service oldest first, each number to its first claimant.
-fn settle_in_age_order<S: Borrow<LbService>>(services: &[S]) -> (Allocations, Vec<Duplicate>) {
-    let mut owners: BTreeMap<u16, (ServiceKey, BTreeSet<Protocol>)> = BTreeMap::new();
+fn settle_in_age_order<S: Borrow<LbService>>(
+    services: &[S],
+    together: Option<Together<'_>>,
+) -> (Allocations, Vec<Duplicate>) {
+    // Each number's holders so far, with the protocols each holds it for.
+    let mut owners: BTreeMap<u16, Vec<(ServiceKey, BTreeSet<Protocol>)>> = BTreeMap::new();
     let mut kept = Allocations::new();
     let mut dups = Vec::new();
     // Oldest first, the allocator's order.
     for svc in crate::decisions::alloc::age_order(services) {
         for (port, number) in &svc.previous_allocation {
-            match owners.get_mut(number) {
+            let holders = owners.entry(*number).or_default();
+            let blocker = match holders.iter_mut().find(|(k, _)| *k == svc.key) {
+                Some((_, protos)) => (!protos.insert(port.protocol)).then(|| svc.key.clone()),
                 None => {
-                    owners.insert(*number, (svc.key.clone(), BTreeSet::from([port.protocol])));
+                    let apart = |(k, _): &&(ServiceKey, BTreeSet<Protocol>)| {
+                        !together.is_some_and(|t| t(*number, k, &svc.key))
+                    };
+                    let blocker = holders.iter().find(apart).map(|(k, _)| k.clone());
+                    if blocker.is_none() {
+                        holders.push((svc.key.clone(), BTreeSet::from([port.protocol])));
+                    }
+                    blocker
                 }
-                Some((owner, protos)) if *owner == svc.key && !protos.contains(&port.protocol) => {
-                    protos.insert(port.protocol);
-                }
-                Some((owner, _)) => {
-                    dups.push(Duplicate {
-                        node_port: *number,
-                        keeper: owner.clone(),
-                        loser: svc.key.clone(),
-                        loser_port: *port,
-                    });
-                    continue;
-                }
+            };
+            if let Some(keeper) = blocker {
+                dups.push(Duplicate {
+                    node_port: *number,
+                    keeper,
+                    loser: svc.key.clone(),
+                    loser_port: *port,
+                });
+                continue;
             }
             kept.entry(svc.key.clone()).or_default().insert(*port, *number);
         }
@@ -222,7 +240,7 @@ mod tests {
             },
         ];
         for c in cases {
-            let (kept, dups) = settle(&c.services);
+            let (kept, dups) = settle(&c.services, None);
             let want: Allocations =
                 c.kept.into_iter().map(|(n, m)| (key(n), m.into_iter().collect())).collect();
             assert_eq!(kept, want, "{}", c.name);
@@ -237,8 +255,31 @@ mod tests {
                 })
                 .collect();
             assert_eq!(dups, want, "{}", c.name);
-            assert_eq!(duplicates(&c.services), want, "{}: duplicates alone", c.name);
+            assert_eq!(duplicates(&c.services, None), want, "{}: duplicates alone", c.name);
         }
+    }
+
+    /// Services that hold a number together (the registry gives it to both) are no duplicates
+    /// of each other; a third that does not go with each of them is.
+    #[test]
+    fn services_together_on_a_number_keep_it() {
+        let tcp = PortId::tcp;
+        let services = vec![
+            svc("edge", Some(1), &[(tcp(443), 443)]),
+            svc("internal", Some(2), &[(tcp(443), 443)]),
+            svc("gpu", Some(3), &[(tcp(443), 443)]),
+        ];
+        let together = |_: u16, a: &ServiceKey, b: &ServiceKey| {
+            let pair = [a.name.to_string(), b.name.to_string()];
+            pair.contains(&"edge".to_string()) && !pair.contains(&"internal".to_string())
+                || pair.contains(&"internal".to_string()) && pair.contains(&"edge".to_string())
+        };
+        let (kept, dups) = settle(&services, Some(&together));
+        assert_eq!(kept.keys().map(|k| k.name.to_string()).collect::<Vec<_>>(), ["edge", "internal"]);
+        let want =
+            Duplicate { node_port: 443, keeper: key("internal"), loser: key("gpu"), loser_port: tcp(443) };
+        assert_eq!(dups, [want], "gpu goes with edge, not with internal");
+        assert_eq!(settle(&services, None).0.len(), 1);
     }
 
     /// The shortcut (no number annotated twice) gives what the long way gives, on random
@@ -265,9 +306,9 @@ mod tests {
                     svc(&format!("s{i}"), (next(4) > 0).then(|| next(60) as u32), &ports)
                 })
                 .collect();
-            let long = settle_in_age_order(&services);
-            assert_eq!(settle(&services), long, "{services:?}");
-            assert_eq!(duplicates(&services), long.1, "{services:?}");
+            let long = settle_in_age_order(&services, None);
+            assert_eq!(settle(&services, None), long, "{services:?}");
+            assert_eq!(duplicates(&services, None), long.1, "{services:?}");
             if long.1.is_empty() { without += 1 } else { with += 1 }
         }
         assert!(with > 300 && without > 300, "both kinds of input: {with} with, {without} without");

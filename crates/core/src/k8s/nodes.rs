@@ -55,6 +55,14 @@ pub const LABEL_NODE_LEASE: &str = "nodelb.io/node-lease";
 /// start), comma-separated. No node DNATs to them ([`crate::decisions::endpoint_policy`]): the Node object
 /// lists only some of a node's addresses.
 pub const ANNOTATION_ADDRESSES: &str = "nodelb.io/addresses";
+/// Annotation on a node Lease: the forms of the node-port registry its agent reads
+/// ([`REGISTRY_FORMAT`]). A leader writes a number with several holders only while every
+/// running agent reads them ([`registry_format_unread`]): an agent that cannot would serve
+/// only its first holder, and as leader would keep only that one.
+pub const ANNOTATION_REGISTRY_FORMAT: &str = "nodelb.io/registry-format";
+/// What this agent writes in [`ANNOTATION_REGISTRY_FORMAT`]: numbers with several holders.
+pub const REGISTRY_FORMAT: &str = "shared";
+
 /// Most addresses [`ANNOTATION_ADDRESSES`] holds (written or read).
 pub const MAX_PUBLISHED_ADDRESSES: usize = 256;
 /// The Service whose EndpointSlice names the API server's endpoints.
@@ -266,6 +274,22 @@ pub fn listeners_unreported<L: Borrow<Lease>>(leases: &[L], now: Option<Timestam
         .map(Borrow::borrow)
         .filter(|l| lease_fresh(l, now) == Some(true) && !reported(l))
         .filter_map(|l| node(l).map(str::to_string))
+        .collect();
+    out.sort();
+    out
+}
+
+/// The nodes whose agent runs (its per-node Lease is fresh at `now`) but does not say it reads
+/// numbers with several holders ([`ANNOTATION_REGISTRY_FORMAT`]): an agent of an older version.
+/// Sorted.
+pub fn registry_format_unread<L: Borrow<Lease>>(leases: &[L], now: Option<Timestamp>) -> Vec<String> {
+    let reads = |l: &Lease| {
+        let value = l.metadata.annotations.as_ref().and_then(|a| a.get(ANNOTATION_REGISTRY_FORMAT));
+        value.is_some_and(|v| v.split(',').any(|f| f.trim() == REGISTRY_FORMAT))
+    };
+    let mut out: Vec<String> = (leases.iter().map(Borrow::borrow))
+        .filter(|l| lease_fresh(l, now) == Some(true) && !reads(l))
+        .filter_map(|l| l.metadata.name.as_deref()?.strip_prefix(NODE_LEASE_PREFIX).map(str::to_string))
         .collect();
     out.sort();
     out

@@ -30,6 +30,7 @@ use super::lastgood::LastGoodServices;
 use super::nodes;
 use super::publish::{self, Round, ServiceWrite};
 use super::snapshot::{Journal, KubeSnapshot};
+use crate::decisions::sharing::Sharing;
 
 #[derive(Debug, Clone)]
 pub struct ControllerConfig {
@@ -60,6 +61,9 @@ pub struct LeaseView {
     unreported: Vec<String>,
     published: BTreeMap<String, nodes::PoolSelections>,
     refusals: super::cluster_view::Refusals,
+    /// Nodes whose agent cannot read numbers with several holders
+    /// ([`nodes::registry_format_unread`]): while there is one, nothing new is shared.
+    unshared: Vec<String>,
 }
 
 impl LeaseView {
@@ -75,6 +79,29 @@ impl LeaseView {
             unreported: nodes::listeners_unreported(leases, leases_now),
             published: nodes::published_pool_addresses(leases).0,
             refusals: super::cluster_view::refusals(leases),
+            unshared: nodes::registry_format_unread(leases, leases_now),
+        }
+    }
+}
+
+/// Each Service of a pool that may share numbers, with its pool, and each number the registry
+/// gives it beside other Services.
+fn sharing_of_services(
+    sharing: &mut Sharing,
+    assignment: &crate::decisions::pool::Assignment,
+    services: &[Arc<model::LbService>],
+    registry: Option<&claims::Registry>,
+) {
+    for s in services {
+        let owner = claims::Owner::of(&s.key, s.uid.as_deref());
+        for n in s.previous_allocation.values() {
+            let shared = registry.and_then(|r| r.get(*n)).filter(|h| h.iter().nth(1).is_some());
+            if shared.is_some_and(|h| h.of(&owner).is_some()) {
+                sharing.record(*n, &s.key);
+            }
+        }
+        if let Some(pool) = assignment.ranges.get(&s.key).filter(|p| sharing.shares(&p.pool)) {
+            sharing.serve(&s.key, owner, &pool.pool);
         }
     }
 }
@@ -382,7 +409,6 @@ impl LeaderState {
             gone: &gone,
             gone_claims: gone_claims.as_deref(),
             expired: &expired,
-            sharing: None,
         };
         let versions = registry.map(RegistryVersions::of);
         let as_left = std::mem::take(&mut self.registry_versions);
@@ -484,8 +510,6 @@ pub struct ClaimInputs<'a> {
     /// ([`claims::Keeper::claims_of_gone`]).
     pub gone_claims: Option<&'a [claims::ClaimOf]>,
     pub expired: &'a std::collections::BTreeSet<claims::ClaimOf>,
-    /// Which Services may hold one number together (`None`: none).
-    pub sharing: Option<&'a crate::decisions::sharing::Sharing>,
 }
 
 /// The leader's decisions for one round, from the caches and the node-port registry alone
@@ -543,19 +567,35 @@ pub fn plan_round(
     memory.shared = Some(shared);
     // What processes listen on, on any node (`listening`): never handed out, and a request for
     // it is refused. Each node refuses locally anyway, whatever is decided here.
-    let LeaseView { serving, listening, unreported, published, refusals } = leases;
+    let LeaseView { serving, listening, unreported, published, refusals, unshared } = leases;
+    // Which Services may hold one number together: those of pools apart, while every running
+    // agent reads such numbers (else only what the registry records as shared stays so). A
+    // round is then whole: a scope would not see every holder's pool.
+    let recorded = || {
+        let shared = |b: &claims::Block| b.claims.values().any(|h| h.iter().nth(1).is_some());
+        registry.registry.is_some_and(|r| r.blocks.values().any(shared))
+    };
+    let mut sharing = (!pool_ctx.set.implicit)
+        .then(|| Sharing::of(pool_ctx.set.pools.iter().map(|p| (p.pool.name.as_str(), &p.pool.nodes))))
+        .filter(|s| !s.is_empty() || recorded());
+    if let Some(s) = sharing.as_mut().filter(|_| !unshared.is_empty()) {
+        s.only_recorded();
+    }
     // The Services this round plans: all of them, or a scope.
-    let scope: Option<foldhash::HashSet<ServiceKey>> =
-        (may_scope && same_shared && memory.models.has_context(&ctx) && !pool_ctx.set.bounds_namespaces())
-            .then(|| {
-                let changes = holders.changes();
-                memory.book.closure(
-                    changes.keys.iter().cloned(),
-                    changes.numbers.iter().copied(),
-                    |k| holders.of_key(k).into_iter().flat_map(|(_, h)| h.numbers.iter().copied()),
-                    |n| held.holders_of(n).iter().map(|h| &h.key),
-                )
-            });
+    let scope: Option<foldhash::HashSet<ServiceKey>> = (may_scope
+        && same_shared
+        && memory.models.has_context(&ctx)
+        && !pool_ctx.set.bounds_namespaces()
+        && sharing.is_none())
+    .then(|| {
+        let changes = holders.changes();
+        memory.book.closure(
+            changes.keys.iter().cloned(),
+            changes.numbers.iter().copied(),
+            |k| holders.of_key(k).into_iter().flat_map(|(_, h)| h.numbers.iter().copied()),
+            |n| held.holders_of(n).iter().map(|h| &h.key),
+        )
+    });
     // What the registry takes off the Services and lets nobody have. A scoped round runs only
     // when every claim names a Service that holds its number, or a deleted one (`may_scope`):
     // then nothing is in use, and only a forged annotation in the scope loses a number (debug
@@ -618,10 +658,16 @@ pub fn plan_round(
             in_use.entry(*k).or_insert_with(|| why.clone());
         }
     }
-    // Among what the registry left them (numbers no claim names: the registry lost).
-    let duplicates = dupes::duplicates(&all[..out.services.len()]);
     let assignment = (!pool_ctx.set.implicit)
         .then(|| crate::decisions::pool::assign_services(&pool_ctx, &services, &all, &Allocations::new()));
+    if let (Some(sharing), Some(a)) = (sharing.as_mut(), &assignment) {
+        sharing_of_services(sharing, a, &all, registry.registry);
+    }
+    // Among what the registry left them (numbers no claim names: the registry lost).
+    let together = |n: u16, a: &ServiceKey, b: &ServiceKey| {
+        sharing.as_ref().is_some_and(|s| s.apart(a, b) || s.recorded_together(n, a, b))
+    };
+    let duplicates = dupes::duplicates(&all[..out.services.len()], Some(&together));
     let all: Vec<Arc<model::LbService>> = match &assignment {
         Some(a) => all.into_iter().filter(|s| a.has_pool(&s.key)).collect(),
         None => all,
@@ -637,7 +683,7 @@ pub fn plan_round(
         in_use: Some(&in_use),
         pools: assignment.as_ref().map(|a| &a.ranges),
         elsewhere: scope.as_ref().and_then(|keys| memory.book.elsewhere(keys)),
-        sharing: None,
+        sharing: sharing.as_ref(),
     };
     let mut result = alloc::allocate_with(&cfg.port_range, &all, &Allocations::new(), constraints);
     result.problems.extend(assignment.iter().flat_map(|a| a.problems.iter().cloned()));
@@ -704,7 +750,7 @@ pub fn plan_round(
                 None => claims::ClaimScope::All { expired: registry.expired },
                 Some(numbers) => claims::ClaimScope::Numbers { numbers, gone_claims: registry.gone_claims },
             };
-            claims::plan(r, &held, &changes, registry.token, registry.gone, registry.sharing, scope)
+            claims::plan(r, &held, &changes, registry.token, registry.gone, sharing.as_ref(), scope)
         }
         None => claims::ClaimPlan {
             blocked: changes

@@ -24,4 +24,8 @@ fn only_services_of_pools_apart_share() {
     s.record(443, &k('a'));
     s.record(443, &k('c'));
     assert!(s.recorded_together(443, &k('a'), &k('c')) && !s.recorded_together(443, &k('a'), &k('b')));
+    assert!(s.shares("edge") && s.shares("edge2") && !s.shares("gpu") && !s.shares("edg"));
+    s.only_recorded();
+    assert!(!s.may_share(&o('a'), &o('b')), "closed");
+    assert!(s.recorded_together(443, &k('a'), &k('c')), "what is recorded stays");
 }

@@ -253,6 +253,7 @@ fn the_leaders_codes_are_those_the_allocation_and_the_registry_say() {
         PortRefusal::InUse("x".into()),
         PortRefusal::NotAllowed("x".into()),
         PortRefusal::NotSelected("x".into()),
+        PortRefusal::Shared,
     ] {
         assert!(!LEADERS_CODES.contains(&own.code()), "{own}");
     }

@@ -295,6 +295,24 @@ fn nodes_whose_agent_runs_and_has_not_reported_its_listeners() {
     assert!(listeners_unreported(&[listening(no_spec, "")], Some(t(1))).is_empty());
 }
 
+/// Running agents that do not say they read numbers with several holders: older ones.
+#[test]
+fn nodes_whose_agent_cannot_read_shared_numbers() {
+    let format = |mut l: Lease, v: &str| {
+        l.metadata.annotations.get_or_insert_default().insert(ANNOTATION_REGISTRY_FORMAT.into(), v.into());
+        l
+    };
+    let leases = vec![
+        format(lease("new", 0, 15, Some("ipv4")), REGISTRY_FORMAT),
+        format(lease("newer", 0, 15, Some("ipv4")), &format!("other, {REGISTRY_FORMAT}")),
+        format(lease("odd", 0, 15, Some("ipv4")), "shared-not"),
+        lease("old", 0, 15, Some("ipv4")),
+        lease("gone", -100, 15, Some("ipv4")),
+    ];
+    assert_eq!(registry_format_unread(&leases, Some(t(1))), ["odd", "old"]);
+    assert!(registry_format_unread(&leases[..2], Some(t(1))).is_empty());
+}
+
 #[test]
 fn lease_freshness() {
     let v4: BTreeSet<Family> = [Family::Ipv4].into();

@@ -27,6 +27,7 @@ fn a_round_is_skipped_only_when_it_would_plan_nothing() {
         unreported: Vec::new(),
         published: BTreeMap::new(),
         refusals: BTreeMap::new(),
+        unshared: vec![],
     };
     let t0 = Instant::now();
     let mut state = LeaderState::new(claims::Token::new("node-a", 1, 0));
@@ -180,7 +181,6 @@ fn no_new_number_until_every_running_agent_has_reported_its_listeners() {
             gone: &gone,
             gone_claims: None,
             expired: &expired,
-            sharing: None,
         };
         let mut holders = claims::Holders::default();
         holders.pass(&snap.services, &snap.slices);
