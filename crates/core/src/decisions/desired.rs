@@ -646,12 +646,14 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 .iter()
                 .map(|l| ((l.protocol, l.port), format!("{l} on this node")))
                 .collect();
+            let sharing = pools.zip(assignment.as_ref()).and_then(|(c, a)| sharing_of(c, a, &out.services));
+            shared.set(sharing.is_some());
             let constraints = alloc::Constraints {
                 policy: Some(&inputs.policy.ports),
                 in_use: Some(&in_use),
                 pools: assignment.as_ref().map(|a| &a.ranges),
                 elsewhere,
-                sharing: None,
+                sharing: sharing.as_ref(),
             };
             // A Service no pool serves is not allocated (it says why instead).
             let pooled: Vec<&LbService> = match &assignment {
@@ -742,14 +744,15 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         });
     }
 
-    if let (true, Some(registry)) = (shared.get(), inputs.registry) {
+    if shared.get() {
         // Of the holders this node would serve a number for, the one whose pool is the one the
-        // registry recorded for it, then the first the registry names.
+        // registry recorded for it, then the first the registry names (manifests mode: by
+        // namespace/name).
         let rank = |n: u16, key: &ServiceKey| -> (bool, usize) {
             let uid = out.services.iter().find(|s| &s.key == key).and_then(|s| s.uid.as_deref());
             let owner = Owner::of(key, uid);
             let pool = assignment.as_ref().and_then(|a| a.ranges.get(key)).map(|r| r.pool.as_str());
-            let claims = registry.get(n).into_iter().flat_map(|h| h.iter());
+            let claims = inputs.registry.and_then(|r| r.get(n)).into_iter().flat_map(|h| h.iter());
             match claims.enumerate().find(|(_, c)| c.owner == owner) {
                 Some((i, c)) => (c.pool.as_deref() != pool, i),
                 None => (true, usize::MAX),
@@ -854,6 +857,26 @@ fn recorded(
             Arc::new(copy)
         })
         .collect()
+}
+
+/// Which of `services` may hold one number together (manifests mode: no registry records
+/// anything), or `None` when no two pools are apart.
+fn sharing_of(
+    ctx: &PoolContext,
+    assignment: &crate::decisions::pool::Assignment,
+    services: &[Arc<LbService>],
+) -> Option<crate::decisions::sharing::Sharing> {
+    let pools = ctx.set.pools.iter().map(|p| (p.pool.name.as_str(), &p.pool.nodes));
+    let mut sharing = crate::decisions::sharing::Sharing::of(pools);
+    if sharing.is_empty() {
+        return None;
+    }
+    for s in services {
+        if let Some(r) = assignment.ranges.get(&s.key).filter(|r| sharing.shares(&r.pool)) {
+            sharing.serve(&s.key, Owner::of(&s.key, s.uid.as_deref()), &r.pool);
+        }
+    }
+    Some(sharing)
 }
 
 /// One Service per number on this node. Services of pools apart hold a number together and a
@@ -1322,6 +1345,47 @@ mod tests {
             (vec!["ingress/edge=443".into()], vec!["ingress/internal=443 number_shared".into()]),
             "the pools meet on this node"
         );
+    }
+
+    /// Manifests mode, the same pools: both Services are allocated 443, and this node serves the
+    /// one whose pool selects it; a third pool that may meet either gets none.
+    #[test]
+    fn manifests_mode_shares_a_number_between_pools_apart() {
+        let svc = |name: &str| -> Service {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name, "namespace": "ingress", "annotations": {"nodelb.io/pool": name}},
+                "spec": {"type": "LoadBalancer", "ports": [{"port": 443}]}
+            }))
+            .expect("service")
+        };
+        let pool = |name: &str, labels: serde_json::Value| {
+            let spec = serde_json::json!({"portMode": "ServicePort", "ports": [{"start": 443, "end": 443}],
+                                          "nodeSelector": {"matchLabels": labels}});
+            let spec = serde_json::from_value(spec).expect("spec");
+            crate::decisions::pool::validate(name, None, None, &spec).expect("valid")
+        };
+        let pools = vec![
+            pool("edge", serde_json::json!({"tier": "edge"})),
+            pool("internal", serde_json::json!({"tier": "internal"})),
+            pool("gpu", serde_json::json!({"gpu": "yes"})),
+        ];
+        let range = PortRange::new(20000, 20010).expect("range");
+        let ctx = PoolContext {
+            set: crate::decisions::pool::PoolSet::resolve(pools, true, range, &[]),
+            namespaces: BTreeMap::new(),
+            node_labels: [("tier".to_string(), "internal".to_string())].into(),
+            servicelb: false,
+        };
+        let services = [svc("edge"), svc("internal"), svc("gpu")];
+        let d = compute_on(AllocationMode::Allocate, &services, Some(&ctx));
+        let allocated: Vec<String> = (d.allocations.iter())
+            .flat_map(|(k, ports)| ports.values().map(move |n| format!("{k}={n}")))
+            .collect();
+        assert_eq!(allocated, ["ingress/edge=443", "ingress/internal=443"], "{:?}", d.alloc_problems);
+        assert_eq!(d.alloc_problems.len(), 1, "gpu: {:?}", d.alloc_problems);
+        let refused: Vec<String> =
+            d.refused_ports.iter().map(|r| format!("{} {}", r.service, r.reason.code())).collect();
+        assert_eq!(refused, ["ingress/edge not_selected"]);
     }
 
     /// Under the k3s ServiceLB labels a node programs only the Services its labels select; the

@@ -8,8 +8,10 @@
 //!   (`--port-range`, every node, every address, every Service). Once a pool object exists the
 //!   implicit pool is gone: a pool that restricts nodes or addresses must not be bypassed by a
 //!   fallback that serves everything everywhere (k3s#11504 is exactly that complaint).
-//! - **Numbers stay unique cluster-wide** whatever the pools (the allocator's table is global);
-//!   two pools overlap only when their ranges overlap AND some node is selected by both: then
+//! - **Numbers are unique wherever they are served**: the allocator's table is global, and only a
+//!   number a Service asks for may be held beside Services of pools that never select one node
+//!   with its own ([`crate::decisions::sharing`]). Two pools overlap only when their ranges
+//!   overlap AND some node is selected by both: then
 //!   the newer pool (creationTimestamp, then name) gets a `Conflict` naming the older, and its
 //!   overlapping part is not used for new allocations. Existing allocations are never moved for
 //!   it (they are kept anywhere inside the pool's own ranges).
