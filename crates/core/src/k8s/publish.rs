@@ -547,8 +547,7 @@ fn served<S, V>(round: &Round<'_, S, V>, lb: &LbService, ports: &BTreeMap<PortId
     let ingress = ingress_for(lb, ports, &nodes);
     let mut condition = serving_condition(lb, ports, &nodes, &ingress);
     if condition.status {
-        let refused = round.refusals.and_then(|r| r.get(&lb.key.to_string())).map_or(&[][..], Vec::as_slice);
-        condition.message = serving_summary(&nodes, &ingress, refused);
+        condition.message = serving_summary(&nodes, &ingress, refused_by_nodes(round, &lb.key));
     }
     Served { ingress, condition }
 }
@@ -737,6 +736,8 @@ struct Part {
     refused_endpoints: Vec<RefusedEndpoint>,
     pool_nodes: Option<BTreeSet<String>>,
     pool_addresses: Option<BTreeMap<String, Vec<std::net::IpAddr>>>,
+    /// What the nodes' reports say they refuse of it (its `Serving` message names them).
+    refused_by_nodes: Vec<(String, String)>,
     events: Vec<ServiceEvent>,
 }
 
@@ -759,6 +760,15 @@ impl Part {
             && self.refused_endpoints.iter().eq(idx.refused_endpoints(key).iter().copied())
             && self.pool_nodes.as_ref() == round.pool_nodes.and_then(|m| m.get(key))
             && self.pool_addresses.as_ref() == round.pool_addresses.and_then(|m| m.get(key))
+            && self.refused_by_nodes.as_slice() == refused_by_nodes(round, key)
+    }
+}
+
+/// What the nodes' reports say they refuse of `key` (no lookup while no node refuses anything).
+fn refused_by_nodes<'r, S, V>(round: &Round<'r, S, V>, key: &ServiceKey) -> &'r [(String, String)] {
+    match round.refusals {
+        Some(r) if !r.is_empty() => r.get(&key.to_string()).map_or(&[][..], Vec::as_slice),
+        _ => &[],
     }
 }
 
@@ -833,6 +843,7 @@ pub fn plan_services(
                     refused_endpoints: idx.refused_endpoints(&key).iter().map(|r| (*r).clone()).collect(),
                     pool_nodes: round.pool_nodes.and_then(|m| m.get(&key)).cloned(),
                     pool_addresses: round.pool_addresses.and_then(|m| m.get(&key)).cloned(),
+                    refused_by_nodes: refused_by_nodes(round, &key).to_vec(),
                     events: own_events,
                     key,
                 };

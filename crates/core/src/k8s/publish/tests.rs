@@ -668,25 +668,33 @@ fn kept_parts_are_what_a_whole_round_computes() {
         reason: crate::decisions::endpoint_policy::AddressRefusal::Loopback,
     }];
     let no_listeners = BTreeMap::new();
-    // (step, serving nodes, listeners, refused endpoints, Services re-read, parts reused)
+    let none_refused = crate::k8s::cluster_view::Refusals::new();
+    let b_refuses_web: crate::k8s::cluster_view::Refusals =
+        [("default/web".to_string(), vec![("b".to_string(), "a process listens on it".to_string())])].into();
+    // (step, serving nodes, listeners, refused endpoints, what the nodes refuse, Services
+    // re-read, parts reused)
     type Step<'a> = (
         &'static str,
         &'a BTreeMap<String, ServingNode>,
         &'a BTreeMap<(crate::domain::Protocol, u16), String>,
         &'a [RefusedEndpoint],
+        &'a crate::k8s::cluster_view::Refusals,
         &'static [&'static str],
         usize,
     );
     let steps: Vec<Step<'_>> = vec![
-        ("first round: nothing kept", &one, &no_listeners, &[], &[], 0),
-        ("every Service was written: all re-read", &one, &no_listeners, &[], &[], 0),
-        ("nothing happened: every part kept", &one, &no_listeners, &[], &[], 4),
-        ("one Service edited: the others kept", &one, &no_listeners, &[], &["db"], 3),
-        ("a node joins: nothing kept", &two, &no_listeners, &[], &[], 0),
-        ("a listener on db's port: nothing kept", &two, &in_use, &[], &[], 0),
-        ("an endpoint of web refused: the others kept", &two, &in_use, &refused_web, &[], 3),
-        ("web re-read after its condition was written", &two, &in_use, &refused_web, &[], 3),
-        ("nothing happened: every part kept", &two, &in_use, &refused_web, &[], 4),
+        ("first round: nothing kept", &one, &no_listeners, &[], &none_refused, &[], 0),
+        ("every Service was written: all re-read", &one, &no_listeners, &[], &none_refused, &[], 0),
+        ("nothing happened: every part kept", &one, &no_listeners, &[], &none_refused, &[], 4),
+        ("one Service edited: the others kept", &one, &no_listeners, &[], &none_refused, &["db"], 3),
+        ("a node joins: nothing kept", &two, &no_listeners, &[], &none_refused, &[], 0),
+        ("a listener on db's port: nothing kept", &two, &in_use, &[], &none_refused, &[], 0),
+        ("an endpoint of web refused: the others kept", &two, &in_use, &refused_web, &none_refused, &[], 3),
+        ("web re-read after its condition was written", &two, &in_use, &refused_web, &none_refused, &[], 3),
+        ("nothing happened: every part kept", &two, &in_use, &refused_web, &none_refused, &[], 4),
+        ("node b refuses web: the others kept", &two, &in_use, &refused_web, &b_refuses_web, &[], 3),
+        ("web re-read after its condition was written", &two, &in_use, &refused_web, &b_refuses_web, &[], 3),
+        ("nothing happened: every part kept", &two, &in_use, &refused_web, &b_refuses_web, &[], 4),
     ];
     let (mut models, mut kept) = (ModelCache::new(), Published::default());
     let mut kept_extra = Published::default();
@@ -698,7 +706,7 @@ fn kept_parts_are_what_a_whole_round_computes() {
     let duplicates =
         [Duplicate { node_port: 20005, keeper: key("db"), loser: key("other"), loser_port: PortId::tcp(80) }];
     let mut last_writes: Vec<ServiceWrite> = vec![];
-    for (step, nodes, listening, refused_endpoints, edited, reused) in steps {
+    for (step, nodes, listening, refused_endpoints, refusals, edited, reused) in steps {
         // What the API server makes of the last round's writes and of the edits: new objects.
         let mut plain: Vec<Service> = services.iter().map(|s| Service::clone(s)).collect();
         apply(&mut plain, &last_writes);
@@ -724,6 +732,7 @@ fn kept_parts_are_what_a_whole_round_computes() {
         let round = Round {
             refused_endpoints,
             listening,
+            refusals: Some(refusals),
             ..plain_round(&services, &opts, (&out.services, &out.refused), &result, nodes)
         };
         let (writes, mut events) = plan_services(&round, &[], &mut kept, None);
