@@ -1134,3 +1134,142 @@ fn the_k3s_preset_serves_traefik_on_its_own_ports_with_no_annotation() {
         assert!(ok, "node-{} does not serve the gateway on 443", i + 1);
     }
 }
+
+/// A `port: 443` Service in namespace `ns` labelled `app=<app>`, its endpoint backend `b`.
+fn create_on_443(c: &Cluster, ns: &str, app: &str, b: usize) {
+    let spec = ServiceSpec::new("ingress")
+        .in_namespace(ns)
+        .port(PortSpec::tcp(443, None))
+        .endpoint(EndpointSpec::remote(backend_v4(b), "node-2"));
+    let mut svc = spec.service();
+    svc["metadata"]["labels"] = json!({"app": app});
+    c.api.create(svc).unwrap_or_else(|e| panic!("create {ns}/ingress: {e:?}"));
+    for s in spec.slices() {
+        c.api.create(s).unwrap_or_else(|e| panic!("create the slices of {ns}/ingress: {e:?}"));
+    }
+}
+
+/// Waits until node `i` answers on `port` from backend `be` (`be1`: backend 0).
+fn wait_answers(c: &Cluster, i: usize, port: u16, be: &str) {
+    let mut last = None;
+    let ok = wait_until(CHANGE, || {
+        last = Some(c.get(i, port, Duration::from_millis(500)));
+        last.as_ref().is_some_and(|r| r.as_ref().is_ok_and(|b| b.contains(&format!("backend={be}"))))
+    });
+    assert!(ok, "node-{} does not answer {port} from {be}: {last:?}\n{:?}", i + 1, c.nft(i));
+}
+
+/// Two ingress controllers on 443 in two tenants' namespaces, one served by the edge nodes, one
+/// by the internal nodes: pools whose node selectors exclude each other share the number. Each
+/// is served on 443 only on its own nodes (real packets), its status lists those nodes, and the
+/// registry records both holders with their pools. A pool that may meet either cannot take 443;
+/// a node relabelled from internal to edge serves the edge one; and the internal pool edited to
+/// select every node moves nobody: both keep 443, and the edge node keeps serving the Service
+/// it served.
+#[test]
+fn pools_apart_serve_one_port_each_on_its_own_nodes() {
+    require_root!();
+    let c = Cluster::new(3);
+    label_node(&c, "node-1", "tier=edge");
+    label_node(&c, "node-2", "tier=internal");
+    label_node(&c, "node-3", "tier=internal");
+    for ns in ["edge", "internal", "gpu"] {
+        c.api.kubectl_ok(&["create", "namespace", ns]);
+    }
+    let tier = |t: &str| json!({"matchLabels": {"tier": t}});
+    let service_port = |app: &str, nodes: Option<Value>| {
+        let mut spec = json!({"portMode": "ServicePort", "serviceSelector": {"matchLabels": {"app": app}}});
+        if let Some(nodes) = nodes {
+            spec["nodeSelector"] = nodes;
+        }
+        spec
+    };
+    apply(&c, &pool("edge", &[(443, 443)], service_port("edge-ingress", Some(tier("edge")))));
+    apply(&c, &pool("internal", &[(443, 443)], service_port("internal-ingress", Some(tier("internal")))));
+    apply(
+        &c,
+        &pool(
+            "gpu",
+            &[(443, 443)],
+            service_port("gpu-ingress", Some(json!({"matchLabels": {"gpu": "yes"}}))),
+        ),
+    );
+    create_on_443(&c, "edge", "edge-ingress", 0);
+    create_on_443(&c, "internal", "internal-ingress", 1);
+    for ns in ["edge", "internal"] {
+        let ok = wait_until(CHANGE, || {
+            c.allocated_in(ns, "ingress").is_some_and(|a| a.get("443/TCP") == Some(&443))
+        });
+        assert!(ok, "{ns}/ingress: {:#}", c.service_json_in(ns, "ingress").unwrap_or_default());
+    }
+    wait_answers(&c, 0, 443, "be1");
+    wait_answers(&c, 1, 443, "be2");
+    wait_answers(&c, 2, 443, "be2");
+    // The status lists the nodes that answer.
+    let ingress_ips = |ns: &str| {
+        let mut ips: Vec<String> = c
+            .service_json_in(ns, "ingress")
+            .and_then(|s| s["status"]["loadBalancer"]["ingress"].as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|i| i["ip"].as_str().map(String::from))
+            .collect();
+        ips.sort();
+        ips
+    };
+    let node = |i: usize| common::cluster::node_v4(i).to_string();
+    let ok = wait_until(CHANGE, || {
+        ingress_ips("edge") == [node(0)] && ingress_ips("internal") == [node(1), node(2)]
+    });
+    assert!(ok, "edge: {:?}, internal: {:?}", ingress_ips("edge"), ingress_ips("internal"));
+    // The registry records both holders, each with its pool.
+    let registry = c
+        .api
+        .get("coordination.k8s.io/v1", "Lease", common::cluster::AGENT_NS, "nodelb-node-ports-0")
+        .map(|l| l["metadata"]["annotations"]["nodelb.io/claims"].as_str().unwrap_or_default().to_string())
+        .unwrap_or_default();
+    let entry = registry.split(',').find(|e| e.starts_with("443=")).unwrap_or_default().to_string();
+    assert!(entry.contains("@edge") && entry.contains("@internal") && entry.contains(';'), "{registry}");
+
+    // A pool that may meet either on a node (a GPU node can be an edge node) cannot take it.
+    create_on_443(&c, "gpu", "gpu-ingress", 2);
+    let reason = || c.condition_in("gpu", "ingress", "nodelb.io/Allocated").map(|c| c["reason"].clone());
+    let ok = wait_until(CHANGE, || reason().is_some_and(|r| r == "PortConflict"));
+    assert!(ok, "gpu/ingress: {:#}", c.service_json_in("gpu", "ingress").unwrap_or_default());
+
+    // node-3 moves to the edge: it serves the edge Service now.
+    label_node(&c, "node-3", "tier=edge");
+    wait_answers(&c, 2, 443, "be1");
+    wait_answers(&c, 1, 443, "be2");
+
+    // The internal pool edited to select every node: nobody moves. node-1 and node-3 keep
+    // serving the edge Service (its pool is the one recorded, and recorded first); node-2 the
+    // internal one, which says why node-1 and node-3 do not serve it.
+    edit(&c, &pool("internal", &[(443, 443)], service_port("internal-ingress", None)));
+    let ok = wait_until(CHANGE, || {
+        let st = pool_status(&c, "internal");
+        st["observedGeneration"] == 2 && condition(&st, "Conflict") == "True/Overlap"
+    });
+    assert!(ok, "internal pool: {:#}", pool_status(&c, "internal"));
+    // The Service says why the edge nodes do not serve it (without naming the other), once
+    // their agents' reports ride on their Lease renewals.
+    let serving = || c.condition_in("internal", "ingress", "nodelb.io/Serving").unwrap_or_default();
+    let ok = wait_until(CHANGE * 3, || {
+        let message = serving()["message"].as_str().unwrap_or_default().to_string();
+        message.contains("node-1") && message.contains("keeps it on this node") && !message.contains("edge/")
+    });
+    let report = c
+        .api
+        .get("coordination.k8s.io/v1", "Lease", common::cluster::AGENT_NS, "nodelb-node-node-1")
+        .map(|l| l["metadata"]["annotations"]["nodelb.io/node-report"].clone());
+    assert!(ok, "internal/ingress Serving: {:#}\nnode-1 reports {report:?}", serving());
+    for _ in 0..3 {
+        wait_answers(&c, 0, 443, "be1");
+        wait_answers(&c, 2, 443, "be1");
+        wait_answers(&c, 1, 443, "be2");
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    for ns in ["edge", "internal"] {
+        assert_eq!(c.allocated_in(ns, "ingress").unwrap()["443/TCP"], 443, "{ns}/ingress moved");
+    }
+}
