@@ -324,6 +324,41 @@ pub fn fnv1a_extend(mut h: u64, data: &[u8]) -> u64 {
     h
 }
 
+/// Who holds a node port number in the registry (`k8s::claims`): the first 12 hex digits of
+/// the Service's uid (48 bits: enough that two Services of one cluster sharing them is not to
+/// be expected).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Owner(pub String);
+
+impl Owner {
+    pub fn of_uid(uid: &str) -> Owner {
+        // Bytes, not chars: a byte of a multi-byte character is never an ASCII hex digit.
+        let hex = uid.bytes().filter(u8::is_ascii_hexdigit).take(12);
+        Owner(hex.map(|b| char::from(b.to_ascii_lowercase())).collect())
+    }
+
+    /// The owner of the Service `key` with `uid` (a Service without one, which the API server
+    /// never stores, is named by a hash of its namespace/name).
+    pub fn of(key: &ServiceKey, uid: Option<&str>) -> Owner {
+        match uid {
+            Some(uid) if !uid.is_empty() => Owner::of_uid(uid),
+            _ => {
+                let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+                for b in key.to_string().bytes() {
+                    h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+                }
+                Owner(format!("{:012x}", h & 0xffff_ffff_ffff))
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -19,6 +19,7 @@ use crate::decisions::alloc::{self, AllocProblem, Allocations};
 use crate::decisions::endpoint_policy::{self, EndpointPolicy, HostAddresses, RefusedEndpoint};
 use crate::decisions::pool::PoolContext;
 use crate::decisions::port_policy::{self, Listeners, PortPolicy, PortRange, PortRefusal};
+use crate::decisions::sharing::{self, Sharing};
 use crate::domain::{Family, PortId, Scope, ServiceKey};
 use crate::incremental::book::AllocationBook;
 use crate::incremental::model_cache::{ModelCache, ModelContext, Modeled};
@@ -646,7 +647,11 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 .iter()
                 .map(|l| ((l.protocol, l.port), format!("{l} on this node")))
                 .collect();
-            let sharing = pools.zip(assignment.as_ref()).and_then(|(c, a)| sharing_of(c, a, &out.services));
+            let sharing = pools.zip(assignment.as_ref()).and_then(|(c, a)| {
+                let mut sharing = c.set.sharing().filter(|s| !s.is_empty())?;
+                share_services(&mut sharing, a, &out.services, None);
+                Some(sharing)
+            });
             shared.set(sharing.is_some());
             let constraints = alloc::Constraints {
                 policy: Some(&inputs.policy.ports),
@@ -758,7 +763,9 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 None => (true, usize::MAX),
             }
         };
-        one_per_number(&mut programmed, &mut refused_ports, rank);
+        for (service, port, node_port) in sharing::one_per_number(&mut programmed, rank) {
+            refused_ports.push(RefusedPort { service, port, node_port, reason: PortRefusal::Shared });
+        }
     }
 
     let empty = BTreeMap::new();
@@ -859,56 +866,25 @@ fn recorded(
         .collect()
 }
 
-/// Which of `services` may hold one number together (manifests mode: no registry records
-/// anything), or `None` when no two pools are apart.
-fn sharing_of(
-    ctx: &PoolContext,
+/// Records in `sharing` each of `services` whose pool (`assignment`) is apart from another,
+/// with its pool, and each number the registry gives it beside other Services.
+pub fn share_services(
+    sharing: &mut Sharing,
     assignment: &crate::decisions::pool::Assignment,
     services: &[Arc<LbService>],
-) -> Option<crate::decisions::sharing::Sharing> {
-    let pools = ctx.set.pools.iter().map(|p| (p.pool.name.as_str(), &p.pool.nodes));
-    let mut sharing = crate::decisions::sharing::Sharing::of(pools);
-    if sharing.is_empty() {
-        return None;
-    }
-    for s in services {
-        if let Some(r) = assignment.ranges.get(&s.key).filter(|r| sharing.shares(&r.pool)) {
-            sharing.serve(&s.key, Owner::of(&s.key, s.uid.as_deref()), &r.pool);
-        }
-    }
-    Some(sharing)
-}
-
-/// One Service per number on this node. Services of pools apart hold a number together and a
-/// node serves one of them; where both pools serve this node (one was edited to meet the
-/// other), the first by `rank` (then namespace/name) keeps it, and the others' ports on it are
-/// refused here ([`PortRefusal::Shared`]).
-fn one_per_number(
-    programmed: &mut Allocations,
-    refused: &mut Vec<RefusedPort>,
-    rank: impl Fn(u16, &ServiceKey) -> (bool, usize),
+    registry: Option<&Registry>,
 ) {
-    let mut by_number: BTreeMap<u16, BTreeSet<&ServiceKey>> = BTreeMap::new();
-    for (key, ports) in programmed.iter() {
-        for n in ports.values() {
-            by_number.entry(*n).or_default().insert(key);
-        }
-    }
-    let mut losing: Vec<(ServiceKey, u16)> = Vec::new();
-    for (n, keys) in by_number.iter().filter(|(_, keys)| keys.len() > 1) {
-        let keeper = keys.iter().min_by_key(|k| (rank(*n, k), **k));
-        losing.extend(keys.iter().filter(|k| Some(*k) != keeper).map(|k| ((*k).clone(), *n)));
-    }
-    for (key, n) in losing {
-        let Some(ports) = programmed.get_mut(&key) else { continue };
-        ports.retain(|port, number| {
-            let keep = *number != n;
-            if !keep {
-                let reason = PortRefusal::Shared;
-                refused.push(RefusedPort { service: key.clone(), port: *port, node_port: n, reason });
+    for s in services {
+        let owner = Owner::of(&s.key, s.uid.as_deref());
+        for n in s.previous_allocation.values() {
+            let shared = registry.and_then(|r| r.get(*n)).filter(|h| h.iter().nth(1).is_some());
+            if shared.is_some_and(|h| h.of(&owner).is_some()) {
+                sharing.record(*n, &s.key);
             }
-            keep
-        });
+        }
+        if let Some(pool) = assignment.ranges.get(&s.key).filter(|p| sharing.shares(&p.pool)) {
+            sharing.serve(&s.key, owner, &pool.pool);
+        }
     }
 }
 

@@ -36,6 +36,7 @@ use k8s_openapi::api::core::v1::Service;
 
 use crate::decisions::alloc::{AllocProblem, Allocations, PoolRanges};
 use crate::decisions::port_policy::{NODEPORT_RANGE, PortRange};
+use crate::decisions::sharing::Sharing;
 use crate::domain::ServiceKey;
 use crate::inputs::model::LbService;
 
@@ -248,16 +249,6 @@ impl Selector {
             });
         }
         Ok(Selector(out))
-    }
-
-    /// The selector of `matchLabels` alone.
-    pub fn of_labels(labels: &[(&str, &str)]) -> Selector {
-        Selector(
-            labels
-                .iter()
-                .map(|(k, v)| Requirement::In(k.to_string(), BTreeSet::from([v.to_string()])))
-                .collect(),
-        )
     }
 
     /// Selects everything (no requirement).
@@ -701,6 +692,23 @@ pub struct PoolSet {
 }
 
 impl PoolSet {
+    /// Which Services may hold one number together: those of pools whose node selectors
+    /// exclude each other (`None`: no pool object).
+    pub fn sharing(&self) -> Option<Sharing> {
+        if self.implicit {
+            return None;
+        }
+        let mut apart = Vec::new();
+        for (i, a) in self.pools.iter().enumerate() {
+            for b in &self.pools[i + 1..] {
+                if a.pool.nodes.disjoint(&b.pool.nodes) {
+                    apart.push((a.pool.name.clone(), b.pool.name.clone()));
+                }
+            }
+        }
+        Some(Sharing::of_apart(apart))
+    }
+
     /// Whether a pool bounds what one namespace holds (`maxPortsPerNamespace`): then what a
     /// namespace holds is counted over every Service, and decisions are whole, not scoped.
     pub fn bounds_namespaces(&self) -> bool {

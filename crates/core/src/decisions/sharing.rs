@@ -1,5 +1,6 @@
 //! Which Services may hold one node port number together: those of two pools that can never
-//! serve one node, because their node selectors exclude each other ([`Selector::disjoint`]).
+//! serve one node, because their node selectors exclude each other
+//! ([`crate::decisions::pool::Selector::disjoint`], [`crate::decisions::pool::PoolSet::sharing`]).
 //! Two ingress controllers on 443, one on the edge nodes and one on the internal nodes, never
 //! meet on a node, so neither takes the number from the other.
 //!
@@ -11,9 +12,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::decisions::pool::Selector;
-use crate::domain::ServiceKey;
-use crate::k8s::claims::Owner;
+use crate::domain::{Owner, PortId, ServiceKey};
 
 /// The pools whose Services may share numbers, and each such Service's pool.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -32,17 +31,13 @@ pub struct Sharing {
 }
 
 impl Sharing {
-    /// The pairs among `pools` (name and node selector) that never select one node.
-    pub fn of<'a>(pools: impl IntoIterator<Item = (&'a str, &'a Selector)>) -> Sharing {
-        let pools: Vec<(&str, &Selector)> = pools.into_iter().collect();
+    /// Services of the pools of each of `apart` (pairs of pool names that never select one
+    /// node) may share numbers.
+    pub fn of_apart(apart: impl IntoIterator<Item = (String, String)>) -> Sharing {
         let mut disjoint = BTreeSet::new();
-        for (i, (a, sa)) in pools.iter().enumerate() {
-            for (b, sb) in &pools[i + 1..] {
-                if a != b && sa.disjoint(sb) {
-                    disjoint.insert((a.to_string(), b.to_string()));
-                    disjoint.insert((b.to_string(), a.to_string()));
-                }
-            }
+        for (a, b) in apart.into_iter().filter(|(a, b)| a != b) {
+            disjoint.insert((b.clone(), a.clone()));
+            disjoint.insert((a, b));
         }
         Sharing { disjoint, ..Sharing::default() }
     }
@@ -103,6 +98,39 @@ impl Sharing {
     pub fn recorded_together(&self, number: u16, a: &ServiceKey, b: &ServiceKey) -> bool {
         self.recorded.contains(&(number, a.clone())) && self.recorded.contains(&(number, b.clone()))
     }
+}
+
+/// One Service per number on this node. Services of pools apart hold a number together and a
+/// node serves one of them; where both pools serve this node (one was edited to meet the
+/// other), the first by `rank` (then namespace/name) keeps it, and the others' ports on it are
+/// taken off `programmed` and returned (refused here: `PortRefusal::Shared`).
+pub fn one_per_number(
+    programmed: &mut BTreeMap<ServiceKey, BTreeMap<PortId, u16>>,
+    rank: impl Fn(u16, &ServiceKey) -> (bool, usize),
+) -> Vec<(ServiceKey, PortId, u16)> {
+    let mut by_number: BTreeMap<u16, BTreeSet<&ServiceKey>> = BTreeMap::new();
+    for (key, ports) in programmed.iter() {
+        for n in ports.values() {
+            by_number.entry(*n).or_default().insert(key);
+        }
+    }
+    let mut losing: Vec<(ServiceKey, u16)> = Vec::new();
+    for (n, keys) in by_number.iter().filter(|(_, keys)| keys.len() > 1) {
+        let keeper = keys.iter().min_by_key(|k| (rank(*n, k), **k));
+        losing.extend(keys.iter().filter(|k| Some(*k) != keeper).map(|k| ((*k).clone(), *n)));
+    }
+    let mut taken = Vec::new();
+    for (key, n) in losing {
+        let Some(ports) = programmed.get_mut(&key) else { continue };
+        ports.retain(|port, number| {
+            let keep = *number != n;
+            if !keep {
+                taken.push((key.clone(), *port, n));
+            }
+            keep
+        });
+    }
+    taken
 }
 
 #[cfg(test)]

@@ -48,6 +48,7 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::jiff::Timestamp;
 
 use crate::decisions::sharing::Sharing;
+pub use crate::domain::Owner;
 use crate::domain::Protocol;
 use crate::domain::ServiceKey;
 use crate::incremental::view::{self, ServiceFacts, SourceView};
@@ -74,34 +75,6 @@ pub fn block_of(number: u16) -> u16 {
 
 pub fn lease_name(block: u16) -> String {
     format!("{LEASE_PREFIX}{block}")
-}
-
-/// Who holds a number: the first 12 hex digits of the Service's uid (48 bits: enough that two
-/// Services of one cluster sharing them is not to be expected).
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Owner(pub String);
-
-impl Owner {
-    pub fn of_uid(uid: &str) -> Owner {
-        // Bytes, not chars: a byte of a multi-byte character is never an ASCII hex digit.
-        let hex = uid.bytes().filter(u8::is_ascii_hexdigit).take(12);
-        Owner(hex.map(|b| char::from(b.to_ascii_lowercase())).collect())
-    }
-
-    /// The owner of the Service `key` with `uid` (a Service without one, which the API server
-    /// never stores, is named by a hash of its namespace/name).
-    pub fn of(key: &ServiceKey, uid: Option<&str>) -> Owner {
-        match uid {
-            Some(uid) if !uid.is_empty() => Owner::of_uid(uid),
-            _ => {
-                let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-                for b in key.to_string().bytes() {
-                    h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-                }
-                Owner(format!("{:012x}", h & 0xffff_ffff_ffff))
-            }
-        }
-    }
 }
 
 /// A Service as the registry sees it: every Service of the view, whatever its type (one that
@@ -233,12 +206,6 @@ impl Holders {
     /// `None` for a first view.
     pub fn changed_numbers(&self) -> Option<&BTreeSet<u16>> {
         (!self.changes.first).then_some(&self.changes.numbers)
-    }
-}
-
-impl std::fmt::Display for Owner {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
     }
 }
 

@@ -30,7 +30,6 @@ use super::lastgood::LastGoodServices;
 use super::nodes;
 use super::publish::{self, Round, ServiceWrite};
 use super::snapshot::{Journal, KubeSnapshot};
-use crate::decisions::sharing::Sharing;
 
 #[derive(Debug, Clone)]
 pub struct ControllerConfig {
@@ -80,28 +79,6 @@ impl LeaseView {
             published: nodes::published_pool_addresses(leases).0,
             refusals: super::cluster_view::refusals(leases),
             unshared: nodes::registry_format_unread(leases, leases_now),
-        }
-    }
-}
-
-/// Each Service of a pool that may share numbers, with its pool, and each number the registry
-/// gives it beside other Services.
-fn sharing_of_services(
-    sharing: &mut Sharing,
-    assignment: &crate::decisions::pool::Assignment,
-    services: &[Arc<model::LbService>],
-    registry: Option<&claims::Registry>,
-) {
-    for s in services {
-        let owner = claims::Owner::of(&s.key, s.uid.as_deref());
-        for n in s.previous_allocation.values() {
-            let shared = registry.and_then(|r| r.get(*n)).filter(|h| h.iter().nth(1).is_some());
-            if shared.is_some_and(|h| h.of(&owner).is_some()) {
-                sharing.record(*n, &s.key);
-            }
-        }
-        if let Some(pool) = assignment.ranges.get(&s.key).filter(|p| sharing.shares(&p.pool)) {
-            sharing.serve(&s.key, owner, &pool.pool);
         }
     }
 }
@@ -575,9 +552,7 @@ pub fn plan_round(
         let shared = |b: &claims::Block| b.claims.values().any(|h| h.iter().nth(1).is_some());
         registry.registry.is_some_and(|r| r.blocks.values().any(shared))
     };
-    let mut sharing = (!pool_ctx.set.implicit)
-        .then(|| Sharing::of(pool_ctx.set.pools.iter().map(|p| (p.pool.name.as_str(), &p.pool.nodes))))
-        .filter(|s| !s.is_empty() || recorded());
+    let mut sharing = pool_ctx.set.sharing().filter(|s| !s.is_empty() || recorded());
     if let Some(s) = sharing.as_mut().filter(|_| !unshared.is_empty()) {
         s.only_recorded();
     }
@@ -661,7 +636,7 @@ pub fn plan_round(
     let assignment = (!pool_ctx.set.implicit)
         .then(|| crate::decisions::pool::assign_services(&pool_ctx, &services, &all, &Allocations::new()));
     if let (Some(sharing), Some(a)) = (sharing.as_mut(), &assignment) {
-        sharing_of_services(sharing, a, &all, registry.registry);
+        crate::decisions::desired::share_services(sharing, a, &all, registry.registry);
     }
     // Among what the registry left them (numbers no claim names: the registry lost).
     let together = |n: u16, a: &ServiceKey, b: &ServiceKey| {

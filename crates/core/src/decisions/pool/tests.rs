@@ -325,6 +325,24 @@ fn overlap_resolution() {
     }
 }
 
+/// Pools whose node selectors exclude each other may share numbers; pools that may meet on a
+/// node may not; the flags' pool shares nothing.
+#[test]
+fn pools_apart_are_found_from_their_node_selectors() {
+    let on = |k: &str, v: &str| json!({"ports": [{"start": 443, "end": 443}], "nodeSelector": {"matchLabels": {k: v}}});
+    let pools = vec![
+        pool("edge", 1, on("tier", "edge")),
+        pool("internal", 2, on("tier", "internal")),
+        pool("gpu", 3, on("gpu", "yes")),
+        pool("everywhere", 4, json!({"ports": [{"start": 20000, "end": 20009}]})),
+    ];
+    let sharing = PoolSet::resolve(pools, true, PortRange::default(), &[]).sharing().expect("pool objects");
+    assert!(sharing.shares("edge") && sharing.shares("internal"));
+    assert!(!sharing.shares("gpu") && !sharing.shares("everywhere"));
+    let implicit = PoolSet::resolve(vec![], false, PortRange::default(), &[]);
+    assert!(implicit.sharing().is_none());
+}
+
 #[test]
 fn no_pool_object_means_the_flags() {
     let set = PoolSet::resolve(vec![], false, PortRange { first: 20000, last: 20099 }, &[]);

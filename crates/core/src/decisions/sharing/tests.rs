@@ -2,12 +2,9 @@ use super::*;
 
 #[test]
 fn only_services_of_pools_apart_share() {
-    let (edge, internal, gpu) = (
-        Selector::of_labels(&[("tier", "edge")]),
-        Selector::of_labels(&[("tier", "internal")]),
-        Selector::of_labels(&[("gpu", "yes")]),
-    );
-    let mut s = Sharing::of([("edge", &edge), ("internal", &internal), ("gpu", &gpu), ("edge2", &edge)]);
+    // `gpu` may meet either (a GPU node can be an edge node); `edge2` selects the edge nodes.
+    let apart = |a: &str, b: &str| (a.to_string(), b.to_string());
+    let mut s = Sharing::of_apart([apart("edge", "internal"), apart("edge2", "internal")]);
     let o = |c: char| Owner(c.to_string().repeat(12));
     let k = |c: char| ServiceKey::new("default", c.to_string());
     for (c, pool) in [('a', "edge"), ('b', "internal"), ('c', "gpu"), ('d', "edge2"), ('e', "edge")] {

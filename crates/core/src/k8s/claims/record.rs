@@ -11,7 +11,7 @@
 
 use std::collections::BTreeMap;
 
-use super::Owner;
+use crate::domain::Owner;
 
 /// A leader process, in its pending claims (so that only it resolves them).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]

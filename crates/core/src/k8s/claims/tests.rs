@@ -394,10 +394,8 @@ fn an_agent_that_cannot_share_keeps_shared_entries() {
 /// Services `a`, `e` on the edge nodes, `b` on the internal nodes, `c` on the nodes with a GPU
 /// (which may be edge or internal ones); `d` and `f` in no pool that shares.
 fn pools_apart() -> Sharing {
-    let selector = |k: &str, v: &str| crate::decisions::pool::Selector::of_labels(&[(k, v)]);
-    let (edge, internal, gpu) =
-        (selector("tier", "edge"), selector("tier", "internal"), selector("gpu", "yes"));
-    let mut sharing = Sharing::of([("edge", &edge), ("internal", &internal), ("gpu", &gpu)]);
+    // `gpu` (the nodes with a GPU) may meet either.
+    let mut sharing = Sharing::of_apart([("edge".to_string(), "internal".to_string())]);
     for (c, pool) in [('a', "edge"), ('e', "edge"), ('b', "internal"), ('c', "gpu")] {
         sharing.serve(&ServiceKey::new("default", c.to_string()), owner(c), pool);
     }
