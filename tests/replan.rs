@@ -1039,3 +1039,74 @@ fn a_manifests_change_decides_only_its_service() {
     all.insert(201, objects(201, None));
     assert_eq!(sync(&all, &mut previous, &mut since, "added after"), Extent::Services(1));
 }
+
+/// Manifests mode with two pools apart (edge and internal nodes, each serving 443 on its own):
+/// a Service of the internal pool asking for 443 while one of the edge pool holds it gets it,
+/// as the whole decision gives it, whatever the last syncs were.
+#[test]
+fn pools_apart_share_a_number_in_every_sync() {
+    use k8s_openapi::api::core::v1::Service;
+    use nodelb::core::decisions::desired::{
+        AllocationMode, HostFacts, HostPolicy, Inputs, Kept, SourceNotes,
+    };
+    use nodelb::core::decisions::pool::{self, PoolContext, PoolSet};
+    use nodelb::core::decisions::port_policy::{PortPolicy, PortRange};
+    use nodelb::core::inputs::model::ModelOptions;
+    use serde_json::json;
+
+    let range = PortRange::new(20000, 20099).unwrap();
+    let policy = HostPolicy { ports: PortPolicy::with_range(range), ..Default::default() };
+    let (model, notes, host) = (ModelOptions::default(), SourceNotes::default(), HostFacts::default());
+    let node = node(&[Family::Ipv4]);
+    let pool = |name: &str, tier: &str| {
+        let spec = json!({"portMode": "ServicePort", "ports": [{"start": 443, "end": 443}],
+                          "nodeSelector": {"matchLabels": {"tier": tier}}});
+        pool::validate(name, None, None, &serde_json::from_value(spec).unwrap()).expect("valid")
+    };
+    let ctx = PoolContext {
+        set: PoolSet::resolve(vec![pool("edge", "edge"), pool("internal", "internal")], true, range, &[]),
+        namespaces: BTreeMap::new(),
+        node_labels: [("tier".to_string(), "internal".to_string())].into(),
+        servicelb: false,
+    };
+    let service = |name: &str| -> Arc<Service> {
+        Arc::new(
+            serde_json::from_value(json!({
+                "metadata": {"name": name, "namespace": "ingress", "uid": format!("uid-{name}"),
+                             "annotations": {"nodelb.io/pool": name}},
+                "spec": {"type": "LoadBalancer", "ports": [{"port": 443}]}
+            }))
+            .unwrap(),
+        )
+    };
+    let (mut kept, mut applied, mut index) = (Kept::default(), None, CounterIndex::default());
+    let mut previous = BTreeMap::new();
+    let since = BTreeMap::new();
+    let mut services = vec![service("edge")];
+    for step in ["the edge Service", "quiet", "the internal Service comes", "quiet again"] {
+        if step == "the internal Service comes" {
+            services.push(service("internal"));
+        }
+        let inputs = Inputs {
+            mode: AllocationMode::Allocate,
+            services: &services,
+            slices: &[],
+            notes: &notes,
+            previous: &previous,
+            since: &since,
+            range: &range,
+            model: &model,
+            node: &node,
+            policy: &policy,
+            host: &host,
+            pools: Some(&ctx),
+            registry: None,
+        };
+        let (whole, _, _) = both_ways(&inputs, &mut kept, &mut applied, &mut index, step);
+        previous = whole.allocations;
+    }
+    let port = PortId { port: 443, protocol: Protocol::Tcp };
+    for name in ["edge", "internal"] {
+        assert_eq!(previous[&ServiceKey::new("ingress", name)][&port], 443, "{name}");
+    }
+}

@@ -221,9 +221,12 @@ pub fn compute(
         _ => None,
     };
     kept.book.registry = inputs.registry.cloned();
-    // A pool bounding what a namespace holds counts over every Service the node allocates.
-    let counts_all =
-        inputs.mode == AllocationMode::Allocate && inputs.pools.is_some_and(|c| c.set.bounds_namespaces());
+    // A pool bounding what a namespace holds counts over every Service the node allocates, and
+    // pools apart share numbers by the pools of every holder, which a scope does not see.
+    let counts_all = inputs.mode == AllocationMode::Allocate
+        && inputs
+            .pools
+            .is_some_and(|c| c.set.bounds_namespaces() || c.set.sharing().is_some_and(|s| !s.is_empty()));
     let whole = std::mem::take(&mut kept.whole)
         || counts_all
         || changes.first

@@ -104,6 +104,9 @@ pub struct RoundMemory {
     /// The last good copies the last round planned in place of invalid Services: new objects
     /// every round, so a scoped round lets go of what they left ([`plan_round`]).
     substituted: Vec<Arc<Service>>,
+    /// Whether the registry last read records a number with several holders (kept through a
+    /// round that cannot read it).
+    registry_shares: bool,
 }
 
 /// The objects a round plans: its Services (a last good copy where one stands in), their
@@ -548,11 +551,11 @@ pub fn plan_round(
     // Which Services may hold one number together: those of pools apart, while every running
     // agent reads such numbers (else only what the registry records as shared stays so). A
     // round is then whole: a scope would not see every holder's pool.
-    let recorded = || {
+    if let Some(r) = registry.registry.filter(|_| !pool_ctx.set.implicit) {
         let shared = |b: &claims::Block| b.claims.values().any(|h| h.iter().nth(1).is_some());
-        registry.registry.is_some_and(|r| r.blocks.values().any(shared))
-    };
-    let mut sharing = pool_ctx.set.sharing().filter(|s| !s.is_empty() || recorded());
+        memory.registry_shares = r.blocks.values().any(shared);
+    }
+    let mut sharing = pool_ctx.set.sharing().filter(|s| !s.is_empty() || memory.registry_shares);
     if let Some(s) = sharing.as_mut().filter(|_| !unshared.is_empty()) {
         s.only_recorded();
     }
@@ -727,10 +730,12 @@ pub fn plan_round(
             };
             claims::plan(r, &held, &changes, registry.token, registry.gone, sharing.as_ref(), scope)
         }
+        // The registry unread: nothing is added; and while pools may share, nothing is taken
+        // off either (a shared number is kept by what the registry records, unread now).
         None => claims::ClaimPlan {
             blocked: changes
                 .iter()
-                .filter(|c| !c.after.is_subset(&c.holder.numbers))
+                .filter(|c| sharing.is_some() || !c.after.is_subset(&c.holder.numbers))
                 .map(|c| c.holder.key.clone())
                 .collect(),
             ..Default::default()

@@ -55,12 +55,6 @@ impl Claim {
     pub fn new(owner: Owner, state: State) -> Claim {
         Claim { owner, state, pool: None }
     }
-
-    /// Whether `other` is this claim: the same Service in the same state (the pool recorded
-    /// beside it is not part of who holds what).
-    pub fn is(&self, other: &Claim) -> bool {
-        self.owner == other.owner && self.state == other.state
-    }
 }
 
 /// Who holds one number: its claims in registry order, one per Service, never empty. A number
@@ -78,11 +72,6 @@ impl Holds {
     /// The claims, in registry order.
     pub fn iter(&self) -> std::slice::Iter<'_, Claim> {
         self.0.iter()
-    }
-
-    /// The first claim written.
-    pub fn first(&self) -> &Claim {
-        &self.0[0]
     }
 
     /// `owner`'s claim, if it has one.

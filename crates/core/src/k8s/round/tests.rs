@@ -203,3 +203,66 @@ fn no_new_number_until_every_running_agent_has_reported_its_listeners() {
     assert_eq!(written(&reported, "new"), Some(Some("80/TCP=9473".to_string())));
     assert!(reported.claims.blocked.is_empty(), "{:?}", reported.claims.blocked);
 }
+
+/// Two Services hold 443 together (the registry records it) after the internal pool was
+/// edited to select every node: the registry's record keeps both. A round that cannot read the
+/// registry takes nothing off either (it would take the younger's number for good).
+#[test]
+fn a_shared_number_stays_through_a_round_without_the_registry() {
+    let service = |name: &str| -> Arc<Service> {
+        Arc::new(
+            serde_json::from_value(json!({
+                "metadata": {"name": "ingress", "namespace": name, "uid": format!("{}-0000", name.repeat(8)),
+                             "creationTimestamp": "2024-01-01T00:00:00Z",
+                             "annotations": {ANNOTATION_ALLOCATED: "443/TCP=443", "nodelb.io/pool": name}},
+                "spec": {"type": "LoadBalancer", "ports": [{"port": 443, "protocol": "TCP"}]}
+            }))
+            .unwrap(),
+        )
+    };
+    let pool = |name: &str, selector: serde_json::Value| -> Arc<crate::decisions::pool::NodePortPool> {
+        Arc::new(
+            serde_json::from_value(json!({
+                "apiVersion": "nodelb.io/v1alpha1", "kind": "NodePortPool",
+                "metadata": {"name": name, "uid": format!("pool-{name}"), "generation": 2},
+                "spec": {"portMode": "ServicePort", "ports": [{"start": 443, "end": 443}], "nodeSelector": selector}
+            }))
+            .unwrap(),
+        )
+    };
+    let snap = KubeSnapshot {
+        services: vec![service("a"), service("b")],
+        pools: vec![pool("a", json!({"matchLabels": {"tier": "edge"}})), pool("b", json!({}))],
+        ..Default::default()
+    };
+    let on = |c: claims::Claim, pool: &str| claims::Claim { pool: Some(pool.into()), ..c };
+    let mut registry = claims::Registry::default();
+    let mut shared: claims::Holds =
+        on(claims::Claim::held(claims::Owner::of_uid("aaaaaaaa-0000")), "a").into();
+    shared.put(on(claims::Claim::held(claims::Owner::of_uid("bbbbbbbb-0000")), "b"));
+    Arc::make_mut(&mut registry.blocks.entry(0).or_default().claims).insert(443, shared);
+    registry.blocks.get_mut(&0).unwrap().resource_version = Some("1".into());
+    let cfg = ControllerConfig {
+        identity: "controller-1".into(),
+        namespace: "nodelb-system".into(),
+        lease_duration: Duration::from_secs(15),
+        node_addresses: vec![],
+        port_range: PortRange::new(20000, 20009).unwrap(),
+        model: ModelOptions::default(),
+        policy: Default::default(),
+    };
+    let now: Timestamp = "2030-01-01T00:00:01Z".parse().unwrap();
+    let token = claims::Token::new("test", 1, 0);
+    let (gone, expired) = (Default::default(), Default::default());
+    let mut memory = RoundMemory::default();
+    let mut holders = claims::Holders::default();
+    holders.pass(&snap.services, &snap.slices);
+    for read in [Some(&registry), None] {
+        let inputs =
+            ClaimInputs { registry: read, token: &token, gone: &gone, gone_claims: None, expired: &expired };
+        let plan = plan_round(&snap, &cfg, &mut memory, &holders, Some(now), now, &inputs, false);
+        let annotations: Vec<_> =
+            plan.writes.iter().filter(|w| w.annotation.is_some()).map(|w| &w.key).collect();
+        assert!(annotations.is_empty(), "registry read: {}: {annotations:?}", read.is_some());
+    }
+}
