@@ -693,15 +693,20 @@ pub struct PoolSet {
 
 impl PoolSet {
     /// Which Services may hold one number together: those of pools whose node selectors
-    /// exclude each other (`None`: no pool object).
+    /// exclude each other and that both permit some number (`None`: no pool object). Pools
+    /// with ranges of their own share nothing, and leave rounds scoped.
     pub fn sharing(&self) -> Option<Sharing> {
         if self.implicit {
             return None;
         }
+        let permitted = |p: &Pool| p.ranges.iter().chain(&p.requestable).copied().collect::<Vec<PortRange>>();
+        let meet = |a: &[PortRange], b: &[PortRange]| {
+            a.iter().any(|x| b.iter().any(|y| x.first <= y.last && y.first <= x.last))
+        };
         let mut apart = Vec::new();
         for (i, a) in self.pools.iter().enumerate() {
             for b in &self.pools[i + 1..] {
-                if a.pool.nodes.disjoint(&b.pool.nodes) {
+                if meet(&permitted(&a.pool), &permitted(&b.pool)) && a.pool.nodes.disjoint(&b.pool.nodes) {
                     apart.push((a.pool.name.clone(), b.pool.name.clone()));
                 }
             }

@@ -335,10 +335,23 @@ fn pools_apart_are_found_from_their_node_selectors() {
         pool("internal", 2, on("tier", "internal")),
         pool("gpu", 3, on("gpu", "yes")),
         pool("everywhere", 4, json!({"ports": [{"start": 20000, "end": 20009}]})),
+        pool(
+            "zone-a",
+            5,
+            json!({"ports": [{"start": 21000, "end": 21009}], "nodeSelector": {"matchLabels": {"tier": "edge"}}}),
+        ),
+        pool(
+            "zone-b",
+            6,
+            json!({"ports": [{"start": 21010, "end": 21019}], "requestablePorts": [{"start": 443, "end": 443}],
+                                  "nodeSelector": {"matchLabels": {"tier": "internal"}}}),
+        ),
     ];
     let sharing = PoolSet::resolve(pools, true, PortRange::default(), &[]).sharing().expect("pool objects");
     assert!(sharing.shares("edge") && sharing.shares("internal"));
     assert!(!sharing.shares("gpu") && !sharing.shares("everywhere"));
+    assert!(!sharing.shares("zone-a"), "apart, but no number both permit");
+    assert!(sharing.shares("zone-b"), "443 is requestable there, and edge serves it");
     let implicit = PoolSet::resolve(vec![], false, PortRange::default(), &[]);
     assert!(implicit.sharing().is_none());
 }
