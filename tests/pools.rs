@@ -1164,8 +1164,8 @@ fn wait_answers(c: &Cluster, i: usize, port: u16, be: &str) {
 /// is served on 443 only on its own nodes (real packets), its status lists those nodes, and the
 /// registry records both holders with their pools. A pool that may meet either cannot take 443;
 /// a node relabelled from internal to edge serves the edge one; and the internal pool edited to
-/// select every node moves nobody: both keep 443, and the edge node keeps serving the Service
-/// it served.
+/// select every node moves nobody: both keep 443, the edge nodes keep serving the Service they
+/// served and say why they do not serve the other, and each status lists where it answers.
 #[test]
 fn pools_apart_serve_one_port_each_on_its_own_nodes() {
     require_root!();
@@ -1251,18 +1251,24 @@ fn pools_apart_serve_one_port_each_on_its_own_nodes() {
         st["observedGeneration"] == 2 && condition(&st, "Conflict") == "True/Overlap"
     });
     assert!(ok, "internal pool: {:#}", pool_status(&c, "internal"));
-    // The Service says why the edge nodes do not serve it (without naming the other), once
-    // their agents' reports ride on their Lease renewals.
-    let serving = || c.condition_in("internal", "ingress", "nodelb.io/Serving").unwrap_or_default();
+    // node-1's agent says why it does not serve it (`nodelb status --cluster` shows it), without
+    // naming the other Service.
+    let report = || {
+        c.api
+            .get("coordination.k8s.io/v1", "Lease", common::cluster::AGENT_NS, "nodelb-node-node-1")
+            .and_then(|l| l["metadata"]["annotations"]["nodelb.io/node-report"].as_str().map(String::from))
+            .unwrap_or_default()
+    };
     let ok = wait_until(CHANGE * 3, || {
-        let message = serving()["message"].as_str().unwrap_or_default().to_string();
-        message.contains("node-1") && message.contains("keeps it on this node") && !message.contains("edge/")
+        let r = report();
+        r.contains("internal/ingress") && r.contains("keeps it on this node") && !r.contains("edge/ingress")
     });
-    let report = c
-        .api
-        .get("coordination.k8s.io/v1", "Lease", common::cluster::AGENT_NS, "nodelb-node-node-1")
-        .map(|l| l["metadata"]["annotations"]["nodelb.io/node-report"].clone());
-    assert!(ok, "internal/ingress Serving: {:#}\nnode-1 reports {report:?}", serving());
+    assert!(ok, "node-1 reports {}", report());
+    // Its status lists only the node where it answers; the edge Service's lists its two.
+    let ok = wait_until(CHANGE, || {
+        ingress_ips("internal") == [node(1)] && ingress_ips("edge") == [node(0), node(2)]
+    });
+    assert!(ok, "edge: {:?}, internal: {:?}", ingress_ips("edge"), ingress_ips("internal"));
     for _ in 0..3 {
         wait_answers(&c, 0, 443, "be1");
         wait_answers(&c, 2, 443, "be1");

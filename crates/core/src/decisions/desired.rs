@@ -761,10 +761,7 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             let owner = Owner::of(key, uid);
             let pool = assignment.as_ref().and_then(|a| a.ranges.get(key)).map(|r| r.pool.as_str());
             let claims = inputs.registry.and_then(|r| r.get(n)).into_iter().flat_map(|h| h.iter());
-            match claims.enumerate().find(|(_, c)| c.owner == owner) {
-                Some((i, c)) => (c.pool.as_deref() != pool, i),
-                None => (true, usize::MAX),
-            }
+            sharing::rank(claims.map(|c| (&c.owner, c.pool.as_deref())), &owner, pool)
         };
         for (service, port, node_port) in sharing::one_per_number(&mut programmed, rank) {
             refused_ports.push(RefusedPort { service, port, node_port, reason: PortRefusal::Shared });

@@ -100,6 +100,21 @@ impl Sharing {
     }
 }
 
+/// Where the pools of a shared number's holders meet on a node, which one the node serves: the
+/// lowest rank, the one whose pool is still the pool recorded beside its claim, then the first
+/// recorded. `recorded`: each holder's owner and recorded pool, in registry order; `pool`: the
+/// pool of `owner`'s Service now.
+pub fn rank<'a>(
+    recorded: impl Iterator<Item = (&'a Owner, Option<&'a str>)>,
+    owner: &Owner,
+    pool: Option<&str>,
+) -> (bool, usize) {
+    match recorded.enumerate().find(|(_, (o, _))| *o == owner) {
+        Some((i, (_, recorded_pool))) => (recorded_pool != pool, i),
+        None => (true, usize::MAX),
+    }
+}
+
 /// One Service per number on this node. Services of pools apart hold a number together and a
 /// node serves one of them; where both pools serve this node (one was edited to meet the
 /// other), the first by `rank` (then namespace/name) keeps it, and the others' ports on it are

@@ -83,6 +83,51 @@ impl LeaseView {
     }
 }
 
+/// Takes off the nodes of each Service holding a shared number (`nodes`: the nodes its pool
+/// selects, none listed for a pool of every node) those where the pool of another holder meets
+/// its own and the node serves that one ([`crate::decisions::sharing::rank`]): its status
+/// lists only the nodes where it answers.
+fn serving_one_per_number<'a>(
+    nodes: &mut BTreeMap<ServiceKey, std::collections::BTreeSet<String>>,
+    services: &[Arc<model::LbService>],
+    registry: &claims::Registry,
+    assignment: &crate::decisions::pool::Assignment,
+    every_node: impl Iterator<Item = &'a String> + Clone,
+) {
+    let mut by_number: BTreeMap<u16, Vec<(&ServiceKey, claims::Owner)>> = BTreeMap::new();
+    for s in services {
+        for n in s.previous_allocation.values() {
+            if registry.get(*n).is_some_and(|h| h.iter().nth(1).is_some()) {
+                let holders = by_number.entry(*n).or_default();
+                if !holders.iter().any(|(k, _)| *k == &s.key) {
+                    holders.push((&s.key, claims::Owner::of(&s.key, s.uid.as_deref())));
+                }
+            }
+        }
+    }
+    for (n, holders) in by_number {
+        let claims =
+            || registry.get(n).into_iter().flat_map(|h| h.iter()).map(|c| (&c.owner, c.pool.as_deref()));
+        let rank = |(key, owner): &(&ServiceKey, claims::Owner)| {
+            let pool = assignment.ranges.get(*key).map(|r| r.pool.as_str());
+            (crate::decisions::sharing::rank(claims(), owner, pool), (*key).clone())
+        };
+        let mut ranked: Vec<_> = holders.iter().map(|h| (rank(h), h.0)).collect();
+        ranked.sort();
+        // Each node goes to the first holder whose pool selects it.
+        let mut taken = std::collections::BTreeSet::new();
+        for (_, key) in ranked {
+            // No entry: its pool selects every node.
+            let own = nodes.entry(key.clone()).or_insert_with(|| every_node.clone().cloned().collect());
+            let theirs: Vec<String> = own.intersection(&taken).cloned().collect();
+            taken.extend(own.iter().cloned());
+            for node in theirs {
+                own.remove(&node);
+            }
+        }
+    }
+}
+
 /// What the leader's pure round ([`plan_round`]) keeps from one round to the next.
 #[derive(Debug, Default)]
 pub struct RoundMemory {
@@ -651,7 +696,12 @@ pub fn plan_round(
         None => all,
     };
     let pool_nodes = assignment.as_ref().map(|a| super::pools::selected_nodes(&pool_ctx, a, &snap.nodes));
-    let pool_nodes = super::pools::narrow_by_servicelb(&pool_ctx, &services, &snap.nodes, pool_nodes);
+    let mut pool_nodes = super::pools::narrow_by_servicelb(&pool_ctx, &services, &snap.nodes, pool_nodes);
+    if let (Some(nodes), Some(r), Some(a)) = (pool_nodes.as_mut(), registry.registry, &assignment)
+        && memory.registry_shares
+    {
+        serving_one_per_number(nodes, &all, r, a, serving.keys());
+    }
     let pool_addresses = assignment.as_ref().map(|a| {
         // A malformed value counts as not published (the pools' status writes log it).
         super::pools::published_addresses(&pool_ctx, a, &snap.nodes, &published, &cfg.node_addresses)
