@@ -1169,7 +1169,7 @@ fn wait_answers(c: &Cluster, i: usize, port: u16, be: &str) {
 #[test]
 fn pools_apart_serve_one_port_each_on_its_own_nodes() {
     require_root!();
-    let c = Cluster::new(3);
+    let mut c = Cluster::new(3);
     label_node(&c, "node-1", "tier=edge");
     label_node(&c, "node-2", "tier=internal");
     label_node(&c, "node-3", "tier=internal");
@@ -1278,4 +1278,25 @@ fn pools_apart_serve_one_port_each_on_its_own_nodes() {
     for ns in ["edge", "internal"] {
         assert_eq!(c.allocated_in(ns, "ingress").unwrap()["443/TCP"], 443, "{ns}/ingress moved");
     }
+
+    // The leader stops: the next one reads the shared entry and keeps both holds.
+    let first = c.wait_leader(CHANGE);
+    c.stop_controller(first, Duration::from_secs(5));
+    let ok = wait_until(CHANGE * 3, || c.leader_index().is_some_and(|k| k != first));
+    assert!(ok, "no other leader after controller {first} stopped");
+    // A round of the new leader: a Service no pool accepts, which it says so on.
+    create_labelled(&c, "after-failover", 0, json!({}));
+    c.wait_condition("after-failover", "nodelb.io/Allocated", "False", "NoPool", CHANGE);
+    let registry = c
+        .api
+        .get("coordination.k8s.io/v1", "Lease", common::cluster::AGENT_NS, "nodelb-node-ports-0")
+        .map(|l| l["metadata"]["annotations"]["nodelb.io/claims"].as_str().unwrap_or_default().to_string())
+        .unwrap_or_default();
+    assert!(registry.split(',').any(|e| e.starts_with("443=") && e.contains(';')), "{registry}");
+    for ns in ["edge", "internal"] {
+        assert_eq!(c.allocated_in(ns, "ingress").unwrap()["443/TCP"], 443, "{ns}/ingress after the failover");
+    }
+    wait_answers(&c, 0, 443, "be1");
+    wait_answers(&c, 1, 443, "be2");
+    c.start_controller(first, CHANGE);
 }
