@@ -378,10 +378,9 @@ fn served_only_at_second_address(c: &Cluster, port: u16, nodes: &[Ipv4Addr]) {
     assert!(ok, "edge pool status: {:#}", pool_status(c, "edge"));
 }
 
-#[test]
-fn pool_addresses_choose_which_node_address_answers() {
-    require_root!();
-    let c = Cluster::new(1);
+/// Gives node-1 a second address, [`SECOND_V4`], on a link of its own (`edge0`), routed from
+/// the client, and lists it as node-1's ExternalIP.
+fn add_second_address(c: &Cluster) {
     let node1 = &c.nodes[0];
     // This kernel has no dummy links: a veth pair inside the node is a link of its own.
     node1.ip(&["link", "add", "edge0", "type", "veth", "peer", "name", "edge0p"]);
@@ -406,6 +405,13 @@ fn pool_addresses_choose_which_node_address_answers() {
             {"type": "Hostname", "address": "node-1"},
         ]}}),
     );
+}
+
+#[test]
+fn pool_addresses_choose_which_node_address_answers() {
+    require_root!();
+    let c = Cluster::new(1);
+    add_second_address(&c);
     let nodes: Vec<Ipv4Addr> = (0..3).map(common::cluster::node_v4).collect();
     let edge = |addresses: Value| {
         pool(
@@ -425,7 +431,7 @@ fn pool_addresses_choose_which_node_address_answers() {
     // serving the pool's address, and, though node-1's Lease lists the port as listened on, no
     // Event says the Service's port is in use.
     let first = common::cluster::node_v4(0);
-    let squatter = Servers::start_at(node1, "squatter", first.into(), port, port);
+    let squatter = Servers::start_at(&c.nodes[0], "squatter", first.into(), port, port);
     let get = |addr: Ipv4Addr| http_get(&c.client, IpAddr::V4(addr), port, Duration::from_millis(500));
     assert!(
         wait_until(CHANGE, || get(first).is_ok_and(|b| b.contains("backend=squatter"))),
@@ -1299,4 +1305,53 @@ fn pools_apart_serve_one_port_each_on_its_own_nodes() {
     wait_answers(&c, 0, 443, "be1");
     wait_answers(&c, 1, 443, "be2");
     c.start_controller(first, CHANGE);
+}
+
+/// Pools apart by address on the same nodes: one ingress Service on node-1's second address
+/// (192.0.2.0/24), another on every node's first address (203.0.113.0/24), both on 443. Each
+/// address answers from its own Service (real packets), and each status lists its addresses.
+#[test]
+fn pools_apart_by_address_serve_one_port_on_each_address() {
+    require_root!();
+    let c = Cluster::new(2);
+    add_second_address(&c);
+    for ns in ["public", "private"] {
+        c.api.kubectl_ok(&["create", "namespace", ns]);
+    }
+    let on = |app: &str, cidr: &str| {
+        json!({"portMode": "ServicePort", "serviceSelector": {"matchLabels": {"app": app}},
+               "addresses": {"cidrs": [cidr]}})
+    };
+    apply(&c, &pool("public", &[(443, 443)], on("public-ingress", "192.0.2.0/24")));
+    apply(&c, &pool("private", &[(443, 443)], on("private-ingress", "203.0.113.0/24")));
+    create_on_443(&c, "public", "public-ingress", 0);
+    create_on_443(&c, "private", "private-ingress", 1);
+    for ns in ["public", "private"] {
+        let ok = wait_until(CHANGE, || {
+            c.allocated_in(ns, "ingress").is_some_and(|a| a.get("443/TCP") == Some(&443))
+        });
+        assert!(ok, "{ns}/ingress: {:#}", c.service_json_in(ns, "ingress").unwrap_or_default());
+    }
+    let mut last = None;
+    let ok = wait_until(CHANGE, || {
+        last = Some(http_get(&c.client, IpAddr::V4(SECOND_V4), 443, Duration::from_millis(500)));
+        last.as_ref().is_some_and(|r| r.as_ref().is_ok_and(|b| b.contains("backend=be1")))
+    });
+    assert!(ok, "{SECOND_V4}:443 does not answer from the public Service: {last:?}\n{:?}", c.nft(0));
+    for i in 0..3 {
+        wait_answers(&c, i, 443, "be2");
+    }
+    let ips = |ns: &str| {
+        let mut ips: Vec<String> = (c.service_json_in(ns, "ingress"))
+            .and_then(|s| s["status"]["loadBalancer"]["ingress"].as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|i| i["ip"].as_str().map(String::from))
+            .collect();
+        ips.sort();
+        ips
+    };
+    let nodes: Vec<String> = (0..3).map(|i| common::cluster::node_v4(i).to_string()).collect();
+    let ok = wait_until(CHANGE, || ips("public") == [SECOND_V4.to_string()] && ips("private") == nodes);
+    assert!(ok, "public: {:?}, private: {:?}", ips("public"), ips("private"));
 }

@@ -763,7 +763,12 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             let claims = inputs.registry.and_then(|r| r.get(n)).into_iter().flat_map(|h| h.iter());
             sharing::rank(claims.map(|c| (&c.owner, c.pool.as_deref())), &owner, pool)
         };
-        for (service, port, node_port) in sharing::one_per_number(&mut programmed, rank) {
+        // Served on disjoint addresses of this node (pools apart by address): both.
+        let coexist = |a: &ServiceKey, b: &ServiceKey| match (restricted.get(a), restricted.get(b)) {
+            (Some(x), Some(y)) => x.is_disjoint(y),
+            _ => false,
+        };
+        for (service, port, node_port) in sharing::one_per_number(&mut programmed, rank, coexist) {
             refused_ports.push(RefusedPort { service, port, node_port, reason: PortRefusal::Shared });
         }
     }

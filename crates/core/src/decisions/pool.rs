@@ -341,6 +341,15 @@ impl AddressFilter {
         self.types.is_empty() && self.cidrs.is_empty() && self.interfaces.is_empty()
     }
 
+    /// Whether no address can pass both filters: each names CIDRs, and none of one's meets one
+    /// of the other's (an address passes a filter only inside one of its CIDRs).
+    pub fn disjoint(&self, other: &AddressFilter) -> bool {
+        let meet = |a: &IpNet, b: &IpNet| a.contains(&b.network()) || b.contains(&a.network());
+        !self.cidrs.is_empty()
+            && !other.cidrs.is_empty()
+            && self.cidrs.iter().all(|a| other.cidrs.iter().all(|b| !meet(a, b)))
+    }
+
     /// The addresses of this node that serve a pool with this filter: addresses configured on
     /// this node (`own.interfaces`), never loopback (the dispatch never matches it), matching
     /// every list given: in a CIDR, on one of the interfaces, listed in this node's Node object
@@ -692,9 +701,9 @@ pub struct PoolSet {
 }
 
 impl PoolSet {
-    /// Which Services may hold one number together: those of pools whose node selectors
-    /// exclude each other and that both permit some number (`None`: no pool object). Pools
-    /// with ranges of their own share nothing, and leave rounds scoped.
+    /// Which Services may hold one number together: those of pools whose node selectors, or
+    /// whose node address CIDRs, exclude each other, and that both permit some number (`None`:
+    /// no pool object). Pools with ranges of their own share nothing, and leave rounds scoped.
     pub fn sharing(&self) -> Option<Sharing> {
         if self.implicit {
             return None;
@@ -706,7 +715,9 @@ impl PoolSet {
         let mut apart = Vec::new();
         for (i, a) in self.pools.iter().enumerate() {
             for b in &self.pools[i + 1..] {
-                if meet(&permitted(&a.pool), &permitted(&b.pool)) && a.pool.nodes.disjoint(&b.pool.nodes) {
+                let never_together =
+                    a.pool.nodes.disjoint(&b.pool.nodes) || a.pool.addresses.disjoint(&b.pool.addresses);
+                if meet(&permitted(&a.pool), &permitted(&b.pool)) && never_together {
                     apart.push((a.pool.name.clone(), b.pool.name.clone()));
                 }
             }

@@ -85,9 +85,12 @@ impl Sharing {
     /// Whether the pools of the Services `a` and `b` never serve one node (and new numbers may
     /// be shared).
     pub fn apart(&self, a: &ServiceKey, b: &ServiceKey) -> bool {
-        if self.closed {
-            return false;
-        }
+        !self.closed && self.never_together(a, b)
+    }
+
+    /// Whether the pools of `a` and `b` never serve one node address (new numbers shared or
+    /// not): on a node both serve, each is served on its own addresses.
+    pub fn never_together(&self, a: &ServiceKey, b: &ServiceKey) -> bool {
         match (self.pools.get(a), self.pools.get(b)) {
             (Some(pa), Some(pb)) => self.disjoint.contains(&(pa.clone(), pb.clone())),
             _ => false,
@@ -115,13 +118,16 @@ pub fn rank<'a>(
     }
 }
 
-/// One Service per number on this node. Services of pools apart hold a number together and a
-/// node serves one of them; where both pools serve this node (one was edited to meet the
-/// other), the first by `rank` (then namespace/name) keeps it, and the others' ports on it are
-/// taken off `programmed` and returned (refused here: `PortRefusal::Shared`).
+/// One Service per number and node address on this node. Services of pools apart hold a
+/// number together and a node serves one of them, or each on its own addresses (`coexist`:
+/// the two are served on disjoint addresses here); where two that cannot coexist would both be
+/// served (a pool edited to meet the other), the first by `rank` (then namespace/name) keeps
+/// it, and the others' ports on it are taken off `programmed` and returned (refused here:
+/// `PortRefusal::Shared`).
 pub fn one_per_number(
     programmed: &mut BTreeMap<ServiceKey, BTreeMap<PortId, u16>>,
     rank: impl Fn(u16, &ServiceKey) -> (bool, usize),
+    coexist: impl Fn(&ServiceKey, &ServiceKey) -> bool,
 ) -> Vec<(ServiceKey, PortId, u16)> {
     let mut by_number: BTreeMap<u16, BTreeSet<&ServiceKey>> = BTreeMap::new();
     for (key, ports) in programmed.iter() {
@@ -131,8 +137,16 @@ pub fn one_per_number(
     }
     let mut losing: Vec<(ServiceKey, u16)> = Vec::new();
     for (n, keys) in by_number.iter().filter(|(_, keys)| keys.len() > 1) {
-        let keeper = keys.iter().min_by_key(|k| (rank(*n, k), **k));
-        losing.extend(keys.iter().filter(|k| Some(*k) != keeper).map(|k| ((*k).clone(), *n)));
+        let mut ranked: Vec<&&ServiceKey> = keys.iter().collect();
+        ranked.sort_by_key(|k| (rank(*n, k), **k));
+        let mut kept: Vec<&ServiceKey> = Vec::new();
+        for k in ranked {
+            if kept.iter().all(|other| coexist(other, k)) {
+                kept.push(k);
+            } else {
+                losing.push(((*k).clone(), *n));
+            }
+        }
     }
     let mut taken = Vec::new();
     for (key, n) in losing {

@@ -92,6 +92,7 @@ fn serving_one_per_number<'a>(
     services: &[Arc<model::LbService>],
     registry: &claims::Registry,
     assignment: &crate::decisions::pool::Assignment,
+    sharing: Option<&crate::decisions::sharing::Sharing>,
     every_node: impl Iterator<Item = &'a String> + Clone,
 ) {
     let mut by_number: BTreeMap<u16, Vec<(&ServiceKey, claims::Owner)>> = BTreeMap::new();
@@ -114,16 +115,17 @@ fn serving_one_per_number<'a>(
         };
         let mut ranked: Vec<_> = holders.iter().map(|h| (rank(h), h.0)).collect();
         ranked.sort();
-        // Each node goes to the first holder whose pool selects it.
-        let mut taken = std::collections::BTreeSet::new();
+        // Each node goes to the first holder whose pool selects it, but for holders served on
+        // other addresses of it (pools apart by address).
+        let mut earlier: Vec<(&ServiceKey, std::collections::BTreeSet<String>)> = Vec::new();
         for (_, key) in ranked {
             // No entry: its pool selects every node.
             let own = nodes.entry(key.clone()).or_insert_with(|| every_node.clone().cloned().collect());
-            let theirs: Vec<String> = own.intersection(&taken).cloned().collect();
-            taken.extend(own.iter().cloned());
-            for node in theirs {
-                own.remove(&node);
+            let coexist = |other: &ServiceKey| sharing.is_some_and(|s| s.never_together(key, other));
+            for (_, theirs) in earlier.iter().filter(|(other, _)| !coexist(other)) {
+                own.retain(|node| !theirs.contains(node));
             }
+            earlier.push((key, own.clone()));
         }
     }
 }
@@ -700,7 +702,7 @@ pub fn plan_round(
     if let (Some(nodes), Some(r), Some(a)) = (pool_nodes.as_mut(), registry.registry, &assignment)
         && memory.registry_shares
     {
-        serving_one_per_number(nodes, &all, r, a, serving.keys());
+        serving_one_per_number(nodes, &all, r, a, sharing.as_ref(), serving.keys());
     }
     let pool_addresses = assignment.as_ref().map(|a| {
         // A malformed value counts as not published (the pools' status writes log it).

@@ -354,6 +354,29 @@ fn pools_apart_are_found_from_their_node_selectors() {
     assert!(sharing.shares("zone-b"), "443 is requestable there, and edge serves it");
     let implicit = PoolSet::resolve(vec![], false, PortRange::default(), &[]);
     assert!(implicit.sharing().is_none());
+    // By address: CIDRs that do not meet; a CIDR inside another's meets it; no CIDRs is every
+    // address.
+    let at = |cidrs: serde_json::Value| json!({"ports": [{"start": 443, "end": 443}], "addresses": {"cidrs": cidrs}});
+    let pools = vec![
+        pool("public", 1, at(json!(["192.0.2.0/24"]))),
+        pool("private", 2, at(json!(["203.0.113.0/24", "2001:db8::/64"]))),
+        pool("inside", 3, at(json!(["192.0.2.128/25"]))),
+        pool(
+            "typed",
+            4,
+            json!({"ports": [{"start": 443, "end": 443}], "addresses": {"types": ["ExternalIP"]}}),
+        ),
+    ];
+    let sharing = PoolSet::resolve(pools, true, PortRange::default(), &[]).sharing().expect("pool objects");
+    assert!(sharing.shares("public") && sharing.shares("private") && sharing.shares("inside"));
+    assert!(!sharing.shares("typed"), "a type alone may select any address");
+    let key = |n: &str| crate::domain::ServiceKey::new("default", n);
+    let mut sharing = sharing;
+    for (k, p) in [("a", "public"), ("b", "private"), ("c", "inside")] {
+        sharing.serve(&key(k), crate::domain::Owner(k.repeat(12)), p);
+    }
+    assert!(sharing.never_together(&key("a"), &key("b")) && sharing.never_together(&key("c"), &key("b")));
+    assert!(!sharing.never_together(&key("a"), &key("c")), "192.0.2.129 is in both");
 }
 
 #[test]
