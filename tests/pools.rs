@@ -1141,6 +1141,28 @@ fn the_k3s_preset_serves_traefik_on_its_own_ports_with_no_annotation() {
     }
 }
 
+/// Waits until `<ns>/ingress` holds 443 for each of `namespaces`.
+fn wait_holds_443(c: &Cluster, namespaces: &[&str]) {
+    for ns in namespaces {
+        let ok = wait_until(CHANGE, || {
+            c.allocated_in(ns, "ingress").is_some_and(|a| a.get("443/TCP") == Some(&443))
+        });
+        assert!(ok, "{ns}/ingress: {:#}", c.service_json_in(ns, "ingress").unwrap_or_default());
+    }
+}
+
+/// The ingress IPs of `<ns>/ingress`, sorted.
+fn ingress_ips_in(c: &Cluster, ns: &str) -> Vec<String> {
+    let mut ips: Vec<String> = (c.service_json_in(ns, "ingress"))
+        .and_then(|s| s["status"]["loadBalancer"]["ingress"].as_array().cloned())
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|i| i["ip"].as_str().map(String::from))
+        .collect();
+    ips.sort();
+    ips
+}
+
 /// A `port: 443` Service in namespace `ns` labelled `app=<app>`, its endpoint backend `b`.
 fn create_on_443(c: &Cluster, ns: &str, app: &str, b: usize) {
     let spec = ServiceSpec::new("ingress")
@@ -1202,27 +1224,12 @@ fn pools_apart_serve_one_port_each_on_its_own_nodes() {
     );
     create_on_443(&c, "edge", "edge-ingress", 0);
     create_on_443(&c, "internal", "internal-ingress", 1);
-    for ns in ["edge", "internal"] {
-        let ok = wait_until(CHANGE, || {
-            c.allocated_in(ns, "ingress").is_some_and(|a| a.get("443/TCP") == Some(&443))
-        });
-        assert!(ok, "{ns}/ingress: {:#}", c.service_json_in(ns, "ingress").unwrap_or_default());
-    }
+    wait_holds_443(&c, &["edge", "internal"]);
     wait_answers(&c, 0, 443, "be1");
     wait_answers(&c, 1, 443, "be2");
     wait_answers(&c, 2, 443, "be2");
     // The status lists the nodes that answer.
-    let ingress_ips = |ns: &str| {
-        let mut ips: Vec<String> = c
-            .service_json_in(ns, "ingress")
-            .and_then(|s| s["status"]["loadBalancer"]["ingress"].as_array().cloned())
-            .unwrap_or_default()
-            .iter()
-            .filter_map(|i| i["ip"].as_str().map(String::from))
-            .collect();
-        ips.sort();
-        ips
-    };
+    let ingress_ips = |ns: &str| ingress_ips_in(&c, ns);
     let node = |i: usize| common::cluster::node_v4(i).to_string();
     let ok = wait_until(CHANGE, || {
         ingress_ips("edge") == [node(0)] && ingress_ips("internal") == [node(1), node(2)]
@@ -1326,12 +1333,7 @@ fn pools_apart_by_address_serve_one_port_on_each_address() {
     apply(&c, &pool("private", &[(443, 443)], on("private-ingress", "203.0.113.0/24")));
     create_on_443(&c, "public", "public-ingress", 0);
     create_on_443(&c, "private", "private-ingress", 1);
-    for ns in ["public", "private"] {
-        let ok = wait_until(CHANGE, || {
-            c.allocated_in(ns, "ingress").is_some_and(|a| a.get("443/TCP") == Some(&443))
-        });
-        assert!(ok, "{ns}/ingress: {:#}", c.service_json_in(ns, "ingress").unwrap_or_default());
-    }
+    wait_holds_443(&c, &["public", "private"]);
     let mut last = None;
     let ok = wait_until(CHANGE, || {
         last = Some(http_get(&c.client, IpAddr::V4(SECOND_V4), 443, Duration::from_millis(500)));
@@ -1341,16 +1343,7 @@ fn pools_apart_by_address_serve_one_port_on_each_address() {
     for i in 0..3 {
         wait_answers(&c, i, 443, "be2");
     }
-    let ips = |ns: &str| {
-        let mut ips: Vec<String> = (c.service_json_in(ns, "ingress"))
-            .and_then(|s| s["status"]["loadBalancer"]["ingress"].as_array().cloned())
-            .unwrap_or_default()
-            .iter()
-            .filter_map(|i| i["ip"].as_str().map(String::from))
-            .collect();
-        ips.sort();
-        ips
-    };
+    let ips = |ns: &str| ingress_ips_in(&c, ns);
     let nodes: Vec<String> = (0..3).map(|i| common::cluster::node_v4(i).to_string()).collect();
     let ok = wait_until(CHANGE, || ips("public") == [SECOND_V4.to_string()] && ips("private") == nodes);
     assert!(ok, "public: {:?}, private: {:?}", ips("public"), ips("private"));
