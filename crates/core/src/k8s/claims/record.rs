@@ -58,58 +58,97 @@ impl Claim {
 }
 
 /// Who holds one number: its claims in registry order, one per Service, never empty. A number
-/// has one claim unless Services whose pools serve disjoint nodes share it.
+/// has one claim unless Services whose pools never meet share it; one claim is kept inline (a
+/// registry holds one per node port of the cluster, every node keeps a copy).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Holds(Vec<Claim>);
+pub struct Holds(Inner);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Inner {
+    One(Claim),
+    /// Two or more.
+    Many(Vec<Claim>),
+}
 
 impl From<Claim> for Holds {
     fn from(claim: Claim) -> Holds {
-        Holds(vec![claim])
+        Holds(Inner::One(claim))
     }
 }
 
 impl Holds {
+    /// `claims` as read (`None`: none).
+    fn of_claims(mut claims: Vec<Claim>) -> Option<Holds> {
+        match claims.len() {
+            0 => None,
+            1 => claims.pop().map(Holds::from),
+            _ => Some(Holds(Inner::Many(claims))),
+        }
+    }
+
+    fn as_slice(&self) -> &[Claim] {
+        match &self.0 {
+            Inner::One(c) => std::slice::from_ref(c),
+            Inner::Many(v) => v,
+        }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [Claim] {
+        match &mut self.0 {
+            Inner::One(c) => std::slice::from_mut(c),
+            Inner::Many(v) => v,
+        }
+    }
+
     /// The claims, in registry order.
     pub fn iter(&self) -> std::slice::Iter<'_, Claim> {
-        self.0.iter()
+        self.as_slice().iter()
     }
 
     /// `owner`'s claim, if it has one.
     pub fn of(&self, owner: &Owner) -> Option<&Claim> {
-        self.0.iter().find(|c| &c.owner == owner)
+        self.iter().find(|c| &c.owner == owner)
     }
 
     /// `owner`'s claim, to change in place.
     pub fn of_mut(&mut self, owner: &Owner) -> Option<&mut Claim> {
-        self.0.iter_mut().find(|c| &c.owner == owner)
+        self.as_mut_slice().iter_mut().find(|c| &c.owner == owner)
     }
 
     /// Whether every claim is `owner`'s.
     pub fn only(&self, owner: &Owner) -> bool {
-        self.0.iter().all(|c| &c.owner == owner)
+        self.iter().all(|c| &c.owner == owner)
     }
 
     /// The owners, in registry order.
     pub fn owners(&self) -> impl Iterator<Item = &Owner> {
-        self.0.iter().map(|c| &c.owner)
+        self.iter().map(|c| &c.owner)
     }
 
     /// `claim` in place of its owner's claim, or after the others when it had none.
     pub fn put(&mut self, claim: Claim) {
-        match self.0.iter_mut().find(|c| c.owner == claim.owner) {
-            Some(c) => *c = claim,
-            None => self.0.push(claim),
+        if let Some(c) = self.of_mut(&claim.owner) {
+            *c = claim;
+            return;
+        }
+        match &mut self.0 {
+            Inner::Many(v) => v.push(claim),
+            Inner::One(c) => self.0 = Inner::Many(vec![c.clone(), claim]),
         }
     }
 
     /// Without `owner`'s claim (`None`: no claim is left). A claim left alone keeps no pool:
     /// a number one Service holds is written as it always was.
-    pub fn without(mut self, owner: &Owner) -> Option<Holds> {
-        self.0.retain(|c| &c.owner != owner);
-        if let [alone] = self.0.as_mut_slice() {
+    pub fn without(self, owner: &Owner) -> Option<Holds> {
+        let left: Vec<Claim> = match self.0 {
+            Inner::One(c) => vec![c],
+            Inner::Many(v) => v,
+        };
+        let mut left = Holds::of_claims(left.into_iter().filter(|c| &c.owner != owner).collect())?;
+        if let Inner::One(alone) = &mut left.0 {
             alone.pool = None;
         }
-        (!self.0.is_empty()).then_some(self)
+        Some(left)
     }
 }
 
@@ -163,7 +202,9 @@ pub fn parse(value: &str) -> (Claims, Vec<String>) {
             });
             read.push(Claim::new(owner, state));
         }
-        claims.insert(number, Holds(read));
+        if let Some(holds) = Holds::of_claims(read) {
+            claims.insert(number, holds);
+        }
     }
     (claims, problems)
 }
@@ -194,7 +235,7 @@ fn parse_shared(holder: &str) -> Option<Claim> {
 pub fn format(claims: &Claims) -> String {
     let items: Vec<String> = claims
         .iter()
-        .map(|(n, holds)| match holds.0.as_slice() {
+        .map(|(n, holds)| match holds.as_slice() {
             [c] if c.pool.is_none() => match &c.state {
                 State::Held => format!("{n}={}", c.owner),
                 State::Adding(t) => format!("{n}={}+{}", c.owner, t.0),
