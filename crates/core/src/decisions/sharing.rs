@@ -1,14 +1,15 @@
 //! Which Services may hold one node port number together: those of two pools that can never
-//! serve one node, because their node selectors exclude each other
-//! ([`crate::decisions::pool::Selector::disjoint`], [`crate::decisions::pool::PoolSet::sharing`]).
-//! Two ingress controllers on 443, one on the edge nodes and one on the internal nodes, never
-//! meet on a node, so neither takes the number from the other.
+//! serve one node address, because their node selectors exclude each other
+//! ([`crate::decisions::pool::Selector::disjoint`]) or their address CIDRs do not meet
+//! ([`crate::decisions::pool::AddressFilter::disjoint`]; found by
+//! [`crate::decisions::pool::PoolSet::sharing`]). Two ingress controllers on 443, one on the
+//! edge nodes and one on the internal nodes, never meet on a node, so neither takes the number
+//! from the other.
 //!
-//! Only a proof from the selectors counts: nodes change their labels freely, and a relabelled
-//! node then moves from one pool to the other without ever being in both. Pools that merely
-//! select no common node today may select one tomorrow, so they never share. The leader builds
-//! this from the pools in force; the registry records each holder's pool
-//! ([`crate::k8s::claims`]).
+//! Only a proof from the pools counts: nodes change their labels freely, and a relabelled node
+//! then moves from one pool to the other without ever being in both. Pools that merely select
+//! no common node today may select one tomorrow, so they never share. The leader builds this
+//! from the pools in force; the registry records each holder's pool ([`crate::k8s::claims`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -21,7 +22,7 @@ pub struct Sharing {
     pools: BTreeMap<ServiceKey, String>,
     /// The Services of `pools` by their registry owner.
     keys: BTreeMap<Owner, ServiceKey>,
-    /// Pairs of pools that never select one node, each pair both ways.
+    /// Pairs of pools that never serve one node address, each pair both ways.
     disjoint: BTreeSet<(String, String)>,
     /// Numbers the registry records as shared, with each holder: kept together whatever the
     /// pools say now (a pool edited to overlap another does not move a serving Service).
@@ -31,8 +32,8 @@ pub struct Sharing {
 }
 
 impl Sharing {
-    /// Services of the pools of each of `apart` (pairs of pool names that never select one
-    /// node) may share numbers.
+    /// Services of the pools of each of `apart` (pairs of pool names that never serve one node
+    /// address) may share numbers.
     pub fn of_apart(apart: impl IntoIterator<Item = (String, String)>) -> Sharing {
         let mut disjoint = BTreeSet::new();
         for (a, b) in apart.into_iter().filter(|(a, b)| a != b) {
@@ -82,8 +83,8 @@ impl Sharing {
         }
     }
 
-    /// Whether the pools of the Services `a` and `b` never serve one node (and new numbers may
-    /// be shared).
+    /// Whether the pools of the Services `a` and `b` never serve one node address, and new
+    /// numbers may be shared.
     pub fn apart(&self, a: &ServiceKey, b: &ServiceKey) -> bool {
         !self.closed && self.never_together(a, b)
     }
