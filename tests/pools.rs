@@ -1347,4 +1347,9 @@ fn pools_apart_by_address_serve_one_port_on_each_address() {
     let nodes: Vec<String> = (0..3).map(|i| common::cluster::node_v4(i).to_string()).collect();
     let ok = wait_until(CHANGE, || ips("public") == [SECOND_V4.to_string()] && ips("private") == nodes);
     assert!(ok, "public: {:?}, private: {:?}", ips("public"), ips("private"));
+    // Apart by address is no overlap: neither pool is in conflict.
+    let ok = wait_until(CHANGE, || {
+        ["public", "private"].iter().all(|p| condition(&pool_status(&c, p), "Conflict") == "False/NoOverlap")
+    });
+    assert!(ok, "private: {:#}", pool_status(&c, "private"));
 }

@@ -754,7 +754,8 @@ impl PoolSet {
             let mut conflicts = Vec::new();
             for older in &out {
                 let shares_node = nodes.iter().any(|l| pool.nodes.matches(l) && older.pool.nodes.matches(l));
-                if !shares_node {
+                // Pools apart by address never serve one node address: no overlap either.
+                if !shares_node || pool.addresses.disjoint(&older.pool.addresses) {
                     continue;
                 }
                 let overlaps = pool

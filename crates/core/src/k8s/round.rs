@@ -119,13 +119,17 @@ fn serving_one_per_number<'a>(
         // other addresses of it (pools apart by address).
         let mut earlier: Vec<(&ServiceKey, std::collections::BTreeSet<String>)> = Vec::new();
         for (_, key) in ranked {
-            // No entry: its pool selects every node.
-            let own = nodes.entry(key.clone()).or_insert_with(|| every_node.clone().cloned().collect());
+            // No entry: its pool selects every node (and it gets one only when it loses some).
+            let mut own = nodes.get(key).cloned().unwrap_or_else(|| every_node.clone().cloned().collect());
+            let before = own.len();
             let coexist = |other: &ServiceKey| sharing.is_some_and(|s| s.never_together(key, other));
             for (_, theirs) in earlier.iter().filter(|(other, _)| !coexist(other)) {
                 own.retain(|node| !theirs.contains(node));
             }
-            earlier.push((key, own.clone()));
+            if own.len() < before {
+                nodes.insert(key.clone(), own.clone());
+            }
+            earlier.push((key, own));
         }
     }
 }
@@ -152,8 +156,8 @@ pub struct RoundMemory {
     /// every round, so a scoped round lets go of what they left ([`plan_round`]).
     substituted: Vec<Arc<Service>>,
     /// Whether the registry last read records a number with several holders (kept through a
-    /// round that cannot read it).
-    registry_shares: bool,
+    /// round that cannot read it; `None`: never read, which counts as yes).
+    registry_shares: Option<bool>,
 }
 
 /// The objects a round plans: its Services (a last good copy where one stands in), their
@@ -600,9 +604,10 @@ pub fn plan_round(
     // round is then whole: a scope would not see every holder's pool.
     if let Some(r) = registry.registry.filter(|_| !pool_ctx.set.implicit) {
         let shared = |b: &claims::Block| b.claims.values().any(|h| h.iter().nth(1).is_some());
-        memory.registry_shares = r.blocks.values().any(shared);
+        memory.registry_shares = Some(r.blocks.values().any(shared));
     }
-    let mut sharing = pool_ctx.set.sharing().filter(|s| !s.is_empty() || memory.registry_shares);
+    let mut sharing =
+        pool_ctx.set.sharing().filter(|s| !s.is_empty() || memory.registry_shares.unwrap_or(true));
     if let Some(s) = sharing.as_mut().filter(|_| !unshared.is_empty()) {
         s.only_recorded();
     }
@@ -700,7 +705,7 @@ pub fn plan_round(
     let pool_nodes = assignment.as_ref().map(|a| super::pools::selected_nodes(&pool_ctx, a, &snap.nodes));
     let mut pool_nodes = super::pools::narrow_by_servicelb(&pool_ctx, &services, &snap.nodes, pool_nodes);
     if let (Some(nodes), Some(r), Some(a)) = (pool_nodes.as_mut(), registry.registry, &assignment)
-        && memory.registry_shares
+        && memory.registry_shares == Some(true)
     {
         serving_one_per_number(nodes, &all, r, a, sharing.as_ref(), serving.keys());
     }

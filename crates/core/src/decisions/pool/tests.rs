@@ -367,7 +367,12 @@ fn pools_apart_are_found_from_their_node_selectors() {
             json!({"ports": [{"start": 443, "end": 443}], "addresses": {"types": ["ExternalIP"]}}),
         ),
     ];
-    let sharing = PoolSet::resolve(pools, true, PortRange::default(), &[]).sharing().expect("pool objects");
+    let node = labels(&[]);
+    let set = PoolSet::resolve(pools, true, PortRange::default(), &[&node]);
+    let conflicts = |name: &str| set.pools.iter().find(|p| p.pool.name == name).map(|p| p.conflicts.clone());
+    assert_eq!(conflicts("private"), Some(vec![]), "apart by address: no overlap on a node both select");
+    assert_eq!(conflicts("inside"), Some(vec!["public".to_string()]), "192.0.2.128/25 is in both");
+    let sharing = set.sharing().expect("pool objects");
     assert!(sharing.shares("public") && sharing.shares("private") && sharing.shares("inside"));
     assert!(!sharing.shares("typed"), "a type alone may select any address");
     let key = |n: &str| crate::domain::ServiceKey::new("default", n);

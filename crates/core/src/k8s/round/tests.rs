@@ -265,4 +265,10 @@ fn a_shared_number_stays_through_a_round_without_the_registry() {
             plan.writes.iter().filter(|w| w.annotation.is_some()).map(|w| &w.key).collect();
         assert!(annotations.is_empty(), "registry read: {}: {annotations:?}", read.is_some());
     }
+    // A new leader (no memory) whose first round cannot read the registry either.
+    let inputs =
+        ClaimInputs { registry: None, token: &token, gone: &gone, gone_claims: None, expired: &expired };
+    let plan = plan_round(&snap, &cfg, &mut RoundMemory::default(), &holders, Some(now), now, &inputs, false);
+    let annotations: Vec<_> = plan.writes.iter().filter(|w| w.annotation.is_some()).map(|w| &w.key).collect();
+    assert!(annotations.is_empty(), "a new leader without the registry: {annotations:?}");
 }
