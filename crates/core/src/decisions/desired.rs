@@ -26,7 +26,7 @@ use crate::incremental::model_cache::{ModelCache, ModelContext, Modeled};
 use crate::incremental::replan::{PlanInput, Planned, Planner};
 use crate::incremental::view::SourceView;
 use crate::inputs::model::{self, LbService, ModelOptions, Refusal};
-use crate::k8s::claims::{Owner, Registry};
+use crate::k8s::claims::{Holds, Owner, Registry};
 use crate::k8s::dupes::Duplicate;
 use crate::reports::counters::{CounterIndex, IndexUpdate};
 use crate::reports::report::{EndpointRefusalStatus, PortStatus, ServiceState, ServiceStatus};
@@ -681,7 +681,7 @@ fn decide<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                     let recorded = recorded(&out.services, registry, &mut not_recorded);
                     // A number the registry gives to several Services stays each one's.
                     let together = |n: u16, _: &ServiceKey, _: &ServiceKey| {
-                        let together = registry.get(n).is_some_and(|h| h.iter().nth(1).is_some());
+                        let together = registry.get(n).is_some_and(Holds::is_shared);
                         shared.set(shared.get() || together);
                         together
                     };
@@ -882,7 +882,7 @@ pub fn share_services(
     for s in services {
         let owner = Owner::of(&s.key, s.uid.as_deref());
         for n in s.previous_allocation.values() {
-            let shared = registry.and_then(|r| r.get(*n)).filter(|h| h.iter().nth(1).is_some());
+            let shared = registry.and_then(|r| r.get(*n)).filter(|h| h.is_shared());
             if shared.is_some_and(|h| h.of(&owner).is_some()) {
                 sharing.record(*n, &s.key);
             }
@@ -1278,12 +1278,8 @@ mod tests {
         };
         let on = |c: Claim, pool: &str| Claim { pool: Some(pool.into()), ..c };
         let mut registry = Registry::default();
-        let mut shared = Claim::held(Owner::of_uid("aaaaaaaa-0000")).into();
-        crate::k8s::claims::Holds::put(&mut shared, on(Claim::held(Owner::of_uid("aaaaaaaa-0000")), "edge"));
-        crate::k8s::claims::Holds::put(
-            &mut shared,
-            on(Claim::held(Owner::of_uid("bbbbbbbb-0000")), "internal"),
-        );
+        let mut shared: Holds = on(Claim::held(Owner::of_uid("aaaaaaaa-0000")), "edge").into();
+        shared.put(on(Claim::held(Owner::of_uid("bbbbbbbb-0000")), "internal"));
         Arc::make_mut(&mut registry.blocks.entry(0).or_default().claims).insert(443, shared);
         let range = PortRange::new(20000, 20010).expect("range");
         let run = |tier: &str, internal_everywhere: bool| {

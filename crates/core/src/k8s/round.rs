@@ -98,7 +98,7 @@ fn serving_one_per_number<'a>(
     let mut by_number: BTreeMap<u16, Vec<(&ServiceKey, claims::Owner)>> = BTreeMap::new();
     for s in services {
         for n in s.previous_allocation.values() {
-            if registry.get(*n).is_some_and(|h| h.iter().nth(1).is_some()) {
+            if registry.get(*n).is_some_and(claims::Holds::is_shared) {
                 let holders = by_number.entry(*n).or_default();
                 if !holders.iter().any(|(k, _)| *k == &s.key) {
                     holders.push((&s.key, claims::Owner::of(&s.key, s.uid.as_deref())));
@@ -603,7 +603,7 @@ pub fn plan_round(
     // agent reads such numbers (else only what the registry records as shared stays so). A
     // round is then whole: a scope would not see every holder's pool.
     if let Some(r) = registry.registry.filter(|_| !pool_ctx.set.implicit) {
-        let shared = |b: &claims::Block| b.claims.values().any(|h| h.iter().nth(1).is_some());
+        let shared = |b: &claims::Block| b.claims.values().any(claims::Holds::is_shared);
         memory.registry_shares = Some(r.blocks.values().any(shared));
     }
     let mut sharing =

@@ -115,6 +115,11 @@ impl Holds {
         self.as_mut_slice().iter_mut().find(|c| &c.owner == owner)
     }
 
+    /// Whether several Services hold the number.
+    pub fn is_shared(&self) -> bool {
+        matches!(self.0, Inner::Many(_))
+    }
+
     /// Whether every claim is `owner`'s.
     pub fn only(&self, owner: &Owner) -> bool {
         self.iter().all(|c| &c.owner == owner)

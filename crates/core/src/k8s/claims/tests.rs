@@ -327,6 +327,7 @@ fn shared_numbers_round_trip() {
         "443=bbbbbbbb0000+@edge;aaaaaaaa0000-t2@internal;cccccccc0000+t3@lab,20000=dddddddd0000"
     );
     assert_eq!(parse(&text), (claims.clone(), vec![]));
+    assert!(claims[&443].is_shared() && !claims[&20000].is_shared());
     let left = claims[&443].clone().without(&owner('b')).and_then(|h| h.without(&owner('c')));
     let left = Claims::from([(443, left.expect("one left"))]);
     assert_eq!(format(&left), "443=aaaaaaaa0000-t2", "one holder, no pool");
